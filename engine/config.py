@@ -1,0 +1,167 @@
+"""Model and engine configuration.
+
+`ModelConfig` is read from a Hugging Face folder's `config.json` (through transformers'
+`AutoConfig`, the only part of transformers the engine uses besides the tokenizer).
+`EngineArgs` carries SGLang's argument names; derived values are properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(name: str | torch.dtype, config_dtype: str | None = None) -> torch.dtype:
+    """`auto` takes the checkpoint's dtype (float32 on CPU, where half precision is slow)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":
+        return _DTYPES.get(str(config_dtype), torch.float32)
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: unknown dtype {name!r}; choose one of {sorted(_DTYPES)} or auto")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape facts the engine needs, uniform over architectures."""
+
+    path: str
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_len: int
+    eos_token_ids: tuple[int, ...]
+    tie_word_embeddings: bool
+    hf_config: object = field(repr=False, compare=False)
+
+    @classmethod
+    def from_pretrained(cls, path: str, context_length: int | None = None) -> ModelConfig:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(path)
+        arch = (getattr(hf, "architectures", None) or [""])[0]
+        hidden = getattr(hf, "hidden_size", None) or hf.n_embd
+        num_heads = getattr(hf, "num_attention_heads", None) or hf.n_head
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(hf, "head_dim", None) or hidden // num_heads
+        num_layers = getattr(hf, "num_hidden_layers", None) or hf.n_layer
+        max_pos = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 2048)
+        return cls(
+            path=path,
+            architecture=arch,
+            model_type=hf.model_type,
+            hidden_size=hidden,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            vocab_size=hf.vocab_size,
+            context_len=context_length or max_pos,
+            eos_token_ids=_eos_token_ids(path, hf),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            hf_config=hf,
+        )
+
+
+def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:
+    """EOS ids from generation_config.json when present (it may list several), else config."""
+    ids: object = None
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            ids = json.load(f).get("eos_token_id")
+    if ids is None:
+        ids = getattr(hf, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, list) else (int(ids),)
+
+
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "random")
+ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Engine arguments, named as SGLang's `ServerArgs`."""
+
+    model_path: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    page_size: int = 1
+    chunked_prefill_size: int = 8192
+    max_prefill_tokens: int = 16384
+    max_running_requests: int = 256
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85
+    context_length: int | None = None
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    attention_backend: str | None = None
+    random_seed: int = 0
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy: {self.schedule_policy!r} not in {SCHEDULE_POLICIES}"
+            )
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend: {self.attention_backend!r} not in {ATTENTION_BACKENDS}"
+            )
+        if self.max_running_requests < 1:
+            raise ValueError("max_running_requests must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
+            raise ValueError("max_total_tokens is too small for one page")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine arguments: {unknown}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend:
+            return self.attention_backend
+        return "flashinfer" if self.device.startswith("cuda") else "torch_native"
+
+    @property
+    def min_new_token_ratio(self) -> float:
+        return self.init_new_token_ratio * self.min_new_token_ratio_factor
+
+    @property
+    def new_token_ratio_decay(self) -> float:
+        return (self.init_new_token_ratio - self.min_new_token_ratio) / max(
+            1, self.new_token_ratio_decay_steps
+        )
