@@ -1,0 +1,183 @@
+"""The offline, in-process API (SGLang's `sgl.Engine`, without the subprocesses)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from engine.config import EngineArgs, ModelConfig
+from engine.mem_cache.no_cache import NoRadixCache
+from engine.mem_cache.radix_cache import RadixCache
+from engine.model_runner import ModelRunner
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduler.output_processor import StepEvent
+from engine.scheduler.req import Req
+from engine.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def build_scheduler(args: EngineArgs, tokenizer: Any | None = None) -> Scheduler:
+    """Model runner + prefix cache + scheduler, as the worker service also builds them."""
+    model_config = ModelConfig.from_pretrained(args.model_path, args.context_length)
+    runner = ModelRunner(model_config, args)
+    cache_cls = NoRadixCache if args.disable_radix_cache else RadixCache
+    tree_cache = cache_cls(runner.req_to_token_pool, runner.allocator, args.page_size)
+    scheduler_cls: type[Scheduler] = Scheduler
+    if not args.disable_overlap_schedule:
+        try:
+            from engine.overlap.scheduler import OverlapScheduler
+        except ImportError:  # the overlap loop is not built yet
+            pass
+        else:
+            scheduler_cls = OverlapScheduler
+    return scheduler_cls(args, runner, tree_cache, tokenizer)
+
+
+class Engine:
+    """`Engine(model_path=..., **sglang_style_args).generate(prompt=..., sampling_params=...)`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.args = EngineArgs.from_kwargs(**kwargs)
+        self.tokenizer = None
+        if not self.args.skip_tokenizer_init:
+            from engine.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.args.model_path)
+        self.scheduler = build_scheduler(self.args, self.tokenizer)
+        self._rids = itertools.count()
+
+    # -- generation -----------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool | None = None,
+        top_logprobs_num: int | None = None,
+    ) -> dict | list[dict]:
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
+        single, prompts_ids = self._input_ids(prompt, input_ids)
+        params = self._params(sampling_params, len(prompts_ids), return_logprob, top_logprobs_num)
+        rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
+        for rid, ids, p in zip(rids, prompts_ids, params):
+            self.scheduler.add_request(rid, ids, p)
+        finished: dict[str, Req] = {}
+        for event in self._run_until(set(rids)):
+            if event.finished_reason is not None:
+                finished[event.rid] = event.req
+        outs = [self._format(finished[rid]) for rid in rids]
+        return outs[0] if single else outs
+
+    def _run_until(self, rids: set[str]) -> Iterator[StepEvent]:
+        pending = set(rids)
+        while pending:
+            if not self.scheduler.has_work():
+                raise RuntimeError(f"scheduler idle with {len(pending)} requests unfinished")
+            for event in self.scheduler.step():
+                if event.finished_reason is not None:
+                    pending.discard(event.rid)
+                yield event
+
+    def _input_ids(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("generate: pass exactly one of prompt= or input_ids=")
+        if prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("prompt: the engine was started with skip_tokenizer_init")
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            if not all(isinstance(t, str) for t in texts):
+                raise ValueError("prompt: must be a string or a list of strings")
+            return single, [self.tokenizer.encode(t) for t in texts]
+        single = bool(input_ids) and isinstance(input_ids[0], int)
+        batch = [input_ids] if single else list(input_ids)
+        for ids in batch:
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("input_ids: must be a list of ints or a list of such lists")
+            if any(t < 0 or t >= self.scheduler.model_runner.model_config.vocab_size for t in ids):
+                raise ValueError("input_ids: token id out of the vocabulary")
+        return single, batch
+
+    def _params(
+        self, sp: Any, n: int, return_logprob: bool | None, top_logprobs_num: int | None
+    ) -> list[SamplingParams]:
+        dicts = sp if isinstance(sp, list) else [sp or {}] * n
+        if len(dicts) != n:
+            raise ValueError(f"sampling_params: {len(dicts)} given for {n} prompts")
+        out = []
+        vocab = self.scheduler.model_runner.model_config.vocab_size
+        for d in dicts:
+            d = dict(d or {})
+            if return_logprob is not None:
+                d.setdefault("return_logprob", return_logprob)
+            if top_logprobs_num is not None:
+                d.setdefault("top_logprobs_num", top_logprobs_num)
+            p = SamplingParams.from_dict(d)
+            p.verify(vocab)
+            p.normalize()
+            if p.n != 1:
+                raise ValueError("n: the offline engine takes n=1; repeat the prompt instead")
+            out.append(p)
+        return out
+
+    def _format(self, req: Req) -> dict:
+        params = req.sampling_params
+        reason = req.finished_reason
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(
+                req.output_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                clean_up_tokenization_spaces=False,
+            )
+            if reason is not None and isinstance(reason.matched, str):
+                cut = text.find(reason.matched)
+                if cut >= 0:
+                    text = text[:cut]
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.origin_input_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": reason.to_dict() if reason else None,
+        }
+        if params.return_logprob:
+            meta["output_token_logprobs"] = list(zip(req.logprobs, req.output_ids))
+            if params.top_logprobs_num:
+                meta["output_top_logprobs"] = req.top_logprobs
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    # -- management -----------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, Any]:
+        s = self.scheduler.stats
+        return {
+            "num_running_reqs": s.num_running,
+            "num_waiting_reqs": s.num_waiting,
+            "token_usage": s.token_usage,
+            "cache_hit_tokens": s.cache_hit_tokens,
+            "prompt_tokens": s.prompt_tokens,
+            "generation_tokens": s.generation_tokens,
+            "num_retractions": s.num_retractions,
+            "new_token_ratio": s.new_token_ratio,
+        }
+
+    def flush_cache(self) -> bool:
+        if self.scheduler.has_work():
+            return False
+        self.scheduler.tree_cache.reset()
+        return True
+
+    def shutdown(self) -> None:
+        close = getattr(self.scheduler, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

@@ -1,0 +1,75 @@
+"""Turning a batch's sampled tokens into request progress (CPU post-processing of a step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.scheduler.req import FinishReason, Req
+
+if TYPE_CHECKING:
+    from engine.scheduler.schedule_batch import ScheduleBatch
+    from engine.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class StepEvent:
+    """What one step did to one request: tokens appended at output index `start`, and the
+    finish reason if it ended. `req` gives read access to its full state (for windows,
+    usage, logprobs)."""
+
+    req: Req
+    new_token_ids: list[int]
+    start: int
+    finished_reason: FinishReason | None
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, tokenizer: Any | None) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self._events: list[StepEvent] = []
+
+    def emit(self, event: StepEvent) -> None:
+        self._events.append(event)
+        if event.finished_reason is not None:
+            self.scheduler.stats.num_finished += 1
+
+    def take_events(self) -> list[StepEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
+        """`result.next_token_ids` holds one sampled token per request of `batch` (a tensor or
+        list); optional `logprobs` / `top_logprobs` alongside."""
+        next_ids = result.next_token_ids
+        if hasattr(next_ids, "tolist"):
+            next_ids = next_ids.tolist()
+        logprobs = result.logprobs.tolist() if getattr(result, "logprobs", None) is not None else None
+        top = getattr(result, "top_logprobs", None)
+        chunked = getattr(batch, "chunked_req", None)
+        tree_cache = self.scheduler.tree_cache
+        context_len = self.scheduler.context_len
+        for i, req in enumerate(batch.reqs):
+            if req is chunked or req.finished:
+                continue  # a partial prompt: its sampled token means nothing
+            start = len(req.output_ids)
+            if req.to_abort is None:
+                req.output_ids.append(next_ids[i])
+                if logprobs is not None and req.sampling_params.return_logprob:
+                    req.logprobs.append(logprobs[i])
+                    if top is not None and req.sampling_params.top_logprobs_num > 0:
+                        req.top_logprobs.append(top[i])
+            req.check_finished(context_len, self.tokenizer)
+            if req.finished:
+                req.fill_ids = req.all_ids()[: req.kv_allocated_len]
+                tree_cache.cache_finished_req(req)
+            elif batch.forward_mode.is_extend():
+                tree_cache.cache_unfinished_req(req)
+            new = req.output_ids[start:]
+            self.scheduler.stats.generation_tokens += len(new)
+            self.emit(StepEvent(req, new, start, req.finished_reason))

@@ -1,0 +1,141 @@
+"""One generation request as the scheduler sees it (CPU state only, no model tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.sampling.sampling_params import SamplingParams
+
+# SGLang clips a request's remaining max_new_tokens at this when estimating memory needs, so
+# one request asking for a huge budget does not block admission of everything else.
+CLIP_MAX_NEW_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """`type` is "stop" (EOS, stop token or stop string), "length" or "abort"."""
+
+    type: str
+    matched: int | str | None = None
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+class Req:
+    """A request's lifetime: waiting → (chunked) prefill → decode → finished, possibly
+    retracted back to waiting.
+
+    KV invariants: `req_to_token[req_pool_idx, :kv_allocated_len]` hold this request's slots;
+    the first `len(prefix_indices)` are shared with the prefix cache (locked via `last_node`),
+    the rest are owned by the request alone. `fill_ids` are the tokens whose KV exists (or is
+    computed by the batch being built).
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = origin_input_ids
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.arrival = arrival
+        self.output_ids: list[int] = []
+        self.finished_reason: FinishReason | None = None
+        self.to_abort: FinishReason | None = None
+        # memory state
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None
+        self.fill_ids: list[int] = []
+        self.kv_allocated_len = 0
+        self.extend_input_len = 0
+        # bookkeeping
+        self.cached_tokens = 0
+        self.is_retracted = False
+        self.num_retractions = 0
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[tuple[list[int], list[float]]] = []
+
+    # -- inputs for the next round ------------------------------------------------------------
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def init_next_round_input(self, tree_cache: Any) -> None:
+        """Match the prefix cache for a (re-)prefill of everything known so far. At least one
+        token is always left to compute, since its logits give the next token."""
+        self.fill_ids = self.all_ids()
+        key = self.fill_ids[: len(self.fill_ids) - 1]
+        self.prefix_indices, self.last_node = tree_cache.match_prefix(key)
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.req_pool_idx = None
+        self.kv_allocated_len = 0
+        self.fill_ids = []
+        self.extend_input_len = 0
+        self.is_retracted = True
+        self.num_retractions += 1
+
+    # -- finishing ----------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    def remaining_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens - len(self.output_ids)
+
+    def check_finished(self, context_len: int, tokenizer: Any | None) -> None:
+        """Decide whether the last appended token ends the request (SGLang's order)."""
+        if self.finished:
+            return
+        if self.to_abort is not None:
+            self.finished_reason = self.to_abort
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishReason("length", params.max_new_tokens)
+            return
+        last = self.output_ids[-1] if self.output_ids else None
+        if last is not None:
+            if last in self.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+                self.finished_reason = FinishReason("stop", last)
+                return
+            matched = self._match_stop_str(tokenizer)
+            if matched is not None:
+                self.finished_reason = FinishReason("stop", matched)
+                return
+        if self.seqlen >= context_len:
+            self.finished_reason = FinishReason("length", context_len)
+
+    def _match_stop_str(self, tokenizer: Any | None) -> str | None:
+        stops = self.sampling_params.stop_strs
+        if not stops or tokenizer is None:
+            return None
+        # A stop string spans at most len(stop) tokens (each token decodes to >= 1 char, or
+        # part of one); one more token covers a character split across tokens.
+        window = max(len(s) for s in stops) + 1
+        tail = tokenizer.decode(self.output_ids[-window:], skip_special_tokens=False)
+        for s in stops:
+            if s in tail:
+                return s
+        return None

@@ -1,0 +1,192 @@
+"""Batches on the scheduler side.
+
+    ScheduleBatch    a set of requests and the memory operations on them (allocation of
+                     request rows and KV slots, retraction, filtering, merging). CPU only.
+    ModelWorkerBatch the plain data one forward + sampling needs; built by
+                     `ScheduleBatch.get_model_worker_batch()`, turned into device tensors
+                     (`ForwardBatch`) by the model runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.forward_batch import ForwardMode
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
+
+# After a retraction, keep enough memory for this many decode steps of what remains.
+RETRACT_DECODE_STEPS = 20
+
+
+@dataclass
+class ModelWorkerBatch:
+    forward_mode: ForwardMode
+    input_ids: list[int]
+    positions: list[int]
+    out_cache_loc: torch.Tensor
+    req_pool_indices: list[int]
+    seq_lens: list[int]
+    extend_prefix_lens: list[int] | None
+    extend_seq_lens: list[int] | None
+    sampling_params: list[SamplingParams]
+    output_ids: list[list[int]]  # per request, the tokens generated so far (for penalties)
+    prompt_ids: list[list[int]]  # per request, the prompt (for the repetition penalty)
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] = field(default_factory=list)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices)
+
+
+class ScheduleBatch:
+    def __init__(self, reqs: list[Req], pools: Any, forward_mode: ForwardMode) -> None:
+        """`pools` bundles req_to_token_pool, allocator and tree_cache (see `MemoryPools`)."""
+        self.reqs = reqs
+        self.pools = pools
+        self.forward_mode = forward_mode
+        self.out_cache_loc: torch.Tensor | None = None
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # -- prefill --------------------------------------------------------------------------------
+    def prepare_for_extend(self) -> None:
+        """Give each request a row and KV slots for its new tokens; set up the inputs.
+
+        Requests arrive with `prefix_indices`, `fill_ids` and `extend_input_len` set by the
+        prefill adder (which also checked the budget; the allocator may still evict)."""
+        p = self.pools
+        new_rows = [r for r in self.reqs if r.req_pool_idx is None]
+        if new_rows:
+            rows = p.req_to_token_pool.alloc(len(new_rows))
+            assert rows is not None, "prefill adder admitted more requests than pool rows"
+            for r, row in zip(new_rows, rows):
+                r.req_pool_idx = row
+        prefix_lens = [len(r.fill_ids) - r.extend_input_len for r in self.reqs]
+        seq_lens = [len(r.fill_ids) for r in self.reqs]
+        req_to_token = p.req_to_token_pool.req_to_token
+        for r in self.reqs:
+            n = len(r.prefix_indices)
+            if n and r.kv_allocated_len < n:
+                req_to_token[r.req_pool_idx, :n] = r.prefix_indices.to(torch.int32)
+        last_locs = [
+            int(req_to_token[r.req_pool_idx, pl - 1]) if pl > 0 else -1
+            for r, pl in zip(self.reqs, prefix_lens)
+        ]
+        out = p.alloc_kv(prefix_lens, seq_lens, last_locs)
+        offset = 0
+        for r, pl, sl in zip(self.reqs, prefix_lens, seq_lens):
+            req_to_token[r.req_pool_idx, pl:sl] = out[offset : offset + sl - pl].to(torch.int32)
+            offset += sl - pl
+            r.kv_allocated_len = sl
+            self.input_ids.extend(r.fill_ids[pl:sl])
+            self.positions.extend(range(pl, sl))
+        self.out_cache_loc = out
+        self._prefix_lens = prefix_lens
+        self._seq_lens = seq_lens
+
+    # -- decode ---------------------------------------------------------------------------------
+    def new_page_tokens_needed(self) -> int:
+        """KV tokens the next decode step must allocate (a new page where a request's last
+        page is full)."""
+        page = self.pools.page_size
+        return sum(page for r in self.reqs if r.kv_allocated_len % page == 0)
+
+    def check_decode_mem(self) -> bool:
+        need = self.new_page_tokens_needed()
+        p = self.pools
+        if p.allocator.available_size() >= need:
+            return True
+        p.tree_cache.evict(need - p.allocator.available_size())
+        return p.allocator.available_size() >= need
+
+    def prepare_for_decode(self, input_ids: list[int] | None = None) -> None:
+        """One new token per request: the last output token (or `input_ids` given by the
+        overlap scheduler, which may hold future placeholders)."""
+        self.forward_mode = ForwardMode.DECODE
+        req_to_token = self.pools.req_to_token_pool.req_to_token
+        prefix_lens = [r.kv_allocated_len for r in self.reqs]
+        seq_lens = [n + 1 for n in prefix_lens]
+        last_locs = [int(req_to_token[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, prefix_lens)]
+        out = self.pools.alloc_kv(prefix_lens, seq_lens, last_locs)
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        req_to_token[rows, torch.tensor(prefix_lens, dtype=torch.int64)] = out.to(torch.int32)
+        for r in self.reqs:
+            r.kv_allocated_len += 1
+        self.input_ids = input_ids if input_ids is not None else [r.output_ids[-1] for r in self.reqs]
+        self.positions = prefix_lens
+        self.out_cache_loc = out
+        self._prefix_lens = prefix_lens
+        self._seq_lens = seq_lens
+
+    def retract_decode(self) -> list[Req]:
+        """Free memory by sending requests back to the waiting queue: fewest output tokens
+        first, then longest input, until the rest can decode RETRACT_DECODE_STEPS steps."""
+        p = self.pools
+        order = sorted(
+            range(len(self.reqs)),
+            key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+            reverse=True,
+        )
+        retracted: list[Req] = []
+        while len(order) > 1:
+            need = len(order) * RETRACT_DECODE_STEPS
+            if p.allocator.available_size() + p.tree_cache.evictable_size() >= need:
+                break
+            req = self.reqs[order.pop()]
+            p.release_req(req)
+            req.reset_for_retract()
+            retracted.append(req)
+        keep = sorted(order)
+        self.reqs = [self.reqs[i] for i in keep]
+        p.tree_cache.evict(len(self.reqs) * p.page_size)
+        return retracted
+
+    def retract_new_token_ratio(self) -> float:
+        total_decoded = sum(len(r.output_ids) for r in self.reqs)
+        total_max_new = sum(r.sampling_params.max_new_tokens for r in self.reqs)
+        steps = RETRACT_DECODE_STEPS * len(self.reqs)
+        return min(1.0, (total_decoded + steps) / max(1, total_max_new))
+
+    # -- membership -----------------------------------------------------------------------------
+    def filter(self, keep: list[Req] | None = None, exclude: Req | None = None) -> None:
+        reqs = keep if keep is not None else [r for r in self.reqs if not r.finished]
+        self.reqs = [r for r in reqs if r is not exclude]
+
+    def merge(self, other: ScheduleBatch) -> None:
+        self.reqs.extend(other.reqs)
+
+    def running_need_tokens(self, new_token_ratio: float) -> float:
+        return sum(
+            min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.reqs
+        ) * new_token_ratio
+
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        extend = self.forward_mode.is_extend()
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            positions=self.positions,
+            out_cache_loc=self.out_cache_loc,
+            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            seq_lens=self._seq_lens,
+            extend_prefix_lens=self._prefix_lens if extend else None,
+            extend_seq_lens=[s - p for s, p in zip(self._seq_lens, self._prefix_lens)]
+            if extend
+            else None,
+            sampling_params=[r.sampling_params for r in self.reqs],
+            output_ids=[r.output_ids for r in self.reqs],
+            prompt_ids=[r.origin_input_ids for r in self.reqs],
+            return_logprob=any(r.sampling_params.return_logprob for r in self.reqs),
+            top_logprobs_nums=[r.sampling_params.top_logprobs_num for r in self.reqs],
+        )

@@ -1,0 +1,187 @@
+"""Order of the waiting queue, and admission of waiting requests into a prefill batch."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from enum import Enum, auto
+from typing import Any
+
+from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
+
+# lpm sorts by cached prefix length; with a long queue the matching costs more than it saves.
+LPM_FALLBACK_QUEUE_LEN = 128
+# In-batch prefix de-prioritisation (SGLang's two thresholds): a request whose cached prefix
+# is short (<= CHECK) but which shares >= DEPRIORITIZE tokens with a request already ahead of
+# it in this pass waits, so that it hits the cache once the other one has been computed.
+IN_BATCH_PREFIX_CHECK_THRESHOLD = 32
+IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD = 32
+
+
+class _PrefixSet:
+    """Prompts seen so far in one scheduling pass; longest shared prefix with any of them."""
+
+    def __init__(self) -> None:
+        self.root: dict = {}
+
+    def match_len(self, ids: list[int], limit: int) -> int:
+        node, n = self.root, 0
+        for t in ids[:limit]:
+            if t not in node:
+                break
+            node, n = node[t], n + 1
+        return n
+
+    def insert(self, ids: list[int], limit: int) -> None:
+        node = self.root
+        for t in ids[:limit]:
+            node = node.setdefault(t, {})
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: Any, seed: int = 0) -> None:
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.rng = random.Random(seed)
+
+    def calc_priority(self, waiting: list[Req]) -> None:
+        """Sort `waiting` in place. Prefix-aware policies match the cache for every request
+        (which also sets up each request's next-round input)."""
+        policy = self.policy
+        if policy == "lpm" and len(waiting) > LPM_FALLBACK_QUEUE_LEN:
+            policy = "fcfs"
+        if policy == "fcfs":
+            return
+        if policy == "random":
+            self.rng.shuffle(waiting)
+            return
+        deprioritized = self._match_all(waiting)
+        if policy == "lpm":
+            waiting.sort(key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices)))
+        else:
+            self._sort_dfs_weight(waiting)
+
+    def _match_all(self, waiting: list[Req]) -> set[str]:
+        seen = _PrefixSet()
+        deprioritized: set[str] = set()
+        for r in waiting:
+            r.init_next_round_input(self.tree_cache)
+            if len(r.prefix_indices) <= IN_BATCH_PREFIX_CHECK_THRESHOLD:
+                limit = IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD
+                if seen.match_len(r.origin_input_ids, limit) >= limit:
+                    deprioritized.add(r.rid)
+                else:
+                    seen.insert(r.origin_input_ids, limit)
+        return deprioritized
+
+    def _sort_dfs_weight(self, waiting: list[Req]) -> None:
+        """Depth-first over the radix tree, heavier subtrees (more waiting requests) first, so
+        requests sharing a prefix run together."""
+        by_node: dict[int, list[Req]] = defaultdict(list)
+        weight: dict[int, int] = defaultdict(int)
+        nodes: dict[int, Any] = {}
+        for r in waiting:
+            by_node[id(r.last_node)].append(r)
+            node = r.last_node
+            while node is not None:
+                nodes[id(node)] = node
+                weight[id(node)] += 1
+                node = node.parent
+        root = self.tree_cache.root_node
+        out: list[Req] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            out.extend(by_node.get(id(node), ()))
+            kids = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
+            kids.sort(key=lambda c: weight[id(c)])  # heaviest popped first
+            stack.extend(kids)
+        placed = {id(r) for r in out}
+        out.extend(r for r in waiting if id(r) not in placed)
+        waiting[:] = out
+
+
+class AddResult(Enum):
+    CONTINUE = auto()  # admitted; keep going
+    NO_TOKEN = auto()  # the memory budget is exhausted
+    OTHER = auto()  # a per-batch limit (prefill tokens, chunk) is reached
+
+
+class PrefillAdder:
+    """Admits requests into one prefill batch while the budgets hold.
+
+    rem_total_tokens: free + evictable KV tokens minus what running requests will still need
+        (remaining max_new_tokens, clipped, × new_token_ratio); each admitted request takes its
+        new input tokens plus its own clipped max_new_tokens.
+    rem_input_tokens: max_prefill_tokens for the whole batch (one request may exceed it alone).
+    rem_chunk_tokens: chunked_prefill_size; a request that does not fit is cut to a chunk.
+    """
+
+    def __init__(
+        self,
+        pools: Any,
+        running_need: float,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        max_new_reqs: int,
+    ) -> None:
+        self.pools = pools
+        self.page_size = pools.page_size
+        tc = pools.tree_cache
+        self.rem_total_tokens = (
+            pools.allocator.available_size() + tc.evictable_size() - running_need
+        )
+        self.rem_input_tokens = max_prefill_tokens
+        self.rem_chunk_tokens = chunked_prefill_size
+        self.max_new_reqs = max_new_reqs
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    def _ceil_page(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def _take(self, input_len: int, max_new: int) -> None:
+        self.rem_total_tokens -= self._ceil_page(input_len) + max_new
+        self.rem_input_tokens -= input_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= input_len
+
+    def add_chunked_req(self, req: Req) -> Req | None:
+        """Continue a prompt cut in an earlier round; returns it if it is still unfinished."""
+        remaining = req.seqlen - req.kv_allocated_len
+        n = remaining if self.rem_chunk_tokens is None else min(remaining, self.rem_chunk_tokens)
+        if n < remaining:
+            n = max(self.page_size, n // self.page_size * self.page_size)
+        req.fill_ids = req.all_ids()[: req.kv_allocated_len + n]
+        req.extend_input_len = n
+        self.can_run_list.append(req)
+        truncated = n < remaining
+        self._take(n, 0 if truncated else min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS))
+        return req if truncated else None
+
+    def add_one_req(self, req: Req) -> AddResult:
+        if len(self.can_run_list) >= self.max_new_reqs:
+            return AddResult.OTHER
+        max_new = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        input_len = req.extend_input_len
+        if self._ceil_page(input_len) + max_new >= self.rem_total_tokens:
+            return AddResult.NO_TOKEN
+        if input_len > self.rem_input_tokens and self.can_run_list:
+            return AddResult.OTHER
+        chunk = self.rem_chunk_tokens
+        if chunk is None or input_len <= chunk:
+            self.pools.tree_cache.inc_lock_ref(req.last_node)
+            self.can_run_list.append(req)
+            self._take(input_len, max_new)
+            return AddResult.CONTINUE
+        trunc = chunk // self.page_size * self.page_size
+        if trunc <= 0:
+            return AddResult.OTHER
+        self.pools.tree_cache.inc_lock_ref(req.last_node)
+        prefix_len = len(req.prefix_indices)
+        req.extend_input_len = trunc
+        req.fill_ids = req.fill_ids[: prefix_len + trunc]
+        self.can_run_list.append(req)
+        self.new_chunked_req = req
+        self._take(trunc, 0)
+        return AddResult.OTHER

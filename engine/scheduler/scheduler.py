@@ -1,0 +1,221 @@
+"""The scheduler: continuous batching with chunked prefill over a radix prefix cache.
+
+One iteration (`step`): pick the next batch (a prefill batch if any waiting request can be
+admitted, else the running decode batch), run it on the model runner, process its results
+(append tokens, check finish conditions, update the cache). The overlap scheduler reorders
+the last two parts; everything else is shared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineArgs
+from engine.forward_batch import ForwardMode
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduler.output_processor import OutputProcessor, StepEvent
+from engine.scheduler.pools import MemoryPools
+from engine.scheduler.req import FinishReason, Req
+from engine.scheduler.schedule_batch import ScheduleBatch
+from engine.scheduler.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    token_usage: float = 0.0
+    new_token_ratio: float = 0.0
+    num_retractions: int = 0
+    cache_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_finished: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_runner: Any,
+        tree_cache: Any,
+        tokenizer: Any | None = None,
+    ) -> None:
+        self.args = args
+        self.model_runner = model_runner
+        self.context_len = model_runner.model_config.context_len
+        self.eos_token_ids = tuple(model_runner.model_config.eos_token_ids)
+        self.pools = MemoryPools(
+            model_runner.req_to_token_pool, model_runner.allocator, tree_cache, args.page_size
+        )
+        self.tree_cache = tree_cache
+        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed)
+        self.waiting_queue: list[Req] = []
+        self.running_batch = ScheduleBatch([], self.pools, ForwardMode.DECODE)
+        self.chunked_req: Req | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.new_token_ratio = args.init_new_token_ratio
+        self.stats = SchedulerStats()
+        self.output = OutputProcessor(self, tokenizer)
+        self._arrival = itertools.count()
+        chunk = args.chunked_prefill_size
+        self.chunked_prefill_size = None if chunk is None or chunk < 0 else chunk
+        self.max_running_requests = min(
+            args.max_running_requests, self.pools.req_to_token_pool.size - 1
+        )
+
+    # -- input ----------------------------------------------------------------------------------
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        """Queue a validated request. Raises ValueError if it cannot fit the context."""
+        if not input_ids:
+            raise ValueError("input_ids: the prompt is empty")
+        if len(input_ids) >= self.context_len:
+            raise ValueError(
+                f"input_ids: the prompt has {len(input_ids)} tokens, the context length is "
+                f"{self.context_len}"
+            )
+        if len(input_ids) + params.max_new_tokens > self.context_len:
+            raise ValueError(
+                f"max_new_tokens: {len(input_ids)} prompt tokens + {params.max_new_tokens} new "
+                f"tokens exceed the context length {self.context_len}"
+            )
+        req = Req(rid, list(input_ids), params, self.eos_token_ids, next(self._arrival))
+        self.waiting_queue.append(req)
+        self.stats.prompt_tokens += len(input_ids)
+
+    def abort_request(self, rid: str) -> None:
+        reason = FinishReason("abort", message="aborted by request")
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == rid:
+                self.waiting_queue.pop(i)
+                req.finished_reason = reason
+                self.output.emit(StepEvent(req, [], len(req.output_ids), reason))
+                return
+        for req in itertools.chain(self.running_batch.reqs, self._in_flight_reqs()):
+            if req.rid == rid and not req.finished:
+                req.to_abort = reason
+
+    def _in_flight_reqs(self) -> list[Req]:
+        reqs = list(self.last_batch.reqs) if self.last_batch is not None else []
+        if self.chunked_req is not None:
+            reqs.append(self.chunked_req)
+        return reqs
+
+    def has_work(self) -> bool:
+        return bool(
+            self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req
+            or (self.last_batch is not None and not self.last_batch.is_empty())
+        )
+
+    # -- one iteration --------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        """Run one batch and return what happened to requests (new tokens, finishes)."""
+        batch = self.get_next_batch_to_run()
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.output.process_batch_result(batch, result)
+        self.last_batch = batch
+        self._update_stats()
+        return self.output.take_events()
+
+    def run_batch(self, batch: ScheduleBatch) -> Any:
+        return self.model_runner.forward_batch_generation(batch.get_model_worker_batch())
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            if self.chunked_req is not None:
+                self._finish_chunk(last)
+            last.filter()
+            if not last.is_empty():
+                self.running_batch.merge(last)
+        prefill = self.get_new_batch_prefill()
+        if prefill is not None:
+            return prefill
+        return self.update_running_batch()
+
+    def _finish_chunk(self, last: ScheduleBatch) -> None:
+        """The chunk just run leaves the request partly prefilled: share what is computed with
+        the cache and keep it out of the decode batch."""
+        req = self.chunked_req
+        last.filter(exclude=req)
+        self.tree_cache.cache_unfinished_req(req)
+        if req.to_abort is not None:
+            req.finished_reason = req.to_abort
+            self.tree_cache.cache_finished_req(req)
+            self.output.emit(StepEvent(req, [], len(req.output_ids), req.finished_reason))
+            self.chunked_req = None
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = len(self.running_batch)
+        if running >= self.max_running_requests and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(self.waiting_queue)
+        adder = PrefillAdder(
+            self.pools,
+            self.running_batch.running_need_tokens(self.new_token_ratio),
+            self.args.max_prefill_tokens,
+            self.chunked_prefill_size,
+            min(
+                self.max_running_requests - running,
+                self.pools.req_to_token_pool.available_size(),
+            ),
+        )
+        chunked_batch_req = None
+        if self.chunked_req is not None:
+            chunked_batch_req = self.chunked_req
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if self.policy.policy in ("fcfs", "random") or len(self.waiting_queue) > 128:
+                req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req) is not AddResult.CONTINUE:
+                break
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        if not adder.can_run_list:
+            return None
+        for req in adder.can_run_list:
+            if req is not chunked_batch_req and not req.is_retracted:
+                req.cached_tokens += len(req.prefix_indices)
+                self.stats.cache_hit_tokens += len(req.prefix_indices)
+        batch = ScheduleBatch(adder.can_run_list, self.pools, ForwardMode.EXTEND)
+        batch.chunked_req = self.chunked_req
+        batch.prepare_for_extend()
+        return batch
+
+    def update_running_batch(self) -> ScheduleBatch | None:
+        batch = self.running_batch
+        batch.filter()
+        if batch.is_empty():
+            return None
+        if not batch.check_decode_mem():
+            retracted = batch.retract_decode()
+            self.stats.num_retractions += len(retracted)
+            self.new_token_ratio = batch.retract_new_token_ratio()
+            logger.info("retracted %d requests; new_token_ratio=%.3f",
+                        len(retracted), self.new_token_ratio)
+            self.waiting_queue.extend(retracted)
+        else:
+            self.new_token_ratio = max(
+                self.new_token_ratio - self.args.new_token_ratio_decay,
+                self.args.min_new_token_ratio,
+            )
+        batch.prepare_for_decode()
+        return batch
+
+    def _update_stats(self) -> None:
+        s = self.stats
+        s.num_running = len(self.running_batch) + (1 if self.chunked_req else 0)
+        s.num_waiting = len(self.waiting_queue)
+        s.token_usage = self.pools.token_usage()
+        s.new_token_ratio = self.new_token_ratio
