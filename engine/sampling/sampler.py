@@ -1,0 +1,180 @@
+"""The vectorised sampler: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Order, all on [B, V] tensors with no per-request Python loop:
+
+    penalties -> (all greedy: argmax, done) -> / temperature -> softmax
+      -> top-k -> top-p (on the top-k-renormalised mass) -> min-p -> draw
+
+Drawing uses the exponential race (the Gumbel-max trick in probability space): with
+E_v ~ Exp(1) independent, argmax_v p_v / E_v is distributed as p / sum(p). The race is
+invariant to scaling a row, so the truncated probabilities never need renormalising, and
+the draw is a pure function of (p, E): a seeded request gets E from a counter-based hash
+of (seed, step position, token id), which makes it reproducible whatever the rest of the
+batch is and wherever the request sits in it. Unseeded rows take E from the sampler's
+own torch.Generator. Greedy rows (top_k == 1 or temperature ~ 0) return the exact argmax.
+
+Logprobs follow SGLang's default (SGLANG_RETURN_ORIGINAL_LOGPROB unset): log_softmax of the
+penalised logits divided by the request's temperature, taken before top-k / top-p / min-p,
+clamped to float32's lowest finite value. For greedy requests the temperature is 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SampleOutput:
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, logprob of each chosen token
+    top_logprobs: list[tuple[list[int], list[float]]] | None  # per request: (ids, logprobs)
+
+
+class Sampler:
+    """Picks the next token of every request in a batch. Owns the unseeded RNG."""
+
+    def __init__(self, random_seed: int | None = None) -> None:
+        self.random_seed = random_seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_nums: Sequence[int] | None = None,
+    ) -> SampleOutput:
+        """Sample from `logits` [B, V]; `logits` itself is left unchanged."""
+        logits = logits.float()
+        if info.penalties is not None:
+            logits = info.penalties.apply(logits)
+        if info.is_all_greedy:
+            scaled = logits
+            next_ids = torch.argmax(logits, dim=-1)
+        else:
+            scaled = logits / info.temperatures
+            next_ids = self._sample(torch.softmax(scaled, dim=-1), info)
+            if info.has_greedy:
+                next_ids = torch.where(info.greedy_rows, torch.argmax(logits, dim=-1), next_ids)
+        if not return_logprob:
+            return SampleOutput(next_ids, None, None)
+        logprobs = F.log_softmax(scaled, dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+        chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+        return SampleOutput(next_ids, chosen, _top_logprobs(logprobs, top_logprobs_nums))
+
+    def _sample(self, probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        token_ids = None  # column j holds token j unless the rows were sorted
+        if info.need_top_k or info.need_top_p:
+            probs, token_ids = probs.sort(dim=-1, descending=True)
+            probs = _top_k_top_p_sorted(probs, info)
+        if info.need_min_p:
+            max_probs = probs[:, :1] if token_ids is not None else probs.amax(-1, keepdim=True)
+            probs = probs.masked_fill(probs < max_probs * info.min_ps.unsqueeze(1), 0.0)
+        choice = torch.argmax(probs / self._exponential_noise(probs, info, token_ids), dim=-1)
+        if token_ids is None:
+            return choice
+        return token_ids.gather(1, choice.unsqueeze(1)).squeeze(1)
+
+    def _exponential_noise(
+        self, probs: torch.Tensor, info: SamplingBatchInfo, token_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Exp(1) noise [B, V]; seeded rows from the hash, others from the generator."""
+        noise = torch.empty_like(probs)
+        gen = self._generator(probs.device)
+        if info.seeded_rows is None:
+            noise.exponential_(generator=gen)
+        else:
+            if info.unseeded_rows is not None:
+                rest = probs.new_empty(len(info.unseeded_rows), probs.shape[1])
+                noise[info.unseeded_rows] = rest.exponential_(generator=gen)
+            if token_ids is None:
+                ids = torch.arange(probs.shape[1], device=probs.device).expand(
+                    len(info.seeded_rows), -1
+                )
+            else:
+                ids = token_ids[info.seeded_rows]
+            assert info.seeds is not None and info.seed_steps is not None
+            noise[info.seeded_rows] = seeded_exponential(info.seeds, info.seed_steps, ids)
+        # An exact 0 would turn p / E into inf or nan; no real draw is that small.
+        return noise.clamp_(min=torch.finfo(torch.float32).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self.random_seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self.random_seed)
+            self._generators[device] = gen
+        return gen
+
+
+def _top_k_top_p_sorted(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero the tokens outside top-k, then outside top-p; rows sorted descending."""
+    if info.need_top_k:
+        ranks = torch.arange(probs.shape[1], device=probs.device)
+        probs = probs.masked_fill(ranks.unsqueeze(0) >= info.top_ks.unsqueeze(1), 0.0)
+    if info.need_top_p:
+        cum = probs.cumsum(dim=-1)
+        mass_before = F.pad(cum[:, :-1], (1, 0))
+        top_ps = info.top_ps.unsqueeze(1)
+        # Keep the smallest prefix whose mass reaches top_p (of what top-k kept). top_p = 1
+        # keeps everything, even tokens the float32 cumsum has already rounded to 1.
+        drop = (mass_before >= top_ps * cum[:, -1:]) & (top_ps < 1.0)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for 0 <= x < 2**32, without overflowing int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (the "lowbias32" shift-multiply finaliser), on int64 tensors."""
+    x = x & _M32
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_exponential(
+    seeds: torch.Tensor, steps: torch.Tensor, token_ids: torch.Tensor
+) -> torch.Tensor:
+    """Exp(1) draws [S, V] that depend only on (seeds[s], steps[s], token_ids[s, v]).
+
+    `seeds`, `steps`: [S] int64; `token_ids`: [S, V] int64. Every operation is elementwise
+    integer arithmetic kept below 2**48, so results are identical on every device and for
+    every batch layout.
+    """
+    key = _mix32((seeds & _M32) ^ 0x9E3779B9)
+    key = _mix32(key ^ ((seeds >> 32) & _M32))
+    key = _mix32(key ^ (steps & _M32) ^ ((steps >> 32) & _M32))
+    key2 = _mix32(key ^ 0x85EBCA6B)
+    bits = _mix32(_mix32(token_ids ^ key.unsqueeze(1)) ^ key2.unsqueeze(1))
+    # 24 bits, as float32 holds them exactly; u lies strictly inside (0, 1).
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * (2.0**-24)
+    return -torch.log(uniform)
+
+
+def _top_logprobs(
+    logprobs: torch.Tensor, nums: Sequence[int] | None
+) -> list[tuple[list[int], list[float]]] | None:
+    """The k highest (token id, logprob) of each row, best first; None if no k > 0."""
+    k_max = max(nums, default=0) if nums else 0
+    if k_max <= 0:
+        return None
+    assert nums is not None
+    values, ids = logprobs.topk(min(k_max, logprobs.shape[1]), dim=-1)
+    values_rows, ids_rows = values.tolist(), ids.tolist()
+    return [(ids_rows[i][:k], values_rows[i][:k]) for i, k in enumerate(nums)]

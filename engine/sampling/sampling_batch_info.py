@@ -1,0 +1,132 @@
+"""The sampling parameters of one batch, as device tensors the sampler reads.
+
+Built once per batch (it is rebuilt, not merged or filtered, when the batch changes) from the
+requests' `SamplingParams`, raw or normalized. The per-request Python work happens here, so
+that `Sampler` itself never loops over requests.
+
+Row i of every tensor belongs to request i. Greedy requests (temperature < 1e-6 or
+top_k == 1) get temperature 1.0 and top_k 1, as in SGLang, and are marked in `greedy_rows`
+so that the sampler returns their exact argmax even inside a sampled batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling.penalties import BatchPenalties
+from engine.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatchInfo:
+    vocab_size: int
+    temperatures: torch.Tensor  # [B, 1] float32 (1.0 for greedy rows)
+    top_ps: torch.Tensor  # [B] float32
+    top_ks: torch.Tensor  # [B] int64, in [1, vocab_size]
+    min_ps: torch.Tensor  # [B] float32
+    greedy_rows: torch.Tensor  # [B] bool
+    is_all_greedy: bool
+    has_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    # Seeded sampling: rows with a sampling_seed, their seeds and the index of the token
+    # being sampled; None when no row is seeded. `unseeded_rows` is None when no row is.
+    seeded_rows: torch.Tensor | None  # [S] int64
+    seeds: torch.Tensor | None  # [S] int64
+    seed_steps: torch.Tensor | None  # [S] int64
+    unseeded_rows: torch.Tensor | None  # [B - S] int64
+    penalties: BatchPenalties | None
+
+    @property
+    def batch_size(self) -> int:
+        return self.top_ps.shape[0]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device | str,
+        *,
+        output_ids: Sequence[Sequence[int]] | None = None,
+        input_ids: Sequence[Sequence[int]] | None = None,
+        step_positions: Sequence[int] | None = None,
+    ) -> SamplingBatchInfo:
+        """Vectorise the batch's parameters.
+
+        `output_ids[i]` / `input_ids[i]`: request i's generated tokens so far and its prompt,
+        read only when some request has a penalty. `step_positions[i]`: index of the token
+        being sampled for request i (its output length so far); defaults to
+        `len(output_ids[i])` and is required for seeded requests when output_ids is None.
+        """
+        batch_size = len(params)
+        _check_lengths(batch_size, output_ids=output_ids, input_ids=input_ids,
+                       step_positions=step_positions)
+        greedy = [p.is_greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_ks = [1 if g else _clamp_top_k(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+        top_ps = [p.top_p for p in params]
+        min_ps = [p.min_p for p in params]
+        seeded = _seeded(params, device, output_ids, step_positions)
+        return cls(
+            vocab_size=vocab_size,
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            greedy_rows=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_all_greedy=all(greedy),
+            has_greedy=any(greedy),
+            # Greedy rows are answered by argmax: their own filters need no work.
+            need_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
+            need_top_k=any(k < vocab_size and not g for k, g in zip(top_ks, greedy)),
+            need_min_p=any(m > 0.0 and not g for m, g in zip(min_ps, greedy)),
+            seeded_rows=seeded[0],
+            seeds=seeded[1],
+            seed_steps=seeded[2],
+            unseeded_rows=seeded[3],
+            penalties=BatchPenalties.build(params, vocab_size, device, output_ids, input_ids),
+        )
+
+
+def _clamp_top_k(top_k: int, vocab_size: int) -> int:
+    return vocab_size if top_k < 1 or top_k > vocab_size else top_k
+
+
+def _check_lengths(batch_size: int, **lists: Sequence | None) -> None:
+    for name, values in lists.items():
+        if values is not None and len(values) != batch_size:
+            raise ValueError(f"{name} has {len(values)} entries for a batch of {batch_size}")
+
+
+_SeededTensors = tuple[
+    torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None
+]
+
+
+def _seeded(
+    params: Sequence[SamplingParams],
+    device: torch.device | str,
+    output_ids: Sequence[Sequence[int]] | None,
+    step_positions: Sequence[int] | None,
+) -> _SeededTensors:
+    """(seeded_rows, seeds, seed_steps, unseeded_rows); each None when empty."""
+    rows = [i for i, p in enumerate(params) if p.sampling_seed is not None]
+    if not rows:
+        return None, None, None, None
+    if step_positions is None:
+        if output_ids is None:
+            raise ValueError("seeded sampling needs step_positions or output_ids")
+        step_positions = [len(ids) for ids in output_ids]
+    others = [i for i in range(len(params)) if params[i].sampling_seed is None]
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
+    return (
+        as_tensor(rows),
+        as_tensor([params[i].sampling_seed for i in rows]),
+        as_tensor([step_positions[i] for i in rows]),
+        as_tensor(others) if others else None,
+    )

@@ -1,0 +1,161 @@
+"""Per-request sampling parameters, with SGLang's names, defaults and valid ranges.
+
+`SamplingParams` is plain data: the message layer converts it with `to_dict()` /
+`from_dict()`. `verify()` checks ranges; `normalize()` returns the canonical form the
+sampler works with (greedy as `top_k=1, temperature=1.0`, `top_k=-1` as `TOP_K_ALL`,
+`stop` as a list). `SamplingBatchInfo` accepts both raw and normalized params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# Below this temperature a request is greedy (SGLang's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-6
+# top_k meaning "the whole vocabulary"; the batch builder clamps it to vocab_size.
+TOP_K_ALL = 1 << 30
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    sampling_seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    n: int = 1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def has_penalty(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
+    def stop_strs(self) -> list[str]:
+        """`stop` as a list, whether or not the params were normalized."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def verify(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        checks: list[tuple[bool, str, str]] = [
+            (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (self.top_logprobs_num >= 0, "top_logprobs_num", "must be >= 0"),
+            (self.n >= 1, "n", "must be >= 1"),
+            (all(s for s in self.stop_strs), "stop", "must not contain empty strings"),
+        ]
+        if self.sampling_seed is not None:
+            ok = _INT64_MIN <= self.sampling_seed <= _INT64_MAX
+            checks.append((ok, "sampling_seed", "must fit in a signed 64-bit integer"))
+        if vocab_size is not None:
+            ids_ok = all(0 <= t < vocab_size for t in self.stop_token_ids or [])
+            checks.append((ids_ok, "stop_token_ids", f"must be in [0, {vocab_size})"))
+            k_ok = self.top_logprobs_num <= vocab_size
+            checks.append((k_ok, "top_logprobs_num", f"must be <= vocab size {vocab_size}"))
+        for ok, name, why in checks:
+            if not ok:
+                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    def normalize(self) -> SamplingParams:
+        """Return the canonical copy (idempotent; `self` is not changed)."""
+        greedy = self.is_greedy
+        top_k = 1 if greedy else self.top_k
+        return dataclasses.replace(
+            self,
+            temperature=1.0 if greedy else self.temperature,
+            top_k=TOP_K_ALL if top_k == -1 else top_k,
+            stop=self.stop_strs,
+            stop_token_ids=list(self.stop_token_ids or []),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a plain dict; unknown keys and wrong types raise ValueError."""
+        for key, value in d.items():
+            if key not in _FIELD_TYPES:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+            if not _type_ok(_FIELD_TYPES[key], value):
+                raise ValueError(
+                    f"{key} has wrong type {type(value).__name__}, expected {_FIELD_TYPES[key]}"
+                )
+        kwargs = {k: float(v) if _FIELD_TYPES[k] == "float" else v for k, v in d.items()}
+        for key in ("stop", "stop_token_ids"):
+            if isinstance(kwargs.get(key), (list, tuple)):
+                kwargs[key] = list(kwargs[key])
+        return cls(**kwargs)
+
+
+_FIELD_TYPES: dict[str, str] = {
+    "max_new_tokens": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "min_p": "float",
+    "stop": "str | list[str] | None",
+    "stop_token_ids": "list[int] | None",
+    "ignore_eos": "bool",
+    "repetition_penalty": "float",
+    "frequency_penalty": "float",
+    "presence_penalty": "float",
+    "sampling_seed": "int | None",
+    "skip_special_tokens": "bool",
+    "spaces_between_special_tokens": "bool",
+    "return_logprob": "bool",
+    "top_logprobs_num": "int",
+    "n": "int",
+}
+assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _type_ok(spec: str, v: Any) -> bool:
+    if v is None:
+        return spec.endswith("| None")
+    if spec.startswith("int"):
+        return _is_int(v)
+    if spec == "float":
+        return _is_int(v) or isinstance(v, float)
+    if spec == "bool":
+        return isinstance(v, bool)
+    if spec.startswith("str"):
+        return isinstance(v, str) or (
+            isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)
+        )
+    if spec.startswith("list[int]"):
+        return isinstance(v, (list, tuple)) and all(_is_int(t) for t in v)
+    raise AssertionError(f"no type check for {spec}")
