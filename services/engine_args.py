@@ -1,0 +1,50 @@
+"""Engine arguments as command-line flags (SGLang's spellings), shared by `generate` and the
+worker service."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+from engine.config import ATTENTION_BACKENDS, SCHEDULE_POLICIES, EngineArgs
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sluice", "tiny-llama")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", "--model-path", dest="model_path", default=None,
+                   help="Hugging Face model folder (default: a generated tiny model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--page-size", type=int, default=1)
+    g.add_argument("--chunked-prefill-size", type=int, default=8192)
+    g.add_argument("--max-prefill-tokens", type=int, default=16384)
+    g.add_argument("--max-running-requests", type=int, default=256)
+    g.add_argument("--max-total-tokens", type=int, default=None)
+    g.add_argument("--mem-fraction-static", type=float, default=0.85)
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
+    g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--disable-overlap-schedule", action="store_true")
+    g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
+    g.add_argument("--random-seed", type=int, default=0)
+
+
+def ensure_model(path: str | None) -> str:
+    """The given model folder, or a tiny generated Llama (built once, then reused)."""
+    if path:
+        return path
+    if not os.path.exists(os.path.join(DEFAULT_MODEL_DIR, "config.json")):
+        from services.tiny_model import make_tiny_model
+
+        make_tiny_model(DEFAULT_MODEL_DIR, arch="llama", preset="tiny")
+    return DEFAULT_MODEL_DIR
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    kwargs = {k: v for k, v in vars(ns).items() if k in names}
+    kwargs["model_path"] = ensure_model(kwargs.get("model_path"))
+    return EngineArgs.from_kwargs(**kwargs)
