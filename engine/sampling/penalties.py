@@ -92,7 +92,7 @@ def count_tokens(
         return counts.view(batch_size, vocab_size)
     flat: list[int] = []
     lens: list[int] = []
-    for ids, on in zip(token_lists, rows):
+    for ids, on in zip(token_lists, rows, strict=True):
         n = len(ids) if on else 0
         if n:
             flat.extend(ids)

@@ -39,11 +39,17 @@ class SampleOutput:
 
 
 class Sampler:
-    """Picks the next token of every request in a batch. Owns the unseeded RNG."""
+    """Picks the next token of every request in a batch.
 
-    def __init__(self, random_seed: int | None = None) -> None:
-        self.random_seed = random_seed
+    Owns the RNG of unseeded requests: one torch.Generator per device, seeded from `seed`
+    (the server's random_seed; None seeds it from the OS).
+    """
+
+    def __init__(self, seed: int | None = None, device: torch.device | str | None = None) -> None:
+        self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        if device is not None:
+            self._generator(torch.device(device))
 
     def __call__(
         self,
@@ -110,10 +116,10 @@ class Sampler:
         gen = self._generators.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
-            if self.random_seed is None:
+            if self.seed is None:
                 gen.seed()
             else:
-                gen.manual_seed(self.random_seed)
+                gen.manual_seed(self.seed)
             self._generators[device] = gen
         return gen
 

@@ -64,33 +64,40 @@ class SamplingBatchInfo:
         `len(output_ids[i])` and is required for seeded requests when output_ids is None.
         """
         batch_size = len(params)
-        _check_lengths(batch_size, output_ids=output_ids, input_ids=input_ids,
-                       step_positions=step_positions)
+        _check_lengths(
+            batch_size, output_ids=output_ids, input_ids=input_ids, step_positions=step_positions
+        )
         greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_ks = [1 if g else _clamp_top_k(p.top_k, vocab_size) for p, g in zip(params, greedy)]
-        top_ps = [p.top_p for p in params]
-        min_ps = [p.min_p for p in params]
+        # Greedy rows: temperature 1, top_k 1, and no filter of theirs needs any work.
+        sampled = [p for p, g in zip(params, greedy, strict=True) if not g]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        top_ks = [
+            1 if g else _clamp_top_k(p.top_k, vocab_size)
+            for p, g in zip(params, greedy, strict=True)
+        ]
         seeded = _seeded(params, device, output_ids, step_positions)
         return cls(
             vocab_size=vocab_size,
-            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).unsqueeze(1),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            temperatures=_floats(temps, device).unsqueeze(1),
+            top_ps=_floats([p.top_p for p in params], device),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            min_ps=_floats([p.min_p for p in params], device),
             greedy_rows=torch.tensor(greedy, dtype=torch.bool, device=device),
-            is_all_greedy=all(greedy),
-            has_greedy=any(greedy),
-            # Greedy rows are answered by argmax: their own filters need no work.
-            need_top_p=any(p < 1.0 and not g for p, g in zip(top_ps, greedy)),
-            need_top_k=any(k < vocab_size and not g for k, g in zip(top_ks, greedy)),
-            need_min_p=any(m > 0.0 and not g for m, g in zip(min_ps, greedy)),
+            is_all_greedy=not sampled,
+            has_greedy=len(sampled) < batch_size,
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_top_k=any(_clamp_top_k(p.top_k, vocab_size) < vocab_size for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
             seeded_rows=seeded[0],
             seeds=seeded[1],
             seed_steps=seeded[2],
             unseeded_rows=seeded[3],
             penalties=BatchPenalties.build(params, vocab_size, device, output_ids, input_ids),
         )
+
+
+def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def _clamp_top_k(top_k: int, vocab_size: int) -> int:

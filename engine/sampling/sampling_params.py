@@ -1,9 +1,9 @@
 """Per-request sampling parameters, with SGLang's names, defaults and valid ranges.
 
 `SamplingParams` is plain data: the message layer converts it with `to_dict()` /
-`from_dict()`. `verify()` checks ranges; `normalize()` returns the canonical form the
-sampler works with (greedy as `top_k=1, temperature=1.0`, `top_k=-1` as `TOP_K_ALL`,
-`stop` as a list). `SamplingBatchInfo` accepts both raw and normalized params.
+`from_dict()`. `verify()` checks ranges; `normalize()` rewrites to the canonical form
+(greedy as `top_k=1, temperature=1.0`, `top_k=-1` as `TOP_K_ALL`, `stop` as a list).
+`SamplingBatchInfo` accepts both raw and normalized params.
 """
 
 from __future__ import annotations
@@ -86,16 +86,18 @@ class SamplingParams:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
     def normalize(self) -> SamplingParams:
-        """Return the canonical copy (idempotent; `self` is not changed)."""
-        greedy = self.is_greedy
-        top_k = 1 if greedy else self.top_k
-        return dataclasses.replace(
-            self,
-            temperature=1.0 if greedy else self.temperature,
-            top_k=TOP_K_ALL if top_k == -1 else top_k,
-            stop=self.stop_strs,
-            stop_token_ids=list(self.stop_token_ids or []),
-        )
+        """Rewrite in place to the canonical form and return self (idempotent, as SGLang).
+
+        Greedy becomes `temperature=1.0, top_k=1`; `top_k=-1` becomes `TOP_K_ALL`; `stop`
+        becomes a list and `stop_token_ids` a list.
+        """
+        if self.is_greedy:
+            self.temperature, self.top_k = 1.0, 1
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+        self.stop = self.stop_strs
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
