@@ -43,11 +43,17 @@ class SchedulePolicy:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        # requests that share a long prefix with one ahead of them in this pass: they wait for
+        # the next round (when the prefix is cached) unless the batch would otherwise be empty
+        self.deprioritized: set[str] = set()
+        self.matched_all = False  # calc_priority already matched every waiting request
 
     def calc_priority(self, waiting: list[Req]) -> None:
         """Sort `waiting` in place. Prefix-aware policies match the cache for every request
         (which also sets up each request's next-round input)."""
         policy = self.policy
+        self.deprioritized = set()
+        self.matched_all = False
         if policy == "lpm" and len(waiting) > LPM_FALLBACK_QUEUE_LEN:
             policy = "fcfs"
         if policy == "fcfs":
@@ -55,7 +61,8 @@ class SchedulePolicy:
         if policy == "random":
             self.rng.shuffle(waiting)
             return
-        deprioritized = self._match_all(waiting)
+        deprioritized = self.deprioritized = self._match_all(waiting)
+        self.matched_all = True
         if policy == "lpm":
             waiting.sort(key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices)))
         else:

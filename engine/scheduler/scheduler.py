@@ -173,8 +173,12 @@ class Scheduler:
         if self.chunked_req is not None:
             chunked_batch_req = self.chunked_req
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        matched = self.policy.matched_all
+        deprioritized = self.policy.deprioritized
         for req in self.waiting_queue:
-            if self.policy.policy in ("fcfs", "random") or len(self.waiting_queue) > 128:
+            if req.rid in deprioritized and adder.can_run_list:
+                continue
+            if not matched:
                 req.init_next_round_input(self.tree_cache)
             if adder.add_one_req(req) is not AddResult.CONTINUE:
                 break

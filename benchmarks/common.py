@@ -1,0 +1,83 @@
+"""What every benchmark records beside its numbers: the command, the machine, the versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+    }
+    try:
+        import torch
+
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def versions(*names: str) -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("sluice", "torch", "transformers", *names):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def write_result(name: str, results: Any, summary: dict[str, Any], **extra: Any) -> str:
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    doc = {
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine_info(),
+        "versions": versions(),
+        "results": results,
+        "summary": summary,
+        **extra,
+    }
+    path = os.path.join(RESULTS_DIR, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return "" if v is None else str(v)

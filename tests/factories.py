@@ -1,0 +1,90 @@
+"""Shared test factories: tiny models per architecture (built once per session), prompt sets,
+and the transformers greedy reference."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import tempfile
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+_ROOT = tempfile.mkdtemp(prefix="sluice-test-models-")
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str, preset: str = "tiny", seed: int = 0) -> str:
+    from services.tiny_model import make_tiny_model
+
+    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_tiny_model(out, arch=arch, preset=preset, seed=seed)
+    return out
+
+
+def mixed_prompts(vocab_size: int, n: int = 16, seed: int = 0, max_len: int = 300) -> list[list[int]]:
+    """`n` prompts of mixed lengths in [1, max_len]; half share a long common prefix.
+    Ids avoid the first few (special tokens) so no prompt contains EOS."""
+    rng = random.Random(seed)
+    lo = 8
+    prefix = [rng.randrange(lo, vocab_size) for _ in range(max_len * 2 // 3)]
+    prompts = []
+    for i in range(n):
+        if i % 2 == 0:
+            tail = [rng.randrange(lo, vocab_size) for _ in range(rng.randint(1, max_len - len(prefix)))]
+            prompts.append(prefix + tail)
+        else:
+            length = 1 if i == 1 else rng.randint(2, max_len)
+            prompts.append([rng.randrange(lo, vocab_size) for _ in range(length)])
+    return prompts
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation by transformers (float32, no padding, EOS ignored)."""
+    model = _hf_model(path)
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def top2_gap(path: str, ids: list[int]) -> float:
+    """Gap between the two largest next-token logits after `ids` (transformers)."""
+    logits = _hf_model(path)(torch.tensor([ids])).logits[0, -1].double()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+TIE_EPS = 1e-3
+
+
+def assert_greedy_match(path: str, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """Token-exact, except that a first mismatch on a genuine tie (top-2 gap < TIE_EPS) ends
+    the comparison as equal (the rest of both sequences legitimately diverge)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            gap = top2_gap(path, prompt + want[:i])
+            assert gap < TIE_EPS, (
+                f"mismatch at new token {i}: got {a}, transformers {b}, top-2 gap {gap:.3g}\n"
+                f"got  {got}\nwant {want}"
+            )
+            return
+    assert len(got) == len(want), f"length differs: {len(got)} vs {len(want)}"
