@@ -1,0 +1,43 @@
+"""Message types, one module per destination (as mini-sglang splits them).
+
+| module        | stream                 | types                                 |
+|---------------|------------------------|---------------------------------------|
+| `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
+| `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg           |
+| `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
+| `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg   |
+| `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
+
+`msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
+type; both raise `MessageError` for anything invalid. See `base` for the wire format.
+"""
+
+from shared.messages.base import Message, Record, decode_message, message_types
+from shared.messages.common import DETOK_WINDOW_LEN, FinishReason
+from shared.messages.detokenizer import StepOutputMsg, StepRow
+from shared.messages.router import DetokOutputMsg, DetokRow, ErrorMsg
+from shared.messages.schema import MessageError
+from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
+from shared.messages.tokenizer import ChatMessage, TokenizeReqMsg
+from shared.messages.worker import AbortReqMsg, GenerateReqMsg
+
+__all__ = [
+    "DETOK_WINDOW_LEN",
+    "AbortReqMsg",
+    "ChatMessage",
+    "DetokOutputMsg",
+    "DetokRow",
+    "ErrorMsg",
+    "FinishReason",
+    "GenerateReqMsg",
+    "Message",
+    "MessageError",
+    "Record",
+    "ServiceStatusMsg",
+    "StepOutputMsg",
+    "StepRow",
+    "TokenizeReqMsg",
+    "WorkerLoadMsg",
+    "decode_message",
+    "message_types",
+]

@@ -1,0 +1,104 @@
+"""Messages bound for a router (its plain stream `{p}:router:{r}:out`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from shared.messages.base import Message
+from shared.messages.common import Columnar, FinishReason, check_optional_lengths
+from shared.messages.schema import MessageError
+
+
+class DetokRow(NamedTuple):
+    """The text of output tokens [start, end) of one request (a row of `DetokOutputMsg`).
+
+    `text` is the delta those tokens add; it may be empty while an incomplete character is
+    held back, and the held-back text then arrives with a later range. Ranges of one
+    request may arrive out of order or twice: order by `start`, ignore ranges already seen.
+    The final row (finish reason set) carries the usage figures the API reports.
+    """
+
+    rid: str
+    start: int
+    end: int
+    text: str
+    output_ids: list[int]
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    token_logprobs: list[float] | None = None
+    top_logprobs_ids: list[list[int]] | None = None
+    top_logprobs_vals: list[list[float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class DetokOutputMsg(Columnar, Message):
+    """detokenizer → router `router_id`: the rows of one step that belong to this router.
+
+    Columnar like `StepOutputMsg`; see `DetokRow`. `worker_id` and `step` identify the step
+    message the rows came from.
+    """
+
+    TAG = "detok_output"
+    VERSION = 1
+    ROW = DetokRow
+    COLUMNS = (
+        "rids", "starts", "ends", "texts", "output_ids", "finish_reasons", "prompt_tokens",
+        "completion_tokens", "cached_tokens", "token_logprobs", "top_logprobs_ids",
+        "top_logprobs_vals",
+    )  # fmt: skip
+
+    router_id: str
+    worker_id: str
+    step: int
+    rids: list[str]
+    starts: list[int]
+    ends: list[int]
+    texts: list[str]
+    output_ids: list[list[int]]
+    finish_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    token_logprobs: list[list[float] | None]
+    top_logprobs_ids: list[list[list[int]] | None]
+    top_logprobs_vals: list[list[list[float]] | None]
+
+    def _check(self) -> None:
+        self._check_columns()
+        for i, (start, end, ids) in enumerate(
+            zip(self.starts, self.ends, self.output_ids, strict=True)
+        ):
+            if start < 0 or end - start != len(ids):
+                raise MessageError(
+                    f"DetokOutputMsg.rows[{i}]: range [{start}, {end}) with {len(ids)} token(s)"
+                )
+        lengths = [len(ids) for ids in self.output_ids]
+        for name in ("token_logprobs", "top_logprobs_ids", "top_logprobs_vals"):
+            check_optional_lengths("DetokOutputMsg", name, getattr(self, name), lengths)
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorMsg(Message):
+    """any service → router `router_id`: request `rid` failed and will produce no output.
+
+    `code` is a short machine-readable name (`prompt_too_long`, `invalid_request`,
+    `internal`); `status` the HTTP status the router should answer with; `source` the
+    service that failed it (for example `tokenizer:host-1234`).
+    """
+
+    TAG = "error"
+    VERSION = 1
+
+    rid: str
+    router_id: str
+    code: str
+    message: str
+    status: int = 400
+    source: str = ""

@@ -1,0 +1,54 @@
+"""Heartbeat payloads: the value of each service's liveness key (see shared.heartbeat)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.messages.base import Message
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoadMsg(Message):
+    """A worker's liveness and load, read by routers to choose a worker and to fail over.
+
+    Token figures count KV-cache slots: `num_used_tokens` of `max_total_num_tokens` are
+    held by running requests (`token_usage` is their ratio, 0..1); `num_cached_tokens` are
+    held only by the prefix cache and can be evicted. `updated_at` is `time.time()`.
+    """
+
+    TAG = "worker_load"
+    VERSION = 1
+
+    worker_id: str
+    model: str
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_tokens: int
+    num_cached_tokens: int
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    token_usage: float
+    gen_throughput: float
+    host: str
+    pid: int
+    updated_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStatusMsg(Message):
+    """Liveness of a tokenizer, detokenizer or router (`kind`), identified by `service_id`.
+
+    `num_handled` counts messages the service has processed since `started_at`.
+    """
+
+    TAG = "service_status"
+    VERSION = 1
+
+    kind: str
+    service_id: str
+    host: str
+    pid: int
+    started_at: float
+    updated_at: float
+    num_handled: int = 0

@@ -1,0 +1,60 @@
+"""Messages bound for a worker (stream `{p}:worker:{w}:in`, a consumer group of one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.messages.base import Message
+from shared.messages.schema import MessageError
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateReqMsg(Message):
+    """tokenizer → worker: a tokenized request, ready to schedule.
+
+    `sampling_params` is the SGLang-style dict as the client sent it (the engine resolves
+    defaults). `stop` holds the stop strings, which the worker matches to stop early; the
+    router trims them from the text. The two detokenizer flags are not used by the worker:
+    it copies them into every `StepOutputMsg` row of this request, because detokenizers
+    keep no per-request state. `created` is the router's arrival time, kept for latency
+    metrics.
+    """
+
+    TAG = "generate_req"
+    VERSION = 1
+
+    rid: str
+    router_id: str
+    input_ids: list[int]
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    stop: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    created: float = 0.0
+
+    def _check(self) -> None:
+        if not self.input_ids:
+            raise MessageError(f"GenerateReqMsg {self.rid}: input_ids is empty")
+        if self.top_logprobs_num < 0:
+            raise MessageError(f"GenerateReqMsg {self.rid}: top_logprobs_num must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class AbortReqMsg(Message):
+    """router → worker: stop request `rid` (client gone, timeout).
+
+    The worker ends the request with finish reason `abort` in its next step message. An
+    abort can overtake its request (the request goes through a tokenizer, the abort comes
+    straight from the router), so a worker should remember recently aborted unknown rids
+    and drop the request when it arrives.
+    """
+
+    TAG = "abort_req"
+    VERSION = 1
+
+    rid: str
+    reason: str = ""
