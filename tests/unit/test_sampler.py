@@ -1,0 +1,265 @@
+"""Sampler: greedy equivalences, seeds, penalties, filters, distribution and logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from engine.sampling.sampler import Sampler
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_params import SamplingParams
+
+SP = SamplingParams
+
+
+def make_info(params: list[SamplingParams], vocab: int, **kw) -> SamplingBatchInfo:
+    kw.setdefault("step_positions", [0] * len(params))
+    return SamplingBatchInfo.from_params(params, vocab, "cpu", **kw)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seed: int = 0, **kw):
+    nums = kw.pop("top_logprobs_nums", None)
+    ret = kw.pop("return_logprob", False)
+    return Sampler(seed=seed)(logits, make_info(params, logits.shape[1], **kw), ret, nums)
+
+
+def random_logits(rows: int, vocab: int, seed: int, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def chi2_critical(df: int, z: float = 4.75) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(df); z = 4.75 is a 1e-6 tail."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def chi2(counts: torch.Tensor, expected_p: torch.Tensor, n: int) -> float:
+    keep = expected_p > 0
+    exp = expected_p[keep] * n
+    return float((((counts[keep].double() - exp) ** 2) / exp).sum())
+
+
+@pytest.mark.parametrize("kind", ["top_k=1", "temperature=0", "top_p=1e-6"])
+def test_greedy_equivalents_give_exact_argmax_in_a_mixed_batch(kind: str) -> None:
+    greedy = {
+        "top_k=1": SP(top_k=1, temperature=1.3),
+        "temperature=0": SP(temperature=0.0),
+        "top_p=1e-6": SP(top_p=1e-6, temperature=1.5),
+    }[kind]
+    logits = random_logits(64, 500, seed=1)
+    # Rows alternate between the greedy kind and plain high-temperature sampling.
+    params = [greedy if i % 2 == 0 else SP(temperature=2.0) for i in range(64)]
+    out = sample(logits, params)
+    expect = logits.argmax(-1)
+    assert torch.equal(out.next_token_ids[::2], expect[::2])
+    assert not torch.equal(out.next_token_ids[1::2], expect[1::2])  # the others do sample
+    assert out.next_token_ids.dtype == torch.int64 and out.logprobs is None
+
+
+def test_all_greedy_batch_and_logits_not_modified() -> None:
+    logits = random_logits(8, 50, seed=2)
+    before = logits.clone()
+    out = sample(logits, [SP(temperature=0.0, repetition_penalty=1.5)] * 8, output_ids=[[1]] * 8)
+    assert torch.equal(logits, before)
+    assert out.next_token_ids.shape == (8,)
+
+
+def seeded_target_tokens(position: int, batch: int, steps: int, sampler_seed: int) -> list[int]:
+    """Tokens of one seeded request over `steps` steps, placed at `position` of a batch."""
+    vocab = 256
+    target = SP(temperature=0.8, top_k=100, top_p=0.97, sampling_seed=1234)
+    target_logits = random_logits(1, vocab, seed=3, scale=1.5)[0]
+    others = [
+        SP(),
+        SP(temperature=0.0),
+        SP(top_k=5, sampling_seed=99),
+        SP(min_p=0.2, temperature=0.5),
+        SP(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3),
+        SP(top_p=0.5, sampling_seed=1),
+    ]
+    sampler = Sampler(seed=sampler_seed)
+    tokens = []
+    for step in range(steps):
+        params = [others[(i + step) % len(others)] for i in range(batch)]
+        params[position] = target
+        logits = random_logits(batch, vocab, seed=100 + step)
+        logits[position] = target_logits
+        steps_pos = [step + i for i in range(batch)]
+        steps_pos[position] = step
+        outputs = [[(7 * i + step) % vocab] * 3 for i in range(batch)]
+        info = SamplingBatchInfo.from_params(
+            params, vocab, "cpu", output_ids=outputs, input_ids=outputs, step_positions=steps_pos
+        )
+        tokens.append(int(sampler(logits, info).next_token_ids[position]))
+    return tokens
+
+
+def test_seeded_request_is_independent_of_batch_position_and_composition() -> None:
+    alone = seeded_target_tokens(position=0, batch=1, steps=16, sampler_seed=0)
+    assert len(set(alone)) > 8  # it really samples, and the step changes the draw
+    assert seeded_target_tokens(0, 1, 16, sampler_seed=77) == alone
+    assert seeded_target_tokens(17, 50, 16, sampler_seed=5) == alone
+    assert seeded_target_tokens(49, 50, 16, sampler_seed=6) == alone
+
+
+def test_seed_changes_the_draws() -> None:
+    logits = random_logits(1, 1000, seed=4, scale=0.5).expand(64, -1)
+    a = sample(logits, [SP(sampling_seed=1)] * 64, step_positions=list(range(64)))
+    b = sample(logits, [SP(sampling_seed=2)] * 64, step_positions=list(range(64)))
+    assert (a.next_token_ids != b.next_token_ids).sum() > 50
+
+
+def test_seeded_step_positions_default_to_output_length() -> None:
+    logits = random_logits(1, 300, seed=5, scale=0.5)
+    explicit = sample(logits, [SP(sampling_seed=3)], step_positions=[4])
+    implied = sample(logits, [SP(sampling_seed=3)], step_positions=None, output_ids=[[1] * 4])
+    assert torch.equal(explicit.next_token_ids, implied.next_token_ids)
+    with pytest.raises(ValueError, match="step_positions"):
+        make_info([SP(sampling_seed=3)], 300, step_positions=None)
+
+
+def test_unseeded_draws_differ_but_follow_the_sampler_seed() -> None:
+    logits = torch.zeros(64, 1000)
+    params = [SP()] * 64
+    info = make_info(params, 1000)
+    sampler = Sampler(seed=11)
+    first = sampler(logits, info).next_token_ids
+    second = sampler(logits, info).next_token_ids
+    assert (first != second).sum() > 50
+    assert torch.equal(Sampler(seed=11)(logits, info).next_token_ids, first)
+
+
+def reference_penalties(
+    row: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams
+) -> torch.Tensor:
+    out = row.clone()
+    for t in set(prompt) | set(output):
+        r = p.repetition_penalty
+        out[t] = out[t] / r if out[t] > 0 else out[t] * r
+    for t, c in Counter(output).items():
+        out[t] -= p.frequency_penalty * c + p.presence_penalty
+    return out
+
+
+def test_penalties_match_a_per_request_python_computation() -> None:
+    vocab = 12
+    logits = torch.tensor([[3.0, -2.0, 1.5, -0.5, 0.0, 2.5, -4.0, 1.0, 0.7, -1.2, 2.0, 0.3]] * 6)
+    prompts = [[0, 1, 2], [0, 1, 2], [3, 3], [5], [0, 1, 9], [4]]
+    outputs = [[2, 5, 5, 6], [1, 1, 7], [3, 8, 8, 8], [5, 10], [1, 6, 6, 10, 11], []]
+    params = [
+        SP(temperature=0.0, repetition_penalty=1.7),
+        SP(temperature=0.0, repetition_penalty=0.6),  # < 1 rewards repeats
+        SP(temperature=0.0, frequency_penalty=0.9),
+        SP(temperature=0.0, presence_penalty=1.4),
+        SP(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.8),
+        SP(temperature=0.0),  # no penalty inside a penalised batch
+    ]
+    info = make_info(params, vocab, output_ids=outputs, input_ids=prompts)
+    assert info.penalties is not None
+    got = info.penalties.apply(logits)
+    for i, p in enumerate(params):
+        want = reference_penalties(logits[i], prompts[i], outputs[i], p)
+        torch.testing.assert_close(got[i], want, rtol=0, atol=1e-6)
+    out = Sampler()(logits, info, True, None)
+    assert torch.equal(out.next_token_ids, got.argmax(-1))
+    torch.testing.assert_close(
+        out.logprobs, got.log_softmax(-1).gather(1, got.argmax(-1)[:, None])[:, 0]
+    )
+
+
+def test_no_penalty_tensors_without_penalties() -> None:
+    info = make_info(
+        [SP(), SP(temperature=0.0)], 50, output_ids=[[1, 2], [3]], input_ids=[[4], [5]]
+    )
+    assert info.penalties is None
+
+
+@pytest.mark.parametrize("sorted_path", [False, True])
+def test_min_p_keeps_exactly_the_tokens_above_the_threshold(sorted_path: bool) -> None:
+    probs = torch.tensor([0.4, 0.2, 0.11, 0.09, 0.08, 0.06, 0.04, 0.02])
+    n = 20000
+    params = [SP(min_p=0.25)] * n  # threshold 0.25 * 0.4 = 0.1: keeps tokens 0, 1, 2
+    if sorted_path:
+        params[-1] = SP(top_k=3)  # one row that needs a sort sends the batch down that path
+    info = make_info(params, 8)
+    assert info.need_top_k == sorted_path
+    out = Sampler(seed=3)(probs.log().expand(n, -1), info, False, None)
+    counts = torch.bincount(out.next_token_ids[:-1], minlength=8)
+    assert counts[3:].sum() == 0 and (counts[:3] > 0).all()
+    expect = torch.tensor([0.4, 0.2, 0.11, 0, 0, 0, 0, 0], dtype=torch.float64) / 0.71
+    assert chi2(counts, expect, n - 1) < chi2_critical(2)
+
+
+def truncated_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Softmax(logits / T), smallest prefix (by probability) with mass >= top_p, renormalised."""
+    p = torch.softmax(logits.double() / temperature, -1)
+    sorted_p, order = p.sort(descending=True)
+    mass_before = sorted_p.cumsum(0) - sorted_p
+    keep_sorted = mass_before < top_p
+    n_keep = int(keep_sorted.sum())
+    # The cut must not sit within float32 rounding of top_p, or the test would be fragile.
+    assert mass_before[n_keep - 1] < top_p - 0.01 and sorted_p[:n_keep].sum() > top_p + 0.01
+    out = torch.zeros_like(p)
+    out[order[:n_keep]] = sorted_p[:n_keep]
+    return out / out.sum()
+
+
+DIST_LOGITS = torch.tensor([1.2, -0.3, 0.8, 2.0, -1.5, 0.1, 1.7, -0.7, 0.5, 1.0, -2.2, 0.0])
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_temperature_top_p_distribution_matches_analytic(seeded: bool) -> None:
+    n, temperature, top_p = 20000, 0.7, 0.9
+    expect = truncated_distribution(DIST_LOGITS, temperature, top_p)
+    if seeded:  # every row its own seed: checks the counter-based hash is a fair source
+        params = [SP(temperature=temperature, top_p=top_p, sampling_seed=s) for s in range(n)]
+    else:
+        params = [SP(temperature=temperature, top_p=top_p)] * n
+    out = sample(DIST_LOGITS.expand(n, -1), params, seed=123)
+    counts = torch.bincount(out.next_token_ids, minlength=12)
+    assert counts[expect == 0].sum() == 0, "a token outside top-p was sampled"
+    df = int((expect > 0).sum()) - 1
+    assert chi2(counts, expect, n) < chi2_critical(df)
+
+
+def test_one_seed_over_many_steps_follows_the_distribution() -> None:
+    n, temperature = 20000, 1.3
+    params = [SP(temperature=temperature, sampling_seed=2024)] * n
+    out = sample(DIST_LOGITS.expand(n, -1), params, step_positions=list(range(n)))
+    counts = torch.bincount(out.next_token_ids, minlength=12)
+    full = torch.softmax(DIST_LOGITS.double() / temperature, -1)
+    assert chi2(counts, full, n) < chi2_critical(11)
+
+
+def test_logprobs_are_log_softmax_after_temperature_before_filters() -> None:
+    logits = random_logits(4, 200, seed=6)
+    params = [SP(temperature=0.5, top_k=5), SP(top_p=0.3), SP(temperature=2.0), SP(temperature=0)]
+    out = sample(logits, params, return_logprob=True, top_logprobs_nums=[0, 3, 5, 1])
+    temps = torch.tensor([[0.5], [1.0], [2.0], [1.0]])
+    full = torch.log_softmax(logits / temps, -1)
+    want = full.gather(1, out.next_token_ids[:, None])[:, 0]
+    torch.testing.assert_close(out.logprobs, want)
+    assert out.top_logprobs is not None and out.top_logprobs[0] == ([], [])
+    for i, k in enumerate([0, 3, 5, 1]):
+        ids, values = out.top_logprobs[i]
+        assert len(ids) == len(values) == k
+        assert values == sorted(values, reverse=True)
+        assert ids == full[i].topk(k).indices.tolist()
+        torch.testing.assert_close(torch.tensor(values), full[i, ids])
+
+
+def test_top_logprobs_absent_unless_asked_and_finite_on_masked_logits() -> None:
+    logits = random_logits(2, 30, seed=7)
+    logits[:, 10:] = float("-inf")
+    assert (
+        sample(logits, [SP()] * 2, return_logprob=True, top_logprobs_nums=[0, 0]).top_logprobs
+        is None
+    )
+    assert sample(logits, [SP()] * 2, top_logprobs_nums=[2, 2]).top_logprobs is None
+    out = sample(logits, [SP()] * 2, return_logprob=True, top_logprobs_nums=[30, 1])
+    assert out.top_logprobs is not None
+    assert all(math.isfinite(v) for v in out.top_logprobs[0][1])
+    assert (out.next_token_ids < 10).all()
