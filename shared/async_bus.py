@@ -1,0 +1,169 @@
+"""The asyncio twin of `shared.bus.Bus`, over `redis.asyncio.Redis` (used by the router).
+
+Same methods, same semantics, awaited; the decoding and dead-lettering logic is shared
+with the synchronous bus, so only the I/O differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import redis
+import redis.asyncio as aioredis
+
+from shared.keys import DEFAULT_DLQ_MAXLEN, DEFAULT_PREFIX, DEFAULT_STREAM_MAXLEN, MSG_FIELD
+from shared.keys import dlq_stream as _dlq_stream
+from shared.messages import Message
+from shared.stream_entries import (
+    DEFAULT_MAX_DELIVERIES,
+    BadEntry,
+    DeadLetter,
+    Entry,
+    as_text,
+    dead_letter_fields,
+    is_nogroup,
+    parse_dead_letter,
+    sort_claimed,
+    split_entries,
+    to_bytes,
+)
+
+
+class AsyncBus:
+    """Asynchronous bus; see `shared.bus.Bus` for the meaning of every method."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        maxlen: int = DEFAULT_STREAM_MAXLEN,
+        dlq_maxlen: int = DEFAULT_DLQ_MAXLEN,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    ) -> None:
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError("AsyncBus needs a Redis client with decode_responses=False")
+        self.redis = client
+        self.prefix = prefix
+        self.maxlen = maxlen
+        self.dlq_maxlen = dlq_maxlen
+        self.max_deliveries = max_deliveries
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kwargs: int) -> AsyncBus:
+        return cls(aioredis.Redis.from_url(url), prefix, **kwargs)
+
+    @property
+    def dlq(self) -> str:
+        return _dlq_stream(self.prefix)
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def ensure_group(self, stream: str, group: str, start_id: str = "0") -> bool:
+        try:
+            await self.redis.xgroup_create(stream, group, id=start_id, mkstream=True)
+            return True
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+            return False
+
+    async def publish(self, stream: str, msg: Message | bytes, maxlen: int | None = None) -> str:
+        limit = self.maxlen if maxlen is None else maxlen
+        entry_id = await self.redis.xadd(stream, {MSG_FIELD: to_bytes(msg)}, maxlen=limit or None)
+        return as_text(entry_id)
+
+    async def publish_many(
+        self, items: Iterable[tuple[str, Message | bytes]], maxlen: int | None = None
+    ) -> list[str]:
+        limit = (self.maxlen if maxlen is None else maxlen) or None
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, msg in items:
+            pipe.xadd(stream, {MSG_FIELD: to_bytes(msg)}, maxlen=limit)
+        return [as_text(eid) for eid in await pipe.execute()]
+
+    async def read_group(
+        self,
+        stream: str,
+        group: str,
+        consumer: str,
+        count: int = 64,
+        block_ms: int | None = None,
+        start: str = ">",
+    ) -> list[Entry]:
+        streams = {stream: start}
+        try:
+            reply = await self.redis.xreadgroup(
+                group, consumer, streams, count=count, block=block_ms
+            )
+        except redis.ResponseError as exc:
+            if not is_nogroup(exc):
+                raise
+            await self.ensure_group(stream, group)
+            reply = await self.redis.xreadgroup(
+                group, consumer, streams, count=count, block=block_ms
+            )
+        if not reply:
+            return []
+        good, bad, gone = split_entries(reply[0][1])
+        await self._drop(stream, group, consumer, bad, gone)
+        return good
+
+    async def ack(self, stream: str, group: str, *entry_ids: str) -> int:
+        return await self.redis.xack(stream, group, *entry_ids) if entry_ids else 0
+
+    async def autoclaim(
+        self, stream: str, group: str, consumer: str, min_idle_ms: int, count: int = 64
+    ) -> list[Entry]:
+        reply = await self.redis.xautoclaim(
+            stream, group, consumer, min_idle_ms, "0-0", count=count, justid=True
+        )
+        ids = [as_text(eid) for eid in reply]
+        if not ids:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xclaim(stream, group, consumer, 0, ids)
+        for eid in ids:
+            pipe.xpending_range(stream, group, eid, eid, 1)
+        claimed, *pending = await pipe.execute()
+        deliveries = [p[0]["times_delivered"] if p else 0 for p in pending]
+        good, bad, gone = sort_claimed(ids, claimed, deliveries, self.max_deliveries)
+        await self._drop(stream, group, consumer, bad, gone)
+        return good
+
+    async def read_plain(
+        self, stream: str, last_id: str = "0", count: int = 256, block_ms: int | None = None
+    ) -> tuple[str, list[Entry]]:
+        reply = await self.redis.xread({stream: last_id}, count=count, block=block_ms)
+        if not reply:
+            return last_id, []
+        raw_entries = reply[0][1]
+        good, bad, _ = split_entries(raw_entries)
+        if bad:
+            await self._drop(stream, "", "", bad, [])
+        return as_text(raw_entries[-1][0]), good
+
+    async def dead_letter(
+        self, stream: str, entry_id: str, raw: bytes, reason: str, group: str = ""
+    ) -> None:
+        fields = dead_letter_fields(stream, BadEntry(entry_id, raw, reason), group)
+        await self.redis.xadd(self.dlq, fields, maxlen=self.dlq_maxlen or None)
+
+    async def read_dlq(self, count: int = 100) -> list[DeadLetter]:
+        entries = await self.redis.xrange(self.dlq, count=count)
+        return [parse_dead_letter(eid, f) for eid, f in entries]
+
+    async def _drop(
+        self, stream: str, group: str, consumer: str, bad: list[BadEntry], gone: list[str]
+    ) -> None:
+        if not bad and not gone:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for entry in bad:
+            fields = dead_letter_fields(stream, entry, group, consumer)
+            pipe.xadd(self.dlq, fields, maxlen=self.dlq_maxlen or None)
+        to_ack = [b.entry_id for b in bad] + gone
+        if group and to_ack:
+            pipe.xack(stream, group, *to_ack)
+        await pipe.execute()

@@ -1,0 +1,127 @@
+"""Liveness: each service refreshes a key with a TTL; routers list the live workers.
+
+A heartbeat key (`shared.keys.heartbeat_key`: `{p}:hb:{kind}:{id}`) holds a msgpack
+message, usually the service's load (`WorkerLoadMsg`, `ServiceStatusMsg`). It is rewritten
+every `interval_s` (a third of the TTL by default) by a daemon thread, so it disappears
+within `ttl_s` of the process dying or hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import redis
+import redis.asyncio as aioredis
+
+from shared.keys import heartbeat_pattern
+from shared.messages import Message, MessageError, decode_message
+
+logger = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    """Refreshes `key` with `payload_fn()` and a TTL of `ttl_s` on a background thread.
+
+    Redis errors and payload errors are logged and retried at the next beat: a heartbeat
+    thread never dies while its process lives. If `payload_fn` fails, the key keeps its
+    last payload and only its TTL is refreshed.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        key: str,
+        ttl_s: float,
+        payload_fn: Callable[[], Message | bytes],
+        interval_s: float | None = None,
+    ) -> None:
+        if ttl_s <= 0:
+            raise ValueError("ttl_s must be positive")
+        self.redis = client
+        self.key = key
+        self.ttl_ms = max(1, round(ttl_s * 1000))
+        self.payload_fn = payload_fn
+        self.interval_s = ttl_s / 3 if interval_s is None else interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self) -> None:
+        """Refresh the key now (what the thread does every `interval_s`)."""
+        try:
+            payload = self.payload_fn()
+        except Exception:
+            logger.exception("heartbeat %s: payload failed; refreshing the TTL only", self.key)
+            self.redis.pexpire(self.key, self.ttl_ms)
+            return
+        data = payload.to_msg() if isinstance(payload, Message) else bytes(payload)
+        self.redis.set(self.key, data, px=self.ttl_ms)
+
+    def start(self) -> Heartbeat:
+        """Beat once (so the service is visible when this returns), then keep beating."""
+        if self._thread is not None:
+            return self
+        self.beat()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name=f"heartbeat {self.key}")
+        self._thread.daemon = True
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.beat()
+            except redis.RedisError as exc:
+                logger.warning("heartbeat %s: %s", self.key, exc)
+            except Exception:  # a heartbeat thread must outlive any bug in a payload
+                logger.exception("heartbeat %s failed", self.key)
+
+    def stop(self, delete: bool = True) -> None:
+        """Stop beating; `delete` removes the key at once (a clean shutdown)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if delete:
+            try:
+                self.redis.delete(self.key)
+            except redis.RedisError as exc:
+                logger.warning("heartbeat %s: delete failed: %s", self.key, exc)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def __enter__(self) -> Heartbeat:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _decode_live(keys: list[bytes], values: list[bytes | None]) -> dict[str, Message]:
+    live: dict[str, Message] = {}
+    for key, value in zip(keys, values, strict=True):
+        if value is None:  # expired between SCAN and MGET
+            continue
+        service_id = key.decode().rsplit(":", 1)[1]
+        try:
+            live[service_id] = decode_message(value)
+        except MessageError as exc:
+            logger.warning("heartbeat %s: undecodable payload: %s", key, exc.reason)
+    return live
+
+
+def list_live(client: redis.Redis, prefix: str, kind: str) -> dict[str, Message]:
+    """Live services of `kind` (e.g. "worker") by id, each with its latest payload."""
+    keys = sorted(client.scan_iter(match=heartbeat_pattern(prefix, kind), count=1000))
+    return _decode_live(keys, client.mget(keys)) if keys else {}
+
+
+async def list_live_async(client: aioredis.Redis, prefix: str, kind: str) -> dict[str, Message]:
+    """`list_live` for `redis.asyncio` clients."""
+    pattern = heartbeat_pattern(prefix, kind)
+    keys = sorted([key async for key in client.scan_iter(match=pattern, count=1000)])
+    return _decode_live(keys, await client.mget(keys)) if keys else {}

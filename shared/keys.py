@@ -1,0 +1,73 @@
+"""Every Redis key and consumer-group name sluice uses, in one place.
+
+All keys start with the deployment prefix `{p}` (default `sluice`), so several deployments
+can share one Redis. Streams:
+
+| key                   | producer → consumer                    | read as               |
+|-----------------------|----------------------------------------|-----------------------|
+| `{p}:tokenize`        | router → tokenizers                    | group `tokenizers`    |
+| `{p}:worker:{w}:in`   | tokenizers, router (aborts) → worker w | group `worker`        |
+| `{p}:detok`           | worker → detokenizers                  | group `detokenizers`  |
+| `{p}:router:{r}:out`  | detokenizers, any (errors) → router r  | plain XREAD           |
+| `{p}:dlq`             | anyone → operators                     | XRANGE                |
+
+Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}`.
+"""
+
+from __future__ import annotations
+
+DEFAULT_PREFIX = "sluice"
+
+TOKENIZER_GROUP = "tokenizers"
+WORKER_GROUP = "worker"
+DETOKENIZER_GROUP = "detokenizers"
+
+# Approximate MAXLEN of every stream. Trimming drops the oldest entries whether or not a
+# group has read them, so this must exceed what consumers can fall behind by; a step
+# message of 256 requests is about 20 kB, so 10k entries bound a stream near 200 MB.
+DEFAULT_STREAM_MAXLEN = 10_000
+DEFAULT_DLQ_MAXLEN = 10_000
+
+# The single field of every stream entry, holding the msgpack message.
+MSG_FIELD = b"m"
+
+WORKER_KIND = "worker"
+TOKENIZER_KIND = "tokenizer"
+DETOKENIZER_KIND = "detokenizer"
+ROUTER_KIND = "router"
+
+
+def _check_part(name: str, value: str) -> str:
+    if not value or ":" in value or any(c in value for c in "*?[]\\"):
+        raise ValueError(f"{name} {value!r} must be non-empty without ':' or glob characters")
+    return value
+
+
+def tokenize_stream(prefix: str) -> str:
+    return f"{prefix}:tokenize"
+
+
+def worker_in_stream(prefix: str, worker_id: str) -> str:
+    return f"{prefix}:worker:{_check_part('worker id', worker_id)}:in"
+
+
+def detok_stream(prefix: str) -> str:
+    return f"{prefix}:detok"
+
+
+def router_out_stream(prefix: str, router_id: str) -> str:
+    return f"{prefix}:router:{_check_part('router id', router_id)}:out"
+
+
+def dlq_stream(prefix: str) -> str:
+    return f"{prefix}:dlq"
+
+
+def heartbeat_key(prefix: str, kind: str, service_id: str) -> str:
+    return f"{prefix}:hb:{_check_part('kind', kind)}:{_check_part('service id', service_id)}"
+
+
+def heartbeat_pattern(prefix: str, kind: str) -> str:
+    """A SCAN pattern matching every heartbeat key of `kind` (the prefix glob-escaped)."""
+    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
+    return f"{escaped}:hb:{_check_part('kind', kind)}:*"
