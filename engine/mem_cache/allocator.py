@@ -1,0 +1,154 @@
+"""`TokenToKVPoolAllocator`: hands out KV slots a whole page at a time.
+
+Pages: page p is slots p*page_size .. p*page_size + page_size - 1. Page 0 is reserved for
+padding writes and is never handed out, so the KV buffers need `size + page_size` slots.
+
+Positions and slots line up inside a page: the slot of position `pos` of a request satisfies
+`slot % page_size == pos % page_size`, because a request starts a new page exactly when a
+position is a multiple of page_size and otherwise continues the page of its previous token.
+So a request's last page is partly used iff its length is not a multiple of page_size, and
+pages are never shared between owners (see `engine.mem_cache.base`).
+
+Each page is in one of three states: allocated, free, or pending (freed inside a
+`free_group_begin/end` pair, returned at the end). Freeing a page that is not allocated raises
+`DoubleFreeError`, the classic bug this layer exists to catch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ALLOCATED, _FREE, _PENDING = 0, 1, 2
+
+
+class DoubleFreeError(RuntimeError):
+    pass
+
+
+class TokenToKVPoolAllocator:
+    def __init__(self, size: int, page_size: int, device: str | torch.device = "cpu") -> None:
+        if page_size < 1 or size <= 0 or size % page_size != 0:
+            raise ValueError(f"allocator: size {size} must be a positive multiple of {page_size}")
+        self.size = size
+        self.page_size = page_size
+        self.num_pages = size // page_size
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        self._free_pages = torch.arange(
+            1, self.num_pages + 1, dtype=torch.int64, device=self.device
+        )
+        self._page_state = torch.full(
+            (self.num_pages + 1,), _FREE, dtype=torch.int8, device=self.device
+        )
+        self._page_state[0] = _ALLOCATED  # the padding page: never free, never freeable
+        self._group: list[torch.Tensor] | None = None
+
+    def available_size(self) -> int:
+        """Free tokens (free pages * page_size); pending frees are not available yet."""
+        return int(self._free_pages.numel()) * self.page_size
+
+    def num_pages_needed(self, prefix_len: int, seq_len: int) -> int:
+        """New pages `alloc_extend` takes to grow a request from prefix_len to seq_len."""
+        ps = self.page_size
+        return -(-seq_len // ps) - (-(-prefix_len // ps))
+
+    # -- allocation ------------------------------------------------------------------------------
+    def alloc_extend(
+        self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for positions prefix_lens[i] .. seq_lens[i]-1 of each request, concatenated
+        (int64). A request whose prefix_len is not page aligned first fills its last page
+        (last_locs[i]+1, ...; last_locs[i] is the slot of position prefix_len-1), then takes
+        new pages. Returns None, allocating nothing, if there are not enough free pages."""
+        if any(s < p for p, s in zip(prefix_lens, seq_lens, strict=True)):
+            raise ValueError("alloc_extend: seq_len < prefix_len")
+        if self.page_size == 1:
+            total = sum(seq_lens) - sum(prefix_lens)
+            if total > self._free_pages.numel():
+                return None
+            return self._take_pages(total)
+        return self._alloc_extend_paged(prefix_lens, seq_lens, last_locs)
+
+    def _alloc_extend_paged(
+        self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
+    ) -> torch.Tensor | None:
+        ps = self.page_size
+        dev = self.device
+        prefix = torch.tensor(prefix_lens, dtype=torch.int64, device=dev)
+        seq = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+        last = torch.tensor(last_locs, dtype=torch.int64, device=dev)
+        partial = prefix % ps != 0
+        if bool((partial & ((last + 1 - prefix) % ps != 0)).any()):
+            raise ValueError("alloc_extend: last_loc is not in the page of position prefix_len-1")
+        new_pages = (seq + ps - 1) // ps - (prefix + ps - 1) // ps
+        total_pages = int(new_pages.sum())
+        if total_pages > self._free_pages.numel():
+            return None
+        num_new = seq - prefix
+        room = torch.minimum((-prefix) % ps, num_new)  # slots left in the current last page
+        pages = self._take_pages(total_pages)
+
+        # Per new token: which request, and its offset k within that request's new tokens.
+        req = torch.repeat_interleave(torch.arange(len(seq_lens), device=dev), num_new)
+        tok_start = torch.cumsum(num_new, 0) - num_new
+        k = torch.arange(req.numel(), device=dev) - tok_start[req]
+        in_last_page = k < room[req]
+        out = last[req] + 1 + k
+        if total_pages:
+            k_new = (k - room[req]).clamp(min=0)
+            page_start = torch.cumsum(new_pages, 0) - new_pages
+            page_idx = page_start[req] + k_new // ps
+            fresh = pages[page_idx.clamp(max=total_pages - 1)] * ps + k_new % ps
+            out = torch.where(in_last_page, out, fresh)
+        return out
+
+    def _take_pages(self, n: int) -> torch.Tensor:
+        """First n free pages (as slots when page_size is 1)."""
+        pages = self._free_pages[:n]
+        self._free_pages = self._free_pages[n:]
+        self._page_state[pages] = _ALLOCATED
+        return pages
+
+    # -- freeing ---------------------------------------------------------------------------------
+    def free(self, slots: torch.Tensor) -> None:
+        """Free the pages these slots lie in (each page once, however many of its slots are
+        given). Raises DoubleFreeError for a page that is free, pending, or page 0."""
+        if slots.numel() == 0:
+            return
+        slots = slots.to(device=self.device, dtype=torch.int64).flatten()
+        pages = torch.unique(slots // self.page_size)
+        if self.page_size == 1 and pages.numel() != slots.numel():
+            raise DoubleFreeError("allocator.free: the same slot given twice")
+        if int(pages[0]) < 1 or int(pages[-1]) > self.num_pages:
+            raise DoubleFreeError(f"allocator.free: slot outside 1..{self.num_pages} pages")
+        if bool((self._page_state[pages] != _ALLOCATED).any()):
+            bad = pages[self._page_state[pages] != _ALLOCATED][:8].tolist()
+            raise DoubleFreeError(f"allocator.free: double free of pages {bad}")
+        if self._group is not None:
+            self._page_state[pages] = _PENDING
+            self._group.append(pages)
+            return
+        self._release(pages)
+
+    def _release(self, pages: torch.Tensor) -> None:
+        self._page_state[pages] = _FREE
+        self._free_pages = torch.cat([self._free_pages, pages])
+
+    def free_group_begin(self) -> None:
+        """Collect frees until `free_group_end` (one concatenation instead of many)."""
+        assert self._group is None, "free_group_begin: groups do not nest"
+        self._group = []
+
+    def free_group_end(self) -> None:
+        assert self._group is not None, "free_group_end without free_group_begin"
+        group, self._group = self._group, None
+        if group:
+            self._release(torch.cat(group))
+
+    # -- introspection (tests, integrity checks) ---------------------------------------------
+    def is_allocated(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per slot: True if its page is currently handed out (not free, not pending)."""
+        pages = slots.to(device=self.device, dtype=torch.int64) // self.page_size
+        return (self._page_state[pages] == _ALLOCATED) & (pages > 0)

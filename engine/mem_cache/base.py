@@ -1,0 +1,120 @@
+"""The prefix-cache interface the scheduler programs against, and what it needs of a request.
+
+Two implementations share it: `RadixCache` (prefix sharing) and `NoRadixCache`
+(`--disable-radix-cache`), so the scheduler never branches on which one it holds.
+
+Slot ownership, the invariant both keep: every allocated KV page belongs to exactly one owner,
+either the cache (a tree node) or one running request. A request's row
+`req_to_token[req_pool_idx, :kv_allocated_len]` starts with `len(prefix_indices)` slots it
+shares with the cache (protected by its lock on `last_node`); the rest are its own, and it
+must give them back exactly once (`cache_finished_req` does).
+"""
+
+from __future__ import annotations
+
+import itertools
+from abc import ABC, abstractmethod
+from typing import Protocol
+
+import torch
+
+_node_ids = itertools.count()
+
+
+class TreeNode:
+    """One edge of the radix tree: `key` (token ids) and `value` (their KV slots, int64).
+
+    Invariants (checked by `RadixCache.check_integrity`): a non-root node has a non-empty key
+    whose length is a multiple of page_size; `parent.children[first page of key] is self`;
+    `lock_ref` counts running requests whose prefix ends at or below this node, so a parent's
+    lock_ref is at least the sum of its children's; `last_access_time` never exceeds the
+    parent's (the whole path is touched together).
+    """
+
+    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time")
+
+    def __init__(
+        self,
+        key: list[int] | None = None,
+        value: torch.Tensor | None = None,
+        parent: TreeNode | None = None,
+        last_access_time: int = 0,
+    ) -> None:
+        self.id = next(_node_ids)
+        self.key: list[int] = key if key is not None else []
+        self.value: torch.Tensor = value if value is not None else torch.empty(0, dtype=torch.int64)
+        self.parent = parent
+        self.children: dict[int | tuple[int, ...], TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access_time = last_access_time
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class CacheReq(Protocol):
+    """The fields of the scheduler's request that the cache reads and writes.
+
+    `fill_ids`: tokens whose KV is in `req_to_token[req_pool_idx, :len(fill_ids)]`.
+    `kv_allocated_len`: slots of the row that are allocated (>= len(fill_ids); the overlap
+    scheduler may have allocated one more). `prefix_indices`: the leading slots shared with
+    the cache (page aligned). `last_node`: the node the request holds a lock on (the root, or
+    None, when nothing is shared).
+    """
+
+    req_pool_idx: int
+    fill_ids: list[int]
+    kv_allocated_len: int
+    prefix_indices: torch.Tensor
+    last_node: TreeNode | None
+
+
+class PrefixCache(ABC):
+    """What the scheduler calls. Sizes are in tokens."""
+
+    root_node: TreeNode
+
+    @abstractmethod
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """Longest cached page-aligned prefix of `key`: (its slots, int64; the deepest node)."""
+
+    @abstractmethod
+    def insert(self, key: list[int], slots: torch.Tensor) -> int:
+        """Hand `slots` of the page-aligned `key` to the cache; returns how many leading tokens
+        the cache already held (the caller frees its own slots for those)."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: TreeNode | None) -> None: ...
+
+    @abstractmethod
+    def dec_lock_ref(self, node: TreeNode | None) -> None: ...
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` (or all it can) of unlocked cache; returns tokens freed."""
+
+    @abstractmethod
+    def evictable_size(self) -> int: ...
+
+    @abstractmethod
+    def protected_size(self) -> int: ...
+
+    def total_size(self) -> int:
+        return self.evictable_size() + self.protected_size()
+
+    @abstractmethod
+    def cache_unfinished_req(self, req: CacheReq) -> None:
+        """After a prefill chunk: share the computed page-aligned prefix of `fill_ids`."""
+
+    @abstractmethod
+    def cache_finished_req(self, req: CacheReq, insert: bool = True) -> None:
+        """The request ends: share its KV (unless `insert` is False, e.g. on retraction), free
+        every slot it still owns, drop its lock and free its row."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Free everything the cache holds that no request has locked."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError if an invariant is broken."""
