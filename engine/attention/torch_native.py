@@ -1,0 +1,150 @@
+"""Reference paged attention in plain torch (the CPU backend), batched over requests.
+
+Once per batch, `init_forward_metadata` turns the paged layout into padded index tensors:
+
+* `kv_index` [B, max_seq_len]: the KV slot of key j of request i
+  (`req_to_token[req_pool_indices[i], j]`), 0 past `seq_lens[i]` (slot 0 is the padding slot);
+* `mask` [B, 1, Q, max_seq_len] bool: key j is visible to the query at position p of request i
+  iff `j < seq_lens[i]` and `j <= p`. Decode has Q = 1 and p = seq_lens[i] - 1. For EXTEND,
+  query t of request i sits at p = prefix_lens[i] + t; padded query rows (t >= extend_lens[i])
+  get p >= seq_lens[i], so they see all of request i's keys: no row is ever fully masked and
+  softmax never yields NaN (their outputs are dropped anyway);
+* EXTEND only: `q_index` [B, Q] packed token of (request i, query t) (0 for padding) and
+  `out_index` [num_tokens] the flat padded row of each packed token.
+
+Each layer then does one scatter of the new K/V into the pool, one gather of K and of V, and
+one `scaled_dot_product_attention`. GQA decode folds the query heads of a group into the
+query-length axis ([B, kv_heads, group, D]) instead of repeating K/V, which is much faster on
+CPU; extend repeats K/V per group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionLayer
+from engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class _Metadata:
+    kv_index: torch.Tensor  # [B * max_seq_len] int64, flattened for index_select
+    max_seq_len: int
+    mask: torch.Tensor | None  # [B, 1, Q, max_seq_len] bool; None when nothing is masked
+    max_q_len: int
+    q_index: torch.Tensor | None = None  # [B * Q] int64 (EXTEND)
+    out_index: torch.Tensor | None = None  # [num_tokens] int64 (EXTEND)
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    def __init__(self, device: str | torch.device = "cpu", **kwargs: object) -> None:
+        self.device = torch.device(device)
+        self.metadata: _Metadata | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.batch_size == 0:
+            self.metadata = None
+            return
+        device = fb.seq_lens.device
+        max_seq_len = max(fb.seq_lens_cpu)
+        key_pos = torch.arange(max_seq_len, device=device)
+        key_valid = key_pos[None, :] < fb.seq_lens[:, None]  # [B, L]
+        kv_index = fb.req_to_token[fb.req_pool_indices, :max_seq_len].to(torch.int64)
+        kv_index = kv_index.masked_fill(~key_valid, 0).reshape(-1)
+        if fb.forward_mode.is_decode():
+            all_full = min(fb.seq_lens_cpu) == max_seq_len
+            mask = None if all_full else key_valid[:, None, None, :]
+            self.metadata = _Metadata(kv_index, max_seq_len, mask, 1)
+            return
+        self.metadata = self._extend_metadata(fb, kv_index, key_pos, key_valid)
+
+    @staticmethod
+    def _extend_metadata(
+        fb: ForwardBatch, kv_index: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor
+    ) -> _Metadata:
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        assert fb.extend_start_loc is not None
+        device = key_pos.device
+        ext_lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64, device=device)
+        prefix_lens = torch.tensor(fb.extend_prefix_lens_cpu, dtype=torch.int64, device=device)
+        max_q_len = max(fb.extend_seq_lens_cpu)
+        t = torch.arange(max_q_len, device=device)
+        q_pos = prefix_lens[:, None] + t[None, :]  # [B, Q]
+        mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & key_valid[:, None, :]
+        q_valid = t[None, :] < ext_lens[:, None]
+        q_index = (fb.extend_start_loc[:, None] + t[None, :]).masked_fill(~q_valid, 0)
+        flat_rows = torch.arange(q_valid.numel(), device=device).view_as(q_valid)
+        out_index = torch.empty(fb.num_tokens, dtype=torch.int64, device=device)
+        out_index[q_index[q_valid]] = flat_rows[q_valid]
+        return _Metadata(
+            kv_index=kv_index,
+            max_seq_len=int(key_pos.shape[0]),
+            mask=mask.unsqueeze(1),
+            max_q_len=max_q_len,
+            q_index=q_index.reshape(-1),
+            out_index=out_index,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        md = self.metadata
+        assert md is not None, "init_forward_metadata was not called for this batch"
+        pool = forward_batch.kv_pool
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        batch_size = forward_batch.batch_size
+        kv_shape = (batch_size, md.max_seq_len, layer.num_kv_heads, layer.head_dim)
+        keys = k_buf.index_select(0, md.kv_index).view(kv_shape).transpose(1, 2)
+        values = v_buf.index_select(0, md.kv_index).view(kv_shape).transpose(1, 2)
+        if forward_batch.forward_mode.is_decode():
+            return self._decode(q, keys, values, layer, md)
+        return self._extend(q, keys, values, layer, md, batch_size)
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layer: AttentionLayer,
+        md: _Metadata,
+    ) -> torch.Tensor:
+        """keys/values [B, kv_heads, L, D]; query heads of one KV group become query rows."""
+        batch_size = keys.shape[0]
+        group = layer.num_heads // layer.num_kv_heads
+        q = q.reshape(batch_size, layer.num_kv_heads, group, layer.head_dim)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=md.mask, scale=layer.scaling
+        )
+        return out.reshape(batch_size, layer.num_heads * layer.head_dim)
+
+    @staticmethod
+    def _extend(
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        layer: AttentionLayer,
+        md: _Metadata,
+        batch_size: int,
+    ) -> torch.Tensor:
+        assert md.q_index is not None and md.out_index is not None
+        q = q.reshape(-1, layer.num_heads, layer.head_dim).index_select(0, md.q_index)
+        q = q.view(batch_size, md.max_q_len, layer.num_heads, layer.head_dim).transpose(1, 2)
+        group = layer.num_heads // layer.num_kv_heads
+        if group > 1:
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=md.mask, scale=layer.scaling
+        )
+        out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
+        return out.index_select(0, md.out_index)

@@ -1,0 +1,47 @@
+"""The model-side attention layer: shape facts plus a call into the batch's backend.
+
+The layer holds no K/V and no kernels. The backend (`forward_batch.attn_backend`) writes the
+new tokens' K/V into `forward_batch.kv_pool` at layer `layer_id` and attends over each
+request's cached context, so the same model code runs on every backend.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    """Implements the backend's `AttentionLayer` protocol.
+
+    q: [num_tokens, num_heads * head_dim] (or [num_tokens, num_heads, head_dim]);
+    k, v: [num_tokens, num_kv_heads * head_dim]; returns [num_tokens, num_heads * head_dim].
+    """
+
+    def __init__(
+        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scaling = scaling
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, scaling={self.scaling:.4g}"
+        )

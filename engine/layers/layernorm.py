@@ -1,0 +1,39 @@
+"""Normalisation layers.
+
+`RMSNorm` follows Hugging Face's Llama op order exactly (upcast to float32, mean of
+squares, rsqrt, cast back, scale) so float32 outputs match the reference bit for bit.
+It optionally fuses the residual add that precedes it, as SGLang's does:
+`norm(x, residual)` returns `(norm(x + residual), x + residual)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Normalise over the last dim; `weight` broadcasts against it."""
+    input_dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(input_dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        x = x + residual
+        return rms_norm(x, self.weight, self.eps), x
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

@@ -1,0 +1,32 @@
+"""From final hidden states to float32 logits.
+
+Only the rows whose logits are needed go through the (large) lm_head matmul: the last new
+token of each request, or every token when `forward_batch.return_all_logits` is set.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+
+
+class LogitsProcessor(nn.Module):
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(
+        self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """hidden_states [num_tokens, hidden] -> logits [batch_size, vocab] float32
+        ([num_tokens, vocab] with `return_all_logits`)."""
+        if not forward_batch.return_all_logits and not forward_batch.forward_mode.is_decode():
+            hidden_states = hidden_states.index_select(0, forward_batch.last_token_indices)
+        logits = F.linear(hidden_states, lm_head_weight)
+        return logits.float()

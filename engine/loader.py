@@ -1,0 +1,130 @@
+"""Build a model from a Hugging Face folder and fill it from `*.safetensors`.
+
+Steps: pick the class by architecture (`engine.models.registry`), construct it on the meta
+device in the target dtype (no random init, no double memory), materialise it empty on the
+target device, stream checkpoint tensors into it (each model's `load_weights` maps HF names
+to its own, stacking q/k/v and gate/up into fused projections), check nothing is missing,
+then let modules with derived buffers (rotary tables) build them with `init_buffers()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.models.registry import get_model_class
+
+WeightTransform = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
+
+
+def load_model(
+    model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> nn.Module:
+    """The model of `model_config.path` with its checkpoint weights, in eval mode, no grads.
+
+    Call it as `model(input_ids, positions, forward_batch) -> float32 logits`.
+    """
+    cls = get_model_class(model_config.architecture)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = cls(model_config.hf_config, max_position=model_config.context_len)
+    model = model.to_empty(device=device)
+    loaded = model.load_weights(iter_safetensors(model_config.path))
+    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    if missing:
+        raise ValueError(
+            f"{model_config.path}: checkpoint lacks {len(missing)} weight(s) of "
+            f"{cls.__name__}: {missing[:10]}{' ...' if len(missing) > 10 else ''}"
+        )
+    for module in model.modules():
+        init_buffers = getattr(module, "init_buffers", None)
+        if callable(init_buffers):
+            init_buffers()
+    return model.eval().requires_grad_(False)
+
+
+def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of a single-file or sharded checkpoint."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors files (other formats are not supported)")
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: Sequence[tuple[str, str, Hashable]] = (),
+    transform: WeightTransform | None = None,
+) -> set[str]:
+    """Copy checkpoint tensors into `model`'s parameters; return the fully loaded names.
+
+    `transform(name, tensor)` renames/reshapes a checkpoint tensor or returns None to skip it.
+    `stacked` rows `(ours, theirs, shard_id)` send a name containing `theirs` (e.g.
+    ".q_proj.") to the `MergedLinear` parameter named with `ours` (".qkv_proj."), shard
+    `shard_id`; such a parameter counts as loaded once all its shards are. A name that maps
+    to no parameter is an error.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    shards_seen: dict[str, set[Hashable]] = defaultdict(set)
+    for ckpt_name, ckpt_tensor in weights:
+        mapped = transform(ckpt_name, ckpt_tensor) if transform else (ckpt_name, ckpt_tensor)
+        if mapped is None:
+            continue
+        name, tensor = mapped
+        for ours, theirs, shard_id in stacked:
+            if theirs in name:
+                name = name.replace(theirs, ours)
+                module = model.get_submodule(name.rsplit(".", 1)[0])
+                module.load_shard(_param(params, name, ckpt_name), tensor, shard_id)
+                shards_seen[name].add(shard_id)
+                break
+        else:
+            param = _param(params, name, ckpt_name)
+            if param.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {ckpt_name!r}: checkpoint shape {tuple(tensor.shape)} does not match "
+                    f"parameter {name!r} shape {tuple(param.shape)}"
+                )
+            param.data.copy_(tensor)
+            loaded.add(name)
+    for name, seen in shards_seen.items():
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if seen == set(module.shard_ranges):
+            loaded.add(name)
+    return loaded
+
+
+def _param(params: dict[str, nn.Parameter], name: str, ckpt_name: str) -> nn.Parameter:
+    if name not in params:
+        raise ValueError(f"unexpected weight {ckpt_name!r} in checkpoint (no parameter {name!r})")
+    return params[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

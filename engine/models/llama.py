@@ -1,0 +1,218 @@
+"""One implementation for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+The variants differ only in small switches, held as class attributes:
+* Qwen2 puts a bias on q/k/v (not on o_proj);
+* Qwen3 applies a per-head RMSNorm to q and k before rope, and its `head_dim` may differ
+  from hidden_size / num_heads;
+* Llama and Qwen3 take `attention_bias` (q/k/v/o) and Llama `mlp_bias` from the config.
+
+Fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` = [gate; up] (see
+`engine.layers.linear.MergedLinear`), one matmul each; rope rotates q and k together as one
+[num_tokens, num_heads + num_kv_heads, head_dim] slab.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import PagedAttention
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedLinear
+from engine.layers.logits import LogitsProcessor
+from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.loader import load_named_weights
+
+logger = logging.getLogger(__name__)
+
+_STACKED = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", "gate"),
+    (".gate_up_proj.", ".up_proj.", "up"),
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        qkv_bias, o_bias = variant.attention_biases(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            hidden, [("q", q_size), ("k", kv_size), ("v", kv_size)], bias=qkv_bias
+        )
+        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+        self.qk_norm = variant.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
+        v = qkv[:, qk_size:]
+        if self.qk_norm:
+            q = self.q_norm(qk[:, : self.num_heads])
+            k = self.k_norm(qk[:, self.num_heads :])
+            qk = torch.cat((q, k), dim=1)
+        qk = self.rotary(positions, qk)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.attn(q, k, v, forward_batch)
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        inter, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, [("gate", inter), ("up", inter)], bias=bias
+        )
+        self.act = SiluAndMul()
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary, variant)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual stream before it); the caller adds them lazily."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_position: int, variant: type) -> None:
+        super().__init__()
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, rotary, variant) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward(input_ids, positions, forward_batch)` -> float32 logits (see LogitsProcessor).
+
+    The backend's `init_forward_metadata(forward_batch)` must have run for this batch.
+    """
+
+    qk_norm = False
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    def __init__(self, config, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.sliding_window = self._sliding_window(config)
+        max_position = max(max_position or 0, config.max_position_embeddings)
+        self.model = LlamaModel(config, max_position, type(self))
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        hidden = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden, self.lm_head_weight, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_named_weights(self, weights, stacked=_STACKED, transform=self._map_weight)
+
+    def _map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if "rotary_emb.inv_freq" in name:
+            return None  # derived, stored by old checkpoints
+        if self.tie_word_embeddings and name.startswith("lm_head."):
+            return None  # tied: the embedding is the head
+        return name, tensor
+
+    @staticmethod
+    def _sliding_window(config) -> int | None:
+        window = getattr(config, "sliding_window", None)
+        if window is None or getattr(config, "use_sliding_window", True) is False:
+            return None
+        logger.warning(
+            "sliding_window=%d is not implemented: attention sees the whole context, so "
+            "outputs diverge from the reference for sequences longer than the window",
+            window,
+        )
+        return window
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return True, False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,29 @@
+"""Architecture name (HF `config.architectures[0]`) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+_MODELS = {
+    "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "engine.models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "engine.models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "engine.models.llama:Qwen3ForCausalLM",
+    "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported; "
+            f"supported: {supported_architectures()}"
+        )
+    module_name, cls_name = _MODELS[architecture].split(":")
+    return getattr(importlib.import_module(module_name), cls_name)

@@ -1,0 +1,247 @@
+"""Our models + loader + torch_native paged attention against Hugging Face transformers.
+
+Random tiny HF models are saved to a tmp dir, loaded with `engine.loader.load_model`, and run
+through hand-built ForwardBatches over a real KVPool; HF's full-sequence forward on the same
+weights is the oracle. Comparisons run in float64 so a tight tolerance separates real bugs
+from rounding; weights use a large init range so attention is sharp and a wrong mask, rope
+or cache slot changes the logits visibly. One case runs in float32 as the engine does.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.attention.base import create_attention_backend
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.loader import load_model
+from engine.mem_cache.kv_pool import KVPool
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 512
+_LLAMA_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    initializer_range=0.3,
+)
+ARCH_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_LLAMA_SHAPE),
+    "llama-rope-llama3": lambda: transformers.LlamaConfig(
+        **_LLAMA_SHAPE,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        ),
+    ),
+    "llama-rope-linear": lambda: transformers.LlamaConfig(
+        **_LLAMA_SHAPE, rope_scaling=dict(rope_type="linear", factor=2.0), rope_theta=500.0
+    ),
+    "mistral": lambda: transformers.MistralConfig(**_LLAMA_SHAPE, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**_LLAMA_SHAPE, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**_LLAMA_SHAPE, head_dim=24),
+    "gpt2": lambda: transformers.GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=256,
+        initializer_range=0.3,
+        bos_token_id=0,
+        eos_token_id=1,
+    ),
+}
+
+
+def save_random_model(arch: str, path: str, **save_kwargs: object) -> None:
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(ARCH_CONFIGS[arch]())
+    with torch.no_grad():  # norms start at exactly 1/0; randomise them so they are tested
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(path, safe_serialization=True, **save_kwargs)
+
+
+class PagedHarness:
+    """Hand-rolled scheduler: a req_to_token table, pages handed out (optionally shuffled),
+    and ForwardBatch construction for EXTEND and DECODE."""
+
+    def __init__(self, model, cfg: ModelConfig, dtype, page_size: int = 1, shuffle: bool = False):
+        self.model, self.page_size = model, page_size
+        num_pages, rows, max_ctx = 64, 4, 128
+        self.kv_pool = KVPool(
+            num_pages * page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
+            page_size=page_size,
+        )  # fmt: skip
+        self.req_to_token = torch.zeros(rows, max_ctx, dtype=torch.int32)
+        self.free_pages = list(range(1, num_pages))  # page 0 holds the padding slot
+        if shuffle:
+            random.Random(1).shuffle(self.free_pages)
+        self.pages: dict[int, list[int]] = {r: [] for r in range(rows)}
+        self.lens = [0] * rows
+        self.backend = create_attention_backend("torch_native", device="cpu", page_size=page_size)
+
+    def _alloc(self, row: int, new_len: int) -> list[int]:
+        slots = []
+        for pos in range(self.lens[row], self.lens[row] + new_len):
+            if pos % self.page_size == 0:
+                self.pages[row].append(self.free_pages.pop())
+            slot = self.pages[row][pos // self.page_size] * self.page_size + pos % self.page_size
+            self.req_to_token[row, pos] = slot
+            slots.append(slot)
+        return slots
+
+    def run(
+        self, rows: list[int], chunks: list[list[int]], mode=ForwardMode.EXTEND, all_logits=False
+    ):
+        prefix = [self.lens[r] for r in rows]
+        slots = [s for r, c in zip(rows, chunks, strict=True) for s in self._alloc(r, len(c))]
+        for r, c in zip(rows, chunks, strict=True):
+            self.lens[r] += len(c)
+        ext = [len(c) for c in chunks]
+        fb = ForwardBatch(
+            forward_mode=mode,
+            batch_size=len(rows),
+            input_ids=torch.tensor([t for c in chunks for t in c]),
+            positions=torch.tensor(
+                [p + i for p, n in zip(prefix, ext, strict=True) for i in range(n)]
+            ),
+            out_cache_loc=torch.tensor(slots),
+            req_pool_indices=torch.tensor(rows),
+            seq_lens=torch.tensor([self.lens[r] for r in rows]),
+            seq_lens_cpu=[self.lens[r] for r in rows],
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+            extend_prefix_lens_cpu=prefix,
+            extend_seq_lens_cpu=ext,
+            extend_start_loc=torch.tensor([sum(ext[:i]) for i in range(len(ext))]),
+            return_all_logits=all_logits,
+        )
+        if mode.is_decode():
+            fb.extend_prefix_lens_cpu = fb.extend_seq_lens_cpu = fb.extend_start_loc = None
+        self.backend.init_forward_metadata(fb)
+        with torch.inference_mode():
+            return self.model(fb.input_ids, fb.positions, fb)
+
+
+PROMPT_LENS = [9, 14, 6]
+NUM_DECODE = 4
+
+
+class ArchCase:
+    """One saved random model, our float64 load of it, and HF's float64 logits at every
+    position of three fixed sequences (prompt + decode tokens): one HF forward each."""
+
+    def __init__(self, arch: str, path: str) -> None:
+        self.arch, self.path = arch, path
+        self.cfg = ModelConfig.from_pretrained(path)
+        self.model = load_model(self.cfg, torch.float64, "cpu")
+        self.seqs = _random_ids([n + NUM_DECODE for n in PROMPT_LENS], seed=1)
+        self.prompts = [s[:n] for s, n in zip(self.seqs, PROMPT_LENS, strict=True)]
+        hf = _hf_model(path, torch.float64)
+        self.refs = [_hf_logits(hf, s) for s in self.seqs]
+
+
+@pytest.fixture(scope="module", params=list(ARCH_CONFIGS))
+def case(request, tmp_path_factory) -> ArchCase:
+    path = str(tmp_path_factory.mktemp(request.param))
+    save_random_model(request.param, path)
+    return ArchCase(request.param, path)
+
+
+def _hf_model(path: str, dtype: torch.dtype):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def _random_ids(lens: list[int], seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def _close(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, ref.float(), atol=atol, rtol=0)
+
+
+def test_prefill_batch_matches_hf(case):
+    harness = PagedHarness(case.model, case.cfg, torch.float64)
+    last = harness.run([0, 1, 2], case.prompts)
+    assert last.shape == (3, VOCAB)
+    _close(
+        last,
+        torch.stack([r[n - 1] for r, n in zip(case.refs, PROMPT_LENS, strict=True)]),
+        atol=1e-6,
+    )
+
+
+def test_return_all_logits_matches_hf(case):
+    harness = PagedHarness(case.model, case.cfg, torch.float64)
+    every = harness.run([2, 0, 1], case.seqs, all_logits=True)
+    assert every.shape == (sum(PROMPT_LENS) + 3 * NUM_DECODE, VOCAB)
+    _close(every, torch.cat(case.refs), atol=1e-6)
+
+
+@pytest.mark.parametrize("page_size,shuffle", [(1, False), (4, True)])
+def test_chunked_extend_then_decode_matches_hf(case, page_size, shuffle):
+    h = PagedHarness(case.model, case.cfg, torch.float64, page_size=page_size, shuffle=shuffle)
+    rows = [3, 1, 2]
+    halves = [n // 2 for n in PROMPT_LENS]
+    first = h.run(rows, [p[:n] for p, n in zip(case.prompts, halves, strict=True)])
+    _close(
+        first, torch.stack([r[n - 1] for r, n in zip(case.refs, halves, strict=True)]), atol=1e-6
+    )
+    second = h.run(
+        rows, [p[n:] for p, n in zip(case.prompts, halves, strict=True)], all_logits=True
+    )
+    want = torch.cat([r[n:p] for r, n, p in zip(case.refs, halves, PROMPT_LENS, strict=True)])
+    _close(second, want, atol=1e-6)
+    for step in range(NUM_DECODE):
+        tokens = [[s[n + step]] for s, n in zip(case.seqs, PROMPT_LENS, strict=True)]
+        logits = h.run(rows, tokens, mode=ForwardMode.DECODE)
+        want = torch.stack([r[n + step] for r, n in zip(case.refs, PROMPT_LENS, strict=True)])
+        _close(logits, want, atol=1e-6)
+
+
+def test_float32_matches_hf(case):
+    """float32 as the engine runs on CPU: prefill with page_size 2 (shuffled), then decode."""
+    model = load_model(case.cfg, torch.float32, "cpu")
+    hf = _hf_model(case.path, torch.float32)
+    refs = [_hf_logits(hf, s) for s in case.seqs]
+    h = PagedHarness(model, case.cfg, torch.float32, page_size=2, shuffle=True)
+    logits = h.run([0, 1, 2], case.prompts)
+    _close(
+        logits, torch.stack([r[n - 1] for r, n in zip(refs, PROMPT_LENS, strict=True)]), atol=1e-4
+    )
+    logits = h.run(
+        [0, 1, 2], [[s[n]] for s, n in zip(case.seqs, PROMPT_LENS, strict=True)], ForwardMode.DECODE
+    )
+    _close(logits, torch.stack([r[n] for r, n in zip(refs, PROMPT_LENS, strict=True)]), atol=1e-4)
+
+
+def test_sharded_checkpoint_loads_identically(case, tmp_path):
+    save_random_model(case.arch, str(tmp_path), max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    sharded = load_model(ModelConfig.from_pretrained(str(tmp_path)), torch.float64).state_dict()
+    single = case.model.state_dict()
+    assert single.keys() == sharded.keys()
+    for name, tensor in single.items():
+        assert torch.equal(tensor, sharded[name]), name
