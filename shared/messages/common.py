@@ -52,6 +52,8 @@ def check_columns(owner: str, columns: dict[str, list], num_rows: int) -> None:
 
 def check_optional_lengths(owner: str, name: str, column: list, lengths: list[int]) -> None:
     """Raise MessageError unless each non-None entry has the length of its request's tokens."""
+    if column.count(None) == len(column):
+        return  # the common case: no request of the step asked for logprobs
     for i, (entry, want) in enumerate(zip(column, lengths, strict=True)):
         if entry is not None and len(entry) != want:
             raise MessageError(f"{owner}.{name}[{i}]: {len(entry)} entries for {want} new token(s)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -80,12 +81,14 @@ class StepOutputMsg(Columnar, Message):
 
     def _check(self) -> None:
         self._check_columns()
-        for i, (start, window) in enumerate(zip(self.starts, self.window_ids, strict=True)):
-            if start < 0 or len(window) > start:
-                raise MessageError(
-                    f"StepOutputMsg.rows[{i}]: start {start} with a window of {len(window)} "
-                    "(the window holds output tokens before start only)"
-                )
+        window_lens = list(map(len, self.window_ids))
+        if not all(map(operator.le, window_lens, self.starts)):  # C speed on the happy path
+            pairs = zip(window_lens, self.starts, strict=True)
+            i, (window_len, start) = next((i, p) for i, p in enumerate(pairs) if p[0] > p[1])
+            raise MessageError(
+                f"StepOutputMsg.rows[{i}]: start {start} with a window of {window_len} "
+                "(the window holds output tokens before start only)"
+            )
         lengths = [len(ids) for ids in self.new_ids]
         for name in ("token_logprobs", "top_logprobs_ids", "top_logprobs_vals"):
             check_optional_lengths("StepOutputMsg", name, getattr(self, name), lengths)

@@ -127,6 +127,8 @@ def _list_checker(
             _fail(path, "list", v)
         if fast is not None and fast(v):
             return v  # every element already has exactly the right type: keep the list
+        if optional and v.count(None) == len(v):
+            return v  # an optional column nobody filled (logprobs not requested)
         try:
             if optional:  # inlined: columns of optional records are mostly None
                 return [None if x is None else elem(x, path) for x in v]
