@@ -1,0 +1,148 @@
+"""TokenToKVPoolAllocator and ReqToTokenPool: page accounting, partial pages, groups, and the
+double frees they must refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.mem_cache.allocator import DoubleFreeError, TokenToKVPoolAllocator
+from engine.mem_cache.memory_pool import ReqToTokenPool
+
+
+@pytest.mark.parametrize("ps", [1, 4, 16])
+def test_round_trip_returns_every_page(ps: int) -> None:
+    alloc = TokenToKVPoolAllocator(8 * ps, ps)
+    out = alloc.alloc_extend([0, 0], [3 * ps, 5 * ps], [-1, -1])
+    assert out is not None and out.dtype == torch.int64 and out.numel() == 8 * ps
+    assert sorted(out.tolist()) == list(range(ps, 9 * ps))  # every slot but page 0
+    assert alloc.available_size() == 0
+    assert alloc.alloc_extend([0], [1], [-1]) is None
+    alloc.free(out[: 3 * ps])
+    alloc.free(out[3 * ps :])
+    assert alloc.available_size() == alloc.size
+
+
+def test_alloc_extend_continues_partial_pages_then_takes_new_ones() -> None:
+    alloc = TokenToKVPoolAllocator(16 * 4, 4)
+    first = alloc.alloc_extend([0, 0], [5, 2], [-1, -1])
+    a, b = first[:5].tolist(), first[5:].tolist()
+    assert a[:4] == list(range(a[0], a[0] + 4)) and a[0] % 4 == 0 and a[4] % 4 == 0
+    # a: 5 tokens -> grows to 11 (3 slots left in its page, then a new page);
+    # b: 2 tokens -> grows to 3 (stays in its page); c: new, 4 tokens (one page).
+    assert alloc.num_pages_needed(5, 11) == 1 and alloc.num_pages_needed(2, 3) == 0
+    out = alloc.alloc_extend([5, 2, 0], [11, 3, 4], [a[4], b[1], -1]).tolist()
+    assert out[:3] == [a[4] + 1, a[4] + 2, a[4] + 3]
+    assert out[3] % 4 == 0 and out[3:6] == [out[3], out[3] + 1, out[3] + 2]
+    assert out[6] == b[1] + 1
+    assert out[7] % 4 == 0 and out[7:11] == list(range(out[7], out[7] + 4))
+    assert alloc.available_size() == (16 - 2 - 1 - 1 - 1) * 4
+
+
+def test_decode_is_alloc_extend_by_one() -> None:
+    alloc = TokenToKVPoolAllocator(4 * 4, 4)
+    slots = alloc.alloc_extend([0], [3], [-1]).tolist()
+    for pos in range(3, 9):
+        (slot,) = alloc.alloc_extend([pos], [pos + 1], [slots[-1]]).tolist()
+        assert slot % 4 == pos % 4
+        assert slot == slots[-1] + 1 or pos % 4 == 0  # a new page only at a page boundary
+        slots.append(slot)
+    assert alloc.available_size() == 16 - 12
+
+
+def test_short_allocation_changes_nothing() -> None:
+    alloc = TokenToKVPoolAllocator(4 * 4, 4)
+    last = int(alloc.alloc_extend([0], [10], [-1])[-1])  # 3 pages, 2 slots left in the last
+    before = alloc.available_size()
+    assert alloc.alloc_extend([10, 0], [12, 5], [last, -1]) is None  # needs 2 pages, has 1
+    with pytest.raises(ValueError):
+        alloc.alloc_extend([10], [11], [last + 1])  # not the slot of position 9
+    assert alloc.available_size() == before
+    again = TokenToKVPoolAllocator(4 * 4, 4)
+    again.alloc_extend([0], [10], [-1])
+    assert torch.equal(alloc.alloc_extend([0], [4], [-1]), again.alloc_extend([0], [4], [-1]))
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_double_free_is_detected(ps: int) -> None:
+    alloc = TokenToKVPoolAllocator(8 * ps, ps)
+    out = alloc.alloc_extend([0], [2 * ps], [-1])
+    alloc.free(out)
+    with pytest.raises(DoubleFreeError):
+        alloc.free(out[:1])
+    with pytest.raises(DoubleFreeError):
+        alloc.free(torch.tensor([0]))  # the padding page
+    out = alloc.alloc_extend([0], [ps], [-1])
+    if ps == 1:
+        with pytest.raises(DoubleFreeError):
+            alloc.free(torch.cat([out, out]))
+    alloc.free(out)
+    assert alloc.available_size() == alloc.size
+
+
+def test_group_free_applies_at_end_and_catches_repeats() -> None:
+    alloc = TokenToKVPoolAllocator(8 * 2, 2)
+    out = alloc.alloc_extend([0, 0], [8, 8], [-1, -1])
+    alloc.free_group_begin()
+    alloc.free(out[:4])
+    assert alloc.available_size() == 0  # collected, not applied yet
+    with pytest.raises(DoubleFreeError):
+        alloc.free(out[2:3])  # pending already
+    alloc.free(out[4:])
+    alloc.free_group_end()
+    assert alloc.available_size() == alloc.size
+
+
+def test_page_size_one_is_vectorised() -> None:
+    alloc = TokenToKVPoolAllocator(200_000, 1)
+    out = alloc.alloc_extend([0] * 4, [50_000] * 4, [-1] * 4)
+    assert out.numel() == 200_000 and torch.unique(out).numel() == 200_000
+    alloc.free(out)
+    assert alloc.available_size() == alloc.size
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    ps=st.sampled_from([1, 4, 16]),
+    steps=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 40)), max_size=30),
+)
+def test_requests_grow_and_free_without_leaks(ps: int, steps: list[tuple[int, int]]) -> None:
+    alloc = TokenToKVPoolAllocator(12 * ps, ps)
+    reqs: list[list[int]] = [[] for _ in range(4)]
+    for i, n in steps:
+        slots = reqs[i]
+        if n == 0:  # finish: free the whole request
+            alloc.free(torch.tensor(slots, dtype=torch.int64))
+            slots.clear()
+            continue
+        short = alloc.num_pages_needed(len(slots), len(slots) + n) * ps > alloc.available_size()
+        out = alloc.alloc_extend([len(slots)], [len(slots) + n], [slots[-1] if slots else -1])
+        assert (out is None) == short
+        if out is not None:
+            slots.extend(out.tolist())
+        assert all(s % ps == pos % ps for pos, s in enumerate(slots))
+        everything = [s for r in reqs for s in r]
+        assert len(set(everything)) == len(everything) and min(everything, default=ps) >= ps
+        held = sum(-(-len(r) // ps) for r in reqs)
+        assert alloc.available_size() == alloc.size - held * ps
+    for slots in reqs:
+        alloc.free(torch.tensor(slots, dtype=torch.int64))
+    assert alloc.available_size() == alloc.size
+
+
+def test_req_to_token_pool_rows() -> None:
+    pool = ReqToTokenPool(3, 16)
+    assert pool.req_to_token.shape == (3, 16) and pool.req_to_token.dtype == torch.int32
+    rows = pool.alloc(2)
+    assert rows is not None and len(set(rows)) == 2
+    assert pool.alloc(2) is None and pool.available_size() == 1
+    pool.free(rows[0])
+    with pytest.raises(RuntimeError):
+        pool.free([rows[0]])
+    pool.free([rows[1]])
+    assert pool.available_size() == 3
+    pool.alloc(3)
+    pool.clear()
+    assert pool.available_size() == 3
