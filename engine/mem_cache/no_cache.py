@@ -23,10 +23,13 @@ class NoRadixCache(PrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
-        self.root_node = TreeNode()  # the node every match ends at; never has children
+        self._empty = torch.empty(
+            0, dtype=torch.int64, device=req_to_token_pool.req_to_token.device
+        )
+        self.root_node = TreeNode(value=self._empty)  # every match ends here; never has children
 
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
-        return torch.empty(0, dtype=torch.int64), self.root_node
+        return self._empty, self.root_node
 
     def insert(self, key: list[int], slots: torch.Tensor) -> int:
         """Takes nothing: reports every token as already held, so the caller, which frees its
@@ -50,7 +53,7 @@ class NoRadixCache(PrefixCache):
 
     def cache_unfinished_req(self, req: CacheReq) -> None:
         """Nothing to share: the request keeps every slot of its row."""
-        req.prefix_indices = torch.empty(0, dtype=torch.int64)
+        req.prefix_indices = self._empty
         req.last_node = self.root_node
 
     def cache_finished_req(self, req: CacheReq, insert: bool = True) -> None:

@@ -23,8 +23,6 @@ from engine.mem_cache.allocator import TokenToKVPoolAllocator
 from engine.mem_cache.base import CacheReq, PrefixCache, TreeNode
 from engine.mem_cache.memory_pool import ReqToTokenPool
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 class RadixCache(PrefixCache):
     def __init__(
@@ -35,7 +33,9 @@ class RadixCache(PrefixCache):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.page_size = page_size
-        self.root_node = TreeNode()
+        self.device = req_to_token_pool.req_to_token.device  # where node values live
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.root_node = TreeNode(value=self._empty)
         self._clock = 0
         self._evictable = 0
         self._protected = 0
@@ -77,7 +77,7 @@ class RadixCache(PrefixCache):
             child.last_access_time = now
             values.append(child.value)
             node, pos = child, pos + n
-        slots = torch.cat(values) if values else _EMPTY
+        slots = torch.cat(values) if values else self._empty
         return slots, node
 
     def insert(self, key: list[int], slots: torch.Tensor) -> int:
@@ -92,7 +92,7 @@ class RadixCache(PrefixCache):
             child_key = self._child_key(key, pos)
             child = node.children.get(child_key)
             if child is None:
-                value = slots[pos:].to(torch.int64).clone()
+                value = slots[pos:].to(self.device, torch.int64).clone()
                 node.children[child_key] = TreeNode(key[pos:], value, node, now)
                 self._evictable += len(key) - pos
                 return pos
@@ -259,4 +259,5 @@ class RadixCache(PrefixCache):
         assert bool(self.allocator.is_allocated(slots).all()), "the tree holds a free slot"
         pages = slots.view(-1, ps)  # node values are whole pages, in order
         assert bool((pages[:, 0] % ps == 0).all()), "a page does not start at its first slot"
-        assert bool((pages - pages[:, :1] == torch.arange(ps)).all()), "a page is not contiguous"
+        offsets = torch.arange(ps, device=self.device)
+        assert bool((pages - pages[:, :1] == offsets).all()), "a page is not contiguous"
