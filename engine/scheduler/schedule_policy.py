@@ -153,6 +153,13 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= input_len
 
+    def _lock(self, req: Req) -> None:
+        """Lock the request's cached prefix; what was evictable before is no longer free."""
+        tc = self.pools.tree_cache
+        before = tc.evictable_size()
+        tc.inc_lock_ref(req.last_node)
+        self.rem_total_tokens -= before - tc.evictable_size()
+
     def add_chunked_req(self, req: Req) -> Req | None:
         """Continue a prompt cut in an earlier round; returns it if it is still unfinished."""
         remaining = req.seqlen - req.kv_allocated_len
@@ -177,14 +184,14 @@ class PrefillAdder:
             return AddResult.OTHER
         chunk = self.rem_chunk_tokens
         if chunk is None or input_len <= chunk:
-            self.pools.tree_cache.inc_lock_ref(req.last_node)
+            self._lock(req)
             self.can_run_list.append(req)
             self._take(input_len, max_new)
             return AddResult.CONTINUE
         trunc = chunk // self.page_size * self.page_size
         if trunc <= 0:
             return AddResult.OTHER
-        self.pools.tree_cache.inc_lock_ref(req.last_node)
+        self._lock(req)
         prefix_len = len(req.prefix_indices)
         req.extend_input_len = trunc
         req.fill_ids = req.fill_ids[: prefix_len + trunc]

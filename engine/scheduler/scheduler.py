@@ -108,10 +108,10 @@ class Scheduler:
         return reqs
 
     def has_work(self) -> bool:
-        return bool(
-            self.waiting_queue or not self.running_batch.is_empty() or self.chunked_req
-            or (self.last_batch is not None and not self.last_batch.is_empty())
-        )
+        if self.waiting_queue or self.chunked_req is not None:
+            return True
+        batches = [self.running_batch] + ([self.last_batch] if self.last_batch else [])
+        return any(not r.finished for b in batches for r in b.reqs)
 
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
