@@ -78,18 +78,33 @@ def run_hf_generate(path: str, prompts: list[list[int]], outputs: list[int]) -> 
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     n = max(outputs)
     with torch.inference_mode():
-        model.generate(ids[:1, -16:], attention_mask=mask[:1, -16:], max_new_tokens=2,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids[:1, -16:],
+            attention_mask=mask[:1, -16:],
+            max_new_tokens=2,
+            do_sample=False,
+            pad_token_id=0,
+        )
         t0 = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
         elapsed = time.perf_counter() - t0
-    return {"seconds": elapsed, "output_tokens": sum(outputs),
-            "output_tok_s": sum(outputs) / elapsed, "generated_incl_padding": n * len(prompts)}
+    return {
+        "seconds": elapsed,
+        "output_tokens": sum(outputs),
+        "output_tok_s": sum(outputs) / elapsed,
+        "generated_incl_padding": n * len(prompts),
+    }
 
 
 def run_hf_cb(path: str, prompts: list[list[int]], outputs: list[int]) -> dict:
@@ -97,10 +112,12 @@ def run_hf_cb(path: str, prompts: list[list[int]], outputs: list[int]) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    cfg = GenerationConfig(max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1,
-                           pad_token_id=0)
-    with model.continuous_batching_context_manager(generation_config=cfg, block=True,
-                                                   timeout=5) as manager:
+    cfg = GenerationConfig(
+        max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    with model.continuous_batching_context_manager(
+        generation_config=cfg, block=True, timeout=5
+    ) as manager:
         t0 = time.perf_counter()
         for p, o in zip(prompts, outputs):
             manager.add_request(p, max_new_tokens=o)
@@ -147,19 +164,32 @@ def main() -> None:
     rows.append({"workload": "mixed", "system": "sluice", **mixed["sluice"]})
     if not args.skip_hf:
         mixed["transformers_generate"] = run_hf_generate(path, prompts, outputs)
-        rows.append({"workload": "mixed", "system": "transformers generate (padded)",
-                     **mixed["transformers_generate"]})
+        rows.append(
+            {
+                "workload": "mixed",
+                "system": "transformers generate (padded)",
+                **mixed["transformers_generate"],
+            }
+        )
         mixed["transformers_cb"] = run_hf_cb(path, prompts, outputs)
-        rows.append({"workload": "mixed", "system": "transformers continuous batching",
-                     **mixed["transformers_cb"]})
+        rows.append(
+            {
+                "workload": "mixed",
+                "system": "transformers continuous batching",
+                **mixed["transformers_cb"],
+            }
+        )
 
-    groups, per_group, sys_len, q_len, out_len = (2, 4, 64, 16, 8) if args.quick else (8, 8, 512, 64, 32)
+    groups, per_group, sys_len, q_len, out_len = (
+        (2, 4, 64, 16, 8) if args.quick else (8, 8, 512, 64, 32)
+    )
     sp_prompts = shared_prefix_workload(vocab, groups, per_group, sys_len, q_len, args.seed)
     sp_outputs = [out_len] * len(sp_prompts)
     shared = results["shared_prefix"]
     shared["radix_on"] = run_sluice(path, sp_prompts, sp_outputs, schedule_policy="lpm")
-    shared["radix_off"] = run_sluice(path, sp_prompts, sp_outputs, schedule_policy="lpm",
-                                      disable_radix_cache=True)
+    shared["radix_off"] = run_sluice(
+        path, sp_prompts, sp_outputs, schedule_policy="lpm", disable_radix_cache=True
+    )
     for k in ("radix_on", "radix_off"):
         rows.append({"workload": "shared-prefix", "system": f"sluice {k}", **shared[k]})
 
@@ -177,8 +207,9 @@ def main() -> None:
         s = mixed["sluice"]["output_tok_s"]
         summary["vs_transformers_generate"] = s / mixed["transformers_generate"]["output_tok_s"]
         summary["vs_transformers_cb"] = s / mixed["transformers_cb"]["output_tok_s"]
-    print_table(rows, ["workload", "system", "seconds", "output_tokens", "output_tok_s",
-                       "cached_tokens"])
+    print_table(
+        rows, ["workload", "system", "seconds", "output_tokens", "output_tok_s", "cached_tokens"]
+    )
     for k, v in summary.items():
         print(f"{k}: {v:.3f}")
     name = "offline_throughput_quick" if args.quick else "offline_throughput"

@@ -13,8 +13,12 @@ from services.engine_args import add_engine_args, engine_args_from
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="offline generation with the in-process engine")
     add_engine_args(p)
-    p.add_argument("--prompt", action="append", default=None,
-                   help="a prompt (repeat for a batch); default: two example prompts")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="a prompt (repeat for a batch); default: two example prompts",
+    )
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--json", action="store_true", help="print the full outputs as JSON")
@@ -39,8 +43,10 @@ def _run_generate(ns: argparse.Namespace) -> int:
     else:
         for prompt, out in zip(prompts, outs):
             meta = out["meta_info"]
-            print(f"--- {prompt!r} -> {meta['completion_tokens']} tokens, "
-                  f"finish {meta['finish_reason']}")
+            print(
+                f"--- {prompt!r} -> {meta['completion_tokens']} tokens, "
+                f"finish {meta['finish_reason']}"
+            )
             print(out["text"])
     return 0
 
@@ -53,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny_model.add_parser(sub)
     _add_generate(sub)
+    from services import router
+
+    router.add_parser(sub)
     return parser
 
 

@@ -14,8 +14,13 @@ DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sluice", "t
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", "--model-path", dest="model_path", default=None,
-                   help="Hugging Face model folder (default: a generated tiny model)")
+    g.add_argument(
+        "--model",
+        "--model-path",
+        dest="model_path",
+        default=None,
+        help="Hugging Face model folder (default: a generated tiny model)",
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--page-size", type=int, default=1)

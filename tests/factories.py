@@ -14,7 +14,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 _ROOT = tempfile.mkdtemp(prefix="sluice-test-models-")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(arch: str, preset: str = "tiny", seed: int = 0) -> str:
     from services.tiny_model import make_tiny_model
 
@@ -24,7 +24,9 @@ def tiny_model(arch: str, preset: str = "tiny", seed: int = 0) -> str:
     return out
 
 
-def mixed_prompts(vocab_size: int, n: int = 16, seed: int = 0, max_len: int = 300) -> list[list[int]]:
+def mixed_prompts(
+    vocab_size: int, n: int = 16, seed: int = 0, max_len: int = 300
+) -> list[list[int]]:
     """`n` prompts of mixed lengths in [1, max_len]; half share a long common prefix.
     Ids avoid the first few (special tokens) so no prompt contains EOS."""
     rng = random.Random(seed)
@@ -33,7 +35,9 @@ def mixed_prompts(vocab_size: int, n: int = 16, seed: int = 0, max_len: int = 30
     prompts = []
     for i in range(n):
         if i % 2 == 0:
-            tail = [rng.randrange(lo, vocab_size) for _ in range(rng.randint(1, max_len - len(prefix)))]
+            tail = [
+                rng.randrange(lo, vocab_size) for _ in range(rng.randint(1, max_len - len(prefix)))
+            ]
             prompts.append(prefix + tail)
         else:
             length = 1 if i == 1 else rng.randint(2, max_len)
@@ -41,7 +45,7 @@ def mixed_prompts(vocab_size: int, n: int = 16, seed: int = 0, max_len: int = 30
     return prompts
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hf_model(path: str):
     from transformers import AutoModelForCausalLM
 
@@ -62,7 +66,7 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         do_sample=False,
         pad_token_id=0,
     )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.inference_mode()

@@ -49,7 +49,9 @@ class OutputProcessor:
         next_ids = result.next_token_ids
         if hasattr(next_ids, "tolist"):
             next_ids = next_ids.tolist()
-        logprobs = result.logprobs.tolist() if getattr(result, "logprobs", None) is not None else None
+        logprobs = (
+            result.logprobs.tolist() if getattr(result, "logprobs", None) is not None else None
+        )
         top = getattr(result, "top_logprobs", None)
         chunked = getattr(batch, "chunked_req", None)
         tree_cache = self.scheduler.tree_cache

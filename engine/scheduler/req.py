@@ -117,7 +117,9 @@ class Req:
             return
         last = self.output_ids[-1] if self.output_ids else None
         if last is not None:
-            if last in self.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            if last in self.stop_token_ids or (
+                not params.ignore_eos and last in self.eos_token_ids
+            ):
                 self.finished_reason = FinishReason("stop", last)
                 return
             matched = self._match_stop_str(tokenizer)

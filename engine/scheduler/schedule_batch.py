@@ -1,10 +1,10 @@
 """Batches on the scheduler side.
 
-    ScheduleBatch    a set of requests and the memory operations on them (allocation of
-                     request rows and KV slots, retraction, filtering, merging). CPU only.
-    ModelWorkerBatch the plain data one forward + sampling needs; built by
-                     `ScheduleBatch.get_model_worker_batch()`, turned into device tensors
-                     (`ForwardBatch`) by the model runner.
+ScheduleBatch    a set of requests and the memory operations on them (allocation of
+                 request rows and KV slots, retraction, filtering, merging). CPU only.
+ModelWorkerBatch the plain data one forward + sampling needs; built by
+                 `ScheduleBatch.get_model_worker_batch()`, turned into device tensors
+                 (`ForwardBatch`) by the model runner.
 """
 
 from __future__ import annotations
@@ -117,13 +117,17 @@ class ScheduleBatch:
         req_to_token = self.pools.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_allocated_len for r in self.reqs]
         seq_lens = [n + 1 for n in prefix_lens]
-        last_locs = [int(req_to_token[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, prefix_lens)]
+        last_locs = [
+            int(req_to_token[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, prefix_lens)
+        ]
         out = self.pools.alloc_kv(prefix_lens, seq_lens, last_locs)
         rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         req_to_token[rows, torch.tensor(prefix_lens, dtype=torch.int64)] = out.to(torch.int32)
         for r in self.reqs:
             r.kv_allocated_len += 1
-        self.input_ids = input_ids if input_ids is not None else [r.output_ids[-1] for r in self.reqs]
+        self.input_ids = (
+            input_ids if input_ids is not None else [r.output_ids[-1] for r in self.reqs]
+        )
         self.positions = prefix_lens
         self.out_cache_loc = out
         self._prefix_lens = prefix_lens
@@ -167,9 +171,10 @@ class ScheduleBatch:
         self.reqs.extend(other.reqs)
 
     def running_need_tokens(self, new_token_ratio: float) -> float:
-        return sum(
-            min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.reqs
-        ) * new_token_ratio
+        return (
+            sum(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) for r in self.reqs)
+            * new_token_ratio
+        )
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         extend = self.forward_mode.is_extend()

@@ -206,8 +206,9 @@ class Scheduler:
             retracted = batch.retract_decode()
             self.stats.num_retractions += len(retracted)
             self.new_token_ratio = batch.retract_new_token_ratio()
-            logger.info("retracted %d requests; new_token_ratio=%.3f",
-                        len(retracted), self.new_token_ratio)
+            logger.info(
+                "retracted %d requests; new_token_ratio=%.3f", len(retracted), self.new_token_ratio
+            )
             self.waiting_queue.extend(retracted)
         else:
             self.new_token_ratio = max(

@@ -23,7 +23,7 @@ CONFIGS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(arch: str) -> tuple[str, list[list[int]], list[list[int]]]:
     path = tiny_model(arch)
     from transformers import AutoConfig
@@ -34,7 +34,9 @@ def _reference(arch: str) -> tuple[str, list[list[int]], list[list[int]]]:
     return path, prompts, want
 
 
-def _run(path: str, prompts: list[list[int]], **engine_kwargs) -> tuple[list[dict], list[dict], dict]:
+def _run(
+    path: str, prompts: list[list[int]], **engine_kwargs
+) -> tuple[list[dict], list[dict], dict]:
     params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
     with Engine(model_path=path, **engine_kwargs) as engine:
         # A first wave fills the prefix cache, so the second one hits it.
