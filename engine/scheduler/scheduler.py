@@ -215,8 +215,13 @@ class Scheduler:
                 self.new_token_ratio - self.args.new_token_ratio_decay,
                 self.args.min_new_token_ratio,
             )
-        batch.prepare_for_decode()
+        batch.prepare_for_decode(self.decode_input_ids(batch))
         return batch
+
+    def decode_input_ids(self, batch: ScheduleBatch) -> list[int] | None:
+        """The input token of each request of the next decode step; None means each request's
+        last output token. The overlap scheduler gives placeholders for tokens in flight."""
+        return None
 
     def _update_stats(self) -> None:
         s = self.stats
