@@ -1,0 +1,164 @@
+"""The router service: sluice's HTTP API (FastAPI + uvicorn) in front of the Redis streams.
+
+Parse config → connect (an `AsyncBus`, a `Broker` with its reader and worker-table tasks, a
+heartbeat) → serve HTTP until stopped. Each generation request is validated
+(`router_protocol`), split into sub-requests sent to the least-loaded live worker
+(`router_requests`), reassembled in token order with stop strings trimmed
+(`router_stream`) and answered in the API's shape, whole or as SSE (`router_responses`).
+
+    sluice router --redis-url redis://127.0.0.1:6379/0 --port 30000 [--api-key KEY]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from services.router_api import Router
+from services.router_metrics import CONTENT_TYPE
+from services.router_protocol import ApiError
+from shared.async_bus import AsyncBus
+from shared.heartbeat import Heartbeat, list_live_async
+from shared.keys import ROUTER_KIND, WORKER_KIND, heartbeat_key
+from shared.logging import setup_logging
+from shared.settings import (
+    RouterSettings,
+    add_settings_args,
+    default_service_id,
+    setting,
+    settings_from_args,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    router: RouterSettings = field(default_factory=RouterSettings)
+    api_key: str | None = setting(
+        None,
+        "require 'Authorization: Bearer KEY' on the generation and model APIs",
+        env="SLUICE_API_KEY",
+    )
+    worker_check_s: float = setting(
+        1.0,
+        "a request without output checks its worker this often",
+        env="SLUICE_ROUTER_WORKER_CHECK_S",
+    )
+
+    @property
+    def router_id(self) -> str:
+        return self.router.router_id or default_service_id()
+
+    def model_name(self, worker_models: set[str]) -> str:
+        r = self.router
+        if r.served_model_name:
+            return r.served_model_name
+        if r.model:
+            return os.path.basename(r.model.rstrip("/"))
+        short = sorted(m for m in worker_models if "/" not in m)
+        return short[0] if short else "default"
+
+
+def create_app(config: RouterConfig) -> FastAPI:
+    url = config.router.common.require_redis_url()
+    state: dict[str, Router] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        common = config.router.common
+        bus = AsyncBus.from_url(url, common.prefix, maxlen=common.stream_maxlen)
+        router = state["router"] = Router(config, bus)
+        await router.broker.start()
+        key = heartbeat_key(common.prefix, ROUTER_KIND, config.router_id)
+        beat = Heartbeat(redis.Redis.from_url(url), key, common.heartbeat_ttl_s, router.status)
+        beat.start()
+        logger.info(
+            "router %s ready; workers: %s", config.router_id, sorted(router.broker.workers.live)
+        )
+        try:
+            yield
+        finally:
+            await router.broker.stop()
+            beat.stop()
+            await bus.aclose()
+
+    app = FastAPI(title="sluice", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await state["router"].generate(request, "generate")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await state["router"].generate(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await state["router"].generate(request, "chat")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        router = state["router"]
+        router.authorize(request)
+        card = {
+            "id": router.model_name,
+            "object": "model",
+            "created": int(router.started_at),
+            "owned_by": "sluice",
+            "max_model_len": router.broker.workers.context_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        router = state["router"]
+        live = await list_live_async(router.bus.redis, router.bus.prefix, WORKER_KIND)
+        status = 200 if live else 503
+        return JSONResponse(
+            {"status": "ok" if live else "no live worker", "workers": sorted(live)},
+            status_code=status,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        router = state["router"]
+        router.metrics.model_name = router.model_name
+        text = router.metrics.render(router.broker.workers.live)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE)
+
+    return app
+
+
+def run(config: RouterConfig) -> None:
+    r = config.router
+    logging.getLogger().handlers.clear()  # this process logs through setup_logging only
+    setup_logging("router", config.router_id, r.common.log_level)
+    uvicorn.run(
+        create_app(config),
+        host=r.host,
+        port=r.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="the HTTP router service")
+    add_settings_args(p, RouterConfig)
+    p.set_defaults(func=lambda ns: run(settings_from_args(RouterConfig, ns)))

@@ -1,0 +1,164 @@
+"""The router's request handling: authorization, validation, submission, the response.
+
+`Router` holds what the HTTP handlers share (the broker, metrics, names, settings); its
+`generate()` serves the three generation APIs. A non-streamed request is cancelled, and a
+streamed one closed, when the client disconnects, which aborts its requests at the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.router_metrics import RouterMetrics
+from services.router_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    check_max_tokens,
+    parse_body,
+)
+from services.router_requests import Broker
+from services.router_responses import Formatter, TokenNames
+from shared.async_bus import AsyncBus
+from shared.keys import ROUTER_KIND
+from shared.messages import ServiceStatusMsg
+
+if TYPE_CHECKING:
+    from services.router import RouterConfig
+
+# kind → (request model, the name its max-token field has in errors)
+_APIS = {
+    "generate": (GenerateRequest, "sampling_params.max_new_tokens"),
+    "completion": (CompletionRequest, "max_tokens"),
+    "chat": (ChatCompletionRequest, "max_tokens"),
+}
+
+
+class Router:
+    """What the HTTP handlers share: the broker, the metrics, names and settings."""
+
+    def __init__(self, config: RouterConfig, bus: AsyncBus) -> None:
+        self.config, self.bus = config, bus
+        self.metrics = RouterMetrics()
+        r = config.router
+        self.broker = Broker(
+            bus,
+            config.router_id,
+            self.metrics,
+            request_timeout_s=r.request_timeout_s,
+            check_s=config.worker_check_s,
+        )
+        self.token_names = TokenNames()
+        self.token_names.load([r.model] if r.model else [])
+        self.num_handled = 0
+        self.started_at = time.time()
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name(self.broker.workers.model_names())
+
+    def authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key and not hmac.compare_digest(
+            request.headers.get("authorization", ""), f"Bearer {key}"
+        ):
+            raise ApiError(401, "invalid or missing API key", None, "invalid_api_key")
+
+    def check_model(self, name: str) -> None:
+        known = self.broker.workers.model_names() | {self.model_name}
+        if name not in known:
+            raise ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        self.authorize(request)
+        model_cls, max_param = _APIS[kind]
+        body = parse_body(model_cls, await request.body())
+        if kind != "generate":
+            self.check_model(body.model)
+        subs = body.to_subrequests()
+        check_max_tokens(subs, self.broker.workers.context_len, max_param)
+        if subs[0].return_logprob:
+            self.token_names.load(hb.model for hb in self.broker.workers.live.values())
+        handles = self.broker.open(subs)
+        try:
+            await self.broker.submit(handles)
+        except ApiError:
+            for h in handles:
+                h.close()
+            raise
+        self.num_handled += 1
+        prefix = {"chat": "chatcmpl-", "completion": "cmpl-"}.get(kind, "")
+        fmt = Formatter(
+            kind,
+            prefix + uuid.uuid4().hex,
+            int(time.time()),
+            getattr(body, "model", self.model_name),
+            self.token_names,
+            handles,
+            include_usage=getattr(body, "include_usage", False),
+            batch=kind == "generate" and (body.is_batch or len(subs) > 1),
+        )
+        if body.stream:
+            return await _sse_response(request, fmt.chunks())
+        return JSONResponse(await _unless_disconnected(request, fmt.response()))
+
+    def status(self) -> ServiceStatusMsg:
+        return ServiceStatusMsg(
+            kind=ROUTER_KIND,
+            service_id=self.config.router_id,
+            host=os.uname().nodename,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            updated_at=time.time(),
+            num_handled=self.num_handled,
+        )
+
+
+async def _sse_response(request: Request, chunks: AsyncIterator[bytes]) -> Response:
+    """Wait for the first chunk, so that an error before any output is a plain HTTP error."""
+    try:
+        first = await _unless_disconnected(request, chunks.__anext__())
+    except StopAsyncIteration:
+        first = b""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()  # closes the handles: aborts at the worker if unfinished
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`, cancelling it (which aborts its requests) if the client goes away."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise ApiError(499, "client disconnected", None, "client_closed_request")
+    return task.result()

@@ -1,0 +1,181 @@
+"""The router's `/metrics`: Prometheus text exposition (format 0.0.4), written by hand.
+
+Every series is exported twice, under `sluice:` and under `sglang:`, so dashboards built
+for SGLang work unchanged. Gauges come from the workers' heartbeats (`WorkerLoadMsg`, one
+series per worker); latency histograms and token counters from the router's own
+observations of the requests it served.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Mapping
+
+from shared.messages import WorkerLoadMsg
+
+PREFIXES = ("sluice", "sglang")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+# (metric name, help, WorkerLoadMsg attribute) of the per-worker gauges.
+_WORKER_GAUGES = (
+    ("num_running_reqs", "Requests running on the worker.", "num_running_reqs"),
+    ("num_queue_reqs", "Requests waiting in the worker's queue.", "num_waiting_reqs"),
+    ("token_usage", "Fraction of KV-cache slots held by running requests.", "token_usage"),
+    ("gen_throughput", "Generation throughput of the worker (token/s).", "gen_throughput"),
+    ("num_used_tokens", "KV-cache slots held by running requests.", "num_used_tokens"),
+    ("max_total_num_tokens", "KV-cache slots of the worker.", "max_total_num_tokens"),
+    (
+        "num_retracted_reqs",
+        "Requests retracted to the queue for lack of memory.",
+        "num_retracted_reqs",
+    ),
+)
+
+
+def _labels(labels: Mapping[str, str]) -> str:
+    if not labels:
+        return ""
+    esc = {
+        k: v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        for k, v in labels.items()
+    }
+    return "{" + ",".join(f'{k}="{v}"' for k, v in esc.items()) + "}"
+
+
+def _num(v: float) -> str:
+    return repr(float(v)) if isinstance(v, float) else str(v)
+
+
+class Histogram:
+    """Cumulative-bucket histogram of observations in seconds."""
+
+    def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
+        self.name, self.help = name, help
+        self.bounds = tuple(buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, prefix: str, labels: Mapping[str, str]) -> list[str]:
+        name = f"{prefix}:{self.name}"
+        out = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
+        running = 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append(f"{name}_bucket{_labels({**labels, 'le': bound})} {running}")
+        out.append(f"{name}_sum{_labels(labels)} {_num(self.sum)}")
+        out.append(f"{name}_count{_labels(labels)} {self.count}")
+        return out
+
+
+class RouterMetrics:
+    """What the router observed, plus the workers' load at scrape time (`render`)."""
+
+    def __init__(self, model_name: str = "") -> None:
+        self.model_name = model_name
+        self.ttft = Histogram(
+            "time_to_first_token_seconds", "Time to first token in seconds.", _LATENCY_BUCKETS
+        )
+        self.tpot = Histogram(
+            "time_per_output_token_seconds", "Time per output token in seconds.", _LATENCY_BUCKETS
+        )
+        self.e2e = Histogram(
+            "e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS
+        )
+        self.counters = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "cached_tokens": 0,
+            "num_requests": 0,
+            "num_aborted_requests": 0,
+        }
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def observe_finish(
+        self, e2e_s: float, ttft_s: float | None, prompt: int, completion: int, cached: int
+    ) -> None:
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None and completion > 1:
+            self.tpot.observe((e2e_s - ttft_s) / (completion - 1))
+        c = self.counters
+        c["num_requests"] += 1
+        c["prompt_tokens"] += prompt
+        c["generation_tokens"] += completion
+        c["cached_tokens"] += cached
+
+    def observe_abort(self) -> None:
+        self.counters["num_aborted_requests"] += 1
+
+    @property
+    def cache_hit_rate(self) -> float:
+        prompt = self.counters["prompt_tokens"]
+        return self.counters["cached_tokens"] / prompt if prompt else 0.0
+
+    def render(self, workers: Mapping[str, WorkerLoadMsg]) -> str:
+        base = {"model_name": self.model_name}
+        lines: list[str] = []
+        for prefix in PREFIXES:
+            for name, help, attr in _WORKER_GAUGES:
+                samples = [
+                    ({**base, "worker_id": wid}, getattr(load, attr, 0))
+                    for wid, load in sorted(workers.items())
+                ]
+                lines += _family(f"{prefix}:{name}", "gauge", help, samples)
+            lines += _family(
+                f"{prefix}:cache_hit_rate",
+                "gauge",
+                "Prefix-cache hit rate of prompt tokens.",
+                [(base, self.cache_hit_rate)],
+            )
+            for hist in (self.ttft, self.tpot, self.e2e):
+                lines += hist.lines(prefix, base)
+            for name, value in self.counters.items():
+                lines += _family(
+                    f"{prefix}:{name}",
+                    "counter",
+                    f"Total {name.replace('_', ' ')}.",
+                    [(base, value)],
+                    suffix="_total",
+                )
+        return "\n".join(lines) + "\n"
+
+
+def _family(
+    name: str, kind: str, help: str, samples: list[tuple[Mapping[str, str], float]], suffix=""
+) -> list[str]:
+    head = [f"# HELP {name} {help}", f"# TYPE {name} {kind}"]
+    return head + [f"{name}{suffix}{_labels(labels)} {_num(v)}" for labels, v in samples]

@@ -1,0 +1,361 @@
+"""HTTP request bodies (OpenAI and SGLang), their validation, and their translation into
+the sub-requests the router sends through the tokenizers.
+
+Validation here covers what the router can know without a tokenizer: JSON syntax, field
+types (strict: no "0.5" for a float, no 1.0 for an int), value ranges of the sampling
+parameters, and options sluice does not implement. Prompt and context lengths are checked by
+the tokenizer service, which answers with an `ErrorMsg` the router turns into a 400.
+Every failure raises `ApiError`, which renders as OpenAI's error JSON.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
+
+from shared.messages import ChatMessage
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+_INT64 = 1 << 63
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
+        err = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return {"error": err}
+
+
+@dataclass
+class SubRequest:
+    """One generation: a prompt (exactly one of text, messages, input_ids) and its params.
+
+    `index` is the choice index in the response (prompt_index * n + j).
+    """
+
+    index: int
+    prompt_index: int
+    sampling_params: dict[str, Any]
+    text: str | None = None
+    messages: list[ChatMessage] | None = None
+    input_ids: list[int] | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    stop: list[str] = field(default_factory=list)
+
+
+def _stop_list(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("must be a string or a list of strings")
+    if not all(stops):
+        raise ValueError("must not contain empty strings")
+    return stops
+
+
+def _check_top_k(v: int | None) -> int | None:
+    if v is not None and v != -1 and v < 1:
+        raise ValueError("must be -1 (disabled) or >= 1")
+    return v
+
+
+StopStrings = Annotated[Any, AfterValidator(_stop_list)]
+TopK = Annotated[int | None, AfterValidator(_check_top_k)]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _SamplingCore(_Strict):
+    """Sampling fields with the same name in the OpenAI and the SGLang APIs."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: TopK = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    stop: StopStrings = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+
+
+class SamplingFields(_SamplingCore):
+    """Sampling options of the OpenAI endpoints, SGLang's extras included."""
+
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SGLang-style sampling dict (unset fields left to the engine's defaults)."""
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", "logit_bias", "unsupported")
+        core = self.model_dump(include=set(_SamplingCore.model_fields) - {"n"}, exclude_none=True)
+        extra = {"max_new_tokens": max_new_tokens, "sampling_seed": self.seed}
+        return core | {k: v for k, v in extra.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    model: str
+    prompt: Any
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> list[str] | list[list[int]]:
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and v and all(_is_int(t) for t in v):
+            return [v]
+        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+            return v
+        if isinstance(v, list) and v and all(_is_id_list(p) for p in v):
+            return v
+        raise ValueError(
+            "must be a string, a list of strings, a non-empty list of token ids, or a list of those"
+        )
+
+    def to_subrequests(self) -> list[SubRequest]:
+        for name, bad in (
+            ("echo", self.echo),
+            ("suffix", self.suffix),
+            ("best_of", self.best_of not in (None, 1, self.n)),
+        ):
+            if bad:
+                raise ApiError(400, f"{name} is not supported", name, "unsupported")
+        params = self.sampling_params(self.max_tokens)
+        top = self.logprobs or 0
+        prompts = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in self.prompt]
+        return fan_out(prompts, params, self.n, self.logprobs is not None, top)
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def flat(self) -> ChatMessage:
+        if self.content is None or isinstance(self.content, str):
+            return ChatMessage(self.role, self.content or "")
+        texts = []
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ApiError(
+                    400,
+                    f"content part type {part.type!r} is not supported",
+                    "messages",
+                    "unsupported",
+                )
+            texts.append(part.text)
+        return ChatMessage(self.role, "".join(texts))
+
+
+class ChatCompletionRequest(SamplingFields):
+    model: str
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_subrequests(self) -> list[SubRequest]:
+        if self.tools:
+            raise ApiError(400, "tools are not supported", "tools", "unsupported")
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ApiError(
+                400, "only response_format text is supported", "response_format", "unsupported"
+            )
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(
+                400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value"
+            )
+        limit = self.max_completion_tokens
+        params = self.sampling_params(self.max_tokens if limit is None else limit)
+        messages = [m.flat() for m in self.messages]
+        return fan_out(
+            [{"messages": messages}], params, self.n, bool(self.logprobs), self.top_logprobs or 0
+        )
+
+
+class GenerateSampling(_SamplingCore):
+    """SGLang's `sampling_params` of `/generate`; unknown keys are refused."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    max_new_tokens: int | None = Field(None, ge=0)
+    sampling_seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude={"n"})
+
+
+class GenerateRequest(_Strict):
+    """SGLang's `/generate`: `text` or `input_ids`, one prompt or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: Any = None
+    sampling_params: GenerateSampling | list[GenerateSampling] | None = None
+    stream: bool | None = False
+    return_logprob: bool | None = False
+    top_logprobs_num: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("input_ids")
+    @classmethod
+    def _check_ids(cls, v: Any) -> Any:
+        if v is None or _is_id_list(v) or (isinstance(v, list) and v and all(map(_is_id_list, v))):
+            return v
+        raise ValueError("must be a non-empty list of token ids or a list of such lists")
+
+    @property
+    def is_batch(self) -> bool:
+        return isinstance(self.text, list) or (
+            self.input_ids is not None and isinstance(self.input_ids[0], list)
+        )
+
+    def to_subrequests(self) -> list[SubRequest]:
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "pass exactly one of text and input_ids", "text", "invalid_value")
+        if self.text is not None:
+            texts = self.text if isinstance(self.text, list) else [self.text]
+            prompts: list[dict[str, Any]] = [{"text": t} for t in texts]
+        else:
+            ids = self.input_ids if self.is_batch else [self.input_ids]
+            prompts = [{"input_ids": p} for p in ids]
+        sp = self.sampling_params or GenerateSampling()
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        if len(sps) != len(prompts) or not prompts:
+            raise ApiError(
+                400,
+                f"{len(sps)} sampling_params for {len(prompts)} prompts",
+                "sampling_params",
+                "invalid_value",
+            )
+        subs: list[SubRequest] = []
+        for i, (prompt, p) in enumerate(zip(prompts, sps, strict=True)):
+            for sub in fan_out(
+                [prompt], p.to_dict(), p.n, bool(self.return_logprob), self.top_logprobs_num or 0
+            ):
+                sub.index, sub.prompt_index = len(subs), i
+                subs.append(sub)
+        return subs
+
+
+def fan_out(
+    prompts: list[dict[str, Any]], params: dict[str, Any], n: int, logprob: bool, top: int
+) -> list[SubRequest]:
+    """n sub-requests per prompt; with a seed, sample j gets seed + j (distinct samples)."""
+    subs = []
+    seed = params.get("sampling_seed")
+    stop = _stop_list(params.get("stop")) or []
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            p = dict(params)
+            if seed is not None and j:
+                p["sampling_seed"] = (seed + j + _INT64) % (2 * _INT64) - _INT64
+            subs.append(
+                SubRequest(
+                    index=i * n + j,
+                    prompt_index=i,
+                    sampling_params=p,
+                    return_logprob=logprob,
+                    top_logprobs_num=top,
+                    stop=stop,
+                    **prompt,
+                )
+            )
+    return subs
+
+
+def check_max_tokens(subs: list[SubRequest], context_len: int | None, param: str) -> None:
+    """max_new_tokens beyond the context can never fit: refuse before sending anything."""
+    for sub in subs:
+        want = sub.sampling_params.get("max_new_tokens")
+        if context_len and want is not None and want >= context_len:
+            raise ApiError(
+                400,
+                f"{param} is {want}, but the model's context length is {context_len} tokens",
+                param,
+                "context_length_exceeded",
+            )
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> Any:
+    """Validate a JSON body against `model`; raise ApiError naming the first bad field."""
+    try:
+        return model.model_validate_json(raw or b"")
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"invalid JSON body: {err['msg']}", None, "invalid_json") from None
+        loc = [str(p) for p in err["loc"] if not _is_type_name(p)]
+        param = ".".join(loc) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
+        raise ApiError(400, f"{param or 'body'}: {msg}", param, code) from None
+
+
+def _is_type_name(part: Any) -> bool:
+    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in _TYPES)
+
+
+_TYPES = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-before"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_id_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(_is_int(t) and t >= 0 for t in v)

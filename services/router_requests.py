@@ -1,0 +1,314 @@
+"""Requests in flight: sending them through the tokenizers, receiving their output, aborting.
+
+One `Broker` per router process owns
+* a reader task that XREADs the router's stream `{p}:router:{r}:out` and hands every
+  `DetokRow` and `ErrorMsg` to the `RequestHandle` of its rid (rows of unknown rids, from
+  requests already ended or retried, are dropped);
+* a refresher task that keeps the table of live workers (`WorkerTable`) current;
+* the abort messages, sent without making the caller wait.
+
+A `RequestHandle` follows one sub-request: it is submitted to the least-loaded live worker
+(TokenizeReqMsg to `{p}:tokenize`), yields `Delta`s in token order, and on `close()` before
+the end (client gone, task cancelled, timeout) aborts the request at its worker. While no
+output arrives it checks that its worker still lives: a dead worker's request is sent to
+another worker if nothing was produced yet, else it fails with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import redis
+
+from services.router_metrics import RouterMetrics
+from services.router_protocol import ApiError, SubRequest
+from services.router_stream import Delta, OutputAssembler
+from services.router_workers import WorkerTable
+from shared.async_bus import AsyncBus
+from shared.heartbeat import list_live_async
+from shared.keys import WORKER_KIND, router_out_stream, tokenize_stream, worker_in_stream
+from shared.messages import (
+    AbortReqMsg,
+    DetokOutputMsg,
+    DetokRow,
+    ErrorMsg,
+    TokenizeReqMsg,
+    WorkerLoadMsg,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class RequestHandle:
+    """One sub-request from submission to its last delta (see module doc)."""
+
+    def __init__(self, broker: Broker, sub: SubRequest, arrived: float) -> None:
+        self.broker, self.sub, self.arrived = broker, sub, arrived
+        self.deadline = arrived + broker.request_timeout_s
+        self.rid = ""
+        self.worker: WorkerLoadMsg | None = None
+        self.tried: list[str] = []
+        self.assembler = OutputAssembler(sub.stop)
+        self.ttft: float | None = None
+        self.failed = False
+        self.closed = False
+        self._inbox: list[DetokRow | ErrorMsg] = []
+        self._wake = asyncio.Event()
+
+    def deliver(self, item: DetokRow | ErrorMsg) -> None:
+        self._inbox.append(item)
+        self._wake.set()
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The request's output in order; raises ApiError if it fails. Closes when done."""
+        try:
+            while not self.assembler.finished:
+                items = await self._take()
+                errors = [m for m in items if isinstance(m, ErrorMsg)]
+                if errors:
+                    self.failed = True
+                    e = errors[0]
+                    raise ApiError(e.status, e.message, None, e.code)
+                delta = self.assembler.add(items)  # type: ignore[arg-type]
+                if delta is not None:
+                    self._observe(delta)
+                    yield delta
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Forget the request; abort it at the worker unless it ended there."""
+        if self.closed:
+            return
+        self.closed = True
+        self.broker.forget(self)
+        a = self.assembler
+        if self.worker is not None and not self.failed and (a.stopped_here or not a.finished):
+            self.broker.abort(self, "stop string" if a.stopped_here else "client gone")
+        if not a.finished:
+            self.broker.metrics.observe_abort()
+
+    async def _take(self) -> list[DetokRow | ErrorMsg]:
+        loop = asyncio.get_running_loop()
+        while not self._inbox:
+            now = time.perf_counter()
+            if now >= self.deadline:
+                raise ApiError(
+                    504,
+                    f"request timed out after {self.broker.request_timeout_s:g} s",
+                    None,
+                    "timeout",
+                )
+            self._wake.clear()
+            timer = loop.call_later(min(self.broker.check_s, self.deadline - now), self._wake.set)
+            try:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+            if not self._inbox:
+                await self._check_worker()
+        items, self._inbox = self._inbox, []
+        return items
+
+    async def _check_worker(self) -> None:
+        """Silence: fail over if the worker died before producing anything, else fail."""
+        w = self.worker
+        assert w is not None
+        if self.broker.workers.is_alive(w.worker_id, w.pid):
+            return
+        if self.assembler.num_rows_seen or len(self.tried) >= self.broker.max_attempts:
+            raise ApiError(
+                503,
+                f"worker {w.worker_id} stopped while serving the request",
+                None,
+                "worker_unavailable",
+            )
+        logger.warning("worker %s is gone; resending %s", w.worker_id, self.rid)
+        await self.broker.submit([self])
+
+    def _observe(self, delta: Delta) -> None:
+        now = time.perf_counter()
+        if self.ttft is None and delta.output_ids:
+            self.ttft = now - self.arrived
+            self.broker.metrics.observe_first_token(self.ttft)
+        if delta.usage is not None:
+            u = delta.usage
+            self.broker.metrics.observe_finish(
+                now - self.arrived, self.ttft, u.prompt_tokens, u.completion_tokens, u.cached_tokens
+            )
+
+
+class Broker:
+    def __init__(
+        self,
+        bus: AsyncBus,
+        router_id: str,
+        metrics: RouterMetrics,
+        *,
+        request_timeout_s: float = 600.0,
+        check_s: float = 1.0,
+        refresh_s: float = 0.5,
+        max_attempts: int = 3,
+    ) -> None:
+        self.bus, self.router_id, self.metrics = bus, router_id, metrics
+        self.request_timeout_s, self.check_s, self.refresh_s = request_timeout_s, check_s, refresh_s
+        self.max_attempts = max_attempts
+        self.out_stream = router_out_stream(bus.prefix, router_id)
+        self.workers = WorkerTable()
+        self.handles: dict[str, RequestHandle] = {}
+        self._tasks: set[asyncio.Task] = set()  # abort messages on their way
+        self._loops: list[asyncio.Task] = []
+        self._ids = itertools.count()
+        self._rid_base = uuid.uuid4().hex[:12]
+
+    async def start(self) -> None:
+        await self.refresh_workers()
+        self._loops = [asyncio.create_task(c) for c in (self._read_loop(), self._refresh_loop())]
+
+    async def stop(self) -> None:
+        """Abort what is in flight (waiting briefly for the aborts to go out), stop the loops."""
+        for handle in list(self.handles.values()):
+            handle.close()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=1.0)
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+
+    def open(self, subs: list[SubRequest]) -> list[RequestHandle]:
+        arrived = time.perf_counter()
+        return [RequestHandle(self, sub, arrived) for sub in subs]
+
+    async def submit(self, handles: list[RequestHandle]) -> None:
+        """Send each handle (again) to the least-loaded live worker it has not tried."""
+        msgs = []
+        for h in handles:
+            worker = self.workers.choose(exclude=h.tried)
+            if worker is None:
+                raise ApiError(503, "no live worker can take the request", None, "no_worker")
+            self.forget(h)
+            h.rid = f"{self._rid_base}-{next(self._ids)}"
+            h.worker = worker
+            h.tried.append(worker.worker_id)
+            self.handles[h.rid] = h
+            self.workers.started(worker.worker_id)
+            msgs.append((tokenize_stream(self.bus.prefix), self._tokenize_msg(h)))
+        try:
+            await self.bus.publish_many(msgs)
+        except redis.RedisError as exc:
+            raise ApiError(503, f"message bus unavailable: {exc}", None, "bus_unavailable") from exc
+
+    def forget(self, handle: RequestHandle) -> None:
+        if self.handles.pop(handle.rid, None) is not None and handle.worker is not None:
+            self.workers.ended(handle.worker.worker_id)
+
+    def abort(self, handle: RequestHandle, reason: str) -> None:
+        assert handle.worker is not None
+        stream = worker_in_stream(self.bus.prefix, handle.worker.worker_id)
+        self._spawn(self.bus.publish(stream, AbortReqMsg(handle.rid, reason)))
+
+    async def refresh_workers(self) -> None:
+        live = await list_live_async(self.bus.redis, self.bus.prefix, WORKER_KIND)
+        self.workers.update({k: v for k, v in live.items() if isinstance(v, WorkerLoadMsg)})
+
+    def _tokenize_msg(self, h: RequestHandle) -> TokenizeReqMsg:
+        sub = h.sub
+        assert h.worker is not None
+        return TokenizeReqMsg(
+            rid=h.rid,
+            router_id=self.router_id,
+            worker_id=h.worker.worker_id,
+            text=sub.text,
+            messages=sub.messages,
+            input_ids=sub.input_ids,
+            sampling_params=sub.sampling_params,
+            stream=True,
+            return_logprob=sub.return_logprob,
+            top_logprobs_num=sub.top_logprobs_num,
+            created=time.time(),
+        )
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, DetokOutputMsg):
+            handles = self.handles
+            for row in msg.rows():
+                h = handles.get(row.rid)
+                if h is not None:
+                    h.deliver(row)
+        elif isinstance(msg, ErrorMsg):
+            h = self.handles.get(msg.rid)
+            if h is not None:
+                h.deliver(msg)
+        else:
+            logger.warning("unexpected %s message on %s", type(msg).__name__, self.out_stream)
+
+    async def _read_loop(self) -> None:
+        last_id = "0"  # the stream is this router's own: whatever is there is ours or stale
+        while True:
+            try:
+                last_id, entries = await self.bus.read_plain(
+                    self.out_stream, last_id, count=512, block_ms=1000
+                )
+            except redis.RedisError as exc:
+                logger.warning("reading %s: %s", self.out_stream, exc)
+                await asyncio.sleep(0.5)
+                continue
+            for _, msg in entries:
+                self._dispatch(msg)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh_workers()
+            except redis.RedisError as exc:
+                logger.warning("refreshing workers: %s", exc)
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("router task failed: %r", task.exception())
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) of several handles as they come; raises the first ApiError."""
+    if len(handles) == 1:
+        async for delta in handles[0].deltas():
+            yield handles[0].sub.index, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(h: RequestHandle) -> None:
+        try:
+            async for delta in h.deltas():
+                queue.put_nowait((h.sub.index, delta))
+            queue.put_nowait((h.sub.index, None))
+        except Exception as exc:  # handed to the consumer below
+            queue.put_nowait((h.sub.index, exc))
+
+    tasks = [asyncio.ensure_future(pump(h)) for h in handles]
+    try:
+        remaining = len(handles)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for h in handles:
+            h.close()

@@ -1,0 +1,273 @@
+"""Response bodies and SSE chunks of the three generation APIs, built from `Delta`s.
+
+* `/v1/completions` and `/v1/chat/completions`: OpenAI's shapes (`text_completion`,
+  `chat.completion`, their `.chunk` forms), `usage` with `prompt_tokens_details`, SGLang's
+  `matched_stop` beside `finish_reason`.
+* `/generate`: SGLang's `{text, output_ids, meta_info}`; when streamed, every chunk carries
+  the text and ids so far (SGLang's default, what its `bench_serving` expects).
+
+A stream yields nothing before the first delta, so an error that comes before any output
+(a prompt too long, no worker) still becomes a plain HTTP error; after that, an error is
+sent as an SSE event `{"error": ...}` followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.router_protocol import ApiError
+from services.router_requests import RequestHandle, merged
+from services.router_stream import Delta, Usage
+
+DONE = b"data: [DONE]\n\n"
+logger = logging.getLogger(__name__)
+
+
+class TokenNames:
+    """Token id → its text, for logprobs: decoded with the model's `tokenizer.json` once the
+    router has found one (its `--model`, or a worker's model folder on this machine), else
+    vLLM's `token_id:N` spelling."""
+
+    def __init__(self) -> None:
+        self._decode: Any = None
+        self._tried: set[str] = set()
+
+    def load(self, model_dirs: Iterable[str]) -> None:
+        for folder in model_dirs:
+            if self._decode is not None or folder in self._tried:
+                continue
+            self._tried.add(folder)
+            path = os.path.join(folder, "tokenizer.json")
+            if not os.path.isfile(path):
+                continue
+            try:
+                from tokenizers import Tokenizer
+
+                tok = Tokenizer.from_file(path)
+            except Exception as exc:  # a broken or foreign file: keep the fallback
+                logger.warning("cannot load %s for logprob tokens: %s", path, exc)
+                continue
+            self._decode = functools.lru_cache(maxsize=1 << 16)(functools.partial(_decode_one, tok))
+
+    def __call__(self, token_id: int) -> str:
+        return self._decode(token_id) if self._decode else f"token_id:{token_id}"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclass
+class Choice:
+    """One sub-request's output, accumulated."""
+
+    index: int
+    rid: str = ""
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    delta: Delta | None = None  # the latest
+    finish_reason: Any = None
+    usage: Usage | None = None
+
+    def add(self, delta: Delta) -> None:
+        self.delta = delta
+        self.text += delta.text
+        self.output_ids += delta.output_ids
+        self.token_logprobs += delta.token_logprobs or []
+        self.top_logprobs += delta.top_logprobs or []
+        if delta.finished:
+            self.finish_reason, self.usage = delta.finish_reason, delta.usage
+
+    @property
+    def finish_type(self) -> str | None:
+        return None if self.finish_reason is None else self.finish_reason.type
+
+    @property
+    def matched(self) -> int | str | None:
+        return None if self.finish_reason is None else self.finish_reason.matched
+
+
+async def collect(handles: list[RequestHandle]) -> list[Choice]:
+    choices = {h.sub.index: Choice(h.sub.index) for h in handles}
+    rids = {h.sub.index: h for h in handles}
+    async for index, delta in merged(handles):
+        choices[index].add(delta)
+    for index, choice in choices.items():
+        choice.rid = rids[index].rid
+    return [choices[i] for i in sorted(choices)]
+
+
+def usage(choices: list[Choice], prompt_of: dict[int, int]) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once (n samples share it), completions summed."""
+    firsts: dict[int, Usage] = {}
+    for c in choices:
+        if c.usage is not None:
+            firsts.setdefault(prompt_of[c.index], c.usage)
+    prompt = sum(u.prompt_tokens for u in firsts.values())
+    cached = sum(u.cached_tokens for u in firsts.values())
+    completion = sum(c.usage.completion_tokens for c in choices if c.usage is not None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class Formatter:
+    """Builds one request's responses; `kind` is "completion", "chat" or "generate"."""
+
+    def __init__(
+        self,
+        kind: str,
+        rid: str,
+        created: int,
+        model: str,
+        names: TokenNames,
+        handles: list[RequestHandle],
+        include_usage: bool = False,
+        batch: bool = False,
+    ) -> None:
+        self.kind, self.rid, self.created, self.model = kind, rid, created, model
+        self.names, self.handles = names, handles
+        self.include_usage, self.batch = include_usage, batch
+        self.prompt_of = {h.sub.index: h.sub.prompt_index for h in handles}
+        self.want_logprobs = handles[0].sub.return_logprob
+        self.top_n = handles[0].sub.top_logprobs_num
+
+    # -- whole responses ------------------------------------------------------------------------
+    async def response(self) -> Any:
+        choices = await collect(self.handles)
+        if self.kind == "generate":
+            outs = [self._generate_obj(c, c.output_ids, c.text) for c in choices]
+            return outs if self.batch else outs[0]
+        body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
+        body["choices"] = [
+            self._choice(c, c.text, c.output_ids, c.token_logprobs, c.top_logprobs, final=True)
+            for c in choices
+        ]
+        body["usage"] = usage(choices, self.prompt_of)
+        return body
+
+    # -- streams --------------------------------------------------------------------------------
+    async def chunks(self) -> AsyncIterator[bytes]:
+        choices = {h.sub.index: Choice(h.sub.index, rid=h.rid) for h in self.handles}
+        started = False
+        try:
+            async for index, delta in merged(self.handles):
+                choice = choices[index]
+                first = not choice.output_ids and not choice.text
+                choice.rid = next(h.rid for h in self.handles if h.sub.index == index)
+                choice.add(delta)
+                yield self._chunk(choice, delta, first)
+                started = True
+        except ApiError as err:
+            if not started:
+                raise
+            yield sse(err.body())
+            yield DONE
+            return
+        if self.include_usage and self.kind != "generate":
+            body = self._envelope(self._chunk_object())
+            body["choices"] = []
+            body["usage"] = usage(list(choices.values()), self.prompt_of)
+            yield sse(body)
+        yield DONE
+
+    def _chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
+        if self.kind == "generate":
+            obj = self._generate_obj(c, c.output_ids, c.text)
+            if self.batch:
+                obj["index"] = c.index
+            return sse(obj)
+        body = self._envelope(self._chunk_object())
+        choice = self._choice(
+            c, d.text, d.output_ids, d.token_logprobs or [], d.top_logprobs or [], final=d.finished
+        )
+        if self.kind == "chat":
+            message = choice.pop("message")
+            choice["delta"] = message if first else {"content": message["content"]}
+        body["choices"] = [choice]
+        return sse(body)
+
+    # -- pieces ---------------------------------------------------------------------------------
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(
+        self,
+        c: Choice,
+        text: str,
+        ids: list[int],
+        lps: list[float],
+        tops: list[list[tuple[int, float]]],
+        final: bool,
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": c.index}
+        if self.kind == "chat":
+            out["message"] = {"role": "assistant", "content": text}
+        else:
+            out["text"] = text
+        out["logprobs"] = self._logprobs(ids, lps, tops) if self.want_logprobs else None
+        out["finish_reason"] = c.finish_type if final else None
+        out["matched_stop"] = c.matched if final else None
+        return out
+
+    def _logprobs(
+        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+    ) -> dict[str, Any] | None:
+        names = self.names
+        if self.kind == "chat":
+            content = []
+            for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+                top = tops[i][: self.top_n] if i < len(tops) else []
+                entry = _chat_token(names(tid), lp)
+                entry["top_logprobs"] = [_chat_token(names(t), v) for t, v in top]
+                content.append(entry)
+            return {"content": content}
+        tokens = [names(t) for t in ids]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        top_maps = [{names(t): v for t, v in top[: self.top_n]} for top in tops] or None
+        return {
+            "tokens": tokens,
+            "token_logprobs": lps[: len(ids)],
+            "top_logprobs": top_maps,
+            "text_offset": offsets,
+        }
+
+    def _generate_obj(self, c: Choice, ids: list[int], text: str) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": c.rid,
+            "finish_reason": c.finish_reason.to_dict() if c.finish_reason else None,
+            "prompt_tokens": c.usage.prompt_tokens if c.usage else None,
+            "completion_tokens": c.usage.completion_tokens if c.usage else len(ids),
+            "cached_tokens": c.usage.cached_tokens if c.usage else None,
+        }
+        if self.want_logprobs:
+            pairs = zip(c.token_logprobs, ids, strict=False)
+            meta["output_token_logprobs"] = [[lp, t] for lp, t in pairs]
+            if self.top_n:
+                meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in c.top_logprobs]
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+def _decode_one(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _chat_token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

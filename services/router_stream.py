@@ -1,0 +1,175 @@
+"""One request's output as the router assembles it from detokenizer rows.
+
+Rows of one request may arrive out of order (consecutive steps handled by different
+detokenizers) or twice (redelivery after a detokenizer died). `OutputAssembler` releases
+them in token order, ignoring ranges it has seen, and trims stop strings: text is released
+only up to the first stop string, and while the request runs, any tail of the text that
+could still grow into a stop string is held back.
+
+Invariant: `released <= len(text)`, and released text is never taken back; a stop string
+found later always starts at or after `released` (the hold-back kept its beginning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shared.messages import DetokRow, FinishReason
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Delta:
+    """What became releasable after some rows: new text, new tokens, and the end if reached.
+
+    `top_logprobs[i]` lists (token id, logprob) pairs for output token i of this delta.
+    """
+
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class StopMatcher:
+    """Finds stop strings in text that grows at its end."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in dict.fromkeys(stops) if s]
+        self.max_len = max(map(len, self.stops), default=0)
+
+    def find(self, text: str, new_from: int) -> tuple[int, str] | None:
+        """(start, stop) of the stop string that ends first among those ending after
+        `new_from` (text up to there was searched before); the longer one on a tie.
+
+        "Ends first" is where generation would have stopped had the text come one character
+        at a time, so the answer does not depend on how the text was split into rows.
+        """
+        if not self.stops:
+            return None
+        lo = max(0, new_from - self.max_len + 1)
+        best: tuple[int, int, str] | None = None
+        for stop in self.stops:
+            pos = text.find(stop, lo)
+            if pos >= 0 and (best is None or (pos + len(stop), pos) < best[:2]):
+                best = (pos + len(stop), pos, stop)
+        return None if best is None else (best[1], best[2])
+
+    def hold_back(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+class OutputAssembler:
+    """Reorders one request's `DetokRow`s and turns them into `Delta`s (see module doc)."""
+
+    def __init__(self, stops: list[str] | None = None) -> None:
+        self.matcher = StopMatcher(stops or [])
+        self.text = ""
+        self.released = 0
+        self.output_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.usage: Usage | None = None
+        self.stopped_here = False  # the router found a stop string the worker did not report
+        self._next = 0  # first output token index not yet consumed
+        self._pending: dict[int, DetokRow] = {}
+        self._last: DetokRow | None = None
+        self.num_rows_seen = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def add(self, rows: Iterable[DetokRow]) -> Delta | None:
+        """Take rows as they arrived; return what they made releasable, or None if nothing."""
+        if self.finished:
+            return None
+        delta = Delta()
+        new_from = len(self.text)
+        for row in rows:
+            self.num_rows_seen += 1
+            if self.finished or row.start < self._next:
+                continue  # after the end, or a range already consumed (redelivery)
+            if row.start > self._next:
+                self._stash(row)
+                continue
+            self._consume(row, delta)
+            while not self.finished and self._next in self._pending:
+                self._consume(self._pending.pop(self._next), delta)
+        self._trim_stop(new_from)
+        return self._release(delta)
+
+    def _stash(self, row: DetokRow) -> None:
+        old = self._pending.get(row.start)
+        if old is None or (row.end, row.finished) > (old.end, old.finished):
+            self._pending[row.start] = row
+
+    def _consume(self, row: DetokRow, delta: Delta) -> None:
+        self._next = row.end
+        self._last = row
+        self.text += row.text
+        self.output_ids += row.output_ids
+        delta.output_ids += row.output_ids
+        if row.token_logprobs is not None:
+            delta.token_logprobs = (delta.token_logprobs or []) + row.token_logprobs
+        if row.top_logprobs_ids is not None and row.top_logprobs_vals is not None:
+            pairs = [
+                list(zip(ids, vals, strict=True))
+                for ids, vals in zip(row.top_logprobs_ids, row.top_logprobs_vals, strict=True)
+            ]
+            delta.top_logprobs = (delta.top_logprobs or []) + pairs
+        if row.finished:
+            self._finish(row.finish_reason, row)
+
+    def _finish(self, reason: FinishReason | None, row: DetokRow) -> None:
+        self.finish_reason = reason
+        self.usage = Usage(row.prompt_tokens, row.completion_tokens, row.cached_tokens)
+        self._pending.clear()
+
+    def _trim_stop(self, new_from: int) -> None:
+        """Cut the text at the first stop string; end the request there if the worker didn't."""
+        hit = self.matcher.find(self.text, new_from)
+        if hit is None and self.finished and isinstance(self.finish_reason.matched, str):
+            pos = self.text.find(self.finish_reason.matched)  # type: ignore[union-attr]
+            hit = (pos, self.finish_reason.matched) if pos >= 0 else None  # type: ignore[union-attr]
+        if hit is None:
+            return
+        pos, stop = hit
+        self.text = self.text[:pos]
+        if not self.finished:
+            self.stopped_here = True
+            assert self._last is not None
+            self._finish(None, self._last)
+        self.finish_reason = FinishReason("stop", stop)
+
+    def _release(self, delta: Delta) -> Delta | None:
+        end = len(self.text)
+        if not self.finished:
+            end -= self.matcher.hold_back(self.text)
+        if end > self.released:
+            delta.text = self.text[self.released : end]
+            self.released = end
+        if self.finished:
+            delta.finish_reason, delta.usage = self.finish_reason, self.usage
+        if not delta.text and not delta.output_ids and not delta.finished:
+            return None
+        return delta

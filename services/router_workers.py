@@ -1,0 +1,70 @@
+"""The live workers as one router sees them, and the choice of a worker for a request.
+
+The table is refreshed from heartbeats (`WorkerLoadMsg`) a few times a second. Heartbeats
+lag behind a burst of requests, so the router also counts the requests it has in flight
+on each worker and takes the larger of the two figures as that worker's load. A worker is
+identified by id and pid: a worker restarted under the same id has lost its requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Iterable
+
+from shared.messages import WorkerLoadMsg
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerTable:
+    def __init__(self) -> None:
+        self.live: dict[str, WorkerLoadMsg] = {}
+        self.inflight: Counter[str] = Counter()
+
+    def update(self, live: dict[str, WorkerLoadMsg]) -> None:
+        gone = self.live.keys() - live.keys()
+        new = live.keys() - self.live.keys()
+        if gone or new:
+            logger.info(
+                "workers: %s live (joined %s, gone %s)", sorted(live), sorted(new), sorted(gone)
+            )
+        self.live = live
+
+    def load(self, worker_id: str) -> int:
+        hb = self.live[worker_id]
+        return max(hb.num_running_reqs + hb.num_waiting_reqs, self.inflight[worker_id])
+
+    def choose(self, exclude: Iterable[str] = ()) -> WorkerLoadMsg | None:
+        """The least-loaded live worker not in `exclude` (ties: lower token usage, then id)."""
+        skip = set(exclude)
+        candidates = [w for w in self.live if w not in skip]
+        if not candidates:
+            return None
+        best = min(candidates, key=lambda w: (self.load(w), self.live[w].token_usage, w))
+        return self.live[best]
+
+    def is_alive(self, worker_id: str, pid: int) -> bool:
+        hb = self.live.get(worker_id)
+        return hb is not None and hb.pid == pid
+
+    def started(self, worker_id: str) -> None:
+        self.inflight[worker_id] += 1
+
+    def ended(self, worker_id: str) -> None:
+        self.inflight[worker_id] -= 1
+        if self.inflight[worker_id] <= 0:
+            del self.inflight[worker_id]
+
+    @property
+    def context_len(self) -> int | None:
+        """The smallest context length of the live workers (what any request must fit)."""
+        return min((hb.context_len for hb in self.live.values()), default=None)
+
+    def model_names(self) -> set[str]:
+        """Names the workers' models answer to: the path as given and its last component."""
+        names = set()
+        for hb in self.live.values():
+            names |= {hb.model, os.path.basename(hb.model.rstrip("/"))}
+        return names - {""}
