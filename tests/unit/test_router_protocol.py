@@ -1,0 +1,155 @@
+"""Request validation and translation of the router's APIs (no server needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.router_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    check_max_tokens,
+    parse_body,
+)
+
+
+def subs_of(model: type, body: dict) -> list:
+    return parse_body(model, json.dumps(body).encode()).to_subrequests()
+
+
+def error_of(model: type, body: dict | bytes) -> ApiError:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(ApiError) as info:
+        parse_body(model, raw).to_subrequests()
+    return info.value
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+COMP = {"model": "m", "prompt": "hi"}
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param", "code"),
+    [
+        (CompletionRequest, b"{not json", None, "invalid_json"),
+        (CompletionRequest, b"[1, 2]", None, "invalid_value"),
+        (CompletionRequest, {"prompt": "x"}, "model", "missing_required_parameter"),
+        (CompletionRequest, {**COMP, "max_tokens": "5"}, "max_tokens", "invalid_value"),
+        (CompletionRequest, {**COMP, "max_tokens": 5.0}, "max_tokens", "invalid_value"),
+        (CompletionRequest, {**COMP, "temperature": "0.5"}, "temperature", "invalid_value"),
+        (CompletionRequest, {**COMP, "temperature": -0.1}, "temperature", "invalid_value"),
+        (CompletionRequest, {**COMP, "top_p": 0}, "top_p", "invalid_value"),
+        (CompletionRequest, {**COMP, "top_p": 1.5}, "top_p", "invalid_value"),
+        (CompletionRequest, {**COMP, "top_k": 0}, "top_k", "invalid_value"),
+        (CompletionRequest, {**COMP, "min_p": 2}, "min_p", "invalid_value"),
+        (CompletionRequest, {**COMP, "n": 0}, "n", "invalid_value"),
+        (CompletionRequest, {**COMP, "presence_penalty": 3}, "presence_penalty", "invalid_value"),
+        (CompletionRequest, {**COMP, "repetition_penalty": 0}, "repetition_penalty",
+         "invalid_value"),
+        (CompletionRequest, {**COMP, "stop": ""}, "stop", "invalid_value"),
+        (CompletionRequest, {**COMP, "stop": [1]}, "stop", "invalid_value"),
+        (CompletionRequest, {**COMP, "stream": "yes"}, "stream", "invalid_value"),
+        (CompletionRequest, {**COMP, "seed": 2**64}, "seed", "invalid_value"),
+        (CompletionRequest, {**COMP, "logprobs": 21}, "logprobs", "invalid_value"),
+        (CompletionRequest, {**COMP, "stop_token_ids": [-1]}, "stop_token_ids.0",
+         "invalid_value"),
+        (CompletionRequest, {"model": "m", "prompt": []}, "prompt", "invalid_value"),
+        (CompletionRequest, {"model": "m", "prompt": [1, "a"]}, "prompt", "invalid_value"),
+        (CompletionRequest, {**COMP, "echo": True}, "echo", "unsupported"),
+        (CompletionRequest, {**COMP, "logit_bias": {"1": 2.0}}, "logit_bias", "unsupported"),
+        (ChatCompletionRequest, {"model": "m", "messages": []}, "messages", "invalid_value"),
+        (ChatCompletionRequest, {"model": "m", "messages": [{"role": "bot", "content": "x"}]},
+         "messages.0.role", "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "tools": [{"type": "function"}]}, "tools",
+         "unsupported"),
+        (ChatCompletionRequest, {"model": "m", "messages": [
+            {"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "unsupported"),
+        (GenerateRequest, {"text": "a", "input_ids": [1]}, "text", "invalid_value"),
+        (GenerateRequest, {"text": "a", "sampling_params": {"max_new_token": 3}},
+         "sampling_params.max_new_token", "invalid_value"),
+        (GenerateRequest, {"input_ids": [[1], []]}, "input_ids", "invalid_value"),
+        (GenerateRequest, {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params",
+         "invalid_value"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_400_naming_the_field(
+    model: type, body: dict | bytes, param: str | None, code: str
+) -> None:
+    err = error_of(model, body)
+    assert err.status == 400
+    assert (err.param, err.code) == (param, code)
+    body = err.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"}
+    assert body["type"] == "invalid_request_error" and body["message"]
+
+
+def test_completion_maps_openai_fields_to_sampling_params() -> None:
+    body = {**COMP, "max_tokens": 7, "temperature": 0, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+            "stop": "\n", "seed": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.1, "ignore_eos": True, "stop_token_ids": [7],
+            "skip_special_tokens": False, "logprobs": 2, "user": "ignored"}  # fmt: skip
+    (sub,) = subs_of(CompletionRequest, body)
+    assert sub.text == "hi" and sub.stop == ["\n"]
+    assert sub.return_logprob and sub.top_logprobs_num == 2
+    assert sub.sampling_params == {
+        "max_new_tokens": 7, "temperature": 0.0, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+        "stop": ["\n"], "sampling_seed": 3, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": True,
+        "stop_token_ids": [7], "skip_special_tokens": False,
+    }  # fmt: skip
+
+
+def test_unset_fields_are_left_to_the_engine_defaults() -> None:
+    (sub,) = subs_of(CompletionRequest, COMP)
+    assert sub.sampling_params == {"max_new_tokens": 16}  # OpenAI's completions default
+    (sub,) = subs_of(ChatCompletionRequest, CHAT)
+    assert sub.sampling_params == {} and not sub.return_logprob
+
+
+def test_n_fans_out_with_distinct_seeds_and_prompt_batches_keep_their_index() -> None:
+    subs = subs_of(CompletionRequest, {"model": "m", "prompt": [[1, 2], [3]], "n": 2, "seed": 9})
+    assert [(s.index, s.prompt_index, s.input_ids) for s in subs] == [
+        (0, 0, [1, 2]), (1, 0, [1, 2]), (2, 1, [3]), (3, 1, [3])]  # fmt: skip
+    assert [s.sampling_params["sampling_seed"] for s in subs] == [9, 10, 9, 10]
+
+
+def test_chat_flattens_text_parts_and_prefers_max_completion_tokens() -> None:
+    body = {"model": "m", "max_tokens": 50, "max_completion_tokens": 5, "logprobs": True,
+            "top_logprobs": 3, "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                             {"type": "text", "text": "b"}]}]}  # fmt: skip
+    (sub,) = subs_of(ChatCompletionRequest, body)
+    assert [(m.role, m.content) for m in sub.messages] == [("system", "be brief"), ("user", "ab")]
+    assert sub.sampling_params["max_new_tokens"] == 5
+    assert sub.return_logprob and sub.top_logprobs_num == 3
+
+
+def test_generate_batches_and_per_prompt_params() -> None:
+    body = {
+        "input_ids": [[1, 2], [3]],
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2, "n": 2}],
+    }
+    req = parse_body(GenerateRequest, json.dumps(body).encode())
+    assert req.is_batch
+    subs = req.to_subrequests()
+    assert [(s.index, s.prompt_index, s.sampling_params["max_new_tokens"]) for s in subs] == [
+        (0, 0, 1), (1, 1, 2), (2, 1, 2)]  # fmt: skip
+    assert all(s.return_logprob and s.top_logprobs_num == 2 for s in subs)
+    single = parse_body(GenerateRequest, b'{"text": "x"}')
+    assert not single.is_batch and single.to_subrequests()[0].text == "x"
+
+
+def test_max_tokens_beyond_the_context_is_refused_before_sending() -> None:
+    subs = subs_of(CompletionRequest, {**COMP, "max_tokens": 4096})
+    check_max_tokens(subs, None, "max_tokens")  # no worker known yet: the tokenizer checks
+    check_max_tokens(subs, 8192, "max_tokens")
+    with pytest.raises(ApiError) as info:
+        check_max_tokens(subs, 4096, "max_tokens")
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"

@@ -1,0 +1,89 @@
+"""Worker choice from heartbeats, and the Prometheus text the router exports."""
+
+from __future__ import annotations
+
+import re
+
+from services.router_metrics import RouterMetrics
+from services.router_workers import WorkerTable
+from shared.messages import WorkerLoadMsg
+
+
+def load(worker_id: str, running: int = 0, waiting: int = 0, usage: float = 0.0,
+         pid: int = 1, context_len: int = 2048) -> WorkerLoadMsg:  # fmt: skip
+    return WorkerLoadMsg(
+        worker_id=worker_id, model="/models/tiny", num_running_reqs=running,
+        num_waiting_reqs=waiting, num_used_tokens=0, num_cached_tokens=0,
+        max_total_num_tokens=1000, max_running_requests=8, context_len=context_len,
+        token_usage=usage, gen_throughput=12.5, host="h", pid=pid, updated_at=0.0,
+    )  # fmt: skip
+
+
+def test_least_loaded_worker_wins_counting_this_routers_own_requests() -> None:
+    table = WorkerTable()
+    table.update({"a": load("a", running=2), "b": load("b", running=1, waiting=2)})
+    assert table.choose().worker_id == "a"  # 2 < 3
+    for _ in range(4):  # heartbeats lag: 4 of ours are in flight on a, more than it reported
+        table.started("a")
+    assert table.choose().worker_id == "b"
+    assert table.choose(exclude=["b"]).worker_id == "a"
+    assert table.choose(exclude=["a", "b"]) is None
+    for _ in range(4):
+        table.ended("a")
+    assert table.inflight == {}
+
+
+def test_ties_go_to_lower_token_usage() -> None:
+    table = WorkerTable()
+    table.update({"a": load("a", usage=0.5), "b": load("b", usage=0.1)})
+    assert table.choose().worker_id == "b"
+
+
+def test_a_worker_restarted_under_the_same_id_is_not_the_one_we_sent_to() -> None:
+    table = WorkerTable()
+    table.update({"a": load("a", pid=10, context_len=4096), "b": load("b", context_len=2048)})
+    assert table.is_alive("a", 10) and not table.is_alive("a", 11)
+    assert table.context_len == 2048
+    assert table.model_names() == {"/models/tiny", "tiny"}
+    table.update({})
+    assert not table.is_alive("a", 10) and table.context_len is None
+
+
+SAMPLE = re.compile(r"^([a-z0-9_:]+)(\{[^}]*\})? (-?[0-9.e+-]+|\+Inf|NaN)$")
+
+
+def test_metrics_export_sglang_and_sluice_names_in_valid_text_format() -> None:
+    m = RouterMetrics("tiny")
+    m.observe_first_token(0.003)
+    m.observe_finish(0.5, 0.003, prompt=10, completion=5, cached=4)
+    m.observe_finish(2.0, None, prompt=10, completion=1, cached=0)
+    text = m.render({"w0": load("w0", running=3, waiting=1, usage=0.25)})
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            assert re.match(r"^# (HELP|TYPE) [a-z0-9_:]+ ", line), line
+            continue
+        match = SAMPLE.match(line)
+        assert match, line
+        samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    for prefix in ("sluice", "sglang"):
+        worker = '{model_name="tiny",worker_id="w0"}'
+        assert samples[f"{prefix}:num_running_reqs{worker}"] == 3
+        assert samples[f"{prefix}:num_queue_reqs{worker}"] == 1
+        assert samples[f"{prefix}:token_usage{worker}"] == 0.25
+        assert samples[f"{prefix}:gen_throughput{worker}"] == 12.5
+        base = '{model_name="tiny"}'
+        assert samples[f"{prefix}:prompt_tokens_total{base}"] == 20
+        assert samples[f"{prefix}:generation_tokens_total{base}"] == 6
+        assert samples[f"{prefix}:cache_hit_rate{base}"] == 0.2
+        assert samples[f"{prefix}:time_to_first_token_seconds_count{base}"] == 1
+        ttft = f"{prefix}:time_to_first_token_seconds_bucket"
+        assert samples[ttft + '{model_name="tiny",le="0.0025"}'] == 0
+        assert samples[ttft + '{model_name="tiny",le="0.005"}'] == 1
+        assert samples[f"{prefix}:e2e_request_latency_seconds_count{base}"] == 2
+        assert samples[f"{prefix}:e2e_request_latency_seconds_sum{base}"] == 2.5
+        # one request had a first token and more than one token: (0.5 - 0.003) / 4
+        assert samples[f"{prefix}:time_per_output_token_seconds_count{base}"] == 1
+        assert abs(samples[f"{prefix}:time_per_output_token_seconds_sum{base}"] - 0.12425) < 1e-9
+        e2e = f"{prefix}:e2e_request_latency_seconds_bucket"
+        assert samples[e2e + '{model_name="tiny",le="+Inf"}'] == 2
