@@ -162,3 +162,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("router", help="the HTTP router service")
     add_settings_args(p, RouterConfig)
     p.set_defaults(func=lambda ns: run(settings_from_args(RouterConfig, ns)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m services.router ...`: the service without the CLI's engine imports."""
+    parser = argparse.ArgumentParser(prog="sluice router", description=__doc__)
+    add_settings_args(parser, RouterConfig)
+    run(settings_from_args(RouterConfig, parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()
