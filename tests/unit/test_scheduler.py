@@ -189,7 +189,7 @@ def test_random_arrivals_and_aborts_every_request_ends_once() -> None:
     aborted: set[str] = set()
     done: dict[str, object] = {}
     n = 0
-    for step in range(400):
+    for _ in range(400):
         if n < 40 and rng.random() < 0.3:
             p = rand_prompt(rng, rng.randint(1, 60))
             if rng.random() < 0.5 and want:
