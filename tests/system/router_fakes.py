@@ -89,10 +89,18 @@ class _Running:
 
 
 class FakeWorker:
-    def __init__(self, redis_url: str, prefix: str, worker_id: str = "w0",
-                 plan: Callable[[TokenizeReqMsg], Plan] = default_plan, step_s: float = 0.005,
-                 shuffle: bool = False, duplicate: bool = False, silent: bool = False,
-                 hb_ttl_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        redis_url: str,
+        prefix: str,
+        worker_id: str = "w0",
+        plan: Callable[[TokenizeReqMsg], Plan] = default_plan,
+        step_s: float = 0.005,
+        shuffle: bool = False,
+        duplicate: bool = False,
+        silent: bool = False,
+        hb_ttl_s: float = 1.0,
+    ) -> None:
         self.redis = redis.Redis.from_url(redis_url)
         self.prefix, self.worker_id, self.plan = prefix, worker_id, plan
         self.step_s, self.shuffle, self.duplicate, self.silent = step_s, shuffle, duplicate, silent
@@ -120,20 +128,34 @@ class FakeWorker:
 
     def _load(self) -> WorkerLoadMsg:
         return WorkerLoadMsg(
-            worker_id=self.worker_id, model="fake-model", num_running_reqs=len(self.running),
-            num_waiting_reqs=0, num_used_tokens=0, num_cached_tokens=0,
-            max_total_num_tokens=10_000, max_running_requests=64, context_len=CONTEXT_LEN,
-            token_usage=0.0, gen_throughput=0.0, host="test", pid=os.getpid(),
+            worker_id=self.worker_id,
+            model="fake-model",
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=0,
+            num_used_tokens=0,
+            num_cached_tokens=0,
+            max_total_num_tokens=10_000,
+            max_running_requests=64,
+            context_len=CONTEXT_LEN,
+            token_usage=0.0,
+            gen_throughput=0.0,
+            host="test",
+            pid=os.getpid(),
             updated_at=time.time(),
-        )  # fmt: skip
+        )
 
     def _loop(self) -> None:
-        streams = {tokenize_stream(self.prefix): "0",
-                   worker_in_stream(self.prefix, self.worker_id): "0"}  # fmt: skip
+        streams = {
+            tokenize_stream(self.prefix): "0",
+            worker_in_stream(self.prefix, self.worker_id): "0",
+        }
         while not self._stop.is_set():
             block = None if self.running and not self.silent else 20
-            reply = self.redis.xread(streams, count=100, block=block) if block else \
-                self.redis.xread(streams, count=100)  # fmt: skip
+            reply = (
+                self.redis.xread(streams, count=100, block=block)
+                if block
+                else self.redis.xread(streams, count=100)
+            )
             for stream, entries in reply or []:
                 streams[stream.decode()] = entries[-1][0].decode()
                 for _, fields in entries:
@@ -174,9 +196,19 @@ class FakeWorker:
                 tops = [[t + j for j in range(k)] for t in ids]
                 vals = [[-(t + j) / 1000 for j in range(k)] for t in ids]
             row = DetokRow(
-                rid, r.pos, r.pos + len(ids), text, ids, finish, r.plan.prompt_tokens,
-                r.pos + len(ids), r.plan.cached_tokens, lps, tops, vals,
-            )  # fmt: skip
+                rid,
+                r.pos,
+                r.pos + len(ids),
+                text,
+                ids,
+                finish,
+                r.plan.prompt_tokens,
+                r.pos + len(ids),
+                r.plan.cached_tokens,
+                lps,
+                tops,
+                vals,
+            )
             r.pos += len(ids)
             rows.setdefault(r.msg.router_id, []).append(row)
             if done:
@@ -204,13 +236,27 @@ class FakeWorker:
 
 
 @contextmanager
-def start_router(redis_url: str, prefix: str, *extra: str,
-                 env: dict[str, str] | None = None) -> Iterator[str]:  # fmt: skip
+def start_router(
+    redis_url: str, prefix: str, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """Run `sluice router` on a free port; yield its base URL."""
     port = free_port()
-    cmd = [sys.executable, "-m", "services.router", "--redis-url", redis_url,
-           "--prefix", prefix, "--port", str(port), "--router-id", "r1",
-           "--worker-check-s", "0.2", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.router",
+        "--redis-url",
+        redis_url,
+        "--prefix",
+        prefix,
+        "--port",
+        str(port),
+        "--router-id",
+        "r1",
+        "--worker-check-s",
+        "0.2",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **(env or {})})
     base = f"http://127.0.0.1:{port}"
     try:

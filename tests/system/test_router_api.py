@@ -33,8 +33,10 @@ def base(redis_url: str) -> Iterator[str]:
 @pytest.fixture
 def worker(redis_url: str, base: str) -> Iterator[FakeWorker]:
     """A fake worker with a fresh id, out-of-order and repeated delivery on."""
-    with running(FakeWorker(redis_url, PREFIX, f"w{uuid.uuid4().hex[:6]}", shuffle=True,
-                            duplicate=True), base) as w:  # fmt: skip
+    with running(
+        FakeWorker(redis_url, PREFIX, f"w{uuid.uuid4().hex[:6]}", shuffle=True, duplicate=True),
+        base,
+    ) as w:
         yield w
 
 
@@ -128,9 +130,12 @@ def test_completion_stream_deltas_concatenate_to_the_whole_text(
     whole = httpx.post(base + "/v1/completions", json=body).json()
     assert whole["object"] == "text_completion" and whole["choices"][0]["finish_reason"] == "length"
     assert whole["choices"][0]["text"] == PROMPT[::-1][:20]
-    assert whole["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 20,
-                              "total_tokens": len(PROMPT) + 20,
-                              "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert whole["usage"] == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": 20,
+        "total_tokens": len(PROMPT) + 20,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     events = post_stream(base, "/v1/completions", {**body, "stream": True})
     assert completion_text(events) == whole["choices"][0]["text"]
     assert all("usage" not in e for e in events[:-1])  # include_usage not asked
@@ -138,8 +143,12 @@ def test_completion_stream_deltas_concatenate_to_the_whole_text(
 
 
 def test_chat_stream_role_first_usage_last(worker: FakeWorker, base: str) -> None:
-    body = {"model": "fake-model", "messages": [{"role": "user", "content": "abc"}],
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "abc"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     events = post_stream(base, "/v1/chat/completions", body)
     assert events[-1] == "[DONE]"
     chunks, usage = events[:-2], events[-2]
@@ -155,8 +164,7 @@ def test_stop_strings_are_trimmed_whole_and_streamed(worker: FakeWorker, base: s
     # the reply is "0987654321 ZYX ..."; the stop "54" spans two tokens
     body = {"model": "fake-model", "prompt": "... XYZ 1234567890", "stop": ["XX", "54"]}
     whole = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]
-    assert (whole["text"], whole["finish_reason"], whole["matched_stop"]) == ("09876", "stop",
-                                                                              "54")  # fmt: skip
+    assert (whole["text"], whole["finish_reason"], whole["matched_stop"]) == ("09876", "stop", "54")
     events = post_stream(base, "/v1/completions", {**body, "stream": True})
     assert completion_text(events) == "09876"
     assert not any("5" in e["choices"][0]["text"] for e in events[:-1])  # held back, then cut
@@ -168,12 +176,16 @@ def test_router_cuts_a_stop_string_the_worker_missed_and_aborts_it(
     def ignore_stops(msg: TokenizeReqMsg) -> Plan:
         return Plan(list("abcSTOPdefghijklmnopqrstuvwxyz" * 3))
 
-    with running(FakeWorker(redis_url, PREFIX, "w-nostop", plan=ignore_stops, step_s=0.02),
-                 base) as w:  # fmt: skip
+    with running(
+        FakeWorker(redis_url, PREFIX, "w-nostop", plan=ignore_stops, step_s=0.02), base
+    ) as w:
         body = {"model": "fake-model", "prompt": "x", "stop": "STOP", "max_tokens": 90}
         choice = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]
         assert (choice["text"], choice["finish_reason"], choice["matched_stop"]) == (
-            "abc", "stop", "STOP")  # fmt: skip
+            "abc",
+            "stop",
+            "STOP",
+        )
         wait_for(lambda: w.aborted and not w.running)
 
 
@@ -188,9 +200,14 @@ def test_errors_from_the_tokenizer_become_http_errors(redis_url: str, base: str)
             body = {"model": "fake-model", "prompt": "a long prompt", "stream": stream}
             resp = httpx.post(base + "/v1/completions", json=body)
             assert resp.status_code == 400
-            assert resp.json() == {"error": {"message": "the prompt has 9999 tokens, max 4096",
-                                             "type": "invalid_request_error", "param": None,
-                                             "code": "prompt_too_long"}}  # fmt: skip
+            assert resp.json() == {
+                "error": {
+                    "message": "the prompt has 9999 tokens, max 4096",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "prompt_too_long",
+                }
+            }
         resp = httpx.post(base + "/v1/completions", json={"model": "gpt-4", "prompt": "x"})
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
         body = {"model": "fake-model", "prompt": "x", "max_tokens": CONTEXT_LEN}
@@ -219,8 +236,11 @@ def test_cancelled_whole_request_is_aborted_at_the_worker(redis_url: str, base: 
     slow = FakeWorker(redis_url, PREFIX, "w-slow2", step_s=0.05)
     with running(slow, base):
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(base + "/generate", json={"text": "y" * 300,
-                       "sampling_params": {"max_new_tokens": 300}}, timeout=0.5)  # fmt: skip
+            httpx.post(
+                base + "/generate",
+                json={"text": "y" * 300, "sampling_params": {"max_new_tokens": 300}},
+                timeout=0.5,
+            )
         wait_for(lambda: len(slow.aborted) == 1 and not slow.running)
 
 
@@ -263,8 +283,12 @@ def test_n_fans_out_with_distinct_rids_and_seeds_and_logprobs(
     assert lp["token_logprobs"] == [-ord("b") / 1000, -ord("a") / 1000]
     assert lp["tokens"] == ["token_id:98", "token_id:97"]  # the router has no tokenizer here
     assert lp["top_logprobs"][0] == {"token_id:98": -0.098, "token_id:99": -0.099}
-    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "a"}],
-            "logprobs": True, "top_logprobs": 1}  # fmt: skip
+    chat = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "a"}],
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
     content = httpx.post(base + "/v1/chat/completions", json=chat).json()["choices"][0]
     entry = content["logprobs"]["content"][0]
     assert entry["logprob"] == -0.097 and entry["top_logprobs"][0]["token"] == "token_id:97"
@@ -274,8 +298,12 @@ def test_many_concurrent_streams_with_reordering_are_all_exact(
     worker: FakeWorker, base: str
 ) -> None:
     async def one(client: httpx.AsyncClient, i: int) -> str:
-        body = {"model": "fake-model", "prompt": f"request {i} " + PROMPT, "max_tokens": 30,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": "fake-model",
+            "prompt": f"request {i} " + PROMPT,
+            "max_tokens": 30,
+            "stream": True,
+        }
         text = ""
         async with client.stream("POST", base + "/v1/completions", json=body) as resp:
             async for line in resp.aiter_lines():
