@@ -79,10 +79,7 @@ class ScheduleBatch:
             n = len(r.prefix_indices)
             if n and r.kv_allocated_len < n:
                 req_to_token[r.req_pool_idx, :n] = r.prefix_indices.to(torch.int32)
-        last_locs = [
-            int(req_to_token[r.req_pool_idx, pl - 1]) if pl > 0 else -1
-            for r, pl in zip(self.reqs, prefix_lens)
-        ]
+        last_locs = self._last_locs(prefix_lens)
         out = p.alloc_kv(prefix_lens, seq_lens, last_locs)
         offset = 0
         for r, pl, sl in zip(self.reqs, prefix_lens, seq_lens):
@@ -94,6 +91,16 @@ class ScheduleBatch:
         self.out_cache_loc = out
         self._prefix_lens = prefix_lens
         self._seq_lens = seq_lens
+
+    def _last_locs(self, prefix_lens: list[int]) -> list[int]:
+        """Slot of each request's last cached token (-1 if none); the allocator continues a
+        partly filled page from it. With page_size 1 it is never needed."""
+        if self.pools.page_size == 1:
+            return [-1] * len(prefix_lens)
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        cols = torch.tensor(prefix_lens, dtype=torch.int64) - 1
+        locs = self.pools.req_to_token_pool.req_to_token[rows, cols.clamp(min=0)]
+        return torch.where(cols >= 0, locs.to(torch.int64), -1).tolist()
 
     # -- decode ---------------------------------------------------------------------------------
     def new_page_tokens_needed(self) -> int:
@@ -117,9 +124,7 @@ class ScheduleBatch:
         req_to_token = self.pools.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_allocated_len for r in self.reqs]
         seq_lens = [n + 1 for n in prefix_lens]
-        last_locs = [
-            int(req_to_token[r.req_pool_idx, n - 1]) for r, n in zip(self.reqs, prefix_lens)
-        ]
+        last_locs = self._last_locs(prefix_lens)
         out = self.pools.alloc_kv(prefix_lens, seq_lens, last_locs)
         rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         req_to_token[rows, torch.tensor(prefix_lens, dtype=torch.int64)] = out.to(torch.int32)
