@@ -1,0 +1,120 @@
+"""Paged attention with the Triton kernels in `kernels/` (`attention_backend="triton"`).
+
+Per batch, `init_forward_metadata` prepares what every layer shares:
+
+* DECODE: the stage-1 scratch of the split-K decode kernel, `mid_o` [B, Hq, splits, D] and
+  `mid_lse` [B, Hq, splits] (float32), allocated once and reused by all layers;
+* EXTEND: `prefix_lens` / `extend_lens` [B] int64 on the device and `max_extend_len` (which
+  sizes the kernel grid), besides the batch's own `extend_start_loc`.
+
+Per layer, `forward` stores the new K/V at `out_cache_loc` with the store kernel, then runs
+the decode kernel (every key read from the pool through `req_to_token`) or the extend kernel
+(prefix from the pool, the new tokens from k/v directly). Without CUDA the kernels run only
+under `TRITON_INTERPRET=1`, which is how this backend is tested on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionLayer
+from engine.forward_batch import ForwardBatch
+from kernels.decode_attention import decode_attention, decode_scratch
+from kernels.extend_attention import extend_attention
+from kernels.jit import HAS_TRITON, interpreting
+from kernels.kv_store import store_kv
+
+
+@dataclass
+class _DecodeMetadata:
+    scratch: tuple[torch.Tensor, torch.Tensor] | None  # allocated by the first layer
+
+
+@dataclass
+class _ExtendMetadata:
+    prefix_lens: torch.Tensor  # [B] int64
+    extend_lens: torch.Tensor  # [B] int64
+    extend_start_loc: torch.Tensor  # [B] int64
+    max_extend_len: int
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        num_kv_splits: int | None = None,
+        **kwargs: object,
+    ) -> None:
+        if not HAS_TRITON:
+            raise RuntimeError("attention_backend='triton' needs the triton package")
+        self.device = torch.device(device)
+        if self.device.type != "cuda" and not interpreting():
+            raise RuntimeError(
+                "attention_backend='triton' runs on CUDA, or on CPU under TRITON_INTERPRET=1"
+            )
+        # More splits keep the GPU busy on small batches with long contexts; on CPU (the
+        # interpreter, tests only) every program is Python, so fewer is faster.
+        self.num_kv_splits = num_kv_splits or (8 if self.device.type == "cuda" else 2)
+        self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.batch_size == 0:
+            self.metadata = None
+        elif fb.forward_mode.is_decode():
+            self.metadata = _DecodeMetadata(scratch=None)
+        else:
+            assert fb.extend_prefix_lens_cpu is not None and fb.extend_seq_lens_cpu is not None
+            assert fb.extend_start_loc is not None
+            device = fb.seq_lens.device
+            self.metadata = _ExtendMetadata(
+                prefix_lens=torch.tensor(fb.extend_prefix_lens_cpu, device=device),
+                extend_lens=torch.tensor(fb.extend_seq_lens_cpu, device=device),
+                extend_start_loc=fb.extend_start_loc,
+                max_extend_len=max(fb.extend_seq_lens_cpu),
+            )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        md = self.metadata
+        assert md is not None, "init_forward_metadata was not called for this batch"
+        fb = forward_batch
+        k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer.layer_id)
+        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
+        if isinstance(md, _DecodeMetadata):
+            out = self._decode(q, k_buf, v_buf, layer, fb, md)
+        else:
+            out = extend_attention(
+                q, k, v, k_buf, v_buf,
+                fb.req_to_token, fb.req_pool_indices,
+                md.prefix_lens, md.extend_lens, md.extend_start_loc, md.max_extend_len,
+                layer.scaling,
+            )  # fmt: skip
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _decode(
+        self,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        layer: AttentionLayer,
+        fb: ForwardBatch,
+        md: _DecodeMetadata,
+    ) -> torch.Tensor:
+        if md.scratch is None:
+            md.scratch = decode_scratch(
+                fb.batch_size, layer.num_heads, layer.head_dim, self.num_kv_splits, q.device
+            )
+        return decode_attention(
+            q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
+            num_splits=self.num_kv_splits, scratch=md.scratch,
+        )  # fmt: skip

@@ -1,0 +1,209 @@
+"""Paged decode attention (one query token per request), flash-decoding style in two stages.
+
+Inputs: q [B, Hq, D]; the layer's pool k_buffer / v_buffer [num_slots, Hk, D]; request i's
+keys are slots `req_to_token[req_pool_indices[i], :seq_lens[i]]` (any page size: slots are
+read per token). Reference: `kernels.reference.decode_attention_ref`.
+
+Stage 1, grid (B, Hk, num_splits): request i's keys are cut into `num_splits` chunks of
+`split_len = roundup(cdiv(seq_len, num_splits), BLOCK_N)` keys; a program attends the
+`group = Hq // Hk` query heads of one KV head (padded to BLOCK_H >= 16 rows so that `tl.dot`
+runs on tensor cores) over one chunk, BLOCK_N keys at a time with an online softmax, and
+writes the chunk's normalised output `mid_o` [B, Hq, num_splits, D] (float32) and its
+log2-sum-exp `mid_lse` [B, Hq, num_splits] (float32). Chunks past seq_len (short requests)
+write nothing.
+
+Stage 2, grid (B, Hq): merges the non-empty chunks of one (request, head) by their
+log-sum-exp weights into `out` [B, Hq, D].
+
+Scores use exp2 with log2(e) folded into the scale. The split count is fixed per call (not
+per request), so the launch shape depends on B only, as CUDA graphs need.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.jit import LOG2E, dot_dtype, dot_precision, launch_opts, next_pow2
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    seq_lens_ptr,
+    mid_o_ptr,
+    mid_lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_buf_s,
+    stride_buf_h,
+    stride_r2t,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_lb,
+    stride_lh,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start < end:
+        row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
+        offs_h = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads = kv_head * GROUP + offs_h
+        mask_h = offs_h < GROUP
+        mask_d = offs_d < HEAD_DIM
+        q_off = req.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        q = q.to(DOT_DTYPE)
+        m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for block_start in range(start, end, BLOCK_N):
+            pos = block_start + offs_n
+            mask_n = pos < end
+            slots = tl.load(req_to_token_ptr + row * stride_r2t + pos, mask=mask_n, other=0)
+            kv_off = (
+                slots.to(tl.int64)[:, None] * stride_buf_s
+                + kv_head * stride_buf_h
+                + offs_d[None, :]
+            )
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        mid_row = req.to(tl.int64) * stride_mob + heads * stride_moh + split * stride_mos
+        out_mask = mask_h[:, None] & mask_d[None, :]
+        tl.store(mid_o_ptr + mid_row[:, None] + offs_d[None, :], acc / l_i[:, None], mask=out_mask)
+        lse_off = req.to(tl.int64) * stride_lb + heads * stride_lh + split
+        tl.store(mid_lse_ptr + lse_off, m_i + tl.log2(l_i), mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr,
+    mid_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    used = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)
+    lse_off = req * stride_lb + head * stride_lh + offs_s
+    lse = tl.load(mid_lse_ptr + lse_off, mask=used, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    mid_off = req * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :]
+    mid_mask = used[:, None] & (offs_d < HEAD_DIM)[None, :]
+    part = tl.load(mid_o_ptr + mid_off, mask=mid_mask, other=0.0)
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    out_off = req * stride_ob + head * stride_oh + offs_d
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def decode_scratch(
+    batch_size: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage-1 buffers (mid_o, mid_lse) for a batch; reusable by every layer."""
+    mid_o = torch.empty(batch_size, num_heads, num_splits, head_dim, device=device)
+    mid_lse = torch.empty(batch_size, num_heads, num_splits, device=device)
+    return mid_o, mid_lse
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int = 8,
+    block_n: int | None = None,
+    out: torch.Tensor | None = None,
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """q [B, Hq, D] -> out [B, Hq, D] (q's dtype). `scratch` from `decode_scratch` (with the
+    same num_splits) avoids two allocations per call."""
+    batch_size, num_heads, head_dim = q.shape
+    _, num_kv_heads, _ = k_buffer.shape
+    group = num_heads // num_kv_heads
+    assert q.stride(-1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    if batch_size == 0:
+        return out
+    mid_o, mid_lse = scratch or decode_scratch(
+        batch_size, num_heads, head_dim, num_splits, q.device
+    )
+    block_n = block_n or 64
+    block_d = next_pow2(head_dim, 16)
+    _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        scale * LOG2E,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_H=next_pow2(group, 16),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype(k_buffer.dtype),
+        PRECISION=dot_precision(k_buffer.dtype),
+        **launch_opts(num_warps=4),
+    )  # fmt: skip
+    _decode_merge_kernel[(batch_size, num_heads)](
+        mid_o, mid_lse, seq_lens, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        BLOCK_S=next_pow2(num_splits),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )  # fmt: skip
+    return out

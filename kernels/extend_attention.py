@@ -1,0 +1,178 @@
+"""Extend (prefill) attention: packed new tokens over a cached prefix plus themselves, causal.
+
+Token layout as in ForwardBatch: request i owns the packed rows
+`extend_start_loc[i] .. extend_start_loc[i] + extend_lens[i] - 1` of q [N, Hq, D] and of the new
+k/v [N, Hk, D]; it also has `prefix_lens[i]` cached tokens whose K/V sit in the pool
+k_buffer / v_buffer [num_slots, Hk, D] at slots `req_to_token[req_pool_indices[i], :prefix]`.
+New token t (0-based) sees every prefix token and new tokens 0..t. Reference:
+`kernels.reference.extend_attention_ref`.
+
+Grid (B, Hq, cdiv(max_extend_len, BLOCK_M)): a program owns BLOCK_M new tokens of one request
+and one query head. It first streams the prefix, BLOCK_N keys at a time gathered through
+req_to_token (no mask but the prefix length), then the new tokens' own K/V read contiguously
+from k/v up to the block's last row (causal mask), with an online softmax in float32 (exp2,
+log2(e) folded into the scale). Programs past a request's extend length exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.jit import LOG2E, cdiv, dot_dtype, dot_precision, launch_opts, next_pow2
+from kernels.reference import as_heads
+
+
+@triton.jit
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    k_buf_ptr,
+    v_buf_ptr,
+    req_to_token_ptr,
+    req_pool_indices_ptr,
+    prefix_lens_ptr,
+    extend_lens_ptr,
+    start_loc_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_buf_s,
+    stride_buf_h,
+    stride_r2t,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    m_start = tl.program_id(2) * BLOCK_M
+    extend_len = tl.load(extend_lens_ptr + req).to(tl.int32)
+    if m_start < extend_len:
+        kv_head = head // GROUP
+        prefix_len = tl.load(prefix_lens_ptr + req).to(tl.int32)
+        start = tl.load(start_loc_ptr + req).to(tl.int64)
+        row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < extend_len
+        mask_d = offs_d < HEAD_DIM
+        q_off = (start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptr + q_off, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+        q = q.to(DOT_DTYPE)
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # cached prefix, gathered through req_to_token: every key is visible
+        for block_start in range(0, prefix_len, BLOCK_N):
+            pos = block_start + offs_n
+            mask_n = pos < prefix_len
+            slots = tl.load(req_to_token_ptr + row * stride_r2t + pos, mask=mask_n, other=0)
+            kv_off = (
+                slots.to(tl.int64)[:, None] * stride_buf_s
+                + kv_head * stride_buf_h
+                + offs_d[None, :]
+            )
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        # the new tokens themselves, contiguous in k/v: causal
+        causal_end = tl.minimum(extend_len, m_start + BLOCK_M)
+        for block_start in range(0, causal_end, BLOCK_N):
+            pos = block_start + offs_n
+            mask_n = pos < extend_len
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k_off = (start + pos)[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+            k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            visible = mask_n[None, :] & (pos[None, :] <= offs_m[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_off = (start + pos)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+            v = tl.load(v_ptr + v_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        out_off = (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+        out_mask = mask_m[:, None] & mask_d[None, :]
+        tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    max_extend_len: int,
+    scale: float,
+    block_m: int = 64,
+    block_n: int = 64,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype);
+    per-request tensors [B] on q's device; returns out [N, Hq, D] in q's dtype."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, num_kv_heads, _ = k_buffer.shape
+    k = as_heads(k, num_kv_heads, head_dim)
+    v = as_heads(v, num_kv_heads, head_dim)
+    assert q.stride(-1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    batch_size = extend_lens.shape[0]
+    if num_tokens == 0 or batch_size == 0:
+        return out
+    grid = (batch_size, num_heads, cdiv(max_extend_len, block_m))
+    block_d = next_pow2(head_dim, 16)
+    _extend_kernel[grid](
+        q, k, v, out, k_buffer, v_buffer,
+        req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        req_to_token.stride(0),
+        scale * LOG2E,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        DOT_DTYPE=dot_dtype(k_buffer.dtype),
+        PRECISION=dot_precision(k_buffer.dtype),
+        **launch_opts(num_warps=4 if block_d <= 64 else 8),
+    )  # fmt: skip
+    return out

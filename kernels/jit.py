@@ -1,0 +1,63 @@
+"""Triton glue shared by the kernels: the optional import, the interpreter check, and the
+launch settings that differ between the GPU and the interpreter.
+
+Triton chooses compiled or interpreted execution when it is *imported*: with
+`TRITON_INTERPRET=1` in the environment at that moment, every `@triton.jit` function (its
+standard library's included) becomes an interpreter function that runs on CPU tensors. A
+process therefore runs Triton one way only; tests that use the interpreter must set the
+variable before anything imports triton (torch._dynamo does, when triton is installed).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # kernels then fall back to their torch references where they have one
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+
+LOG2E = 1.4426950408889634  # kernels compute softmax with exp2 and fold log2(e) into the scale
+
+
+@functools.cache
+def interpreting() -> bool:
+    """Whether this process's Triton runs kernels in the CPU interpreter."""
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(tl.standard.max, InterpretedFunction)
+
+
+def dot_dtype(dtype: torch.dtype) -> Any:
+    """Operand type of `tl.dot` for K/V of `dtype`: the native half type on the GPU (tensor
+    cores), float32 under the interpreter (which multiplies bf16 bit patterns as integers)."""
+    if interpreting() or dtype == torch.float32:
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 K/V is the exactness path: no TF32 rounding of `tl.dot` operands."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def launch_opts(num_warps: int) -> dict[str, int]:
+    """Launch options for the GPU (the interpreter takes none)."""
+    return {} if interpreting() else {"num_warps": num_warps}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())

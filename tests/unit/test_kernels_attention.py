@@ -1,0 +1,116 @@
+"""Decode and extend attention kernels against their torch references on small shapes: in
+the Triton interpreter on CPU, compiled on CUDA (tests/gpu/test_kernels_gpu.py runs real
+shapes).
+
+Cases come from `kernels.testing.make_paged_case`: shuffled pages and rows, poisoned free
+slots and poisoned `req_to_token` tails, so a wrong slot, a key past the end or a wrong GQA
+head shows up as a large error. Small blocks make short sequences span several key blocks,
+query blocks and decode splits (including empty splits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.reference import decode_attention_ref, extend_attention_ref
+from kernels.testing import PagedCase, make_paged_case, triton_test_device
+
+DEVICE, SKIP_REASON = triton_test_device()  # before any kernel module imports triton
+if SKIP_REASON:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
+from kernels.extend_attention import extend_attention  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOL[want.dtype], f"max abs error {err}"
+
+
+def run_decode(case: PagedCase, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+    case.store_new_kv()
+    args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    got = decode_attention(*args, case.seq_lens, case.scale, **kw)
+    return got, decode_attention_ref(*args, case.seq_lens, case.scale)
+
+
+def run_extend(case: PagedCase, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
+    args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
+    got = extend_attention(*args, case.max_extend_len, case.scale, **kw)
+    return got, extend_attention_ref(*args, case.scale)
+
+
+# (num_heads, num_kv_heads, head_dim, page_size, dtype)
+SHAPES = [
+    (4, 1, 64, 1, torch.float32),
+    (8, 2, 128, 16, torch.float32),
+    (4, 4, 64, 16, torch.float16),
+    (6, 2, 128, 1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,dtype", SHAPES)
+def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype):
+    # lengths: one key, a split boundary, several blocks in several splits
+    case = make_paged_case(
+        [0, 15, 40, 57], [1] * 4, heads, kv_heads, head_dim, page_size, dtype, DEVICE, seed=heads
+    )
+    got, want = run_decode(case, num_splits=3, block_n=16)
+    _close(got, want)
+
+
+def test_decode_more_splits_than_blocks_and_reused_scratch():
+    """Requests too short to fill every split leave empty splits the merge must skip; the
+    scratch buffers carry stale values from the previous layer's call."""
+    case = make_paged_case([2, 0, 33], [1, 1, 1], 4, 2, 64, device=DEVICE, seed=5)
+    scratch = decode_scratch(3, 4, 64, 8, case.q.device)
+    scratch[0].fill_(1e4)
+    scratch[1].fill_(1e4)
+    got, want = run_decode(case, num_splits=8, block_n=16, scratch=scratch)
+    _close(got, want)
+    out = torch.empty_like(case.q)
+    got2, _ = run_decode(case, num_splits=8, block_n=16, scratch=scratch, out=out)
+    assert got2.data_ptr() == out.data_ptr()
+    _close(got2, want)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,dtype", SHAPES)
+def test_extend_matches_reference(heads, kv_heads, head_dim, page_size, dtype):
+    # no prefix; a one-token chunk on a prefix; a chunk spanning several query and key
+    # blocks on an unaligned prefix
+    case = make_paged_case(
+        [0, 20, 37], [9, 1, 35], heads, kv_heads, head_dim, page_size, dtype, DEVICE, seed=heads + 1
+    )
+    got, want = run_extend(case, block_m=16, block_n=16)
+    _close(got, want)
+
+
+def test_extend_reads_strided_new_kv():
+    """k/v arrive as column slices of a fused qkv projection ([N, Hk * D], row stride > H*D)."""
+    case = make_paged_case([5, 0], [12, 7], 4, 2, 64, device=DEVICE, seed=9)
+    num_tokens = case.q.shape[0]
+    qkv = torch.cat([case.q.view(num_tokens, -1), case.k.view(num_tokens, -1),
+                     case.v.view(num_tokens, -1)], dim=1)  # fmt: skip
+    q, k, v = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=1)
+    _, want = run_extend(case, block_m=16, block_n=16)
+    got = extend_attention(
+        q.view(num_tokens, 4, 64), k, v, case.k_buffer, case.v_buffer,
+        case.req_to_token, case.req_pool_indices,
+        case.prefix_lens, case.extend_lens, case.extend_start_loc, case.max_extend_len,
+        case.scale, block_m=16, block_n=16,
+    )  # fmt: skip
+    _close(got, want)
+
+
+def test_extend_then_decode_agree_on_last_token():
+    """Extending one token on a prefix is the decode computation: both kernels agree."""
+    case = make_paged_case([23, 48], [1, 1], 8, 2, 64, 16, device=DEVICE, seed=11)
+    extended, _ = run_extend(case, block_m=16, block_n=16)
+    decoded, _ = run_decode(case, num_splits=2, block_n=16)
+    _close(decoded, extended)
