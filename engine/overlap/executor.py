@@ -1,0 +1,173 @@
+"""The asynchronous device the overlap scheduler launches batches on; one interface, two kinds.
+
+    launch_forward(mwb, slots) -> Launch   non-blocking: resolve the batch's placeholders from
+                                           the FutureMap, run the forward (logits stay on the
+                                           device)
+    launch_sample(launch, info)            non-blocking: sample, store the tokens into the
+                                           batch's FutureMap slots, copy them to the host
+    wait(launch) -> GenerationBatchResult  block until the batch's host results are ready
+    close()                                stop (idempotent)
+
+Both kinds run device work strictly in launch order, which is what makes the FutureMap and the
+early freeing of KV slots safe: a slot freed by the scheduler while a forward that writes it is
+in flight is only handed to a batch launched later, whose writes come after. `ThreadExecutor`
+(here) plays the device on CPU with one forward thread; `CudaStreamExecutor`
+(`cuda_executor.py`) uses a forward stream and a copy stream. The scheduler loop above them is
+the same.
+
+A `Launch` owns every tensor its device work reads until the scheduler has waited for it, so
+nothing the device may still read is freed early (on CUDA, the caching allocator could
+otherwise hand that memory to the next batch while the forward stream still reads it).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.model_runner import GenerationBatchResult
+from engine.overlap.future_map import FutureMap, FutureSlots
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+
+@dataclass
+class Launch:
+    """One batch on the device: its inputs, its logits until sampled, then its host results."""
+
+    mwb: ModelWorkerBatch
+    slots: FutureSlots
+    forward_batch: Any
+    logits: torch.Tensor | None = None
+    info: SamplingBatchInfo | None = None
+    result: GenerationBatchResult | None = None  # host tensors, valid once `wait` returns
+    error: BaseException | None = None
+    keep_alive: list[Any] = field(default_factory=list)  # device tensors read by other streams
+    done: Any = None  # executor-specific completion signal
+
+
+class OverlapExecutor(ABC):
+    def __init__(self, runner: Any, future_map: FutureMap) -> None:
+        self.runner = runner
+        self.future_map = future_map
+
+    @abstractmethod
+    def launch_forward(self, mwb: ModelWorkerBatch, slots: FutureSlots) -> Launch: ...
+
+    @abstractmethod
+    def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None: ...
+
+    @abstractmethod
+    def wait(self, launch: Launch) -> GenerationBatchResult: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop; results still in flight are dropped. Idempotent."""
+
+    def _sample(self, launch: Launch) -> Any:
+        """Sample and store into the FutureMap (on whatever stream/thread is current)."""
+        assert launch.logits is not None and launch.info is not None
+        mwb = launch.mwb
+        out = self.runner.sampler(
+            launch.logits, launch.info, mwb.return_logprob, mwb.top_logprobs_nums
+        )
+        self.future_map.store_to_map(launch.slots, out.next_token_ids)
+        launch.logits = None  # the largest tensor of the batch: free it as soon as possible
+        return out
+
+
+def create_executor(runner: Any, future_map: FutureMap) -> OverlapExecutor:
+    if torch.device(runner.device).type == "cuda":
+        from engine.overlap.cuda_executor import CudaStreamExecutor
+
+        return CudaStreamExecutor(runner, future_map)
+    return ThreadExecutor(runner, future_map)
+
+
+class ThreadExecutor(OverlapExecutor):
+    """CPU: a forward thread plays the asynchronous device.
+
+    Jobs (forward, sample) run on the thread in launch order while the scheduler thread
+    processes the previous batch; torch ops release the GIL, so the two overlap as far as the
+    model's time is spent inside ops rather than in Python. The thread reads only what its
+    launch owns: the forward batch is built at launch on the scheduler thread, with a private
+    copy of the request rows it reads (the scheduler edits `req_to_token` for the next batch
+    meanwhile, and may free and reuse a row of a request that finished), plus the KV pool and
+    the FutureMap, which only device work touches, in order.
+
+    Intra-op threads: torch's thread count is process wide; with as many torch threads as
+    cores the forward thread competes with the scheduler thread for a core.
+    """
+
+    def __init__(self, runner: Any, future_map: FutureMap) -> None:
+        super().__init__(runner, future_map)
+        self._jobs: queue.SimpleQueue[tuple[Callable[[Launch], None], Launch] | None]
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="sluice-forward", daemon=True)
+        self._thread.start()
+
+    def launch_forward(self, mwb: ModelWorkerBatch, slots: FutureSlots) -> Launch:
+        fb = self.runner.build_forward_batch(mwb)
+        _private_rows(fb)
+        launch = Launch(mwb, slots, fb, done=threading.Event())
+        self._put(self._forward, launch)
+        return launch
+
+    def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None:
+        launch.info = info
+        self._put(self._sample_job, launch)
+
+    def wait(self, launch: Launch) -> GenerationBatchResult:
+        launch.done.wait()
+        if launch.error is not None:
+            raise RuntimeError("overlap executor: the batch failed on the device") from launch.error
+        assert launch.result is not None
+        return launch.result
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+
+    # -- on the forward thread --------------------------------------------------------------------
+    def _put(self, job: Callable[[Launch], None], launch: Launch) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("overlap executor: closed")
+        self._jobs.put((job, launch))
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while (item := self._jobs.get()) is not None:
+                job, launch = item
+                try:
+                    job(launch)
+                except BaseException as exc:  # reported to the scheduler by `wait`
+                    launch.error = launch.error or exc
+                    launch.done.set()
+
+    def _forward(self, launch: Launch) -> None:
+        self.future_map.resolve_future(launch.forward_batch.input_ids)
+        launch.logits = self.runner.forward(launch.forward_batch)
+        launch.forward_batch = None
+
+    def _sample_job(self, launch: Launch) -> None:
+        if launch.error is None:
+            out = self._sample(launch)
+            launch.result = GenerationBatchResult(
+                out.next_token_ids, out.logprobs, out.top_logprobs
+            )
+        launch.done.set()
+
+
+def _private_rows(fb: Any) -> None:
+    """Point the forward batch at its own copy of the request rows it reads (row i of the
+    copy is request i's row, cut to the longest sequence)."""
+    width = max(fb.seq_lens_cpu)
+    fb.req_to_token = fb.req_to_token[:, :width].index_select(0, fb.req_pool_indices)
+    fb.req_pool_indices = torch.arange(fb.batch_size, device=fb.req_pool_indices.device)

@@ -1,0 +1,169 @@
+"""`OverlapScheduler`: the scheduler with batch N+1 launched before batch N is processed.
+
+One step (SGLang's `event_loop_overlap`, with the device behind an `OverlapExecutor`):
+
+    schedule batch N+1 -> launch its forward (non-blocking) -> wait for and process batch N's
+    results -> launch batch N+1's sampling
+
+While the device runs the forward of N+1, the host processes N (appends tokens, checks
+finish conditions, updates the prefix cache) and then schedules N+2. Everything but the loop
+order is the plain `Scheduler`'s. Events come out one step later.
+
+Invariants that keep the outputs identical to the plain loop:
+
+* Placeholders. A token that is sampled but not processed yet exists on the host only as a
+  negative FutureMap id in `_pending[req]` and in the `input_ids` of the decode batch that
+  feeds it back; never in `req.output_ids`. So max_new_tokens, stop checks, decoding, stop
+  strings and prefix-cache keys (`fill_ids` come from `output_ids`) only see real tokens.
+* Sampling is launched after the previous batch has been processed, so when batch N+1 is
+  sampled every batch before it has been processed: each request's `output_ids` is exactly
+  its history (penalties) and `len(output_ids)` its step position (seeded sampling).
+* Results are processed against the batch as it was launched (`_Record`): rows of requests
+  that finished while it was in flight are skipped (their extra token is dropped; their KV
+  slot, counted in `kv_allocated_len`, was freed once, with the rest of the request), and
+  rows of requests retracted meanwhile (their retraction count changed) are dropped (the
+  request recomputes that token after its re-prefill).
+* Launches run in order on the device, so KV slots and request rows freed while a batch is
+  in flight are only reused by batches that run after it.
+* At most two batches are alive (the record buffer): the one just launched and the one
+  being processed. A launched batch whose requests all finished meanwhile is retired in the
+  same step, so nothing is left in flight once every request has ended.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import EngineArgs
+from engine.forward_batch import ForwardMode
+from engine.model_runner import GenerationBatchResult
+from engine.overlap.executor import Launch, OverlapExecutor, create_executor
+from engine.overlap.future_map import FutureMap
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.scheduler.output_processor import StepEvent
+from engine.scheduler.req import Req
+from engine.scheduler.schedule_batch import ScheduleBatch
+from engine.scheduler.scheduler import Scheduler
+
+
+@dataclass
+class _Record:
+    """A launched batch as it was at launch: what its results are processed against."""
+
+    reqs: list[Req]
+    forward_mode: ForwardMode
+    chunked_req: Req | None  # a partial prompt: its sampled token means nothing
+    retractions: list[int]  # each request's num_retractions at launch
+    placeholders: list[int]
+    launch: Launch
+
+
+class OverlapScheduler(Scheduler):
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_runner: Any,
+        tree_cache: Any,
+        tokenizer: Any | None = None,
+        executor: OverlapExecutor | None = None,
+    ) -> None:
+        super().__init__(args, model_runner, tree_cache, tokenizer)
+        max_bs = model_runner.req_to_token_pool.size  # no batch has more rows than the pool
+        self.future_map = FutureMap(max_bs, model_runner.device)
+        self.executor = executor or create_executor(model_runner, self.future_map)
+        self.vocab_size = model_runner.model_config.vocab_size
+        self._pending: dict[Req, int] = {}  # request -> placeholder of its token in flight
+        self._in_flight: deque[_Record] = deque()  # the record buffer: at most two batches
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        batch = self.get_next_batch_to_run()
+        record = self._launch(batch) if batch is not None else None
+        if self._in_flight and self._in_flight[0] is not record:
+            self._process(self._in_flight.popleft())
+        if record is not None:
+            self._launch_sample(record)
+            if all(r.finished for r in record.reqs):
+                self._process(self._in_flight.popleft())  # nothing left to learn from it
+        self.last_batch = batch
+        self._update_stats()
+        return self.output.take_events()
+
+    def has_work(self) -> bool:
+        return bool(self._in_flight) or super().has_work()
+
+    def close(self) -> None:
+        """Stop the executor (the forward thread on CPU). Results in flight are dropped."""
+        self.executor.close()
+
+    def decode_input_ids(self, batch: ScheduleBatch) -> list[int]:
+        pending = self._pending
+        return [pending[r] if r in pending else r.output_ids[-1] for r in batch.reqs]
+
+    # -- launch ---------------------------------------------------------------------------------
+    def _launch(self, batch: ScheduleBatch) -> _Record:
+        slots = self.future_map.alloc_future_indices(len(batch.reqs))
+        launch = self.executor.launch_forward(batch.get_model_worker_batch(), slots)
+        chunked = getattr(batch, "chunked_req", None) if batch.forward_mode.is_extend() else None
+        placeholders = slots.placeholders()
+        for req, placeholder in zip(batch.reqs, placeholders):
+            if req is not chunked:
+                self._pending[req] = placeholder
+        record = _Record(
+            list(batch.reqs),
+            batch.forward_mode,
+            chunked,
+            [r.num_retractions for r in batch.reqs],
+            placeholders,
+            launch,
+        )
+        self._in_flight.append(record)
+        assert len(self._in_flight) <= 2, "more than two batches in flight"
+        return record
+
+    def _launch_sample(self, record: _Record) -> None:
+        """Sampling inputs from the requests' processed state (see the module docstring)."""
+        reqs = record.reqs
+        params = [r.sampling_params for r in reqs]
+        penalized = any(p.has_penalty for p in params)
+        info = SamplingBatchInfo.from_params(
+            params,
+            self.vocab_size,
+            self.model_runner.device,
+            output_ids=[r.output_ids for r in reqs] if penalized else None,
+            input_ids=[r.origin_input_ids for r in reqs] if penalized else None,
+            step_positions=[len(r.output_ids) for r in reqs],
+        )
+        self.executor.launch_sample(record.launch, info)
+
+    # -- results --------------------------------------------------------------------------------
+    def _process(self, record: _Record) -> None:
+        result = self.executor.wait(record.launch)
+        for req, placeholder in zip(record.reqs, record.placeholders):
+            if self._pending.get(req) == placeholder:
+                del self._pending[req]  # from now on the host has the real token
+        keep = [
+            i
+            for i, (req, n) in enumerate(zip(record.reqs, record.retractions))
+            if req.num_retractions == n
+        ]
+        batch = ScheduleBatch([record.reqs[i] for i in keep], self.pools, record.forward_mode)
+        batch.chunked_req = record.chunked_req
+        if len(keep) < len(record.reqs):
+            result = _select_rows(result, keep)
+        self.output.process_batch_result(batch, result)
+
+
+def _select_rows(result: GenerationBatchResult, rows: list[int]) -> GenerationBatchResult:
+    index = torch.tensor(rows, dtype=torch.int64)
+    logprobs = result.logprobs
+    top = result.top_logprobs
+    return GenerationBatchResult(
+        result.next_token_ids.index_select(0, index),
+        logprobs.index_select(0, index) if logprobs is not None else None,
+        [top[i] for i in rows] if top is not None else None,
+    )
