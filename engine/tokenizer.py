@@ -1,0 +1,52 @@
+"""The one way sluice loads a tokenizer: every service, the engine and the tests go through here.
+
+Why not plain ``AutoTokenizer``: it picks a tokenizer *class* from ``config.json``'s
+``model_type``, and some classes rebuild the pipeline instead of reading ``tokenizer.json``. In
+transformers 5.x, ``model_type: qwen2`` is listed in ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``,
+so ``AutoTokenizer`` always builds ``Qwen2Tokenizer`` -- whatever ``tokenizer_class`` says --
+and that class takes only vocab and merges from ``tokenizer.json`` and installs its own NFC
+normalizer, Qwen split regex and ByteLevel pre-tokenizer. The same folder then tokenizes one way
+through ``AutoTokenizer`` and another through the file. ``load_tokenizer`` reads ``tokenizer.json``
+exactly as saved (``PreTrainedTokenizerFast``, an alias of ``TokenizersBackend`` in 5.x), with the
+special tokens and chat template from ``tokenizer_config.json``. The folders written by
+``sluice make-tiny-model`` use, for qwen2/qwen3, exactly the pipeline ``Qwen2Tokenizer`` builds,
+so both loaders agree on them (the unit tests check this for every architecture).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a Hugging Face folder exactly as its ``tokenizer.json`` says.
+
+    Padding is on the left (what batched generation wants). Folders without a
+    ``tokenizer.json`` (e.g. only a SentencePiece ``tokenizer.model``) fall back to
+    ``AutoTokenizer``, which converts them. ``kwargs`` go to ``from_pretrained``.
+    """
+    kwargs.setdefault("padding_side", "left")
+    if os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
+        return PreTrainedTokenizerFast.from_pretrained(os.fspath(path), **kwargs)
+    return AutoTokenizer.from_pretrained(os.fspath(path), **kwargs)
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Render ``messages`` with the tokenizer's own chat template and return the token ids.
+
+    The template writes every special token itself (bos included where the model wants one),
+    so the text is encoded without adding special tokens, as transformers does.
+    """
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    return tokenizer.encode(text, add_special_tokens=False)

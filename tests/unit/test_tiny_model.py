@@ -1,0 +1,254 @@
+"""``sluice make-tiny-model`` folders: loadable by transformers, sane tokenizers, useful weights."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.tokenizer import apply_chat_template, load_tokenizer
+from services.tiny_model import (
+    ARCHS,
+    BYTE_FALLBACK_ARCHS,
+    add_parser,
+    build_config,
+    build_tokenizer,
+    make_tiny_model,
+)
+
+ROUND_TRIP_TEXTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b):\n    return a + b  # 42\n",
+    "你好，世界！今天天气很好。東京は日本の首都です。안녕하세요",
+    "Emoji: 😀🎉 👩‍💻 🇫🇷 🦀 ❤️",
+    "Café crème brûlée, naïve façade, Dvořák in Łódź, Ελληνικά, Привет",
+    " leading space, two  spaces, trailing space ",
+    "tabs\tand\r\nwindows newlines\n\n",
+    "<not special> <0x41> <|imstart|> {json: [1, 2.5e-3]}",
+]
+# Characters the synthetic corpus does not contain: the llama family spells them in <0x..> tokens.
+RARE_TEXT = "Rare: 🦀 龍 ẞ ⅷ"
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Hi there 👋"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Count to three."},
+]
+PROMPTS = ["The quick brown fox", "def add(a, b):", "你好，世界", "1, 2, 3, 4,", "Once upon a time"]
+NUM_NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny matmuls gain nothing from threads, and on a busy machine (tests in parallel) two
+    spinning OpenMP threads made generation ~20x slower (0.5 s -> 10 s per batch)."""
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(root / arch, arch=arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(model_dirs: dict[str, str]) -> dict[str, tuple[list[float], list[list[int]]]]:
+    """Per arch: top1 - top2 logit gaps at every greedy step, and the generated ids per prompt."""
+    runs = {}
+    for arch, path in model_dirs.items():
+        tokenizer = load_tokenizer(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        batch = tokenizer(PROMPTS, padding=True, return_tensors="pt")  # padded on the left
+        out = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=NUM_NEW_TOKENS,
+            min_new_tokens=NUM_NEW_TOKENS,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        top2 = torch.stack(out.scores).topk(2, dim=-1).values  # [steps, prompts, 2]
+        gaps = (top2[..., 0] - top2[..., 1]).flatten().tolist()
+        outputs = out.sequences[:, batch.input_ids.shape[1] :].tolist()
+        runs[arch] = (gaps, outputs)
+    return runs
+
+
+def _weights_hash(path: str) -> str:
+    tensors = load_file(str(Path(path) / "model.safetensors"))
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_folder_loads_with_transformers(model_dirs: dict[str, str], arch: str) -> None:
+    path = model_dirs[arch]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert model.config.model_type == arch
+    assert len(tokenizer) == model.config.vocab_size
+    assert tokenizer.padding_side == "left"
+    generation = json.loads((Path(path) / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [
+        tokenizer.eos_token_id,
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    assert generation["pad_token_id"] == tokenizer.pad_token_id is not None
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_load_tokenizer_equals_auto_tokenizer(model_dirs: dict[str, str], arch: str) -> None:
+    # For qwen2, AutoTokenizer builds Qwen2Tokenizer, which rebuilds the pipeline from vocab and
+    # merges; the folder's tokenizer.json must already be exactly that pipeline.
+    ours, auto = load_tokenizer(model_dirs[arch]), AutoTokenizer.from_pretrained(model_dirs[arch])
+    ours_json = json.loads(ours.backend_tokenizer.to_str())
+    auto_json = json.loads(auto.backend_tokenizer.to_str())
+    for part in ("normalizer", "pre_tokenizer", "model", "decoder", "post_processor"):
+        assert ours_json[part] == auto_json[part], part
+    specials_and_unnormalized = ["<|im_start|>user\nhi<|im_end|>", "e\u0301 \uff26 \u2460"]
+    texts = ROUND_TRIP_TEXTS + [RARE_TEXT] + specials_and_unnormalized
+    for text in texts:
+        assert ours.encode(text) == auto.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == auto.encode(
+            text, add_special_tokens=False
+        )
+    assert ours.all_special_tokens == auto.all_special_tokens
+    assert apply_chat_template(ours, MESSAGES) == apply_chat_template(auto, MESSAGES)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_inverts_encode(model_dirs: dict[str, str], arch: str) -> None:
+    tokenizer = load_tokenizer(model_dirs[arch])
+    for text in ROUND_TRIP_TEXTS + [RARE_TEXT]:
+        ids = tokenizer.encode(text)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    if arch in BYTE_FALLBACK_ARCHS:
+        assert tokenizer.encode("x")[0] == tokenizer.bos_token_id
+    else:
+        assert tokenizer.encode("x") == tokenizer.encode("x", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("arch", BYTE_FALLBACK_ARCHS)
+def test_byte_fallback_tokens_are_ordinary(model_dirs: dict[str, str], arch: str) -> None:
+    tokenizer = load_tokenizer(model_dirs[arch])
+    ids = tokenizer.encode(RARE_TEXT, add_special_tokens=False)
+    byte_ids = [i for i, t in zip(ids, tokenizer.convert_ids_to_tokens(ids)) if t.startswith("<0x")]
+    assert len(byte_ids) >= 4 * 3  # the crab alone is four bytes
+    assert not set(byte_ids) & set(tokenizer.all_special_ids)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == RARE_TEXT
+    assert tokenizer.convert_tokens_to_ids("<0x00>") == len(tokenizer.all_special_tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chat_template(model_dirs: dict[str, str], arch: str) -> None:
+    tokenizer = load_tokenizer(model_dirs[arch])
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    bos = tokenizer.bos_token if arch in BYTE_FALLBACK_ARCHS else ""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in MESSAGES)
+    assert text == bos + turns + "<|im_start|>assistant\n"
+    ids = apply_chat_template(tokenizer, MESSAGES)
+    via_transformers = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert ids == list(getattr(via_transformers, "input_ids", via_transformers))
+    im_start, im_end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    assert ids.count(im_start) == len(MESSAGES) + 1 and ids.count(im_end) == len(MESSAGES)
+    assert tokenizer.decode(ids, skip_special_tokens=True).count("Hi there 👋") == 1
+    without_prompt = apply_chat_template(tokenizer, MESSAGES, add_generation_prompt=False)
+    assert without_prompt[-1] != im_start and ids[: len(without_prompt)] == without_prompt
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_logits_are_peaked(greedy_runs: dict, arch: str) -> None:
+    # float32 rounding moves these logits by < 1e-4 (measured against float64), so a median
+    # top1 - top2 gap of 0.5 (measured: 1.4-1.9) leaves greedy ties to chance of order 1e-4.
+    gaps, _ = greedy_runs[arch]
+    assert len(gaps) == len(PROMPTS) * NUM_NEW_TOKENS
+    assert statistics.median(gaps) > 0.5
+    assert sum(gap < 0.01 for gap in gaps) <= len(gaps) // 50
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generation_is_not_degenerate(greedy_runs: dict, arch: str) -> None:
+    _, outputs = greedy_runs[arch]
+    assert len({tuple(ids[:8]) for ids in outputs}) == len(PROMPTS)
+    for ids in outputs:
+        assert len(set(ids)) >= NUM_NEW_TOKENS // 3, ids
+
+
+def test_build_is_reproducible(model_dirs: dict[str, str], tmp_path: Path) -> None:
+    again = make_tiny_model(tmp_path / "again", arch="llama", seed=0)
+    other = make_tiny_model(tmp_path / "other", arch="llama", seed=1)
+    assert _weights_hash(again) == _weights_hash(model_dirs["llama"]) != _weights_hash(other)
+    saved = (Path(model_dirs["llama"]) / "tokenizer.json").read_bytes()
+    assert (Path(again) / "tokenizer.json").read_bytes() == saved
+
+
+def test_tiny_weights_carry_biases_and_norms(model_dirs: dict[str, str]) -> None:
+    tensors = load_file(str(Path(model_dirs["qwen2"]) / "model.safetensors"))
+    assert tensors["model.layers.0.self_attn.q_proj.bias"].abs().max() > 0.1
+    assert tensors["model.layers.0.input_layernorm.weight"].std() > 0.01
+    assert "lm_head.weight" not in tensors  # tied, as Qwen2-0.5B
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_big_vocabulary_is_padded_with_decodable_fillers(arch: str) -> None:
+    tokenizer = build_tokenizer(arch, 6000)
+    assert len(tokenizer) == 6000
+    tokens = tokenizer.convert_ids_to_tokens(list(range(6000)))
+    assert len(set(tokens)) == 6000
+    assert tokenizer.decode([5999]) == " tok5999"
+
+
+def test_presets_have_the_real_shapes() -> None:
+    gpt2 = build_config(preset="gpt2-124m")
+    assert (gpt2.model_type, gpt2.n_embd, gpt2.n_layer, gpt2.n_head) == ("gpt2", 768, 12, 12)
+    assert (gpt2.vocab_size, gpt2.n_positions, gpt2.tie_word_embeddings) == (50257, 1024, True)
+    llama = build_config(preset="llama-3.2-1b")
+    shape = (llama.hidden_size, llama.num_hidden_layers, llama.num_attention_heads)
+    assert (llama.model_type, *shape, llama.num_key_value_heads) == ("llama", 2048, 16, 32, 8)
+    assert (llama.intermediate_size, llama.vocab_size, llama.head_dim) == (8192, 128256, 64)
+    assert llama.tie_word_embeddings
+    rope = llama.rope_parameters
+    assert (rope["rope_type"], rope["rope_theta"], rope["factor"]) == ("llama3", 500000.0, 32.0)
+    small = build_config(preset="small")
+    assert (small.hidden_size, small.num_hidden_layers, small.num_key_value_heads) == (1024, 8, 4)
+    assert (small.intermediate_size, small.vocab_size) == (2816, 32000)
+
+
+def test_tiny_architecture_details() -> None:
+    qwen3 = build_config("qwen3")
+    assert qwen3.head_dim != qwen3.hidden_size // qwen3.num_attention_heads
+    assert build_config("mistral").sliding_window is None
+    llama = build_config("llama")
+    assert llama.num_key_value_heads < llama.num_attention_heads
+    assert build_config("llama", num_layers=3, hidden_size=32).num_hidden_layers == 3
+    with pytest.raises(ValueError):
+        build_config("gpt2", num_kv_heads=1)
+
+
+def test_command_line(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["make-tiny-model", str(tmp_path), "--arch", "qwen3", "--num-layers", "1",
+         "--hidden-size", "32", "--head-dim", "16", "--vocab-size", "700", "--dtype", "bfloat16"]
+    )
+    assert args.func(args) == 0
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (1, 32, 16)
+    assert (config["vocab_size"], config["dtype"]) == (700, "bfloat16")
+    assert len(load_tokenizer(tmp_path)) == 700
