@@ -53,7 +53,9 @@ def _run_generate(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description=__doc__)
-    parser.add_argument("--log-level", default="warning")
+    # SUPPRESS: a service's own --log-level (and SLUICE_LOG_LEVEL) must not be overridden
+    # by this flag's default.
+    parser.add_argument("--log-level", default=argparse.SUPPRESS, help="default: warning")
     sub = parser.add_subparsers(dest="command", required=True)
     from services import tiny_model
 
@@ -62,13 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
     from services import router
 
     router.add_parser(sub)
+    from services import detokenizer, serve, tokenizer, worker
+
+    tokenizer.add_parser(sub)
+    worker.add_parser(sub)
+    detokenizer.add_parser(sub)
+    serve.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    level = getattr(ns, "log_level", "warning")
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
         return int(ns.func(ns) or 0)
     except ValueError as e:

@@ -17,6 +17,7 @@ import pytest
 from engine.tokenizer import load_tokenizer
 from services.detokenize import REPLACEMENT_CHAR, StepDetokenizer
 from shared.messages import DETOK_WINDOW_LEN, FinishReason, StepOutputMsg, StepRow
+from tests.detok_oracle import byte_fallback_pattern, decode
 
 BYTE_LEVEL = ("gpt2", "qwen2")
 BYTE_FALLBACK = ("llama", "mistral")
@@ -68,42 +69,6 @@ def stream(
         window = ids[max(0, len(ids) - DETOK_WINDOW_LEN) :]
         out.append(det.delta([], window, len(ids), True, skip_special_tokens=skip))
     return "".join(out)
-
-
-def decode(tok, ids: list[int], skip: bool = True) -> str:
-    return tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
-
-
-def valid_utf8_pattern(det: StepDetokenizer, ids: list[int], skip: bool) -> str:
-    """A regex for a byte-fallback decode: exact text outside invalid runs of byte tokens,
-    any text of at most one character per byte inside them (see services.detokenize)."""
-    tok = det.tokenizer
-    special = set(tok.all_special_ids)
-    segments: list[tuple[bool, list[int]]] = []
-    for t in ids:
-        if skip and t in special:
-            continue
-        is_byte = t in det.byte_values
-        if is_byte and segments and segments[-1][0]:
-            segments[-1][1].append(t)
-        else:
-            segments.append((is_byte, [t]))
-    prefix_text = decode(tok, det.prefix_ids, False)
-    parts = []
-    for i, (is_byte, seg) in enumerate(segments):
-        if is_byte:
-            try:
-                bytes(det.byte_values[t] for t in seg).decode("utf-8")
-            except UnicodeDecodeError:
-                parts.append(rf"[\s\S]{{0,{len(seg)}}}")
-                continue
-        text = (
-            decode(tok, det.prefix_ids + seg, False)[len(prefix_text) :]
-            if i
-            else decode(tok, seg, False)
-        )
-        parts.append(re.escape(text))
-    return "".join(parts)
 
 
 @pytest.mark.parametrize("arch", BYTE_LEVEL + BYTE_FALLBACK)
@@ -184,7 +149,7 @@ def test_random_token_sequences(arch: str, skip: bool, tmp_root: str) -> None:
             continue
         num_invalid += 1
         if det.byte_values:
-            assert re.fullmatch(valid_utf8_pattern(det, ids, skip), got), (ids, got, want)
+            assert re.fullmatch(byte_fallback_pattern(det, ids, skip), got), (ids, got, want)
         else:
             assert got.replace(REPLACEMENT_CHAR, "") == want.replace(REPLACEMENT_CHAR, ""), ids
     assert num_valid >= 20 and num_invalid >= 20  # both branches really ran
@@ -230,7 +195,7 @@ def test_incomplete_character_is_held_back_then_released(arch: str, tmp_root: st
             tail = det.delta([], ids[max(0, k - DETOK_WINDOW_LEN) : k], k, True)
             assert tail.endswith(REPLACEMENT_CHAR)
             if det.byte_values:
-                assert re.fullmatch(valid_utf8_pattern(det, ids[:k], True), partial + tail)
+                assert re.fullmatch(byte_fallback_pattern(det, ids[:k], True), partial + tail)
             else:
                 assert partial + tail == decode(tok, ids[:k])
     assert num_cuts >= 5

@@ -1,0 +1,220 @@
+"""`sluice serve`: every service on one machine, as child processes.
+
+    sluice serve [--model PATH] [--redis-url URL] [--tokenizers N] [--detokenizers M]
+                 [--host H] [--port P] [engine flags: --device, --page-size, ...]
+
+Starts an embedded redis-server when no Redis URL is given, generates a small model when
+none is given, then one worker (`sluice worker`, with the engine flags), N tokenizers, M
+detokenizers and the router (`sluice router`). Children get their configuration through
+`SLUICE_*` variables and die with the launcher (PR_SET_PDEATHSIG), so even a `kill -9`
+of the launcher leaves no orphans. Ready when the worker, tokenizer and detokenizer
+heartbeats are up and the router accepts connections; Ctrl-C or SIGTERM stops the
+children (SIGTERM, then SIGKILL after a grace period) and Redis. A child that exits on
+its own stops the whole deployment with an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import redis
+
+from shared.heartbeat import list_live
+from shared.keys import DETOKENIZER_KIND, TOKENIZER_KIND, WORKER_KIND
+from shared.logging import setup_logging
+from shared.redis_server import EmbeddedRedis
+from shared.settings import ServeSettings, add_settings_args, settings_from_args
+
+logger = logging.getLogger(__name__)
+
+WORKER_ID = "0"
+READY_TIMEOUT_S = 600.0
+STOP_GRACE_S = 10.0
+
+
+def _die_with_parent() -> None:
+    """In a child before exec: receive SIGTERM when the launching thread dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def service_command(service: str, *args: str) -> list[str]:
+    """The command line of `sluice <service> ...` with this interpreter."""
+    return [sys.executable, "-m", "services.cli", service, *args]
+
+
+def spawn(
+    command: Sequence[str], env: Mapping[str, str] | None = None, **popen: object
+) -> subprocess.Popen:
+    """Start a child that gets SIGTERM when this process dies."""
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    return subprocess.Popen(  # type: ignore[call-overload]
+        list(command), env=dict(env) if env is not None else None, preexec_fn=preexec, **popen
+    )
+
+
+def stop_processes(procs: Sequence[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every running child, wait up to `grace_s` in all, SIGKILL the rest."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("pid %d ignored SIGTERM; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
+
+
+def count_live(client: redis.Redis, prefix: str) -> dict[str, int]:
+    kinds = (WORKER_KIND, TOKENIZER_KIND, DETOKENIZER_KIND)
+    return {kind: len(list_live(client, prefix, kind)) for kind in kinds}
+
+
+def port_open(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def engine_flags(ns: argparse.Namespace) -> list[str]:
+    """The engine flags given to `serve` (those not at their default), for the worker."""
+    from services.engine_args import add_engine_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    flags: list[str] = []
+    for action in parser._actions:
+        value = getattr(ns, action.dest, action.default)
+        if action.dest == "model_path" or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        flags += [flag] if action.nargs == 0 else [flag, str(value)]
+    return flags
+
+
+class Launcher:
+    def __init__(self, settings: ServeSettings, model: str, worker_flags: list[str]) -> None:
+        self.settings = settings
+        self.model = model
+        self.worker_flags = worker_flags
+        self.redis: EmbeddedRedis | None = None
+        self.children: dict[str, subprocess.Popen] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> int:
+        try:
+            url = self._start_redis()
+            self._start_children(url)
+            if not self._wait_ready(url):
+                return 1
+            return self._supervise()
+        finally:
+            stop_processes(list(self.children.values()))
+            if self.redis is not None:
+                self.redis.stop()
+
+    def _start_redis(self) -> str:
+        if self.settings.common.redis_url:
+            return self.settings.common.redis_url
+        self.redis = EmbeddedRedis().start()
+        logger.info("embedded redis-server at %s", self.redis.url)
+        return self.redis.url
+
+    def _start_children(self, url: str) -> None:
+        s = self.settings
+        env = dict(os.environ)
+        env.update(
+            SLUICE_REDIS_URL=url,
+            SLUICE_PREFIX=s.common.prefix,
+            SLUICE_MODEL=self.model,
+            SLUICE_LOG_LEVEL=s.common.log_level,
+        )
+        start = [("worker", ["--worker-id", WORKER_ID, *self.worker_flags])]
+        start += [(f"tokenizer-{i}", []) for i in range(s.tokenizers)]
+        start += [(f"detokenizer-{i}", []) for i in range(s.detokenizers)]
+        if importlib.util.find_spec("services.router") is not None:
+            start.append(("router", ["--host", s.host, "--port", str(s.port)]))
+        else:
+            logger.warning("services.router is missing: serving without the HTTP API")
+        for name, args in start:
+            service = name.split("-")[0]
+            self.children[name] = spawn(service_command(service, *args), env)
+
+    def _wait_ready(self, url: str) -> bool:
+        s = self.settings
+        want = {WORKER_KIND: 1, TOKENIZER_KIND: s.tokenizers, DETOKENIZER_KIND: s.detokenizers}
+        client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
+            while not self.stop.wait(0.25):
+                if self._exited():
+                    return False
+                live = count_live(client, s.common.prefix)
+                http = "router" not in self.children or port_open(s.host, s.port)
+                if http and all(live[k] >= n for k, n in want.items()):
+                    where = f"http://{s.host}:{s.port}" if "router" in self.children else "-"
+                    print(f"sluice ready: {where} (redis {url}, model {self.model})", flush=True)
+                    return True
+                if time.monotonic() > deadline:
+                    logger.error("not ready after %.0f s: %s live", READY_TIMEOUT_S, live)
+                    return False
+            return False
+        finally:
+            client.close()
+
+    def _supervise(self) -> int:
+        while not self.stop.wait(0.5):
+            if self._exited():
+                return 1
+        logger.info("stopping")
+        return 0
+
+    def _exited(self) -> bool:
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                logger.error(
+                    "%s (pid %d) exited with %s; stopping", name, proc.pid, proc.returncode
+                )
+                return True
+        return False
+
+
+def run(settings: ServeSettings, ns: argparse.Namespace) -> int:
+    from services.engine_args import ensure_model
+
+    logging.getLogger().handlers.clear()  # this process logs through setup_logging only
+    setup_logging("serve", None, settings.common.log_level)
+    model = ensure_model(ns.model_path or settings.model)
+    launcher = Launcher(settings, model, engine_flags(ns))
+
+    def on_signal(signum: int, frame: object) -> None:
+        launcher.stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return launcher.run()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from services.engine_args import add_engine_args
+
+    # The engine's --model/--model-path replaces the settings' --model (SLUICE_MODEL stays).
+    p = sub.add_parser("serve", help="every service on this machine", conflict_handler="resolve")
+    add_settings_args(p, ServeSettings)
+    add_engine_args(p)
+    p.set_defaults(func=lambda ns: run(settings_from_args(ServeSettings, ns), ns))

@@ -1,0 +1,224 @@
+"""The worker service: one engine (scheduler, prefix cache, model) fed through Redis.
+
+    receiver thread: {p}:worker:{w}:in ──▶ local queue ─┐
+    scheduler loop:  drain queue → dispatch → scheduler.step() → one StepOutputMsg
+    sender thread:   ◀── pipelined XADDs to {p}:detok (and ErrorMsgs to routers) ──┘
+
+The loop never waits on Redis: it drains the local queue between steps (blocking on it
+only when the scheduler has no work), and hands each step's message to the sender. A
+`GenerateReqMsg` becomes `scheduler.add_request` (a ValueError becomes an `ErrorMsg` to
+its router); an `AbortReqMsg` becomes `scheduler.abort_request`, or is remembered when
+it overtook its request. Each step sends one message with every request that got tokens
+or ended in it (see `worker_requests.step_row`). A heartbeat carries the worker's load
+(`WorkerLoadMsg`); SIGTERM / SIGINT stop the loop and delete it.
+
+    sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from services.group_consumer import stop_on_signals
+from services.worker_io import Receiver, Sender
+from services.worker_requests import RequestTable, aborted_row, sampling_params, step_row
+from shared.bus import Bus
+from shared.heartbeat import Heartbeat
+from shared.keys import (
+    WORKER_KIND,
+    detok_stream,
+    heartbeat_key,
+    router_out_stream,
+    worker_in_stream,
+)
+from shared.logging import setup_logging
+from shared.messages import AbortReqMsg, ErrorMsg, GenerateReqMsg, StepOutputMsg, WorkerLoadMsg
+from shared.settings import WorkerSettings, add_settings_args, settings_from_args
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the queue before checking for stop
+LOAD_EVERY_S = 0.25  # how often the loop refreshes the figures the heartbeat reports
+
+
+@dataclass(frozen=True)
+class LoadFigures:
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_tokens: int = 0
+    num_cached_tokens: int = 0
+    token_usage: float = 0.0
+    generation_tokens: int = 0
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, scheduler, bus: Bus, model: str) -> None:
+        self.settings = settings
+        self.scheduler = scheduler
+        self.bus = bus
+        self.model = model
+        self.worker_id = settings.worker_id
+        self.vocab_size = scheduler.model_runner.model_config.vocab_size
+        self.table = RequestTable()
+        stream = worker_in_stream(bus.prefix, self.worker_id)
+        self.receiver = Receiver(
+            bus, stream, self.worker_id, settings.batch_size, settings.block_ms
+        )
+        self.sender = Sender(bus)
+        self.detok_stream = detok_stream(bus.prefix)
+        key = heartbeat_key(bus.prefix, WORKER_KIND, self.worker_id)
+        self.heartbeat = Heartbeat(bus.redis, key, settings.common.heartbeat_ttl_s, self.load)
+        self.stop = threading.Event()
+        self.num_steps = 0
+        self._figures = LoadFigures()
+        self._next_figures = 0.0
+        self._rate = (time.monotonic(), 0)  # (when, generation tokens) at the last beat
+        self._handlers = {GenerateReqMsg: self._on_generate, AbortReqMsg: self._on_abort}
+
+    # -- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        self.receiver.prepare()
+        self.receiver.start()
+        self.sender.start()
+        self.heartbeat.start()
+        logger.info("worker %s ready (model %s)", self.worker_id, self.model)
+        try:
+            while not self.stop.is_set():
+                self._drain(block=not self.scheduler.has_work())
+                if self.scheduler.has_work():
+                    self._step()
+                self._refresh_figures()
+        finally:
+            self.heartbeat.stop()
+            self.receiver.stop()
+            self.sender.stop()
+            close = getattr(self.scheduler, "close", None)
+            if close is not None:
+                close()
+            logger.info("stopped after %d steps", self.num_steps)
+
+    def _drain(self, block: bool) -> None:
+        inbox = self.receiver.inbox
+        try:
+            msg = inbox.get(timeout=IDLE_WAIT_S) if block else inbox.get_nowait()
+            while True:
+                if msg is not None:
+                    self._handlers[type(msg)](msg)
+                msg = inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _step(self) -> None:
+        events = self.scheduler.step()
+        self.num_steps += 1
+        rows = []
+        for event in events:
+            info = self.table.active.get(event.rid)
+            if info is None:  # not ours (cannot happen: every request comes through here)
+                continue
+            rows.append(step_row(event, info))
+            if event.finished_reason is not None:
+                self.table.end(event.rid)
+        if rows:
+            msg = StepOutputMsg.from_rows(rows, worker_id=self.worker_id, step=self.num_steps)
+            self.sender.send(self.detok_stream, msg)
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def _on_generate(self, msg: GenerateReqMsg) -> None:
+        admission = self.table.admit(msg)
+        if admission == "duplicate":
+            logger.info("ignoring a second copy of request %s", msg.rid)
+            return
+        if admission == "aborted":
+            row = aborted_row(msg)
+            out = StepOutputMsg.from_rows([row], worker_id=self.worker_id, step=self.num_steps)
+            self.sender.send(self.detok_stream, out)
+            return
+        try:
+            params = sampling_params(msg, self.vocab_size)
+            self.scheduler.add_request(msg.rid, msg.input_ids, params)
+        except ValueError as exc:
+            source = f"{WORKER_KIND}:{self.worker_id}"
+            error = ErrorMsg(msg.rid, msg.router_id, "invalid_request", str(exc), 400, source)
+            self.sender.send(router_out_stream(self.bus.prefix, msg.router_id), error)
+            return
+        self.table.start(msg)
+
+    def _on_abort(self, msg: AbortReqMsg) -> None:
+        if self.table.abort(msg.rid):
+            self.scheduler.abort_request(msg.rid)
+
+    # -- load -------------------------------------------------------------------------------
+    def _refresh_figures(self) -> None:
+        now = time.monotonic()
+        if now < self._next_figures:
+            return
+        self._next_figures = now + LOAD_EVERY_S
+        stats, pools = self.scheduler.stats, self.scheduler.pools
+        cached = pools.tree_cache.evictable_size()
+        used = pools.allocator.size - pools.allocator.available_size() - cached
+        self._figures = LoadFigures(
+            stats.num_running,
+            stats.num_waiting,
+            max(0, used),
+            cached,
+            stats.token_usage,
+            stats.generation_tokens,
+        )
+
+    def load(self) -> WorkerLoadMsg:
+        """The heartbeat payload (called on the heartbeat thread)."""
+        f = self._figures
+        now = time.monotonic()
+        then, tokens = self._rate
+        self._rate = (now, f.generation_tokens)
+        return WorkerLoadMsg(
+            worker_id=self.worker_id,
+            model=self.model,
+            num_running_reqs=f.num_running,
+            num_waiting_reqs=f.num_waiting,
+            num_used_tokens=f.num_used_tokens,
+            num_cached_tokens=f.num_cached_tokens,
+            max_total_num_tokens=self.scheduler.pools.allocator.size,
+            max_running_requests=self.scheduler.max_running_requests,
+            context_len=self.scheduler.context_len,
+            token_usage=f.token_usage,
+            gen_throughput=max(0, f.generation_tokens - tokens) / max(now - then, 1e-3),
+            host=os.uname().nodename,
+            pid=os.getpid(),
+            updated_at=time.time(),
+        )
+
+
+def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
+    from engine.engine import build_scheduler
+    from engine.tokenizer import load_tokenizer
+    from services.engine_args import engine_args_from
+
+    common = settings.common
+    logging.getLogger().handlers.clear()  # this process logs through setup_logging only
+    setup_logging(WORKER_KIND, settings.worker_id, common.log_level)
+    if ns.model_path is None:
+        ns.model_path = settings.model
+    args = engine_args_from(ns)
+    scheduler = build_scheduler(args, load_tokenizer(args.model_path))
+    bus = Bus.from_url(common.require_redis_url(), common.prefix, maxlen=common.stream_maxlen)
+    worker = Worker(settings, scheduler, bus, args.model_path)
+    stop_on_signals(worker.stop)
+    worker.run()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from services.engine_args import add_engine_args
+
+    # The engine's --model/--model-path replaces the settings' --model (SLUICE_MODEL stays).
+    p = sub.add_parser("worker", help="a worker service (one engine)", conflict_handler="resolve")
+    add_settings_args(p, WorkerSettings)
+    add_engine_args(p)
+    p.set_defaults(func=lambda ns: run(settings_from_args(WorkerSettings, ns), ns))
