@@ -69,17 +69,18 @@ def greedy_runs(model_dirs: dict[str, str]) -> dict[str, tuple[list[float], list
     for arch, path in model_dirs.items():
         tokenizer = load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # No eos: min_new_tokens would mask the eos ids and hide them from greedy and the gaps.
+        model.generation_config.eos_token_id = None
         batch = tokenizer(PROMPTS, padding=True, return_tensors="pt")  # padded on the left
         out = model.generate(
             **batch,
             do_sample=False,
             max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            output_scores=True,
+            output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=tokenizer.pad_token_id,
         )
-        top2 = torch.stack(out.scores).topk(2, dim=-1).values  # [steps, prompts, 2]
+        top2 = torch.stack(out.logits).topk(2, dim=-1).values  # [steps, prompts, 2]
         gaps = (top2[..., 0] - top2[..., 1]).flatten().tolist()
         outputs = out.sequences[:, batch.input_ids.shape[1] :].tolist()
         runs[arch] = (gaps, outputs)
