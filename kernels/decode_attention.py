@@ -162,7 +162,7 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int = 8,
-    block_n: int | None = None,
+    block_n: int = 64,
     out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -173,13 +173,13 @@ def decode_attention(
     group = num_heads // num_kv_heads
     assert q.stride(-1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous()
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.stride(-1) == 1
     if batch_size == 0:
         return out
     mid_o, mid_lse = scratch or decode_scratch(
         batch_size, num_heads, head_dim, num_splits, q.device
     )
-    block_n = block_n or 64
     block_d = next_pow2(head_dim, 16)
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,

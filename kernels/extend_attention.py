@@ -153,7 +153,8 @@ def extend_attention(
     v = as_heads(v, num_kv_heads, head_dim)
     assert q.stride(-1) == 1 and k_buffer.is_contiguous() and v_buffer.is_contiguous()
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    assert out.stride(-1) == 1
     batch_size = extend_lens.shape[0]
     if num_tokens == 0 or batch_size == 0:
         return out

@@ -9,7 +9,6 @@ slots, so reading a wrong slot or a key past the end changes the result visibly.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 from dataclasses import dataclass
@@ -23,16 +22,16 @@ def triton_test_device() -> tuple[str, str | None]:
     """Where kernel tests run, and why they cannot (None when they can).
 
     With CUDA: compiled kernels on "cuda". Without: the interpreter on "cpu", which needs
-    TRITON_INTERPRET=1 before triton is first imported in the process; this sets it when
-    triton is not imported yet (call it before importing any kernel module).
+    TRITON_INTERPRET=1 before triton is first imported in the process: this sets it (unless
+    it is set already), so call it before importing any kernel module.
     """
     if torch.cuda.is_available():
         return "cuda", None
-    if importlib.util.find_spec("triton") is None:
-        return "cpu", "triton is not installed (pip install triton)"
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels.jit import interpreting
+    from kernels.jit import HAS_TRITON, interpreting
 
+    if not HAS_TRITON:
+        return "cpu", "triton is not installed (pip install triton)"
     if not interpreting():
         return "cpu", (
             "triton was imported before TRITON_INTERPRET=1 was set; set it in the environment "

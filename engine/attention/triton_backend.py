@@ -23,7 +23,7 @@ from engine.attention.base import AttentionBackend, AttentionLayer
 from engine.forward_batch import ForwardBatch
 from kernels.decode_attention import decode_attention, decode_scratch
 from kernels.extend_attention import extend_attention
-from kernels.jit import HAS_TRITON, interpreting
+from kernels.jit import interpreting
 from kernels.kv_store import store_kv
 
 
@@ -47,8 +47,6 @@ class TritonAttnBackend(AttentionBackend):
         num_kv_splits: int | None = None,
         **kwargs: object,
     ) -> None:
-        if not HAS_TRITON:
-            raise RuntimeError("attention_backend='triton' needs the triton package")
         self.device = torch.device(device)
         if self.device.type != "cuda" and not interpreting():
             raise RuntimeError(

@@ -80,6 +80,7 @@ def _engine_logits(path: str, backend: str, page_size: int) -> list[torch.Tensor
         device=DEVICE,
         attention_backend=backend,
         page_size=page_size,
+        max_total_tokens=1024,
         disable_overlap_schedule=True,
         skip_tokenizer_init=True,
     )

@@ -1,0 +1,121 @@
+"""Triton kernels compiled on CUDA at real shapes, against the torch references.
+
+GQA (32 query heads over 8 KV heads) and MHA, head_dim 64/128, page sizes 1 and 16,
+float32 / float16 / bfloat16, contexts up to a few thousand tokens, default block sizes and
+split counts (the unit tests cover the same code with small blocks in the interpreter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
+from kernels.extend_attention import extend_attention  # noqa: E402
+from kernels.future_tokens import resolve_future_tokens, resolve_future_tokens_torch  # noqa: E402
+from kernels.jit import interpreting  # noqa: E402
+from kernels.kv_store import store_kv  # noqa: E402
+from kernels.reference import (  # noqa: E402
+    decode_attention_ref,
+    extend_attention_ref,
+    store_kv_ref,
+)
+from kernels.testing import PagedCase, make_paged_case  # noqa: E402
+
+if interpreting():
+    pytest.skip(
+        "TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True
+    )
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+HEADS = [(32, 8), (16, 16)]  # (query heads, KV heads)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= TOL[want.dtype], f"max abs error {err}"
+
+
+def _decode(case: PagedCase, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+    case.store_new_kv()
+    args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    got = decode_attention(*args, case.seq_lens, case.scale, **kw)
+    return got, decode_attention_ref(*args, case.seq_lens, case.scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_decode(heads, kv_heads, head_dim, page_size, dtype):
+    prefix = [1, 17, 255, 256, 1000, 3000, 4095, 63]
+    case = make_paged_case(prefix, [1] * len(prefix), heads, kv_heads, head_dim, page_size,
+                           dtype, "cuda", seed=head_dim + page_size)  # fmt: skip
+    got, want = _decode(case)
+    _close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_extend(heads, kv_heads, head_dim, page_size, dtype):
+    prefix = [0, 0, 512, 37, 1500, 16]
+    extend = [1, 700, 300, 129, 1, 64]
+    case = make_paged_case(prefix, extend, heads, kv_heads, head_dim, page_size, dtype, "cuda",
+                           seed=head_dim + page_size)  # fmt: skip
+    args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
+    args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
+    got = extend_attention(*args, case.max_extend_len, case.scale)
+    _close(got, extend_attention_ref(*args, case.scale))
+
+
+def test_decode_replays_in_a_cuda_graph():
+    """The launch shape depends on the batch size only: a captured decode stays right when
+    the lengths and slots in the static inputs change between replays."""
+    # float32: the poisoned slots read past the old lengths hold large values
+    case = make_paged_case([100, 900, 33, 2000], [1] * 4, 32, 8, 128, 16, torch.float32, "cuda")
+    case.store_new_kv()
+    out = torch.empty_like(case.q)
+    scratch = decode_scratch(4, 32, 128, 8, torch.device("cuda"))
+    args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    decode_attention(*args, case.seq_lens, case.scale, out=out, scratch=scratch)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(*args, case.seq_lens, case.scale, out=out, scratch=scratch)
+    for seq_lens in ([101, 901, 34, 2001], [1, 57, 2001, 640]):
+        case.seq_lens.copy_(torch.tensor(seq_lens))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(out, decode_attention_ref(*args, case.seq_lens, case.scale))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(dtype):
+    num_slots, kv_heads, head_dim, num_tokens = 50_000, 8, 128, 4096
+    k_buf = torch.randn(num_slots, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v_buf = torch.randn_like(k_buf)
+    qkv = torch.randn(num_tokens, 48 * head_dim, device="cuda", dtype=dtype)
+    k, v = qkv[:, 32 * head_dim : 40 * head_dim], qkv[:, 40 * head_dim :]
+    loc = torch.randperm(num_slots - 1, device="cuda")[:num_tokens] + 1
+    want_k, want_v = k_buf.clone(), v_buf.clone()
+    store_kv(k_buf, v_buf, loc, k, v)
+    store_kv_ref(want_k, want_v, loc, k, v)
+    assert torch.equal(k_buf, want_k) and torch.equal(v_buf, want_v)
+
+
+def test_resolve_future_tokens():
+    future = torch.randint(0, 150_000, (1024,), device="cuda")
+    ids = torch.randint(0, 150_000, (8192,), device="cuda")
+    ids[::3] = -torch.randint(1, 1024, (len(ids[::3]),), device="cuda")
+    want = resolve_future_tokens_torch(ids.clone(), future)
+    assert resolve_future_tokens(ids, future) is ids
+    assert torch.equal(ids, want) and bool((ids >= 0).all())
