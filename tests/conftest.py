@@ -7,6 +7,16 @@ import pytest
 # Deterministic, single-threaded-friendly defaults for 2-core CI machines.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Triton fixes interpreter mode when it is first imported (torch._dynamo imports it too), so
+# without a GPU it must be set before anything else loads: kernels then run on CPU tensors.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
