@@ -55,15 +55,16 @@ def _hf_model(path: str):
 
 @torch.inference_mode()
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """Greedy continuation by transformers (float32, no padding, EOS ignored)."""
+    """Greedy continuation by transformers (float32, no padding, EOS not special)."""
     model = _hf_model(path)
     ids = torch.tensor([prompt])
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
         do_sample=False,
+        # No EOS at all (not min_new_tokens, which works by masking EOS out of the logits).
+        eos_token_id=None,
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
