@@ -209,7 +209,6 @@ def build_tokenizer(
         pad_token=special.pad,
         additional_special_tokens=[special.im_start, special.im_end],
         add_bos_token=special.byte_fallback,
-        add_eos_token=False,
         padding_side="left",
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
@@ -285,12 +284,10 @@ def _with_pipeline(tokenizer: Tokenizer, arch: str) -> Tokenizer:
 
 def _pad_with_fillers(vocab: dict[str, int], vocab_size: int, space: str) -> None:
     """Add ordinary tokens ``<space>tok<id>`` (no merge produces them) up to ``vocab_size``."""
-    suffix = ""
     while len(vocab) < vocab_size:
-        token = f"{space}tok{len(vocab)}{suffix}"
-        if token in vocab:
-            suffix += "_"
-            continue
+        token = f"{space}tok{len(vocab)}"
+        while token in vocab:
+            token += "_"
         vocab[token] = len(vocab)
 
 
@@ -303,9 +300,14 @@ NORM_JITTER = 0.2  # norm weights are uniform in 1 +- NORM_JITTER
 QK_SCALE = 2.0  # queries and keys are scaled by this: sharper attention
 QK_BIAS_STD = 0.5  # query / key projection biases (qwen2)
 BIAS_STD = 0.02  # other biases: they add the same vector at every position, so keep them small
-_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,6 +424,8 @@ def make_tiny_model(
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
         _shape_weights(model)
     model.save_pretrained(out_dir, safe_serialization=True)
+    for name in os.listdir(out_dir):  # written through a 0600 temporary file
+        os.chmod(os.path.join(out_dir, name), 0o644)
     max_len = getattr(config, "max_position_embeddings", None) or config.n_positions
     build_tokenizer(config.model_type, config.vocab_size, max_len).save_pretrained(out_dir)
     special = SpecialTokens.for_arch(config.model_type)
@@ -472,9 +476,7 @@ def _shape_weights(model: torch.nn.Module) -> None:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``make-tiny-model`` on the ``sluice`` command line; ``run`` handles it."""
-    parser = subparsers.add_parser(
-        "make-tiny-model", help="write a small random model with a trained tokenizer"
-    )
+    parser = subparsers.add_parser("make-tiny-model", help="write a small random model folder")
     parser.add_argument("out_dir", metavar="DIR")
     parser.add_argument(
         "--arch", choices=ARCHS, default=None, help="default: the preset's (llama for tiny/small)"
@@ -496,4 +498,3 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
     return 0
-
