@@ -218,9 +218,11 @@ class FakeWorker:
 
     def _send(self, router_id: str, rows: list[DetokRow]) -> None:
         stream = router_out_stream(self.prefix, router_id)
+        # one message per step, as a detokenizer sends; one per row when they get shuffled
+        groups = [[row] for row in rows] if self.shuffle or self.duplicate else [rows]
         msgs = [
-            DetokOutputMsg.from_rows([row], router_id=router_id, worker_id=self.worker_id, step=0)
-            for row in rows
+            DetokOutputMsg.from_rows(g, router_id=router_id, worker_id=self.worker_id, step=0)
+            for g in groups
         ]
         if self.duplicate:
             msgs += msgs[::2]
