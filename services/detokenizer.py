@@ -20,6 +20,7 @@ from services.group_consumer import (
     GroupConsumer,
     GroupSpec,
     dead_letter_unexpected,
+    exit_process,
     stop_on_signals,
 )
 from shared.bus import Bus, Entry
@@ -99,7 +100,12 @@ def run(settings: DetokenizerSettings) -> None:
     logger.info("stopped after %d step messages", service.num_handled)
 
 
+def _main(ns: argparse.Namespace) -> None:
+    run(settings_from_args(DetokenizerSettings, ns))
+    exit_process(0)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("detokenizer", help="a detokenizer service (token ids → text deltas)")
     add_settings_args(p, DetokenizerSettings)
-    p.set_defaults(func=lambda ns: run(settings_from_args(DetokenizerSettings, ns)))
+    p.set_defaults(func=_main)

@@ -210,6 +210,12 @@ def run(settings: ServeSettings, ns: argparse.Namespace) -> int:
     return launcher.run()
 
 
+def _main(ns: argparse.Namespace) -> None:
+    from services.group_consumer import exit_process
+
+    exit_process(run(settings_from_args(ServeSettings, ns), ns))
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from services.engine_args import add_engine_args
 
@@ -217,4 +223,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="every service on this machine", conflict_handler="resolve")
     add_settings_args(p, ServeSettings)
     add_engine_args(p)
-    p.set_defaults(func=lambda ns: run(settings_from_args(ServeSettings, ns), ns))
+    p.set_defaults(func=_main)

@@ -34,6 +34,7 @@ from services.group_consumer import (
     GroupConsumer,
     GroupSpec,
     dead_letter_unexpected,
+    exit_process,
     stop_on_signals,
 )
 from shared.bus import Bus, Entry
@@ -225,7 +226,12 @@ def run(settings: TokenizerSettings) -> None:
     logger.info("stopped after %d requests", service.num_handled)
 
 
+def _main(ns: argparse.Namespace) -> None:
+    run(settings_from_args(TokenizerSettings, ns))
+    exit_process(0)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tokenizer", help="a tokenizer service (text → token ids)")
     add_settings_args(p, TokenizerSettings)
-    p.set_defaults(func=lambda ns: run(settings_from_args(TokenizerSettings, ns)))
+    p.set_defaults(func=_main)

@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from services.group_consumer import stop_on_signals
+from services.group_consumer import exit_process, stop_on_signals
 from services.worker_io import Receiver, Sender
 from services.worker_requests import RequestTable, aborted_row, sampling_params, step_row
 from shared.bus import Bus
@@ -214,6 +214,11 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
     worker.run()
 
 
+def _main(ns: argparse.Namespace) -> None:
+    run(settings_from_args(WorkerSettings, ns), ns)
+    exit_process(0)
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from services.engine_args import add_engine_args
 
@@ -221,4 +226,4 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="a worker service (one engine)", conflict_handler="resolve")
     add_settings_args(p, WorkerSettings)
     add_engine_args(p)
-    p.set_defaults(func=lambda ns: run(settings_from_args(WorkerSettings, ns), ns))
+    p.set_defaults(func=_main)
