@@ -108,15 +108,27 @@ def run_hf_generate(path: str, prompts: list[list[int]], outputs: list[int]) -> 
 
 
 def run_hf_cb(path: str, prompts: list[list[int]], outputs: list[int]) -> dict:
-    """transformers' continuous batching manager, each request with its own max_new_tokens."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """transformers' continuous batching manager, each request with its own max_new_tokens.
+
+    On CPU its defaults hang or crawl (CUDA graphs, async batching, a cache sized from
+    memory), so it gets a paged cache sized for the whole workload and the same per-batch
+    token budget as sluice's chunked prefill."""
+    from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     cfg = GenerationConfig(
         max_new_tokens=max(outputs), do_sample=False, eos_token_id=-1, pad_token_id=0
     )
+    block = 256
+    blocks = sum(-(-(len(p) + o) // block) for p, o in zip(prompts, outputs)) + 8
+    cb = ContinuousBatchingConfig(
+        use_cuda_graph=False,
+        use_async_batching=False,
+        num_blocks=blocks,
+        max_batch_tokens=8192,
+    )
     with model.continuous_batching_context_manager(
-        generation_config=cfg, block=True, timeout=5
+        generation_config=cfg, block=True, timeout=5, continuous_batching_config=cb, warmup=False
     ) as manager:
         t0 = time.perf_counter()
         for p, o in zip(prompts, outputs):
