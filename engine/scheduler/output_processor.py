@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +31,9 @@ class StepEvent:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, tokenizer: Any | None) -> None:
-        self.scheduler = scheduler
+        # A weak reference: a cycle scheduler <-> processor would keep the model runner and
+        # its KV pool alive after the engine is dropped, until a full garbage collection.
+        self.scheduler = weakref.proxy(scheduler)
         self.tokenizer = tokenizer
         self._events: list[StepEvent] = []
 
