@@ -1,0 +1,343 @@
+"""The overlap scheduler against the plain loop on a real (tiny) model, step by step.
+
+A randomized stress run (arrivals while others run, aborts at random steps, a KV pool small
+enough to force retraction, mixed sampling parameters), and one test per trap of the one-step
+lag: a request finishing while its next step is in flight, an abort with a placeholder in
+flight, retraction of a request in flight, chunked prefill, the prefix cache only ever
+holding real tokens, penalties and seeded sampling seeing the right history and step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine.config import EngineArgs
+from engine.engine import Engine, build_scheduler
+from engine.mem_cache.base import TreeNode
+from engine.overlap.scheduler import OverlapScheduler
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduler.scheduler import Scheduler
+from tests.factories import tiny_model
+
+VOCAB_LO = 8  # ids below are special tokens
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """The scheduler thread and the forward thread share a 2-core box: a second intra-op
+    thread only oversubscribes it (and slows the plain loop many times over under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@dataclass
+class Run:
+    """What one scheduler run did: streamed tokens and the one finish of each request."""
+
+    tokens: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    finish: dict[str, str] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)
+    scheduler: Scheduler | None = None
+
+
+def _params(**kw: object) -> SamplingParams:
+    p = SamplingParams(**kw)  # type: ignore[arg-type]
+    p.verify()
+    return p.normalize()
+
+
+def _walk_keys(node: TreeNode) -> list[int]:
+    keys = []
+    for child in node.children.values():
+        keys.extend(child.key)
+        keys.extend(_walk_keys(child))
+    return keys
+
+
+def drive(
+    arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
+    aborts: dict[int, list[str]],
+    overlap: bool,
+    hook=None,  # called with (scheduler, step) before each step
+    **engine_kwargs: object,
+) -> Run:
+    """Feed requests and aborts at given step indices (between steps, as the worker does) and
+    step until everything has ended; check the invariants every step and at the end."""
+    args = EngineArgs.from_kwargs(
+        model_path=tiny_model("llama"), disable_overlap_schedule=not overlap, **engine_kwargs
+    )
+    scheduler = build_scheduler(args)
+    assert isinstance(scheduler, OverlapScheduler) == overlap
+    run = Run(scheduler=scheduler)
+    last_arrival = max(arrivals)
+    try:
+        step = 0
+        while step <= last_arrival or scheduler.has_work():
+            for rid, ids, params in arrivals.get(step, []):
+                scheduler.add_request(rid, ids, params)
+            for rid in aborts.get(step, []):
+                scheduler.abort_request(rid)
+            if hook is not None:
+                hook(scheduler, step)
+            for ev in scheduler.step():
+                assert ev.rid not in run.finish, f"{ev.rid}: an event after its finish"
+                assert ev.start == len(run.tokens[ev.rid]), f"{ev.rid}: tokens out of order"
+                assert all(t >= 0 for t in ev.new_token_ids), "a placeholder reached the output"
+                run.tokens[ev.rid].extend(ev.new_token_ids)
+                if ev.finished_reason is not None:
+                    run.finish[ev.rid] = ev.finished_reason.type
+                    assert ev.req.output_ids == run.tokens[ev.rid]
+            step += 1
+            assert step < 5000, "the scheduler does not make progress"
+        _check_memory(scheduler)
+        run.stats = {"retractions": scheduler.stats.num_retractions}
+        if overlap:
+            run.stats["wraps"] = scheduler.future_map.num_wraps
+    finally:
+        getattr(scheduler, "close", lambda: None)()
+    return run
+
+
+def _check_memory(scheduler: Scheduler) -> None:
+    cache = scheduler.tree_cache
+    cache.check_integrity()
+    assert all(t >= 0 for t in _walk_keys(cache.root_node)), "the cache holds a placeholder"
+    cache.reset()
+    allocator = scheduler.model_runner.allocator
+    assert allocator.available_size() == allocator.size, "KV slots leaked"
+    pool = scheduler.model_runner.req_to_token_pool
+    assert pool.available_size() == pool.size, "request rows leaked"
+
+
+def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
+    kind = rng.choice(["greedy", "long", "long", "penalty", "seeded", "stop"])
+    kw: dict = {"max_new_tokens": rng.choice([1, 2, 3, rng.randint(4, 40)])}
+    if kind == "greedy":
+        kw |= {"temperature": 0.0, "ignore_eos": rng.random() < 0.5}
+    elif kind == "long":  # these fill the KV pool: retraction
+        kw |= {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": rng.randint(40, 80)}
+    elif kind == "penalty":
+        kw |= {"temperature": 0.0, "frequency_penalty": 1.5, "presence_penalty": 0.5,
+               "repetition_penalty": 1.3}
+    elif kind == "seeded":
+        kw |= {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "sampling_seed": rng.randrange(99)}
+    else:
+        kw |= {"temperature": 0.0, "stop_token_ids": rng.sample(range(VOCAB_LO, vocab), 30)}
+    return _params(**kw)
+
+
+def _workload(seed: int, n: int = 40) -> tuple[dict, dict]:
+    rng = random.Random(seed)
+    vocab = 1536
+    shared = [rng.randrange(VOCAB_LO, vocab) for _ in range(40)]
+    arrivals: dict[int, list] = defaultdict(list)
+    aborts: dict[int, list[str]] = defaultdict(list)
+    for i in range(n):
+        ids = [rng.randrange(VOCAB_LO, vocab) for _ in range(rng.randint(1, 60))]
+        if rng.random() < 0.4:
+            ids = shared[: rng.randint(8, 40)] + ids
+        step = rng.choice([0, 0, 0, rng.randint(1, 60)])
+        arrivals[step].append((f"r{i}", ids, _random_params(rng, vocab)))
+        if rng.random() < 0.25:
+            aborts[step + rng.randint(0, 12)].append(f"r{i}")
+    return arrivals, aborts
+
+
+STRESS = {
+    # an optimistic reservation ratio over a tiny pool: admission overcommits, decode retracts
+    "tiny_pool": {"max_total_tokens": 200, "max_running_requests": 16, "init_new_token_ratio": 0.1},
+    "paged_chunked": {
+        "page_size": 4, "chunked_prefill_size": 32, "max_total_tokens": 512,
+        "max_running_requests": 24,
+    },
+    "radix_off": {"disable_radix_cache": True, "max_total_tokens": 384, "max_running_requests": 24},
+}
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("config", list(STRESS))
+def test_stress_overlap_matches_plain(config: str, seed: int) -> None:
+    arrivals, aborts = _workload(seed)
+    rids = {rid for reqs in arrivals.values() for rid, _, _ in reqs}
+    aborted = {rid for rs in aborts.values() for rid in rs}
+    runs = {ov: drive(arrivals, aborts, ov, **STRESS[config]) for ov in (True, False)}
+    for run in runs.values():
+        assert set(run.finish) == rids, "every request ends exactly once"
+    on, off = runs[True], runs[False]
+    for rid in sorted(rids):
+        a, b = on.tokens[rid], off.tokens[rid]
+        if rid not in aborted:
+            assert on.finish[rid] == off.finish[rid] != "abort"
+            assert a == b, f"{rid}: overlap {a} != plain {b}"
+        else:  # cut at different points: one output is a prefix of the other
+            short, long = sorted((a, b), key=len)
+            assert long[: len(short)] == short, f"{rid}: {a} vs {b}"
+    assert on.stats["wraps"] > 0, "the FutureMap ring should have wrapped"
+    if config == "tiny_pool":
+        assert on.stats["retractions"] > 0 and off.stats["retractions"] > 0
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_LO, 1536) for _ in range(n)]
+
+
+def test_finish_while_next_step_in_flight() -> None:
+    """A request that ends at step N is already in step N+1: the extra token is dropped, its
+    KV slot freed once (a double free raises), and nothing is left in flight at the end."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    arrivals = {0: [("short", _prompt(1, 9), _params(max_new_tokens=2, **greedy)),
+                    ("long", _prompt(2, 7), _params(max_new_tokens=6, **greedy))]}
+    seen_in_flight = []
+
+    def hook(s: OverlapScheduler, step: int) -> None:
+        short = [r for rec in s._in_flight for r in rec.reqs if r.rid == "short"]
+        if short and short[0].finished:
+            seen_in_flight.append(step)
+
+    on = drive(arrivals, {}, True, hook=hook)
+    off = drive(arrivals, {}, False)
+    assert seen_in_flight, "the finished request should still have been in a launched batch"
+    assert len(on.tokens["short"]) == 2 and len(on.tokens["long"]) == 6
+    assert on.tokens == off.tokens
+
+
+def test_abort_with_placeholder_in_flight() -> None:
+    greedy = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 30}
+    arrivals = {0: [(f"r{i}", _prompt(i, 5 + i), _params(**greedy)) for i in range(3)]}
+    had_placeholder = []
+
+    def hook(s: OverlapScheduler, step: int) -> None:
+        if step == 4:
+            had_placeholder.extend(r.rid for r in s._pending)
+
+    on = drive(arrivals, {4: ["r1"]}, True, hook=hook)
+    assert "r1" in had_placeholder
+    assert on.finish == {"r0": "length", "r1": "abort", "r2": "length"}
+    assert 0 < len(on.tokens["r1"]) < 30
+    off = drive(arrivals, {}, False)
+    assert on.tokens["r1"] == off.tokens["r1"][: len(on.tokens["r1"])]
+    assert on.tokens["r0"] == off.tokens["r0"] and on.tokens["r2"] == off.tokens["r2"]
+
+
+def test_retraction_while_in_flight() -> None:
+    """Requests retracted while their decode step is in flight drop that step's token and
+    recompute it after their re-prefill: same outputs as the plain loop."""
+    greedy = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 48}
+    arrivals = {0: [(f"r{i}", _prompt(10 + i, 30), _params(**greedy)) for i in range(8)]}
+    retracted_in_flight = []
+    before: list[tuple] = []  # (request, its retraction count) of the batch in flight
+
+    def hook(s: OverlapScheduler, step: int) -> None:
+        retracted_in_flight.extend(r.rid for r, n in before if r.num_retractions > n)
+        before[:] = [(r, r.num_retractions) for rec in s._in_flight for r in rec.reqs]
+
+    kw = {"max_total_tokens": 256, "init_new_token_ratio": 0.1}
+    on = drive(arrivals, {}, True, hook=hook, **kw)
+    off = drive(arrivals, {}, False, **kw)
+    assert on.stats["retractions"] > 0 and retracted_in_flight
+    assert on.tokens == off.tokens
+
+
+def test_retracted_with_its_last_token_in_flight() -> None:
+    """Retract a request whose final token is in flight: that token must be dropped (the
+    request is back in the waiting queue, without a row) and recomputed after the re-prefill;
+    appending it would finish a request that holds no memory."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    arrivals = {0: [("r", _prompt(30, 11), _params(max_new_tokens=3, **greedy)),
+                    ("s", _prompt(31, 6), _params(max_new_tokens=9, **greedy))]}
+    retracted = []
+
+    def hook(s: OverlapScheduler, step: int) -> None:
+        batch = s.running_batch
+        req = next((r for r in batch.reqs if r.rid == "r"), None)
+        if retracted or req is None or len(req.output_ids) != 2 or req not in s._pending:
+            return
+
+        def retract_r() -> list:  # what retract_decode does, for this one request
+            del batch.check_decode_mem, batch.retract_decode
+            batch.reqs.remove(req)
+            s.pools.release_req(req)
+            req.reset_for_retract()
+            retracted.append(step)
+            return [req]
+
+        batch.check_decode_mem = lambda: False
+        batch.retract_decode = retract_r
+
+    on = drive(arrivals, {}, True, hook=hook)
+    off = drive(arrivals, {}, False)
+    assert retracted
+    assert on.tokens == off.tokens and on.finish == off.finish == {"r": "length", "s": "length"}
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_chunked_prefill_across_steps(page_size: int) -> None:
+    greedy = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 8}
+    long = _prompt(3, 150)
+    arrivals = {
+        0: [("a", long, _params(**greedy)), ("b", _prompt(4, 20), _params(**greedy))],
+        2: [("c", long[:120] + _prompt(5, 9), _params(**greedy))],
+    }
+    kw = {"chunked_prefill_size": 32, "page_size": page_size}
+    on = drive(arrivals, {}, True, **kw)
+    off = drive(arrivals, {}, False, **kw)
+    assert on.tokens == off.tokens and all(len(t) == 8 for t in on.tokens.values())
+
+
+def test_penalties_and_seeds_see_history_and_step() -> None:
+    """Strong penalties and seeded sampling depend on every earlier token and on the step
+    index: an off-by-one in the lagged history would change the tokens."""
+    prompts = [_prompt(20 + i, 12) for i in range(6)]
+    plain_greedy = _params(temperature=0.0, ignore_eos=True, max_new_tokens=20)
+    mixed = [
+        _params(temperature=0.0, ignore_eos=True, max_new_tokens=20, frequency_penalty=2.0),
+        _params(temperature=0.0, ignore_eos=True, max_new_tokens=20, repetition_penalty=2.0),
+        _params(temperature=0.0, ignore_eos=True, max_new_tokens=20, presence_penalty=2.0),
+        _params(temperature=1.5, ignore_eos=True, max_new_tokens=20, sampling_seed=7),
+        _params(temperature=1.0, top_k=20, ignore_eos=True, max_new_tokens=20, sampling_seed=8),
+        plain_greedy,
+    ]
+    arrivals = {0: [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, mixed))]}
+    on = drive(arrivals, {}, True)
+    off = drive(arrivals, {}, False)
+    assert on.tokens == off.tokens
+    baseline = drive({0: [(f"r{i}", p, plain_greedy) for i, p in enumerate(prompts)]}, {}, True)
+    assert on.tokens["r0"] != baseline.tokens["r0"], "the penalty should change the output"
+
+
+def test_forward_error_is_raised_not_hung(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = EngineArgs.from_kwargs(model_path=tiny_model("llama"))
+    scheduler = build_scheduler(args)
+    assert isinstance(scheduler, OverlapScheduler)
+
+    def broken(fb):
+        raise ValueError("boom")
+
+    monkeypatch.setattr(scheduler.model_runner, "forward", broken)
+    scheduler.add_request("x", _prompt(0, 5), _params(max_new_tokens=3))
+    try:
+        with pytest.raises(RuntimeError, match="failed on the device"):
+            for _ in range(3):
+                scheduler.step()
+    finally:
+        scheduler.close()
+
+
+def test_engine_uses_overlap_by_default_and_close_stops_the_thread() -> None:
+    with Engine(model_path=tiny_model("llama"), skip_tokenizer_init=True) as engine:
+        assert isinstance(engine.scheduler, OverlapScheduler)
+        out = engine.generate(input_ids=_prompt(0, 6), sampling_params={"max_new_tokens": 4})
+        assert len(out["output_ids"]) <= 4
+        assert not engine.scheduler.has_work()
+        thread = engine.scheduler.executor._thread
+    assert not thread.is_alive()
+    with Engine(model_path=tiny_model("llama"), disable_overlap_schedule=True) as engine:
+        assert type(engine.scheduler) is Scheduler
