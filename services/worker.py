@@ -76,6 +76,7 @@ class Worker:
         self.heartbeat = Heartbeat(bus.redis, key, settings.common.heartbeat_ttl_s, self.load)
         self.stop = threading.Event()
         self.num_steps = 0
+        self._events_waiting = False  # an abort of a queued request emitted its final event
         self._figures = LoadFigures()
         self._next_figures = 0.0
         self._rate = (time.monotonic(), 0)  # (when, generation tokens) at the last beat
@@ -91,7 +92,7 @@ class Worker:
         try:
             while not self.stop.is_set():
                 self._drain(block=not self.scheduler.has_work())
-                if self.scheduler.has_work():
+                if self.scheduler.has_work() or self._events_waiting:
                     self._step()
                 self._refresh_figures()
         finally:
@@ -106,15 +107,16 @@ class Worker:
     def _drain(self, block: bool) -> None:
         inbox = self.receiver.inbox
         try:
-            msg = inbox.get(timeout=IDLE_WAIT_S) if block else inbox.get_nowait()
+            batch = inbox.get(timeout=IDLE_WAIT_S) if block else inbox.get_nowait()
             while True:
-                if msg is not None:
+                for msg in batch or ():
                     self._handlers[type(msg)](msg)
-                msg = inbox.get_nowait()
+                batch = inbox.get_nowait()
         except queue.Empty:
             pass
 
     def _step(self) -> None:
+        self._events_waiting = False
         events = self.scheduler.step()
         self.num_steps += 1
         rows = []
@@ -153,6 +155,7 @@ class Worker:
     def _on_abort(self, msg: AbortReqMsg) -> None:
         if self.table.abort(msg.rid):
             self.scheduler.abort_request(msg.rid)
+            self._events_waiting = True  # even if the scheduler is left without work
 
     # -- load -------------------------------------------------------------------------------
     def _refresh_figures(self) -> None:

@@ -1,11 +1,12 @@
 """The worker's Redis I/O threads, so no Redis round trip sits in the scheduler loop.
 
 `Receiver` blocks on the worker's stream `{p}:worker:{w}:in` (group `worker`, consumer
-= the worker id) and puts each request or abort on a local queue, which the scheduler
-loop drains between steps. It acks what it has queued at once: a worker's requests live
-in its memory only, and routers fail over the requests of a worker that died (a worker
-restarted under the same id is a new worker to them), so replaying old entries after a
-restart would only duplicate work. Entries of the wrong type are dead-lettered.
+= the worker id) and puts the requests and aborts of each read, as one list, on a local
+queue, which the scheduler loop drains between steps. It acks what it has queued at
+once: a worker's requests live in its memory only, and routers fail over the requests of
+a worker that died (a worker restarted under the same id is a new worker to them), so
+replaying old entries after a restart would only duplicate work. Entries of the wrong
+type are dead-lettered.
 
 `Sender` takes (stream, message) pairs from the scheduler loop and publishes everything
 queued in one pipeline per round trip; encoding happens on its thread too. If Redis is
@@ -41,7 +42,7 @@ class Receiver(threading.Thread):
         self.consumer = consumer
         self.batch_size = batch_size
         self.block_ms = block_ms
-        self.inbox: queue.Queue[GenerateReqMsg | AbortReqMsg | None] = queue.Queue()
+        self.inbox: queue.Queue[list[GenerateReqMsg | AbortReqMsg] | None] = queue.Queue()
         self.stopping = threading.Event()
 
     def prepare(self) -> None:
@@ -64,12 +65,15 @@ class Receiver(threading.Thread):
         entries = self.bus.read_group(
             self.stream, WORKER_GROUP, self.consumer, self.batch_size, self.block_ms
         )
+        batch = []
         for entry_id, msg in entries:
             if isinstance(msg, (GenerateReqMsg, AbortReqMsg)):
-                self.inbox.put(msg)
+                batch.append(msg)
             else:
                 reason = f"unexpected {type(msg).__name__} on {self.stream}"
                 self.bus.dead_letter(self.stream, entry_id, msg.to_msg(), reason, WORKER_GROUP)
+        if batch:
+            self.inbox.put(batch)  # one item per read: the loop sees a read whole
         if entries:
             self.bus.ack(self.stream, WORKER_GROUP, *(eid for eid, _ in entries))
 

@@ -199,6 +199,23 @@ def test_abort_running_and_abort_that_overtakes_its_request(client: StreamClient
     assert early.finish_reason.type == "abort" and early.completion_tokens == 0
 
 
+def test_abort_right_behind_its_request(stack: Stack, client: StreamClient) -> None:
+    """Request and abort in one read: the request is queued and aborted before any step,
+    leaving the worker without work; its final row must still go out at once."""
+    req = GenerateReqMsg("queued", client.router_id, [5, 6, 7], {"max_new_tokens": 500})
+    stream = worker_in_stream(stack.prefix, stack.worker_id)
+    stack.worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        # A blocked read returns the first new entry alone: let it take a harmless one,
+        # so that the next read finds the request and its abort together.
+        msgs = [AbortReqMsg("nobody"), req, AbortReqMsg("queued", "client gone")]
+        stack.bus.publish_many([(stream, m) for m in msgs])
+    finally:
+        stack.worker.proc.send_signal(signal.SIGCONT)
+    final = client.wait(["queued"], timeout_s=10)["queued"].final
+    assert final.finish_reason.type == "abort" and final.completion_tokens == 0
+
+
 def test_a_redelivered_request_runs_once(client: StreamClient) -> None:
     msg = GenerateReqMsg("twice", client.router_id, [5, 6, 7], {"max_new_tokens": 8})
     client.to_worker(msg)
