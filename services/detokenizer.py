@@ -81,6 +81,7 @@ def run(settings: DetokenizerSettings) -> None:
     from services.engine_args import ensure_model
 
     common = settings.common
+    url = common.require_redis_url()  # fail before the slow part
     consumer = settings.consumer or default_service_id()
     logging.getLogger().handlers.clear()  # this process logs through setup_logging only
     setup_logging(DETOKENIZER_KIND, consumer, common.log_level)
@@ -93,7 +94,7 @@ def run(settings: DetokenizerSettings) -> None:
         settings.block_ms,
     )
     detok = StepDetokenizer(load_tokenizer(ensure_model(settings.model)))
-    bus = Bus.from_url(common.require_redis_url(), common.prefix, maxlen=common.stream_maxlen)
+    bus = Bus.from_url(url, common.prefix, maxlen=common.stream_maxlen)
     service = GroupConsumer(bus, spec, common, Detokenizer(bus, spec, detok).handle)
     stop_on_signals(service.stop)
     service.run()

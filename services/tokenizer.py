@@ -206,6 +206,7 @@ def run(settings: TokenizerSettings) -> None:
     from services.engine_args import ensure_model
 
     common = settings.common
+    url = common.require_redis_url()  # fail before the slow part
     consumer = settings.consumer or default_service_id()
     logging.getLogger().handlers.clear()  # this process logs through setup_logging only
     setup_logging(TOKENIZER_KIND, consumer, common.log_level)
@@ -219,7 +220,7 @@ def run(settings: TokenizerSettings) -> None:
         settings.batch_size,
         settings.block_ms,
     )
-    bus = Bus.from_url(common.require_redis_url(), common.prefix, maxlen=common.stream_maxlen)
+    bus = Bus.from_url(url, common.prefix, maxlen=common.stream_maxlen)
     service = GroupConsumer(bus, spec, common, Tokenizer(bus, spec, requests).handle)
     stop_on_signals(service.stop)
     service.run()

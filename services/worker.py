@@ -205,13 +205,14 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
     from services.engine_args import engine_args_from
 
     common = settings.common
+    url = common.require_redis_url()  # fail before the slow part
     logging.getLogger().handlers.clear()  # this process logs through setup_logging only
     setup_logging(WORKER_KIND, settings.worker_id, common.log_level)
     if ns.model_path is None:
         ns.model_path = settings.model
     args = engine_args_from(ns)
     scheduler = build_scheduler(args, load_tokenizer(args.model_path))
-    bus = Bus.from_url(common.require_redis_url(), common.prefix, maxlen=common.stream_maxlen)
+    bus = Bus.from_url(url, common.prefix, maxlen=common.stream_maxlen)
     worker = Worker(settings, scheduler, bus, args.model_path)
     stop_on_signals(worker.stop)
     worker.run()
