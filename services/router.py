@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -77,7 +78,11 @@ def create_app(config: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         common = config.router.common
-        bus = AsyncBus.from_url(url, common.prefix, maxlen=common.stream_maxlen)
+        # Requests beyond the pool wait for a connection instead of failing.
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30)
+        bus = AsyncBus(
+            aioredis.Redis(connection_pool=pool), common.prefix, maxlen=common.stream_maxlen
+        )
         router = state["router"] = Router(config, bus)
         await router.broker.start()
         key = heartbeat_key(common.prefix, ROUTER_KIND, config.router_id)

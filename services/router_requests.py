@@ -189,6 +189,9 @@ class Broker:
         msgs = []
         for h in handles:
             worker = self.workers.choose(exclude=h.tried)
+            if worker is None:  # the table may be a moment old: look again before failing
+                await self.refresh_workers()
+                worker = self.workers.choose(exclude=h.tried)
             if worker is None:
                 raise ApiError(503, "no live worker can take the request", None, "no_worker")
             self.forget(h)

@@ -1,0 +1,46 @@
+"""One full stack behind the router for the HTTP end-to-end tests, shared by the session.
+
+Load with `pytest_plugins = ["tests.system.router_stack"]`. Redis, 1 tokenizer, 1 worker,
+3 detokenizers and the router, on the tiny llama (its byte-fallback tokenizer makes
+CJK and emoji go through byte tokens). Starting it costs most of a minute on 2 cores, so
+every module that needs real HTTP shares it; a test that kills a service must leave at
+least one of each kind running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from shared.redis_server import EmbeddedRedis
+from tests.factories import tiny_model
+from tests.system.procs import Stack, start_stack
+
+STACK_ENV = {"SLUICE_CLAIM_IDLE_MS": "1000", "SLUICE_HEARTBEAT_TTL_S": "3"}
+
+
+@pytest.fixture(scope="session")
+def http_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = str(tmp_path_factory.mktemp("http-stack-logs"))
+    with EmbeddedRedis() as server:
+        stack = start_stack(
+            server.url,
+            tiny_model("llama"),
+            logs,
+            num_tokenizers=1,
+            num_detokenizers=3,
+            router=True,
+            env=STACK_ENV,
+        )
+        with stack:
+            stack.wait_ready()
+            yield stack
+
+
+@pytest.fixture(scope="session")
+def served_model(http_stack: Stack) -> str:
+    """The name the router serves the model under (the model folder's name)."""
+    import os
+
+    return os.path.basename(http_stack.model)

@@ -1,0 +1,110 @@
+"""The official `openai` client against the full stack: chat and completions, whole and
+streamed, usage, logprobs, n with seeds, model listing, and errors as its exceptions."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.system.procs import Stack
+
+pytest_plugins = ["tests.system.router_stack"]
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.fixture(scope="module")
+def client(http_stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=http_stack.router_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_models_list_names_the_served_model(client: openai.OpenAI, served_model: str) -> None:
+    assert [m.id for m in client.models.list().data] == [served_model]
+
+
+def test_chat_whole_and_streamed_agree_and_report_usage(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi! 你好"}]
+    whole = client.chat.completions.create(
+        model=served_model, messages=messages, max_tokens=20, **GREEDY
+    )
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 20 and whole.usage.prompt_tokens > 5
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + 20
+    chunks = list(
+        client.chat.completions.create(
+            model=served_model,
+            messages=messages,
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_completions_whole_and_streamed_with_logprobs(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    whole = client.completions.create(
+        model=served_model, prompt="The capital of France is", max_tokens=12, logprobs=2, **GREEDY
+    )
+    choice = whole.choices[0]
+    assert whole.usage.completion_tokens == 12
+    assert len(choice.logprobs.tokens) == 12 and len(choice.logprobs.token_logprobs) == 12
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    # greedy: each token is the most likely one
+    assert all(
+        lp == pytest.approx(max(top.values()))
+        for lp, top in zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs)
+    )
+    stream = client.completions.create(
+        model=served_model,
+        prompt="The capital of France is",
+        max_tokens=12,
+        stream=True,
+        **GREEDY,
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == choice.text
+
+
+def test_n_samples_with_a_seed_are_reproducible(client: openai.OpenAI, served_model: str) -> None:
+    def sample() -> list[str]:
+        out = client.completions.create(
+            model=served_model,
+            prompt="Once",
+            max_tokens=16,
+            n=3,
+            seed=123,
+            temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
+        assert [c.index for c in out.choices] == [0, 1, 2]
+        assert out.usage.completion_tokens == 48
+        return [c.text for c in out.choices]
+
+    first = sample()
+    assert sample() == first
+    assert len(set(first)) > 1  # seeds differ per choice
+
+
+def test_errors_raise_the_clients_exceptions(client: openai.OpenAI, served_model: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=served_model, prompt="word " * 3000, max_tokens=4)
+    assert info.value.code == "prompt_too_long"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=served_model, messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
+    assert info.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
