@@ -43,6 +43,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, device: str | torch.device = "cpu", **kwargs: object) -> None:
         self.device = torch.device(device)
         self.metadata: _Metadata | None = None
+        self._workspace: list[torch.Tensor | None] = [None, None]  # gathered K, gathered V
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -104,11 +105,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         batch_size = forward_batch.batch_size
         kv_shape = (batch_size, md.max_seq_len, layer.num_kv_heads, layer.head_dim)
-        keys = k_buf.index_select(0, md.kv_index).view(kv_shape).transpose(1, 2)
-        values = v_buf.index_select(0, md.kv_index).view(kv_shape).transpose(1, 2)
+        keys = self._gather(k_buf, md.kv_index, 0).view(kv_shape).transpose(1, 2)
+        values = self._gather(v_buf, md.kv_index, 1).view(kv_shape).transpose(1, 2)
         if forward_batch.forward_mode.is_decode():
             return self._decode(q, keys, values, layer, md)
         return self._extend(q, keys, values, layer, md, batch_size)
+
+    def _gather(self, buf: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
+        """`buf[index]` into a workspace kept across layers and batches.
+
+        A fresh multi-megabyte tensor per layer would be freshly mapped memory each time
+        (page faults cost several times the copy on CPU); every layer of a batch has the same
+        gathered size, and each layer is done with it before the next one gathers.
+        """
+        shape = (index.shape[0], *buf.shape[1:])
+        numel = shape[0] * buf[0].numel()
+        ws = self._workspace[slot]
+        if ws is None or ws.numel() < numel or ws.dtype != buf.dtype or ws.device != buf.device:
+            ws = torch.empty(numel, dtype=buf.dtype, device=buf.device)
+            self._workspace[slot] = ws
+        return torch.index_select(buf, 0, index, out=ws[:numel].view(shape))
 
     @staticmethod
     def _decode(

@@ -1,0 +1,127 @@
+"""Loader and registry behaviour a user notices: clear errors on bad checkpoints, dtype casting,
+older checkpoint layouts, unsupported architectures and rope types."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardMode
+from engine.layers.rotary import compute_inv_freq, rope_parameters
+from engine.loader import load_model
+from engine.models import get_model_class, supported_architectures
+from tests.unit.test_models import VOCAB, PagedHarness, save_random_model
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("llama"))
+    save_random_model("llama", path)
+    return path
+
+
+def _rewrite(src: str, dst, edit) -> str:
+    """Copy the model folder `src` to `dst` with its tensors passed through `edit(dict)`."""
+    for name in ("config.json", "generation_config.json"):
+        (dst / name).write_text(open(f"{src}/{name}").read())
+    tensors = load_file(f"{src}/model.safetensors")
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_missing_weight_is_named(llama_dir, tmp_path):
+    path = _rewrite(llama_dir, tmp_path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"lacks 1 weight.*layers\.1\.mlp\.gate_up_proj\.weight"):
+        load_model(ModelConfig.from_pretrained(path), torch.float32)
+
+
+def test_unexpected_weight_is_named(llama_dir, tmp_path):
+    def add(t):
+        t["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+
+    path = _rewrite(llama_dir, tmp_path, add)
+    with pytest.raises(ValueError, match=r"unexpected weight 'model\.layers\.0\.self_attn\.extra"):
+        load_model(ModelConfig.from_pretrained(path), torch.float32)
+
+
+def test_wrong_shape_is_reported(llama_dir, tmp_path):
+    def shrink(t):
+        t["model.norm.weight"] = t["model.norm.weight"][:-1].clone()
+        t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+
+    path = _rewrite(llama_dir, tmp_path, shrink)
+    with pytest.raises(ValueError, match="shape"):
+        load_model(ModelConfig.from_pretrained(path), torch.float32)
+
+
+def test_no_safetensors_is_an_error(llama_dir, tmp_path):
+    (tmp_path / "config.json").write_text(open(f"{llama_dir}/config.json").read())
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(ModelConfig.from_pretrained(str(tmp_path)), torch.float32)
+
+
+def test_bfloat16_load_casts_and_runs(llama_dir):
+    cfg = ModelConfig.from_pretrained(llama_dir)
+    model32 = load_model(cfg, torch.float32)
+    model16 = load_model(cfg, torch.bfloat16)
+    assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+    prompts = [[1, 5, 9, 200, 7], [3, 4]]
+    out = {}
+    for dtype, model in ((torch.float32, model32), (torch.bfloat16, model16)):
+        h = PagedHarness(model, cfg, dtype)
+        h.run([0, 1], prompts)
+        out[dtype] = h.run([0, 1], [[11], [12]], mode=ForwardMode.DECODE)
+    assert out[torch.bfloat16].dtype == torch.float32 and out[torch.bfloat16].shape == (2, VOCAB)
+    assert torch.isfinite(out[torch.bfloat16]).all()
+    scale = out[torch.float32].abs().max()
+    assert (out[torch.bfloat16] - out[torch.float32]).abs().max() < 0.1 * scale
+
+
+def test_gpt2_legacy_names_and_mask_buffers_load(tmp_path):
+    """Old GPT-2 checkpoints: no `transformer.` prefix, `attn.bias` causal-mask buffers."""
+    modern = tmp_path / "modern"
+    save_random_model("gpt2", str(modern))
+
+    def legacy(t):
+        for name in list(t):
+            t[name.removeprefix("transformer.")] = t.pop(name)
+        t["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+        t["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+
+    (tmp_path / "legacy").mkdir()
+    old = _rewrite(str(modern), tmp_path / "legacy", legacy)
+    a = load_model(ModelConfig.from_pretrained(str(modern)), torch.float32).state_dict()
+    b = load_model(ModelConfig.from_pretrained(old), torch.float32).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM") as err:
+        get_model_class("FalconForCausalLM")
+    assert "FalconForCausalLM" in str(err.value)
+    assert {"LlamaForCausalLM", "GPT2LMHeadModel"} <= set(supported_architectures())
+
+
+def test_unsupported_rope_type_fails_at_load(llama_dir, tmp_path):
+    config = json.loads(open(f"{llama_dir}/config.json").read())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    _rewrite(llama_dir, tmp_path, lambda t: None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="yarn"):
+        load_model(ModelConfig.from_pretrained(str(tmp_path)), torch.float32)
+
+
+def test_legacy_rope_scaling_fields_are_read():
+    """transformers 4.x configs: `rope_scaling` with `type`, `rope_theta` at top level."""
+    legacy = type("Cfg", (), {"rope_scaling": {"type": "linear", "factor": 4.0}, "rope_theta": 1e6})
+    params = rope_parameters(legacy())
+    assert params["rope_type"] == "linear" and params["rope_theta"] == 1e6
+    plain = compute_inv_freq(8, {"rope_type": "default", "rope_theta": 1e6})
+    torch.testing.assert_close(compute_inv_freq(8, params), plain / 4.0)
