@@ -1,5 +1,6 @@
 """Greedy outputs of the engine equal transformers' on the same weights (CPU, float32), for
-every architecture, under every scheduler/memory configuration that changes the code path."""
+every architecture, under every scheduler/memory configuration that changes the code path,
+with the overlap scheduler (the default) and the plain loop; and the two loops agree exactly."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ CONFIGS = {
     "lpm": {"schedule_policy": "lpm"},
     "dfs_weight": {"schedule_policy": "dfs-weight", "page_size": 4},
 }
+
+LOOPS = {"overlap": {}, "plain": {"disable_overlap_schedule": True}}
 
 
 @functools.cache
@@ -52,12 +55,22 @@ def _run(
     return first, second, stats
 
 
+@functools.cache
+def _outputs(arch: str, config: str, loop: str) -> tuple[list[dict], list[dict], dict]:
+    path, prompts, _ = _reference(arch)
+    return _run(path, prompts, **CONFIGS[config], **LOOPS[loop])
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(arch: str, config: str) -> None:
+def test_greedy_matches_transformers(arch: str, config: str, loop: str) -> None:
     path, prompts, want = _reference(arch)
-    kwargs = dict(CONFIGS[config])
-    first, second, stats = _run(path, prompts, **kwargs)
+    first, second, stats = _outputs(arch, config, loop)
+    if loop == "overlap":
+        plain_first, plain_second, _ = _outputs(arch, config, "plain")
+        got = [o["output_ids"] for o in first + second]
+        assert got == [o["output_ids"] for o in plain_first + plain_second], "overlap != plain"
     for i, out in enumerate(first):
         assert_greedy_match(path, prompts[i], out["output_ids"], want[i])
     for i, out in enumerate(second):
