@@ -100,6 +100,25 @@ class OverlapScheduler(Scheduler):
         """Stop the executor (the forward thread on CPU). Results in flight are dropped."""
         self.executor.close()
 
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            self._cache_prompts(last)
+        return super().get_next_batch_to_run()
+
+    def _cache_prompts(self, batch: ScheduleBatch) -> None:
+        """Share the prompts of the prefill in flight with the prefix cache now, as the plain
+        loop has by this point, rather than when its results are processed a step later:
+        requests held back to hit a prefix shared with it are admitted next and should hit
+        it. Only prompt tokens (and, after a retraction, real output tokens) are inserted;
+        their KV is written by the batch in flight, before any later batch reads it. The
+        chunked request is the base class's (`_finish_chunk`); processing the batch later
+        repeats the insertion, which then changes nothing."""
+        chunked = getattr(batch, "chunked_req", None)
+        for req in batch.reqs:
+            if req is not chunked and not req.finished:
+                self.tree_cache.cache_unfinished_req(req)
+
     def decode_input_ids(self, batch: ScheduleBatch) -> list[int]:
         pending = self._pending
         return [pending[r] if r in pending else r.output_ids[-1] for r in batch.reqs]

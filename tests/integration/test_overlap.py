@@ -43,6 +43,7 @@ class Run:
 
     tokens: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     finish: dict[str, str] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)  # prompt tokens served by the cache
     stats: dict = field(default_factory=dict)
     scheduler: Scheduler | None = None
 
@@ -93,6 +94,7 @@ def drive(
                 run.tokens[ev.rid].extend(ev.new_token_ids)
                 if ev.finished_reason is not None:
                     run.finish[ev.rid] = ev.finished_reason.type
+                    run.cached[ev.rid] = ev.req.cached_tokens
                     assert ev.req.output_ids == run.tokens[ev.rid]
             step += 1
             assert step < 5000, "the scheduler does not make progress"
@@ -276,6 +278,22 @@ def test_retracted_with_its_last_token_in_flight() -> None:
     off = drive(arrivals, {}, False)
     assert retracted
     assert on.tokens == off.tokens and on.finish == off.finish == {"r": "length", "s": "length"}
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prompts_in_flight_are_shared_with_the_cache(page_size: int) -> None:
+    """Requests sharing a new 64-token prefix arrive together; the in-batch prefix check
+    admits one and holds the others back a step so that they hit its prefix. With overlap
+    that prefill is still in flight when they are admitted: its prompt must be in the cache
+    already, or the shared prefix is computed again for each of them."""
+    prefix = _prompt(40, 64)
+    params = _params(temperature=0.0, ignore_eos=True, max_new_tokens=4)
+    arrivals = {0: [(f"r{i}", prefix + _prompt(41 + i, 5), params) for i in range(4)]}
+    kw = {"schedule_policy": "lpm", "page_size": page_size}
+    on = drive(arrivals, {}, True, **kw)
+    off = drive(arrivals, {}, False, **kw)
+    assert on.tokens == off.tokens
+    assert on.cached == off.cached and sum(on.cached.values()) >= 3 * 64
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
