@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import queue
 import threading
-import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_io import Receiver, Sender
+from services.worker_load import LoadReporter
 from services.worker_requests import RequestTable, aborted_row, sampling_params, step_row
 from shared.bus import Bus
 from shared.heartbeat import Heartbeat
@@ -38,27 +37,21 @@ from shared.keys import (
     worker_in_stream,
 )
 from shared.logging import setup_logging
-from shared.messages import AbortReqMsg, ErrorMsg, GenerateReqMsg, StepOutputMsg, WorkerLoadMsg
+from shared.messages import AbortReqMsg, ErrorMsg, GenerateReqMsg, StepOutputMsg
 from shared.settings import WorkerSettings, add_settings_args, settings_from_args
+
+if TYPE_CHECKING:
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the queue before checking for stop
-LOAD_EVERY_S = 0.25  # how often the loop refreshes the figures the heartbeat reports
-
-
-@dataclass(frozen=True)
-class LoadFigures:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_used_tokens: int = 0
-    num_cached_tokens: int = 0
-    token_usage: float = 0.0
-    generation_tokens: int = 0
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, scheduler, bus: Bus, model: str) -> None:
+    def __init__(
+        self, settings: WorkerSettings, scheduler: Scheduler, bus: Bus, model: str
+    ) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self.bus = bus
@@ -73,13 +66,12 @@ class Worker:
         self.sender = Sender(bus)
         self.detok_stream = detok_stream(bus.prefix)
         key = heartbeat_key(bus.prefix, WORKER_KIND, self.worker_id)
-        self.heartbeat = Heartbeat(bus.redis, key, settings.common.heartbeat_ttl_s, self.load)
+        self.load = LoadReporter(scheduler, self.worker_id, model)
+        ttl = settings.common.heartbeat_ttl_s
+        self.heartbeat = Heartbeat(bus.redis, key, ttl, self.load.payload)
         self.stop = threading.Event()
         self.num_steps = 0
         self._events_waiting = False  # an abort of a queued request emitted its final event
-        self._figures = LoadFigures()
-        self._next_figures = 0.0
-        self._rate = (time.monotonic(), 0)  # (when, generation tokens) at the last beat
         self._handlers = {GenerateReqMsg: self._on_generate, AbortReqMsg: self._on_abort}
 
     # -- the loop ---------------------------------------------------------------------------
@@ -94,7 +86,7 @@ class Worker:
                 self._drain(block=not self.scheduler.has_work())
                 if self.scheduler.has_work() or self._events_waiting:
                     self._step()
-                self._refresh_figures()
+                self.load.refresh()
         finally:
             self.heartbeat.stop()
             self.receiver.stop()
@@ -156,47 +148,6 @@ class Worker:
         if self.table.abort(msg.rid):
             self.scheduler.abort_request(msg.rid)
             self._events_waiting = True  # even if the scheduler is left without work
-
-    # -- load -------------------------------------------------------------------------------
-    def _refresh_figures(self) -> None:
-        now = time.monotonic()
-        if now < self._next_figures:
-            return
-        self._next_figures = now + LOAD_EVERY_S
-        stats, pools = self.scheduler.stats, self.scheduler.pools
-        cached = pools.tree_cache.evictable_size()
-        used = pools.allocator.size - pools.allocator.available_size() - cached
-        self._figures = LoadFigures(
-            stats.num_running,
-            stats.num_waiting,
-            max(0, used),
-            cached,
-            stats.token_usage,
-            stats.generation_tokens,
-        )
-
-    def load(self) -> WorkerLoadMsg:
-        """The heartbeat payload (called on the heartbeat thread)."""
-        f = self._figures
-        now = time.monotonic()
-        then, tokens = self._rate
-        self._rate = (now, f.generation_tokens)
-        return WorkerLoadMsg(
-            worker_id=self.worker_id,
-            model=self.model,
-            num_running_reqs=f.num_running,
-            num_waiting_reqs=f.num_waiting,
-            num_used_tokens=f.num_used_tokens,
-            num_cached_tokens=f.num_cached_tokens,
-            max_total_num_tokens=self.scheduler.pools.allocator.size,
-            max_running_requests=self.scheduler.max_running_requests,
-            context_len=self.scheduler.context_len,
-            token_usage=f.token_usage,
-            gen_throughput=max(0, f.generation_tokens - tokens) / max(now - then, 1e-3),
-            host=os.uname().nodename,
-            pid=os.getpid(),
-            updated_at=time.time(),
-        )
 
 
 def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
