@@ -20,8 +20,10 @@ from engine.scheduler.schedule_batch import ModelWorkerBatch
 
 logger = logging.getLogger(__name__)
 
-# Without --max-total-tokens on CPU, the KV pool gets this many bytes.
+# Without --max-total-tokens on CPU, the KV pool gets this many bytes, and at most this many
+# tokens (a tiny model would otherwise get millions of slots it never uses).
 DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_CPU_KV_TOKENS = 1 << 17
 
 
 @dataclass
@@ -80,7 +82,7 @@ class ModelRunner:
             usable = free - total * (1 - self.args.mem_fraction_static)
             tokens = int(max(usable, 0) // per_token)
         else:
-            tokens = DEFAULT_CPU_KV_BYTES // per_token
+            tokens = min(DEFAULT_CPU_KV_BYTES // per_token, DEFAULT_CPU_KV_TOKENS)
         tokens = tokens // self.page_size * self.page_size
         if tokens < 2 * self.page_size:
             raise ValueError(f"max_total_tokens: KV pool too small ({tokens} tokens)")
