@@ -37,7 +37,7 @@ TEXTS = [
 
 @functools.cache
 def tokenizer(arch: str, tmp_root: str):
-    from services.tiny_model import build_tokenizer
+    from services.tiny_tokenizer import build_tokenizer
 
     path = f"{tmp_root}/{arch}"
     build_tokenizer(arch, VOCAB_SIZE).save_pretrained(path)

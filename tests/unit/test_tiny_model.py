@@ -15,14 +15,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.tokenizer import apply_chat_template, load_tokenizer
-from services.tiny_model import (
-    ARCHS,
-    BYTE_FALLBACK_ARCHS,
-    add_parser,
-    build_config,
-    build_tokenizer,
-    make_tiny_model,
-)
+from services.tiny_model import ARCHS, add_parser, build_config, make_tiny_model
+from services.tiny_tokenizer import BYTE_FALLBACK_ARCHS, build_tokenizer
 
 ROUND_TRIP_TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
