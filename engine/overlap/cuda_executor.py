@@ -44,13 +44,18 @@ class CudaStreamExecutor(OverlapExecutor):
         self.forward_stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
 
-    def launch_forward(self, mwb: ModelWorkerBatch, slots: FutureSlots) -> Launch:
+    def launch_forward(
+        self, mwb: ModelWorkerBatch, slots: FutureSlots, info: SamplingBatchInfo | None
+    ) -> Launch:
         fb = self.runner.build_forward_batch(mwb)  # index lists -> device, on S
         self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.forward_stream), torch.inference_mode():
             self.future_map.resolve_future(fb.input_ids)
             logits = self.runner.forward(fb)
-        return Launch(mwb, slots, fb, logits=logits)
+        launch = Launch(mwb, slots, fb, logits=logits)
+        if info is not None:
+            self.launch_sample(launch, info)
+        return launch
 
     def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None:
         launch.info = info  # built on S, read on F: kept alive by the launch

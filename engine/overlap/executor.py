@@ -1,12 +1,17 @@
 """The asynchronous device the overlap scheduler launches batches on; one interface, two kinds.
 
-    launch_forward(mwb, slots) -> Launch   non-blocking: resolve the batch's placeholders from
-                                           the FutureMap, run the forward (logits stay on the
-                                           device)
-    launch_sample(launch, info)            non-blocking: sample, store the tokens into the
-                                           batch's FutureMap slots, copy them to the host
+    launch_forward(mwb, slots, info) -> Launch  non-blocking: resolve the batch's placeholders
+                                      from the FutureMap, run the forward; with `info`, also
+                                      sample right behind it (see below)
+    launch_sample(launch, info)       non-blocking: sample, store the tokens into the batch's
+                                      FutureMap slots, copy them to the host
     wait(launch) -> GenerationBatchResult  block until the batch's host results are ready
-    close()                                stop (idempotent)
+    close()                           stop (idempotent)
+
+Sampling right behind the forward is the normal case: the batch's results are then ready as
+early as the device allows. A batch whose sampling needs the previous batch's tokens on the
+host (penalties count the history) is launched without `info`, and `launch_sample` follows
+once the scheduler has processed that previous batch.
 
 Both kinds run device work strictly in launch order, which is what makes the FutureMap and the
 early freeing of KV slots safe: a slot freed by the scheduler while a forward that writes it is
@@ -58,7 +63,9 @@ class OverlapExecutor(ABC):
         self.future_map = future_map
 
     @abstractmethod
-    def launch_forward(self, mwb: ModelWorkerBatch, slots: FutureSlots) -> Launch: ...
+    def launch_forward(
+        self, mwb: ModelWorkerBatch, slots: FutureSlots, info: SamplingBatchInfo | None
+    ) -> Launch: ...
 
     @abstractmethod
     def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None: ...
@@ -93,30 +100,39 @@ def create_executor(runner: Any, future_map: FutureMap) -> OverlapExecutor:
 class ThreadExecutor(OverlapExecutor):
     """CPU: a forward thread plays the asynchronous device.
 
-    Jobs (forward, sample) run on the thread in launch order while the scheduler thread
-    processes the previous batch; torch ops release the GIL, so the two overlap as far as the
-    model's time is spent inside ops rather than in Python. The thread reads only what its
-    launch owns: the forward batch is built at launch on the scheduler thread, with a private
-    copy of the request rows it reads (the scheduler edits `req_to_token` for the next batch
-    meanwhile, and may free and reuse a row of a request that finished), plus the KV pool and
-    the FutureMap, which only device work touches, in order.
+    Jobs (forward and sampling, or a deferred sampling) run on the thread in launch order
+    while the scheduler thread processes the previous batch; torch ops release the GIL, so
+    the two overlap as far as the model's time is spent inside ops rather than in Python.
+    The thread reads only what its launch owns: the forward batch is built at launch on the
+    scheduler thread, with a private copy of the request rows it reads (the scheduler edits
+    `req_to_token` for the next batch meanwhile, and may free and reuse a row of a request
+    that finished), plus the KV pool and the FutureMap, which only device work touches, in
+    order.
 
-    Intra-op threads: torch's thread count is process wide; with as many torch threads as
-    cores the forward thread competes with the scheduler thread for a core.
+    Intra-op threads: a new thread does not inherit the OpenMP/MKL thread count set by
+    `torch.set_num_threads` in the thread that created it (it falls back to one per core),
+    so the forward thread applies the creator's count itself (`num_threads`). That matters:
+    on a busy 2-core machine a 2-thread matmul can be 100x slower than a 1-thread one, and a
+    2-thread forward also competes with the scheduler thread for the cores.
     """
 
-    def __init__(self, runner: Any, future_map: FutureMap) -> None:
+    def __init__(
+        self, runner: Any, future_map: FutureMap, num_threads: int | None = None
+    ) -> None:
         super().__init__(runner, future_map)
+        self.num_threads = num_threads or torch.get_num_threads()
         self._jobs: queue.SimpleQueue[tuple[Callable[[Launch], None], Launch] | None]
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="sluice-forward", daemon=True)
         self._thread.start()
 
-    def launch_forward(self, mwb: ModelWorkerBatch, slots: FutureSlots) -> Launch:
+    def launch_forward(
+        self, mwb: ModelWorkerBatch, slots: FutureSlots, info: SamplingBatchInfo | None
+    ) -> Launch:
         fb = self.runner.build_forward_batch(mwb)
         _private_rows(fb)
-        launch = Launch(mwb, slots, fb, done=threading.Event())
-        self._put(self._forward, launch)
+        launch = Launch(mwb, slots, fb, info=info, done=threading.Event())
+        self._put(self._forward_and_sample if info is not None else self._forward, launch)
         return launch
 
     def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None:
@@ -142,6 +158,7 @@ class ThreadExecutor(OverlapExecutor):
         self._jobs.put((job, launch))
 
     def _run(self) -> None:
+        torch.set_num_threads(self.num_threads)
         with torch.inference_mode():
             while (item := self._jobs.get()) is not None:
                 job, launch = item
@@ -155,6 +172,10 @@ class ThreadExecutor(OverlapExecutor):
         self.future_map.resolve_future(launch.forward_batch.input_ids)
         launch.logits = self.runner.forward(launch.forward_batch)
         launch.forward_batch = None
+
+    def _forward_and_sample(self, launch: Launch) -> None:
+        self._forward(launch)
+        self._sample_job(launch)
 
     def _sample_job(self, launch: Launch) -> None:
         if launch.error is None:

@@ -2,8 +2,8 @@
 
 One step (SGLang's `event_loop_overlap`, with the device behind an `OverlapExecutor`):
 
-    schedule batch N+1 -> launch its forward (non-blocking) -> wait for and process batch N's
-    results -> launch batch N+1's sampling
+    schedule batch N+1 -> launch its forward and sampling (non-blocking) -> wait for and
+    process batch N's results [-> launch N+1's sampling, for a batch with penalties]
 
 While the device runs the forward of N+1, the host processes N (appends tokens, checks
 finish conditions, updates the prefix cache) and then schedules N+2. Everything but the loop
@@ -15,9 +15,11 @@ Invariants that keep the outputs identical to the plain loop:
   negative FutureMap id in `_pending[req]` and in the `input_ids` of the decode batch that
   feeds it back; never in `req.output_ids`. So max_new_tokens, stop checks, decoding, stop
   strings and prefix-cache keys (`fill_ids` come from `output_ids`) only see real tokens.
-* Sampling is launched after the previous batch has been processed, so when batch N+1 is
-  sampled every batch before it has been processed: each request's `output_ids` is exactly
-  its history (penalties) and `len(output_ids)` its step position (seeded sampling).
+* Step positions (seeded sampling) count the token in flight: `len(output_ids) + 1` for a
+  request with a placeholder. A sample is only kept if that token was appended (otherwise
+  the request finished, was aborted or was retracted), so it always matches the plain loop.
+  Penalties need the history itself: a batch with a penalized request is sampled after the
+  previous batch has been processed, when `output_ids` is exactly its history.
 * Results are processed against the batch as it was launched (`_Record`): rows of requests
   that finished while it was in flight are skipped (their extra token is dropped; their KV
   slot, counted in `kv_allocated_len`, was freed once, with the rest of the request), and
@@ -60,6 +62,7 @@ class _Record:
     retractions: list[int]  # each request's num_retractions at launch
     placeholders: list[int]
     launch: Launch
+    deferred_sampling: bool
 
 
 class OverlapScheduler(Scheduler):
@@ -86,7 +89,8 @@ class OverlapScheduler(Scheduler):
         if self._in_flight and self._in_flight[0] is not record:
             self._process(self._in_flight.popleft())
         if record is not None:
-            self._launch_sample(record)
+            if record.deferred_sampling:
+                self._launch_sample(record)
             if all(r.finished for r in record.reqs):
                 self._process(self._in_flight.popleft())  # nothing left to learn from it
         self.last_batch = batch
@@ -125,8 +129,14 @@ class OverlapScheduler(Scheduler):
 
     # -- launch ---------------------------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch) -> _Record:
-        slots = self.future_map.alloc_future_indices(len(batch.reqs))
-        launch = self.executor.launch_forward(batch.get_model_worker_batch(), slots)
+        reqs = batch.reqs
+        deferred = any(r.sampling_params.has_penalty for r in reqs)
+        info = None
+        if not deferred:
+            pending = self._pending
+            info = self._sampling_info(reqs, [len(r.output_ids) + (r in pending) for r in reqs])
+        slots = self.future_map.alloc_future_indices(len(reqs))
+        launch = self.executor.launch_forward(batch.get_model_worker_batch(), slots, info)
         chunked = getattr(batch, "chunked_req", None) if batch.forward_mode.is_extend() else None
         placeholders = slots.placeholders()
         for req, placeholder in zip(batch.reqs, placeholders):
@@ -139,25 +149,29 @@ class OverlapScheduler(Scheduler):
             [r.num_retractions for r in batch.reqs],
             placeholders,
             launch,
+            deferred,
         )
         self._in_flight.append(record)
         assert len(self._in_flight) <= 2, "more than two batches in flight"
         return record
 
     def _launch_sample(self, record: _Record) -> None:
-        """Sampling inputs from the requests' processed state (see the module docstring)."""
+        """Deferred sampling: every earlier batch is processed, the histories are complete."""
         reqs = record.reqs
-        params = [r.sampling_params for r in reqs]
-        penalized = any(p.has_penalty for p in params)
-        info = SamplingBatchInfo.from_params(
-            params,
+        info = self._sampling_info(reqs, [len(r.output_ids) for r in reqs], history=True)
+        self.executor.launch_sample(record.launch, info)
+
+    def _sampling_info(
+        self, reqs: list[Req], step_positions: list[int], history: bool = False
+    ) -> SamplingBatchInfo:
+        return SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs],
             self.vocab_size,
             self.model_runner.device,
-            output_ids=[r.output_ids for r in reqs] if penalized else None,
-            input_ids=[r.origin_input_ids for r in reqs] if penalized else None,
-            step_positions=[len(r.output_ids) for r in reqs],
+            output_ids=[r.output_ids for r in reqs] if history else None,
+            input_ids=[r.origin_input_ids for r in reqs] if history else None,
+            step_positions=step_positions,
         )
-        self.executor.launch_sample(record.launch, info)
 
     # -- results --------------------------------------------------------------------------------
     def _process(self, record: _Record) -> None:
