@@ -66,6 +66,11 @@ class _Record:
 
 
 class OverlapScheduler(Scheduler):
+    """Drop-in for `Scheduler`: `step`, `add_request`, `abort_request`, `has_work` and
+    `close` are all called from one thread (the scheduler's), between steps; only device work
+    runs elsewhere (the executor's forward thread or streams). `has_work()` stays true while
+    a batch is in flight; `close()` stops the executor."""
+
     def __init__(
         self,
         args: EngineArgs,

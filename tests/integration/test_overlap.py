@@ -166,10 +166,21 @@ STRESS = {
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("config", list(STRESS))
 def test_stress_overlap_matches_plain(config: str, seed: int) -> None:
+    _stress(config, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", list(STRESS))
+def test_stress_cuda_streams_match_plain(config: str) -> None:
+    """The CUDA executor (forward and copy streams) under the same stress."""
+    _stress(config, 0, device="cuda", attention_backend="torch_native")
+
+
+def _stress(config: str, seed: int, **extra: object) -> None:
     arrivals, aborts = _workload(seed)
     rids = {rid for reqs in arrivals.values() for rid, _, _ in reqs}
     aborted = {rid for rs in aborts.values() for rid in rs}
-    runs = {ov: drive(arrivals, aborts, ov, **STRESS[config]) for ov in (True, False)}
+    runs = {ov: drive(arrivals, aborts, ov, **STRESS[config], **extra) for ov in (True, False)}
     for run in runs.values():
         assert set(run.finish) == rids, "every request ends exactly once"
     on, off = runs[True], runs[False]

@@ -44,23 +44,24 @@ def test_wrap_around_keeps_nearby_batches_apart(seed: int) -> None:
     assert fm.num_wraps > 10
 
 
-def test_store_then_resolve_across_wraps() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_store_then_resolve_across_wraps(device: str) -> None:
     """Simulates the loop: batch N's tokens are stored, then batch N+1's input ids (a mix of
     placeholders of N and known tokens) are resolved on the device."""
     rng = random.Random(0)
-    fm = FutureMap(max_bs=5)
+    fm = FutureMap(max_bs=5, device=device)
     prev_slots, prev_tokens = None, None
     for _ in range(200):
         bs = rng.randint(1, 5)
         slots = fm.alloc_future_indices(bs)
-        tokens = torch.tensor([rng.randrange(0, 1000) for _ in range(bs)])
+        tokens = torch.tensor([rng.randrange(0, 1000) for _ in range(bs)], device=device)
         if prev_slots is not None:
             placeholders = prev_slots.placeholders()
             rows = [rng.randrange(prev_slots.size) for _ in range(bs)]
             known = [rng.random() < 0.3 for _ in range(bs)]
             inputs = [rng.randrange(0, 1000) if k else placeholders[r] for r, k in zip(rows, known)]
             want = [x if k else int(prev_tokens[r]) for x, r, k in zip(inputs, rows, known)]
-            ids = torch.tensor(inputs, dtype=torch.int64)
+            ids = torch.tensor(inputs, dtype=torch.int64, device=device)
             assert fm.resolve_future(ids) is ids
             assert ids.tolist() == want
         fm.store_to_map(slots, tokens)
