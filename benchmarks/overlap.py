@@ -1,0 +1,357 @@
+"""Overlap scheduler on CPU: scheduler overhead, and overlap on vs off.
+
+    python benchmarks/overlap.py [--quick] [--threads 1 2] [--reps 3]
+
+1. Scheduler overhead with a null model runner (no compute, a fixed token): wall and CPU time
+   per decode step, and per request admitted by a prefill step, at batch 1, 64, 256, 1024.
+2. Step time with overlap off and on, against the forward + sampling time T_f and the
+   scheduler's CPU work T_c, measured separately (T_c: the same requests on the null runner).
+   The plain loop costs T_f + T_c per step; ideal overlap max(T_f, T_c). Throughput and
+   inter-token latency (p50/p99) of whole runs, overlap on vs off, alternated, medians.
+   * "device": the null runner with a GIL-free forward (matmuls) calibrated to T_f = T_c,
+     what a GPU is to the host: the case overlap is for.
+   * "tiny" and "tiny+stop": a real (tiny, random) Llama; its forward is Python dispatch
+     rather than compute (it holds the GIL), and T_f >> T_c even with stop strings checked
+     every step. "wide": compute-bound layers (GIL released), still T_f >> T_c.
+
+On CPU the "device" is a forward thread, so the overlap holds only while the forward spends
+its time inside torch ops (which release the GIL), not in Python, and only if a core is free
+for it: torch's intra-op threads compete with the scheduler thread for the 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import print_table, write_result  # noqa: E402
+from engine.config import EngineArgs  # noqa: E402
+from engine.engine import build_scheduler  # noqa: E402
+from engine.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
+from engine.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
+from engine.mem_cache.radix_cache import RadixCache  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.overlap.scheduler import OverlapScheduler  # noqa: E402
+from engine.sampling.sampler import Sampler  # noqa: E402
+from engine.sampling.sampling_params import SamplingParams  # noqa: E402
+from engine.scheduler.scheduler import Scheduler  # noqa: E402
+
+FIXED_TOKEN = 7
+NULL_VOCAB = 64
+
+
+class NullModelRunner:
+    """The model runner with no model: every request samples FIXED_TOKEN (host work as the
+    real runner's). With `compute_reps`, each forward runs that many fixed matmuls first
+    (GIL-free compute, what a device is to the host)."""
+
+    # the real runner's host work: index tensors, sampling inputs, the sampler
+    build_forward_batch = ModelRunner.build_forward_batch
+    sample = ModelRunner.sample
+    forward_batch_generation = ModelRunner.forward_batch_generation
+
+    def __init__(self, max_running: int, context_len: int, kv_tokens: int, compute_reps: int = 0):
+        self.device = torch.device("cpu")
+        self.model_config = SimpleNamespace(
+            context_len=context_len, eos_token_ids=(0,), vocab_size=NULL_VOCAB
+        )
+        self.req_to_token_pool = ReqToTokenPool(max_running + 1, context_len + 8)
+        self.allocator = TokenToKVPoolAllocator(kv_tokens, 1)
+        self.kv_pool = self.attn_backend = None
+        self.sampler = Sampler(seed=0, device=self.device)
+        self._logits = torch.zeros(NULL_VOCAB)
+        self._logits[FIXED_TOKEN] = 1.0
+        self.compute_reps = compute_reps
+        self._a, self._w = torch.randn(64, 256), torch.randn(256, 256)
+
+    def _compute(self) -> None:
+        for _ in range(self.compute_reps):
+            torch.mm(self._a, self._w)
+
+    def forward(self, fb: object) -> torch.Tensor:
+        self._compute()
+        return self._logits.expand(fb.batch_size, -1)  # type: ignore[attr-defined]
+
+
+def _requests(n: int, vocab: int, max_new: int, stop: list[str] | None = None) -> list:
+    rng = random.Random(0)
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, stop=stop)
+    params.normalize()
+    return [
+        (f"r{i}", [rng.randrange(8, vocab) for _ in range(rng.randint(16, 48))], params)
+        for i in range(n)
+    ]
+
+
+def _null_scheduler(
+    bs: int, overlap: bool, max_new: int, compute_reps: int = 0, tokenizer: object = None
+) -> Scheduler:
+    runner = NullModelRunner(bs, 4096, bs * (64 + max_new + 8), compute_reps)
+    args = EngineArgs(
+        model_path="null", max_running_requests=bs, chunked_prefill_size=-1,
+        max_prefill_tokens=1 << 30, init_new_token_ratio=1.0,
+        max_total_tokens=runner.allocator.size,
+    )
+    cache = RadixCache(runner.req_to_token_pool, runner.allocator, 1)
+    return (OverlapScheduler if overlap else Scheduler)(args, runner, cache, tokenizer)
+
+
+def _model_scheduler(path: str, bs: int, overlap: bool, tokenizer: object = None) -> Scheduler:
+    args = EngineArgs.from_kwargs(
+        model_path=path, disable_overlap_schedule=not overlap, max_running_requests=bs,
+        chunked_prefill_size=-1, max_prefill_tokens=1 << 20, init_new_token_ratio=1.0,
+    )
+    return build_scheduler(args, tokenizer)
+
+
+def _timed_steps(scheduler: Scheduler, n: int) -> tuple[list[float], list[float]]:
+    walls, cpus = [], []
+    for _ in range(n):
+        w, c = time.perf_counter(), time.process_time()
+        scheduler.step()
+        walls.append(time.perf_counter() - w)
+        cpus.append(time.process_time() - c)
+    return walls, cpus
+
+
+def _close(scheduler: Scheduler) -> None:
+    getattr(scheduler, "close", lambda: None)()
+
+
+def null_overhead(batch_sizes: list[int], steps: int) -> list[dict]:
+    rows = []
+    for bs in batch_sizes:
+        for overlap in (False, True):
+            s = _null_scheduler(bs, overlap, max_new=steps + 40)
+            for rid, ids, p in _requests(bs, NULL_VOCAB, steps + 40):
+                s.add_request(rid, ids, p)
+            # One prefill step admits all of them; the overlap loop processes it one step
+            # later, so admission = first two steps - one decode step, for both loops.
+            w, _ = _timed_steps(s, 2)
+            _timed_steps(s, 5)
+            dw, dc = _timed_steps(s, steps)
+            prefill = sum(w) - statistics.median(dw)
+            rows.append({
+                "batch": bs, "loop": "overlap" if overlap else "plain",
+                "decode_step_ms": 1e3 * statistics.median(dw),
+                "decode_step_cpu_ms": 1e3 * statistics.median(dc),
+                "prefill_ms": 1e3 * prefill, "admission_us": 1e6 * prefill / bs,
+            })
+            _close(s)
+    return rows
+
+
+def run_workload(scheduler: Scheduler, reqs: list) -> dict:
+    """Every request at once; decode step times while all run; inter-token latencies."""
+    for rid, ids, p in reqs:
+        scheduler.add_request(rid, ids, p)
+    arrivals: dict[str, list[float]] = defaultdict(list)
+    steps: list[float] = []
+    num_tokens = 0
+    t0 = time.perf_counter()
+    while scheduler.has_work():
+        w = time.perf_counter()
+        events = scheduler.step()
+        now = time.perf_counter()
+        if len(scheduler.running_batch) == len(reqs):
+            steps.append(now - w)
+        for ev in events:
+            if ev.new_token_ids:
+                arrivals[ev.rid].append(now)
+                num_tokens += len(ev.new_token_ids)
+    elapsed = time.perf_counter() - t0
+    _close(scheduler)
+    itl = [b - a for ts in arrivals.values() for a, b in zip(ts, ts[1:])]
+    q = statistics.quantiles(itl, n=100)
+    return {"step_ms": 1e3 * statistics.median(steps[2:-2]), "tok_s": num_tokens / elapsed,
+            "itl_p50_ms": 1e3 * q[49], "itl_p99_ms": 1e3 * q[98], "seconds": elapsed}
+
+
+def forward_time(make, reqs: list, reps: int = 15) -> float:  # noqa: ANN001
+    """T_f: forward + sampling of the workload's full decode batch, alone (median seconds)."""
+    s = make(False)
+    for rid, ids, p in reqs:
+        s.add_request(rid, ids, p)
+    _timed_steps(s, 4)
+    batch = s.update_running_batch()
+    assert batch is not None and len(batch) == len(reqs)
+    mwb = batch.get_model_worker_batch()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        s.model_runner.forward_batch_generation(mwb)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def scheduler_time(reqs: list, tokenizer: object = None, steps: int = 30) -> float:
+    """T_c: the plain loop's step on the null runner for the same requests (median seconds;
+    each request asks for enough tokens to keep running through the measurement)."""
+    s = _null_scheduler(len(reqs), False, steps + 8, tokenizer=tokenizer)
+    for rid, ids, p in reqs:
+        s.add_request(rid, ids, dataclasses.replace(p, max_new_tokens=steps + 8))
+    _timed_steps(s, 4)
+    return statistics.median(_timed_steps(s, steps)[0])
+
+
+def _model(name: str) -> str:
+    from services.tiny_model import make_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-overlap-{name}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, arch="llama", **MODELS[name])
+    return path
+
+
+MODELS = {
+    "tiny": {"preset": "tiny"},
+    "wide": {"preset": "tiny", "hidden_size": 1024, "num_layers": 1, "num_heads": 8,
+             "num_kv_heads": 8, "intermediate_size": 4096, "vocab_size": 4096},
+}
+STOP = ["zzqx", "qxzz yy"]  # never matched: the check runs every step for every request
+
+
+def compare(case: str, bs: int, max_new: int, reps: int) -> dict:
+    """T_f, T_c, then plain and overlap runs alternated; medians."""
+    tokenizer = None
+    if case == "device":
+        reqs = _requests(bs, NULL_VOCAB, max_new)
+        t_c = scheduler_time(reqs)
+        unit = forward_time(lambda ov: _null_scheduler(bs, ov, max_new, 1), reqs)
+        compute = max(1, round(t_c / unit))  # T_f = T_c
+
+        def make(ov: bool) -> Scheduler:
+            return _null_scheduler(bs, ov, max_new, compute)
+    else:
+        from engine.tokenizer import load_tokenizer
+
+        path = _model(case.split("+")[0])
+        tokenizer = load_tokenizer(path)
+        reqs = _requests(bs, tokenizer.vocab_size, max_new, STOP if "+stop" in case else None)
+        t_c = scheduler_time(reqs, tokenizer)
+
+        def make(ov: bool) -> Scheduler:
+            return _model_scheduler(path, bs, ov, tokenizer)
+    t_f = forward_time(make, reqs)
+    runs: dict[str, list[dict]] = {"plain": [], "overlap": []}
+    for i in range(reps):  # alternate, so that load changes hit both alike
+        for loop in (("plain", "overlap") if i % 2 == 0 else ("overlap", "plain")):
+            runs[loop].append(run_workload(make(loop == "overlap"), reqs))
+    on, off = ({k: statistics.median(r[k] for r in runs[loop]) for k in runs[loop][0]}
+               for loop in ("overlap", "plain"))
+    return {
+        "case": case, "batch": bs, "max_new_tokens": max_new, "threads": torch.get_num_threads(),
+        "T_f_ms": 1e3 * t_f, "T_c_ms": 1e3 * t_c, "T_f_plus_T_c_ms": 1e3 * (t_f + t_c),
+        "plain_step_ms": off["step_ms"], "overlap_step_ms": on["step_ms"],
+        "overlap_step_vs_max_part": on["step_ms"] / (1e3 * max(t_f, t_c)),
+        "plain_tok_s": off["tok_s"], "overlap_tok_s": on["tok_s"],
+        "throughput_on_vs_off": on["tok_s"] / off["tok_s"],
+        "plain_itl_p50_ms": off["itl_p50_ms"], "plain_itl_p99_ms": off["itl_p99_ms"],
+        "overlap_itl_p50_ms": on["itl_p50_ms"], "overlap_itl_p99_ms": on["itl_p99_ms"],
+        "runs": runs,
+    }
+
+
+def parallelism_probe(seconds: float = 0.1) -> dict:
+    """How much two threads of this process can overlap right now: GIL-free matmuls on a
+    thread beside pure-Python work on the main thread, serial vs concurrent. 2.0 = two free
+    cores; about 1.0 = none (a busy machine: the session's CPU share is one core or less)."""
+    a, w = torch.randn(64, 256), torch.randn(256, 256)
+    t = time.perf_counter()
+    torch.mm(a, w)
+    reps = max(1, int(seconds / max(time.perf_counter() - t, 1e-6)))
+
+    def compute() -> None:
+        torch.set_num_threads(1)
+        for _ in range(reps):
+            torch.mm(a, w)
+
+    def python(n: int) -> None:
+        for _ in range(n):
+            sum(range(400))
+
+    t = time.perf_counter()
+    compute()
+    t_compute = time.perf_counter() - t
+    t = time.perf_counter()
+    python(1000)
+    n = max(1, int(1000 * t_compute / (time.perf_counter() - t)))  # as long as the compute
+    t = time.perf_counter()
+    python(n)
+    t_python = time.perf_counter() - t
+    t = time.perf_counter()
+    thread = threading.Thread(target=compute)
+    thread.start()
+    python(n)
+    thread.join()
+    t_both = time.perf_counter() - t
+    return {"serial_s": t_compute + t_python, "concurrent_s": t_both,
+            "speedup": (t_compute + t_python) / t_both, "loadavg": os.getloadavg()}
+
+
+COLUMNS = ["case", "batch", "threads", "T_f_ms", "T_c_ms", "plain_step_ms", "overlap_step_ms",
+           "overlap_step_vs_max_part", "throughput_on_vs_off", "plain_itl_p99_ms",
+           "overlap_itl_p99_ms"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    probe_before = parallelism_probe()
+    print("parallelism probe:", probe_before)
+    sizes = [1, 64] if args.quick else [1, 64, 256, 1024]
+    null = null_overhead(sizes, steps=10 if args.quick else 30)
+    print_table(null, ["batch", "loop", "decode_step_ms", "decode_step_cpu_ms",
+                       "prefill_ms", "admission_us"])
+    cases = [("device", 64, 32), ("tiny", 16, 16)] if args.quick else [
+        ("device", 64, 96), ("device", 256, 64), ("tiny", 64, 64), ("tiny+stop", 256, 64),
+        ("wide", 16, 64)]
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for case, bs, max_new in cases:
+            if threads > 1 and case == "device":
+                continue  # its compute is one-thread matmuls either way
+            rows.append(compare(case, bs, max_new, 1 if args.quick else args.reps))
+            print_table(rows[-1:], COLUMNS)
+    print_table(rows, COLUMNS)
+    best = max((r for r in rows if r["case"] == "device"), key=lambda r: r["throughput_on_vs_off"])
+    summary = {
+        "overlap_on_vs_off": best["throughput_on_vs_off"],
+        "overlapped_step_vs_max_part": best["overlap_step_vs_max_part"],
+        "null_step_ms_bs256": next(
+            (r["decode_step_ms"] for r in null if r["batch"] == 256 and r["loop"] == "plain"),
+            None),
+        "headline_case": {k: best[k] for k in ("case", "batch", "threads")},
+        "real_models_on_vs_off": {
+            f"{r['case']}/bs{r['batch']}/t{r['threads']}": r["throughput_on_vs_off"]
+            for r in rows if r["case"] != "device"
+        },
+    }
+    torch.set_num_threads(1)
+    probes = {"before": probe_before, "after": parallelism_probe()}
+    summary["parallelism_probe_speedup"] = [p["speedup"] for p in probes.values()]
+    name = "overlap_quick" if args.quick else "overlap"
+    results = {"null_runner": null, "models": rows, "parallelism_probe": probes}
+    print(write_result(name, results, summary))
+
+
+if __name__ == "__main__":
+    main()
