@@ -26,6 +26,8 @@ from services.router_requests import RequestHandle, merged
 from services.router_stream import Delta, Usage
 
 DONE = b"data: [DONE]\n\n"
+_MARK = "\x00text\x00"
+_MARK_JSON = json.dumps(_MARK, ensure_ascii=False).encode()
 logger = logging.getLogger(__name__)
 
 
@@ -142,6 +144,7 @@ class Formatter:
         self.prompt_of = {h.sub.index: h.sub.prompt_index for h in handles}
         self.want_logprobs = handles[0].sub.return_logprob
         self.top_n = handles[0].sub.top_logprobs_num
+        self._templates: dict[int, list[bytes]] = {}
 
     # -- whole responses ------------------------------------------------------------------------
     async def response(self) -> Any:
@@ -160,12 +163,13 @@ class Formatter:
     # -- streams --------------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[bytes]:
         choices = {h.sub.index: Choice(h.sub.index, rid=h.rid) for h in self.handles}
+        handles = {h.sub.index: h for h in self.handles}
         started = False
         try:
             async for index, delta in merged(self.handles):
                 choice = choices[index]
                 first = not choice.output_ids and not choice.text
-                choice.rid = next(h.rid for h in self.handles if h.sub.index == index)
+                choice.rid = handles[index].rid  # a request resent elsewhere has a new rid
                 choice.add(delta)
                 yield self._chunk(choice, delta, first)
                 started = True
@@ -188,6 +192,20 @@ class Formatter:
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
+        if not first and not d.finished and not self.want_logprobs:
+            return self._text_chunk(c.index, d.text)
+        return self._full_chunk(c, d, first)
+
+    def _text_chunk(self, index: int, text: str) -> bytes:
+        """A middle chunk that carries only text (most of them): `_full_chunk`'s bytes for a
+        marker text, rendered once per choice, with the real text spliced in."""
+        parts = self._templates.get(index)
+        if parts is None:
+            marked = self._full_chunk(Choice(index), Delta(text=_MARK), first=False)
+            parts = self._templates[index] = marked.split(_MARK_JSON)
+        return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
+
+    def _full_chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
         body = self._envelope(self._chunk_object())
         choice = self._choice(
             c, d.text, d.output_ids, d.token_logprobs or [], d.top_logprobs or [], final=d.finished
