@@ -66,9 +66,9 @@ def _token_pool(tokenizer: Any) -> np.ndarray:
     return np.array([t for t in range(len(tokenizer)) if t not in special])
 
 
-def random_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
+def random_requests(args: argparse.Namespace, tokenizer: Any, seed: int) -> list[Request]:
     """SGLang's `random` dataset: lengths uniform in [len * range_ratio, len], random tokens."""
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     pool = _token_pool(tokenizer)
     n = args.num_prompts
     in_lens = rng.integers(
@@ -88,9 +88,9 @@ def random_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
     return out
 
 
-def shared_prefix_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
+def shared_prefix_requests(args: argparse.Namespace, tokenizer: Any, seed: int) -> list[Request]:
     """SGLang's `generated-shared-prefix`: groups of questions behind one long system prompt."""
-    rng = np.random.default_rng(args.seed)
+    rng = np.random.default_rng(seed)
     pool = _token_pool(tokenizer)
     out = []
     for _ in range(args.gsp_num_groups):
@@ -98,7 +98,7 @@ def shared_prefix_requests(args: argparse.Namespace, tokenizer: Any) -> list[Req
         for _ in range(args.gsp_prompts_per_group):
             ids = system + rng.choice(pool, size=args.gsp_question_len).tolist()
             out.append(Request(tokenizer.decode(ids), ids, args.gsp_output_len))
-    random.Random(args.seed).shuffle(out)
+    random.Random(seed).shuffle(out)
     return out
 
 
@@ -331,10 +331,11 @@ async def served_model(base: str) -> str:
         return (await resp.json())["data"][0]["id"]
 
 
-def make_requests(args: argparse.Namespace, tokenizer: Any) -> list[Request]:
-    if args.dataset_name == "random":
-        return random_requests(args, tokenizer)
-    return shared_prefix_requests(args, tokenizer)
+def make_requests(
+    args: argparse.Namespace, tokenizer: Any, seed: int | None = None
+) -> list[Request]:
+    make = random_requests if args.dataset_name == "random" else shared_prefix_requests
+    return make(args, tokenizer, args.seed if seed is None else seed)
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -406,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine flags for both sides, e.g. "
         "'--max-running-requests 64 --max-total-tokens 60000'",
     )
+    g.add_argument("--repeats", type=int, default=2, help="paired runs, alternating the order")
     g.add_argument("--tokenizers", type=int, default=1)
     g.add_argument("--detokenizers", type=int, default=1)
     g.add_argument("--detok-scaling", default="1,2,4", help="detokenizer counts to measure")

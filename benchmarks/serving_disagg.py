@@ -1,0 +1,372 @@
+"""What disaggregation costs, measured in one run (`bench_serving.py --measure-disaggregation`).
+
+1. In-process: `engine.Engine` with the model and engine flags, driven closed-loop at
+   `--max-concurrency` (a new request is admitted when one finishes); per-token times come
+   from the scheduler's step events, so TTFT, ITL and throughput mean the same as over HTTP.
+2. Services: `sluice serve` with the same model and flags, started here; the same requests
+   (token ids, greedy, ignore_eos) sent over HTTP with the same concurrency.
+   1 and 2 run as `--repeats` pairs on fresh prompts each, alternating which goes first;
+   the summary takes the median of the within-pair ratios and differences.
+3. Detokenizers: a private Redis, N detokenizer processes, synthetic `StepOutputMsg`s
+   (`--detok-batch` requests per step, one token each, with their windows) written into
+   `{p}:detok` in one burst; tokens/s is tokens over the time until every row reached the
+   router stream. Measured for each N in `--detok-scaling`.
+
+Writes `benchmarks/results/<--result-name>.json` (summary: `services_vs_inprocess` = output
+throughput ratio, `added_itl_p50_ms`, `detok_tok_s_per_process`) and a PNG of the scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import redis
+
+from benchmarks.bench_serving import (
+    Output,
+    Request,
+    load_tokenizer,
+    make_requests,
+    print_summary,
+    run_requests,
+    summarize,
+)
+from benchmarks.common import RESULTS_DIR, print_table, write_result
+from shared.heartbeat import list_live
+from shared.keys import DETOKENIZER_KIND, detok_stream, router_out_stream
+from shared.messages import FinishReason, StepOutputMsg, StepRow
+from shared.redis_server import EmbeddedRedis, free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# -- 1. in-process ------------------------------------------------------------------------------
+def make_engine(model: str, flags: list[str]) -> Any:
+    from engine.engine import Engine
+    from services.engine_args import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    engine = Engine(
+        **dataclasses.asdict(engine_args_from(parser.parse_args(["--model", model, *flags])))
+    )
+    engine.generate(input_ids=[[11, 12, 13, 14]], sampling_params={"max_new_tokens": 4})
+    return engine
+
+
+def run_inprocess(engine: Any, requests: list[Request], concurrency: int) -> dict:
+    from engine.sampling.sampling_params import SamplingParams
+
+    engine.flush_cache()
+    outputs, duration = _closed_loop(engine.scheduler, requests, concurrency, SamplingParams)
+    return summarize(outputs, duration)
+
+
+def _closed_loop(
+    sched: Any, requests: list[Request], concurrency: int, params_cls: Any
+) -> tuple[list[Output], float]:
+    outputs = [Output(prompt_len=r.prompt_len) for r in requests]
+    queue = deque(enumerate(requests))
+    active: dict[str, tuple[int, float]] = {}
+    last: dict[str, float] = {}
+
+    def admit() -> None:
+        while queue and len(active) < concurrency:
+            i, req = queue.popleft()
+            p = params_cls.from_dict(
+                {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": True}
+            )
+            p.verify()
+            sched.add_request(f"b{i}", req.prompt_ids, p.normalize())
+            active[f"b{i}"] = (i, time.perf_counter())
+
+    start = time.perf_counter()
+    admit()
+    while active:
+        events = sched.step()
+        now = time.perf_counter()
+        for ev in events:
+            i, t0 = active[ev.rid]
+            out = outputs[i]
+            if ev.new_token_ids:
+                if out.ttft == 0.0:
+                    out.ttft = now - t0
+                else:
+                    out.itl.append(now - last[ev.rid])
+                last[ev.rid] = now
+            if ev.finished_reason is not None:
+                out.latency, out.output_len, out.success = now - t0, len(ev.req.output_ids), True
+                del active[ev.rid]
+        admit()
+    return outputs, time.perf_counter() - start
+
+
+# -- 2. services ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def serving(model: str, flags: list[str], args: argparse.Namespace) -> Iterator[str]:
+    """`sluice serve` with the same model and engine flags; yields its base URL."""
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--tokenizers",
+        str(args.tokenizers),
+        "--detokenizers",
+        str(args.detokenizers),
+        *flags,
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(base, proc, timeout_s=600)
+        yield base
+    finally:
+        _stop(proc)
+
+
+def run_services(base: str, requests: list[Request], args: argparse.Namespace) -> dict:
+    run_args = copy.copy(args)
+    run_args.backend, run_args.tokenize_prompt, run_args.disable_stream = "sluice", True, False
+    outputs, duration = asyncio.run(run_requests(run_args, base, requests, "default"))
+    return summarize(outputs, duration)
+
+
+def _wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sluice serve exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("sluice serve did not become healthy")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# -- 3. detokenizers ------------------------------------------------------------------------------
+def synthetic_steps(pool: np.ndarray, steps: int, batch: int, seed: int) -> list[bytes]:
+    """Encoded step messages: `batch` requests advancing one token per step for `steps`."""
+    rng = np.random.default_rng(seed)
+    ids = rng.choice(pool, size=(batch, steps)).tolist()
+    msgs = []
+    for s in range(steps):
+        final = FinishReason("length") if s == steps - 1 else None
+        rows = [
+            StepRow(
+                f"r{j}", "bench", s, [ids[j][s]], ids[j][max(0, s - 6) : s], final, 16, s + 1, 0
+            )
+            for j in range(batch)
+        ]
+        msgs.append(StepOutputMsg.from_rows(rows, worker_id="0", step=s).to_msg())
+    return msgs
+
+
+def detok_throughput(model: str, num_detok: int, msgs: list[bytes], tokens: int) -> float:
+    prefix = "bench"
+    with EmbeddedRedis() as server:
+        client = redis.Redis.from_url(server.url)
+        cmd = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "--log-level",
+            "warning",
+            "detokenizer",
+            "--redis-url",
+            server.url,
+            "--prefix",
+            prefix,
+            "--model",
+            model,
+        ]
+        procs = [subprocess.Popen(cmd, cwd=REPO) for _ in range(num_detok)]
+        try:
+            deadline = time.monotonic() + 300
+            while len(list_live(client, prefix, DETOKENIZER_KIND)) < num_detok:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                    raise RuntimeError("detokenizers did not start")
+                time.sleep(0.2)
+            return _time_burst(client, prefix, msgs, tokens)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait()
+            client.close()
+
+
+def _time_burst(client: redis.Redis, prefix: str, msgs: list[bytes], tokens: int) -> float:
+    out = router_out_stream(prefix, "bench")
+    start = time.perf_counter()
+    pipe = client.pipeline(transaction=False)
+    for m in msgs:
+        pipe.xadd(detok_stream(prefix), {b"m": m})
+    pipe.execute()
+    seen, last_id, end = 0, "0", start
+    while seen < tokens:
+        reply = client.xread({out: last_id}, count=1000, block=30_000)
+        if not reply:
+            raise RuntimeError(f"detokenizers stalled after {seen} of {tokens} tokens")
+        for entry_id, fields in reply[0][1]:
+            body = msgpack.unpackb(fields[b"m"])
+            seen += sum(body["ends"]) - sum(body["starts"])
+            last_id = entry_id
+        end = time.perf_counter()
+    return tokens / (end - start)
+
+
+def detok_scaling(model: str, counts: list[int], steps: int, batch: int, seed: int) -> dict:
+    from engine.tokenizer import load_tokenizer as load
+
+    tok = load(model)
+    special = set(tok.all_special_ids)
+    pool = np.array([t for t in range(len(tok)) if t not in special])
+    msgs = synthetic_steps(pool, steps, batch, seed)
+    return {n: detok_throughput(model, n, msgs, steps * batch) for n in counts}
+
+
+# -- the run --------------------------------------------------------------------------------------
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Paired runs, alternating which side goes first, each pair on fresh prompts (the
+    worker's prefix cache cannot be flushed from outside); ratios are taken within a pair,
+    so a machine shared with other work drifts both sides alike. Then the detokenizers."""
+    from services.engine_args import ensure_model
+
+    extra = {"loadavg_before": os.getloadavg()}  # the machine may be shared: say how busy
+    model = ensure_model(args.model)
+    flags = shlex.split(args.engine_flags)
+    args.max_concurrency = args.max_concurrency or 64
+    tokenizer = load_tokenizer(model)
+    engine = make_engine(model, flags)
+    pairs = []
+    try:
+        with serving(model, flags, args) as base:
+            for k in range(args.repeats):
+                requests = make_requests(args, tokenizer, seed=args.seed + k)
+                sides = {
+                    "inprocess": lambda r=requests: run_inprocess(engine, r, args.max_concurrency),
+                    "services": lambda r=requests: run_services(base, r, args),
+                }
+                order = list(sides) if k % 2 == 0 else list(sides)[::-1]
+                pair = {name: sides[name]() for name in order}
+                for name in order:
+                    print_summary(f"{name} (pair {k})", pair[name])
+                pairs.append(pair)
+    finally:
+        engine.shutdown()
+    counts = [int(n) for n in args.detok_scaling.split(",")]
+    detok = detok_scaling(model, counts, args.detok_steps, args.detok_batch, args.seed)
+    print_table(
+        [{"detokenizers": n, "tok_s": v} for n, v in detok.items()], ["detokenizers", "tok_s"]
+    )
+    summary = _summary(pairs, detok, args.max_concurrency)
+    print({k: v for k, v in summary.items() if k != "detok_scaling"})
+    keys = (
+        "dataset_name",
+        "num_prompts",
+        "random_input_len",
+        "random_output_len",
+        "random_range_ratio",
+        "seed",
+        "repeats",
+        "engine_flags",
+        "tokenizers",
+        "detokenizers",
+        "detok_steps",
+        "detok_batch",
+    )
+    extra["loadavg_after"] = os.getloadavg()
+    path = write_result(
+        args.result_name,
+        {"pairs": pairs, "detok_tok_s": summary["detok_scaling"]},
+        summary,
+        workload={k: getattr(args, k) for k in keys},
+        model=model,
+        **extra,
+    )
+    print("wrote", path)
+    _plot(detok, os.path.join(RESULTS_DIR, f"{args.result_name}_detok_scaling.png"))
+    return summary
+
+
+def _summary(pairs: list[dict], detok: dict[int, float], concurrency: int) -> dict[str, Any]:
+    def median(f) -> float:  # noqa: ANN001
+        return float(np.median([f(p["services"], p["inprocess"]) for p in pairs]))
+
+    return {
+        "services_vs_inprocess": median(
+            lambda s, i: s["output_throughput"] / i["output_throughput"]
+        ),
+        "added_itl_p50_ms": median(lambda s, i: s["median_itl_ms"] - i["median_itl_ms"]),
+        "added_ttft_p50_ms": median(lambda s, i: s["median_ttft_ms"] - i["median_ttft_ms"]),
+        "services_output_tok_s": median(lambda s, i: s["output_throughput"]),
+        "inprocess_output_tok_s": median(lambda s, i: i["output_throughput"]),
+        "detok_tok_s_per_process": detok.get(1, next(iter(detok.values()))),
+        "detok_scaling": {str(n): v for n, v in detok.items()},
+        "concurrency": concurrency,
+        "num_pairs": len(pairs),
+    }
+
+
+def _plot(detok: dict[int, float], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    counts = list(detok)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(counts, [detok[n] / 1000 for n in counts], "o-", label="measured")
+    ax.plot(
+        counts,
+        [detok[counts[0]] * n / counts[0] / 1000 for n in counts],
+        "--",
+        color="gray",
+        label="linear",
+    )
+    ax.set_xlabel("detokenizer processes")
+    ax.set_ylabel("k tokens / s")
+    ax.set_xticks(counts)
+    ax.set_title(f"Detokenizer scaling ({os.cpu_count()} CPU cores)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
