@@ -52,8 +52,8 @@ class RouterConfig:
         env="SLUICE_API_KEY",
     )
     worker_check_s: float = setting(
-        1.0,
-        "a request without output checks its worker this often",
+        0.5,
+        "how often to re-read worker heartbeats and check requests waiting on a worker",
         env="SLUICE_ROUTER_WORKER_CHECK_S",
     )
 

@@ -4,14 +4,15 @@ One `Broker` per router process owns
 * a reader task that XREADs the router's stream `{p}:router:{r}:out` and hands every
   `DetokRow` and `ErrorMsg` to the `RequestHandle` of its rid (rows of unknown rids, from
   requests already ended or retried, are dropped);
-* a refresher task that keeps the table of live workers (`WorkerTable`) current;
+* a watch task that keeps the table of live workers (`WorkerTable`) current and looks
+  after requests that wait: past their deadline they fail with 504; waiting on a worker
+  whose heartbeat is gone, they are sent to another worker if nothing was produced yet,
+  else fail with 503 (failures reach a handle through its inbox, like its rows);
 * the abort messages, sent without making the caller wait.
 
 A `RequestHandle` follows one sub-request: it is submitted to the least-loaded live worker
 (TokenizeReqMsg to `{p}:tokenize`), yields `Delta`s in token order, and on `close()` before
-the end (client gone, task cancelled, timeout) aborts the request at its worker. While no
-output arrives it checks that its worker still lives: a dead worker's request is sent to
-another worker if nothing was produced yet, else it fails with 503.
+the end (client gone, task cancelled, timeout) aborts the request at its worker.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ class RequestHandle:
         self.ttft: float | None = None
         self.failed = False
         self.closed = False
-        self._inbox: list[DetokRow | ErrorMsg] = []
+        self.waiting = False
+        self._inbox: list[DetokRow | ErrorMsg | ApiError] = []
         self._wake = asyncio.Event()
 
-    def deliver(self, item: DetokRow | ErrorMsg) -> None:
+    def deliver(self, item: DetokRow | ErrorMsg | ApiError) -> None:
         self._inbox.append(item)
         self._wake.set()
 
@@ -69,15 +71,14 @@ class RequestHandle:
         try:
             while not self.assembler.finished:
                 items = await self._take()
-                errors = [m for m in items if isinstance(m, ErrorMsg)]
-                if errors:
-                    self.failed = True
-                    e = errors[0]
-                    raise ApiError(e.status, e.message, None, e.code)
-                delta = self.assembler.add(items)  # type: ignore[arg-type]
+                rows = [m for m in items if isinstance(m, DetokRow)]
+                delta = self.assembler.add(rows) if rows else None
                 if delta is not None:
                     self._observe(delta)
                     yield delta
+                failure = next((m for m in items if not isinstance(m, DetokRow)), None)
+                if failure is not None and not self.assembler.finished:
+                    raise self._error(failure)
         finally:
             self.close()
 
@@ -93,43 +94,22 @@ class RequestHandle:
         if not a.finished:
             self.broker.metrics.observe_abort()
 
-    async def _take(self) -> list[DetokRow | ErrorMsg]:
-        loop = asyncio.get_running_loop()
+    async def _take(self) -> list[DetokRow | ErrorMsg | ApiError]:
         while not self._inbox:
-            now = time.perf_counter()
-            if now >= self.deadline:
-                raise ApiError(
-                    504,
-                    f"request timed out after {self.broker.request_timeout_s:g} s",
-                    None,
-                    "timeout",
-                )
             self._wake.clear()
-            timer = loop.call_later(min(self.broker.check_s, self.deadline - now), self._wake.set)
+            self.waiting = True  # the broker's watchdog checks on waiting handles only
             try:
                 await self._wake.wait()
             finally:
-                timer.cancel()
-            if not self._inbox:
-                await self._check_worker()
+                self.waiting = False
         items, self._inbox = self._inbox, []
         return items
 
-    async def _check_worker(self) -> None:
-        """Silence: fail over if the worker died before producing anything, else fail."""
-        w = self.worker
-        assert w is not None
-        if self.broker.workers.is_alive(w.worker_id, w.pid):
-            return
-        if self.assembler.num_rows_seen or len(self.tried) >= self.broker.max_attempts:
-            raise ApiError(
-                503,
-                f"worker {w.worker_id} stopped while serving the request",
-                None,
-                "worker_unavailable",
-            )
-        logger.warning("worker %s is gone; resending %s", w.worker_id, self.rid)
-        await self.broker.submit([self])
+    def _error(self, failure: ErrorMsg | ApiError) -> ApiError:
+        if isinstance(failure, ErrorMsg):  # the request failed upstream: nothing to abort
+            self.failed = True
+            return ApiError(failure.status, failure.message, None, failure.code)
+        return failure
 
     def _observe(self, delta: Delta) -> None:
         now = time.perf_counter()
@@ -151,12 +131,11 @@ class Broker:
         metrics: RouterMetrics,
         *,
         request_timeout_s: float = 600.0,
-        check_s: float = 1.0,
-        refresh_s: float = 0.5,
+        check_s: float = 0.5,
         max_attempts: int = 3,
     ) -> None:
         self.bus, self.router_id, self.metrics = bus, router_id, metrics
-        self.request_timeout_s, self.check_s, self.refresh_s = request_timeout_s, check_s, refresh_s
+        self.request_timeout_s, self.check_s = request_timeout_s, check_s
         self.max_attempts = max_attempts
         self.out_stream = router_out_stream(bus.prefix, router_id)
         self.workers = WorkerTable()
@@ -168,7 +147,7 @@ class Broker:
 
     async def start(self) -> None:
         await self.refresh_workers()
-        self._loops = [asyncio.create_task(c) for c in (self._read_loop(), self._refresh_loop())]
+        self._loops = [asyncio.create_task(c) for c in (self._read_loop(), self._watch_loop())]
 
     async def stop(self) -> None:
         """Abort what is in flight (waiting briefly for the aborts to go out), stop the loops."""
@@ -264,13 +243,50 @@ class Broker:
             for _, msg in entries:
                 self._dispatch(msg)
 
-    async def _refresh_loop(self) -> None:
+    async def _watch_loop(self) -> None:
+        """Every `check_s`: refresh the worker table, then look after waiting requests."""
         while True:
-            await asyncio.sleep(self.refresh_s)
+            await asyncio.sleep(self.check_s)
             try:
                 await self.refresh_workers()
             except redis.RedisError as exc:
                 logger.warning("refreshing workers: %s", exc)
+                continue
+            now = time.perf_counter()
+            for handle in list(self.handles.values()):
+                if now >= handle.deadline:
+                    handle.deliver(
+                        ApiError(
+                            504,
+                            f"request timed out after {self.request_timeout_s:g} s",
+                            None,
+                            "timeout",
+                        )
+                    )
+                elif handle.waiting:
+                    await self._check_worker(handle)
+
+    async def _check_worker(self, h: RequestHandle) -> None:
+        """A request waits on a dead worker: resend it if nothing came yet, else fail it."""
+        w = h.worker
+        if w is None or self.workers.is_alive(w.worker_id, w.pid):
+            return
+        if h.assembler.num_rows_seen == 0 and len(h.tried) < self.max_attempts:
+            logger.warning("worker %s is gone; resending %s", w.worker_id, h.rid)
+            try:
+                await self.submit([h])
+                return
+            except ApiError as err:
+                h.deliver(err)
+                return
+        h.deliver(
+            ApiError(
+                503,
+                f"worker {w.worker_id} stopped while serving the request",
+                None,
+                "worker_unavailable",
+            )
+        )
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
