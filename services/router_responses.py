@@ -75,12 +75,10 @@ class Choice:
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    delta: Delta | None = None  # the latest
     finish_reason: Any = None
     usage: Usage | None = None
 
     def add(self, delta: Delta) -> None:
-        self.delta = delta
         self.text += delta.text
         self.output_ids += delta.output_ids
         self.token_logprobs += delta.token_logprobs or []
@@ -99,11 +97,10 @@ class Choice:
 
 async def collect(handles: list[RequestHandle]) -> list[Choice]:
     choices = {h.sub.index: Choice(h.sub.index) for h in handles}
-    rids = {h.sub.index: h for h in handles}
     async for index, delta in merged(handles):
         choices[index].add(delta)
-    for index, choice in choices.items():
-        choice.rid = rids[index].rid
+    for h in handles:
+        choices[h.sub.index].rid = h.rid  # the last one, if the request was resent
     return [choices[i] for i in sorted(choices)]
 
 
