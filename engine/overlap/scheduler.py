@@ -63,6 +63,7 @@ class _Record:
     placeholders: list[int]
     launch: Launch
     deferred_sampling: bool
+    prompts_cached: bool = False
 
 
 class OverlapScheduler(Scheduler):
@@ -110,23 +111,22 @@ class OverlapScheduler(Scheduler):
         self.executor.close()
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        last = self.last_batch
-        if last is not None and last.forward_mode.is_extend():
-            self._cache_prompts(last)
+        record = self._in_flight[-1] if self._in_flight else None  # the last batch launched
+        if record is not None and record.forward_mode.is_extend():
+            self._cache_prompts(record)
         return super().get_next_batch_to_run()
 
-    def _cache_prompts(self, batch: ScheduleBatch) -> None:
+    def _cache_prompts(self, record: _Record) -> None:
         """Share the prompts of the prefill in flight with the prefix cache now, as the plain
         loop has by this point, rather than when its results are processed a step later:
         requests held back to hit a prefix shared with it are admitted next and should hit
         it. Only prompt tokens (and, after a retraction, real output tokens) are inserted;
         their KV is written by the batch in flight, before any later batch reads it. The
-        chunked request is the base class's (`_finish_chunk`); processing the batch later
-        repeats the insertion, which then changes nothing."""
-        chunked = getattr(batch, "chunked_req", None)
-        for req in batch.reqs:
-            if req is not chunked and not req.finished:
+        chunked request is the base class's (`_finish_chunk`)."""
+        for req in record.reqs:
+            if req is not record.chunked_req and not req.finished:
                 self.tree_cache.cache_unfinished_req(req)
+        record.prompts_cached = True  # processing its results need not do it again
 
     def decode_input_ids(self, batch: ScheduleBatch) -> list[int]:
         pending = self._pending
@@ -191,6 +191,7 @@ class OverlapScheduler(Scheduler):
         ]
         batch = ScheduleBatch([record.reqs[i] for i in keep], self.pools, record.forward_mode)
         batch.chunked_req = record.chunked_req
+        batch.prompts_cached = record.prompts_cached
         if len(keep) < len(record.reqs):
             result = _select_rows(result, keep)
         self.output.process_batch_result(batch, result)
