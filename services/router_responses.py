@@ -67,11 +67,11 @@ def sse(obj: Any) -> bytes:
 
 @dataclass
 class Choice:
-    """One sub-request's output, accumulated."""
+    """One sub-request's output, accumulated (text as pieces: joined only when needed)."""
 
     index: int
     rid: str = ""
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -79,12 +79,16 @@ class Choice:
     usage: Usage | None = None
 
     def add(self, delta: Delta) -> None:
-        self.text += delta.text
+        self.pieces.append(delta.text)
         self.output_ids += delta.output_ids
         self.token_logprobs += delta.token_logprobs or []
         self.top_logprobs += delta.top_logprobs or []
         if delta.finished:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
 
     @property
     def finish_type(self) -> str | None:
@@ -165,9 +169,11 @@ class Formatter:
         try:
             async for index, delta in merged(self.handles):
                 choice = choices[index]
-                first = not choice.output_ids and not choice.text
+                first = not choice.pieces
                 choice.rid = handles[index].rid  # a request resent elsewhere has a new rid
                 choice.add(delta)
+                if self._says_nothing(delta, first):
+                    continue  # tokens whose text is held back: no OpenAI chunk for them
                 yield self._chunk(choice, delta, first)
                 started = True
         except ApiError as err:
@@ -182,6 +188,11 @@ class Formatter:
             body["usage"] = usage(list(choices.values()), self.prompt_of)
             yield sse(body)
         yield DONE
+
+    def _says_nothing(self, d: Delta, first: bool) -> bool:
+        if self.kind == "generate" or d.text or d.finished or self.want_logprobs:
+            return False
+        return not (first and self.kind == "chat")  # the first chat chunk names the role
 
     def _chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
         if self.kind == "generate":

@@ -6,8 +6,9 @@ them in token order, ignoring ranges it has seen, and trims stop strings: text i
 only up to the first stop string, and while the request runs, any tail of the text that
 could still grow into a stop string is held back.
 
-Invariant: `released <= len(text)`, and released text is never taken back; a stop string
-found later always starts at or after `released` (the hold-back kept its beginning).
+Invariant: released text is never taken back, and a stop string completed by later rows
+always starts after the released text: if it began earlier, its start would have been a
+tail that could still become a stop string, which is held back.
 """
 
 from __future__ import annotations
@@ -80,20 +81,24 @@ class StopMatcher:
 
 
 class OutputAssembler:
-    """Reorders one request's `DetokRow`s and turns them into `Delta`s (see module doc)."""
+    """Reorders one request's `DetokRow`s and turns them into `Delta`s (see module doc).
+
+    Only the text not released yet is kept (`pending_text`: a held-back tail plus what the
+    last rows added): every stop string found later starts inside it (see the module's
+    invariant), so work per row does not grow with the length of the output.
+    """
 
     def __init__(self, stops: list[str] | None = None) -> None:
         self.matcher = StopMatcher(stops or [])
-        self.text = ""
-        self.released = 0
-        self.output_ids: list[int] = []
+        self.pending_text = ""
+        self.num_released = 0  # characters released so far
         self.finish_reason: FinishReason | None = None
         self.usage: Usage | None = None
         self.stopped_here = False  # the router found a stop string the worker did not report
+        self.num_rows_seen = 0
         self._next = 0  # first output token index not yet consumed
         self._pending: dict[int, DetokRow] = {}
         self._last: DetokRow | None = None
-        self.num_rows_seen = 0
 
     @property
     def finished(self) -> bool:
@@ -104,7 +109,7 @@ class OutputAssembler:
         if self.finished:
             return None
         delta = Delta()
-        new_from = len(self.text)
+        new_from = len(self.pending_text)
         for row in rows:
             self.num_rows_seen += 1
             if self.finished or row.start < self._next:
@@ -126,8 +131,7 @@ class OutputAssembler:
     def _consume(self, row: DetokRow, delta: Delta) -> None:
         self._next = row.end
         self._last = row
-        self.text += row.text
-        self.output_ids += row.output_ids
+        self.pending_text += row.text
         delta.output_ids += row.output_ids
         if row.token_logprobs is not None:
             delta.token_logprobs = (delta.token_logprobs or []) + row.token_logprobs
@@ -147,14 +151,15 @@ class OutputAssembler:
 
     def _trim_stop(self, new_from: int) -> None:
         """Cut the text at the first stop string; end the request there if the worker didn't."""
-        hit = self.matcher.find(self.text, new_from)
-        if hit is None and self.finished and isinstance(self.finish_reason.matched, str):
-            pos = self.text.find(self.finish_reason.matched)  # type: ignore[union-attr]
-            hit = (pos, self.finish_reason.matched) if pos >= 0 else None  # type: ignore[union-attr]
+        text = self.pending_text
+        hit = self.matcher.find(text, new_from)
+        matched = self.finish_reason.matched if self.finish_reason is not None else None
+        if hit is None and isinstance(matched, str) and matched in text:
+            hit = (text.find(matched), matched)  # a stop the worker matched that we did not
         if hit is None:
             return
         pos, stop = hit
-        self.text = self.text[:pos]
+        self.pending_text = text[:pos]
         if not self.finished:
             self.stopped_here = True
             assert self._last is not None
@@ -162,12 +167,11 @@ class OutputAssembler:
         self.finish_reason = FinishReason("stop", stop)
 
     def _release(self, delta: Delta) -> Delta | None:
-        end = len(self.text)
-        if not self.finished:
-            end -= self.matcher.hold_back(self.text)
-        if end > self.released:
-            delta.text = self.text[self.released : end]
-            self.released = end
+        keep = 0 if self.finished else self.matcher.hold_back(self.pending_text)
+        if len(self.pending_text) > keep:
+            cut = len(self.pending_text) - keep
+            delta.text, self.pending_text = self.pending_text[:cut], self.pending_text[cut:]
+            self.num_released += cut
         if self.finished:
             delta.finish_reason, delta.usage = self.finish_reason, self.usage
         if not delta.text and not delta.output_ids and not delta.finished:

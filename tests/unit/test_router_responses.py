@@ -31,7 +31,7 @@ def formatter(kind: str, logprobs: bool = False, n: int = 1) -> Formatter:
 def test_fast_text_chunks_are_byte_identical_to_the_full_form(kind: str, text: str) -> None:
     f = formatter(kind, n=3)
     for index in (0, 2):
-        c = Choice(index, rid=f"r{index}", text="earlier", output_ids=[1])
+        c = Choice(index, rid=f"r{index}", pieces=["earlier"], output_ids=[1])
         d = Delta(text=text, output_ids=[5])
         assert f._chunk(c, d, first=False) == f._full_chunk(c, d, first=False)
 
