@@ -28,6 +28,7 @@ otherwise hand that memory to the next batch while the forward stream still read
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -40,6 +41,9 @@ from engine.model_runner import GenerationBatchResult
 from engine.overlap.future_map import FutureMap, FutureSlots
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+# How long a thread holding the GIL in pure Python keeps the forward thread waiting for it.
+SWITCH_INTERVAL_S = 0.0002
 
 
 @dataclass
@@ -109,6 +113,11 @@ class ThreadExecutor(OverlapExecutor):
     that finished), plus the KV pool and the FutureMap, which only device work touches, in
     order.
 
+    The GIL: after each op the forward thread must take the GIL back, and a thread that
+    holds it in pure Python (the scheduler processing results) gives it up only after the
+    interpreter's switch interval, 5 ms by default: the device would idle that long between
+    ops. The executor lowers the (process-wide) interval to SWITCH_INTERVAL_S if it is higher.
+
     Intra-op threads: a new thread does not inherit the OpenMP/MKL thread count set by
     `torch.set_num_threads` in the thread that created it (it falls back to one per core),
     so the forward thread applies the creator's count itself (`num_threads`). That matters:
@@ -121,6 +130,8 @@ class ThreadExecutor(OverlapExecutor):
     ) -> None:
         super().__init__(runner, future_map)
         self.num_threads = num_threads or torch.get_num_threads()
+        if sys.getswitchinterval() > SWITCH_INTERVAL_S:
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._jobs: queue.SimpleQueue[tuple[Callable[[Launch], None], Launch] | None]
         self._jobs = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="sluice-forward", daemon=True)
