@@ -411,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizers", type=int, default=1)
     g.add_argument("--detokenizers", type=int, default=1)
     g.add_argument("--detok-scaling", default="1,2,4", help="detokenizer counts to measure")
-    g.add_argument("--detok-steps", type=int, default=400, help="synthetic steps per run")
+    g.add_argument("--detok-steps", type=int, default=1000, help="synthetic steps per run")
     g.add_argument("--detok-batch", type=int, default=64, help="requests per synthetic step")
     g.add_argument("--result-name", default="bench_serving_disagg")
     return p

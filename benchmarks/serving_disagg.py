@@ -7,13 +7,19 @@
    (token ids, greedy, ignore_eos) sent over HTTP with the same concurrency.
    1 and 2 run as `--repeats` pairs on fresh prompts each, alternating which goes first;
    the summary takes the median of the within-pair ratios and differences.
+   Control: 1 again beside processes that burn as much CPU as the services other than the
+   worker (and the client) burned during 2. On a small machine, what disaggregation costs
+   is mostly that CPU; the control says how much of the gap it explains.
 3. Detokenizers: a private Redis, N detokenizer processes, synthetic `StepOutputMsg`s
    (`--detok-batch` requests per step, one token each, with their windows) written into
    `{p}:detok` in one burst; tokens/s is tokens over the time until every row reached the
-   router stream. Measured for each N in `--detok-scaling`.
+   router stream (best of 3 bursts), and tokens per CPU-second of the detokenizers (their
+   capacity per core, which a busy machine does not distort). For each N in
+   `--detok-scaling`.
 
 Writes `benchmarks/results/<--result-name>.json` (summary: `services_vs_inprocess` = output
-throughput ratio, `added_itl_p50_ms`, `detok_tok_s_per_process`) and a PNG of the scaling.
+throughput ratio, `added_itl_p50_ms`, `detok_tok_s_per_process`, the control's ratio and the
+CPU each service used) and a PNG of the scaling.
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ import sys
 import time
 import urllib.request
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
 import numpy as np
+import psutil
 import redis
 
 from benchmarks.bench_serving import (
@@ -119,8 +126,10 @@ def _closed_loop(
 
 # -- 2. services ----------------------------------------------------------------------------------
 @contextlib.contextmanager
-def serving(model: str, flags: list[str], args: argparse.Namespace) -> Iterator[str]:
-    """`sluice serve` with the same model and engine flags; yields its base URL."""
+def serving(
+    model: str, flags: list[str], args: argparse.Namespace
+) -> Iterator[tuple[str, psutil.Process]]:
+    """`sluice serve` with the same model and engine flags; yields its URL and process."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -141,16 +150,72 @@ def serving(model: str, flags: list[str], args: argparse.Namespace) -> Iterator[
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_healthy(base, proc, timeout_s=600)
-        yield base
+        yield base, psutil.Process(proc.pid)
     finally:
         _stop(proc)
 
 
-def run_services(base: str, requests: list[Request], args: argparse.Namespace) -> dict:
+def run_services(
+    base: str, serve: psutil.Process, requests: list[Request], args: argparse.Namespace
+) -> dict:
+    """The workload over HTTP; also the CPU (in cores) each kind of service used meanwhile."""
     run_args = copy.copy(args)
     run_args.backend, run_args.tokenize_prompt, run_args.disable_stream = "sluice", True, False
+    before, start = _cpu_by_kind(serve), time.perf_counter()
     outputs, duration = asyncio.run(run_requests(run_args, base, requests, "default"))
-    return summarize(outputs, duration)
+    after, wall = _cpu_by_kind(serve), time.perf_counter() - start
+    res = summarize(outputs, duration)
+    res["cpu_cores"] = {k: (after[k] - before.get(k, 0.0)) / wall for k in after}
+    return res
+
+
+def _cpu_by_kind(serve: psutil.Process) -> dict[str, float]:
+    """CPU seconds by service kind (the benchmark client is this process)."""
+    out = {"client": sum(psutil.Process().cpu_times()[:2])}
+    for p in serve.children(recursive=True):
+        try:
+            cmd = " ".join(p.cmdline())
+            cpu = sum(p.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            continue
+        kind = next((k for k in _KINDS if k in cmd), "other")
+        out[kind] = out.get(kind, 0.0) + cpu
+    return out
+
+
+_KINDS = ("router", "worker", "detokenizer", "tokenizer", "redis-server")
+
+
+def neighbour_cores(services: dict) -> float:
+    """CPU the services used beside the worker (the client included: it shares the box)."""
+    return sum(v for k, v in services["cpu_cores"].items() if k != "worker")
+
+
+@contextlib.contextmanager
+def cpu_neighbour(cores: float) -> Iterator[None]:
+    """Processes keeping `cores` CPUs busy in 10 ms slices: the control for `services`, the
+    in-process engine with as much CPU taken beside it as the other services took."""
+    procs, left = [], cores
+    while left > 0.01:
+        duty = min(1.0, left)
+        left -= duty
+        procs.append(subprocess.Popen([sys.executable, "-c", _BURN, str(duty)]))
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+_BURN = """import sys, time
+duty = float(sys.argv[1])
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.01 * duty:
+        pass
+    time.sleep(0.01 * (1 - duty))
+"""
 
 
 def _wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -196,7 +261,12 @@ def synthetic_steps(pool: np.ndarray, steps: int, batch: int, seed: int) -> list
     return msgs
 
 
-def detok_throughput(model: str, num_detok: int, msgs: list[bytes], tokens: int) -> float:
+def detok_throughput(
+    model: str, num_detok: int, msgs: list[bytes], tokens: int, repeats: int = 3
+) -> dict[str, float]:
+    """Tokens/s: the best of `repeats` bursts (the least disturbed by other work on the
+    machine); and tokens per CPU-second the detokenizers spent (what one would do with a
+    core of its own)."""
     prefix = "bench"
     with EmbeddedRedis() as server:
         client = redis.Redis.from_url(server.url)
@@ -221,7 +291,14 @@ def detok_throughput(model: str, num_detok: int, msgs: list[bytes], tokens: int)
                 if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
                     raise RuntimeError("detokenizers did not start")
                 time.sleep(0.2)
-            return _time_burst(client, prefix, msgs, tokens)
+            watched = [psutil.Process(p.pid) for p in procs]
+            cpu_before = sum(sum(p.cpu_times()[:2]) for p in watched)
+            last_id, best = "0", 0.0
+            for _ in range(repeats):
+                last_id, tok_s = _time_burst(client, prefix, msgs, tokens, last_id)
+                best = max(best, tok_s)
+            cpu = sum(sum(p.cpu_times()[:2]) for p in watched) - cpu_before
+            return {"tok_s": best, "tok_per_cpu_s": tokens * repeats / cpu}
         finally:
             for p in procs:
                 p.terminate()
@@ -230,14 +307,18 @@ def detok_throughput(model: str, num_detok: int, msgs: list[bytes], tokens: int)
             client.close()
 
 
-def _time_burst(client: redis.Redis, prefix: str, msgs: list[bytes], tokens: int) -> float:
+def _time_burst(
+    client: redis.Redis, prefix: str, msgs: list[bytes], tokens: int, last_id: str
+) -> tuple[str, float]:
+    """Write `msgs` into `{p}:detok` at once; time until all their tokens reached the router
+    stream (read from after `last_id`). Returns the last entry id read and tokens/s."""
     out = router_out_stream(prefix, "bench")
     start = time.perf_counter()
     pipe = client.pipeline(transaction=False)
     for m in msgs:
         pipe.xadd(detok_stream(prefix), {b"m": m})
     pipe.execute()
-    seen, last_id, end = 0, "0", start
+    seen, end = 0, start
     while seen < tokens:
         reply = client.xread({out: last_id}, count=1000, block=30_000)
         if not reply:
@@ -247,7 +328,7 @@ def _time_burst(client: redis.Redis, prefix: str, msgs: list[bytes], tokens: int
             seen += sum(body["ends"]) - sum(body["starts"])
             last_id = entry_id
         end = time.perf_counter()
-    return tokens / (end - start)
+    return last_id, tokens / (end - start)
 
 
 def detok_scaling(model: str, counts: list[int], steps: int, batch: int, seed: int) -> dict:
@@ -258,6 +339,10 @@ def detok_scaling(model: str, counts: list[int], steps: int, batch: int, seed: i
     pool = np.array([t for t in range(len(tok)) if t not in special])
     msgs = synthetic_steps(pool, steps, batch, seed)
     return {n: detok_throughput(model, n, msgs, steps * batch) for n in counts}
+
+
+def _tok_s(detok: dict[int, dict[str, float]]) -> dict[int, float]:
+    return {n: v["tok_s"] for n, v in detok.items()}
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -275,24 +360,20 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     engine = make_engine(model, flags)
     pairs = []
     try:
-        with serving(model, flags, args) as base:
+        with serving(model, flags, args) as (base, serve):
             for k in range(args.repeats):
                 requests = make_requests(args, tokenizer, seed=args.seed + k)
-                sides = {
-                    "inprocess": lambda r=requests: run_inprocess(engine, r, args.max_concurrency),
-                    "services": lambda r=requests: run_services(base, r, args),
-                }
-                order = list(sides) if k % 2 == 0 else list(sides)[::-1]
-                pair = {name: sides[name]() for name in order}
-                for name in order:
-                    print_summary(f"{name} (pair {k})", pair[name])
+                pair = _run_pair(k, engine, base, serve, requests, args)
+                for name, res in pair.items():
+                    print_summary(f"{name} (pair {k})", res)
                 pairs.append(pair)
     finally:
         engine.shutdown()
     counts = [int(n) for n in args.detok_scaling.split(",")]
     detok = detok_scaling(model, counts, args.detok_steps, args.detok_batch, args.seed)
     print_table(
-        [{"detokenizers": n, "tok_s": v} for n, v in detok.items()], ["detokenizers", "tok_s"]
+        [{"detokenizers": n, **v} for n, v in detok.items()],
+        ["detokenizers", "tok_s", "tok_per_cpu_s"],
     )
     summary = _summary(pairs, detok, args.max_concurrency)
     print({k: v for k, v in summary.items() if k != "detok_scaling"})
@@ -313,31 +394,72 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     extra["loadavg_after"] = os.getloadavg()
     path = write_result(
         args.result_name,
-        {"pairs": pairs, "detok_tok_s": summary["detok_scaling"]},
+        {"pairs": pairs, "detokenizers": {str(n): v for n, v in detok.items()}},
         summary,
         workload={k: getattr(args, k) for k in keys},
         model=model,
         **extra,
     )
     print("wrote", path)
-    _plot(detok, os.path.join(RESULTS_DIR, f"{args.result_name}_detok_scaling.png"))
+    _plot(_tok_s(detok), os.path.join(RESULTS_DIR, f"{args.result_name}_detok_scaling.png"))
     return summary
 
 
-def _summary(pairs: list[dict], detok: dict[int, float], concurrency: int) -> dict[str, Any]:
-    def median(f) -> float:  # noqa: ANN001
-        return float(np.median([f(p["services"], p["inprocess"]) for p in pairs]))
+def _run_pair(
+    k: int,
+    engine: Any,
+    base: str,
+    serve: psutil.Process,
+    requests: list[Request],
+    args: argparse.Namespace,
+) -> dict[str, dict]:
+    """In-process, services, and in-process beside a CPU neighbour as big as the services
+    were (that one after the services run it copies); who goes first alternates."""
+    concurrency = args.max_concurrency
+    pair: dict[str, dict] = {}
+    if k % 2 == 0:
+        pair["inprocess"] = run_inprocess(engine, requests, concurrency)
+    pair["services"] = run_services(base, serve, requests, args)
+    with cpu_neighbour(neighbour_cores(pair["services"])):
+        pair["inprocess_beside_neighbour"] = run_inprocess(engine, requests, concurrency)
+    if k % 2 == 1:
+        pair["inprocess"] = run_inprocess(engine, requests, concurrency)
+    return pair
 
+
+def _summary(pairs: list[dict], detok: dict[int, dict], concurrency: int) -> dict[str, Any]:
+    """Medians over the pairs of within-pair ratios and differences."""
+
+    def median(f: Callable[[dict], float]) -> float:
+        return float(np.median([f(p) for p in pairs]))
+
+    def ratio(a: str, b: str) -> Callable[[dict], float]:
+        return lambda p: p[a]["output_throughput"] / p[b]["output_throughput"]
+
+    def diff(key: str) -> Callable[[dict], float]:
+        return lambda p: p["services"][key] - p["inprocess"][key]
+
+    kinds = pairs[0]["services"]["cpu_cores"]
+    tok_s = _tok_s(detok)
     return {
-        "services_vs_inprocess": median(
-            lambda s, i: s["output_throughput"] / i["output_throughput"]
+        "services_vs_inprocess": median(ratio("services", "inprocess")),
+        "added_itl_p50_ms": median(diff("median_itl_ms")),
+        "added_ttft_p50_ms": median(diff("median_ttft_ms")),
+        "services_output_tok_s": median(lambda p: p["services"]["output_throughput"]),
+        "inprocess_output_tok_s": median(lambda p: p["inprocess"]["output_throughput"]),
+        "inprocess_beside_neighbour_vs_inprocess": median(
+            ratio("inprocess_beside_neighbour", "inprocess")
         ),
-        "added_itl_p50_ms": median(lambda s, i: s["median_itl_ms"] - i["median_itl_ms"]),
-        "added_ttft_p50_ms": median(lambda s, i: s["median_ttft_ms"] - i["median_ttft_ms"]),
-        "services_output_tok_s": median(lambda s, i: s["output_throughput"]),
-        "inprocess_output_tok_s": median(lambda s, i: i["output_throughput"]),
-        "detok_tok_s_per_process": detok.get(1, next(iter(detok.values()))),
-        "detok_scaling": {str(n): v for n, v in detok.items()},
+        "services_vs_inprocess_beside_neighbour": median(
+            ratio("services", "inprocess_beside_neighbour")
+        ),
+        "neighbour_cores": median(lambda p: neighbour_cores(p["services"])),
+        "services_cpu_cores": {
+            k: median(lambda p, k=k: p["services"]["cpu_cores"][k]) for k in kinds
+        },
+        "detok_tok_s_per_process": tok_s.get(1, next(iter(tok_s.values()))),
+        "detok_tok_per_cpu_s": float(np.median([v["tok_per_cpu_s"] for v in detok.values()])),
+        "detok_scaling": {str(n): v for n, v in tok_s.items()},
         "concurrency": concurrency,
         "num_pairs": len(pairs),
     }
