@@ -12,9 +12,10 @@ order is the plain `Scheduler`'s. Events come out one step later.
 Invariants that keep the outputs identical to the plain loop:
 
 * Placeholders. A token that is sampled but not processed yet exists on the host only as a
-  negative FutureMap id in `_pending[req]` and in the `input_ids` of the decode batch that
-  feeds it back; never in `req.output_ids`. So max_new_tokens, stop checks, decoding, stop
-  strings and prefix-cache keys (`fill_ids` come from `output_ids`) only see real tokens.
+  negative FutureMap id in the record of its batch and in the `input_ids` of the decode
+  batch that feeds it back; never in `req.output_ids`. So max_new_tokens, stop checks,
+  decoding, stop strings and prefix-cache keys (`fill_ids` come from `output_ids`) only see
+  real tokens.
 * Step positions (seeded sampling) count the token in flight: `len(output_ids) + 1` for a
   request with a placeholder. A sample is only kept if that token was appended (otherwise
   the request finished, was aborted or was retracted), so it always matches the plain loop.
@@ -46,6 +47,7 @@ from engine.model_runner import GenerationBatchResult
 from engine.overlap.executor import Launch, OverlapExecutor, create_executor
 from engine.overlap.future_map import FutureMap
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
 from engine.scheduler.req import Req
 from engine.scheduler.schedule_batch import ScheduleBatch
@@ -63,7 +65,14 @@ class _Record:
     placeholders: list[int]
     launch: Launch
     deferred_sampling: bool
+    num_retractions: int  # the scheduler's count at launch: unchanged means none of these
     prompts_cached: bool = False
+
+    def pending(self) -> dict[Req, int]:
+        """Request -> placeholder of the token this batch samples for it."""
+        out = dict(zip(self.reqs, self.placeholders))
+        out.pop(self.chunked_req, None)  # type: ignore[arg-type]
+        return out
 
 
 class OverlapScheduler(Scheduler):
@@ -85,11 +94,15 @@ class OverlapScheduler(Scheduler):
         self.future_map = FutureMap(max_bs, model_runner.device)
         self.executor = executor or create_executor(model_runner, self.future_map)
         self.vocab_size = model_runner.model_config.vocab_size
-        self._pending: dict[Req, int] = {}  # request -> placeholder of its token in flight
         self._in_flight: deque[_Record] = deque()  # the record buffer: at most two batches
+        # During a step: request -> placeholder, for the batch launched by the previous step
+        # (the only one not processed yet, so the only tokens the host does not have).
+        self._pending: dict[Req, int] = {}
+        self._penalized: set[Req] = set()  # requests whose sampling needs their history
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
+        self._pending = self.placeholders_in_flight()
         batch = self.get_next_batch_to_run()
         record = self._launch(batch) if batch is not None else None
         if self._in_flight and self._in_flight[0] is not record:
@@ -105,6 +118,15 @@ class OverlapScheduler(Scheduler):
 
     def has_work(self) -> bool:
         return bool(self._in_flight) or super().has_work()
+
+    def placeholders_in_flight(self) -> dict[Req, int]:
+        """Between steps: the requests whose next token is sampled but not processed yet."""
+        return self._in_flight[-1].pending() if self._in_flight else {}
+
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
+        super().add_request(rid, input_ids, params)
+        if params.has_penalty:
+            self._penalized.add(self.waiting_queue[-1])
 
     def close(self) -> None:
         """Stop the executor (the forward thread on CPU). Results in flight are dropped."""
@@ -135,7 +157,10 @@ class OverlapScheduler(Scheduler):
     # -- launch ---------------------------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch) -> _Record:
         reqs = batch.reqs
-        deferred = any(r.sampling_params.has_penalty for r in reqs)
+        deferred = False
+        if self._penalized:
+            self._penalized = {r for r in self._penalized if not r.finished}
+            deferred = any(r in self._penalized for r in reqs)
         info = None
         if not deferred:
             pending = self._pending
@@ -143,18 +168,15 @@ class OverlapScheduler(Scheduler):
         slots = self.future_map.alloc_future_indices(len(reqs))
         launch = self.executor.launch_forward(batch.get_model_worker_batch(), slots, info)
         chunked = getattr(batch, "chunked_req", None) if batch.forward_mode.is_extend() else None
-        placeholders = slots.placeholders()
-        for req, placeholder in zip(batch.reqs, placeholders):
-            if req is not chunked:
-                self._pending[req] = placeholder
         record = _Record(
-            list(batch.reqs),
+            list(reqs),
             batch.forward_mode,
             chunked,
-            [r.num_retractions for r in batch.reqs],
-            placeholders,
+            [r.num_retractions for r in reqs],
+            slots.placeholders(),
             launch,
             deferred,
+            self.stats.num_retractions,
         )
         self._in_flight.append(record)
         assert len(self._in_flight) <= 2, "more than two batches in flight"
@@ -181,19 +203,16 @@ class OverlapScheduler(Scheduler):
     # -- results --------------------------------------------------------------------------------
     def _process(self, record: _Record) -> None:
         result = self.executor.wait(record.launch)
-        for req, placeholder in zip(record.reqs, record.placeholders):
-            if self._pending.get(req) == placeholder:
-                del self._pending[req]  # from now on the host has the real token
-        keep = [
-            i
-            for i, (req, n) in enumerate(zip(record.reqs, record.retractions))
-            if req.num_retractions == n
-        ]
-        batch = ScheduleBatch([record.reqs[i] for i in keep], self.pools, record.forward_mode)
+        reqs = record.reqs
+        if self.stats.num_retractions != record.num_retractions:  # some may be retracted
+            keep = [i for i, (r, n) in enumerate(zip(reqs, record.retractions))
+                    if r.num_retractions == n]
+            if len(keep) < len(reqs):
+                reqs = [reqs[i] for i in keep]
+                result = _select_rows(result, keep)
+        batch = ScheduleBatch(reqs, self.pools, record.forward_mode)
         batch.chunked_req = record.chunked_req
         batch.prompts_cached = record.prompts_cached
-        if len(keep) < len(record.reqs):
-            result = _select_rows(result, keep)
         self.output.process_batch_result(batch, result)
 
 
