@@ -12,7 +12,15 @@ latency (mean, median, p99). Backends: `sluice` / `sglang` (`POST /generate`), `
 
 `--measure-disaggregation` instead runs, in one go, the same workload through `sluice
 serve` (started here) and through the in-process engine, plus a detokenizer throughput and
-scaling test; see `benchmarks/serving_disagg.py`.
+scaling test; see `benchmarks/serving_disagg.py`. The recorded result came from
+
+    sluice make-tiny-model /tmp/bench-m2 --hidden-size 256 --num-layers 4 --num-heads 4 \
+        --num-kv-heads 2 --intermediate-size 768 --vocab-size 4096 \
+        --max-position-embeddings 4096          # ~37 ms per decode step at batch 64 on CPU
+    python benchmarks/bench_serving.py --measure-disaggregation --model /tmp/bench-m2 \
+        --num-prompts 192 --random-input-len 64 --random-output-len 128 \
+        --random-range-ratio 0.5 --max-concurrency 64 --repeats 3 --detok-scaling 1,2,4 \
+        --engine-flags "--max-total-tokens 40000 --max-running-requests 64"
 """
 
 from __future__ import annotations
