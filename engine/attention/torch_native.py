@@ -36,6 +36,7 @@ class _Metadata:
     mask: torch.Tensor | None  # [B, 1, Q, max_seq_len] bool; None when nothing is masked
     max_q_len: int
     q_index: torch.Tensor | None = None  # [B * Q] int64 (EXTEND)
+    causal: bool = False  # EXTEND with no cached prefix: SDPA's own causal mask, no `mask`
     out_index: torch.Tensor | None = None  # [num_tokens] int64 (EXTEND)
 
 
@@ -81,6 +82,19 @@ class TorchNativeAttnBackend(AttentionBackend):
         flat_rows = torch.arange(q_valid.numel(), device=device).view_as(q_valid)
         out_index = torch.empty(fb.num_tokens, dtype=torch.int64, device=device)
         out_index[q_index[q_valid]] = flat_rows[q_valid]
+        if max(fb.extend_prefix_lens_cpu) == 0:
+            # Queries and keys are the same right-padded tokens: the top-left causal mask hides
+            # every padded key from every real query (padded query rows are dropped), and SDPA
+            # can then use its fused kernel instead of materialising a [B, 1, Q, L] mask.
+            return _Metadata(
+                kv_index=kv_index,
+                max_seq_len=int(key_pos.shape[0]),
+                mask=None,
+                max_q_len=max_q_len,
+                q_index=q_index.reshape(-1),
+                out_index=out_index,
+                causal=True,
+            )
         return _Metadata(
             kv_index=kv_index,
             max_seq_len=int(key_pos.shape[0]),
@@ -160,7 +174,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=md.mask, scale=layer.scaling
+            q, keys, values, attn_mask=md.mask, is_causal=md.causal, scale=layer.scaling
         )
         out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
         return out.index_select(0, md.out_index)
