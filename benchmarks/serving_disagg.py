@@ -401,7 +401,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         **extra,
     )
     print("wrote", path)
-    _plot(_tok_s(detok), os.path.join(RESULTS_DIR, f"{args.result_name}_detok_scaling.png"))
+    png = os.path.join(RESULTS_DIR, f"{args.result_name}_detok_scaling.png")
+    _plot(_tok_s(detok), png, extra["loadavg_after"][0])
     return summary
 
 
@@ -471,7 +472,7 @@ def _summary(pairs: list[dict], detok: dict[int, dict], concurrency: int) -> dic
     }
 
 
-def _plot(detok: dict[int, float], path: str) -> None:
+def _plot(detok: dict[int, float], path: str, load: float) -> None:
     try:
         import matplotlib
 
@@ -493,7 +494,7 @@ def _plot(detok: dict[int, float], path: str) -> None:
     ax.set_xlabel("detokenizer processes")
     ax.set_ylabel("k tokens / s")
     ax.set_xticks(counts)
-    ax.set_title(f"Detokenizer scaling ({os.cpu_count()} CPU cores)")
+    ax.set_title(f"Detokenizer scaling ({os.cpu_count()} CPU cores, load avg {load:.1f})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
