@@ -7,6 +7,7 @@ from collections import defaultdict
 from enum import Enum, auto
 from typing import Any
 
+from engine.mem_cache.no_cache import NoRadixCache
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
 
 # lpm sorts by cached prefix length; with a long queue the matching costs more than it saves.
@@ -40,6 +41,10 @@ class _PrefixSet:
 
 class SchedulePolicy:
     def __init__(self, policy: str, tree_cache: Any, seed: int = 0) -> None:
+        # Prefix-aware orders mean nothing without a cache (and de-prioritising sharers would
+        # hold them back for hits that never come), as in SGLang.
+        if isinstance(tree_cache, NoRadixCache) and policy in ("lpm", "dfs-weight"):
+            policy = "fcfs"
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)

@@ -216,3 +216,13 @@ def test_random_arrivals_and_aborts_every_request_ends_once() -> None:
         else:
             assert rid in aborted
     assert_no_leaks(s)
+
+
+def test_prefix_policies_fall_back_to_fcfs_without_a_cache() -> None:
+    rng = random.Random(4)
+    shared = rand_prompt(rng, 64)
+    s = create_scheduler(schedule_policy="lpm", disable_radix_cache=True)
+    s.add_request("a", shared + [5], params(max_new_tokens=2))
+    s.add_request("b", shared + [6], params(max_new_tokens=2))
+    s.step()
+    assert s.model_runner.forward_log[0][1] == 2, "nothing to gain by holding b back"
