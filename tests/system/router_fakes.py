@@ -237,6 +237,12 @@ class FakeWorker:
         pipe.execute()
 
 
+def metric(base: str, name: str) -> float:
+    """The sum over its series (workers) of metric `name` from the router's /metrics."""
+    lines = httpx.get(base + "/metrics").text.splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
+
+
 @contextmanager
 def start_router(
     redis_url: str, prefix: str, *extra: str, env: dict[str, str] | None = None

@@ -18,7 +18,14 @@ import httpx2 as httpx
 import pytest
 
 from shared.messages import TokenizeReqMsg
-from tests.system.router_fakes import CONTEXT_LEN, FakeWorker, Plan, default_plan, start_router
+from tests.system.router_fakes import (
+    CONTEXT_LEN,
+    FakeWorker,
+    Plan,
+    default_plan,
+    metric,
+    start_router,
+)
 
 pytest_plugins = ["tests.redis_fixtures"]
 PREFIX = "rt"
@@ -229,7 +236,7 @@ def test_client_disconnect_mid_stream_frees_the_request(redis_url: str, base: st
             got = [line for line, _ in zip(lines, range(6), strict=False) if line]
             assert len(got) >= 2 and slow.running
         wait_for(lambda: len(slow.aborted) == 1 and not slow.running)
-        wait_for(lambda: running_reqs(base) == 0)
+        wait_for(lambda: metric(base, "sglang:num_running_reqs") == 0)
 
 
 def test_cancelled_whole_request_is_aborted_at_the_worker(redis_url: str, base: str) -> None:
@@ -347,20 +354,6 @@ def test_api_key_and_request_timeout(redis_url: str) -> None:
             resp = httpx.post(url + "/v1/completions", json=body, headers=good, timeout=30)
             assert resp.status_code == 504 and resp.json()["error"]["code"] == "timeout"
             assert 1.4 < time.monotonic() - t0 < 5
-
-
-def metric(base: str, name: str) -> float:
-    for line in httpx.get(base + "/metrics").text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
-
-
-def running_reqs(base: str) -> float:
-    lines = httpx.get(base + "/metrics").text.splitlines()
-    return sum(
-        float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("sglang:num_running_reqs{")
-    )
 
 
 def wait_for(cond, timeout: float = 10.0) -> None:  # noqa: ANN001

@@ -21,6 +21,7 @@ from services.detokenize import StepDetokenizer
 from shared.keys import DETOKENIZER_GROUP, detok_stream
 from tests.detok_oracle import matches_decode
 from tests.system.procs import WORKER_TEST_ARGS, Stack, wait_until
+from tests.system.router_fakes import metric
 
 pytest_plugins = ["tests.system.router_stack"]
 
@@ -134,18 +135,13 @@ def test_a_stop_string_cuts_real_output(http_stack: Stack, served_model: str) ->
     assert "".join(streamed) == want
 
 
-def worker_figure(base: str, name: str) -> float:
-    lines = httpx.get(base + "/metrics").text.splitlines()
-    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith(f"sglang:{name}{{"))
-
-
 def test_a_client_that_disconnects_mid_stream_frees_its_request(
     http_stack: Stack, served_model: str
 ) -> None:
     """The worker's KV slots held by running requests (its heartbeat) go back to 0."""
     base = http_stack.router_url
-    wait_until(lambda: worker_figure(base, "num_used_tokens") == 0, 30, what="an idle worker")
-    aborted = worker_figure(base, "num_aborted_requests_total")
+    wait_until(lambda: metric(base, "sglang:num_used_tokens") == 0, 30, what="an idle worker")
+    aborted = metric(base, "sglang:num_aborted_requests_total")
     body = {
         "model": served_model,
         "prompt": "tell me everything",
@@ -158,14 +154,14 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(
         lines = resp.iter_lines()
         for _ in range(10):
             next(lines)
-        wait_until(lambda: worker_figure(base, "num_used_tokens") > 0, 30, what="a running request")
+        wait_until(lambda: metric(base, "sglang:num_used_tokens") > 0, 30, what="a running request")
     wait_until(
-        lambda: worker_figure(base, "num_used_tokens") == 0,
+        lambda: metric(base, "sglang:num_used_tokens") == 0,
         30,
         http_stack.services,
         "the worker to free the request",
     )
-    assert worker_figure(base, "num_aborted_requests_total") == aborted + 1
+    assert metric(base, "sglang:num_aborted_requests_total") == aborted + 1
 
 
 def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
