@@ -225,7 +225,9 @@ class Scheduler:
 
     def _update_stats(self) -> None:
         s = self.stats
-        s.num_running = len(self.running_batch) + (1 if self.chunked_req else 0)
+        # finished requests stay in the batch until the next step filters them out
+        running = sum(not r.finished for r in self.running_batch.reqs)
+        s.num_running = running + (1 if self.chunked_req else 0)
         s.num_waiting = len(self.waiting_queue)
         s.token_usage = self.pools.token_usage()
         s.new_token_ratio = self.new_token_ratio

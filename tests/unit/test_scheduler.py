@@ -172,6 +172,7 @@ def test_abort_waiting_running_and_chunked() -> None:
     for rid in ("run", "chunk", "wait"):
         s.abort_request(rid)
     done = run_all(s)
+    assert s.stats.num_running == 0 and s.stats.num_waiting == 0
     assert {rid: r.finished_reason.type for rid, r in done.items()} == {
         "run": "abort",
         "chunk": "abort",
