@@ -245,8 +245,10 @@ def compare(case: str, bs: int, max_new: int, reps: int) -> dict:
     elif case == "device-matmul":
         reqs = _requests(bs, NULL_VOCAB, max_new)
         t_c = scheduler_time(reqs)
-        unit = forward_time(lambda ov: _null_scheduler(bs, ov, max_new, 1), reqs)
-        compute = max(1, round(t_c / unit))  # T_f = T_c
+        compute = 1
+        for _ in range(2):  # T_f = T_c (the forward also carries the runner's host work)
+            t_f = forward_time(lambda ov, c=compute: _null_scheduler(bs, ov, max_new, c), reqs)
+            compute = max(1, round(compute * t_c / t_f))
 
         def make(ov: bool) -> Scheduler:
             return _null_scheduler(bs, ov, max_new, compute)
