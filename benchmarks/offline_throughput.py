@@ -45,6 +45,16 @@ def shared_prefix_workload(
     return prompts
 
 
+def _throughput(seconds: float, cpu_seconds: float, output_tokens: int) -> dict:
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "output_tokens": output_tokens,
+        "output_tok_s": output_tokens / seconds,
+        "output_tok_per_cpu_s": output_tokens / cpu_seconds,
+    }
+
+
 def run_sluice(path: str, prompts: list[list[int]], outputs: list[int], **kw) -> dict:
     from engine.engine import Engine
 
@@ -59,11 +69,7 @@ def run_sluice(path: str, prompts: list[list[int]], outputs: list[int], **kw) ->
     gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
     return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu,
-        "output_tokens": gen,
-        "output_tok_s": gen / elapsed,
-        "output_tok_per_cpu_s": gen / cpu,
+        **_throughput(elapsed, cpu, gen),
         "cached_tokens": cached,
         "prompt_tokens": sum(len(p) for p in prompts),
         "num_retractions": stats["num_retractions"],
@@ -101,14 +107,7 @@ def run_hf_generate(path: str, prompts: list[list[int]], outputs: list[int]) -> 
             pad_token_id=0,
         )
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu,
-        "output_tokens": sum(outputs),
-        "output_tok_s": sum(outputs) / elapsed,
-        "output_tok_per_cpu_s": sum(outputs) / cpu,
-        "generated_incl_padding": n * len(prompts),
-    }
+    return {**_throughput(elapsed, cpu, sum(outputs)), "generated_incl_padding": n * len(prompts)}
 
 
 def run_hf_cb(path: str, prompts: list[list[int]], outputs: list[int]) -> dict:
@@ -146,13 +145,7 @@ def run_hf_cb(path: str, prompts: list[list[int]], outputs: list[int]) -> dict:
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers continuous batching stopped")
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return {
-        "seconds": elapsed,
-        "cpu_seconds": cpu,
-        "output_tokens": gen,
-        "output_tok_s": gen / elapsed,
-        "output_tok_per_cpu_s": gen / cpu,
-    }
+    return _throughput(elapsed, cpu, gen)
 
 
 def main() -> None:
