@@ -11,12 +11,11 @@ from collections.abc import Iterable
 import redis
 import redis.asyncio as aioredis
 
-from shared.keys import DEFAULT_DLQ_MAXLEN, DEFAULT_PREFIX, DEFAULT_STREAM_MAXLEN, MSG_FIELD
-from shared.keys import dlq_stream as _dlq_stream
+from shared.keys import DEFAULT_PREFIX, MSG_FIELD
 from shared.messages import Message
 from shared.stream_entries import (
-    DEFAULT_MAX_DELIVERIES,
     BadEntry,
+    BusConfig,
     DeadLetter,
     Entry,
     as_text,
@@ -29,33 +28,12 @@ from shared.stream_entries import (
 )
 
 
-class AsyncBus:
+class AsyncBus(BusConfig):
     """Asynchronous bus; see `shared.bus.Bus` for the meaning of every method."""
-
-    def __init__(
-        self,
-        client: aioredis.Redis,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        maxlen: int = DEFAULT_STREAM_MAXLEN,
-        dlq_maxlen: int = DEFAULT_DLQ_MAXLEN,
-        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
-    ) -> None:
-        if client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("AsyncBus needs a Redis client with decode_responses=False")
-        self.redis = client
-        self.prefix = prefix
-        self.maxlen = maxlen
-        self.dlq_maxlen = dlq_maxlen
-        self.max_deliveries = max_deliveries
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kwargs: int) -> AsyncBus:
         return cls(aioredis.Redis.from_url(url), prefix, **kwargs)
-
-    @property
-    def dlq(self) -> str:
-        return _dlq_stream(self.prefix)
 
     async def aclose(self) -> None:
         await self.redis.aclose()

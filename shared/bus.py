@@ -19,12 +19,11 @@ from collections.abc import Iterable
 
 import redis
 
-from shared.keys import DEFAULT_DLQ_MAXLEN, DEFAULT_PREFIX, DEFAULT_STREAM_MAXLEN, MSG_FIELD
-from shared.keys import dlq_stream as _dlq_stream
+from shared.keys import DEFAULT_PREFIX, MSG_FIELD
 from shared.messages import Message
 from shared.stream_entries import (
-    DEFAULT_MAX_DELIVERIES,
     BadEntry,
+    BusConfig,
     DeadLetter,
     Entry,
     as_text,
@@ -39,33 +38,12 @@ from shared.stream_entries import (
 __all__ = ["Bus", "DeadLetter", "Entry"]
 
 
-class Bus:
+class Bus(BusConfig):
     """Synchronous bus. `maxlen` trims every stream published to (`MAXLEN ~`)."""
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        prefix: str = DEFAULT_PREFIX,
-        *,
-        maxlen: int = DEFAULT_STREAM_MAXLEN,
-        dlq_maxlen: int = DEFAULT_DLQ_MAXLEN,
-        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
-    ) -> None:
-        if client.get_connection_kwargs().get("decode_responses"):
-            raise ValueError("Bus needs a Redis client with decode_responses=False")
-        self.redis = client
-        self.prefix = prefix
-        self.maxlen = maxlen
-        self.dlq_maxlen = dlq_maxlen
-        self.max_deliveries = max_deliveries
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kwargs: int) -> Bus:
         return cls(redis.Redis.from_url(url), prefix, **kwargs)
-
-    @property
-    def dlq(self) -> str:
-        return _dlq_stream(self.prefix)
 
     def ensure_group(self, stream: str, group: str, start_id: str = "0") -> bool:
         """Create `group` on `stream` (and the stream); False if it already existed.

@@ -9,10 +9,17 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
-from shared.keys import MSG_FIELD
+from shared.keys import (
+    DEFAULT_DLQ_MAXLEN,
+    DEFAULT_PREFIX,
+    DEFAULT_STREAM_MAXLEN,
+    MSG_FIELD,
+    dlq_stream,
+)
 from shared.messages import Message, MessageError, decode_message
 
 logger = logging.getLogger(__name__)
@@ -132,3 +139,30 @@ def sort_claimed(
             raw_entries.append((eid, fields))
     good, bad, gone = split_entries(raw_entries)
     return good, bad + poison, gone
+
+
+class BusConfig:
+    """What both buses hold: a Redis client that returns bytes, the key prefix and limits."""
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str = DEFAULT_PREFIX,
+        *,
+        maxlen: int = DEFAULT_STREAM_MAXLEN,
+        dlq_maxlen: int = DEFAULT_DLQ_MAXLEN,
+        max_deliveries: int = DEFAULT_MAX_DELIVERIES,
+    ) -> None:
+        if client.get_connection_kwargs().get("decode_responses"):
+            raise ValueError(
+                f"{type(self).__name__} needs a Redis client with decode_responses=False"
+            )
+        self.redis = client
+        self.prefix = prefix
+        self.maxlen = maxlen
+        self.dlq_maxlen = dlq_maxlen
+        self.max_deliveries = max_deliveries
+
+    @property
+    def dlq(self) -> str:
+        return dlq_stream(self.prefix)
