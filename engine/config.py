@@ -123,6 +123,9 @@ class EngineArgs:
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
     skip_tokenizer_init: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -141,6 +144,23 @@ class EngineArgs:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens is too small for one page")
+        self._check_cuda_graph_args()
+
+    def _check_cuda_graph_args(self) -> None:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is None:
+            return
+        sizes = tuple(int(bs) for bs in self.cuda_graph_bs)
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"cuda_graph_bs must be batch sizes >= 1, got {list(sizes)}")
+        if self.cuda_graph_max_bs is not None and max(sizes) > self.cuda_graph_max_bs:
+            raise ValueError(
+                f"cuda_graph_bs {list(sizes)} has sizes above cuda_graph_max_bs "
+                f"{self.cuda_graph_max_bs}"
+            )
+        # Frozen: normalise a CLI list (or any iterable) to a sorted tuple of unique sizes.
+        object.__setattr__(self, "cuda_graph_bs", tuple(sorted(set(sizes))))
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineArgs:
@@ -155,6 +175,29 @@ class EngineArgs:
         if self.attention_backend:
             return self.attention_backend
         return "flashinfer" if self.device.startswith("cuda") else "torch_native"
+
+    @property
+    def use_cuda_graph(self) -> bool:
+        """Decode graphs are a CUDA feature; on any other device they are simply off."""
+        return self.device.startswith("cuda") and not self.disable_cuda_graph
+
+    @property
+    def resolved_cuda_graph_bs(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture, ascending.
+
+        Default: 1, 2, 4, 8, then every multiple of 8 up to the largest size (which is
+        `cuda_graph_max_bs`, else min(max_running_requests, 256)), that size included. A batch
+        is padded to the next captured size, so past 8 a step computes at most 7 padded rows;
+        decode is bound by reading the weights, so those rows cost little, while the number of
+        graphs (capture time, graph memory) stays near max_bs / 8.
+        """
+        if self.cuda_graph_bs is not None:
+            return self.cuda_graph_bs
+        max_bs = self.cuda_graph_max_bs or min(self.max_running_requests, 256)
+        sizes = {bs for bs in (1, 2, 4, 8) if bs <= max_bs}
+        sizes.update(range(16, max_bs + 1, 8))
+        sizes.add(max_bs)
+        return tuple(sorted(sizes))
 
     @property
     def min_new_token_ratio(self) -> float:

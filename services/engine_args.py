@@ -35,6 +35,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
     g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument("--disable-cuda-graph", action="store_true")
+    g.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch captured in a CUDA graph (default min(max running, 256))",
+    )
+    g.add_argument(
+        "--cuda-graph-bs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decode batch sizes to capture (default 1 2 4 8 16 24 ... up to the max)",
+    )
 
 
 def ensure_model(path: str | None) -> str:
