@@ -421,6 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--detok-scaling", default="1,2,4", help="detokenizer counts to measure")
     g.add_argument("--detok-steps", type=int, default=1000, help="synthetic steps per run")
     g.add_argument("--detok-batch", type=int, default=64, help="requests per synthetic step")
+    g.add_argument(
+        "--engine-cores",
+        default=None,
+        help="e.g. '0': the in-process engine and the worker run on these cores with one "
+        "torch thread per core; the client and the other services on the remaining cores "
+        "(a GPU host's layout: the model's compute does not share cores with the services)",
+    )
     g.add_argument("--result-name", default="bench_serving_disagg")
     return p
 

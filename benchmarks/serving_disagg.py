@@ -18,6 +18,13 @@
    capacity per core, which a busy machine does not distort). For each N in
    `--detok-scaling`.
 
+`--engine-cores 0` pins the in-process engine and the worker to the given cores (one torch
+thread each) and the client and every other service to the remaining cores, for 1 and 2: the
+model's compute then gets the same cores on both sides, as on a GPU host where it runs on the
+device and the services have cores of their own; the CPU-neighbour control is skipped. Without
+it all processes share all cores (on a small machine, what the services cost is then mostly
+the CPU they take from the worker's matmuls).
+
 Writes `benchmarks/results/<--result-name>.json` (summary: `services_vs_inprocess` = output
 throughput ratio, `added_itl_p50_ms`, `detok_tok_s_per_process`, the control's ratio and the
 CPU each service used) and a PNG of the scaling.
@@ -125,6 +132,60 @@ def _closed_loop(
     return outputs, time.perf_counter() - start
 
 
+# -- pinning (--engine-cores) --------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Pinning:
+    engine: set[int]  # the in-process engine, the worker
+    rest: set[int]  # the client, the router, tokenizers, detokenizers, redis
+
+    @classmethod
+    def parse(cls, spec: str | None) -> Pinning | None:
+        if not spec:
+            return None
+        engine = {int(c) for c in spec.split(",")}
+        rest = set(os.sched_getaffinity(0)) - engine
+        if not engine <= set(os.sched_getaffinity(0)) or not rest:
+            raise SystemExit(f"--engine-cores {spec}: need a subset of the cores, leaving some")
+        return cls(engine, rest)
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of `pid` (threads created later inherit their creator's affinity)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cores)
+
+
+@contextlib.contextmanager
+def engine_cores(pinning: Pinning | None) -> Iterator[None]:
+    """This process on the engine's cores, with one torch thread per core, then back."""
+    if pinning is None:
+        yield
+        return
+    import torch
+
+    threads = torch.get_num_threads()
+    pin(os.getpid(), pinning.engine)
+    torch.set_num_threads(len(pinning.engine))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        pin(os.getpid(), pinning.rest)
+
+
+def pin_services(serve: psutil.Process, pinning: Pinning) -> dict[str, list[int]]:
+    """The worker on the engine's cores, everything else (and this client) on the rest."""
+    placed: dict[str, list[int]] = {}
+    for p in [serve, *serve.children(recursive=True)]:
+        kind = next((k for k in _KINDS if k in " ".join(p.cmdline())), "serve")
+        cores = pinning.engine if kind == "worker" else pinning.rest
+        pin(p.pid, cores)
+        placed[f"{kind}:{p.pid}"] = sorted(cores)
+    pin(os.getpid(), pinning.rest)
+    return placed
+
+
 # -- 2. services ----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def serving(
@@ -147,7 +208,10 @@ def serving(
         str(args.detokenizers),
         *flags,
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    env = dict(os.environ)
+    if args.pinning is not None:  # one torch thread per engine core, as in-process
+        env["OMP_NUM_THREADS"] = str(len(args.pinning.engine))
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, env=env)
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_healthy(base, proc, timeout_s=600)
@@ -357,10 +421,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     flags = shlex.split(args.engine_flags)
     args.max_concurrency = args.max_concurrency or 64
     tokenizer = load_tokenizer(model)
-    engine = make_engine(model, flags)
+    args.pinning = Pinning.parse(args.engine_cores)
+    with engine_cores(args.pinning):
+        engine = make_engine(model, flags)
     pairs = []
     try:
         with serving(model, flags, args) as (base, serve):
+            if args.pinning is not None:
+                extra["pinned"] = pin_services(serve, args.pinning)
+                print("pinned:", extra["pinned"])
             for k in range(args.repeats):
                 requests = make_requests(args, tokenizer, seed=args.seed + k)
                 pair = _run_pair(k, engine, base, serve, requests, args)
@@ -390,6 +459,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "detokenizers",
         "detok_steps",
         "detok_batch",
+        "engine_cores",
     )
     extra["loadavg_after"] = os.getloadavg()
     path = write_result(
@@ -418,13 +488,18 @@ def _run_pair(
     were (that one after the services run it copies); who goes first alternates."""
     concurrency = args.max_concurrency
     pair: dict[str, dict] = {}
+    def inprocess() -> dict:
+        with engine_cores(args.pinning):
+            return run_inprocess(engine, requests, concurrency)
+
     if k % 2 == 0:
-        pair["inprocess"] = run_inprocess(engine, requests, concurrency)
+        pair["inprocess"] = inprocess()
     pair["services"] = run_services(base, serve, requests, args)
-    with cpu_neighbour(neighbour_cores(pair["services"])):
-        pair["inprocess_beside_neighbour"] = run_inprocess(engine, requests, concurrency)
+    if args.pinning is None:  # pinned, the services' CPU is not the worker's
+        with cpu_neighbour(neighbour_cores(pair["services"])):
+            pair["inprocess_beside_neighbour"] = inprocess()
     if k % 2 == 1:
-        pair["inprocess"] = run_inprocess(engine, requests, concurrency)
+        pair["inprocess"] = inprocess()
     return pair
 
 
@@ -437,10 +512,14 @@ def _summary(pairs: list[dict], detok: dict[int, dict], concurrency: int) -> dic
         for side in pairs[0]
     }
 
-    def ratio(a: str, b: str) -> float:
+    def ratio(a: str, b: str) -> float | None:
+        if a not in best or b not in best:  # no control run (pinned)
+            return None
         return best[a]["output_throughput"] / best[b]["output_throughput"]
 
-    def paired(a: str, b: str) -> float:
+    def paired(a: str, b: str) -> float | None:
+        if a not in best or b not in best:
+            return None
         return float(
             np.median([p[a]["output_throughput"] / p[b]["output_throughput"] for p in pairs])
         )
