@@ -33,10 +33,49 @@ class AttentionBackend(ABC):
 
     Shapes: q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim];
     returns [num_tokens, num_heads * head_dim] in q's dtype.
+
+    A backend whose decode forward can be captured in a CUDA graph sets `supports_cuda_graph`
+    and implements the three `*cuda_graph*` hooks below; the others keep the defaults.
     """
+
+    # -- CUDA graphs (decode only; see engine/cuda_graph_runner.py) --------------------------
+    supports_cuda_graph: bool = False
+    # seq_len given to the padded rows of a captured batch (their req_to_token row points at
+    # KV slot 0, and their new token is written to slot 0, which is never handed out)
+    cuda_graph_seq_len_fill_value: int = 1
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None: ...
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Allocate, once, the device tensors that captured decode graphs will read as
+        metadata, sized for batches of up to `max_bs` requests of up to `max_context_len`
+        tokens. Called before any capture."""
+        raise NotImplementedError
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Like `init_forward_metadata`, for a DECODE batch about to be captured.
+
+        `forward_batch` has `bs` rows (the captured size); its tensors (`input_ids`,
+        `positions`, `out_cache_loc`, `req_pool_indices`, `seq_lens`) are the graph runner's
+        static buffers cut to `bs`, `req_to_token` is the pool's tensor, and `seq_lens_cpu`
+        holds `cuda_graph_seq_len_fill_value` for every row. Every device tensor that
+        `forward` will read must live in the state of `init_cuda_graph_state` (or be one of
+        the batch's static buffers): the graph keeps reading those addresses on replay.
+        """
+        raise NotImplementedError
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        """Refresh, in place, the metadata of the captured graph of size `forward_batch.
+        batch_size`, right before it replays (outside the graph).
+
+        The runner has already copied the real batch into the static buffers and padded it:
+        rows past the real batch have `seq_lens_cpu` (and `seq_lens`) equal to
+        `cuda_graph_seq_len_fill_value`, `out_cache_loc` 0, and a `req_pool_indices` row whose
+        `req_to_token` entries are all slot 0. Nothing the graph reads may be reallocated here:
+        write into the tensors of `init_cuda_graph_state` (copies, in-place ops).
+        """
+        raise NotImplementedError
 
     @abstractmethod
     def forward(
