@@ -53,7 +53,7 @@ _WORKER_GAUGES = (
     ("max_total_num_tokens", "KV-cache slots of the worker.", "max_total_num_tokens"),
     (
         "num_retracted_reqs",
-        "Requests retracted to the queue for lack of memory.",
+        "Requests the worker retracted to its queue for lack of KV memory (since it started).",
         "num_retracted_reqs",
     ),
 )
@@ -151,7 +151,7 @@ class RouterMetrics:
         for prefix in PREFIXES:
             for name, help, attr in _WORKER_GAUGES:
                 samples = [
-                    ({**base, "worker_id": wid}, getattr(load, attr, 0))
+                    ({**base, "worker_id": wid}, getattr(load, attr))
                     for wid, load in sorted(workers.items())
                 ]
                 lines += _family(f"{prefix}:{name}", "gauge", help, samples)

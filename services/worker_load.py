@@ -24,6 +24,7 @@ class LoadFigures:
     num_cached_tokens: int = 0
     token_usage: float = 0.0
     generation_tokens: int = 0
+    num_retracted: int = 0
 
 
 class LoadReporter:
@@ -51,6 +52,7 @@ class LoadReporter:
             cached,
             stats.token_usage,
             stats.generation_tokens,
+            stats.num_retractions,
         )
 
     def payload(self) -> WorkerLoadMsg:
@@ -74,4 +76,5 @@ class LoadReporter:
             host=os.uname().nodename,
             pid=os.getpid(),
             updated_at=time.time(),
+            num_retracted_reqs=f.num_retracted,
         )

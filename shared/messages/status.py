@@ -13,11 +13,13 @@ class WorkerLoadMsg(Message):
 
     Token figures count KV-cache slots: `num_used_tokens` of `max_total_num_tokens` are
     held by running requests (`token_usage` is their ratio, 0..1); `num_cached_tokens` are
-    held only by the prefix cache and can be evicted. `updated_at` is `time.time()`.
+    held only by the prefix cache and can be evicted. `num_retracted_reqs` counts the
+    requests the worker has retracted to its queue for lack of KV memory since it started.
+    `updated_at` is `time.time()`.
     """
 
     TAG = "worker_load"
-    VERSION = 1
+    VERSION = 2
 
     worker_id: str
     model: str
@@ -33,6 +35,7 @@ class WorkerLoadMsg(Message):
     host: str
     pid: int
     updated_at: float
+    num_retracted_reqs: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ import re
 
 from services.router_metrics import RouterMetrics
 from services.router_workers import WorkerTable
+from services.worker_load import LoadReporter
 from shared.messages import WorkerLoadMsg
 
 
@@ -87,3 +88,37 @@ def test_metrics_export_sglang_and_sluice_names_in_valid_text_format() -> None:
         assert abs(samples[f"{prefix}:time_per_output_token_seconds_sum{base}"] - 0.12425) < 1e-9
         e2e = f"{prefix}:e2e_request_latency_seconds_bucket"
         assert samples[e2e + '{model_name="tiny",le="+Inf"}'] == 2
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            match = SAMPLE.match(line)
+            assert match, line
+            out[match.group(1) + (match.group(2) or "")] = float(match.group(3))
+    return out
+
+
+def test_retractions_of_a_worker_reach_metrics_through_its_heartbeat() -> None:
+    """A scheduler forced to retract (a tiny KV pool): the worker's load payload carries its
+    count and the router exports it as `num_retracted_reqs` (it was a constant 0 once)."""
+    import random
+
+    from tests.fake_runner import create_scheduler
+    from tests.unit.test_scheduler import params, rand_prompt, run_all
+
+    rng = random.Random(1)
+    s = create_scheduler(max_total_tokens=256, chunked_prefill_size=64, max_prefill_tokens=128)
+    for i in range(12):
+        s.add_request(f"r{i}", rand_prompt(rng, rng.randint(5, 30)), params(max_new_tokens=40))
+    run_all(s)
+    assert s.stats.num_retractions > 0
+    reporter = LoadReporter(s, "w0", "tiny")
+    reporter.refresh()
+    beat = reporter.payload()
+    assert beat.num_retracted_reqs == s.stats.num_retractions
+    samples = _samples(RouterMetrics("tiny").render({"w0": beat}))
+    worker = '{model_name="tiny",worker_id="w0"}'
+    for prefix in ("sluice", "sglang"):
+        assert samples[f"{prefix}:num_retracted_reqs{worker}"] == s.stats.num_retractions
