@@ -276,9 +276,10 @@ class Formatter:
         }
 
     def _generate_obj(self, c: Choice, ids: list[int], text: str) -> dict[str, Any]:
+        reason = c.finish_reason
         meta: dict[str, Any] = {
             "id": c.rid,
-            "finish_reason": c.finish_reason.to_dict() if c.finish_reason else None,
+            "finish_reason": reason.to_dict(length=len(ids)) if reason else None,
             "prompt_tokens": c.usage.prompt_tokens if c.usage else None,
             "completion_tokens": c.usage.completion_tokens if c.usage else len(ids),
             "cached_tokens": c.usage.cached_tokens if c.usage else None,

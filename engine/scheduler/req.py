@@ -16,17 +16,31 @@ CLIP_MAX_NEW_TOKENS = 4096
 
 @dataclass(frozen=True)
 class FinishReason:
-    """`type` is "stop" (EOS, stop token or stop string), "length" or "abort"."""
+    """`type` is "stop" (EOS, stop token or stop string: `matched`), "length" (the limit
+    reached: `length`) or "abort" (`message`). `to_dict` is SGLang's JSON form."""
 
     type: str
     matched: int | str | None = None
     message: str | None = None
+    length: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
-        if self.message is not None:
-            out["message"] = self.message
-        return out
+        return finish_reason_dict(self.type, self.matched, self.message, self.length)
+
+
+def finish_reason_dict(
+    type: str, matched: int | str | None, message: str | None, length: int | None
+) -> dict[str, Any]:
+    """As SGLang's `meta_info.finish_reason`: {"type": "stop", "matched": 2},
+    {"type": "length", "length": 16}, {"type": "abort", "message": "..."}."""
+    out: dict[str, Any] = {"type": type}
+    if type == "stop":
+        out["matched"] = matched
+    if type == "length" and length is not None:
+        out["length"] = length
+    if message is not None:
+        out["message"] = message
+    return out
 
 
 class Req:
@@ -113,7 +127,7 @@ class Req:
             return
         params = self.sampling_params
         if len(self.output_ids) >= params.max_new_tokens:
-            self.finished_reason = FinishReason("length", params.max_new_tokens)
+            self.finished_reason = FinishReason("length", length=params.max_new_tokens)
             return
         last = self.output_ids[-1] if self.output_ids else None
         if last is not None:
@@ -127,7 +141,7 @@ class Req:
                 self.finished_reason = FinishReason("stop", matched)
                 return
         if self.seqlen >= context_len:
-            self.finished_reason = FinishReason("length", context_len)
+            self.finished_reason = FinishReason("length", length=context_len)
 
     def _match_stop_str(self, tokenizer: Any | None) -> str | None:
         stops = self.sampling_params.stop_strs

@@ -33,9 +33,14 @@ class FinishReason(Record):
         if self.type != "stop" and self.matched is not None:
             raise MessageError(f"FinishReason: matched is only valid for 'stop', not {self.type!r}")
 
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON form the HTTP API returns (no `message` key unless set)."""
-        out: dict[str, Any] = {"type": self.type, "matched": self.matched}
+    def to_dict(self, length: int | None = None) -> dict[str, Any]:
+        """SGLang's JSON form (`meta_info.finish_reason`): `matched` for "stop", `length`
+        (the caller knows it: the tokens generated) for "length", `message` when set."""
+        out: dict[str, Any] = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length" and length is not None:
+            out["length"] = length
         if self.message is not None:
             out["message"] = self.message
         return out

@@ -83,3 +83,20 @@ def test_logprobs_shapes_of_completions_and_chat() -> None:
     chat = formatter("chat", logprobs=True)._logprobs([7, 8], lps, tops)["content"]
     assert chat[0]["token"] == "token_id:7" and chat[0]["bytes"] == list(b"token_id:7")
     assert [t["logprob"] for t in chat[1]["top_logprobs"]] == [-1.0, -1.5]
+
+
+@pytest.mark.parametrize(
+    ("reason", "expected"),
+    [
+        (FinishReason("length"), {"type": "length", "length": 3}),
+        (FinishReason("stop", 2), {"type": "stop", "matched": 2}),
+        (FinishReason("abort", message="gone"), {"type": "abort", "message": "gone"}),
+    ],
+)
+def test_generate_meta_finish_reason_has_sglang_shape(reason: FinishReason, expected: dict) -> None:
+    """`/generate`'s `meta_info.finish_reason` as SGLang writes it: a length finish carries
+    the length (not a null `matched`), a stop its match, an abort its message."""
+    c = Choice(0, rid="r0", output_ids=[4, 5, 6])
+    c.add(Delta(text="", output_ids=[], finish_reason=reason, usage=Usage(2, 3, 0)))
+    meta = formatter("generate")._generate_obj(c, [4, 5, 6], "abc")["meta_info"]
+    assert meta["finish_reason"] == expected

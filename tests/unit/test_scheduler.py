@@ -146,7 +146,7 @@ def test_finish_reasons() -> None:
     s.add_request("len", p, params(max_new_tokens=4))
     s.add_request("stop_id", p, params(max_new_tokens=10, stop_token_ids=[out[2]]))
     done = run_all(s)
-    assert done["len"].finished_reason.to_dict() == {"type": "length", "matched": 4}
+    assert done["len"].finished_reason.to_dict() == {"type": "length", "length": 4}
     assert done["stop_id"].finished_reason.to_dict() == {"type": "stop", "matched": out[2]}
     assert done["stop_id"].output_ids == out[:3]
 
