@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.attention.base import create_attention_backend
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
+from engine.cuda_graph_runner import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.loader import load_model
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
@@ -17,6 +20,11 @@ from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from engine.overlap.future_map import FutureMap
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +58,9 @@ class ModelRunner:
         self.max_total_tokens = self._kv_budget_tokens()
         mc = model_config
         self.req_to_token_pool = ReqToTokenPool(
-            args.max_running_requests + 1, mc.context_len + 8, self.device
+            args.max_running_requests + 2, mc.context_len + 8, self.device
         )
+        self.padding_req_row = _reserve_last_row(self.req_to_token_pool)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.page_size, self.device)
         self.kv_pool = KVPool(
             self.max_total_tokens + self.page_size,
@@ -71,6 +80,17 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         logger.info("KV pool: %d tokens, page size %d", self.max_total_tokens, self.page_size)
+        self.graph_runner: CudaGraphRunner | None = None
+        # the seam for tests: how graphs are recorded (CPU tests replay them eagerly)
+        self.graph_capturer_factory: Callable[[torch.device], GraphCapturer] = CudaGraphCapturer
+        self.use_cuda_graph = args.use_cuda_graph and self.attn_backend.supports_cuda_graph
+        if args.use_cuda_graph and not self.use_cuda_graph:
+            logger.info(
+                "CUDA graphs off: the %s backend cannot be captured",
+                type(self.attn_backend).__name__,
+            )
+        if self.use_cuda_graph and args.disable_overlap_schedule:
+            self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
 
     def _kv_budget_tokens(self) -> int:
         mc = self.model_config
@@ -119,9 +139,54 @@ class ModelRunner:
         return fb
 
     @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, forward_batch: ForwardBatch, future_map: FutureMap | None = None
+    ) -> torch.Tensor:
+        """Logits of the batch: replayed from a CUDA graph when one fits, else eager.
+
+        With `future_map`, the batch's input ids may hold placeholders, resolved on the device
+        before the model reads them (inside the graph, or first thing in the eager path).
+        """
+        graphs = self._graphs_for(future_map)
+        if graphs is not None and graphs.can_run(forward_batch, future_map):
+            return graphs.replay(forward_batch)
+        if future_map is not None:
+            future_map.resolve_future(forward_batch.input_ids)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:
+        """(Re)capture the decode graphs of every size in `args.resolved_cuda_graph_bs`,
+        resolving placeholders from `future_map` when given (see engine/cuda_graph_runner.py)."""
+        if self.graph_runner is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no replay of the old graphs in flight
+            self.graph_runner = None  # free the old graphs before recording new ones
+        sizes = self.args.resolved_cuda_graph_bs
+        start = time.perf_counter()
+        runner = CudaGraphRunner(
+            self, sizes, future_map, capturer=self.graph_capturer_factory(self.device)
+        )
+        runner.capture()
+        self.graph_runner = runner
+        logger.info(
+            "CUDA graphs: captured decode batch sizes %s in %.1f s%s",
+            list(sizes),
+            time.perf_counter() - start,
+            " (resolving FutureMap placeholders)" if future_map is not None else "",
+        )
+
+    def _graphs_for(self, future_map: FutureMap | None) -> CudaGraphRunner | None:
+        """The graph runner for a forward with `future_map`, capturing first if there is none
+        yet or if it resolves from another map (the overlap scheduler's map is created after
+        the model runner: its first forward captures; a map stays for the scheduler's life)."""
+        if not self.use_cuda_graph:
+            return None
+        graphs = self.graph_runner
+        if graphs is None or (future_map is not None and graphs.future_map is not future_map):
+            self.capture_cuda_graphs(future_map)
+        return self.graph_runner
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, mwb: ModelWorkerBatch) -> GenerationBatchResult:
@@ -139,3 +204,15 @@ class ModelRunner:
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         logits = self.forward(self.build_forward_batch(mwb))
         return self.sample(logits, mwb)
+
+
+def _reserve_last_row(pool: ReqToTokenPool) -> int:
+    """Take the pool's last row out of circulation and return its index.
+
+    Padded rows of captured decode batches point there: no request ever owns the row, so its
+    entries stay 0 (KV slot 0, never handed out). The pool then counts one row fewer (`size`,
+    free rows, leak checks), as if the row were not there.
+    """
+    pool.size -= 1
+    pool.clear()
+    return pool.size

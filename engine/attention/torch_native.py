@@ -16,6 +16,11 @@ Each layer then does one scatter of the new K/V into the pool, one gather of K a
 one `scaled_dot_product_attention`. GQA decode folds the query heads of a group into the
 query-length axis ([B, kv_heads, group, D]) instead of repeating K/V, which is much faster on
 CPU; extend repeats K/V per group.
+
+No CUDA graphs (`supports_cuda_graph` stays False): the gather width and the mask are sized by
+the batch's longest sequence, a host value, so every decode step has new shapes. A capturable
+variant would have to gather every request's whole context (`max_context_len` keys per row and
+layer), far slower than the eager one it replaces.
 """
 
 from __future__ import annotations

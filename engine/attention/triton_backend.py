@@ -11,6 +11,12 @@ Per layer, `forward` stores the new K/V at `out_cache_loc` with the store kernel
 the decode kernel (every key read from the pool through `req_to_token`) or the extend kernel
 (prefix from the pool, the new tokens from k/v directly). Without CUDA the kernels run only
 under `TRITON_INTERPRET=1`, which is how this backend is tested on CPU.
+
+CUDA graphs (decode): the kernels' launch shapes depend on the batch size only (the split
+count is fixed), and everything they read per batch is a tensor the graph runner keeps static
+(`req_pool_indices`, `seq_lens`, `out_cache_loc`, `req_to_token`) besides the scratch. So the
+graph state is one scratch of `max_bs` rows (a slice per captured size) and replay has nothing
+to refresh on the device.
 """
 
 from __future__ import annotations
@@ -56,6 +62,9 @@ class TritonAttnBackend(AttentionBackend):
         # interpreter, tests only) every program is Python, so fewer is faster.
         self.num_kv_splits = num_kv_splits or (8 if self.device.type == "cuda" else 2)
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
+        self.model_config = kwargs.get("model_config")  # query heads and head_dim, for graphs
+        self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_metadata: dict[int, _DecodeMetadata] = {}  # captured batch size -> its own
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -73,6 +82,34 @@ class TritonAttnBackend(AttentionBackend):
                 extend_start_loc=fb.extend_start_loc,
                 max_extend_len=max(fb.extend_seq_lens_cpu),
             )
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    supports_cuda_graph = True
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        mc = self.model_config
+        if mc is None:
+            raise RuntimeError("TritonAttnBackend: CUDA graphs need model_config (query heads)")
+        heads, head_dim = mc.num_heads, mc.head_dim  # type: ignore[attr-defined]
+        self._graph_scratch = decode_scratch(
+            max_bs, heads, head_dim, self.num_kv_splits, self.device
+        )
+        self._graph_metadata = {}
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
+        assert self._graph_scratch is not None, "init_cuda_graph_state was not called"
+        bs = forward_batch.batch_size
+        mid_o, mid_lse = self._graph_scratch
+        self._graph_metadata[bs] = _DecodeMetadata(scratch=(mid_o[:bs], mid_lse[:bs]))
+        self.metadata = self._graph_metadata[bs]
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        # Nothing on the device to refresh (see the module docstring); what a replay computes
+        # is what the capture recorded with this size's metadata, which `metadata` names again
+        # for anything that runs the forward's Python after the replay (an eager test double).
+        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
+        self.metadata = self._graph_metadata[forward_batch.batch_size]
 
     def forward(
         self,

@@ -1,0 +1,241 @@
+"""Decode forwards replayed from CUDA graphs, one graph per captured batch size.
+
+A decode step of a small batch launches hundreds of small kernels; on a GPU the host's launch
+time then exceeds the device's compute. A CUDA graph records a step's launches once and
+replays them with one call. A graph replays exactly what it recorded (the same kernels, the
+same shapes, the same device addresses), hence the layout here:
+
+* static buffers of `max_bs` rows: `input_ids`, `positions`, `out_cache_loc`,
+  `req_pool_indices`, `seq_lens` (int64), and `logits` [max_bs, vocab] (float32). The graph of
+  size `bs` reads and writes their first `bs` rows; the model reads the KV pool and the pool's
+  `req_to_token` (fixed tensors) and the attention backend's graph state
+  (`AttentionBackend.init_cuda_graph_state`);
+* a batch of `n` requests replays the graph of the smallest captured size `bs >= n`. Rows
+  `n..bs-1` are padding: input id 0 at position 0, written to KV slot 0 (never handed out),
+  attending over `cuda_graph_seq_len_fill_value` keys of the model runner's padding row of
+  `req_to_token` (a row no request owns; all its entries are slot 0). Rows never mix in a
+  decode forward, so padding cannot change a real row's logits;
+* the logits are copied inside the graph into the static `logits`, and `replay` returns a
+  view of its first `n` rows, valid until the next replay. Device work is stream-ordered, so
+  anything enqueued before the next replay (sampling) reads this step's values. The copy
+  costs one pass over [bs, vocab] float32 per step and bounds the graphs' output memory to
+  one buffer: the graphs share one memory pool (captured largest first, so the smaller ones
+  reuse its blocks), and outputs left alive in the pool would add up to sum(sizes) x vocab.
+
+FutureMap: a runner is bound to at most one `FutureMap` for its lifetime (`future_map`, given
+at construction). When bound, every graph starts by resolving the placeholders of the static
+`input_ids` from that map (`FutureMap.resolve_future`: a Triton kernel on CUDA whose grid
+depends on `bs` only and whose buffer never moves), so `replay` copies the raw ids, negative
+placeholders included. Resolution of ids that are all real is a no-op, so a bound runner
+also serves batches without a map. The overlap scheduler creates its map after the model
+runner; the model runner therefore captures at its first forward that brings a map it has
+not seen (see `ModelRunner.forward`).
+
+The capture mechanism is a seam (`GraphCapturer`): `CudaGraphCapturer` records real graphs;
+`EagerGraphCapturer` "captures" by keeping the step function and "replays" by running it
+again on the static buffers, which lets CPU tests run the whole replay path (buffers, padding,
+backend metadata hooks, in-graph resolution).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from engine.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from engine.overlap.future_map import FutureMap
+
+
+class Graph(Protocol):
+    def replay(self) -> None: ...
+
+
+class GraphCapturer(Protocol):
+    def capture(self, step: Callable[[], None]) -> Graph:
+        """Record `step` (which reads and writes only long-lived tensors) as a graph."""
+        ...
+
+
+class CudaGraphCapturer:
+    """torch.cuda graphs on a side stream, all in one memory pool.
+
+    Before each capture `step` runs `num_warmups` times on the capture stream, as torch
+    requires: that compiles the Triton kernels of this batch size (their specialisation
+    depends on integer arguments such as the number of tokens) and lets cuBLAS set up its
+    workspace for the stream, neither of which may happen during capture.
+    """
+
+    def __init__(self, device: torch.device | str, num_warmups: int = 2) -> None:
+        self.device = torch.device(device)
+        self.num_warmups = num_warmups
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
+
+    def capture(self, step: Callable[[], None]) -> Graph:
+        with torch.cuda.device(self.device):
+            # the static buffers were filled on the current stream
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                for _ in range(self.num_warmups):
+                    step()
+            graph = torch.cuda.CUDAGraph()
+            # torch.cuda.graph synchronizes the device first (the warm-ups are done)
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+                step()
+            torch.cuda.current_stream().wait_stream(self.stream)
+        return graph
+
+
+class EagerGraphCapturer:
+    """The CPU stand-in for `CudaGraphCapturer`: the "graph" runs `step` again on replay.
+
+    Unlike a real graph it re-runs the step's Python, so it cannot catch a step that depends
+    on host values; it does run every device-side path of the runner exactly as a replay.
+    """
+
+    def capture(self, step: Callable[[], None]) -> Graph:
+        step()  # the warm-up
+        return _EagerGraph(step)
+
+
+class _EagerGraph:
+    def __init__(self, step: Callable[[], None]) -> None:
+        self.step = step
+        self.num_replays = 0
+
+    def replay(self) -> None:
+        self.num_replays += 1
+        self.step()
+
+
+class CudaGraphRunner:
+    """Decode graphs of a model runner for the sizes `batch_sizes` (see the module docstring).
+
+    `can_run(forward_batch, future_map)` says whether a batch can be replayed;
+    `replay(forward_batch)` returns its logits [n, vocab] (a view, valid until the next
+    replay). `capture()` records every size, largest first.
+    """
+
+    def __init__(
+        self,
+        model_runner: Any,
+        batch_sizes: Sequence[int],
+        future_map: FutureMap | None = None,
+        capturer: GraphCapturer | None = None,
+    ) -> None:
+        if not batch_sizes or min(batch_sizes) < 1:
+            raise ValueError(f"CudaGraphRunner: batch sizes must be >= 1, got {batch_sizes}")
+        self.model = model_runner.model
+        self.backend = model_runner.attn_backend
+        self.kv_pool = model_runner.kv_pool
+        self.req_to_token: torch.Tensor = model_runner.req_to_token_pool.req_to_token
+        self.padding_req_row: int = model_runner.padding_req_row
+        self.future_map = future_map
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_bs = self.batch_sizes[-1]
+        self.capturer = capturer or CudaGraphCapturer(model_runner.device)
+        self.seq_len_fill_value = self.backend.cuda_graph_seq_len_fill_value
+        self.graphs: dict[int, Graph] = {}
+        device = model_runner.device
+        vocab_size = model_runner.model_config.vocab_size
+        with torch.inference_mode():
+            self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+            self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+            self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
+            self.req_pool_indices = torch.full(
+                (self.max_bs,), self.padding_req_row, dtype=torch.int64, device=device
+            )
+            self.seq_lens = torch.full(
+                (self.max_bs,), self.seq_len_fill_value, dtype=torch.int64, device=device
+            )
+            self.logits = torch.zeros(self.max_bs, vocab_size, dtype=torch.float32, device=device)
+
+    # -- capture --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record one graph per size, largest first (every static row is padding now)."""
+        self.backend.init_cuda_graph_state(self.max_bs, int(self.req_to_token.shape[1]))
+        for bs in reversed(self.batch_sizes):
+            batch = self._static_batch(bs, [self.seq_len_fill_value] * bs)
+            self.backend.init_forward_metadata_capture_cuda_graph(batch)
+            self.graphs[bs] = self.capturer.capture(self._step(batch))
+
+    def _step(self, batch: ForwardBatch) -> Callable[[], None]:
+        """What a graph of size `batch.batch_size` records."""
+        future_map, bs = self.future_map, batch.batch_size
+
+        def step() -> None:
+            if future_map is not None:
+                future_map.resolve_future(batch.input_ids)
+            logits = self.model(batch.input_ids, batch.positions, batch)
+            self.logits[:bs].copy_(logits)
+
+        return step
+
+    # -- replay ---------------------------------------------------------------------------------
+    def can_run(self, forward_batch: ForwardBatch, future_map: FutureMap | None = None) -> bool:
+        fb = forward_batch
+        return (
+            bool(self.graphs)
+            and self.backend.supports_cuda_graph
+            and fb.forward_mode.is_decode()
+            and 0 < fb.batch_size <= self.max_bs
+            and not fb.return_all_logits
+            and (future_map is None or future_map is self.future_map)
+            # the graphs read these very tensors (not, e.g., a private copy of the rows)
+            and fb.req_to_token is self.req_to_token
+            and fb.kv_pool is self.kv_pool
+            and fb.attn_backend is self.backend
+        )
+
+    def padded_size(self, batch_size: int) -> int:
+        """The smallest captured size that holds `batch_size` rows."""
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch_size)]
+
+    @torch.inference_mode()
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits [n, vocab] float32 of a batch that `can_run`. Placeholders in its input
+        ids are resolved by the graph (from the bound FutureMap)."""
+        n = forward_batch.batch_size
+        bs = self.padded_size(n)
+        batch = self._load(forward_batch, bs)
+        self.backend.init_forward_metadata_replay_cuda_graph(batch)
+        self.graphs[bs].replay()
+        return self.logits[:n]
+
+    def _load(self, forward_batch: ForwardBatch, bs: int) -> ForwardBatch:
+        """Copy the batch into the static rows and pad them to `bs`; the static batch."""
+        fb, n = forward_batch, forward_batch.batch_size
+        self.input_ids[:n].copy_(fb.input_ids)
+        self.positions[:n].copy_(fb.positions)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
+        self.seq_lens[:n].copy_(fb.seq_lens)
+        if bs > n:  # a larger batch may have left its rows here
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.out_cache_loc[n:bs].zero_()
+            self.req_pool_indices[n:bs].fill_(self.padding_req_row)
+            self.seq_lens[n:bs].fill_(self.seq_len_fill_value)
+        padding = [self.seq_len_fill_value] * (bs - n)
+        return self._static_batch(bs, list(fb.seq_lens_cpu) + padding)
+
+    def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=seq_lens_cpu,
+            req_to_token=self.req_to_token,
+            kv_pool=self.kv_pool,
+            attn_backend=self.backend,
+        )
