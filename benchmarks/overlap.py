@@ -46,6 +46,7 @@ from engine.mem_cache.allocator import TokenToKVPoolAllocator  # noqa: E402
 from engine.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from engine.mem_cache.radix_cache import RadixCache  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
+from engine.overlap.future_map import FutureMap  # noqa: E402
 from engine.overlap.scheduler import OverlapScheduler  # noqa: E402
 from engine.sampling.sampler import Sampler  # noqa: E402
 from engine.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -89,7 +90,9 @@ class NullModelRunner:
         if self.sleep_s:
             time.sleep(self.sleep_s)
 
-    def forward(self, fb: object) -> torch.Tensor:
+    def forward(self, fb: object, future_map: FutureMap | None = None) -> torch.Tensor:
+        if future_map is not None:
+            future_map.resolve_future(fb.input_ids)  # type: ignore[attr-defined]
         self._compute()
         return self._logits.expand(fb.batch_size, -1)  # type: ignore[attr-defined]
 

@@ -50,8 +50,8 @@ class CudaStreamExecutor(OverlapExecutor):
         fb = self.runner.build_forward_batch(mwb)  # index lists -> device, on S
         self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.forward_stream), torch.inference_mode():
-            self.future_map.resolve_future(fb.input_ids)
-            logits = self.runner.forward(fb)
+            # the runner resolves the placeholders (inside the CUDA graph when it replays one)
+            logits = self.runner.forward(fb, self.future_map)
         launch = Launch(mwb, slots, fb, logits=logits)
         if info is not None:
             self.launch_sample(launch, info)

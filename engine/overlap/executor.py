@@ -180,8 +180,8 @@ class ThreadExecutor(OverlapExecutor):
                     launch.done.set()
 
     def _forward(self, launch: Launch) -> None:
-        self.future_map.resolve_future(launch.forward_batch.input_ids)
-        launch.logits = self.runner.forward(launch.forward_batch)
+        # the runner resolves the placeholders (inside a CUDA graph when it replays one)
+        launch.logits = self.runner.forward(launch.forward_batch, self.future_map)
         launch.forward_batch = None
 
     def _forward_and_sample(self, launch: Launch) -> None:
