@@ -1,0 +1,235 @@
+"""CUDA graphs for decode, captured and replayed on a GPU (Triton attention, tiny Llama).
+
+Replays against the eager forward on the same KV state: float32 to 1e-4, bfloat16 close;
+batches padded to a larger captured size; a change of batch membership between replays; the
+graph reading placeholders' tokens from the FutureMap at replay time; the default size list
+(35 graphs in one memory pool); and the engine's greedy tokens with graphs on and off, in the
+plain and the overlap loop.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from engine.config import EngineArgs, ModelConfig  # noqa: E402
+from engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
+from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from engine.model_runner import ModelRunner  # noqa: E402
+from engine.overlap.future_map import FutureMap  # noqa: E402
+from kernels.jit import interpreting  # noqa: E402
+from tests.factories import mixed_prompts, tiny_model  # noqa: E402
+
+if interpreting():
+    pytest.skip("TRITON_INTERPRET is set: graphs need compiled kernels", allow_module_level=True)
+
+SIZES = (1, 2, 4, 8, 16, 24)
+
+
+def _runner(dtype: str, **kwargs: object) -> ModelRunner:
+    path = tiny_model("llama")
+    kwargs = {"max_running_requests": 32, "cuda_graph_bs": SIZES, **kwargs}
+    args = EngineArgs(
+        model_path=path,
+        device="cuda",
+        dtype=dtype,
+        attention_backend="triton",
+        max_total_tokens=8192,
+        disable_overlap_schedule=True,  # the runner captures at init
+        **kwargs,  # type: ignore[arg-type]
+    )
+    runner = ModelRunner(ModelConfig.from_pretrained(path), args)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for buf in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer:  # a context to attend
+        buf.copy_(torch.randn(buf.shape, generator=gen, device="cuda", dtype=buf.dtype))
+    return runner
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def runner(request) -> ModelRunner:
+    return _runner(request.param)
+
+
+def _decode_batch(runner: ModelRunner, rows: list[int], seq_lens: list[int], seed: int = 0):
+    rng = random.Random(seed)
+    table = runner.req_to_token_pool.req_to_token
+    slots = rng.sample(range(1, runner.max_total_tokens), sum(seq_lens))
+    for row, seq_len in zip(rows, seq_lens):
+        table[row, :seq_len] = torch.tensor(slots[:seq_len], dtype=torch.int32, device="cuda")
+        del slots[:seq_len]
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device="cuda")  # noqa: E731
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(rows),
+        input_ids=i64([rng.randrange(8, runner.model_config.vocab_size) for _ in rows]),
+        positions=i64([n - 1 for n in seq_lens]),
+        out_cache_loc=i64([int(table[r, n - 1]) for r, n in zip(rows, seq_lens)]),
+        req_pool_indices=i64(rows),
+        seq_lens=i64(seq_lens),
+        seq_lens_cpu=list(seq_lens),
+        req_to_token=table,
+        kv_pool=runner.kv_pool,
+        attn_backend=runner.attn_backend,
+    )
+
+
+def _random_batch(runner: ModelRunner, n: int, seed: int) -> ForwardBatch:
+    rng = random.Random(seed)
+    rows = rng.sample(range(runner.req_to_token_pool.size), n)
+    max_len = min(300, (runner.max_total_tokens - 1) // n)  # distinct slots for every token
+    return _decode_batch(runner, rows, [rng.randint(1, max_len) for _ in rows], seed)
+
+
+def _kv(runner: ModelRunner) -> list[torch.Tensor]:
+    return [b.clone() for b in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer]
+
+
+def _restore(runner: ModelRunner, kv: list[torch.Tensor]) -> None:
+    for buf, saved in zip(runner.kv_pool.k_buffer + runner.kv_pool.v_buffer, kv):
+        buf.copy_(saved)
+
+
+@torch.inference_mode()
+def _eager(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor:
+    """Eager logits; the KV pool is left as it was."""
+    saved = _kv(runner)
+    runner.attn_backend.init_forward_metadata(fb)
+    logits = runner.model(fb.input_ids, fb.positions, fb).clone()
+    _restore(runner, saved)
+    return logits
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        return
+    # bfloat16: a padded batch may run other GEMM kernels (another summation order)
+    err = (got - want).abs().max().item()
+    assert err <= 0.03 * want.abs().max().item(), f"max abs error {err}"
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"greedy tokens agree on {agree:.0%} of rows"
+
+
+def _replay(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor:
+    graphs = runner.graph_runner
+    assert graphs is not None and graphs.can_run(fb)
+    saved = _kv(runner)
+    logits = graphs.replay(fb).clone()
+    _restore(runner, saved)
+    return logits
+
+
+def test_graphs_are_captured_at_init(runner):
+    graphs = runner.graph_runner
+    assert graphs is not None and sorted(graphs.graphs) == list(SIZES)
+    assert all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs.graphs.values())
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 17])
+def test_replay_matches_eager(runner, n):
+    fb = _random_batch(runner, n, seed=n)
+    got = _replay(runner, fb)
+    assert got.shape == (n, runner.model_config.vocab_size)
+    _assert_close(got, _eager(runner, fb), runner.dtype)
+
+
+def test_replay_after_membership_change(runner):
+    """One graph (size 8) replayed for batches of other rows, lengths and sizes in turn; the
+    first batch again at the end."""
+    batches = [_random_batch(runner, n, seed=100 + i) for i, n in enumerate([7, 5, 8, 6])]
+    batches.append(batches[0])
+    for fb in batches:
+        _assert_close(_replay(runner, fb), _eager(runner, fb), runner.dtype)
+
+
+def test_replay_on_a_side_stream(runner):
+    """As the overlap executor replays: on its forward stream."""
+    fb = _random_batch(runner, 5, seed=7)
+    want = _eager(runner, fb)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = _replay(runner, fb)
+    torch.cuda.current_stream().wait_stream(stream)
+    _assert_close(got, want, runner.dtype)
+
+
+def test_placeholders_resolved_in_graph():
+    runner = _runner("float32")
+    fm = FutureMap(runner.req_to_token_pool.size, "cuda")
+    runner.capture_cuda_graphs(fm)
+    graphs = runner.graph_runner
+    assert graphs is not None and graphs.future_map is fm
+    fb = _random_batch(runner, 3, seed=5)
+    slots = fm.alloc_future_indices(3)
+    placeholders = torch.tensor(slots.placeholders(), dtype=torch.int64, device="cuda")
+    for step in range(2):  # the graph reads the map's tokens at replay, stored after capture
+        real_ids = torch.randint(8, runner.model_config.vocab_size, (3,), device="cuda")
+        fm.store_to_map(slots, real_ids)
+        fb.input_ids = real_ids.clone()
+        want = _eager(runner, fb)
+        fb.input_ids = placeholders.clone()
+        assert graphs.can_run(fb, fm)
+        torch.testing.assert_close(_replay(runner, fb), want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(fb.input_ids, placeholders), f"step {step}: caller's ids changed"
+        assert torch.equal(graphs.input_ids[:3], real_ids)
+
+
+def test_default_sizes_share_one_pool():
+    """The default list up to 256 (35 graphs, largest first); a batch of 200 padded to 200,
+    and one of 129 padded to 136."""
+    runner = _runner("float32", max_running_requests=256, cuda_graph_bs=None)
+    graphs = runner.graph_runner
+    assert graphs is not None and len(graphs.graphs) == 35
+    for n in (200, 129):
+        fb = _random_batch(runner, n, seed=n)
+        _assert_close(_replay(runner, fb), _eager(runner, fb), torch.float32)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_engine_greedy_tokens_with_and_without_graphs(overlap, monkeypatch):
+    from engine.engine import Engine
+
+    replays = []
+    replay = CudaGraphRunner.replay
+
+    def counting_replay(self, fb):
+        replays.append(fb.batch_size)
+        return replay(self, fb)
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", counting_replay)
+    path = tiny_model("llama")
+    prompts = mixed_prompts(ModelConfig.from_pretrained(path).vocab_size, n=12, max_len=120)
+    # the decode batch shrinks from 12 rows (eager, above 8) to 1 as requests finish
+    params = [{"max_new_tokens": 4 + 3 * i, "temperature": 0, "ignore_eos": True}
+              for i in range(len(prompts))]  # fmt: skip
+
+    def generate(graphs: bool) -> list[list[int]]:
+        engine = Engine(
+            model_path=path,
+            device="cuda",
+            dtype="float32",
+            attention_backend="triton",
+            max_total_tokens=8192,
+            disable_overlap_schedule=not overlap,
+            disable_cuda_graph=not graphs,
+            cuda_graph_bs=(1, 2, 4, 8),
+            skip_tokenizer_init=True,
+        )
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        engine.shutdown()
+        return [o["output_ids"] for o in outs]
+
+    want = generate(graphs=False)
+    assert not replays
+    got = generate(graphs=True)
+    assert replays and max(replays) <= 8
+    assert got == want
