@@ -1,0 +1,379 @@
+"""Paged attention with FlashInfer (`attention_backend="flashinfer"`, the default on CUDA).
+
+Layout. flashinfer reads the KV pool in place, in its NHD paged layout: `k_buffer[layer]`
+[num_slots, H, D] viewed as [num_slots // P, P, H, D] (page p is slots p*P .. p*P+P-1), K and V
+passed as a tuple of two such views. Which keys a request has is a `PageTable`.
+
+Per batch, `init_forward_metadata` builds the page tables (the per-request arrays on the host
+from the batch's CPU lengths, the page ids on the device with one gather from `req_to_token`)
+and plans the wrappers; every layer then runs on that plan:
+
+* DECODE: BatchDecodeWithPagedKVCacheWrapper over each request's whole context (the new token's
+  K/V is stored first). GQA groups of 4 or more query heads use the tensor-core (prefill)
+  kernel, where the CUDA-core decode kernel would reload K/V once per query head.
+* EXTEND: the new tokens attend to each other through BatchPrefillWithRaggedKVCacheWrapper
+  (causal, K/V read straight from the projections, no page indirection) and to their cached
+  prefix through BatchPrefillWithPagedKVCacheWrapper (not causal: every new token sees the
+  whole prefix). The two partial softmaxes merge exactly through their log-sum-exps
+  (`merge_state_in_place`). A batch where no request has a cached prefix (most first
+  prefills) runs the ragged kernel alone, without log-sum-exps.
+
+The softmax scale is a plan argument in flashinfer 0.6; the wrappers' `forward(...,
+sm_scale=)` methods (deprecated aliases of `run` that first overwrite the planned scalars,
+which SGLang calls too) give each layer its own (GPT-2 can scale per layer).
+
+All wrappers use the FA2 kernels: one JIT-compiled module per dtype and head_dim serves the
+ragged, paged and tensor-core decode kernels (FA3 on Hopper would be a second, slow compile).
+
+CUDA graphs (decode only): each captured batch size gets its own decode wrapper with
+`use_cuda_graph=True` over slices of static indptr / indices / last-page buffers allocated
+once in `init_cuda_graph_state`. Replay re-plans that wrapper before the graph runs: the plan
+copies the new page table into the static buffers and rewrites the wrapper's own scheduling
+workspace, which is all the captured kernels read.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionLayer
+from engine.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
+    from engine.mem_cache.kv_pool import KVPool
+
+DEFAULT_WORKSPACE_BYTES = 384 << 20  # flashinfer's split-KV scratch, shared by all wrappers
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+KERNEL_BACKEND = "fa2"
+TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which decode uses tensor cores
+
+
+@functools.cache
+def flashinfer_available() -> bool:
+    """A CUDA device is present and flashinfer imports (a broken install counts as absent)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _load_flashinfer(device: torch.device) -> ModuleType:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(
+            f"attention_backend='flashinfer' needs a CUDA device (got {device}); "
+            "use attention_backend='torch_native' on CPU"
+        )
+    try:
+        import flashinfer
+    except Exception as e:
+        raise RuntimeError(
+            "attention_backend='flashinfer' needs the flashinfer-python package "
+            f"(pip install flashinfer-python; importing it failed: {e}); "
+            "or use attention_backend='triton'"
+        ) from e
+    return flashinfer
+
+
+# -- page tables (plain torch: run on CPU too) ---------------------------------------------------
+@dataclass(frozen=True)
+class PageTable:
+    """Where each request's keys are, as flashinfer wants it (all int32).
+
+    Request i's keys fill pages `indices[indptr[i]:indptr[i + 1]]` in order, every one full but
+    the last, which holds `last_page_len[i]` keys; a request with no keys has no pages and
+    `last_page_len` 0. `indptr` and `last_page_len` are host tensors (flashinfer plans on the
+    host); `indices` is on `req_to_token`'s device.
+    """
+
+    indptr: torch.Tensor  # [B + 1]
+    indices: torch.Tensor  # [indptr[-1]]
+    last_page_len: torch.Tensor  # [B]
+
+
+def build_page_table(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: list[int],
+    page_size: int,
+) -> PageTable:
+    """The pages of the first `kv_lens[i]` keys of request i (row `req_pool_indices[i]`).
+
+    The allocator hands out whole pages, so keys kP .. kP+P-1 of a request share the page
+    `req_to_token[row, kP] // P`: one gather of each page's first slot.
+    """
+    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    num_pages = (lens + page_size - 1) // page_size
+    indptr = torch.cat([lens.new_zeros(1), num_pages.cumsum(0)])
+    last_page_len = lens - (num_pages - 1).clamp(min=0) * page_size
+    indices = _page_ids(req_to_token, req_pool_indices, num_pages, int(indptr[-1]), page_size)
+    return PageTable(indptr.to(torch.int32), indices, last_page_len.to(torch.int32))
+
+
+def _page_ids(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    num_pages: torch.Tensor,
+    total_pages: int,
+    page_size: int,
+) -> torch.Tensor:
+    device = req_to_token.device
+    num_pages = num_pages.to(device, non_blocking=True)
+    # output_size spares repeat_interleave a device-to-host read of the total
+    req = torch.repeat_interleave(
+        torch.arange(len(num_pages), device=device), num_pages, output_size=total_pages
+    )
+    first_page = num_pages.cumsum(0) - num_pages  # where each request's pages start
+    page_in_req = torch.arange(total_pages, device=device) - first_page[req]
+    slots = req_to_token[req_pool_indices[req], page_in_req * page_size]
+    return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
+
+
+def build_qo_indptr(extend_lens: list[int]) -> torch.Tensor:
+    """[B + 1] int32 host tensor: request i's new tokens are rows indptr[i] .. indptr[i+1]-1."""
+    return torch.tensor([0, *extend_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
+def merge_states_torch(
+    out: torch.Tensor, lse: torch.Tensor, out_other: torch.Tensor, lse_other: torch.Tensor
+) -> None:
+    """Merge into (out, lse), in place, the attention of the same queries over a disjoint
+    second set of keys. out [N, H, D]; lse [N, H] float32, base-2 log-sum-exps of the scaled
+    logits (flashinfer's convention), -inf where a set holds no key (not both)."""
+    lse_max = torch.maximum(lse, lse_other)
+    weight, weight_other = torch.exp2(lse - lse_max), torch.exp2(lse_other - lse_max)
+    total = weight + weight_other
+    merged = out.float() * (weight / total)[..., None]
+    merged += out_other.float() * (weight_other / total)[..., None]
+    out.copy_(merged)
+    lse.copy_(lse_max + torch.log2(total))
+
+
+def _merge_kernel_fits(num_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+    """flashinfer's merge kernel runs (head_dim / vec) x num_heads threads per block."""
+    vec = max(16 // dtype.itemsize, head_dim // 32)
+    return head_dim // vec * num_heads <= 1024
+
+
+# -- the backend ----------------------------------------------------------------------------------
+@dataclass
+class _DecodeMetadata:
+    wrapper: Any  # a BatchDecodeWithPagedKVCacheWrapper planned for this batch
+
+
+@dataclass
+class _ExtendMetadata:
+    has_prefix: bool  # some request has cached keys: the paged wrapper is planned too
+
+
+@dataclass
+class _GraphBuffers:
+    """What captured decode graphs read, sliced per captured batch size."""
+
+    indptr: torch.Tensor  # [max_bs + 1] int32
+    indices: torch.Tensor  # [max_bs * max pages per request] int32
+    last_page_len: torch.Tensor  # [max_bs] int32
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    supports_cuda_graph = True
+    cuda_graph_seq_len_fill_value = 1
+
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        model_config: ModelConfig | None = None,
+        kv_pool: KVPool | None = None,
+        page_size: int | None = None,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        **kwargs: object,
+    ) -> None:
+        if model_config is None or kv_pool is None:
+            raise ValueError("FlashInferAttnBackend needs model_config and kv_pool")
+        self.device = torch.device(device)
+        self.fi = _load_flashinfer(self.device)
+        self.num_heads = model_config.num_heads
+        self.num_kv_heads = model_config.num_kv_heads
+        self.head_dim = model_config.head_dim
+        self.page_size = page_size or kv_pool.page_size
+        self.dtype = kv_pool.dtype
+        _check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
+        self.use_tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        self.merge_on_device = _merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)
+        # Long-lived tensors are made outside inference mode, so that the in-place updates of
+        # plans may happen in or out of it.
+        with torch.inference_mode(False):
+            self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+            self.ragged = self.fi.BatchPrefillWithRaggedKVCacheWrapper(
+                self.workspace, "NHD", backend=KERNEL_BACKEND
+            )
+            self.paged = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=KERNEL_BACKEND
+            )
+        self.decode = self._decode_wrapper()
+        self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
+        self.graph_buffers: _GraphBuffers | None = None
+        self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
+
+    # -- planning ---------------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.batch_size == 0:
+            self.metadata = None
+        elif fb.forward_mode.is_decode():
+            self._plan_decode(self.decode, fb)
+            self.metadata = _DecodeMetadata(self.decode)
+        else:
+            self.metadata = self._plan_extend(fb)
+
+    def _plan_decode(self, wrapper: Any, fb: ForwardBatch) -> None:
+        table = build_page_table(
+            fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size
+        )
+        wrapper.plan(
+            table.indptr, table.indices, table.last_page_len,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+            **self._plan_scalars(),
+        )  # fmt: skip
+
+    def _plan_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu)
+        heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        self.ragged.plan(qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars())
+        has_prefix = any(fb.extend_prefix_lens_cpu)
+        if has_prefix:
+            table = build_page_table(
+                fb.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.page_size
+            )
+            self.paged.plan(
+                qo_indptr, table.indptr, table.indices, table.last_page_len,
+                *heads, self.page_size, causal=False, **self._plan_scalars(),
+            )  # fmt: skip
+        return _ExtendMetadata(has_prefix)
+
+    def _plan_scalars(self) -> dict[str, Any]:
+        # sm_scale is only planned here: each layer passes its own to forward()
+        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
+
+    # -- attention --------------------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        md = self.metadata
+        assert md is not None, "init_forward_metadata was not called for this batch"
+        pool = forward_batch.kv_pool
+        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
+        if isinstance(md, _DecodeMetadata):
+            paged_kv = self._paged_kv(pool, layer.layer_id)
+            out = md.wrapper.forward(q, paged_kv, sm_scale=layer.scaling)
+        else:
+            out = self._extend(q, k, v, layer, pool, md)
+        return out.view(-1, layer.num_heads * layer.head_dim)
+
+    def _extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        pool: KVPool,
+        md: _ExtendMetadata,
+    ) -> torch.Tensor:
+        k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
+        v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
+        scale = layer.scaling
+        if not md.has_prefix:
+            return self.ragged.forward(q, k, v, causal=True, sm_scale=scale)
+        out, lse = self.ragged.forward_return_lse(q, k, v, causal=True, sm_scale=scale)
+        paged_kv = self._paged_kv(pool, layer.layer_id)
+        out_prefix, lse_prefix = self.paged.forward_return_lse(
+            q, paged_kv, causal=False, sm_scale=scale
+        )
+        merge = self.fi.merge_state_in_place if self.merge_on_device else merge_states_torch
+        merge(out, lse, out_prefix, lse_prefix)
+        return out
+
+    def _paged_kv(self, pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k_buf, v_buf = pool.get_kv_buffer(layer_id)
+        shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
+        return k_buf.view(shape), v_buf.view(shape)
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        max_pages = -(-max_context_len // self.page_size)
+        with torch.inference_mode(False):
+            self.graph_buffers = _GraphBuffers(
+                indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+                indices=torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device),
+                last_page_len=torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            )
+        self.graph_wrappers = {}
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
+        bs = forward_batch.batch_size
+        wrapper = self._decode_wrapper(graph_bs=bs)
+        self.graph_wrappers[bs] = wrapper
+        self._plan_decode(wrapper, forward_batch)
+        self.metadata = _DecodeMetadata(wrapper)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
+        wrapper = self.graph_wrappers[forward_batch.batch_size]
+        self._plan_decode(wrapper, forward_batch)  # writes into the captured buffers
+        self.metadata = _DecodeMetadata(wrapper)
+
+    def _decode_wrapper(self, graph_bs: int | None = None) -> Any:
+        """The eager decode wrapper, or (graph_bs) one that a graph of that size captures."""
+        graph_kwargs: dict[str, Any] = {}
+        if graph_bs is not None:
+            buffers = self.graph_buffers
+            assert buffers is not None, "init_cuda_graph_state was not called"
+            graph_kwargs = dict(
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=buffers.indptr[: graph_bs + 1],
+                paged_kv_indices_buffer=buffers.indices,
+                paged_kv_last_page_len_buffer=buffers.last_page_len[:graph_bs],
+            )
+        with torch.inference_mode(False):
+            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_tensor_cores=self.use_tensor_cores,
+                backend=KERNEL_BACKEND,
+                **graph_kwargs,
+            )
+
+
+def _check_supported(dtype: torch.dtype, head_dim: int, page_size: int, kv_pool: KVPool) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"attention_backend='flashinfer' runs float16 and bfloat16 (the model is {dtype}); "
+            "use attention_backend='triton' or 'torch_native' for float32"
+        )
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"attention_backend='flashinfer' supports head_dim {SUPPORTED_HEAD_DIMS} "
+            f"(the model has {head_dim}); use attention_backend='triton'"
+        )
+    if kv_pool.page_size != page_size or kv_pool.num_slots % page_size:
+        raise ValueError(
+            f"KV pool of {kv_pool.num_slots} slots in pages of {kv_pool.page_size} "
+            f"does not split into pages of {page_size}"
+        )

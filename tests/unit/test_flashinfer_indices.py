@@ -1,0 +1,454 @@
+"""The flashinfer backend's CPU-checkable parts.
+
+* Page tables and query offsets against a per-token Python reference, on random paged batches
+  (shuffled pages and rows, prefixes empty, whole and partial pages, page sizes 1 and 16).
+* The log-sum-exp merge against attention over the union of the keys.
+* The backend itself over a stand-in for flashinfer (`FakeFlashInfer`: the slice of the 0.6
+  API the backend calls, computed with torch): decode, extend with and without a cached prefix,
+  and the CUDA-graph capture/replay hooks (the stand-in's graph wrappers read only their fixed
+  buffers, as captured kernels do), each against the torch_native backend. Every call the
+  backend makes is recorded and, where flashinfer is installed, bound to the real signatures.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.attention import flashinfer_backend as fib
+from engine.attention.base import create_attention_backend
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.mem_cache.kv_pool import KVPool
+from kernels.testing import PagedCase, make_paged_case
+
+# -- page tables ----------------------------------------------------------------------------------
+
+
+def _reference_table(case: PagedCase, kv_lens: list[int], page_size: int):
+    indptr, indices, last = [0], [], []
+    for row, kv_len in zip(case.req_pool_indices.tolist(), kv_lens):
+        pages = []
+        for j in range(kv_len):
+            page = int(case.req_to_token[row, j]) // page_size
+            if j % page_size == 0:
+                pages.append(page)
+            assert page == pages[-1], "the test batch must keep a page's keys together"
+        indices += pages
+        indptr.append(len(indices))
+        last.append(kv_len - (len(pages) - 1) * page_size if pages else 0)
+    return indptr, indices, last
+
+
+def _random_lens(rng: random.Random, n: int, page_size: int) -> tuple[list[int], list[int]]:
+    prefix = [rng.choice([0, page_size, 2 * page_size + 3, rng.randint(1, 90)]) for _ in range(n)]
+    extend = [rng.randint(1, 40) for _ in range(n)]
+    return prefix, extend
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_table_matches_reference(page_size, seed):
+    prefix, extend = _random_lens(random.Random(seed), 7, page_size)
+    case = make_paged_case(prefix, extend, 2, 1, 8, page_size, seed=seed)
+    for kv_lens in (prefix, case.seq_lens.tolist()):  # an extend's prefix, a decode's context
+        table = fib.build_page_table(case.req_to_token, case.req_pool_indices, kv_lens, page_size)
+        indptr, indices, last = _reference_table(case, kv_lens, page_size)
+        assert table.indptr.tolist() == indptr
+        assert table.indices.tolist() == indices
+        assert table.last_page_len.tolist() == last
+        for t in (table.indptr, table.indices, table.last_page_len):
+            assert t.dtype == torch.int32
+
+
+def test_page_table_of_empty_prefixes():
+    case = make_paged_case([0, 0], [5, 9], 2, 1, 8, page_size=16)
+    table = fib.build_page_table(case.req_to_token, case.req_pool_indices, [0, 0], 16)
+    assert table.indptr.tolist() == [0, 0, 0]
+    assert table.indices.numel() == 0
+    assert table.last_page_len.tolist() == [0, 0]
+
+
+def test_qo_indptr():
+    assert fib.build_qo_indptr([3, 1, 20]).tolist() == [0, 3, 4, 24]
+    assert fib.build_qo_indptr([3]).dtype == torch.int32
+
+
+# -- merging partial attentions -------------------------------------------------------------------
+
+
+def _attend(q, k, v, scale, causal=False):
+    """q [n, Hq, D], k/v [m, Hk, D] -> out [n, Hq, D] in q's dtype, lse [n, Hq] (base 2, -inf
+    without keys). Causal as in flashinfer: the last query sees every key, earlier ones fewer."""
+    n, m = q.shape[0], k.shape[0]
+    if m == 0:
+        return torch.zeros_like(q), torch.full(q.shape[:2], -math.inf)
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.float().repeat_interleave(group, 1) for x in (k, v))
+    logits = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    if causal:
+        visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+        logits = logits.masked_fill(~visible, -math.inf)
+    out = torch.einsum("hnm,mhd->nhd", logits.softmax(-1), v)
+    return out.to(q.dtype), (logits.logsumexp(-1) / math.log(2)).T.contiguous()
+
+
+def test_merge_states_torch_equals_attention_over_all_keys():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(5, 4, 16, generator=gen) for _ in range(3))
+    want, _ = _attend(q, k, v, 0.3)
+    out, lse = _attend(q, k[:2], v[:2], 0.3)
+    fib.merge_states_torch(out, lse, *_attend(q, k[2:], v[2:], 0.3))
+    torch.testing.assert_close(out, want)
+    empty_out, empty_lse = _attend(q, k[:0], v[:0], 0.3)  # a request without a cached prefix
+    fib.merge_states_torch(out, lse, empty_out, empty_lse)
+    torch.testing.assert_close(out, want)
+
+
+# -- a stand-in for flashinfer --------------------------------------------------------------------
+
+CALLS: list[tuple[str, str, tuple, dict]] = []
+
+
+def _recorded(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        CALLS.append((type(self).__name__, method.__name__, args, kwargs))
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _paged_keys(cache, indptr, indices, last_page_len, i):
+    """Request i's keys from a [pages, P, H, D] cache, read as flashinfer's kernels do."""
+    pages = indices[int(indptr[i]) : int(indptr[i + 1])].long()
+    num_keys = 0 if len(pages) == 0 else (len(pages) - 1) * cache.shape[1] + int(last_page_len[i])
+    return cache[pages].flatten(0, 1)[:num_keys]
+
+
+class _Wrapper:
+    @_recorded
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", backend="auto"):
+        assert kv_layout == "NHD"
+        self.planned = None
+
+    def _check(self, q, k, causal):
+        assert self.planned is not None, "run before plan"
+        assert (q.dtype, k.dtype) == self.planned["dtypes"], "flashinfer rejects other dtypes"
+        assert causal == self.planned["causal"], "run with the mask the work was split for"
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+    @_recorded
+    def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, causal=False,
+             sm_scale=None, q_data_type="float16", kv_data_type=None):  # fmt: skip
+        assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
+        dtypes = (q_data_type, kv_data_type)
+        self.planned = dict(
+            qo=qo_indptr.tolist(), kv=kv_indptr.tolist(), causal=causal, dtypes=dtypes
+        )
+
+    @_recorded
+    def forward(self, q, k, v, causal=False, sm_scale=None):
+        return self.forward_return_lse(q, k, v, causal=causal, sm_scale=sm_scale)[0]
+
+    @_recorded
+    def forward_return_lse(self, q, k, v, causal=False, sm_scale=None):
+        self._check(q, k, causal)
+        qo, kv = self.planned["qo"], self.planned["kv"]
+        parts = [
+            _attend(
+                q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]], sm_scale, causal
+            )
+            for i in range(len(qo) - 1)
+        ]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    @_recorded
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False, sm_scale=None,
+             q_data_type="float16", kv_data_type=None):  # fmt: skip
+        table = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        self.planned = dict(
+            qo=qo_indptr.tolist(), table=table, causal=causal, dtypes=(q_data_type, kv_data_type)
+        )
+
+    @_recorded
+    def forward_return_lse(self, q, paged_kv_cache, causal=False, sm_scale=None):
+        k_cache, v_cache = paged_kv_cache
+        self._check(q, k_cache, causal)
+        qo, table = self.planned["qo"], self.planned["table"]
+        parts = [
+            _attend(q[qo[i] : qo[i + 1]], _paged_keys(k_cache, *table, i),
+                    _paged_keys(v_cache, *table, i), sm_scale, causal)
+            for i in range(len(qo) - 1)
+        ]  # fmt: skip
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    @_recorded
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 use_tensor_cores=False, paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None, backend="auto"):  # fmt: skip
+        self.planned = None
+        self.graph = use_cuda_graph
+        self.use_tensor_cores = use_tensor_cores
+        self.buffers = (
+            paged_kv_indptr_buffer,
+            paged_kv_indices_buffer,
+            paged_kv_last_page_len_buffer,
+        )
+
+    @_recorded
+    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+             page_size, q_data_type="float16", kv_data_type=None, sm_scale=None):  # fmt: skip
+        if self.graph:  # what flashinfer does: copy into the buffers the graph will read
+            indptr_buf, indices_buf, last_buf = self.buffers
+            assert len(last_page_len) == len(last_buf), "graph batch size is fixed"
+            assert len(indices) <= len(indices_buf)
+            indptr_buf.copy_(indptr)
+            last_buf.copy_(last_page_len)
+            indices_buf[: len(indices)].copy_(indices)
+        else:
+            self.buffers = (indptr.clone(), indices.clone(), last_page_len.clone())
+        self.planned = dict(causal=False, dtypes=(q_data_type, kv_data_type))
+
+    @_recorded
+    def forward(self, q, paged_kv_cache, sm_scale=None):
+        k_cache, v_cache = paged_kv_cache
+        self._check(q, k_cache, False)
+        parts = [
+            _attend(q[i : i + 1], _paged_keys(k_cache, *self.buffers, i),
+                    _paged_keys(v_cache, *self.buffers, i), sm_scale)[0]
+            for i in range(q.shape[0])
+        ]  # fmt: skip
+        return torch.cat(parts)
+
+
+def merge_state_in_place(v, s, v_other, s_other, mask=None):
+    CALLS.append(("", "merge_state_in_place", (v, s, v_other, s_other), {}))
+    logits = torch.stack([s, s_other]) * math.log(2)
+    weights = logits.softmax(0)[..., None]
+    v.copy_(weights[0] * v.float() + weights[1] * v_other.float())
+    s.copy_(logits.logsumexp(0) / math.log(2))
+
+
+FAKE_FLASHINFER = SimpleNamespace(
+    BatchPrefillWithRaggedKVCacheWrapper=BatchPrefillWithRaggedKVCacheWrapper,
+    BatchPrefillWithPagedKVCacheWrapper=BatchPrefillWithPagedKVCacheWrapper,
+    BatchDecodeWithPagedKVCacheWrapper=BatchDecodeWithPagedKVCacheWrapper,
+    merge_state_in_place=merge_state_in_place,
+)
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    monkeypatch.setattr(fib, "_load_flashinfer", lambda device: FAKE_FLASHINFER)
+    CALLS.clear()
+    return CALLS
+
+
+# -- the backend over the stand-in, against torch_native ------------------------------------------
+
+
+def _layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        layer_id=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        scaling=0.7 * head_dim**-0.5,  # not the planned default: each layer passes its own
+    )  # fmt: skip
+
+
+def _pool(case: PagedCase, layer, dtype: torch.dtype, page_size: int) -> KVPool:
+    pool = KVPool(case.k_buffer.shape[0], 2, layer.num_kv_heads, layer.head_dim, dtype,
+                  page_size=page_size)  # fmt: skip
+    pool.k_buffer[1].copy_(case.k_buffer)
+    pool.v_buffer[1].copy_(case.v_buffer)
+    return pool
+
+
+def _batch(case, mode, pool, backend, rows=None) -> ForwardBatch:
+    rows = list(range(len(case.seq_lens))) if rows is None else rows
+    extend = mode.is_extend()
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(rows),
+        input_ids=torch.zeros(len(rows) if not extend else case.q.shape[0], dtype=torch.int64),
+        positions=torch.zeros(len(rows) if not extend else case.q.shape[0], dtype=torch.int64),
+        out_cache_loc=case.out_cache_loc if extend else case.out_cache_loc[rows],
+        req_pool_indices=case.req_pool_indices[rows],
+        seq_lens=case.seq_lens[rows],
+        seq_lens_cpu=case.seq_lens[rows].tolist(),
+        req_to_token=case.req_to_token,
+        kv_pool=pool,
+        attn_backend=backend,
+        extend_prefix_lens_cpu=case.prefix_lens.tolist() if extend else None,
+        extend_seq_lens_cpu=case.extend_lens.tolist() if extend else None,
+        extend_start_loc=case.extend_start_loc if extend else None,
+    )
+
+
+def _flashinfer(layer, pool, page_size: int):
+    config = SimpleNamespace(
+        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim
+    )
+    return create_attention_backend(
+        "flashinfer",
+        device="cpu",
+        model_config=config,
+        kv_pool=pool,
+        page_size=page_size,
+        workspace_bytes=64,
+    )
+
+
+def _run(name, case, layer, mode, page_size, rows=None):
+    """One layer of `case` through backend `name` (flashinfer in bfloat16 over the stand-in,
+    torch_native in float32 on the same values); its output and the pool after."""
+    rows = list(range(len(case.seq_lens))) if rows is None else rows
+    dtype = torch.bfloat16 if name == "flashinfer" else torch.float32
+    pool = _pool(case, layer, dtype, page_size)
+    if name == "flashinfer":
+        backend = _flashinfer(layer, pool, page_size)
+    else:
+        backend = create_attention_backend(name, device="cpu")
+    fb = _batch(case, mode, pool, backend, rows)
+    backend.init_forward_metadata(fb)
+    picked = slice(None) if mode.is_extend() else rows
+    q, k, v = (x[picked].to(dtype).flatten(1) for x in (case.q, case.k, case.v))
+    return backend.forward(q, k, v, layer, fb).float(), pool
+
+
+HEADS = [(8, 2), (4, 4)]  # GQA group 4 (tensor-core decode) and MHA
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens,mode,page_size",
+    [
+        ([0, 0, 0], [7, 20, 1], ForwardMode.EXTEND, 16),  # no prefix: the ragged kernel alone
+        ([0, 21, 40], [7, 3, 1], ForwardMode.EXTEND, 1),
+        ([16, 5, 0, 37], [20, 2, 9, 16], ForwardMode.EXTEND, 16),
+        ([0, 33, 70, 15], [1, 1, 1, 1], ForwardMode.DECODE, 16),
+        ([3, 33, 70], [1, 1, 1], ForwardMode.DECODE, 1),
+    ],
+)
+def test_backend_matches_torch_native(
+    fake_flashinfer, heads, kv_heads, prefix_lens, extend_lens, mode, page_size
+):
+    start = len(fake_flashinfer)
+    case = make_paged_case(prefix_lens, extend_lens, heads, kv_heads, 64, page_size,
+                           dtype=torch.bfloat16, seed=page_size)  # fmt: skip
+    layer = _layer(heads, kv_heads, 64)
+    got, got_pool = _run("flashinfer", case, layer, mode, page_size)
+    want, want_pool = _run("torch_native", case, layer, mode, page_size)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+    assert torch.equal(got_pool.k_buffer[1].float(), want_pool.k_buffer[1])  # K/V stored
+    assert torch.equal(got_pool.v_buffer[1].float(), want_pool.v_buffer[1])
+    merged = any(c[1] == "merge_state_in_place" for c in fake_flashinfer[start:])
+    assert merged == (mode.is_extend() and any(prefix_lens))
+
+
+def _graph_batch(case: PagedCase, pool, backend, bs: int, pad_row: int) -> ForwardBatch:
+    """Static buffers as a graph runner holds them: every row padded (seq_len 1, slot 0)."""
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=bs,
+        input_ids=torch.zeros(bs, dtype=torch.int64),
+        positions=torch.zeros(bs, dtype=torch.int64),
+        out_cache_loc=torch.zeros(bs, dtype=torch.int64),
+        req_pool_indices=torch.full((bs,), pad_row, dtype=torch.int64),
+        seq_lens=torch.ones(bs, dtype=torch.int64),
+        seq_lens_cpu=[1] * bs,
+        req_to_token=case.req_to_token,
+        kv_pool=pool,
+        attn_backend=backend,
+    )
+
+
+def _fill(fb: ForwardBatch, case: PagedCase, rows: list[int], pad_row: int) -> None:
+    """Copy real requests into the static batch, padding the rest as the runner does."""
+    n, bs = len(rows), fb.batch_size
+    fb.out_cache_loc.zero_()[:n] = case.out_cache_loc[rows]
+    fb.req_pool_indices.fill_(pad_row)[:n] = case.req_pool_indices[rows]
+    fb.seq_lens.fill_(1)[:n] = case.seq_lens[rows]
+    fb.seq_lens_cpu = case.seq_lens[rows].tolist() + [1] * (bs - n)
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, heads, kv_heads):
+    page_size, bs = 16, 4
+    case = make_paged_case([100, 37, 250, 3, 16, 64], [1] * 6, heads, kv_heads, 64, page_size,
+                           dtype=torch.bfloat16, seed=3)  # fmt: skip
+    pad_row = case.req_to_token.shape[0]
+    case.req_to_token = torch.cat([case.req_to_token, torch.zeros_like(case.req_to_token[:1])])
+    layer = _layer(heads, kv_heads, 64)
+    pool = _pool(case, layer, torch.bfloat16, page_size)
+    backend = _flashinfer(layer, pool, page_size)
+    backend.init_cuda_graph_state(max_bs=8, max_context_len=case.req_to_token.shape[1])
+    fb = _graph_batch(case, pool, backend, bs, pad_row)
+    backend.init_forward_metadata_capture_cuda_graph(fb)
+    static_qkv = [torch.zeros(bs, x.shape[1] * x.shape[2], dtype=torch.bfloat16)
+                  for x in (case.q, case.k, case.v)]  # fmt: skip
+    backend.forward(*static_qkv, layer, fb)  # what the capture records
+    captured = backend.metadata.wrapper
+    for rows in ([0, 1, 2], [5, 3, 4, 2]):
+        _fill(fb, case, rows, pad_row)
+        for static, x in zip(static_qkv, (case.q, case.k, case.v)):
+            static.zero_()[: len(rows)] = x[rows].flatten(1)
+        backend.init_forward_metadata_replay_cuda_graph(fb)
+        assert backend.metadata.wrapper is captured
+        got = backend.forward(*static_qkv, layer, fb)[: len(rows)].float()  # "replay"
+        want, _ = _run("torch_native", case, layer, ForwardMode.DECODE, page_size, rows)
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+
+
+def test_unsupported_setups_fail_at_construction(fake_flashinfer):
+    layer = _layer(4, 4, 64)
+    case = make_paged_case([3], [1], 4, 4, 64)
+    with pytest.raises(ValueError, match="triton"):
+        _flashinfer(layer, _pool(case, layer, torch.float32, 1), 1)
+    odd = make_paged_case([3], [1], 4, 4, 16)
+    with pytest.raises(ValueError, match="head_dim"):
+        _flashinfer(_layer(4, 4, 16), _pool(odd, _layer(4, 4, 16), torch.bfloat16, 1), 1)
+
+
+def test_no_cuda_fails_at_construction():
+    if torch.cuda.is_available():
+        pytest.skip("the machine has CUDA")
+    assert not fib.flashinfer_available()
+    layer = _layer(4, 4, 64)
+    pool = _pool(make_paged_case([3], [1], 4, 4, 64), layer, torch.bfloat16, 1)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        _flashinfer(layer, pool, 1)
+
+
+# -- the calls against the real API --------------------------------------------------------------
+
+
+def test_calls_bind_to_the_real_flashinfer_signatures(fake_flashinfer):
+    """Where flashinfer is installed (not needed on CPU): every call the backend made in a
+    decode, an extend with a prefix and a graph capture/replay fits the real signatures."""
+    real = pytest.importorskip("flashinfer")
+    test_backend_matches_torch_native(fake_flashinfer, 8, 2, [16, 0], [5, 3],
+                                      ForwardMode.EXTEND, 16)  # fmt: skip
+    test_backend_matches_torch_native(fake_flashinfer, 4, 4, [16, 0], [1, 1],
+                                      ForwardMode.DECODE, 16)  # fmt: skip
+    test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, 8, 2)
+    methods = {(cls, name) for cls, name, _, _ in fake_flashinfer}
+    assert len(methods) >= 9, methods
+    for cls, name, args, kwargs in fake_flashinfer:
+        if not cls:
+            inspect.signature(getattr(real, name)).bind(*args, **kwargs)
+            continue
+        real_cls = getattr(real, cls)
+        # decode plan() takes **kwargs and hands them to _plan_impl
+        func = getattr(real_cls, "_plan_impl", None) if name == "plan" else None
+        inspect.signature(func or getattr(real_cls, name)).bind(None, *args, **kwargs)
