@@ -97,6 +97,7 @@ def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+CPU_OVERLAP_EXECUTORS = ("process", "thread")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class EngineArgs:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    # What plays the asynchronous device for the overlap loop on CPU (see engine/overlap/).
+    cpu_overlap_executor: str = "process"
     attention_backend: str | None = None
     random_seed: int = 0
     init_new_token_ratio: float = 0.7
@@ -137,6 +140,11 @@ class EngineArgs:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend: {self.attention_backend!r} not in {ATTENTION_BACKENDS}"
+            )
+        if self.cpu_overlap_executor not in CPU_OVERLAP_EXECUTORS:
+            raise ValueError(
+                f"cpu_overlap_executor: {self.cpu_overlap_executor!r} not in "
+                f"{CPU_OVERLAP_EXECUTORS}"
             )
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")

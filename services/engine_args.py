@@ -7,7 +7,12 @@ import argparse
 import dataclasses
 import os
 
-from engine.config import ATTENTION_BACKENDS, SCHEDULE_POLICIES, EngineArgs
+from engine.config import (
+    ATTENTION_BACKENDS,
+    CPU_OVERLAP_EXECUTORS,
+    SCHEDULE_POLICIES,
+    EngineArgs,
+)
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sluice", "tiny-llama")
 
@@ -33,6 +38,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
+    g.add_argument(
+        "--cpu-overlap-executor",
+        default="process",
+        choices=CPU_OVERLAP_EXECUTORS,
+        help="on CPU, what runs the forward beside the overlap scheduler: a device process "
+        "(default) or a thread of the scheduler's process (shares its GIL)",
+    )
     g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument("--disable-cuda-graph", action="store_true")

@@ -166,7 +166,14 @@ STRESS = {
 @pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("config", list(STRESS))
 def test_stress_overlap_matches_plain(config: str, seed: int) -> None:
+    """The default CPU executor: a device process (shared request rows, pickled batches)."""
     _stress(config, seed)
+
+
+@pytest.mark.parametrize("config", list(STRESS))
+def test_stress_thread_executor_matches_plain(config: str) -> None:
+    """The forward thread (private copies of the request rows) under the same stress."""
+    _stress(config, 0, cpu_overlap_executor="thread")
 
 
 @pytest.mark.gpu
@@ -345,7 +352,7 @@ def test_penalties_and_seeds_see_history_and_step() -> None:
 
 
 def test_forward_error_is_raised_not_hung(monkeypatch: pytest.MonkeyPatch) -> None:
-    args = EngineArgs.from_kwargs(model_path=tiny_model("llama"))
+    args = EngineArgs.from_kwargs(model_path=tiny_model("llama"), cpu_overlap_executor="thread")
     scheduler = build_scheduler(args)
     assert isinstance(scheduler, OverlapScheduler)
 
@@ -362,13 +369,87 @@ def test_forward_error_is_raised_not_hung(monkeypatch: pytest.MonkeyPatch) -> No
         scheduler.close()
 
 
-def test_engine_uses_overlap_by_default_and_close_stops_the_thread() -> None:
-    with Engine(model_path=tiny_model("llama"), skip_tokenizer_init=True) as engine:
+def test_device_process_error_is_raised_with_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch that fails in the device process (here: KV slots past the pool) comes back as
+    an error answer; the scheduler raises it and the device process keeps serving."""
+    import numpy as np
+
+    from engine.overlap import process_executor
+    from engine.overlap.process_executor import DeviceError, ProcessExecutor
+
+    scheduler = build_scheduler(EngineArgs.from_kwargs(model_path=tiny_model("llama")))
+    assert isinstance(scheduler.executor, ProcessExecutor)
+    good = process_executor._device_batch
+
+    def corrupt(mwb):
+        out = good(mwb)
+        out.out_cache_loc = np.full_like(out.out_cache_loc, 1 << 40)
+        return out
+
+    monkeypatch.setattr(process_executor, "_device_batch", corrupt)
+    scheduler.add_request("x", _prompt(0, 5), _params(max_new_tokens=3))
+    try:
+        with pytest.raises(RuntimeError, match="failed on the device") as info:
+            for _ in range(3):
+                scheduler.step()
+        assert isinstance(info.value.__cause__, DeviceError)
+        assert "Error" in str(info.value.__cause__)  # the device's traceback
+        assert scheduler.executor._proc.is_alive()
+    finally:
+        scheduler.close()
+    assert not scheduler.executor._proc.is_alive()
+
+
+def test_device_process_death_is_an_error_not_a_hang() -> None:
+    scheduler = build_scheduler(EngineArgs.from_kwargs(model_path=tiny_model("llama")))
+    scheduler.add_request("x", _prompt(0, 5), _params(max_new_tokens=50, ignore_eos=True))
+    try:
+        scheduler.step()
+        scheduler.executor._proc.kill()
+        with pytest.raises(RuntimeError, match="device process"):
+            for _ in range(5):
+                scheduler.step()
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_engine_uses_overlap_by_default_and_close_stops_the_device(executor: str) -> None:
+    with Engine(
+        model_path=tiny_model("llama"), skip_tokenizer_init=True, cpu_overlap_executor=executor
+    ) as engine:
         assert isinstance(engine.scheduler, OverlapScheduler)
         out = engine.generate(input_ids=_prompt(0, 6), sampling_params={"max_new_tokens": 4})
         assert len(out["output_ids"]) <= 4
         assert not engine.scheduler.has_work()
-        thread = engine.scheduler.executor._thread
-    assert not thread.is_alive()
+        device = engine.scheduler.executor
+        device = device._proc if executor == "process" else device._thread
+        assert device.is_alive()
+    assert not device.is_alive()
     with Engine(model_path=tiny_model("llama"), disable_overlap_schedule=True) as engine:
         assert type(engine.scheduler) is Scheduler
+
+
+def test_engine_in_a_script_without_main_guard(tmp_path) -> None:
+    """The device process must not re-run the user's main script (multiprocessing's
+    spawn/forkserver would, and a script without `if __name__ == "__main__"` would start
+    engines recursively)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    script = tmp_path / "gen.py"
+    script.write_text(
+        "from engine.engine import Engine\n"
+        f"engine = Engine(model_path={tiny_model('llama')!r}, skip_tokenizer_init=True)\n"
+        "out = engine.generate(input_ids=[11, 12, 13], sampling_params={'max_new_tokens': 3})\n"
+        "print('TOKENS', len(out['output_ids']))\n"
+        "engine.shutdown()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("TOKENS") == 1

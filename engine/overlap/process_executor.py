@@ -1,0 +1,317 @@
+"""`ProcessExecutor`: the overlap executor on CPU, with a device *process* playing the GPU.
+
+Why a process. `ThreadExecutor` plays the device with a second thread of the scheduler's
+process, so the forward shares the GIL with the scheduler: every torch op of the forward
+must take the GIL back from a scheduler thread busy in Python, and on a 2-core VM each such
+hand-off costs tens of microseconds on both sides. A model's forward is hundreds of ops, so
+the thread "device" loses more to hand-offs than the overlap saves (measured in
+`benchmarks/overlap.py`: overlap on was 0.76-0.88x of off for CPU models). A process has its
+own interpreter: the scheduler and the forward then really run at once, which is what an
+accelerator gives the CUDA executor.
+
+Split of state. The device process owns what only device work touches: the model, the KV
+pool (and attention backend), the sampler and the FutureMap's token ring. The scheduler's
+process keeps the host bookkeeping (request rows, KV slot allocator, prefix cache, the
+FutureMap's slot cursor) and builds no device tensors. Device work runs in launch order, one
+job at a time, exactly as on the forward thread, so the FutureMap and early-freeing
+arguments of `executor.py` hold unchanged.
+
+The request rows (`req_to_token`) are shared memory, as they are device memory shared by
+the streams of the CUDA executor, and for the same reason it is safe: while a batch is on
+the device, the scheduler only writes positions past that batch's sequence lengths, rows of
+requests that finished meanwhile (whose results are discarded) and prefix entries that
+`cache_unfinished_req` re-points at the cache's copy of the same tokens. (The thread
+executor copies rows instead; that copy is a per-step cost this executor does not need.)
+
+Per launch the scheduler sends one message (pickled; tensors travel as numpy arrays): the
+ModelWorkerBatch without the per-request Python objects the device does not read, the
+batch's FutureMap slots and, unless sampling is deferred (penalties), the
+`SamplingBatchInfo`. The device answers with the host results of each sampling, in order;
+`wait` reads answers until the batch's own has come. An exception on the device comes back
+as an answer and is raised by `wait`; a device process that dies is reported the same way.
+
+The process is started from a forkserver (a clean process that imported torch once, started
+on first use), so starting one costs a fork and the model load, and nothing of the
+scheduler's threads or OpenMP state is inherited. `make_runner` is a picklable zero-argument
+callable that builds the device's model runner there (`engine_device_runner` with the
+engine's arguments).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import multiprocessing as mp
+import pickle
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.config import EngineArgs, ModelConfig
+from engine.model_runner import GenerationBatchResult, ModelRunner
+from engine.overlap.executor import Launch, OverlapExecutor
+from engine.overlap.future_map import FutureMap, FutureSlots
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+START_TIMEOUT_S = 600.0  # loading a large model on CPU takes a while
+
+_context: Any = None
+
+
+def _mp_context() -> Any:
+    global _context
+    if _context is None:
+        ctx = mp.get_context("forkserver")
+        # Before the server starts (later calls have no effect): what each child needs, and
+        # not the default "__main__" (see `_start`).
+        ctx.set_forkserver_preload(["torch", __name__])
+        _context = ctx
+    return _context
+
+
+def _start(proc: Any) -> None:
+    """Start `proc` without multiprocessing's "main module" fix-up: a forkserver child
+    normally re-imports the parent's main script, which re-runs a script that builds an
+    Engine at top level without an `if __name__ == "__main__":` guard (a new engine, a new
+    device process, ...). The device process needs nothing from `__main__`: its target and
+    runner factory are importable by module name."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        proc.start()
+    finally:
+        main.__dict__.update(saved)
+
+
+class ProcessExecutor(OverlapExecutor):
+    def __init__(
+        self,
+        runner: Any,
+        future_map: FutureMap,
+        make_runner: Callable[[], Any] | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        """`runner`: the scheduler's (host-only) model runner, for its request rows;
+        `make_runner`: builds the device's runner (default: the engine's, from `runner.args`)."""
+        super().__init__(runner, future_map)
+        make_runner = make_runner or functools.partial(engine_device_runner, runner.args)
+        ctx = _mp_context()
+        self._conn, child = ctx.Pipe()
+        threads = num_threads or torch.get_num_threads()
+        rows = runner.req_to_token_pool.req_to_token.share_memory_()  # in place
+        self._proc = ctx.Process(
+            target=_device_main,
+            args=(child, make_runner, rows, future_map.max_bs, threads),
+            name="sluice-device",
+            daemon=True,
+        )
+        _start(self._proc)
+        child.close()
+        self._ids = itertools.count()
+        self._waiting: dict[int, Launch] = {}  # launched, answer not read yet
+        self._closed = False
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.close()
+            raise RuntimeError("overlap executor: the device process did not start")
+        ready = self._recv()
+        if ready[0] != "ready":
+            self.close()
+            raise RuntimeError(f"overlap executor: the device process failed to start:\n{ready[2]}")
+
+    # -- launches -------------------------------------------------------------------------------
+    def launch_forward(
+        self, mwb: ModelWorkerBatch, slots: FutureSlots, info: SamplingBatchInfo | None
+    ) -> Launch:
+        lid = next(self._ids)
+        launch = Launch(mwb, slots, None, done=lid)
+        self._waiting[lid] = launch
+        self._send(("forward", lid, _device_batch(mwb), slots, _pack(info)))
+        return launch
+
+    def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None:
+        self._send(("sample", launch.done, _pack(info)))
+
+    def wait(self, launch: Launch) -> GenerationBatchResult:
+        while launch.result is None and launch.error is None:
+            self._read_answer()
+        if launch.error is not None:
+            last = (str(launch.error).strip().splitlines() or [""])[-1]  # a traceback's error
+            msg = f"overlap executor: the batch failed on the device: {last}"
+            raise RuntimeError(msg) from launch.error
+        return launch.result
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._conn.send_bytes(pickle.dumps(("close",)))
+        except OSError:  # already gone
+            pass
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+    # -- plumbing -------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        if self._closed:
+            raise RuntimeError("overlap executor: closed")
+        try:
+            self._conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            raise RuntimeError("overlap executor: the device process is gone") from exc
+
+    def _recv(self) -> tuple:
+        try:
+            return pickle.loads(self._conn.recv_bytes())
+        except (EOFError, OSError) as exc:
+            code = self._proc.exitcode
+            msg = f"overlap executor: the device process died (exit code {code})"
+            raise RuntimeError(msg) from exc
+
+    def _read_answer(self) -> None:
+        try:
+            answer = self._recv()
+        except RuntimeError as exc:  # every batch still waiting failed with it
+            for launch in self._waiting.values():
+                launch.error = launch.error or exc
+            self._waiting.clear()
+            return
+        kind, lid = answer[0], answer[1]
+        launch = self._waiting.pop(lid)
+        if kind == "error":
+            launch.error = DeviceError(answer[2])
+        else:
+            _, _, ids, logprobs, top = answer
+            launch.result = GenerationBatchResult(
+                torch.from_numpy(ids), None if logprobs is None else torch.from_numpy(logprobs), top
+            )
+
+
+class DeviceError(RuntimeError):
+    """An exception raised in the device process (its traceback is the message)."""
+
+
+# -- what travels ----------------------------------------------------------------------------------
+def _device_batch(mwb: ModelWorkerBatch) -> ModelWorkerBatch:
+    """What the device reads of a batch: index lists, not the requests' Python objects."""
+    return dataclasses.replace(
+        mwb,
+        out_cache_loc=mwb.out_cache_loc.numpy(),
+        sampling_params=[],
+        output_ids=[],
+        prompt_ids=[],
+    )
+
+
+def _pack(obj: Any) -> Any:
+    """Tensors (also inside dataclasses, e.g. `SamplingBatchInfo`) as numpy arrays, which
+    pickle as raw bytes; `_unpack` reverses it."""
+    if isinstance(obj, torch.Tensor):
+        return _Array(obj.numpy())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return _Record(type(obj), fields)
+    return obj
+
+
+def _unpack(obj: Any) -> Any:
+    if isinstance(obj, _Array):
+        return torch.from_numpy(obj.array)
+    if isinstance(obj, _Record):
+        return obj.cls(**{k: _unpack(v) for k, v in obj.fields.items()})
+    return obj
+
+
+@dataclasses.dataclass
+class _Array:
+    array: np.ndarray
+
+
+@dataclasses.dataclass
+class _Record:
+    cls: type
+    fields: dict[str, Any]
+
+
+def engine_device_runner(args: EngineArgs) -> ModelRunner:
+    """The engine's model runner (model, KV pool, sampler), built in the device process."""
+    return ModelRunner(ModelConfig.from_pretrained(args.model_path, args.context_length), args)
+
+
+# -- the device process ----------------------------------------------------------------------------
+def _device_main(
+    conn: Any, make_runner: Callable[[], Any], rows: torch.Tensor, max_bs: int, threads: int
+) -> None:
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            runner = make_runner()
+            runner.req_to_token_pool.req_to_token = rows  # the scheduler's, shared
+            device = _Device(runner, max_bs)
+    except BaseException:  # noqa: BLE001 - reported to the scheduler, which raises it
+        conn.send_bytes(pickle.dumps(("error", -1, traceback.format_exc())))
+        return
+    conn.send_bytes(pickle.dumps(("ready", -1)))
+    with torch.inference_mode():
+        while True:
+            try:
+                msg = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):  # the scheduler is gone
+                return
+            if msg[0] == "close":
+                return
+            answer = device.run(msg)
+            if answer is not None:
+                conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class _Device:
+    """Jobs in arrival (= launch) order; logits of a batch whose sampling is deferred wait
+    here for its `sample` message."""
+
+    def __init__(self, runner: Any, max_bs: int) -> None:
+        self.runner = runner
+        self.future_map = FutureMap(max_bs, runner.device)
+        self.unsampled: dict[int, tuple[torch.Tensor, ModelWorkerBatch, FutureSlots]] = {}
+
+    def run(self, msg: tuple) -> tuple | None:
+        lid = msg[1]
+        try:
+            if msg[0] == "forward":
+                _, _, mwb, slots, info = msg
+                logits = self._forward(mwb)
+                if info is None:
+                    self.unsampled[lid] = (logits, mwb, slots)
+                    return None
+                return self._sample(lid, logits, mwb, slots, _unpack(info))
+            logits, mwb, slots = self.unsampled.pop(lid)
+            return self._sample(lid, logits, mwb, slots, _unpack(msg[2]))
+        except Exception:  # noqa: BLE001 - the batch fails, the device lives on
+            self.unsampled.pop(lid, None)
+            return ("error", lid, traceback.format_exc())
+
+    def _forward(self, mwb: ModelWorkerBatch) -> torch.Tensor:
+        mwb.out_cache_loc = torch.from_numpy(mwb.out_cache_loc)
+        fb = self.runner.build_forward_batch(mwb)
+        self.future_map.resolve_future(fb.input_ids)
+        return self.runner.forward(fb)
+
+    def _sample(
+        self, lid: int, logits: torch.Tensor, mwb: ModelWorkerBatch, slots: FutureSlots,
+        info: SamplingBatchInfo,
+    ) -> tuple:  # fmt: skip
+        out = self.runner.sampler(logits, info, mwb.return_logprob, mwb.top_logprobs_nums)
+        self.future_map.store_to_map(slots, out.next_token_ids)
+        logprobs = None if out.logprobs is None else out.logprobs.numpy()
+        return ("result", lid, out.next_token_ids.numpy(), logprobs, out.top_logprobs)
