@@ -87,6 +87,7 @@ def runner() -> ModelRunner:
         max_total_tokens=2048,
         max_running_requests=MAX_RUNNING,
         cuda_graph_bs=SIZES,
+        disable_cuda_graph=True,  # as on CPU when this runs on a GPU; tests switch them on
     )
     runner = ModelRunner(ModelConfig.from_pretrained(path), args)
     gen = torch.Generator().manual_seed(0)
@@ -360,7 +361,7 @@ def test_model_runner_forward_routes_decode_to_graphs(graph_runner):
 
 
 def test_eager_forward_resolves_placeholders(runner):
-    assert not runner.use_cuda_graph  # CPU: graphs are off
+    assert not runner.use_cuda_graph
     fm = FutureMap(runner.req_to_token_pool.size, DEVICE)
     fb = _decode_batch(runner, [2, 7], [15, 4], seed=8)
     want, _ = _eager(runner, fb)
@@ -385,6 +386,7 @@ def test_engine_tokens_with_graphs_equal_without():
             disable_overlap_schedule=True,
             skip_tokenizer_init=True,
             cuda_graph_bs=(1, 2, 4),
+            disable_cuda_graph=True,  # on a GPU too: the runner must not capture real graphs
         )
         runner = engine.scheduler.model_runner
         runner.use_cuda_graph = graphs
