@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import os
 import random
 import statistics
@@ -47,6 +49,7 @@ from engine.mem_cache.memory_pool import ReqToTokenPool  # noqa: E402
 from engine.mem_cache.radix_cache import RadixCache  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.overlap.future_map import FutureMap  # noqa: E402
+from engine.overlap.process_executor import ProcessExecutor  # noqa: E402
 from engine.overlap.scheduler import OverlapScheduler  # noqa: E402
 from engine.sampling.sampler import Sampler  # noqa: E402
 from engine.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -107,24 +110,36 @@ def _requests(n: int, vocab: int, max_new: int, stop: list[str] | None = None) -
     ]
 
 
+LOOPS = ("plain", "process", "thread")  # no overlap; overlap with each CPU executor
+
+
 def _null_scheduler(
-    bs: int, overlap: bool, max_new: int, compute_reps: int = 0, tokenizer: object = None,
+    bs: int, loop: str, max_new: int, compute_reps: int = 0, tokenizer: object = None,
     sleep_s: float = 0.0,
 ) -> Scheduler:
-    runner = NullModelRunner(bs, 4096, bs * (64 + max_new + 8), compute_reps, sleep_s)
+    spec = (bs, 4096, bs * (64 + max_new + 8), compute_reps, sleep_s)
+    runner = NullModelRunner(*spec)
     args = EngineArgs(
         model_path="null", max_running_requests=bs, chunked_prefill_size=-1,
         max_prefill_tokens=1 << 30, init_new_token_ratio=1.0,
-        max_total_tokens=runner.allocator.size,
+        max_total_tokens=runner.allocator.size, cpu_overlap_executor="thread",
     )
     cache = RadixCache(runner.req_to_token_pool, runner.allocator, 1)
-    return (OverlapScheduler if overlap else Scheduler)(args, runner, cache, tokenizer)
+    if loop == "plain":
+        return Scheduler(args, runner, cache, tokenizer)
+    executor = None
+    if loop == "process":  # the device process builds its own null runner, by module name
+        cls = importlib.import_module("benchmarks.overlap").NullModelRunner
+        fmap = FutureMap(runner.req_to_token_pool.size)
+        executor = ProcessExecutor(runner, fmap, make_runner=functools.partial(cls, *spec))
+    return OverlapScheduler(args, runner, cache, tokenizer, executor=executor)
 
 
-def _model_scheduler(path: str, bs: int, overlap: bool, tokenizer: object = None) -> Scheduler:
+def _model_scheduler(path: str, bs: int, loop: str, tokenizer: object = None) -> Scheduler:
     args = EngineArgs.from_kwargs(
-        model_path=path, disable_overlap_schedule=not overlap, max_running_requests=bs,
+        model_path=path, disable_overlap_schedule=loop == "plain", max_running_requests=bs,
         chunked_prefill_size=-1, max_prefill_tokens=1 << 20, init_new_token_ratio=1.0,
+        cpu_overlap_executor="thread" if loop == "thread" else "process",
     )
     return build_scheduler(args, tokenizer)
 
@@ -146,8 +161,8 @@ def _close(scheduler: Scheduler) -> None:
 def null_overhead(batch_sizes: list[int], steps: int) -> list[dict]:
     rows = []
     for bs in batch_sizes:
-        for overlap in (False, True):
-            s = _null_scheduler(bs, overlap, max_new=steps + 40)
+        for loop in LOOPS:
+            s = _null_scheduler(bs, loop, max_new=steps + 40)
             for rid, ids, p in _requests(bs, NULL_VOCAB, steps + 40):
                 s.add_request(rid, ids, p)
             # One prefill step admits all of them; the overlap loop processes it one step
@@ -157,7 +172,7 @@ def null_overhead(batch_sizes: list[int], steps: int) -> list[dict]:
             dw, dc = _timed_steps(s, steps)
             prefill = sum(w) - statistics.median(dw)
             rows.append({
-                "batch": bs, "loop": "overlap" if overlap else "plain",
+                "batch": bs, "loop": loop,
                 "decode_step_ms": 1e3 * statistics.median(dw),
                 "decode_step_cpu_ms": 1e3 * statistics.median(dc),
                 "prefill_ms": 1e3 * prefill, "admission_us": 1e6 * prefill / bs,
@@ -194,7 +209,7 @@ def run_workload(scheduler: Scheduler, reqs: list) -> dict:
 
 def forward_time(make, reqs: list, reps: int = 15) -> float:  # noqa: ANN001
     """T_f: forward + sampling of the workload's full decode batch, alone (median seconds)."""
-    s = make(False)
+    s = make("plain")
     for rid, ids, p in reqs:
         s.add_request(rid, ids, p)
     _timed_steps(s, 4)
@@ -243,18 +258,18 @@ def compare(case: str, bs: int, max_new: int, reps: int) -> dict:
         reqs = _requests(bs, NULL_VOCAB, max_new)
         t_c = scheduler_time(reqs)
 
-        def make(ov: bool) -> Scheduler:
-            return _null_scheduler(bs, ov, max_new, sleep_s=t_c)  # T_f = T_c
+        def make(loop: str) -> Scheduler:
+            return _null_scheduler(bs, loop, max_new, sleep_s=t_c)  # T_f = T_c
     elif case == "device-matmul":
         reqs = _requests(bs, NULL_VOCAB, max_new)
         t_c = scheduler_time(reqs)
         compute = 1
         for _ in range(2):  # T_f = T_c (the forward also carries the runner's host work)
-            t_f = forward_time(lambda ov, c=compute: _null_scheduler(bs, ov, max_new, c), reqs)
+            t_f = forward_time(lambda lp, c=compute: _null_scheduler(bs, lp, max_new, c), reqs)
             compute = max(1, round(compute * t_c / t_f))
 
-        def make(ov: bool) -> Scheduler:
-            return _null_scheduler(bs, ov, max_new, compute)
+        def make(loop: str) -> Scheduler:
+            return _null_scheduler(bs, loop, max_new, compute)
     else:
         from engine.tokenizer import load_tokenizer
 
@@ -263,15 +278,15 @@ def compare(case: str, bs: int, max_new: int, reps: int) -> dict:
         reqs = _requests(bs, tokenizer.vocab_size, max_new, STOP if "+stop" in case else None)
         t_c = scheduler_time(reqs, tokenizer)
 
-        def make(ov: bool) -> Scheduler:
-            return _model_scheduler(path, bs, ov, tokenizer)
+        def make(loop: str) -> Scheduler:
+            return _model_scheduler(path, bs, loop, tokenizer)
     t_f = forward_time(make, reqs)
-    runs: dict[str, list[dict]] = {"plain": [], "overlap": []}
-    for i in range(reps):  # alternate, so that load changes hit both alike
-        for loop in (("plain", "overlap") if i % 2 == 0 else ("overlap", "plain")):
-            runs[loop].append(run_workload(make(loop == "overlap"), reqs))
-    on, off = ({k: statistics.median(r[k] for r in runs[loop]) for k in runs[loop][0]}
-               for loop in ("overlap", "plain"))
+    runs: dict[str, list[dict]] = {loop: [] for loop in LOOPS}
+    for i in range(reps):  # rotate the order, so that load changes hit all alike
+        for loop in LOOPS[i % 3:] + LOOPS[:i % 3]:
+            runs[loop].append(run_workload(make(loop), reqs))
+    off, on, thread = ({k: statistics.median(r[k] for r in runs[loop]) for k in runs[loop][0]}
+                       for loop in LOOPS)
     return {
         "case": case, "batch": bs, "max_new_tokens": max_new, "threads": torch.get_num_threads(),
         "T_f_ms": 1e3 * t_f, "T_c_ms": 1e3 * t_c, "T_f_plus_T_c_ms": 1e3 * (t_f + t_c),
@@ -282,6 +297,10 @@ def compare(case: str, bs: int, max_new: int, reps: int) -> dict:
         "decode_step_off_vs_on": off["step_ms"] / on["step_ms"],
         "plain_itl_p50_ms": off["itl_p50_ms"], "plain_itl_p99_ms": off["itl_p99_ms"],
         "overlap_itl_p50_ms": on["itl_p50_ms"], "overlap_itl_p99_ms": on["itl_p99_ms"],
+        # the same with the forward thread as the device (cpu_overlap_executor="thread")
+        "thread_step_ms": thread["step_ms"],
+        "thread_step_vs_max_part": thread["step_ms"] / (1e3 * max(t_f, t_c)),
+        "thread_on_vs_off": thread["tok_s"] / off["tok_s"],
         "runs": runs,
     }
 
@@ -335,6 +354,7 @@ NOTES = [
 
 COLUMNS = ["case", "batch", "threads", "T_f_ms", "T_c_ms", "plain_step_ms", "overlap_step_ms",
            "overlap_step_vs_max_part", "decode_step_off_vs_on", "throughput_on_vs_off",
+           "thread_step_vs_max_part", "thread_on_vs_off",
            "plain_itl_p99_ms",
            "overlap_itl_p99_ms"]
 

@@ -208,6 +208,13 @@ class EngineArgs:
         return tuple(sorted(sizes))
 
     @property
+    def overlap_device_process(self) -> bool:
+        """The overlap loop on CPU with a device process: the model, KV pool and sampler
+        then live in that process, and the scheduler's model runner is host-only."""
+        overlap_on_cpu = self.device.split(":")[0] == "cpu" and not self.disable_overlap_schedule
+        return overlap_on_cpu and self.cpu_overlap_executor == "process"
+
+    @property
     def min_new_token_ratio(self) -> float:
         return self.init_new_token_ratio * self.min_new_token_ratio_factor
 

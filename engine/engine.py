@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 def build_scheduler(args: EngineArgs, tokenizer: Any | None = None) -> Scheduler:
     """Model runner + prefix cache + scheduler, as the worker service also builds them."""
     model_config = ModelConfig.from_pretrained(args.model_path, args.context_length)
-    runner = ModelRunner(model_config, args)
+    # With a device process (CPU overlap), the model and KV pool live there, not here.
+    runner = ModelRunner(model_config, args, host_only=args.overlap_device_process)
     cache_cls = NoRadixCache if args.disable_radix_cache else RadixCache
     tree_cache = cache_cls(runner.req_to_token_pool, runner.allocator, args.page_size)
     scheduler_cls: type[Scheduler] = Scheduler

@@ -42,7 +42,18 @@ class GenerationBatchResult:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, args: EngineArgs) -> None:
+    """The model, its KV pool and attention backend, the sampler, and the scheduler's host
+    bookkeeping of device memory (request rows, KV slot allocator).
+
+    `host_only`: only the bookkeeping (`model`, `kv_pool`, `attn_backend`, `sampler` are
+    None): the scheduler's runner when a device process owns the rest (CPU overlap, see
+    engine/overlap/process_executor.py). The KV budget is computed the same way, so both
+    sides agree on the pool's size.
+    """
+
+    def __init__(
+        self, model_config: ModelConfig, args: EngineArgs, host_only: bool = False
+    ) -> None:
         self.model_config = model_config
         self.args = args
         self.device = torch.device(args.device)
@@ -53,7 +64,7 @@ class ModelRunner:
         if self.device.type == "cpu" and args.dtype == "auto":
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
-        self.model = load_model(model_config, self.dtype, self.device)
+        self.model = None if host_only else load_model(model_config, self.dtype, self.device)
         self.page_size = args.page_size
         self.max_total_tokens = self._kv_budget_tokens()
         mc = model_config
@@ -62,6 +73,11 @@ class ModelRunner:
         )
         self.padding_req_row = _reserve_last_row(self.req_to_token_pool)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.page_size, self.device)
+        self.graph_runner: CudaGraphRunner | None = None
+        if host_only:
+            self.kv_pool = self.attn_backend = self.sampler = None
+            self.use_cuda_graph = False
+            return
         self.kv_pool = KVPool(
             self.max_total_tokens + self.page_size,
             mc.num_layers,
@@ -80,7 +96,6 @@ class ModelRunner:
         )
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         logger.info("KV pool: %d tokens, page size %d", self.max_total_tokens, self.page_size)
-        self.graph_runner: CudaGraphRunner | None = None
         # the seam for tests: how graphs are recorded (CPU tests replay them eagerly)
         self.graph_capturer_factory: Callable[[torch.device], GraphCapturer] = CudaGraphCapturer
         self.use_cuda_graph = args.use_cuda_graph and self.attn_backend.supports_cuda_graph

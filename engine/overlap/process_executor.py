@@ -303,9 +303,7 @@ class _Device:
 
     def _forward(self, mwb: ModelWorkerBatch) -> torch.Tensor:
         mwb.out_cache_loc = torch.from_numpy(mwb.out_cache_loc)
-        fb = self.runner.build_forward_batch(mwb)
-        self.future_map.resolve_future(fb.input_ids)
-        return self.runner.forward(fb)
+        return self.runner.forward(self.runner.build_forward_batch(mwb), self.future_map)
 
     def _sample(
         self, lid: int, logits: torch.Tensor, mwb: ModelWorkerBatch, slots: FutureSlots,

@@ -92,11 +92,13 @@ class OverlapScheduler(Scheduler):
         super().__init__(args, model_runner, tree_cache, tokenizer)
         max_bs = model_runner.req_to_token_pool.size  # no batch has more rows than the pool
         self.future_map = FutureMap(max_bs, model_runner.device)
-        if executor is None and _device_process(args, model_runner):
+        if executor is None and args.overlap_device_process:
             from engine.overlap.process_executor import ProcessExecutor
 
             executor = ProcessExecutor(model_runner, self.future_map)
         self.executor = executor or create_executor(model_runner, self.future_map)
+        if getattr(model_runner, "use_cuda_graph", False):  # now, not in the first request
+            model_runner.capture_cuda_graphs(self.future_map)
         self.vocab_size = model_runner.model_config.vocab_size
         self._in_flight: deque[_Record] = deque()  # the record buffer: at most two batches
         # During a step: request -> placeholder, for the batch launched by the previous step
@@ -218,13 +220,6 @@ class OverlapScheduler(Scheduler):
         batch.chunked_req = record.chunked_req
         batch.prompts_cached = record.prompts_cached
         self.output.process_batch_result(batch, result)
-
-
-def _device_process(args: EngineArgs, model_runner: Any) -> bool:
-    """On CPU, a device process plays the accelerator unless `cpu_overlap_executor` says
-    "thread" (`process_executor.py` says why a thread is a poor device on CPU)."""
-    on_cpu = torch.device(model_runner.device).type == "cpu"
-    return on_cpu and args.cpu_overlap_executor == "process"
 
 
 def _select_rows(result: GenerationBatchResult, rows: list[int]) -> GenerationBatchResult:
