@@ -88,7 +88,7 @@ class ModelRunner:
             self.page_size,
         )
         self.attn_backend = create_attention_backend(
-            args.resolved_attention_backend,
+            self._attention_backend_name(),
             device=self.device,
             model_config=mc,
             kv_pool=self.kv_pool,
@@ -106,6 +106,27 @@ class ModelRunner:
             )
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
+
+    def _attention_backend_name(self) -> str:
+        """`attention_backend` when given; by default flashinfer on CUDA where it can run this
+        model (installed, fp16/bf16, a head size it compiles), else triton; torch_native on
+        CPU."""
+        name = self.args.resolved_attention_backend
+        if self.args.attention_backend or name != "flashinfer":
+            return name
+        from engine.attention import flashinfer_backend as fi
+
+        head_dim = self.model_config.head_dim
+        if not fi.flashinfer_available():
+            why = "flashinfer is not installed"
+        elif self.dtype not in fi.SUPPORTED_DTYPES:
+            why = f"flashinfer has no {self.dtype} kernels"
+        elif head_dim not in fi.SUPPORTED_HEAD_DIMS:
+            why = f"flashinfer has no head_dim {head_dim} kernels"
+        else:
+            return "flashinfer"
+        logger.info("attention backend: triton (%s)", why)
+        return "triton"
 
     def _kv_budget_tokens(self) -> int:
         mc = self.model_config
