@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The GPU session's steps, run on the device machine from the repository root by the `run`
+# tool (see benchmarks/gpu_session.md for the calls, their order and their device time):
+#
+#   bash benchmarks/gpu_session.sh STEP [STEP ...]
+#
+#   setup       install the carried wheels (.whl/*.whl) into /tmp/site, restore carried
+#               flashinfer kernels (.whl/fi_aot.tgz*), `pip install -e .`; print the machine
+#   tests-fi    tests/gpu/test_flashinfer_gpu.py on 4 pytest-xdist workers, so flashinfer
+#               compiles its kernel variants in parallel; then pack them to $OUT/fi_aot.tgz*
+#   tests-core  the other GPU tests (triton kernels, CUDA graphs, parity vs transformers),
+#               writing benchmarks/results/gpu_parity.json
+#   seed-shape | decode-bs1 | overlap    one benchmark of benchmarks/gpu_bench.py, --profile
+#   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
+#   tests = tests-fi tests-core;  bench = seed-shape decode-bs1 overlap;  all = tests bench
+#
+#   bash benchmarks/gpu_session.sh exec CMD [ARG ...]   CMD after setup, e.g. one benchmark
+#                                                       with other flags; results packed too
+#
+# setup runs first whatever the steps. Each step runs only if the time left in this call
+# (GPU_SESSION_BUDGET_S, default 560 s: the tool stops a command at 600 s) covers its
+# estimate, and under a timeout that leaves time to pack; $OUT/status.txt says what ran,
+# its exit code and seconds, or why it was skipped. After every step the results
+# (benchmarks/results/gpu_*) are packed into $OUT/results.tgz. $OUT gets at most 7 files:
+# log.txt, status.txt, env.txt, results.tgz, fi_aot.tgz (or up to 3 parts of it).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/sluice-gpu-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log.txt") 2>&1
+START=$(date +%s)
+BUDGET=${GPU_SESSION_BUDGET_S:-560}
+SITE=/tmp/site
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/fiws}
+PYTEST=(python3 -m pytest -q -p no:cacheprovider -rs --timeout 300)
+
+left() { echo $((BUDGET - ($(date +%s) - START))); }
+
+status() { echo "$*" | tee -a "$OUT/status.txt"; }
+
+run_step() {  # run_step NAME ESTIMATE_S CMD...: run CMD if ESTIMATE_S fit in the time left
+    local name=$1 est=$2 t rc
+    shift 2
+    if (($(left) < est)); then
+        status "$name: skipped ($(left)s left, needs ~${est}s)"
+        return 0
+    fi
+    t=$(date +%s)
+    echo "=== $name ($(left)s left)"
+    local limit=$(($(left) - 25))
+    ((limit > 5)) || limit=5
+    timeout -s INT -k 20 "$limit" "$@"
+    rc=$?
+    status "$name: rc=$rc $(($(date +%s) - t))s"
+    pack_results
+}
+
+setup() {
+    if [ -n "${GPU_SESSION_NO_INSTALL:-}" ]; then  # a dry run where the packages are installed
+        status "setup: no install (GPU_SESSION_NO_INSTALL)"
+    elif ls .whl/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target "$SITE" .whl/*.whl || status "setup: wheel install FAILED"
+        export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    local aot=(.whl/fi_aot.tgz.part*)  # one file, or parts of one (cat in name order)
+    [ -f .whl/fi_aot.tgz ] && aot=(.whl/fi_aot.tgz)
+    if [ -f "${aot[0]}" ] && [ -d "$SITE/flashinfer" ]; then
+        mkdir -p "$SITE/flashinfer/data/aot"
+        cat "${aot[@]}" | tar xz -C "$SITE/flashinfer/data/aot" &&
+            status "setup: restored $(ls "$SITE/flashinfer/data/aot" | wc -l) flashinfer kernels"
+    fi
+    if [ -z "${GPU_SESSION_NO_INSTALL:-}" ]; then
+        python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
+            export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem \
+            --format=csv 2>&1
+        echo "nvcc: $(command -v nvcc) $(nvcc --version 2>/dev/null | tail -1)"
+        python3 - <<'EOF'
+import importlib.metadata as md, sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      "gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+for name in ("transformers", "triton", "flashinfer-python", "apache-tvm-ffi", "sluice",
+             "pytest-xdist", "redis", "fastapi", "uvicorn"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "not installed")
+try:
+    import flashinfer
+    print("import flashinfer: ok", flashinfer.__version__)
+except Exception as exc:  # noqa: BLE001
+    print("import flashinfer: FAILED", repr(exc))
+EOF
+    } | tee "$OUT/env.txt"
+}
+
+pack_results() {
+    local files
+    files=$(cd benchmarks/results && ls gpu_* 2>/dev/null)
+    [ -n "$files" ] && tar czf "$OUT/results.tgz" -C benchmarks/results $files
+}
+
+pack_aot() {  # flashinfer's compiled kernels (JIT cache + restored ones), for the next call
+    local stage=/tmp/fi_aot_stage size
+    rm -rf "$stage" /tmp/fi_aot.tgz "$OUT"/fi_aot.tgz*
+    mkdir -p "$stage"
+    for d in "$SITE/flashinfer/data/aot" "$FLASHINFER_WORKSPACE_BASE"/.cache/flashinfer/*/*/cached_ops; do
+        [ -d "$d" ] || continue
+        (cd "$d" && find . -name '*.so' -exec cp --parents {} "$stage" \;)
+    done
+    [ -n "$(ls "$stage")" ] || { status "pack_aot: no compiled flashinfer kernels"; return 0; }
+    tar czf /tmp/fi_aot.tgz -C "$stage" .
+    size=$(stat -c %s /tmp/fi_aot.tgz)
+    if ((size <= 15 * 1024 * 1024)); then
+        cp /tmp/fi_aot.tgz "$OUT/fi_aot.tgz"
+    elif ((size <= 45 * 1024 * 1024)); then
+        split -b 15M -d /tmp/fi_aot.tgz "$OUT/fi_aot.tgz.part"
+    else
+        status "pack_aot: $((size >> 20)) MiB of kernels, too big to return; not packed"
+        return 0
+    fi
+    status "pack_aot: $(ls "$stage" | wc -l) kernels, $((size >> 20)) MiB"
+}
+
+BENCH=(python3 benchmarks/gpu_bench.py)
+
+do_step() {
+    case $1 in
+        setup) ;;
+        tests-fi)
+            # a worker's first test waits for the JIT compile of its variant: longer timeout
+            run_step tests-fi 300 "${PYTEST[@]}" --timeout 500 -n 4 \
+                tests/gpu/test_flashinfer_gpu.py
+            pack_aot ;;
+        tests-core)
+            run_step tests-core 150 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" \
+                tests/gpu/test_kernels_gpu.py tests/gpu/test_cuda_graph_gpu.py \
+                tests/gpu/test_parity_gpu.py ;;
+        seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
+        decode-bs1) run_step decode-bs1 130 "${BENCH[@]}" decode-bs1 --profile ;;
+        overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
+        smoke)
+            run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
+                --results-dir /tmp/sluice-gpu-smoke ;;
+        tests) do_step tests-fi; do_step tests-core ;;
+        bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
+        all) do_step tests; do_step bench ;;
+        *) status "unknown step $1"; return 2 ;;
+    esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+setup
+if [ "$1" = exec ]; then
+    shift
+    run_step exec 0 "$@"
+else
+    for s in "$@"; do do_step "$s"; done
+fi
+status "done in $(($(date +%s) - START))s"
