@@ -28,6 +28,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/sluice-gpu-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
+TEE_PID=$!
+FAILED=0  # the exit code: 1 if any step failed
 START=$(date +%s)
 BUDGET=${GPU_SESSION_BUDGET_S:-560}
 SITE=/tmp/site
@@ -52,6 +54,7 @@ run_step() {  # run_step NAME ESTIMATE_S CMD...: run CMD if ESTIMATE_S fit in th
     ((limit > 5)) || limit=5
     timeout -s INT -k 20 "$limit" "$@"
     rc=$?
+    ((rc == 0)) || FAILED=1
     status "$name: rc=$rc $(($(date +%s) - t))s"
     pack_results
 }
@@ -162,3 +165,6 @@ else
     for s in "$@"; do do_step "$s"; done
 fi
 status "done in $(($(date +%s) - START))s"
+exec 1>&- 2>&-  # let tee write the last lines before the command returns
+wait "$TEE_PID" 2>/dev/null || sleep 1
+exit "$FAILED"
