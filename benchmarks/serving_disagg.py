@@ -165,7 +165,9 @@ def engine_cores(pinning: Pinning | None) -> Iterator[None]:
     import torch
 
     threads = torch.get_num_threads()
-    pin(os.getpid(), pinning.engine)
+    me = psutil.Process()
+    for p in [me, *me.children(recursive=True)]:  # with the engine's device process, if any
+        pin(p.pid, pinning.engine)
     torch.set_num_threads(len(pinning.engine))
     try:
         yield
@@ -175,10 +177,10 @@ def engine_cores(pinning: Pinning | None) -> Iterator[None]:
 
 
 def pin_services(serve: psutil.Process, pinning: Pinning) -> dict[str, list[int]]:
-    """The worker on the engine's cores, everything else (and this client) on the rest."""
+    """The worker (and its device process, if any) on the engine's cores, everything else
+    (and this client) on the rest."""
     placed: dict[str, list[int]] = {}
-    for p in [serve, *serve.children(recursive=True)]:
-        kind = next((k for k in _KINDS if k in " ".join(p.cmdline())), "serve")
+    for p, kind in service_kinds(serve, "serve").items():
         cores = pinning.engine if kind == "worker" else pinning.rest
         pin(p.pid, cores)
         placed[f"{kind}:{p.pid}"] = sorted(cores)
@@ -237,18 +239,37 @@ def run_services(
 def _cpu_by_kind(serve: psutil.Process) -> dict[str, float]:
     """CPU seconds by service kind (the benchmark client is this process)."""
     out = {"client": sum(psutil.Process().cpu_times()[:2])}
-    for p in serve.children(recursive=True):
+    for p, kind in service_kinds(serve, "other", include_serve=False).items():
         try:
-            cmd = " ".join(p.cmdline())
             cpu = sum(p.cpu_times()[:2])
         except psutil.NoSuchProcess:
             continue
-        kind = next((k for k in _KINDS if k in cmd), "other")
         out[kind] = out.get(kind, 0.0) + cpu
     return out
 
 
 _KINDS = ("router", "worker", "detokenizer", "tokenizer", "redis-server")
+
+
+def service_kinds(
+    serve: psutil.Process, default: str, include_serve: bool = True
+) -> dict[psutil.Process, str]:
+    """Each process of `sluice serve` by kind (from its command line); a worker's children
+    (the forkserver and device process of the CPU overlap loop) count as the worker."""
+    procs = [serve, *serve.children(recursive=True)] if include_serve else serve.children(True)
+    kinds = {}
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            args = " ".join(p.cmdline()).split()  # `services.cli worker`, `/x/redis-server`
+            kinds[p] = next(
+                (k for k in _KINDS if any(a == k or a.endswith("/" + k) for a in args)), default
+            )
+    by_pid = {p.pid: k for p, k in kinds.items()}
+    for p in kinds:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if any(by_pid.get(a.pid) == "worker" for a in p.parents()):
+                kinds[p] = "worker"
+    return kinds
 
 
 def neighbour_cores(services: dict) -> float:
