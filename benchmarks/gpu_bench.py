@@ -423,11 +423,14 @@ def run_hf_cb(
             "cb_config": _cb_config_dict(resolved)}
 
 
-def _hf_wait(manager: Any, prompts: list[list[int]], out_len: int) -> int:
+def _hf_wait(manager: Any, prompts: list[list[int]], out_len: int, limit_s: float = 300) -> int:
     for p in prompts:
         manager.add_request(p, max_new_tokens=out_len)
     done = gen = 0
+    deadline = time.monotonic() + limit_s  # a stuck manager must not eat the device time
     while done < len(prompts):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"transformers CB: {done}/{len(prompts)} done in {limit_s}s")
         result = manager.get_result(timeout=1)
         if result is not None and result.is_finished():
             done += 1

@@ -6,13 +6,15 @@
 #
 #   setup       install the carried wheels (.whl/*.whl) into /tmp/site, restore carried
 #               flashinfer kernels (.whl/fi_aot.tgz*), `pip install -e .`; print the machine
-#   tests-fi    tests/gpu/test_flashinfer_gpu.py on 4 pytest-xdist workers, so flashinfer
-#               compiles its kernel variants in parallel; then pack them to $OUT/fi_aot.tgz*
-#   tests-core  the other GPU tests (triton kernels, CUDA graphs, parity vs transformers),
+#   parity      tests/gpu/test_parity_gpu.py (fp32 greedy, bf16 flashinfer teacher forcing),
 #               writing benchmarks/results/gpu_parity.json
 #   seed-shape | decode-bs1 | overlap    one benchmark of benchmarks/gpu_bench.py, --profile
+#   tests-fi    tests/gpu/test_flashinfer_gpu.py on 4 pytest-xdist workers (flashinfer
+#               compiles its fp16/bf16 x head_dim 64/128 variants)
+#   tests-kernels  tests/gpu/test_kernels_gpu.py and test_cuda_graph_gpu.py
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
-#   tests = tests-fi tests-core;  bench = seed-shape decode-bs1 overlap;  all = tests bench
+#   bench = seed-shape decode-bs1 overlap;  tests = parity tests-fi tests-kernels;
+#   all = parity bench tests-fi tests-kernels (the issue's results first)
 #
 #   bash benchmarks/gpu_session.sh exec CMD [ARG ...]   CMD after setup, e.g. one benchmark
 #                                                       with other flags; results packed too
@@ -21,7 +23,8 @@
 # (GPU_SESSION_BUDGET_S, default 560 s: the tool stops a command at 600 s) covers its
 # estimate, and under a timeout that leaves time to pack; $OUT/status.txt says what ran,
 # its exit code and seconds, or why it was skipped. After every step the results
-# (benchmarks/results/gpu_*) are packed into $OUT/results.tgz. $OUT gets at most 7 files:
+# (benchmarks/results/gpu_*) are packed into $OUT/results.tgz; after parity, tests-fi and at
+# the end, flashinfer's compiled kernels into $OUT/fi_aot.tgz. $OUT gets at most 7 files:
 # log.txt, status.txt, env.txt, results.tgz, fi_aot.tgz (or up to 3 parts of it).
 set -u
 cd "$(dirname "$0")/.."
@@ -134,29 +137,33 @@ BENCH=(python3 benchmarks/gpu_bench.py)
 do_step() {
     case $1 in
         setup) ;;
+        parity)
+            # its first flashinfer test waits for the JIT compile: longer timeout
+            run_step parity 240 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" --timeout 500 \
+                tests/gpu/test_parity_gpu.py
+            pack_aot ;;
         tests-fi)
             # a worker's first test waits for the JIT compile of its variant: longer timeout
             run_step tests-fi 300 "${PYTEST[@]}" --timeout 500 -n 4 \
                 tests/gpu/test_flashinfer_gpu.py
             pack_aot ;;
-        tests-core)
-            run_step tests-core 150 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" \
-                tests/gpu/test_kernels_gpu.py tests/gpu/test_cuda_graph_gpu.py \
-                tests/gpu/test_parity_gpu.py ;;
+        tests-kernels)
+            run_step tests-kernels 180 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
+                tests/gpu/test_cuda_graph_gpu.py ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
         decode-bs1) run_step decode-bs1 130 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
         smoke)
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
                 --results-dir /tmp/sluice-gpu-smoke ;;
-        tests) do_step tests-fi; do_step tests-core ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
-        all) do_step tests; do_step bench ;;
+        tests) do_step parity; do_step tests-fi; do_step tests-kernels ;;
+        all) do_step parity; do_step bench; do_step tests-fi; do_step tests-kernels ;;
         *) status "unknown step $1"; return 2 ;;
     esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 setup
 if [ "$1" = exec ]; then
     shift
@@ -164,6 +171,7 @@ if [ "$1" = exec ]; then
 else
     for s in "$@"; do do_step "$s"; done
 fi
+pack_aot
 status "done in $(($(date +%s) - START))s"
 exec 1>&- 2>&-  # let tee write the last lines before the command returns
 wait "$TEE_PID" 2>/dev/null || sleep 1
