@@ -16,9 +16,11 @@
      rather than compute (it holds the GIL), and T_f >> T_c even with stop strings checked
      every step. "wide": compute-bound layers (GIL released), still T_f >> T_c.
 
-On CPU the "device" is a forward thread, so the overlap holds only while the forward spends
-its time inside torch ops (which release the GIL), not in Python, and only if a core is free
-for it: torch's intra-op threads compete with the scheduler thread for the 2 cores.
+Each case runs three loops, alternated: plain (overlap off), overlap with the default CPU
+executor (a device process, engine/overlap/process_executor.py) and overlap with the forward
+thread (cpu_overlap_executor=thread; the `thread_*` columns). The device process needs a
+second free core to overlap; the thread also needs the forward to spend its time inside
+torch ops (which release the GIL) rather than in Python.
 """
 
 from __future__ import annotations
@@ -332,24 +334,31 @@ def parallelism_probe(reps: int = 60) -> dict:
 
 NOTES = [
     "The plain loop costs T_f + T_c per decode step; the overlap loop max(T_f, T_c) at best. "
-    "On CPU the device is a second thread of this process, so overlap needs a second core: "
-    "parallelism_probe.speedup is what two threads of GIL-free matmuls got at the time (2.0 "
-    "= two free cores, 1.0 = one core's worth). Below ~1.3 the overlap loop can only lose: the "
-    "same CPU work plus thread hand-offs (each a wake-up, milliseconds on a busy machine).",
+    "On CPU the overlap loop's device is by default a second process (cpu_overlap_executor="
+    "process): scheduler and forward each have an interpreter of their own, so they run at "
+    "once when two cores are free. parallelism_probe.speedup is what two threads of GIL-free "
+    "matmuls got at the time (2.0 = two free cores, 1.0 = one core's worth); with one core's "
+    "worth the overlap loop can only lose.",
+    "T_c is the plain loop's step on the null runner: it includes the host side of the "
+    "forward (index tensors, sampling inputs, the sampler), which the process loop moves to "
+    "the device process, so overlap_step_vs_max_part can be below 1.",
+    "thread_* columns: the same loop with a forward thread as the device "
+    "(cpu_overlap_executor=thread). It shares the scheduler's GIL: after every torch op the "
+    "forward thread must take the GIL back from a scheduler busy in Python (tens of "
+    "microseconds per hand-off on this VM, hundreds of ops per forward), so it loses on CPU "
+    "models; it only overlaps a device that needs no Python (device-sleep).",
     "device-sleep emulates an accelerator (the forward waits without using the CPU), which "
-    "is what the CUDA executor faces; it needs only one core to overlap.",
-    "tiny / tiny+stop: a small model's forward is Python dispatch of many small ops. It holds "
-    "the GIL most of the time, so it cannot run beside the scheduler thread, and T_f >> T_c "
-    "anyway (the scheduler costs a few microseconds per request per step): overlap can save "
-    "at most T_c / (T_f + T_c) and pays hand-offs (SGLang issue #2558 is the GPU analogue: "
-    "small models, where overhead is not the scheduler's).",
-    "wide: compute-bound layers release the GIL, but T_f >> T_c: nothing to hide.",
-    "threads=2 rows: two intra-op threads on a busy 2-core machine make every matmul many "
-    "times slower in the plain loop (the thread team waits for descheduled workers); those "
-    "ratios measure that pathology, not the overlap.",
-    "Small batches (bs 1): the plain loop has no hand-off at all; the overlap loop's step is "
-    "dominated by two thread wake-ups. On CPU, --disable-overlap-schedule is the better "
-    "choice for latency at small batch sizes or when fewer than two cores are free.",
+    "is what the CUDA executor faces.",
+    "tiny / tiny+stop: a small model's forward is Python dispatch of many small ops and "
+    "T_f >> T_c unless stop strings are checked every step (tiny+stop): overlap can save at "
+    "most T_c / (T_f + T_c) (SGLang issue #2558 is the GPU analogue: small models, where the "
+    "overhead is not the scheduler's).",
+    "wide: compute-bound layers, T_f >> T_c: nothing to hide.",
+    "threads=2 rows (when run): two intra-op threads on a busy 2-core machine make every "
+    "matmul many times slower in the plain loop; those ratios measure that pathology.",
+    "Small batches: the process loop pays a pickled message and a pipe round trip per step "
+    "(null runner, bs 1: 0.40 vs 0.17 ms). On CPU, --disable-overlap-schedule is the better "
+    "choice for latency at batch 1 or when fewer than two cores are free.",
 ]
 
 COLUMNS = ["case", "batch", "threads", "T_f_ms", "T_c_ms", "plain_step_ms", "overlap_step_ms",
@@ -404,6 +413,9 @@ def main() -> None:
         "emulated_device_step_vs_max_part": emulated["overlap_step_vs_max_part"],
         "all_cases_on_vs_off": {
             f"{r['case']}/bs{r['batch']}/t{r['threads']}": r["throughput_on_vs_off"] for r in rows
+        },
+        "all_cases_thread_executor_on_vs_off": {
+            f"{r['case']}/bs{r['batch']}/t{r['threads']}": r["thread_on_vs_off"] for r in rows
         },
     }
     torch.set_num_threads(1)
