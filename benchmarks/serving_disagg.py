@@ -18,10 +18,11 @@
    capacity per core, which a busy machine does not distort). For each N in
    `--detok-scaling`.
 
-`--engine-cores 0` pins the in-process engine and the worker to the given cores (one torch
-thread each) and the client and every other service to the remaining cores, for 1 and 2: the
-model's compute then gets the same cores on both sides, as on a GPU host where it runs on the
-device and the services have cores of their own; the CPU-neighbour control is skipped. Without
+`--engine-cores 0` pins the in-process engine and the worker's scheduler thread to the given
+cores (one torch thread each) and the client, every other service and the worker's Redis I/O
+threads to the remaining cores, for 1 and 2: the model's compute then gets the same cores on
+both sides, as on a GPU host where it runs on the device and the services have cores of their
+own; the CPU-neighbour control is skipped. Without
 it all processes share all cores (on a small machine, what the services cost is then mostly
 the CPU they take from the worker's matmuls).
 
@@ -149,25 +150,29 @@ class Pinning:
         return cls(engine, rest)
 
 
-def pin(pid: int, cores: set[int]) -> None:
-    """Every thread of `pid` (threads created later inherit their creator's affinity)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+def pin(pid: int, cores: set[int], others: set[int] | None = None) -> None:
+    """Every thread of `pid` (threads created later inherit their creator's affinity); with
+    `others`, only the main thread on `cores` and the other threads on `others`."""
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(int(tid), cores)
+            os.sched_setaffinity(tid, cores if others is None or tid == pid else others)
 
 
 @contextlib.contextmanager
-def engine_cores(pinning: Pinning | None) -> Iterator[None]:
-    """This process on the engine's cores, with one torch thread per core, then back."""
+def engine_cores(pinning: Pinning | None, engine: Any = None) -> Iterator[None]:
+    """This process on the engine's cores, with one torch thread per core, then back. The
+    engine's device process (CPU overlap loop), if any, stays there. (Not every child of
+    this process: `sluice serve` is one too.)"""
     if pinning is None:
         yield
         return
     import torch
 
     threads = torch.get_num_threads()
-    me = psutil.Process()
-    for p in [me, *me.children(recursive=True)]:  # with the engine's device process, if any
-        pin(p.pid, pinning.engine)
+    pin(os.getpid(), pinning.engine)
+    device = getattr(getattr(engine, "scheduler", None), "executor", None)
+    if getattr(device, "_proc", None) is not None:
+        pin(device._proc.pid, pinning.engine)
     torch.set_num_threads(len(pinning.engine))
     try:
         yield
@@ -177,13 +182,19 @@ def engine_cores(pinning: Pinning | None) -> Iterator[None]:
 
 
 def pin_services(serve: psutil.Process, pinning: Pinning) -> dict[str, list[int]]:
-    """The worker (and its device process, if any) on the engine's cores, everything else
-    (and this client) on the rest."""
+    """The worker's scheduler thread (and its device process, if any) on the engine's cores,
+    as the engine runs in-process; everything else on the rest: the other services, this
+    client and the worker's Redis I/O and heartbeat threads (on a GPU host they run on other
+    cores than the thread that drives the GPU)."""
     placed: dict[str, list[int]] = {}
     for p, kind in service_kinds(serve, "serve").items():
-        cores = pinning.engine if kind == "worker" else pinning.rest
-        pin(p.pid, cores)
-        placed[f"{kind}:{p.pid}"] = sorted(cores)
+        if kind != "worker":
+            pin(p.pid, pinning.rest)
+        elif "worker" in " ".join(p.cmdline()).split():  # the worker itself
+            pin(p.pid, pinning.engine, others=pinning.rest)
+        else:  # its forkserver and device process
+            pin(p.pid, pinning.engine)
+        placed[f"{kind}:{p.pid}"] = sorted(pinning.rest if kind != "worker" else pinning.engine)
     pin(os.getpid(), pinning.rest)
     return placed
 
@@ -444,7 +455,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(model)
     args.pinning = Pinning.parse(args.engine_cores)
     with engine_cores(args.pinning):
-        engine = make_engine(model, flags)
+        engine = make_engine(model, flags)  # its device process, if any, starts here
     pairs = []
     try:
         with serving(model, flags, args) as (base, serve):
@@ -510,7 +521,7 @@ def _run_pair(
     concurrency = args.max_concurrency
     pair: dict[str, dict] = {}
     def inprocess() -> dict:
-        with engine_cores(args.pinning):
+        with engine_cores(args.pinning, engine):
             return run_inprocess(engine, requests, concurrency)
 
     if k % 2 == 0:
