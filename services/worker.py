@@ -5,7 +5,8 @@
     sender thread:   ◀── pipelined XADDs to {p}:detok (and ErrorMsgs to routers) ──┘
 
 The loop never waits on Redis: it drains the local queue between steps (blocking on it
-only when the scheduler has no work), and hands each step's message to the sender. A
+only when the scheduler has no work), and hands each step's events to the sender, which
+builds the step message (rows, encoding) on its thread, while the next forward runs. A
 `GenerateReqMsg` becomes `scheduler.add_request` (a ValueError becomes an `ErrorMsg` to
 its router); an `AbortReqMsg` becomes `scheduler.abort_request`, or is remembered when
 it overtook its request. Each step sends one message with every request that got tokens
@@ -18,6 +19,7 @@ or ended in it (see `worker_requests.step_row`). A heartbeat carries the worker'
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import queue
 import threading
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_io import Receiver, Sender
 from services.worker_load import LoadReporter
-from services.worker_requests import RequestTable, aborted_row, sampling_params, step_row
+from services.worker_requests import RequestTable, aborted_row, sampling_params, step_message
 from shared.bus import Bus
 from shared.heartbeat import Heartbeat
 from shared.keys import (
@@ -111,17 +113,17 @@ class Worker:
         self._events_waiting = False
         events = self.scheduler.step()
         self.num_steps += 1
-        rows = []
+        ours = []
         for event in events:
             info = self.table.active.get(event.rid)
             if info is None:  # not ours (cannot happen: every request comes through here)
                 continue
-            rows.append(step_row(event, info))
+            ours.append((event, info, event.req.cached_tokens))
             if event.finished_reason is not None:
                 self.table.end(event.rid)
-        if rows:
-            msg = StepOutputMsg.from_rows(rows, worker_id=self.worker_id, step=self.num_steps)
-            self.sender.send(self.detok_stream, msg)
+        if ours:  # rows built and encoded on the sender thread, off the scheduler's path
+            build = functools.partial(step_message, ours, self.worker_id, self.num_steps)
+            self.sender.send(self.detok_stream, build)
 
     # -- dispatch ---------------------------------------------------------------------------
     def _on_generate(self, msg: GenerateReqMsg) -> None:

@@ -9,7 +9,8 @@ replaying old entries after a restart would only duplicate work. Entries of the 
 type are dead-lettered.
 
 `Sender` takes (stream, message) pairs from the scheduler loop and publishes everything
-queued in one pipeline per round trip; encoding happens on its thread too. If Redis is
+queued in one pipeline per round trip; encoding happens on its thread too, and so does
+building a message given as a zero-argument callable. If Redis is
 unreachable it keeps the messages and retries, so nothing is dropped by a blip.
 """
 
@@ -19,6 +20,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -87,14 +90,15 @@ class Sender(threading.Thread):
     def __init__(self, bus: Bus) -> None:
         super().__init__(name="worker-sender", daemon=True)
         self.bus = bus
-        self.outbox: queue.Queue[tuple[str, Message] | None] = queue.Queue()
+        self.outbox: queue.Queue[tuple[str, Message | Callable[[], Message]] | None]
+        self.outbox = queue.Queue()
         self.num_sent = 0
 
-    def send(self, stream: str, msg: Message) -> None:
+    def send(self, stream: str, msg: Message | Callable[[], Message]) -> None:
         self.outbox.put((stream, msg))
 
     def run(self) -> None:
-        batch: list[tuple[str, Message]] = []
+        batch: list[tuple[str, Any]] = []
         done = False
         while True:
             if not done:
@@ -104,6 +108,7 @@ class Sender(threading.Thread):
                     return
                 continue
             try:
+                batch = [(s, m() if callable(m) else m) for s, m in batch]  # built once
                 self.bus.publish_many(batch)
                 self.num_sent += len(batch)
                 batch = []
@@ -114,7 +119,7 @@ class Sender(threading.Thread):
                 logger.warning("sending %d messages: %s; retrying", len(batch), exc)
                 time.sleep(_RETRY_S)
 
-    def _take(self, batch: list[tuple[str, Message]], block: bool) -> bool:
+    def _take(self, batch: list[tuple[str, Any]], block: bool) -> bool:
         """Move queued messages into `batch`; True once the stop marker was seen."""
         try:
             item = self.outbox.get(block=block)

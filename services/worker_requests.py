@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
-from shared.messages import DETOK_WINDOW_LEN, FinishReason, GenerateReqMsg, StepRow
+from shared.messages import DETOK_WINDOW_LEN, FinishReason, GenerateReqMsg, StepOutputMsg, StepRow
 
 Admission = Literal["new", "duplicate", "aborted"]
 
@@ -103,7 +103,18 @@ def wire_finish(reason: Any) -> FinishReason | None:
     return FinishReason(reason.type, matched, reason.message)
 
 
-def step_row(event: StepEvent, info: ReqInfo) -> StepRow:
+def step_message(
+    events: list[tuple[StepEvent, ReqInfo, int]], worker_id: str, step: int
+) -> StepOutputMsg:
+    """The step message of (event, request info, cached tokens at the event) triples. Safe
+    off the scheduler's thread, one step late: a row reads its request's tokens and logprobs
+    by absolute index (later steps only append), and the cached-token count, which a
+    re-admission changes, is taken at the event."""
+    rows = [step_row(ev, info, cached) for ev, info, cached in events]
+    return StepOutputMsg.from_rows(rows, worker_id=worker_id, step=step)
+
+
+def step_row(event: StepEvent, info: ReqInfo, cached_tokens: int | None = None) -> StepRow:
     """One request's row of a step message."""
     req = event.req
     start, new_ids = event.start, list(event.new_token_ids)
@@ -125,7 +136,7 @@ def step_row(event: StepEvent, info: ReqInfo) -> StepRow:
         finish_reason=wire_finish(event.finished_reason),
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=end,
-        cached_tokens=req.cached_tokens,
+        cached_tokens=req.cached_tokens if cached_tokens is None else cached_tokens,
         skip_special_tokens=info.skip_special_tokens,
         spaces_between_special_tokens=info.spaces_between_special_tokens,
         token_logprobs=logprobs,

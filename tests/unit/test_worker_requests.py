@@ -8,7 +8,13 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
 from engine.scheduler.req import FinishReason as EngineFinish
 from engine.scheduler.req import Req
-from services.worker_requests import RequestTable, aborted_row, sampling_params, step_row
+from services.worker_requests import (
+    RequestTable,
+    aborted_row,
+    sampling_params,
+    step_message,
+    step_row,
+)
 from shared.messages import DETOK_WINDOW_LEN, GenerateReqMsg, StepOutputMsg
 
 
@@ -75,3 +81,26 @@ def test_step_rows_carry_window_range_usage_and_logprobs() -> None:
     first = step_row(StepEvent(req, [10], 0, None), table.active["r1"])
     assert first.window_ids == [] and first.finish_reason is None
     StepOutputMsg.from_rows([row, first, aborted_row(gen("r2"))], worker_id="0", step=1).validate()
+
+
+def test_step_message_built_a_step_late_equals_one_built_at_the_event() -> None:
+    """The worker hands (event, info, cached tokens) to its sender thread, which builds the
+    rows while the next step runs: the request has more tokens and logprobs by then, and a
+    re-admission (after retraction) may have changed its cached-token count."""
+    params = SamplingParams(max_new_tokens=30, return_logprob=True, top_logprobs_num=1)
+    req = Req("r1", [1, 2, 3], params)
+    req.output_ids = list(range(10, 19))
+    req.logprobs = [-float(i) for i in range(9)]
+    req.top_logprobs = [([i], [-0.5]) for i in range(9)]
+    req.cached_tokens = 2
+    table = RequestTable()
+    table.start(gen("r1"))
+    event = StepEvent(req, [17, 18], 7, None)
+    now = StepOutputMsg.from_rows([step_row(event, table.active["r1"])], worker_id="0", step=3)
+    triple = (event, table.active["r1"], req.cached_tokens)
+    req.output_ids += [19, 20]  # the next step, processed before the sender builds
+    req.logprobs += [-9.0, -10.0]
+    req.top_logprobs += [([9], [-0.5]), ([10], [-0.5])]
+    req.cached_tokens = 7
+    late = step_message([triple], "0", 3)
+    assert late.to_msg() == now.to_msg()
