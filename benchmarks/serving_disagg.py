@@ -565,6 +565,10 @@ def _summary(pairs: list[dict], detok: dict[int, dict], concurrency: int) -> dic
         "services_vs_inprocess": ratio("services", "inprocess"),
         "added_itl_p50_ms": added("median_itl_ms"),
         "added_ttft_p50_ms": added("median_ttft_ms"),
+        "paired_median_added_itl_p50_ms": float(
+            np.median([p["services"]["median_itl_ms"] - p["inprocess"]["median_itl_ms"]
+                       for p in pairs])
+        ),
         "services_output_tok_s": best["services"]["output_throughput"],
         "inprocess_output_tok_s": best["inprocess"]["output_throughput"],
         "inprocess_beside_neighbour_vs_inprocess": ratio("inprocess_beside_neighbour", "inprocess"),
