@@ -7,6 +7,7 @@ import functools
 import os
 import random
 import tempfile
+from typing import Any
 
 import torch
 
@@ -93,3 +94,30 @@ def assert_greedy_match(path: str, prompt: list[int], got: list[int], want: list
             )
             return
     assert len(got) == len(want), f"length differs: {len(got)} vs {len(want)}"
+
+
+def paged_case_batch(case: Any, mode: Any, pool: Any, backend: Any, rows: Any = None) -> Any:
+    """A ForwardBatch over a `kernels.testing.PagedCase` (on the case's device), for one
+    attention backend and KV pool; `rows` picks some of its requests (decode batches)."""
+    from engine.forward_batch import ForwardBatch
+
+    rows = list(range(len(case.seq_lens))) if rows is None else rows
+    extend = mode.is_extend()
+    num_tokens = case.q.shape[0] if extend else len(rows)
+    device = case.seq_lens.device
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(rows),
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        out_cache_loc=case.out_cache_loc if extend else case.out_cache_loc[rows],
+        req_pool_indices=case.req_pool_indices[rows],
+        seq_lens=case.seq_lens[rows],
+        seq_lens_cpu=case.seq_lens[rows].tolist(),
+        req_to_token=case.req_to_token,
+        kv_pool=pool,
+        attn_backend=backend,
+        extend_prefix_lens_cpu=case.prefix_lens.tolist() if extend else None,
+        extend_seq_lens_cpu=case.extend_lens.tolist() if extend else None,
+        extend_start_loc=case.extend_start_loc if extend else None,
+    )

@@ -28,6 +28,7 @@ from engine.attention.base import create_attention_backend  # noqa: E402
 from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from engine.mem_cache.kv_pool import KVPool  # noqa: E402
 from kernels.testing import PagedCase, make_paged_case  # noqa: E402
+from tests.factories import paged_case_batch  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -62,26 +63,7 @@ def _backend(name: str, layer, pool: KVPool, page_size: int):
                                     page_size=page_size)  # fmt: skip
 
 
-def _batch(case: PagedCase, mode: ForwardMode, pool, backend, rows=None) -> ForwardBatch:
-    rows = list(range(len(case.seq_lens))) if rows is None else rows
-    extend = mode.is_extend()
-    num_tokens = case.q.shape[0] if extend else len(rows)
-    return ForwardBatch(
-        forward_mode=mode,
-        batch_size=len(rows),
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device="cuda"),
-        positions=torch.zeros(num_tokens, dtype=torch.int64, device="cuda"),
-        out_cache_loc=case.out_cache_loc if extend else case.out_cache_loc[rows],
-        req_pool_indices=case.req_pool_indices[rows],
-        seq_lens=case.seq_lens[rows],
-        seq_lens_cpu=case.seq_lens[rows].tolist(),
-        req_to_token=case.req_to_token,
-        kv_pool=pool,
-        attn_backend=backend,
-        extend_prefix_lens_cpu=case.prefix_lens.tolist() if extend else None,
-        extend_seq_lens_cpu=case.extend_lens.tolist() if extend else None,
-        extend_start_loc=case.extend_start_loc if extend else None,
-    )
+_batch = paged_case_batch
 
 
 def _run(name: str, case: PagedCase, layer, mode: ForwardMode, dtype, page_size, rows=None):

@@ -26,6 +26,7 @@ from engine.attention.base import create_attention_backend
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.mem_cache.kv_pool import KVPool
 from kernels.testing import PagedCase, make_paged_case
+from tests.factories import paged_case_batch
 
 # -- page tables ----------------------------------------------------------------------------------
 
@@ -274,25 +275,7 @@ def _pool(case: PagedCase, layer, dtype: torch.dtype, page_size: int) -> KVPool:
     return pool
 
 
-def _batch(case, mode, pool, backend, rows=None) -> ForwardBatch:
-    rows = list(range(len(case.seq_lens))) if rows is None else rows
-    extend = mode.is_extend()
-    return ForwardBatch(
-        forward_mode=mode,
-        batch_size=len(rows),
-        input_ids=torch.zeros(len(rows) if not extend else case.q.shape[0], dtype=torch.int64),
-        positions=torch.zeros(len(rows) if not extend else case.q.shape[0], dtype=torch.int64),
-        out_cache_loc=case.out_cache_loc if extend else case.out_cache_loc[rows],
-        req_pool_indices=case.req_pool_indices[rows],
-        seq_lens=case.seq_lens[rows],
-        seq_lens_cpu=case.seq_lens[rows].tolist(),
-        req_to_token=case.req_to_token,
-        kv_pool=pool,
-        attn_backend=backend,
-        extend_prefix_lens_cpu=case.prefix_lens.tolist() if extend else None,
-        extend_seq_lens_cpu=case.extend_lens.tolist() if extend else None,
-        extend_start_loc=case.extend_start_loc if extend else None,
-    )
+_batch = paged_case_batch
 
 
 def _flashinfer(layer, pool, page_size: int):

@@ -14,8 +14,9 @@ if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
 from engine.attention.base import create_attention_backend  # noqa: E402
-from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from engine.forward_batch import ForwardMode  # noqa: E402
 from engine.mem_cache.kv_pool import KVPool  # noqa: E402
+from tests.factories import paged_case_batch  # noqa: E402
 
 
 class _Layer:
@@ -31,23 +32,7 @@ def _forward(name: str, case: PagedCase, mode: ForwardMode) -> tuple[torch.Tenso
     pool.k_buffer[1].copy_(case.k_buffer)
     pool.v_buffer[1].copy_(case.v_buffer)
     backend = create_attention_backend(name, device=DEVICE)
-    extend = mode.is_extend()
-    fb = ForwardBatch(
-        forward_mode=mode,
-        batch_size=len(case.seq_lens),
-        input_ids=torch.zeros(case.q.shape[0], dtype=torch.int64, device=DEVICE),
-        positions=torch.zeros(case.q.shape[0], dtype=torch.int64, device=DEVICE),
-        out_cache_loc=case.out_cache_loc,
-        req_pool_indices=case.req_pool_indices,
-        seq_lens=case.seq_lens,
-        seq_lens_cpu=case.seq_lens.tolist(),
-        req_to_token=case.req_to_token,
-        kv_pool=pool,
-        attn_backend=backend,
-        extend_prefix_lens_cpu=case.prefix_lens.tolist() if extend else None,
-        extend_seq_lens_cpu=case.extend_lens.tolist() if extend else None,
-        extend_start_loc=case.extend_start_loc if extend else None,
-    )
+    fb = paged_case_batch(case, mode, pool, backend)
     backend.init_forward_metadata(fb)
     q, k, v = (x.reshape(x.shape[0], -1) for x in (case.q, case.k, case.v))
     return backend.forward(q, k, v, layer, fb), pool
