@@ -81,3 +81,41 @@ def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
     return "" if v is None else str(v)
+
+
+def run_transformers_cb(
+    manager: Any, prompts: list[list[int]], max_new_tokens: list[int], limit_s: float | None = None
+) -> int:
+    """Queue every prompt on a transformers continuous-batching manager, wait for all to
+    finish and return the tokens generated; raises if the manager stops, or if it takes
+    longer than `limit_s` (a stuck manager must not eat a time-boxed GPU)."""
+    for p, n in zip(prompts, max_new_tokens, strict=True):
+        manager.add_request(p, max_new_tokens=n)
+    done = gen = 0
+    deadline = None if limit_s is None else time.monotonic() + limit_s
+    while done < len(prompts):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"transformers CB: {done}/{len(prompts)} done in {limit_s}s")
+        result = manager.get_result(timeout=1)
+        if result is not None and result.is_finished():
+            done += 1
+            gen += len(result.generated_tokens)
+        elif result is None and not manager.is_running():
+            raise RuntimeError("transformers continuous batching stopped")
+    return gen
+
+
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its live children: with the overlap
+    loop on CPU the engine's forward runs in a device process, and `time.process_time()`
+    would not count it."""
+    import psutil
+
+    me = psutil.Process()
+    total = sum(me.cpu_times()[:2])
+    for child in me.children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total

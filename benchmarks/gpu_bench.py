@@ -55,7 +55,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.common import print_table  # noqa: E402
+from benchmarks.common import print_table, run_transformers_cb  # noqa: E402
 
 ANCHORS = {"sglang_output_tok_s": 15538, "vllm_output_tok_s": 9024,
            "anchor_dtype": "float16 (SGLang/vLLM dtype=auto turns a float32 checkpoint into fp16)"}
@@ -424,20 +424,7 @@ def run_hf_cb(
 
 
 def _hf_wait(manager: Any, prompts: list[list[int]], out_len: int, limit_s: float = 300) -> int:
-    for p in prompts:
-        manager.add_request(p, max_new_tokens=out_len)
-    done = gen = 0
-    deadline = time.monotonic() + limit_s  # a stuck manager must not eat the device time
-    while done < len(prompts):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"transformers CB: {done}/{len(prompts)} done in {limit_s}s")
-        result = manager.get_result(timeout=1)
-        if result is not None and result.is_finished():
-            done += 1
-            gen += len(result.generated_tokens)
-        elif result is None and not manager.is_running():
-            raise RuntimeError("transformers continuous batching stopped")
-    return gen
+    return run_transformers_cb(manager, prompts, [out_len] * len(prompts), limit_s)
 
 
 def _cb_config_dict(cfg: Any) -> dict[str, Any] | None:

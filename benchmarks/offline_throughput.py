@@ -21,7 +21,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    cpu_seconds,
+    print_table,
+    run_transformers_cb,
+    write_result,
+)
 
 
 def mixed_workload(vocab: int, n: int, seed: int) -> tuple[list[list[int]], list[int]]:
@@ -62,9 +67,9 @@ def run_sluice(path: str, prompts: list[list[int]], outputs: list[int], **kw) ->
     with Engine(model_path=path, **kw) as engine:
         engine.generate(input_ids=[prompts[0][:16]], sampling_params={"max_new_tokens": 2})
         engine.flush_cache()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
         stats = engine.get_stats()
     gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
     cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
@@ -97,7 +102,7 @@ def run_hf_generate(path: str, prompts: list[list[int]], outputs: list[int]) -> 
             do_sample=False,
             pad_token_id=0,
         )
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         model.generate(
             ids,
             attention_mask=mask,
@@ -106,7 +111,7 @@ def run_hf_generate(path: str, prompts: list[list[int]], outputs: list[int]) -> 
             do_sample=False,
             pad_token_id=0,
         )
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     return {**_throughput(elapsed, cpu, sum(outputs)), "generated_incl_padding": n * len(prompts)}
 
 
@@ -133,18 +138,9 @@ def run_hf_cb(path: str, prompts: list[list[int]], outputs: list[int]) -> dict:
     with model.continuous_batching_context_manager(
         generation_config=cfg, block=True, timeout=5, continuous_batching_config=cb, warmup=False
     ) as manager:
-        t0, c0 = time.perf_counter(), time.process_time()
-        for p, o in zip(prompts, outputs):
-            manager.add_request(p, max_new_tokens=o)
-        done, gen = 0, 0
-        while done < len(prompts):
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                done += 1
-                gen += len(result.generated_tokens)
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers continuous batching stopped")
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
+        t0, c0 = time.perf_counter(), cpu_seconds()
+        gen = run_transformers_cb(manager, prompts, outputs)
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     return _throughput(elapsed, cpu, gen)
 
 
