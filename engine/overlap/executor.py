@@ -1,4 +1,4 @@
-"""The asynchronous device the overlap scheduler launches batches on; one interface, two kinds.
+"""The asynchronous device the overlap scheduler launches batches on; one interface, three kinds.
 
     launch_forward(mwb, slots, info) -> Launch  non-blocking: resolve the batch's placeholders
                                       from the FutureMap, run the forward; with `info`, also
@@ -13,12 +13,13 @@ early as the device allows. A batch whose sampling needs the previous batch's to
 host (penalties count the history) is launched without `info`, and `launch_sample` follows
 once the scheduler has processed that previous batch.
 
-Both kinds run device work strictly in launch order, which is what makes the FutureMap and the
+All kinds run device work strictly in launch order, which is what makes the FutureMap and the
 early freeing of KV slots safe: a slot freed by the scheduler while a forward that writes it is
-in flight is only handed to a batch launched later, whose writes come after. `ThreadExecutor`
-(here) plays the device on CPU with one forward thread; `CudaStreamExecutor`
-(`cuda_executor.py`) uses a forward stream and a copy stream. The scheduler loop above them is
-the same.
+in flight is only handed to a batch launched later, whose writes come after.
+`CudaStreamExecutor` (`cuda_executor.py`) uses a forward stream and a copy stream. On CPU,
+`ProcessExecutor` (`process_executor.py`, the default) plays the device with a second process,
+and `ThreadExecutor` (here, `cpu_overlap_executor="thread"`) with one forward thread, which
+shares the scheduler's GIL. The scheduler loop above them is the same.
 
 A `Launch` owns every tensor its device work reads until the scheduler has waited for it, so
 nothing the device may still read is freed early (on CUDA, the caching allocator could
