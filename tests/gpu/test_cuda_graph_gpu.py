@@ -22,11 +22,17 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from engine.config import EngineArgs, ModelConfig  # noqa: E402
 from engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
-from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from engine.forward_batch import ForwardBatch  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.overlap.future_map import FutureMap  # noqa: E402
 from kernels.jit import interpreting  # noqa: E402
 from tests.factories import mixed_prompts, tiny_model  # noqa: E402
+from tests.runner_batches import (  # noqa: E402
+    decode_batch,
+    eager_forward,
+    kv_restore,
+    kv_snapshot,
+)
 
 if interpreting():
     pytest.skip("TRITON_INTERPRET is set: graphs need compiled kernels", allow_module_level=True)
@@ -58,27 +64,7 @@ def runner(request) -> ModelRunner:
     return _runner(request.param)
 
 
-def _decode_batch(runner: ModelRunner, rows: list[int], seq_lens: list[int], seed: int = 0):
-    rng = random.Random(seed)
-    table = runner.req_to_token_pool.req_to_token
-    slots = rng.sample(range(1, runner.max_total_tokens), sum(seq_lens))
-    for row, seq_len in zip(rows, seq_lens):
-        table[row, :seq_len] = torch.tensor(slots[:seq_len], dtype=torch.int32, device="cuda")
-        del slots[:seq_len]
-    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device="cuda")  # noqa: E731
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=len(rows),
-        input_ids=i64([rng.randrange(8, runner.model_config.vocab_size) for _ in rows]),
-        positions=i64([n - 1 for n in seq_lens]),
-        out_cache_loc=i64([int(table[r, n - 1]) for r, n in zip(rows, seq_lens)]),
-        req_pool_indices=i64(rows),
-        seq_lens=i64(seq_lens),
-        seq_lens_cpu=list(seq_lens),
-        req_to_token=table,
-        kv_pool=runner.kv_pool,
-        attn_backend=runner.attn_backend,
-    )
+_decode_batch, _kv, _restore = decode_batch, kv_snapshot, kv_restore
 
 
 def _random_batch(runner: ModelRunner, n: int, seed: int) -> ForwardBatch:
@@ -88,23 +74,9 @@ def _random_batch(runner: ModelRunner, n: int, seed: int) -> ForwardBatch:
     return _decode_batch(runner, rows, [rng.randint(1, max_len) for _ in rows], seed)
 
 
-def _kv(runner: ModelRunner) -> list[torch.Tensor]:
-    return [b.clone() for b in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer]
-
-
-def _restore(runner: ModelRunner, kv: list[torch.Tensor]) -> None:
-    for buf, saved in zip(runner.kv_pool.k_buffer + runner.kv_pool.v_buffer, kv):
-        buf.copy_(saved)
-
-
-@torch.inference_mode()
 def _eager(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor:
     """Eager logits; the KV pool is left as it was."""
-    saved = _kv(runner)
-    runner.attn_backend.init_forward_metadata(fb)
-    logits = runner.model(fb.input_ids, fb.positions, fb).clone()
-    _restore(runner, saved)
-    return logits
+    return eager_forward(runner, fb)[0]
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

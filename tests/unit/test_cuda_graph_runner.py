@@ -11,7 +11,6 @@ routing and an engine run with graphs on and off.
 from __future__ import annotations
 
 import argparse
-import random
 
 import pytest
 import torch
@@ -31,6 +30,12 @@ from engine.model_runner import ModelRunner  # noqa: E402
 from engine.overlap.future_map import FutureMap  # noqa: E402
 from services.engine_args import add_engine_args, engine_args_from  # noqa: E402
 from tests.factories import tiny_model  # noqa: E402
+from tests.runner_batches import (  # noqa: E402
+    decode_batch,
+    eager_forward,
+    kv_restore,
+    kv_snapshot,
+)
 
 SIZES = (1, 2, 4, 8)
 MAX_RUNNING = 12
@@ -156,50 +161,7 @@ def _graphs(runner: ModelRunner, future_map: FutureMap | None = None) -> CudaGra
     return graphs
 
 
-def _decode_batch(
-    runner: ModelRunner, rows: list[int], seq_lens: list[int], seed: int = 0
-) -> ForwardBatch:
-    """Request `rows[i]` has `seq_lens[i]` tokens (the last one new) in distinct random slots."""
-    rng = random.Random(seed)
-    table = runner.req_to_token_pool.req_to_token
-    slots = rng.sample(range(1, runner.max_total_tokens), sum(seq_lens))
-    for row, seq_len in zip(rows, seq_lens):
-        table[row, :seq_len] = torch.tensor(slots[:seq_len], dtype=torch.int32)
-        del slots[:seq_len]
-    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64, device=DEVICE)  # noqa: E731
-    return ForwardBatch(
-        forward_mode=ForwardMode.DECODE,
-        batch_size=len(rows),
-        input_ids=i64([rng.randrange(8, runner.model_config.vocab_size) for _ in rows]),
-        positions=i64([n - 1 for n in seq_lens]),
-        out_cache_loc=table[rows, [n - 1 for n in seq_lens]].to(torch.int64),
-        req_pool_indices=i64(rows),
-        seq_lens=i64(seq_lens),
-        seq_lens_cpu=list(seq_lens),
-        req_to_token=table,
-        kv_pool=runner.kv_pool,
-        attn_backend=runner.attn_backend,
-    )
-
-
-def _kv(runner: ModelRunner) -> list[torch.Tensor]:
-    return [b.clone() for b in runner.kv_pool.k_buffer + runner.kv_pool.v_buffer]
-
-
-def _restore(runner: ModelRunner, kv: list[torch.Tensor]) -> None:
-    for buf, saved in zip(runner.kv_pool.k_buffer + runner.kv_pool.v_buffer, kv):
-        buf.copy_(saved)
-
-
-def _eager(runner: ModelRunner, fb: ForwardBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Logits and the KV pool after an eager forward, the pool left as it was."""
-    saved = _kv(runner)
-    runner.attn_backend.init_forward_metadata(fb)
-    with torch.inference_mode():
-        logits = runner.model(fb.input_ids, fb.positions, fb).clone()
-    after = _kv(runner)
-    _restore(runner, saved)
-    return logits, after
+_decode_batch, _kv, _restore, _eager = decode_batch, kv_snapshot, kv_restore, eager_forward
 
 
 def _assert_same_kv(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
