@@ -85,13 +85,21 @@ class OverlapExecutor(ABC):
     def _sample(self, launch: Launch) -> Any:
         """Sample and store into the FutureMap (on whatever stream/thread is current)."""
         assert launch.logits is not None and launch.info is not None
-        mwb = launch.mwb
-        out = self.runner.sampler(
-            launch.logits, launch.info, mwb.return_logprob, mwb.top_logprobs_nums
+        out = sample_into_map(
+            self.runner, self.future_map, launch.logits, launch.info, launch.mwb, launch.slots
         )
-        self.future_map.store_to_map(launch.slots, out.next_token_ids)
         launch.logits = None  # the largest tensor of the batch: free it as soon as possible
         return out
+
+
+def sample_into_map(
+    runner: Any, future_map: FutureMap, logits: torch.Tensor, info: SamplingBatchInfo,
+    mwb: ModelWorkerBatch, slots: FutureSlots,
+) -> Any:  # fmt: skip
+    """Sample a batch's next tokens and store them into its FutureMap slots (device work)."""
+    out = runner.sampler(logits, info, mwb.return_logprob, mwb.top_logprobs_nums)
+    future_map.store_to_map(slots, out.next_token_ids)
+    return out
 
 
 def create_executor(runner: Any, future_map: FutureMap) -> OverlapExecutor:

@@ -54,7 +54,7 @@ import torch
 
 from engine.config import EngineArgs, ModelConfig
 from engine.model_runner import GenerationBatchResult, ModelRunner
-from engine.overlap.executor import Launch, OverlapExecutor
+from engine.overlap.executor import Launch, OverlapExecutor, sample_into_map
 from engine.overlap.future_map import FutureMap, FutureSlots
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
@@ -309,7 +309,6 @@ class _Device:
         self, lid: int, logits: torch.Tensor, mwb: ModelWorkerBatch, slots: FutureSlots,
         info: SamplingBatchInfo,
     ) -> tuple:  # fmt: skip
-        out = self.runner.sampler(logits, info, mwb.return_logprob, mwb.top_logprobs_nums)
-        self.future_map.store_to_map(slots, out.next_token_ids)
+        out = sample_into_map(self.runner, self.future_map, logits, info, mwb, slots)
         logprobs = None if out.logprobs is None else out.logprobs.numpy()
         return ("result", lid, out.next_token_ids.numpy(), logprobs, out.top_logprobs)
