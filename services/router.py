@@ -7,6 +7,7 @@ heartbeat) → serve HTTP until stopped. Each generation request is validated
 (`router_stream`) and answered in the API's shape, whole or as SSE (`router_responses`).
 
     sluice router --redis-url redis://127.0.0.1:6379/0 --port 30000 [--api-key KEY]
+                  [--incremental-streaming-output]
 """
 
 from __future__ import annotations

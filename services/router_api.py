@@ -107,6 +107,7 @@ class Router:
             handles,
             include_usage=getattr(body, "include_usage", False),
             batch=kind == "generate" and (body.is_batch or len(subs) > 1),
+            incremental=self.config.router.incremental_streaming_output,
         )
         if body.stream:
             return await _sse_response(request, fmt.chunks())

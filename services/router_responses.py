@@ -4,7 +4,9 @@
   `chat.completion`, their `.chunk` forms), `usage` with `prompt_tokens_details`, SGLang's
   `matched_stop` beside `finish_reason`.
 * `/generate`: SGLang's `{text, output_ids, meta_info}`; when streamed, every chunk carries
-  the text and ids so far (SGLang's default, what its `bench_serving` expects).
+  the text and ids so far (SGLang's default, what its `bench_serving` expects), or with
+  `incremental` (SGLang's `--incremental-streaming-output`) only the new ones, and the
+  logprobs of only the new tokens; `meta_info`'s counts are the whole output's either way.
 
 A stream yields nothing before the first delta, so an error that comes before any output
 (a prompt too long, no worker) still becomes a plain HTTP error; after that, an error is
@@ -138,10 +140,11 @@ class Formatter:
         handles: list[RequestHandle],
         include_usage: bool = False,
         batch: bool = False,
+        incremental: bool = False,
     ) -> None:
         self.kind, self.rid, self.created, self.model = kind, rid, created, model
         self.names, self.handles = names, handles
-        self.include_usage, self.batch = include_usage, batch
+        self.include_usage, self.batch, self.incremental = include_usage, batch, incremental
         self.prompt_of = {h.sub.index: h.sub.prompt_index for h in handles}
         self.want_logprobs = handles[0].sub.return_logprob
         self.top_n = handles[0].sub.top_logprobs_num
@@ -151,7 +154,7 @@ class Formatter:
     async def response(self) -> Any:
         choices = await collect(self.handles)
         if self.kind == "generate":
-            outs = [self._generate_obj(c, c.output_ids, c.text) for c in choices]
+            outs = [self._generate_obj(c, c.text) for c in choices]
             return outs if self.batch else outs[0]
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
         body["choices"] = [
@@ -196,7 +199,10 @@ class Formatter:
 
     def _chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
         if self.kind == "generate":
-            obj = self._generate_obj(c, c.output_ids, c.text)
+            if self.incremental:
+                obj = self._generate_obj(c, d.text, start=len(c.output_ids) - len(d.output_ids))
+            else:
+                obj = self._generate_obj(c, c.text)
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
@@ -275,21 +281,25 @@ class Formatter:
             "text_offset": offsets,
         }
 
-    def _generate_obj(self, c: Choice, ids: list[int], text: str) -> dict[str, Any]:
-        reason = c.finish_reason
+    def _generate_obj(self, c: Choice, text: str, start: int = 0) -> dict[str, Any]:
+        """`/generate`'s object for `c`'s output tokens from `start` on (`text` is theirs):
+        ids and logprobs are sliced there, counts and the finish reason are the whole output's."""
+        reason, num_ids = c.finish_reason, len(c.output_ids)
+        ids = c.output_ids[start:]
         meta: dict[str, Any] = {
             "id": c.rid,
-            "finish_reason": reason.to_dict(length=len(ids)) if reason else None,
+            "finish_reason": reason.to_dict(length=num_ids) if reason else None,
             "prompt_tokens": c.usage.prompt_tokens if c.usage else None,
-            "completion_tokens": c.usage.completion_tokens if c.usage else len(ids),
+            "completion_tokens": c.usage.completion_tokens if c.usage else num_ids,
             "cached_tokens": c.usage.cached_tokens if c.usage else None,
         }
         if self.want_logprobs:
-            pairs = zip(c.token_logprobs, ids, strict=False)
+            pairs = zip(c.token_logprobs[start:], ids, strict=False)
             meta["output_token_logprobs"] = [[lp, t] for lp, t in pairs]
             if self.top_n:
-                meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in c.top_logprobs]
-        return {"text": text, "output_ids": list(ids), "meta_info": meta}
+                tops = c.top_logprobs[start:]
+                meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in tops]
+        return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 def _decode_one(tokenizer: Any, token_id: int) -> str:

@@ -1,16 +1,18 @@
 """`sluice serve`: every service on one machine, as child processes.
 
     sluice serve [--model PATH] [--redis-url URL] [--tokenizers N] [--detokenizers M]
-                 [--host H] [--port P] [engine flags: --device, --page-size, ...]
+                 [--host H] [--port P] [--incremental-streaming-output]
+                 [engine flags: --device, --page-size, ...]
 
 Starts an embedded redis-server when no Redis URL is given, generates a small model when
 none is given, then one worker (`sluice worker`, with the engine flags), N tokenizers, M
-detokenizers and the router (`sluice router`). Children get their configuration through
-`SLUICE_*` variables and die with the launcher (PR_SET_PDEATHSIG), so even a `kill -9`
-of the launcher leaves no orphans. Ready when the worker, tokenizer and detokenizer
-heartbeats are up and the router accepts connections; Ctrl-C or SIGTERM stops the
-children (SIGTERM, then SIGKILL after a grace period) and Redis. A child that exits on
-its own stops the whole deployment with an error.
+detokenizers and the router (`sluice router`, with those of its flags named in
+`ROUTER_FLAGS`). Children get their configuration through `SLUICE_*` variables and die
+with the launcher (PR_SET_PDEATHSIG), so even a `kill -9` of the launcher leaves no
+orphans. Ready when the worker, tokenizer and detokenizer heartbeats are up and the
+router accepts connections; Ctrl-C or SIGTERM stops the children (SIGTERM, then SIGKILL
+after a grace period) and Redis. A child that exits on its own stops the whole
+deployment with an error.
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ from shared.heartbeat import list_live
 from shared.keys import DETOKENIZER_KIND, TOKENIZER_KIND, WORKER_KIND
 from shared.logging import setup_logging
 from shared.redis_server import EmbeddedRedis
-from shared.settings import ServeSettings, add_settings_args, settings_from_args
+from shared.settings import RouterSettings, ServeSettings, add_settings_args, settings_from_args
 
 logger = logging.getLogger(__name__)
 
 WORKER_ID = "0"
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
+# RouterSettings fields that `serve` takes as flags too and passes on to its router.
+ROUTER_FLAGS = ("incremental_streaming_output",)
 
 
 def _die_with_parent() -> None:
@@ -107,11 +111,43 @@ def engine_flags(ns: argparse.Namespace) -> list[str]:
     return flags
 
 
+def _router_actions() -> list[argparse.Action]:
+    parser = argparse.ArgumentParser(add_help=False)
+    add_settings_args(parser, RouterSettings)
+    return [a for a in parser._actions if a.dest in ROUTER_FLAGS]
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    for action in _router_actions():
+        parser._add_action(action)
+
+
+def router_flags(ns: argparse.Namespace) -> list[str]:
+    """The `ROUTER_FLAGS` given to `serve`, as `sluice router` flags."""
+    flags: list[str] = []
+    for action in _router_actions():
+        if not hasattr(ns, action.dest):
+            continue  # not given: the router reads its SLUICE_* variable or default
+        value = getattr(ns, action.dest)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            flags.append(action.option_strings[0 if value else 1])
+        else:
+            flags += [action.option_strings[0], str(value)]
+    return flags
+
+
 class Launcher:
-    def __init__(self, settings: ServeSettings, model: str, worker_flags: list[str]) -> None:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        model: str,
+        worker_flags: list[str],
+        router_flags: list[str] | None = None,
+    ) -> None:
         self.settings = settings
         self.model = model
         self.worker_flags = worker_flags
+        self.router_flags = router_flags or []
         self.redis: EmbeddedRedis | None = None
         self.children: dict[str, subprocess.Popen] = {}
         self.stop = threading.Event()
@@ -148,7 +184,7 @@ class Launcher:
         start += [(f"tokenizer-{i}", []) for i in range(s.tokenizers)]
         start += [(f"detokenizer-{i}", []) for i in range(s.detokenizers)]
         if importlib.util.find_spec("services.router") is not None:
-            start.append(("router", ["--host", s.host, "--port", str(s.port)]))
+            start.append(("router", ["--host", s.host, "--port", str(s.port), *self.router_flags]))
         else:
             logger.warning("services.router is missing: serving without the HTTP API")
         for name, args in start:
@@ -200,7 +236,7 @@ def run(settings: ServeSettings, ns: argparse.Namespace) -> int:
     logging.getLogger().handlers.clear()  # this process logs through setup_logging only
     setup_logging("serve", None, settings.common.log_level)
     model = ensure_model(ns.model_path or settings.model)
-    launcher = Launcher(settings, model, engine_flags(ns))
+    launcher = Launcher(settings, model, engine_flags(ns), router_flags(ns))
 
     def on_signal(signum: int, frame: object) -> None:
         launcher.stop.set()
@@ -222,5 +258,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     # The engine's --model/--model-path replaces the settings' --model (SLUICE_MODEL stays).
     p = sub.add_parser("serve", help="every service on this machine", conflict_handler="resolve")
     add_settings_args(p, ServeSettings)
+    add_router_args(p)
     add_engine_args(p)
     p.set_defaults(func=_main)

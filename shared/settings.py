@@ -175,6 +175,9 @@ class RouterSettings:
     model: str | None = setting(None, "model folder (for its name and tokenizer config)")
     served_model_name: str | None = setting(None, "model name in the API (default: folder name)")
     request_timeout_s: float = setting(600.0, "abort a request after this long")
+    incremental_streaming_output: bool = setting(
+        False, "streamed /generate chunks carry only the new text and ids (SGLang's flag)"
+    )
 
 
 @dataclass(frozen=True)

@@ -356,6 +356,21 @@ def test_api_key_and_request_timeout(redis_url: str) -> None:
             assert 1.4 < time.monotonic() - t0 < 5
 
 
+def test_incremental_streaming_output_sends_only_new_text_and_ids(redis_url: str) -> None:
+    prefix = "rt-inc"
+    with start_router(redis_url, prefix, "--incremental-streaming-output") as url:
+        with running(FakeWorker(redis_url, prefix, "w-inc", shuffle=True, duplicate=True), url):
+            body = {"text": [PROMPT, "abc"], "sampling_params": {"max_new_tokens": 64}}
+            events = post_stream(url, "/generate", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    for i, prompt in enumerate([PROMPT, "abc"]):
+        mine = [e for e in events[:-1] if e["index"] == i]
+        assert len(mine) > 1 and "".join(e["text"] for e in mine) == prompt[::-1]
+        assert [t for e in mine for t in e["output_ids"]] == [ord(c) for c in prompt[::-1]]
+        assert mine[-1]["meta_info"]["completion_tokens"] == len(prompt)
+        assert mine[-1]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
 def wait_for(cond, timeout: float = 10.0) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not cond():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
@@ -13,17 +15,27 @@ from services.router_stream import Delta, Usage
 from shared.messages import FinishReason
 
 
-def formatter(kind: str, logprobs: bool = False, n: int = 1) -> Formatter:
-    handles = [
-        SimpleNamespace(
-            rid=f"r{i}",
-            sub=SubRequest(
-                i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=2 if logprobs else 0
-            ),
+def formatter(
+    kind: str,
+    logprobs: bool = False,
+    n: int = 1,
+    outputs: list[list[Delta]] | None = None,
+    **options: bool,
+) -> Formatter:
+    """A Formatter over `n` fake handles; handle i yields the deltas `outputs[i]`."""
+
+    def handle(i: int) -> SimpleNamespace:
+        async def deltas() -> AsyncIterator[Delta]:
+            for d in (outputs or [[]] * n)[i]:
+                yield d
+
+        sub = SubRequest(
+            i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=2 if logprobs else 0
         )
-        for i in range(n)
-    ]
-    return Formatter(kind, "cmpl-1", 7, "m", TokenNames(), handles)  # type: ignore[arg-type]
+        return SimpleNamespace(rid=f"r{i}", sub=sub, deltas=deltas, close=lambda: None)
+
+    handles = [handle(i) for i in range(n)]
+    return Formatter(kind, "cmpl-1", 7, "m", TokenNames(), handles, **options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -98,5 +110,77 @@ def test_generate_meta_finish_reason_has_sglang_shape(reason: FinishReason, expe
     the length (not a null `matched`), a stop its match, an abort its message."""
     c = Choice(0, rid="r0", output_ids=[4, 5, 6])
     c.add(Delta(text="", output_ids=[], finish_reason=reason, usage=Usage(2, 3, 0)))
-    meta = formatter("generate")._generate_obj(c, [4, 5, 6], "abc")["meta_info"]
+    meta = formatter("generate")._generate_obj(c, "abc")["meta_info"]
     assert meta["finish_reason"] == expected
+
+
+def generate_outputs(index: int) -> list[Delta]:
+    """One `/generate` output in deltas: multi-byte text, a token whose text is held back,
+    logprobs, and a last delta that carries only the finish."""
+    base = 10 * index
+    return [
+        Delta("你好", [base + 1, base + 2], [-0.1, -0.2], [[(base + 1, -0.1)], [(base + 2, -0.2)]]),
+        Delta("", [base + 3], [-0.3], [[(base + 3, -0.3), (9, -1.0)]]),
+        Delta(" 🙂x", [base + 4], [-0.4], [[(base + 4, -0.4)]]),
+        Delta(finish_reason=FinishReason("length"), usage=Usage(1, 4, 0)),
+    ]
+
+
+def generate_streams(n: int, incremental: bool) -> tuple[dict[int, list[dict]], object]:
+    """(each choice's streamed `/generate` objects, the non-streamed response)."""
+    outputs = [generate_outputs(i) for i in range(n)]
+    options = {"batch": n > 1, **({"incremental": True} if incremental else {})}
+
+    async def run() -> tuple[list[bytes], object]:
+        chunks = [c async for c in formatter("generate", True, n, outputs, **options).chunks()]
+        return chunks, await formatter("generate", True, n, outputs, **options).response()
+
+    chunks, whole = asyncio.run(run())
+    assert chunks[-1] == b"data: [DONE]\n\n"
+    streams: dict[int, list[dict]] = {i: [] for i in range(n)}
+    for chunk in chunks[:-1]:
+        obj = json.loads(chunk[len("data: ") :])
+        streams[obj.pop("index", 0)].append(obj)
+    return streams, whole
+
+
+LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs")
+
+
+def counts(obj: dict) -> dict:
+    return {k: v for k, v in obj["meta_info"].items() if k not in LOGPROB_KEYS}
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_incremental_generate_chunks_add_up_to_the_cumulative_stream_and_the_response(
+    n: int,
+) -> None:
+    """With `--incremental-streaming-output`, the chunks of a `/generate` stream (single or
+    batch) are disjoint pieces: joined, they are the cumulative stream's last chunk and the
+    non-streamed response; `meta_info`'s counts and finish reason are the same in both modes."""
+    incremental, _ = generate_streams(n, incremental=True)
+    cumulative, whole = generate_streams(n, incremental=False)
+    for i in range(n):
+        inc, cum = incremental[i], cumulative[i]
+        assert len(inc) == len(cum) == 4
+        joined = {
+            "text": "".join(o["text"] for o in inc),
+            "output_ids": [t for o in inc for t in o["output_ids"]],
+            "meta_info": dict(inc[-1]["meta_info"]),
+        }
+        for key in LOGPROB_KEYS:
+            joined["meta_info"][key] = [x for o in inc for x in o["meta_info"][key]]
+        assert joined == cum[-1] == (whole[i] if n > 1 else whole)  # type: ignore[index]
+        assert [o["output_ids"] for o in inc] == [d.output_ids for d in generate_outputs(i)]
+        for o_inc, o_cum in zip(inc, cum, strict=True):
+            assert len(o_inc["meta_info"]["output_token_logprobs"]) == len(o_inc["output_ids"])
+            assert counts(o_inc) == counts(o_cum)  # completion_tokens etc.: the whole output's
+        assert inc[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+
+
+def test_generate_stream_is_cumulative_by_default() -> None:
+    """Without the flag, every chunk carries the text and ids so far (SGLang's default)."""
+    stream = generate_streams(1, incremental=False)[0][0]
+    texts = [o["text"] for o in stream]
+    assert texts == ["你好", "你好", "你好 🙂x", "你好 🙂x"]
+    assert [len(o["output_ids"]) for o in stream] == [2, 3, 4, 4]
