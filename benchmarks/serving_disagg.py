@@ -20,7 +20,7 @@
 
 `--engine-cores 0` pins the in-process engine and the worker's scheduler thread to the given
 cores (one torch thread each) and the client, every other service and the worker's Redis I/O
-threads to the remaining cores, for 1 and 2: the model's compute then gets the same cores on
+process to the remaining cores, for 1 and 2: the model's compute then gets the same cores on
 both sides, as on a GPU host where it runs on the device and the services have cores of their
 own; the CPU-neighbour control is skipped. Without
 it all processes share all cores (on a small machine, what the services cost is then mostly
@@ -184,17 +184,21 @@ def engine_cores(pinning: Pinning | None, engine: Any = None) -> Iterator[None]:
 def pin_services(serve: psutil.Process, pinning: Pinning) -> dict[str, list[int]]:
     """The worker's scheduler thread (and its device process, if any) on the engine's cores,
     as the engine runs in-process; everything else on the rest: the other services, this
-    client and the worker's Redis I/O and heartbeat threads (on a GPU host they run on other
-    cores than the thread that drives the GPU)."""
+    client, the worker's I/O process and any other thread of the worker (on a GPU host they
+    run on other cores than the thread that drives the GPU)."""
     placed: dict[str, list[int]] = {}
     for p, kind in service_kinds(serve, "serve").items():
-        if kind != "worker":
+        args = " ".join(p.cmdline()).split()
+        if kind != "worker" or "services.worker_io" in args:  # the worker's I/O process too
             pin(p.pid, pinning.rest)
-        elif "worker" in " ".join(p.cmdline()).split():  # the worker itself
+            cores = pinning.rest
+        elif "worker" in args:  # the worker itself
             pin(p.pid, pinning.engine, others=pinning.rest)
+            cores = pinning.engine
         else:  # its forkserver and device process
             pin(p.pid, pinning.engine)
-        placed[f"{kind}:{p.pid}"] = sorted(pinning.rest if kind != "worker" else pinning.engine)
+            cores = pinning.engine
+        placed[f"{kind}:{p.pid}"] = sorted(cores)
     pin(os.getpid(), pinning.rest)
     return placed
 

@@ -1,17 +1,19 @@
 """The worker service: one engine (scheduler, prefix cache, model) fed through Redis.
 
-    receiver thread: {p}:worker:{w}:in ──▶ local queue ─┐
-    scheduler loop:  drain queue → dispatch → scheduler.step() → one StepOutputMsg
-    sender thread:   ◀── pipelined XADDs to {p}:detok (and ErrorMsgs to routers) ──┘
+    I/O process:    {p}:worker:{w}:in ──▶ records ──┐       (services.worker_io)
+    scheduler loop: drain records → dispatch → scheduler.step() → one step record
+    I/O process:    ◀── step messages to {p}:detok, ErrorMsgs to routers, heartbeat ──┘
 
-The loop never waits on Redis: it drains the local queue between steps (blocking on it
-only when the scheduler has no work), and hands each step's events to the sender, which
-builds the step message (rows, encoding) on its thread, while the next forward runs. A
-`GenerateReqMsg` becomes `scheduler.add_request` (a ValueError becomes an `ErrorMsg` to
-its router); an `AbortReqMsg` becomes `scheduler.abort_request`, or is remembered when
-it overtook its request. Each step sends one message with every request that got tokens
-or ended in it (see `worker_requests.step_row`). A heartbeat carries the worker's load
-(`WorkerLoadMsg`); SIGTERM / SIGINT stop the loop and delete it.
+The scheduler's process runs one Python thread and never talks to Redis: a child process
+does (see `services.worker_link` for why a process, with the measurements, and for the
+records on its pipes). The loop drains the requests and aborts that arrived between steps
+(blocking on them only when the scheduler has no work), and after each step writes one
+compact record with every request that got tokens or ended in it (`row_record`); the
+I/O process builds and sends the step message. A `GenerateReqMsg` becomes
+`scheduler.add_request` (a ValueError becomes an `ErrorMsg` to its router); an
+`AbortReqMsg` becomes `scheduler.abort_request`, or is remembered when it overtook its
+request. The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most
+every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O process deletes the heartbeat.
 
     sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
 """
@@ -19,25 +21,16 @@ or ended in it (see `worker_requests.step_row`). A heartbeat carries the worker'
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
-import queue
 import threading
+import time
 from typing import TYPE_CHECKING
 
 from services.group_consumer import exit_process, stop_on_signals
-from services.worker_io import Receiver, Sender
-from services.worker_load import LoadReporter
-from services.worker_requests import RequestTable, aborted_row, sampling_params, step_message
-from shared.bus import Bus
-from shared.heartbeat import Heartbeat
-from shared.keys import (
-    WORKER_KIND,
-    detok_stream,
-    heartbeat_key,
-    router_out_stream,
-    worker_in_stream,
-)
+from services.worker_link import IoLink
+from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures
+from services.worker_requests import RequestTable, aborted_row, row_record, sampling_params
+from shared.keys import WORKER_KIND, detok_stream, router_out_stream
 from shared.logging import setup_logging
 from shared.messages import AbortReqMsg, ErrorMsg, GenerateReqMsg, StepOutputMsg
 from shared.settings import WorkerSettings, add_settings_args, settings_from_args
@@ -47,86 +40,87 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the queue before checking for stop
+IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the pipe before checking for stop
 
 
 class Worker:
-    def __init__(
-        self, settings: WorkerSettings, scheduler: Scheduler, bus: Bus, model: str
-    ) -> None:
+    def __init__(self, settings: WorkerSettings, scheduler: Scheduler, model: str) -> None:
         self.settings = settings
         self.scheduler = scheduler
-        self.bus = bus
         self.model = model
         self.worker_id = settings.worker_id
+        self.prefix = settings.common.prefix
         self.vocab_size = scheduler.model_runner.model_config.vocab_size
         self.table = RequestTable()
-        stream = worker_in_stream(bus.prefix, self.worker_id)
-        self.receiver = Receiver(
-            bus, stream, self.worker_id, settings.batch_size, settings.block_ms
-        )
-        self.sender = Sender(bus)
-        self.detok_stream = detok_stream(bus.prefix)
-        key = heartbeat_key(bus.prefix, WORKER_KIND, self.worker_id)
-        self.load = LoadReporter(scheduler, self.worker_id, model)
-        ttl = settings.common.heartbeat_ttl_s
-        self.heartbeat = Heartbeat(bus.redis, key, ttl, self.load.payload)
+        self.detok_stream = detok_stream(self.prefix)
+        self.link: IoLink | None = None
         self.stop = threading.Event()
         self.num_steps = 0
         self._events_waiting = False  # an abort of a queued request emitted its final event
+        self._next_load = 0.0
         self._handlers = {GenerateReqMsg: self._on_generate, AbortReqMsg: self._on_abort}
+
+    def hello(self) -> dict:
+        """The I/O process's configuration."""
+        common, s = self.settings.common, self.settings
+        return {
+            "redis_url": common.require_redis_url(),
+            "prefix": self.prefix,
+            "stream_maxlen": common.stream_maxlen,
+            "worker_id": self.worker_id,
+            "batch_size": s.batch_size,
+            "block_ms": s.block_ms,
+            "heartbeat_ttl_s": common.heartbeat_ttl_s,
+            "log_level": common.log_level,
+            "facts": list(WorkerFacts.of(self.scheduler, self.worker_id, self.model)),
+        }
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        self.receiver.prepare()
-        self.receiver.start()
-        self.sender.start()
-        self.heartbeat.start()
+        self.link = link = IoLink(self.hello())
         logger.info("worker %s ready (model %s)", self.worker_id, self.model)
         try:
             while not self.stop.is_set():
+                self._send_load()
                 self._drain(block=not self.scheduler.has_work())
                 if self.scheduler.has_work() or self._events_waiting:
                     self._step()
-                self.load.refresh()
         finally:
-            self.heartbeat.stop()
-            self.receiver.stop()
-            self.sender.stop()
+            link.close()
             close = getattr(self.scheduler, "close", None)
             if close is not None:
                 close()
             logger.info("stopped after %d steps", self.num_steps)
 
     def _drain(self, block: bool) -> None:
-        inbox = self.receiver.inbox
-        try:
-            batch = inbox.get(timeout=IDLE_WAIT_S) if block else inbox.get_nowait()
-            while True:
-                for msg in batch or ():
-                    self._handlers[type(msg)](msg)
-                batch = inbox.get_nowait()
-        except queue.Empty:
-            pass
+        assert self.link is not None
+        for msg in self.link.receive(timeout=IDLE_WAIT_S if block else 0.0):
+            self._handlers[type(msg)](msg)
 
     def _step(self) -> None:
+        assert self.link is not None
         self._events_waiting = False
         events = self.scheduler.step()
         self.num_steps += 1
-        ours = []
+        active, rows = self.table.active, []
         for event in events:
-            info = self.table.active.get(event.rid)
-            if info is None:  # not ours (cannot happen: every request comes through here)
+            if event.rid not in active:  # not ours (cannot happen: all come through here)
                 continue
-            ours.append((event, info, event.req.cached_tokens))
+            rows.append(row_record(event))
             if event.finished_reason is not None:
                 self.table.end(event.rid)
-        if ours:  # rows built and encoded on the sender thread, off the scheduler's path
-            build = functools.partial(step_message, ours, self.worker_id, self.num_steps)
-            self.sender.send(self.detok_stream, build)
+        if rows:
+            self.link.step(self.num_steps, rows)
+
+    def _send_load(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_load:
+            self._next_load = now + REFRESH_EVERY_S
+            self.link.load(load_figures(self.scheduler))  # type: ignore[union-attr]
 
     # -- dispatch ---------------------------------------------------------------------------
     def _on_generate(self, msg: GenerateReqMsg) -> None:
+        assert self.link is not None
         admission = self.table.admit(msg)
         if admission == "duplicate":
             logger.info("ignoring a second copy of request %s", msg.rid)
@@ -134,7 +128,7 @@ class Worker:
         if admission == "aborted":
             row = aborted_row(msg)
             out = StepOutputMsg.from_rows([row], worker_id=self.worker_id, step=self.num_steps)
-            self.sender.send(self.detok_stream, out)
+            self.link.publish(self.detok_stream, out)
             return
         try:
             params = sampling_params(msg, self.vocab_size)
@@ -142,9 +136,9 @@ class Worker:
         except ValueError as exc:
             source = f"{WORKER_KIND}:{self.worker_id}"
             error = ErrorMsg(msg.rid, msg.router_id, "invalid_request", str(exc), 400, source)
-            self.sender.send(router_out_stream(self.bus.prefix, msg.router_id), error)
+            self.link.publish(router_out_stream(self.prefix, msg.router_id), error)
             return
-        self.table.start(msg)
+        self.link.start(msg.rid, self.table.start(msg))
 
     def _on_abort(self, msg: AbortReqMsg) -> None:
         if self.table.abort(msg.rid):
@@ -158,15 +152,14 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
     from services.engine_args import engine_args_from
 
     common = settings.common
-    url = common.require_redis_url()  # fail before the slow part
+    common.require_redis_url()  # fail before the slow part
     logging.getLogger().handlers.clear()  # this process logs through setup_logging only
     setup_logging(WORKER_KIND, settings.worker_id, common.log_level)
     if ns.model_path is None:
         ns.model_path = settings.model
     args = engine_args_from(ns)
     scheduler = build_scheduler(args, load_tokenizer(args.model_path))
-    bus = Bus.from_url(url, common.prefix, maxlen=common.stream_maxlen)
-    worker = Worker(settings, scheduler, bus, args.model_path)
+    worker = Worker(settings, scheduler, args.model_path)
     stop_on_signals(worker.stop)
     worker.run()
 

@@ -1,43 +1,58 @@
-"""The worker's Redis I/O threads, so no Redis round trip sits in the scheduler loop.
+"""A worker's Redis I/O process: `python -m services.worker_io IN_FD OUT_FD`, started by
+the worker (`services.worker_link.IoLink`), never by hand.
 
-`Receiver` blocks on the worker's stream `{p}:worker:{w}:in` (group `worker`, consumer
-= the worker id) and puts the requests and aborts of each read, as one list, on a local
-queue, which the scheduler loop drains between steps. It acks what it has queued at
+    receiver thread:  {p}:worker:{w}:in ──▶ ["in", ...] records ──▶ the scheduler process
+    main thread:      records from the scheduler ──▶ step messages, errors ──▶ sender
+    sender thread:    pipelined XADDs to {p}:detok and the routers' streams
+    heartbeat thread: the worker's load (`WorkerLoadMsg`) under {p}:hb:worker:{w}
+
+`Receiver` blocks on the worker's stream (group `worker`, consumer = the worker id) and
+forwards the requests and aborts of each read as one record. It acks what it forwarded at
 once: a worker's requests live in its memory only, and routers fail over the requests of
 a worker that died (a worker restarted under the same id is a new worker to them), so
 replaying old entries after a restart would only duplicate work. Entries of the wrong
 type are dead-lettered.
 
-`Sender` takes (stream, message) pairs from the scheduler loop and publishes everything
-queued in one pipeline per round trip; encoding happens on its thread too, and so does
-building a message given as a zero-argument callable. If Redis is
-unreachable it keeps the messages and retries, so nothing is dropped by a blip.
+The main thread keeps each running request's `ReqInfo` (from its "start" record) and turns
+every "step" record into a `StepOutputMsg` (`expand_row`), dropping a request's info with
+its final row. `Sender` publishes everything queued in one pipeline per round trip; if
+Redis is unreachable it keeps the messages and retries, so nothing is dropped by a blip.
+
+The scheduler process closing its end (a clean stop, or its death) stops this process:
+it sends what is queued and deletes the heartbeat. SIGTERM does the same; SIGINT (a
+terminal's Ctrl-C, which reaches the whole process group) is left to the worker.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import redis
 
+from services.group_consumer import exit_process
+from services.worker_link import RecordReader, write_record
+from services.worker_load import LoadFigures, LoadReporter, WorkerFacts
+from services.worker_requests import ReqInfo, expand_row
 from shared.bus import Bus
-from shared.keys import WORKER_GROUP
-from shared.messages import AbortReqMsg, GenerateReqMsg, Message
+from shared.heartbeat import Heartbeat
+from shared.keys import WORKER_GROUP, WORKER_KIND, detok_stream, heartbeat_key, worker_in_stream
+from shared.logging import setup_logging
+from shared.messages import AbortReqMsg, GenerateReqMsg, StepOutputMsg
 
 logger = logging.getLogger(__name__)
 
-WAKE = None  # put on the inbox to wake a loop blocked on it (shutdown)
 _RETRY_S = 0.5
 
 
 class Receiver(threading.Thread):
     def __init__(
-        self, bus: Bus, stream: str, consumer: str, batch_size: int, block_ms: int
+        self, bus: Bus, stream: str, consumer: str, batch_size: int, block_ms: int, out_fd: int
     ) -> None:
         super().__init__(name="worker-receiver", daemon=True)
         self.bus = bus
@@ -45,7 +60,7 @@ class Receiver(threading.Thread):
         self.consumer = consumer
         self.batch_size = batch_size
         self.block_ms = block_ms
-        self.inbox: queue.Queue[list[GenerateReqMsg | AbortReqMsg] | None] = queue.Queue()
+        self.out_fd = out_fd
         self.stopping = threading.Event()
 
     def prepare(self) -> None:
@@ -63,6 +78,8 @@ class Receiver(threading.Thread):
             except redis.RedisError as exc:
                 logger.warning("receiving: %s; retrying", exc)
                 self.stopping.wait(_RETRY_S)
+            except OSError:  # the scheduler process is gone: the main thread stops too
+                return
 
     def _receive(self) -> None:
         entries = self.bus.read_group(
@@ -71,18 +88,17 @@ class Receiver(threading.Thread):
         batch = []
         for entry_id, msg in entries:
             if isinstance(msg, (GenerateReqMsg, AbortReqMsg)):
-                batch.append(msg)
+                batch.append(msg.to_msg())
             else:
                 reason = f"unexpected {type(msg).__name__} on {self.stream}"
                 self.bus.dead_letter(self.stream, entry_id, msg.to_msg(), reason, WORKER_GROUP)
         if batch:
-            self.inbox.put(batch)  # one item per read: the loop sees a read whole
+            write_record(self.out_fd, ["in", batch])  # one record per read: seen whole
         if entries:
             self.bus.ack(self.stream, WORKER_GROUP, *(eid for eid, _ in entries))
 
     def stop(self) -> None:
         self.stopping.set()
-        self.inbox.put(WAKE)
         self.join(timeout=self.block_ms / 1000 + 5)
 
 
@@ -90,11 +106,11 @@ class Sender(threading.Thread):
     def __init__(self, bus: Bus) -> None:
         super().__init__(name="worker-sender", daemon=True)
         self.bus = bus
-        self.outbox: queue.Queue[tuple[str, Message | Callable[[], Message]] | None]
-        self.outbox = queue.Queue()
+        self.outbox: queue.Queue[tuple[str, Any] | None] = queue.Queue()
         self.num_sent = 0
 
-    def send(self, stream: str, msg: Message | Callable[[], Message]) -> None:
+    def send(self, stream: str, msg: Any) -> None:
+        """Queue a `Message` or its encoded bytes for `stream`."""
         self.outbox.put((stream, msg))
 
     def run(self) -> None:
@@ -108,7 +124,6 @@ class Sender(threading.Thread):
                     return
                 continue
             try:
-                batch = [(s, m() if callable(m) else m) for s, m in batch]  # built once
                 self.bus.publish_many(batch)
                 self.num_sent += len(batch)
                 batch = []
@@ -135,3 +150,97 @@ class Sender(threading.Thread):
         """Send what is queued (within `timeout_s`), then stop."""
         self.outbox.put(None)
         self.join(timeout=timeout_s)
+
+
+class _Terminated(Exception):
+    pass
+
+
+class IoProcess:
+    def __init__(self, hello: dict[str, Any], out_fd: int) -> None:
+        self.worker_id = str(hello["worker_id"])
+        self.bus = Bus.from_url(hello["redis_url"], hello["prefix"], maxlen=hello["stream_maxlen"])
+        self.out_fd = out_fd
+        stream = worker_in_stream(self.bus.prefix, self.worker_id)
+        self.receiver = Receiver(
+            self.bus, stream, self.worker_id, hello["batch_size"], hello["block_ms"], out_fd
+        )
+        self.sender = Sender(self.bus)
+        self.load = LoadReporter(WorkerFacts(*hello["facts"]))
+        key = heartbeat_key(self.bus.prefix, WORKER_KIND, self.worker_id)
+        self.heartbeat = Heartbeat(self.bus.redis, key, hello["heartbeat_ttl_s"], self.load.payload)
+        self.detok_stream = detok_stream(self.bus.prefix)
+        self.infos: dict[str, ReqInfo] = {}
+        self._handlers = {
+            "start": self._on_start,
+            "step": self._on_step,
+            "msg": self._on_msg,
+            "load": self._on_load,
+        }
+
+    def run(self, reader: RecordReader) -> None:
+        self.receiver.prepare()
+        self.receiver.start()
+        self.sender.start()
+        self.heartbeat.start()
+        write_record(self.out_fd, ["ready"])
+        try:
+            while True:
+                for record in reader.read(timeout=None):
+                    self._handlers[record[0]](*record[1:])
+        except EOFError:
+            logger.info("the scheduler closed its end: stopping")
+        except _Terminated:
+            logger.info("SIGTERM: stopping")
+        finally:
+            self.receiver.stop()
+            self.sender.stop()
+            self.heartbeat.stop()
+
+    def _on_start(self, rid: str, *info: Any) -> None:
+        self.infos[rid] = ReqInfo(*info)
+
+    def _on_step(self, step: int, records: list[list[Any]]) -> None:
+        infos, rows = self.infos, []
+        for record in records:
+            info = infos.get(record[0])
+            if info is None:
+                logger.error("a step row of %s, which never started: dropped", record[0])
+                continue
+            row = expand_row(record, info)
+            rows.append(row)
+            if row.finish_reason is not None:
+                del infos[row.rid]
+        if rows:
+            msg = StepOutputMsg.from_rows(rows, worker_id=self.worker_id, step=step)
+            self.sender.send(self.detok_stream, msg)
+
+    def _on_msg(self, stream: str, data: bytes) -> None:
+        self.sender.send(stream, data)
+
+    def _on_load(self, figures: list[Any]) -> None:
+        self.load.figures = LoadFigures(*figures)
+
+
+def main(argv: list[str]) -> None:
+    in_fd, out_fd = int(argv[0]), int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    reader = RecordReader(in_fd)
+    try:
+        (kind, hello), *rest = reader.read(timeout=None)
+    except EOFError:
+        exit_process(1)
+    assert kind == "hello" and not rest, f"expected one hello record, got {kind}"
+    setup_logging(f"{WORKER_KIND}-io", str(hello["worker_id"]), hello["log_level"])
+    io = IoProcess(hello, out_fd)
+    signal.signal(signal.SIGTERM, on_term)
+    io.run(reader)
+    exit_process(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,23 +1,22 @@
 """The load a worker reports in its heartbeat (`WorkerLoadMsg`), read by routers.
 
-The scheduler's state is only touched on the scheduler thread: the loop calls `refresh()`
-(cheap, rate-limited) and the heartbeat thread builds its payload from the last figures.
+The scheduler's state is only touched on the scheduler thread: the loop takes
+`load_figures` (cheap; at most every `REFRESH_EVERY_S`) and sends them to the I/O process,
+whose heartbeat builds its payload from the last figures (`LoadReporter`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from shared.messages import WorkerLoadMsg
 
 REFRESH_EVERY_S = 0.25
 
 
-@dataclass(frozen=True)
-class LoadFigures:
+class LoadFigures(NamedTuple):
     num_running: int = 0
     num_waiting: int = 0
     num_used_tokens: int = 0
@@ -27,54 +26,72 @@ class LoadFigures:
     num_retracted: int = 0
 
 
-class LoadReporter:
-    def __init__(self, scheduler: Any, worker_id: str, model: str) -> None:
-        self.scheduler = scheduler
-        self.worker_id = worker_id
-        self.model = model
-        self._figures = LoadFigures()
-        self._next_refresh = 0.0
-        self._rate = (time.monotonic(), 0)  # (when, generation tokens) at the last beat
+class WorkerFacts(NamedTuple):
+    """What a worker's heartbeat says that does not change while it runs."""
 
-    def refresh(self) -> None:
-        """Take the scheduler's figures (on the scheduler thread; at most every 0.25 s)."""
-        now = time.monotonic()
-        if now < self._next_refresh:
-            return
-        self._next_refresh = now + REFRESH_EVERY_S
-        stats, pools = self.scheduler.stats, self.scheduler.pools
-        cached = pools.tree_cache.evictable_size()
-        used = pools.allocator.size - pools.allocator.available_size() - cached
-        self._figures = LoadFigures(
-            stats.num_running,
-            stats.num_waiting,
-            max(0, used),
-            cached,
-            stats.token_usage,
-            stats.generation_tokens,
-            stats.num_retractions,
+    worker_id: str
+    model: str
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    pid: int
+
+    @classmethod
+    def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
+        return cls(
+            worker_id,
+            model,
+            scheduler.pools.allocator.size,
+            scheduler.max_running_requests,
+            scheduler.context_len,
+            os.getpid(),
         )
 
+
+def load_figures(scheduler: Any) -> LoadFigures:
+    """The scheduler's figures now (on the scheduler thread)."""
+    stats, pools = scheduler.stats, scheduler.pools
+    cached = pools.tree_cache.evictable_size()
+    used = pools.allocator.size - pools.allocator.available_size() - cached
+    return LoadFigures(
+        stats.num_running,
+        stats.num_waiting,
+        max(0, used),
+        cached,
+        stats.token_usage,
+        stats.generation_tokens,
+        stats.num_retractions,
+    )
+
+
+class LoadReporter:
+    """The heartbeat payload from the last figures (in the I/O process)."""
+
+    def __init__(self, facts: WorkerFacts) -> None:
+        self.facts = facts
+        self.figures = LoadFigures()
+        self._rate = (time.monotonic(), 0)  # (when, generation tokens) at the last beat
+
     def payload(self) -> WorkerLoadMsg:
-        """The heartbeat payload (on the heartbeat thread); throughput since the last one."""
-        f = self._figures
+        """The heartbeat payload; throughput since the last one."""
+        f, facts = self.figures, self.facts
         now = time.monotonic()
         then, tokens = self._rate
         self._rate = (now, f.generation_tokens)
         return WorkerLoadMsg(
-            worker_id=self.worker_id,
-            model=self.model,
+            worker_id=facts.worker_id,
+            model=facts.model,
             num_running_reqs=f.num_running,
             num_waiting_reqs=f.num_waiting,
             num_used_tokens=f.num_used_tokens,
             num_cached_tokens=f.num_cached_tokens,
-            max_total_num_tokens=self.scheduler.pools.allocator.size,
-            max_running_requests=self.scheduler.max_running_requests,
-            context_len=self.scheduler.context_len,
+            max_total_num_tokens=facts.max_total_num_tokens,
+            max_running_requests=facts.max_running_requests,
+            context_len=facts.context_len,
             token_usage=f.token_usage,
             gen_throughput=max(0, f.generation_tokens - tokens) / max(now - then, 1e-3),
             host=os.uname().nodename,
-            pid=os.getpid(),
+            pid=facts.pid,
             updated_at=time.time(),
             num_retracted_reqs=f.num_retracted,
         )

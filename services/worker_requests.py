@@ -1,7 +1,8 @@
 """The worker's table of requests, and the translation between messages and the engine.
 
-`RequestTable` remembers, per running request, the router to answer and the detokenizer
-flags (copied into every step row, since detokenizers keep no state). It also remembers
+`RequestTable` remembers, per running request, the router to answer, the detokenizer
+flags (copied into every step row, since detokenizers keep no state) and the prompt
+length: its `ReqInfo`, which the I/O process also keeps. It also remembers
 recently ended request ids — finished, failed, or aborted before they arrived (an abort
 goes straight from the router to the worker and can overtake its request, which takes
 the longer way through a tokenizer) — so that a request redelivered by a tokenizer
@@ -12,21 +13,31 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
-from shared.messages import DETOK_WINDOW_LEN, FinishReason, GenerateReqMsg, StepOutputMsg, StepRow
+from shared.messages import DETOK_WINDOW_LEN, FinishReason, GenerateReqMsg, StepRow
 
 Admission = Literal["new", "duplicate", "aborted"]
 
 
-@dataclass(frozen=True, slots=True)
-class ReqInfo:
+class ReqInfo(NamedTuple):
+    """What every step row of a request repeats (sent once to the I/O process)."""
+
     router_id: str
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
+    prompt_tokens: int
+
+    @classmethod
+    def of(cls, msg: GenerateReqMsg) -> ReqInfo:
+        return cls(
+            msg.router_id,
+            msg.skip_special_tokens,
+            msg.spaces_between_special_tokens,
+            len(msg.input_ids),
+        )
 
 
 class RequestTable:
@@ -46,10 +57,9 @@ class RequestTable:
             return "aborted"
         return "duplicate" if msg.rid in self._ended else "new"
 
-    def start(self, msg: GenerateReqMsg) -> None:
-        self.active[msg.rid] = ReqInfo(
-            msg.router_id, msg.skip_special_tokens, msg.spaces_between_special_tokens
-        )
+    def start(self, msg: GenerateReqMsg) -> ReqInfo:
+        info = self.active[msg.rid] = ReqInfo.of(msg)
+        return info
 
     def abort(self, rid: str) -> bool:
         """True if `rid` runs here (abort it in the scheduler); else remember it."""
@@ -95,51 +105,63 @@ def sampling_params(msg: GenerateReqMsg, vocab_size: int) -> SamplingParams:
     return params.normalize()
 
 
-def wire_finish(reason: Any) -> FinishReason | None:
-    """The engine's finish reason as the message type (`matched` only for "stop")."""
-    if reason is None:
-        return None
+def _finish_fields(reason: Any) -> tuple[str, Any, str | None]:
+    """The engine's finish reason as `FinishReason`'s fields (`matched` only for "stop")."""
     matched = reason.matched if reason.type == "stop" else None
-    return FinishReason(reason.type, matched, reason.message)
+    return (reason.type, matched, reason.message)
 
 
-def step_message(
-    events: list[tuple[StepEvent, ReqInfo, int]], worker_id: str, step: int
-) -> StepOutputMsg:
-    """The step message of (event, request info, cached tokens at the event) triples. Safe
-    off the scheduler's thread, one step late: a row reads its request's tokens and logprobs
-    by absolute index (later steps only append), and the cached-token count, which a
-    re-admission changes, is taken at the event."""
-    rows = [step_row(ev, info, cached) for ev, info, cached in events]
-    return StepOutputMsg.from_rows(rows, worker_id=worker_id, step=step)
+# A row record: what the I/O process needs of one step event besides the request's
+# `ReqInfo`: (rid, start, new_ids, window_ids, finish, cached_tokens, logprobs), with finish
+# None or (type, matched, message) and logprobs None or (token_logprobs, top_ids, top_vals).
+RowRecord = tuple[Any, ...]
 
 
-def step_row(event: StepEvent, info: ReqInfo, cached_tokens: int | None = None) -> StepRow:
-    """One request's row of a step message."""
+def row_record(event: StepEvent) -> RowRecord:
+    """One event's row record, taken at the event on the scheduler thread (later steps
+    append tokens and a re-admission changes the cached-token count)."""
     req = event.req
     start, new_ids = event.start, list(event.new_token_ids)
-    end = start + len(new_ids)
+    reason = event.finished_reason
+    logprobs = None
     params = req.sampling_params
-    logprobs = top_ids = top_vals = None
+    end = start + len(new_ids)
     if params.return_logprob and len(req.logprobs) >= end:
-        logprobs = list(req.logprobs[start:end])
-        if params.top_logprobs_num > 0 and len(req.top_logprobs) >= end:
-            top = req.top_logprobs[start:end]
-            top_ids = [list(ids) for ids, _ in top]
-            top_vals = [list(vals) for _, vals in top]
+        tops = params.top_logprobs_num > 0 and len(req.top_logprobs) >= end
+        top = req.top_logprobs[start:end] if tops else None
+        logprobs = (
+            list(req.logprobs[start:end]),
+            [list(ids) for ids, _ in top] if top else None,
+            [list(vals) for _, vals in top] if top else None,
+        )
+    return (
+        req.rid,
+        start,
+        new_ids,
+        req.output_ids[max(0, start - DETOK_WINDOW_LEN) : start],
+        None if reason is None else _finish_fields(reason),
+        req.cached_tokens,
+        logprobs,
+    )
+
+
+def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
+    """The step row of a row record (in the I/O process, from msgpack's lists)."""
+    rid, start, new_ids, window_ids, finish, cached_tokens, logprobs = record
+    lps, top_ids, top_vals = logprobs or (None, None, None)
     return StepRow(
-        rid=req.rid,
+        rid=rid,
         router_id=info.router_id,
         start=start,
         new_ids=new_ids,
-        window_ids=req.output_ids[max(0, start - DETOK_WINDOW_LEN) : start],
-        finish_reason=wire_finish(event.finished_reason),
-        prompt_tokens=len(req.origin_input_ids),
-        completion_tokens=end,
-        cached_tokens=req.cached_tokens if cached_tokens is None else cached_tokens,
+        window_ids=window_ids,
+        finish_reason=None if finish is None else FinishReason(*finish),
+        prompt_tokens=info.prompt_tokens,
+        completion_tokens=start + len(new_ids),
+        cached_tokens=cached_tokens,
         skip_special_tokens=info.skip_special_tokens,
         spaces_between_special_tokens=info.spaces_between_special_tokens,
-        token_logprobs=logprobs,
+        token_logprobs=lps,
         top_logprobs_ids=top_ids,
         top_logprobs_vals=top_vals,
     )

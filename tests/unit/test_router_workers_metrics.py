@@ -6,7 +6,7 @@ import re
 
 from services.router_metrics import RouterMetrics
 from services.router_workers import WorkerTable
-from services.worker_load import LoadReporter
+from services.worker_load import LoadReporter, WorkerFacts, load_figures
 from shared.messages import WorkerLoadMsg
 
 
@@ -114,8 +114,8 @@ def test_retractions_of_a_worker_reach_metrics_through_its_heartbeat() -> None:
         s.add_request(f"r{i}", rand_prompt(rng, rng.randint(5, 30)), params(max_new_tokens=40))
     run_all(s)
     assert s.stats.num_retractions > 0
-    reporter = LoadReporter(s, "w0", "tiny")
-    reporter.refresh()
+    reporter = LoadReporter(WorkerFacts.of(s, "w0", "tiny"))
+    reporter.figures = load_figures(s)
     beat = reporter.payload()
     assert beat.num_retracted_reqs == s.stats.num_retractions
     samples = _samples(RouterMetrics("tiny").render({"w0": beat}))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from engine.sampling.sampling_params import SamplingParams
@@ -11,9 +12,9 @@ from engine.scheduler.req import Req
 from services.worker_requests import (
     RequestTable,
     aborted_row,
+    expand_row,
+    row_record,
     sampling_params,
-    step_message,
-    step_row,
 )
 from shared.messages import DETOK_WINDOW_LEN, GenerateReqMsg, StepOutputMsg
 
@@ -61,6 +62,11 @@ def test_sampling_params_take_the_lifted_fields_and_check_ranges() -> None:
         sampling_params(GenerateReqMsg("r", "a", [1, 100]), vocab_size=100)
 
 
+def _through_the_pipe(record: tuple) -> list:
+    """A row record as the I/O process receives it (msgpack turns tuples into lists)."""
+    return msgpack.unpackb(msgpack.packb(record))
+
+
 def test_step_rows_carry_window_range_usage_and_logprobs() -> None:
     params = SamplingParams(max_new_tokens=20, return_logprob=True, top_logprobs_num=1)
     req = Req("r1", [1, 2, 3, 4], params)
@@ -70,37 +76,48 @@ def test_step_rows_carry_window_range_usage_and_logprobs() -> None:
     req.cached_tokens = 2
     finish = EngineFinish("length", 20)
     table = RequestTable()
-    table.start(gen("r1", skip_special_tokens=False))
-    row = step_row(StepEvent(req, [18, 19], 8, finish), table.active["r1"])
+    info = table.start(gen("r1", skip_special_tokens=False))
+    assert info == table.active["r1"] and info.prompt_tokens == 3
+    info = info._replace(prompt_tokens=4)
+    record = _through_the_pipe(row_record(StepEvent(req, [18, 19], 8, finish)))
+    row = expand_row(record, info)
     assert (row.start, row.new_ids, row.window_ids) == (8, [18, 19], list(range(12, 18)))
     assert len(row.window_ids) == DETOK_WINDOW_LEN
     assert row.finish_reason.type == "length" and row.finish_reason.matched is None
     assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (4, 10, 2)
     assert row.token_logprobs == [-8.0, -9.0] and row.top_logprobs_ids == [[8], [9]]
+    assert row.top_logprobs_vals == [[-0.5], [-0.5]]
     assert row.router_id == "router-a" and row.skip_special_tokens is False
-    first = step_row(StepEvent(req, [10], 0, None), table.active["r1"])
+    first = expand_row(_through_the_pipe(row_record(StepEvent(req, [10], 0, None))), info)
     assert first.window_ids == [] and first.finish_reason is None
-    StepOutputMsg.from_rows([row, first, aborted_row(gen("r2"))], worker_id="0", step=1).validate()
+    msg = StepOutputMsg.from_rows([row, first, aborted_row(gen("r2"))], worker_id="0", step=1)
+    msg.validate()
 
 
-def test_step_message_built_a_step_late_equals_one_built_at_the_event() -> None:
-    """The worker hands (event, info, cached tokens) to its sender thread, which builds the
-    rows while the next step runs: the request has more tokens and logprobs by then, and a
-    re-admission (after retraction) may have changed its cached-token count."""
+def test_a_stop_row_names_what_matched_and_plain_rows_carry_no_logprobs() -> None:
+    req = Req("r1", [1, 2], SamplingParams(max_new_tokens=20))
+    req.output_ids = [5, 6, 7]
+    stop = EngineFinish("stop", matched="\n\n")
+    info = RequestTable().start(gen("r1"))
+    row = expand_row(_through_the_pipe(row_record(StepEvent(req, [7], 2, stop))), info)
+    assert row.finish_reason.type == "stop" and row.finish_reason.matched == "\n\n"
+    assert row.token_logprobs is row.top_logprobs_ids is row.top_logprobs_vals is None
+    assert (row.window_ids, row.completion_tokens) == ([5, 6], 3)
+
+
+def test_a_row_record_is_taken_at_the_event() -> None:
+    """The scheduler writes the record right after its step; later steps append tokens and
+    logprobs, and a re-admission (after retraction) changes the cached-token count."""
     params = SamplingParams(max_new_tokens=30, return_logprob=True, top_logprobs_num=1)
     req = Req("r1", [1, 2, 3], params)
     req.output_ids = list(range(10, 19))
     req.logprobs = [-float(i) for i in range(9)]
     req.top_logprobs = [([i], [-0.5]) for i in range(9)]
     req.cached_tokens = 2
-    table = RequestTable()
-    table.start(gen("r1"))
-    event = StepEvent(req, [17, 18], 7, None)
-    now = StepOutputMsg.from_rows([step_row(event, table.active["r1"])], worker_id="0", step=3)
-    triple = (event, table.active["r1"], req.cached_tokens)
-    req.output_ids += [19, 20]  # the next step, processed before the sender builds
+    record = row_record(StepEvent(req, [17, 18], 7, None))
+    before = msgpack.packb(record)
+    req.output_ids += [19, 20]
     req.logprobs += [-9.0, -10.0]
     req.top_logprobs += [([9], [-0.5]), ([10], [-0.5])]
     req.cached_tokens = 7
-    late = step_message([triple], "0", 3)
-    assert late.to_msg() == now.to_msg()
+    assert msgpack.packb(record) == before

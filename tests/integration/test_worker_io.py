@@ -1,0 +1,177 @@
+"""The worker's I/O process and the pipes to it (`services.worker_link`, `services.worker_io`),
+against a real redis-server, without a model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from services.worker_link import IoLink, RecordReader, write_record
+from services.worker_load import LoadFigures, WorkerFacts
+from services.worker_requests import ReqInfo
+from shared.bus import Bus
+from shared.heartbeat import list_live
+from shared.keys import (
+    WORKER_KIND,
+    detok_stream,
+    heartbeat_key,
+    router_out_stream,
+    worker_in_stream,
+)
+from shared.messages import AbortReqMsg, ErrorMsg, GenerateReqMsg, StepOutputMsg, decode_message
+
+pytest_plugins = ["tests.redis_fixtures"]
+
+
+# -- the record pipe ---------------------------------------------------------------------------
+def test_records_arrive_whole_and_in_order_across_partial_reads() -> None:
+    r, w = os.pipe()
+    reader = RecordReader(r)
+    big = list(range(100_000))  # ~300 KB: many pipe reads, the writer blocks meanwhile
+    sent = [["a", 1], ["big", big], ["b", b"\x00\xff", None]]
+
+    def write() -> None:
+        for rec in sent:
+            write_record(w, rec)
+        os.close(w)
+
+    assert reader.read(timeout=0.0) == []  # nothing yet: at once
+    t0 = time.monotonic()
+    assert reader.read(timeout=0.05) == []
+    assert time.monotonic() - t0 >= 0.04
+    writer = threading.Thread(target=write)
+    writer.start()
+    got = []
+    while len(got) < len(sent):
+        got += reader.read(timeout=None)
+    writer.join()
+    assert got == sent
+    with pytest.raises(EOFError):
+        reader.read(timeout=None)
+    os.close(r)
+
+
+# -- the I/O process ---------------------------------------------------------------------------
+def hello(url: str, prefix: str, worker_id: str = "w0") -> dict:
+    return {
+        "redis_url": url,
+        "prefix": prefix,
+        "stream_maxlen": 10_000,
+        "worker_id": worker_id,
+        "batch_size": 64,
+        "block_ms": 5,
+        "heartbeat_ttl_s": 2.0,
+        "log_level": "info",
+        "facts": list(WorkerFacts(worker_id, "tiny", 1000, 8, 512, os.getpid())),
+    }
+
+
+def wait_for(fn, timeout_s: float = 10.0):  # noqa: ANN001, ANN201
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def link(redis_url: str, key_prefix: str):  # noqa: ANN201
+    lk = IoLink(hello(redis_url, key_prefix))
+    yield lk
+    lk.close()
+
+
+def test_requests_reach_the_scheduler_and_step_records_become_step_messages(
+    redis_client: redis.Redis, key_prefix: str, link: IoLink
+) -> None:  # (redis_client first: it empties the database)
+    bus = Bus(redis_client, key_prefix)
+    beat = list_live(redis_client, key_prefix, WORKER_KIND)["w0"]
+    assert beat.pid == os.getpid() and beat.max_total_num_tokens == 1000  # the worker's facts
+    link.load(LoadFigures(num_running=3, generation_tokens=10))
+    stream = worker_in_stream(key_prefix, "w0")
+    bus.publish(stream, GenerateReqMsg("r1", "router-a", [5, 6, 7], skip_special_tokens=False))
+    bus.publish(stream, AbortReqMsg("r9", "gone"))
+    bus.publish(stream, ErrorMsg("x", "router-a", "oops", "not for a worker", 500, "t"))
+    got = []
+    while len(got) < 2:
+        got += link.receive(timeout=5.0)
+    assert [type(m) for m in got] == [GenerateReqMsg, AbortReqMsg]
+    assert got[0].input_ids == [5, 6, 7] and got[0].skip_special_tokens is False
+    dead = wait_for(lambda: bus.read_dlq())
+    assert "unexpected ErrorMsg" in dead[0].reason
+
+    link.start("r1", ReqInfo.of(got[0]))
+    link.step(1, [("r1", 0, [40, 41], [], None, 0, None)])
+    link.step(2, [("r1", 2, [42], [40, 41], ("length", None, None), 2, None)])
+    error = ErrorMsg("r2", "router-a", "invalid_request", "bad", 400, "worker:w0")
+    link.publish(router_out_stream(key_prefix, "router-a"), error)
+    detok = detok_stream(key_prefix)
+    entries = wait_for(lambda: (e := redis_client.xrange(detok)) and len(e) == 2 and e)
+    steps = [decode_message(fields[b"m"]) for _, fields in entries]
+    assert all(isinstance(m, StepOutputMsg) for m in steps) and [m.step for m in steps] == [1, 2]
+    first, last = steps[0].rows()[0], steps[1].rows()[0]
+    assert (first.rid, first.router_id, first.new_ids) == ("r1", "router-a", [40, 41])
+    assert first.prompt_tokens == 3
+    assert first.skip_special_tokens is False and first.finish_reason is None
+    assert (last.start, last.window_ids, last.completion_tokens) == (2, [40, 41], 3)
+    assert last.cached_tokens == 2
+    assert last.finish_reason.type == "length"
+    out = wait_for(lambda: redis_client.xrange(router_out_stream(key_prefix, "router-a")))
+    assert decode_message(out[0][1][b"m"]) == error
+
+    def beat_running() -> int:
+        return list_live(redis_client, key_prefix, WORKER_KIND)["w0"].num_running_reqs
+
+    assert wait_for(lambda: beat_running() == 3)  # the load reached the heartbeat
+
+
+def test_a_clean_close_deletes_the_heartbeat(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    lk = IoLink(hello(redis_url, key_prefix, "w-close"))
+    assert redis_client.exists(heartbeat_key(key_prefix, WORKER_KIND, "w-close"))
+    lk.close()
+    assert lk.proc.returncode == 0
+    assert not redis_client.exists(heartbeat_key(key_prefix, WORKER_KIND, "w-close"))
+
+
+def test_a_lost_io_process_is_an_error_for_the_scheduler(redis_url: str, key_prefix: str) -> None:
+    lk = IoLink(hello(redis_url, key_prefix, "w-lost"))
+    lk.proc.kill()
+    lk.proc.wait()
+    with pytest.raises(RuntimeError, match="I/O process exited"):
+        for _ in range(100):
+            lk.receive(timeout=0.05)
+    with pytest.raises(RuntimeError, match="I/O process exited"):
+        lk.step(1, [("r", 0, [1], [], None, 0, None)] * 20_000)  # more than a pipe holds
+    lk.close()
+
+
+def test_sigint_is_left_to_the_worker_and_sigterm_stops_cleanly(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """Ctrl-C reaches the whole process group: the I/O process must outlive it until the
+    worker closes the pipe. SIGTERM (the launcher dying) stops it and deletes the beat."""
+    lk = IoLink(hello(redis_url, key_prefix, "w-sig"))
+    lk.proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    assert lk.proc.poll() is None
+    lk.proc.send_signal(signal.SIGTERM)
+    assert lk.proc.wait(timeout=10) == 0
+    assert not redis_client.exists(heartbeat_key(key_prefix, WORKER_KIND, "w-sig"))
+    lk.close()
+
+
+def test_an_unreachable_redis_fails_the_start(key_prefix: str) -> None:
+    from shared.redis_server import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(RuntimeError, match="exited at start"):
+        IoLink(hello(url, key_prefix, "w-nope"))
