@@ -7,7 +7,8 @@ read per token). Reference: `kernels.reference.decode_attention_ref`.
 Stage 1, grid (B, Hk, num_splits): request i's keys are cut into `num_splits` chunks of
 `split_len = roundup(cdiv(seq_len, num_splits), BLOCK_N)` keys; a program attends the
 `group = Hq // Hk` query heads of one KV head (padded to BLOCK_H >= 16 rows so that `tl.dot`
-runs on tensor cores) over one chunk, BLOCK_N keys at a time with an online softmax, and
+runs on tensor cores) over one chunk, BLOCK_N keys at a time with an online softmax
+(`kernels.attention_common.attend_paged_keys`, shared with the extend kernel's prefix), and
 writes the chunk's normalised output `mid_o` [B, Hq, num_splits, D] (float32) and its
 log2-sum-exp `mid_lse` [B, Hq, num_splits] (float32). Chunks past seq_len (short requests)
 write nothing.
@@ -25,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_common import attend_paged_keys
 from kernels.jit import LOG2E, dot_dtype, dot_precision, launch_opts, next_pow2
 
 
@@ -69,7 +71,6 @@ def _decode_split_kernel(
         row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_n = tl.arange(0, BLOCK_N)
         heads = kv_head * GROUP + offs_h
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
@@ -79,27 +80,11 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_H], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for block_start in range(start, end, BLOCK_N):
-            pos = block_start + offs_n
-            mask_n = pos < end
-            slots = tl.load(req_to_token_ptr + row * stride_r2t + pos, mask=mask_n, other=0)
-            kv_off = (
-                slots.to(tl.int64)[:, None] * stride_buf_s
-                + kv_head * stride_buf_h
-                + offs_d[None, :]
-            )
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        m_i, l_i, acc = attend_paged_keys(
+            q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
+            stride_buf_s, stride_buf_h, kv_head, start, end, scale_log2, offs_d, mask_d,
+            BLOCK_N, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
         mid_row = req.to(tl.int64) * stride_mob + heads * stride_moh + split * stride_mos
         out_mask = mask_h[:, None] & mask_d[None, :]
         tl.store(mid_o_ptr + mid_row[:, None] + offs_d[None, :], acc / l_i[:, None], mask=out_mask)

@@ -9,9 +9,10 @@ New token t (0-based) sees every prefix token and new tokens 0..t. Reference:
 
 Grid (B, Hq, cdiv(max_extend_len, BLOCK_M)): a program owns BLOCK_M new tokens of one request
 and one query head. It first streams the prefix, BLOCK_N keys at a time gathered through
-req_to_token (no mask but the prefix length), then the new tokens' own K/V read contiguously
-from k/v up to the block's last row (causal mask), with an online softmax in float32 (exp2,
-log2(e) folded into the scale). Programs past a request's extend length exit at once.
+req_to_token with no mask but the prefix length (`kernels.attention_common.attend_paged_keys`,
+the same loop as decode's), then the new tokens' own K/V read contiguously from k/v up to the
+block's last row (causal mask), with an online softmax in float32 (exp2, log2(e) folded into
+the scale). Programs past a request's extend length exit at once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention_common import attend_paged_keys
 from kernels.jit import LOG2E, cdiv, dot_dtype, dot_precision, launch_opts, next_pow2
 from kernels.reference import as_heads
 
@@ -79,27 +81,11 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         # cached prefix, gathered through req_to_token: every key is visible
-        for block_start in range(0, prefix_len, BLOCK_N):
-            pos = block_start + offs_n
-            mask_n = pos < prefix_len
-            slots = tl.load(req_to_token_ptr + row * stride_r2t + pos, mask=mask_n, other=0)
-            kv_off = (
-                slots.to(tl.int64)[:, None] * stride_buf_s
-                + kv_head * stride_buf_h
-                + offs_d[None, :]
-            )
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        m_i, l_i, acc = attend_paged_keys(
+            q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
+            stride_buf_s, stride_buf_h, kv_head, 0, prefix_len, scale_log2, offs_d, mask_d,
+            BLOCK_N, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
 
         # the new tokens themselves, contiguous in k/v: causal
         causal_end = tl.minimum(extend_len, m_start + BLOCK_M)

@@ -1,0 +1,68 @@
+"""Triton pieces shared by the attention kernels (decode_attention.py, extend_attention.py).
+
+Jit functions called from a kernel are inlined into it, so a helper here costs nothing at run
+time: the caller's loads, block shapes and dtypes are exactly what its own loop would have.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_paged_keys(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_buf_ptr,
+    v_buf_ptr,
+    req_to_token_ptr,
+    row,
+    stride_r2t,
+    stride_buf_s,
+    stride_buf_h,
+    kv_head,
+    start,
+    end,
+    scale_log2,
+    offs_d,
+    mask_d,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Folds keys `start .. end - 1` of one request into the online-softmax state and returns
+    the updated `(m_i, l_i, acc)`.
+
+    q [ROWS, BLOCK_D] in DOT_DTYPE; m_i (running max, log2 units) and l_i (running sum) [ROWS],
+    acc [ROWS, BLOCK_D], all float32 and unnormalised (the caller divides acc by l_i). Key j
+    lives at pool slot `req_to_token[row, j]`, head `kv_head`, of k_buf / v_buf
+    [num_slots, Hk, D]. Every key in the range is visible to every query row (no causal
+    mask); `scale_log2` is scale * log2(e). Keys are read BLOCK_N at a time from `start`; the
+    last block is masked at `end`.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for block_start in range(start, end, BLOCK_N):
+        pos = block_start + offs_n
+        mask_n = pos < end
+        # the row address stays inside the loop: hoisted, it changed the register allocation
+        # (SASS) of the fp16/bf16 extend kernel on sm_90
+        slots = tl.load(req_to_token_ptr + row * stride_r2t + pos, mask=mask_n, other=0)
+        kv_off = (
+            slots.to(tl.int64)[:, None] * stride_buf_s + kv_head * stride_buf_h + offs_d[None, :]
+        )
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
