@@ -183,10 +183,12 @@ class IoLink:
         return out
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Close the pipe (the I/O process flushes, deletes the heartbeat and exits); wait."""
+        """Close both pipes (the I/O process sends what it has, deletes the heartbeat and
+        exits; a forward to us blocked on a full pipe fails at once); wait for it."""
         if self._out is None:
             return
         os.close(self._out)
+        os.close(self._in.fd)
         self._out = None
         try:
             self.proc.wait(timeout=timeout_s)
@@ -194,4 +196,3 @@ class IoLink:
             logger.warning("the I/O process did not stop in %.0f s: killing it", timeout_s)
             self.proc.kill()
             self.proc.wait()
-        os.close(self._in.fd)

@@ -175,3 +175,25 @@ def test_an_unreachable_redis_fails_the_start(key_prefix: str) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(RuntimeError, match="exited at start"):
         IoLink(hello(url, key_prefix, "w-nope"))
+
+
+def test_close_is_prompt_while_the_io_process_waits_on_a_full_pipe(
+    redis_client: redis.Redis, key_prefix: str, link: IoLink
+) -> None:
+    """Requests the scheduler never drains (it was stopping) fill the pipe; the receiver,
+    blocked writing into it, must not hold up the stop."""
+    bus = Bus(redis_client, key_prefix)
+    stream = worker_in_stream(key_prefix, "w0")
+    big = [GenerateReqMsg(f"big{i}", "router-a", list(range(20_000))) for i in range(40)]
+    bus.publish_many([(stream, msg) for msg in big])  # ~40 × 60 KB: more than the pipe's 1 MiB
+    # Read (pending) but never acked: the receiver is stuck writing them to the pipe.
+    # (A blocked read may take the first entries alone, before the rest arrive; 30 pending
+    # entries are ~1.8 MB in one record, more than the pipe holds.)
+    wait_for(lambda: redis_client.xinfo_groups(stream)[0]["pending"] >= 30)
+    time.sleep(0.3)
+    assert redis_client.xinfo_groups(stream)[0]["pending"] >= 30
+    t0 = time.monotonic()
+    link.close()
+    assert time.monotonic() - t0 < 3.0
+    assert link.proc.returncode == 0
+    assert not redis_client.exists(heartbeat_key(key_prefix, WORKER_KIND, "w0"))
