@@ -26,9 +26,15 @@ own; the CPU-neighbour control is skipped. Without
 it all processes share all cores (on a small machine, what the services cost is then mostly
 the CPU they take from the worker's matmuls).
 
+Both sides trace their scheduler steps (`engine/scheduler/step_trace.py`; the worker's
+`--step-trace`), which says where added time goes: the worker's full decode steps against
+the in-process engine's, the loop's own time between steps, and how many prefill steps the
+same requests took (requests that arrive staggered through router and tokenizer are
+prefilled in more, smaller steps, each one a pause for every running request).
+
 Writes `benchmarks/results/<--result-name>.json` (summary: `services_vs_inprocess` = output
-throughput ratio, `added_itl_p50_ms`, `detok_tok_s_per_process`, the control's ratio and the
-CPU each service used) and a PNG of the scaling.
+throughput ratio, `added_itl_p50_ms`, `detok_tok_s_per_process`, the control's ratio, the
+CPU each service used and the step-trace figures) and a PNG of the scaling.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import deque
@@ -64,6 +71,8 @@ from benchmarks.bench_serving import (
     summarize,
 )
 from benchmarks.common import RESULTS_DIR, print_table, write_result
+from engine.scheduler.step_trace import StepTrace, read_trace
+from engine.scheduler.step_trace import summarize as summarize_steps
 from shared.heartbeat import list_live
 from shared.keys import DETOKENIZER_KIND, detok_stream, router_out_stream
 from shared.messages import FinishReason, StepOutputMsg, StepRow
@@ -90,12 +99,17 @@ def run_inprocess(engine: Any, requests: list[Request], concurrency: int) -> dic
     from engine.sampling.sampling_params import SamplingParams
 
     engine.flush_cache()
-    outputs, duration = _closed_loop(engine.scheduler, requests, concurrency, SamplingParams)
-    return summarize(outputs, duration)
+    trace = StepTrace()
+    outputs, duration = _closed_loop(
+        engine.scheduler, requests, concurrency, SamplingParams, trace
+    )
+    res = summarize(outputs, duration)
+    res["steps"] = summarize_steps(trace.rows, concurrency)
+    return res
 
 
 def _closed_loop(
-    sched: Any, requests: list[Request], concurrency: int, params_cls: Any
+    sched: Any, requests: list[Request], concurrency: int, params_cls: Any, trace: StepTrace
 ) -> tuple[list[Output], float]:
     outputs = [Output(prompt_len=r.prompt_len) for r in requests]
     queue = deque(enumerate(requests))
@@ -115,8 +129,10 @@ def _closed_loop(
     start = time.perf_counter()
     admit()
     while active:
+        step_start = time.perf_counter()
         events = sched.step()
         now = time.perf_counter()
+        trace.add(step_start, now, sched.last_batch, len(events))
         for ev in events:
             i, t0 = active[ev.rid]
             out = outputs[i]
@@ -226,6 +242,7 @@ def serving(
         *flags,
     ]
     env = dict(os.environ)
+    env["SLUICE_WORKER_STEP_TRACE"] = args.step_trace_path
     if args.pinning is not None:  # one torch thread per engine core, as in-process
         env["OMP_NUM_THREADS"] = str(len(args.pinning.engine))
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, env=env)
@@ -243,12 +260,33 @@ def run_services(
     """The workload over HTTP; also the CPU (in cores) each kind of service used meanwhile."""
     run_args = copy.copy(args)
     run_args.backend, run_args.tokenize_prompt, run_args.disable_stream = "sluice", True, False
+    traced = _trace_lines(args.step_trace_path)
     before, start = _cpu_by_kind(serve), time.perf_counter()
     outputs, duration = asyncio.run(run_requests(run_args, base, requests, "default"))
     after, wall = _cpu_by_kind(serve), time.perf_counter() - start
     res = summarize(outputs, duration)
     res["cpu_cores"] = {k: (after[k] - before.get(k, 0.0)) / wall for k in after}
+    _trace_lines(args.step_trace_path, settle_s=0.3)  # the worker writes it when idle
+    rows = read_trace(args.step_trace_path, skip=traced)
+    res["steps"] = summarize_steps(rows, args.max_concurrency)
     return res
+
+
+def _trace_lines(path: str, settle_s: float = 0.0) -> int:
+    """Lines in the worker's step trace; with `settle_s`, once it stopped growing."""
+    def count() -> int:
+        if not os.path.exists(path):
+            return 0
+        with open(path) as f:
+            return sum(1 for _ in f)
+
+    n = count()
+    while settle_s:
+        time.sleep(settle_s)
+        n, last = count(), n
+        if n == last:
+            break
+    return n
 
 
 def _cpu_by_kind(serve: psutil.Process) -> dict[str, float]:
@@ -458,6 +496,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     args.max_concurrency = args.max_concurrency or 64
     tokenizer = load_tokenizer(model)
     args.pinning = Pinning.parse(args.engine_cores)
+    args.step_trace_path = os.path.join(tempfile.mkdtemp(prefix="sluice-steps-"), "worker.txt")
     with engine_cores(args.pinning):
         engine = make_engine(model, flags)  # its device process, if any, starts here
     pairs = []
@@ -588,6 +627,36 @@ def _summary(pairs: list[dict], detok: dict[int, dict], concurrency: int) -> dic
         "detok_scaling": {str(n): v for n, v in tok_s.items()},
         "concurrency": concurrency,
         "num_pairs": len(pairs),
+        **_step_summary(pairs),
+    }
+
+
+def _step_summary(pairs: list[dict]) -> dict[str, float | None]:
+    """Where the added time goes, from the step traces (medians over pairs): the worker's
+    full decode steps against the in-process engine's, the loop's own time between steps,
+    and how many prefill steps the same requests took (staggered arrivals split them)."""
+
+    def per_pair(side: str, key: str) -> list[float]:
+        return [p[side]["steps"][key] for p in pairs if p[side]["steps"][key] is not None]
+
+    def ratio(key: str) -> float | None:
+        r = [
+            p["services"]["steps"][key] / p["inprocess"]["steps"][key]
+            for p in pairs
+            if p["services"]["steps"][key] and p["inprocess"]["steps"][key]
+        ]
+        return float(np.median(r)) if r else None
+
+    def median(side: str, key: str) -> float | None:
+        v = per_pair(side, key)
+        return float(np.median(v)) if v else None
+
+    return {
+        "worker_full_decode_step_vs_inprocess": ratio("full_decode_step_ms_p50"),
+        "worker_step_gap_ms_p50": median("services", "gap_ms_p50"),
+        "inprocess_step_gap_ms_p50": median("inprocess", "gap_ms_p50"),
+        "prefill_steps_services_vs_inprocess": ratio("prefill_steps"),
+        "prefill_time_services_vs_inprocess": ratio("prefill_time_s"),
     }
 
 

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from engine.scheduler.step_trace import StepTrace
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_link import IoLink
 from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures
@@ -58,6 +59,7 @@ class Worker:
         self.num_steps = 0
         self._events_waiting = False  # an abort of a queued request emitted its final event
         self._next_load = 0.0
+        self.trace = StepTrace(settings.step_trace) if settings.step_trace else None
         self._handlers = {GenerateReqMsg: self._on_generate, AbortReqMsg: self._on_abort}
 
     def hello(self) -> dict:
@@ -82,10 +84,15 @@ class Worker:
         try:
             while not self.stop.is_set():
                 self._send_load()
-                self._drain(block=not self.scheduler.has_work())
+                idle = not self.scheduler.has_work()
+                if idle and self.trace is not None:
+                    self.trace.flush()
+                self._drain(block=idle)
                 if self.scheduler.has_work() or self._events_waiting:
                     self._step()
         finally:
+            if self.trace is not None:
+                self.trace.flush()
             link.close()
             close = getattr(self.scheduler, "close", None)
             if close is not None:
@@ -100,7 +107,10 @@ class Worker:
     def _step(self) -> None:
         assert self.link is not None
         self._events_waiting = False
+        start = time.perf_counter()
         events = self.scheduler.step()
+        if self.trace is not None:
+            self.trace.add(start, time.perf_counter(), self.scheduler.last_batch, len(events))
         self.num_steps += 1
         active, rows = self.table.active, []
         for event in events:

@@ -202,6 +202,11 @@ class WorkerSettings:
     block_ms: int = setting(
         5, "longest wait for new entries when idle", env="SLUICE_WORKER_BLOCK_MS"
     )
+    step_trace: str | None = setting(
+        None,
+        "append each scheduler step's start, end, kind and event count to this file (profiling)",
+        env="SLUICE_WORKER_STEP_TRACE",
+    )
 
 
 @dataclass(frozen=True)

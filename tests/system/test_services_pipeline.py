@@ -8,6 +8,7 @@ byte-fallback tokenizer is the harder case for detokenization). The kill test ru
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -54,10 +55,16 @@ def detok(model: str) -> StepDetokenizer:
 @pytest.fixture(scope="module")
 def stack(redis_url: str, model: str, tmp_path_factory: pytest.TempPathFactory):
     logs = str(tmp_path_factory.mktemp("logs"))
-    env = {"SLUICE_CLAIM_IDLE_MS": "1000", "SLUICE_HEARTBEAT_TTL_S": "3"}
+    trace = os.path.join(logs, "worker_steps.txt")
+    env = {
+        "SLUICE_CLAIM_IDLE_MS": "1000",
+        "SLUICE_HEARTBEAT_TTL_S": "3",
+        "SLUICE_WORKER_STEP_TRACE": trace,
+    }
     st = start_stack(
         redis_url, model, logs, num_tokenizers=1, num_detokenizers=3, router=False, env=env
     )
+    st.step_trace = trace  # type: ignore[attr-defined]
     with st:
         st.wait_ready()
         yield st
@@ -83,6 +90,31 @@ def offline_outputs(model: str, prompts: list[str], params: dict) -> list[list[i
         ]
     finally:
         engine.shutdown()
+
+
+def test_the_worker_traces_its_steps_when_asked(stack: Stack, client: StreamClient) -> None:
+    """`--step-trace` (here SLUICE_WORKER_STEP_TRACE): one line per step, written when the
+    worker goes idle; a request alone is one prefill step and then decode steps."""
+    from engine.scheduler.step_trace import read_trace
+
+    path = stack.step_trace  # type: ignore[attr-defined]
+    before = len(read_trace(path)) if os.path.exists(path) else 0
+    params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    rid = client.request(text="trace me", sampling_params=params)
+    assert client.wait([rid])[rid].final.finish_reason.type == "length"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = read_trace(path, skip=before) if os.path.exists(path) else []
+        if len(rows) >= 5:
+            break
+        time.sleep(0.1)
+    # One event per token (the last one carries the finish). The overlap loop (the default)
+    # reports a batch's results a step late and launches one decode past the end.
+    kinds = [r.kind for r in rows]
+    assert kinds[0] == "prefill" and set(kinds[1:]) == {"decode"} and len(kinds) in (5, 6)
+    assert sum(r.events for r in rows) == 5
+    assert all(r.start <= r.end for r in rows)
+    assert all(a.end <= b.start for a, b in zip(rows, rows[1:]))
 
 
 def test_heartbeats_carry_load(stack: Stack) -> None:
