@@ -197,3 +197,43 @@ def test_close_is_prompt_while_the_io_process_waits_on_a_full_pipe(
     assert time.monotonic() - t0 < 3.0
     assert link.proc.returncode == 0
     assert not redis_client.exists(heartbeat_key(key_prefix, WORKER_KIND, "w0"))
+
+
+def test_a_killed_scheduler_takes_its_heartbeat_with_it_at_once(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """kill -9 of the worker: the I/O process sees the pipe close, deletes the heartbeat
+    (long before its TTL: routers fail over at once) and exits."""
+    import subprocess
+    import sys
+    import textwrap
+
+    config = hello(redis_url, key_prefix, "w-killed")
+    config["heartbeat_ttl_s"] = 60.0
+    script = textwrap.dedent(f"""
+        import sys, time
+        from services.worker_link import IoLink
+        link = IoLink({config!r})
+        print(link.proc.pid, flush=True)
+        time.sleep(60)
+    """)
+    worker = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        io_pid = int(worker.stdout.readline())
+        key = heartbeat_key(key_prefix, WORKER_KIND, "w-killed")
+        assert redis_client.exists(key)
+        worker.kill()
+        worker.wait()
+        wait_for(lambda: not redis_client.exists(key), timeout_s=10)
+        wait_for(lambda: _gone(io_pid), timeout_s=10)
+    finally:
+        worker.kill()
+
+
+def _gone(pid: int) -> bool:
+    """Exited: reaped, or a zombie (its new parent may not reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
