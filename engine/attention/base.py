@@ -26,10 +26,11 @@ class AttentionLayer(Protocol):
 class AttentionBackend(ABC):
     """Computes paged attention for one layer of one batch.
 
-    `init_forward_metadata` runs once per batch (plan index tensors, masks, wrappers) and is
-    reused by every layer. `forward` first writes the new tokens' K/V into the pool at
-    `forward_batch.out_cache_loc`, then attends over each request's full context
-    (`req_to_token[req_pool_indices[i], :seq_lens[i]]`), causal within the new tokens.
+    `init_forward_metadata` runs once per batch (plan index tensors, masks, wrappers) into
+    `metadata`, reused by every layer. `forward` first writes the new tokens' K/V into the
+    pool at `forward_batch.out_cache_loc` (`_store_kv`), then attends over each request's
+    full context (`req_to_token[req_pool_indices[i], :seq_lens[i]]`), causal within the new
+    tokens (`_attend`, what each backend implements).
 
     Shapes: q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim];
     returns [num_tokens, num_heads * head_dim] in q's dtype.
@@ -77,7 +78,9 @@ class AttentionBackend(ABC):
         """
         raise NotImplementedError
 
-    @abstractmethod
+    # what `init_forward_metadata` planned for the current batch (a backend's own type)
+    metadata: object | None = None
+
     def forward(
         self,
         q: torch.Tensor,
@@ -85,7 +88,29 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        md = self.metadata
+        assert md is not None, "init_forward_metadata was not called for this batch"
+        self._store_kv(layer, forward_batch, k, v)
+        return self._attend(q, k, v, layer, forward_batch, md)
+
+    def _store_kv(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Write the new tokens' K/V into the pool at `out_cache_loc`."""
+        forward_batch.kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+
+    @abstractmethod
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        md: object,
+    ) -> torch.Tensor:
+        """Attention of this layer for the batch `md` was planned for (K/V already stored)."""
 
 
 _BACKENDS = {

@@ -266,18 +266,16 @@ class FlashInferAttnBackend(AttentionBackend):
         return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
 
     # -- attention --------------------------------------------------------------------------------
-    def forward(
+    def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        md: _DecodeMetadata | _ExtendMetadata,
     ) -> torch.Tensor:
-        md = self.metadata
-        assert md is not None, "init_forward_metadata was not called for this batch"
         pool = forward_batch.kv_pool
-        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
         if isinstance(md, _DecodeMetadata):
             paged_kv = self._paged_kv(pool, layer.layer_id)

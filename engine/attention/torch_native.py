@@ -109,19 +109,16 @@ class TorchNativeAttnBackend(AttentionBackend):
             out_index=out_index,
         )
 
-    def forward(
+    def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        md: _Metadata,
     ) -> torch.Tensor:
-        md = self.metadata
-        assert md is not None, "init_forward_metadata was not called for this batch"
-        pool = forward_batch.kv_pool
-        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         batch_size = forward_batch.batch_size
         kv_shape = (batch_size, md.max_seq_len, layer.num_kv_heads, layer.head_dim)
         keys = self._gather(k_buf, md.kv_index, 0).view(kv_shape).transpose(1, 2)

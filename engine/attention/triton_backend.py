@@ -111,19 +111,23 @@ class TritonAttnBackend(AttentionBackend):
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         self.metadata = self._graph_metadata[forward_batch.batch_size]
 
-    def forward(
+    def _store_kv(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
+        store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)  # the Triton kernel
+
+    def _attend(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        md: _DecodeMetadata | _ExtendMetadata,
     ) -> torch.Tensor:
-        md = self.metadata
-        assert md is not None, "init_forward_metadata was not called for this batch"
         fb = forward_batch
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer.layer_id)
-        store_kv(k_buf, v_buf, fb.out_cache_loc, k, v)
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         if isinstance(md, _DecodeMetadata):
             out = self._decode(q, k_buf, v_buf, layer, fb, md)
