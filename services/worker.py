@@ -54,13 +54,13 @@ class Worker:
         self.vocab_size = scheduler.model_runner.model_config.vocab_size
         self.table = RequestTable()
         self.detok_stream = detok_stream(self.prefix)
-        self.link: IoLink | None = None
         self.stop = threading.Event()
         self.num_steps = 0
         self._events_waiting = False  # an abort of a queued request emitted its final event
         self._next_load = 0.0
         self.trace = StepTrace(settings.step_trace) if settings.step_trace else None
         self._handlers = {GenerateReqMsg: self._on_generate, AbortReqMsg: self._on_abort}
+        self.link = IoLink(self.hello())  # starts the I/O process; ready when this returns
 
     def hello(self) -> dict:
         """The I/O process's configuration."""
@@ -79,7 +79,6 @@ class Worker:
 
     # -- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        self.link = link = IoLink(self.hello())
         logger.info("worker %s ready (model %s)", self.worker_id, self.model)
         try:
             while not self.stop.is_set():
@@ -93,19 +92,17 @@ class Worker:
         finally:
             if self.trace is not None:
                 self.trace.flush()
-            link.close()
+            self.link.close()
             close = getattr(self.scheduler, "close", None)
             if close is not None:
                 close()
             logger.info("stopped after %d steps", self.num_steps)
 
     def _drain(self, block: bool) -> None:
-        assert self.link is not None
         for msg in self.link.receive(timeout=IDLE_WAIT_S if block else 0.0):
             self._handlers[type(msg)](msg)
 
     def _step(self) -> None:
-        assert self.link is not None
         self._events_waiting = False
         start = time.perf_counter()
         events = self.scheduler.step()
@@ -126,11 +123,10 @@ class Worker:
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + REFRESH_EVERY_S
-            self.link.load(load_figures(self.scheduler))  # type: ignore[union-attr]
+            self.link.load(load_figures(self.scheduler))
 
     # -- dispatch ---------------------------------------------------------------------------
     def _on_generate(self, msg: GenerateReqMsg) -> None:
-        assert self.link is not None
         admission = self.table.admit(msg)
         if admission == "duplicate":
             logger.info("ignoring a second copy of request %s", msg.rid)
