@@ -9,22 +9,9 @@
    The summary compares each side's best run (a shared machine only ever slows a run
    down), and gives the median of the within-pair ratios beside it.
    Control: 1 again beside processes that burn as much CPU as the services other than the
-   worker (and the client) burned during 2. On a small machine, what disaggregation costs
-   is mostly that CPU; the control says how much of the gap it explains.
-3. Detokenizers: a private Redis, N detokenizer processes, synthetic `StepOutputMsg`s
-   (`--detok-batch` requests per step, one token each, with their windows) written into
-   `{p}:detok` in one burst; tokens/s is tokens over the time until every row reached the
-   router stream (best of 3 bursts), and tokens per CPU-second of the detokenizers (their
-   capacity per core, which a busy machine does not distort). For each N in
-   `--detok-scaling`.
-
-`--engine-cores 0` pins the in-process engine and the worker's scheduler thread to the given
-cores (one torch thread each) and the client, every other service and the worker's Redis I/O
-process to the remaining cores, for 1 and 2: the model's compute then gets the same cores on
-both sides, as on a GPU host where it runs on the device and the services have cores of their
-own; the CPU-neighbour control is skipped. Without
-it all processes share all cores (on a small machine, what the services cost is then mostly
-the CPU they take from the worker's matmuls).
+   worker (and the client) burned during 2; with `--engine-cores`, 1 and 2 are pinned
+   instead and the control is skipped (both in `benchmarks/disagg_cores.py`).
+3. Detokenizers: throughput and scaling with N processes (`benchmarks/disagg_detok.py`).
 
 Both sides trace their scheduler steps (`engine/scheduler/step_trace.py`; the worker's
 `--step-trace`), which says where added time goes: the worker's full decode steps against
@@ -56,10 +43,8 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import msgpack
 import numpy as np
 import psutil
-import redis
 
 from benchmarks.bench_serving import (
     Output,
@@ -71,12 +56,18 @@ from benchmarks.bench_serving import (
     summarize,
 )
 from benchmarks.common import RESULTS_DIR, print_table, write_result
+from benchmarks.disagg_cores import (
+    Pinning,
+    cpu_by_kind,
+    cpu_neighbour,
+    engine_cores,
+    neighbour_cores,
+    pin_services,
+)
+from benchmarks.disagg_detok import detok_scaling, detok_tok_s, plot_scaling
 from engine.scheduler.step_trace import StepTrace, read_trace
 from engine.scheduler.step_trace import summarize as summarize_steps
-from shared.heartbeat import list_live
-from shared.keys import DETOKENIZER_KIND, detok_stream, router_out_stream
-from shared.messages import FinishReason, StepOutputMsg, StepRow
-from shared.redis_server import EmbeddedRedis, free_port
+from shared.redis_server import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -149,76 +140,6 @@ def _closed_loop(
     return outputs, time.perf_counter() - start
 
 
-# -- pinning (--engine-cores) --------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Pinning:
-    engine: set[int]  # the in-process engine, the worker
-    rest: set[int]  # the client, the router, tokenizers, detokenizers, redis
-
-    @classmethod
-    def parse(cls, spec: str | None) -> Pinning | None:
-        if not spec:
-            return None
-        engine = {int(c) for c in spec.split(",")}
-        rest = set(os.sched_getaffinity(0)) - engine
-        if not engine <= set(os.sched_getaffinity(0)) or not rest:
-            raise SystemExit(f"--engine-cores {spec}: need a subset of the cores, leaving some")
-        return cls(engine, rest)
-
-
-def pin(pid: int, cores: set[int], others: set[int] | None = None) -> None:
-    """Every thread of `pid` (threads created later inherit their creator's affinity); with
-    `others`, only the main thread on `cores` and the other threads on `others`."""
-    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setaffinity(tid, cores if others is None or tid == pid else others)
-
-
-@contextlib.contextmanager
-def engine_cores(pinning: Pinning | None, engine: Any = None) -> Iterator[None]:
-    """This process on the engine's cores, with one torch thread per core, then back. The
-    engine's device process (CPU overlap loop), if any, stays there. (Not every child of
-    this process: `sluice serve` is one too.)"""
-    if pinning is None:
-        yield
-        return
-    import torch
-
-    threads = torch.get_num_threads()
-    pin(os.getpid(), pinning.engine)
-    device = getattr(getattr(engine, "scheduler", None), "executor", None)
-    if getattr(device, "_proc", None) is not None:
-        pin(device._proc.pid, pinning.engine)
-    torch.set_num_threads(len(pinning.engine))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        pin(os.getpid(), pinning.rest)
-
-
-def pin_services(serve: psutil.Process, pinning: Pinning) -> dict[str, list[int]]:
-    """The worker's scheduler thread (and its device process, if any) on the engine's cores,
-    as the engine runs in-process; everything else on the rest: the other services, this
-    client, the worker's I/O process and any other thread of the worker (on a GPU host they
-    run on other cores than the thread that drives the GPU)."""
-    placed: dict[str, list[int]] = {}
-    for p, kind in service_kinds(serve, "serve").items():
-        args = " ".join(p.cmdline()).split()
-        if kind != "worker" or "services.worker_io" in args:  # the worker's I/O process too
-            pin(p.pid, pinning.rest)
-            cores = pinning.rest
-        elif "worker" in args:  # the worker itself
-            pin(p.pid, pinning.engine, others=pinning.rest)
-            cores = pinning.engine
-        else:  # its forkserver and device process
-            pin(p.pid, pinning.engine)
-            cores = pinning.engine
-        placed[f"{kind}:{p.pid}"] = sorted(cores)
-    pin(os.getpid(), pinning.rest)
-    return placed
-
-
 # -- 2. services ----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def serving(
@@ -261,9 +182,9 @@ def run_services(
     run_args = copy.copy(args)
     run_args.backend, run_args.tokenize_prompt, run_args.disable_stream = "sluice", True, False
     traced = _trace_lines(args.step_trace_path)
-    before, start = _cpu_by_kind(serve), time.perf_counter()
+    before, start = cpu_by_kind(serve), time.perf_counter()
     outputs, duration = asyncio.run(run_requests(run_args, base, requests, "default"))
-    after, wall = _cpu_by_kind(serve), time.perf_counter() - start
+    after, wall = cpu_by_kind(serve), time.perf_counter() - start
     res = summarize(outputs, duration)
     res["cpu_cores"] = {k: (after[k] - before.get(k, 0.0)) / wall for k in after}
     _trace_lines(args.step_trace_path, settle_s=0.3)  # the worker writes it when idle
@@ -289,74 +210,6 @@ def _trace_lines(path: str, settle_s: float = 0.0) -> int:
     return n
 
 
-def _cpu_by_kind(serve: psutil.Process) -> dict[str, float]:
-    """CPU seconds by service kind (the benchmark client is this process)."""
-    out = {"client": sum(psutil.Process().cpu_times()[:2])}
-    for p, kind in service_kinds(serve, "other", include_serve=False).items():
-        try:
-            cpu = sum(p.cpu_times()[:2])
-        except psutil.NoSuchProcess:
-            continue
-        out[kind] = out.get(kind, 0.0) + cpu
-    return out
-
-
-_KINDS = ("router", "worker", "detokenizer", "tokenizer", "redis-server")
-
-
-def service_kinds(
-    serve: psutil.Process, default: str, include_serve: bool = True
-) -> dict[psutil.Process, str]:
-    """Each process of `sluice serve` by kind (from its command line); a worker's children
-    (the forkserver and device process of the CPU overlap loop) count as the worker."""
-    procs = [serve, *serve.children(recursive=True)] if include_serve else serve.children(True)
-    kinds = {}
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            args = " ".join(p.cmdline()).split()  # `services.cli worker`, `/x/redis-server`
-            kinds[p] = next(
-                (k for k in _KINDS if any(a == k or a.endswith("/" + k) for a in args)), default
-            )
-    by_pid = {p.pid: k for p, k in kinds.items()}
-    for p in kinds:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if any(by_pid.get(a.pid) == "worker" for a in p.parents()):
-                kinds[p] = "worker"
-    return kinds
-
-
-def neighbour_cores(services: dict) -> float:
-    """CPU the services used beside the worker (the client included: it shares the box)."""
-    return sum(v for k, v in services["cpu_cores"].items() if k != "worker")
-
-
-@contextlib.contextmanager
-def cpu_neighbour(cores: float) -> Iterator[None]:
-    """Processes keeping `cores` CPUs busy in 10 ms slices: the control for `services`, the
-    in-process engine with as much CPU taken beside it as the other services took."""
-    procs, left = [], cores
-    while left > 0.01:
-        duty = min(1.0, left)
-        left -= duty
-        procs.append(subprocess.Popen([sys.executable, "-c", _BURN, str(duty)]))
-    try:
-        yield
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-
-
-_BURN = """import sys, time
-duty = float(sys.argv[1])
-while True:
-    t = time.perf_counter()
-    while time.perf_counter() - t < 0.01 * duty:
-        pass
-    time.sleep(0.01 * (1 - duty))
-"""
-
-
 def _wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -380,108 +233,6 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-# -- 3. detokenizers ------------------------------------------------------------------------------
-def synthetic_steps(pool: np.ndarray, steps: int, batch: int, seed: int) -> list[bytes]:
-    """Encoded step messages: `batch` requests advancing one token per step for `steps`."""
-    rng = np.random.default_rng(seed)
-    ids = rng.choice(pool, size=(batch, steps)).tolist()
-    msgs = []
-    for s in range(steps):
-        final = FinishReason("length") if s == steps - 1 else None
-        rows = [
-            StepRow(
-                f"r{j}", "bench", s, [ids[j][s]], ids[j][max(0, s - 6) : s], final, 16, s + 1, 0
-            )
-            for j in range(batch)
-        ]
-        msgs.append(StepOutputMsg.from_rows(rows, worker_id="0", step=s).to_msg())
-    return msgs
-
-
-def detok_throughput(
-    model: str, num_detok: int, msgs: list[bytes], tokens: int, repeats: int = 3
-) -> dict[str, float]:
-    """Tokens/s: the best of `repeats` bursts (the least disturbed by other work on the
-    machine); and tokens per CPU-second the detokenizers spent (what one would do with a
-    core of its own)."""
-    prefix = "bench"
-    with EmbeddedRedis() as server:
-        client = redis.Redis.from_url(server.url)
-        cmd = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "--log-level",
-            "warning",
-            "detokenizer",
-            "--redis-url",
-            server.url,
-            "--prefix",
-            prefix,
-            "--model",
-            model,
-        ]
-        procs = [subprocess.Popen(cmd, cwd=REPO) for _ in range(num_detok)]
-        try:
-            deadline = time.monotonic() + 300
-            while len(list_live(client, prefix, DETOKENIZER_KIND)) < num_detok:
-                if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                    raise RuntimeError("detokenizers did not start")
-                time.sleep(0.2)
-            watched = [psutil.Process(p.pid) for p in procs]
-            cpu_before = sum(sum(p.cpu_times()[:2]) for p in watched)
-            last_id, best = "0", 0.0
-            for _ in range(repeats):
-                last_id, tok_s = _time_burst(client, prefix, msgs, tokens, last_id)
-                best = max(best, tok_s)
-            cpu = sum(sum(p.cpu_times()[:2]) for p in watched) - cpu_before
-            return {"tok_s": best, "tok_per_cpu_s": tokens * repeats / cpu}
-        finally:
-            for p in procs:
-                p.terminate()
-            for p in procs:
-                p.wait()
-            client.close()
-
-
-def _time_burst(
-    client: redis.Redis, prefix: str, msgs: list[bytes], tokens: int, last_id: str
-) -> tuple[str, float]:
-    """Write `msgs` into `{p}:detok` at once; time until all their tokens reached the router
-    stream (read from after `last_id`). Returns the last entry id read and tokens/s."""
-    out = router_out_stream(prefix, "bench")
-    start = time.perf_counter()
-    pipe = client.pipeline(transaction=False)
-    for m in msgs:
-        pipe.xadd(detok_stream(prefix), {b"m": m})
-    pipe.execute()
-    seen, end = 0, start
-    while seen < tokens:
-        reply = client.xread({out: last_id}, count=1000, block=30_000)
-        if not reply:
-            raise RuntimeError(f"detokenizers stalled after {seen} of {tokens} tokens")
-        for entry_id, fields in reply[0][1]:
-            body = msgpack.unpackb(fields[b"m"])
-            seen += sum(body["ends"]) - sum(body["starts"])
-            last_id = entry_id
-        end = time.perf_counter()
-    return last_id, tokens / (end - start)
-
-
-def detok_scaling(model: str, counts: list[int], steps: int, batch: int, seed: int) -> dict:
-    from engine.tokenizer import load_tokenizer as load
-
-    tok = load(model)
-    special = set(tok.all_special_ids)
-    pool = np.array([t for t in range(len(tok)) if t not in special])
-    msgs = synthetic_steps(pool, steps, batch, seed)
-    return {n: detok_throughput(model, n, msgs, steps * batch) for n in counts}
-
-
-def _tok_s(detok: dict[int, dict[str, float]]) -> dict[int, float]:
-    return {n: v["tok_s"] for n, v in detok.items()}
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -547,7 +298,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     print("wrote", path)
     png = os.path.join(RESULTS_DIR, f"{args.result_name}_detok_scaling.png")
-    _plot(_tok_s(detok), png, extra["loadavg_after"][0])
+    plot_scaling(detok_tok_s(detok), png, extra["loadavg_after"][0])
     return summary
 
 
@@ -603,7 +354,7 @@ def _summary(pairs: list[dict], detok: dict[int, dict], concurrency: int) -> dic
         return best["services"][key] - best["inprocess"][key]
 
     kinds = best["services"]["cpu_cores"]
-    tok_s = _tok_s(detok)
+    tok_s = detok_tok_s(detok)
     return {
         "services_vs_inprocess": ratio("services", "inprocess"),
         "added_itl_p50_ms": added("median_itl_ms"),
@@ -658,32 +409,3 @@ def _step_summary(pairs: list[dict]) -> dict[str, float | None]:
         "prefill_steps_services_vs_inprocess": ratio("prefill_steps"),
         "prefill_time_services_vs_inprocess": ratio("prefill_time_s"),
     }
-
-
-def _plot(detok: dict[int, float], path: str, load: float) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot")
-        return
-    counts = list(detok)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.plot(counts, [detok[n] / 1000 for n in counts], "o-", label="measured")
-    ax.plot(
-        counts,
-        [detok[counts[0]] * n / counts[0] / 1000 for n in counts],
-        "--",
-        color="gray",
-        label="linear",
-    )
-    ax.set_xlabel("detokenizer processes")
-    ax.set_ylabel("k tokens / s")
-    ax.set_xticks(counts)
-    ax.set_title(f"Detokenizer scaling ({os.cpu_count()} CPU cores, load avg {load:.1f})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
