@@ -272,7 +272,7 @@ def _write_results():
     yield
     if os.environ.get("SLUICE_WRITE_RESULTS") != "1" or not torch.cuda.is_available():
         return
-    from benchmarks import common, gpu_bench
+    from benchmarks import common, gpu_common
 
     bf16 = list(RESULTS["bf16_runner"].values()) + list(RESULTS["bf16_engine"].values())
     summary: dict[str, Any] = {}
@@ -284,8 +284,8 @@ def _write_results():
     fp32 = RESULTS["fp32_greedy"]
     if fp32:
         summary["fp32_greedy_cases"] = f"{sum(c['passed'] for c in fp32.values())}/{len(fp32)}"
-    device = gpu_bench.device_info("cuda")
+    device = gpu_common.device_info("cuda")
     path = common.write_result("gpu_parity", RESULTS, summary, device=device,
                                versions_extra=common.versions("flashinfer-python", "triton"))
-    gpu_bench.merge_summary("gpu_summary", summary, os.path.basename(path), device)
+    gpu_common.merge_summary("gpu_summary", summary, os.path.basename(path), device)
     print("wrote", path)

@@ -1,7 +1,7 @@
 """benchmarks/gpu_bench.py on a CPU in quick mode: every subcommand's code path runs (models
 built from the presets at tiny sizes, sluice and transformers driven, profiler tables written,
 summary keys merged) before any GPU time is spent on it; and the kernel-timeline arithmetic
-that turns a profiler trace into GPU idle time."""
+that turns a profiler trace into GPU idle time (benchmarks/gpu_timeline.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, gpu_bench
+from benchmarks import common, gpu_bench, gpu_timeline
 
 SLOW = pytest.mark.slow  # they share one quick run of every benchmark: ~25 s on 2 busy cores
 
@@ -101,7 +101,7 @@ def test_timeline_idle_is_the_gaps_between_merged_kernels() -> None:
     events = [_kernel(0, 10, "a"), _kernel(5, 7, "b"), _kernel(15, 5, "a"), _kernel(50, 10, "c"),
               {"cat": "gpu_memcpy", "ts": 20, "dur": 4, "name": "Memcpy HtoD"},
               {"cat": "cpu_op", "ts": 0, "dur": 100, "name": "aten::mm"}]
-    t = gpu_bench.timeline_summary(events, num_steps=2)
+    t = gpu_timeline.timeline_summary(events, num_steps=2)
     assert t["window_ms"] == pytest.approx(0.060)
     assert t["busy_ms"] == pytest.approx(0.027)  # 12 + 5 + 10
     assert t["idle_fraction"] == pytest.approx(33 / 60)
@@ -115,7 +115,7 @@ def test_timeline_idle_is_the_gaps_between_merged_kernels() -> None:
 
 def test_timeline_without_kernels_reports_no_idle() -> None:
     cpu_only = [{"cat": "cpu_op", "ph": "X", "ts": 0, "dur": 5, "name": "aten::mm"}]
-    assert gpu_bench.timeline_summary(cpu_only, 5) == {
+    assert gpu_timeline.timeline_summary(cpu_only, 5) == {
         "kernel_count": 0, "idle_fraction": None, "categories": ["cpu_op"]}
 
 

@@ -1,0 +1,184 @@
+"""The GPU's idle time per decode step, read off the kernel timeline: torch.profiler around a
+window of steady decode steps (`Profiled`), the trace's kernels merged into busy and idle time
+(`timeline_summary`), and the scheduler driven step by step to record that window (`drive`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+from benchmarks import common
+from benchmarks.gpu_common import Ctx, sync
+
+BUBBLE_US = 20.0  # gaps this long between kernels are host stalls ("bubbles"), reported apart
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by a set of [start, end) intervals (overlaps counted once)."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def gaps(intervals: list[tuple[float, float]]) -> list[float]:
+    """The idle gaps between the merged intervals, in order."""
+    out, end = [], None
+    for s, e in sorted(intervals):
+        if end is not None and s > end:
+            out.append(s - end)
+        end = e if end is None else max(end, e)
+    return out
+
+
+def timeline_summary(events: list[dict], num_steps: int) -> dict[str, Any]:
+    """Device busy / idle over the kernels of a chrome trace (times in us)."""
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    copies = [e["dur"] for e in events if e.get("cat") in ("gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        cats = sorted({str(e.get("cat")) for e in events if e.get("ph") == "X"})
+        return {"kernel_count": 0, "idle_fraction": None, "categories": cats}
+    window = max(e for _, e in kernels) - min(s for s, _ in kernels)
+    busy = busy_union(kernels)
+    holes = gaps(kernels)
+    bubbles = [g for g in holes if g >= BUBBLE_US]
+    by_name: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            by_name[e["name"][:90]] = by_name.get(e["name"][:90], 0.0) + e["dur"]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    steps = max(num_steps, 1)
+    return {
+        "kernel_count": len(kernels), "steps": num_steps, "window_ms": window / 1e3,
+        "busy_ms": busy / 1e3, "idle_ms": (window - busy) / 1e3,
+        "idle_fraction": (window - busy) / window if window > 0 else None,
+        "step_ms": window / steps / 1e3, "busy_ms_per_step": busy / steps / 1e3,
+        "idle_ms_per_step": (window - busy) / steps / 1e3,
+        "bubble_count": len(bubbles), "bubble_ms_per_step": sum(bubbles) / steps / 1e3,
+        "bubble_fraction": sum(bubbles) / window if window > 0 else None,
+        "max_gap_us": max(holes, default=0.0), "memcpy_memset_ms": sum(copies) / 1e3,
+        "top_kernels_ms": {k: v / 1e3 for k, v in top},
+    }
+
+
+class Profiled:
+    """torch.profiler around a region: the kernel timeline, and with `table` a key_averages
+    table written to results/<table>.txt. `cpu_ops=False` records kernels only (CUPTI), so
+    the host runs at nearly full speed."""
+
+    def __init__(self, ctx: Ctx, cpu_ops: bool, table: str | None = None) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CUDA] if ctx.cuda else []
+        if cpu_ops or not ctx.cuda:
+            acts.append(ProfilerActivity.CPU)
+        self.ctx, self.table = ctx, table
+        self.prof = profile(activities=acts)
+        self.started = False
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            sync(self.ctx)  # the window starts with no earlier work queued
+            self.prof.start()
+
+    def stop(self, num_steps: int) -> dict[str, Any] | None:
+        if not self.started:
+            return None
+        sync(self.ctx)
+        self.prof.stop()
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            self.prof.export_chrome_trace(trace)
+            with open(trace) as f:
+                events = json.load(f).get("traceEvents", [])
+        summary = timeline_summary(events, num_steps)
+        if self.table:
+            path = os.path.join(common.RESULTS_DIR, f"{self.table}.txt")
+            os.makedirs(common.RESULTS_DIR, exist_ok=True)
+            with open(path, "w") as f:
+                f.write(f"{' '.join(sys.argv)}\n{json.dumps(summary, indent=1)}\n\n")
+                f.write(_key_table(self.prof, self.ctx.cuda))
+            summary["table"] = os.path.basename(path)
+        return summary
+
+
+def _key_table(prof: Any, cuda: bool) -> str:
+    avg = prof.key_averages()
+    keys = ["self_device_time_total", "self_cuda_time_total"] if cuda else []
+    for key in keys + ["self_cpu_time_total"]:
+        try:
+            return avg.table(sort_by=key, row_limit=40, max_name_column_width=70)
+        except Exception:  # noqa: BLE001 - the key's name changed across torch versions
+            continue
+    return avg.table(row_limit=40)
+
+
+# -- driving the scheduler --------------------------------------------------------------------
+@dataclasses.dataclass
+class Run:
+    seconds: float
+    num_tokens: int
+    decode_step_s: list[float]  # wall time of each step while every request decodes
+    token_times: list[float]  # arrival time of each token of the first request
+    timeline: dict[str, Any] | None = None
+
+
+def drive(
+    engine: Any, prompts: list[list[int]], max_new: int,
+    profiler: Profiled | None = None, window: tuple[int, int] = (0, 0),
+) -> Run:
+    """All prompts at once, steps until every request is done. With a profiler, it records
+    steady decode steps window[0] .. window[0] + window[1] - 1."""
+    from engine.sampling.sampling_params import SamplingParams
+
+    sched = engine.scheduler
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+    params.normalize()
+    rids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, ids in zip(rids, prompts):
+        sched.add_request(rid, ids, params)
+    steps: list[float] = []
+    first: list[float] = []
+    tokens, tl = 0, None
+    t0 = time.perf_counter()
+    while sched.has_work():
+        if profiler is not None and window[1] and len(steps) == window[0]:
+            profiler.start()  # idempotent: until the next steady step
+        w = time.perf_counter()
+        events = sched.step()
+        now = time.perf_counter()
+        last = sched.last_batch
+        if (last is not None and last.forward_mode.is_decode()
+                and len(sched.running_batch) == len(prompts)):
+            steps.append(now - w)
+            if profiler is not None and window[1] and len(steps) == window[0] + window[1]:
+                tl = profiler.stop(window[1])
+        for ev in events:
+            tokens += len(ev.new_token_ids)
+            if ev.rid == rids[0]:
+                first.extend([now] * len(ev.new_token_ids))
+    seconds = time.perf_counter() - t0
+    if profiler is not None and window[1] and tl is None:
+        tl = profiler.stop(max(len(steps) - window[0], 1))
+    return Run(seconds, tokens, steps, first, tl)
+
+
+def timeline(ctx: Ctx, engine: Any, prompts: list[list[int]], max_new: int,
+             window: tuple[int, int]) -> dict[str, Any]:
+    """The kernel timeline of `window` steady decode steps, recording kernels only; if that
+    yields no kernel (a CUPTI quirk seen elsewhere), again with CPU ops (slower host)."""
+    out = drive(engine, prompts, max_new, Profiled(ctx, cpu_ops=False), window).timeline or {}
+    if ctx.cuda and not out.get("kernel_count"):
+        engine.flush_cache()
+        out = drive(engine, prompts, max_new, Profiled(ctx, cpu_ops=True), window).timeline or {}
+        out["recorded_cpu_ops"] = True
+    return out
