@@ -178,7 +178,11 @@ def serving(
 def run_services(
     base: str, serve: psutil.Process, requests: list[Request], args: argparse.Namespace
 ) -> dict:
-    """The workload over HTTP; also the CPU (in cores) each kind of service used meanwhile."""
+    """The workload over HTTP, on an empty prefix cache as in-process (`POST /flush_cache`);
+    also the CPU (in cores) each kind of service used meanwhile."""
+    flush = urllib.request.Request(base + "/flush_cache", method="POST")
+    with urllib.request.urlopen(flush, timeout=30) as resp:  # idle here: a refusal raises
+        resp.read()
     run_args = copy.copy(args)
     run_args.backend, run_args.tokenize_prompt, run_args.disable_stream = "sluice", True, False
     traced = _trace_lines(args.step_trace_path)
@@ -237,8 +241,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 # -- the run --------------------------------------------------------------------------------------
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Paired runs, alternating which side goes first, each pair on fresh prompts (the
-    worker's prefix cache cannot be flushed from outside). Then the detokenizers."""
+    """Paired runs, alternating which side goes first, each pair on fresh prompts, each run
+    on an empty prefix cache. Then the detokenizers."""
     from services.engine_args import ensure_model
 
     extra = {"loadavg_before": os.getloadavg()}  # the machine may be shared: say how busy

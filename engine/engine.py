@@ -167,10 +167,7 @@ class Engine:
         }
 
     def flush_cache(self) -> bool:
-        if self.scheduler.has_work():
-            return False
-        self.scheduler.tree_cache.reset()
-        return True
+        return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
         close = getattr(self.scheduler, "close", None)

@@ -130,6 +130,39 @@ def create_app(config: RouterConfig) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        """SGLang's: empty every worker's prefix cache; 400 if one was busy (or silent)."""
+        router = state["router"]
+        router.authorize(request)
+        await router.broker.refresh_workers()
+        replies = await router.broker.flushes.flush()
+        failed = {
+            w: r.message if r else "no answer"
+            for w, r in replies.items()
+            if r is None or not r.success
+        }
+        if failed:
+            detail = "; ".join(f"{w}: {m}" for w, m in sorted(failed.items()))
+            raise ApiError(400, f"cache not flushed ({detail})", None, "cache_not_flushed")
+        return JSONResponse(
+            {"success": True, "message": "Cache flushed.", "workers": sorted(replies)}
+        )
+
+    @app.get("/get_model_info")
+    async def get_model_info(request: Request) -> dict[str, Any]:
+        """SGLang's model card: the served name, the model folder (when known), generation."""
+        router = state["router"]
+        router.authorize(request)
+        r = router.config.router
+        return {
+            "model_path": r.model or router.model_name,
+            "tokenizer_path": r.model,
+            "is_generation": True,
+            "served_model_name": router.model_name,
+            "max_context_length": router.broker.workers.context_len,
+        }
+
     @app.get("/health")
     async def health() -> Response:
         router = state["router"]

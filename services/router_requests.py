@@ -3,7 +3,8 @@
 One `Broker` per router process owns
 * a reader task that XREADs the router's stream `{p}:router:{r}:out` and hands every
   `DetokRow` and `ErrorMsg` to the `RequestHandle` of its rid (rows of unknown rids, from
-  requests already ended or retried, are dropped);
+  requests already ended or retried, are dropped), and answers to cache flushes to
+  `CacheFlushes` (`router_control`);
 * a watch task that keeps the table of live workers (`WorkerTable`) current and looks
   after requests that wait: past their deadline they fail with 504; waiting on a worker
   whose heartbeat is gone, they are sent to another worker if nothing was produced yet,
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator
 
 import redis
 
+from services.router_control import CacheFlushes
 from services.router_metrics import RouterMetrics
 from services.router_protocol import ApiError, SubRequest
 from services.router_stream import Delta, OutputAssembler
@@ -38,6 +40,7 @@ from shared.messages import (
     DetokOutputMsg,
     DetokRow,
     ErrorMsg,
+    FlushCacheRespMsg,
     TokenizeReqMsg,
     WorkerLoadMsg,
 )
@@ -139,6 +142,7 @@ class Broker:
         self.max_attempts = max_attempts
         self.out_stream = router_out_stream(bus.prefix, router_id)
         self.workers = WorkerTable()
+        self.flushes = CacheFlushes(bus, router_id, self.workers)
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -226,6 +230,8 @@ class Broker:
             h = self.handles.get(msg.rid)
             if h is not None:
                 h.deliver(msg)
+        elif isinstance(msg, FlushCacheRespMsg):
+            self.flushes.deliver(msg)
         else:
             logger.warning("unexpected %s message on %s", type(msg).__name__, self.out_stream)
 

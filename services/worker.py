@@ -12,7 +12,8 @@ compact record with every request that got tokens or ended in it (`row_record`);
 I/O process builds and sends the step message. A `GenerateReqMsg` becomes
 `scheduler.add_request` (a ValueError becomes an `ErrorMsg` to its router); an
 `AbortReqMsg` becomes `scheduler.abort_request`, or is remembered when it overtook its
-request. The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most
+request; a `FlushCacheReqMsg` empties the prefix cache if nothing runs or waits, and is
+answered either way. The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most
 every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O process deletes the heartbeat.
 
     sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
@@ -33,7 +34,14 @@ from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures
 from services.worker_requests import RequestTable, aborted_row, row_record, sampling_params
 from shared.keys import WORKER_KIND, detok_stream, router_out_stream
 from shared.logging import setup_logging
-from shared.messages import AbortReqMsg, ErrorMsg, GenerateReqMsg, StepOutputMsg
+from shared.messages import (
+    AbortReqMsg,
+    ErrorMsg,
+    FlushCacheReqMsg,
+    FlushCacheRespMsg,
+    GenerateReqMsg,
+    StepOutputMsg,
+)
 from shared.settings import WorkerSettings, add_settings_args, settings_from_args
 
 if TYPE_CHECKING:
@@ -59,7 +67,11 @@ class Worker:
         self._events_waiting = False  # an abort of a queued request emitted its final event
         self._next_load = 0.0
         self.trace = StepTrace(settings.step_trace) if settings.step_trace else None
-        self._handlers = {GenerateReqMsg: self._on_generate, AbortReqMsg: self._on_abort}
+        self._handlers = {
+            GenerateReqMsg: self._on_generate,
+            AbortReqMsg: self._on_abort,
+            FlushCacheReqMsg: self._on_flush,
+        }
         self.link = IoLink(self.hello())  # starts the I/O process; ready when this returns
 
     def hello(self) -> dict:
@@ -150,6 +162,14 @@ class Worker:
         if self.table.abort(msg.rid):
             self.scheduler.abort_request(msg.rid)
             self._events_waiting = True  # even if the scheduler is left without work
+
+    def _on_flush(self, msg: FlushCacheReqMsg) -> None:
+        flushed = self.scheduler.flush_cache()
+        if flushed:
+            logger.info("prefix cache flushed")
+        note = "" if flushed else "not flushed: requests are running or waiting"
+        reply = FlushCacheRespMsg(msg.request_id, msg.router_id, self.worker_id, flushed, note)
+        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
 
 def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:

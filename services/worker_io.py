@@ -7,11 +7,11 @@ the worker (`services.worker_link.IoLink`), never by hand.
     heartbeat thread: the worker's load (`WorkerLoadMsg`) under {p}:hb:worker:{w}
 
 `Receiver` blocks on the worker's stream (group `worker`, consumer = the worker id) and
-forwards the requests and aborts of each read as one record. It acks what it forwarded at
-once: a worker's requests live in its memory only, and routers fail over the requests of
-a worker that died (a worker restarted under the same id is a new worker to them), so
-replaying old entries after a restart would only duplicate work. Entries of the wrong
-type are dead-lettered.
+forwards the requests, aborts and cache flushes of each read as one record. It acks what
+it forwarded at once: a worker's requests live in its memory only, and routers fail over
+the requests of a worker that died (a worker restarted under the same id is a new worker
+to them), so replaying old entries after a restart would only duplicate work. Entries of
+the wrong type are dead-lettered.
 
 The main thread keeps each running request's `ReqInfo` (from its "start" record) and turns
 every "step" record into a `StepOutputMsg` (`expand_row`), dropping a request's info with
@@ -43,7 +43,7 @@ from shared.bus import Bus
 from shared.heartbeat import Heartbeat
 from shared.keys import WORKER_GROUP, WORKER_KIND, detok_stream, heartbeat_key, worker_in_stream
 from shared.logging import setup_logging
-from shared.messages import AbortReqMsg, GenerateReqMsg, StepOutputMsg
+from shared.messages import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg, StepOutputMsg
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class Receiver(threading.Thread):
         )
         batch = []
         for entry_id, msg in entries:
-            if isinstance(msg, (GenerateReqMsg, AbortReqMsg)):
+            if isinstance(msg, (GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg)):
                 batch.append(msg.to_msg())
             else:
                 reason = f"unexpected {type(msg).__name__} on {self.stream}"

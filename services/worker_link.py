@@ -41,7 +41,7 @@ from typing import Any
 
 import msgpack
 
-from shared.messages import AbortReqMsg, GenerateReqMsg, Message, MessageError, decode_message
+from shared.messages import Message, MessageError, decode_message
 
 logger = logging.getLogger(__name__)
 
@@ -161,8 +161,8 @@ class IoLink:
         self._send(["load", list(figures)])
 
     # -- from the I/O process -----------------------------------------------------------------
-    def receive(self, timeout: float = 0.0) -> list[GenerateReqMsg | AbortReqMsg]:
-        """The requests and aborts read since the last call (waiting up to `timeout` s for
+    def receive(self, timeout: float = 0.0) -> list[Message]:
+        """The requests, aborts and flushes read since the last call (waiting up to `timeout` s for
         some); RuntimeError if the I/O process is gone."""
         records, self._pending = self._pending, []
         if not records:
@@ -172,7 +172,7 @@ class IoLink:
                 raise RuntimeError(
                     f"the worker's I/O process exited (code {self.proc.wait()})"
                 ) from None
-        out: list[GenerateReqMsg | AbortReqMsg] = []
+        out: list[Message] = []
         for rec in records:
             for data in rec[1] if rec[0] == "in" else ():
                 try:
@@ -180,7 +180,7 @@ class IoLink:
                 except MessageError as exc:  # the I/O process forwards checked messages only
                     logger.error("undecodable message from the I/O process: %s", exc.reason)
                     continue
-                out.append(msg)  # type: ignore[arg-type]
+                out.append(msg)
         return out
 
     def close(self, timeout_s: float = 10.0) -> None:

@@ -113,6 +113,13 @@ class Scheduler:
         batches = [self.running_batch] + ([self.last_batch] if self.last_batch else [])
         return any(not r.finished for b in batches for r in b.reqs)
 
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while any request runs or waits."""
+        if self.has_work():
+            return False
+        self.tree_cache.reset()
+        return True
+
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """Run one batch and return what happened to requests (new tokens, finishes)."""

@@ -3,9 +3,9 @@
 | module        | stream                 | types                                 |
 |---------------|------------------------|---------------------------------------|
 | `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
-| `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg           |
+| `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
-| `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg   |
+| `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -15,11 +15,11 @@ type; both raise `MessageError` for anything invalid. See `base` for the wire fo
 from shared.messages.base import Message, Record, decode_message, message_types
 from shared.messages.common import DETOK_WINDOW_LEN, FinishReason
 from shared.messages.detokenizer import StepOutputMsg, StepRow
-from shared.messages.router import DetokOutputMsg, DetokRow, ErrorMsg
+from shared.messages.router import DetokOutputMsg, DetokRow, ErrorMsg, FlushCacheRespMsg
 from shared.messages.schema import MessageError
 from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
 from shared.messages.tokenizer import ChatMessage, TokenizeReqMsg
-from shared.messages.worker import AbortReqMsg, GenerateReqMsg
+from shared.messages.worker import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg
 
 __all__ = [
     "DETOK_WINDOW_LEN",
@@ -29,6 +29,8 @@ __all__ = [
     "DetokRow",
     "ErrorMsg",
     "FinishReason",
+    "FlushCacheReqMsg",
+    "FlushCacheRespMsg",
     "GenerateReqMsg",
     "Message",
     "MessageError",

@@ -102,3 +102,17 @@ class ErrorMsg(Message):
     message: str
     status: int = 400
     source: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FlushCacheRespMsg(Message):
+    """worker → router `router_id`: the answer to a `FlushCacheReqMsg`."""
+
+    TAG = "flush_cache_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    worker_id: str
+    success: bool
+    message: str = ""

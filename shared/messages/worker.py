@@ -58,3 +58,18 @@ class AbortReqMsg(Message):
 
     rid: str
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FlushCacheReqMsg(Message):
+    """router → worker: empty the prefix cache (SGLang's `POST /flush_cache`).
+
+    The worker flushes only when it has no running or waiting request, and answers with a
+    `FlushCacheRespMsg` carrying `request_id` on the router's stream either way.
+    """
+
+    TAG = "flush_cache_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 
 from shared.bus import Bus
 from shared.keys import router_out_stream, tokenize_stream, worker_in_stream
-from shared.messages import DetokOutputMsg, DetokRow, ErrorMsg, Message, TokenizeReqMsg
+from shared.messages import (
+    DetokOutputMsg,
+    DetokRow,
+    ErrorMsg,
+    FlushCacheReqMsg,
+    FlushCacheRespMsg,
+    Message,
+    TokenizeReqMsg,
+)
 
 
 @dataclass
@@ -61,6 +69,7 @@ class StreamClient:
         self.router_id = router_id or f"r{uuid.uuid4().hex[:8]}"
         self.out_stream = router_out_stream(bus.prefix, self.router_id)
         self.results: dict[str, Result] = {}
+        self.flushes: dict[str, FlushCacheRespMsg] = {}
         self._last_id = "0"
 
     def request(self, rid: str | None = None, **fields: object) -> str:
@@ -78,6 +87,8 @@ class StreamClient:
         for _, msg in entries:
             if isinstance(msg, ErrorMsg):
                 self.results.setdefault(msg.rid, Result(msg.rid)).error = msg
+            elif isinstance(msg, FlushCacheRespMsg):
+                self.flushes[msg.request_id] = msg
             elif isinstance(msg, DetokOutputMsg):
                 for row in msg.rows():
                     result = self.results.setdefault(row.rid, Result(row.rid))
@@ -85,6 +96,17 @@ class StreamClient:
                         result.num_repeats += 1
                     else:
                         result.rows[row.start] = row
+
+    def flush(self, timeout_s: float = 30.0) -> FlushCacheRespMsg:
+        """Ask the worker to flush its prefix cache; its answer."""
+        request_id = f"f{uuid.uuid4().hex[:10]}"
+        self.to_worker(FlushCacheReqMsg(request_id, self.router_id))
+        deadline = time.monotonic() + timeout_s
+        while request_id not in self.flushes:
+            if time.monotonic() > deadline:
+                raise AssertionError("no answer to the cache flush")
+            self.poll()
+        return self.flushes.pop(request_id)
 
     def wait(self, rids: list[str] | None = None, timeout_s: float = 120.0) -> dict[str, Result]:
         rids = list(self.results) if rids is None else rids

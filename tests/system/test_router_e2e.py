@@ -135,6 +135,21 @@ def test_a_stop_string_cuts_real_output(http_stack: Stack, served_model: str) ->
     assert "".join(streamed) == want
 
 
+def test_flush_cache_and_model_info_as_sglang_serves_them(
+    http_stack: Stack, served_model: str
+) -> None:
+    base = http_stack.router_url
+    info = httpx.get(base + "/get_model_info", timeout=30).json()
+    assert info["is_generation"] is True and info["served_model_name"] == served_model
+    assert info["max_context_length"] > 0
+    deadline = time.monotonic() + 30  # idle once earlier tests' requests have left the worker
+    while (resp := httpx.post(base + "/flush_cache", timeout=30)).status_code != 200:
+        assert resp.status_code == 400 and "not flushed" in resp.json()["error"]["message"]
+        assert time.monotonic() < deadline, resp.text
+        time.sleep(0.2)
+    assert resp.json()["success"] is True and resp.json()["workers"] == [http_stack.worker_id]
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_request(
     http_stack: Stack, served_model: str
 ) -> None:

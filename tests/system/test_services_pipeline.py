@@ -117,6 +117,31 @@ def test_the_worker_traces_its_steps_when_asked(stack: Stack, client: StreamClie
     assert all(a.end <= b.start for a, b in zip(rows, rows[1:]))
 
 
+def test_a_cache_flush_empties_the_prefix_cache_and_is_refused_while_busy(
+    client: StreamClient,
+) -> None:
+    prompt = "a prompt long enough for the prefix cache to keep some of it " * 3
+    params = {"max_new_tokens": 2, "temperature": 0.0}
+
+    def cached_tokens() -> int:
+        rid = client.request(text=prompt, sampling_params=params)
+        return client.wait([rid])[rid].final.cached_tokens
+
+    cached_tokens()
+    assert cached_tokens() > 0
+    deadline = time.monotonic() + 10  # (the last request may still be leaving the worker)
+    while not (reply := client.flush()).success and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert reply.success and reply.worker_id == client.worker_id
+    assert cached_tokens() == 0
+    # A request straight to the worker, the flush behind it on the same stream: refused.
+    long = {"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True}
+    client.to_worker(GenerateReqMsg("busy-flush", client.router_id, [7] * 16, long))
+    reply = client.flush()
+    assert not reply.success and "running" in reply.message
+    assert client.wait(["busy-flush"])["busy-flush"].final.completion_tokens == 64
+
+
 def test_heartbeats_carry_load(stack: Stack) -> None:
     live = stack.live("worker")
     assert live == {stack.worker_id}

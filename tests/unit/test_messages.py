@@ -15,6 +15,8 @@ from shared.messages import (
     DetokRow,
     ErrorMsg,
     FinishReason,
+    FlushCacheReqMsg,
+    FlushCacheRespMsg,
     GenerateReqMsg,
     Message,
     MessageError,
@@ -67,6 +69,8 @@ SAMPLES: list[Message] = [
     ErrorMsg("r0", "router-a", "prompt_too_long", "prompt has 9000 tokens; limit 8192", 400,
              "tokenizer:host-1"),
     WorkerLoadMsg("w0", "tiny", 3, 1, 100, 20, 4096, 64, 2048, 0.02, 55.5, "host", 123, 9.0),
+    FlushCacheReqMsg("flush-1", "router-a"),
+    FlushCacheRespMsg("flush-1", "router-a", "w0", False, "2 requests running"),
     ServiceStatusMsg("detokenizer", "host-7", "host", 7, 1.0, 2.0, 5),
 ]  # fmt: skip
 
