@@ -4,7 +4,7 @@ The scheduler process runs one Python thread; everything that talks to Redis (re
 worker's stream, publishing step messages, the heartbeat) runs in a child process,
 `services.worker_io`. Threads for that I/O in the scheduler's own process would share its
 GIL, and every torch op of the forward releases and retakes it. Measured at batch 64 on one
-core (`benchmarks/worker_io_probe.py`, two runs and an earlier probe): a sender thread made each decode step
+core (`benchmarks/worker_io_probe.py`, two runs): a sender thread made each decode step
 0.7-0.9 ms longer (its own work is ~0.3 ms: the rest is GIL hand-offs), sending from the
 scheduler thread itself 0.7-0.8 ms, and this pipe 0.17-0.29 ms (building the row records
 included).
