@@ -81,11 +81,9 @@ class StepSink:
         self.link.start(rid, self.info)
 
     def _message(self, step: int, records: list) -> Any:
-        from services.worker_requests import expand_row
-        from shared.messages import StepOutputMsg
+        from services.worker_requests import step_message
 
-        rows = [expand_row(r, self.infos[r[0]]) for r in records]
-        return StepOutputMsg.from_rows(rows, worker_id="probe", step=step)
+        return step_message(records, self.infos, "probe", step)  # the I/O process's work
 
     def _drain(self) -> None:
         while True:

@@ -14,8 +14,8 @@ to them), so replaying old entries after a restart would only duplicate work. En
 the wrong type are dead-lettered.
 
 The main thread keeps each running request's `ReqInfo` (from its "start" record) and turns
-every "step" record into a `StepOutputMsg` (`expand_row`), dropping a request's info with
-its final row. `Sender` publishes everything queued in one pipeline per round trip; if
+every "step" record into a `StepOutputMsg` (`step_message`), dropping a request's info
+with its final row. `Sender` publishes everything queued in one pipeline per round trip; if
 Redis is unreachable it keeps the messages and retries, so nothing is dropped by a blip.
 
 The scheduler process closing its end (a clean stop, or its death) stops this process:
@@ -38,12 +38,12 @@ import redis
 from services.group_consumer import exit_process
 from services.worker_link import RecordReader, write_record
 from services.worker_load import LoadFigures, LoadReporter, WorkerFacts
-from services.worker_requests import ReqInfo, expand_row
+from services.worker_requests import ReqInfo, step_message
 from shared.bus import Bus
 from shared.heartbeat import Heartbeat
 from shared.keys import WORKER_GROUP, WORKER_KIND, detok_stream, heartbeat_key, worker_in_stream
 from shared.logging import setup_logging
-from shared.messages import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg, StepOutputMsg
+from shared.messages import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg
 
 logger = logging.getLogger(__name__)
 
@@ -201,18 +201,8 @@ class IoProcess:
         self.infos[rid] = ReqInfo(*info)
 
     def _on_step(self, step: int, records: list[list[Any]]) -> None:
-        infos, rows = self.infos, []
-        for record in records:
-            info = infos.get(record[0])
-            if info is None:
-                logger.error("a step row of %s, which never started: dropped", record[0])
-                continue
-            row = expand_row(record, info)
-            rows.append(row)
-            if row.finish_reason is not None:
-                del infos[row.rid]
-        if rows:
-            msg = StepOutputMsg.from_rows(rows, worker_id=self.worker_id, step=step)
+        msg = step_message(records, self.infos, self.worker_id, step)
+        if msg is not None:
             self.sender.send(self.detok_stream, msg)
 
     def _on_msg(self, stream: str, data: bytes) -> None:

@@ -11,13 +11,22 @@ taking over a dead one's entries is not run twice, and an overtaken request is d
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from typing import Any, Literal, NamedTuple
 
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
-from shared.messages import DETOK_WINDOW_LEN, FinishReason, GenerateReqMsg, StepRow
+from shared.messages import (
+    DETOK_WINDOW_LEN,
+    FinishReason,
+    GenerateReqMsg,
+    StepOutputMsg,
+    StepRow,
+)
+
+logger = logging.getLogger(__name__)
 
 Admission = Literal["new", "duplicate", "aborted"]
 
@@ -165,6 +174,25 @@ def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
         top_logprobs_ids=top_ids,
         top_logprobs_vals=top_vals,
     )
+
+
+def step_message(
+    records: list[RowRecord], infos: dict[str, ReqInfo], worker_id: str, step: int
+) -> StepOutputMsg | None:
+    """The step message of one step's row records (None if none is usable). A request's info
+    is dropped with its final row; a record of a request that never started is logged and
+    skipped."""
+    rows = []
+    for record in records:
+        info = infos.get(record[0])
+        if info is None:
+            logger.error("a step row of %s, which never started: dropped", record[0])
+            continue
+        row = expand_row(record, info)
+        rows.append(row)
+        if row.finish_reason is not None:
+            del infos[row.rid]
+    return StepOutputMsg.from_rows(rows, worker_id=worker_id, step=step) if rows else None
 
 
 def aborted_row(msg: GenerateReqMsg) -> StepRow:

@@ -15,6 +15,7 @@ from services.worker_requests import (
     expand_row,
     row_record,
     sampling_params,
+    step_message,
 )
 from shared.messages import DETOK_WINDOW_LEN, GenerateReqMsg, StepOutputMsg
 
@@ -121,3 +122,17 @@ def test_a_row_record_is_taken_at_the_event() -> None:
     req.top_logprobs += [([9], [-0.5]), ([10], [-0.5])]
     req.cached_tokens = 7
     assert msgpack.packb(record) == before
+
+
+def test_a_step_message_forgets_a_request_with_its_final_row_and_skips_strangers() -> None:
+    info = RequestTable().start(gen("r1"))
+    infos = {"r1": info}
+    rows = [
+        ("r1", 0, [5], [], None, 0, None),
+        ("ghost", 0, [6], [], None, 0, None),  # never started: skipped, not fatal
+    ]
+    msg = step_message(rows, infos, "w0", 1)
+    assert [r.rid for r in msg.rows()] == ["r1"] and "r1" in infos
+    final = step_message([("r1", 1, [7], [5], ("length", None, None), 0, None)], infos, "w0", 2)
+    assert final.rows()[0].finish_reason.type == "length" and "r1" not in infos
+    assert step_message([("ghost", 0, [1], [], None, 0, None)], infos, "w0", 3) is None
