@@ -118,6 +118,9 @@ class EngineArgs:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    # Running requests decode inside each prefill batch (one-token extends) instead of
+    # waiting for it: SGLang's mixed chunk.
+    enable_mixed_chunk: bool = False
     # What plays the asynchronous device for the overlap loop on CPU (see engine/overlap/).
     cpu_overlap_executor: str = "process"
     attention_backend: str | None = None

@@ -39,6 +39,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="running requests decode inside prefill batches instead of pausing for them",
+    )
+    g.add_argument(
         "--cpu-overlap-executor",
         default="process",
         choices=CPU_OVERLAP_EXECUTORS,

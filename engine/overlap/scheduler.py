@@ -66,6 +66,7 @@ class _Record:
     launch: Launch
     deferred_sampling: bool
     num_retractions: int  # the scheduler's count at launch: unchanged means none of these
+    decoding_reqs: frozenset[Req] = frozenset()  # a mixed batch's decode steps
     prompts_cached: bool = False
 
     def pending(self) -> dict[Req, int]:
@@ -153,7 +154,8 @@ class OverlapScheduler(Scheduler):
         chunked request is the base class's (`_finish_chunk`)."""
         for req in record.reqs:
             if req is not record.chunked_req and not req.finished:
-                self.tree_cache.cache_unfinished_req(req)
+                if req not in record.decoding_reqs:
+                    self.tree_cache.cache_unfinished_req(req)
         record.prompts_cached = True  # processing its results need not do it again
 
     def decode_input_ids(self, batch: ScheduleBatch) -> list[int]:
@@ -183,6 +185,7 @@ class OverlapScheduler(Scheduler):
             launch,
             deferred,
             self.stats.num_retractions,
+            batch.decoding_reqs,
         )
         self._in_flight.append(record)
         assert len(self._in_flight) <= 2, "more than two batches in flight"
@@ -219,6 +222,7 @@ class OverlapScheduler(Scheduler):
         batch = ScheduleBatch(reqs, self.pools, record.forward_mode)
         batch.chunked_req = record.chunked_req
         batch.prompts_cached = record.prompts_cached
+        batch.decoding_reqs = record.decoding_reqs
         self.output.process_batch_result(batch, result)
 
 

@@ -73,8 +73,12 @@ class OutputProcessor:
             if req.finished:
                 req.fill_ids = req.all_ids()[: req.kv_allocated_len]
                 tree_cache.cache_finished_req(req)
-            elif batch.forward_mode.is_extend() and not getattr(batch, "prompts_cached", False):
-                tree_cache.cache_unfinished_req(req)  # (the overlap loop may have done it)
+            elif (
+                batch.forward_mode.is_extend()
+                and not getattr(batch, "prompts_cached", False)  # (the overlap loop may have)
+                and req not in batch.decoding_reqs  # (a decode step in a mixed batch)
+            ):
+                tree_cache.cache_unfinished_req(req)
             new = req.output_ids[start:]
             self.scheduler.stats.generation_tokens += len(new)
             self.emit(StepEvent(req, new, start, req.finished_reason))

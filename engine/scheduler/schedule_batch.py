@@ -52,6 +52,9 @@ class ScheduleBatch:
         self.out_cache_loc: torch.Tensor | None = None
         self.input_ids: list[int] = []
         self.positions: list[int] = []
+        # requests decoding one token inside this prefill batch (mixed chunk; see
+        # `mix_with_running`): they are not prompts, the prefix cache is not updated for them
+        self.decoding_reqs: frozenset[Req] = frozenset()
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -137,6 +140,20 @@ class ScheduleBatch:
         self.out_cache_loc = out
         self._prefix_lens = prefix_lens
         self._seq_lens = seq_lens
+
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """Put the decode step of `running` (prepared by `prepare_for_decode`) into this
+        prefill batch, each request as a one-token extend on top of its cached tokens: SGLang's
+        mixed chunk. The running requests go first, so that once merged back the running
+        batch keeps its order."""
+        assert self.forward_mode.is_extend() and running.forward_mode.is_decode()
+        self.reqs = running.reqs + self.reqs
+        self.input_ids = list(running.input_ids) + self.input_ids
+        self.positions = list(running.positions) + self.positions
+        self.out_cache_loc = torch.cat([running.out_cache_loc, self.out_cache_loc])
+        self._prefix_lens = running._prefix_lens + self._prefix_lens
+        self._seq_lens = running._seq_lens + self._seq_lens
+        self.decoding_reqs = frozenset(running.reqs)
 
     def retract_decode(self) -> list[Req]:
         """Free memory by sending requests back to the waiting queue: fewest output tokens

@@ -127,6 +127,8 @@ class PrefillAdder:
         new input tokens plus its own clipped max_new_tokens.
     rem_input_tokens: max_prefill_tokens for the whole batch (one request may exceed it alone).
     rem_chunk_tokens: chunked_prefill_size; a request that does not fit is cut to a chunk.
+    Both input budgets leave room for `mixed_decode_tokens`, the running requests' tokens
+    that a mixed batch also carries.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None,
         max_new_reqs: int,
+        mixed_decode_tokens: int = 0,
     ) -> None:
         self.pools = pools
         self.page_size = pools.page_size
@@ -143,8 +146,10 @@ class PrefillAdder:
         self.rem_total_tokens = (
             pools.allocator.available_size() + tc.evictable_size() - running_need
         )
-        self.rem_input_tokens = max_prefill_tokens
-        self.rem_chunk_tokens = chunked_prefill_size
+        self.rem_input_tokens = max_prefill_tokens - mixed_decode_tokens
+        self.rem_chunk_tokens = (
+            None if chunked_prefill_size is None else chunked_prefill_size - mixed_decode_tokens
+        )
         self.max_new_reqs = max_new_reqs
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None

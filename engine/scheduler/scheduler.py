@@ -175,6 +175,7 @@ class Scheduler:
                 self.max_running_requests - running,
                 self.pools.req_to_token_pool.available_size(),
             ),
+            mixed_decode_tokens=running if self.args.enable_mixed_chunk else 0,
         )
         chunked_batch_req = None
         if self.chunked_req is not None:
@@ -202,7 +203,21 @@ class Scheduler:
         batch = ScheduleBatch(adder.can_run_list, self.pools, ForwardMode.EXTEND)
         batch.chunked_req = self.chunked_req
         batch.prepare_for_extend()
+        if self.args.enable_mixed_chunk:
+            self._mix_running_into(batch)
         return batch
+
+    def _mix_running_into(self, batch: ScheduleBatch) -> None:
+        """Mixed chunk: the running requests take their decode step inside the prefill batch
+        instead of pausing for it. Skipped when their next KV slots cannot be had without a
+        retraction (the next decode step then retracts, as usual)."""
+        running = self.running_batch
+        running.filter()
+        if running.is_empty() or not running.check_decode_mem():
+            return
+        running.prepare_for_decode(self.decode_input_ids(running))
+        batch.mix_with_running(running)
+        self.running_batch = ScheduleBatch([], self.pools, ForwardMode.DECODE)
 
     def update_running_batch(self) -> ScheduleBatch | None:
         batch = self.running_batch
@@ -232,8 +247,13 @@ class Scheduler:
 
     def _update_stats(self) -> None:
         s = self.stats
-        # finished requests stay in the batch until the next step filters them out
-        running = sum(not r.finished for r in self.running_batch.reqs)
+        # Requests of a prefill batch (with, in a mixed batch, the decoding ones) join the
+        # running batch at the next step; finished ones stay until the next step filters them.
+        reqs = list(self.running_batch.reqs)
+        last = self.last_batch
+        if last is not None and last.forward_mode.is_extend():
+            reqs.extend(r for r in last.reqs if r is not self.chunked_req)
+        running = sum(not r.finished for r in reqs)
         s.num_running = running + (1 if self.chunked_req else 0)
         s.num_waiting = len(self.waiting_queue)
         s.token_usage = self.pools.token_usage()

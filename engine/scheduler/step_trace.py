@@ -4,7 +4,9 @@ For profiling where the time goes (`sluice worker --step-trace FILE`, and the in
 side of `benchmarks/serving_disagg.py`): rows are kept in memory and appended to the file
 by `flush()` (the worker flushes whenever it goes idle), one line per step:
 `start end kind events`, times from `time.perf_counter()` in seconds, kind "prefill",
-"decode" or "idle" (a step that ran no batch, e.g. only reported an abort).
+"mixed" (a prefill batch that also carries the running requests' decode step, with
+`--enable-mixed-chunk`), "decode" or "idle" (a step that ran no batch, e.g. only reported an
+abort).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ class StepRecord(NamedTuple):
 def batch_kind(batch: Any) -> str:
     if batch is None:
         return "idle"
-    return "prefill" if batch.forward_mode.is_extend() else "decode"
+    if not batch.forward_mode.is_extend():
+        return "decode"
+    return "mixed" if getattr(batch, "decoding_reqs", None) else "prefill"
 
 
 class StepTrace:
@@ -56,7 +60,7 @@ def summarize(rows: list[StepRecord], full_batch: int) -> dict[str, Any]:
     (comparable across runs whose batches fill differently); the median gap between
     back-to-back steps (the loop's own work)."""
     out: dict[str, Any] = {"steps": len(rows)}
-    for kind in ("prefill", "decode"):
+    for kind in ("prefill", "mixed", "decode"):
         mine = [r for r in rows if r.kind == kind]
         out[f"{kind}_steps"] = len(mine)
         out[f"{kind}_time_s"] = sum(r.end - r.start for r in mine)

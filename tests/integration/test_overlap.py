@@ -78,6 +78,7 @@ def drive(
     assert isinstance(scheduler, OverlapScheduler) == overlap
     run = Run(scheduler=scheduler)
     last_arrival = max(arrivals)
+    mixed_steps = 0
     try:
         step = 0
         while step <= last_arrival or scheduler.has_work():
@@ -96,10 +97,11 @@ def drive(
                     run.finish[ev.rid] = ev.finished_reason.type
                     run.cached[ev.rid] = ev.req.cached_tokens
                     assert ev.req.output_ids == run.tokens[ev.rid]
+            mixed_steps += bool(getattr(scheduler.last_batch, "decoding_reqs", None))
             step += 1
             assert step < 5000, "the scheduler does not make progress"
         _check_memory(scheduler)
-        run.stats = {"retractions": scheduler.stats.num_retractions}
+        run.stats = {"retractions": scheduler.stats.num_retractions, "mixed_steps": mixed_steps}
         if overlap:
             run.stats["wraps"] = scheduler.future_map.num_wraps
     finally:
@@ -202,6 +204,8 @@ def _stress(config: str, seed: int, **extra: object) -> None:
     assert on.stats["wraps"] > 0, "the FutureMap ring should have wrapped"
     if config == "tiny_pool":
         assert on.stats["retractions"] > 0 and off.stats["retractions"] > 0
+    if extra.get("enable_mixed_chunk"):
+        assert on.stats["mixed_steps"] > 0 and off.stats["mixed_steps"] > 0
 
 
 def _prompt(seed: int, n: int) -> list[int]:

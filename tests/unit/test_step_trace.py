@@ -9,8 +9,9 @@ import pytest
 from engine.scheduler.step_trace import StepTrace, read_trace, summarize
 
 
-def batch(extend: bool) -> SimpleNamespace:
-    return SimpleNamespace(forward_mode=SimpleNamespace(is_extend=lambda: extend))
+def batch(extend: bool, decoding: int = 0) -> SimpleNamespace:
+    mode = SimpleNamespace(is_extend=lambda: extend)
+    return SimpleNamespace(forward_mode=mode, decoding_reqs=frozenset(range(decoding)))
 
 
 def test_rows_are_written_on_flush_and_read_back(tmp_path) -> None:  # noqa: ANN001
@@ -21,11 +22,14 @@ def test_rows_are_written_on_flush_and_read_back(tmp_path) -> None:  # noqa: ANN
     assert not (tmp_path / "steps.txt").exists()  # nothing written until flushed
     trace.flush()
     trace.add(1.6, 1.61, None, 1)
+    trace.add(1.7, 1.8, batch(True, decoding=3), 4)
     trace.flush()
     rows = read_trace(path)
-    assert [(r.kind, r.events) for r in rows] == [("prefill", 2), ("decode", 2), ("idle", 1)]
+    assert [(r.kind, r.events) for r in rows] == [
+        ("prefill", 2), ("decode", 2), ("idle", 1), ("mixed", 4)
+    ]
     assert rows[1].start == pytest.approx(1.5001) and rows[2].end == pytest.approx(1.61)
-    assert [r.kind for r in read_trace(path, skip=2)] == ["idle"]
+    assert [r.kind for r in read_trace(path, skip=2)] == ["idle", "mixed"]
 
 
 def test_summary_counts_kinds_and_takes_full_decode_steps_and_gaps() -> None:
