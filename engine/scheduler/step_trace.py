@@ -64,6 +64,9 @@ def summarize(rows: list[StepRecord], full_batch: int) -> dict[str, Any]:
         mine = [r for r in rows if r.kind == kind]
         out[f"{kind}_steps"] = len(mine)
         out[f"{kind}_time_s"] = sum(r.end - r.start for r in mine)
+    # steps that prefill, mixed or not: each is a pause for the running requests' tokens
+    out["extend_steps"] = out["prefill_steps"] + out["mixed_steps"]
+    out["extend_time_s"] = out["prefill_time_s"] + out["mixed_time_s"]
     full = [r.end - r.start for r in rows if r.kind == "decode" and r.events >= full_batch]
     gaps = [b.start - a.end for a, b in zip(rows, rows[1:]) if 0 <= b.start - a.end < MAX_GAP_S]
     out["full_decode_steps"] = len(full)

@@ -48,6 +48,7 @@ def test_summary_counts_kinds_and_takes_full_decode_steps_and_gaps() -> None:
     s = summarize(trace.rows, full_batch=4)
     assert (s["steps"], s["prefill_steps"], s["decode_steps"]) == (5, 2, 3)
     assert s["prefill_time_s"] == pytest.approx(0.014)
+    assert (s["mixed_steps"], s["extend_steps"]) == (0, 2)
     assert s["full_decode_steps"] == 2
     assert s["full_decode_step_ms_p50"] == pytest.approx(21.0)
     assert s["gap_ms_p50"] == pytest.approx(1.0)
