@@ -114,6 +114,24 @@ def _extend_kernel(
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+def launch_config(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for K/V of `dtype` and padded head size `block_d`.
+
+    fp16/bf16 run both dots on tensor cores: 64 x 64 blocks, 4 warps up to head_dim 64, 8 above.
+
+    float32 is the exactness path (`input_precision="ieee"`, no TF32), which Triton lowers to
+    FMA loops that keep every thread's rows of the left operand and columns of the right one in
+    registers. At 64 x 64 blocks that did not fit: ptxas for sm_90a spilled 8-11 KB of stack
+    per thread (it gave up at 32 registers). 32 x 64 blocks over 16 warps compile without spills
+    for head_dim 64 and 128 (58 / 74 registers of the 128 that 16 warps allow). BLOCK_N stays 64,
+    so keys enter the online softmax in the same blocks as before; only the row-sum reduction
+    order moves with the thread layout (last-bit float32 differences).
+    """
+    if dtype == torch.float32:
+        return 32, 64, 16
+    return 64, 64, 4 if block_d <= 64 else 8
+
+
 def extend_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -127,12 +145,13 @@ def extend_attention(
     extend_start_loc: torch.Tensor,
     max_extend_len: int,
     scale: float,
-    block_m: int = 64,
-    block_n: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype);
-    per-request tensors [B] on q's device; returns out [N, Hq, D] in q's dtype."""
+    per-request tensors [B] on q's device; returns out [N, Hq, D] in q's dtype. Block sizes
+    left at None come from `launch_config`."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     k = as_heads(k, num_kv_heads, head_dim)
@@ -144,8 +163,11 @@ def extend_attention(
     batch_size = extend_lens.shape[0]
     if num_tokens == 0 or batch_size == 0:
         return out
-    grid = (batch_size, num_heads, cdiv(max_extend_len, block_m))
     block_d = next_pow2(head_dim, 16)
+    default_m, default_n, num_warps = launch_config(k_buffer.dtype, block_d)
+    block_m = default_m if block_m is None else block_m
+    block_n = default_n if block_n is None else block_n
+    grid = (batch_size, num_heads, cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
@@ -160,6 +182,6 @@ def extend_attention(
         BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype(k_buffer.dtype),
         PRECISION=dot_precision(k_buffer.dtype),
-        **launch_opts(num_warps=4 if block_d <= 64 else 8),
+        **launch_opts(num_warps=num_warps),
     )  # fmt: skip
     return out
