@@ -17,6 +17,11 @@ one `scaled_dot_product_attention`. GQA decode folds the query heads of a group 
 query-length axis ([B, kv_heads, group, D]) instead of repeating K/V, which is much faster on
 CPU; extend repeats K/V per group.
 
+Mixed batches (`--enable-mixed-chunk`: running requests' decode steps as one-token extends
+beside prompts) are planned in two parts, attended apart: the one-token requests as a decode
+batch, the others as an extend batch. Padded together, every decode row would be padded to the
+longest prompt's query length (a 256-token chunk beside 64 decode rows: 64x the work).
+
 No CUDA graphs (`supports_cuda_graph` stays False): the gather width and the mask are sized by
 the batch's longest sequence, a host value, so every decode step has new shapes. A capturable
 variant would have to gather every request's whole context (`max_context_len` keys per row and
@@ -26,6 +31,8 @@ layer), far slower than the eager one it replaces.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +50,22 @@ class _Metadata:
     q_index: torch.Tensor | None = None  # [B * Q] int64 (EXTEND)
     causal: bool = False  # EXTEND with no cached prefix: SDPA's own causal mask, no `mask`
     out_index: torch.Tensor | None = None  # [num_tokens] int64 (EXTEND)
+    decode: bool = True  # one query per request at its last position (the decode layout)
+    batch_size: int = 0
+
+
+@dataclass
+class _Part:
+    """Requests of a mixed batch attended together: their plan, and their rows of the batch's
+    packed tokens."""
+
+    md: _Metadata
+    token_index: torch.Tensor  # [part tokens] int64
+
+
+@dataclass
+class _Mixed:
+    parts: list[_Part]
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -56,22 +79,42 @@ class TorchNativeAttnBackend(AttentionBackend):
         if fb.batch_size == 0:
             self.metadata = None
             return
+        if fb.forward_mode.is_decode():
+            self.metadata = self._plan(fb, decode=True)
+            return
+        assert fb.extend_seq_lens_cpu is not None
+        ones = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
+        if len(ones) == fb.batch_size:  # one new token each: the decode layout
+            self.metadata = self._plan(fb, decode=True)
+        elif ones:
+            rest = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n != 1]
+            (one, one_index), (many, many_index) = _subset(fb, ones), _subset(fb, rest)
+            self.metadata = _Mixed(
+                [
+                    _Part(self._plan(one, decode=True), one_index),
+                    _Part(self._plan(many, decode=False), many_index),
+                ]
+            )
+        else:
+            self.metadata = self._plan(fb, decode=False)
+
+    def _plan(self, fb: Any, decode: bool) -> _Metadata:
+        """`fb`: the batch, or the part of a mixed batch (`_subset`)."""
         device = fb.seq_lens.device
         max_seq_len = max(fb.seq_lens_cpu)
         key_pos = torch.arange(max_seq_len, device=device)
         key_valid = key_pos[None, :] < fb.seq_lens[:, None]  # [B, L]
         kv_index = fb.req_to_token[fb.req_pool_indices, :max_seq_len].to(torch.int64)
         kv_index = kv_index.masked_fill(~key_valid, 0).reshape(-1)
-        if fb.forward_mode.is_decode():
+        if decode:
             all_full = min(fb.seq_lens_cpu) == max_seq_len
             mask = None if all_full else key_valid[:, None, None, :]
-            self.metadata = _Metadata(kv_index, max_seq_len, mask, 1)
-            return
-        self.metadata = self._extend_metadata(fb, kv_index, key_pos, key_valid)
+            return _Metadata(kv_index, max_seq_len, mask, 1, batch_size=fb.batch_size)
+        return self._extend_metadata(fb, kv_index, key_pos, key_valid)
 
     @staticmethod
     def _extend_metadata(
-        fb: ForwardBatch, kv_index: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor
+        fb: Any, kv_index: torch.Tensor, key_pos: torch.Tensor, key_valid: torch.Tensor
     ) -> _Metadata:
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         assert fb.extend_start_loc is not None
@@ -99,6 +142,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                 q_index=q_index.reshape(-1),
                 out_index=out_index,
                 causal=True,
+                decode=False,
+                batch_size=fb.batch_size,
             )
         return _Metadata(
             kv_index=kv_index,
@@ -107,6 +152,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             max_q_len=max_q_len,
             q_index=q_index.reshape(-1),
             out_index=out_index,
+            decode=False,
+            batch_size=fb.batch_size,
         )
 
     def _attend(
@@ -116,14 +163,25 @@ class TorchNativeAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
-        md: _Metadata,
+        md: _Metadata | _Mixed,
+    ) -> torch.Tensor:
+        if isinstance(md, _Metadata):
+            return self._attend_planned(q, layer, forward_batch, md)
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
+        for part in md.parts:
+            part_q = q.index_select(0, part.token_index)
+            out[part.token_index] = self._attend_planned(part_q, layer, forward_batch, part.md)
+        return out
+
+    def _attend_planned(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch, md: _Metadata
     ) -> torch.Tensor:
         k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
-        batch_size = forward_batch.batch_size
+        batch_size = md.batch_size
         kv_shape = (batch_size, md.max_seq_len, layer.num_kv_heads, layer.head_dim)
         keys = self._gather(k_buf, md.kv_index, 0).view(kv_shape).transpose(1, 2)
         values = self._gather(v_buf, md.kv_index, 1).view(kv_shape).transpose(1, 2)
-        if forward_batch.forward_mode.is_decode():
+        if md.decode:
             return self._decode(q, keys, values, layer, md)
         return self._extend(q, keys, values, layer, md, batch_size)
 
@@ -180,3 +238,29 @@ class TorchNativeAttnBackend(AttentionBackend):
         )
         out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
         return out.index_select(0, md.out_index)
+
+
+def _subset(fb: ForwardBatch, rows: list[int]) -> tuple[SimpleNamespace, torch.Tensor]:
+    """The requests `rows` of an EXTEND batch as a batch of their own (what planning reads),
+    and their rows of the batch's packed tokens."""
+    assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+    assert fb.extend_start_loc is not None
+    device = fb.seq_lens.device
+    idx = torch.tensor(rows, dtype=torch.int64, device=device)
+    lens = [fb.extend_seq_lens_cpu[i] for i in rows]
+    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
+    start_loc = torch.cumsum(lens_t, 0) - lens_t  # in the part's own packing
+    offset = fb.extend_start_loc.index_select(0, idx) - start_loc
+    token_index = torch.repeat_interleave(offset, lens_t) + torch.arange(sum(lens), device=device)
+    sub = SimpleNamespace(
+        batch_size=len(rows),
+        num_tokens=sum(lens),
+        seq_lens=fb.seq_lens.index_select(0, idx),
+        seq_lens_cpu=[fb.seq_lens_cpu[i] for i in rows],
+        req_to_token=fb.req_to_token,
+        req_pool_indices=fb.req_pool_indices.index_select(0, idx),
+        extend_seq_lens_cpu=lens,
+        extend_prefix_lens_cpu=[fb.extend_prefix_lens_cpu[i] for i in rows],
+        extend_start_loc=start_loc,
+    )
+    return sub, token_index

@@ -1,0 +1,58 @@
+"""The torch_native backend (the CPU default) against the per-request reference
+(`kernels.reference.extend_attention_ref`) on extend batches of every layout it plans
+differently: prompts only, one-token rows only (planned as decode), and mixed batches, whose
+one-token rows (running requests' decode steps, `--enable-mixed-chunk`) are attended apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention.base import create_attention_backend
+from engine.attention.torch_native import _Metadata, _Mixed
+from engine.forward_batch import ForwardMode
+from engine.mem_cache.kv_pool import KVPool
+from kernels.reference import extend_attention_ref
+from kernels.testing import make_paged_case
+from tests.factories import paged_case_batch
+
+
+class _Layer:
+    layer_id = 0
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    scaling = 32**-0.5
+
+
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens,page_size,planned",
+    [
+        ([0, 12, 30], [9, 4, 17], 1, "extend"),
+        ([0, 12, 30], [1, 1, 1], 16, "decode"),
+        ([40, 0, 7, 63, 5], [1, 20, 1, 1, 33], 1, "mixed"),  # decode rows around prompts
+        ([16, 3, 0], [48, 1, 1], 16, "mixed"),
+    ],
+)
+def test_extend_batches_match_the_reference(prefix_lens, extend_lens, page_size, planned):
+    layer = _Layer()
+    case = make_paged_case(prefix_lens, extend_lens, 4, 2, 32, page_size, seed=3)
+    pool = KVPool(case.k_buffer.shape[0], 1, 2, 32, torch.float32, "cpu")
+    pool.k_buffer[0].copy_(case.k_buffer)
+    pool.v_buffer[0].copy_(case.v_buffer)
+    backend = create_attention_backend("torch_native", device="cpu")
+    fb = paged_case_batch(case, ForwardMode.EXTEND, pool, backend)
+    backend.init_forward_metadata(fb)
+    md = backend.metadata
+    kind = "mixed" if isinstance(md, _Mixed) else ("decode" if md.decode else "extend")
+    assert kind == planned
+    if isinstance(md, _Mixed):
+        assert all(isinstance(p.md, _Metadata) for p in md.parts)
+        assert md.parts[1].md.max_q_len == max(extend_lens)  # decode rows are not padded
+    q, k, v = (x.reshape(x.shape[0], -1) for x in (case.q, case.k, case.v))
+    got = backend.forward(q, k, v, layer, fb).view_as(case.q)
+    case.store_new_kv()  # the reference reads the pool with the new K/V in place
+    want = extend_attention_ref(
+        case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token,
+        case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc,
+        case.scale,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
