@@ -19,6 +19,10 @@ ITL (p50/p99) of each side, the steps each took by kind, and as summary the medi
 pairs of on/off ratios. On a CPU a forward costs about its number of tokens, so mixing saves
 the per-step overhead and the decode step's fixed costs, not the decode tokens' compute; on
 a GPU the decode part of a mixed batch is nearly free (decode is bound by reading weights).
+
+The recorded result (`results/mixed_chunk.json`) came from `OMP_NUM_THREADS=1 python
+benchmarks/mixed_chunk.py --model /tmp/bench-m2 --pairs 4`, with the model of the serving
+benchmark (`bench_serving.py`'s docstring says how to make it).
 """
 
 from __future__ import annotations
