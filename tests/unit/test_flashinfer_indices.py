@@ -319,6 +319,7 @@ HEADS = [(8, 2), (4, 4)]  # GQA group 4 (tensor-core decode) and MHA
         ([0, 0, 0], [7, 20, 1], ForwardMode.EXTEND, 16),  # no prefix: the ragged kernel alone
         ([0, 21, 40], [7, 3, 1], ForwardMode.EXTEND, 1),
         ([16, 5, 0, 37], [20, 2, 9, 16], ForwardMode.EXTEND, 16),
+        ([40, 0, 7, 63], [1, 20, 1, 1], ForwardMode.EXTEND, 16),  # mixed: decode rows + a prompt
         ([0, 33, 70, 15], [1, 1, 1, 1], ForwardMode.DECODE, 16),
         ([3, 33, 70], [1, 1, 1], ForwardMode.DECODE, 1),
     ],
