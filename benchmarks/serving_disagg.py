@@ -241,8 +241,8 @@ def _stop(proc: subprocess.Popen) -> None:
 
 # -- the run --------------------------------------------------------------------------------------
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Paired runs, alternating which side goes first, each pair on fresh prompts, each run
-    on an empty prefix cache. Then the detokenizers."""
+    """Paired runs after one unmeasured warm-up pair, alternating which side goes first, each
+    pair on fresh prompts, each run on an empty prefix cache. Then the detokenizers."""
     from services.engine_args import ensure_model
 
     extra = {"loadavg_before": os.getloadavg()}  # the machine may be shared: say how busy
@@ -260,6 +260,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             if args.pinning is not None:
                 extra["pinned"] = pin_services(serve, args.pinning)
                 print("pinned:", extra["pinned"])
+            # One unmeasured pass on each side first (SGLang's bench_serving warms up too): the
+            # services' first full batch otherwise pays for the router's, tokenizer's and
+            # worker's first use of their paths, which the in-process engine has done already.
+            warm = make_requests(args, tokenizer, seed=args.seed + 10_000)[: args.max_concurrency]
+            _run_pair(0, engine, base, serve, warm, args)
             for k in range(args.repeats):
                 requests = make_requests(args, tokenizer, seed=args.seed + k)
                 pair = _run_pair(k, engine, base, serve, requests, args)
