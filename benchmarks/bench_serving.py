@@ -16,11 +16,17 @@ scaling test; see `benchmarks/serving_disagg.py`. The recorded result came from
 
     sluice make-tiny-model /tmp/bench-m2 --hidden-size 256 --num-layers 4 --num-heads 4 \
         --num-kv-heads 2 --intermediate-size 768 --vocab-size 4096 \
-        --max-position-embeddings 4096          # ~37 ms per decode step at batch 64 on CPU
+        --max-position-embeddings 4096          # ~20-25 ms per decode step at batch 64
     python benchmarks/bench_serving.py --measure-disaggregation --model /tmp/bench-m2 \
         --num-prompts 192 --random-input-len 64 --random-output-len 128 \
-        --random-range-ratio 0.5 --max-concurrency 64 --repeats 3 --detok-scaling 1,2,4 \
-        --engine-flags "--max-total-tokens 40000 --max-running-requests 64"
+        --random-range-ratio 0.5 --max-concurrency 64 --repeats 8 --detok-scaling 1,2,4 \
+        --detok-steps 1000 --disable-tqdm --engine-cores 0 \
+        --engine-flags "--max-total-tokens 40000 --max-running-requests 64 \
+                        --disable-overlap-schedule"
+
+and `results/bench_serving_disagg_mixed.json` from the same with `--enable-mixed-chunk` added to
+`--engine-flags` (both sides), `--detok-scaling 1 --detok-steps 500` and `--result-name
+bench_serving_disagg_mixed`.
 """
 
 from __future__ import annotations
