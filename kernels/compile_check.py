@@ -1,0 +1,267 @@
+"""Compile every Triton kernel for an NVIDIA GPU (default the H100, sm_90a) without one, and
+report each variant's registers, spills and shared memory.
+
+Why: CI runs the kernels under TRITON_INTERPRET=1, which ignores num_warps and compiles nothing,
+so a kernel can pass there and still fail to compile, spill registers or overflow shared memory
+on the GPU, where device time is scarce. This runs the real compiler (Triton -> PTX -> ptxas for
+the target) and flags a variant that spills, that needs more shared memory than one block may
+have, that needs more registers than one SM holds, or that does not compile.
+
+How: a stand-in Triton driver reports the target, and `knobs.runtime.jit_cache_hook` (called
+where Triton would compile a variant it has not seen) compiles it with `triton.compile` and
+returns True, which tells Triton to skip its own compile and the launch. So the kernels' own
+launchers run unchanged on CPU tensors and choose the constexprs and num_warps they choose on
+the GPU. The resource figures are ptxas's own `-v` report from Triton's compile
+(`dump_ptxas_log`; `always_compile`, so that a cached kernel still runs ptxas).
+
+The code depends on dtype, head_dim, the GQA group and num_warps, not on the page size: the
+kernels read K/V slot by slot through req_to_token, so the page size only changes which slots
+the table holds (batch size and sequence lengths are runtime values too).
+
+Run with TRITON_INTERPRET unset (Triton fixes interpreter mode at import):
+`python -m kernels.compile_check [--arch 90] [--json PATH]`; exit status 1 on any problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+from triton.runtime import driver
+
+from kernels.decode_attention import decode_attention
+from kernels.extend_attention import extend_attention
+from kernels.future_tokens import resolve_future_tokens_triton
+from kernels.jit import interpreting
+from kernels.kv_store import store_kv
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+HEAD_DIMS = (64, 128)
+HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))  # (Hq, Hk): GPT-2, Llama-3.2-1B, Qwen2 (group 7)
+STORE_KV_HEADS = 8
+# Largest shared memory one block may opt into, per compute capability.
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+REGISTERS_PER_SM = 65536
+
+
+@dataclass
+class Variant:
+    """One kernel compiled for one case; figures are ptxas's, problems empty when it is fine."""
+
+    kernel: str
+    dtype: str
+    head_dim: int | None = None
+    num_heads: int | None = None  # Hq
+    num_kv_heads: int | None = None  # Hk
+    num_warps: int | None = None
+    blocks: dict[str, int] = field(default_factory=dict)
+    registers: int | None = None
+    stack: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    shared: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+class _TargetOnlyDriver:
+    """Enough of a Triton driver to pick a target and a device; it cannot launch anything."""
+
+    def __init__(self, target: GPUTarget) -> None:
+        self.target = target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def _compile(target: GPUTarget, fn: Any, compile: dict[str, Any]) -> dict[str, Any]:
+    """Compile one variant as Triton's own launch path would; a failure is returned, not raised,
+    so that the launcher goes on to its next kernel."""
+    jit_fn = fn.jit_function
+    consts = {jit_fn.arg_names[path[0]]: v for path, v in compile["constants"].items()}
+    info: dict[str, Any] = {"kernel": fn.name, "num_warps": compile["num_warps"]}
+    info["blocks"] = {k: v for k, v in consts.items() if k.startswith("BLOCK")}
+    src = triton.compiler.ASTSource(
+        jit_fn, compile["signature"], compile["constants"], compile["configs"][0]
+    )
+    options = {k: compile[k] for k in ("num_warps", "num_ctas", "num_stages", "enable_fp_fusion")}
+    log = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(log):  # where dump_ptxas_log prints ptxas's report
+            compiled = triton.compile(src, target=target, options=options)
+    except Exception as exc:  # any compile failure is the finding
+        info["problems"] = [f"compile failed: {type(exc).__name__}: {str(exc)[:2000]}"]
+        return info
+    report = log.getvalue()
+    props = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes", report)
+    regs = re.search(r"Used (\d+) registers", report)
+    if props is None or regs is None:
+        info["problems"] = ["no ptxas -v report in the compile log"]
+        return info
+    info["stack"], info["spill_stores"], info["spill_loads"] = map(int, props.groups())
+    info["registers"] = int(regs.group(1))
+    info["shared"] = compiled.metadata.shared
+    return info
+
+
+@contextlib.contextmanager
+def offline_compiler(arch: int) -> Iterator[list[dict[str, Any]]]:
+    """While open, launching a Triton kernel compiles it for `arch` and appends its compile info
+    to the yielded list instead of running it. Restores the driver, the hook and the knobs."""
+    target = GPUTarget("cuda", arch, 32)
+    compiled: list[dict[str, Any]] = []
+    seen: dict[tuple[str, str], dict[str, Any]] = {}  # same specialisation: compile once
+    touched: list[Any] = []
+
+    def hook(*, key: str, repr: str, fn: Any, compile: dict[str, Any], **_: Any) -> bool:
+        if (fn.name, key) not in seen:
+            seen[fn.name, key] = _compile(target, fn, compile)
+            touched.append(fn.jit_function)
+        compiled.append(seen[fn.name, key])
+        return True
+
+    previous_driver = driver._active  # not `.active`: that would create the real (CUDA) one
+    with knobs.runtime.scope(), knobs.nvidia.scope(), knobs.compilation.scope():
+        knobs.runtime.jit_cache_hook = hook
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.compilation.always_compile = True
+        driver.set_active(_TargetOnlyDriver(target))
+        try:
+            yield compiled
+        finally:
+            driver._active = previous_driver
+            for jit_fn in touched:  # their binders hold the stand-in target
+                jit_fn.device_caches.clear()
+
+
+def _launch(dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool) -> None:
+    """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
+    are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read."""
+    batch, tokens, slots = 4, 64, 4096
+    qkv = torch.empty(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
+    k_buf, v_buf = torch.empty(2, slots, hk, head_dim, dtype=dtype)
+    if not attention:
+        store_kv(k_buf, v_buf, torch.arange(tokens), k, v)
+        return
+    q = q.reshape(tokens, hq, head_dim)
+    r2t, rows = torch.zeros(16, 4096, dtype=torch.int32), torch.arange(batch)
+    lens = torch.full((batch,), tokens // batch)
+    prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
+    decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale)
+    extend_attention(
+        q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale
+    )
+
+
+def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
+    """(labels, launch) for every case the check covers."""
+    for name, dtype in DTYPES.items():
+        for head_dim in HEAD_DIMS:
+            for hq, hk in HEAD_SHAPES:
+                labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk}
+                yield labels, functools.partial(_launch, dtype, hq, hk, head_dim, attention=True)
+            kv = STORE_KV_HEADS  # store_kv's code depends on dtype and head_dim only
+            labels = {"dtype": name, "head_dim": head_dim, "num_kv_heads": kv}
+            yield labels, functools.partial(_launch, dtype, kv, kv, head_dim, attention=False)
+    ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
+    yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
+
+
+def _problems(v: dict[str, Any], arch: int) -> list[str]:
+    if v.get("problems"):
+        return v["problems"]
+    found = []
+    if v["spill_stores"] or v["spill_loads"]:
+        found.append(f"spills {v['spill_stores']} B stored / {v['spill_loads']} B loaded")
+    limit = SHARED_LIMIT.get(arch, SHARED_LIMIT[90])
+    if v["shared"] > limit:
+        found.append(f"shared memory {v['shared']} B > {limit} B")
+    if v["registers"] * v["num_warps"] * 32 > REGISTERS_PER_SM:
+        found.append(f"{v['registers']} registers x {v['num_warps'] * 32} threads > 65536")
+    return found
+
+
+def check(arch: int = 90) -> list[Variant]:
+    """Compile every case's kernels for `arch`; one Variant per kernel launched per case."""
+    if interpreting():
+        raise RuntimeError("Triton is in interpreter mode: unset TRITON_INTERPRET")
+    variants = []
+    with offline_compiler(arch) as compiled:
+        for labels, launch in cases():
+            start = len(compiled)
+            launch()
+            for info in compiled[start:]:
+                variants.append(Variant(**{**labels, **info, "problems": _problems(info, arch)}))
+    return variants
+
+
+def _table(variants: list[Variant]) -> str:
+    head = "kernel dtype D Hq/Hk warps blocks regs stack spill_st spill_ld shared status"
+    rows = [head.split()]
+    for v in variants:
+        heads = f"{v.num_heads or '-'}/{v.num_kv_heads}" if v.num_kv_heads else "-"
+        blocks = ",".join(f"{k.removeprefix('BLOCK_')}={n}" for k, n in v.blocks.items())
+        figures = (v.registers, v.stack, v.spill_stores, v.spill_loads, v.shared)
+        status = "OK" if not v.problems else "; ".join(v.problems).splitlines()[0][:100]
+        cells = (v.kernel, v.dtype, v.head_dim, heads, v.num_warps, blocks, *figures, status)
+        rows.append(["-" if c is None else str(c) for c in cells])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head.split()) - 1)]
+    return "\n".join(" ".join(c.ljust(w) for c, w in zip(r, widths)) + " " + r[-1] for r in rows)
+
+
+def _ptxas_version(arch: int) -> str:
+    """The binary Triton runs for `arch` (3.9 uses ptxas-blackwell for sm_90) and its release."""
+    path = get_ptxas(arch).path
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=True)
+    return f"{os.path.basename(path)}: {out.stdout.strip().splitlines()[-2]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
+    parser.add_argument("--json", help="write the variants and versions here")
+    args = parser.parse_args(argv)
+    variants = check(args.arch)
+    print(_table(variants))
+    bad = [v for v in variants if v.problems]
+    print(f"{len(variants)} variants, {len(bad)} with problems")
+    if args.json:
+        report = {
+            "command": " ".join([sys.executable, "-m", "kernels.compile_check", *sys.argv[1:]]),
+            "triton": triton.__version__,
+            "torch": torch.__version__,
+            "host": platform.platform(),
+            "ptxas": _ptxas_version(args.arch),
+            "target": {"arch": args.arch, "sm": sm_arch_from_capability(args.arch)},
+            "shared_limit": SHARED_LIMIT.get(args.arch, SHARED_LIMIT[90]),
+            "variants": [asdict(v) for v in variants],
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The Triton kernels compile for the H100 (sm_90a) without spilling or overflowing shared memory.
+
+The other kernel tests run in the interpreter, which compiles nothing; this one runs
+`kernels.compile_check` (the real Triton compiler and ptxas, no GPU needed) in a child process,
+because this process's Triton was imported in interpreter mode (tests/conftest.py) and stays so.
+The expected variants are listed here, not taken from the module, so a case that stops being
+compiled fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ATTENTION_KERNELS = ("_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel")
+DTYPES = ("float32", "float16", "bfloat16")
+HEAD_DIMS = (64, 128)
+HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))
+SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
+
+# Known spills, found by this check and not fixed yet: the fp32 (exact, `ieee` dot) decode split
+# kernel at head_dim 128 with 4 warps reaches ptxas's 255-register cap. Triton 3.9 + ptxas 13.4:
+# 56-60 B; Triton 3.6 + ptxas 12.8 (the GPU machine's): 8 B. Strict: a fix makes the test fail
+# until the entry goes. (Under Triton 3.6 the fp32 extend kernel at head_dim 128 also spills
+# ~2.6 KB for power-of-two groups; it is not listed, because CI here runs Triton 3.9.)
+KNOWN_SPILLS = {
+    ("_decode_split_kernel", "float32", 128, hq, hk): "fp32 decode split at D=128: 255 registers"
+    for hq, hk in HEAD_SHAPES
+}
+
+
+def expected_variants() -> list[tuple]:
+    """(kernel, dtype, head_dim, Hq, Hk) for every kernel the launchers must have compiled."""
+    rows = [
+        (kernel, dtype, head_dim, hq, hk)
+        for dtype in DTYPES
+        for head_dim in HEAD_DIMS
+        for hq, hk in HEAD_SHAPES
+        for kernel in ATTENTION_KERNELS
+    ]
+    rows += [("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in HEAD_DIMS]
+    return rows + [("_resolve_kernel", "int64", None, None, None)]
+
+
+def _key(variant: dict) -> tuple:
+    return tuple(variant[k] for k in ("kernel", "dtype", "head_dim", "num_heads", "num_kv_heads"))
+
+
+def _require_nvidia_compiler() -> None:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except Exception as exc:  # ImportError, or knobs failing to locate the binary
+        pytest.skip(f"triton's NVIDIA backend or its ptxas is missing: {exc!r}")
+    if not os.access(ptxas, os.X_OK):
+        pytest.skip(f"triton's bundled ptxas is missing or not executable: {ptxas}")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    _require_nvidia_compiler()
+    tmp = tmp_path_factory.mktemp("compile_check")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
+    out = tmp / "report.json"
+    cmd = [sys.executable, "-m", "kernels.compile_check", "--arch", "90", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    # exit status 1 means "problems found"; the tests below say which
+    assert proc.returncode in (0, 1) and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def variants_by_key(report: dict) -> dict[tuple, dict]:
+    return {_key(v): v for v in report["variants"]}
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_within_the_sm90_limits(report: dict) -> None:
+    assert report["target"]["arch"] == 90
+    found = variants_by_key(report)
+    missing = [k for k in expected_variants() if k not in found]
+    assert not missing, f"variants not compiled: {missing}"
+    for key in expected_variants():
+        v = found[key]
+        assert v["registers"] is not None, f"{key}: {v['problems']}"
+        assert v["shared"] <= SHARED_LIMIT_SM90, f"{key}: {v['shared']} B of shared memory"
+        assert v["registers"] * v["num_warps"] * 32 <= 65536, f"{key}: register file"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "key",
+    [
+        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=KNOWN_SPILLS[k]))
+        if k in KNOWN_SPILLS
+        else k
+        for k in expected_variants()
+    ],
+    ids=lambda k: "-".join(str(x) for x in k if x is not None),
+)
+def test_no_register_spills(report: dict, key: tuple) -> None:
+    v = variants_by_key(report).get(key)
+    assert v is not None and v["registers"] is not None, f"{key} did not compile"
+    assert (v["spill_stores"], v["spill_loads"]) == (0, 0), f"{key}: stack {v['stack']} B"
