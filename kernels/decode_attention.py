@@ -129,6 +129,13 @@ def _decode_merge_kernel(
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
+def split_warps(dtype: torch.dtype, block_d: int) -> int:
+    """Warps of the stage-1 kernel. 4, except for float32 (ieee FMA dots, see
+    `extend_attention.launch_config`) above head_dim 64: at 4 warps ptxas for sm_90a hit 255
+    registers and spilled (triton 3.6 and 3.9); at 8 it uses 73-80 and spills nothing."""
+    return 8 if dtype == torch.float32 and block_d > 64 else 4
+
+
 def decode_scratch(
     batch_size: int, num_heads: int, head_dim: int, num_splits: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +186,7 @@ def decode_attention(
         BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype(k_buffer.dtype),
         PRECISION=dot_precision(k_buffer.dtype),
-        **launch_opts(num_warps=4),
+        **launch_opts(num_warps=split_warps(k_buffer.dtype, block_d)),
     )  # fmt: skip
     _decode_merge_kernel[(batch_size, num_heads)](
         mid_o, mid_lse, seq_lens, out,

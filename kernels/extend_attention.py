@@ -122,13 +122,15 @@ def launch_config(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
     float32 is the exactness path (`input_precision="ieee"`, no TF32), which Triton lowers to
     FMA loops that keep every thread's rows of the left operand and columns of the right one in
     registers. At 64 x 64 blocks that did not fit: ptxas for sm_90a spilled 8-11 KB of stack
-    per thread (it gave up at 32 registers). 32 x 64 blocks over 16 warps compile without spills
-    for head_dim 64 and 128 (58 / 74 registers of the 128 that 16 warps allow). BLOCK_N stays 64,
-    so keys enter the online softmax in the same blocks as before; only the row-sum reduction
-    order moves with the thread layout (last-bit float32 differences).
+    per thread. Head_dim 64 runs 32 x 64 blocks over 16 warps (58-62 registers, no spill). At
+    head_dim 128 the same blocks compiled cleanly with triton 3.9 (74 registers) but not with
+    the GPU machine's triton 3.6: its ptxas held GQA groups 4 and 8 at 64 registers and spilled
+    2.6 KB. 16 x 32 blocks over 8 warps compile without spills under both (70-80 registers,
+    every head shape of `python -m kernels.compile_check`). Smaller key blocks only change the
+    order in which keys enter the online softmax (last-bit float32 differences).
     """
     if dtype == torch.float32:
-        return 32, 64, 16
+        return (32, 64, 16) if block_d <= 64 else (16, 32, 8)
     return 64, 64, 4 if block_d <= 64 else 8
 
 

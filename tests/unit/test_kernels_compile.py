@@ -24,16 +24,6 @@ HEAD_DIMS = (64, 128)
 HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
 
-# Known spills, found by this check and not fixed yet: the fp32 (exact, `ieee` dot) decode split
-# kernel at head_dim 128 with 4 warps reaches ptxas's 255-register cap. Triton 3.9 + ptxas 13.4:
-# 56-60 B; Triton 3.6 + ptxas 12.8 (the GPU machine's): 8 B. Strict: a fix makes the test fail
-# until the entry goes. (Under Triton 3.6 the fp32 extend kernel at head_dim 128 also spills
-# ~2.6 KB for power-of-two groups; it is not listed, because CI here runs Triton 3.9.)
-KNOWN_SPILLS = {
-    ("_decode_split_kernel", "float32", 128, hq, hk): "fp32 decode split at D=128: 255 registers"
-    for hq, hk in HEAD_SHAPES
-}
-
 
 def expected_variants() -> list[tuple]:
     """(kernel, dtype, head_dim, Hq, Hk) for every kernel the launchers must have compiled."""
@@ -97,12 +87,7 @@ def test_every_variant_compiles_within_the_sm90_limits(report: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "key",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(strict=True, reason=KNOWN_SPILLS[k]))
-        if k in KNOWN_SPILLS
-        else k
-        for k in expected_variants()
-    ],
+    expected_variants(),
     ids=lambda k: "-".join(str(x) for x in k if x is not None),
 )
 def test_no_register_spills(report: dict, key: tuple) -> None:
