@@ -54,6 +54,7 @@ from engine.overlap.future_map import FutureMap  # noqa: E402
 from engine.overlap.process_executor import ProcessExecutor  # noqa: E402
 from engine.overlap.scheduler import OverlapScheduler  # noqa: E402
 from engine.sampling.sampler import Sampler  # noqa: E402
+from engine.sampling.sampling_batch_info import SamplingInfoCache  # noqa: E402
 from engine.sampling.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
 
@@ -83,6 +84,7 @@ class NullModelRunner:
         self.allocator = TokenToKVPoolAllocator(kv_tokens, 1)
         self.kv_pool = self.attn_backend = None
         self.sampler = Sampler(seed=0, device=self.device)
+        self.sampling_cache = SamplingInfoCache()
         self._logits = torch.zeros(NULL_VOCAB)
         self._logits[FIXED_TOKEN] = 1.0
         self.compute_reps = compute_reps

@@ -13,12 +13,13 @@ from engine.attention.base import create_attention_backend
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.cuda_graph_runner import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.host_tensors import int64_rows
 from engine.loader import load_model
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
 from engine.mem_cache.kv_pool import KVPool
 from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.sampling.sampler import Sampler
-from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class ModelRunner:
         self.padding_req_row = _reserve_last_row(self.req_to_token_pool)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.page_size, self.device)
         self.graph_runner: CudaGraphRunner | None = None
+        self.sampling_cache = SamplingInfoCache()
         if host_only:
             self.kv_pool = self.attn_backend = self.sampler = None
             self.use_cuda_graph = False
@@ -146,24 +148,32 @@ class ModelRunner:
 
     # -- batches --------------------------------------------------------------------------------
     def build_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch:
+        """The batch's index lists as device tensors. Lists of one length travel together, as
+        rows of one tensor: one conversion (engine/host_tensors.py) and one host-to-device
+        copy (synchronous on CUDA, from pageable memory) instead of one of each per list."""
         dev = self.device
-
-        def i64(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=dev)
-
         extend = mwb.forward_mode == ForwardMode.EXTEND
+        per_req = [mwb.req_pool_indices, mwb.seq_lens]
+        if extend:
+            per_req.append(mwb.extend_seq_lens)
+            input_ids, positions = int64_rows([mwb.input_ids, mwb.positions]).to(dev)
+        else:  # one token per request: everything is per request
+            per_req += [mwb.input_ids, mwb.positions]
+        rows = int64_rows(per_req).to(dev)
         start_loc = None
         if extend:
-            lens = i64(mwb.extend_seq_lens)
+            req_pool_indices, seq_lens, lens = rows
             start_loc = torch.cumsum(lens, 0) - lens
-        fb = ForwardBatch(
+        else:
+            req_pool_indices, seq_lens, input_ids, positions = rows
+        return ForwardBatch(
             forward_mode=mwb.forward_mode,
             batch_size=mwb.batch_size,
-            input_ids=i64(mwb.input_ids),
-            positions=i64(mwb.positions) if extend else i64(mwb.positions),
+            input_ids=input_ids,
+            positions=positions,
             out_cache_loc=mwb.out_cache_loc.to(dev, torch.int64),
-            req_pool_indices=i64(mwb.req_pool_indices),
-            seq_lens=i64(mwb.seq_lens),
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
             seq_lens_cpu=list(mwb.seq_lens),
             req_to_token=self.req_to_token_pool.req_to_token,
             kv_pool=self.kv_pool,
@@ -172,7 +182,6 @@ class ModelRunner:
             extend_seq_lens_cpu=mwb.extend_seq_lens,
             extend_start_loc=start_loc,
         )
-        return fb
 
     @torch.inference_mode()
     def forward(
@@ -226,7 +235,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, mwb: ModelWorkerBatch) -> GenerationBatchResult:
-        info = SamplingBatchInfo.from_params(
+        info = self.sampling_cache.get(
             mwb.sampling_params,
             self.model_config.vocab_size,
             self.device,

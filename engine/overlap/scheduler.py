@@ -46,7 +46,7 @@ from engine.forward_batch import ForwardMode
 from engine.model_runner import GenerationBatchResult
 from engine.overlap.executor import Launch, OverlapExecutor, create_executor
 from engine.overlap.future_map import FutureMap
-from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingInfoCache
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
 from engine.scheduler.req import Req
@@ -106,6 +106,7 @@ class OverlapScheduler(Scheduler):
         # (the only one not processed yet, so the only tokens the host does not have).
         self._pending: dict[Req, int] = {}
         self._penalized: set[Req] = set()  # requests whose sampling needs their history
+        self._sampling_cache = SamplingInfoCache()
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
@@ -200,7 +201,7 @@ class OverlapScheduler(Scheduler):
     def _sampling_info(
         self, reqs: list[Req], step_positions: list[int], history: bool = False
     ) -> SamplingBatchInfo:
-        return SamplingBatchInfo.from_params(
+        return self._sampling_cache.get(
             [r.sampling_params for r in reqs],
             self.vocab_size,
             self.model_runner.device,
@@ -214,8 +215,11 @@ class OverlapScheduler(Scheduler):
         result = self.executor.wait(record.launch)
         reqs = record.reqs
         if self.stats.num_retractions != record.num_retractions:  # some may be retracted
-            keep = [i for i, (r, n) in enumerate(zip(reqs, record.retractions))
-                    if r.num_retractions == n]
+            keep = [
+                i
+                for i, (r, n) in enumerate(zip(reqs, record.retractions))
+                if r.num_retractions == n
+            ]
             if len(keep) < len(reqs):
                 reqs = [reqs[i] for i in keep]
                 result = _select_rows(result, keep)

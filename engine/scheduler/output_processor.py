@@ -59,26 +59,37 @@ class OutputProcessor:
         chunked = getattr(batch, "chunked_req", None)
         tree_cache = self.scheduler.tree_cache
         context_len = self.scheduler.context_len
-        for i, req in enumerate(batch.reqs):
-            if req is chunked or req.finished:
+        stats = self.scheduler.stats
+        tokenizer = self.tokenizer
+        # Prompts go into the prefix cache after an extend step, unless the overlap loop has
+        # done so already; a mixed batch's decoding requests are no prompts.
+        cache_prompts = batch.forward_mode.is_extend() and not getattr(
+            batch, "prompts_cached", False
+        )
+        decoding = batch.decoding_reqs
+        events = self._events
+        num_new = num_finished = 0
+        for i, req in enumerate(batch.reqs):  # (the per-request loop of every step: kept lean)
+            if req is chunked or req.finished_reason is not None:
                 continue  # a partial prompt: its sampled token means nothing
-            start = len(req.output_ids)
+            output_ids = req.output_ids
+            start = len(output_ids)
             if req.to_abort is None:
-                req.output_ids.append(next_ids[i])
+                output_ids.append(next_ids[i])
                 if logprobs is not None and req.sampling_params.return_logprob:
                     req.logprobs.append(logprobs[i])
                     if top is not None and req.sampling_params.top_logprobs_num > 0:
                         req.top_logprobs.append(top[i])
-            req.check_finished(context_len, self.tokenizer)
-            if req.finished:
+            req.check_finished(context_len, tokenizer)
+            reason = req.finished_reason
+            if reason is not None:
                 req.fill_ids = req.all_ids()[: req.kv_allocated_len]
                 tree_cache.cache_finished_req(req)
-            elif (
-                batch.forward_mode.is_extend()
-                and not getattr(batch, "prompts_cached", False)  # (the overlap loop may have)
-                and req not in batch.decoding_reqs  # (a decode step in a mixed batch)
-            ):
+                num_finished += 1
+            elif cache_prompts and req not in decoding:
                 tree_cache.cache_unfinished_req(req)
-            new = req.output_ids[start:]
-            self.scheduler.stats.generation_tokens += len(new)
-            self.emit(StepEvent(req, new, start, req.finished_reason))
+            new = output_ids[start:]
+            num_new += len(new)
+            events.append(StepEvent(req, new, start, reason))
+        stats.generation_tokens += num_new
+        stats.num_finished += num_finished

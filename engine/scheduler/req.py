@@ -66,6 +66,10 @@ class Req:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.stop_strs = tuple(sampling_params.stop_strs)  # (read every step: made once)
+        # A stop string spans at most len(stop) tokens (each token decodes to >= 1 char, or
+        # part of one); one more token covers a character split across tokens.
+        self.stop_window = max(map(len, self.stop_strs), default=0) + 1
         self.arrival = arrival
         self.output_ids: list[int] = []
         self.finished_reason: FinishReason | None = None
@@ -120,7 +124,7 @@ class Req:
 
     def check_finished(self, context_len: int, tokenizer: Any | None) -> None:
         """Decide whether the last appended token ends the request (SGLang's order)."""
-        if self.finished:
+        if self.finished_reason is not None:
             return
         if self.to_abort is not None:
             self.finished_reason = self.to_abort
@@ -136,22 +140,17 @@ class Req:
             ):
                 self.finished_reason = FinishReason("stop", last)
                 return
-            matched = self._match_stop_str(tokenizer)
-            if matched is not None:
-                self.finished_reason = FinishReason("stop", matched)
-                return
-        if self.seqlen >= context_len:
+            if self.stop_strs and tokenizer is not None:
+                matched = self._match_stop_str(tokenizer)
+                if matched is not None:
+                    self.finished_reason = FinishReason("stop", matched)
+                    return
+        if len(self.origin_input_ids) + len(self.output_ids) >= context_len:
             self.finished_reason = FinishReason("length", length=context_len)
 
-    def _match_stop_str(self, tokenizer: Any | None) -> str | None:
-        stops = self.sampling_params.stop_strs
-        if not stops or tokenizer is None:
-            return None
-        # A stop string spans at most len(stop) tokens (each token decodes to >= 1 char, or
-        # part of one); one more token covers a character split across tokens.
-        window = max(len(s) for s in stops) + 1
-        tail = tokenizer.decode(self.output_ids[-window:], skip_special_tokens=False)
-        for s in stops:
+    def _match_stop_str(self, tokenizer: Any) -> str | None:
+        tail = tokenizer.decode(self.output_ids[-self.stop_window :], skip_special_tokens=False)
+        for s in self.stop_strs:
             if s in tail:
                 return s
         return None

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from engine.forward_batch import ForwardMode
+from engine.host_tensors import int64_tensor
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
 
@@ -100,8 +101,8 @@ class ScheduleBatch:
         partly filled page from it. With page_size 1 it is never needed."""
         if self.pools.page_size == 1:
             return [-1] * len(prefix_lens)
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        cols = torch.tensor(prefix_lens, dtype=torch.int64) - 1
+        rows = int64_tensor([r.req_pool_idx for r in self.reqs])
+        cols = int64_tensor(prefix_lens) - 1
         locs = self.pools.req_to_token_pool.req_to_token[rows, cols.clamp(min=0)]
         return torch.where(cols >= 0, locs.to(torch.int64), -1).tolist()
 
@@ -129,8 +130,8 @@ class ScheduleBatch:
         seq_lens = [n + 1 for n in prefix_lens]
         last_locs = self._last_locs(prefix_lens)
         out = self.pools.alloc_kv(prefix_lens, seq_lens, last_locs)
-        rows = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        req_to_token[rows, torch.tensor(prefix_lens, dtype=torch.int64)] = out.to(torch.int32)
+        rows = int64_tensor([r.req_pool_idx for r in self.reqs])
+        req_to_token[rows, int64_tensor(prefix_lens)] = out.to(torch.int32)
         for r in self.reqs:
             r.kv_allocated_len += 1
         self.input_ids = (
@@ -186,8 +187,9 @@ class ScheduleBatch:
 
     # -- membership -----------------------------------------------------------------------------
     def filter(self, keep: list[Req] | None = None, exclude: Req | None = None) -> None:
-        reqs = keep if keep is not None else [r for r in self.reqs if not r.finished]
-        self.reqs = [r for r in reqs if r is not exclude]
+        if keep is None:  # (every step: the attribute, not the `finished` property)
+            keep = [r for r in self.reqs if r.finished_reason is None]
+        self.reqs = [r for r in keep if r is not exclude] if exclude is not None else list(keep)
 
     def merge(self, other: ScheduleBatch) -> None:
         self.reqs.extend(other.reqs)

@@ -249,11 +249,11 @@ class Scheduler:
         s = self.stats
         # Requests of a prefill batch (with, in a mixed batch, the decoding ones) join the
         # running batch at the next step; finished ones stay until the next step filters them.
-        reqs = list(self.running_batch.reqs)
+        running = sum(1 for r in self.running_batch.reqs if r.finished_reason is None)
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
-            reqs.extend(r for r in last.reqs if r is not self.chunked_req)
-        running = sum(not r.finished for r in reqs)
+            chunked = self.chunked_req
+            running += sum(1 for r in last.reqs if r is not chunked and r.finished_reason is None)
         s.num_running = running + (1 if self.chunked_req else 0)
         s.num_waiting = len(self.waiting_queue)
         s.token_usage = self.pools.token_usage()

@@ -1,0 +1,112 @@
+"""Scheduler host time per decode step, this tree against a baseline revision, side by side.
+
+    python benchmarks/host_overhead.py [--base REV] [--batch-sizes 1 64 256] [--reps 5]
+
+What a GPU waits for when the model is fast: everything the scheduler does on the host for one
+decode step (choose the batch, allocate KV slots, build the index and sampling tensors, sample,
+turn the tokens into request progress), measured with the null model runner of
+`benchmarks/overlap.py` (no compute, every request samples one fixed token; the real runner's
+`build_forward_batch` and `sample`). With CUDA graphs and the overlap scheduler this is the
+floor of a decode step on the GPU, and where it exceeds the forward the GPU idles (issue 5's
+`gpu_idle_fraction_overlap`).
+
+The baseline revision (default: HEAD) is checked out into a temporary git worktree; each
+measurement is a child process that imports either tree, and the two alternate, `--reps`
+times per case, so both see the same machine state. Loops: "plain" (overlap off) and
+"overlap" (the overlap scheduler with the forward-thread executor, whose forward is the null
+runner's: this measures the overlap loop's own bookkeeping on top of the plain loop's). Per
+case: the median step of each child (over `--steps` steps after a warm-up), then the median
+over the repetitions; the ratio is this tree / baseline (< 1: less host time per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(root: str, loop: str, bs: int, steps: int) -> float:
+    """Median wall time (s) of a decode step of `bs` requests, importing from `root`."""
+    sys.path.insert(0, root)
+    import torch
+
+    torch.set_num_threads(1)
+    from benchmarks.overlap import NULL_VOCAB, _close, _null_scheduler, _requests
+
+    scheduler = _null_scheduler(bs, "plain" if loop == "plain" else "thread", steps + 60)
+    for rid, ids, params in _requests(bs, NULL_VOCAB, steps + 60):
+        scheduler.add_request(rid, ids, params)
+    for _ in range(10):  # the prefill and the first decode steps
+        scheduler.step()
+    walls = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        scheduler.step()
+        walls.append(time.perf_counter() - t)
+    _close(scheduler)
+    return statistics.median(walls)
+
+
+def measure(root: str, loop: str, bs: int, steps: int) -> float:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", root, loop, str(bs), str(steps)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=root)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--base", default="HEAD", help="the baseline git revision")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--loops", nargs="+", default=["plain", "overlap"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        root, loop, bs, steps = args.child
+        print(child(root, loop, int(bs), int(steps)))
+        return
+    sys.path.insert(0, ROOT)
+    from benchmarks.common import print_table, write_result
+
+    git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True,
+                                    text=True).stdout.strip()  # noqa: E731
+    base_rev = git("rev-parse", args.base)
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        git("worktree", "add", "--detach", base, base_rev)
+        try:
+            for loop in args.loops:
+                for bs in args.batch_sizes:
+                    ours, theirs = [], []
+                    for _ in range(args.reps):  # alternated
+                        ours.append(measure(ROOT, loop, bs, args.steps))
+                        theirs.append(measure(base, loop, bs, args.steps))
+                    ratios = [a / b for a, b in zip(ours, theirs)]
+                    rows.append({"loop": loop, "batch": bs,
+                                 "step_us": 1e6 * statistics.median(ours),
+                                 "base_step_us": 1e6 * statistics.median(theirs),
+                                 "ratio": statistics.median(ratios),
+                                 "ratio_min": min(ratios), "ratio_max": max(ratios)})
+                    print_table(rows[-1:], list(rows[-1]))
+        finally:
+            git("worktree", "remove", "--force", base)
+    print_table(rows, list(rows[0]))
+    summary = {f"{r['loop']}_bs{r['batch']}_vs_base": r["ratio"] for r in rows}
+    results = {"base_rev": base_rev, "tree": git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
+               "steps": args.steps, "reps": args.reps, "cases": rows}
+    print(write_result("host_overhead", results, summary, notes=__doc__.split("\n\n")[1]))
+
+
+if __name__ == "__main__":
+    main()

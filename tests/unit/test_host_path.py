@@ -1,0 +1,150 @@
+"""The scheduler's per-step host shortcuts: fast list-to-tensor conversion, the reused sampling
+info, and the packed index tensors of a forward batch, each against the plain computation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.forward_batch import ForwardMode
+from engine.host_tensors import int64_rows, int64_tensor
+from engine.model_runner import ModelRunner
+from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingInfoCache
+from engine.sampling.sampling_params import SamplingParams
+from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+# -- int64 tensors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [[], [0], [3, -1, 2**62, -(2**63)], list(range(1000))])
+def test_int64_tensor_equals_torch_tensor(values):
+    got = int64_tensor(values)
+    assert got.dtype == torch.int64 and got.shape == (len(values),)
+    assert torch.equal(got, torch.tensor(values, dtype=torch.int64))
+
+
+def test_int64_tensor_outlives_its_temporary_list():
+    t = int64_tensor([i * 7 for i in range(100)])
+    _ = [list(range(1000)) for _ in range(100)]  # reuse freed memory, if any was freed
+    assert t.tolist() == [i * 7 for i in range(100)]
+
+
+def test_int64_tensor_rejects_what_int64_cannot_hold():
+    with pytest.raises(OverflowError):
+        int64_tensor([2**63])
+    with pytest.raises(TypeError):
+        int64_tensor([1.5])
+
+
+def test_int64_rows():
+    rows = [[1, 2, 3], [4, 5, 6]]
+    assert torch.equal(int64_rows(rows), torch.tensor(rows))
+    assert int64_rows([[], []]).shape == (2, 0)
+    with pytest.raises(ValueError, match="unequal"):
+        int64_rows([[1, 2], [3]])
+
+
+# -- sampling info cache --------------------------------------------------------------------------
+
+
+def _params(n: int, **kw) -> list[SamplingParams]:
+    out = [SamplingParams(temperature=0.0 if i % 2 else 0.7, top_p=0.9, **kw) for i in range(n)]
+    for p in out:
+        p.normalize()
+    return out
+
+
+def _same_info(a: SamplingBatchInfo, b: SamplingBatchInfo) -> bool:
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        same = torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        if not same:
+            return False
+    return True
+
+
+def test_cache_reuses_the_info_of_the_same_requests():
+    cache, params = SamplingInfoCache(), _params(5)
+    first = cache.get(params, 100, "cpu")
+    assert cache.get(list(params), 100, "cpu") is first and cache.hits == 1
+    assert _same_info(first, SamplingBatchInfo.from_params(params, 100, "cpu"))
+
+
+def test_cache_rebuilds_when_the_batch_changes():
+    cache, params = SamplingInfoCache(), _params(5)
+    first = cache.get(params, 100, "cpu")
+    changes = [params[:4], params[1:], params[::-1], params[:2] + _params(1) + params[3:]]
+    for changed in changes:
+        info = cache.get(changed, 100, "cpu")
+        assert info is not first
+        assert _same_info(info, SamplingBatchInfo.from_params(changed, 100, "cpu"))
+    assert cache.hits == 0
+
+
+def test_cache_holds_its_params_so_their_identities_stay_unique():
+    cache = SamplingInfoCache()
+    cache.get(_params(3), 100, "cpu")  # the caller drops its list at once
+    info = cache.get(_params(3, top_k=1), 100, "cpu")  # new objects: never a false hit
+    assert cache.hits == 0 and info.is_all_greedy
+
+
+@pytest.mark.parametrize("kind", ["seeded", "penalty"])
+def test_step_dependent_infos_are_never_reused(kind):
+    kw = {"sampling_seed": 5} if kind == "seeded" else {"frequency_penalty": 0.5}
+    cache, params = SamplingInfoCache(), _params(3, **kw)
+    outputs: list[list[int]] = [[], [], []]
+    for step in range(3):
+        info = cache.get(params, 100, "cpu", output_ids=outputs, input_ids=[[1]] * 3,
+                         step_positions=[step] * 3)
+        if kind == "seeded":
+            assert info.seed_steps.tolist() == [step] * 3
+        else:
+            assert info.penalties is not None
+        for o in outputs:
+            o.append(7)
+    assert cache.hits == 0
+
+
+# -- packed forward batch -------------------------------------------------------------------------
+
+
+class _Runner:
+    device = torch.device("cpu")
+    req_to_token_pool = type("Pool", (), {"req_to_token": torch.zeros(4, 8, dtype=torch.int32)})
+    kv_pool = attn_backend = None
+    build_forward_batch = ModelRunner.build_forward_batch
+
+
+def _mwb(mode: ForwardMode) -> ModelWorkerBatch:
+    extend = mode == ForwardMode.EXTEND
+    return ModelWorkerBatch(
+        forward_mode=mode,
+        input_ids=[11, 12, 13, 14, 15] if extend else [21, -3],
+        positions=[0, 1, 2, 4, 5] if extend else [7, 9],
+        out_cache_loc=torch.tensor([5, 6, 7, 8, 9] if extend else [30, 31]),
+        req_pool_indices=[2, 0],
+        seq_lens=[3, 6] if extend else [8, 10],
+        extend_prefix_lens=[0, 4] if extend else None,
+        extend_seq_lens=[3, 2] if extend else None,
+        sampling_params=[SamplingParams(), SamplingParams()],
+        output_ids=[[], []],
+        prompt_ids=[[1], [2]],
+        return_logprob=False,
+        top_logprobs_nums=[0, 0],
+    )
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_forward_batch_tensors_equal_the_lists(mode):
+    mwb = _mwb(mode)
+    fb = _Runner().build_forward_batch(mwb)
+    for name in ("input_ids", "positions", "req_pool_indices", "seq_lens"):
+        t = getattr(fb, name)
+        assert t.dtype == torch.int64 and t.tolist() == getattr(mwb, name), name
+    assert fb.out_cache_loc.tolist() == mwb.out_cache_loc.tolist()
+    if mode == ForwardMode.EXTEND:
+        assert fb.extend_start_loc.tolist() == [0, 3]
+    fb.input_ids[1] = 99  # resolving placeholders writes in place: rows are separate
+    assert fb.positions.tolist() == mwb.positions and fb.seq_lens.tolist() == mwb.seq_lens
