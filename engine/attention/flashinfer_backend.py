@@ -43,6 +43,7 @@ import torch
 
 from engine.attention.base import AttentionBackend, AttentionLayer
 from engine.forward_batch import ForwardBatch
+from engine.host_tensors import int64_tensor
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -111,7 +112,7 @@ def build_page_table(
     The allocator hands out whole pages, so keys kP .. kP+P-1 of a request share the page
     `req_to_token[row, kP] // P`: one gather of each page's first slot.
     """
-    lens = torch.tensor(kv_lens, dtype=torch.int64)
+    lens = int64_tensor(kv_lens)
     num_pages = (lens + page_size - 1) // page_size
     indptr = torch.cat([lens.new_zeros(1), num_pages.cumsum(0)])
     last_page_len = lens - (num_pages - 1).clamp(min=0) * page_size
