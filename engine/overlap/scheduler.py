@@ -215,11 +215,8 @@ class OverlapScheduler(Scheduler):
         result = self.executor.wait(record.launch)
         reqs = record.reqs
         if self.stats.num_retractions != record.num_retractions:  # some may be retracted
-            keep = [
-                i
-                for i, (r, n) in enumerate(zip(reqs, record.retractions))
-                if r.num_retractions == n
-            ]
+            keep = [i for i, (r, n) in enumerate(zip(reqs, record.retractions))
+                    if r.num_retractions == n]
             if len(keep) < len(reqs):
                 reqs = [reqs[i] for i in keep]
                 result = _select_rows(result, keep)

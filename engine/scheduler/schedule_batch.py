@@ -186,10 +186,9 @@ class ScheduleBatch:
         return min(1.0, (total_decoded + steps) / max(1, total_max_new))
 
     # -- membership -----------------------------------------------------------------------------
-    def filter(self, keep: list[Req] | None = None, exclude: Req | None = None) -> None:
-        if keep is None:  # (every step: the attribute, not the `finished` property)
-            keep = [r for r in self.reqs if r.finished_reason is None]
-        self.reqs = [r for r in keep if r is not exclude] if exclude is not None else list(keep)
+    def filter(self, exclude: Req | None = None) -> None:
+        """Drop finished requests, and `exclude` (every step: attributes, not properties)."""
+        self.reqs = [r for r in self.reqs if r.finished_reason is None and r is not exclude]
 
     def merge(self, other: ScheduleBatch) -> None:
         self.reqs.extend(other.reqs)
