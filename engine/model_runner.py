@@ -240,8 +240,7 @@ class ModelRunner:
             self.model_config.vocab_size,
             self.device,
             output_ids=mwb.output_ids,
-            input_ids=mwb.prompt_ids,
-            step_positions=[len(o) for o in mwb.output_ids],
+            input_ids=mwb.prompt_ids,  # (seeded rows' step positions: len(output_ids))
         )
         out = self.sampler(logits, info, mwb.return_logprob, mwb.top_logprobs_nums)
         return GenerationBatchResult(out.next_token_ids, out.logprobs, out.top_logprobs)
