@@ -12,9 +12,12 @@ floor of a decode step on the GPU, and where it exceeds the forward the GPU idle
 
 The baseline revision (default: HEAD) is checked out into a temporary git worktree; each
 measurement is a child process that imports either tree, and the two alternate, `--reps`
-times per case, so both see the same machine state. Loops: "plain" (overlap off) and
-"overlap" (the overlap scheduler with the forward-thread executor, whose forward is the null
-runner's: this measures the overlap loop's own bookkeeping on top of the plain loop's). Per
+times per case, so both see the same machine state. Loops: "plain" (overlap off), "overlap"
+(the overlap scheduler with the forward-thread executor, whose forward is the null runner's:
+the overlap loop's bookkeeping plus the GIL hand-offs with that thread) and "inline" (the
+overlap scheduler with an executor that does the null forward and the sampling at launch, on
+the scheduler thread: the host path of the CUDA executor, which launches from the scheduler
+thread and has no second thread, without the kernel launches). Per
 case: the median step of each child (over `--steps` steps after a warm-up), then the median
 over the repetitions; the ratio is this tree / baseline (< 1: less host time per step).
 """
@@ -41,6 +44,9 @@ def child(root: str, loop: str, bs: int, steps: int) -> float:
     from benchmarks.overlap import NULL_VOCAB, _close, _null_scheduler, _requests
 
     scheduler = _null_scheduler(bs, "plain" if loop == "plain" else "thread", steps + 60)
+    if loop == "inline":
+        scheduler.executor.close()
+        scheduler.executor = _inline_executor(scheduler)
     for rid, ids, params in _requests(bs, NULL_VOCAB, steps + 60):
         scheduler.add_request(rid, ids, params)
     for _ in range(10):  # the prefill and the first decode steps
@@ -54,6 +60,35 @@ def child(root: str, loop: str, bs: int, steps: int) -> float:
     return statistics.median(walls)
 
 
+def _inline_executor(scheduler: object) -> object:
+    """The CUDA executor's host path on CPU: launches do their (null) device work at once, on
+    the calling thread; `wait` has nothing left to wait for."""
+    from engine.model_runner import GenerationBatchResult
+    from engine.overlap.executor import Launch, OverlapExecutor
+
+    class InlineExecutor(OverlapExecutor):
+        def launch_forward(self, mwb, slots, info):  # noqa: ANN001, ANN202
+            fb = self.runner.build_forward_batch(mwb)
+            launch = Launch(mwb, slots, fb, logits=self.runner.forward(fb, self.future_map))
+            if info is not None:
+                self.launch_sample(launch, info)
+            return launch
+
+        def launch_sample(self, launch, info):  # noqa: ANN001, ANN202
+            launch.info = info
+            out = self._sample(launch)
+            launch.result = GenerationBatchResult(out.next_token_ids, out.logprobs,
+                                                  out.top_logprobs)
+
+        def wait(self, launch):  # noqa: ANN001, ANN202
+            return launch.result
+
+        def close(self) -> None:
+            pass
+
+    return InlineExecutor(scheduler.model_runner, scheduler.future_map)  # type: ignore[attr-defined]
+
+
 def measure(root: str, loop: str, bs: int, steps: int) -> float:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", root, loop, str(bs), str(steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -65,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--base", default="HEAD", help="the baseline git revision")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
-    ap.add_argument("--loops", nargs="+", default=["plain", "overlap"])
+    ap.add_argument("--loops", nargs="+", default=["plain", "overlap", "inline"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)

@@ -103,6 +103,19 @@ def test_compose_deploys_every_service(compose: dict) -> None:
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
 
 
+def test_worker_keeps_compiled_kernels_in_a_volume(compose: dict) -> None:
+    """flashinfer JIT-compiles its kernels on first use (minutes): the image points its
+    workspace and Triton's cache into one directory, which the worker mounts as a named
+    volume, so a restarted worker does not compile them again."""
+    with open(os.path.join(REPO, "compose", "Dockerfile")) as f:
+        dockerfile = f.read()
+    base = re.search(r"FLASHINFER_WORKSPACE_BASE=(\S+)", dockerfile).group(1)
+    triton = re.search(r"TRITON_CACHE_DIR=(\S+)", dockerfile).group(1)
+    assert triton.startswith(base + "/")
+    mounts = dict(v.split(":", 1)[::-1] for v in compose["services"]["worker"]["volumes"][1:])
+    assert mounts.get(base) in compose["volumes"]
+
+
 def local_command(command: list[str], port: int) -> list[str]:
     """The container command as a local one: this interpreter, the CPU, a free port."""
     assert command[0] == "sluice"
