@@ -16,6 +16,8 @@ Each page is in one of three states: allocated, free, or pending (freed inside a
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 _ALLOCATED, _FREE, _PENDING = 0, 1, 2
@@ -65,7 +67,9 @@ class TokenToKVPoolAllocator:
         (int64). A request whose prefix_len is not page aligned first fills its last page
         (last_locs[i]+1, ...; last_locs[i] is the slot of position prefix_len-1), then takes
         new pages. Returns None, allocating nothing, if there are not enough free pages."""
-        if any(s < p for p, s in zip(prefix_lens, seq_lens, strict=True)):
+        if len(prefix_lens) != len(seq_lens):
+            raise ValueError("alloc_extend: prefix_lens and seq_lens differ in length")
+        if prefix_lens and min(map(operator.sub, seq_lens, prefix_lens)) < 0:  # (per step)
             raise ValueError("alloc_extend: seq_len < prefix_len")
         if self.page_size == 1:
             total = sum(seq_lens) - sum(prefix_lens)

@@ -103,14 +103,16 @@ class OverlapScheduler(Scheduler):
         self.vocab_size = model_runner.model_config.vocab_size
         self._in_flight: deque[_Record] = deque()  # the record buffer: at most two batches
         # During a step: request -> placeholder, for the batch launched by the previous step
-        # (the only one not processed yet, so the only tokens the host does not have).
-        self._pending: dict[Req, int] = {}
+        # (the only one not processed yet, so the only tokens the host does not have); built
+        # on first use (`_placeholders`), since a decode step of the same batch needs none.
+        self._pending: dict[Req, int] | None = None
         self._penalized: set[Req] = set()  # requests whose sampling needs their history
+        self._seeded: set[Req] = set()  # requests whose sampling needs its step positions
         self._sampling_cache = SamplingInfoCache()
 
     # -- the loop -------------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        self._pending = self.placeholders_in_flight()
+        self._pending = None
         batch = self.get_next_batch_to_run()
         record = self._launch(batch) if batch is not None else None
         if self._in_flight and self._in_flight[0] is not record:
@@ -135,6 +137,8 @@ class OverlapScheduler(Scheduler):
         super().add_request(rid, input_ids, params)
         if params.has_penalty:
             self._penalized.add(self.waiting_queue[-1])
+        if params.sampling_seed is not None:
+            self._seeded.add(self.waiting_queue[-1])
 
     def close(self) -> None:
         """Stop the executor (the forward thread on CPU). Results in flight are dropped."""
@@ -160,8 +164,17 @@ class OverlapScheduler(Scheduler):
         record.prompts_cached = True  # processing its results need not do it again
 
     def decode_input_ids(self, batch: ScheduleBatch) -> list[int]:
-        pending = self._pending
+        record = self._in_flight[-1] if self._in_flight else None
+        if record is not None and record.chunked_req is None and batch.reqs == record.reqs:
+            return list(record.placeholders)  # the batch in flight again: all its tokens are
+        pending = self._placeholders()
         return [pending[r] if r in pending else r.output_ids[-1] for r in batch.reqs]
+
+    def _placeholders(self) -> dict[Req, int]:
+        """`placeholders_in_flight()` as of the start of this step."""
+        if self._pending is None:
+            self._pending = self.placeholders_in_flight()
+        return self._pending
 
     # -- launch ---------------------------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch) -> _Record:
@@ -172,8 +185,13 @@ class OverlapScheduler(Scheduler):
             deferred = any(r in self._penalized for r in reqs)
         info = None
         if not deferred:
-            pending = self._pending
-            info = self._sampling_info(reqs, [len(r.output_ids) + (r in pending) for r in reqs])
+            positions = None  # only seeded rows read them
+            if self._seeded:
+                self._seeded = {r for r in self._seeded if not r.finished}
+            if self._seeded:
+                pending = self._placeholders()
+                positions = [len(r.output_ids) + (r in pending) for r in reqs]
+            info = self._sampling_info(reqs, positions)
         slots = self.future_map.alloc_future_indices(len(reqs))
         launch = self.executor.launch_forward(batch.get_model_worker_batch(), slots, info)
         chunked = getattr(batch, "chunked_req", None) if batch.forward_mode.is_extend() else None
@@ -199,7 +217,7 @@ class OverlapScheduler(Scheduler):
         self.executor.launch_sample(record.launch, info)
 
     def _sampling_info(
-        self, reqs: list[Req], step_positions: list[int], history: bool = False
+        self, reqs: list[Req], step_positions: list[int] | None, history: bool = False
     ) -> SamplingBatchInfo:
         return self._sampling_cache.get(
             [r.sampling_params for r in reqs],

@@ -148,3 +148,35 @@ def test_forward_batch_tensors_equal_the_lists(mode):
         assert fb.extend_start_loc.tolist() == [0, 3]
     fb.input_ids[1] = 99  # resolving placeholders writes in place: rows are separate
     assert fb.positions.tolist() == mwb.positions and fb.seq_lens.tolist() == mwb.seq_lens
+
+
+# -- overlap loop ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_overlap_decode_of_the_batch_in_flight_skips_the_placeholder_map(seeded):
+    """A decode step of the same batch as the one in flight takes its input ids straight from
+    that batch's placeholders; the request -> placeholder map is built only when something
+    reads it (step positions of seeded rows). Outputs are checked against the plain loop by
+    tests/integration/test_overlap.py."""
+    from benchmarks.overlap import NULL_VOCAB, _close, _null_scheduler, _requests
+
+    scheduler = _null_scheduler(4, "thread", 16)
+    try:
+        for rid, ids, params in _requests(4, NULL_VOCAB, 16):
+            if seeded:
+                params = dataclasses.replace(params, temperature=1.0, sampling_seed=5)
+            scheduler.add_request(rid, ids, params)
+        for _ in range(4):  # prefill, then decode steps
+            scheduler.step()
+        record = scheduler._in_flight[-1]
+        assert record.forward_mode == ForwardMode.DECODE
+        scheduler.step()
+        assert scheduler.last_batch.input_ids == record.placeholders
+        assert all(p < 0 for p in record.placeholders)
+        if seeded:
+            assert scheduler._pending == dict(zip(record.reqs, record.placeholders))
+        else:
+            assert scheduler._pending is None
+    finally:
+        _close(scheduler)
