@@ -12,9 +12,12 @@
 #   tests-fi    tests/gpu/test_flashinfer_gpu.py on 4 pytest-xdist workers (flashinfer
 #               compiles its fp16/bf16 x head_dim 64/128 variants)
 #   tests-kernels  tests/gpu/test_kernels_gpu.py and test_cuda_graph_gpu.py
+#   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
+#               waits for a busy forward stream)
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
-#   bench = seed-shape decode-bs1 overlap;  tests = parity tests-fi tests-kernels;
-#   all = parity bench tests-fi tests-kernels (the results first)
+#   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
+#   tests-kernels;  all = parity bench tests-overlap tests-fi tests-kernels (the issue's
+#   results first)
 #
 #   bash benchmarks/gpu_session.sh exec CMD [ARG ...]   CMD after setup, e.g. one benchmark
 #                                                       with other flags; results packed too
@@ -150,6 +153,7 @@ do_step() {
         tests-kernels)
             run_step tests-kernels 180 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py ;;
+        tests-overlap) run_step tests-overlap 60 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
         decode-bs1) run_step decode-bs1 130 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
@@ -157,8 +161,9 @@ do_step() {
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
                 --results-dir /tmp/sluice-gpu-smoke ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
-        tests) do_step parity; do_step tests-fi; do_step tests-kernels ;;
-        all) do_step parity; do_step bench; do_step tests-fi; do_step tests-kernels ;;
+        tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels ;;
+        all) do_step parity; do_step bench; do_step tests-overlap; do_step tests-fi
+            do_step tests-kernels ;;
         *) status "unknown step $1"; return 2 ;;
     esac
 }

@@ -59,6 +59,7 @@ class ForwardBatch:
     extend_prefix_lens_cpu: list[int] | None = None
     extend_seq_lens_cpu: list[int] | None = None
     extend_start_loc: torch.Tensor | None = None  # [B] int64
+    extend_seq_lens: torch.Tensor | None = None  # [B] int64, extend_seq_lens_cpu on the device
     # logits for every position instead of the last of each request (teacher forcing)
     return_all_logits: bool = False
 
@@ -72,5 +73,7 @@ class ForwardBatch:
         if self.forward_mode.is_decode():
             return torch.arange(self.batch_size, device=self.input_ids.device)
         assert self.extend_start_loc is not None and self.extend_seq_lens_cpu is not None
-        lens = torch.tensor(self.extend_seq_lens_cpu, device=self.input_ids.device)
+        lens = self.extend_seq_lens
+        if lens is None:
+            lens = torch.tensor(self.extend_seq_lens_cpu, device=self.input_ids.device)
         return self.extend_start_loc + lens - 1

@@ -160,7 +160,7 @@ class ModelRunner:
         else:  # one token per request: everything is per request
             per_req += [mwb.input_ids, mwb.positions]
         rows = int64_rows(per_req).to(dev)
-        start_loc = None
+        start_loc = lens = None
         if extend:
             req_pool_indices, seq_lens, lens = rows
             start_loc = torch.cumsum(lens, 0) - lens
@@ -181,6 +181,7 @@ class ModelRunner:
             extend_prefix_lens_cpu=mwb.extend_prefix_lens,
             extend_seq_lens_cpu=mwb.extend_seq_lens,
             extend_start_loc=start_loc,
+            extend_seq_lens=lens,
         )
 
     @torch.inference_mode()

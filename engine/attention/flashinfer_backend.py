@@ -6,7 +6,11 @@ passed as a tuple of two such views. Which keys a request has is a `PageTable`.
 
 Per batch, `init_forward_metadata` builds the page tables (the per-request arrays on the host
 from the batch's CPU lengths, the page ids on the device with one gather from `req_to_token`)
-and plans the wrappers; every layer then runs on that plan:
+and plans the wrappers; every layer then runs on that plan. The plan runs on the CUDA overlap
+executor's forward stream, behind the batch in flight, and copies the host arrays to the
+device there: so on CUDA they are pinned (a copy from pageable memory may make the host wait
+for the stream, i.e. for the batch in flight), and the page-id gather reads the batch's
+lengths from its device tensors rather than copying them.
 
 * DECODE: BatchDecodeWithPagedKVCacheWrapper over each request's whole context (the new token's
   K/V is stored first). GQA groups of 4 or more query heads use the tensor-core (prefill)
@@ -106,18 +110,26 @@ def build_page_table(
     req_pool_indices: torch.Tensor,
     kv_lens: list[int],
     page_size: int,
+    kv_lens_device: torch.Tensor | None = None,
 ) -> PageTable:
     """The pages of the first `kv_lens[i]` keys of request i (row `req_pool_indices[i]`).
 
     The allocator hands out whole pages, so keys kP .. kP+P-1 of a request share the page
-    `req_to_token[row, kP] // P`: one gather of each page's first slot.
+    `req_to_token[row, kP] // P`: one gather of each page's first slot. `kv_lens_device`: the
+    same lengths already on `req_to_token`'s device, so the gather needs no host-to-device
+    copy (on CUDA the host tables are also pinned: see `FlashInferAttnBackend`).
     """
     lens = int64_tensor(kv_lens)
     num_pages = (lens + page_size - 1) // page_size
     indptr = torch.cat([lens.new_zeros(1), num_pages.cumsum(0)])
     last_page_len = lens - (num_pages - 1).clamp(min=0) * page_size
+    if kv_lens_device is not None:
+        num_pages = (kv_lens_device + page_size - 1) // page_size
     indices = _page_ids(req_to_token, req_pool_indices, num_pages, int(indptr[-1]), page_size)
-    return PageTable(indptr.to(torch.int32), indices, last_page_len.to(torch.int32))
+    indptr, last_page_len = indptr.to(torch.int32), last_page_len.to(torch.int32)
+    if req_to_token.is_cuda:
+        indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
+    return PageTable(indptr, indices, last_page_len)
 
 
 def _page_ids(
@@ -128,7 +140,7 @@ def _page_ids(
     page_size: int,
 ) -> torch.Tensor:
     device = req_to_token.device
-    num_pages = num_pages.to(device, non_blocking=True)
+    num_pages = num_pages.to(device, non_blocking=True)  # (no copy when already there)
     # output_size spares repeat_interleave a device-to-host read of the total
     req = torch.repeat_interleave(
         torch.arange(len(num_pages), device=device), num_pages, output_size=total_pages
@@ -139,9 +151,11 @@ def _page_ids(
     return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
 
 
-def build_qo_indptr(extend_lens: list[int]) -> torch.Tensor:
-    """[B + 1] int32 host tensor: request i's new tokens are rows indptr[i] .. indptr[i+1]-1."""
-    return torch.tensor([0, *extend_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+def build_qo_indptr(extend_lens: list[int], pin: bool = False) -> torch.Tensor:
+    """[B + 1] int32 host tensor (pinned with `pin`): request i's new tokens are rows
+    indptr[i] .. indptr[i+1]-1."""
+    indptr = torch.tensor([0, *extend_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+    return indptr.pin_memory() if pin else indptr
 
 
 def merge_states_torch(
@@ -238,7 +252,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper: Any, fb: ForwardBatch) -> None:
         table = build_page_table(
-            fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size
+            fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens
         )
         wrapper.plan(
             table.indptr, table.indices, table.last_page_len,
@@ -248,14 +262,16 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-        qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu)
+        qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, pin=self.device.type == "cuda")
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         self.ragged.plan(qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars())
         has_prefix = any(fb.extend_prefix_lens_cpu)
         if has_prefix:
+            prefix_lens = None if fb.extend_seq_lens is None else fb.seq_lens - fb.extend_seq_lens
             table = build_page_table(
-                fb.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.page_size
-            )
+                fb.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.page_size,
+                prefix_lens,
+            )  # fmt: skip
             self.paged.plan(
                 qo_indptr, table.indptr, table.indices, table.last_page_len,
                 *heads, self.page_size, causal=False, **self._plan_scalars(),

@@ -5,7 +5,9 @@ Per batch, `init_forward_metadata` prepares what every layer shares:
 * DECODE: the stage-1 scratch of the split-K decode kernel, `mid_o` [B, Hq, splits, D] and
   `mid_lse` [B, Hq, splits] (float32), allocated once and reused by all layers;
 * EXTEND: `prefix_lens` / `extend_lens` [B] int64 on the device and `max_extend_len` (which
-  sizes the kernel grid), besides the batch's own `extend_start_loc`.
+  sizes the kernel grid), besides the batch's own `extend_start_loc`. The lengths come from
+  the batch's device tensors, not from host lists: the CUDA overlap executor runs this on its
+  forward stream, where a copy from pageable host memory may wait for the batch in flight.
 
 Per layer, `forward` stores the new K/V at `out_cache_loc` with the store kernel, then runs
 the decode kernel (every key read from the pool through `req_to_token`) or the extend kernel
@@ -75,10 +77,12 @@ class TritonAttnBackend(AttentionBackend):
         else:
             assert fb.extend_prefix_lens_cpu is not None and fb.extend_seq_lens_cpu is not None
             assert fb.extend_start_loc is not None
-            device = fb.seq_lens.device
+            extend_lens = fb.extend_seq_lens
+            if extend_lens is None:  # (a batch built by hand) the lengths come from the host
+                extend_lens = torch.tensor(fb.extend_seq_lens_cpu, device=fb.seq_lens.device)
             self.metadata = _ExtendMetadata(
-                prefix_lens=torch.tensor(fb.extend_prefix_lens_cpu, device=device),
-                extend_lens=torch.tensor(fb.extend_seq_lens_cpu, device=device),
+                prefix_lens=fb.seq_lens - extend_lens,
+                extend_lens=extend_lens,
                 extend_start_loc=fb.extend_start_loc,
                 max_extend_len=max(fb.extend_seq_lens_cpu),
             )

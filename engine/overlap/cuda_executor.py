@@ -8,7 +8,10 @@ Streams and their order:
   work, so they do not wait for the forward in flight;
 * the forward stream F: placeholder resolution, forward, sampling, FutureMap store. Before
   each launch F waits for S (`wait_stream`, a device-side wait), so it sees every write the
-  scheduler made for this batch;
+  scheduler made for this batch. Nothing launched on F copies from pageable host memory
+  (the driver may make such a copy wait for the stream, here for the batch in flight): the
+  batch's lengths are read from its device tensors, and the attention plan's host tables
+  are pinned (engine/attention/flashinfer_backend.py);
 * the copy stream C: waits for F after sampling, copies the next-token ids (and logprobs)
   into pinned host memory, and records `copy_done`. The scheduler synchronizes on that event
   only when it processes the batch, one step later; nothing on the critical path calls

@@ -58,13 +58,17 @@ def test_page_table_matches_reference(page_size, seed):
     prefix, extend = _random_lens(random.Random(seed), 7, page_size)
     case = make_paged_case(prefix, extend, 2, 1, 8, page_size, seed=seed)
     for kv_lens in (prefix, case.seq_lens.tolist()):  # an extend's prefix, a decode's context
-        table = fib.build_page_table(case.req_to_token, case.req_pool_indices, kv_lens, page_size)
         indptr, indices, last = _reference_table(case, kv_lens, page_size)
-        assert table.indptr.tolist() == indptr
-        assert table.indices.tolist() == indices
-        assert table.last_page_len.tolist() == last
-        for t in (table.indptr, table.indices, table.last_page_len):
-            assert t.dtype == torch.int32
+        # the lengths from the host only, and also on the device (no host-to-device copy)
+        for on_device in (None, torch.tensor(kv_lens, dtype=torch.int64)):
+            table = fib.build_page_table(
+                case.req_to_token, case.req_pool_indices, kv_lens, page_size, on_device
+            )
+            assert table.indptr.tolist() == indptr
+            assert table.indices.tolist() == indices
+            assert table.last_page_len.tolist() == last
+            for t in (table.indptr, table.indices, table.last_page_len):
+                assert t.dtype == torch.int32
 
 
 def test_page_table_of_empty_prefixes():

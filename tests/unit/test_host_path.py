@@ -146,6 +146,10 @@ def test_forward_batch_tensors_equal_the_lists(mode):
     assert fb.out_cache_loc.tolist() == mwb.out_cache_loc.tolist()
     if mode == ForwardMode.EXTEND:
         assert fb.extend_start_loc.tolist() == [0, 3]
+        assert fb.extend_seq_lens.tolist() == mwb.extend_seq_lens
+        assert fb.last_token_indices.tolist() == [2, 4]
+    else:
+        assert fb.extend_seq_lens is None
     fb.input_ids[1] = 99  # resolving placeholders writes in place: rows are separate
     assert fb.positions.tolist() == mwb.positions and fb.seq_lens.tolist() == mwb.seq_lens
 
