@@ -1,6 +1,7 @@
 """Scheduler host time per decode step, this tree against a baseline revision, side by side.
 
     python benchmarks/host_overhead.py [--base REV] [--batch-sizes 1 64 256] [--reps 5]
+        [--loops plain overlap inline] [--name host_overhead]
 
 What a GPU waits for when the model is fast: everything the scheduler does on the host for one
 decode step (choose the batch, allocate KV slots, build the index and sampling tensors, sample,
@@ -103,6 +104,8 @@ def main() -> None:
     ap.add_argument("--loops", nargs="+", default=["plain", "overlap", "inline"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--name", default="host_overhead",
+                    help="results file benchmarks/results/NAME.json")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -140,7 +143,7 @@ def main() -> None:
     summary = {f"{r['loop']}_bs{r['batch']}_vs_base": r["ratio"] for r in rows}
     results = {"base_rev": base_rev, "tree": git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
                "steps": args.steps, "reps": args.reps, "cases": rows}
-    print(write_result("host_overhead", results, summary, notes=__doc__.split("\n\n")[1]))
+    print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[1]))
 
 
 if __name__ == "__main__":
