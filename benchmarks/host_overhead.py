@@ -12,15 +12,16 @@ floor of a decode step on the GPU, and where it exceeds the forward the GPU idle
 `gpu_idle_fraction_overlap`).
 
 The baseline revision (default: HEAD) is checked out into a temporary git worktree; each
-measurement is a child process that imports either tree, and the two alternate, `--reps`
-times per case, so both see the same machine state. Loops: "plain" (overlap off), "overlap"
-(the overlap scheduler with the forward-thread executor, whose forward is the null runner's:
-the overlap loop's bookkeeping plus the GIL hand-offs with that thread) and "inline" (the
-overlap scheduler with an executor that does the null forward and the sampling at launch, on
-the scheduler thread: the host path of the CUDA executor, which launches from the scheduler
-thread and has no second thread, without the kernel launches). Per
-case: the median step of each child (over `--steps` steps after a warm-up), then the median
-over the repetitions; the ratio is this tree / baseline (< 1: less host time per step).
+measurement is a child process that imports either tree, and the two alternate, `--reps` times
+per case, so both see the same machine state. Loops: "plain" (overlap off), "overlap" (the
+overlap scheduler with the forward-thread executor, whose forward is the null runner's: the
+overlap loop's bookkeeping plus the GIL hand-offs with that thread) and "inline" (the overlap
+scheduler with an executor that does the null forward and the sampling at launch, on the
+scheduler thread: the host path of the CUDA executor, which launches from the scheduler thread
+and has no second thread, without the kernel launches); also "process" (the CPU default: the
+device process, whose null forward answers over a pipe). Per case: the median step of each
+child (over `--steps` steps after a warm-up), then the median over the repetitions; the ratio
+is this tree / baseline (< 1: less host time per step).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def child(root: str, loop: str, bs: int, steps: int) -> float:
     torch.set_num_threads(1)
     from benchmarks.overlap import NULL_VOCAB, _close, _null_scheduler, _requests
 
-    scheduler = _null_scheduler(bs, "plain" if loop == "plain" else "thread", steps + 60)
+    kind = loop if loop in ("plain", "process") else "thread"
+    scheduler = _null_scheduler(bs, kind, steps + 60)
     if loop == "inline":
         scheduler.executor.close()
         scheduler.executor = _inline_executor(scheduler)

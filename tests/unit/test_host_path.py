@@ -184,3 +184,36 @@ def test_overlap_decode_of_the_batch_in_flight_skips_the_placeholder_map(seeded)
             assert scheduler._pending is None
     finally:
         _close(scheduler)
+
+
+def test_process_executor_sends_an_unchanged_sampling_info_once():
+    """The CPU device process keeps the last info it received; the scheduler sends a marker in
+    place of that very object, and the device counts an info as received even when the batch
+    that carried it fails."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from engine.overlap.process_executor import SAME_INFO, ProcessExecutor, _Device
+
+    a, b = (SamplingBatchInfo.from_params([SamplingParams(temperature=t)], 64, "cpu")
+            for t in (0.5, 0.9))  # fmt: skip
+    ex = ProcessExecutor.__new__(ProcessExecutor)  # (no device process: only the messages)
+    ex._last_info = None
+    assert ex._info_message(None) is None
+    sent_a = ex._info_message(a)
+    assert sent_a != SAME_INFO and ex._info_message(a) == SAME_INFO
+    sent_b = ex._info_message(b)
+    assert sent_b != SAME_INFO and ex._info_message(a) != SAME_INFO  # a again, after b
+
+    def failing_forward(*_):
+        raise RuntimeError("the batch fails")
+
+    runner = SimpleNamespace(device="cpu", build_forward_batch=lambda mwb: mwb,
+                             forward=failing_forward)  # fmt: skip
+    device = _Device(runner, max_bs=4)
+    mwb = SimpleNamespace(out_cache_loc=np.zeros(1, dtype=np.int64))
+    answer = device.run(("forward", 0, mwb, None, sent_b))
+    assert answer[0] == "error" and "the batch fails" in answer[2]
+    assert device._info(SAME_INFO) is device.last_info
+    assert torch.equal(device.last_info.temperatures, b.temperatures)
