@@ -58,10 +58,18 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool | None = None,
         top_logprobs_num: int | None = None,
+        logprob_start_len: int | None = None,
     ) -> dict | list[dict]:
-        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+
+        With `return_logprob`, `meta_info` has SGLang's `output_token_logprobs` ([logprob,
+        token id] per output token) and, with `top_logprobs_num`, `output_top_logprobs`;
+        `logprob_start_len` >= 0 adds the prompt's from that position (`input_token_logprobs`,
+        `input_top_logprobs`; position 0 has none). `max_new_tokens` 0 runs the prompt only."""
         single, prompts_ids = self._input_ids(prompt, input_ids)
-        params = self._params(sampling_params, len(prompts_ids), return_logprob, top_logprobs_num)
+        logprob_args = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
+                        "logprob_start_len": logprob_start_len}  # fmt: skip
+        params = self._params(sampling_params, len(prompts_ids), logprob_args)
         rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
         for rid, ids, p in zip(rids, prompts_ids, params):
             self.scheduler.add_request(rid, ids, p)
@@ -102,9 +110,7 @@ class Engine:
                 raise ValueError("input_ids: token id out of the vocabulary")
         return single, batch
 
-    def _params(
-        self, sp: Any, n: int, return_logprob: bool | None, top_logprobs_num: int | None
-    ) -> list[SamplingParams]:
+    def _params(self, sp: Any, n: int, logprob_args: dict[str, Any]) -> list[SamplingParams]:
         dicts = sp if isinstance(sp, list) else [sp or {}] * n
         if len(dicts) != n:
             raise ValueError(f"sampling_params: {len(dicts)} given for {n} prompts")
@@ -112,10 +118,9 @@ class Engine:
         vocab = self.scheduler.model_runner.model_config.vocab_size
         for d in dicts:
             d = dict(d or {})
-            if return_logprob is not None:
-                d.setdefault("return_logprob", return_logprob)
-            if top_logprobs_num is not None:
-                d.setdefault("top_logprobs_num", top_logprobs_num)
+            for key, value in logprob_args.items():
+                if value is not None:
+                    d.setdefault(key, value)
             p = SamplingParams.from_dict(d)
             p.verify(vocab)
             p.normalize()
@@ -147,9 +152,7 @@ class Engine:
             "finish_reason": reason.to_dict() if reason else None,
         }
         if params.return_logprob:
-            meta["output_token_logprobs"] = list(zip(req.logprobs, req.output_ids))
-            if params.top_logprobs_num:
-                meta["output_top_logprobs"] = req.top_logprobs
+            meta.update(_logprob_meta(req))
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     # -- management -----------------------------------------------------------------------------
@@ -179,3 +182,27 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _logprob_meta(req: Req) -> dict[str, Any]:
+    """SGLang's logprob fields of `meta_info` ([logprob, token id] pairs, best first)."""
+    top = req.sampling_params.top_logprobs_num > 0
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [list(p) for p in zip(req.logprobs, req.output_ids)]
+    }
+    if top:
+        meta["output_top_logprobs"] = [_pairs(t) for t in req.top_logprobs]
+    start = req.prompt_logprob_start
+    if start is not None:
+        lps: list[float | None] = [None] * (req.prompt_logprob_first - start)
+        lps += req.prompt_token_logprobs
+        ids = req.origin_input_ids[start:]
+        meta["input_token_logprobs"] = [list(p) for p in zip(lps, ids, strict=True)]
+        if top:
+            tops = [None] * (req.prompt_logprob_first - start)
+            meta["input_top_logprobs"] = tops + [_pairs(t) for t in req.prompt_top_logprobs]
+    return meta
+
+
+def _pairs(top: tuple[list[int], list[float]]) -> list[list]:
+    return [[v, t] for t, v in zip(*top)]

@@ -62,6 +62,8 @@ class ForwardBatch:
     extend_seq_lens: torch.Tensor | None = None  # [B] int64, extend_seq_lens_cpu on the device
     # logits for every position instead of the last of each request (teacher forcing)
     return_all_logits: bool = False
+    # EXTEND: packed token indices whose logits follow the last tokens' (prompt logprobs)
+    prompt_logprob_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -18,7 +18,7 @@ from engine.loader import load_model
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
 from engine.mem_cache.kv_pool import KVPool
 from engine.mem_cache.memory_pool import ReqToTokenPool
-from engine.sampling.sampler import Sampler
+from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 
@@ -40,6 +40,7 @@ class GenerationBatchResult:
     next_token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None = None  # [B]
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # per request, see the sampler
 
 
 class ModelRunner:
@@ -182,6 +183,9 @@ class ModelRunner:
             extend_seq_lens_cpu=mwb.extend_seq_lens,
             extend_start_loc=start_loc,
             extend_seq_lens=lens,
+            prompt_logprob_rows=None
+            if mwb.prompt_logprob_rows is None
+            else torch.tensor(mwb.prompt_logprob_rows, dtype=torch.int64).to(dev),
         )
 
     @torch.inference_mode()
@@ -243,8 +247,10 @@ class ModelRunner:
             output_ids=mwb.output_ids,
             input_ids=mwb.prompt_ids,  # (seeded rows' step positions: len(output_ids))
         )
-        out = self.sampler(logits, info, mwb.return_logprob, mwb.top_logprobs_nums)
-        return GenerationBatchResult(out.next_token_ids, out.logprobs, out.top_logprobs)
+        out = sample_batch(self.sampler, logits, info, mwb)
+        return GenerationBatchResult(
+            out.next_token_ids, out.logprobs, out.top_logprobs, out.prompt_logprobs
+        )
 
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         logits = self.forward(self.build_forward_batch(mwb))

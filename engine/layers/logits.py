@@ -1,7 +1,8 @@
 """From final hidden states to float32 logits.
 
 Only the rows whose logits are needed go through the (large) lm_head matmul: the last new
-token of each request, or every token when `forward_batch.return_all_logits` is set.
+token of each request, then the rows of `forward_batch.prompt_logprob_rows` (prompt
+logprobs), or every token when `forward_batch.return_all_logits` is set.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ class LogitsProcessor(nn.Module):
     def forward(
         self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        """hidden_states [num_tokens, hidden] -> logits [batch_size, vocab] float32
-        ([num_tokens, vocab] with `return_all_logits`)."""
-        if not forward_batch.return_all_logits and not forward_batch.forward_mode.is_decode():
-            hidden_states = hidden_states.index_select(0, forward_batch.last_token_indices)
+        """hidden_states [num_tokens, hidden] -> logits [batch_size (+ prompt logprob rows),
+        vocab] float32 ([num_tokens, vocab] with `return_all_logits`)."""
+        fb = forward_batch
+        if not fb.return_all_logits and not fb.forward_mode.is_decode():
+            index = fb.last_token_indices
+            if fb.prompt_logprob_rows is not None:
+                index = torch.cat([index, fb.prompt_logprob_rows])
+            hidden_states = hidden_states.index_select(0, index)
         logits = F.linear(hidden_states, lm_head_weight)
         return logits.float()

@@ -23,8 +23,8 @@ outputs are discarded) and (b) prefix slots that `cache_unfinished_req` re-point
 cache's copy of the same tokens; neither changes a result that is used. KV slots freed
 meanwhile are only written again by later batches on F, in order.
 
-Exception: `top_logprobs` are gathered into Python lists by the sampler, which synchronizes
-with F; batches that ask for them lose the overlap.
+Exception: `top_logprobs` and prompt logprobs are gathered into Python lists by the sampler,
+which synchronizes with F; batches that ask for them lose the overlap.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class CudaStreamExecutor(OverlapExecutor):
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         launch.keep_alive.append(out)  # read by C; freed once `done` has been waited for
-        launch.result = GenerationBatchResult(ids, logprobs, out.top_logprobs)
+        launch.result = GenerationBatchResult(ids, logprobs, out.top_logprobs, out.prompt_logprobs)
         launch.done = done
 
     def wait(self, launch: Launch) -> GenerationBatchResult:

@@ -40,6 +40,7 @@ import torch
 
 from engine.model_runner import GenerationBatchResult
 from engine.overlap.future_map import FutureMap, FutureSlots
+from engine.sampling.sampler import sample_batch
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 
@@ -97,7 +98,7 @@ def sample_into_map(
     mwb: ModelWorkerBatch, slots: FutureSlots,
 ) -> Any:  # fmt: skip
     """Sample a batch's next tokens and store them into its FutureMap slots (device work)."""
-    out = runner.sampler(logits, info, mwb.return_logprob, mwb.top_logprobs_nums)
+    out = sample_batch(runner.sampler, logits, info, mwb)
     future_map.store_to_map(slots, out.next_token_ids)
     return out
 
@@ -201,7 +202,7 @@ class ThreadExecutor(OverlapExecutor):
         if launch.error is None:
             out = self._sample(launch)
             launch.result = GenerationBatchResult(
-                out.next_token_ids, out.logprobs, out.top_logprobs
+                out.next_token_ids, out.logprobs, out.top_logprobs, out.prompt_logprobs
             )
         launch.done.set()
 

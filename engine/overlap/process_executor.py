@@ -205,9 +205,12 @@ class ProcessExecutor(OverlapExecutor):
         if kind == "error":
             launch.error = DeviceError(answer[2])
         else:
-            _, _, ids, logprobs, top = answer
+            _, _, ids, logprobs, top, prompt = answer
             launch.result = GenerationBatchResult(
-                torch.from_numpy(ids), None if logprobs is None else torch.from_numpy(logprobs), top
+                torch.from_numpy(ids),
+                None if logprobs is None else torch.from_numpy(logprobs),
+                top,
+                prompt,
             )
 
 
@@ -337,4 +340,5 @@ class _Device:
     ) -> tuple:  # fmt: skip
         out = sample_into_map(self.runner, self.future_map, logits, info, mwb, slots)
         logprobs = None if out.logprobs is None else out.logprobs.numpy()
-        return ("result", lid, out.next_token_ids.numpy(), logprobs, out.top_logprobs)
+        ids = out.next_token_ids.numpy()
+        return ("result", lid, ids, logprobs, out.top_logprobs, out.prompt_logprobs)

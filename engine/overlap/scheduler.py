@@ -249,8 +249,10 @@ def _select_rows(result: GenerationBatchResult, rows: list[int]) -> GenerationBa
     index = torch.tensor(rows, dtype=torch.int64)
     logprobs = result.logprobs
     top = result.top_logprobs
+    prompt = result.prompt_logprobs
     return GenerationBatchResult(
         result.next_token_ids.index_select(0, index),
         logprobs.index_select(0, index) if logprobs is not None else None,
         [top[i] for i in rows] if top is not None else None,
+        [prompt[i] for i in rows] if prompt is not None else None,
     )

@@ -13,6 +13,10 @@ of (seed, step position, token id), which makes it reproducible whatever the res
 batch is and wherever the request sits in it. Unseeded rows take E from the sampler's
 own torch.Generator. Greedy rows (top_k == 1 or temperature ~ 0) return the exact argmax.
 
+Prompt logprobs (`sample_batch`, for requests with `logprob_start_len`) follow the same rule
+(without penalties, which count generated tokens): the logits of the prompt position before
+each scored token, divided by the request's temperature.
+
 Logprobs follow SGLang's default (SGLANG_RETURN_ORIGINAL_LOGPROB unset): log_softmax of the
 penalised logits divided by the request's temperature, taken before top-k / top-p / min-p,
 clamped to float32's lowest finite value. For greedy requests the temperature is 1.
@@ -22,20 +26,30 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
+if TYPE_CHECKING:
+    from engine.scheduler.schedule_batch import ModelWorkerBatch
+
 _M32 = 0xFFFFFFFF
+
+TopLogprobs = tuple[list[int], list[float]]  # (token ids, logprobs), best first
+# One request's prompt logprobs from one batch: the scored tokens' logprobs, in prompt order,
+# and their top candidates when the request asked for top logprobs.
+PromptLogprobs = tuple[list[float], list[TopLogprobs] | None]
 
 
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None  # [B] float32, logprob of each chosen token
-    top_logprobs: list[tuple[list[int], list[float]]] | None  # per request: (ids, logprobs)
+    top_logprobs: list[TopLogprobs] | None  # per request
+    prompt_logprobs: list[PromptLogprobs | None] | None = None  # per request (sample_batch)
 
 
 class Sampler:
@@ -124,6 +138,46 @@ class Sampler:
         return gen
 
 
+def sample_batch(
+    sampler: Sampler, logits: torch.Tensor, info: SamplingBatchInfo, mwb: ModelWorkerBatch
+) -> SampleOutput:
+    """Sample a batch's next tokens from the first `batch_size` rows of `logits`; the rows
+    after them (`mwb.prompt_logprob_rows`, if any) give the prompt logprobs."""
+    counts = mwb.prompt_logprob_counts
+    if counts is None:
+        return sampler(logits, info, mwb.return_logprob, mwb.top_logprobs_nums)
+    b = mwb.batch_size
+    out = sampler(logits[:b], info, mwb.return_logprob, mwb.top_logprobs_nums)
+    out.prompt_logprobs = prompt_logprobs(logits[b:], info, mwb)
+    return out
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, info: SamplingBatchInfo, mwb: ModelWorkerBatch
+) -> list[PromptLogprobs | None]:
+    """Each request's share of the prompt logprob rows `logits` [K, V]: the logprob of the
+    target token of each row, and the row's top logprobs if the request wants them."""
+    counts, targets = mwb.prompt_logprob_counts, mwb.prompt_logprob_targets
+    assert counts is not None and targets is not None
+    dev = logits.device
+    temps = info.temperatures.view(-1).repeat_interleave(
+        torch.tensor(counts, device=dev), output_size=logits.shape[0]
+    )
+    logprobs = F.log_softmax(logits.float() / temps.unsqueeze(1), dim=-1)
+    logprobs.clamp_(min=torch.finfo(torch.float32).min)
+    target = torch.tensor(targets, dtype=torch.int64, device=dev).unsqueeze(1)
+    chosen = logprobs.gather(1, target).squeeze(1).tolist()
+    nums = [k for k, c in zip(mwb.top_logprobs_nums, counts, strict=True) for _ in range(c)]
+    top = _top_logprobs(logprobs, nums)
+    out: list[PromptLogprobs | None] = []
+    offset = 0
+    for k, c in zip(mwb.top_logprobs_nums, counts, strict=True):
+        rows = slice(offset, offset + c)
+        out.append((chosen[rows], top[rows] if top is not None and k > 0 else None) if c else None)
+        offset += c
+    return out
+
+
 def _top_k_top_p_sorted(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Zero the tokens outside top-k, then outside top-p; rows sorted descending."""
     if info.need_top_k:
@@ -173,9 +227,7 @@ def seeded_exponential(
     return -torch.log(uniform)
 
 
-def _top_logprobs(
-    logprobs: torch.Tensor, nums: Sequence[int] | None
-) -> list[tuple[list[int], list[float]]] | None:
+def _top_logprobs(logprobs: torch.Tensor, nums: Sequence[int] | None) -> list[TopLogprobs] | None:
     """The k highest (token id, logprob) of each row, best first; None if no k > 0."""
     k_max = max(nums, default=0) if nums else 0
     if k_max <= 0:

@@ -37,6 +37,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # with return_logprob: the prompt position from which the prompt tokens' logprobs are
+    # returned too (SGLang's request field; -1: none, output tokens only)
+    logprob_start_len: int = -1
     n: int = 1
 
     @property
@@ -70,6 +73,7 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
             (self.top_logprobs_num >= 0, "top_logprobs_num", "must be >= 0"),
+            (self.logprob_start_len >= -1, "logprob_start_len", "must be >= -1"),
             (self.n >= 1, "n", "must be >= 1"),
             (all(s for s in self.stop_strs), "stop", "must not contain empty strings"),
         ]
@@ -136,6 +140,7 @@ _FIELD_TYPES: dict[str, str] = {
     "spaces_between_special_tokens": "bool",
     "return_logprob": "bool",
     "top_logprobs_num": "int",
+    "logprob_start_len": "int",
     "n": "int",
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}

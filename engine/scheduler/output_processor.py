@@ -48,7 +48,7 @@ class OutputProcessor:
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """`result.next_token_ids` holds one sampled token per request of `batch` (a tensor or
-        list); optional `logprobs` / `top_logprobs` alongside."""
+        list); optional `logprobs` / `top_logprobs` / `prompt_logprobs` alongside."""
         next_ids = result.next_token_ids
         if hasattr(next_ids, "tolist"):
             next_ids = next_ids.tolist()
@@ -56,6 +56,9 @@ class OutputProcessor:
             result.logprobs.tolist() if getattr(result, "logprobs", None) is not None else None
         )
         top = getattr(result, "top_logprobs", None)
+        prompt = getattr(result, "prompt_logprobs", None)
+        if prompt is not None:
+            _add_prompt_logprobs(batch.reqs, prompt)
         chunked = getattr(batch, "chunked_req", None)
         tree_cache = self.scheduler.tree_cache
         context_len = self.scheduler.context_len
@@ -93,3 +96,13 @@ class OutputProcessor:
             events.append(StepEvent(req, new, start, reason))
         stats.generation_tokens += num_new
         stats.num_finished += num_finished
+
+
+def _add_prompt_logprobs(reqs: list[Req], prompt: list) -> None:
+    """Append each request's prompt logprobs from a batch (a chunk's too, in chunk order)."""
+    for req, entry in zip(reqs, prompt, strict=True):
+        if entry is not None and req.finished_reason is None:
+            logprobs, top = entry
+            req.prompt_token_logprobs.extend(logprobs)
+            if top is not None:
+                req.prompt_top_logprobs.extend(top)

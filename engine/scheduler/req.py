@@ -87,6 +87,17 @@ class Req:
         self.num_retractions = 0
         self.logprobs: list[float] = []
         self.top_logprobs: list[tuple[list[int], list[float]]] = []
+        # Prompt logprobs (return_logprob with 0 <= logprob_start_len < prompt length): those
+        # of prompt positions `prompt_logprob_first`... (position 0 has none), computed from
+        # the logits of the position before each. `prompt_logprob_cursor` is the first of
+        # those logit positions no batch has been built for yet.
+        self.prompt_logprob_start: int | None = None
+        start = sampling_params.logprob_start_len
+        if sampling_params.return_logprob and 0 <= start < len(origin_input_ids):
+            self.prompt_logprob_start = start
+        self.prompt_logprob_cursor = max(start, 1) - 1
+        self.prompt_token_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[tuple[list[int], list[float]]] = []
 
     # -- inputs for the next round ------------------------------------------------------------
     @property
@@ -96,11 +107,34 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
 
+    @property
+    def prompt_logprob_first(self) -> int:
+        """The first prompt position with a logprob (the start, but not position 0)."""
+        return max(self.prompt_logprob_start or 0, 1)
+
+    def prompt_logprob_rows(self, prefix_len: int, seq_len: int) -> range:
+        """Positions among the new tokens [prefix_len, seq_len) of a prefill whose logits
+        give prompt logprobs still to compute; advances the cursor past them."""
+        if self.prompt_logprob_start is None:
+            return range(0)
+        rows = range(max(prefix_len, self.prompt_logprob_cursor), min(seq_len, self.prompt_len - 1))
+        self.prompt_logprob_cursor = max(self.prompt_logprob_cursor, rows.stop)
+        return rows
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
     def init_next_round_input(self, tree_cache: Any) -> None:
         """Match the prefix cache for a (re-)prefill of everything known so far. At least one
-        token is always left to compute, since its logits give the next token."""
+        token is always left to compute, since its logits give the next token; and the prefix
+        stops where prompt logprobs still need logits (a cached prefix computes none)."""
         self.fill_ids = self.all_ids()
-        key = self.fill_ids[: len(self.fill_ids) - 1]
+        limit = len(self.fill_ids) - 1
+        cursor = self.prompt_logprob_cursor
+        if self.prompt_logprob_start is not None and cursor < self.prompt_len - 1:
+            limit = min(limit, cursor)
+        key = self.fill_ids[:limit]
         self.prefix_indices, self.last_node = tree_cache.match_prefix(key)
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
@@ -113,6 +147,9 @@ class Req:
         self.extend_input_len = 0
         self.is_retracted = True
         self.num_retractions += 1
+        # results of batches in flight for this request are dropped (see the overlap
+        # scheduler): prompt logprobs not received yet are computed again
+        self.prompt_logprob_cursor = self.prompt_logprob_first - 1 + len(self.prompt_token_logprobs)
 
     # -- finishing ----------------------------------------------------------------------------
     @property
@@ -131,6 +168,8 @@ class Req:
             return
         params = self.sampling_params
         if len(self.output_ids) >= params.max_new_tokens:
+            if params.max_new_tokens == 0:  # the prompt only (for its logprobs): no output
+                del self.output_ids[:], self.logprobs[:], self.top_logprobs[:]
             self.finished_reason = FinishReason("length", length=params.max_new_tokens)
             return
         last = self.output_ids[-1] if self.output_ids else None

@@ -38,6 +38,11 @@ class ModelWorkerBatch:
     prompt_ids: list[list[int]]  # per request, the prompt (for the repetition penalty)
     return_logprob: bool = False
     top_logprobs_nums: list[int] = field(default_factory=list)
+    # prompt logprobs (EXTEND; None when no request wants any): the packed token indices
+    # whose logits give them, the prompt token each row scores, and the rows per request
+    prompt_logprob_rows: list[int] | None = None
+    prompt_logprob_targets: list[int] | None = None
+    prompt_logprob_counts: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -56,6 +61,8 @@ class ScheduleBatch:
         # requests decoding one token inside this prefill batch (mixed chunk; see
         # `mix_with_running`): they are not prompts, the prefix cache is not updated for them
         self.decoding_reqs: frozenset[Req] = frozenset()
+        # (rows, targets, counts) of prompt logprobs, see ModelWorkerBatch
+        self._prompt_logprobs: tuple[list[int], list[int], list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -95,6 +102,23 @@ class ScheduleBatch:
         self.out_cache_loc = out
         self._prefix_lens = prefix_lens
         self._seq_lens = seq_lens
+        if any(r.prompt_logprob_start is not None for r in self.reqs):
+            self._plan_prompt_logprobs()
+
+    def _plan_prompt_logprobs(self) -> None:
+        """The rows whose logits give prompt logprobs (each position once, over chunks)."""
+        rows: list[int] = []
+        targets: list[int] = []
+        counts: list[int] = []
+        offset = 0
+        for r, pl, sl in zip(self.reqs, self._prefix_lens, self._seq_lens):
+            positions = r.prompt_logprob_rows(pl, sl)
+            rows.extend(range(offset + positions.start - pl, offset + positions.stop - pl))
+            targets.extend(r.origin_input_ids[positions.start + 1 : positions.stop + 1])
+            counts.append(len(positions))
+            offset += sl - pl
+        if rows:
+            self._prompt_logprobs = (rows, targets, counts)
 
     def _last_locs(self, prefix_lens: list[int]) -> list[int]:
         """Slot of each request's last cached token (-1 if none); the allocator continues a
@@ -155,6 +179,10 @@ class ScheduleBatch:
         self._prefix_lens = running._prefix_lens + self._prefix_lens
         self._seq_lens = running._seq_lens + self._seq_lens
         self.decoding_reqs = frozenset(running.reqs)
+        if self._prompt_logprobs is not None:  # the running requests' tokens come first
+            rows, targets, counts = self._prompt_logprobs
+            n = len(running.reqs)
+            self._prompt_logprobs = ([i + n for i in rows], targets, [0] * n + counts)
 
     def retract_decode(self) -> list[Req]:
         """Free memory by sending requests back to the waiting queue: fewest output tokens
@@ -217,4 +245,14 @@ class ScheduleBatch:
             prompt_ids=[r.origin_input_ids for r in self.reqs],
             return_logprob=any(r.sampling_params.return_logprob for r in self.reqs),
             top_logprobs_nums=[r.sampling_params.top_logprobs_num for r in self.reqs],
+            **_prompt_logprob_fields(self._prompt_logprobs if extend else None),
         )
+
+
+def _prompt_logprob_fields(plan: tuple | None) -> dict[str, Any]:
+    if plan is None:
+        return {}
+    rows, targets, counts = plan
+    return dict(
+        prompt_logprob_rows=rows, prompt_logprob_targets=targets, prompt_logprob_counts=counts
+    )

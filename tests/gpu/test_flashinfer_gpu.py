@@ -197,7 +197,8 @@ def _agreeing_tokens(got: dict, want: dict) -> tuple[int, bool]:
     first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
     if first == len(w):
         return first, True
-    top_ids, top_logprobs = want["meta_info"]["output_top_logprobs"][first]
+    top = want["meta_info"]["output_top_logprobs"][first]  # [[logprob, token id], ...]
+    top_ids, top_logprobs = [t for _, t in top], [v for v, _ in top]
     tied = (
         g[first] in top_ids and top_logprobs[0] - top_logprobs[top_ids.index(g[first])] <= TIE_NATS
     )
