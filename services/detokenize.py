@@ -196,6 +196,7 @@ class StepDetokenizer:
                     token_logprobs=row.token_logprobs,
                     top_logprobs_ids=row.top_logprobs_ids,
                     top_logprobs_vals=row.top_logprobs_vals,
+                    prompt_logprobs=row.prompt_logprobs,
                 )
             )
         return [

@@ -67,6 +67,8 @@ class SubRequest:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     stop: list[str] = field(default_factory=list)
+    logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
+    echo: bool = False  # /v1/completions: the prompt goes before the output (and logprobs)
 
 
 def _stop_list(v: Any) -> list[str] | None:
@@ -164,7 +166,6 @@ class CompletionRequest(SamplingFields):
 
     def to_subrequests(self) -> list[SubRequest]:
         for name, bad in (
-            ("echo", self.echo),
             ("suffix", self.suffix),
             ("best_of", self.best_of not in (None, 1, self.n)),
         ):
@@ -172,8 +173,14 @@ class CompletionRequest(SamplingFields):
                 raise ApiError(400, f"{name} is not supported", name, "unsupported")
         params = self.sampling_params(self.max_tokens)
         top = self.logprobs or 0
+        logprob = self.logprobs is not None
         prompts = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in self.prompt]
-        return fan_out(prompts, params, self.n, self.logprobs is not None, top)
+        # echo with logprobs scores the whole prompt too (vLLM's and OpenAI's legacy shape)
+        start = 0 if self.echo and logprob else -1
+        subs = fan_out(prompts, params, self.n, logprob, top, start)
+        for sub in subs:
+            sub.echo = bool(self.echo)
+        return subs
 
 
 class ContentPart(_Strict):
@@ -250,6 +257,16 @@ class GenerateRequest(_Strict):
     stream: bool | None = False
     return_logprob: bool | None = False
     top_logprobs_num: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
+    # with return_logprob, the prompt's logprobs from this position (-1: none); one per
+    # prompt, or one for all
+    logprob_start_len: int | list[int] | None = -1
+
+    @field_validator("logprob_start_len")
+    @classmethod
+    def _check_start(cls, v: Any) -> Any:
+        if any(s < -1 for s in (v if isinstance(v, list) else [v or 0])):
+            raise ValueError("must be >= -1")
+        return v
 
     @field_validator("input_ids")
     @classmethod
@@ -282,18 +299,28 @@ class GenerateRequest(_Strict):
                 "sampling_params",
                 "invalid_value",
             )
+        starts = self.logprob_start_len
+        if not isinstance(starts, list):
+            starts = [-1 if starts is None else starts] * len(prompts)
+        elif len(starts) != len(prompts):
+            msg = f"{len(starts)} logprob_start_len for {len(prompts)} prompts"
+            raise ApiError(400, msg, "logprob_start_len", "invalid_value")
         subs: list[SubRequest] = []
-        for i, (prompt, p) in enumerate(zip(prompts, sps, strict=True)):
-            for sub in fan_out(
-                [prompt], p.to_dict(), p.n, bool(self.return_logprob), self.top_logprobs_num or 0
-            ):
+        logprob, top = bool(self.return_logprob), self.top_logprobs_num or 0
+        for i, (prompt, p, start) in enumerate(zip(prompts, sps, starts, strict=True)):
+            for sub in fan_out([prompt], p.to_dict(), p.n, logprob, top, start):
                 sub.index, sub.prompt_index = len(subs), i
                 subs.append(sub)
         return subs
 
 
 def fan_out(
-    prompts: list[dict[str, Any]], params: dict[str, Any], n: int, logprob: bool, top: int
+    prompts: list[dict[str, Any]],
+    params: dict[str, Any],
+    n: int,
+    logprob: bool,
+    top: int,
+    logprob_start_len: int = -1,
 ) -> list[SubRequest]:
     """n sub-requests per prompt; with a seed, sample j gets seed + j (distinct samples)."""
     subs = []
@@ -312,6 +339,7 @@ def fan_out(
                     return_logprob=logprob,
                     top_logprobs_num=top,
                     stop=stop,
+                    logprob_start_len=logprob_start_len,
                     **prompt,
                 )
             )

@@ -216,6 +216,7 @@ class Broker:
             stream=True,
             return_logprob=sub.return_logprob,
             top_logprobs_num=sub.top_logprobs_num,
+            logprob_start_len=sub.logprob_start_len,
             created=time.time(),
         )
 

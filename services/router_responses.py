@@ -7,6 +7,10 @@
   the text and ids so far (SGLang's default, what its `bench_serving` expects), or with
   `incremental` (SGLang's `--incremental-streaming-output`) only the new ones, and the
   logprobs of only the new tokens; `meta_info`'s counts are the whole output's either way.
+  With `logprob_start_len`, the prompt's logprobs as `input_token_logprobs` (and
+  `input_top_logprobs`): `[logprob, token id]`, None for the prompt's first token.
+* `echo` (`/v1/completions`): the prompt's text goes before the output's, in the response or
+  the first chunk of each choice, and with `logprobs` so do the prompt tokens' logprobs.
 
 A stream yields nothing before the first delta, so an error that comes before any output
 (a prompt too long, no worker) still becomes a plain HTTP error; after that, an error is
@@ -26,6 +30,7 @@ from typing import Any
 from services.router_protocol import ApiError
 from services.router_requests import RequestHandle, merged
 from services.router_stream import Delta, Usage
+from shared.messages import PromptLogprobs
 
 DONE = b"data: [DONE]\n\n"
 _MARK = "\x00text\x00"
@@ -40,6 +45,7 @@ class TokenNames:
 
     def __init__(self) -> None:
         self._decode: Any = None
+        self._tokenizer: Any = None
         self._tried: set[str] = set()
 
     def load(self, model_dirs: Iterable[str]) -> None:
@@ -57,10 +63,17 @@ class TokenNames:
             except Exception as exc:  # a broken or foreign file: keep the fallback
                 logger.warning("cannot load %s for logprob tokens: %s", path, exc)
                 continue
+            self._tokenizer = tok
             self._decode = functools.lru_cache(maxsize=1 << 16)(functools.partial(_decode_one, tok))
 
     def __call__(self, token_id: int) -> str:
         return self._decode(token_id) if self._decode else f"token_id:{token_id}"
+
+    def text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of a token sequence (an echoed prompt given as ids)."""
+        if self._tokenizer is None:
+            return "".join(map(self, ids))
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def sse(obj: Any) -> bytes:
@@ -79,12 +92,15 @@ class Choice:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: Any = None
     usage: Usage | None = None
+    prompt: PromptLogprobs | None = None
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
         self.output_ids += delta.output_ids
         self.token_logprobs += delta.token_logprobs or []
         self.top_logprobs += delta.top_logprobs or []
+        if delta.prompt_logprobs is not None:
+            self.prompt = delta.prompt_logprobs
         if delta.finished:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage
 
@@ -148,6 +164,8 @@ class Formatter:
         self.prompt_of = {h.sub.index: h.sub.prompt_index for h in handles}
         self.want_logprobs = handles[0].sub.return_logprob
         self.top_n = handles[0].sub.top_logprobs_num
+        self.echo = kind == "completion" and handles[0].sub.echo
+        self.subs = {h.sub.index: h.sub for h in handles}
         self._templates: dict[int, list[bytes]] = {}
 
     # -- whole responses ------------------------------------------------------------------------
@@ -158,7 +176,9 @@ class Formatter:
             return outs if self.batch else outs[0]
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
         body["choices"] = [
-            self._choice(c, c.text, c.output_ids, c.token_logprobs, c.top_logprobs, final=True)
+            self._choice(
+                c, c.text, c.output_ids, c.token_logprobs, c.top_logprobs, final=True, echo=True
+            )
             for c in choices
         ]
         body["usage"] = usage(choices, self.prompt_of)
@@ -195,6 +215,8 @@ class Formatter:
     def _says_nothing(self, d: Delta, first: bool) -> bool:
         if self.kind == "generate" or d.text or d.finished or self.want_logprobs:
             return False
+        if first and self.echo:
+            return False  # the echoed prompt
         return not (first and self.kind == "chat")  # the first chat chunk names the role
 
     def _chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
@@ -221,9 +243,8 @@ class Formatter:
 
     def _full_chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
         body = self._envelope(self._chunk_object())
-        choice = self._choice(
-            c, d.text, d.output_ids, d.token_logprobs or [], d.top_logprobs or [], final=d.finished
-        )
+        lps, tops = d.token_logprobs or [], d.top_logprobs or []
+        choice = self._choice(c, d.text, d.output_ids, lps, tops, final=d.finished, echo=first)
         if self.kind == "chat":
             message = choice.pop("message")
             choice["delta"] = message if first else {"content": message["content"]}
@@ -245,8 +266,18 @@ class Formatter:
         lps: list[float],
         tops: list[list[tuple[int, float]]],
         final: bool,
+        echo: bool = False,
     ) -> dict[str, Any]:
+        """A choice object; with `echo` (a whole response, or a choice's first chunk) and
+        the request's `echo`, the prompt's text and logprobs go first."""
         out: dict[str, Any] = {"index": c.index}
+        if echo and self.echo:
+            text = self._prompt_text(c.index) + text
+            prompt = c.prompt
+            if prompt is not None:
+                lps = prompt.token_logprobs() + lps[: len(ids)]
+                tops = (prompt.top_pairs() or [None] * len(prompt.ids)) + tops
+                ids = prompt.ids + ids
         if self.kind == "chat":
             out["message"] = {"role": "assistant", "content": text}
         else:
@@ -256,8 +287,15 @@ class Formatter:
         out["matched_stop"] = c.matched if final else None
         return out
 
+    def _prompt_text(self, index: int) -> str:
+        sub = self.subs[index]
+        if sub.text is not None:
+            return sub.text
+        skip = sub.sampling_params.get("skip_special_tokens", True)
+        return self.names.text(sub.input_ids or [], skip_special_tokens=skip)
+
     def _logprobs(
-        self, ids: list[int], lps: list[float], tops: list[list[tuple[int, float]]]
+        self, ids: list[int], lps: list[float | None], tops: list[list[tuple[int, float]] | None]
     ) -> dict[str, Any] | None:
         names = self.names
         if self.kind == "chat":
@@ -273,7 +311,9 @@ class Formatter:
         for tok in tokens:
             offsets.append(pos)
             pos += len(tok)
-        top_maps = [{names(t): v for t, v in top[: self.top_n]} for top in tops] or None
+        top_maps = [
+            None if top is None else {names(t): v for t, v in top[: self.top_n]} for top in tops
+        ] or None
         return {
             "tokens": tokens,
             "token_logprobs": lps[: len(ids)],
@@ -299,7 +339,21 @@ class Formatter:
             if self.top_n:
                 tops = c.top_logprobs[start:]
                 meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in tops]
+            if c.prompt is not None and start == 0:
+                meta.update(_input_logprobs(c.prompt, self.top_n > 0))
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _input_logprobs(prompt: PromptLogprobs, top: bool) -> dict[str, Any]:
+    """SGLang's `input_token_logprobs` (and `input_top_logprobs`) of `meta_info`."""
+    pairs = zip(prompt.token_logprobs(), prompt.ids, strict=True)
+    out: dict[str, Any] = {"input_token_logprobs": [[lp, t] for lp, t in pairs]}
+    tops = prompt.top_pairs()
+    if top and tops is not None:
+        out["input_top_logprobs"] = [
+            None if row is None else [[v, t] for t, v in row] for row in tops
+        ]
+    return out
 
 
 def _decode_one(tokenizer: Any, token_id: int) -> str:

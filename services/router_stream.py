@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared.messages import DetokRow, FinishReason
+from shared.messages import DetokRow, FinishReason, PromptLogprobs
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Delta:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta
 
     @property
     def finished(self) -> bool:
@@ -141,6 +142,8 @@ class OutputAssembler:
                 for ids, vals in zip(row.top_logprobs_ids, row.top_logprobs_vals, strict=True)
             ]
             delta.top_logprobs = (delta.top_logprobs or []) + pairs
+        if row.prompt_logprobs is not None:
+            delta.prompt_logprobs = row.prompt_logprobs
         if row.finished:
             self._finish(row.finish_reason, row)
 

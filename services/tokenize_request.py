@@ -19,7 +19,7 @@ from engine.tokenizer import apply_chat_template
 from shared.messages import GenerateReqMsg, TokenizeReqMsg
 
 _LIFTED = ("stop", "skip_special_tokens", "spaces_between_special_tokens")
-_REQUEST_LEVEL = ("return_logprob", "top_logprobs_num")
+_REQUEST_LEVEL = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
 class RequestError(ValueError):
@@ -63,6 +63,7 @@ class RequestTokenizer:
             stream=msg.stream,
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
             created=msg.created,
         )
 
@@ -90,6 +91,7 @@ class RequestTokenizer:
     ) -> SamplingParams:
         full = {**sp, **lifted, "return_logprob": msg.return_logprob}
         full["top_logprobs_num"] = msg.top_logprobs_num
+        full["logprob_start_len"] = msg.logprob_start_len
         try:
             params = SamplingParams.from_dict(full)
             params.verify(self.vocab_size)

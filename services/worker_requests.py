@@ -22,6 +22,7 @@ from shared.messages import (
     DETOK_WINDOW_LEN,
     FinishReason,
     GenerateReqMsg,
+    PromptLogprobs,
     StepOutputMsg,
     StepRow,
 )
@@ -104,6 +105,7 @@ def sampling_params(msg: GenerateReqMsg, vocab_size: int) -> SamplingParams:
         spaces_between_special_tokens=msg.spaces_between_special_tokens,
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
+        logprob_start_len=msg.logprob_start_len,
     )
     params = SamplingParams.from_dict(d)
     params.verify(vocab_size)
@@ -121,8 +123,9 @@ def _finish_fields(reason: Any) -> tuple[str, Any, str | None]:
 
 
 # A row record: what the I/O process needs of one step event besides the request's
-# `ReqInfo`: (rid, start, new_ids, window_ids, finish, cached_tokens, logprobs), with finish
-# None or (type, matched, message) and logprobs None or (token_logprobs, top_ids, top_vals).
+# `ReqInfo`: (rid, start, new_ids, window_ids, finish, cached_tokens, logprobs, prompt), with
+# finish None or (type, matched, message), logprobs None or (token_logprobs, top_ids,
+# top_vals) and prompt None or `PromptLogprobs`' fields (the request's first row only).
 RowRecord = tuple[Any, ...]
 
 
@@ -143,6 +146,9 @@ def row_record(event: StepEvent) -> RowRecord:
             [list(ids) for ids, _ in top] if top else None,
             [list(vals) for _, vals in top] if top else None,
         )
+    prompt = None
+    if start == 0 and req.prompt_logprob_start is not None:
+        prompt = _prompt_fields(req)
     return (
         req.rid,
         start,
@@ -151,12 +157,28 @@ def row_record(event: StepEvent) -> RowRecord:
         None if reason is None else _finish_fields(reason),
         req.cached_tokens,
         logprobs,
+        prompt,
     )
+
+
+def _prompt_fields(req: Any) -> tuple | None:
+    """`PromptLogprobs`' fields for `req`; None until all of them are computed (an abort)."""
+    start = req.prompt_logprob_start
+    ids = req.origin_input_ids[start:]
+    lps = req.prompt_token_logprobs
+    if len(lps) != len(ids) - (start == 0):
+        return None
+    top = req.prompt_top_logprobs if req.sampling_params.top_logprobs_num > 0 else None
+    if top is not None and len(top) != len(lps):
+        return None
+    top_ids = None if top is None else [list(i) for i, _ in top]
+    top_vals = None if top is None else [list(v) for _, v in top]
+    return (start, list(ids), list(lps), top_ids, top_vals)
 
 
 def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
     """The step row of a row record (in the I/O process, from msgpack's lists)."""
-    rid, start, new_ids, window_ids, finish, cached_tokens, logprobs = record
+    rid, start, new_ids, window_ids, finish, cached_tokens, logprobs, prompt = record
     lps, top_ids, top_vals = logprobs or (None, None, None)
     return StepRow(
         rid=rid,
@@ -173,6 +195,7 @@ def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
         token_logprobs=lps,
         top_logprobs_ids=top_ids,
         top_logprobs_vals=top_vals,
+        prompt_logprobs=None if prompt is None else PromptLogprobs(*prompt),
     )
 
 

@@ -13,7 +13,7 @@ type; both raise `MessageError` for anything invalid. See `base` for the wire fo
 """
 
 from shared.messages.base import Message, Record, decode_message, message_types
-from shared.messages.common import DETOK_WINDOW_LEN, FinishReason
+from shared.messages.common import DETOK_WINDOW_LEN, FinishReason, PromptLogprobs
 from shared.messages.detokenizer import StepOutputMsg, StepRow
 from shared.messages.router import DetokOutputMsg, DetokRow, ErrorMsg, FlushCacheRespMsg
 from shared.messages.schema import MessageError
@@ -34,6 +34,7 @@ __all__ = [
     "GenerateReqMsg",
     "Message",
     "MessageError",
+    "PromptLogprobs",
     "Record",
     "ServiceStatusMsg",
     "StepOutputMsg",

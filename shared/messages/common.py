@@ -46,6 +46,53 @@ class FinishReason(Record):
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs(Record):
+    """A request's prompt logprobs from position `start` (SGLang's `logprob_start_len`).
+
+    `ids` are the prompt tokens from `start` on; `logprobs` those of each of them, except
+    that the prompt's first token has none (when `start` is 0, `logprobs` covers `ids[1:]`);
+    `top_ids` / `top_vals`, when asked for, the best candidates at the same positions.
+    """
+
+    start: int
+    ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_vals: list[list[float]] | None = None
+
+    def _check(self) -> None:
+        want = len(self.ids) - (self.start == 0)
+        if self.start < 0 or not self.ids or len(self.logprobs) != want:
+            raise MessageError(
+                f"PromptLogprobs: {len(self.logprobs)} logprobs for {len(self.ids)} token(s) "
+                f"from position {self.start}"
+            )
+        if (self.top_ids is None) != (self.top_vals is None):
+            raise MessageError("PromptLogprobs: top_ids and top_vals go together")
+        if self.top_ids is not None and self.top_vals is not None:
+            if len(self.top_ids) != want or any(
+                len(i) != len(v) for i, v in zip(self.top_ids, self.top_vals, strict=False)
+            ) or len(self.top_vals) != want:
+                raise MessageError("PromptLogprobs: top_ids / top_vals do not match logprobs")
+
+    @property
+    def none_first(self) -> list[None]:
+        """The missing entry of the prompt's first token, if `ids` starts there."""
+        return [None] if self.start == 0 else []
+
+    def token_logprobs(self) -> list[float | None]:
+        """One per token of `ids` (None for the prompt's first)."""
+        return self.none_first + list(self.logprobs)
+
+    def top_pairs(self) -> list[list[tuple[int, float]] | None] | None:
+        """(token id, logprob) candidates per token of `ids` (None for the prompt's first)."""
+        if self.top_ids is None or self.top_vals is None:
+            return None
+        pairs = [list(zip(i, v, strict=True)) for i, v in zip(self.top_ids, self.top_vals)]
+        return self.none_first + pairs
+
+
 def check_columns(owner: str, columns: dict[str, list], num_rows: int) -> None:
     """Raise MessageError unless every column has `num_rows` entries."""
     for name, column in columns.items():

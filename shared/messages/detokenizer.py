@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shared.messages.base import Message
-from shared.messages.common import Columnar, FinishReason, check_optional_lengths
+from shared.messages.common import Columnar, FinishReason, PromptLogprobs, check_optional_lengths
 from shared.messages.schema import MessageError
 
 
@@ -21,6 +21,7 @@ class StepRow(NamedTuple):
     output token, which tells a detokenizer that no earlier text exists. A final row may
     carry no new tokens (an abort). `completion_tokens` is the output length after this
     step; the logprob fields, when requested, have one entry per new token.
+    `prompt_logprobs`, when requested, comes with the request's first row.
     """
 
     rid: str
@@ -37,6 +38,7 @@ class StepRow(NamedTuple):
     token_logprobs: list[float] | None = None
     top_logprobs_ids: list[list[int]] | None = None
     top_logprobs_vals: list[list[float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -53,13 +55,13 @@ class StepOutputMsg(Columnar, Message):
     """
 
     TAG = "step_output"
-    VERSION = 1
+    VERSION = 2
     ROW = StepRow
     COLUMNS = (
         "rids", "router_ids", "starts", "new_ids", "window_ids", "finish_reasons",
         "prompt_tokens", "completion_tokens", "cached_tokens", "skip_special_tokens",
         "spaces_between_special_tokens", "token_logprobs", "top_logprobs_ids",
-        "top_logprobs_vals",
+        "top_logprobs_vals", "prompt_logprobs",
     )  # fmt: skip
 
     worker_id: str
@@ -78,6 +80,7 @@ class StepOutputMsg(Columnar, Message):
     token_logprobs: list[list[float] | None]
     top_logprobs_ids: list[list[list[int]] | None]
     top_logprobs_vals: list[list[list[float]] | None]
+    prompt_logprobs: list[PromptLogprobs | None]
 
     def _check(self) -> None:
         self._check_columns()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shared.messages.base import Message
-from shared.messages.common import Columnar, FinishReason, check_optional_lengths
+from shared.messages.common import Columnar, FinishReason, PromptLogprobs, check_optional_lengths
 from shared.messages.schema import MessageError
 
 
@@ -16,7 +16,8 @@ class DetokRow(NamedTuple):
     `text` is the delta those tokens add; it may be empty while an incomplete character is
     held back, and the held-back text then arrives with a later range. Ranges of one
     request may arrive out of order or twice: order by `start`, ignore ranges already seen.
-    The final row (finish reason set) carries the usage figures the API reports.
+    The final row (finish reason set) carries the usage figures the API reports, the first
+    (start 0) the prompt logprobs when requested.
     """
 
     rid: str
@@ -31,6 +32,7 @@ class DetokRow(NamedTuple):
     token_logprobs: list[float] | None = None
     top_logprobs_ids: list[list[int]] | None = None
     top_logprobs_vals: list[list[float]] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -46,12 +48,12 @@ class DetokOutputMsg(Columnar, Message):
     """
 
     TAG = "detok_output"
-    VERSION = 1
+    VERSION = 2
     ROW = DetokRow
     COLUMNS = (
         "rids", "starts", "ends", "texts", "output_ids", "finish_reasons", "prompt_tokens",
         "completion_tokens", "cached_tokens", "token_logprobs", "top_logprobs_ids",
-        "top_logprobs_vals",
+        "top_logprobs_vals", "prompt_logprobs",
     )  # fmt: skip
 
     router_id: str
@@ -69,6 +71,7 @@ class DetokOutputMsg(Columnar, Message):
     token_logprobs: list[list[float] | None]
     top_logprobs_ids: list[list[list[int]] | None]
     top_logprobs_vals: list[list[list[float]] | None]
+    prompt_logprobs: list[PromptLogprobs | None]
 
     def _check(self) -> None:
         self._check_columns()

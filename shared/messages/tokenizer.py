@@ -30,7 +30,7 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 1
+    VERSION = 2
 
     rid: str
     router_id: str
@@ -42,6 +42,7 @@ class TokenizeReqMsg(Message):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from there (-1: none)
     created: float = 0.0
 
     def _check(self) -> None:
@@ -52,3 +53,5 @@ class TokenizeReqMsg(Message):
             )
         if self.top_logprobs_num < 0:
             raise MessageError(f"TokenizeReqMsg {self.rid}: top_logprobs_num must be >= 0")
+        if self.logprob_start_len < -1:
+            raise MessageError(f"TokenizeReqMsg {self.rid}: logprob_start_len must be >= -1")

@@ -22,7 +22,7 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 1
+    VERSION = 2
 
     rid: str
     router_id: str
@@ -34,6 +34,7 @@ class GenerateReqMsg(Message):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from there (-1: none)
     created: float = 0.0
 
     def _check(self) -> None:
@@ -41,6 +42,8 @@ class GenerateReqMsg(Message):
             raise MessageError(f"GenerateReqMsg {self.rid}: input_ids is empty")
         if self.top_logprobs_num < 0:
             raise MessageError(f"GenerateReqMsg {self.rid}: top_logprobs_num must be >= 0")
+        if self.logprob_start_len < -1:
+            raise MessageError(f"GenerateReqMsg {self.rid}: logprob_start_len must be >= -1")
 
 
 @dataclass(frozen=True, slots=True)

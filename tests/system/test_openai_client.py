@@ -108,3 +108,44 @@ def test_errors_raise_the_clients_exceptions(client: openai.OpenAI, served_model
     assert info.value.param == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """lm-evaluation-harness's loglikelihood request (`local-completions`): token-id prompts,
+    `echo`, `logprobs=1`, `max_tokens=1`; it reads `token_logprobs[ctxlen:-1]` and checks
+    greediness against `top_logprobs`. The prompt logprobs equal transformers'."""
+    import torch
+
+    from tests.factories import _hf_model
+
+    prompts = [[1, 300, 301, 302, 303, 304], [1, 400, 401]]
+    out = client.completions.create(
+        model=served_model, prompt=prompts, max_tokens=1, logprobs=1, echo=True, temperature=0,
+        seed=1234,
+    )  # fmt: skip
+    model = _hf_model(http_stack.model)
+    for choice, ids in zip(sorted(out.choices, key=lambda c: c.index), prompts, strict=True):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids])).logits[0, :-1].double()
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1))
+        got = torch.tensor(lp.token_logprobs[1 : len(ids)], dtype=torch.float64)
+        torch.testing.assert_close(got, want.squeeze(1), atol=1e-3, rtol=0)
+        for tok, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+            assert len(top) == 1 and tok <= max(top.values()) + 1e-6
+    # echo without logprobs: the prompt's text goes first, whole and streamed
+    whole = client.completions.create(
+        model=served_model, prompt="Echo me", max_tokens=4, echo=True, **GREEDY
+    )
+    assert whole.choices[0].text.startswith("Echo me")
+    stream = client.completions.create(
+        model=served_model, prompt="Echo me", max_tokens=4, echo=True, stream=True, **GREEDY
+    )
+    assert "".join(c.choices[0].text for c in stream if c.choices) == whole.choices[0].text
+    # max_tokens 0 with echo: the prompt only
+    only = client.completions.create(model=served_model, prompt="Echo me", max_tokens=0, echo=True)
+    assert only.choices[0].text == "Echo me" and only.usage.completion_tokens == 0

@@ -20,6 +20,7 @@ from shared.messages import (
     GenerateReqMsg,
     Message,
     MessageError,
+    PromptLogprobs,
     ServiceStatusMsg,
     StepOutputMsg,
     StepRow,
@@ -39,6 +40,10 @@ def step_rows() -> list[StepRow]:
             token_logprobs=[-0.5], top_logprobs_ids=[[2, 9]], top_logprobs_vals=[[-0.5, -1.0]],
         ),
         StepRow("r3", "router-a", 1, [], [7], FinishReason("abort", message="gone"), 3, 1, 0),
+        StepRow(
+            "r4", "router-b", 0, [], [], FinishReason("length"), 3, 0, 0,
+            prompt_logprobs=PromptLogprobs(0, [1, 2, 3], [-1.5, -2.0], [[5], [6]], [[-0.5], [-1]]),
+        ),
     ]  # fmt: skip
 
 
@@ -46,7 +51,11 @@ def detok_rows() -> list[DetokRow]:
     return [
         DetokRow("r0", 0, 1, "Hi", [11], None, 7, 1, 0),
         DetokRow("r2", 3, 4, "", [2], FinishReason("length"), 8, 4, 8, [-0.25], [[2]], [[-0.25]]),
-    ]
+        DetokRow(
+            "r3", 0, 1, "a", [4], None, 9, 1, 0,
+            prompt_logprobs=PromptLogprobs(7, [8, 9], [-0.5, -0.75]),
+        ),
+    ]  # fmt: skip
 
 
 SAMPLES: list[Message] = [
@@ -106,8 +115,9 @@ def test_every_registered_type_has_a_sample() -> None:
 def test_columnar_rows_round_trip() -> None:
     step = decode_message(SAMPLES[7].to_msg())
     assert isinstance(step, StepOutputMsg)
-    assert step.num_rows == 4
+    assert step.num_rows == 5
     assert step.rows() == step_rows()
+    assert step.row(4).prompt_logprobs.token_logprobs() == [None, -1.5, -2.0]
     assert step.row(2).finished and not step.row(1).finished
     assert step.row(2).finish_reason.to_dict() == {"type": "stop", "matched": 2}
     detok = decode_message(SAMPLES[9].to_msg())
@@ -164,9 +174,9 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=2), "tokenize_req: unsupported schema version 2 (speaks 1)"),
+        (lambda b: b.update(v=3), "tokenize_req: unsupported schema version 3 (speaks 2)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
-        (lambda b: b.update(v="1"), "unsupported schema version '1'"),
+        (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),
         (lambda b: b.pop("t"), "unknown message tag None"),
         (lambda b: b.update(text="both"), "exactly one of text, messages, input_ids"),
@@ -183,7 +193,13 @@ def test_schema_violations(mutate, expected: str) -> None:
 def test_cross_field_checks_of_columnar_messages() -> None:
     body = wire(SAMPLES[7])
     body["starts"].pop()
-    assert "StepOutputMsg.starts: column has 3 entries, expected 4" in reason_of(pack(body))
+    assert "StepOutputMsg.starts: column has 4 entries, expected 5" in reason_of(pack(body))
+    body = wire(SAMPLES[7])
+    body["prompt_logprobs"][4]["logprobs"].pop()  # from position 0: one per token but the first
+    assert "PromptLogprobs: 1 logprobs for 3 token(s) from position 0" in reason_of(pack(body))
+    body = wire(SAMPLES[7])
+    body["prompt_logprobs"][4]["top_vals"] = None
+    assert "top_ids and top_vals go together" in reason_of(pack(body))
     body = wire(SAMPLES[7])
     body["window_ids"][0] = [1]  # row 0 starts at 0: no output precedes it
     assert "rows[0]: start 0 with a window of 1" in reason_of(pack(body))

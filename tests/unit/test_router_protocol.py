@@ -58,7 +58,7 @@ COMP = {"model": "m", "prompt": "hi"}
          "invalid_value"),
         (CompletionRequest, {"model": "m", "prompt": []}, "prompt", "invalid_value"),
         (CompletionRequest, {"model": "m", "prompt": [1, "a"]}, "prompt", "invalid_value"),
-        (CompletionRequest, {**COMP, "echo": True}, "echo", "unsupported"),
+        (CompletionRequest, {**COMP, "suffix": "x"}, "suffix", "unsupported"),
         (CompletionRequest, {**COMP, "logit_bias": {"1": 2.0}}, "logit_bias", "unsupported"),
         (ChatCompletionRequest, {"model": "m", "messages": []}, "messages", "invalid_value"),
         (ChatCompletionRequest, {"model": "m", "messages": [{"role": "bot", "content": "x"}]},
@@ -72,6 +72,10 @@ COMP = {"model": "m", "prompt": "hi"}
         (GenerateRequest, {"text": "a", "sampling_params": {"max_new_token": 3}},
          "sampling_params.max_new_token", "invalid_value"),
         (GenerateRequest, {"input_ids": [[1], []]}, "input_ids", "invalid_value"),
+        (GenerateRequest, {"text": "a", "logprob_start_len": -2}, "logprob_start_len",
+         "invalid_value"),
+        (GenerateRequest, {"text": ["a", "b"], "logprob_start_len": [0]}, "logprob_start_len",
+         "invalid_value"),
         (GenerateRequest, {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params",
          "invalid_value"),
     ],
@@ -144,6 +148,20 @@ def test_generate_batches_and_per_prompt_params() -> None:
     assert all(s.return_logprob and s.top_logprobs_num == 2 for s in subs)
     single = parse_body(GenerateRequest, b'{"text": "x"}')
     assert not single.is_batch and single.to_subrequests()[0].text == "x"
+    assert single.to_subrequests()[0].logprob_start_len == -1
+
+
+def test_logprob_start_len_per_prompt_and_echo_scores_the_prompt() -> None:
+    body = {"input_ids": [[1, 2], [3]], "return_logprob": True, "logprob_start_len": [0, 5],
+            "sampling_params": [{}, {"n": 2}]}  # fmt: skip
+    subs = parse_body(GenerateRequest, json.dumps(body).encode()).to_subrequests()
+    assert [s.logprob_start_len for s in subs] == [0, 5, 5]
+    one = parse_body(GenerateRequest, b'{"text": ["a", "b"], "logprob_start_len": 1}')
+    assert [s.logprob_start_len for s in one.to_subrequests()] == [1, 1]
+    (echo,) = subs_of(CompletionRequest, {**COMP, "echo": True, "logprobs": 0})
+    assert echo.echo and echo.return_logprob and echo.logprob_start_len == 0
+    (plain,) = subs_of(CompletionRequest, {**COMP, "echo": True})
+    assert plain.echo and not plain.return_logprob and plain.logprob_start_len == -1
 
 
 def test_max_tokens_beyond_the_context_is_refused_before_sending() -> None:

@@ -12,7 +12,7 @@ import pytest
 from services.router_protocol import SubRequest
 from services.router_responses import Choice, Formatter, TokenNames, usage
 from services.router_stream import Delta, Usage
-from shared.messages import FinishReason
+from shared.messages import FinishReason, PromptLogprobs
 
 
 def formatter(
@@ -20,6 +20,7 @@ def formatter(
     logprobs: bool = False,
     n: int = 1,
     outputs: list[list[Delta]] | None = None,
+    echo: bool = False,
     **options: bool,
 ) -> Formatter:
     """A Formatter over `n` fake handles; handle i yields the deltas `outputs[i]`."""
@@ -29,8 +30,9 @@ def formatter(
             for d in (outputs or [[]] * n)[i]:
                 yield d
 
+        top = 2 if logprobs else 0
         sub = SubRequest(
-            i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=2 if logprobs else 0
+            i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=top, echo=echo
         )
         return SimpleNamespace(rid=f"r{i}", sub=sub, deltas=deltas, close=lambda: None)
 
@@ -184,3 +186,65 @@ def test_generate_stream_is_cumulative_by_default() -> None:
     texts = [o["text"] for o in stream]
     assert texts == ["你好", "你好", "你好 🙂x", "你好 🙂x"]
     assert [len(o["output_ids"]) for o in stream] == [2, 3, 4, 4]
+
+
+PROMPT = PromptLogprobs(0, [1, 2, 3], [-1.0, -2.0], [[7, 8], [9, 8]], [[-0.5, -0.9], [-0.1, -3.0]])
+
+
+def echo_outputs() -> list[Delta]:
+    return [
+        Delta("ab", [4], [-0.25], [[(4, -0.25)]], prompt_logprobs=PROMPT),
+        Delta("c", [5], [-0.5], [[(5, -0.5)]], FinishReason("length"), Usage(3, 2, 0)),
+    ]
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(logprobs: bool) -> None:
+    """`echo` (vLLM / OpenAI legacy completions): the prompt's text first, and with logprobs
+    its tokens too (none for the first); streamed, in each choice's first chunk."""
+
+    async def run() -> tuple[dict, list[dict]]:
+        whole = await formatter("completion", logprobs, 1, [echo_outputs()], echo=True).response()
+        f = formatter("completion", logprobs, 1, [echo_outputs()], echo=True)
+        chunks = [json.loads(c[6:]) for c in [c async for c in f.chunks()][:-1]]
+        return whole, chunks
+
+    whole, chunks = asyncio.run(run())
+    choice = whole["choices"][0]
+    assert choice["text"] == "xabc"
+    assert [c["choices"][0]["text"] for c in chunks] == ["xab", "c"]
+    if not logprobs:
+        assert choice["logprobs"] is None
+        return
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in (1, 2, 3, 4, 5)]
+    assert lp["token_logprobs"] == [None, -1.0, -2.0, -0.25, -0.5]
+    assert lp["top_logprobs"][:3] == [
+        None, {"token_id:7": -0.5, "token_id:8": -0.9}, {"token_id:9": -0.1, "token_id:8": -3.0}
+    ]  # fmt: skip
+    first, last = (c["choices"][0]["logprobs"] for c in chunks)
+    assert first["token_logprobs"] == [None, -1.0, -2.0, -0.25]
+    assert last["token_logprobs"] == [-0.5]
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+def test_generate_reports_the_prompt_logprobs(incremental: bool) -> None:
+    """SGLang's `input_token_logprobs` / `input_top_logprobs`: [logprob, id] from the start
+    position (None for the prompt's first token); in every cumulative chunk, in the first
+    incremental one."""
+
+    async def run() -> tuple[dict, list[dict]]:
+        options = {"incremental": True} if incremental else {}
+        whole = await formatter("generate", True, 1, [echo_outputs()], **options).response()
+        f = formatter("generate", True, 1, [echo_outputs()], **options)
+        return whole, [json.loads(c[6:]) for c in [c async for c in f.chunks()][:-1]]
+
+    whole, chunks = asyncio.run(run())
+    want = {
+        "input_token_logprobs": [[None, 1], [-1.0, 2], [-2.0, 3]],
+        "input_top_logprobs": [None, [[-0.5, 7], [-0.9, 8]], [[-0.1, 9], [-3.0, 8]]],
+    }
+    assert {k: whole["meta_info"][k] for k in want} == want
+    has = ["input_token_logprobs" in c["meta_info"] for c in chunks]
+    assert has == ([True, False] if incremental else [True, True])
+    assert {k: chunks[0]["meta_info"][k] for k in want} == want

@@ -95,6 +95,27 @@ def test_step_rows_carry_window_range_usage_and_logprobs() -> None:
     msg.validate()
 
 
+def test_the_first_row_carries_the_prompt_logprobs_once_complete() -> None:
+    params = SamplingParams(return_logprob=True, top_logprobs_num=1, logprob_start_len=0)
+    req = Req("r1", [1, 2, 3], params)
+    info = RequestTable().start(gen("r1"))
+    req.output_ids = [9]
+    req.prompt_token_logprobs = [-1.0]  # one of the two still to come (an abort): none sent
+    assert expand_row(_through_the_pipe(row_record(StepEvent(req, [9], 0, None))), info)[
+        -1
+    ] is None
+    req.prompt_token_logprobs = [-1.0, -2.0]
+    req.prompt_top_logprobs = [([7], [-0.5]), ([8], [-0.25])]
+    req.logprobs, req.top_logprobs = [-0.1], [([9], [-0.1])]
+    row = expand_row(_through_the_pipe(row_record(StepEvent(req, [9], 0, None))), info)
+    prompt = row.prompt_logprobs
+    assert (prompt.start, prompt.ids, prompt.logprobs) == (0, [1, 2, 3], [-1.0, -2.0])
+    assert prompt.top_pairs() == [None, [(7, -0.5)], [(8, -0.25)]]
+    later = expand_row(_through_the_pipe(row_record(StepEvent(req, [10], 1, None))), info)
+    assert later.prompt_logprobs is None
+    StepOutputMsg.from_rows([row, later], worker_id="0", step=1).validate()
+
+
 def test_a_stop_row_names_what_matched_and_plain_rows_carry_no_logprobs() -> None:
     req = Req("r1", [1, 2], SamplingParams(max_new_tokens=20))
     req.output_ids = [5, 6, 7]
@@ -128,11 +149,12 @@ def test_a_step_message_forgets_a_request_with_its_final_row_and_skips_strangers
     info = RequestTable().start(gen("r1"))
     infos = {"r1": info}
     rows = [
-        ("r1", 0, [5], [], None, 0, None),
-        ("ghost", 0, [6], [], None, 0, None),  # never started: skipped, not fatal
+        ("r1", 0, [5], [], None, 0, None, None),
+        ("ghost", 0, [6], [], None, 0, None, None),  # never started: skipped, not fatal
     ]
     msg = step_message(rows, infos, "w0", 1)
     assert [r.rid for r in msg.rows()] == ["r1"] and "r1" in infos
-    final = step_message([("r1", 1, [7], [5], ("length", None, None), 0, None)], infos, "w0", 2)
+    last = ("r1", 1, [7], [5], ("length", None, None), 0, None, None)
+    final = step_message([last], infos, "w0", 2)
     assert final.rows()[0].finish_reason.type == "length" and "r1" not in infos
-    assert step_message([("ghost", 0, [1], [], None, 0, None)], infos, "w0", 3) is None
+    assert step_message([("ghost", 0, [1], [], None, 0, None, None)], infos, "w0", 3) is None
