@@ -88,7 +88,18 @@ def _check_top_k(v: int | None) -> int | None:
     return v
 
 
+def _check_logit_bias(v: dict[str, float]) -> dict[str, float]:
+    """OpenAI's form: token ids as decimal strings, biases in [-100, 100]."""
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 12):
+            raise ValueError(f"keys must be token ids, got {key!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"biases must be in [-100, 100], got {bias!r} for {key}")
+    return v or None  # type: ignore[return-value]
+
+
 StopStrings = Annotated[Any, AfterValidator(_stop_list)]
+LogitBias = Annotated[dict[str, float], AfterValidator(_check_logit_bias)]
 TopK = Annotated[int | None, AfterValidator(_check_top_k)]
 TokenIds = list[Annotated[int, Field(ge=0)]]
 
@@ -116,6 +127,7 @@ class _SamplingCore(_Strict):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    logit_bias: LogitBias | None = None
     n: int = Field(1, ge=1, le=MAX_N)
 
 
@@ -125,12 +137,9 @@ class SamplingFields(_SamplingCore):
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang-style sampling dict (unset fields left to the engine's defaults)."""
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", "logit_bias", "unsupported")
         core = self.model_dump(include=set(_SamplingCore.model_fields) - {"n"}, exclude_none=True)
         extra = {"max_new_tokens": max_new_tokens, "sampling_seed": self.seed}
         return core | {k: v for k, v in extra.items() if v is not None}

@@ -2,7 +2,7 @@
 
 Order, all on [B, V] tensors with no per-request Python loop:
 
-    penalties -> (all greedy: argmax, done) -> / temperature -> softmax
+    penalties -> logit_bias -> (all greedy: argmax, done) -> / temperature -> softmax
       -> top-k -> top-p (on the top-k-renormalised mass) -> min-p -> draw
 
 Drawing uses the exponential race (the Gumbel-max trick in probability space): with
@@ -14,12 +14,12 @@ batch is and wherever the request sits in it. Unseeded rows take E from the samp
 own torch.Generator. Greedy rows (top_k == 1 or temperature ~ 0) return the exact argmax.
 
 Prompt logprobs (`sample_batch`, for requests with `logprob_start_len`) follow the same rule
-(without penalties, which count generated tokens): the logits of the prompt position before
-each scored token, divided by the request's temperature.
+without penalties and logit_bias (which shape what is generated): the logits of the prompt
+position before each scored token, divided by the request's temperature.
 
 Logprobs follow SGLang's default (SGLANG_RETURN_ORIGINAL_LOGPROB unset): log_softmax of the
-penalised logits divided by the request's temperature, taken before top-k / top-p / min-p,
-clamped to float32's lowest finite value. For greedy requests the temperature is 1.
+penalised and biased logits divided by the request's temperature, taken before top-k / top-p /
+min-p, clamped to float32's lowest finite value. For greedy requests the temperature is 1.
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ class Sampler:
         logits = logits.float()
         if info.penalties is not None:
             logits = info.penalties.apply(logits)
+        logits = info.apply_logit_bias(logits)
         if info.is_all_greedy:
             scaled = logits
             next_ids = torch.argmax(logits, dim=-1)

@@ -40,6 +40,10 @@ class SamplingBatchInfo:
     seed_steps: torch.Tensor | None  # [S] int64
     unseeded_rows: torch.Tensor | None  # [B - S] int64
     penalties: BatchPenalties | None
+    # logit_bias of every row as (row, token id, bias) triples; None when no row has one
+    bias_rows: torch.Tensor | None = None  # [N] int64
+    bias_ids: torch.Tensor | None = None  # [N] int64
+    bias_values: torch.Tensor | None = None  # [N] float32
 
     @property
     def batch_size(self) -> int:
@@ -76,6 +80,7 @@ class SamplingBatchInfo:
             for p, g in zip(params, greedy, strict=True)
         ]
         seeded = _seeded(params, device, output_ids, step_positions)
+        bias = _logit_bias(params, device) if any(p.logit_bias for p in params) else (None,) * 3
         return cls(
             vocab_size=vocab_size,
             temperatures=_floats(temps, device).unsqueeze(1),
@@ -93,7 +98,18 @@ class SamplingBatchInfo:
             seed_steps=seeded[2],
             unseeded_rows=seeded[3],
             penalties=BatchPenalties.build(params, vocab_size, device, output_ids, input_ids),
+            bias_rows=bias[0],
+            bias_ids=bias[1],
+            bias_values=bias[2],
         )
+
+    def apply_logit_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [B, V] plus each row's logit_bias (a new tensor; `logits` is kept)."""
+        if self.bias_rows is None:
+            return logits
+        assert self.bias_ids is not None and self.bias_values is not None
+        index = (self.bias_rows, self.bias_ids)
+        return logits.index_put(index, self.bias_values, accumulate=True)
 
 
 class SamplingInfoCache:
@@ -147,6 +163,21 @@ def _check_lengths(batch_size: int, **lists: Sequence | None) -> None:
     for name, values in lists.items():
         if values is not None and len(values) != batch_size:
             raise ValueError(f"{name} has {len(values)} entries for a batch of {batch_size}")
+
+
+def _logit_bias(
+    params: Sequence[SamplingParams], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows: list[int] = []
+    ids: list[int] = []
+    values: list[float] = []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            ids += p.logit_bias_ids()
+            values += p.logit_bias.values()
+    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
+    return as_tensor(rows), as_tensor(ids), _floats(values, device)
 
 
 _SeededTensors = tuple[

@@ -40,6 +40,9 @@ class SamplingParams:
     # with return_logprob: the prompt position from which the prompt tokens' logprobs are
     # returned too (SGLang's request field; -1: none, output tokens only)
     logprob_start_len: int = -1
+    # token id (a decimal string, as in OpenAI's JSON) -> added to its logit before sampling
+    # and logprobs; +-100 in practice forces or bans the token
+    logit_bias: dict[str, float] | None = None
     n: int = 1
 
     @property
@@ -80,14 +83,26 @@ class SamplingParams:
         if self.sampling_seed is not None:
             ok = _INT64_MIN <= self.sampling_seed <= _INT64_MAX
             checks.append((ok, "sampling_seed", "must fit in a signed 64-bit integer"))
+        if self.logit_bias:
+            bias_ok = all(-100.0 <= v <= 100.0 for v in self.logit_bias.values())
+            checks.append((bias_ok, "logit_bias", "values must be in [-100, 100]"))
+            keys_ok = all(_is_token_key(k) for k in self.logit_bias)
+            checks.append((keys_ok, "logit_bias", "keys must be token ids"))
         if vocab_size is not None:
             ids_ok = all(0 <= t < vocab_size for t in self.stop_token_ids or [])
             checks.append((ids_ok, "stop_token_ids", f"must be in [0, {vocab_size})"))
             k_ok = self.top_logprobs_num <= vocab_size
             checks.append((k_ok, "top_logprobs_num", f"must be <= vocab size {vocab_size}"))
+            keys = [k for k in self.logit_bias or {} if _is_token_key(k)]
+            bias_in = all(0 <= int(k) < vocab_size for k in keys)
+            checks.append((bias_in, "logit_bias", f"token ids must be in [0, {vocab_size})"))
         for ok, name, why in checks:
             if not ok:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+    def logit_bias_ids(self) -> list[int]:
+        """The token ids `logit_bias` names, in its order (keys checked by `verify`)."""
+        return [int(k) for k in self.logit_bias or {}]
 
     def normalize(self) -> SamplingParams:
         """Rewrite in place to the canonical form and return self (idempotent, as SGLang).
@@ -120,6 +135,8 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids"):
             if isinstance(kwargs.get(key), (list, tuple)):
                 kwargs[key] = list(kwargs[key])
+        if kwargs.get("logit_bias"):
+            kwargs["logit_bias"] = {k: float(v) for k, v in kwargs["logit_bias"].items()}
         return cls(**kwargs)
 
 
@@ -141,6 +158,7 @@ _FIELD_TYPES: dict[str, str] = {
     "return_logprob": "bool",
     "top_logprobs_num": "int",
     "logprob_start_len": "int",
+    "logit_bias": "dict[str, float] | None",
     "n": "int",
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
@@ -148,6 +166,10 @@ assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_token_key(k: str) -> bool:
+    return k.isascii() and k.isdigit() and len(k) < 12
 
 
 def _type_ok(spec: str, v: Any) -> bool:
@@ -165,4 +187,8 @@ def _type_ok(spec: str, v: Any) -> bool:
         )
     if spec.startswith("list[int]"):
         return isinstance(v, (list, tuple)) and all(_is_int(t) for t in v)
+    if spec.startswith("dict[str, float]"):
+        return isinstance(v, dict) and all(
+            isinstance(k, str) and (_is_int(x) or isinstance(x, float)) for k, x in v.items()
+        )
     raise AssertionError(f"no type check for {spec}")

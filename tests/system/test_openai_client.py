@@ -149,3 +149,16 @@ def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(
     # max_tokens 0 with echo: the prompt only
     only = client.completions.create(model=served_model, prompt="Echo me", max_tokens=0, echo=True)
     assert only.choices[0].text == "Echo me" and only.usage.completion_tokens == 0
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI, served_model: str) -> None:
+    out = client.completions.create(
+        model=served_model, prompt="Hello", max_tokens=3, logit_bias={"300": 100}, temperature=1.0,
+        logprobs=1, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert out.choices[0].logprobs.token_logprobs == pytest.approx([0.0] * 3, abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=served_model, prompt="x", max_tokens=1, logit_bias={"999999": 1}
+        )
+    assert "logit_bias" in str(info.value)

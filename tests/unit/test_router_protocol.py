@@ -59,7 +59,8 @@ COMP = {"model": "m", "prompt": "hi"}
         (CompletionRequest, {"model": "m", "prompt": []}, "prompt", "invalid_value"),
         (CompletionRequest, {"model": "m", "prompt": [1, "a"]}, "prompt", "invalid_value"),
         (CompletionRequest, {**COMP, "suffix": "x"}, "suffix", "unsupported"),
-        (CompletionRequest, {**COMP, "logit_bias": {"1": 2.0}}, "logit_bias", "unsupported"),
+        (CompletionRequest, {**COMP, "logit_bias": {"a": 2.0}}, "logit_bias", "invalid_value"),
+        (CompletionRequest, {**COMP, "logit_bias": {"1": 101}}, "logit_bias", "invalid_value"),
         (ChatCompletionRequest, {"model": "m", "messages": []}, "messages", "invalid_value"),
         (ChatCompletionRequest, {"model": "m", "messages": [{"role": "bot", "content": "x"}]},
          "messages.0.role", "invalid_value"),
@@ -95,7 +96,8 @@ def test_completion_maps_openai_fields_to_sampling_params() -> None:
     body = {**COMP, "max_tokens": 7, "temperature": 0, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
             "stop": "\n", "seed": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
             "repetition_penalty": 1.1, "ignore_eos": True, "stop_token_ids": [7],
-            "skip_special_tokens": False, "logprobs": 2, "user": "ignored"}  # fmt: skip
+            "skip_special_tokens": False, "logprobs": 2, "user": "ignored",
+            "logit_bias": {"5": -100, "6": 1.5}}  # fmt: skip
     (sub,) = subs_of(CompletionRequest, body)
     assert sub.text == "hi" and sub.stop == ["\n"]
     assert sub.return_logprob and sub.top_logprobs_num == 2
@@ -104,6 +106,7 @@ def test_completion_maps_openai_fields_to_sampling_params() -> None:
         "stop": ["\n"], "sampling_seed": 3, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.1, "ignore_eos": True,
         "stop_token_ids": [7], "skip_special_tokens": False,
+        "logit_bias": {"5": -100.0, "6": 1.5},
     }  # fmt: skip
 
 

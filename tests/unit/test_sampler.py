@@ -263,3 +263,31 @@ def test_top_logprobs_absent_unless_asked_and_finite_on_masked_logits() -> None:
     assert out.top_logprobs is not None
     assert all(math.isfinite(v) for v in out.top_logprobs[0][1])
     assert (out.next_token_ids < 10).all()
+
+
+def test_logit_bias_forces_and_bans_tokens_per_row_and_counts_in_logprobs() -> None:
+    """OpenAI's logit_bias: added to the row's logits before greedy, sampling and logprobs;
+    other rows and the caller's logits are untouched."""
+    logits = random_logits(4, 32, seed=5)
+    before = logits.clone()
+    argmax = logits.argmax(-1)
+    ban = str(int(argmax[1]))
+    params = [
+        SP(temperature=0.0, logit_bias={"7": 100.0}),  # greedy, forced to 7
+        SP(temperature=0.0, logit_bias={ban: -100.0}),  # greedy, its argmax banned
+        SP(temperature=1.0, sampling_seed=3, logit_bias={"11": 100.0, "12": -5.0}),
+        SP(temperature=0.0),
+    ]
+    out = sample(logits, params, return_logprob=True)
+    assert torch.equal(logits, before)
+    ids = out.next_token_ids.tolist()
+    assert ids[0] == 7 and ids[2] == 11 and ids[3] == int(argmax[3])
+    biased = logits[1].clone()
+    biased[int(ban)] -= 100.0
+    assert ids[1] == int(biased.argmax()) != int(argmax[1])
+    assert out.logprobs[0] == pytest.approx(0.0, abs=1e-6)  # 7 holds all the mass
+    want = torch.log_softmax(biased, -1)[ids[1]]
+    assert out.logprobs[1] == pytest.approx(float(want), abs=1e-5)
+    info = make_info(params, 32)
+    assert info.bias_rows.tolist() == [0, 1, 2, 2] and info.bias_ids.tolist()[2:] == [11, 12]
+    assert make_info([SP()], 32).bias_rows is None

@@ -41,6 +41,12 @@ def test_defaults_match_sglang() -> None:
         ("n", 0),
         ("stop", ["ok", ""]),
         ("sampling_seed", 1 << 64),
+        ("logprob_start_len", -2),
+        ("logit_bias", {"5": 100.5}),
+        ("logit_bias", {"5": float("nan")}),
+        ("logit_bias", {"x5": 1.0}),
+        ("logit_bias", {"-5": 1.0}),
+        ("logit_bias", {"100": 1.0}),  # outside the vocabulary of 100
     ],
 )
 def test_verify_rejects_out_of_range_naming_the_field(field: str, value: object) -> None:
