@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
 from services.router_protocol import (
     ApiError,
@@ -28,7 +29,7 @@ from services.router_protocol import (
     parse_body,
 )
 from services.router_requests import Broker
-from services.router_responses import Formatter, TokenNames
+from services.router_responses import Formatter
 from shared.async_bus import AsyncBus
 from shared.keys import ROUTER_KIND
 from shared.messages import ServiceStatusMsg

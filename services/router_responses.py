@@ -19,14 +19,12 @@ sent as an SSE event `{"error": ...}` followed by `[DONE]`.
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
-import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.router_logprobs import TokenNames, chat_token, input_logprobs
 from services.router_protocol import ApiError
 from services.router_requests import RequestHandle, merged
 from services.router_stream import Delta, Usage
@@ -35,45 +33,6 @@ from shared.messages import PromptLogprobs
 DONE = b"data: [DONE]\n\n"
 _MARK = "\x00text\x00"
 _MARK_JSON = json.dumps(_MARK, ensure_ascii=False).encode()
-logger = logging.getLogger(__name__)
-
-
-class TokenNames:
-    """Token id → its text, for logprobs: decoded with the model's `tokenizer.json` once the
-    router has found one (its `--model`, or a worker's model folder on this machine), else
-    vLLM's `token_id:N` spelling."""
-
-    def __init__(self) -> None:
-        self._decode: Any = None
-        self._tokenizer: Any = None
-        self._tried: set[str] = set()
-
-    def load(self, model_dirs: Iterable[str]) -> None:
-        for folder in model_dirs:
-            if self._decode is not None or folder in self._tried:
-                continue
-            self._tried.add(folder)
-            path = os.path.join(folder, "tokenizer.json")
-            if not os.path.isfile(path):
-                continue
-            try:
-                from tokenizers import Tokenizer
-
-                tok = Tokenizer.from_file(path)
-            except Exception as exc:  # a broken or foreign file: keep the fallback
-                logger.warning("cannot load %s for logprob tokens: %s", path, exc)
-                continue
-            self._tokenizer = tok
-            self._decode = functools.lru_cache(maxsize=1 << 16)(functools.partial(_decode_one, tok))
-
-    def __call__(self, token_id: int) -> str:
-        return self._decode(token_id) if self._decode else f"token_id:{token_id}"
-
-    def text(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of a token sequence (an echoed prompt given as ids)."""
-        if self._tokenizer is None:
-            return "".join(map(self, ids))
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def sse(obj: Any) -> bytes:
@@ -302,8 +261,8 @@ class Formatter:
             content = []
             for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
                 top = tops[i][: self.top_n] if i < len(tops) else []
-                entry = _chat_token(names(tid), lp)
-                entry["top_logprobs"] = [_chat_token(names(t), v) for t, v in top]
+                entry = chat_token(names(tid), lp)
+                entry["top_logprobs"] = [chat_token(names(t), v) for t, v in top]
                 content.append(entry)
             return {"content": content}
         tokens = [names(t) for t in ids]
@@ -340,25 +299,5 @@ class Formatter:
                 tops = c.top_logprobs[start:]
                 meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in tops]
             if c.prompt is not None and start == 0:
-                meta.update(_input_logprobs(c.prompt, self.top_n > 0))
+                meta.update(input_logprobs(c.prompt, self.top_n > 0))
         return {"text": text, "output_ids": ids, "meta_info": meta}
-
-
-def _input_logprobs(prompt: PromptLogprobs, top: bool) -> dict[str, Any]:
-    """SGLang's `input_token_logprobs` (and `input_top_logprobs`) of `meta_info`."""
-    pairs = zip(prompt.token_logprobs(), prompt.ids, strict=True)
-    out: dict[str, Any] = {"input_token_logprobs": [[lp, t] for lp, t in pairs]}
-    tops = prompt.top_pairs()
-    if top and tops is not None:
-        out["input_top_logprobs"] = [
-            None if row is None else [[v, t] for t, v in row] for row in tops
-        ]
-    return out
-
-
-def _decode_one(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
-
-def _chat_token(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

@@ -9,8 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.router_logprobs import TokenNames
 from services.router_protocol import SubRequest
-from services.router_responses import Choice, Formatter, TokenNames, usage
+from services.router_responses import Choice, Formatter, usage
 from services.router_stream import Delta, Usage
 from shared.messages import FinishReason, PromptLogprobs
 
