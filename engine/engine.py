@@ -193,10 +193,10 @@ def _logprob_meta(req: Req) -> dict[str, Any]:
     if top:
         meta["output_top_logprobs"] = [_pairs(t) for t in req.top_logprobs]
     start = req.prompt_logprob_start
-    if start is not None:
-        lps: list[float | None] = [None] * (req.prompt_logprob_first - start)
-        lps += req.prompt_token_logprobs
-        ids = req.origin_input_ids[start:]
+    lps: list[float | None] = [None] * (req.prompt_logprob_first - (start or 0))
+    lps += req.prompt_token_logprobs
+    ids = req.origin_input_ids[start:] if start is not None else []
+    if start is not None and len(lps) == len(ids):  # (not when it ended before its prompt)
         meta["input_token_logprobs"] = [list(p) for p in zip(lps, ids, strict=True)]
         if top:
             tops = [None] * (req.prompt_logprob_first - start)
