@@ -193,14 +193,15 @@ def _logprob_meta(req: Req) -> dict[str, Any]:
     if top:
         meta["output_top_logprobs"] = [_pairs(t) for t in req.top_logprobs]
     start = req.prompt_logprob_start
-    lps: list[float | None] = [None] * (req.prompt_logprob_first - (start or 0))
-    lps += req.prompt_token_logprobs
-    ids = req.origin_input_ids[start:] if start is not None else []
-    if start is not None and len(lps) == len(ids):  # (not when it ended before its prompt)
+    if start is None:
+        return meta
+    first: list[None] = [None] * (req.prompt_logprob_first - start)  # position 0 has none
+    lps = first + req.prompt_token_logprobs
+    ids = req.origin_input_ids[start:]
+    if len(lps) == len(ids):  # (not when it ended before its prompt's were computed)
         meta["input_token_logprobs"] = [list(p) for p in zip(lps, ids, strict=True)]
         if top:
-            tops = [None] * (req.prompt_logprob_first - start)
-            meta["input_top_logprobs"] = tops + [_pairs(t) for t in req.prompt_top_logprobs]
+            meta["input_top_logprobs"] = first + [_pairs(t) for t in req.prompt_top_logprobs]
     return meta
 
 

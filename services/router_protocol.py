@@ -22,6 +22,7 @@ from pydantic import (
     field_validator,
 )
 
+from engine.sampling.sampling_params import logit_bias_error
 from shared.messages import ChatMessage
 
 MAX_N = 128
@@ -89,12 +90,9 @@ def _check_top_k(v: int | None) -> int | None:
 
 
 def _check_logit_bias(v: dict[str, float]) -> dict[str, float]:
-    """OpenAI's form: token ids as decimal strings, biases in [-100, 100]."""
-    for key, bias in v.items():
-        if not (key.isascii() and key.isdigit() and len(key) < 12):
-            raise ValueError(f"keys must be token ids, got {key!r}")
-        if not -100 <= bias <= 100:
-            raise ValueError(f"biases must be in [-100, 100], got {bias!r} for {key}")
+    why = logit_bias_error(v)
+    if why is not None:
+        raise ValueError(why)
     return v or None  # type: ignore[return-value]
 
 

@@ -234,7 +234,7 @@ class Formatter:
             text = self._prompt_text(c.index) + text
             prompt = c.prompt
             if prompt is not None:
-                lps = prompt.token_logprobs() + lps[: len(ids)]
+                lps = prompt.token_logprobs() + lps
                 tops = (prompt.top_pairs() or [None] * len(prompt.ids)) + tops
                 ids = prompt.ids + ids
         if self.kind == "chat":

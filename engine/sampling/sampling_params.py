@@ -84,10 +84,8 @@ class SamplingParams:
             ok = _INT64_MIN <= self.sampling_seed <= _INT64_MAX
             checks.append((ok, "sampling_seed", "must fit in a signed 64-bit integer"))
         if self.logit_bias:
-            bias_ok = all(-100.0 <= v <= 100.0 for v in self.logit_bias.values())
-            checks.append((bias_ok, "logit_bias", "values must be in [-100, 100]"))
-            keys_ok = all(_is_token_key(k) for k in self.logit_bias)
-            checks.append((keys_ok, "logit_bias", "keys must be token ids"))
+            why = logit_bias_error(self.logit_bias)
+            checks.append((why is None, "logit_bias", why or ""))
         if vocab_size is not None:
             ids_ok = all(0 <= t < vocab_size for t in self.stop_token_ids or [])
             checks.append((ids_ok, "stop_token_ids", f"must be in [0, {vocab_size})"))
@@ -170,6 +168,17 @@ def _is_int(v: Any) -> bool:
 
 def _is_token_key(k: str) -> bool:
     return k.isascii() and k.isdigit() and len(k) < 12
+
+
+def logit_bias_error(bias: dict[str, float]) -> str | None:
+    """Why `bias` is not OpenAI's form (token ids as decimal strings, biases in [-100,
+    100]), or None; the vocabulary is `verify`'s to check."""
+    for key, value in bias.items():
+        if not _is_token_key(key):
+            return f"keys must be token ids, got {key!r}"
+        if not -100.0 <= value <= 100.0:
+            return f"biases must be in [-100, 100], got {value!r} for {key}"
+    return None
 
 
 def _type_ok(spec: str, v: Any) -> bool:
