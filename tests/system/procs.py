@@ -73,6 +73,27 @@ class Service:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
+    def kill_while_holding(self, pending: Callable[[], int], timeout_s: float = 30.0) -> int:
+        """Freeze this consumer until it holds read-but-unacked entries, then SIGKILL it.
+
+        Returns how many it held (0: it never did within `timeout_s`). A frozen consumer that
+        sits in a blocking XREADGROUP still gets entries (Redis serves the blocked read), so
+        each freeze waits up to 100 ms for that; a freeze that caught it between an ack and
+        its next read holds nothing and is let go.
+        """
+        held = 0
+        deadline = time.monotonic() + timeout_s
+        while not held and time.monotonic() < deadline:
+            self.proc.send_signal(signal.SIGSTOP)
+            frozen_until = time.monotonic() + 0.1
+            while not (held := pending()) and time.monotonic() < frozen_until:
+                time.sleep(0.002)
+            if not held:
+                self.proc.send_signal(signal.SIGCONT)
+                time.sleep(0.005)
+        self.kill()
+        return held
+
 
 def service_env(redis_url: str, prefix: str, model: str | None, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
