@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from engine.sampling.sampling_params import logit_bias_error
+from services.router_structured import StructuredOutputError, grammar_params
 from shared.messages import ChatMessage
 
 MAX_N = 128
@@ -126,6 +127,8 @@ class _SamplingCore(_Strict):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     logit_bias: LogitBias | None = None
+    regex: str | None = None  # structured output (services/router_structured.py)
+    ebnf: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
 
 
@@ -135,12 +138,23 @@ class SamplingFields(_SamplingCore):
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # structured output besides regex and ebnf: OpenAI's and vLLM's forms
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang-style sampling dict (unset fields left to the engine's defaults)."""
-        core = self.model_dump(include=set(_SamplingCore.model_fields) - {"n"}, exclude_none=True)
+        core_fields = set(_SamplingCore.model_fields) - {"n", "regex", "ebnf"}
+        core = self.model_dump(include=core_fields, exclude_none=True)
         extra = {"max_new_tokens": max_new_tokens, "sampling_seed": self.seed}
-        return core | {k: v for k, v in extra.items() if v is not None}
+        try:
+            grammar = grammar_params(self)
+        except StructuredOutputError as exc:
+            raise ApiError(400, str(exc), exc.param, "invalid_value") from None
+        return core | {k: v for k, v in extra.items() if v is not None} | grammar
 
     @property
     def include_usage(self) -> bool:
@@ -223,15 +237,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_subrequests(self) -> list[SubRequest]:
         if self.tools:
             raise ApiError(400, "tools are not supported", "tools", "unsupported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise ApiError(
-                400, "only response_format text is supported", "response_format", "unsupported"
-            )
         if self.top_logprobs and not self.logprobs:
             raise ApiError(
                 400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value"
@@ -250,6 +259,7 @@ class GenerateSampling(_SamplingCore):
     model_config = ConfigDict(strict=True, extra="forbid")
     max_new_tokens: int | None = Field(None, ge=0)
     sampling_seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    json_schema: str | None = None  # structured output, besides regex and ebnf
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True, exclude={"n"})

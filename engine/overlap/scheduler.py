@@ -19,7 +19,8 @@ Invariants that keep the outputs identical to the plain loop:
 * Step positions (seeded sampling) count the token in flight: `len(output_ids) + 1` for a
   request with a placeholder. A sample is only kept if that token was appended (otherwise
   the request finished, was aborted or was retracted), so it always matches the plain loop.
-  Penalties need the history itself: a batch with a penalized request is sampled after the
+  Penalties and grammars need the history itself: a batch with a penalized request, or one
+  with a grammar (whose token mask is that of its output so far), is sampled after the
   previous batch has been processed, when `output_ids` is exactly its history.
 * Results are processed against the batch as it was launched (`_Record`): rows of requests
   that finished while it was in flight are skipped (their extra token is dropped; their KV
@@ -106,7 +107,9 @@ class OverlapScheduler(Scheduler):
         # (the only one not processed yet, so the only tokens the host does not have); built
         # on first use (`_placeholders`), since a decode step of the same batch needs none.
         self._pending: dict[Req, int] | None = None
-        self._penalized: set[Req] = set()  # requests whose sampling needs their history
+        # requests whose sampling needs their history: penalties count it, a grammar's mask
+        # is that of the output so far
+        self._penalized: set[Req] = set()
         self._seeded: set[Req] = set()  # requests whose sampling needs its step positions
         self._sampling_cache = SamplingInfoCache()
 
@@ -135,7 +138,7 @@ class OverlapScheduler(Scheduler):
 
     def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
         super().add_request(rid, input_ids, params)
-        if params.has_penalty:
+        if params.has_penalty or params.has_grammar:
             self._penalized.add(self.waiting_queue[-1])
         if params.sampling_seed is not None:
             self._seeded.add(self.waiting_queue[-1])
@@ -219,14 +222,16 @@ class OverlapScheduler(Scheduler):
     def _sampling_info(
         self, reqs: list[Req], step_positions: list[int] | None, history: bool = False
     ) -> SamplingBatchInfo:
-        return self._sampling_cache.get(
+        device = self.model_runner.device
+        info = self._sampling_cache.get(
             [r.sampling_params for r in reqs],
             self.vocab_size,
-            self.model_runner.device,
+            device,
             output_ids=[r.output_ids for r in reqs] if history else None,
             input_ids=[r.origin_input_ids for r in reqs] if history else None,
             step_positions=step_positions,
         )
+        return info.with_vocab_mask(self.vocab_mask(reqs), device) if history else info
 
     # -- results --------------------------------------------------------------------------------
     def _process(self, record: _Record) -> None:

@@ -2,8 +2,8 @@
 
 Order, all on [B, V] tensors with no per-request Python loop:
 
-    penalties -> logit_bias -> (all greedy: argmax, done) -> / temperature -> softmax
-      -> top-k -> top-p (on the top-k-renormalised mass) -> min-p -> draw
+    penalties -> logit_bias -> grammar mask -> (all greedy: argmax, done) -> / temperature
+      -> softmax -> top-k -> top-p (on the top-k-renormalised mass) -> min-p -> draw
 
 Drawing uses the exponential race (the Gumbel-max trick in probability space): with
 E_v ~ Exp(1) independent, argmax_v p_v / E_v is distributed as p / sum(p). The race is
@@ -18,8 +18,9 @@ without penalties and logit_bias (which shape what is generated): the logits of 
 position before each scored token, divided by the request's temperature.
 
 Logprobs follow SGLang's default (SGLANG_RETURN_ORIGINAL_LOGPROB unset): log_softmax of the
-penalised and biased logits divided by the request's temperature, taken before top-k / top-p /
-min-p, clamped to float32's lowest finite value. For greedy requests the temperature is 1.
+penalised, biased and grammar-masked logits divided by the request's temperature, taken
+before top-k / top-p / min-p, clamped to float32's lowest finite value. For greedy requests
+the temperature is 1.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Sampler:
         logits = logits.float()
         if info.penalties is not None:
             logits = info.penalties.apply(logits)
-        logits = info.apply_logit_bias(logits)
+        logits = info.apply_vocab_mask(info.apply_logit_bias(logits))
         if info.is_all_greedy:
             scaled = logits
             next_ids = torch.argmax(logits, dim=-1)

@@ -11,11 +11,13 @@ so that the sampler returns their exact argmax even inside a sampled batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from engine.sampling.grammar import apply_vocab_mask
 from engine.sampling.penalties import BatchPenalties
 from engine.sampling.sampling_params import SamplingParams
 
@@ -44,6 +46,10 @@ class SamplingBatchInfo:
     bias_rows: torch.Tensor | None = None  # [N] int64
     bias_ids: torch.Tensor | None = None  # [N] int64
     bias_values: torch.Tensor | None = None  # [N] float32
+    # structured output: the rows with a grammar and their token bitmasks (see
+    # engine/sampling/grammar.py); None when no row has one. Set per step (`with_vocab_mask`).
+    vocab_rows: torch.Tensor | None = None  # [G] int64
+    vocab_mask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
 
     @property
     def batch_size(self) -> int:
@@ -110,6 +116,23 @@ class SamplingBatchInfo:
         assert self.bias_ids is not None and self.bias_values is not None
         index = (self.bias_rows, self.bias_ids)
         return logits.index_put(index, self.bias_values, accumulate=True)
+
+    def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [B, V] with what the grammar rows' masks forbid at -inf (a new tensor)."""
+        if self.vocab_rows is None:
+            return logits
+        assert self.vocab_mask is not None
+        return apply_vocab_mask(logits, self.vocab_rows, self.vocab_mask)
+
+    def with_vocab_mask(
+        self, mask: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device | str
+    ) -> SamplingBatchInfo:
+        """This info with the step's grammar masks (`grammar.vocab_mask`'s rows and bitmask),
+        as a copy: the info itself may be cached and reused by later steps."""
+        if mask is None:
+            return self
+        rows, bits = (t.to(device, non_blocking=True) for t in mask)
+        return dataclasses.replace(self, vocab_rows=rows, vocab_mask=bits)
 
 
 class SamplingInfoCache:

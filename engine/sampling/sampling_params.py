@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,9 @@ SAMPLING_EPS = 1e-6
 # top_k meaning "the whole vocabulary"; the batch builder clamps it to vocab_size.
 TOP_K_ALL = 1 << 30
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# `json_schema` value meaning "any JSON" (SGLang's convention; OpenAI's json_object format)
+ANY_JSON = "$$ANY$$"
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 @dataclass
@@ -43,6 +47,11 @@ class SamplingParams:
     # token id (a decimal string, as in OpenAI's JSON) -> added to its logit before sampling
     # and logprobs; +-100 in practice forces or bans the token
     logit_bias: dict[str, float] | None = None
+    # structured output (engine/sampling/grammar.py), at most one: a JSON schema (as a JSON
+    # string; "$$ANY$$" for any JSON), a regular expression or an EBNF grammar
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     n: int = 1
 
     @property
@@ -56,6 +65,10 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+    @property
+    def has_grammar(self) -> bool:
+        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
 
     @property
     def stop_strs(self) -> list[str]:
@@ -86,6 +99,8 @@ class SamplingParams:
         if self.logit_bias:
             why = logit_bias_error(self.logit_bias)
             checks.append((why is None, "logit_bias", why or ""))
+        if self.has_grammar and (bad := grammar_error(self)) is not None:
+            checks.append((False, *bad))
         if vocab_size is not None:
             ids_ok = all(0 <= t < vocab_size for t in self.stop_token_ids or [])
             checks.append((ids_ok, "stop_token_ids", f"must be in [0, {vocab_size})"))
@@ -96,7 +111,9 @@ class SamplingParams:
             checks.append((bias_in, "logit_bias", f"token ids must be in [0, {vocab_size})"))
         for ok, name, why in checks:
             if not ok:
-                raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+                got = repr(getattr(self, name))
+                got = got if len(got) <= 200 else got[:200] + "..."
+                raise ValueError(f"{name} {why}, got {got}")
 
     def logit_bias_ids(self) -> list[int]:
         """The token ids `logit_bias` names, in its order (keys checked by `verify`)."""
@@ -157,6 +174,9 @@ _FIELD_TYPES: dict[str, str] = {
     "top_logprobs_num": "int",
     "logprob_start_len": "int",
     "logit_bias": "dict[str, float] | None",
+    "json_schema": "str | None",
+    "regex": "str | None",
+    "ebnf": "str | None",
     "n": "int",
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
@@ -190,6 +210,8 @@ def _type_ok(spec: str, v: Any) -> bool:
         return _is_int(v) or isinstance(v, float)
     if spec == "bool":
         return isinstance(v, bool)
+    if spec == "str | None":
+        return isinstance(v, str)
     if spec.startswith("str"):
         return isinstance(v, str) or (
             isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)
@@ -201,3 +223,34 @@ def _type_ok(spec: str, v: Any) -> bool:
             isinstance(k, str) and (_is_int(x) or isinstance(x, float)) for k, x in v.items()
         )
     raise AssertionError(f"no type check for {spec}")
+
+
+def grammar_spec(params: Any) -> tuple[str, str] | None:
+    """(kind, text) of the grammar `params` ask for, or None."""
+    for kind in GRAMMAR_KINDS:
+        value = getattr(params, kind)
+        if value is not None:
+            return kind, value
+    return None
+
+
+def grammar_error(params: Any) -> tuple[str, str] | None:
+    """(field, why) if the grammar fields cannot be right whatever the vocabulary: more than
+    one set, an empty one, or a json_schema that is no JSON object."""
+    given = [k for k in GRAMMAR_KINDS if getattr(params, k) is not None]
+    if len(given) > 1:
+        return given[1], f"only one of json_schema, regex and ebnf may be set, got {given}"
+    if not given:
+        return None
+    kind = given[0]
+    text = getattr(params, kind)
+    if not text.strip():
+        return kind, "must not be empty"
+    if kind == "json_schema" and text != ANY_JSON:
+        try:
+            schema = json.loads(text)
+        except ValueError as exc:
+            return kind, f"is not valid JSON: {exc}"
+        if not isinstance(schema, (dict, bool)):
+            return kind, "must be a JSON object (a JSON schema)"
+    return None

@@ -79,6 +79,10 @@ class OutputProcessor:
             start = len(output_ids)
             if req.to_abort is None:
                 output_ids.append(next_ids[i])
+                if req.grammar is not None and not req.grammar.accept(next_ids[i]):
+                    req.to_abort = FinishReason(
+                        "abort", message=f"token {next_ids[i]} does not follow the grammar"
+                    )
                 if logprobs is not None and req.sampling_params.return_logprob:
                     req.logprobs.append(logprobs[i])
                     if top is not None and req.sampling_params.top_logprobs_num > 0:

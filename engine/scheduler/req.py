@@ -72,6 +72,8 @@ class Req:
         self.stop_window = max(map(len, self.stop_strs), default=0) + 1
         self.arrival = arrival
         self.output_ids: list[int] = []
+        # structured output: the matcher of `output_ids` (engine/sampling/grammar.py)
+        self.grammar: Any = None
         self.finished_reason: FinishReason | None = None
         self.to_abort: FinishReason | None = None
         # memory state
@@ -174,6 +176,9 @@ class Req:
             return
         last = self.output_ids[-1] if self.output_ids else None
         if last is not None:
+            if self.grammar is not None and self.grammar.is_terminated():
+                self.finished_reason = FinishReason("stop", last)  # its stop token, ignore_eos
+                return  # or not: a complete grammar allows nothing else
             if last in self.stop_token_ids or (
                 not params.ignore_eos and last in self.eos_token_ids
             ):

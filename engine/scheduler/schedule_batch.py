@@ -43,6 +43,9 @@ class ModelWorkerBatch:
     prompt_logprob_rows: list[int] | None = None
     prompt_logprob_targets: list[int] | None = None
     prompt_logprob_counts: list[int] | None = None
+    # structured output: (rows, token bitmasks) of the grammar rows (engine/sampling/grammar.py),
+    # set by the plain scheduler, whose grammars are up to date when it builds the batch
+    vocab_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -13,8 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from engine.config import EngineArgs
 from engine.forward_batch import ForwardMode
+from engine.sampling.grammar import GrammarBackend, vocab_mask
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pools import MemoryPools
@@ -63,6 +66,9 @@ class Scheduler:
         self.new_token_ratio = args.init_new_token_ratio
         self.stats = SchedulerStats()
         self.output = OutputProcessor(self, tokenizer)
+        self.tokenizer = tokenizer
+        self._grammars: GrammarBackend | None = None  # built for the first grammar request
+        self._constrained: set[Req] = set()  # unfinished requests with a grammar
         self._arrival = itertools.count()
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = None if chunk is None or chunk < 0 else chunk
@@ -86,8 +92,19 @@ class Scheduler:
                 f"tokens exceed the context length {self.context_len}"
             )
         req = Req(rid, list(input_ids), params, self.eos_token_ids, next(self._arrival))
+        if params.has_grammar:
+            req.grammar = self._grammar_backend().grammar(params)
+            self._constrained.add(req)
         self.waiting_queue.append(req)
         self.stats.prompt_tokens += len(input_ids)
+
+    def _grammar_backend(self) -> GrammarBackend:
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init)")
+            vocab = self.model_runner.model_config.vocab_size
+            self._grammars = GrammarBackend(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, rid: str) -> None:
         reason = FinishReason("abort", message="aborted by request")
@@ -132,7 +149,18 @@ class Scheduler:
         return self.output.take_events()
 
     def run_batch(self, batch: ScheduleBatch) -> Any:
-        return self.model_runner.forward_batch_generation(batch.get_model_worker_batch())
+        mwb = batch.get_model_worker_batch()
+        if self._constrained:
+            mwb.vocab_mask = self.vocab_mask(batch.reqs)
+        return self.model_runner.forward_batch_generation(mwb)
+
+    def vocab_mask(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The grammar rows of a batch and their token masks, as of the requests' outputs now
+        (None if none of them has a grammar)."""
+        self._constrained = {r for r in self._constrained if not r.finished}
+        if not any(r in self._constrained for r in reqs):
+            return None
+        return vocab_mask([r.grammar for r in reqs], self.model_runner.model_config.vocab_size)
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch

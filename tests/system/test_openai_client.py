@@ -162,3 +162,54 @@ def test_logit_bias_forces_a_token(client: openai.OpenAI, served_model: str) -> 
             model=served_model, prompt="x", max_tokens=1, logit_bias={"999999": 1}
         )
     assert "logit_bias" in str(info.value)
+
+
+def test_structured_outputs_as_openai_and_vllm_clients_send_them(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}}
+    # Streamed and whole (sampled, seeded): the text is a JSON document the schema accepts.
+    for stream in (False, True):
+        kwargs = {"model": served_model, "max_tokens": 60, "temperature": 0.7, "seed": 3}
+        messages = [{"role": "user", "content": "A trip, as JSON"}]
+        if stream:
+            chunks = client.chat.completions.create(
+                messages=messages, response_format=fmt, stream=True, **kwargs
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        else:
+            resp = client.chat.completions.create(messages=messages, response_format=fmt, **kwargs)
+            assert resp.choices[0].finish_reason == "stop"
+            text = resp.choices[0].message.content
+        jsonschema.validate(json.loads(text), schema)
+    # vLLM's and SGLang's extra fields on /v1/completions
+    resp = client.completions.create(
+        model=served_model, prompt="Weather:", max_tokens=20, n=4, temperature=1.0,
+        extra_body={"guided_choice": ["sunny", "rainy day"]},
+    )  # fmt: skip
+    assert {c.text for c in resp.choices} <= {"sunny", "rainy day"}
+    resp = client.completions.create(
+        model=served_model, prompt="Code:", max_tokens=20, extra_body={"regex": "[A-Z]{3}-[0-9]{2}"}
+    )
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", resp.choices[0].text)
+    # A regex that does not compile is the client's 400, with the reason.
+    with pytest.raises(openai.BadRequestError, match="parenthesis is not closed"):
+        client.completions.create(
+            model=served_model, prompt="x", max_tokens=5, extra_body={"regex": "(ab"}
+        )
+    with pytest.raises(openai.BadRequestError, match="only one structured output option"):
+        client.completions.create(
+            model=served_model, prompt="x", max_tokens=5,
+            extra_body={"regex": "a+", "response_format": {"type": "json_object"}},
+        )  # fmt: skip

@@ -1,0 +1,118 @@
+"""Structured outputs: a grammar (JSON schema, regex or EBNF) that constrains what a request
+samples, on xgrammar (SGLang's default grammar backend).
+
+A request whose `SamplingParams` name one of `json_schema`, `regex` or `ebnf` gets a `Grammar`:
+a matcher, over the tokenizer's vocabulary, of the output so far. Per step the batch's grammar
+rows get a token bitmask (`vocab_mask`: bit v of a row set = token v may come next) that the
+sampler applies to the logits after penalties and logit_bias, before greedy, sampling and
+logprobs (where SGLang applies its vocab mask); every token appended to the request is then
+accepted by its matcher (`OutputProcessor`). Once the grammar is complete only the model's
+stop tokens are allowed, and accepting one ends it: the request finishes with "stop"
+(`Req.check_finished`), `ignore_eos` or not.
+
+The mask of a step needs the previous token accepted, so with the overlap scheduler a batch
+holding a grammar request is sampled deferred, after the batch before it is processed (as for
+penalties); its forward still overlaps.
+
+Compiling happens in `Scheduler.add_request`, so an invalid grammar is the request's
+ValueError (a 400 for the client); compiled grammars are cached by xgrammar's compiler, and
+requests with the same schema only pay for a new matcher.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from engine.sampling.sampling_params import ANY_JSON, grammar_spec
+
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:NN: "; the rest is the message
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+
+
+class Grammar:
+    """One request's matcher: which tokens may follow what it has accepted so far."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept_token(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarBackend:
+    """Compiles grammars for one tokenizer and model vocabulary (rows of the logits past the
+    tokenizer's own vocabulary are never allowed)."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 1
+    ) -> None:
+        try:
+            import xgrammar
+        except ImportError as exc:
+            raise ValueError("structured outputs need the xgrammar package") from exc
+        self._xgr = xgrammar
+        self.vocab_size = vocab_size
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=max_threads)
+
+    def grammar(self, params: Any) -> Grammar | None:
+        """A fresh matcher for `params`' grammar (None without one); ValueError naming the
+        field if it does not compile."""
+        spec = grammar_spec(params)
+        if spec is None:
+            return None
+        kind, text = spec
+        compiler = self._compiler
+        try:
+            if kind == "json_schema":
+                if text == ANY_JSON:
+                    compiled = compiler.compile_builtin_json_grammar()
+                else:
+                    compiled = compiler.compile_json_schema(text)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            else:
+                compiled = compiler.compile_grammar(text)
+        except RuntimeError as exc:
+            raise ValueError(f"{kind}: {_CPP_PREFIX.sub('', str(exc).strip())}") from None
+        return Grammar(self._xgr.GrammarMatcher(compiled))
+
+
+def vocab_mask(
+    grammars: Sequence[Grammar | None], vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, bitmask) of a batch: the rows with a live grammar and, for each, int32 words of
+    32 tokens each (bit v % 32 of word v // 32 set: token v allowed); None without any."""
+    rows = [i for i, g in enumerate(grammars) if g is not None and not g.is_terminated()]
+    if not rows:
+        return None
+    mask = torch.full((len(rows), (vocab_size + 31) // 32), -1, dtype=torch.int32)
+    for j, i in enumerate(rows):
+        grammars[i].fill(mask, j)  # type: ignore[union-attr]
+    return torch.tensor(rows, dtype=torch.int64), mask
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_vocab_mask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with the tokens `mask` forbids in `rows` set to -inf (a new tensor)."""
+    vocab = logits.shape[1]
+    bits = mask.unsqueeze(-1).bitwise_right_shift(_BIT.to(mask.device)).bitwise_and_(1)
+    allowed = bits.view(mask.shape[0], -1)[:, :vocab].bool()
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
