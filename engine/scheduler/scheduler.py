@@ -17,7 +17,7 @@ import torch
 
 from engine.config import EngineArgs
 from engine.forward_batch import ForwardMode
-from engine.sampling.grammar import GrammarBackend, vocab_mask
+from engine.sampling.grammar import GrammarBackend
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pools import MemoryPools
@@ -160,7 +160,7 @@ class Scheduler:
         self._constrained = {r for r in self._constrained if not r.finished}
         if not any(r in self._constrained for r in reqs):
             return None
-        return vocab_mask([r.grammar for r in reqs], self.model_runner.model_config.vocab_size)
+        return self._grammar_backend().vocab_mask([r.grammar for r in reqs])
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         last = self.last_batch
