@@ -246,6 +246,7 @@ class ModelRunner:
             self.device,
             output_ids=mwb.output_ids,
             input_ids=mwb.prompt_ids,  # (seeded rows' step positions: len(output_ids))
+            eos_token_ids=self.model_config.eos_token_ids,
         ).with_vocab_mask(mwb.vocab_mask, self.device)
         out = sample_batch(self.sampler, logits, info, mwb)
         return GenerationBatchResult(

@@ -136,6 +136,7 @@ class SamplingFields(_SamplingCore):
     """Sampling options of the OpenAI endpoints, SGLang's extras included."""
 
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's (SGLang's min_new_tokens)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # structured output besides regex and ebnf: OpenAI's and vLLM's forms
@@ -149,7 +150,11 @@ class SamplingFields(_SamplingCore):
         """SGLang-style sampling dict (unset fields left to the engine's defaults)."""
         core_fields = set(_SamplingCore.model_fields) - {"n", "regex", "ebnf"}
         core = self.model_dump(include=core_fields, exclude_none=True)
-        extra = {"max_new_tokens": max_new_tokens, "sampling_seed": self.seed}
+        extra = {
+            "max_new_tokens": max_new_tokens,
+            "sampling_seed": self.seed,
+            "min_new_tokens": self.min_tokens,
+        }
         try:
             grammar = grammar_params(self)
         except StructuredOutputError as exc:
@@ -258,6 +263,7 @@ class GenerateSampling(_SamplingCore):
 
     model_config = ConfigDict(strict=True, extra="forbid")
     max_new_tokens: int | None = Field(None, ge=0)
+    min_new_tokens: int | None = Field(None, ge=0)
     sampling_seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     json_schema: str | None = None  # structured output, besides regex and ebnf
 

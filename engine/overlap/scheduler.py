@@ -140,7 +140,7 @@ class OverlapScheduler(Scheduler):
         super().add_request(rid, input_ids, params)
         if params.has_penalty or params.has_grammar:
             self._penalized.add(self.waiting_queue[-1])
-        if params.sampling_seed is not None:
+        if params.sampling_seed is not None or params.min_new_tokens > 0:
             self._seeded.add(self.waiting_queue[-1])
 
     def close(self) -> None:
@@ -230,6 +230,7 @@ class OverlapScheduler(Scheduler):
             output_ids=[r.output_ids for r in reqs] if history else None,
             input_ids=[r.origin_input_ids for r in reqs] if history else None,
             step_positions=step_positions,
+            eos_token_ids=self.eos_token_ids,
         )
         return info.with_vocab_mask(self.vocab_mask(reqs), device) if history else info
 

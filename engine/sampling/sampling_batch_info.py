@@ -65,13 +65,16 @@ class SamplingBatchInfo:
         output_ids: Sequence[Sequence[int]] | None = None,
         input_ids: Sequence[Sequence[int]] | None = None,
         step_positions: Sequence[int] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> SamplingBatchInfo:
         """Vectorise the batch's parameters.
 
         `output_ids[i]` / `input_ids[i]`: request i's generated tokens so far and its prompt,
         read only when some request has a penalty. `step_positions[i]`: index of the token
         being sampled for request i (its output length so far); defaults to
-        `len(output_ids[i])` and is required for seeded requests when output_ids is None.
+        `len(output_ids[i])` and is required for seeded requests and ones with
+        min_new_tokens when output_ids is None. `eos_token_ids`: the model's, banned (with
+        the request's stop tokens) from rows below their min_new_tokens.
         """
         batch_size = len(params)
         _check_lengths(
@@ -86,7 +89,11 @@ class SamplingBatchInfo:
             for p, g in zip(params, greedy, strict=True)
         ]
         seeded = _seeded(params, device, output_ids, step_positions)
-        bias = _logit_bias(params, device) if any(p.logit_bias for p in params) else (None,) * 3
+        bans = _min_new_token_bans(params, output_ids, step_positions, eos_token_ids)
+        if bans or any(p.logit_bias for p in params):
+            bias = _logit_bias(params, device, bans)
+        else:
+            bias = (None,) * 3
         return cls(
             vocab_size=vocab_size,
             temperatures=_floats(temps, device).unsqueeze(1),
@@ -142,9 +149,10 @@ class SamplingInfoCache:
     Building an info is per-request Python plus five host-to-device copies: on the null model
     runner (benchmarks/host_overhead.py) it was about a sixth of a decode step's host time.
     Only infos that do not depend on the step are kept: none with penalties (they count the
-    history) or seeded rows (their noise depends on the token index). The key is the params
-    objects' identities; the cache holds the objects, so an identity cannot be reused by a new
-    request while its entry lives. `SamplingParams` are not changed once a request is queued.
+    history), seeded rows (their noise depends on the token index) or min_new_tokens. The key
+    is the params objects' identities; the cache holds the objects, so an identity cannot be
+    reused by a new request while its entry lives. `SamplingParams` are not changed once a
+    request is queued.
     """
 
     def __init__(self) -> None:
@@ -167,7 +175,8 @@ class SamplingInfoCache:
             self.hits += 1
             return self._info
         info = SamplingBatchInfo.from_params(params, vocab_size, device, **kwargs)
-        if info.penalties is None and info.seeded_rows is None:
+        step_free = not any(p.min_new_tokens for p in params)  # (bans end with the steps)
+        if info.penalties is None and info.seeded_rows is None and step_free:
             self._key, self._params, self._info = key, list(params), info
         else:
             self._key, self._params, self._info = None, [], None
@@ -188,8 +197,36 @@ def _check_lengths(batch_size: int, **lists: Sequence | None) -> None:
             raise ValueError(f"{name} has {len(values)} entries for a batch of {batch_size}")
 
 
+def _min_new_token_bans(
+    params: Sequence[SamplingParams],
+    output_ids: Sequence[Sequence[int]] | None,
+    step_positions: Sequence[int] | None,
+    eos_token_ids: Sequence[int],
+) -> list[tuple[int, list[int]]]:
+    """(row, token ids) that must not be sampled yet: the EOS (unless ignored) and stop tokens
+    of rows short of their min_new_tokens (grammar rows excepted: the grammar ends them)."""
+    bans = []
+    for i, p in enumerate(params):
+        if p.min_new_tokens > 0 and not p.has_grammar:
+            if step_positions is not None:
+                position = step_positions[i]
+            elif output_ids is not None:
+                position = len(output_ids[i])
+            else:
+                raise ValueError("min_new_tokens needs step_positions or output_ids")
+            if position < p.min_new_tokens:
+                stops = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    stops.update(eos_token_ids)
+                if stops:
+                    bans.append((i, sorted(stops)))
+    return bans
+
+
 def _logit_bias(
-    params: Sequence[SamplingParams], device: torch.device | str
+    params: Sequence[SamplingParams],
+    device: torch.device | str,
+    bans: Sequence[tuple[int, list[int]]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows: list[int] = []
     ids: list[int] = []
@@ -199,6 +236,10 @@ def _logit_bias(
             rows += [i] * len(p.logit_bias)
             ids += p.logit_bias_ids()
             values += p.logit_bias.values()
+    for i, banned in bans:  # -inf added to a logit bans it
+        rows += [i] * len(banned)
+        ids += banned
+        values += [float("-inf")] * len(banned)
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
     return as_tensor(rows), as_tensor(ids), _floats(values, device)
 

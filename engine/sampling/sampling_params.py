@@ -26,6 +26,9 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
+    # EOS and stop tokens are banned until this many tokens are out, and stop strings are
+    # only looked for from then on (vLLM's min_tokens); a grammar's end is not held back
+    min_new_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -81,6 +84,11 @@ class SamplingParams:
         """Raise ValueError naming the first field that is out of range."""
         checks: list[tuple[bool, str, str]] = [
             (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
+            (
+                0 <= self.min_new_tokens <= self.max_new_tokens,
+                "min_new_tokens",
+                f"must be in [0, max_new_tokens = {self.max_new_tokens}]",
+            ),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1"),
@@ -157,6 +165,7 @@ class SamplingParams:
 
 _FIELD_TYPES: dict[str, str] = {
     "max_new_tokens": "int",
+    "min_new_tokens": "int",
     "temperature": "float",
     "top_p": "float",
     "top_k": "int",

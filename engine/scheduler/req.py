@@ -175,7 +175,7 @@ class Req:
             self.finished_reason = FinishReason("length", length=params.max_new_tokens)
             return
         last = self.output_ids[-1] if self.output_ids else None
-        if last is not None:
+        if last is not None and len(self.output_ids) >= params.min_new_tokens:
             if self.grammar is not None and self.grammar.is_terminated():
                 self.finished_reason = FinishReason("stop", last)  # its stop token, ignore_eos
                 return  # or not: a complete grammar allows nothing else

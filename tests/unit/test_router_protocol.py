@@ -174,3 +174,13 @@ def test_max_tokens_beyond_the_context_is_refused_before_sending() -> None:
     with pytest.raises(ApiError) as info:
         check_max_tokens(subs, 4096, "max_tokens")
     assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+
+
+def test_min_tokens_is_sglangs_min_new_tokens() -> None:
+    body = {"model": "m", "prompt": "hi", "max_tokens": 8, "min_tokens": 3}
+    sub = CompletionRequest.model_validate(body).to_subrequests()[0]
+    assert sub.sampling_params == {"max_new_tokens": 8, "min_new_tokens": 3}
+    gen = GenerateRequest.model_validate({"text": "hi", "sampling_params": {"min_new_tokens": 2}})
+    assert gen.to_subrequests()[0].sampling_params["min_new_tokens"] == 2
+    with pytest.raises(ApiError, match="min_tokens"):
+        subs_of(CompletionRequest, {**body, "min_tokens": -1})

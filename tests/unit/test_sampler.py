@@ -291,3 +291,34 @@ def test_logit_bias_forces_and_bans_tokens_per_row_and_counts_in_logprobs() -> N
     info = make_info(params, 32)
     assert info.bias_rows.tolist() == [0, 1, 2, 2] and info.bias_ids.tolist()[2:] == [11, 12]
     assert make_info([SP()], 32).bias_rows is None
+
+
+def test_min_new_tokens_bans_eos_and_stop_tokens_below_the_minimum_only() -> None:
+    from engine.sampling.sampling_batch_info import SamplingInfoCache
+
+    vocab, eos = 16, (2, 3)
+    params = [
+        SamplingParams(temperature=0.0, min_new_tokens=4, stop_token_ids=[7]),
+        SamplingParams(temperature=0.0, min_new_tokens=4, ignore_eos=True, stop_token_ids=[7]),
+        SamplingParams(temperature=0.0, min_new_tokens=4),
+        SamplingParams(temperature=0.0),
+    ]
+    logits = torch.zeros(4, vocab)
+    logits[:, [2, 3, 7]] = 10.0  # the stops lead; next best: token 9
+    logits[:, 9] = 5.0
+    info = SamplingBatchInfo.from_params(params, vocab, "cpu", step_positions=[3, 3, 4, 0],
+                                         eos_token_ids=eos)  # fmt: skip
+    biased = info.apply_logit_bias(logits)
+    assert torch.isinf(biased[0, [2, 3, 7]]).all()  # EOS and its stop token, still at 3 < 4
+    assert torch.isinf(biased[1, 7]) and not torch.isinf(biased[1, [2, 3]]).any()  # ignore_eos
+    assert not torch.isinf(biased[2:]).any()  # at its minimum; no minimum
+    ids = Sampler(seed=0)(logits, info).next_token_ids.tolist()
+    assert ids[0] == 9 and ids[1] in (2, 3) and ids[2] in (2, 3, 7)
+    # step-dependent: never reused by the cache
+    cache = SamplingInfoCache()
+    kwargs = {"step_positions": [0, 0, 0, 0], "eos_token_ids": eos}
+    cache.get(params, vocab, "cpu", **kwargs)
+    cache.get(params, vocab, "cpu", **kwargs)
+    assert cache.hits == 0
+    with pytest.raises(ValueError, match="min_new_tokens needs step_positions"):
+        SamplingBatchInfo.from_params(params, vocab, "cpu", eos_token_ids=eos)

@@ -47,6 +47,8 @@ def test_defaults_match_sglang() -> None:
         ("logit_bias", {"x5": 1.0}),
         ("logit_bias", {"-5": 1.0}),
         ("logit_bias", {"100": 1.0}),  # outside the vocabulary of 100
+        ("min_new_tokens", -1),
+        ("min_new_tokens", 129),  # above max_new_tokens (128)
     ],
 )
 def test_verify_rejects_out_of_range_naming_the_field(field: str, value: object) -> None:
@@ -60,6 +62,7 @@ def test_verify_rejects_out_of_range_naming_the_field(field: str, value: object)
         dict(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, max_new_tokens=0),
         dict(repetition_penalty=2.0, frequency_penalty=-2.0, presence_penalty=2.0),
         dict(stop_token_ids=[0, 99], top_logprobs_num=100, n=4, sampling_seed=-(1 << 63)),
+        dict(min_new_tokens=16, max_new_tokens=16),
     ],
 )
 def test_verify_accepts_range_edges(kwargs: dict) -> None:
