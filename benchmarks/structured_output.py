@@ -158,7 +158,10 @@ def main() -> None:
         "note": "mask filling scales with the vocabulary; this model's is small",
     }  # fmt: skip
     print(json.dumps(summary, indent=1))
-    path = write_result("structured_output", rows, summary, model=args.model, args=vars(args))
+    from importlib.metadata import version
+
+    path = write_result("structured_output", rows, summary, model=args.model, args=vars(args),
+                        xgrammar=version("xgrammar"))  # fmt: skip
     print("wrote", path)
 
 
