@@ -5,53 +5,30 @@ Validation here covers what the router can know without a tokenizer: JSON syntax
 types (strict: no "0.5" for a float, no 1.0 for an int), value ranges of the sampling
 parameters, and options sluice does not implement. Prompt and context lengths are checked by
 the tokenizer service, which answers with an `ErrorMsg` the router turns into a 400.
-Every failure raises `ApiError`, which renders as OpenAI's error JSON.
+Every failure raises `ApiError`, which renders as OpenAI's error JSON. The sampling fields
+the bodies share (and structured outputs) are in services/router_fields.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.router_fields import (
+    _INT64,
+    MAX_LOGPROBS,
+    MAX_N,
+    ApiError,
+    SamplingFields,
+    _SamplingCore,
+    _stop_list,
+    _Strict,
 )
-
-from engine.sampling.sampling_params import logit_bias_error
-from services.router_structured import StructuredOutputError, grammar_params
 from shared.messages import ChatMessage
 
-MAX_N = 128
-MAX_LOGPROBS = 20
-_INT64 = 1 << 63
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "invalid_request_error",
-    503: "service_unavailable",
-    504: "timeout",
-}
-
-
-class ApiError(Exception):
-    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
-
-    def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict[str, Any]:
-        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
-        err = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return {"error": err}
-
+__all__ = ["MAX_LOGPROBS", "MAX_N", "ApiError", "SubRequest", "parse_body", "fan_out"]
 
 @dataclass
 class SubRequest:
@@ -71,99 +48,6 @@ class SubRequest:
     stop: list[str] = field(default_factory=list)
     logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
     echo: bool = False  # /v1/completions: the prompt goes before the output (and logprobs)
-
-
-def _stop_list(v: Any) -> list[str] | None:
-    if v is None:
-        return None
-    stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise ValueError("must be a string or a list of strings")
-    if not all(stops):
-        raise ValueError("must not contain empty strings")
-    return stops
-
-
-def _check_top_k(v: int | None) -> int | None:
-    if v is not None and v != -1 and v < 1:
-        raise ValueError("must be -1 (disabled) or >= 1")
-    return v
-
-
-def _check_logit_bias(v: dict[str, float]) -> dict[str, float]:
-    why = logit_bias_error(v)
-    if why is not None:
-        raise ValueError(why)
-    return v or None  # type: ignore[return-value]
-
-
-StopStrings = Annotated[Any, AfterValidator(_stop_list)]
-LogitBias = Annotated[dict[str, float], AfterValidator(_check_logit_bias)]
-TopK = Annotated[int | None, AfterValidator(_check_top_k)]
-TokenIds = list[Annotated[int, Field(ge=0)]]
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class StreamOptions(_Strict):
-    include_usage: bool | None = False
-
-
-class _SamplingCore(_Strict):
-    """Sampling fields with the same name in the OpenAI and the SGLang APIs."""
-
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: TopK = None
-    min_p: float | None = Field(None, ge=0, le=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(None, gt=0, le=2)
-    stop: StopStrings = None
-    stop_token_ids: TokenIds | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    logit_bias: LogitBias | None = None
-    regex: str | None = None  # structured output (services/router_structured.py)
-    ebnf: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-
-
-class SamplingFields(_SamplingCore):
-    """Sampling options of the OpenAI endpoints, SGLang's extras included."""
-
-    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
-    min_tokens: int | None = Field(None, ge=0)  # vLLM's (SGLang's min_new_tokens)
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    # structured output besides regex and ebnf: OpenAI's and vLLM's forms
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-
-    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
-        """SGLang-style sampling dict (unset fields left to the engine's defaults)."""
-        core_fields = set(_SamplingCore.model_fields) - {"n", "regex", "ebnf"}
-        core = self.model_dump(include=core_fields, exclude_none=True)
-        extra = {
-            "max_new_tokens": max_new_tokens,
-            "sampling_seed": self.seed,
-            "min_new_tokens": self.min_tokens,
-        }
-        try:
-            grammar = grammar_params(self)
-        except StructuredOutputError as exc:
-            raise ApiError(400, str(exc), exc.param, "invalid_value") from None
-        return core | {k: v for k, v in extra.items() if v is not None} | grammar
-
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(SamplingFields):

@@ -1,0 +1,207 @@
+"""The shared pieces of the HTTP request bodies: `ApiError`, the sampling fields of the OpenAI
+and SGLang APIs (vLLM's extras included) and their translation into SGLang's sampling dict.
+
+Structured outputs: the engine takes SGLang's sampling parameters `json_schema` (a JSON
+string; "$$ANY$$" for any JSON), `regex` and `ebnf` (engine/sampling/grammar.py). The OpenAI
+endpoints accept them as
+
+    response_format  {"type": "text"} | {"type": "json_object"}
+                     | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+    regex, ebnf      SGLang's extra fields
+    guided_json, guided_regex, guided_choice, guided_grammar   vLLM's extra fields
+
+at most one of them per request. `guided_choice` (a list of strings) becomes an EBNF grammar
+whose alternatives are those strings. What the router cannot check without the tokenizer
+(whether a regex or grammar compiles) comes back from the worker as a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from engine.sampling.sampling_params import ANY_JSON, logit_bias_error
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+_INT64 = 1 << 63
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with `status`."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict[str, Any]:
+        kind = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "error")
+        err = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        return {"error": err}
+
+
+def _stop_list(v: Any) -> list[str] | None:
+    if v is None:
+        return None
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ValueError("must be a string or a list of strings")
+    if not all(stops):
+        raise ValueError("must not contain empty strings")
+    return stops
+
+
+def _check_top_k(v: int | None) -> int | None:
+    if v is not None and v != -1 and v < 1:
+        raise ValueError("must be -1 (disabled) or >= 1")
+    return v
+
+
+def _check_logit_bias(v: dict[str, float]) -> dict[str, float]:
+    why = logit_bias_error(v)
+    if why is not None:
+        raise ValueError(why)
+    return v or None  # type: ignore[return-value]
+
+
+StopStrings = Annotated[Any, AfterValidator(_stop_list)]
+LogitBias = Annotated[dict[str, float], AfterValidator(_check_logit_bias)]
+TopK = Annotated[int | None, AfterValidator(_check_top_k)]
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _SamplingCore(_Strict):
+    """Sampling fields with the same name in the OpenAI and the SGLang APIs."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: TopK = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    stop: StopStrings = None
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    logit_bias: LogitBias | None = None
+    regex: str | None = None  # structured output (`grammar_params`)
+    ebnf: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+
+
+class SamplingFields(_SamplingCore):
+    """Sampling options of the OpenAI endpoints, SGLang's extras included."""
+
+    seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    min_tokens: int | None = Field(None, ge=0)  # vLLM's (SGLang's min_new_tokens)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    # structured output besides regex and ebnf: OpenAI's and vLLM's forms
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SGLang-style sampling dict (unset fields left to the engine's defaults)."""
+        core_fields = set(_SamplingCore.model_fields) - {"n", "regex", "ebnf"}
+        core = self.model_dump(include=core_fields, exclude_none=True)
+        extra = {
+            "max_new_tokens": max_new_tokens,
+            "sampling_seed": self.seed,
+            "min_new_tokens": self.min_tokens,
+        }
+        return core | {k: v for k, v in extra.items() if v is not None} | grammar_params(self)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+STRUCTURED_FIELDS = ("response_format", "regex", "ebnf", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar")  # fmt: skip
+
+
+def _invalid(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param, "invalid_value")
+
+
+def grammar_params(request: Any) -> dict[str, str]:
+    """The one grammar parameter `request`'s structured output fields ask for ({} if none)."""
+    values = {name: getattr(request, name) for name in STRUCTURED_FIELDS}
+    given = {name: value for name, value in values.items() if value is not None}
+    fmt = given.get("response_format")
+    if fmt is not None and fmt.get("type", "text") == "text":
+        del given["response_format"]  # plain text: no constraint
+    if len(given) > 1:
+        names = ", ".join(given)
+        raise _invalid(
+            f"only one structured output option may be set, got {names}", list(given)[1]
+        )
+    if not given:
+        return {}
+    (name, value), = given.items()
+    if name == "response_format":
+        return {"json_schema": _response_format_schema(value)}
+    if name in ("regex", "guided_regex"):
+        return {"regex": value}
+    if name in ("ebnf", "guided_grammar"):
+        return {"ebnf": value}
+    if name == "guided_json":
+        return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
+    return {"ebnf": _choice_grammar(value)}
+
+
+def _response_format_schema(fmt: dict[str, Any]) -> str:
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return ANY_JSON
+    if kind != "json_schema":
+        raise _invalid(
+            f"response_format type must be text, json_object or json_schema, got {kind!r}",
+            "response_format",
+        )
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _invalid(
+            "response_format json_schema must be an object with a schema", "response_format"
+        )
+    schema = spec.get("schema", spec.get("schema_"))  # (pydantic's alias in some clients)
+    if schema is None:
+        return ANY_JSON
+    if not isinstance(schema, (dict, bool)):
+        raise _invalid(
+            "response_format json_schema.schema must be a JSON schema object", "response_format"
+        )
+    return json.dumps(schema)
+
+
+def _choice_grammar(choices: list[str]) -> str:
+    if not choices or not all(choices):
+        raise _invalid(
+            "guided_choice must be a non-empty list of non-empty strings", "guided_choice"
+        )
+    # EBNF string literals take JSON's escapes
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
