@@ -157,8 +157,9 @@ class Scheduler:
     def vocab_mask(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The grammar rows of a batch and their token masks, as of the requests' outputs now
         (None if none of them has a grammar)."""
-        self._constrained = {r for r in self._constrained if not r.finished}
-        if not any(r in self._constrained for r in reqs):
+        if self._constrained:
+            self._constrained = {r for r in self._constrained if not r.finished}
+        if not self._constrained or not any(r in self._constrained for r in reqs):
             return None
         return self._grammar_backend().vocab_mask([r.grammar for r in reqs])
 
