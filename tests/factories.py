@@ -82,6 +82,17 @@ def top2_gap(path: str, ids: list[int]) -> float:
 TIE_EPS = 1e-3
 
 
+def assert_engine_clean(engine: Any) -> None:
+    """After a run: the prefix cache is consistent and, flushed, gives back every KV slot and
+    request row (nothing leaked by the requests that ran)."""
+    engine.scheduler.tree_cache.check_integrity()
+    assert engine.flush_cache()
+    allocator = engine.scheduler.model_runner.allocator
+    assert allocator.available_size() == allocator.size, "KV slots leaked"
+    pool = engine.scheduler.model_runner.req_to_token_pool
+    assert pool.available_size() == pool.size, "request rows leaked"
+
+
 def assert_greedy_match(path: str, prompt: list[int], got: list[int], want: list[int]) -> None:
     """Token-exact, except that a first mismatch on a genuine tie (top-2 gap < TIE_EPS) ends
     the comparison as equal (the rest of both sequences legitimately diverge)."""

@@ -9,7 +9,14 @@ import functools
 import pytest
 
 from engine.engine import Engine
-from tests.factories import ARCHS, assert_greedy_match, hf_greedy, mixed_prompts, tiny_model
+from tests.factories import (
+    ARCHS,
+    assert_engine_clean,
+    assert_greedy_match,
+    hf_greedy,
+    mixed_prompts,
+    tiny_model,
+)
 
 MAX_NEW = 24
 
@@ -46,12 +53,7 @@ def _run(
         first = engine.generate(input_ids=prompts[:4], sampling_params=params)
         second = engine.generate(input_ids=prompts, sampling_params=params)
         stats = engine.get_stats()
-        engine.scheduler.tree_cache.check_integrity()
-        assert engine.flush_cache()
-        allocator = engine.scheduler.model_runner.allocator
-        assert allocator.available_size() == allocator.size, "KV slots leaked"
-        pool = engine.scheduler.model_runner.req_to_token_pool
-        assert pool.available_size() == pool.size, "request rows leaked"
+        assert_engine_clean(engine)
     return first, second, stats
 
 

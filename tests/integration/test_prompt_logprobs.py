@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from tests.factories import _hf_model, mixed_prompts, tiny_model
+from tests.factories import _hf_model, assert_engine_clean, mixed_prompts, tiny_model
 
 ATOL = 1e-3  # float32 engine vs float32 transformers; the logprobs are tens of nats
 TOP = 3
@@ -89,10 +89,7 @@ def test_prompt_logprobs_match_transformers(config: str) -> None:
             input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=TOP
         )
         stats = engine.get_stats()
-        engine.scheduler.tree_cache.check_integrity()
-        assert engine.flush_cache()
-        allocator = engine.scheduler.model_runner.allocator
-        assert allocator.available_size() == allocator.size, "KV slots leaked"
+        assert_engine_clean(engine)
     for i, (prompt, start, out) in enumerate(zip(prompts, starts, outs)):
         meta = out["meta_info"]
         _check(path, prompt, start, meta)

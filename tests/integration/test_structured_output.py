@@ -21,10 +21,16 @@ import torch
 
 from engine.engine import Engine
 from engine.tokenizer import load_tokenizer
-from tests.factories import _hf_model, hf_greedy, mixed_prompts, tiny_model
+from tests.factories import (
+    TIE_EPS,
+    _hf_model,
+    assert_engine_clean,
+    hf_greedy,
+    mixed_prompts,
+    tiny_model,
+)
 
 MAX_NEW = 48
-TIE_EPS = 1e-3
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -124,10 +130,7 @@ def _generate(path: str, prompts: list[list[int]], params: list[dict], **kwargs)
     with Engine(model_path=path, random_seed=0, **kwargs) as engine:
         outs = engine.generate(input_ids=prompts, sampling_params=params)
         stats = engine.get_stats()
-        engine.scheduler.tree_cache.check_integrity()
-        assert engine.flush_cache()
-        allocator = engine.scheduler.model_runner.allocator
-        assert allocator.available_size() == allocator.size, "KV slots leaked"
+        assert_engine_clean(engine)
     if "max_total_tokens" in kwargs:
         assert stats["num_retractions"] > 0, "the tiny KV pool should force retraction"
     return outs
