@@ -38,15 +38,22 @@ def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedTok
 
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+    **template_kwargs: Any,
 ) -> list[int]:
-    """Render ``messages`` with the tokenizer's own chat template and return the token ids.
+    """Render ``messages`` (and ``tools``) with the tokenizer's own chat template and return
+    the token ids; ``template_kwargs`` are extra template variables (``enable_thinking``).
 
     The template writes every special token itself (bos included where the model wants one),
     so the text is encoded without adding special tokens, as transformers does.
     """
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        messages,
+        tools=tools or None,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)

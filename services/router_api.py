@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.router_chat import ParserChoice
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
 from services.router_protocol import (
@@ -61,6 +62,7 @@ class Router:
         )
         self.token_names = TokenNames()
         self.token_names.load([r.model] if r.model else [])
+        self.tool_parser = ParserChoice(r.tool_call_parser)
         self.num_handled = 0
         self.started_at = time.time()
 
@@ -88,6 +90,12 @@ class Router:
             self.check_model(body.model)
         subs = body.to_subrequests()
         check_max_tokens(subs, self.broker.workers.context_len, max_param)
+        tool_mode = getattr(body, "tool_mode", None)
+        if tool_mode is not None and tool_mode.kind == "auto":
+            tool_mode.parser = self.tool_parser.resolve(self._model_dirs())
+            for sub in subs:
+                if tool_mode.keeps_special_tokens:  # its call marker is a special token
+                    sub.sampling_params.setdefault("skip_special_tokens", False)
         if subs[0].return_logprob:
             self.token_names.load(hb.model for hb in self.broker.workers.live.values())
         handles = self.broker.open(subs)
@@ -109,10 +117,15 @@ class Router:
             include_usage=getattr(body, "include_usage", False),
             batch=kind == "generate" and (body.is_batch or len(subs) > 1),
             incremental=self.config.router.incremental_streaming_output,
+            tool_mode=tool_mode,
         )
         if body.stream:
             return await _sse_response(request, fmt.chunks())
         return JSONResponse(await _unless_disconnected(request, fmt.response()))
+
+    def _model_dirs(self) -> list[str | None]:
+        live = self.broker.workers.live.values()
+        return [self.config.router.model, *(hb.model for hb in live)]
 
     def status(self) -> ServiceStatusMsg:
         return ServiceStatusMsg(

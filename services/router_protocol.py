@@ -12,10 +12,11 @@ the bodies share (and structured outputs) are in services/router_fields.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from services.router_chat import ChatMessageIn, ToolFields
 from services.router_fields import (
     _INT64,
     MAX_LOGPROBS,
@@ -26,6 +27,7 @@ from services.router_fields import (
     _stop_list,
     _Strict,
 )
+from services.router_tools import ToolMode
 from shared.messages import ChatMessage
 
 __all__ = ["MAX_LOGPROBS", "MAX_N", "ApiError", "SubRequest", "parse_body", "fan_out"]
@@ -48,6 +50,8 @@ class SubRequest:
     stop: list[str] = field(default_factory=list)
     logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
     echo: bool = False  # /v1/completions: the prompt goes before the output (and logprobs)
+    tools: list[dict[str, Any]] | None = None  # chat: for the template
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -93,53 +97,35 @@ class CompletionRequest(SamplingFields):
         return subs
 
 
-class ContentPart(_Strict):
-    type: str
-    text: str | None = None
-
-
-class ChatMessageIn(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-
-    def flat(self) -> ChatMessage:
-        if self.content is None or isinstance(self.content, str):
-            return ChatMessage(self.role, self.content or "")
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise ApiError(
-                    400,
-                    f"content part type {part.type!r} is not supported",
-                    "messages",
-                    "unsupported",
-                )
-            texts.append(part.text)
-        return ChatMessage(self.role, "".join(texts))
-
-
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    _tool_mode: ToolMode | None = PrivateAttr(None)
+
+    @property
+    def tool_mode(self) -> ToolMode | None:
+        """How the output becomes tool calls (set by `to_subrequests`); None: plain text."""
+        return self._tool_mode
 
     def to_subrequests(self) -> list[SubRequest]:
-        if self.tools:
-            raise ApiError(400, "tools are not supported", "tools", "unsupported")
         if self.top_logprobs and not self.logprobs:
             raise ApiError(
                 400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value"
             )
         limit = self.max_completion_tokens
         params = self.sampling_params(self.max_tokens if limit is None else limit)
-        messages = [m.flat() for m in self.messages]
-        return fan_out(
-            [{"messages": messages}], params, self.n, bool(self.logprobs), self.top_logprobs or 0
-        )
+        self._tool_mode = self.tool_params(params)
+        prompt = {
+            "messages": [m.flat() for m in self.messages],
+            "tools": self.tool_dicts(),
+            "chat_template_kwargs": self.chat_template_kwargs,
+        }
+        return fan_out([prompt], params, self.n, bool(self.logprobs), self.top_logprobs or 0)
 
 
 class GenerateSampling(_SamplingCore):

@@ -218,6 +218,8 @@ class Broker:
             top_logprobs_num=sub.top_logprobs_num,
             logprob_start_len=sub.logprob_start_len,
             created=time.time(),
+            tools=sub.tools,
+            chat_template_kwargs=sub.chat_template_kwargs,
         )
 
     def _dispatch(self, msg: object) -> None:

@@ -11,6 +11,8 @@
   `input_top_logprobs`): `[logprob, token id]`, None for the prompt's first token.
 * `echo` (`/v1/completions`): the prompt's text goes before the output's, in the response or
   the first chunk of each choice, and with `logprobs` so do the prompt tokens' logprobs.
+* Chat with tools: the text goes through the choice's `ChoiceTools` (services/router_tools.py)
+  and comes out as `content` and `tool_calls` (deltas of them when streamed).
 
 A stream yields nothing before the first delta, so an error that comes before any output
 (a prompt too long, no worker) still becomes a plain HTTP error; after that, an error is
@@ -21,14 +23,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from services.router_logprobs import TokenNames, chat_token, input_logprobs
 from services.router_protocol import ApiError
 from services.router_requests import RequestHandle, merged
-from services.router_stream import Delta, Usage
-from shared.messages import PromptLogprobs
+from services.router_stream import Choice, Delta, usage
+from services.router_tools import ToolMode
 
 DONE = b"data: [DONE]\n\n"
 _MARK = "\x00text\x00"
@@ -39,43 +40,6 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-@dataclass
-class Choice:
-    """One sub-request's output, accumulated (text as pieces: joined only when needed)."""
-
-    index: int
-    rid: str = ""
-    pieces: list[str] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    finish_reason: Any = None
-    usage: Usage | None = None
-    prompt: PromptLogprobs | None = None
-
-    def add(self, delta: Delta) -> None:
-        self.pieces.append(delta.text)
-        self.output_ids += delta.output_ids
-        self.token_logprobs += delta.token_logprobs or []
-        self.top_logprobs += delta.top_logprobs or []
-        if delta.prompt_logprobs is not None:
-            self.prompt = delta.prompt_logprobs
-        if delta.finished:
-            self.finish_reason, self.usage = delta.finish_reason, delta.usage
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-    @property
-    def finish_type(self) -> str | None:
-        return None if self.finish_reason is None else self.finish_reason.type
-
-    @property
-    def matched(self) -> int | str | None:
-        return None if self.finish_reason is None else self.finish_reason.matched
-
-
 async def collect(handles: list[RequestHandle]) -> list[Choice]:
     choices = {h.sub.index: Choice(h.sub.index) for h in handles}
     async for index, delta in merged(handles):
@@ -83,23 +47,6 @@ async def collect(handles: list[RequestHandle]) -> list[Choice]:
     for h in handles:
         choices[h.sub.index].rid = h.rid  # the last one, if the request was resent
     return [choices[i] for i in sorted(choices)]
-
-
-def usage(choices: list[Choice], prompt_of: dict[int, int]) -> dict[str, Any]:
-    """OpenAI usage: each prompt counted once (n samples share it), completions summed."""
-    firsts: dict[int, Usage] = {}
-    for c in choices:
-        if c.usage is not None:
-            firsts.setdefault(prompt_of[c.index], c.usage)
-    prompt = sum(u.prompt_tokens for u in firsts.values())
-    cached = sum(u.cached_tokens for u in firsts.values())
-    completion = sum(c.usage.completion_tokens for c in choices if c.usage is not None)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": cached},
-    }
 
 
 class Formatter:
@@ -116,6 +63,7 @@ class Formatter:
         include_usage: bool = False,
         batch: bool = False,
         incremental: bool = False,
+        tool_mode: ToolMode | None = None,
     ) -> None:
         self.kind, self.rid, self.created, self.model = kind, rid, created, model
         self.names, self.handles = names, handles
@@ -125,6 +73,7 @@ class Formatter:
         self.top_n = handles[0].sub.top_logprobs_num
         self.echo = kind == "completion" and handles[0].sub.echo
         self.subs = {h.sub.index: h.sub for h in handles}
+        self.tool_mode = tool_mode
         self._templates: dict[int, list[bytes]] = {}
 
     # -- whole responses ------------------------------------------------------------------------
@@ -134,18 +83,23 @@ class Formatter:
             outs = [self._generate_obj(c, c.text) for c in choices]
             return outs if self.batch else outs[0]
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
-        body["choices"] = [
-            self._choice(
-                c, c.text, c.output_ids, c.token_logprobs, c.top_logprobs, final=True, echo=True
-            )
-            for c in choices
-        ]
+        body["choices"] = []
+        for c in choices:
+            c.tools = self.tool_mode.output() if self.tool_mode is not None else None
+            text, _ = self._split_tools(c, c.text, final=True)
+            lps, tops = c.token_logprobs, c.top_logprobs
+            choice = self._choice(c, text, c.output_ids, lps, tops, final=True, echo=True)
+            if c.tools is not None and c.tools.calls:
+                choice["message"]["tool_calls"] = c.tools.calls
+            body["choices"].append(choice)
         body["usage"] = usage(choices, self.prompt_of)
         return body
 
     # -- streams --------------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[bytes]:
         choices = {h.sub.index: Choice(h.sub.index, rid=h.rid) for h in self.handles}
+        for choice in choices.values():
+            choice.tools = self.tool_mode.output() if self.tool_mode is not None else None
         handles = {h.sub.index: h for h in self.handles}
         started = False
         try:
@@ -154,9 +108,10 @@ class Formatter:
                 first = not choice.pieces
                 choice.rid = handles[index].rid  # a request resent elsewhere has a new rid
                 choice.add(delta)
-                if self._says_nothing(delta, first):
+                text, calls = self._split_tools(choice, delta.text, delta.finished)
+                if self._says_nothing(delta, first, text, calls):
                     continue  # tokens whose text is held back: no OpenAI chunk for them
-                yield self._chunk(choice, delta, first)
+                yield self._chunk(choice, delta, first, text, calls)
                 started = True
         except ApiError as err:
             if not started:
@@ -171,14 +126,26 @@ class Formatter:
             yield sse(body)
         yield DONE
 
-    def _says_nothing(self, d: Delta, first: bool) -> bool:
-        if self.kind == "generate" or d.text or d.finished or self.want_logprobs:
+    def _split_tools(self, c: Choice, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """The content in `text` (the choice's next text) and the tool call deltas it ends."""
+        if c.tools is None:
+            return text, []
+        if c.tools.mode.kind == "named" and not c.tools.calls and not final and not text:
+            return "", []  # the call opens with its first arguments
+        return c.tools.step(text, final)
+
+    def _says_nothing(self, d: Delta, first: bool, text: str, calls: list[Any]) -> bool:
+        if self.kind == "generate" or text or calls or d.finished or self.want_logprobs:
             return False
         if first and self.echo:
             return False  # the echoed prompt
         return not (first and self.kind == "chat")  # the first chat chunk names the role
 
-    def _chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
+    def _chunk(
+        self, c: Choice, d: Delta, first: bool, text: str | None = None, calls: list[Any] = ()
+    ) -> bytes:
+        """The SSE chunk of delta `d`; with tools, `text` is its content, `calls` its calls."""
+        text = d.text if text is None else text
         if self.kind == "generate":
             if self.incremental:
                 obj = self._generate_obj(c, d.text, start=len(c.output_ids) - len(d.output_ids))
@@ -187,9 +154,9 @@ class Formatter:
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
-        if not first and not d.finished and not self.want_logprobs:
-            return self._text_chunk(c.index, d.text)
-        return self._full_chunk(c, d, first)
+        if not first and not d.finished and not self.want_logprobs and not calls:
+            return self._text_chunk(c.index, text)
+        return self._full_chunk(c, d, first, text, calls)
 
     def _text_chunk(self, index: int, text: str) -> bytes:
         """A middle chunk that carries only text (most of them): `_full_chunk`'s bytes for a
@@ -200,13 +167,19 @@ class Formatter:
             parts = self._templates[index] = marked.split(_MARK_JSON)
         return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
-    def _full_chunk(self, c: Choice, d: Delta, first: bool) -> bytes:
+    def _full_chunk(
+        self, c: Choice, d: Delta, first: bool, text: str | None = None, calls: list[Any] = ()
+    ) -> bytes:
+        text = d.text if text is None else text
         body = self._envelope(self._chunk_object())
         lps, tops = d.token_logprobs or [], d.top_logprobs or []
-        choice = self._choice(c, d.text, d.output_ids, lps, tops, final=d.finished, echo=first)
+        choice = self._choice(c, text, d.output_ids, lps, tops, final=d.finished, echo=first)
         if self.kind == "chat":
             message = choice.pop("message")
             choice["delta"] = message if first else {"content": message["content"]}
+            if calls:
+                choice["delta"]["content"] = text or None
+                choice["delta"]["tool_calls"] = calls
         body["choices"] = [choice]
         return sse(body)
 
@@ -238,7 +211,8 @@ class Formatter:
                 tops = (prompt.top_pairs() or [None] * len(prompt.ids)) + tops
                 ids = prompt.ids + ids
         if self.kind == "chat":
-            out["message"] = {"role": "assistant", "content": text}
+            called = c.tools is not None and c.tools.calls
+            out["message"] = {"role": "assistant", "content": None if called and not text else text}
         else:
             out["text"] = text
         out["logprobs"] = self._logprobs(ids, lps, tops) if self.want_logprobs else None

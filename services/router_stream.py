@@ -9,13 +9,17 @@ could still grow into a stop string is held back.
 Invariant: released text is never taken back, and a stop string completed by later rows
 always starts after the released text: if it began earlier, its start would have been a
 tail that could still become a stop string, which is held back.
+
+`Choice` accumulates one sub-request's deltas for its response; `usage` sums OpenAI's usage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+from services.router_tools import ChoiceTools
 from shared.messages import DetokRow, FinishReason, PromptLogprobs
 
 
@@ -180,3 +184,62 @@ class OutputAssembler:
         if not delta.text and not delta.output_ids and not delta.finished:
             return None
         return delta
+
+
+@dataclass
+class Choice:
+    """One sub-request's output, accumulated (text as pieces: joined only when needed)."""
+
+    index: int
+    rid: str = ""
+    pieces: list[str] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: Any = None
+    usage: Usage | None = None
+    prompt: PromptLogprobs | None = None
+    tools: ChoiceTools | None = None  # chat with tools: the calls found in the text
+
+    def add(self, delta: Delta) -> None:
+        self.pieces.append(delta.text)
+        self.output_ids += delta.output_ids
+        self.token_logprobs += delta.token_logprobs or []
+        self.top_logprobs += delta.top_logprobs or []
+        if delta.prompt_logprobs is not None:
+            self.prompt = delta.prompt_logprobs
+        if delta.finished:
+            self.finish_reason, self.usage = delta.finish_reason, delta.usage
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    @property
+    def finish_type(self) -> str | None:
+        if self.finish_reason is None:
+            return None
+        if self.finish_reason.type == "stop" and self.tools is not None and self.tools.called:
+            return "tool_calls"
+        return self.finish_reason.type
+
+    @property
+    def matched(self) -> int | str | None:
+        return None if self.finish_reason is None else self.finish_reason.matched
+
+
+def usage(choices: list[Choice], prompt_of: dict[int, int]) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once (n samples share it), completions summed."""
+    firsts: dict[int, Usage] = {}
+    for c in choices:
+        if c.usage is not None:
+            firsts.setdefault(prompt_of[c.index], c.usage)
+    prompt = sum(u.prompt_tokens for u in firsts.values())
+    cached = sum(u.cached_tokens for u in firsts.values())
+    completion = sum(c.usage.completion_tokens for c in choices if c.usage is not None)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }

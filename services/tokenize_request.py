@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.sampling.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
-from shared.messages import GenerateReqMsg, TokenizeReqMsg
+from shared.messages import ChatMessage, GenerateReqMsg, TokenizeReqMsg
 
 _LIFTED = ("stop", "skip_special_tokens", "spaces_between_special_tokens")
 _REQUEST_LEVEL = ("return_logprob", "top_logprobs_num", "logprob_start_len")
@@ -71,9 +71,15 @@ class RequestTokenizer:
         if msg.text is not None:
             ids = self.tokenizer.encode(msg.text)
         elif msg.messages is not None:
-            turns = [{"role": m.role, "content": m.content} for m in msg.messages]
+            turns = [_turn(m) for m in msg.messages]
+            kwargs = dict(msg.chat_template_kwargs or {})
+            for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
+                if kwargs.pop(reserved, None) is not None:
+                    raise RequestError(
+                        "invalid_request", f"chat_template_kwargs: {reserved!r} is set by sluice"
+                    )
             try:
-                ids = apply_chat_template(self.tokenizer, turns)
+                ids = apply_chat_template(self.tokenizer, turns, tools=msg.tools, **kwargs)
             except Exception as exc:  # template errors: roles out of order, bad content
                 raise RequestError("invalid_request", f"messages: {exc}") from None
         else:
@@ -113,3 +119,26 @@ class RequestTokenizer:
                 f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
                 f"context length {context_len}",
             )
+
+
+def _turn(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates expect it: tool call arguments as a mapping (HF's
+    convention, what vLLM passes too) when they are a JSON object, else as the text."""
+    turn: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name is not None:
+        turn["name"] = m.name
+    if m.tool_call_id is not None:
+        turn["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            function = dict(call.get("function") or {})
+            try:
+                args = json.loads(function.get("arguments") or "{}")
+            except (TypeError, ValueError):
+                args = None
+            if isinstance(args, dict):
+                function["arguments"] = args
+            calls.append({**call, "function": function})
+        turn["tool_calls"] = calls
+    return turn

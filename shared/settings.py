@@ -166,6 +166,10 @@ class CommonSettings:
         return self.redis_url
 
 
+# the names services/tool_parsers.py knows (aliases included)
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen", "qwen3", "llama3", "llama3_json", "mistral")
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     common: CommonSettings = field(default_factory=CommonSettings)
@@ -177,6 +181,12 @@ class RouterSettings:
     request_timeout_s: float = setting(600.0, "abort a request after this long")
     incremental_streaming_output: bool = setting(
         False, "streamed /generate chunks carry only the new text and ids (SGLang's flag)"
+    )
+    tool_call_parser: str | None = setting(
+        None,
+        "how the model writes tool calls: hermes (qwen25), llama3, mistral "
+        "(default: the format its chat template teaches)",
+        choices=TOOL_CALL_PARSERS,
     )
 
 

@@ -11,10 +11,18 @@ from shared.messages.schema import MessageError
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage(Record):
-    """One turn of an OpenAI-style chat: role ("system", "user", "assistant", ...) and text."""
+    """One turn of an OpenAI-style chat: role ("system", "user", "assistant", "tool") and text.
+
+    An assistant turn may carry the tool calls it made (`tool_calls`: OpenAI's
+    `[{"id", "type": "function", "function": {"name", "arguments"}}]`, arguments as a JSON
+    text); a tool turn names the call it answers (`tool_call_id`) and maybe the tool (`name`).
+    """
 
     role: str
     content: str
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +34,12 @@ class TokenizeReqMsg(Message):
     request's SGLang-style sampling dict (`max_new_tokens`, `temperature`, `stop`,
     `skip_special_tokens`, ...), plain data; the tokenizer lifts the detokenizer flags and
     stop strings out of it into `GenerateReqMsg`. `created` is the router's `time.time()`
-    when the request arrived.
+    when the request arrived. With `messages`, `tools` (OpenAI's tool definitions) and
+    `chat_template_kwargs` (extra template variables) go to the chat template.
     """
 
     TAG = "tokenize_req"
-    VERSION = 2
+    VERSION = 3
 
     rid: str
     router_id: str
@@ -44,6 +53,8 @@ class TokenizeReqMsg(Message):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from there (-1: none)
     created: float = 0.0
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]

@@ -213,3 +213,223 @@ def test_structured_outputs_as_openai_and_vllm_clients_send_them(
             model=served_model, prompt="x", max_tokens=5,
             extra_body={"regex": "a+", "response_format": {"type": "json_object"}},
         )  # fmt: skip
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer"}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in "\\^$.|?*+()[]{}" else ch for ch in text)
+
+
+def _streamed_tools(chunks) -> tuple[str, dict[int, dict], str | None]:  # type: ignore[no-untyped-def]
+    """Content, tool calls (by index, arguments joined) and the finish reason of a stream."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for d in choice.delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = call["id"] or d.id
+            call["name"] = call["name"] or (d.function and d.function.name)
+            call["arguments"] += (d.function and d.function.arguments) or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls_auto_parsed_from_the_models_own_format(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    """tool_choice auto: the output (forced here by a regex into the tiny model's Hermes
+    format, text before the calls included) comes back as content plus tool_calls, whole and
+    streamed alike, with finish_reason tool_calls; a plain answer stays plain content."""
+    import json
+
+    written = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+        '"days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+        "</tool_call>"
+    )
+    kwargs = {
+        "model": served_model,
+        "messages": [{"role": "user", "content": "Weather in Oslo, and the time?"}],
+        "tools": [WEATHER, TIME],
+        "max_tokens": 200,
+        "temperature": 0,
+        "extra_body": {"regex": _regex_literal(written)},
+    }
+    resp = client.chat.completions.create(**kwargs)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    calls = choice.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo", "days": 2}),
+        ("get_time", {}),
+    ]
+    assert len({c.id for c in calls}) == 2 and all(c.type == "function" for c in calls)
+    stream = client.chat.completions.create(stream=True, **kwargs)
+    content, streamed, finish = _streamed_tools(stream)
+    assert (content, finish) == ("Let me look.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+    # A call that is not valid JSON is content, verbatim; no tool call, finish "stop".
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    kwargs["extra_body"] = {"regex": _regex_literal(broken)}
+    resp = client.chat.completions.create(**kwargs)
+    assert resp.choices[0].message.content == broken
+    assert not resp.choices[0].message.tool_calls and resp.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_named_and_required_constrain_the_calls(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """A named function: one call to it, arguments valid for its schema (streamed as they
+    are generated); required: at least one call of the listed tools (exactly one without
+    parallel calls); sampled with a seed, so whole and streamed agree."""
+    import json
+
+    import jsonschema
+
+    from engine.tokenizer import load_tokenizer
+
+    # A random model left free to pick JSON's optional whitespace fills any budget with it
+    # (real models write compact JSON): ban the tokens that are only whitespace.
+    tok = load_tokenizer(http_stack.model)
+    blank = [i for i in range(len(tok)) if not tok.decode([i]).strip()]
+    blank = [i for i in blank if i not in tok.all_special_ids]
+    base = {
+        "model": served_model,
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [WEATHER, TIME],
+        "max_tokens": 400,
+        "temperature": 0.8,
+        "seed": 5,
+        "logit_bias": {str(i): -100 for i in blank},
+    }
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(tool_choice=named, **base)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(client.chat.completions.create(tool_choice=named, stream=True, **base))
+    content, streamed, finish = _streamed_tools(chunks)
+    assert (content, finish) == ("", "stop")
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        ("get_weather", call.function.arguments)
+    ]
+    num_argument_chunks = sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks)
+    assert num_argument_chunks > 1  # the arguments streamed, not sent at the end
+    # required, one call (parallel_tool_calls false): always exactly one valid call
+    for seed in range(3):
+        args = {**base, "seed": seed, "parallel_tool_calls": False}
+        resp = client.chat.completions.create(tool_choice="required", **args)
+        (call,) = resp.choices[0].message.tool_calls
+        assert resp.choices[0].finish_reason == "tool_calls"
+        tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        stream = client.chat.completions.create(tool_choice="required", stream=True, **args)
+        _, streamed, finish = _streamed_tools(stream)
+        assert finish == "tool_calls"
+        assert [(s["name"], s["arguments"]) for s in streamed.values()] == [
+            (call.function.name, call.function.arguments)
+        ]
+    # required with parallel calls: a random model rarely closes the list, and a list cut
+    # off by max_tokens is no call: it comes back as content, finish "length"
+    resp = client.chat.completions.create(tool_choice="required", **{**base, "max_tokens": 60})
+    choice = resp.choices[0]
+    if choice.finish_reason == "length":
+        assert not choice.message.tool_calls and choice.message.content.startswith('[{"name":')
+    else:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+
+
+def test_a_conversation_with_tool_results_renders_like_transformers(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """The assistant's earlier calls and the tool's answers go through the model's own chat
+    template: the prompt has exactly as many tokens as transformers renders for it."""
+    from engine.tokenizer import load_tokenizer
+
+    paris = '{"city": "Paris", "days": 1}'
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": paris},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    resp = client.chat.completions.create(
+        model=served_model, messages=messages, tools=[WEATHER], max_tokens=1
+    )
+    tok = load_tokenizer(http_stack.model)
+    reference = [dict(m) for m in messages]
+    reference[2] = {**messages[2], "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}}
+    ]}  # fmt: skip
+    text = tok.apply_chat_template(
+        reference, tools=[WEATHER], tokenize=False, add_generation_prompt=True
+    )
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+    assert '"arguments": {"city": "Paris", "days": 1}' in text
+    assert resp.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))
+
+
+def test_tool_errors_are_the_clients_exceptions(client: openai.OpenAI, served_model: str) -> None:
+    base = {"model": served_model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    cases = [
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "'nope', which is not among the tools",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": "required",
+             "response_format": {"type": "json_object"}},
+            "cannot be combined",
+        ),  # fmt: skip
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools.0.function.name"),
+        (
+            {"messages": [{"role": "user", "content": "x", "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ]}]},
+            "only assistant messages carry tool_calls",
+        ),  # fmt: skip
+    ]
+    for extra, message in cases:
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(**{**base, **extra})

@@ -81,6 +81,17 @@ SAMPLES: list[Message] = [
     FlushCacheReqMsg("flush-1", "router-a"),
     FlushCacheRespMsg("flush-1", "router-a", "w0", False, "2 requests running"),
     ServiceStatusMsg("detokenizer", "host-7", "host", 7, 1.0, 2.0, 5),
+    TokenizeReqMsg(
+        "r3", "router-b", "w0",
+        messages=[
+            ChatMessage("user", "weather?"),
+            ChatMessage("assistant", "", tool_calls=[{"id": "c1", "type": "function",
+                        "function": {"name": "f", "arguments": '{"a": 1}'}}]),
+            ChatMessage("tool", "sunny", name="f", tool_call_id="c1"),
+        ],
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        chat_template_kwargs={"enable_thinking": False},
+    ),
 ]  # fmt: skip
 
 
@@ -135,6 +146,9 @@ def test_float_field_accepts_int_and_converts() -> None:
     assert msg.created == 3.0 and type(msg.created) is float
 
 
+NO_TOOLS = {"name": None, "tool_calls": None, "tool_call_id": None}
+
+
 @pytest.mark.parametrize(
     "field, value, expected",
     [
@@ -147,8 +161,13 @@ def test_float_field_accepts_int_and_converts() -> None:
         ("input_ids", "123", "TokenizeReqMsg.input_ids: expected list, got str"),
         ("sampling_params", [1], "TokenizeReqMsg.sampling_params: expected map, got list"),
         ("sampling_params", {"a": {"b": b"x"}}, "sampling_params.a.b: expected plain data"),
-        ("messages", [{"role": "user"}], "TokenizeReqMsg.messages[0]: missing field(s) content"),
-        ("messages", [{"role": "user", "content": 1}], "messages[0].content: expected str"),
+        ("messages", [{"role": "user", **NO_TOOLS}],
+         "TokenizeReqMsg.messages[0]: missing field(s) content"),
+        ("messages", [{"role": "user", "content": 1, **NO_TOOLS}],
+         "messages[0].content: expected str"),
+        ("messages", [{"role": "user", "content": "x", **NO_TOOLS, "tool_calls": {}}],
+         "messages[0].tool_calls: expected list"),
+        ("tools", [[]], "TokenizeReqMsg.tools[0]: expected map"),
     ],
 )  # fmt: skip
 def test_wrong_field_type(field: str, value: object, expected: str) -> None:
@@ -174,7 +193,7 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=3), "tokenize_req: unsupported schema version 3 (speaks 2)"),
+        (lambda b: b.update(v=4), "tokenize_req: unsupported schema version 4 (speaks 3)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
         (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),

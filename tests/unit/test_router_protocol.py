@@ -65,8 +65,15 @@ COMP = {"model": "m", "prompt": "hi"}
         (ChatCompletionRequest, {"model": "m", "messages": [{"role": "bot", "content": "x"}]},
          "messages.0.role", "invalid_value"),
         (ChatCompletionRequest, {**CHAT, "top_logprobs": 2}, "top_logprobs", "invalid_value"),
-        (ChatCompletionRequest, {**CHAT, "tools": [{"type": "function"}]}, "tools",
-         "unsupported"),
+        (ChatCompletionRequest, {**CHAT, "tools": [{"type": "function"}]}, "tools.0.function",
+         "missing_required_parameter"),
+        (ChatCompletionRequest, {**CHAT, "tools": [{"type": "retrieval"}]}, "tools.0.type",
+         "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "tools": []}, "tools", "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "tool_choice": "any"}, "tool_choice", "invalid_value"),
+        (ChatCompletionRequest, {"model": "m", "messages": [{"role": "assistant", "tool_calls": [
+            {"id": "1", "function": {"name": "f", "arguments": {}}}]}]},
+         "messages.0.tool_calls.0.function.arguments", "invalid_value"),
         (ChatCompletionRequest, {"model": "m", "messages": [
             {"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "unsupported"),
         (GenerateRequest, {"text": "a", "input_ids": [1]}, "text", "invalid_value"),

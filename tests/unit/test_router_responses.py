@@ -11,8 +11,8 @@ import pytest
 
 from services.router_logprobs import TokenNames
 from services.router_protocol import SubRequest
-from services.router_responses import Choice, Formatter, usage
-from services.router_stream import Delta, Usage
+from services.router_responses import Formatter
+from services.router_stream import Choice, Delta, Usage, usage
 from shared.messages import FinishReason, PromptLogprobs
 
 

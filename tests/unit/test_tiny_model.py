@@ -247,3 +247,49 @@ def test_command_line(tmp_path: Path) -> None:
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (1, 32, 16)
     assert (config["vocab_size"], config["dtype"]) == (700, "bfloat16")
     assert len(load_tokenizer(tmp_path)) == 700
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tools_and_tool_turns_reach_the_chat_template(
+    model_dirs: dict[str, str], arch: str
+) -> None:
+    """The tokenizer service renders tools, an assistant's calls (arguments sent as JSON text,
+    given to the template as a mapping, as transformers expects) and tool results, exactly as
+    transformers renders them; the tiny template writes them in the Hermes format."""
+    from services.tokenize_request import RequestError, RequestTokenizer, model_limits
+    from shared.messages import ChatMessage, TokenizeReqMsg
+
+    tokenizer = load_tokenizer(model_dirs[arch])
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather"}}
+    turns = [
+        ChatMessage("user", "Weather in Oslo?"),
+        ChatMessage("assistant", "", tool_calls=[
+            {**call, "function": {**call["function"], "arguments": '{"city":"Oslo"}'}}]),
+        ChatMessage("tool", "snow", tool_call_id="c1"),
+    ]  # fmt: skip
+    service = RequestTokenizer(tokenizer, *model_limits(model_dirs[arch]))
+    msg = TokenizeReqMsg("r", "router", "w", messages=turns, tools=[TOOL])
+    ids = service.to_generate(msg).input_ids
+    reference = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {**call, "function": {**call["function"], "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "snow", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        reference, tools=[TOOL], tokenize=False, add_generation_prompt=True
+    )
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    written = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    assert f"<tool_call>\n{written}\n</tool_call>" in text
+    assert "<tool_response>\nsnow\n</tool_response>" in text
+    plain = TokenizeReqMsg("r", "router", "w", messages=turns[:1])
+    assert "<tools>" not in tokenizer.decode(service.to_generate(plain).input_ids)
+    bad = TokenizeReqMsg("r", "router", "w", messages=turns, chat_template_kwargs={"tools": []})
+    with pytest.raises(RequestError, match="'tools' is set by sluice"):
+        service.to_generate(bad)

@@ -1,0 +1,89 @@
+"""How a chat output becomes tool calls, per choice and as it streams (`ChoiceTools`); the
+modes are explained in services/router_chat.py."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from services.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolCallStream
+
+
+@dataclass
+class ToolMode:
+    """How one request's output becomes tool calls; `parser` is set for `auto`."""
+
+    kind: Literal["auto", "required", "named"]
+    name: str | None = None
+    parser: str | None = None
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.parser in KEEPS_SPECIAL_TOKENS
+
+    def output(self) -> ChoiceTools:
+        return ChoiceTools(self)
+
+
+@dataclass
+class ChoiceTools:
+    """One choice's tool calls as its text arrives: `step` returns (content, call deltas)."""
+
+    mode: ToolMode
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    _stream: ToolCallStream | None = None
+    _buffer: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode.kind == "auto":
+            assert self.mode.parser is not None
+            self._stream = ToolCallStream(self.mode.parser)
+
+    @property
+    def called(self) -> bool:
+        """Whether the output made calls (so finish_reason "stop" becomes "tool_calls")."""
+        return bool(self.calls) and self.mode.kind != "named"
+
+    def step(self, text: str, finished: bool) -> tuple[str, list[dict[str, Any]]]:
+        if self._stream is not None:
+            content, found = self._stream.feed(text)
+            if finished:
+                rest, more = self._stream.finish()
+                content, found = content + rest, found + more
+            return content, [self._add(c.name, c.arguments) for c in found]
+        if self.mode.kind == "named":
+            if not self.calls:
+                return "", [self._add(self.mode.name or "", text)]
+            self.calls[0]["function"]["arguments"] += text
+            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
+        self._buffer.append(text)
+        if not finished:
+            return "", []
+        whole = "".join(self._buffer)
+        calls = _required_calls(whole)
+        if calls is None:  # cut off (max_tokens) before the list was complete
+            return whole, []
+        return "", [self._add(name, args) for name, args in calls]
+
+    def _add(self, name: str, arguments: str) -> dict[str, Any]:
+        call = {
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+        self.calls.append(call)
+        return {"index": len(self.calls) - 1, **call, "function": dict(call["function"])}
+
+
+def _required_calls(text: str) -> list[tuple[str, str]] | None:
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not all(
+        isinstance(i, dict) and isinstance(i.get("name"), str) for i in items
+    ):
+        return None
+    return [(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
