@@ -52,7 +52,7 @@ class ChoiceTools:
             if finished:
                 rest, more = self._stream.finish()
                 content, found = content + rest, found + more
-            return content, [self._add(c.name, c.arguments) for c in found]
+            return content, [self._add(c.name, c.arguments) for c in found] if found else []
         if self.mode.kind == "named":
             if not self.calls:
                 return "", [self._add(self.mode.name or "", text)]

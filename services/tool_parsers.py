@@ -88,6 +88,8 @@ class ToolCallStream:
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """Content and calls that `text` (the next piece of output) makes certain."""
+        if not self.in_call and not self.pending and self._plain(text):
+            return text, []  # the common case, content far from any call: nothing to hold
         self.pending += text
         content, calls = [], []
         while True:
@@ -100,6 +102,11 @@ class ToolCallStream:
             if not opened:
                 break
         return "".join(content), calls
+
+    def _plain(self, text: str) -> bool:
+        if self.fmt.at_start_only:
+            return self.decided
+        return self.fmt.start[0] not in text and not text[-1:].isspace()
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """What is left once the output is complete."""
@@ -196,9 +203,11 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
 
 def _prefix_tail(text: str, tag: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
+    start = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while start >= 0:  # the earliest start whose tail begins the tag is the longest
+        if tag.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(tag[0], start + 1)
     return 0
 
 
