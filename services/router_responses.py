@@ -29,7 +29,7 @@ from services.router_logprobs import TokenNames, chat_token, input_logprobs
 from services.router_protocol import ApiError
 from services.router_requests import RequestHandle, merged
 from services.router_stream import Choice, Delta, usage
-from services.router_tools import ToolMode
+from services.router_tools import ChatSplit, Part, ToolMode
 
 DONE = b"data: [DONE]\n\n"
 _MARK = "\x00text\x00"
@@ -64,6 +64,7 @@ class Formatter:
         batch: bool = False,
         incremental: bool = False,
         tool_mode: ToolMode | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.kind, self.rid, self.created, self.model = kind, rid, created, model
         self.names, self.handles = names, handles
@@ -74,6 +75,7 @@ class Formatter:
         self.echo = kind == "completion" and handles[0].sub.echo
         self.subs = {h.sub.index: h.sub for h in handles}
         self.tool_mode = tool_mode
+        self.reasoning_parser = reasoning_parser if kind == "chat" else None
         self._templates: dict[int, list[bytes]] = {}
 
     # -- whole responses ------------------------------------------------------------------------
@@ -85,12 +87,12 @@ class Formatter:
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
         body["choices"] = []
         for c in choices:
-            c.tools = self.tool_mode.output() if self.tool_mode is not None else None
-            text, _ = self._split_tools(c, c.text, final=True)
+            c.split = self._new_split()
+            part = self._split(c, c.text, final=True)
             lps, tops = c.token_logprobs, c.top_logprobs
-            choice = self._choice(c, text, c.output_ids, lps, tops, final=True, echo=True)
-            if c.tools is not None and c.tools.calls:
-                choice["message"]["tool_calls"] = c.tools.calls
+            choice = self._choice(c, part, c.output_ids, lps, tops, final=True, echo=True)
+            if c.split is not None and c.split.calls:
+                choice["message"]["tool_calls"] = c.split.calls
             body["choices"].append(choice)
         body["usage"] = usage(choices, self.prompt_of)
         return body
@@ -99,7 +101,7 @@ class Formatter:
     async def chunks(self) -> AsyncIterator[bytes]:
         choices = {h.sub.index: Choice(h.sub.index, rid=h.rid) for h in self.handles}
         for choice in choices.values():
-            choice.tools = self.tool_mode.output() if self.tool_mode is not None else None
+            choice.split = self._new_split()
         handles = {h.sub.index: h for h in self.handles}
         started = False
         try:
@@ -108,10 +110,10 @@ class Formatter:
                 first = not choice.pieces
                 choice.rid = handles[index].rid  # a request resent elsewhere has a new rid
                 choice.add(delta)
-                text, calls = self._split_tools(choice, delta.text, delta.finished)
-                if self._says_nothing(delta, first, text, calls):
+                part = self._split(choice, delta.text, delta.finished)
+                if self._says_nothing(delta, first, part):
                     continue  # tokens whose text is held back: no OpenAI chunk for them
-                yield self._chunk(choice, delta, first, text, calls)
+                yield self._chunk(choice, delta, first, part)
                 started = True
         except ApiError as err:
             if not started:
@@ -126,26 +128,28 @@ class Formatter:
             yield sse(body)
         yield DONE
 
-    def _split_tools(self, c: Choice, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
-        """The content in `text` (the choice's next text) and the tool call deltas it ends."""
-        if c.tools is None:
-            return text, []
-        if c.tools.mode.kind == "named" and not c.tools.calls and not final and not text:
-            return "", []  # the call opens with its first arguments
-        return c.tools.step(text, final)
+    def _new_split(self) -> ChatSplit | None:
+        if self.tool_mode is None and self.reasoning_parser is None:
+            return None
+        return ChatSplit(self.tool_mode, self.reasoning_parser)
 
-    def _says_nothing(self, d: Delta, first: bool, text: str, calls: list[Any]) -> bool:
-        if self.kind == "generate" or text or calls or d.finished or self.want_logprobs:
+    @staticmethod
+    def _split(c: Choice, text: str, final: bool) -> Part:
+        """What `text`, the choice's next text, is: content, reasoning, tool call deltas."""
+        return Part(text) if c.split is None else c.split.step(text, final)
+
+    def _says_nothing(self, d: Delta, first: bool, part: Part) -> bool:
+        if self.kind == "generate" or d.finished or self.want_logprobs:
+            return False
+        if part.content or part.reasoning or part.calls:
             return False
         if first and self.echo:
             return False  # the echoed prompt
         return not (first and self.kind == "chat")  # the first chat chunk names the role
 
-    def _chunk(
-        self, c: Choice, d: Delta, first: bool, text: str | None = None, calls: list[Any] = ()
-    ) -> bytes:
-        """The SSE chunk of delta `d`; with tools, `text` is its content, `calls` its calls."""
-        text = d.text if text is None else text
+    def _chunk(self, c: Choice, d: Delta, first: bool, part: Part | None = None) -> bytes:
+        """The SSE chunk of delta `d`, whose text is `part` (all content if not given)."""
+        part = Part(d.text) if part is None else part
         if self.kind == "generate":
             if self.incremental:
                 obj = self._generate_obj(c, d.text, start=len(c.output_ids) - len(d.output_ids))
@@ -154,9 +158,10 @@ class Formatter:
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
-        if not first and not d.finished and not self.want_logprobs and not calls:
-            return self._text_chunk(c.index, text)
-        return self._full_chunk(c, d, first, text, calls)
+        plain = not part.reasoning and not part.calls
+        if not first and not d.finished and not self.want_logprobs and plain:
+            return self._text_chunk(c.index, part.content)
+        return self._full_chunk(c, d, first, part)
 
     def _text_chunk(self, index: int, text: str) -> bytes:
         """A middle chunk that carries only text (most of them): `_full_chunk`'s bytes for a
@@ -167,19 +172,20 @@ class Formatter:
             parts = self._templates[index] = marked.split(_MARK_JSON)
         return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
-    def _full_chunk(
-        self, c: Choice, d: Delta, first: bool, text: str | None = None, calls: list[Any] = ()
-    ) -> bytes:
-        text = d.text if text is None else text
+    def _full_chunk(self, c: Choice, d: Delta, first: bool, part: Part | None = None) -> bytes:
+        part = Part(d.text) if part is None else part
         body = self._envelope(self._chunk_object())
         lps, tops = d.token_logprobs or [], d.top_logprobs or []
-        choice = self._choice(c, text, d.output_ids, lps, tops, final=d.finished, echo=first)
+        choice = self._choice(c, part, d.output_ids, lps, tops, final=d.finished, echo=first)
         if self.kind == "chat":
             message = choice.pop("message")
-            choice["delta"] = message if first else {"content": message["content"]}
-            if calls:
-                choice["delta"]["content"] = text or None
-                choice["delta"]["tool_calls"] = calls
+            delta = choice["delta"] = message if first else {"content": message["content"]}
+            if part.reasoning or part.calls:
+                delta["content"] = part.content or None
+            if part.reasoning:
+                delta["reasoning_content"] = part.reasoning
+            if part.calls:
+                delta["tool_calls"] = part.calls
         body["choices"] = [choice]
         return sse(body)
 
@@ -193,7 +199,7 @@ class Formatter:
     def _choice(
         self,
         c: Choice,
-        text: str,
+        part: Part,
         ids: list[int],
         lps: list[float],
         tops: list[list[tuple[int, float]]],
@@ -203,6 +209,7 @@ class Formatter:
         """A choice object; with `echo` (a whole response, or a choice's first chunk) and
         the request's `echo`, the prompt's text and logprobs go first."""
         out: dict[str, Any] = {"index": c.index}
+        text = part.content
         if echo and self.echo:
             text = self._prompt_text(c.index) + text
             prompt = c.prompt
@@ -211,8 +218,11 @@ class Formatter:
                 tops = (prompt.top_pairs() or [None] * len(prompt.ids)) + tops
                 ids = prompt.ids + ids
         if self.kind == "chat":
-            called = c.tools is not None and c.tools.calls
-            out["message"] = {"role": "assistant", "content": None if called and not text else text}
+            called = c.split is not None and c.split.calls
+            message = {"role": "assistant", "content": None if called and not text else text}
+            if self.reasoning_parser is not None:
+                message["reasoning_content"] = part.reasoning or None
+            out["message"] = message
         else:
             out["text"] = text
         out["logprobs"] = self._logprobs(ids, lps, tops) if self.want_logprobs else None

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.router_tools import ChoiceTools
+from services.router_tools import ChatSplit
 from shared.messages import DetokRow, FinishReason, PromptLogprobs
 
 
@@ -199,7 +199,7 @@ class Choice:
     finish_reason: Any = None
     usage: Usage | None = None
     prompt: PromptLogprobs | None = None
-    tools: ChoiceTools | None = None  # chat with tools: the calls found in the text
+    split: ChatSplit | None = None  # chat with tools or reasoning: what its text is
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
@@ -219,7 +219,7 @@ class Choice:
     def finish_type(self) -> str | None:
         if self.finish_reason is None:
             return None
-        if self.finish_reason.type == "stop" and self.tools is not None and self.tools.called:
+        if self.finish_reason.type == "stop" and self.split is not None and self.split.called:
             return "tool_calls"
         return self.finish_reason.type
 

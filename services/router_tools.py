@@ -1,5 +1,6 @@
-"""How a chat output becomes tool calls, per choice and as it streams (`ChoiceTools`); the
-modes are explained in services/router_chat.py."""
+"""How a chat choice's output becomes reasoning, content and tool calls as it arrives
+(`ChatSplit`: the reasoning parser first, then the tools' `ChoiceTools`); the tool modes are
+explained in services/router_chat.py, the reasoning parsers in services/reasoning_parsers.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from services.reasoning_parsers import ReasoningStream
 from services.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolCallStream
 
 
@@ -75,6 +77,46 @@ class ChoiceTools:
         }
         self.calls.append(call)
         return {"index": len(self.calls) - 1, **call, "function": dict(call["function"])}
+
+
+@dataclass
+class Part:
+    """What a piece of a chat choice's text turned out to be."""
+
+    content: str
+    reasoning: str = ""
+    calls: list[dict[str, Any]] = field(default_factory=list)  # tool call deltas
+
+
+class ChatSplit:
+    """One chat choice's text, as it arrives, as reasoning, content and tool calls."""
+
+    def __init__(self, tool_mode: ToolMode | None, reasoning_parser: str | None) -> None:
+        self.tools = ChoiceTools(tool_mode) if tool_mode is not None else None
+        self.reasoning = ReasoningStream(reasoning_parser) if reasoning_parser else None
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return self.tools.calls if self.tools is not None else []
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and self.tools.called
+
+    def step(self, text: str, final: bool) -> Part:
+        reasoning = ""
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.feed(text)
+            if final:
+                more, rest = self.reasoning.finish()
+                reasoning, text = reasoning + more, text + rest
+        tools = self.tools
+        if tools is None:
+            return Part(text, reasoning)
+        if tools.mode.kind == "named" and not tools.calls and not final and not text:
+            return Part("", reasoning)  # the call opens with its first arguments
+        content, calls = tools.step(text, final)
+        return Part(content, reasoning, calls)
 
 
 def _required_calls(text: str) -> list[tuple[str, str]] | None:

@@ -2,7 +2,7 @@
 
     sluice serve [--model PATH] [--redis-url URL] [--tokenizers N] [--detokenizers M]
                  [--host H] [--port P] [--incremental-streaming-output]
-                 [--tool-call-parser hermes|llama3|mistral]
+                 [--tool-call-parser hermes|llama3|mistral] [--reasoning-parser P]
                  [engine flags: --device, --page-size, ...]
 
 Starts an embedded redis-server when no Redis URL is given, generates a small model when
@@ -46,7 +46,7 @@ WORKER_ID = "0"
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
 # RouterSettings fields that `serve` takes as flags too and passes on to its router.
-ROUTER_FLAGS = ("incremental_streaming_output", "tool_call_parser")
+ROUTER_FLAGS = ("incremental_streaming_output", "tool_call_parser", "reasoning_parser")
 
 
 def _die_with_parent() -> None:

@@ -168,6 +168,7 @@ class CommonSettings:
 
 # the names services/tool_parsers.py knows (aliases included)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen", "qwen3", "llama3", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek-r1", "qwen3-thinking")  # services/reasoning_parsers.py
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,12 @@ class RouterSettings:
         "how the model writes tool calls: hermes (qwen25), llama3, mistral "
         "(default: the format its chat template teaches)",
         choices=TOOL_CALL_PARSERS,
+    )
+    reasoning_parser: str | None = setting(
+        None,
+        "split <think>...</think> off chat outputs as reasoning_content: qwen3 (an optional "
+        "block at the start), deepseek-r1 / qwen3-thinking (the prompt opened the block)",
+        choices=REASONING_PARSERS,
     )
 
 

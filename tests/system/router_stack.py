@@ -17,7 +17,12 @@ from shared.redis_server import EmbeddedRedis
 from tests.factories import tiny_model
 from tests.system.procs import Stack, start_stack
 
-STACK_ENV = {"SLUICE_CLAIM_IDLE_MS": "1000", "SLUICE_HEARTBEAT_TTL_S": "3"}
+# the router splits think blocks off chat outputs (qwen3: only an output that opens one)
+STACK_ENV = {
+    "SLUICE_CLAIM_IDLE_MS": "1000",
+    "SLUICE_HEARTBEAT_TTL_S": "3",
+    "SLUICE_REASONING_PARSER": "qwen3",
+}
 
 
 @pytest.fixture(scope="session")

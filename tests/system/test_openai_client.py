@@ -303,6 +303,38 @@ def test_tool_calls_auto_parsed_from_the_models_own_format(
     assert not resp.choices[0].message.tool_calls and resp.choices[0].finish_reason == "stop"
 
 
+def test_reasoning_is_split_off_whole_and_streamed(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    """The stack's router runs `--reasoning-parser qwen3`: a think block opening the output
+    (forced here by a regex) comes back as reasoning_content, the rest as content or tool
+    calls; an output without one is all content."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    kwargs = {
+        "model": served_model,
+        "messages": [{"role": "user", "content": "Think, then answer."}],
+        "max_tokens": 120,
+        "temperature": 0,
+    }
+    for written, tools, want in (
+        ("<think>\nweigh it up\n</think>\n\nIt is sunny.", None, ("weigh it up", "It is sunny.")),
+        ("<think>need the time</think>\n" + call, [TIME], ("need the time", None)),
+        ("No block, just text.", None, (None, "No block, just text.")),
+    ):
+        extra = {"extra_body": {"regex": _regex_literal(written)}}
+        if tools:
+            extra["tools"] = tools
+        message = client.chat.completions.create(**kwargs, **extra).choices[0].message
+        assert (message.reasoning_content, message.content) == want
+        assert bool(message.tool_calls) == bool(tools)
+        reasoning, content = "", ""
+        for chunk in client.chat.completions.create(stream=True, **kwargs, **extra):
+            delta = chunk.choices[0].delta if chunk.choices else None
+            reasoning += (delta and getattr(delta, "reasoning_content", None)) or ""
+            content += (delta and delta.content) or ""
+        assert (reasoning or None, content or None) == want
+
+
 def test_tool_choice_named_and_required_constrain_the_calls(
     client: openai.OpenAI, served_model: str, http_stack: Stack
 ) -> None:
