@@ -132,7 +132,7 @@ def settings_from_args(
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise SettingsError(f"{f.name} is required: pass {_flag(f)} or set {_env(f)}")
         choices = f.metadata.get("choices")
-        if choices and f.name in values and values[f.name] not in choices:
+        if choices and values.get(f.name) is not None and values[f.name] not in choices:
             raise SettingsError(f"{_env(f)}: {values[f.name]!r} is not one of {list(choices)}")
     return cls(**values)
 
