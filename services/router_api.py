@@ -118,7 +118,11 @@ class Router:
             batch=kind == "generate" and (body.is_batch or len(subs) > 1),
             incremental=self.config.router.incremental_streaming_output,
             tool_mode=tool_mode,
-            reasoning_parser=self.config.router.reasoning_parser,
+            reasoning_parser=(
+                self.config.router.reasoning_parser
+                if getattr(body, "separate_reasoning", True) is not False
+                else None
+            ),
         )
         if body.stream:
             return await _sse_response(request, fmt.chunks())

@@ -105,6 +105,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool | None = True  # SGLang's: false keeps think blocks in content
     _tool_mode: ToolMode | None = PrivateAttr(None)
 
     @property

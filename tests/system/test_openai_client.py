@@ -333,6 +333,11 @@ def test_reasoning_is_split_off_whole_and_streamed(
             reasoning += (delta and getattr(delta, "reasoning_content", None)) or ""
             content += (delta and delta.content) or ""
         assert (reasoning or None, content or None) == want
+    # SGLang's separate_reasoning false: the block stays in the content
+    written = "<think>keep me</think> Fine."
+    extra = {"regex": _regex_literal(written), "separate_reasoning": False}
+    message = client.chat.completions.create(**kwargs, extra_body=extra).choices[0].message
+    assert (getattr(message, "reasoning_content", None), message.content) == (None, written)
 
 
 def test_tool_choice_named_and_required_constrain_the_calls(
