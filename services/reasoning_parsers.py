@@ -20,7 +20,7 @@ until the next text decides it.
 
 from __future__ import annotations
 
-from services.tool_parsers import _prefix_tail
+from services.router_stream import prefix_tail
 
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "qwen3-thinking")
 _FORCED = {"deepseek-r1", "qwen3-thinking"}  # the prompt opened the think block
@@ -83,7 +83,7 @@ class ReasoningStream:
             out = _trimmed(text[:pos], self.lead)
             self.lead = True
             return out
-        head = text[: len(text) - _prefix_tail(text, CLOSE)]
+        head = text[: len(text) - prefix_tail(text, CLOSE)]
         cut = len(head.rstrip())  # trailing whitespace waits: it may end the reasoning
         released, self.pending = text[:cut], text[cut:]
         return self._lead_trim(released)

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.router_tools import ChatSplit
 from shared.messages import DetokRow, FinishReason, PromptLogprobs
+
+if TYPE_CHECKING:
+    from services.router_tools import ChatSplit
 
 
 @dataclass(frozen=True)
@@ -76,13 +78,18 @@ class StopMatcher:
 
     def hold_back(self, text: str) -> int:
         """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        return max((prefix_tail(text, stop) for stop in self.stops), default=0)
+
+
+def prefix_tail(text: str, tag: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `tag` (text to hold
+    back while it may still grow into `tag`)."""
+    start = text.find(tag[0], max(0, len(text) - len(tag) + 1))
+    while start >= 0:  # the earliest start whose tail begins the tag is the longest
+        if tag.startswith(text[start:]):
+            return len(text) - start
+        start = text.find(tag[0], start + 1)
+    return 0
 
 
 class OutputAssembler:

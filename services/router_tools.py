@@ -56,8 +56,8 @@ class ChoiceTools:
                 content, found = content + rest, found + more
             return content, [self._add(c.name, c.arguments) for c in found] if found else []
         if self.mode.kind == "named":
-            if not self.calls:
-                return "", [self._add(self.mode.name or "", text)]
+            if not self.calls:  # the call opens with its first arguments
+                return "", [self._add(self.mode.name or "", text)] if text or finished else []
             self.calls[0]["function"]["arguments"] += text
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
         self._buffer.append(text)
@@ -110,12 +110,9 @@ class ChatSplit:
             if final:
                 more, rest = self.reasoning.finish()
                 reasoning, text = reasoning + more, text + rest
-        tools = self.tools
-        if tools is None:
+        if self.tools is None:
             return Part(text, reasoning)
-        if tools.mode.kind == "named" and not tools.calls and not final and not text:
-            return Part("", reasoning)  # the call opens with its first arguments
-        content, calls = tools.step(text, final)
+        content, calls = self.tools.step(text, final)
         return Part(content, reasoning, calls)
 
 

@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from services.router_stream import prefix_tail
+
 PARSERS = ("hermes", "llama3", "mistral")
 ALIASES = {"qwen25": "hermes", "qwen": "hermes", "qwen3": "hermes", "llama3_json": "llama3"}
 KEEPS_SPECIAL_TOKENS = {"mistral"}  # its marker is a special token
@@ -132,7 +134,7 @@ class ToolCallStream:
             self.opening = text[len(before) : pos + len(fmt.start)]
             self.pending, self.in_call = text[pos + len(fmt.start) :], True
             return before, True
-        head = text[: len(text) - _prefix_tail(text, fmt.start)]
+        head = text[: len(text) - prefix_tail(text, fmt.start)]
         cut = len(head.rstrip())  # whitespace before a possible opening waits too
         released, self.pending = text[:cut], text[cut:]
         return released, False
@@ -199,16 +201,6 @@ def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     content, calls = stream.feed(text)
     rest, more = stream.finish()
     return content + rest, calls + more
-
-
-def _prefix_tail(text: str, tag: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `tag`."""
-    start = text.find(tag[0], max(0, len(text) - len(tag) + 1))
-    while start >= 0:  # the earliest start whose tail begins the tag is the longest
-        if tag.startswith(text[start:]):
-            return len(text) - start
-        start = text.find(tag[0], start + 1)
-    return 0
 
 
 def _loads(text: str) -> Any:
