@@ -25,9 +25,6 @@ class ToolMode:
     def keeps_special_tokens(self) -> bool:
         return self.parser in KEEPS_SPECIAL_TOKENS
 
-    def output(self) -> ChoiceTools:
-        return ChoiceTools(self)
-
 
 @dataclass
 class ChoiceTools:
