@@ -4,13 +4,12 @@ explained in services/router_chat.py, the reasoning parsers in services/reasonin
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.reasoning_parsers import ReasoningStream
-from services.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolCallStream
+from services.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolCallStream, json_calls
 
 
 @dataclass
@@ -61,10 +60,10 @@ class ChoiceTools:
         if not finished:
             return "", []
         whole = "".join(self._buffer)
-        calls = _required_calls(whole)
+        calls = json_calls(whole)
         if calls is None:  # cut off (max_tokens) before the list was complete
             return whole, []
-        return "", [self._add(name, args) for name, args in calls]
+        return "", [self._add(c.name, c.arguments) for c in calls]
 
     def _add(self, name: str, arguments: str) -> dict[str, Any]:
         call = {
@@ -111,15 +110,3 @@ class ChatSplit:
             return Part(text, reasoning)
         content, calls = self.tools.step(text, final)
         return Part(content, reasoning, calls)
-
-
-def _required_calls(text: str) -> list[tuple[str, str]] | None:
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(items, list) or not all(
-        isinstance(i, dict) and isinstance(i.get("name"), str) for i in items
-    ):
-        return None
-    return [(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]

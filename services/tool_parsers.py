@@ -185,14 +185,22 @@ class ToolCallStream:
             call = _call(_loads(body))
             return None if call is None else [call]
         if self.parser == "mistral":
-            items = _loads(body)
-            items = [items] if isinstance(items, dict) else items
-        else:
-            items = _json_sequence(body, ";")
-        if not isinstance(items, list) or not items:
-            return None
-        calls = [_call(item) for item in items]
-        return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+            return json_calls(body)
+        return _calls(_json_sequence(body))
+
+
+def json_calls(text: str) -> list[ToolCall] | None:
+    """The calls in a JSON list of `{"name", "arguments" | "parameters"}` objects (or in one
+    such object), or None if the text is not that."""
+    items = _loads(text)
+    return _calls([items] if isinstance(items, dict) else items)
+
+
+def _calls(items: Any) -> list[ToolCall] | None:
+    if not isinstance(items, list) or not items:
+        return None
+    calls = [_call(item) for item in items]
+    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
 def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
@@ -210,8 +218,11 @@ def _loads(text: str) -> Any:
         return None
 
 
-def _json_sequence(text: str, sep: str) -> list[Any] | None:
-    """JSON values separated by `sep` (and whitespace), or None if that is not what it is."""
+_SEPARATOR = re.compile(r"\s*(?:;\s*)?")  # between llama3's calls
+
+
+def _json_sequence(text: str) -> list[Any] | None:
+    """JSON values separated by ";" (and whitespace), or None if that is not what it is."""
     decoder, items, pos = json.JSONDecoder(), [], 0
     text = text.strip()
     while pos < len(text):
@@ -220,8 +231,7 @@ def _json_sequence(text: str, sep: str) -> list[Any] | None:
         except ValueError:
             return None
         items.append(value)
-        match = re.compile(rf"\s*(?:{re.escape(sep)}\s*)?").match(text, pos)
-        pos = match.end() if match else pos
+        pos = _SEPARATOR.match(text, pos).end()  # type: ignore[union-attr]
     return items
 
 
