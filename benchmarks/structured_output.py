@@ -78,7 +78,7 @@ def mask_fill_us(engine: Any, rows: int, steps: int) -> dict[str, float]:
     """Compile the schema (first / cached) and fill `rows` matchers' masks mid-document."""
     from engine.sampling.sampling_params import SamplingParams
 
-    backend = engine.scheduler._grammar_backend()
+    backend = engine.scheduler.grammar_queue.backend()
     params = SamplingParams(json_schema=json.dumps({**SCHEMA, "minItems": 101}))
     t0 = time.perf_counter()
     grammars = [backend.grammar(params)]

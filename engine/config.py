@@ -132,6 +132,9 @@ class EngineArgs:
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
+    # Threads compiling structured-output grammars beside the scheduler (0: on its thread,
+    # pausing every running request while one compiles; engine/scheduler/grammar_queue.py).
+    grammar_compile_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -149,6 +152,8 @@ class EngineArgs:
                 f"cpu_overlap_executor: {self.cpu_overlap_executor!r} not in "
                 f"{CPU_OVERLAP_EXECUTORS}"
             )
+        if self.grammar_compile_threads < 0:
+            raise ValueError("grammar_compile_threads must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:

@@ -81,7 +81,9 @@ class Engine:
         return outs[0] if single else outs
 
     def _run_until(self, rids: set[str]) -> Iterator[StepEvent]:
-        pending = set(rids)
+        """The events of `rids` until all finish. A request whose grammar fails to compile
+        aborts the others and raises its ValueError (once they have ended)."""
+        pending, error = set(rids), None
         while pending:
             if not self.scheduler.has_work():
                 raise RuntimeError(f"scheduler idle with {len(pending)} requests unfinished")
@@ -89,6 +91,14 @@ class Engine:
                 if event.finished_reason is not None:
                     pending.discard(event.rid)
                 yield event
+            for rid, why in self.scheduler.take_rejected():
+                pending.discard(rid)
+                if error is None:
+                    error = ValueError(why)
+                    for other in pending:
+                        self.scheduler.abort_request(other)
+        if error is not None:
+            raise error
 
     def _input_ids(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
         if (prompt is None) == (input_ids is None):

@@ -52,6 +52,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
     g.add_argument("--random-seed", type=int, default=0)
+    g.add_argument(
+        "--grammar-compile-threads",
+        type=int,
+        default=2,
+        help="threads compiling structured-output grammars beside the scheduler (0: on the "
+        "scheduler's thread, pausing the running requests while one compiles)",
+    )
     g.add_argument("--disable-cuda-graph", action="store_true")
     g.add_argument(
         "--cuda-graph-max-bs",

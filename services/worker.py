@@ -10,7 +10,8 @@ records on its pipes). The loop drains the requests and aborts that arrived betw
 (blocking on them only when the scheduler has no work), and after each step writes one
 compact record with every request that got tokens or ended in it (`row_record`); the
 I/O process builds and sends the step message. A `GenerateReqMsg` becomes
-`scheduler.add_request` (a ValueError becomes an `ErrorMsg` to its router); an
+`scheduler.add_request` (a ValueError, or a grammar that fails to compile later, becomes an
+`ErrorMsg` to its router); an
 `AbortReqMsg` becomes `scheduler.abort_request`, or is remembered when it overtook its
 request; a `FlushCacheReqMsg` empties the prefix cache if nothing runs or waits, and is
 answered either way. The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most
@@ -130,6 +131,12 @@ class Worker:
                 self.table.end(event.rid)
         if rows:
             self.link.step(self.num_steps, rows)
+        for rid, why in self.scheduler.take_rejected():  # grammars that did not compile
+            info = self.table.active.get(rid)
+            if info is not None:
+                self.table.end(rid)
+                self.link.forget(rid)
+                self._reject(rid, info.router_id, why)
 
     def _send_load(self) -> None:
         now = time.monotonic()
@@ -152,11 +159,15 @@ class Worker:
             params = sampling_params(msg, self.vocab_size)
             self.scheduler.add_request(msg.rid, msg.input_ids, params)
         except ValueError as exc:
-            source = f"{WORKER_KIND}:{self.worker_id}"
-            error = ErrorMsg(msg.rid, msg.router_id, "invalid_request", str(exc), 400, source)
-            self.link.publish(router_out_stream(self.prefix, msg.router_id), error)
+            self._reject(msg.rid, msg.router_id, str(exc))
             return
         self.link.start(msg.rid, self.table.start(msg))
+
+    def _reject(self, rid: str, router_id: str, why: str) -> None:
+        """The request's 400, to its router."""
+        source = f"{WORKER_KIND}:{self.worker_id}"
+        error = ErrorMsg(rid, router_id, "invalid_request", why, 400, source)
+        self.link.publish(router_out_stream(self.prefix, router_id), error)
 
     def _on_abort(self, msg: AbortReqMsg) -> None:
         if self.table.abort(msg.rid):

@@ -15,8 +15,9 @@ the wrong type are dead-lettered.
 
 The main thread keeps each running request's `ReqInfo` (from its "start" record) and turns
 every "step" record into a `StepOutputMsg` (`step_message`), dropping a request's info
-with its final row. `Sender` publishes everything queued in one pipeline per round trip; if
-Redis is unreachable it keeps the messages and retries, so nothing is dropped by a blip.
+with its final row (or a "forget" record). `Sender` publishes everything queued in one
+pipeline per round trip; if Redis is unreachable it keeps the messages and retries, so
+nothing is dropped by a blip.
 
 The scheduler process closing its end (a clean stop, or its death) stops this process:
 it sends what is queued and deletes the heartbeat. SIGTERM does the same; SIGINT (a
@@ -173,6 +174,7 @@ class IoProcess:
         self.infos: dict[str, ReqInfo] = {}
         self._handlers = {
             "start": self._on_start,
+            "forget": self._on_forget,
             "step": self._on_step,
             "msg": self._on_msg,
             "load": self._on_load,
@@ -199,6 +201,9 @@ class IoProcess:
 
     def _on_start(self, rid: str, *info: Any) -> None:
         self.infos[rid] = ReqInfo(*info)
+
+    def _on_forget(self, rid: str) -> None:
+        self.infos.pop(rid, None)
 
     def _on_step(self, step: int, records: list[list[Any]]) -> None:
         msg = step_message(records, self.infos, self.worker_id, step)

@@ -15,6 +15,7 @@ first item names the record:
     scheduler → I/O   ["hello", config]                                    once, first
                       ["start", rid, router_id, skip_special_tokens,
                                 spaces_between_special_tokens, prompt_tokens]  a request starts
+                      ["forget", rid]                    a started request ends without rows
                       ["step", step, [row record, ...]]                    see `row_record`
                       ["msg", stream, message bytes]                       publish as is
                       ["load", [figure, ...]]                              `LoadFigures`
@@ -150,6 +151,10 @@ class IoLink:
 
     def start(self, rid: str, info: tuple[str, bool, bool, int]) -> None:
         self._send(["start", rid, *info])
+
+    def forget(self, rid: str) -> None:
+        """A started request that ended without a step row (its grammar did not compile)."""
+        self._send(["forget", rid])
 
     def step(self, step: int, rows: list[tuple[Any, ...]]) -> None:
         self._send(["step", step, rows])

@@ -125,6 +125,8 @@ class OverlapScheduler(Scheduler):
                 self._launch_sample(record)
             if all(r.finished for r in record.reqs):
                 self._process(self._in_flight.popleft())  # nothing left to learn from it
+        elif not self._in_flight:
+            self.wait_for_grammars()
         self.last_batch = batch
         self._update_stats()
         return self.output.take_events()
@@ -136,16 +138,18 @@ class OverlapScheduler(Scheduler):
         """Between steps: the requests whose next token is sampled but not processed yet."""
         return self._in_flight[-1].pending() if self._in_flight else {}
 
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        super().add_request(rid, input_ids, params)
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
+        req = super().add_request(rid, input_ids, params)
         if params.has_penalty or params.has_grammar:
-            self._penalized.add(self.waiting_queue[-1])
+            self._penalized.add(req)
         if params.sampling_seed is not None or params.min_new_tokens > 0:
-            self._seeded.add(self.waiting_queue[-1])
+            self._seeded.add(req)
+        return req
 
     def close(self) -> None:
         """Stop the executor (the forward thread on CPU). Results in flight are dropped."""
         self.executor.close()
+        super().close()
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         record = self._in_flight[-1] if self._in_flight else None  # the last batch launched

@@ -14,9 +14,10 @@ The mask of a step needs the previous token accepted, so with the overlap schedu
 holding a grammar request is sampled deferred, after the batch before it is processed (as for
 penalties); its forward still overlaps.
 
-Compiling happens in `Scheduler.add_request`, so an invalid grammar is the request's
-ValueError (a 400 for the client); compiled grammars are cached by xgrammar's compiler, and
-requests with the same schema only pay for a new matcher.
+Compiling (and building the backend, for the first grammar request) happens off the
+scheduler's thread, in the scheduler's `GrammarQueue` (engine/scheduler/grammar_queue.py), so a
+slow schema does not stall the requests that run meanwhile; compiled grammars are cached there,
+and requests with the same grammar only pay for a new matcher.
 """
 
 from __future__ import annotations
@@ -70,15 +71,26 @@ class GrammarBackend:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
         )
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=max_threads)
+        # compiled grammars are cached by the scheduler's `GrammarQueue`, with a bound
+        self._compiler = xgrammar.GrammarCompiler(
+            info, max_threads=max_threads, cache_enabled=False
+        )
         self._batch = xgrammar.BatchGrammarMatcher(mask_threads)
 
     def grammar(self, params: Any) -> Grammar | None:
         """A fresh matcher for `params`' grammar (None without one); ValueError naming the
         field if it does not compile."""
         spec = grammar_spec(params)
-        if spec is None:
-            return None
+        return None if spec is None else self.matcher(self.compile(spec))
+
+    def matcher(self, compiled: Any) -> Grammar:
+        """A fresh matcher of a compiled grammar (cheap; one per request)."""
+        return Grammar(self._xgr.GrammarMatcher(compiled))
+
+    def compile(self, spec: tuple[str, str]) -> Any:
+        """The compiled grammar of `spec` ((kind, text) of `grammar_spec`): ValueError naming
+        the field if it does not compile. Thread-safe; xgrammar releases the GIL while it
+        compiles, so other threads (the scheduler's) keep running."""
         kind, text = spec
         compiler = self._compiler
         try:
@@ -93,7 +105,7 @@ class GrammarBackend:
                 compiled = compiler.compile_grammar(text)
         except RuntimeError as exc:
             raise ValueError(f"{kind}: {_CPP_PREFIX.sub('', str(exc).strip())}") from None
-        return Grammar(self._xgr.GrammarMatcher(compiled))
+        return compiled
 
     def vocab_mask(
         self, grammars: Sequence[Grammar | None]

@@ -19,6 +19,7 @@ from engine.config import EngineArgs
 from engine.forward_batch import ForwardMode
 from engine.sampling.grammar import GrammarBackend
 from engine.sampling.sampling_params import SamplingParams
+from engine.scheduler.grammar_queue import GrammarQueue
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pools import MemoryPools
 from engine.scheduler.req import FinishReason, Req
@@ -26,6 +27,8 @@ from engine.scheduler.schedule_batch import ScheduleBatch
 from engine.scheduler.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.005
 
 
 @dataclass
@@ -67,8 +70,12 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.output = OutputProcessor(self, tokenizer)
         self.tokenizer = tokenizer
-        self._grammars: GrammarBackend | None = None  # built for the first grammar request
+        # requests whose grammar compiles (the backend is built for the first of them)
+        self.grammar_queue = GrammarQueue(self._make_grammar_backend, args.grammar_compile_threads)
         self._constrained: set[Req] = set()  # unfinished requests with a grammar
+        self._rejected: list[tuple[str, str]] = []  # (rid, why) not taken yet
+        if tokenizer is not None:
+            self.grammar_queue.prewarm()
         self._arrival = itertools.count()
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = None if chunk is None or chunk < 0 else chunk
@@ -77,8 +84,10 @@ class Scheduler:
         )
 
     # -- input ----------------------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-        """Queue a validated request. Raises ValueError if it cannot fit the context."""
+    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
+        """Queue a validated request. Raises ValueError if it cannot fit the context or its
+        grammar is known not to compile; one whose grammar fails later is rejected
+        (`take_rejected`)."""
         if not input_ids:
             raise ValueError("input_ids: the prompt is empty")
         if len(input_ids) >= self.context_len:
@@ -92,22 +101,45 @@ class Scheduler:
                 f"tokens exceed the context length {self.context_len}"
             )
         req = Req(rid, list(input_ids), params, self.eos_token_ids, next(self._arrival))
-        if params.has_grammar:
-            req.grammar = self._grammar_backend().grammar(params)
+        compiling = params.has_grammar and not self.grammar_queue.submit(req)
+        self.stats.prompt_tokens += len(input_ids)
+        if not compiling:
+            self._enqueue(req)
+        return req
+
+    def _enqueue(self, req: Req) -> None:
+        if req.grammar is not None:
             self._constrained.add(req)
         self.waiting_queue.append(req)
-        self.stats.prompt_tokens += len(input_ids)
 
-    def _grammar_backend(self) -> GrammarBackend:
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init)")
-            vocab = self.model_runner.model_config.vocab_size
-            self._grammars = GrammarBackend(self.tokenizer, vocab, self.eos_token_ids)
-        return self._grammars
+    def _make_grammar_backend(self) -> GrammarBackend:
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init)")
+        vocab = self.model_runner.model_config.vocab_size
+        return GrammarBackend(self.tokenizer, vocab, self.eos_token_ids)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the waiting queue; failed ones end."""
+        ready, rejected = self.grammar_queue.take_ready()
+        for req in ready:
+            self._enqueue(req)
+        for req, why in rejected:
+            req.finished_reason = FinishReason("abort", message=why)
+            self._rejected.append((req.rid, why))
+
+    def take_rejected(self) -> list[tuple[str, str]]:
+        """(rid, why) of the requests whose grammar failed to compile since the last call:
+        they are gone from the scheduler without an event (the caller reports the error)."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def abort_request(self, rid: str) -> None:
         reason = FinishReason("abort", message="aborted by request")
+        compiling = self.grammar_queue.remove(rid)
+        if compiling is not None:
+            compiling.finished_reason = reason
+            self.output.emit(StepEvent(compiling, [], len(compiling.output_ids), reason))
+            return
         for i, req in enumerate(self.waiting_queue):
             if req.rid == rid:
                 self.waiting_queue.pop(i)
@@ -125,7 +157,7 @@ class Scheduler:
         return reqs
 
     def has_work(self) -> bool:
-        if self.waiting_queue or self.chunked_req is not None:
+        if self.waiting_queue or self.chunked_req is not None or len(self.grammar_queue):
             return True
         batches = [self.running_batch] + ([self.last_batch] if self.last_batch else [])
         return any(not r.finished for b in batches for r in b.reqs)
@@ -144,9 +176,20 @@ class Scheduler:
         if batch is not None:
             result = self.run_batch(batch)
             self.output.process_batch_result(batch, result)
+        else:
+            self.wait_for_grammars()
         self.last_batch = batch
         self._update_stats()
         return self.output.take_events()
+
+    def wait_for_grammars(self) -> None:
+        """With nothing to run but requests whose grammar compiles: block briefly on the
+        compilations rather than spin (new requests wait at most this long)."""
+        if len(self.grammar_queue):
+            self.grammar_queue.wait(GRAMMAR_POLL_S)
+
+    def close(self) -> None:
+        self.grammar_queue.close()
 
     def run_batch(self, batch: ScheduleBatch) -> Any:
         mwb = batch.get_model_worker_batch()
@@ -161,9 +204,11 @@ class Scheduler:
             self._constrained = {r for r in self._constrained if not r.finished}
         if not self._constrained or not any(r in self._constrained for r in reqs):
             return None
-        return self._grammar_backend().vocab_mask([r.grammar for r in reqs])
+        return self.grammar_queue.backend().vocab_mask([r.grammar for r in reqs])
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if len(self.grammar_queue):
+            self._admit_compiled()
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
             if self.chunked_req is not None:
@@ -284,6 +329,6 @@ class Scheduler:
             chunked = self.chunked_req
             running += sum(1 for r in last.reqs if r is not chunked and r.finished_reason is None)
         s.num_running = running + (1 if self.chunked_req else 0)
-        s.num_waiting = len(self.waiting_queue)
+        s.num_waiting = len(self.waiting_queue) + len(self.grammar_queue)
         s.token_usage = self.pools.token_usage()
         s.new_token_ratio = self.new_token_ratio
