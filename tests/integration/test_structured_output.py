@@ -200,6 +200,11 @@ def test_grammar_errors_and_edges() -> None:
         ]:
             with pytest.raises(ValueError, match=re.escape(why)):
                 engine.generate(input_ids=prompts[0], sampling_params=bad)
+        # a failing grammar in a batch fails the call; its other requests are aborted, not left
+        with pytest.raises(ValueError, match=re.escape("regex: Regex parsing error")):
+            engine.generate(input_ids=prompts[:2], sampling_params=[
+                {"max_new_tokens": 64, "ignore_eos": True}, {"regex": "(cd"}])  # fmt: skip
+        assert not engine.scheduler.has_work()
         # the engine goes on serving after refusing them
         out = engine.generate(input_ids=prompts[0], sampling_params={"regex": "[0-9]{4}"})
         assert re.fullmatch("[0-9]{4}", out["text"]) and out["meta_info"]["finish_reason"][
