@@ -41,10 +41,13 @@ def apply_chat_template(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
+    continue_final_message: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """Render ``messages`` (and ``tools``) with the tokenizer's own chat template and return
     the token ids; ``template_kwargs`` are extra template variables (``enable_thinking``).
+    ``continue_final_message`` ends the text with the last message's content, its turn left
+    open (an assistant's prefill), as transformers does.
 
     The template writes every special token itself (bos included where the model wants one),
     so the text is encoded without adding special tokens, as transformers does.
@@ -54,6 +57,7 @@ def apply_chat_template(
         tools=tools or None,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
         **template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=False)

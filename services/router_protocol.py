@@ -49,9 +49,13 @@ class SubRequest:
     top_logprobs_num: int = 0
     stop: list[str] = field(default_factory=list)
     logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
-    echo: bool = False  # /v1/completions: the prompt goes before the output (and logprobs)
+    # /v1/completions: the prompt goes before the output (and logprobs); chat: the last
+    # message's content does, if it is the assistant's (vLLM's)
+    echo: bool = False
     tools: list[dict[str, Any]] | None = None  # chat: for the template
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # chat: open the assistant's turn after the messages
+    continue_final_message: bool = False  # chat: or continue the last message
 
 
 class CompletionRequest(SamplingFields):
@@ -106,6 +110,12 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool | None = True  # SGLang's: false keeps think blocks in content
+    # vLLM's: the template opens the assistant's turn (default), or leaves the last message
+    # open for the output to continue it (a prefill); `echo` puts that message's text
+    # before the output's
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    echo: bool | None = False
     _tool_mode: ToolMode | None = PrivateAttr(None)
 
     @property
@@ -118,6 +128,13 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
             raise ApiError(
                 400, "top_logprobs requires logprobs=true", "top_logprobs", "invalid_value"
             )
+        if self.continue_final_message and self.add_generation_prompt is not False:
+            raise ApiError(
+                400,
+                "continue_final_message needs add_generation_prompt=false (they are exclusive)",
+                "continue_final_message",
+                "invalid_value",
+            )
         limit = self.max_completion_tokens
         params = self.sampling_params(self.max_tokens if limit is None else limit)
         self._tool_mode = self.tool_params(params)
@@ -125,6 +142,9 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
             "messages": [m.flat() for m in self.messages],
             "tools": self.tool_dicts(),
             "chat_template_kwargs": self.chat_template_kwargs,
+            "add_generation_prompt": self.add_generation_prompt is not False,
+            "continue_final_message": bool(self.continue_final_message),
+            "echo": bool(self.echo),
         }
         return fan_out([prompt], params, self.n, bool(self.logprobs), self.top_logprobs or 0)
 

@@ -220,6 +220,8 @@ class Broker:
             created=time.time(),
             tools=sub.tools,
             chat_template_kwargs=sub.chat_template_kwargs,
+            add_generation_prompt=sub.add_generation_prompt,
+            continue_final_message=sub.continue_final_message,
         )
 
     def _dispatch(self, msg: object) -> None:

@@ -10,7 +10,9 @@
   With `logprob_start_len`, the prompt's logprobs as `input_token_logprobs` (and
   `input_top_logprobs`): `[logprob, token id]`, None for the prompt's first token.
 * `echo` (`/v1/completions`): the prompt's text goes before the output's, in the response or
-  the first chunk of each choice, and with `logprobs` so do the prompt tokens' logprobs.
+  the first chunk of each choice, and with `logprobs` so do the prompt tokens' logprobs. On
+  chat (vLLM's), the last message's text goes before the content if it is the assistant's
+  (with `continue_final_message`, the whole message).
 * Chat with tools: the text goes through the choice's `ChoiceTools` (services/router_tools.py)
   and comes out as `content` and `tool_calls` (deltas of them when streamed).
 
@@ -73,6 +75,7 @@ class Formatter:
         self.want_logprobs = handles[0].sub.return_logprob
         self.top_n = handles[0].sub.top_logprobs_num
         self.echo = kind == "completion" and handles[0].sub.echo
+        self.chat_echo = _chat_echo(handles[0].sub) if kind == "chat" else ""
         self.subs = {h.sub.index: h.sub for h in handles}
         self.tool_mode = tool_mode
         self.reasoning_parser = reasoning_parser if kind == "chat" else None
@@ -181,7 +184,7 @@ class Formatter:
             message = choice.pop("message")
             delta = choice["delta"] = message if first else {"content": message["content"]}
             if part.reasoning or part.calls:
-                delta["content"] = part.content or None
+                delta["content"] = delta["content"] or None
             if part.reasoning:
                 delta["reasoning_content"] = part.reasoning
             if part.calls:
@@ -210,6 +213,8 @@ class Formatter:
         the request's `echo`, the prompt's text and logprobs go first."""
         out: dict[str, Any] = {"index": c.index}
         text = part.content
+        if echo and self.chat_echo:
+            text = self.chat_echo + text
         if echo and self.echo:
             text = self._prompt_text(c.index) + text
             prompt = c.prompt
@@ -285,3 +290,9 @@ class Formatter:
             if c.prompt is not None and start == 0:
                 meta.update(input_logprobs(c.prompt, self.top_n > 0))
         return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+def _chat_echo(sub: Any) -> str:
+    """The text chat's `echo` puts first: the last message's, if it is the assistant's."""
+    last = sub.messages[-1] if sub.echo and sub.messages else None
+    return last.content if last is not None and last.role == "assistant" else ""

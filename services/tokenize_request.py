@@ -73,13 +73,22 @@ class RequestTokenizer:
         elif msg.messages is not None:
             turns = [_turn(m) for m in msg.messages]
             kwargs = dict(msg.chat_template_kwargs or {})
-            for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
+            reserved_keys = ("messages", "tools", "add_generation_prompt",
+                             "continue_final_message", "tokenize")  # fmt: skip
+            for reserved in reserved_keys:
                 if kwargs.pop(reserved, None) is not None:
                     raise RequestError(
                         "invalid_request", f"chat_template_kwargs: {reserved!r} is set by sluice"
                     )
             try:
-                ids = apply_chat_template(self.tokenizer, turns, tools=msg.tools, **kwargs)
+                ids = apply_chat_template(
+                    self.tokenizer,
+                    turns,
+                    add_generation_prompt=msg.add_generation_prompt,
+                    tools=msg.tools,
+                    continue_final_message=msg.continue_final_message,
+                    **kwargs,
+                )
             except Exception as exc:  # template errors: roles out of order, bad content
                 raise RequestError("invalid_request", f"messages: {exc}") from None
         else:

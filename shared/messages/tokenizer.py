@@ -35,11 +35,14 @@ class TokenizeReqMsg(Message):
     `skip_special_tokens`, ...), plain data; the tokenizer lifts the detokenizer flags and
     stop strings out of it into `GenerateReqMsg`. `created` is the router's `time.time()`
     when the request arrived. With `messages`, `tools` (OpenAI's tool definitions) and
-    `chat_template_kwargs` (extra template variables) go to the chat template.
+    `chat_template_kwargs` (extra template variables) go to the chat template;
+    `add_generation_prompt` opens the assistant's turn after them (the default), and
+    `continue_final_message` leaves the last message open for the output to continue it
+    (HF's and vLLM's options; at most one of the two).
     """
 
     TAG = "tokenize_req"
-    VERSION = 3
+    VERSION = 4
 
     rid: str
     router_id: str
@@ -55,6 +58,8 @@ class TokenizeReqMsg(Message):
     created: float = 0.0
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]

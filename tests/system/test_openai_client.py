@@ -470,3 +470,44 @@ def test_tool_errors_are_the_clients_exceptions(client: openai.OpenAI, served_mo
     for extra, message in cases:
         with pytest.raises(openai.BadRequestError, match=message):
             client.chat.completions.create(**{**base, **extra})
+
+
+def test_an_assistant_prefill_is_continued_and_echoed(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """vLLM's continue_final_message: the output continues the last (assistant) message, whose
+    turn the prompt leaves open; with echo, the content starts with that message."""
+    from engine.tokenizer import load_tokenizer
+
+    prefill = "Sure. Step 1:"
+    messages = [{"role": "user", "content": "How do I boil an egg?"},
+                {"role": "assistant", "content": prefill}]  # fmt: skip
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    ask = {"model": served_model, "messages": messages, "max_tokens": 8, "temperature": 0}
+    plain = client.chat.completions.create(**ask, extra_body={**options, "ignore_eos": True})
+    echoed = client.chat.completions.create(
+        **ask, extra_body={**options, "ignore_eos": True, "echo": True}
+    )
+    assert echoed.choices[0].message.content == prefill + plain.choices[0].message.content
+    chunks = client.chat.completions.create(
+        **ask, stream=True, extra_body={**options, "ignore_eos": True, "echo": True}
+    )
+    deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert deltas[0].startswith(prefill) and "".join(deltas) == echoed.choices[0].message.content
+    # the prompt is transformers' rendering with the turn left open: the same ids as a
+    # completion continue the same way
+    tok = load_tokenizer(http_stack.model)
+    text = tok.apply_chat_template(messages, tokenize=False, **options)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert text.endswith(prefill) and plain.usage.prompt_tokens == len(ids)
+    completion = client.completions.create(
+        model=served_model, prompt=ids, max_tokens=8, **GREEDY
+    )
+    assert completion.choices[0].text == plain.choices[0].message.content
+    # echo without a prefill echoes nothing (the last message is the user's)
+    ask["messages"] = messages[:1]
+    opened = client.chat.completions.create(**ask, extra_body={"echo": True, "ignore_eos": True})
+    alone = client.chat.completions.create(**ask, extra_body={"ignore_eos": True})
+    assert opened.choices[0].message.content == alone.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="add_generation_prompt=false"):
+        client.chat.completions.create(**ask, extra_body={"continue_final_message": True})

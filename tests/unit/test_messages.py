@@ -91,6 +91,8 @@ SAMPLES: list[Message] = [
         ],
         tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
         chat_template_kwargs={"enable_thinking": False},
+        add_generation_prompt=False,
+        continue_final_message=True,
     ),
 ]  # fmt: skip
 
@@ -193,7 +195,7 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=4), "tokenize_req: unsupported schema version 4 (speaks 3)"),
+        (lambda b: b.update(v=5), "tokenize_req: unsupported schema version 5 (speaks 4)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
         (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),

@@ -191,3 +191,17 @@ def test_min_tokens_is_sglangs_min_new_tokens() -> None:
     assert gen.to_subrequests()[0].sampling_params["min_new_tokens"] == 2
     with pytest.raises(ApiError, match="min_tokens"):
         subs_of(CompletionRequest, {**body, "min_tokens": -1})
+
+
+def test_chat_template_options_and_echo() -> None:
+    body = {**CHAT, "add_generation_prompt": False, "continue_final_message": True,
+            "echo": True}  # fmt: skip
+    (sub,) = subs_of(ChatCompletionRequest, body)
+    assert not sub.add_generation_prompt and sub.continue_final_message and sub.echo
+    (sub,) = subs_of(ChatCompletionRequest, CHAT)
+    assert sub.add_generation_prompt and not sub.continue_final_message and not sub.echo
+    for both in ({**CHAT, "continue_final_message": True},
+                 {**CHAT, "continue_final_message": True, "add_generation_prompt": True}):
+        with pytest.raises(ApiError) as err:
+            subs_of(ChatCompletionRequest, both)
+        assert err.value.status == 400 and "add_generation_prompt=false" in str(err.value)

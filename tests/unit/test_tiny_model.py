@@ -293,3 +293,36 @@ def test_tools_and_tool_turns_reach_the_chat_template(
     bad = TokenizeReqMsg("r", "router", "w", messages=turns, chat_template_kwargs={"tools": []})
     with pytest.raises(RequestError, match="'tools' is set by sluice"):
         service.to_generate(bad)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_continue_final_message_leaves_the_assistant_turn_open(
+    model_dirs: dict[str, str], arch: str
+) -> None:
+    """A prefill: the last (assistant) message is rendered without its end, as transformers
+    renders it with continue_final_message; no generation prompt, or neither, as asked."""
+    from services.tokenize_request import RequestError, RequestTokenizer, model_limits
+    from shared.messages import ChatMessage, TokenizeReqMsg
+
+    tokenizer = load_tokenizer(model_dirs[arch])
+    service = RequestTokenizer(tokenizer, *model_limits(model_dirs[arch]))
+    turns = [ChatMessage("user", "List three colors."), ChatMessage("assistant", "1. red\n2.")]
+    reference = [{"role": t.role, "content": t.content} for t in turns]
+
+    def ids_of(**options: bool) -> list[int]:
+        msg = TokenizeReqMsg("r", "router", "w", messages=turns, **options)
+        return service.to_generate(msg).input_ids
+
+    prefill = ids_of(add_generation_prompt=False, continue_final_message=True)
+    text = tokenizer.apply_chat_template(
+        reference, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert prefill == tokenizer.encode(text, add_special_tokens=False)
+    assert text.endswith("1. red\n2.")
+    closed = ids_of(add_generation_prompt=False)
+    assert tokenizer.decode(closed).rstrip().endswith("<|im_end|>")
+    assert len(ids_of()) > len(closed)  # the generation prompt opens a new assistant turn
+    bad = TokenizeReqMsg("r", "router", "w", messages=turns,
+                         chat_template_kwargs={"continue_final_message": True})  # fmt: skip
+    with pytest.raises(RequestError, match="'continue_final_message' is set by sluice"):
+        service.to_generate(bad)
