@@ -245,18 +245,9 @@ def fan_out(
             p = dict(params)
             if seed is not None and j:
                 p["sampling_seed"] = (seed + j + _INT64) % (2 * _INT64) - _INT64
-            subs.append(
-                SubRequest(
-                    index=i * n + j,
-                    prompt_index=i,
-                    sampling_params=p,
-                    return_logprob=logprob,
-                    top_logprobs_num=top,
-                    stop=stop,
-                    logprob_start_len=logprob_start_len,
-                    **prompt,
-                )
-            )
+            sub = SubRequest(i * n + j, i, p, return_logprob=logprob, top_logprobs_num=top,
+                             stop=stop, logprob_start_len=logprob_start_len, **prompt)
+            subs.append(sub)
     return subs
 
 
