@@ -42,6 +42,7 @@ def apply_chat_template(
     add_generation_prompt: bool = True,
     tools: list[dict[str, Any]] | None = None,
     continue_final_message: bool = False,
+    add_special_tokens: bool = False,
     **template_kwargs: Any,
 ) -> list[int]:
     """Render ``messages`` (and ``tools``) with the tokenizer's own chat template and return
@@ -50,7 +51,8 @@ def apply_chat_template(
     open (an assistant's prefill), as transformers does.
 
     The template writes every special token itself (bos included where the model wants one),
-    so the text is encoded without adding special tokens, as transformers does.
+    so the text is encoded without adding special tokens, as transformers does (unless
+    ``add_special_tokens``, vLLM's option of its tokenize endpoint).
     """
     text = tokenizer.apply_chat_template(
         messages,
@@ -60,4 +62,4 @@ def apply_chat_template(
         continue_final_message=continue_final_message,
         **template_kwargs,
     )
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)

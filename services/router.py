@@ -26,9 +26,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from services import router_tokens as tokens
 from services.router_api import Router
 from services.router_metrics import CONTENT_TYPE
 from services.router_protocol import ApiError
+from services.router_tokens import DetokenizeBody, TokenizeBody
 from shared.async_bus import AsyncBus
 from shared.heartbeat import Heartbeat, list_live_async
 from shared.keys import ROUTER_KIND, WORKER_KIND, heartbeat_key
@@ -148,6 +150,20 @@ def create_app(config: RouterConfig) -> FastAPI:
         return JSONResponse(
             {"success": True, "message": "Cache flushed.", "workers": sorted(replies)}
         )
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: the ids of a prompt or of chat messages (services/router_tokens.py)."""
+        router = state["router"]
+        body = router.query_body(request, TokenizeBody, await request.body())
+        return await tokens.tokenize(router.broker.queries, body, router.broker.workers.context_len)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """vLLM's: the text of token ids."""
+        router = state["router"]
+        body = router.query_body(request, DetokenizeBody, await request.body())
+        return await tokens.detokenize(router.broker.queries, body)
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:

@@ -82,6 +82,14 @@ class Router:
         if name not in known:
             raise ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
 
+    def query_body(self, request: Request, model_cls: type, raw: bytes) -> Any:
+        """The body of a non-generation request, authorized and its `model` (if any) known."""
+        self.authorize(request)
+        body = parse_body(model_cls, raw)
+        if body.model is not None:
+            self.check_model(body.model)
+        return body
+
     async def generate(self, request: Request, kind: str) -> Response:
         self.authorize(request)
         model_cls, max_param = _APIS[kind]

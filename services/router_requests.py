@@ -3,8 +3,9 @@
 One `Broker` per router process owns
 * a reader task that XREADs the router's stream `{p}:router:{r}:out` and hands every
   `DetokRow` and `ErrorMsg` to the `RequestHandle` of its rid (rows of unknown rids, from
-  requests already ended or retried, are dropped), and answers to cache flushes to
-  `CacheFlushes` (`router_control`);
+  requests already ended or retried, are dropped), answers to tokenize queries to
+  `TokenQueries` (`router_tokens`) and answers to cache flushes to `CacheFlushes`
+  (`router_control`);
 * a watch task that keeps the table of live workers (`WorkerTable`) current and looks
   after requests that wait: past their deadline they fail with 504; waiting on a worker
   whose heartbeat is gone, they are sent to another worker if nothing was produced yet,
@@ -31,6 +32,7 @@ from services.router_control import CacheFlushes
 from services.router_metrics import RouterMetrics
 from services.router_protocol import ApiError, SubRequest
 from services.router_stream import Delta, OutputAssembler
+from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
 from shared.heartbeat import list_live_async
@@ -42,6 +44,7 @@ from shared.messages import (
     ErrorMsg,
     FlushCacheRespMsg,
     TokenizeReqMsg,
+    TokenizeRespMsg,
     WorkerLoadMsg,
 )
 
@@ -143,6 +146,7 @@ class Broker:
         self.out_stream = router_out_stream(bus.prefix, router_id)
         self.workers = WorkerTable()
         self.flushes = CacheFlushes(bus, router_id, self.workers)
+        self.queries = TokenQueries(bus, router_id)
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -235,8 +239,12 @@ class Broker:
             h = self.handles.get(msg.rid)
             if h is not None:
                 h.deliver(msg)
+            else:
+                self.queries.deliver(msg)
         elif isinstance(msg, FlushCacheRespMsg):
             self.flushes.deliver(msg)
+        elif isinstance(msg, TokenizeRespMsg):
+            self.queries.deliver(msg)
         else:
             logger.warning("unexpected %s message on %s", type(msg).__name__, self.out_stream)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.sampling.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template
-from shared.messages import ChatMessage, GenerateReqMsg, TokenizeReqMsg
+from shared.messages import ChatMessage, GenerateReqMsg, TokenizeReqMsg, TokenizeRespMsg
 
 _LIFTED = ("stop", "skip_special_tokens", "spaces_between_special_tokens")
 _REQUEST_LEVEL = ("return_logprob", "top_logprobs_num", "logprob_start_len")
@@ -67,10 +67,35 @@ class RequestTokenizer:
             created=msg.created,
         )
 
+    def answer(self, msg: TokenizeReqMsg) -> TokenizeRespMsg:
+        """A query's answer (`reply` "tokenize" or "detokenize"), or RequestError."""
+        if msg.reply == "detokenize":
+            ids = list(msg.input_ids or [])
+            self._check_ids(ids)
+            return TokenizeRespMsg(msg.rid, msg.router_id, ids, text=self.tokenizer.decode(ids))
+        ids = self._encode(msg)
+        self._check_ids(ids)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if msg.return_token_strs else None
+        return TokenizeRespMsg(msg.rid, msg.router_id, ids, token_strs=strs)
+
     def _input_ids(self, msg: TokenizeReqMsg) -> list[int]:
+        ids = self._encode(msg)
+        if not ids:
+            raise RequestError("invalid_request", "the prompt is empty")
+        self._check_ids(ids)
+        return ids
+
+    def _check_ids(self, ids: list[int]) -> None:
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            raise RequestError(
+                "invalid_request", f"input_ids: token ids must be in [0, {self.vocab_size})"
+            )
+
+    def _encode(self, msg: TokenizeReqMsg) -> list[int]:
+        special = msg.add_special_tokens
         if msg.text is not None:
-            ids = self.tokenizer.encode(msg.text)
-        elif msg.messages is not None:
+            return self.tokenizer.encode(msg.text, add_special_tokens=special is not False)
+        if msg.messages is not None:
             turns = [_turn(m) for m in msg.messages]
             kwargs = dict(msg.chat_template_kwargs or {})
             reserved_keys = ("messages", "tools", "add_generation_prompt",
@@ -81,25 +106,18 @@ class RequestTokenizer:
                         "invalid_request", f"chat_template_kwargs: {reserved!r} is set by sluice"
                     )
             try:
-                ids = apply_chat_template(
+                return apply_chat_template(
                     self.tokenizer,
                     turns,
                     add_generation_prompt=msg.add_generation_prompt,
                     tools=msg.tools,
                     continue_final_message=msg.continue_final_message,
+                    add_special_tokens=bool(special),
                     **kwargs,
                 )
             except Exception as exc:  # template errors: roles out of order, bad content
                 raise RequestError("invalid_request", f"messages: {exc}") from None
-        else:
-            ids = list(msg.input_ids or [])
-        if not ids:
-            raise RequestError("invalid_request", "the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise RequestError(
-                "invalid_request", f"input_ids: token ids must be in [0, {self.vocab_size})"
-            )
-        return ids
+        return list(msg.input_ids or [])
 
     def _check_params(
         self, sp: dict[str, Any], lifted: dict[str, Any], msg: TokenizeReqMsg

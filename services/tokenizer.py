@@ -3,9 +3,11 @@
 Reads `{p}:tokenize` in group `tokenizers` (any number of tokenizers share it). Each
 `TokenizeReqMsg` becomes token ids (`services.tokenize_request`: `text` encoded as the
 offline engine encodes it, `messages` rendered with the model's chat template,
-`input_ids` as given), checked, and forwarded as a `GenerateReqMsg` to `{p}:worker:{w}:in` for the
-worker the router chose. A request that fails becomes an `ErrorMsg` (status 400; 500 for
-a bug) on the router's stream `{p}:router:{r}:out`. Entries are acked after forwarding;
+`input_ids` as given), checked, and forwarded as a `GenerateReqMsg` to `{p}:worker:{w}:in`
+for the worker the router chose; a query (`reply`: the router's `/tokenize` and
+`/detokenize`) is answered with a `TokenizeRespMsg` on the router's stream instead. A request
+that fails becomes an `ErrorMsg` (status 400; 500 for a bug) on the router's stream
+`{p}:router:{r}:out`. Entries are acked after forwarding;
 those of a dead tokenizer are taken over after `--claim-idle-ms` (the worker ignores a
 request id it already has).
 
@@ -78,6 +80,8 @@ class Tokenizer:
     def _one(self, msg: TokenizeReqMsg) -> tuple[str, Message]:
         prefix = self.bus.prefix
         try:
+            if msg.reply:  # a query (the router's /tokenize, /detokenize): answer it
+                return router_out_stream(prefix, msg.router_id), self.requests.answer(msg)
             gen = self.requests.to_generate(msg, self._context_len(msg.worker_id))
             return worker_in_stream(prefix, msg.worker_id), gen
         except RequestError as exc:

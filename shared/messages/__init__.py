@@ -5,7 +5,8 @@
 | `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
 | `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
-| `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg |
+| `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
+|               |                        | TokenizeRespMsg                       |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -15,7 +16,13 @@ type; both raise `MessageError` for anything invalid. See `base` for the wire fo
 from shared.messages.base import Message, Record, decode_message, message_types
 from shared.messages.common import DETOK_WINDOW_LEN, FinishReason, PromptLogprobs
 from shared.messages.detokenizer import StepOutputMsg, StepRow
-from shared.messages.router import DetokOutputMsg, DetokRow, ErrorMsg, FlushCacheRespMsg
+from shared.messages.router import (
+    DetokOutputMsg,
+    DetokRow,
+    ErrorMsg,
+    FlushCacheRespMsg,
+    TokenizeRespMsg,
+)
 from shared.messages.schema import MessageError
 from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
 from shared.messages.tokenizer import ChatMessage, TokenizeReqMsg
@@ -38,6 +45,7 @@ __all__ = [
     "Record",
     "ServiceStatusMsg",
     "StepOutputMsg",
+    "TokenizeRespMsg",
     "StepRow",
     "TokenizeReqMsg",
     "WorkerLoadMsg",

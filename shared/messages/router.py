@@ -119,3 +119,19 @@ class FlushCacheRespMsg(Message):
     worker_id: str
     success: bool
     message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeRespMsg(Message):
+    """tokenizer → router `router_id`: the answer to a `TokenizeReqMsg` whose `reply` is
+    "tokenize" (`input_ids`, and `token_strs` if asked for) or "detokenize" (`text` of the
+    ids, which `input_ids` repeats)."""
+
+    TAG = "tokenize_resp"
+    VERSION = 1
+
+    rid: str
+    router_id: str
+    input_ids: list[int]
+    text: str | None = None
+    token_strs: list[str] | None = None

@@ -39,10 +39,16 @@ class TokenizeReqMsg(Message):
     `add_generation_prompt` opens the assistant's turn after them (the default), and
     `continue_final_message` leaves the last message open for the output to continue it
     (HF's and vLLM's options; at most one of the two).
+
+    `reply` "tokenize" or "detokenize" makes it a query, answered to the router with a
+    `TokenizeRespMsg` instead of forwarded (`worker_id` is then unused): the ids of `text` or
+    `messages` (`add_special_tokens`: None for the default, true for text, false for messages
+    whose template writes them; `return_token_strs` adds the tokens' strings), or the text of
+    `input_ids`.
     """
 
     TAG = "tokenize_req"
-    VERSION = 4
+    VERSION = 5
 
     rid: str
     router_id: str
@@ -60,6 +66,9 @@ class TokenizeReqMsg(Message):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    reply: str = ""  # "" (generate), "tokenize" or "detokenize"
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]
@@ -71,3 +80,7 @@ class TokenizeReqMsg(Message):
             raise MessageError(f"TokenizeReqMsg {self.rid}: top_logprobs_num must be >= 0")
         if self.logprob_start_len < -1:
             raise MessageError(f"TokenizeReqMsg {self.rid}: logprob_start_len must be >= -1")
+        if self.reply not in ("", "tokenize", "detokenize"):
+            raise MessageError(f"TokenizeReqMsg {self.rid}: unknown reply {self.reply!r}")
+        if self.reply == "detokenize" and self.input_ids is None:
+            raise MessageError(f"TokenizeReqMsg {self.rid}: detokenize needs input_ids")

@@ -231,3 +231,41 @@ def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
     assert held[0] > 0, "the victim never held a step (the test proved nothing)"
     assert with_fault == fault_free
     assert time.monotonic() - t0 < 120
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(http_stack: Stack, served_model: str) -> None:
+    """The tokenizer service answers: the same ids the generation path uses (a chat's count is
+    its prompt_tokens), the tokens' strings on request, and the text of ids back."""
+    base = http_stack.router_url
+    tok = load_tokenizer(http_stack.model)
+
+    def post(path: str, body: dict, status: int = 200) -> dict:
+        resp = httpx.post(base + path, json=body, timeout=30)
+        assert resp.status_code == status, resp.text
+        return resp.json()
+
+    text = "The sky is blue. 你好"
+    got = post("/tokenize", {"model": served_model, "prompt": text, "return_token_strs": True})
+    assert got["tokens"] == tok.encode(text) and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"])
+    assert got["max_model_len"] > 0
+    bare = post("/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert bare["tokens"] == tok.encode(text, add_special_tokens=False)
+    assert bare["token_strs"] is None
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = post("/tokenize", {"model": served_model, "messages": messages})
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tok.encode(rendered, add_special_tokens=False)
+    completion = post("/v1/chat/completions",
+                      {"model": served_model, "messages": messages, "max_tokens": 1})  # fmt: skip
+    assert completion["usage"]["prompt_tokens"] == chat["count"]
+    assert post("/detokenize", {"tokens": got["tokens"]}) == {"prompt": tok.decode(got["tokens"])}
+    assert post("/detokenize", {"model": served_model, "tokens": []}) == {"prompt": ""}
+    # errors: the client's, with the reason
+    too_big = post("/detokenize", {"tokens": [1, 10**6]}, 400)
+    assert "token ids must be in" in too_big["error"]["message"]
+    both = post("/tokenize", {"prompt": "x", "messages": messages}, 400)
+    assert "exactly one of prompt and messages" in both["error"]["message"]
+    post("/tokenize", {"model": "not-served", "prompt": "x"}, 404)
+    roles = post("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400)
+    assert roles["error"]["param"].startswith("messages")

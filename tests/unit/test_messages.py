@@ -25,6 +25,7 @@ from shared.messages import (
     StepOutputMsg,
     StepRow,
     TokenizeReqMsg,
+    TokenizeRespMsg,
     WorkerLoadMsg,
     decode_message,
     message_types,
@@ -94,6 +95,10 @@ SAMPLES: list[Message] = [
         add_generation_prompt=False,
         continue_final_message=True,
     ),
+    TokenizeReqMsg("r4", "router-b", "", text="x", reply="tokenize", add_special_tokens=False,
+                   return_token_strs=True),
+    TokenizeRespMsg("r4", "router-b", [5, 6], token_strs=["▁a", "b"]),
+    TokenizeRespMsg("r5", "router-b", [5, 6], text="ab"),
 ]  # fmt: skip
 
 
@@ -195,7 +200,7 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=5), "tokenize_req: unsupported schema version 5 (speaks 4)"),
+        (lambda b: b.update(v=6), "tokenize_req: unsupported schema version 6 (speaks 5)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
         (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),
@@ -203,6 +208,9 @@ def test_wrong_types_inside_columns() -> None:
         (lambda b: b.update(text="both"), "exactly one of text, messages, input_ids"),
         (lambda b: b.update(input_ids=None), "exactly one of text, messages, input_ids"),
         (lambda b: b.update(top_logprobs_num=-1), "top_logprobs_num must be >= 0"),
+        (lambda b: b.update(reply="summon"), "unknown reply 'summon'"),
+        (lambda b: b.update(input_ids=None, text="t", reply="detokenize"),
+         "detokenize needs input_ids"),
     ],
 )
 def test_schema_violations(mutate, expected: str) -> None:
