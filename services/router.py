@@ -46,6 +46,18 @@ from shared.settings import (
 logger = logging.getLogger(__name__)
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sluice")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+_VERSION = _package_version()
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     router: RouterSettings = field(default_factory=RouterSettings)
@@ -119,18 +131,32 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await state["router"].generate(request, "chat")
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        router = state["router"]
-        router.authorize(request)
-        card = {
-            "id": router.model_name,
+    def model_card(router: Router, name: str) -> dict[str, Any]:
+        return {
+            "id": name,
             "object": "model",
             "created": int(router.started_at),
             "owned_by": "sluice",
             "max_model_len": router.broker.workers.context_len,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        router = state["router"]
+        router.authorize(request)
+        return {"object": "list", "data": [model_card(router, router.model_name)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str, request: Request) -> dict[str, Any]:
+        """OpenAI's model retrieval (404 for a model not served)."""
+        router = state["router"]
+        router.authorize(request)
+        router.check_model(name)
+        return model_card(router, name)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _VERSION}
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:

@@ -335,6 +335,11 @@ def test_metrics_count_what_the_router_served(worker: FakeWorker, base: str) -> 
     models = httpx.get(base + "/v1/models").json()
     assert models["data"][0]["id"] == "fake-model"
     assert models["data"][0]["max_model_len"] == CONTEXT_LEN
+    card = httpx.get(base + "/v1/models/fake-model").json()  # OpenAI's retrieve
+    assert card == models["data"][0]
+    missing = httpx.get(base + "/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert httpx.get(base + "/version").json()["version"] not in ("", None)
 
 
 def test_api_key_and_request_timeout(redis_url: str) -> None:
