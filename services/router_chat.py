@@ -17,7 +17,7 @@ comes back depends on `tool_choice`, as in vLLM:
 
 Streamed, content arrives as it is generated; an `auto` call arrives whole in one chunk when
 its closing tag is generated (or the output ends); a named call's arguments stream as they are
-generated; `required` calls arrive at the end.
+generated; each `required` call arrives when its object in the list is complete.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.reasoning_parsers import ReasoningStream
-from services.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolCallStream, json_calls
+from services.tool_parsers import KEEPS_SPECIAL_TOKENS, JsonListItems, ToolCallStream, json_call
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ChoiceTools:
     mode: ToolMode
     calls: list[dict[str, Any]] = field(default_factory=list)
     _stream: ToolCallStream | None = None
-    _buffer: list[str] = field(default_factory=list)
+    _items: JsonListItems = field(default_factory=JsonListItems)  # required's list
 
     def __post_init__(self) -> None:
         if self.mode.kind == "auto":
@@ -56,14 +56,16 @@ class ChoiceTools:
                 return "", [self._add(self.mode.name or "", text)] if text or finished else []
             self.calls[0]["function"]["arguments"] += text
             return "", [{"index": 0, "function": {"arguments": text}}] if text else []
-        self._buffer.append(text)
-        if not finished:
-            return "", []
-        whole = "".join(self._buffer)
-        calls = json_calls(whole)
-        if calls is None:  # cut off (max_tokens) before the list was complete
-            return whole, []
-        return "", [self._add(c.name, c.arguments) for c in calls]
+        content, deltas = [], []
+        for item in self._items.feed(text):  # each call as soon as its object is complete
+            call = json_call(item)
+            if call is None:  # not a call (the grammar allows none such): kept as text
+                content.append(item)
+            else:
+                deltas.append(self._add(call.name, call.arguments))
+        if finished:  # cut off (max_tokens) before the list closed: the rest, verbatim
+            content.append(self._items.rest())
+        return "".join(content), deltas
 
     def _add(self, name: str, arguments: str) -> dict[str, Any]:
         call = {

@@ -189,11 +189,59 @@ class ToolCallStream:
         return _calls(_json_sequence(body))
 
 
+class JsonListItems:
+    """The items of a JSON list, each as soon as it is complete, from the list's text as it
+    grows (tool_choice "required": its grammar keeps the output a list of call objects).
+    `rest()` is the text after the last complete item while the list is not closed."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escaped = self.closed = False
+        self._open: list[str] | None = None  # the text of the item being written
+        self._since: list[str] = []  # the text after the last complete item
+
+    def feed(self, text: str) -> list[str]:
+        items, start, cut = [], 0, 0
+        for i, ch in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self._open, start = [], i
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1 and self._open is not None:
+                    items.append("".join(self._open) + text[start : i + 1])
+                    self._open, self._since, cut = None, [], i + 1
+                elif self.depth == 0:
+                    self.closed = True
+        if self._open is not None:
+            self._open.append(text[start:])
+        self._since.append(text[cut:])
+        return items
+
+    def rest(self) -> str:
+        return "" if self.closed else "".join(self._since)
+
+
 def json_calls(text: str) -> list[ToolCall] | None:
     """The calls in a JSON list of `{"name", "arguments" | "parameters"}` objects (or in one
     such object), or None if the text is not that."""
     items = _loads(text)
     return _calls([items] if isinstance(items, dict) else items)
+
+
+def json_call(text: str) -> ToolCall | None:
+    """The call in one `{"name", "arguments" | "parameters"}` object, or None."""
+    return _call(_loads(text))
 
 
 def _calls(items: Any) -> list[ToolCall] | None:

@@ -395,14 +395,26 @@ def test_tool_choice_named_and_required_constrain_the_calls(
         assert [(s["name"], s["arguments"]) for s in streamed.values()] == [
             (call.function.name, call.function.arguments)
         ]
-    # required with parallel calls: a random model rarely closes the list, and a list cut
-    # off by max_tokens is no call: it comes back as content, finish "length"
-    resp = client.chat.completions.create(tool_choice="required", **{**base, "max_tokens": 60})
-    choice = resp.choices[0]
-    if choice.finish_reason == "length":
-        assert not choice.message.tool_calls and choice.message.content.startswith('[{"name":')
-    else:
-        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    # required with parallel calls: a random model rarely closes the list; cut off by
+    # max_tokens, the calls completed before the cut stay calls (they streamed as each
+    # completed) and the unfinished rest comes back as content, finish "length"
+    for max_tokens in (60, 200):
+        args = {**base, "max_tokens": max_tokens}
+        choice = client.chat.completions.create(tool_choice="required", **args).choices[0]
+        calls = choice.message.tool_calls or []
+        for call in calls:
+            tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            schema = tool["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
+        if choice.finish_reason == "length":
+            assert choice.message.content.lstrip("[, \n\t").startswith('{"name":')
+        else:
+            assert choice.finish_reason == "tool_calls" and calls
+        stream = client.chat.completions.create(tool_choice="required", stream=True, **args)
+        content, streamed, finish = _streamed_tools(stream)
+        assert finish == choice.finish_reason and content == (choice.message.content or "")
+        assert [(s["name"], s["arguments"]) for s in streamed.values()] == [
+            (c.function.name, c.function.arguments) for c in calls]  # fmt: skip
 
 
 def test_a_conversation_with_tool_results_renders_like_transformers(

@@ -180,12 +180,36 @@ def test_choice_tools_per_mode() -> None:
     assert named.step(": 1}", True) == ("", [{"index": 0, "function": {"arguments": ": 1}"}}])
     assert named.calls[0]["function"]["arguments"] == '{"a": 1}' and not named.called
     required = ChoiceTools(ToolMode("required"))
-    assert required.step('[{"name": "f", "parameters": {"a": 1}},', False) == ("", [])
-    _, deltas = required.step(' {"name": "g", "parameters": {}}]', True)
+    assert required.step('[{"name": "f", "parameters": {"a": "}]\\"{"', False) == ("", [])
+    _, deltas = required.step('}}, {"name": "g", "para', False)  # f is complete: it goes now
     assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
-        (0, "f", '{"a": 1}'),
-        (1, "g", "{}"),
-    ]
+        (0, "f", '{"a": "}]\\"{"}')]  # fmt: skip
+    _, deltas = required.step('meters": {}}]', True)
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+        (1, "g", "{}")]  # fmt: skip
+    assert json.loads(required.calls[0]["function"]["arguments"]) == {"a": '}]"{'}
     cut = ChoiceTools(ToolMode("required"))
     assert cut.step('[{"name": "f", "param', True) == ('[{"name": "f", "param', [])
     assert not cut.called
+    cut = ChoiceTools(ToolMode("required"))  # cut after a call: it stays; the rest is text
+    content, deltas = cut.step('[{"name": "f", "parameters": {}}, {"name": "g"', True)
+    assert content == ', {"name": "g"' and [d["function"]["name"] for d in deltas] == ["f"]
+
+
+def test_required_calls_are_the_same_however_the_text_is_split() -> None:
+    text = ('[{"name": "f", "parameters": {"s": "a]}\\\\", "n": [1, {"x": "{"}]}},\n'
+            ' {"name": "g", "parameters": {}}, {"name": "f", "parameters": {"s": "\\u00e9"}}]')
+    whole = ChoiceTools(ToolMode("required")).step(text, True)
+    assert whole[0] == "" and [json.loads(d["function"]["arguments"]) for d in whole[1]] == [
+        {"s": "a]}\\", "n": [1, {"x": "{"}]}, {}, {"s": "é"}]  # fmt: skip
+    rng = random.Random(7)
+    for _ in range(60):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(1, 12)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        tools = ChoiceTools(ToolMode("required"))
+        content, deltas = "", []
+        for i, piece in enumerate(pieces):
+            c, d = tools.step(piece, i == len(pieces) - 1)
+            content, deltas = content + c, deltas + d
+        assert content == "" and [(d["index"], d["function"]) for d in deltas] == [
+            (d["index"], d["function"]) for d in whole[1]]  # fmt: skip
