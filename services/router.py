@@ -178,15 +178,20 @@ def create_app(config: RouterConfig) -> FastAPI:
         )
 
     @app.post("/tokenize")
+    @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        """vLLM's: the ids of a prompt or of chat messages (services/router_tokens.py)."""
+        """vLLM's and SGLang's: the ids of a prompt (or of prompts) or of chat messages
+        (services/router_tokens.py)."""
         router = state["router"]
         body = router.query_body(request, TokenizeBody, await request.body())
+        if router.broker.workers.context_len is None:  # no heartbeat read yet
+            await router.broker.refresh_workers()
         return await tokens.tokenize(router.broker.queries, body, router.broker.workers.context_len)
 
     @app.post("/detokenize")
+    @app.post("/v1/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        """vLLM's: the text of token ids."""
+        """vLLM's and SGLang's: the text of token ids (or of lists of them)."""
         router = state["router"]
         body = router.query_body(request, DetokenizeBody, await request.body())
         return await tokens.detokenize(router.broker.queries, body)

@@ -1,4 +1,5 @@
-"""vLLM's `POST /tokenize` and `POST /detokenize`, answered by the tokenizer services.
+"""`POST /tokenize` and `POST /detokenize` (vLLM's and SGLang's, also at `/v1/...`),
+answered by the tokenizer services.
 
 The router sends a `TokenizeReqMsg` whose `reply` is "tokenize" or "detokenize" to the
 tokenizers' stream, so the text is rendered and encoded by the same tokenizer, loaded the
@@ -9,13 +10,20 @@ bad request) comes back on the router's own stream and `deliver()` hands it over
                    or {"model", "messages", "add_generation_prompt", "continue_final_message",
                        "add_special_tokens": false, "tools", "chat_template_kwargs", ...}
                    →  {"count", "max_model_len", "tokens", "token_strs"}
-    POST /detokenize  {"model", "tokens": [ids]}  →  {"prompt": text}
+    POST /detokenize  {"model", "tokens": [ids], "skip_special_tokens": false}
+                   →  {"prompt": text, "text": text}
+
+The two projects differ in places; both shapes are served: a list of prompts (SGLang's batch)
+gives lists of `tokens` and `count`, a list of id lists gives a list of texts, and the text
+comes as vLLM's `prompt` and SGLang's `text`. Special tokens are kept in the text unless
+`skip_special_tokens` (vLLM keeps them; SGLang's default skips them).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -34,7 +42,7 @@ class TokenizeBody(_Strict):
     """vLLM's tokenize request: a completion's `prompt`, or a chat's `messages`."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: str | list[str] | None = None
     messages: list[ChatMessageIn] | None = Field(None, min_length=1)
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
     add_generation_prompt: bool | None = True
@@ -47,9 +55,18 @@ class TokenizeBody(_Strict):
     def _one_input(self) -> TokenizeBody:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("pass exactly one of prompt and messages")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt: the list is empty")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=false")
         return self
+
+    def queries(self, new_rid: Callable[[], str], router_id: str) -> list[TokenizeReqMsg]:
+        """One query per prompt (a batch is SGLang's)."""
+        if not isinstance(self.prompt, list):
+            return [self.query(new_rid(), router_id)]
+        return [self.model_copy(update={"prompt": p}).query(new_rid(), router_id)
+                for p in self.prompt]  # fmt: skip
 
     def query(self, rid: str, router_id: str) -> TokenizeReqMsg:
         chat = {}
@@ -66,7 +83,18 @@ class TokenizeBody(_Strict):
 
 class DetokenizeBody(_Strict):
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[int] | list[list[int]] = Field(max_length=1 << 20)
+    skip_special_tokens: bool | None = False
+
+    def queries(self, new_rid: Callable[[], str], router_id: str) -> list[TokenizeReqMsg]:
+        batch = self.tokens if self.tokens and isinstance(self.tokens[0], list) else [self.tokens]
+        params = {"skip_special_tokens": bool(self.skip_special_tokens)}
+        return [TokenizeReqMsg(new_rid(), router_id, "", input_ids=ids, reply="detokenize",
+                               sampling_params=params) for ids in batch]  # fmt: skip
+
+    @property
+    def is_batch(self) -> bool:
+        return bool(self.tokens) and isinstance(self.tokens[0], list)
 
 
 class TokenQueries:
@@ -106,13 +134,19 @@ class TokenQueries:
 
 
 async def tokenize(queries: TokenQueries, body: TokenizeBody, max_len: int | None) -> dict:
-    answer = await queries.ask(body.query(queries.new_rid(), queries.router_id))
-    return {"count": len(answer.input_ids), "max_model_len": max_len,
-            "tokens": answer.input_ids, "token_strs": answer.token_strs}  # fmt: skip
+    msgs = body.queries(queries.new_rid, queries.router_id)
+    answers = await asyncio.gather(*(queries.ask(m) for m in msgs))
+    if not isinstance(body.prompt, list):
+        (a,) = answers
+        return {"count": len(a.input_ids), "max_model_len": max_len, "tokens": a.input_ids,
+                "token_strs": a.token_strs}  # fmt: skip
+    return {"count": [len(a.input_ids) for a in answers], "max_model_len": max_len,
+            "tokens": [a.input_ids for a in answers],
+            "token_strs": [a.token_strs for a in answers] if body.return_token_strs else None}
 
 
 async def detokenize(queries: TokenQueries, body: DetokenizeBody) -> dict:
-    msg = TokenizeReqMsg(queries.new_rid(), queries.router_id, "", input_ids=body.tokens,
-                         reply="detokenize")  # fmt: skip
-    answer = await queries.ask(msg)
-    return {"prompt": answer.text}
+    msgs = body.queries(queries.new_rid, queries.router_id)
+    answers = await asyncio.gather(*(queries.ask(m) for m in msgs))
+    text: str | list[str] = [a.text for a in answers] if body.is_batch else answers[0].text
+    return {"prompt": text, "text": text}

@@ -72,7 +72,9 @@ class RequestTokenizer:
         if msg.reply == "detokenize":
             ids = list(msg.input_ids or [])
             self._check_ids(ids)
-            return TokenizeRespMsg(msg.rid, msg.router_id, ids, text=self.tokenizer.decode(ids))
+            skip = bool(msg.sampling_params.get("skip_special_tokens", False))
+            text = self.tokenizer.decode(ids, skip_special_tokens=skip)
+            return TokenizeRespMsg(msg.rid, msg.router_id, ids, text=text)
         ids = self._encode(msg)
         self._check_ids(ids)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if msg.return_token_strs else None

@@ -44,7 +44,7 @@ class TokenizeReqMsg(Message):
     `TokenizeRespMsg` instead of forwarded (`worker_id` is then unused): the ids of `text` or
     `messages` (`add_special_tokens`: None for the default, true for text, false for messages
     whose template writes them; `return_token_strs` adds the tokens' strings), or the text of
-    `input_ids`.
+    `input_ids` (special tokens skipped if `sampling_params` says `skip_special_tokens`).
     """
 
     TAG = "tokenize_req"

@@ -259,8 +259,19 @@ def test_tokenize_and_detokenize_as_vllm_serves_them(http_stack: Stack, served_m
     completion = post("/v1/chat/completions",
                       {"model": served_model, "messages": messages, "max_tokens": 1})  # fmt: skip
     assert completion["usage"]["prompt_tokens"] == chat["count"]
-    assert post("/detokenize", {"tokens": got["tokens"]}) == {"prompt": tok.decode(got["tokens"])}
-    assert post("/detokenize", {"model": served_model, "tokens": []}) == {"prompt": ""}
+    back = tok.decode(got["tokens"])
+    assert post("/detokenize", {"tokens": got["tokens"]}) == {"prompt": back, "text": back}
+    assert post("/detokenize", {"model": served_model, "tokens": []})["prompt"] == ""
+    # SGLang's spellings: /v1/..., batches, skip_special_tokens
+    batch = post("/v1/tokenize", {"prompt": [text, "hi"], "add_special_tokens": False})
+    assert batch["tokens"] == [bare["tokens"], tok.encode("hi", add_special_tokens=False)]
+    assert batch["count"] == [len(t) for t in batch["tokens"]]
+    with_special = chat["tokens"]  # the chat template writes special tokens
+    texts = post("/v1/detokenize", {"tokens": [with_special, got["tokens"]],
+                                    "skip_special_tokens": True})["text"]  # fmt: skip
+    assert texts == [tok.decode(ids, skip_special_tokens=True)
+                     for ids in (with_special, got["tokens"])]  # fmt: skip
+    assert texts[1] != back  # without the BOS this time
     # errors: the client's, with the reason
     too_big = post("/detokenize", {"tokens": [1, 10**6]}, 400)
     assert "token ids must be in" in too_big["error"]["message"]

@@ -8,7 +8,7 @@ import pytest
 
 from services.router_fields import ApiError
 from services.router_protocol import parse_body
-from services.router_tokens import TokenizeBody, TokenQueries
+from services.router_tokens import DetokenizeBody, TokenizeBody, TokenQueries
 from shared.messages import ErrorMsg, TokenizeRespMsg
 
 
@@ -38,6 +38,7 @@ def test_bodies_become_queries_and_bad_ones_are_400s() -> None:
         (b'{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "exactly one"),
         (b'{"prompt": "x", "continue_final_message": true}', "add_generation_prompt=false"),
         (b'{"prompt": 5}', "prompt"),
+        (b'{"prompt": []}', "the list is empty"),
     ]:
         with pytest.raises(ApiError) as err:
             parse_body(TokenizeBody, raw)
@@ -71,3 +72,19 @@ def test_answers_reach_their_query_errors_raise_and_silence_times_out() -> None:
         assert not queries.deliver(TokenizeRespMsg("q-late", "router-a", []))  # too late
 
     asyncio.run(main())
+
+
+def test_batches_become_one_query_each() -> None:
+    rids = iter(f"q{i}" for i in range(10))
+    body = parse_body(TokenizeBody, b'{"prompt": ["a", "b"], "add_special_tokens": false}')
+    msgs = body.queries(lambda: next(rids), "router-a")
+    assert [(m.rid, m.text, m.add_special_tokens) for m in msgs] == [("q0", "a", False),
+                                                                   ("q1", "b", False)]
+    detok = parse_body(DetokenizeBody, b'{"tokens": [[1, 2], [3]], "skip_special_tokens": true}')
+    msgs = detok.queries(lambda: next(rids), "router-a")
+    assert detok.is_batch and [m.input_ids for m in msgs] == [[1, 2], [3]]
+    assert all(m.reply == "detokenize" and m.sampling_params["skip_special_tokens"] for m in msgs)
+    single = parse_body(DetokenizeBody, b'{"tokens": [4, 5]}')
+    (msg,) = single.queries(lambda: next(rids), "router-a")
+    assert not single.is_batch and msg.input_ids == [4, 5]
+    assert msg.sampling_params == {"skip_special_tokens": False}
