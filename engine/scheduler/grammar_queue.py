@@ -6,8 +6,10 @@ scheduler's thread, that time is a pause in every running request's decoding. So
 with a grammar waits here while a thread pool compiles it (xgrammar releases the GIL, so the
 scheduler keeps stepping), and joins the waiting queue once its matcher is made; one whose
 grammar does not compile, or takes longer than `timeout_s`, is rejected with the reason.
-The backend itself is built on a pool thread when the scheduler starts (`prewarm`), as
-SGLang builds its grammar backend at start-up.
+The backend itself is built by the first compilation, on a pool thread too. (SGLang builds
+it at start-up; done here in the background at the worker's start, it changed the services'
+timing enough to make a fault-injection system test fail two runs in three, for a reason
+not found yet, so it is left to the first grammar request.)
 
 Compiled grammars are kept (`cache_size` of them, least recently used out), so a request
 whose grammar was compiled before gets its matcher at once and is never queued; requests
@@ -60,18 +62,6 @@ class GrammarQueue:
             if self._backend is None:
                 self._backend = self._make_backend()
             return self._backend
-
-    def prewarm(self) -> None:
-        """Build the backend now, on a pool thread, so that the first grammar request does
-        not wait for it (a failure is left for the first request to report)."""
-        if self._pool is not None:
-            self._pool.submit(self._try_backend)
-
-    def _try_backend(self) -> None:
-        try:
-            self.backend()
-        except Exception as exc:  # noqa: BLE001 - reported by the first grammar request
-            logger.debug("no grammar backend: %s", exc)
 
     def submit(self, req: Any) -> bool:
         """Give `req` its grammar's matcher now (True) if the grammar is compiled, or queue

@@ -74,8 +74,6 @@ class Scheduler:
         self.grammar_queue = GrammarQueue(self._make_grammar_backend, args.grammar_compile_threads)
         self._constrained: set[Req] = set()  # unfinished requests with a grammar
         self._rejected: list[tuple[str, str]] = []  # (rid, why) not taken yet
-        if tokenizer is not None:
-            self.grammar_queue.prewarm()
         self._arrival = itertools.count()
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = None if chunk is None or chunk < 0 else chunk
