@@ -188,7 +188,9 @@ def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
         body = {
             "model": served_model,
             "prompt": prompt,
-            "max_tokens": 40,
+            # long enough that the fault, injected early, finds many step messages still to
+            # come: the victim must be caught holding one
+            "max_tokens": 96,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
