@@ -157,8 +157,7 @@ class ToolFields(_Strict):
         return ToolMode("named", name=fn.name)
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template gets them."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return tool_dicts(self.tools)
 
     def _calls_schema(self) -> dict[str, Any]:
         items = [
@@ -176,6 +175,11 @@ class ToolFields(_Strict):
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
         return schema
+
+
+def tool_dicts(tools: list[ToolDef] | None) -> list[dict[str, Any]] | None:
+    """The tools as the chat template gets them."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
 
 
 class ParserChoice:

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 from pydantic import Field, model_validator
 
-from services.router_chat import ChatMessageIn, ToolDef
+from services.router_chat import ChatMessageIn, ToolDef, tool_dicts
 from services.router_fields import ApiError, _Strict
 from shared.async_bus import AsyncBus
 from shared.keys import tokenize_stream
@@ -71,8 +71,7 @@ class TokenizeBody(_Strict):
     def query(self, rid: str, router_id: str) -> TokenizeReqMsg:
         chat = {}
         if self.messages is not None:
-            tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
-            chat = {"messages": [m.flat() for m in self.messages], "tools": tools or None,
+            chat = {"messages": [m.flat() for m in self.messages], "tools": tool_dicts(self.tools),
                     "chat_template_kwargs": self.chat_template_kwargs,
                     "add_generation_prompt": bool(self.add_generation_prompt),
                     "continue_final_message": bool(self.continue_final_message)}  # fmt: skip
@@ -87,7 +86,7 @@ class DetokenizeBody(_Strict):
     skip_special_tokens: bool | None = False
 
     def queries(self, new_rid: Callable[[], str], router_id: str) -> list[TokenizeReqMsg]:
-        batch = self.tokens if self.tokens and isinstance(self.tokens[0], list) else [self.tokens]
+        batch = self.tokens if self.is_batch else [self.tokens]
         params = {"skip_special_tokens": bool(self.skip_special_tokens)}
         return [TokenizeReqMsg(new_rid(), router_id, "", input_ids=ids, reply="detokenize",
                                sampling_params=params) for ids in batch]  # fmt: skip

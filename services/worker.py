@@ -11,11 +11,11 @@ records on its pipes). The loop drains the requests and aborts that arrived betw
 compact record with every request that got tokens or ended in it (`row_record`); the
 I/O process builds and sends the step message. A `GenerateReqMsg` becomes
 `scheduler.add_request` (a ValueError, or a grammar that fails to compile later, becomes an
-`ErrorMsg` to its router); an
-`AbortReqMsg` becomes `scheduler.abort_request`, or is remembered when it overtook its
-request; a `FlushCacheReqMsg` empties the prefix cache if nothing runs or waits, and is
-answered either way. The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most
-every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O process deletes the heartbeat.
+`ErrorMsg` to its router); an `AbortReqMsg` becomes `scheduler.abort_request`, or is
+remembered when it overtook its request; a `FlushCacheReqMsg` empties the prefix cache if
+nothing runs or waits, and is answered either way. The load figures go to the I/O process's
+heartbeat (`WorkerLoadMsg`) at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O
+process deletes the heartbeat.
 
     sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
 """

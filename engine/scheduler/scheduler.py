@@ -133,17 +133,15 @@ class Scheduler:
 
     def abort_request(self, rid: str) -> None:
         reason = FinishReason("abort", message="aborted by request")
-        compiling = self.grammar_queue.remove(rid)
-        if compiling is not None:
-            compiling.finished_reason = reason
-            self.output.emit(StepEvent(compiling, [], len(compiling.output_ids), reason))
-            return
-        for i, req in enumerate(self.waiting_queue):
+        queued = self.grammar_queue.remove(rid)  # compiling its grammar, or waiting
+        for i, req in enumerate(self.waiting_queue if queued is None else ()):
             if req.rid == rid:
-                self.waiting_queue.pop(i)
-                req.finished_reason = reason
-                self.output.emit(StepEvent(req, [], len(req.output_ids), reason))
-                return
+                queued = self.waiting_queue.pop(i)
+                break
+        if queued is not None:
+            queued.finished_reason = reason
+            self.output.emit(StepEvent(queued, [], len(queued.output_ids), reason))
+            return
         for req in itertools.chain(self.running_batch.reqs, self._in_flight_reqs()):
             if req.rid == rid and not req.finished:
                 req.to_abort = reason
