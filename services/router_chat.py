@@ -15,9 +15,11 @@ comes back depends on `tool_choice`, as in vLLM:
   schema and is the arguments of one call to N (`finish_reason` stays `"stop"`, as OpenAI's).
 * `"none"`: the tools are still rendered; the output is plain content.
 
-Streamed, content arrives as it is generated; an `auto` call arrives whole in one chunk when
-its closing tag is generated (or the output ends); a named call's arguments stream as they are
-generated; each `required` call arrives when its object in the list is complete.
+Streamed, content arrives as it is generated. A call opens with its id and name as soon as
+its header (`{"name": ..., "arguments": {`) is generated, and its arguments follow piece by piece
+(`services/tool_call_objects.py`), for `auto` and `required` alike; a named call's arguments
+stream from the first token. Cut off by max_tokens inside its arguments, a call keeps what came
+(finish_reason `"length"`), as OpenAI's does.
 """
 
 from __future__ import annotations

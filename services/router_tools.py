@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from services.reasoning_parsers import ReasoningStream
-from services.tool_parsers import KEEPS_SPECIAL_TOKENS, JsonListItems, ToolCallStream, json_call
+from services.tool_call_objects import CallDelta, CallObjects
+from services.tool_parsers import KEEPS_SPECIAL_TOKENS, ToolCallStream
 
 
 @dataclass
@@ -31,8 +32,8 @@ class ChoiceTools:
 
     mode: ToolMode
     calls: list[dict[str, Any]] = field(default_factory=list)
-    _stream: ToolCallStream | None = None
-    _items: JsonListItems = field(default_factory=JsonListItems)  # required's list
+    _stream: ToolCallStream | None = None  # auto: the parser's format
+    _list: CallObjects = field(default_factory=CallObjects)  # required: a JSON list of calls
 
     def __post_init__(self) -> None:
         if self.mode.kind == "auto":
@@ -50,22 +51,24 @@ class ChoiceTools:
             if finished:
                 rest, more = self._stream.finish()
                 content, found = content + rest, found + more
-            return content, [self._add(c.name, c.arguments) for c in found] if found else []
+            return content, [self._delta(d) for d in found]
         if self.mode.kind == "named":
             if not self.calls:  # the call opens with its first arguments
                 return "", [self._add(self.mode.name or "", text)] if text or finished else []
-            self.calls[0]["function"]["arguments"] += text
-            return "", [{"index": 0, "function": {"arguments": text}}] if text else []
-        content, deltas = [], []
-        for item in self._items.feed(text):  # each call as soon as its object is complete
-            call = json_call(item)
-            if call is None:  # not a call (the grammar allows none such): kept as text
-                content.append(item)
-            else:
-                deltas.append(self._add(call.name, call.arguments))
-        if finished:  # cut off (max_tokens) before the list closed: the rest, verbatim
-            content.append(self._items.rest())
-        return "".join(content), deltas
+            return "", [self._delta(CallDelta(0, None, text))] if text else []
+        found = self._list.feed(text)  # each call from its header on, as it comes
+        if not finished:
+            return "", [self._delta(d) for d in found]
+        self._list.finish()  # cut off (max_tokens): what is not a call yet is text, verbatim
+        text = self._list.rest() if self._list.calls else self._list.text
+        return text, [self._delta(d) for d in found]
+
+    def _delta(self, d: CallDelta) -> dict[str, Any]:
+        """The OpenAI delta of a call's piece, the call itself kept up to date."""
+        if d.name is not None:
+            return self._add(d.name, d.arguments)
+        self.calls[d.index]["function"]["arguments"] += d.arguments
+        return {"index": d.index, "function": {"arguments": d.arguments}}
 
     def _add(self, name: str, arguments: str) -> dict[str, Any]:
         call = {

@@ -13,29 +13,23 @@ A parser splits a model's output into content (text for the user) and tool calls
 Streaming and whole parsing are one code path (`ToolCallStream`; `parse` feeds everything and
 finishes), so a stream's content and calls always equal the whole response's. Released content
 is never taken back: a tail that could still begin a call (a prefix of the opening tag, or
-whitespace before one) is held until the next text decides it. A call that does not parse (bad
-JSON, no name, non-object arguments, cut off by max_tokens) is released as content, verbatim
-(with the whitespace before it).
+whitespace before one) is held until the next text decides it. What follows an opening is read
+by `CallObjects` (services/tool_call_objects.py): a call goes out at its header (its name), then
+its arguments as they come. If an opening's text makes no call (bad JSON, no name, non-object
+arguments, cut off before the arguments began), it is released as content, verbatim (with the
+whitespace before it); text after a region's calls that is not a call is content too.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
-from typing import Any
 
 from services.router_stream import prefix_tail
+from services.tool_call_objects import CallDelta, CallObjects, ToolCall
 
 PARSERS = ("hermes", "llama3", "mistral")
 ALIASES = {"qwen25": "hermes", "qwen": "hermes", "qwen3": "hermes", "llama3_json": "llama3"}
 KEEPS_SPECIAL_TOKENS = {"mistral"}  # its marker is a special token
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # a JSON object, as text
 
 
 @dataclass(frozen=True)
@@ -76,49 +70,46 @@ def infer_parser(chat_template: str | None) -> str | None:
 
 
 class ToolCallStream:
-    """Content and tool calls of one output, from its text as it grows (see module doc)."""
+    """Content and tool call deltas of one output, from its text as it grows (module doc)."""
 
     def __init__(self, parser: str) -> None:
         self.fmt = _FORMATS[canonical(parser)]
-        self.parser = canonical(parser)
-        self.pending = ""  # text not yet released: held back, or the body of an open call
-        self.in_call = False
-        self.searched = 0  # how much of an open call's body holds no closing tag
-        self.opening = ""  # the text that opened the current call (whitespace before it too)
+        self.pending = ""  # content held back, or the end of an open region not yet read
+        self.region: CallObjects | None = None  # the calls being read, once opened
+        self.opening = ""  # the text that opened the region (whitespace before it too)
         self.decided = False  # at_start_only formats: whether the output begins with a call
+        self.done = False  # the rest of the output is content (a region without an end failed)
         self.num_calls = 0
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        """Content and calls that `text` (the next piece of output) makes certain."""
-        if not self.in_call and not self.pending and self._plain(text):
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
+        """Content and call deltas that `text` (the next piece of output) makes certain."""
+        if self.region is None and not self.pending and self._plain(text):
             return text, []  # the common case, content far from any call: nothing to hold
         self.pending += text
-        content, calls = [], []
+        content: list[str] = []
+        deltas: list[CallDelta] = []
         while True:
-            if self.in_call:
-                if not self._close_call(content, calls):
+            if self.region is not None:
+                if not self._read_region(content, deltas):
                     break
                 continue
             released, opened = self._scan_content()
             content.append(released)
             if not opened:
                 break
-        return "".join(content), calls
+        return "".join(content), deltas
 
     def _plain(self, text: str) -> bool:
-        if self.fmt.at_start_only:
-            return self.decided
+        if self.done or self.fmt.at_start_only:
+            return self.done or self.decided
         return self.fmt.start[0] not in text and not text[-1:].isspace()
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         """What is left once the output is complete."""
-        if self.in_call:
-            body, self.pending, self.in_call = self.pending, "", False
-            calls = self._parse_body(body)
-            if calls is not None:
-                self.num_calls += len(calls)
-                return "", calls
-            return self.opening + body, []
+        if self.region is not None:
+            deltas = self.region.feed(self.pending)
+            self.pending = ""
+            return self._end_region(""), deltas
         rest, self.pending = self.pending, ""
         return ("" if self.num_calls and not rest.strip() else rest), []
 
@@ -126,13 +117,16 @@ class ToolCallStream:
     def _scan_content(self) -> tuple[str, bool]:
         """Release content up to an opening (entering the call) or up to what must be held."""
         text, fmt = self.pending, self.fmt
+        if self.done:
+            self.pending = ""
+            return text, False
         if fmt.at_start_only:
             return self._scan_start(text)
         pos = text.find(fmt.start)
         if pos >= 0:
             before = text[:pos].rstrip()
             self.opening = text[len(before) : pos + len(fmt.start)]
-            self.pending, self.in_call = text[pos + len(fmt.start) :], True
+            self._open(text[pos + len(fmt.start) :])
             return before, True
         head = text[: len(text) - prefix_tail(text, fmt.start)]
         cut = len(head.rstrip())  # whitespace before a possible opening waits too
@@ -148,9 +142,10 @@ class ToolCallStream:
         if stripped.startswith(fmt.start) or (
             fmt.also_starts and stripped.startswith(fmt.also_starts)
         ):
-            self.decided, self.in_call = True, True
-            self.pending = stripped.removeprefix(fmt.start)
-            self.opening = text[: len(text) - len(self.pending)]
+            self.decided = True
+            body = stripped.removeprefix(fmt.start)
+            self.opening = text[: len(text) - len(body)]
+            self._open(body)
             return "", True
         if not stripped or fmt.start.startswith(stripped):
             return "", False  # not decided yet
@@ -158,138 +153,64 @@ class ToolCallStream:
         return text, False
 
     # -- calls --------------------------------------------------------------------------------
-    def _close_call(self, content: list[str], calls: list[ToolCall]) -> bool:
-        """End the open call if its closing tag has come; False if it has not."""
-        end = self.fmt.end
+    def _open(self, rest: str) -> None:
+        self.region, self.pending = CallObjects(self.num_calls), rest
+
+    def _read_region(self, content: list[str], deltas: list[CallDelta]) -> bool:
+        """Read the open region on; True if it ended (its closing tag came, or its calls
+        stopped and it has no closing tag), with what follows it left in `pending`."""
+        region, end = self.region, self.fmt.end
+        assert region is not None
         if end is None:
+            deltas += region.feed(self.pending)
+            self.pending = ""
+            if region.junk_at is None:
+                return False
+            content.append(self._end_region(""))
+            self.done = True  # the output's calls are over: the rest is content
+            return True
+        pos = self.pending.find(end)
+        if pos < 0:  # read all but what may begin the closing tag
+            cut = len(self.pending) - prefix_tail(self.pending, end)
+            deltas += region.feed(self.pending[:cut])
+            self.pending = self.pending[cut:]
             return False
-        pos = self.pending.find(end, max(0, self.searched - len(end) + 1))
-        if pos < 0:
-            self.searched = len(self.pending)  # a long call is not searched again and again
-            return False
-        self.searched = 0
-        body, self.pending = self.pending[:pos], self.pending[pos + len(end):]
-        self.in_call = False
-        parsed = self._parse_body(body)
-        if parsed is None:
-            content.append(self.opening + body + end)
-        else:
-            calls.extend(parsed)
-            self.num_calls += len(parsed)
-            self.pending = self.pending.lstrip()
+        deltas += region.feed(self.pending[:pos])
+        self.pending = self.pending[pos + len(end) :]
+        content.append(self._end_region(end))
+        if not content[-1]:
+            self.pending = self.pending.lstrip()  # whitespace after calls is dropped
         return True
 
-    def _parse_body(self, body: str) -> list[ToolCall] | None:
-        """The calls in one body, or None if it is not a valid one."""
-        if self.parser == "hermes":
-            call = _call(_loads(body))
-            return None if call is None else [call]
-        if self.parser == "mistral":
-            return json_calls(body)
-        return _calls(_json_sequence(body))
-
-
-class JsonListItems:
-    """The items of a JSON list, each as soon as it is complete, from the list's text as it
-    grows (tool_choice "required": its grammar keeps the output a list of call objects).
-    `rest()` is the text after the last complete item while the list is not closed."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = self.escaped = self.closed = False
-        self._open: list[str] | None = None  # the text of the item being written
-        self._since: list[str] = []  # the text after the last complete item
-
-    def feed(self, text: str) -> list[str]:
-        items, start, cut = [], 0, 0
-        for i, ch in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "[{":
-                self.depth += 1
-                if self.depth == 2:
-                    self._open, start = [], i
-            elif ch in "]}":
-                self.depth -= 1
-                if self.depth == 1 and self._open is not None:
-                    items.append("".join(self._open) + text[start : i + 1])
-                    self._open, self._since, cut = None, [], i + 1
-                elif self.depth == 0:
-                    self.closed = True
-        if self._open is not None:
-            self._open.append(text[start:])
-        self._since.append(text[cut:])
-        return items
-
-    def rest(self) -> str:
-        return "" if self.closed else "".join(self._since)
-
-
-def json_calls(text: str) -> list[ToolCall] | None:
-    """The calls in a JSON list of `{"name", "arguments" | "parameters"}` objects (or in one
-    such object), or None if the text is not that."""
-    items = _loads(text)
-    return _calls([items] if isinstance(items, dict) else items)
-
-
-def json_call(text: str) -> ToolCall | None:
-    """The call in one `{"name", "arguments" | "parameters"}` object, or None."""
-    return _call(_loads(text))
-
-
-def _calls(items: Any) -> list[ToolCall] | None:
-    if not isinstance(items, list) or not items:
-        return None
-    calls = [_call(item) for item in items]
-    return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
+    def _end_region(self, end: str) -> str:
+        """The content a region leaves: none if it was all calls; from where its calls stopped
+        if it made some; all of it, verbatim with its opening and closing, if it made none."""
+        region = self.region
+        assert region is not None
+        region.finish()
+        self.region = None
+        self.num_calls += region.calls
+        if region.junk_at is None:
+            return ""
+        if region.calls:
+            return region.rest()
+        return self.opening + region.text + end
 
 
 def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     """The content and tool calls of a complete output."""
     stream = ToolCallStream(parser)
-    content, calls = stream.feed(text)
+    content, deltas = stream.feed(text)
     rest, more = stream.finish()
-    return content + rest, calls + more
+    return content + rest, calls_of(deltas + more)
 
 
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-_SEPARATOR = re.compile(r"\s*(?:;\s*)?")  # between llama3's calls
-
-
-def _json_sequence(text: str) -> list[Any] | None:
-    """JSON values separated by ";" (and whitespace), or None if that is not what it is."""
-    decoder, items, pos = json.JSONDecoder(), [], 0
-    text = text.strip()
-    while pos < len(text):
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except ValueError:
-            return None
-        items.append(value)
-        pos = _SEPARATOR.match(text, pos).end()  # type: ignore[union-attr]
-    return items
-
-
-def _call(obj: Any) -> ToolCall | None:
-    """A call from `{"name": str, "arguments" | "parameters": object}`."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON text
-        args = _loads(args)
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+def calls_of(deltas: list[CallDelta]) -> list[ToolCall]:
+    """The calls that deltas make, their pieces joined."""
+    names: dict[int, str] = {}
+    arguments: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.name is not None:
+            names[d.index] = d.name
+        arguments.setdefault(d.index, []).append(d.arguments)
+    return [ToolCall(names[i], "".join(arguments[i])) for i in sorted(names)]

@@ -295,12 +295,25 @@ def test_tool_calls_auto_parsed_from_the_models_own_format(
     assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
         (c.function.name, c.function.arguments) for c in calls
     ]
-    # A call that is not valid JSON is content, verbatim; no tool call, finish "stop".
-    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    # The arguments stream piece by piece (the call opens at its header), not whole at the end.
+    num_call_chunks = sum(
+        bool(c.choices and c.choices[0].delta.tool_calls)
+        for c in client.chat.completions.create(stream=True, **kwargs)
+    )
+    assert num_call_chunks > 2
+    # A call that goes wrong before its header is content, verbatim; no call, finish "stop".
+    broken = '<tool_call>\n{"name": "get_weather" "arguments": {"city": "Oslo"}}\n</tool_call>'
     kwargs["extra_body"] = {"regex": _regex_literal(broken)}
     resp = client.chat.completions.create(**kwargs)
     assert resp.choices[0].message.content == broken
     assert not resp.choices[0].message.tool_calls and resp.choices[0].finish_reason == "stop"
+    # After its header it is a call already (it has streamed): its arguments are what came.
+    broken = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    kwargs["extra_body"] = {"regex": _regex_literal(broken)}
+    resp = client.chat.completions.create(**kwargs)
+    (call,) = resp.choices[0].message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": }')
+    assert not resp.choices[0].message.content and resp.choices[0].finish_reason == "tool_calls"
 
 
 def test_reasoning_is_split_off_whole_and_streamed(
@@ -396,18 +409,25 @@ def test_tool_choice_named_and_required_constrain_the_calls(
             (call.function.name, call.function.arguments)
         ]
     # required with parallel calls: a random model rarely closes the list; cut off by
-    # max_tokens, the calls completed before the cut stay calls (they streamed as each
-    # completed) and the unfinished rest comes back as content, finish "length"
+    # max_tokens, the calls begun before the cut stay calls (they streamed from their header),
+    # the last one with the arguments that came; an unfinished header is content, verbatim;
+    # finish "length"
     for max_tokens in (60, 200):
         args = {**base, "max_tokens": max_tokens}
         choice = client.chat.completions.create(tool_choice="required", **args).choices[0]
         calls = choice.message.tool_calls or []
-        for call in calls:
+        cut = choice.finish_reason == "length" and not choice.message.content
+        for k, call in enumerate(calls):
             tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+            if cut and k == len(calls) - 1:  # cut off inside its arguments
+                assert call.function.arguments.startswith("{")
+                continue
             schema = tool["function"]["parameters"]
             jsonschema.validate(json.loads(call.function.arguments), schema)
         if choice.finish_reason == "length":
-            assert choice.message.content.lstrip("[, \n\t").startswith('{"name":')
+            assert calls or choice.message.content
+            text = choice.message.content or ""
+            assert not text or text.lstrip("[, \n\t").startswith('{"name":')
         else:
             assert choice.finish_reason == "tool_calls" and calls
         stream = client.chat.completions.create(tool_choice="required", stream=True, **args)
