@@ -13,7 +13,8 @@ Per parser (`hermes`, `llama3`, `mistral`) one output in its format: ~200 tokens
 (hermes, mistral; llama3's calls must open the output, so it has none) then two calls of ~40
 tokens each. Each output is formatted two ways:
 
-* `tools`: tools given, `tool_choice` auto with that parser (content and tool_calls deltas);
+* `tools`: tools given, `tool_choice` auto with that parser (content and tool_calls deltas;
+  a call streams from its header on, so nearly every delta inside a call is a chunk too);
 * `none`: the same deltas without tools (all content, the fast template path for chunks).
 
 Reported: deltas/s and microseconds per delta per way; the summary is tools/none per parser

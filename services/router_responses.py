@@ -36,6 +36,7 @@ from services.router_tools import ChatSplit, Part, ToolMode
 DONE = b"data: [DONE]\n\n"
 _MARK = "\x00text\x00"
 _MARK_JSON = json.dumps(_MARK, ensure_ascii=False).encode()
+_ARGUMENTS_DELTA = {"index", "function"}  # a call delta with only more arguments
 
 
 def sse(obj: Any) -> bytes:
@@ -79,7 +80,7 @@ class Formatter:
         self.subs = {h.sub.index: h.sub for h in handles}
         self.tool_mode = tool_mode
         self.reasoning_parser = reasoning_parser if kind == "chat" else None
-        self._templates: dict[int, list[bytes]] = {}
+        self._templates: dict[tuple[int, int], list[bytes]] = {}  # (choice, call or -1)
 
     # -- whole responses ------------------------------------------------------------------------
     async def response(self) -> Any:
@@ -161,18 +162,26 @@ class Formatter:
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
-        plain = not part.reasoning and not part.calls
-        if not first and not d.finished and not self.want_logprobs and plain:
-            return self._text_chunk(c.index, part.content)
+        if not first and not d.finished and not self.want_logprobs and not part.reasoning:
+            if not part.calls:
+                return self._text_chunk(c.index, part.content)
+            call = part.calls[0] if len(part.calls) == 1 and not part.content else None
+            if call is not None and call.keys() == _ARGUMENTS_DELTA and len(call["function"]) == 1:
+                return self._text_chunk(c.index, call["function"]["arguments"], call["index"])
         return self._full_chunk(c, d, first, part)
 
-    def _text_chunk(self, index: int, text: str) -> bytes:
-        """A middle chunk that carries only text (most of them): `_full_chunk`'s bytes for a
-        marker text, rendered once per choice, with the real text spliced in."""
-        parts = self._templates.get(index)
+    def _text_chunk(self, index: int, text: str, call: int = -1) -> bytes:
+        """A middle chunk that carries only text (most of them), or only a piece of a call's
+        arguments: `_full_chunk`'s bytes for a marker text, rendered once per choice (and call),
+        with the real text spliced in."""
+        parts = self._templates.get((index, call))
         if parts is None:
-            marked = self._full_chunk(Choice(index), Delta(text=_MARK), first=False)
-            parts = self._templates[index] = marked.split(_MARK_JSON)
+            if call < 0:
+                marked = self._full_chunk(Choice(index), Delta(text=_MARK), first=False)
+            else:
+                piece = {"index": call, "function": {"arguments": _MARK}}
+                marked = self._full_chunk(Choice(index), Delta(), False, Part("", calls=[piece]))
+            parts = self._templates[(index, call)] = marked.split(_MARK_JSON)
         return parts[0] + json.dumps(text, ensure_ascii=False).encode() + parts[1]
 
     def _full_chunk(self, c: Choice, d: Delta, first: bool, part: Part | None = None) -> bytes:

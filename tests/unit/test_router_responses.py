@@ -13,6 +13,7 @@ from services.router_logprobs import TokenNames
 from services.router_protocol import SubRequest
 from services.router_responses import Formatter
 from services.router_stream import Choice, Delta, Usage, usage
+from services.router_tools import Part
 from shared.messages import FinishReason, PromptLogprobs
 
 
@@ -49,6 +50,23 @@ def test_fast_text_chunks_are_byte_identical_to_the_full_form(kind: str, text: s
         c = Choice(index, rid=f"r{index}", pieces=["earlier"], output_ids=[1])
         d = Delta(text=text, output_ids=[5])
         assert f._chunk(c, d, first=False) == f._full_chunk(c, d, first=False)
+
+
+@pytest.mark.parametrize("arguments", ['{"a": 1', 'quote \\" and \\\\', "你好 😀", ""])
+def test_fast_argument_chunks_are_byte_identical_to_the_full_form(arguments: str) -> None:
+    f = formatter("chat", n=2)
+    for index, call in ((0, 0), (1, 3), (1, 0)):
+        c = Choice(index, rid=f"r{index}", pieces=["earlier"], output_ids=[1])
+        d = Delta(text="x", output_ids=[5])
+        part = Part("", calls=[{"index": call, "function": {"arguments": arguments}}])
+        fast = f._chunk(c, d, False, part)
+        assert fast == f._full_chunk(c, d, False, part)
+        assert json.loads(fast[6:])["choices"][0]["delta"]["tool_calls"][0]["index"] == call
+    opening = {"index": 0, "id": "call_1", "type": "function",
+               "function": {"name": "f", "arguments": "{"}}  # fmt: skip
+    part = Part("", calls=[opening])  # a call's first delta: the full form
+    assert json.loads(f._chunk(c, d, False, part)[6:])["choices"][0]["delta"]["tool_calls"] == [
+        opening]  # fmt: skip
 
 
 def test_chat_chunks_name_the_role_first_then_only_content() -> None:
