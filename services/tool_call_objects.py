@@ -25,6 +25,7 @@ HEADER = re.compile(
     r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
 )
 _STRING_RUN = re.compile(r'[^"\\]+')
+_TOKEN = re.compile(r'\s+|[^\s"\[\]{},:]+|.', re.DOTALL)  # outside strings
 _SEPARATORS = frozenset("[],;")
 
 
@@ -105,20 +106,22 @@ class CallObjects:
 
     def _head(self, out: list[CallDelta]) -> None:
         """An object before its header is complete: a call at its header, else at its close."""
-        text, scan, i = self.text, self._scan, self.pos
+        text = self.text
+        header = HEADER.match(text, self._start)  # it cannot reach past the object's close
+        name = _loads(header.group(1)) if header else None
+        if isinstance(name, str) and name:
+            assert header is not None
+            self._emit(out, self._open(), name, "{")
+            self.pos, self._scan, self._state = header.end(), JsonScanner(1), self._arguments
+            return
+        scan, i = self._scan, self.pos
         while i < len(text):
             scan.step(text[i])
             i += 1
             if scan.depth == 0:
                 break
         self.pos = i
-        header = HEADER.match(text, self._start, i)
-        name = _loads(header.group(1)) if header else None
-        if isinstance(name, str) and name:
-            assert header is not None
-            self._emit(out, self._open(), name, "{")
-            self.pos, self._scan, self._state = header.end(), JsonScanner(1), self._arguments
-        elif scan.depth == 0:
+        if scan.depth == 0:
             call = json_call(text[self._start : i])
             if call is None:
                 self.junk_at = self._start
@@ -127,29 +130,38 @@ class CallObjects:
                 self._state = self._between
 
     def _arguments(self, out: list[CallDelta]) -> None:
-        """A call's arguments, normalised as they come."""
+        """A call's arguments, normalised as they come (a token at a time outside strings)."""
         text, scan, i = self.text, self._scan, self.pos
         piece: list[str] = []
         while i < len(text):
-            ch = text[i]
-            if scan.in_string and not scan.escaped and ch not in '"\\':
-                run = _STRING_RUN.match(text, i)
-                assert run is not None
-                piece.append(run.group())
-                i = run.end()
+            if scan.in_string:
+                if scan.escaped:
+                    token, scan.escaped = text[i], False
+                elif (run := _STRING_RUN.match(text, i)) is not None:
+                    token = run.group()
+                else:
+                    token = text[i]
+                    # a backslash escapes the next character; a quote ends the string
+                    scan.escaped = scan.in_string = token == "\\"
+                piece.append(token)
+                i += len(token)
                 continue
-            i += 1
-            in_string = scan.in_string
-            scan.step(ch)
-            if in_string or scan.in_string:
-                piece.append(ch)
-            elif ch in ",:":
-                piece.append(ch + " ")
+            token = _TOKEN.match(text, i).group()  # type: ignore[union-attr]
+            i += len(token)
+            ch = token[0]
+            if ch in ",:":
+                piece.append(token + " ")
             elif not ch.isspace():
-                piece.append(ch)
-            if scan.depth == 0:
-                self._scan, self._state = JsonScanner(1), self._rest_of_call
-                break
+                piece.append(token)
+                if ch == '"':
+                    scan.in_string = True
+                elif ch in "[{":
+                    scan.depth += 1
+                elif ch in "]}":
+                    scan.depth -= 1
+                    if scan.depth == 0:
+                        self._scan, self._state = JsonScanner(1), self._rest_of_call
+                        break
         self.pos = i
         if piece:
             self._emit(out, self.next_index - 1, None, "".join(piece))
