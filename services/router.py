@@ -33,7 +33,7 @@ from services.router_protocol import ApiError
 from services.router_tokens import DetokenizeBody, TokenizeBody
 from shared.async_bus import AsyncBus
 from shared.heartbeat import Heartbeat, list_live_async
-from shared.keys import ROUTER_KIND, WORKER_KIND, heartbeat_key
+from shared.keys import DETOKENIZER_KIND, ROUTER_KIND, TOKENIZER_KIND, WORKER_KIND, heartbeat_key
 from shared.logging import setup_logging
 from shared.settings import (
     RouterSettings,
@@ -70,6 +70,11 @@ class RouterConfig:
         0.5,
         "how often to re-read worker heartbeats and check requests waiting on a worker",
         env="SLUICE_ROUTER_WORKER_CHECK_S",
+    )
+    health_generate_timeout_s: float = setting(
+        20.0,
+        "/health_generate answers 503 if its one-token request takes longer",
+        env="SLUICE_HEALTH_GENERATE_TIMEOUT_S",
     )
 
     @property
@@ -212,13 +217,22 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """Whether a request can be served: a live worker, tokenizer and detokenizer (by
+        their heartbeats); 503 naming the kinds that have none."""
         router = state["router"]
-        live = await list_live_async(router.bus.redis, router.bus.prefix, WORKER_KIND)
-        status = 200 if live else 503
-        return JSONResponse(
-            {"status": "ok" if live else "no live worker", "workers": sorted(live)},
-            status_code=status,
-        )
+        live = {
+            kind + "s": sorted(await list_live_async(router.bus.redis, router.bus.prefix, kind))
+            for kind in (WORKER_KIND, TOKENIZER_KIND, DETOKENIZER_KIND)
+        }
+        missing = [kind for kind, ids in live.items() if not ids]
+        status = "ok" if not missing else "no live " + ", ".join(k[:-1] for k in missing)
+        return JSONResponse({"status": status, **live}, status_code=503 if missing else 200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        """SGLang's: one token generated through the whole pipeline; 503 if it fails or takes
+        longer than the router's `health_generate_timeout_s`."""
+        return await state["router"].health_generate()
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -46,6 +46,9 @@ _APIS = {
 }
 
 
+_HEALTH_REQUEST = GenerateRequest(text="ok", sampling_params={"max_new_tokens": 1})
+
+
 class Router:
     """What the HTTP handlers share: the broker, the metrics, names and settings."""
 
@@ -135,6 +138,29 @@ class Router:
         if body.stream:
             return await _sse_response(request, fmt.chunks())
         return JSONResponse(await _unless_disconnected(request, fmt.response()))
+
+    async def health_generate(self) -> Response:
+        """One token generated through the tokenizer, a worker and a detokenizer (SGLang's
+        /health_generate); it is left out of the metrics."""
+        start = time.perf_counter()
+        handles = self.broker.open(_HEALTH_REQUEST.to_subrequests())
+        for h in handles:
+            h.observed = False
+
+        async def one_token() -> None:
+            await self.broker.submit(handles)
+            async for _ in handles[0].deltas():
+                pass
+
+        try:
+            await asyncio.wait_for(one_token(), self.config.health_generate_timeout_s)
+        except (ApiError, asyncio.TimeoutError) as exc:
+            for h in handles:
+                h.close()
+            message = exc.message if isinstance(exc, ApiError) else "timed out"
+            return JSONResponse({"status": "failed", "message": message}, status_code=503)
+        seconds = round(time.perf_counter() - start, 4)
+        return JSONResponse({"status": "ok", "seconds": seconds})
 
     def _model_dirs(self) -> list[str | None]:
         live = self.broker.workers.live.values()

@@ -62,6 +62,7 @@ class RequestHandle:
         self.tried: list[str] = []
         self.assembler = OutputAssembler(sub.stop)
         self.ttft: float | None = None
+        self.observed = True  # in the metrics (a health check is not)
         self.failed = False
         self.closed = False
         self.waiting = False
@@ -97,7 +98,7 @@ class RequestHandle:
         a = self.assembler
         if self.worker is not None and not self.failed and (a.stopped_here or not a.finished):
             self.broker.abort(self, "stop string" if a.stopped_here else "client gone")
-        if not a.finished:
+        if not a.finished and self.observed:
             self.broker.metrics.observe_abort()
 
     async def _take(self) -> list[DetokRow | ErrorMsg | ApiError]:
@@ -118,6 +119,8 @@ class RequestHandle:
         return failure
 
     def _observe(self, delta: Delta) -> None:
+        if not self.observed:
+            return
         now = time.perf_counter()
         if self.ttft is None and delta.output_ids:
             self.ttft = now - self.arrived

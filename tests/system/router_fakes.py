@@ -5,7 +5,8 @@
 the text its `plan` function chooses, one character per token per step, and writes
 `DetokOutputMsg` rows straight into the router's stream, the way detokenizers would,
 optionally out of order and with duplicates. It heartbeats a `WorkerLoadMsg` whose
-`num_running_reqs` is its real number of running requests, and honours `AbortReqMsg`s
+`num_running_reqs` is its real number of running requests (and, as the services it stands
+for, a tokenizer's and a detokenizer's status under its id), and honours `AbortReqMsg`s
 from `{p}:worker:{w}:in` with a final `abort` row. `start_router` runs `sluice router`.
 """
 
@@ -26,6 +27,8 @@ import redis
 
 from shared.heartbeat import Heartbeat
 from shared.keys import (
+    DETOKENIZER_KIND,
+    TOKENIZER_KIND,
     WORKER_KIND,
     heartbeat_key,
     router_out_stream,
@@ -38,6 +41,7 @@ from shared.messages import (
     DetokRow,
     ErrorMsg,
     FinishReason,
+    ServiceStatusMsg,
     TokenizeReqMsg,
     WorkerLoadMsg,
     decode_message,
@@ -111,10 +115,17 @@ class FakeWorker:
         self._rng = random.Random(0)
         key = heartbeat_key(prefix, WORKER_KIND, worker_id)
         self.heartbeat = Heartbeat(self.redis, key, hb_ttl_s, self._load)
+        self.role_beats = [
+            Heartbeat(self.redis, heartbeat_key(prefix, kind, worker_id), hb_ttl_s,
+                      lambda kind=kind: self._status(kind))
+            for kind in (TOKENIZER_KIND, DETOKENIZER_KIND)
+        ]  # fmt: skip
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def start(self) -> FakeWorker:
         self.heartbeat.start()
+        for beat in self.role_beats:
+            beat.start()
         self._thread.start()
         return self
 
@@ -125,6 +136,12 @@ class FakeWorker:
         self._stop.set()
         self._thread.join()
         self.heartbeat.stop()
+        for beat in self.role_beats:
+            beat.stop()
+
+    def _status(self, kind: str) -> ServiceStatusMsg:
+        now = time.time()
+        return ServiceStatusMsg(kind, self.worker_id, "fake", os.getpid(), now, now, 0)
 
     def _load(self) -> WorkerLoadMsg:
         return WorkerLoadMsg(

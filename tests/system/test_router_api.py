@@ -33,7 +33,7 @@ PREFIX = "rt"
 
 @pytest.fixture(scope="module")
 def base(redis_url: str) -> Iterator[str]:
-    with start_router(redis_url, PREFIX) as url:
+    with start_router(redis_url, PREFIX, "--health-generate-timeout-s", "2") as url:
         yield url
 
 
@@ -99,12 +99,42 @@ def completion_text(events: list) -> str:
 PROMPT = "héllo wörld, 你好 🙂 and more text"
 
 
-def test_health_follows_worker_heartbeats(redis_url: str, base: str) -> None:
-    assert httpx.get(base + "/health").status_code == 503
-    with running(FakeWorker(redis_url, PREFIX, "w-health"), base):
+def test_health_follows_the_heartbeats_of_every_kind(redis_url: str, base: str) -> None:
+    resp = httpx.get(base + "/health")
+    assert resp.status_code == 503
+    assert resp.json()["status"] == "no live worker, tokenizer, detokenizer"
+    with running(FakeWorker(redis_url, PREFIX, "w-health"), base) as fake:
         resp = httpx.get(base + "/health")
-        assert resp.status_code == 200 and resp.json()["workers"] == ["w-health"]
+        assert resp.status_code == 200 and resp.json() == {
+            "status": "ok", "workers": ["w-health"], "tokenizers": ["w-health"],
+            "detokenizers": ["w-health"]}  # fmt: skip
+        fake.role_beats[1].stop()  # the only detokenizer goes
+        resp = httpx.get(base + "/health")
+        assert resp.status_code == 503 and resp.json()["status"] == "no live detokenizer"
     assert httpx.get(base + "/health").status_code == 503
+
+
+def test_health_generate_runs_one_token_through_the_pipeline(redis_url: str, base: str) -> None:
+    """200 once a token came back; 503 with no worker, or (after the router's 2 s timeout)
+    with a worker that never answers, whose request is then aborted; never in the metrics."""
+    resp = httpx.get(base + "/health_generate", timeout=30)
+    assert resp.status_code == 503 and "no live worker" in resp.json()["message"]
+    requests = metric(base, "sluice:num_requests_total")
+    aborted = metric(base, "sluice:num_aborted_requests_total")
+    with running(FakeWorker(redis_url, PREFIX, "w-hg"), base) as fake:
+        resp = httpx.get(base + "/health_generate", timeout=30)
+        assert resp.status_code == 200 and resp.json()["status"] == "ok"
+        (msg,) = fake.received
+        assert msg.sampling_params["max_new_tokens"] == 1
+    with running(FakeWorker(redis_url, PREFIX, "w-hg-silent", silent=True), base) as silent:
+        t0 = time.monotonic()
+        resp = httpx.get(base + "/health_generate", timeout=30)
+        assert resp.status_code == 503
+        assert resp.json() == {"status": "failed", "message": "timed out"}
+        assert 2 <= time.monotonic() - t0 < 10
+        wait_for(lambda: silent.aborted == [silent.received[0].rid])
+    assert metric(base, "sluice:num_requests_total") == requests
+    assert metric(base, "sluice:num_aborted_requests_total") == aborted
 
 
 def test_no_live_worker_is_503(base: str) -> None:
