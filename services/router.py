@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services import router_tokens as tokens
-from services.router_api import Router
+from services.router_api import VERSION, Router
 from services.router_metrics import CONTENT_TYPE
 from services.router_protocol import ApiError
 from services.router_tokens import DetokenizeBody, TokenizeBody
@@ -44,18 +44,6 @@ from shared.settings import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sluice")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
-
-
-_VERSION = _package_version()
 
 
 @dataclass(frozen=True)
@@ -161,7 +149,7 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        return {"version": _VERSION}
+        return {"version": VERSION}
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
@@ -200,6 +188,12 @@ def create_app(config: RouterConfig) -> FastAPI:
         router = state["router"]
         body = router.query_body(request, DetokenizeBody, await request.body())
         return await tokens.detokenize(router.broker.queries, body)
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> dict[str, Any]:
+        router = state["router"]
+        router.authorize(request)
+        return await router.server_info()
 
     @app.get("/get_model_info")
     async def get_model_info(request: Request) -> dict[str, Any]:

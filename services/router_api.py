@@ -8,12 +8,14 @@ streamed one closed, when the client disconnects, which aborts its requests at t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit, urlunsplit
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +48,16 @@ _APIS = {
 }
 
 
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sluice")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+VERSION = _package_version()
 _HEALTH_REQUEST = GenerateRequest(text="ok", sampling_params={"max_new_tokens": 1})
 
 
@@ -162,6 +174,29 @@ class Router:
         seconds = round(time.perf_counter() - start, 4)
         return JSONResponse({"status": "ok", "seconds": seconds})
 
+    async def server_info(self) -> dict[str, Any]:
+        """SGLang's /get_server_info: the router's settings (credentials left out) and, as
+        `internal_states`, each live worker's load and capacity."""
+        await self.broker.refresh_workers()
+        r = self.config.router
+        info: dict[str, Any] = {
+            **{f.name: getattr(r.common, f.name) for f in dataclasses.fields(r.common)},
+            **{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.name != "common"},
+            **{
+                f.name: getattr(self.config, f.name)
+                for f in dataclasses.fields(self.config)
+                if f.name not in ("router", "api_key")
+            },
+            "redis_url": without_credentials(r.common.redis_url),
+            "router_id": self.config.router_id,
+            "served_model_name": self.model_name,
+            "api_key_required": bool(self.config.api_key),
+            "version": VERSION,
+        }
+        loads = sorted(self.broker.workers.live.values(), key=lambda w: w.worker_id)
+        info["internal_states"] = [dataclasses.asdict(load) for load in loads]
+        return info
+
     def _model_dirs(self) -> list[str | None]:
         live = self.broker.workers.live.values()
         return [self.config.router.model, *(hb.model for hb in live)]
@@ -176,6 +211,15 @@ class Router:
             updated_at=time.time(),
             num_handled=self.num_handled,
         )
+
+
+def without_credentials(url: str | None) -> str | None:
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 async def _sse_response(request: Request, chunks: AsyncIterator[bytes]) -> Response:

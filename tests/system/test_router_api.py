@@ -114,6 +114,18 @@ def test_health_follows_the_heartbeats_of_every_kind(redis_url: str, base: str) 
     assert httpx.get(base + "/health").status_code == 503
 
 
+def test_server_info_has_the_settings_and_each_workers_capacity(
+    redis_url: str, base: str
+) -> None:
+    with running(FakeWorker(redis_url, PREFIX, "w-info"), base):
+        info = httpx.get(base + "/get_server_info").json()
+    assert info["prefix"] == PREFIX and info["router_id"] == "r1"
+    assert info["health_generate_timeout_s"] == 2 and info["api_key_required"] is False
+    assert info["redis_url"] == redis_url and info["version"]
+    (state,) = [s for s in info["internal_states"] if s["worker_id"] == "w-info"]
+    assert state["context_len"] == CONTEXT_LEN and state["max_total_num_tokens"] == 10_000
+
+
 def test_health_generate_runs_one_token_through_the_pipeline(redis_url: str, base: str) -> None:
     """200 once a token came back; 503 with no worker, or (after the router's 2 s timeout)
     with a worker that never answers, whose request is then aborted; never in the metrics."""

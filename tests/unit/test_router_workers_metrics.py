@@ -122,3 +122,12 @@ def test_retractions_of_a_worker_reach_metrics_through_its_heartbeat() -> None:
     worker = '{model_name="tiny",worker_id="w0"}'
     for prefix in ("sluice", "sglang"):
         assert samples[f"{prefix}:num_retracted_reqs{worker}"] == s.stats.num_retractions
+
+
+def test_server_info_leaves_redis_credentials_out() -> None:
+    from services.router_api import without_credentials
+
+    assert without_credentials("redis://h:6379/0") == "redis://h:6379/0"
+    assert without_credentials("redis://:s3cret@h:6379/0") == "redis://h:6379/0"
+    assert without_credentials("rediss://user:p@ss@h/1") == "rediss://h/1"
+    assert without_credentials(None) is None
