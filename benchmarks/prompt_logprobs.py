@@ -2,6 +2,8 @@
 logprobs vs transformers, and vs a plain prefill of the same prompts, side by side.
 
     OMP_NUM_THREADS=1 python benchmarks/prompt_logprobs.py --model /tmp/bench-m2 [--reps 3]
+    OMP_NUM_THREADS=1 python benchmarks/prompt_logprobs.py --model /tmp/sluice-bench-qwen2-152k \
+        --num-prompts 16 --len 128 --result-name prompt_logprobs_152k
 
 Each rep draws fresh random prompts (lengths uniform in [len/2, len]) and runs three ways
 over them, in an order that alternates between reps:
@@ -10,14 +12,17 @@ over them, in an order that alternates between reps:
   of each prompt's last token only (the floor);
 * `score`: sluice, `max_new_tokens` 0, `logprob_start_len` 0, `top_logprobs_num` 1: every
   prompt token's logprob and top candidate, what `echo` with `logprobs=1` asks;
+* `ranked`: `score` plus each prompt token's rank (`return_prompt_ranks`), what vLLM's
+  `prompt_logprobs=1` asks: one more pass over every scored row's logits;
 * `hf`: transformers, batches of `--hf-batch` right-padded prompts through one forward each,
   log_softmax, the prompt tokens' logprobs and the top-1 (lm-eval's HF backend does this).
 
 sluice's and transformers' logprobs are compared (max |difference|), so both sides give the
 same answer. Reported: prompt tokens per second of each way, and as summary the medians
-over reps of score/prefill (what scoring costs over a prefill) and score/hf. The engine runs
-with its CPU defaults (the overlap scheduler's device process: two processes), one intra-op
-thread each, and transformers with one thread.
+over reps of score/prefill (what scoring costs over a prefill), score/hf and ranked/score
+(what ranks cost; it grows with the vocabulary, so try a large-vocabulary model too). The
+engine runs with its CPU defaults (the overlap scheduler's device process: two processes), one
+intra-op thread each, and transformers with one thread.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import print_table, write_result  # noqa: E402
 
-WAYS = ("prefill", "score", "hf")
+WAYS = ("prefill", "score", "ranked", "hf")
 
 
 def prompts_for(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -47,10 +52,11 @@ def prompts_for(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
     ]
 
 
-def run_sluice(engine: Any, prompts: list[list[int]], score: bool) -> tuple[float, list]:
+def run_sluice(engine: Any, prompts: list[list[int]], way: str) -> tuple[float, list]:
+    score = way != "prefill"
     if score:
         params = {"max_new_tokens": 0, "logprob_start_len": 0, "return_logprob": True,
-                  "top_logprobs_num": 1}  # fmt: skip
+                  "top_logprobs_num": 1, "return_prompt_ranks": way == "ranked"}  # fmt: skip
     else:
         params = {"max_new_tokens": 1, "temperature": 0.0}
     start = time.perf_counter()
@@ -92,6 +98,7 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=256, help="longest prompt (tokens)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--result-name", default="prompt_logprobs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -103,7 +110,7 @@ def main() -> None:
     engine = Engine(model_path=args.model)
     rows: list[dict[str, Any]] = []
     try:
-        run_sluice(engine, prompts_for(vocab, 4, 32, seed=-1), score=True)  # warm up
+        run_sluice(engine, prompts_for(vocab, 4, 32, seed=-1), "ranked")  # warm up
         for rep in range(args.reps):
             prompts = prompts_for(vocab, args.num_prompts, args.len, seed=rep)
             tokens = sum(map(len, prompts))
@@ -113,8 +120,8 @@ def main() -> None:
                 if way == "hf":
                     got[way] = run_hf(model, prompts, args.hf_batch)
                 else:
-                    got[way] = run_sluice(engine, prompts, score=way == "score")
-            diff = max_abs_diff(got["score"][1], got["hf"][1])
+                    got[way] = run_sluice(engine, prompts, way)
+            diff = max(max_abs_diff(got[w][1], got["hf"][1]) for w in ("score", "ranked"))
             for way in WAYS:
                 seconds = got[way][0]
                 rows.append({"rep": rep, "way": way, "prompt_tokens": tokens,
@@ -136,10 +143,11 @@ def main() -> None:
     summary = {
         "score_vs_prefill": ratio("score", "prefill"),
         "score_vs_hf": ratio("score", "hf"),
+        "ranked_vs_score": ratio("ranked", "score"),
         "max_abs_diff_vs_hf": max(r["max_abs_diff_vs_hf"] or 0.0 for r in rows),
     }
     print(summary)
-    path = write_result("prompt_logprobs", rows, summary, model=args.model, args=vars(args))
+    path = write_result(args.result_name, rows, summary, model=args.model, args=vars(args))
     print("wrote", path)
 
 

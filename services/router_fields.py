@@ -123,6 +123,19 @@ class SamplingFields(_SamplingCore):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: each prompt token's logprob and rank, with this many best candidates (not when
+    # streaming, as in vLLM)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def with_prompt_logprobs(self, subs: list[Any]) -> list[Any]:
+        """`subs` asking for vLLM's prompt logprobs, if the request does."""
+        if self.prompt_logprobs is None:
+            return subs
+        if self.stream:
+            raise _invalid("prompt_logprobs is not available when streaming", "prompt_logprobs")
+        for sub in subs:
+            sub.prompt_logprobs = self.prompt_logprobs
+        return subs
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SGLang-style sampling dict (unset fields left to the engine's defaults)."""

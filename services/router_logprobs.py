@@ -1,5 +1,5 @@
 """Logprobs in the API's shapes: token ids as text (`TokenNames`), OpenAI's chat entries,
-SGLang's `input_token_logprobs`."""
+SGLang's `input_token_logprobs`, vLLM's `prompt_logprobs`."""
 
 from __future__ import annotations
 
@@ -61,6 +61,22 @@ def input_logprobs(prompt: PromptLogprobs, top: bool) -> dict[str, Any]:
         out["input_top_logprobs"] = [
             None if row is None else [[v, t] for t, v in row] for row in tops
         ]
+    return out
+
+
+def ranked_prompt(prompt: PromptLogprobs, k: int, names: TokenNames) -> list[Any]:
+    """vLLM's `prompt_logprobs`: None for the prompt's first token, then for each token a map
+    from token id to `{"logprob", "rank", "decoded_token"}` holding the token itself (first)
+    and the `k` best candidates (ranks 1..k)."""
+    out: list[Any] = list(prompt.none_first)
+    ids = prompt.ids[len(out) :]
+    tops = (prompt.top_pairs() or [])[len(out) :] or [None] * len(ids)
+    ranks = prompt.ranks or [None] * len(ids)
+    for tid, lp, rank, top in zip(ids, prompt.logprobs, ranks, tops, strict=True):
+        entry = {tid: {"logprob": lp, "rank": rank, "decoded_token": names(tid)}}
+        for j, (t, v) in enumerate((top or [])[:k]):
+            entry.setdefault(t, {"logprob": v, "rank": j + 1, "decoded_token": names(t)})
+        out.append(entry)
     return out
 
 

@@ -49,6 +49,9 @@ class SubRequest:
     top_logprobs_num: int = 0
     stop: list[str] = field(default_factory=list)
     logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
+    # vLLM's prompt_logprobs: every prompt token's logprob and rank, and this many candidates
+    # (asked of the engine besides what return_logprob / top_logprobs_num show of the output)
+    prompt_logprobs: int | None = None
     # /v1/completions: the prompt goes before the output (and logprobs); chat: the last
     # message's content does, if it is the assistant's (vLLM's)
     echo: bool = False
@@ -98,7 +101,7 @@ class CompletionRequest(SamplingFields):
         subs = fan_out(prompts, params, self.n, logprob, top, start)
         for sub in subs:
             sub.echo = bool(self.echo)
-        return subs
+        return self.with_prompt_logprobs(subs)
 
 
 class ChatCompletionRequest(SamplingFields, ToolFields):
@@ -146,7 +149,8 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
             "continue_final_message": bool(self.continue_final_message),
             "echo": bool(self.echo),
         }
-        return fan_out([prompt], params, self.n, bool(self.logprobs), self.top_logprobs or 0)
+        subs = fan_out([prompt], params, self.n, bool(self.logprobs), self.top_logprobs or 0)
+        return self.with_prompt_logprobs(subs)
 
 
 class GenerateSampling(_SamplingCore):

@@ -212,6 +212,7 @@ class Broker:
     def _tokenize_msg(self, h: RequestHandle) -> TokenizeReqMsg:
         sub = h.sub
         assert h.worker is not None
+        wants_prompt = sub.prompt_logprobs is not None  # vLLM's: from the first token
         return TokenizeReqMsg(
             rid=h.rid,
             router_id=self.router_id,
@@ -221,14 +222,15 @@ class Broker:
             input_ids=sub.input_ids,
             sampling_params=sub.sampling_params,
             stream=True,
-            return_logprob=sub.return_logprob,
-            top_logprobs_num=sub.top_logprobs_num,
-            logprob_start_len=sub.logprob_start_len,
+            return_logprob=sub.return_logprob or wants_prompt,
+            top_logprobs_num=max(sub.top_logprobs_num, sub.prompt_logprobs or 0),
+            logprob_start_len=0 if wants_prompt else sub.logprob_start_len,
             created=time.time(),
             tools=sub.tools,
             chat_template_kwargs=sub.chat_template_kwargs,
             add_generation_prompt=sub.add_generation_prompt,
             continue_final_message=sub.continue_final_message,
+            return_prompt_ranks=wants_prompt,
         )
 
     def _dispatch(self, msg: object) -> None:

@@ -27,7 +27,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.router_logprobs import TokenNames, chat_token, input_logprobs
+from services.router_logprobs import TokenNames, chat_token, input_logprobs, ranked_prompt
 from services.router_protocol import ApiError
 from services.router_requests import RequestHandle, merged
 from services.router_stream import Choice, Delta, usage
@@ -97,6 +97,13 @@ class Formatter:
             choice = self._choice(c, part, c.output_ids, lps, tops, final=True, echo=True)
             if c.split is not None and c.split.calls:
                 choice["message"]["tool_calls"] = c.split.calls
+            k = self.subs[c.index].prompt_logprobs
+            if k is not None:  # vLLM's: a completion's per choice, a chat's in the body
+                ranked = None if c.prompt is None else ranked_prompt(c.prompt, k, self.names)
+                if self.kind == "completion":
+                    choice["prompt_logprobs"] = ranked
+                else:
+                    body.setdefault("prompt_logprobs", ranked)
             body["choices"].append(choice)
         body["usage"] = usage(choices, self.prompt_of)
         return body

@@ -19,7 +19,7 @@ from engine.tokenizer import apply_chat_template
 from shared.messages import ChatMessage, GenerateReqMsg, TokenizeReqMsg, TokenizeRespMsg
 
 _LIFTED = ("stop", "skip_special_tokens", "spaces_between_special_tokens")
-_REQUEST_LEVEL = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+_REQUEST_LEVEL = ("return_logprob", "top_logprobs_num", "logprob_start_len", "return_prompt_ranks")
 
 
 class RequestError(ValueError):
@@ -65,6 +65,7 @@ class RequestTokenizer:
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
             created=msg.created,
+            return_prompt_ranks=msg.return_prompt_ranks,
         )
 
     def answer(self, msg: TokenizeReqMsg) -> TokenizeRespMsg:
@@ -127,6 +128,7 @@ class RequestTokenizer:
         full = {**sp, **lifted, "return_logprob": msg.return_logprob}
         full["top_logprobs_num"] = msg.top_logprobs_num
         full["logprob_start_len"] = msg.logprob_start_len
+        full["return_prompt_ranks"] = msg.return_prompt_ranks
         try:
             params = SamplingParams.from_dict(full)
             params.verify(self.vocab_size)

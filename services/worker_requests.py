@@ -106,6 +106,7 @@ def sampling_params(msg: GenerateReqMsg, vocab_size: int) -> SamplingParams:
         return_logprob=msg.return_logprob,
         top_logprobs_num=msg.top_logprobs_num,
         logprob_start_len=msg.logprob_start_len,
+        return_prompt_ranks=msg.return_prompt_ranks,
     )
     params = SamplingParams.from_dict(d)
     params.verify(vocab_size)
@@ -173,7 +174,12 @@ def _prompt_fields(req: Any) -> tuple | None:
         return None
     top_ids = None if top is None else [list(i) for i, _ in top]
     top_vals = None if top is None else [list(v) for _, v in top]
-    return (start, list(ids), list(lps), top_ids, top_vals)
+    ranks = None
+    if req.sampling_params.return_prompt_ranks:
+        if len(req.prompt_token_ranks) != len(lps):
+            return None
+        ranks = list(req.prompt_token_ranks)
+    return (start, list(ids), list(lps), top_ids, top_vals, ranks)
 
 
 def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:

@@ -42,8 +42,9 @@ PROMPT_LOGPROB_SLICE = 1024  # prompt logprob rows per pass (see `prompt_logprob
 
 TopLogprobs = tuple[list[int], list[float]]  # (token ids, logprobs), best first
 # One request's prompt logprobs from one batch: the scored tokens' logprobs, in prompt order,
-# and their top candidates when the request asked for top logprobs.
-PromptLogprobs = tuple[list[float], list[TopLogprobs] | None]
+# their top candidates when the request asked for top logprobs, and their ranks (vLLM's: how
+# many tokens have a logprob at least as high; 1 is the best).
+PromptLogprobs = tuple[list[float], list[TopLogprobs] | None, list[int] | None]
 
 
 @dataclass
@@ -159,7 +160,9 @@ def prompt_logprobs(
     logits: torch.Tensor, info: SamplingBatchInfo, mwb: ModelWorkerBatch
 ) -> list[PromptLogprobs | None]:
     """Each request's share of the prompt logprob rows `logits` [K, V]: the logprob of the
-    target token of each row, and the row's top logprobs if the request wants them.
+    target token of each row, its rank if a request of the batch wants ranks (a full pass
+    over the row: it costs about as much as the log_softmax), and the row's top logprobs if
+    the request wants them.
 
     Rows go through in slices, so the temporaries stay [PROMPT_LOGPROB_SLICE, V] however
     many rows the batch has (log_softmax, one fused pass, beat logsumexp and a gather by
@@ -175,20 +178,24 @@ def prompt_logprobs(
         temps = info.temperatures.view(-1).repeat_interleave(repeats, output_size=num_rows)
     target = torch.tensor(targets, dtype=torch.int64, device=dev).unsqueeze(1)
     k_max = max((k for k, c in zip(nums, counts, strict=True) if c), default=0)
-    chosen_parts, top_values, top_ids = [], [], []
+    chosen_parts, rank_parts, top_values, top_ids = [], [], [], []
     for lo in range(0, num_rows, PROMPT_LOGPROB_SLICE):
         hi = lo + PROMPT_LOGPROB_SLICE
         rows = logits[lo:hi].float()
         if temps is not None:
             rows = rows / temps[lo:hi].unsqueeze(1)
         rows = F.log_softmax(rows, dim=-1)
-        chosen_parts.append(rows.gather(1, target[lo:hi]))
+        chosen = rows.gather(1, target[lo:hi])
+        chosen_parts.append(chosen)
+        if mwb.prompt_ranks:
+            rank_parts.append((rows >= chosen).sum(dim=1))
         if k_max:
             values, ids = rows.topk(min(k_max, rows.shape[1]), dim=-1)
             top_values.append(values)
             top_ids.append(ids)
     floor = torch.finfo(torch.float32).min
     chosen = torch.cat(chosen_parts).squeeze(1).clamp_(min=floor).tolist()
+    ranks = torch.cat(rank_parts).tolist() if rank_parts else None
     if k_max:
         values_rows = torch.cat(top_values).clamp_(min=floor).tolist()
         ids_rows = torch.cat(top_ids).tolist()
@@ -198,7 +205,8 @@ def prompt_logprobs(
         top = None
         if c and k > 0:
             top = [(ids_rows[r][:k], values_rows[r][:k]) for r in range(offset, offset + c)]
-        out.append((chosen[offset : offset + c], top) if c else None)
+        rank = None if ranks is None else ranks[offset : offset + c]
+        out.append((chosen[offset : offset + c], top, rank) if c else None)
         offset += c
     return out
 

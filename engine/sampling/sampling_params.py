@@ -47,6 +47,8 @@ class SamplingParams:
     # with return_logprob: the prompt position from which the prompt tokens' logprobs are
     # returned too (SGLang's request field; -1: none, output tokens only)
     logprob_start_len: int = -1
+    # with prompt logprobs: each scored prompt token's rank too (vLLM's prompt_logprobs)
+    return_prompt_ranks: bool = False
     # token id (a decimal string, as in OpenAI's JSON) -> added to its logit before sampling
     # and logprobs; +-100 in practice forces or bans the token
     logit_bias: dict[str, float] | None = None
@@ -182,6 +184,7 @@ _FIELD_TYPES: dict[str, str] = {
     "return_logprob": "bool",
     "top_logprobs_num": "int",
     "logprob_start_len": "int",
+    "return_prompt_ranks": "bool",
     "logit_bias": "dict[str, float] | None",
     "json_schema": "str | None",
     "regex": "str | None",

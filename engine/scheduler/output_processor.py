@@ -106,7 +106,9 @@ def _add_prompt_logprobs(reqs: list[Req], prompt: list) -> None:
     """Append each request's prompt logprobs from a batch (a chunk's too, in chunk order)."""
     for req, entry in zip(reqs, prompt, strict=True):
         if entry is not None and req.finished_reason is None:
-            logprobs, top = entry
+            logprobs, top, ranks = entry
             req.prompt_token_logprobs.extend(logprobs)
+            if ranks is not None:
+                req.prompt_token_ranks.extend(ranks)
             if top is not None:
                 req.prompt_top_logprobs.extend(top)

@@ -99,6 +99,7 @@ class Req:
             self.prompt_logprob_start = start
         self.prompt_logprob_cursor = max(start, 1) - 1
         self.prompt_token_logprobs: list[float] = []
+        self.prompt_token_ranks: list[int] = []  # vLLM's rank of each
         self.prompt_top_logprobs: list[tuple[list[int], list[float]]] = []
 
     # -- inputs for the next round ------------------------------------------------------------

@@ -43,6 +43,7 @@ class ModelWorkerBatch:
     prompt_logprob_rows: list[int] | None = None
     prompt_logprob_targets: list[int] | None = None
     prompt_logprob_counts: list[int] | None = None
+    prompt_ranks: bool = False  # with them: their ranks too (a request asked for them)
     # structured output: (rows, token bitmasks) of the grammar rows (engine/sampling/grammar.py),
     # set by the plain scheduler, whose grammars are up to date when it builds the batch
     vocab_mask: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -248,6 +249,7 @@ class ScheduleBatch:
             prompt_ids=[r.origin_input_ids for r in self.reqs],
             return_logprob=any(r.sampling_params.return_logprob for r in self.reqs),
             top_logprobs_nums=[r.sampling_params.top_logprobs_num for r in self.reqs],
+            prompt_ranks=any(r.sampling_params.return_prompt_ranks for r in self.reqs),
             **_prompt_logprob_fields(self._prompt_logprobs if extend else None),
         )
 

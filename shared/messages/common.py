@@ -52,7 +52,8 @@ class PromptLogprobs(Record):
 
     `ids` are the prompt tokens from `start` on; `logprobs` those of each of them, except
     that the prompt's first token has none (when `start` is 0, `logprobs` covers `ids[1:]`);
-    `top_ids` / `top_vals`, when asked for, the best candidates at the same positions.
+    `top_ids` / `top_vals`, when asked for, the best candidates at the same positions;
+    `ranks` (vLLM's), for each of `logprobs`, how many tokens had a logprob at least as high.
     """
 
     start: int
@@ -60,6 +61,7 @@ class PromptLogprobs(Record):
     logprobs: list[float]
     top_ids: list[list[int]] | None = None
     top_vals: list[list[float]] | None = None
+    ranks: list[int] | None = None
 
     def _check(self) -> None:
         want = len(self.ids) - (self.start == 0)
@@ -70,6 +72,10 @@ class PromptLogprobs(Record):
             )
         if (self.top_ids is None) != (self.top_vals is None):
             raise MessageError("PromptLogprobs: top_ids and top_vals go together")
+        if self.ranks is not None and (
+            len(self.ranks) != want or any(r < 1 for r in self.ranks)
+        ):
+            raise MessageError("PromptLogprobs: ranks do not match logprobs")
         if self.top_ids is not None and self.top_vals is not None:
             if len(self.top_ids) != want or any(
                 len(i) != len(v) for i, v in zip(self.top_ids, self.top_vals, strict=False)

@@ -55,7 +55,7 @@ class StepOutputMsg(Columnar, Message):
     """
 
     TAG = "step_output"
-    VERSION = 2
+    VERSION = 3  # 3: prompt logprobs carry ranks
     ROW = StepRow
     COLUMNS = (
         "rids", "router_ids", "starts", "new_ids", "window_ids", "finish_reasons",

@@ -48,7 +48,7 @@ class DetokOutputMsg(Columnar, Message):
     """
 
     TAG = "detok_output"
-    VERSION = 2
+    VERSION = 3  # 3: prompt logprobs carry ranks
     ROW = DetokRow
     COLUMNS = (
         "rids", "starts", "ends", "texts", "output_ids", "finish_reasons", "prompt_tokens",

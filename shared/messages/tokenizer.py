@@ -48,7 +48,7 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 5
+    VERSION = 6  # 6: return_prompt_ranks
 
     rid: str
     router_id: str
@@ -67,6 +67,7 @@ class TokenizeReqMsg(Message):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     reply: str = ""  # "" (generate), "tokenize" or "detokenize"
+    return_prompt_ranks: bool = False  # the prompt logprobs' ranks too (vLLM's)
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
 

@@ -22,7 +22,7 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 2
+    VERSION = 3  # 3: return_prompt_ranks
 
     rid: str
     router_id: str
@@ -36,6 +36,7 @@ class GenerateReqMsg(Message):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from there (-1: none)
     created: float = 0.0
+    return_prompt_ranks: bool = False  # the prompt logprobs' ranks too (vLLM's)
 
     def _check(self) -> None:
         if not self.input_ids:

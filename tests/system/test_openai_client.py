@@ -151,6 +151,56 @@ def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(
     assert only.choices[0].text == "Echo me" and only.usage.completion_tokens == 0
 
 
+def test_vllm_prompt_logprobs_rank_the_prompt_like_transformers(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """vLLM's `prompt_logprobs=k`: per prompt token its logprob and rank (how many tokens are
+    at least as likely) and the k best, as transformers computes them; a completion's per
+    choice, a chat's in the body; a 400 when streaming."""
+    import torch
+
+    from tests.factories import _hf_model
+
+    ids = [1, 300, 301, 302, 303, 304, 305]
+    out = client.completions.create(
+        model=served_model, prompt=ids, max_tokens=2, logprobs=1, n=2, temperature=1.0,
+        extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    with torch.inference_mode():
+        logits = _hf_model(http_stack.model)(torch.tensor([ids])).logits[0, :-1].double()
+    ref = torch.log_softmax(logits, -1)
+    for choice in out.choices:
+        got = choice.model_extra["prompt_logprobs"]
+        assert len(got) == len(ids) and got[0] is None
+        assert len(choice.logprobs.top_logprobs[0]) == 1  # the output's own k
+        for row, (tid, entry) in enumerate(zip(ids[1:], got[1:], strict=True)):
+            mine = entry.pop(str(tid))
+            assert abs(mine["logprob"] - ref[row, tid].item()) < 1e-3
+            # the rank counts the tokens at least as likely (float32 vs float64: a 1e-4 band)
+            lo = int((ref[row] > ref[row, tid] + 1e-4).sum()) + 1
+            assert lo <= mine["rank"] <= int((ref[row] >= ref[row, tid] - 1e-4).sum())
+            best = ref[row].topk(3)
+            pairs = zip(best.values.tolist(), best.indices.tolist(), strict=True)
+            want = {t: (j + 1, v) for j, (v, t) in enumerate(pairs)}
+            for key, cand in entry.items():  # the 3 best (but the token itself, if among them)
+                rank, value = want[int(key)]
+                assert cand["rank"] == rank and abs(cand["logprob"] - value) < 1e-3
+            assert len(entry) == 3 - (mine["rank"] <= 3)
+    messages = [{"role": "user", "content": "Rank me"}]
+    chat = client.chat.completions.create(
+        model=served_model, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    ranked = chat.model_extra["prompt_logprobs"]
+    assert ranked[0] is None and all(len(e) == 1 for e in ranked[1:])
+    assert len(ranked) == chat.usage.prompt_tokens and chat.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=served_model, prompt="x", max_tokens=1, stream=True,
+            extra_body={"prompt_logprobs": 1},
+        )  # fmt: skip
+    assert info.value.param == "prompt_logprobs"
+
+
 def test_logit_bias_forces_a_token(client: openai.OpenAI, served_model: str) -> None:
     out = client.completions.create(
         model=served_model, prompt="Hello", max_tokens=3, logit_bias={"300": 100}, temperature=1.0,

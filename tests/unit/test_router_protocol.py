@@ -54,6 +54,11 @@ COMP = {"model": "m", "prompt": "hi"}
         (CompletionRequest, {**COMP, "stream": "yes"}, "stream", "invalid_value"),
         (CompletionRequest, {**COMP, "seed": 2**64}, "seed", "invalid_value"),
         (CompletionRequest, {**COMP, "logprobs": 21}, "logprobs", "invalid_value"),
+        (CompletionRequest, {**COMP, "prompt_logprobs": -1}, "prompt_logprobs", "invalid_value"),
+        (CompletionRequest, {**COMP, "prompt_logprobs": 1, "stream": True}, "prompt_logprobs",
+         "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "prompt_logprobs": 21}, "prompt_logprobs",
+         "invalid_value"),
         (CompletionRequest, {**COMP, "stop_token_ids": [-1]}, "stop_token_ids.0",
          "invalid_value"),
         (CompletionRequest, {"model": "m", "prompt": []}, "prompt", "invalid_value"),
@@ -205,3 +210,12 @@ def test_chat_template_options_and_echo() -> None:
         with pytest.raises(ApiError) as err:
             subs_of(ChatCompletionRequest, both)
         assert err.value.status == 400 and "add_generation_prompt=false" in str(err.value)
+
+
+def test_vllm_prompt_logprobs_are_asked_of_the_engine_besides_the_outputs() -> None:
+    (sub,) = subs_of(CompletionRequest, {**COMP, "prompt_logprobs": 4, "logprobs": 1})
+    assert (sub.prompt_logprobs, sub.return_logprob, sub.top_logprobs_num) == (4, True, 1)
+    (sub,) = subs_of(ChatCompletionRequest, {**CHAT, "prompt_logprobs": 0})
+    assert (sub.prompt_logprobs, sub.return_logprob) == (0, False)  # no output logprobs shown
+    (sub,) = subs_of(ChatCompletionRequest, CHAT)
+    assert sub.prompt_logprobs is None

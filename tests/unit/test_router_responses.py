@@ -267,3 +267,34 @@ def test_generate_reports_the_prompt_logprobs(incremental: bool) -> None:
     has = ["input_token_logprobs" in c["meta_info"] for c in chunks]
     assert has == ([True, False] if incremental else [True, True])
     assert {k: chunks[0]["meta_info"][k] for k in want} == want
+
+
+RANKED = PromptLogprobs(
+    0, [1, 2, 8], [-1.0, -2.0], [[7, 8], [9, 8]], [[-0.5, -0.9], [-0.1, -2.0]], [4, 2]
+)
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_vllm_prompt_logprobs_rank_the_prompt_tokens_with_their_best_candidates(
+    kind: str,
+) -> None:
+    """vLLM's `prompt_logprobs`: None first, then {id: {logprob, rank, decoded_token}} with
+    the prompt token first and the k best after it (a token among them once); per choice in a
+    completion, in the body of a chat; output logprobs only if asked for."""
+    outputs = [[Delta("ab", [4], [-0.25], [[(4, -0.25)]], FinishReason("length"), Usage(3, 1, 0),
+                      prompt_logprobs=RANKED)]]  # fmt: skip
+    f = formatter(kind, False, 1, outputs)
+    f.subs[0].prompt_logprobs = 1
+    body = asyncio.run(f.response())
+    got = body["choices"][0]["prompt_logprobs"] if kind == "completion" else body["prompt_logprobs"]
+    name = "token_id:{}".format
+    assert got == [
+        None,
+        {2: {"logprob": -1.0, "rank": 4, "decoded_token": name(2)},
+         7: {"logprob": -0.5, "rank": 1, "decoded_token": name(7)}},
+        {8: {"logprob": -2.0, "rank": 2, "decoded_token": name(8)},
+         9: {"logprob": -0.1, "rank": 1, "decoded_token": name(9)}},
+    ]  # fmt: skip
+    assert body["choices"][0]["logprobs"] is None
+    f = formatter(kind, False, 1, outputs)
+    assert "prompt_logprobs" not in json.dumps(asyncio.run(f.response()))  # not asked for

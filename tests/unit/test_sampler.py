@@ -322,3 +322,39 @@ def test_min_new_tokens_bans_eos_and_stop_tokens_below_the_minimum_only() -> Non
     assert cache.hits == 0
     with pytest.raises(ValueError, match="min_new_tokens needs step_positions"):
         SamplingBatchInfo.from_params(params, vocab, "cpu", eos_token_ids=eos)
+
+
+def test_prompt_logprob_ranks_count_the_tokens_at_least_as_likely(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's rank of each scored prompt token: 1 + how many others have a logprob at least
+    as high (ties rank the token below them), across row slices and requests."""
+    from types import SimpleNamespace
+
+    from engine.sampling import sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "PROMPT_LOGPROB_SLICE", 3)  # several slices
+    vocab = 50
+    logits = random_logits(7, vocab, seed=4).round()  # rounded: many ties
+    targets = [0, 5, 9, 17, 30, 49, 2]
+    params = [SP(temperature=1.0), SP(temperature=0.5)]
+    mwb = SimpleNamespace(
+        prompt_logprob_counts=[4, 3], prompt_logprob_targets=targets, top_logprobs_nums=[2, 0],
+        prompt_ranks=False,
+    )  # fmt: skip
+    info = make_info(params, vocab)
+    unranked = sampler_mod.prompt_logprobs(logits, info, mwb)  # type: ignore[arg-type]
+    assert [entry[2] for entry in unranked] == [None, None]  # not asked for: not computed
+    mwb.prompt_ranks = True
+    out = sampler_mod.prompt_logprobs(logits, info, mwb)  # type: ignore[arg-type]
+    assert [entry[:2] for entry in out] == [entry[:2] for entry in unranked]
+    temps = torch.tensor([1.0] * 4 + [0.5] * 3).unsqueeze(1)
+    ref = torch.log_softmax(logits.double() / temps, dim=-1)
+    want_ranks = [int((ref[r] >= ref[r, t]).sum()) for r, t in enumerate(targets)]
+    assert out[0][2] == want_ranks[:4] and out[1][2] == want_ranks[4:]
+    assert any(r > 1 for r in want_ranks) and any(
+        int((ref[r] == ref[r, t]).sum()) > 1 for r, t in enumerate(targets)
+    )  # the case has ranks below the best, and ties
+    for (_lps, top, ranks), rows in ((out[0], range(4)),):
+        assert top is not None
+        for (ids, _vals), r, rank in zip(top, rows, ranks, strict=True):
+            if rank <= 2 and ref[r].eq(ref[r, targets[r]]).sum() == 1:
+                assert ids[rank - 1] == targets[r]  # ranked k: it is the k-th best
