@@ -153,15 +153,10 @@ class CallObjects:
                 piece.append(token + " ")
             elif not ch.isspace():
                 piece.append(token)
-                if ch == '"':
-                    scan.in_string = True
-                elif ch in "[{":
-                    scan.depth += 1
-                elif ch in "]}":
-                    scan.depth -= 1
-                    if scan.depth == 0:
-                        self._scan, self._state = JsonScanner(1), self._rest_of_call
-                        break
+                scan.step(ch)  # a quote, a bracket, or a literal's first character
+                if scan.depth == 0:
+                    self._scan, self._state = JsonScanner(1), self._rest_of_call
+                    break
         self.pos = i
         if piece:
             self._emit(out, self.next_index - 1, None, "".join(piece))
