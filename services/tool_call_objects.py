@@ -100,7 +100,8 @@ class CallObjects:
         if i == len(text):
             return
         if text[i] == "{":
-            self._start, self._scan, self._state = i, JsonScanner(), self._head
+            self._start, self._scan, self._state = i, JsonScanner(1), self._head
+            self.pos = i + 1  # (its opening brace read)
         else:
             self.junk_at = i
 
@@ -114,15 +115,8 @@ class CallObjects:
             self._emit(out, self._open(), name, "{")
             self.pos, self._scan, self._state = header.end(), JsonScanner(1), self._arguments
             return
-        scan, i = self._scan, self.pos
-        while i < len(text):
-            scan.step(text[i])
-            i += 1
-            if scan.depth == 0:
-                break
-        self.pos = i
-        if scan.depth == 0:
-            call = json_call(text[self._start : i])
+        if self._read_to_close():
+            call = json_call(text[self._start : self.pos])
             if call is None:
                 self.junk_at = self._start
             else:
@@ -163,14 +157,17 @@ class CallObjects:
 
     def _rest_of_call(self, out: list[CallDelta]) -> None:
         """After the arguments, to the call object's close (other keys are not read)."""
+        if self._read_to_close():
+            self._state = self._between
+
+    def _read_to_close(self) -> bool:
+        """Read on to the close of what `_scan` is in; whether it closed."""
         text, scan, i = self.text, self._scan, self.pos
-        while i < len(text):
+        while i < len(text) and scan.depth:
             scan.step(text[i])
             i += 1
-            if scan.depth == 0:
-                self._state = self._between
-                break
         self.pos = i
+        return scan.depth == 0
 
     def _open(self) -> int:
         self.calls += 1
