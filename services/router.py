@@ -28,8 +28,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services import router_tokens as tokens
 from services.router_api import VERSION, Router
+from services.router_control import AbortBody
 from services.router_metrics import CONTENT_TYPE
-from services.router_protocol import ApiError
+from services.router_protocol import ApiError, parse_body
 from services.router_tokens import DetokenizeBody, TokenizeBody
 from shared.async_bus import AsyncBus
 from shared.heartbeat import Heartbeat, list_live_async
@@ -170,6 +171,25 @@ def create_app(config: RouterConfig) -> FastAPI:
             {"success": True, "message": "Cache flushed.", "workers": sorted(replies)}
         )
 
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict[str, Any]:
+        """SGLang's: end this router's requests in flight with the client's `rid` (or all
+        of them: `abort_all`); their responses finish with finish_reason abort. 404 if none."""
+        router = state["router"]
+        router.authorize(request)
+        body = parse_body(AbortBody, await request.body())
+        if body.abort_all:
+            handles = [h for h in router.broker.handles.values() if h.observed]
+        elif body.rid is not None:
+            handles = router.broker.named.get(body.rid)
+            if not handles:
+                msg = f"no request in flight here has rid {body.rid!r}"
+                raise ApiError(404, msg, "rid", "not_found")
+        else:
+            raise ApiError(400, "pass rid, or abort_all: true", "rid", "missing_required_parameter")
+        router.broker.cancel(handles, "aborted by /abort_request")
+        return {"success": True, "num_aborted": len(handles)}
+
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
@@ -200,6 +220,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         """SGLang's model card: the served name, the model folder (when known), generation."""
         router = state["router"]
         router.authorize(request)
+        if router.broker.workers.context_len is None:  # no heartbeat read yet
+            await router.broker.refresh_workers()
         r = router.config.router
         return {
             "model_path": r.model or router.model_name,

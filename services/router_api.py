@@ -132,7 +132,7 @@ class Router:
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-"}.get(kind, "")
         fmt = Formatter(
             kind,
-            prefix + uuid.uuid4().hex,
+            subs[0].rid or prefix + uuid.uuid4().hex,  # SGLang's: the client's rid as the id
             int(time.time()),
             getattr(body, "model", self.model_name),
             self.token_names,

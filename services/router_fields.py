@@ -79,6 +79,7 @@ StopStrings = Annotated[Any, AfterValidator(_stop_list)]
 LogitBias = Annotated[dict[str, float], AfterValidator(_check_logit_bias)]
 TopK = Annotated[int | None, AfterValidator(_check_top_k)]
 TokenIds = list[Annotated[int, Field(ge=0)]]
+RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class _Strict(BaseModel):
@@ -126,9 +127,12 @@ class SamplingFields(_SamplingCore):
     # vLLM's: each prompt token's logprob and rank, with this many best candidates (not when
     # streaming, as in vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    rid: RequestId | None = None  # SGLang's: the response's id, for /abort_request
 
-    def with_prompt_logprobs(self, subs: list[Any]) -> list[Any]:
-        """`subs` asking for vLLM's prompt logprobs, if the request does."""
+    def finish_subrequests(self, subs: list[Any]) -> list[Any]:
+        """`subs` with the request's id, asking for vLLM's prompt logprobs if it does."""
+        for sub in subs:
+            sub.rid = self.rid
         if self.prompt_logprobs is None:
             return subs
         if self.stream:

@@ -22,6 +22,7 @@ from services.router_fields import (
     MAX_LOGPROBS,
     MAX_N,
     ApiError,
+    RequestId,
     SamplingFields,
     _SamplingCore,
     _stop_list,
@@ -49,6 +50,7 @@ class SubRequest:
     top_logprobs_num: int = 0
     stop: list[str] = field(default_factory=list)
     logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
+    rid: str | None = None  # the client's id of the request (SGLang's `rid`), if it gave one
     # vLLM's prompt_logprobs: every prompt token's logprob and rank, and this many candidates
     # (asked of the engine besides what return_logprob / top_logprobs_num show of the output)
     prompt_logprobs: int | None = None
@@ -101,7 +103,7 @@ class CompletionRequest(SamplingFields):
         subs = fan_out(prompts, params, self.n, logprob, top, start)
         for sub in subs:
             sub.echo = bool(self.echo)
-        return self.with_prompt_logprobs(subs)
+        return self.finish_subrequests(subs)
 
 
 class ChatCompletionRequest(SamplingFields, ToolFields):
@@ -150,7 +152,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
             "echo": bool(self.echo),
         }
         subs = fan_out([prompt], params, self.n, bool(self.logprobs), self.top_logprobs or 0)
-        return self.with_prompt_logprobs(subs)
+        return self.finish_subrequests(subs)
 
 
 class GenerateSampling(_SamplingCore):
@@ -178,6 +180,7 @@ class GenerateRequest(_Strict):
     # with return_logprob, the prompt's logprobs from this position (-1: none); one per
     # prompt, or one for all
     logprob_start_len: int | list[int] | None = -1
+    rid: RequestId | list[RequestId] | None = None  # one per prompt: meta_info.id, /abort_request
 
     @field_validator("logprob_start_len")
     @classmethod
@@ -223,13 +226,29 @@ class GenerateRequest(_Strict):
         elif len(starts) != len(prompts):
             msg = f"{len(starts)} logprob_start_len for {len(prompts)} prompts"
             raise ApiError(400, msg, "logprob_start_len", "invalid_value")
+        rids = self._rids(len(prompts))
         subs: list[SubRequest] = []
         logprob, top = bool(self.return_logprob), self.top_logprobs_num or 0
         for i, (prompt, p, start) in enumerate(zip(prompts, sps, starts, strict=True)):
             for sub in fan_out([prompt], p.to_dict(), p.n, logprob, top, start):
-                sub.index, sub.prompt_index = len(subs), i
+                sub.index, sub.prompt_index, sub.rid = len(subs), i, rids[i]
                 subs.append(sub)
         return subs
+
+    def _rids(self, num_prompts: int) -> list[str | None]:
+        """The client's rid of each prompt: a string for one prompt, a list for a batch."""
+        rid = self.rid
+        if rid is None:
+            return [None] * num_prompts
+        if isinstance(rid, str) == self.is_batch or (
+            isinstance(rid, list) and len(rid) != num_prompts
+        ):
+            msg = "rid must be a string for one prompt, or a list of one rid per prompt"
+            raise ApiError(400, msg, "rid", "invalid_value")
+        rids = [rid] if isinstance(rid, str) else rid
+        if len(set(rids)) != len(rids):
+            raise ApiError(400, "rid has duplicates", "rid", "invalid_value")
+        return list(rids)
 
 
 def fan_out(
@@ -284,7 +303,9 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
 
 
 def _is_type_name(part: Any) -> bool:
-    return isinstance(part, str) and (part[:1].isupper() or "[" in part or part in _TYPES)
+    return isinstance(part, str) and (
+        part[:1].isupper() or "[" in part or part in _TYPES or part.startswith("constrained-")
+    )
 
 
 _TYPES = {"str", "int", "float", "bool", "list", "dict", "function-after", "function-before"}

@@ -10,11 +10,13 @@ One `Broker` per router process owns
   after requests that wait: past their deadline they fail with 504; waiting on a worker
   whose heartbeat is gone, they are sent to another worker if nothing was produced yet,
   else fail with 503 (failures reach a handle through its inbox, like its rows);
-* the abort messages, sent without making the caller wait.
+* the abort messages, sent without making the caller wait;
+* the requests their clients named (`NamedRequests`), which `cancel` ends at their workers
+  (/abort_request).
 
-A `RequestHandle` follows one sub-request: it is submitted to the least-loaded live worker
-(TokenizeReqMsg to `{p}:tokenize`), yields `Delta`s in token order, and on `close()` before
-the end (client gone, task cancelled, timeout) aborts the request at its worker.
+A `RequestHandle` (services/router_handle.py) follows one sub-request: the broker submits
+it to the least-loaded live worker (TokenizeReqMsg to `{p}:tokenize`), and it yields
+`Delta`s in token order.
 """
 
 from __future__ import annotations
@@ -24,14 +26,13 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 import redis
 
-from services.router_control import CacheFlushes
+from services.router_control import CacheFlushes, NamedRequests
+from services.router_handle import RequestHandle
 from services.router_metrics import RouterMetrics
 from services.router_protocol import ApiError, SubRequest
-from services.router_stream import Delta, OutputAssembler
 from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
@@ -40,7 +41,6 @@ from shared.keys import WORKER_KIND, router_out_stream, tokenize_stream, worker_
 from shared.messages import (
     AbortReqMsg,
     DetokOutputMsg,
-    DetokRow,
     ErrorMsg,
     FlushCacheRespMsg,
     TokenizeReqMsg,
@@ -49,87 +49,6 @@ from shared.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class RequestHandle:
-    """One sub-request from submission to its last delta (see module doc)."""
-
-    def __init__(self, broker: Broker, sub: SubRequest, arrived: float) -> None:
-        self.broker, self.sub, self.arrived = broker, sub, arrived
-        self.deadline = arrived + broker.request_timeout_s
-        self.rid = ""
-        self.worker: WorkerLoadMsg | None = None
-        self.tried: list[str] = []
-        self.assembler = OutputAssembler(sub.stop)
-        self.ttft: float | None = None
-        self.observed = True  # in the metrics (a health check is not)
-        self.failed = False
-        self.closed = False
-        self.waiting = False
-        self._inbox: list[DetokRow | ErrorMsg | ApiError] = []
-        self._wake = asyncio.Event()
-
-    def deliver(self, item: DetokRow | ErrorMsg | ApiError) -> None:
-        self._inbox.append(item)
-        self._wake.set()
-
-    async def deltas(self) -> AsyncIterator[Delta]:
-        """The request's output in order; raises ApiError if it fails. Closes when done."""
-        try:
-            while not self.assembler.finished:
-                items = await self._take()
-                rows = [m for m in items if isinstance(m, DetokRow)]
-                delta = self.assembler.add(rows) if rows else None
-                if delta is not None:
-                    self._observe(delta)
-                    yield delta
-                failure = next((m for m in items if not isinstance(m, DetokRow)), None)
-                if failure is not None and not self.assembler.finished:
-                    raise self._error(failure)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        """Forget the request; abort it at the worker unless it ended there."""
-        if self.closed:
-            return
-        self.closed = True
-        self.broker.forget(self)
-        a = self.assembler
-        if self.worker is not None and not self.failed and (a.stopped_here or not a.finished):
-            self.broker.abort(self, "stop string" if a.stopped_here else "client gone")
-        if not a.finished and self.observed:
-            self.broker.metrics.observe_abort()
-
-    async def _take(self) -> list[DetokRow | ErrorMsg | ApiError]:
-        while not self._inbox:
-            self._wake.clear()
-            self.waiting = True  # the broker's watchdog checks on waiting handles only
-            try:
-                await self._wake.wait()
-            finally:
-                self.waiting = False
-        items, self._inbox = self._inbox, []
-        return items
-
-    def _error(self, failure: ErrorMsg | ApiError) -> ApiError:
-        if isinstance(failure, ErrorMsg):  # the request failed upstream: nothing to abort
-            self.failed = True
-            return ApiError(failure.status, failure.message, None, failure.code)
-        return failure
-
-    def _observe(self, delta: Delta) -> None:
-        if not self.observed:
-            return
-        now = time.perf_counter()
-        if self.ttft is None and delta.output_ids:
-            self.ttft = now - self.arrived
-            self.broker.metrics.observe_first_token(self.ttft)
-        if delta.usage is not None:
-            u = delta.usage
-            self.broker.metrics.observe_finish(
-                now - self.arrived, self.ttft, u.prompt_tokens, u.completion_tokens, u.cached_tokens
-            )
 
 
 class Broker:
@@ -150,6 +69,7 @@ class Broker:
         self.workers = WorkerTable()
         self.flushes = CacheFlushes(bus, router_id, self.workers)
         self.queries = TokenQueries(bus, router_id)
+        self.named = NamedRequests()
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -171,8 +91,11 @@ class Broker:
         await asyncio.gather(*self._loops, return_exceptions=True)
 
     def open(self, subs: list[SubRequest]) -> list[RequestHandle]:
+        """Handles of a new request's sub-requests; 400 if its rid names one in flight."""
         arrived = time.perf_counter()
-        return [RequestHandle(self, sub, arrived) for sub in subs]
+        handles = [RequestHandle(self, sub, arrived) for sub in subs]
+        self.named.add(handles)
+        return handles
 
     async def submit(self, handles: list[RequestHandle]) -> None:
         """Send each handle (again) to the least-loaded live worker it has not tried."""
@@ -195,6 +118,18 @@ class Broker:
             await self.bus.publish_many(msgs)
         except redis.RedisError as exc:
             raise ApiError(503, f"message bus unavailable: {exc}", None, "bus_unavailable") from exc
+        for h in handles:
+            if h.cancelled:  # while it was being sent
+                self.abort(h, h.cancelled)
+
+    def cancel(self, handles: list[RequestHandle], why: str) -> None:
+        """End `handles` at their workers: each response finishes with finish_reason abort."""
+        for h in handles:
+            if h.cancelled or h.closed:
+                continue
+            h.cancelled = why
+            if h.worker is not None and h.rid in self.handles:
+                self.abort(h, why)
 
     def forget(self, handle: RequestHandle) -> None:
         if self.handles.pop(handle.rid, None) is not None and handle.worker is not None:
@@ -321,37 +256,3 @@ class Broker:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             logger.warning("router task failed: %r", task.exception())
-
-
-async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:
-    """(choice index, delta) of several handles as they come; raises the first ApiError."""
-    if len(handles) == 1:
-        async for delta in handles[0].deltas():
-            yield handles[0].sub.index, delta
-        return
-    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
-
-    async def pump(h: RequestHandle) -> None:
-        try:
-            async for delta in h.deltas():
-                queue.put_nowait((h.sub.index, delta))
-            queue.put_nowait((h.sub.index, None))
-        except Exception as exc:  # handed to the consumer below
-            queue.put_nowait((h.sub.index, exc))
-
-    tasks = [asyncio.ensure_future(pump(h)) for h in handles]
-    try:
-        remaining = len(handles)
-        while remaining:
-            index, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        for h in handles:
-            h.close()

@@ -27,9 +27,9 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from services.router_handle import RequestHandle, merged
 from services.router_logprobs import TokenNames, chat_token, input_logprobs, ranked_prompt
 from services.router_protocol import ApiError
-from services.router_requests import RequestHandle, merged
 from services.router_stream import Choice, Delta, usage
 from services.router_tools import ChatSplit, Part, ToolMode
 
@@ -48,7 +48,7 @@ async def collect(handles: list[RequestHandle]) -> list[Choice]:
     async for index, delta in merged(handles):
         choices[index].add(delta)
     for h in handles:
-        choices[h.sub.index].rid = h.rid  # the last one, if the request was resent
+        choices[h.sub.index].rid = h.public_rid  # the last one, if the request was resent
     return [choices[i] for i in sorted(choices)]
 
 
@@ -110,7 +110,7 @@ class Formatter:
 
     # -- streams --------------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[bytes]:
-        choices = {h.sub.index: Choice(h.sub.index, rid=h.rid) for h in self.handles}
+        choices = {h.sub.index: Choice(h.sub.index, rid=h.public_rid) for h in self.handles}
         for choice in choices.values():
             choice.split = self._new_split()
         handles = {h.sub.index: h for h in self.handles}
@@ -119,7 +119,7 @@ class Formatter:
             async for index, delta in merged(self.handles):
                 choice = choices[index]
                 first = not choice.pieces
-                choice.rid = handles[index].rid  # a request resent elsewhere has a new rid
+                choice.rid = handles[index].public_rid  # a request resent elsewhere has a new rid
                 choice.add(delta)
                 part = self._split(choice, delta.text, delta.finished)
                 if self._says_nothing(delta, first, part):

@@ -171,7 +171,7 @@ class Worker:
 
     def _on_abort(self, msg: AbortReqMsg) -> None:
         if self.table.abort(msg.rid):
-            self.scheduler.abort_request(msg.rid)
+            self.scheduler.abort_request(msg.rid, msg.reason or "aborted by request")
             self._events_waiting = True  # even if the scheduler is left without work
 
     def _on_flush(self, msg: FlushCacheReqMsg) -> None:

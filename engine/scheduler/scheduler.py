@@ -131,8 +131,8 @@ class Scheduler:
         rejected, self._rejected = self._rejected, []
         return rejected
 
-    def abort_request(self, rid: str) -> None:
-        reason = FinishReason("abort", message="aborted by request")
+    def abort_request(self, rid: str, why: str = "aborted by request") -> None:
+        reason = FinishReason("abort", message=why)
         queued = self.grammar_queue.remove(rid)  # compiling its grammar, or waiting
         for i, req in enumerate(self.waiting_queue if queued is None else ()):
             if req.rid == rid:

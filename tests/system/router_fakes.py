@@ -89,7 +89,7 @@ class _Running:
     msg: TokenizeReqMsg
     plan: Plan
     pos: int = 0
-    aborted: bool = False
+    aborted: str = ""  # the abort's reason, once one came
 
 
 class FakeWorker:
@@ -194,14 +194,14 @@ class FakeWorker:
         elif isinstance(msg, AbortReqMsg):
             self.aborted.append(msg.rid)
             if msg.rid in self.running:
-                self.running[msg.rid].aborted = True
+                self.running[msg.rid].aborted = msg.reason or "aborted"
 
     def _step(self) -> None:
         rows: dict[str, list[DetokRow]] = {}
         for rid, r in list(self.running.items()):
             done = r.aborted or r.pos + 1 >= len(r.plan.pieces)
             if r.aborted:
-                finish, ids, text = FinishReason("abort", message="aborted"), [], ""
+                finish, ids, text = FinishReason("abort", message=r.aborted), [], ""
             else:
                 finish = r.plan.finish if done else None
                 text = r.plan.pieces[r.pos] if r.plan.pieces else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import pytest
@@ -175,6 +176,31 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(
         http_stack.services,
         "the worker to free the request",
     )
+    assert metric(base, "sglang:num_aborted_requests_total") == aborted + 1
+
+
+def test_abort_request_by_rid_ends_a_running_generation(http_stack: Stack) -> None:
+    """SGLang's /abort_request: the response comes, with what was generated and `abort`."""
+    base = http_stack.router_url
+    wait_until(lambda: metric(base, "sglang:num_used_tokens") == 0, 30, what="an idle worker")
+    aborted = metric(base, "sglang:num_aborted_requests_total")
+    params = {"max_new_tokens": 1800, "temperature": 0, "ignore_eos": True}
+    body = {"text": "tell me everything", "rid": "e2e-abort", "sampling_params": params}
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(httpx.post, base + "/generate", json=body, timeout=60)
+        wait_until(lambda: metric(base, "sglang:num_used_tokens") > 0, 30, what="a running request")
+        resp = httpx.post(base + "/abort_request", json={"rid": "e2e-abort"}, timeout=30)
+        assert resp.status_code == 200 and resp.json()["num_aborted"] == 1
+        out = future.result().json()
+    meta = out["meta_info"]
+    assert meta["id"] == "e2e-abort"
+    assert meta["finish_reason"] == {"type": "abort", "message": "aborted by /abort_request"}
+    assert 0 < len(out["output_ids"]) < 1800 == params["max_new_tokens"]
+    assert meta["completion_tokens"] == len(out["output_ids"])
+    made = len(out["output_ids"])  # the greedy output, as far as it went
+    want = offline(http_stack.model, ["tell me everything"], {**params, "max_new_tokens": made})
+    assert out["output_ids"] == want[0]["output_ids"]
+    wait_until(lambda: metric(base, "sglang:num_used_tokens") == 0, 30, what="the KV freed")
     assert metric(base, "sglang:num_aborted_requests_total") == aborted + 1
 
 

@@ -36,7 +36,7 @@ def formatter(
         sub = SubRequest(
             i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=top, echo=echo
         )
-        return SimpleNamespace(rid=f"r{i}", sub=sub, deltas=deltas, close=lambda: None)
+        return SimpleNamespace(public_rid=f"r{i}", sub=sub, deltas=deltas, close=lambda: None)
 
     handles = [handle(i) for i in range(n)]
     return Formatter(kind, "cmpl-1", 7, "m", TokenNames(), handles, **options)  # type: ignore[arg-type]
