@@ -116,6 +116,13 @@ class EngineArgs:
     context_length: int | None = None
     schedule_policy: str = "fcfs"
     schedule_conservativeness: float = 1.0
+    # SGLang's priority scheduling: the waiting queue goes by each request's `priority`
+    # (larger first, or smaller with low_values_first) before the policy's order, and a
+    # waiting request that cannot be admitted preempts running ones whose priority is worse
+    # by more than the threshold (they go back to waiting, keeping their output).
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     # Running requests decode inside each prefill batch (one-token extends) instead of

@@ -36,6 +36,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--mem-fraction-static", type=float, default=0.85)
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--schedule-policy", default="fcfs", choices=SCHEDULE_POLICIES)
+    g.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="order waiting requests by their `priority` (larger first), and let one preempt "
+        "running requests whose priority is worse by more than the threshold",
+    )
+    g.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="with priority scheduling: smaller `priority` values go first (vLLM's order)",
+    )
+    g.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10)
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument(

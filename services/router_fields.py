@@ -128,11 +128,13 @@ class SamplingFields(_SamplingCore):
     # streaming, as in vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     rid: RequestId | None = None  # SGLang's: the response's id, for /abort_request
+    priority: int | None = Field(None, ge=-_INT64, lt=_INT64)  # SGLang's and vLLM's
 
     def finish_subrequests(self, subs: list[Any]) -> list[Any]:
-        """`subs` with the request's id, asking for vLLM's prompt logprobs if it does."""
+        """`subs` with the request's id and priority, asking for vLLM's prompt logprobs if
+        it does."""
         for sub in subs:
-            sub.rid = self.rid
+            sub.rid, sub.priority = self.rid, self.priority
         if self.prompt_logprobs is None:
             return subs
         if self.stream:

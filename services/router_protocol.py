@@ -51,6 +51,7 @@ class SubRequest:
     stop: list[str] = field(default_factory=list)
     logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
     rid: str | None = None  # the client's id of the request (SGLang's `rid`), if it gave one
+    priority: int | None = None  # for the worker's priority scheduling
     # vLLM's prompt_logprobs: every prompt token's logprob and rank, and this many candidates
     # (asked of the engine besides what return_logprob / top_logprobs_num show of the output)
     prompt_logprobs: int | None = None
@@ -181,6 +182,7 @@ class GenerateRequest(_Strict):
     # prompt, or one for all
     logprob_start_len: int | list[int] | None = -1
     rid: RequestId | list[RequestId] | None = None  # one per prompt: meta_info.id, /abort_request
+    priority: int | None = Field(None, ge=-_INT64, lt=_INT64)
 
     @field_validator("logprob_start_len")
     @classmethod
@@ -232,6 +234,7 @@ class GenerateRequest(_Strict):
         for i, (prompt, p, start) in enumerate(zip(prompts, sps, starts, strict=True)):
             for sub in fan_out([prompt], p.to_dict(), p.n, logprob, top, start):
                 sub.index, sub.prompt_index, sub.rid = len(subs), i, rids[i]
+                sub.priority = self.priority
                 subs.append(sub)
         return subs
 

@@ -166,6 +166,7 @@ class Broker:
             add_generation_prompt=sub.add_generation_prompt,
             continue_final_message=sub.continue_final_message,
             return_prompt_ranks=wants_prompt,
+            priority=sub.priority,
         )
 
     def _dispatch(self, msg: object) -> None:

@@ -66,6 +66,7 @@ class RequestTokenizer:
             logprob_start_len=msg.logprob_start_len,
             created=msg.created,
             return_prompt_ranks=msg.return_prompt_ranks,
+            priority=msg.priority,
         )
 
     def answer(self, msg: TokenizeReqMsg) -> TokenizeRespMsg:

@@ -157,7 +157,7 @@ class Worker:
             return
         try:
             params = sampling_params(msg, self.vocab_size)
-            self.scheduler.add_request(msg.rid, msg.input_ids, params)
+            self.scheduler.add_request(msg.rid, msg.input_ids, params, msg.priority)
         except ValueError as exc:
             self._reject(msg.rid, msg.router_id, str(exc))
             return

@@ -138,8 +138,10 @@ class OverlapScheduler(Scheduler):
         """Between steps: the requests whose next token is sampled but not processed yet."""
         return self._in_flight[-1].pending() if self._in_flight else {}
 
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
-        req = super().add_request(rid, input_ids, params)
+    def add_request(
+        self, rid: str, input_ids: list[int], params: SamplingParams, priority: int | None = None
+    ) -> Req:
+        req = super().add_request(rid, input_ids, params, priority)
         if params.has_penalty or params.has_grammar:
             self._penalized.add(req)
         if params.sampling_seed is not None or params.min_new_tokens > 0:

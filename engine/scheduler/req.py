@@ -60,8 +60,10 @@ class Req:
         sampling_params: SamplingParams,
         eos_token_ids: tuple[int, ...] = (),
         arrival: int = 0,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
+        self.priority = priority  # with priority scheduling (EngineArgs)
         self.origin_input_ids = origin_input_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)

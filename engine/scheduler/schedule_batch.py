@@ -211,6 +211,15 @@ class ScheduleBatch:
         p.tree_cache.evict(len(self.reqs) * p.page_size)
         return retracted
 
+    def retract(self, reqs: list[Req]) -> None:
+        """Send `reqs` (of this batch) back to waiting: their memory is given back, their
+        output kept (it is prefilled again with the prompt when they are readmitted)."""
+        gone = {id(r) for r in reqs}
+        for req in reqs:
+            self.pools.release_req(req)
+            req.reset_for_retract()
+        self.reqs = [r for r in self.reqs if id(r) not in gone]
+
     def retract_new_token_ratio(self) -> float:
         total_decoded = sum(len(r.output_ids) for r in self.reqs)
         total_max_new = sum(r.sampling_params.max_new_tokens for r in self.reqs)

@@ -40,7 +40,9 @@ class _PrefixSet:
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: Any, seed: int = 0) -> None:
+    def __init__(
+        self, policy: str, tree_cache: Any, seed: int = 0, priority_sign: int = 0
+    ) -> None:
         # Prefix-aware orders mean nothing without a cache (and de-prioritising sharers would
         # hold them back for hits that never come), as in SGLang.
         if isinstance(tree_cache, NoRadixCache) and policy in ("lpm", "dfs-weight"):
@@ -52,10 +54,55 @@ class SchedulePolicy:
         # the next round (when the prefix is cached) unless the batch would otherwise be empty
         self.deprioritized: set[str] = set()
         self.matched_all = False  # calc_priority already matched every waiting request
+        # priority scheduling: -1 larger `priority` values first, 1 smaller first, 0 off
+        self.priority_sign = priority_sign
+
+    def rank(self, req: Req) -> int:
+        """Where `req`'s priority puts it: smaller goes first (0 without priorities)."""
+        return self.priority_sign * req.priority
 
     def calc_priority(self, waiting: list[Req]) -> None:
-        """Sort `waiting` in place. Prefix-aware policies match the cache for every request
-        (which also sets up each request's next-round input)."""
+        """Sort `waiting` in place: by priority first, with priority scheduling (then by
+        arrival under fcfs, else in the policy's order). Prefix-aware policies match the
+        cache for every request (which also sets up each request's next-round input)."""
+        self._policy_order(waiting)
+        if not self.priority_sign:
+            return
+        if self.policy == "fcfs":
+            waiting.sort(key=lambda r: (self.rank(r), r.arrival))
+        else:
+            waiting.sort(key=self.rank)  # stable: the policy's order within a priority
+
+    def preemption_victims(
+        self,
+        top: Req,
+        running: Any,
+        max_running: int,
+        chunk: int | None,
+        new_token_ratio: float,
+        threshold: int,
+    ) -> list[Req]:
+        """The requests of the running batch to preempt so that the waiting request `top`
+        (its next-round input set up) can be admitted, as `PrefillAdder` would count it."""
+        pools = running.pools
+        page = pools.page_size
+        input_len = top.extend_input_len if chunk is None else min(top.extend_input_len, chunk)
+        need = -(-input_len // page) * page
+        if chunk is None or top.extend_input_len <= chunk:
+            need += min(top.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        room = (
+            pools.allocator.available_size()
+            + pools.tree_cache.evictable_size()
+            - running.running_need_tokens(new_token_ratio)
+        )
+        slots_full = (
+            len(running) >= max_running or pools.req_to_token_pool.available_size() == 0
+        )
+        return preemption_victims(
+            top, running.reqs, self.rank, threshold, need, room, slots_full, new_token_ratio
+        )
+
+    def _policy_order(self, waiting: list[Req]) -> None:
         policy = self.policy
         self.deprioritized = set()
         self.matched_all = False
@@ -209,3 +256,37 @@ class PrefillAdder:
         self.new_chunked_req = req
         self._take(trunc, 0)
         return AddResult.OTHER
+
+
+def preemption_victims(
+    top: Req,
+    running: list[Req],
+    rank: Any,
+    threshold: int,
+    need: float,
+    room: float,
+    slots_full: bool,
+    new_token_ratio: float,
+) -> list[Req]:
+    """The running requests to send back to waiting so that `top` can be admitted: those
+    whose rank is worse than its by more than `threshold`, worst first (then the latest to
+    arrive, which lose the least work). `need` is what admitting `top` takes of the token
+    budget, `room` what the budget has; `slots_full`: no request slot is free. [] if `top`
+    fits already, or if preempting every request it may would not make room (estimated:
+    a victim gives back its KV tokens and what it reserved for its remaining output)."""
+    if need < room and not slots_full:
+        return []
+    candidates = [
+        r
+        for r in running
+        if r.finished_reason is None and r.to_abort is None and rank(r) - rank(top) > threshold
+    ]
+    candidates.sort(key=lambda r: (rank(r), r.arrival), reverse=True)
+    victims: list[Req] = []
+    for r in candidates:
+        if need < room and (victims or not slots_full):
+            return victims
+        victims.append(r)
+        reserved = min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * new_token_ratio
+        room += r.kv_allocated_len + reserved
+    return victims if need < room and victims else []

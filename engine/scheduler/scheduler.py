@@ -61,7 +61,10 @@ class Scheduler:
             model_runner.req_to_token_pool, model_runner.allocator, tree_cache, args.page_size
         )
         self.tree_cache = tree_cache
-        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed)
+        sign = (1 if args.schedule_low_priority_values_first else -1) * (
+            args.enable_priority_scheduling
+        )
+        self.policy = SchedulePolicy(args.schedule_policy, tree_cache, args.random_seed, sign)
         self.waiting_queue: list[Req] = []
         self.running_batch = ScheduleBatch([], self.pools, ForwardMode.DECODE)
         self.chunked_req: Req | None = None
@@ -82,10 +85,16 @@ class Scheduler:
         )
 
     # -- input ----------------------------------------------------------------------------------
-    def add_request(self, rid: str, input_ids: list[int], params: SamplingParams) -> Req:
-        """Queue a validated request. Raises ValueError if it cannot fit the context or its
-        grammar is known not to compile; one whose grammar fails later is rejected
-        (`take_rejected`)."""
+    def add_request(
+        self, rid: str, input_ids: list[int], params: SamplingParams, priority: int | None = None
+    ) -> Req:
+        """Queue a validated request. Raises ValueError if it cannot fit the context, its
+        grammar is known not to compile, or it has a priority without priority scheduling;
+        one whose grammar fails later is rejected (`take_rejected`)."""
+        if priority and not self.args.enable_priority_scheduling:
+            raise ValueError(
+                "priority: priority scheduling is off (the worker's --enable-priority-scheduling)"
+            )
         if not input_ids:
             raise ValueError("input_ids: the prompt is empty")
         if len(input_ids) >= self.context_len:
@@ -98,7 +107,9 @@ class Scheduler:
                 f"max_new_tokens: {len(input_ids)} prompt tokens + {params.max_new_tokens} new "
                 f"tokens exceed the context length {self.context_len}"
             )
-        req = Req(rid, list(input_ids), params, self.eos_token_ids, next(self._arrival))
+        req = Req(
+            rid, list(input_ids), params, self.eos_token_ids, next(self._arrival), priority or 0
+        )
         compiling = params.has_grammar and not self.grammar_queue.submit(req)
         self.stats.prompt_tokens += len(input_ids)
         if not compiling:
@@ -233,9 +244,15 @@ class Scheduler:
         if not self.waiting_queue and self.chunked_req is None:
             return None
         running = len(self.running_batch)
-        if running >= self.max_running_requests and self.chunked_req is None:
+        full = running >= self.max_running_requests and self.chunked_req is None
+        if full and not self.policy.priority_sign:
             return None
         self.policy.calc_priority(self.waiting_queue)
+        preempted = self._preempt_for_priority() if self.policy.priority_sign else []
+        running = len(self.running_batch)
+        if running >= self.max_running_requests and self.chunked_req is None:
+            self.waiting_queue.extend(preempted)
+            return None
         adder = PrefillAdder(
             self.pools,
             self.running_batch.running_need_tokens(self.new_token_ratio),
@@ -262,6 +279,7 @@ class Scheduler:
                 break
         admitted = {id(r) for r in adder.can_run_list}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        self.waiting_queue.extend(preempted)  # not in this batch: they just left it
         if adder.new_chunked_req is not None:
             self.chunked_req = adder.new_chunked_req
         if not adder.can_run_list:
@@ -276,6 +294,29 @@ class Scheduler:
         if self.args.enable_mixed_chunk:
             self._mix_running_into(batch)
         return batch
+
+    def _preempt_for_priority(self) -> list[Req]:
+        """Send running requests back to waiting for the first waiting request, if its
+        priority beats theirs by more than the threshold and it cannot be admitted otherwise
+        (SGLang's priority preemption). Returns them; they keep their output."""
+        top = next((r for r in self.waiting_queue if not r.finished), None)
+        if top is None or self.running_batch.is_empty():
+            return []
+        if not self.policy.matched_all:
+            top.init_next_round_input(self.tree_cache)
+        victims = self.policy.preemption_victims(
+            top,
+            self.running_batch,
+            self.max_running_requests,
+            self.chunked_prefill_size,
+            self.new_token_ratio,
+            self.args.priority_scheduling_preemption_threshold,
+        )
+        if victims:
+            self.running_batch.retract(victims)
+            self.stats.num_retractions += len(victims)  # (the overlap loop drops their rows)
+            logger.info("request %s preempted %d running requests", top.rid, len(victims))
+        return victims
 
     def _mix_running_into(self, batch: ScheduleBatch) -> None:
         """Mixed chunk: the running requests take their decode step inside the prefill batch

@@ -48,7 +48,7 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 6  # 6: return_prompt_ranks
+    VERSION = 7  # 6: return_prompt_ranks; 7: priority
 
     rid: str
     router_id: str
@@ -70,6 +70,7 @@ class TokenizeReqMsg(Message):
     return_prompt_ranks: bool = False  # the prompt logprobs' ranks too (vLLM's)
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+    priority: int | None = None  # with the worker's priority scheduling (SGLang's)
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]

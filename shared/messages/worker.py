@@ -22,7 +22,7 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 3  # 3: return_prompt_ranks
+    VERSION = 4  # 3: return_prompt_ranks; 4: priority
 
     rid: str
     router_id: str
@@ -37,6 +37,7 @@ class GenerateReqMsg(Message):
     logprob_start_len: int = -1  # with return_logprob: prompt logprobs from there (-1: none)
     created: float = 0.0
     return_prompt_ranks: bool = False  # the prompt logprobs' ranks too (vLLM's)
+    priority: int | None = None  # with the worker's priority scheduling (SGLang's)
 
     def _check(self) -> None:
         if not self.input_ids:

@@ -82,8 +82,8 @@ def drive(
     try:
         step = 0
         while step <= last_arrival or scheduler.has_work():
-            for rid, ids, params in arrivals.get(step, []):
-                scheduler.add_request(rid, ids, params)
+            for rid, ids, params, *priority in arrivals.get(step, []):
+                scheduler.add_request(rid, ids, params, *priority)
             for rid in aborts.get(step, []):
                 scheduler.abort_request(rid)
             if hook is not None:
@@ -302,6 +302,26 @@ def test_retracted_with_its_last_token_in_flight() -> None:
     off = drive(arrivals, {}, False)
     assert retracted
     assert on.tokens == off.tokens and on.finish == off.finish == {"r": "length", "s": "length"}
+
+
+def test_priority_preemption_while_in_flight() -> None:
+    """Requests preempted for a better one while their decode step is in flight (the overlap
+    loop drops that step's rows) end with the plain loop's outputs, after the better ones."""
+    greedy = {"temperature": 0.0, "ignore_eos": True}
+    arrivals = {
+        0: [(f"low{i}", _prompt(40 + i, 24), _params(max_new_tokens=40, **greedy), 0)
+            for i in range(4)],
+        6: [(f"high{i}", _prompt(50 + i, 16), _params(max_new_tokens=6, **greedy), 5)
+            for i in range(2)],
+    }  # fmt: skip
+    kw = {"max_running_requests": 4, "enable_priority_scheduling": True,
+          "priority_scheduling_preemption_threshold": 0}  # fmt: skip
+    on = drive(arrivals, {}, True, **kw)
+    off = drive(arrivals, {}, False, **kw)
+    assert on.stats["retractions"] == off.stats["retractions"] == 2
+    assert on.tokens == off.tokens
+    for run in (on, off):
+        assert list(run.finish)[:2] == ["high0", "high1"]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

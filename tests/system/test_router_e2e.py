@@ -204,6 +204,20 @@ def test_abort_request_by_rid_ends_a_running_generation(http_stack: Stack) -> No
     assert metric(base, "sglang:num_aborted_requests_total") == aborted + 1
 
 
+def test_a_priority_reaches_the_worker_which_refuses_it_without_priority_scheduling(
+    http_stack: Stack, served_model: str
+) -> None:
+    base = http_stack.router_url
+    body = {"model": served_model, "prompt": "hi", "max_tokens": 2, "priority": 5}
+    resp = httpx.post(base + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert "--enable-priority-scheduling" in resp.json()["error"]["message"]
+    resp = httpx.post(base + "/v1/completions", json={**body, "priority": 0}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    resp = httpx.post(base + "/generate", json={"text": "hi", "priority": "high"}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
+
+
 def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
     http_stack: Stack, served_model: str
 ) -> None:
