@@ -125,6 +125,10 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await state["router"].generate(request, "chat")
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await state["router"].responses(request)
+
     def model_card(router: Router, name: str) -> dict[str, Any]:
         return {
             "id": name,

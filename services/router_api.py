@@ -20,6 +20,8 @@ from urllib.parse import urlsplit, urlunsplit
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.responses_api import ResponsesRequest
+from services.responses_stream import ResponseShaper
 from services.router_chat import ParserChoice
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
@@ -111,6 +113,24 @@ class Router:
         body = parse_body(model_cls, await request.body())
         if kind != "generate":
             self.check_model(body.model)
+        fmt = await self._start(kind, body, max_param)
+        if body.stream:
+            return await _sse_response(request, fmt.chunks())
+        return JSONResponse(await _unless_disconnected(request, fmt.response()))
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, as the chat request it means (services/responses_api.py)."""
+        self.authorize(request)
+        body = ResponsesRequest.parse(await request.body())
+        self.check_model(body.model)
+        fmt = await self._start("chat", body.to_chat(), "max_output_tokens")
+        shaper = ResponseShaper(body, fmt)
+        if body.stream:
+            return await _sse_response(request, shaper.events())
+        return JSONResponse(await _unless_disconnected(request, shaper.response()))
+
+    async def _start(self, kind: str, body: Any, max_param: str) -> Formatter:
+        """Send the request's sub-requests; the formatter of their output."""
         subs = body.to_subrequests()
         check_max_tokens(subs, self.broker.workers.context_len, max_param)
         tool_mode = getattr(body, "tool_mode", None)
@@ -130,7 +150,7 @@ class Router:
             raise
         self.num_handled += 1
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-"}.get(kind, "")
-        fmt = Formatter(
+        return Formatter(
             kind,
             subs[0].rid or prefix + uuid.uuid4().hex,  # SGLang's: the client's rid as the id
             int(time.time()),
@@ -147,9 +167,6 @@ class Router:
                 else None
             ),
         )
-        if body.stream:
-            return await _sse_response(request, fmt.chunks())
-        return JSONResponse(await _unless_disconnected(request, fmt.response()))
 
     async def health_generate(self) -> Response:
         """One token generated through the tokenizer, a worker and a detokenizer (SGLang's

@@ -593,3 +593,48 @@ def test_an_assistant_prefill_is_continued_and_echoed(
     assert opened.choices[0].message.content == alone.choices[0].message.content
     with pytest.raises(openai.BadRequestError, match="add_generation_prompt=false"):
         client.chat.completions.create(**ask, extra_body={"continue_final_message": True})
+
+
+def test_responses_api_as_the_client_calls_it(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """`client.responses.create`, whole and streamed, gives the chat completion's text; a
+    named function tool gives one function_call item whose arguments fit its schema."""
+    import json
+
+    import jsonschema
+
+    from engine.tokenizer import load_tokenizer
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(
+        model=served_model, messages=messages, max_tokens=12, **GREEDY
+    )
+    ask = {"model": served_model, "instructions": "Be brief.", "input": "Hi",
+           "max_output_tokens": 12, **GREEDY}  # fmt: skip
+    resp = client.responses.create(**ask)
+    assert resp.output_text == chat.choices[0].message.content
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.output_tokens == 12
+    assert resp.usage.input_tokens == chat.usage.prompt_tokens
+    evs = list(client.responses.create(stream=True, **ask))
+    text = "".join(e.delta for e in evs if e.type == "response.output_text.delta")
+    assert text == resp.output_text
+    assert evs[-1].type == "response.incomplete" and evs[-1].response.output_text == text
+    # a named function tool: the output is constrained to its arguments
+    tok = load_tokenizer(http_stack.model)
+    blank = [i for i in range(len(tok)) if not tok.decode([i]).strip()]
+    blank = [i for i in blank if i not in tok.all_special_ids]  # (see the chat test above)
+    tool = {"type": "function", **WEATHER["function"]}
+    called = client.responses.create(
+        model=served_model,
+        input="Weather?",
+        tools=[tool],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=400,
+        temperature=0.8,
+        extra_body={"seed": 5, "logit_bias": {str(i): -100 for i in blank}},
+    )
+    (call,) = [item for item in called.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])

@@ -1,0 +1,241 @@
+"""A Responses API request's output (services/responses_api.py), from its chat completion.
+
+Whole: the chat completion's message becomes output items: a `reasoning` item (the reasoning
+parser's text, as `reasoning_text` content), a `message` item with one `output_text` part
+(always, unless the model only called tools), and a `function_call` item per tool call.
+finish_reason `length` makes the response `incomplete` (`max_output_tokens`), `abort`
+makes it `cancelled`.
+
+Streamed: the chat chunks become the API's events, each with its `sequence_number`:
+`response.created` and `response.in_progress`; per item `response.output_item.added`, its
+deltas (`response.reasoning_text.delta`, `response.content_part.added` then
+`response.output_text.delta`, `response.function_call_arguments.delta`), their `.done`
+events and `response.output_item.done`; and `response.completed` (or `.incomplete`) with the
+whole response and its usage. An error after the stream started is an `error` event
+followed by `response.failed`. Usage has no reasoning token count (`reasoning_tokens` is 0).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from services.responses_api import ResponsesRequest
+from services.router_responses import Formatter
+
+_STATUS = {"length": ("incomplete", {"reason": "max_output_tokens"}), "abort": ("cancelled", None)}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _status(finish: str | None) -> tuple[str, dict | None]:
+    return _STATUS.get(finish or "", ("completed", None))
+
+
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if chat_usage is None:
+        return None
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(text: str, status: str = "completed") -> dict[str, Any]:
+    content = [_text_part(text)] if status == "completed" else []
+    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
+            "content": content}  # fmt: skip
+
+
+def _reasoning(text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
+def _call(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+class ResponseShaper:
+    def __init__(self, body: ResponsesRequest, fmt: Formatter) -> None:
+        self.body, self.fmt = body, fmt
+        self.id, self.created = body._extras.get("rid") or _id("resp"), int(time.time())
+        self._seq = 0
+        self._items: list[dict[str, Any]] = []  # output items, the last one maybe open
+        self._open: str | int | None = None  # "reasoning", "message" or a call's index
+        self._pieces: list[str] = []  # the open message's text
+
+    def envelope(self, status: str, output: list, usage: dict | None = None,
+                 incomplete: dict | None = None) -> dict[str, Any]:  # fmt: skip
+        b, extras = self.body, self.body._extras
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status,
+            "error": None, "incomplete_details": incomplete, "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens, "model": b.model, "output": output,
+            "parallel_tool_calls": extras.get("parallel_tool_calls", True),
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "temperature": extras.get("temperature"), "top_p": extras.get("top_p"),
+            "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
+            "tools": b.tools or [], "truncation": "disabled", "usage": usage,
+            "metadata": b.metadata or {},
+        }  # fmt: skip
+
+    # -- whole ----------------------------------------------------------------------------------
+    async def response(self) -> dict[str, Any]:
+        chat = await self.fmt.response()
+        choice = chat["choices"][0]
+        msg = choice["message"]
+        output = []
+        if msg.get("reasoning_content"):
+            output.append(_reasoning(msg["reasoning_content"]))
+        calls = msg.get("tool_calls") or []
+        if msg.get("content") or not calls:
+            output.append(_message(msg.get("content") or ""))
+        for c in calls:
+            output.append(_call(c["id"], c["function"]["name"], c["function"]["arguments"]))
+        status, incomplete = _status(choice["finish_reason"])
+        return self.envelope(status, output, _usage(chat.get("usage")), incomplete)
+
+    # -- streamed -------------------------------------------------------------------------------
+    async def events(self) -> AsyncIterator[bytes]:
+        chunks = self.fmt.chunks()
+        try:
+            first = await chunks.__anext__()  # an error before any output stays an HTTP error
+            yield self._event("response.created", response=self.envelope("in_progress", []))
+            yield self._event("response.in_progress", response=self.envelope("in_progress", []))
+            usage = finish = None
+            async for raw in _after(first, chunks):
+                data = raw.removeprefix(b"data: ").strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    for ev in self._fail(obj["error"]):
+                        yield ev
+                    return
+                if not obj["choices"]:
+                    usage = obj.get("usage")
+                else:
+                    choice = obj["choices"][0]
+                    for ev in self._delta(choice["delta"]):
+                        yield ev
+                    finish = choice.get("finish_reason") or finish
+            for ev in self._close():
+                yield ev
+            status, incomplete = _status(finish)
+            kind = "response.completed" if status == "completed" else f"response.{status}"
+            final = self.envelope(status, self._items, _usage(usage), incomplete)
+            yield self._event(kind, response=final)
+        finally:
+            await chunks.aclose()
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        obj = {"type": kind, "sequence_number": self._seq, **fields}
+        self._seq += 1
+        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    def _delta(self, delta: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        if delta.get("reasoning_content"):
+            out += self._text("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            out += self._text("message", delta["content"])
+        for call in delta.get("tool_calls") or []:
+            out += self._arguments(call)
+        return out
+
+    def _open_item(self, kind: str | int, item: dict[str, Any]) -> list[bytes]:
+        out = self._close()
+        self._items.append(item)
+        self._open, self._pieces = kind, []
+        index = len(self._items) - 1
+        out.append(self._event("response.output_item.added", output_index=index, item=item))
+        if kind == "message":
+            ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            out.append(self._event("response.content_part.added", **ids, part=_text_part("")))
+        return out
+
+    def _text(self, kind: str, text: str) -> list[bytes]:
+        out = []
+        if self._open != kind:
+            item = _reasoning("") if kind == "reasoning" else _message("", "in_progress")
+            out = self._open_item(kind, item)
+        item, index = self._items[-1], len(self._items) - 1
+        if kind == "reasoning":
+            item["content"][0]["text"] += text
+            name = "response.reasoning_text.delta"
+        else:
+            self._pieces.append(text)
+            name = "response.output_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        out.append(self._event(name, item_id=item["id"], output_index=index, content_index=0,
+                               delta=text, **extra))  # fmt: skip
+        return out
+
+    def _arguments(self, call: dict[str, Any]) -> list[bytes]:
+        fn = call.get("function") or {}
+        out = []
+        if self._open != call["index"]:
+            out = self._open_item(call["index"], _call(call["id"], fn["name"], "", "in_progress"))
+        piece = fn.get("arguments") or ""
+        if piece:
+            item = self._items[-1]
+            item["arguments"] += piece
+            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                   output_index=len(self._items) - 1, delta=piece))  # fmt: skip
+        return out
+
+    def _close(self) -> list[bytes]:
+        """The `.done` events of the open item, if any."""
+        if self._open is None:
+            return []
+        item, index = self._items[-1], len(self._items) - 1
+        ids = {"item_id": item["id"], "output_index": index}
+        out = []
+        if self._open == "reasoning":
+            text = item["content"][0]["text"]
+            out.append(self._event("response.reasoning_text.done", **ids, content_index=0,
+                                   text=text))  # fmt: skip
+        elif self._open == "message":
+            part = _text_part("".join(self._pieces))
+            item["content"], item["status"] = [part], "completed"
+            out.append(self._event("response.output_text.done", **ids, content_index=0,
+                                   text=part["text"], logprobs=[]))  # fmt: skip
+            out.append(self._event("response.content_part.done", **ids, content_index=0,
+                                   part=part))  # fmt: skip
+        else:
+            item["status"] = "completed"
+            out.append(self._event("response.function_call_arguments.done", **ids,
+                                   arguments=item["arguments"]))  # fmt: skip
+        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        self._open = None
+        return out
+
+    def _fail(self, error: dict[str, Any]) -> list[bytes]:
+        out = [self._event("error", code=error.get("code"), message=error.get("message"),
+                           param=error.get("param"))]  # fmt: skip
+        failed = self.envelope("failed", self._items)
+        failed["error"] = {"code": error.get("code"), "message": error.get("message")}
+        out.append(self._event("response.failed", response=failed))
+        return out

@@ -1,0 +1,150 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on a real router process, with the fake back
+end (its output is the last message reversed): the response object, its event stream, the
+conversion of input items to chat messages, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import pytest
+
+from tests.system.router_fakes import FakeWorker, start_router
+from tests.system.test_router_api import running
+
+pytest_plugins = ["tests.redis_fixtures"]
+PREFIX = "rt-resp"
+
+
+@pytest.fixture(scope="module")
+def base(redis_url: str) -> Iterator[str]:
+    with start_router(redis_url, PREFIX) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def fake(redis_url: str, base: str) -> Iterator[FakeWorker]:
+    with running(FakeWorker(redis_url, PREFIX, "w-resp", shuffle=True, duplicate=True), base) as w:
+        yield w
+
+
+def post(base: str, **body: object) -> httpx.Response:
+    return httpx.post(base + "/v1/responses", json={"model": "fake-model", **body}, timeout=30)
+
+
+def events(base: str, **body: object) -> list[dict]:
+    out = []
+    payload = {"model": "fake-model", "stream": True, **body}
+    with httpx.stream("POST", base + "/v1/responses", json=payload, timeout=30) as resp:
+        assert resp.status_code == 200, resp.read()
+        kind = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                obj = json.loads(line[6:])
+                assert obj["type"] == kind
+                out.append(obj)
+    return out
+
+
+def test_a_whole_response_and_its_usage(fake: FakeWorker, base: str) -> None:
+    resp = post(base, input="hello", instructions="be nice", metadata={"k": "v"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "response" and body["id"].startswith("resp_")
+    assert (body["status"], body["incomplete_details"], body["store"]) == ("completed", None, False)
+    assert body["metadata"] == {"k": "v"} and body["instructions"] == "be nice"
+    (item,) = body["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    assert item["content"] == [
+        {"type": "output_text", "text": "olleh", "annotations": [], "logprobs": []}
+    ]
+    usage = body["usage"]
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] == 5
+    assert usage["total_tokens"] == usage["input_tokens"] + 5
+    msgs = fake.received[-1].messages
+    assert [(m.role, m.content) for m in msgs] == [("system", "be nice"), ("user", "hello")]
+
+
+def test_max_output_tokens_makes_it_incomplete_and_rid_names_it(
+    fake: FakeWorker, base: str
+) -> None:
+    body = post(base, input="abcdef", max_output_tokens=3, rid="my-resp").json()
+    assert body["id"] == "my-resp"
+    assert body["status"] == "incomplete"
+    assert body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["output"][0]["content"][0]["text"] == "fed"
+    assert fake.received[-1].sampling_params["max_new_tokens"] == 3
+
+
+def test_the_event_stream_adds_up_to_the_response(fake: FakeWorker, base: str) -> None:
+    text = "streaming responses, piece by piece"
+    evs = events(base, input=text, max_output_tokens=64)
+    kinds = [e["type"] for e in evs]
+    assert [e["sequence_number"] for e in evs] == list(range(len(evs)))
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]  # fmt: skip
+    deltas = [e for e in evs if e["type"] == "response.output_text.delta"]
+    assert len(deltas) > 3
+    assert "".join(e["delta"] for e in deltas) == text[::-1]
+    item_id = evs[2]["item"]["id"]
+    assert {e["item_id"] for e in deltas} == {item_id}
+    final = evs[-1]["response"]
+    assert final["status"] == "completed" and final["usage"]["output_tokens"] == len(text)
+    assert final["output"][0]["id"] == item_id
+    assert final["output"][0]["content"][0]["text"] == text[::-1]
+    assert evs[0]["response"]["id"] == final["id"]
+
+
+def test_input_items_become_the_chat_conversation(fake: FakeWorker, base: str) -> None:
+    items = [
+        {"role": "developer", "content": "use tools"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "weather"},
+                                                         {"type": "input_text", "text": "?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2", "output": "noon"},
+    ]  # fmt: skip
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    resp = post(base, input=items, tools=[tool], tool_choice="none")
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["output"][0]["content"][0]["text"] == "noon"[::-1]
+    msg = fake.received[-1]
+    assert [(m.role, m.content) for m in msg.messages] == [
+        ("developer", "use tools"), ("user", "weather?"), ("assistant", ""),
+        ("tool", "sunny"), ("tool", "noon"),
+    ]  # fmt: skip
+    calls = msg.messages[2].tool_calls
+    assert [(c["id"], c["function"]["name"]) for c in calls] == [
+        ("call_1", "get_weather"), ("call_2", "get_time")
+    ]  # fmt: skip
+    assert [m.tool_call_id for m in msg.messages[3:]] == ["call_1", "call_2"]
+    assert msg.tools == [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {"type": "object"}}}]  # fmt: skip
+
+
+def test_what_it_cannot_do_is_a_400_naming_the_field(fake: FakeWorker, base: str) -> None:
+    cases = [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": [{"type": "file_search_call", "id": "f"}]}, "input.0.type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role"),
+        ({"input": 5}, "input"),
+    ]
+    for body, param in cases:
+        resp = post(base, **body)
+        assert resp.status_code == 400, (body, resp.text)
+        assert resp.json()["error"]["param"] == param, (body, resp.json())
+    resp = post(base, input="x", model="gpt-9")
+    assert resp.status_code == 404
