@@ -148,3 +148,41 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(fake: FakeWorker, base: str
         assert resp.json()["error"]["param"] == param, (body, resp.json())
     resp = post(base, input="x", model="gpt-9")
     assert resp.status_code == 404
+
+
+@pytest.fixture(scope="module")
+def parsing(redis_url: str) -> Iterator[str]:
+    """A router with a reasoning parser and the hermes tool call parser, and its fake."""
+    prefix = PREFIX + "-parse"
+    extra = ("--reasoning-parser", "deepseek-r1", "--tool-call-parser", "hermes")
+    with start_router(redis_url, prefix, *extra) as url:
+        with running(FakeWorker(redis_url, prefix, "w-parse", shuffle=True), url):
+            yield url
+
+
+def test_reasoning_text_and_calls_become_their_items(parsing: str) -> None:
+    call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    said = f"hmm</think>ok<tool_call>\n{call}\n</tool_call>"
+    tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+    ask = {"input": said[::-1], "tools": [tool], "max_output_tokens": 200}
+    whole = post(parsing, **ask).json()
+    kinds = [item["type"] for item in whole["output"]]
+    assert kinds == ["reasoning", "message", "function_call"], whole["output"]
+    reasoning, message, fc = whole["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "hmm"}]
+    assert message["content"][0]["text"] == "ok"
+    assert (fc["name"], json.loads(fc["arguments"])) == ("get_weather", {"city": "Paris"})
+    evs = events(parsing, **ask)
+    done = [e["item"] for e in evs if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == kinds
+    text = {k: "".join(e["delta"] for e in evs if e["type"] == k) for k in (
+        "response.reasoning_text.delta", "response.output_text.delta",
+        "response.function_call_arguments.delta")}  # fmt: skip
+    assert list(text.values()) == ["hmm", "ok", fc["arguments"]]
+    added = [e for e in evs if e["type"] == "response.output_item.added"]
+    assert [e["output_index"] for e in added] == [0, 1, 2]
+    assert added[2]["item"]["name"] == "get_weather" and added[2]["item"]["arguments"] == ""
+    final = evs[-1]["response"]
+    assert final["status"] == "completed"
+    assert [i["type"] for i in final["output"]] == kinds
+    assert final["output"][2]["arguments"] == fc["arguments"]
