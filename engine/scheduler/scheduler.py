@@ -245,7 +245,7 @@ class Scheduler:
             return None
         running = len(self.running_batch)
         full = running >= self.max_running_requests and self.chunked_req is None
-        if full and not self.policy.priority_sign:
+        if full and not (self.policy.priority_sign and self._may_preempt()):
             return None
         self.policy.calc_priority(self.waiting_queue)
         preempted = self._preempt_for_priority() if self.policy.priority_sign else []
@@ -294,6 +294,15 @@ class Scheduler:
         if self.args.enable_mixed_chunk:
             self._mix_running_into(batch)
         return batch
+
+    def _may_preempt(self) -> bool:
+        """Whether some waiting request's priority beats some running one's by more than the
+        threshold (a cheap test before sorting the queue when the batch is full)."""
+        rank = self.policy.rank
+        best = min(map(rank, self.waiting_queue))
+        running = [rank(r) for r in self.running_batch.reqs if r.finished_reason is None]
+        threshold = self.args.priority_scheduling_preemption_threshold
+        return bool(running) and max(running) - best > threshold
 
     def _preempt_for_priority(self) -> list[Req]:
         """Send running requests back to waiting for the first waiting request, if its
