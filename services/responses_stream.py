@@ -156,12 +156,20 @@ class ResponseShaper:
         return f"event: {kind}\ndata: {data}\n\n".encode()
 
     def _delta(self, delta: dict[str, Any]) -> list[bytes]:
+        """The events of one chat delta. Its content and call pieces are in the order they
+        were generated: a call being streamed ends before content that follows it, and
+        content ends before a call that it precedes."""
         out: list[bytes] = []
         if delta.get("reasoning_content"):
             out += self._text("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            out += self._text("message", delta["content"])
-        for call in delta.get("tool_calls") or []:
+        calls = delta.get("tool_calls") or []
+        content = delta.get("content")
+        if calls and isinstance(self._open, int) and calls[0]["index"] == self._open:
+            out += self._arguments(calls[0])  # the rest of the call being streamed
+            calls = calls[1:]
+        if content:
+            out += self._text("message", content)
+        for call in calls:
             out += self._arguments(call)
         return out
 

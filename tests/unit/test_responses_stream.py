@@ -1,0 +1,116 @@
+"""The Responses API's events from chat chunks (services/responses_stream.py), without a
+router: the order of items when one chat delta carries the end of a call and the content
+after it, or content and the call that follows it; an error mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from services.responses_api import ResponsesRequest
+from services.responses_stream import ResponseShaper
+
+
+class FakeFormatter:
+    def __init__(self, chunks: list[dict | str]) -> None:
+        self._chunks = chunks
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for c in self._chunks:
+            yield b"data: " + (c if isinstance(c, str) else json.dumps(c)).encode() + b"\n\n"
+
+
+def delta(**d: object) -> dict:
+    return {"choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+
+
+def call(index: int, args: str, name: str | None = None) -> dict:
+    piece: dict = {"index": index, "function": {"arguments": args}}
+    if name is not None:
+        piece |= {"id": f"call_{index}", "type": "function"}
+        piece["function"]["name"] = name
+    return piece
+
+
+def run(chunks: list[dict | str]) -> list[dict]:
+    body = ResponsesRequest.parse(json.dumps({"model": "m", "input": "x", "stream": True}).encode())
+    shaper = ResponseShaper(body, FakeFormatter(chunks))  # type: ignore[arg-type]
+
+    async def collect() -> list[dict]:
+        out = []
+        async for raw in shaper.events():
+            head, data = raw.decode().split("\n", 1)
+            event = json.loads(data.removeprefix("data: "))
+            assert head == "event: " + event["type"]
+            out.append(event)
+        return out
+
+    return asyncio.run(collect())
+
+
+def summary(events: list[dict]) -> list[tuple]:
+    """(type, the delta or the item's type) of each event after the first two."""
+    out = []
+    for e in events[2:]:
+        detail = e.get("delta", e.get("item", {}).get("type", ""))
+        out.append((e["type"].removeprefix("response."), detail))
+    return out
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
+
+
+def test_a_call_ends_before_the_content_that_follows_it_in_one_delta() -> None:
+    events = run([
+        delta(role="assistant", content="", tool_calls=[call(0, '{"a"', "f")]),
+        delta(content=" done", tool_calls=[call(0, ": 1}")]),
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        USAGE, "[DONE]",
+    ])  # fmt: skip
+    assert summary(events) == [
+        ("output_item.added", "function_call"),
+        ("function_call_arguments.delta", '{"a"'),
+        ("function_call_arguments.delta", ": 1}"),
+        ("function_call_arguments.done", ""),
+        ("output_item.done", "function_call"),
+        ("output_item.added", "message"),
+        ("content_part.added", ""),
+        ("output_text.delta", " done"),
+        ("output_text.done", ""),
+        ("content_part.done", ""),
+        ("output_item.done", "message"),
+        ("completed", ""),
+    ]
+    final = events[-1]["response"]
+    assert [i["type"] for i in final["output"]] == ["function_call", "message"]
+    assert final["output"][0]["arguments"] == '{"a": 1}'
+    assert final["output"][0]["call_id"] == "call_0"
+    assert final["usage"]["output_tokens"] == 5
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_content_ends_before_the_call_it_precedes() -> None:
+    events = run([
+        delta(role="assistant", content="let me see"),
+        delta(content=" now", tool_calls=[call(0, "{}", "g")]),
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+        USAGE, "[DONE]",
+    ])  # fmt: skip
+    kinds = [k for k, _ in summary(events) if k.startswith("output_item")]
+    assert kinds == ["output_item.added", "output_item.done"] * 2
+    final = events[-1]
+    assert final["type"] == "response.incomplete"
+    assert final["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    text = final["response"]["output"][0]["content"][0]["text"]
+    assert text == "let me see now"
+
+
+def test_an_error_mid_stream_is_an_error_event_and_a_failed_response() -> None:
+    error = {"error": {"message": "worker gone", "type": "x", "param": None,
+                       "code": "worker_unavailable"}}  # fmt: skip
+    events = run([delta(role="assistant", content="par"), error, "[DONE]"])
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "worker_unavailable"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == "worker gone"
