@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import Field, PrivateAttr, ValidationError
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
 
 from services.router_fields import ApiError, _Strict
 from services.router_protocol import ChatCompletionRequest
@@ -49,6 +49,8 @@ def _invalid(message: str, param: str) -> ApiError:
 
 
 class ResponsesRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # the chat body's extras, kept
+
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -71,8 +73,8 @@ class ResponsesRequest(_Strict):
         from services.router_protocol import parse_body
 
         body = parse_body(cls, raw)
-        doc = json.loads(raw)
-        body._extras = {k: doc[k] for k in _PASSED if k in doc and doc[k] is not None}
+        given = body.model_extra or {}
+        body._extras = {k: given[k] for k in _PASSED if given.get(k) is not None}
         for name in _STATEFUL:
             if getattr(body, name) not in (None, False):
                 raise ApiError(400, f"{name} is not supported: sluice stores no responses",

@@ -203,8 +203,7 @@ class ScheduleBatch:
             if p.allocator.available_size() + p.tree_cache.evictable_size() >= need:
                 break
             req = self.reqs[order.pop()]
-            p.release_req(req)
-            req.reset_for_retract()
+            self._give_back(req)
             retracted.append(req)
         keep = sorted(order)
         self.reqs = [self.reqs[i] for i in keep]
@@ -216,9 +215,13 @@ class ScheduleBatch:
         output kept (it is prefilled again with the prompt when they are readmitted)."""
         gone = {id(r) for r in reqs}
         for req in reqs:
-            self.pools.release_req(req)
-            req.reset_for_retract()
+            self._give_back(req)
         self.reqs = [r for r in self.reqs if id(r) not in gone]
+
+    def _give_back(self, req: Req) -> None:
+        """One request's memory back to the pools; it starts over from waiting."""
+        self.pools.release_req(req)
+        req.reset_for_retract()
 
     def retract_new_token_ratio(self) -> float:
         total_decoded = sum(len(r.output_ids) for r in self.reqs)

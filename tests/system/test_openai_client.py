@@ -287,6 +287,19 @@ TIME = {
 }
 
 
+def _no_blank_tokens(model: str) -> dict[str, int]:
+    """A logit_bias banning the tokens that are only whitespace: a random model left free to
+    pick JSON's optional whitespace fills any budget with it (real models write compact
+    JSON)."""
+    from engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model)
+    special = set(tok.all_special_ids)
+    return {
+        str(i): -100 for i in range(len(tok)) if not tok.decode([i]).strip() and i not in special
+    }
+
+
 def _regex_literal(text: str) -> str:
     return "".join("\\" + ch if ch in "\\^$.|?*+()[]{}" else ch for ch in text)
 
@@ -413,13 +426,6 @@ def test_tool_choice_named_and_required_constrain_the_calls(
 
     import jsonschema
 
-    from engine.tokenizer import load_tokenizer
-
-    # A random model left free to pick JSON's optional whitespace fills any budget with it
-    # (real models write compact JSON): ban the tokens that are only whitespace.
-    tok = load_tokenizer(http_stack.model)
-    blank = [i for i in range(len(tok)) if not tok.decode([i]).strip()]
-    blank = [i for i in blank if i not in tok.all_special_ids]
     base = {
         "model": served_model,
         "messages": [{"role": "user", "content": "Weather?"}],
@@ -427,7 +433,7 @@ def test_tool_choice_named_and_required_constrain_the_calls(
         "max_tokens": 400,
         "temperature": 0.8,
         "seed": 5,
-        "logit_bias": {str(i): -100 for i in blank},
+        "logit_bias": _no_blank_tokens(http_stack.model),
     }
     named = {"type": "function", "function": {"name": "get_weather"}}
     resp = client.chat.completions.create(tool_choice=named, **base)
@@ -604,8 +610,6 @@ def test_responses_api_as_the_client_calls_it(
 
     import jsonschema
 
-    from engine.tokenizer import load_tokenizer
-
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(
         model=served_model, messages=messages, max_tokens=12, **GREEDY
@@ -622,9 +626,6 @@ def test_responses_api_as_the_client_calls_it(
     assert text == resp.output_text
     assert evs[-1].type == "response.incomplete" and evs[-1].response.output_text == text
     # a named function tool: the output is constrained to its arguments
-    tok = load_tokenizer(http_stack.model)
-    blank = [i for i in range(len(tok)) if not tok.decode([i]).strip()]
-    blank = [i for i in blank if i not in tok.all_special_ids]  # (see the chat test above)
     tool = {"type": "function", **WEATHER["function"]}
     called = client.responses.create(
         model=served_model,
@@ -633,7 +634,7 @@ def test_responses_api_as_the_client_calls_it(
         tool_choice={"type": "function", "name": "get_weather"},
         max_output_tokens=400,
         temperature=0.8,
-        extra_body={"seed": 5, "logit_bias": {str(i): -100 for i in blank}},
+        extra_body={"seed": 5, "logit_bias": _no_blank_tokens(http_stack.model)},
     )
     (call,) = [item for item in called.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
