@@ -153,7 +153,7 @@ class Engine:
             if reason is not None and isinstance(reason.matched, str):
                 cut = text.find(reason.matched)
                 if cut >= 0:
-                    text = text[:cut]
+                    text = text[: cut + len(reason.matched) * params.no_stop_trim]
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.origin_input_ids),

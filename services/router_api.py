@@ -158,6 +158,7 @@ class Router:
             self.token_names,
             handles,
             include_usage=getattr(body, "include_usage", False),
+            continuous_usage=getattr(body, "continuous_usage", False),
             batch=kind == "generate" and (body.is_batch or len(subs) > 1),
             incremental=self.config.router.incremental_streaming_output,
             tool_mode=tool_mode,

@@ -88,6 +88,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, in every chunk
 
 
 class _SamplingCore(_Strict):
@@ -102,6 +103,7 @@ class _SamplingCore(_Strict):
     repetition_penalty: float | None = Field(None, gt=0, le=2)
     stop: StopStrings = None
     stop_token_ids: TokenIds | None = None
+    no_stop_trim: bool | None = None  # SGLang's: the text keeps the stop string it ends with
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -116,6 +118,7 @@ class SamplingFields(_SamplingCore):
 
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     min_tokens: int | None = Field(None, ge=0)  # vLLM's (SGLang's min_new_tokens)
+    include_stop_str_in_output: bool | None = None  # vLLM's no_stop_trim
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # structured output besides regex and ebnf: OpenAI's and vLLM's forms
@@ -151,12 +154,17 @@ class SamplingFields(_SamplingCore):
             "max_new_tokens": max_new_tokens,
             "sampling_seed": self.seed,
             "min_new_tokens": self.min_tokens,
+            "no_stop_trim": self.include_stop_str_in_output or None,
         }
         return core | {k: v for k, v in extra.items() if v is not None} | grammar_params(self)
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 STRUCTURED_FIELDS = ("response_format", "regex", "ebnf", "guided_json", "guided_regex",

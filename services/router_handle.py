@@ -31,7 +31,7 @@ class RequestHandle:
         self.rid = ""
         self.worker: WorkerLoadMsg | None = None
         self.tried: list[str] = []
-        self.assembler = OutputAssembler(sub.stop)
+        self.assembler = OutputAssembler(sub.stop, sub.sampling_params.get("no_stop_trim", False))
         self.ttft: float | None = None
         self.observed = True  # in the metrics (a health check is not)
         self.cancelled = ""  # why, once /abort_request asked for its end

@@ -64,6 +64,7 @@ class Formatter:
         names: TokenNames,
         handles: list[RequestHandle],
         include_usage: bool = False,
+        continuous_usage: bool = False,
         batch: bool = False,
         incremental: bool = False,
         tool_mode: ToolMode | None = None,
@@ -72,6 +73,7 @@ class Formatter:
         self.kind, self.rid, self.created, self.model = kind, rid, created, model
         self.names, self.handles = names, handles
         self.include_usage, self.batch, self.incremental = include_usage, batch, incremental
+        self.continuous_usage = continuous_usage  # vLLM's: every chunk says its choice's usage
         self.prompt_of = {h.sub.index: h.sub.prompt_index for h in handles}
         self.want_logprobs = handles[0].sub.return_logprob
         self.top_n = handles[0].sub.top_logprobs_num
@@ -169,7 +171,8 @@ class Formatter:
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
-        if not first and not d.finished and not self.want_logprobs and not part.reasoning:
+        fast = not (first or d.finished or self.want_logprobs or self.continuous_usage)
+        if fast and not part.reasoning:
             if not part.calls:
                 return self._text_chunk(c.index, part.content)
             call = part.calls[0] if len(part.calls) == 1 and not part.content else None
@@ -206,6 +209,10 @@ class Formatter:
             if part.calls:
                 delta["tool_calls"] = part.calls
         body["choices"] = [choice]
+        if self.continuous_usage:
+            body["usage"] = {"prompt_tokens": c.prompt_tokens,
+                             "completion_tokens": len(c.output_ids),
+                             "total_tokens": c.prompt_tokens + len(c.output_ids)}  # fmt: skip
         return sse(body)
 
     # -- pieces ---------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class Delta:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta
+    prompt_tokens: int | None = None  # the prompt's length, once a row has said it
 
     @property
     def finished(self) -> bool:
@@ -100,8 +101,9 @@ class OutputAssembler:
     invariant), so work per row does not grow with the length of the output.
     """
 
-    def __init__(self, stops: list[str] | None = None) -> None:
+    def __init__(self, stops: list[str] | None = None, keep_stop: bool = False) -> None:
         self.matcher = StopMatcher(stops or [])
+        self.keep_stop = keep_stop  # the text ends with the stop string (no_stop_trim)
         self.pending_text = ""
         self.num_released = 0  # characters released so far
         self.finish_reason: FinishReason | None = None
@@ -145,6 +147,7 @@ class OutputAssembler:
         self._last = row
         self.pending_text += row.text
         delta.output_ids += row.output_ids
+        delta.prompt_tokens = row.prompt_tokens
         if row.token_logprobs is not None:
             delta.token_logprobs = (delta.token_logprobs or []) + row.token_logprobs
         if row.top_logprobs_ids is not None and row.top_logprobs_vals is not None:
@@ -173,7 +176,7 @@ class OutputAssembler:
         if hit is None:
             return
         pos, stop = hit
-        self.pending_text = text[:pos]
+        self.pending_text = text[: pos + len(stop) * self.keep_stop]
         if not self.finished:
             self.stopped_here = True
             assert self._last is not None
@@ -207,6 +210,7 @@ class Choice:
     usage: Usage | None = None
     prompt: PromptLogprobs | None = None
     split: ChatSplit | None = None  # chat with tools or reasoning: what its text is
+    prompt_tokens: int = 0
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
@@ -215,6 +219,8 @@ class Choice:
         self.top_logprobs += delta.top_logprobs or []
         if delta.prompt_logprobs is not None:
             self.prompt = delta.prompt_logprobs
+        if delta.prompt_tokens is not None:
+            self.prompt_tokens = delta.prompt_tokens
         if delta.finished:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage
 

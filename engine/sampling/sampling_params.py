@@ -41,6 +41,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     sampling_seed: int | None = None
     skip_special_tokens: bool = True
+    # keep the matched stop string at the end of the text (SGLang's no_stop_trim; vLLM's
+    # include_stop_str_in_output); a stop token's text is kept in either case unless special
+    no_stop_trim: bool = False
     spaces_between_special_tokens: bool = True
     return_logprob: bool = False
     top_logprobs_num: int = 0
@@ -181,6 +184,7 @@ _FIELD_TYPES: dict[str, str] = {
     "sampling_seed": "int | None",
     "skip_special_tokens": "bool",
     "spaces_between_special_tokens": "bool",
+    "no_stop_trim": "bool",
     "return_logprob": "bool",
     "top_logprobs_num": "int",
     "logprob_start_len": "int",

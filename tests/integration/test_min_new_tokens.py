@@ -51,3 +51,10 @@ def test_min_new_tokens_holds_back_eos_stop_tokens_and_stop_strings(loop: str) -
                 assert out["meta_info"]["completion_tokens"] <= 4
             else:  # not looked for before 12 tokens; after, it may or may not come again
                 assert out["meta_info"]["completion_tokens"] >= 12
+        # no_stop_trim keeps the matched stop string at the end of the text
+        params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True, "stop": [piece]}
+        trimmed = engine.generate(input_ids=prompts[1], sampling_params=params)
+        keep = {**params, "no_stop_trim": True}
+        kept = engine.generate(input_ids=prompts[1], sampling_params=keep)
+        assert kept["text"] == trimmed["text"] + piece
+        assert kept["output_ids"] == trimmed["output_ids"]

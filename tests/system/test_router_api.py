@@ -209,6 +209,30 @@ def test_chat_stream_role_first_usage_last(worker: FakeWorker, base: str) -> Non
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
 
 
+def test_continuous_usage_stats_put_each_choices_usage_in_every_chunk(
+    worker: FakeWorker, base: str
+) -> None:
+    # vLLM's stream_options.continuous_usage_stats; the fake makes a token per character
+    body = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 12, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}  # fmt: skip
+    events = post_stream(base, "/v1/completions", body)
+    chunks, last = events[:-2], events[-2]
+    texts = {0: "", 1: ""}
+    assert len(chunks) > 4
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        want = len(texts[choice["index"]])
+        assert chunk["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": want,
+                                  "total_tokens": len(PROMPT) + want}  # fmt: skip
+    assert texts == {0: PROMPT[::-1][:12], 1: PROMPT[::-1][:12]}
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 24
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "abc"}],
+            "stream": True, "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+    events = post_stream(base, "/v1/chat/completions", chat)  # without include_usage: none
+    assert all("usage" not in e for e in events[:-1])
+
+
 def test_stop_strings_are_trimmed_whole_and_streamed(worker: FakeWorker, base: str) -> None:
     # the reply is "0987654321 ZYX ..."; the stop "54" spans two tokens
     body = {"model": "fake-model", "prompt": "... XYZ 1234567890", "stop": ["XX", "54"]}
@@ -217,6 +241,27 @@ def test_stop_strings_are_trimmed_whole_and_streamed(worker: FakeWorker, base: s
     events = post_stream(base, "/v1/completions", {**body, "stream": True})
     assert completion_text(events) == "09876"
     assert not any("5" in e["choices"][0]["text"] for e in events[:-1])  # held back, then cut
+
+
+def test_stop_strings_are_kept_when_asked(worker: FakeWorker, base: str) -> None:
+    # vLLM's include_stop_str_in_output and SGLang's no_stop_trim keep "54" at the end
+    body = {"model": "fake-model", "prompt": "... XYZ 1234567890", "stop": ["XX", "54"],
+            "include_stop_str_in_output": True}  # fmt: skip
+    whole = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]
+    assert (whole["text"], whole["matched_stop"]) == ("0987654", "54")
+    events = post_stream(base, "/v1/completions", {**body, "stream": True})
+    assert completion_text(events) == "0987654"
+    chat = {"model": "fake-model", "messages": [{"role": "user", "content": "... XYZ 123456"}],
+            "stop": "43", "no_stop_trim": True}  # fmt: skip
+    message = httpx.post(base + "/v1/chat/completions", json=chat).json()["choices"][0]
+    assert message["message"]["content"].endswith("43")
+    gen = {"text": "... XYZ 1234567890", "sampling_params": {"stop": "54", "no_stop_trim": True}}
+    out = httpx.post(base + "/generate", json=gen).json()
+    assert (out["text"], out["meta_info"]["finish_reason"]) == (
+        "0987654", {"type": "stop", "matched": "54"}
+    )
+    bad = httpx.post(base + "/v1/completions", json={**body, "include_stop_str_in_output": 1})
+    assert bad.status_code == 400 and "include_stop_str_in_output" in bad.text
 
 
 def test_router_cuts_a_stop_string_the_worker_missed_and_aborts_it(

@@ -122,6 +122,16 @@ def test_router_ends_a_request_whose_stop_string_the_worker_missed() -> None:
     assert a.num_released == 3 and a.add([rows[2]]) is None
 
 
+def test_kept_stop_string_ends_the_text_once_complete() -> None:
+    a = OutputAssembler(["STOP"], keep_stop=True)
+    rows = make_rows(["ab S", "T", "OP tail"], FinishReason("stop", "STOP"))
+    assert a.add([rows[0]]).text == "ab "  # held back as when trimming
+    assert a.add([rows[1]]).text == ""
+    assert a.add([rows[2]]).text == "STOP"
+    b = OutputAssembler(keep_stop=True)  # one only the worker matched
+    assert b.add(make_rows(["abc<eot>x"], FinishReason("stop", "<eot>"))).text == "abc<eot>"
+
+
 def test_stop_reported_by_worker_is_trimmed_even_if_not_in_the_stop_list() -> None:
     a = OutputAssembler()
     d = a.add(make_rows(["abc<eot>"], FinishReason("stop", "<eot>")))
@@ -133,9 +143,10 @@ def test_stop_reported_by_worker_is_trimmed_even_if_not_in_the_stop_list() -> No
     text=st.text(alphabet="abc", max_size=14),
     stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=3), max_size=3),
     seed=st.integers(0, 2**32),
+    keep=st.booleans(),
 )
 def test_streamed_stop_trimming_matches_char_by_char_reference(
-    text: str, stops: list[str], seed: int
+    text: str, stops: list[str], seed: int, keep: bool
 ) -> None:
     rng = random.Random(seed)
     pieces, i = [], 0
@@ -143,16 +154,18 @@ def test_streamed_stop_trimming_matches_char_by_char_reference(
         n = rng.randint(0, 3)
         pieces.append(text[i : i + n])
         i += n
-    a = OutputAssembler(stops)
+    a = OutputAssembler(stops, keep_stop=keep)
+    want, stop = reference_stop(text, stops)
+    if keep and stop is not None:
+        want += stop
     released = ""
     for row in make_rows(pieces):
         d = a.add([row])
         if d is not None:
             released += d.text
-        assert reference_stop(text, stops)[0].startswith(released)  # nothing taken back
+        assert want.startswith(released)  # nothing taken back
         if a.finished:
             break
-    want, stop = reference_stop(text, stops)
     assert released == want
     if stop is not None:
         assert a.finish_reason.matched == stop
