@@ -119,6 +119,8 @@ class SamplingFields(_SamplingCore):
     seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     min_tokens: int | None = Field(None, ge=0)  # vLLM's (SGLang's min_new_tokens)
     include_stop_str_in_output: bool | None = None  # vLLM's no_stop_trim
+    # vLLM's: keep the prompt's last k tokens (-1: as many as fit with the output)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # structured output besides regex and ebnf: OpenAI's and vLLM's forms
@@ -138,6 +140,8 @@ class SamplingFields(_SamplingCore):
         it does."""
         for sub in subs:
             sub.rid, sub.priority = self.rid, self.priority
+        if self.truncate_prompt_tokens == 0:
+            raise _invalid("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
         if self.prompt_logprobs is None:
             return subs
         if self.stream:
@@ -155,6 +159,7 @@ class SamplingFields(_SamplingCore):
             "sampling_seed": self.seed,
             "min_new_tokens": self.min_tokens,
             "no_stop_trim": self.include_stop_str_in_output or None,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         return core | {k: v for k, v in extra.items() if v is not None} | grammar_params(self)
 

@@ -92,6 +92,7 @@ class CompletionRequest(SamplingFields):
         for name, bad in (
             ("suffix", self.suffix),
             ("best_of", self.best_of not in (None, 1, self.n)),
+            ("echo with truncate_prompt_tokens", self.echo and self.truncate_prompt_tokens),
         ):
             if bad:
                 raise ApiError(400, f"{name} is not supported", name, "unsupported")

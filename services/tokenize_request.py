@@ -6,6 +6,9 @@ and the sampling parameters with the engine's own rules (`SamplingParams.from_di
 `verify`; that module imports no torch, so the tokenizer shares the rules instead of
 copying them, and the router need not repeat them). Stop strings and the detokenizer
 flags are lifted out of the sampling dict into their `GenerateReqMsg` fields.
+
+vLLM's `truncate_prompt_tokens` (in the sampling dict, for the tokenizer only) keeps the
+prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`).
 """
 
 from __future__ import annotations
@@ -50,8 +53,12 @@ class RequestTokenizer:
         lifted = {k: sp.pop(k) for k in _LIFTED if k in sp}
         for key in _REQUEST_LEVEL:
             sp.pop(key, None)  # the message fields say it
+        keep = sp.pop("truncate_prompt_tokens", None)
         params = self._check_params(sp, lifted, msg)
-        self._check_length(ids, params.max_new_tokens, context_len or self.context_len)
+        context_len = context_len or self.context_len
+        if keep is not None:
+            ids = _truncated(ids, keep, context_len - params.max_new_tokens, context_len)
+        self._check_length(ids, params.max_new_tokens, context_len)
         return GenerateReqMsg(
             rid=msg.rid,
             router_id=msg.router_id,
@@ -151,6 +158,19 @@ class RequestTokenizer:
                 f"{len(ids)} prompt tokens + max_new_tokens {max_new_tokens} exceed the "
                 f"context length {context_len}",
             )
+
+
+def _truncated(ids: list[int], keep: Any, room: int, context_len: int) -> list[int]:
+    """The last `keep` tokens of the prompt (-1: the last `room`, at least one)."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+        raise RequestError("invalid_request", "truncate_prompt_tokens must be -1 or >= 1")
+    if keep > context_len:
+        raise RequestError(
+            "invalid_request",
+            f"truncate_prompt_tokens {keep} is more than the context length {context_len}",
+        )
+    keep = max(room, 1) if keep == -1 else keep
+    return ids[-keep:]
 
 
 def _turn(m: ChatMessage) -> dict[str, Any]:

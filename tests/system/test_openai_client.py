@@ -3,6 +3,7 @@ streamed, usage, logprobs, n with seeds, model listing, and errors as its except
 
 from __future__ import annotations
 
+import httpx2 as httpx
 import openai
 import pytest
 
@@ -108,6 +109,37 @@ def test_errors_raise_the_clients_exceptions(client: openai.OpenAI, served_model
     assert info.value.param == "temperature"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    # vLLM's truncate_prompt_tokens: the last k tokens, as if they were the whole prompt
+    prompt = "".join(f"word{i} " for i in range(900))
+    ids = client.post("/tokenize", body={"prompt": prompt}, cast_to=dict)["tokens"]
+    assert len(ids) > 1000  # over the tiny model's 1024-token context
+    def create(prompt: object, max_tokens: int = 8, **extra: object) -> object:
+        return client.completions.create(
+            model=served_model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+        )  # fmt: skip
+
+    cut, same = create(prompt, truncate_prompt_tokens=40), create(ids[-40:])
+    assert cut.usage.prompt_tokens == 40 and cut.choices[0].text == same.choices[0].text
+    context = httpx.get(http_stack.router_url + "/get_model_info").json()
+    fit = create(prompt, truncate_prompt_tokens=-1)
+    assert fit.usage.prompt_tokens == context["max_context_length"] - 8
+    refused = (
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 40, "echo": True}, "echo with truncate_prompt_tokens"),
+    )
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as info:
+            create("x", 1, **extra)
+        assert info.value.param == param
+    with pytest.raises(openai.BadRequestError, match="more than the context length"):
+        create("x", 1, truncate_prompt_tokens=100_000)
 
 
 def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(
