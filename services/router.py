@@ -157,6 +157,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         return {"version": VERSION}
 
     @app.post("/flush_cache")
+    @app.post("/reset_prefix_cache")  # vLLM's name
     async def flush_cache(request: Request) -> Response:
         """SGLang's: empty every worker's prefix cache; 400 if one was busy (or silent)."""
         router = state["router"]
@@ -236,6 +237,8 @@ def create_app(config: RouterConfig) -> FastAPI:
         }
 
     @app.get("/health")
+    @app.get("/ping")  # vLLM's (SageMaker's) name, both methods
+    @app.post("/ping")
     async def health() -> Response:
         """Whether a request can be served: a live worker, tokenizer and detokenizer (by
         their heartbeats); 503 naming the kinds that have none."""

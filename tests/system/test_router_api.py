@@ -108,9 +108,12 @@ def test_health_follows_the_heartbeats_of_every_kind(redis_url: str, base: str) 
         assert resp.status_code == 200 and resp.json() == {
             "status": "ok", "workers": ["w-health"], "tokenizers": ["w-health"],
             "detokenizers": ["w-health"]}  # fmt: skip
+        assert httpx.get(base + "/ping").json() == resp.json()  # vLLM's name
+        assert httpx.post(base + "/ping").status_code == 200
         fake.role_beats[1].stop()  # the only detokenizer goes
         resp = httpx.get(base + "/health")
         assert resp.status_code == 503 and resp.json()["status"] == "no live detokenizer"
+        assert httpx.get(base + "/ping").status_code == 503
     assert httpx.get(base + "/health").status_code == 503
 
 

@@ -148,6 +148,8 @@ def test_flush_cache_and_model_info_as_sglang_serves_them(
         assert time.monotonic() < deadline, resp.text
         time.sleep(0.2)
     assert resp.json()["success"] is True and resp.json()["workers"] == [http_stack.worker_id]
+    resp = httpx.post(base + "/reset_prefix_cache", timeout=30)  # vLLM's name: idle now
+    assert resp.status_code == 200 and resp.json()["workers"] == [http_stack.worker_id]
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_request(
