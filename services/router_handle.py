@@ -105,9 +105,9 @@ class RequestHandle:
             self.broker.metrics.observe_first_token(self.ttft)
         if delta.usage is not None:
             u = delta.usage
-            self.broker.metrics.observe_finish(
-                now - self.arrived, self.ttft, u.prompt_tokens, u.completion_tokens, u.cached_tokens
-            )
+            reason = delta.finish_reason.type if delta.finish_reason is not None else "stop"
+            tokens = (u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+            self.broker.metrics.observe_finish(now - self.arrived, self.ttft, *tokens, reason)
 
 
 async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, Delta]]:

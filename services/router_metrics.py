@@ -1,9 +1,11 @@
 """The router's `/metrics`: Prometheus text exposition (format 0.0.4), written by hand.
 
 Every series is exported twice, under `sluice:` and under `sglang:`, so dashboards built
-for SGLang work unchanged. Gauges come from the workers' heartbeats (`WorkerLoadMsg`, one
-series per worker); latency histograms and token counters from the router's own
-observations of the requests it served.
+for SGLang work unchanged; those with a vLLM counterpart are exported a third time under
+vLLM's names (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`, ...; see
+`_VLLM_GAUGES` and `RouterMetrics._vllm_lines`). Gauges come from the workers' heartbeats
+(`WorkerLoadMsg`, one series per worker); latency histograms and token counters from the
+router's own observations of the requests it served.
 """
 
 from __future__ import annotations
@@ -58,6 +60,14 @@ _WORKER_GAUGES = (
     ),
 )
 
+# vLLM's names of the per-worker series (name, type, help, WorkerLoadMsg attribute)
+_VLLM_GAUGES = (
+    ("num_requests_running", "gauge", "Requests in model execution batches.", "num_running_reqs"),
+    ("num_requests_waiting", "gauge", "Requests waiting to be processed.", "num_waiting_reqs"),
+    ("kv_cache_usage_perc", "gauge", "KV-cache usage (1 means 100 percent).", "token_usage"),
+    ("num_preemptions", "counter", "Cumulative number of preemptions.", "num_retracted_reqs"),
+)
+
 
 def _labels(labels: Mapping[str, str]) -> str:
     if not labels:
@@ -78,6 +88,7 @@ class Histogram:
 
     def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
         self.name, self.help = name, help
+        self.vllm_name = name  # its name under vllm:
         self.bounds = tuple(buckets)
         self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
@@ -89,7 +100,7 @@ class Histogram:
         self.count += 1
 
     def lines(self, prefix: str, labels: Mapping[str, str]) -> list[str]:
-        name = f"{prefix}:{self.name}"
+        name = f"{prefix}:{self.vllm_name if prefix == 'vllm' else self.name}"
         out = [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
         running = 0
         for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
@@ -111,9 +122,11 @@ class RouterMetrics:
         self.tpot = Histogram(
             "time_per_output_token_seconds", "Time per output token in seconds.", _LATENCY_BUCKETS
         )
+        self.tpot.vllm_name = "request_time_per_output_token_seconds"
         self.e2e = Histogram(
             "e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS
         )
+        self.finished_by_reason: dict[str, int] = {}  # vLLM's request_success_total
         self.counters = {
             "prompt_tokens": 0,
             "generation_tokens": 0,
@@ -126,9 +139,16 @@ class RouterMetrics:
         self.ttft.observe(ttft_s)
 
     def observe_finish(
-        self, e2e_s: float, ttft_s: float | None, prompt: int, completion: int, cached: int
+        self,
+        e2e_s: float,
+        ttft_s: float | None,
+        prompt: int,
+        completion: int,
+        cached: int,
+        reason: str = "stop",
     ) -> None:
         self.e2e.observe(e2e_s)
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
         if ttft_s is not None and completion > 1:
             self.tpot.observe((e2e_s - ttft_s) / (completion - 1))
         c = self.counters
@@ -171,7 +191,36 @@ class RouterMetrics:
                     [(base, value)],
                     suffix="_total",
                 )
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + self._vllm_lines(workers)) + "\n"
+
+    def _vllm_lines(self, workers: Mapping[str, WorkerLoadMsg]) -> list[str]:
+        """The series that have a vLLM counterpart, under vLLM's names."""
+        base = {"model_name": self.model_name}
+        lines: list[str] = []
+        for name, kind, help, attr in _VLLM_GAUGES:
+            samples = [
+                ({**base, "worker_id": wid}, getattr(load, attr))
+                for wid, load in sorted(workers.items())
+            ]
+            suffix = "_total" if kind == "counter" else ""
+            lines += _family(f"vllm:{name}", kind, help, samples, suffix)
+        for hist in (self.ttft, self.tpot, self.e2e):
+            lines += hist.lines("vllm", base)
+        c = self.counters
+        for name, value, help in (
+            ("prompt_tokens", c["prompt_tokens"], "Prefill tokens processed."),
+            ("generation_tokens", c["generation_tokens"], "Generation tokens processed."),
+            ("prefix_cache_queries", c["prompt_tokens"], "Prompt tokens looked up in the cache."),
+            ("prefix_cache_hits", c["cached_tokens"], "Prompt tokens found in the cache."),
+        ):
+            lines += _family(f"vllm:{name}", "counter", help, [(base, value)], suffix="_total")
+        by_reason = [
+            ({**base, "finished_reason": reason}, n)
+            for reason, n in sorted(self.finished_by_reason.items())
+        ]
+        lines += _family("vllm:request_success", "counter", "Finished requests.", by_reason,
+                         suffix="_total")  # fmt: skip
+        return lines
 
 
 def _family(

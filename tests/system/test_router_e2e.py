@@ -181,11 +181,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_request(
     assert metric(base, "sglang:num_aborted_requests_total") == aborted + 1
 
 
-def test_abort_request_by_rid_ends_a_running_generation(http_stack: Stack) -> None:
+def test_abort_request_by_rid_ends_a_running_generation(
+    http_stack: Stack, served_model: str
+) -> None:
     """SGLang's /abort_request: the response comes, with what was generated and `abort`."""
     base = http_stack.router_url
     wait_until(lambda: metric(base, "sglang:num_used_tokens") == 0, 30, what="an idle worker")
     aborted = metric(base, "sglang:num_aborted_requests_total")
+    by_abort = 'vllm:request_success_total{model_name="%s",finished_reason="abort"}'
+    vllm_aborted = metric(base, by_abort % served_model)
     params = {"max_new_tokens": 1800, "temperature": 0, "ignore_eos": True}
     body = {"text": "tell me everything", "rid": "e2e-abort", "sampling_params": params}
     with ThreadPoolExecutor(1) as pool:
@@ -204,6 +208,7 @@ def test_abort_request_by_rid_ends_a_running_generation(http_stack: Stack) -> No
     assert out["output_ids"] == want[0]["output_ids"]
     wait_until(lambda: metric(base, "sglang:num_used_tokens") == 0, 30, what="the KV freed")
     assert metric(base, "sglang:num_aborted_requests_total") == aborted + 1
+    assert metric(base, by_abort % served_model) == vllm_aborted + 1
 
 
 def test_a_priority_reaches_the_worker_which_refuses_it_without_priority_scheduling(

@@ -57,7 +57,7 @@ def test_metrics_export_sglang_and_sluice_names_in_valid_text_format() -> None:
     m = RouterMetrics("tiny")
     m.observe_first_token(0.003)
     m.observe_finish(0.5, 0.003, prompt=10, completion=5, cached=4)
-    m.observe_finish(2.0, None, prompt=10, completion=1, cached=0)
+    m.observe_finish(2.0, None, prompt=10, completion=1, cached=0, reason="length")
     text = m.render({"w0": load("w0", running=3, waiting=1, usage=0.25)})
     samples = {}
     for line in text.splitlines():
@@ -88,6 +88,22 @@ def test_metrics_export_sglang_and_sluice_names_in_valid_text_format() -> None:
         assert abs(samples[f"{prefix}:time_per_output_token_seconds_sum{base}"] - 0.12425) < 1e-9
         e2e = f"{prefix}:e2e_request_latency_seconds_bucket"
         assert samples[e2e + '{model_name="tiny",le="+Inf"}'] == 2
+    # vLLM's names, for its dashboards
+    worker, base = '{model_name="tiny",worker_id="w0"}', '{model_name="tiny"}'
+    assert samples[f"vllm:num_requests_running{worker}"] == 3
+    assert samples[f"vllm:num_requests_waiting{worker}"] == 1
+    assert samples[f"vllm:kv_cache_usage_perc{worker}"] == 0.25
+    assert samples[f"vllm:num_preemptions_total{worker}"] == 0
+    assert samples[f"vllm:prompt_tokens_total{base}"] == 20
+    assert samples[f"vllm:generation_tokens_total{base}"] == 6
+    assert samples[f"vllm:prefix_cache_queries_total{base}"] == 20
+    assert samples[f"vllm:prefix_cache_hits_total{base}"] == 4
+    assert samples[f"vllm:time_to_first_token_seconds_count{base}"] == 1
+    assert samples[f"vllm:e2e_request_latency_seconds_sum{base}"] == 2.5
+    assert samples[f"vllm:request_time_per_output_token_seconds_count{base}"] == 1
+    assert samples['vllm:request_success_total{model_name="tiny",finished_reason="stop"}'] == 1
+    assert samples['vllm:request_success_total{model_name="tiny",finished_reason="length"}'] == 1
+    assert text.count("# TYPE vllm:request_success counter") == 1
 
 
 def _samples(text: str) -> dict[str, float]:
