@@ -8,10 +8,11 @@ endpoints accept them as
     response_format  {"type": "text"} | {"type": "json_object"}
                      | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
     regex, ebnf      SGLang's extra fields
-    guided_json, guided_regex, guided_choice, guided_grammar   vLLM's extra fields
+    structured_outputs  {"json" | "regex" | "choice" | "grammar" | "json_object": ...}  vLLM's
+    guided_json, guided_regex, guided_choice, guided_grammar   vLLM's before v0.12
 
-at most one of them per request. `guided_choice` (a list of strings) becomes an EBNF grammar
-whose alternatives are those strings. What the router cannot check without the tokenizer
+at most one of them per request. A choice (a list of strings) becomes an EBNF grammar whose
+alternatives are those strings. What the router cannot check without the tokenizer
 (whether a regex or grammar compiles) comes back from the worker as a 400.
 """
 
@@ -91,6 +92,37 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool | None = False  # vLLM's: with include_usage, in every chunk
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (StructuredOutputsParams): one constraint, and options."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None  # one backend: there is nothing to fall back to
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+
+    def constraints(self) -> dict[str, Any]:
+        """{"structured_outputs.<kind>": value} of the constraints set."""
+        for name in ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
+                     "disable_additional_properties"):  # fmt: skip
+            if getattr(self, name):
+                param = f"structured_outputs.{name}"
+                raise ApiError(400, f"{param} is not supported", param, "unsupported")
+        values = {"json": self.json_, "regex": self.regex, "choice": self.choice,
+                  "grammar": self.grammar, "json_object": self.json_object or None}  # fmt: skip
+        out = {f"structured_outputs.{k}": v for k, v in values.items() if v is not None}
+        if not out:
+            msg = "structured_outputs needs one of json, regex, choice, grammar, json_object"
+            raise _invalid(msg, "structured_outputs")
+        return out
+
+
 class _SamplingCore(_Strict):
     """Sampling fields with the same name in the OpenAI and the SGLang APIs."""
 
@@ -129,6 +161,7 @@ class SamplingFields(_SamplingCore):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # vLLM's: each prompt token's logprob and rank, with this many best candidates (not when
     # streaming, as in vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -183,6 +216,8 @@ def _invalid(message: str, param: str) -> ApiError:
 def grammar_params(request: Any) -> dict[str, str]:
     """The one grammar parameter `request`'s structured output fields ask for ({} if none)."""
     values = {name: getattr(request, name) for name in STRUCTURED_FIELDS}
+    if getattr(request, "structured_outputs", None) is not None:
+        values |= request.structured_outputs.constraints()
     given = {name: value for name, value in values.items() if value is not None}
     fmt = given.get("response_format")
     if fmt is not None and fmt.get("type", "text") == "text":
@@ -195,15 +230,18 @@ def grammar_params(request: Any) -> dict[str, str]:
     if not given:
         return {}
     (name, value), = given.items()
-    if name == "response_format":
+    kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+    if kind == "response_format":
         return {"json_schema": _response_format_schema(value)}
-    if name in ("regex", "guided_regex"):
+    if kind == "regex":
         return {"regex": value}
-    if name in ("ebnf", "guided_grammar"):
+    if kind in ("ebnf", "grammar"):
         return {"ebnf": value}
-    if name == "guided_json":
+    if kind == "json":
         return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
-    return {"ebnf": _choice_grammar(value)}
+    if kind == "json_object":
+        return {"json_schema": ANY_JSON}
+    return {"ebnf": _choice_grammar(value, name)}
 
 
 def _response_format_schema(fmt: dict[str, Any]) -> str:
@@ -230,10 +268,8 @@ def _response_format_schema(fmt: dict[str, Any]) -> str:
     return json.dumps(schema)
 
 
-def _choice_grammar(choices: list[str]) -> str:
+def _choice_grammar(choices: list[str], param: str) -> str:
     if not choices or not all(choices):
-        raise _invalid(
-            "guided_choice must be a non-empty list of non-empty strings", "guided_choice"
-        )
+        raise _invalid(f"{param} must be a non-empty list of non-empty strings", param)
     # EBNF string literals take JSON's escapes
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

@@ -281,6 +281,17 @@ def test_structured_outputs_as_openai_and_vllm_clients_send_them(
         extra_body={"guided_choice": ["sunny", "rainy day"]},
     )  # fmt: skip
     assert {c.text for c in resp.choices} <= {"sunny", "rainy day"}
+    resp = client.chat.completions.create(  # vLLM's form since v0.12
+        model=served_model, messages=messages, max_tokens=20, n=4, temperature=1.0,
+        extra_body={"structured_outputs": {"choice": ["sunny", "rainy day"]}},
+    )  # fmt: skip
+    assert {c.message.content for c in resp.choices} <= {"sunny", "rainy day"}
+    resp = client.completions.create(
+        model=served_model, prompt="A trip, as JSON:", max_tokens=200, temperature=0.7, seed=3,
+        extra_body={"structured_outputs": {"json": schema}},
+    )  # fmt: skip
+    assert resp.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(resp.choices[0].text), schema)
     resp = client.completions.create(
         model=served_model, prompt="Code:", max_tokens=20, extra_body={"regex": "[A-Z]{3}-[0-9]{2}"}
     )

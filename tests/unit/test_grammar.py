@@ -146,6 +146,18 @@ def test_router_translates_openai_sglang_and_vllm_fields() -> None:
     assert _completion(guided_choice=['say "hi"', "né"])["ebnf"] == (
         'root ::= "say \\"hi\\"" | "né"'
     )
+    # vLLM's structured_outputs (its guided_* fields since v0.12), on both endpoints
+    for make in (_chat, _completion):
+        def so(**constraint: object) -> dict:
+            return make(structured_outputs=constraint)  # noqa: B023
+
+        assert so(json=schema)["json_schema"] == json.dumps(schema)
+        assert so(json='{"type": "string"}')["json_schema"] == '{"type": "string"}'
+        assert so(json_object=True)["json_schema"] == ANY_JSON
+        assert so(regex="a+")["regex"] == "a+"
+        assert so(grammar='root ::= "a"')["ebnf"] == 'root ::= "a"'
+        assert so(choice=["x", "y z"])["ebnf"] == 'root ::= "x" | "y z"'
+        assert so(regex="a+", disable_fallback=True)["regex"] == "a+"
 
 
 @pytest.mark.parametrize(
@@ -157,6 +169,14 @@ def test_router_translates_openai_sglang_and_vllm_fields() -> None:
         ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format"),
         ({"guided_choice": []}, "guided_choice"),
         ({"guided_choice": ["a", ""]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"json": {}}, "regex": "a"}, "structured_outputs.json"),
+        ({"structured_outputs": {}}, "structured_outputs"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+        ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+         "structured_outputs.whitespace_pattern"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ],
 )
 def test_router_refuses_conflicting_or_malformed_fields(fields: dict, param: str) -> None:
