@@ -153,6 +153,7 @@ class SamplingFields(_SamplingCore):
     include_stop_str_in_output: bool | None = None  # vLLM's no_stop_trim
     # vLLM's: keep the prompt's last k tokens (-1: as many as fit with the output)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    allowed_token_ids: TokenIds | None = Field(None, min_length=1)  # vLLM's: sample only these
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # structured output besides regex and ebnf: OpenAI's and vLLM's forms
@@ -193,6 +194,7 @@ class SamplingFields(_SamplingCore):
             "min_new_tokens": self.min_tokens,
             "no_stop_trim": self.include_stop_str_in_output or None,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "allowed_token_ids": self.allowed_token_ids,
         }
         return core | {k: v for k, v in extra.items() if v is not None} | grammar_params(self)
 

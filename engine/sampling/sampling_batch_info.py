@@ -50,6 +50,9 @@ class SamplingBatchInfo:
     # engine/sampling/grammar.py); None when no row has one. Set per step (`with_vocab_mask`).
     vocab_rows: torch.Tensor | None = None  # [G] int64
     vocab_mask: torch.Tensor | None = None  # [G, ceil(V / 32)] int32
+    # allowed_token_ids: the rows that have them, and which tokens each may take
+    allowed_rows: torch.Tensor | None = None  # [A] int64
+    allowed: torch.Tensor | None = None  # [A, V] bool
 
     @property
     def batch_size(self) -> int:
@@ -114,6 +117,7 @@ class SamplingBatchInfo:
             bias_rows=bias[0],
             bias_ids=bias[1],
             bias_values=bias[2],
+            **_allowed(params, vocab_size, device),
         )
 
     def apply_logit_bias(self, logits: torch.Tensor) -> torch.Tensor:
@@ -125,11 +129,17 @@ class SamplingBatchInfo:
         return logits.index_put(index, self.bias_values, accumulate=True)
 
     def apply_vocab_mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [B, V] with what the grammar rows' masks forbid at -inf (a new tensor)."""
-        if self.vocab_rows is None:
-            return logits
-        assert self.vocab_mask is not None
-        return apply_vocab_mask(logits, self.vocab_rows, self.vocab_mask)
+        """`logits` [B, V] with what the grammar rows' masks, and the rows' allowed tokens,
+        forbid at -inf (a new tensor, unless there is nothing to forbid)."""
+        if self.vocab_rows is not None:
+            assert self.vocab_mask is not None
+            logits = apply_vocab_mask(logits, self.vocab_rows, self.vocab_mask)
+        if self.allowed_rows is not None:
+            assert self.allowed is not None
+            rows = self.allowed_rows
+            masked = logits.index_select(0, rows).masked_fill_(~self.allowed, float("-inf"))
+            logits = logits.index_copy(0, rows, masked)
+        return logits
 
     def with_vocab_mask(
         self, mask: tuple[torch.Tensor, torch.Tensor] | None, device: torch.device | str
@@ -181,6 +191,22 @@ class SamplingInfoCache:
         else:
             self._key, self._params, self._info = None, [], None
         return info
+
+
+def _allowed(
+    params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """`allowed_rows` and `allowed` of the rows with allowed_token_ids ({} if none)."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not rows:
+        return {}
+    allowed = torch.zeros((len(rows), vocab_size), dtype=torch.bool)
+    for j, i in enumerate(rows):
+        allowed[j, params[i].allowed_token_ids] = True
+    return {
+        "allowed_rows": torch.tensor(rows, dtype=torch.int64).to(device),
+        "allowed": allowed.to(device),
+    }
 
 
 def _floats(values: list[float], device: torch.device | str) -> torch.Tensor:

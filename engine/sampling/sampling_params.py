@@ -55,6 +55,9 @@ class SamplingParams:
     # token id (a decimal string, as in OpenAI's JSON) -> added to its logit before sampling
     # and logprobs; +-100 in practice forces or bans the token
     logit_bias: dict[str, float] | None = None
+    # only these tokens may be sampled (vLLM's allowed_token_ids; logprobs see the others as
+    # impossible too)
+    allowed_token_ids: list[int] | None = None
     # structured output (engine/sampling/grammar.py), at most one: a JSON schema (as a JSON
     # string; "$$ANY$$" for any JSON), a regular expression or an EBNF grammar
     json_schema: str | None = None
@@ -105,6 +108,7 @@ class SamplingParams:
             (self.logprob_start_len >= -1, "logprob_start_len", "must be >= -1"),
             (self.n >= 1, "n", "must be >= 1"),
             (all(s for s in self.stop_strs), "stop", "must not contain empty strings"),
+            (self.allowed_token_ids != [], "allowed_token_ids", "must not be empty"),
         ]
         if self.sampling_seed is not None:
             ok = _INT64_MIN <= self.sampling_seed <= _INT64_MAX
@@ -117,6 +121,8 @@ class SamplingParams:
         if vocab_size is not None:
             ids_ok = all(0 <= t < vocab_size for t in self.stop_token_ids or [])
             checks.append((ids_ok, "stop_token_ids", f"must be in [0, {vocab_size})"))
+            ids_ok = all(0 <= t < vocab_size for t in self.allowed_token_ids or [])
+            checks.append((ids_ok, "allowed_token_ids", f"must be in [0, {vocab_size})"))
             k_ok = self.top_logprobs_num <= vocab_size
             checks.append((k_ok, "top_logprobs_num", f"must be <= vocab size {vocab_size}"))
             keys = [k for k in self.logit_bias or {} if _is_token_key(k)]
@@ -160,7 +166,7 @@ class SamplingParams:
                     f"{key} has wrong type {type(value).__name__}, expected {_FIELD_TYPES[key]}"
                 )
         kwargs = {k: float(v) if _FIELD_TYPES[k] == "float" else v for k, v in d.items()}
-        for key in ("stop", "stop_token_ids"):
+        for key in ("stop", "stop_token_ids", "allowed_token_ids"):
             if isinstance(kwargs.get(key), (list, tuple)):
                 kwargs[key] = list(kwargs[key])
         if kwargs.get("logit_bias"):
@@ -190,6 +196,7 @@ _FIELD_TYPES: dict[str, str] = {
     "logprob_start_len": "int",
     "return_prompt_ranks": "bool",
     "logit_bias": "dict[str, float] | None",
+    "allowed_token_ids": "list[int] | None",
     "json_schema": "str | None",
     "regex": "str | None",
     "ebnf": "str | None",

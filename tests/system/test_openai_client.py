@@ -3,6 +3,8 @@ streamed, usage, logprobs, n with seeds, model listing, and errors as its except
 
 from __future__ import annotations
 
+import re
+
 import httpx2 as httpx
 import openai
 import pytest
@@ -231,6 +233,29 @@ def test_vllm_prompt_logprobs_rank_the_prompt_like_transformers(
             extra_body={"prompt_logprobs": 1},
         )  # fmt: skip
     assert info.value.param == "prompt_logprobs"
+
+
+def test_allowed_token_ids_are_the_only_tokens_sampled(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    allowed = [300, 301, 302]
+    pieces = [client.post("/detokenize", body={"tokens": [t]}, cast_to=dict)["prompt"]
+              for t in allowed]  # fmt: skip
+    assert all(p.isascii() and p for p in pieces)
+    out = client.completions.create(
+        model=served_model, prompt="Hello", max_tokens=12, temperature=1.0, seed=1, logprobs=5,
+        extra_body={"ignore_eos": True, "allowed_token_ids": allowed},
+    )  # fmt: skip
+    choice = out.choices[0]
+    assert re.fullmatch("(?:" + "|".join(map(re.escape, pieces)) + ")+", choice.text), choice.text
+    assert len(choice.logprobs.tokens) == 12 and set(choice.logprobs.tokens) <= set(pieces)
+    for top in choice.logprobs.top_logprobs:  # the others are impossible
+        assert {k for k, v in top.items() if v > -1e9} <= set(pieces)
+    for bad in ([], [10**9], "300"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=served_model, prompt="x", max_tokens=1,
+                                      extra_body={"allowed_token_ids": bad})  # fmt: skip
+        assert "allowed_token_ids" in str(info.value)
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, served_model: str) -> None:

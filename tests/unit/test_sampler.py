@@ -293,6 +293,41 @@ def test_logit_bias_forces_and_bans_tokens_per_row_and_counts_in_logprobs() -> N
     assert make_info([SP()], 32).bias_rows is None
 
 
+def test_allowed_token_ids_limit_each_rows_choice_and_logprobs() -> None:
+    """vLLM's allowed_token_ids: a row samples (greedy or not) only among its tokens, its
+    logprobs are the softmax over them; rows without the list are untouched."""
+    vocab = 40
+    logits = random_logits(3, vocab, seed=9)
+    before = logits.clone()
+    greedy_allowed = [3, 17, 21]
+    params = [
+        SP(temperature=0.0, allowed_token_ids=greedy_allowed),
+        SP(temperature=1.0, sampling_seed=5, allowed_token_ids=[2, 30]),
+        SP(temperature=0.0),
+    ]
+    seen = set()
+    for step in range(40):
+        out = sample(logits, params, return_logprob=True, top_logprobs_nums=[5, 2, 0],
+                     step_positions=[step] * 3)  # fmt: skip
+        ids = out.next_token_ids.tolist()
+        best = max(greedy_allowed, key=lambda t: float(logits[0, t]))
+        assert ids[0] == best and ids[1] in (2, 30) and ids[2] == int(logits[2].argmax())
+        seen.add(ids[1])
+        want = torch.log_softmax(logits[0, greedy_allowed], -1).max()
+        assert out.logprobs[0] == pytest.approx(float(want), abs=1e-5)
+        top_ids, top_lps = out.top_logprobs[0]
+        assert set(top_ids[:3]) == set(greedy_allowed) and max(top_lps[3:]) < -1e30
+    assert seen == {2, 30}  # both drawn over the steps
+    assert torch.equal(logits, before)
+    info = make_info(params, vocab)
+    assert info.allowed_rows.tolist() == [0, 1] and info.allowed.sum(1).tolist() == [3, 2]
+    assert make_info([SP()], vocab).allowed_rows is None
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SP(allowed_token_ids=[1, 40]).verify(vocab)
+    with pytest.raises(ValueError, match="allowed_token_ids must not be empty"):
+        SP(allowed_token_ids=[]).verify(vocab)
+
+
 def test_min_new_tokens_bans_eos_and_stop_tokens_below_the_minimum_only() -> None:
     from engine.sampling.sampling_batch_info import SamplingInfoCache
 
