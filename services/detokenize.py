@@ -197,6 +197,7 @@ class StepDetokenizer:
                     top_logprobs_ids=row.top_logprobs_ids,
                     top_logprobs_vals=row.top_logprobs_vals,
                     prompt_logprobs=row.prompt_logprobs,
+                    prompt_ids=row.prompt_ids,
                 )
             )
         return [

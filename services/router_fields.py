@@ -154,6 +154,7 @@ class SamplingFields(_SamplingCore):
     # vLLM's: keep the prompt's last k tokens (-1: as many as fit with the output)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     allowed_token_ids: TokenIds | None = Field(None, min_length=1)  # vLLM's: sample only these
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # structured output besides regex and ebnf: OpenAI's and vLLM's forms
@@ -174,6 +175,7 @@ class SamplingFields(_SamplingCore):
         it does."""
         for sub in subs:
             sub.rid, sub.priority = self.rid, self.priority
+            sub.return_token_ids = bool(self.return_token_ids)
         if self.truncate_prompt_tokens == 0:
             raise _invalid("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
         if self.prompt_logprobs is None:

@@ -62,6 +62,7 @@ class SubRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # chat: open the assistant's turn after the messages
     continue_final_message: bool = False  # chat: or continue the last message
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids in the response
 
 
 class CompletionRequest(SamplingFields):

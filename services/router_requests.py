@@ -167,6 +167,7 @@ class Broker:
             continue_final_message=sub.continue_final_message,
             return_prompt_ranks=wants_prompt,
             priority=sub.priority,
+            return_prompt_ids=sub.return_token_ids,
         )
 
     def _dispatch(self, msg: object) -> None:

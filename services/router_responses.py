@@ -76,6 +76,7 @@ class Formatter:
         self.continuous_usage = continuous_usage  # vLLM's: every chunk says its choice's usage
         self.prompt_of = {h.sub.index: h.sub.prompt_index for h in handles}
         self.want_logprobs = handles[0].sub.return_logprob
+        self.token_ids = handles[0].sub.return_token_ids  # vLLM's return_token_ids
         self.top_n = handles[0].sub.top_logprobs_num
         self.echo = kind == "completion" and handles[0].sub.echo
         self.chat_echo = _chat_echo(handles[0].sub) if kind == "chat" else ""
@@ -99,6 +100,10 @@ class Formatter:
             choice = self._choice(c, part, c.output_ids, lps, tops, final=True, echo=True)
             if c.split is not None and c.split.calls:
                 choice["message"]["tool_calls"] = c.split.calls
+            if self.token_ids:  # a chat's prompt ids in the body, a completion's per choice
+                where = choice if self.kind == "completion" else body
+                where.setdefault("prompt_token_ids", c.prompt_ids)
+                choice["token_ids"] = c.output_ids
             k = self.subs[c.index].prompt_logprobs
             if k is not None:  # vLLM's: a completion's per choice, a chat's in the body
                 ranked = None if c.prompt is None else ranked_prompt(c.prompt, k, self.names)
@@ -154,6 +159,8 @@ class Formatter:
     def _says_nothing(self, d: Delta, first: bool, part: Part) -> bool:
         if self.kind == "generate" or d.finished or self.want_logprobs:
             return False
+        if self.token_ids and (d.output_ids or first):
+            return False  # every id goes out
         if part.content or part.reasoning or part.calls:
             return False
         if first and self.echo:
@@ -171,7 +178,8 @@ class Formatter:
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
-        fast = not (first or d.finished or self.want_logprobs or self.continuous_usage)
+        fast = not (first or d.finished or self.want_logprobs or self.continuous_usage
+                    or self.token_ids)  # fmt: skip
         if fast and not part.reasoning:
             if not part.calls:
                 return self._text_chunk(c.index, part.content)
@@ -209,6 +217,10 @@ class Formatter:
             if part.calls:
                 delta["tool_calls"] = part.calls
         body["choices"] = [choice]
+        if self.token_ids:
+            if first:
+                (choice if self.kind == "completion" else body)["prompt_token_ids"] = c.prompt_ids
+            choice["token_ids"] = d.output_ids
         if self.continuous_usage:
             body["usage"] = {"prompt_tokens": c.prompt_tokens,
                              "completion_tokens": len(c.output_ids),

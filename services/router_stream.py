@@ -47,6 +47,7 @@ class Delta:
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta
     prompt_tokens: int | None = None  # the prompt's length, once a row has said it
+    prompt_ids: list[int] | None = None  # in the request's first delta, when asked for
 
     @property
     def finished(self) -> bool:
@@ -158,6 +159,8 @@ class OutputAssembler:
             delta.top_logprobs = (delta.top_logprobs or []) + pairs
         if row.prompt_logprobs is not None:
             delta.prompt_logprobs = row.prompt_logprobs
+        if row.prompt_ids is not None:
+            delta.prompt_ids = row.prompt_ids
         if row.finished:
             self._finish(row.finish_reason, row)
 
@@ -211,6 +214,7 @@ class Choice:
     prompt: PromptLogprobs | None = None
     split: ChatSplit | None = None  # chat with tools or reasoning: what its text is
     prompt_tokens: int = 0
+    prompt_ids: list[int] | None = None
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
@@ -221,6 +225,8 @@ class Choice:
             self.prompt = delta.prompt_logprobs
         if delta.prompt_tokens is not None:
             self.prompt_tokens = delta.prompt_tokens
+        if delta.prompt_ids is not None:
+            self.prompt_ids = delta.prompt_ids
         if delta.finished:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage
 

@@ -74,6 +74,7 @@ class RequestTokenizer:
             created=msg.created,
             return_prompt_ranks=msg.return_prompt_ranks,
             priority=msg.priority,
+            return_prompt_ids=msg.return_prompt_ids,
         )
 
     def answer(self, msg: TokenizeReqMsg) -> TokenizeRespMsg:

@@ -14,7 +14,8 @@ first item names the record:
 
     scheduler → I/O   ["hello", config]                                    once, first
                       ["start", rid, router_id, skip_special_tokens,
-                                spaces_between_special_tokens, prompt_tokens]  a request starts
+                                spaces_between_special_tokens, prompt_tokens,
+                                prompt_ids or None]                        a request starts
                       ["forget", rid]                    a started request ends without rows
                       ["step", step, [row record, ...]]                    see `row_record`
                       ["msg", stream, message bytes]                       publish as is

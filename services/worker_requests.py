@@ -39,6 +39,7 @@ class ReqInfo(NamedTuple):
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     prompt_tokens: int
+    prompt_ids: list[int] | None = None  # when the client wants them back
 
     @classmethod
     def of(cls, msg: GenerateReqMsg) -> ReqInfo:
@@ -47,6 +48,7 @@ class ReqInfo(NamedTuple):
             msg.skip_special_tokens,
             msg.spaces_between_special_tokens,
             len(msg.input_ids),
+            list(msg.input_ids) if msg.return_prompt_ids else None,
         )
 
 
@@ -202,6 +204,7 @@ def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
         top_logprobs_ids=top_ids,
         top_logprobs_vals=top_vals,
         prompt_logprobs=None if prompt is None else PromptLogprobs(*prompt),
+        prompt_ids=info.prompt_ids if start == 0 else None,
     )
 
 

@@ -21,7 +21,7 @@ class StepRow(NamedTuple):
     output token, which tells a detokenizer that no earlier text exists. A final row may
     carry no new tokens (an abort). `completion_tokens` is the output length after this
     step; the logprob fields, when requested, have one entry per new token.
-    `prompt_logprobs`, when requested, comes with the request's first row.
+    `prompt_logprobs` and `prompt_ids`, when requested, come with the request's first row.
     """
 
     rid: str
@@ -39,6 +39,7 @@ class StepRow(NamedTuple):
     top_logprobs_ids: list[list[int]] | None = None
     top_logprobs_vals: list[list[float]] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -55,13 +56,13 @@ class StepOutputMsg(Columnar, Message):
     """
 
     TAG = "step_output"
-    VERSION = 3  # 3: prompt logprobs carry ranks
+    VERSION = 4  # 3: prompt logprobs carry ranks; 4: prompt_ids
     ROW = StepRow
     COLUMNS = (
         "rids", "router_ids", "starts", "new_ids", "window_ids", "finish_reasons",
         "prompt_tokens", "completion_tokens", "cached_tokens", "skip_special_tokens",
         "spaces_between_special_tokens", "token_logprobs", "top_logprobs_ids",
-        "top_logprobs_vals", "prompt_logprobs",
+        "top_logprobs_vals", "prompt_logprobs", "prompt_ids",
     )  # fmt: skip
 
     worker_id: str
@@ -81,6 +82,7 @@ class StepOutputMsg(Columnar, Message):
     top_logprobs_ids: list[list[list[int]] | None]
     top_logprobs_vals: list[list[list[float]] | None]
     prompt_logprobs: list[PromptLogprobs | None]
+    prompt_ids: list[list[int] | None]
 
     def _check(self) -> None:
         self._check_columns()

@@ -17,7 +17,7 @@ class DetokRow(NamedTuple):
     held back, and the held-back text then arrives with a later range. Ranges of one
     request may arrive out of order or twice: order by `start`, ignore ranges already seen.
     The final row (finish reason set) carries the usage figures the API reports, the first
-    (start 0) the prompt logprobs when requested.
+    (start 0) the prompt logprobs and the prompt's ids when requested.
     """
 
     rid: str
@@ -33,6 +33,7 @@ class DetokRow(NamedTuple):
     top_logprobs_ids: list[list[int]] | None = None
     top_logprobs_vals: list[list[float]] | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:
@@ -48,12 +49,12 @@ class DetokOutputMsg(Columnar, Message):
     """
 
     TAG = "detok_output"
-    VERSION = 3  # 3: prompt logprobs carry ranks
+    VERSION = 4  # 3: prompt logprobs carry ranks; 4: prompt_ids
     ROW = DetokRow
     COLUMNS = (
         "rids", "starts", "ends", "texts", "output_ids", "finish_reasons", "prompt_tokens",
         "completion_tokens", "cached_tokens", "token_logprobs", "top_logprobs_ids",
-        "top_logprobs_vals", "prompt_logprobs",
+        "top_logprobs_vals", "prompt_logprobs", "prompt_ids",
     )  # fmt: skip
 
     router_id: str
@@ -72,6 +73,7 @@ class DetokOutputMsg(Columnar, Message):
     top_logprobs_ids: list[list[list[int]] | None]
     top_logprobs_vals: list[list[list[float]] | None]
     prompt_logprobs: list[PromptLogprobs | None]
+    prompt_ids: list[list[int] | None]
 
     def _check(self) -> None:
         self._check_columns()

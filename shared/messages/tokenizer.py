@@ -48,7 +48,7 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 7  # 6: return_prompt_ranks; 7: priority
+    VERSION = 8  # 6: return_prompt_ranks; 7: priority; 8: return_prompt_ids
 
     rid: str
     router_id: str
@@ -71,6 +71,7 @@ class TokenizeReqMsg(Message):
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
     priority: int | None = None  # with the worker's priority scheduling (SGLang's)
+    return_prompt_ids: bool = False  # the prompt's ids come back with the first output row
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]

@@ -22,7 +22,7 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 4  # 3: return_prompt_ranks; 4: priority
+    VERSION = 5  # 3: return_prompt_ranks; 4: priority; 5: return_prompt_ids
 
     rid: str
     router_id: str
@@ -38,6 +38,7 @@ class GenerateReqMsg(Message):
     created: float = 0.0
     return_prompt_ranks: bool = False  # the prompt logprobs' ranks too (vLLM's)
     priority: int | None = None  # with the worker's priority scheduling (SGLang's)
+    return_prompt_ids: bool = False  # `input_ids` go back in the request's first step row
 
     def _check(self) -> None:
         if not self.input_ids:

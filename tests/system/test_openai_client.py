@@ -258,6 +258,45 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(
         assert "allowed_token_ids" in str(info.value)
 
 
+def test_return_token_ids_gives_the_prompts_and_outputs_ids(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    """vLLM's return_token_ids: a completion choice's prompt_token_ids and token_ids; a chat's
+    prompt ids in the body (after the template); streamed, each chunk's ids."""
+    ids = client.post("/tokenize", body={"prompt": "Count: one two"}, cast_to=dict)["tokens"]
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    out = client.completions.create(model=served_model, prompt=ids, max_tokens=10,
+                                    temperature=0, extra_body=extra)  # fmt: skip
+    choice = out.choices[0].model_extra
+    assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 10
+    text = client.post("/detokenize", body={"tokens": choice["token_ids"]}, cast_to=dict)
+    assert text["prompt"] == out.choices[0].text
+    chunks = list(client.completions.create(
+        model=served_model, prompt=ids, max_tokens=10, temperature=0, stream=True,
+        extra_body=extra))  # fmt: skip
+    streamed = [c.choices[0].model_extra for c in chunks if c.choices]
+    assert streamed[0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c for c in streamed[1:])
+    assert [t for c in streamed for t in c["token_ids"]] == choice["token_ids"]
+    messages = [{"role": "user", "content": "Hi there"}]
+    templated = client.post("/tokenize", body={"messages": messages}, cast_to=dict)["tokens"]
+    chat = client.chat.completions.create(
+        model=served_model, messages=messages, max_tokens=6, n=2, temperature=1.0, seed=4,
+        extra_body=extra)  # fmt: skip
+    assert chat.model_extra["prompt_token_ids"] == templated
+    assert [len(c.model_extra["token_ids"]) for c in chat.choices] == [6, 6]
+    chunks = list(client.chat.completions.create(
+        model=served_model, messages=messages, max_tokens=6, n=2, temperature=1.0, seed=4,
+        stream=True, extra_body=extra))  # fmt: skip
+    for i, c in enumerate(chat.choices):
+        mine = [k for k in chunks if k.choices and k.choices[0].index == i]
+        assert mine[0].model_extra["prompt_token_ids"] == templated
+        got = [t for k in mine for t in k.choices[0].model_extra["token_ids"]]
+        assert got == c.model_extra["token_ids"]  # seeded: the same samples
+    plain = client.completions.create(model=served_model, prompt=ids, max_tokens=2)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
 def test_logit_bias_forces_a_token(client: openai.OpenAI, served_model: str) -> None:
     out = client.completions.create(
         model=served_model, prompt="Hello", max_tokens=3, logit_bias={"300": 100}, temperature=1.0,

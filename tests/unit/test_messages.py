@@ -44,6 +44,7 @@ def step_rows() -> list[StepRow]:
         StepRow(
             "r4", "router-b", 0, [], [], FinishReason("length"), 3, 0, 0,
             prompt_logprobs=PromptLogprobs(0, [1, 2, 3], [-1.5, -2.0], [[5], [6]], [[-0.5], [-1]]),
+            prompt_ids=[1, 2, 3],
         ),
     ]  # fmt: skip
 
@@ -55,6 +56,7 @@ def detok_rows() -> list[DetokRow]:
         DetokRow(
             "r3", 0, 1, "a", [4], None, 9, 1, 0,
             prompt_logprobs=PromptLogprobs(7, [8, 9], [-0.5, -0.75]),
+            prompt_ids=[1, 8, 9],
         ),
     ]  # fmt: skip
 
@@ -136,6 +138,7 @@ def test_columnar_rows_round_trip() -> None:
     assert step.num_rows == 5
     assert step.rows() == step_rows()
     assert step.row(4).prompt_logprobs.token_logprobs() == [None, -1.5, -2.0]
+    assert step.row(4).prompt_ids == [1, 2, 3] and step.row(0).prompt_ids is None
     assert step.row(2).finished and not step.row(1).finished
     assert step.row(2).finish_reason.to_dict() == {"type": "stop", "matched": 2}
     detok = decode_message(SAMPLES[9].to_msg())
@@ -200,7 +203,7 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=8), "tokenize_req: unsupported schema version 8 (speaks 7)"),
+        (lambda b: b.update(v=9), "tokenize_req: unsupported schema version 9 (speaks 8)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
         (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),
