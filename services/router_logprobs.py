@@ -1,5 +1,6 @@
-"""Logprobs in the API's shapes: token ids as text (`TokenNames`), OpenAI's chat entries,
-SGLang's `input_token_logprobs`, vLLM's `prompt_logprobs`."""
+"""Logprobs in the API's shapes: token ids as text (`TokenNames`), OpenAI's chat entries and
+completion logprobs, SGLang's `/generate` object with its `input_token_logprobs`, vLLM's
+`prompt_logprobs`."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import functools
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared.messages import PromptLogprobs
+
+if TYPE_CHECKING:
+    from services.router_stream import Choice
 
 logger = logging.getLogger(__name__)
 
@@ -86,3 +90,62 @@ def _decode_one(tokenizer: Any, token_id: int) -> str:
 
 def chat_token(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def openai_logprobs(
+    names: TokenNames,
+    chat: bool,
+    top_n: int,
+    ids: list[int],
+    lps: list[float | None],
+    tops: list[list[tuple[int, float]] | None],
+) -> dict[str, Any]:
+    """OpenAI's `logprobs` of a choice: chat's `content` entries, or the completions API's
+    `tokens`, `token_logprobs`, `top_logprobs` and `text_offset`."""
+    if chat:
+        content = []
+        for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
+            top = tops[i][:top_n] if i < len(tops) else []
+            entry = chat_token(names(tid), lp)
+            entry["top_logprobs"] = [chat_token(names(t), v) for t, v in top]
+            content.append(entry)
+        return {"content": content}
+    tokens = [names(t) for t in ids]
+    offsets, pos = [], 0
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    top_maps = [
+        None if top is None else {names(t): v for t, v in top[:top_n]} for top in tops
+    ] or None
+    return {
+        "tokens": tokens,
+        "token_logprobs": lps[: len(ids)],
+        "top_logprobs": top_maps,
+        "text_offset": offsets,
+    }
+
+
+def generate_obj(
+    c: Choice, text: str, start: int, want_logprobs: bool, top_n: int
+) -> dict[str, Any]:
+    """`/generate`'s object for `c`'s output tokens from `start` on (`text` is theirs):
+    ids and logprobs are sliced there, counts and the finish reason are the whole output's."""
+    reason, num_ids = c.finish_reason, len(c.output_ids)
+    ids = c.output_ids[start:]
+    meta: dict[str, Any] = {
+        "id": c.rid,
+        "finish_reason": reason.to_dict(length=num_ids) if reason else None,
+        "prompt_tokens": c.usage.prompt_tokens if c.usage else None,
+        "completion_tokens": c.usage.completion_tokens if c.usage else num_ids,
+        "cached_tokens": c.usage.cached_tokens if c.usage else None,
+    }
+    if want_logprobs:
+        pairs = zip(c.token_logprobs[start:], ids, strict=False)
+        meta["output_token_logprobs"] = [[lp, t] for lp, t in pairs]
+        if top_n:
+            tops = c.top_logprobs[start:]
+            meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in tops]
+        if c.prompt is not None and start == 0:
+            meta.update(input_logprobs(c.prompt, top_n > 0))
+    return {"text": text, "output_ids": ids, "meta_info": meta}

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.router_handle import RequestHandle, merged
-from services.router_logprobs import TokenNames, chat_token, input_logprobs, ranked_prompt
+from services.router_logprobs import TokenNames, generate_obj, openai_logprobs, ranked_prompt
 from services.router_protocol import ApiError
 from services.router_stream import Choice, Delta, usage
 from services.router_tools import ChatSplit, Part, ToolMode
@@ -89,7 +89,7 @@ class Formatter:
     async def response(self) -> Any:
         choices = await collect(self.handles)
         if self.kind == "generate":
-            outs = [self._generate_obj(c, c.text) for c in choices]
+            outs = [generate_obj(c, c.text, 0, self.want_logprobs, self.top_n) for c in choices]
             return outs if self.batch else outs[0]
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
         body["choices"] = []
@@ -172,9 +172,10 @@ class Formatter:
         part = Part(d.text) if part is None else part
         if self.kind == "generate":
             if self.incremental:
-                obj = self._generate_obj(c, d.text, start=len(c.output_ids) - len(d.output_ids))
+                start = len(c.output_ids) - len(d.output_ids)
+                obj = generate_obj(c, d.text, start, self.want_logprobs, self.top_n)
             else:
-                obj = self._generate_obj(c, c.text)
+                obj = generate_obj(c, c.text, 0, self.want_logprobs, self.top_n)
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)
@@ -265,7 +266,10 @@ class Formatter:
             out["message"] = message
         else:
             out["text"] = text
-        out["logprobs"] = self._logprobs(ids, lps, tops) if self.want_logprobs else None
+        out["logprobs"] = None
+        if self.want_logprobs:
+            chat = self.kind == "chat"
+            out["logprobs"] = openai_logprobs(self.names, chat, self.top_n, ids, lps, tops)
         out["finish_reason"] = c.finish_type if final else None
         out["matched_stop"] = c.matched if final else None
         return out
@@ -276,55 +280,6 @@ class Formatter:
             return sub.text
         skip = sub.sampling_params.get("skip_special_tokens", True)
         return self.names.text(sub.input_ids or [], skip_special_tokens=skip)
-
-    def _logprobs(
-        self, ids: list[int], lps: list[float | None], tops: list[list[tuple[int, float]] | None]
-    ) -> dict[str, Any] | None:
-        names = self.names
-        if self.kind == "chat":
-            content = []
-            for i, (tid, lp) in enumerate(zip(ids, lps, strict=False)):
-                top = tops[i][: self.top_n] if i < len(tops) else []
-                entry = chat_token(names(tid), lp)
-                entry["top_logprobs"] = [chat_token(names(t), v) for t, v in top]
-                content.append(entry)
-            return {"content": content}
-        tokens = [names(t) for t in ids]
-        offsets, pos = [], 0
-        for tok in tokens:
-            offsets.append(pos)
-            pos += len(tok)
-        top_maps = [
-            None if top is None else {names(t): v for t, v in top[: self.top_n]} for top in tops
-        ] or None
-        return {
-            "tokens": tokens,
-            "token_logprobs": lps[: len(ids)],
-            "top_logprobs": top_maps,
-            "text_offset": offsets,
-        }
-
-    def _generate_obj(self, c: Choice, text: str, start: int = 0) -> dict[str, Any]:
-        """`/generate`'s object for `c`'s output tokens from `start` on (`text` is theirs):
-        ids and logprobs are sliced there, counts and the finish reason are the whole output's."""
-        reason, num_ids = c.finish_reason, len(c.output_ids)
-        ids = c.output_ids[start:]
-        meta: dict[str, Any] = {
-            "id": c.rid,
-            "finish_reason": reason.to_dict(length=num_ids) if reason else None,
-            "prompt_tokens": c.usage.prompt_tokens if c.usage else None,
-            "completion_tokens": c.usage.completion_tokens if c.usage else num_ids,
-            "cached_tokens": c.usage.cached_tokens if c.usage else None,
-        }
-        if self.want_logprobs:
-            pairs = zip(c.token_logprobs[start:], ids, strict=False)
-            meta["output_token_logprobs"] = [[lp, t] for lp, t in pairs]
-            if self.top_n:
-                tops = c.top_logprobs[start:]
-                meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in tops]
-            if c.prompt is not None and start == 0:
-                meta.update(input_logprobs(c.prompt, self.top_n > 0))
-        return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 def _chat_echo(sub: Any) -> str:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.router_logprobs import TokenNames
+from services.router_logprobs import TokenNames, generate_obj, openai_logprobs
 from services.router_protocol import SubRequest
 from services.router_responses import Formatter
 from services.router_stream import Choice, Delta, Usage, usage
@@ -103,7 +103,7 @@ def test_usage_counts_each_prompt_once_and_sums_completions() -> None:
 
 def test_logprobs_shapes_of_completions_and_chat() -> None:
     lps, tops = [-0.5, -1.0], [[(7, -0.5), (8, -0.9), (9, -2.0)], [(8, -1.0), (7, -1.5)]]
-    comp = formatter("completion", logprobs=True)._logprobs([7, 8], lps, tops)
+    comp = openai_logprobs(TokenNames(), False, 2, [7, 8], lps, tops)
     assert comp == {
         "tokens": ["token_id:7", "token_id:8"],
         "token_logprobs": lps,
@@ -113,7 +113,7 @@ def test_logprobs_shapes_of_completions_and_chat() -> None:
         ],
         "text_offset": [0, 10],
     }
-    chat = formatter("chat", logprobs=True)._logprobs([7, 8], lps, tops)["content"]
+    chat = openai_logprobs(TokenNames(), True, 2, [7, 8], lps, tops)["content"]
     assert chat[0]["token"] == "token_id:7" and chat[0]["bytes"] == list(b"token_id:7")
     assert [t["logprob"] for t in chat[1]["top_logprobs"]] == [-1.0, -1.5]
 
@@ -131,7 +131,7 @@ def test_generate_meta_finish_reason_has_sglang_shape(reason: FinishReason, expe
     the length (not a null `matched`), a stop its match, an abort its message."""
     c = Choice(0, rid="r0", output_ids=[4, 5, 6])
     c.add(Delta(text="", output_ids=[], finish_reason=reason, usage=Usage(2, 3, 0)))
-    meta = formatter("generate")._generate_obj(c, "abc")["meta_info"]
+    meta = generate_obj(c, "abc", 0, False, 0)["meta_info"]
     assert meta["finish_reason"] == expected
 
 
