@@ -3,7 +3,9 @@
 One iteration (`step`): pick the next batch (a prefill batch if any waiting request can be
 admitted, else the running decode batch), run it on the model runner, process its results
 (append tokens, check finish conditions, update the cache). The overlap scheduler reorders
-the last two parts; everything else is shared.
+the last two parts; everything else is shared. What arrives and leaves between steps
+(new requests, aborts, cache flushes, grammar masks) is `RequestIntake`'s
+(engine/scheduler/request_intake.py).
 """
 
 from __future__ import annotations
@@ -13,22 +15,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from engine.config import EngineArgs
 from engine.forward_batch import ForwardMode
-from engine.sampling.grammar import GrammarBackend
-from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.grammar_queue import GrammarQueue
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pools import MemoryPools
-from engine.scheduler.req import FinishReason, Req
+from engine.scheduler.req import Req
+from engine.scheduler.request_intake import RequestIntake
 from engine.scheduler.schedule_batch import ScheduleBatch
 from engine.scheduler.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
 
 logger = logging.getLogger(__name__)
-
-GRAMMAR_POLL_S = 0.005
 
 
 @dataclass
@@ -45,7 +42,7 @@ class SchedulerStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Scheduler:
+class Scheduler(RequestIntake):
     def __init__(
         self,
         args: EngineArgs,
@@ -84,98 +81,6 @@ class Scheduler:
             args.max_running_requests, self.pools.req_to_token_pool.size - 1
         )
 
-    # -- input ----------------------------------------------------------------------------------
-    def add_request(
-        self, rid: str, input_ids: list[int], params: SamplingParams, priority: int | None = None
-    ) -> Req:
-        """Queue a validated request. Raises ValueError if it cannot fit the context, its
-        grammar is known not to compile, or it has a priority without priority scheduling;
-        one whose grammar fails later is rejected (`take_rejected`)."""
-        if priority and not self.args.enable_priority_scheduling:
-            raise ValueError(
-                "priority: priority scheduling is off (the worker's --enable-priority-scheduling)"
-            )
-        if not input_ids:
-            raise ValueError("input_ids: the prompt is empty")
-        if len(input_ids) >= self.context_len:
-            raise ValueError(
-                f"input_ids: the prompt has {len(input_ids)} tokens, the context length is "
-                f"{self.context_len}"
-            )
-        if len(input_ids) + params.max_new_tokens > self.context_len:
-            raise ValueError(
-                f"max_new_tokens: {len(input_ids)} prompt tokens + {params.max_new_tokens} new "
-                f"tokens exceed the context length {self.context_len}"
-            )
-        req = Req(
-            rid, list(input_ids), params, self.eos_token_ids, next(self._arrival), priority or 0
-        )
-        compiling = params.has_grammar and not self.grammar_queue.submit(req)
-        self.stats.prompt_tokens += len(input_ids)
-        if not compiling:
-            self._enqueue(req)
-        return req
-
-    def _enqueue(self, req: Req) -> None:
-        if req.grammar is not None:
-            self._constrained.add(req)
-        self.waiting_queue.append(req)
-
-    def _make_grammar_backend(self) -> GrammarBackend:
-        if self.tokenizer is None:
-            raise ValueError("structured outputs need the tokenizer (skip_tokenizer_init)")
-        vocab = self.model_runner.model_config.vocab_size
-        return GrammarBackend(self.tokenizer, vocab, self.eos_token_ids)
-
-    def _admit_compiled(self) -> None:
-        """Requests whose grammar has compiled join the waiting queue; failed ones end."""
-        ready, rejected = self.grammar_queue.take_ready()
-        for req in ready:
-            self._enqueue(req)
-        for req, why in rejected:
-            req.finished_reason = FinishReason("abort", message=why)
-            self._rejected.append((req.rid, why))
-
-    def take_rejected(self) -> list[tuple[str, str]]:
-        """(rid, why) of the requests whose grammar failed to compile since the last call:
-        they are gone from the scheduler without an event (the caller reports the error)."""
-        rejected, self._rejected = self._rejected, []
-        return rejected
-
-    def abort_request(self, rid: str, why: str = "aborted by request") -> None:
-        reason = FinishReason("abort", message=why)
-        queued = self.grammar_queue.remove(rid)  # compiling its grammar, or waiting
-        for i, req in enumerate(self.waiting_queue if queued is None else ()):
-            if req.rid == rid:
-                queued = self.waiting_queue.pop(i)
-                break
-        if queued is not None:
-            queued.finished_reason = reason
-            self.output.emit(StepEvent(queued, [], len(queued.output_ids), reason))
-            return
-        for req in itertools.chain(self.running_batch.reqs, self._in_flight_reqs()):
-            if req.rid == rid and not req.finished:
-                req.to_abort = reason
-
-    def _in_flight_reqs(self) -> list[Req]:
-        reqs = list(self.last_batch.reqs) if self.last_batch is not None else []
-        if self.chunked_req is not None:
-            reqs.append(self.chunked_req)
-        return reqs
-
-    def has_work(self) -> bool:
-        if self.waiting_queue or self.chunked_req is not None or len(self.grammar_queue):
-            return True
-        batches = [self.running_batch] + ([self.last_batch] if self.last_batch else [])
-        return any(not r.finished for b in batches for r in b.reqs)
-
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while any request runs or waits."""
-        if self.has_work():
-            return False
-        self.tree_cache.reset()
-        return True
-
     # -- one iteration --------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """Run one batch and return what happened to requests (new tokens, finishes)."""
@@ -189,12 +94,6 @@ class Scheduler:
         self._update_stats()
         return self.output.take_events()
 
-    def wait_for_grammars(self) -> None:
-        """With nothing to run but requests whose grammar compiles: block briefly on the
-        compilations rather than spin (new requests wait at most this long)."""
-        if len(self.grammar_queue):
-            self.grammar_queue.wait(GRAMMAR_POLL_S)
-
     def close(self) -> None:
         self.grammar_queue.close()
 
@@ -203,15 +102,6 @@ class Scheduler:
         if self._constrained:
             mwb.vocab_mask = self.vocab_mask(batch.reqs)
         return self.model_runner.forward_batch_generation(mwb)
-
-    def vocab_mask(self, reqs: list[Req]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The grammar rows of a batch and their token masks, as of the requests' outputs now
-        (None if none of them has a grammar)."""
-        if self._constrained:
-            self._constrained = {r for r in self._constrained if not r.finished}
-        if not self._constrained or not any(r in self._constrained for r in reqs):
-            return None
-        return self.grammar_queue.backend().vocab_mask([r.grammar for r in reqs])
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if len(self.grammar_queue):
