@@ -23,13 +23,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.responses_api import ResponsesRequest
 from services.responses_stream import ResponseShaper
 from services.router_chat import ParserChoice
+from services.router_generate import GenerateRequest
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
 from services.router_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     check_max_tokens,
     parse_body,
 )

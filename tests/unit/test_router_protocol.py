@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from services.router_generate import GenerateRequest
 from services.router_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    GenerateRequest,
     check_max_tokens,
     parse_body,
 )
