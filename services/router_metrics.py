@@ -86,9 +86,11 @@ def _num(v: float) -> str:
 class Histogram:
     """Cumulative-bucket histogram of observations in seconds."""
 
-    def __init__(self, name: str, help: str, buckets: Iterable[float]) -> None:
+    def __init__(
+        self, name: str, help: str, buckets: Iterable[float], vllm_name: str | None = None
+    ) -> None:
         self.name, self.help = name, help
-        self.vllm_name = name  # its name under vllm:
+        self.vllm_name = vllm_name or name  # its name under vllm:
         self.bounds = tuple(buckets)
         self.counts = [0] * (len(self.bounds) + 1)  # the last one is +Inf
         self.sum = 0.0
@@ -120,9 +122,11 @@ class RouterMetrics:
             "time_to_first_token_seconds", "Time to first token in seconds.", _LATENCY_BUCKETS
         )
         self.tpot = Histogram(
-            "time_per_output_token_seconds", "Time per output token in seconds.", _LATENCY_BUCKETS
+            "time_per_output_token_seconds",
+            "Time per output token in seconds.",
+            _LATENCY_BUCKETS,
+            vllm_name="request_time_per_output_token_seconds",  # per request, as this one is
         )
-        self.tpot.vllm_name = "request_time_per_output_token_seconds"
         self.e2e = Histogram(
             "e2e_request_latency_seconds", "End-to-end request latency in seconds.", _E2E_BUCKETS
         )
@@ -170,10 +174,7 @@ class RouterMetrics:
         lines: list[str] = []
         for prefix in PREFIXES:
             for name, help, attr in _WORKER_GAUGES:
-                samples = [
-                    ({**base, "worker_id": wid}, getattr(load, attr))
-                    for wid, load in sorted(workers.items())
-                ]
+                samples = _per_worker(base, workers, attr)
                 lines += _family(f"{prefix}:{name}", "gauge", help, samples)
             lines += _family(
                 f"{prefix}:cache_hit_rate",
@@ -198,12 +199,8 @@ class RouterMetrics:
         base = {"model_name": self.model_name}
         lines: list[str] = []
         for name, kind, help, attr in _VLLM_GAUGES:
-            samples = [
-                ({**base, "worker_id": wid}, getattr(load, attr))
-                for wid, load in sorted(workers.items())
-            ]
             suffix = "_total" if kind == "counter" else ""
-            lines += _family(f"vllm:{name}", kind, help, samples, suffix)
+            lines += _family(f"vllm:{name}", kind, help, _per_worker(base, workers, attr), suffix)
         for hist in (self.ttft, self.tpot, self.e2e):
             lines += hist.lines("vllm", base)
         c = self.counters
@@ -221,6 +218,13 @@ class RouterMetrics:
         lines += _family("vllm:request_success", "counter", "Finished requests.", by_reason,
                          suffix="_total")  # fmt: skip
         return lines
+
+
+def _per_worker(
+    base: Mapping[str, str], workers: Mapping[str, WorkerLoadMsg], attr: str
+) -> list[tuple[Mapping[str, str], float]]:
+    """One sample of heartbeat figure `attr` per worker."""
+    return [({**base, "worker_id": w}, getattr(load, attr)) for w, load in sorted(workers.items())]
 
 
 def _family(

@@ -163,7 +163,7 @@ class RequestTokenizer:
 
 def _truncated(ids: list[int], keep: Any, room: int, context_len: int) -> list[int]:
     """The last `keep` tokens of the prompt (-1: the last `room`, at least one)."""
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+    if isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1):
         raise RequestError("invalid_request", "truncate_prompt_tokens must be -1 or >= 1")
     if keep > context_len:
         raise RequestError(

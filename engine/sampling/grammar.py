@@ -128,6 +128,11 @@ def apply_vocab_mask(logits: torch.Tensor, rows: torch.Tensor, mask: torch.Tenso
     """`logits` [B, V] with the tokens `mask` forbids in `rows` set to -inf (a new tensor)."""
     vocab = logits.shape[1]
     bits = mask.unsqueeze(-1).bitwise_right_shift(_BIT.to(mask.device)).bitwise_and_(1)
-    allowed = bits.view(mask.shape[0], -1)[:, :vocab].bool()
+    return allow_only(logits, rows, bits.view(mask.shape[0], -1)[:, :vocab].bool())
+
+
+def allow_only(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """`logits` [B, V] with the tokens not `allowed` [len(rows), V] in `rows` set to -inf
+    (a new tensor)."""
     masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
     return logits.index_copy(0, rows, masked)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.grammar import apply_vocab_mask
+from engine.sampling.grammar import allow_only, apply_vocab_mask
 from engine.sampling.penalties import BatchPenalties
 from engine.sampling.sampling_params import SamplingParams
 
@@ -136,9 +136,7 @@ class SamplingBatchInfo:
             logits = apply_vocab_mask(logits, self.vocab_rows, self.vocab_mask)
         if self.allowed_rows is not None:
             assert self.allowed is not None
-            rows = self.allowed_rows
-            masked = logits.index_select(0, rows).masked_fill_(~self.allowed, float("-inf"))
-            logits = logits.index_copy(0, rows, masked)
+            logits = allow_only(logits, self.allowed_rows, self.allowed)
         return logits
 
     def with_vocab_mask(
