@@ -1,16 +1,9 @@
 """Paged attention with FlashInfer (`attention_backend="flashinfer"`, the default on CUDA).
 
-Layout. flashinfer reads the KV pool in place, in its NHD paged layout: `k_buffer[layer]`
-[num_slots, H, D] viewed as [num_slots // P, P, H, D] (page p is slots p*P .. p*P+P-1), K and V
-passed as a tuple of two such views. Which keys a request has is a `PageTable`.
-
-Per batch, `init_forward_metadata` builds the page tables (the per-request arrays on the host
-from the batch's CPU lengths, the page ids on the device with one gather from `req_to_token`)
-and plans the wrappers; every layer then runs on that plan. The plan runs on the CUDA overlap
-executor's forward stream, behind the batch in flight, and copies the host arrays to the
-device there: so on CUDA they are pinned (a copy from pageable memory may make the host wait
-for the stream, i.e. for the batch in flight), and the page-id gather reads the batch's
-lengths from its device tensors rather than copying them.
+flashinfer reads the KV pool in place, in NHD pages; per batch, `init_forward_metadata` builds
+the page tables (engine/attention/page_table.py) and plans the wrappers, for all layers. On CUDA the plan runs on the overlap executor's forward stream, behind
+the batch in flight: its host arrays are pinned and its page-id gather reads the batch's
+lengths on the device, so that planning never makes the host wait for that batch.
 
 * DECODE: BatchDecodeWithPagedKVCacheWrapper over each request's whole context (the new token's
   K/V is stored first). GQA groups of 4 or more query heads use the tensor-core (prefill)
@@ -22,18 +15,15 @@ lengths from its device tensors rather than copying them.
   (`merge_state_in_place`). A batch where no request has a cached prefix (most first
   prefills) runs the ragged kernel alone, without log-sum-exps.
 
-The softmax scale is a plan argument in flashinfer 0.6; the wrappers' `forward(...,
-sm_scale=)` methods (deprecated aliases of `run` that first overwrite the planned scalars,
-which SGLang calls too) give each layer its own (GPT-2 can scale per layer).
+Each layer passes its own softmax scale (GPT-2 can scale per layer) to the wrappers' `forward(...,
+sm_scale=)` (which overwrites the planned scalar, as SGLang does). All wrappers use the FA2
+kernels: one JIT-compiled module per dtype and head_dim serves them all (FA3 on Hopper would be
+a second, slow compile).
 
-All wrappers use the FA2 kernels: one JIT-compiled module per dtype and head_dim serves the
-ragged, paged and tensor-core decode kernels (FA3 on Hopper would be a second, slow compile).
-
-CUDA graphs (decode only): each captured batch size gets its own decode wrapper with
-`use_cuda_graph=True` over slices of static indptr / indices / last-page buffers allocated
-once in `init_cuda_graph_state`. Replay re-plans that wrapper before the graph runs: the plan
-copies the new page table into the static buffers and rewrites the wrapper's own scheduling
-workspace, which is all the captured kernels read.
+CUDA graphs (decode only): each captured batch size has its own decode wrapper with
+`use_cuda_graph=True` over slices of static page-table buffers (`init_cuda_graph_state`);
+replay re-plans it, which rewrites those buffers and the wrapper's scheduling workspace, all
+that the captured kernels read.
 """
 
 from __future__ import annotations
@@ -46,8 +36,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionLayer
+from engine.attention.page_table import (
+    build_page_table,
+    build_qo_indptr,
+    merge_kernel_fits,
+    merge_states_torch,
+)
 from engine.forward_batch import ForwardBatch
-from engine.host_tensors import int64_tensor
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
@@ -87,96 +82,6 @@ def _load_flashinfer(device: torch.device) -> ModuleType:
             "or use attention_backend='triton'"
         ) from e
     return flashinfer
-
-
-# -- page tables (plain torch: run on CPU too) ---------------------------------------------------
-@dataclass(frozen=True)
-class PageTable:
-    """Where each request's keys are, as flashinfer wants it (all int32).
-
-    Request i's keys fill pages `indices[indptr[i]:indptr[i + 1]]` in order, every one full but
-    the last, which holds `last_page_len[i]` keys; a request with no keys has no pages and
-    `last_page_len` 0. `indptr` and `last_page_len` are host tensors (flashinfer plans on the
-    host); `indices` is on `req_to_token`'s device.
-    """
-
-    indptr: torch.Tensor  # [B + 1]
-    indices: torch.Tensor  # [indptr[-1]]
-    last_page_len: torch.Tensor  # [B]
-
-
-def build_page_table(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_lens: list[int],
-    page_size: int,
-    kv_lens_device: torch.Tensor | None = None,
-) -> PageTable:
-    """The pages of the first `kv_lens[i]` keys of request i (row `req_pool_indices[i]`).
-
-    The allocator hands out whole pages, so keys kP .. kP+P-1 of a request share the page
-    `req_to_token[row, kP] // P`: one gather of each page's first slot. `kv_lens_device`: the
-    same lengths already on `req_to_token`'s device, so the gather needs no host-to-device
-    copy (on CUDA the host tables are also pinned: see `FlashInferAttnBackend`).
-    """
-    lens = int64_tensor(kv_lens)
-    num_pages = (lens + page_size - 1) // page_size
-    indptr = torch.cat([lens.new_zeros(1), num_pages.cumsum(0)])
-    last_page_len = lens - (num_pages - 1).clamp(min=0) * page_size
-    if kv_lens_device is not None:
-        num_pages = (kv_lens_device + page_size - 1) // page_size
-    indices = _page_ids(req_to_token, req_pool_indices, num_pages, int(indptr[-1]), page_size)
-    indptr, last_page_len = indptr.to(torch.int32), last_page_len.to(torch.int32)
-    if req_to_token.is_cuda:
-        indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
-    return PageTable(indptr, indices, last_page_len)
-
-
-def _page_ids(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    num_pages: torch.Tensor,
-    total_pages: int,
-    page_size: int,
-) -> torch.Tensor:
-    device = req_to_token.device
-    num_pages = num_pages.to(device, non_blocking=True)  # (no copy when already there)
-    # output_size spares repeat_interleave a device-to-host read of the total
-    req = torch.repeat_interleave(
-        torch.arange(len(num_pages), device=device), num_pages, output_size=total_pages
-    )
-    first_page = num_pages.cumsum(0) - num_pages  # where each request's pages start
-    page_in_req = torch.arange(total_pages, device=device) - first_page[req]
-    slots = req_to_token[req_pool_indices[req], page_in_req * page_size]
-    return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
-
-
-def build_qo_indptr(extend_lens: list[int], pin: bool = False) -> torch.Tensor:
-    """[B + 1] int32 host tensor (pinned with `pin`): request i's new tokens are rows
-    indptr[i] .. indptr[i+1]-1."""
-    indptr = torch.tensor([0, *extend_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
-    return indptr.pin_memory() if pin else indptr
-
-
-def merge_states_torch(
-    out: torch.Tensor, lse: torch.Tensor, out_other: torch.Tensor, lse_other: torch.Tensor
-) -> None:
-    """Merge into (out, lse), in place, the attention of the same queries over a disjoint
-    second set of keys. out [N, H, D]; lse [N, H] float32, base-2 log-sum-exps of the scaled
-    logits (flashinfer's convention), -inf where a set holds no key (not both)."""
-    lse_max = torch.maximum(lse, lse_other)
-    weight, weight_other = torch.exp2(lse - lse_max), torch.exp2(lse_other - lse_max)
-    total = weight + weight_other
-    merged = out.float() * (weight / total)[..., None]
-    merged += out_other.float() * (weight_other / total)[..., None]
-    out.copy_(merged)
-    lse.copy_(lse_max + torch.log2(total))
-
-
-def _merge_kernel_fits(num_heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-    """flashinfer's merge kernel runs (head_dim / vec) x num_heads threads per block."""
-    vec = max(16 // dtype.itemsize, head_dim // 32)
-    return head_dim // vec * num_heads <= 1024
 
 
 # -- the backend ----------------------------------------------------------------------------------
@@ -223,7 +128,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.dtype = kv_pool.dtype
         _check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
-        self.merge_on_device = _merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)
+        self.merge_on_device = merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)
         # Long-lived tensors are made outside inference mode, so that the in-place updates of
         # plans may happen in or out of it.
         with torch.inference_mode(False):

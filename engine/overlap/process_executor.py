@@ -42,22 +42,27 @@ engine's arguments).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import multiprocessing as mp
 import pickle
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 
-from engine.config import EngineArgs, ModelConfig
-from engine.model_runner import GenerationBatchResult, ModelRunner
-from engine.overlap.executor import Launch, OverlapExecutor, sample_into_map
+from engine.model_runner import GenerationBatchResult
+from engine.overlap import device_process
+from engine.overlap.device_process import (
+    SAME_INFO,
+    DeviceError,
+    device_batch,
+    device_main,
+    engine_device_runner,
+    pack,
+)
+from engine.overlap.executor import Launch, OverlapExecutor
 from engine.overlap.future_map import FutureMap, FutureSlots
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
@@ -73,7 +78,7 @@ def _mp_context() -> Any:
         ctx = mp.get_context("forkserver")
         # Before the server starts (later calls have no effect): what each child needs, and
         # not the default "__main__" (see `_start`).
-        ctx.set_forkserver_preload(["torch", __name__])
+        ctx.set_forkserver_preload(["torch", device_process.__name__])
         _context = ctx
     return _context
 
@@ -111,7 +116,7 @@ class ProcessExecutor(OverlapExecutor):
         threads = num_threads or torch.get_num_threads()
         rows = runner.req_to_token_pool.req_to_token.share_memory_()  # in place
         self._proc = ctx.Process(
-            target=_device_main,
+            target=device_main,
             args=(child, make_runner, rows, future_map.max_bs, threads),
             name="sluice-device",
             daemon=True,
@@ -137,7 +142,7 @@ class ProcessExecutor(OverlapExecutor):
         lid = next(self._ids)
         launch = Launch(mwb, slots, None, done=lid)
         self._waiting[lid] = launch
-        self._send(("forward", lid, _device_batch(mwb), slots, self._info_message(info)))
+        self._send(("forward", lid, device_batch(mwb), slots, self._info_message(info)))
         return launch
 
     def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None:
@@ -150,7 +155,7 @@ class ProcessExecutor(OverlapExecutor):
         if info is self._last_info:
             return SAME_INFO
         self._last_info = info
-        return _pack(info)
+        return pack(info)
 
     def wait(self, launch: Launch) -> GenerationBatchResult:
         while launch.result is None and launch.error is None:
@@ -212,133 +217,3 @@ class ProcessExecutor(OverlapExecutor):
                 top,
                 prompt,
             )
-
-
-class DeviceError(RuntimeError):
-    """An exception raised in the device process (its traceback is the message)."""
-
-
-# -- what travels ----------------------------------------------------------------------------------
-SAME_INFO = "same-info"  # in place of a SamplingBatchInfo: the one the device received last
-
-
-def _device_batch(mwb: ModelWorkerBatch) -> ModelWorkerBatch:
-    """What the device reads of a batch: index lists, not the requests' Python objects."""
-    return dataclasses.replace(
-        mwb,
-        out_cache_loc=mwb.out_cache_loc.numpy(),
-        sampling_params=[],
-        output_ids=[],
-        prompt_ids=[],
-    )
-
-
-def _pack(obj: Any) -> Any:
-    """Tensors (also inside dataclasses, e.g. `SamplingBatchInfo`) as numpy arrays, which
-    pickle as raw bytes; `_unpack` reverses it."""
-    if isinstance(obj, torch.Tensor):
-        return _Array(obj.numpy())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        fields = {f.name: _pack(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-        return _Record(type(obj), fields)
-    return obj
-
-
-def _unpack(obj: Any) -> Any:
-    if isinstance(obj, _Array):
-        return torch.from_numpy(obj.array)
-    if isinstance(obj, _Record):
-        return obj.cls(**{k: _unpack(v) for k, v in obj.fields.items()})
-    return obj
-
-
-@dataclasses.dataclass
-class _Array:
-    array: np.ndarray
-
-
-@dataclasses.dataclass
-class _Record:
-    cls: type
-    fields: dict[str, Any]
-
-
-def engine_device_runner(args: EngineArgs) -> ModelRunner:
-    """The engine's model runner (model, KV pool, sampler), built in the device process."""
-    return ModelRunner(ModelConfig.from_pretrained(args.model_path, args.context_length), args)
-
-
-# -- the device process ----------------------------------------------------------------------------
-def _device_main(
-    conn: Any, make_runner: Callable[[], Any], rows: torch.Tensor, max_bs: int, threads: int
-) -> None:
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            runner = make_runner()
-            runner.req_to_token_pool.req_to_token = rows  # the scheduler's, shared
-            device = _Device(runner, max_bs)
-    except BaseException:  # noqa: BLE001 - reported to the scheduler, which raises it
-        conn.send_bytes(pickle.dumps(("error", -1, traceback.format_exc())))
-        return
-    conn.send_bytes(pickle.dumps(("ready", -1)))
-    with torch.inference_mode():
-        while True:
-            try:
-                msg = pickle.loads(conn.recv_bytes())
-            except (EOFError, OSError):  # the scheduler is gone
-                return
-            if msg[0] == "close":
-                return
-            answer = device.run(msg)
-            if answer is not None:
-                conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-class _Device:
-    """Jobs in arrival (= launch) order; logits of a batch whose sampling is deferred wait
-    here for its `sample` message."""
-
-    def __init__(self, runner: Any, max_bs: int) -> None:
-        self.runner = runner
-        self.future_map = FutureMap(max_bs, runner.device)
-        self.unsampled: dict[int, tuple[torch.Tensor, ModelWorkerBatch, FutureSlots]] = {}
-        self.last_info: SamplingBatchInfo | None = None
-
-    def _info(self, packed: Any) -> SamplingBatchInfo:
-        if packed != SAME_INFO:
-            self.last_info = _unpack(packed)
-        assert self.last_info is not None, "SAME_INFO before any info"
-        return self.last_info
-
-    def run(self, msg: tuple) -> tuple | None:
-        lid = msg[1]
-        try:
-            # first: the scheduler counts this info as received even if the batch fails
-            info = None if msg[-1] is None else self._info(msg[-1])
-            if msg[0] == "forward":
-                _, _, mwb, slots, _ = msg
-                logits = self._forward(mwb)
-                if info is None:
-                    self.unsampled[lid] = (logits, mwb, slots)
-                    return None
-                return self._sample(lid, logits, mwb, slots, info)
-            assert info is not None
-            logits, mwb, slots = self.unsampled.pop(lid)
-            return self._sample(lid, logits, mwb, slots, info)
-        except Exception:  # noqa: BLE001 - the batch fails, the device lives on
-            self.unsampled.pop(lid, None)
-            return ("error", lid, traceback.format_exc())
-
-    def _forward(self, mwb: ModelWorkerBatch) -> torch.Tensor:
-        mwb.out_cache_loc = torch.from_numpy(mwb.out_cache_loc)
-        return self.runner.forward(self.runner.build_forward_batch(mwb), self.future_map)
-
-    def _sample(
-        self, lid: int, logits: torch.Tensor, mwb: ModelWorkerBatch, slots: FutureSlots,
-        info: SamplingBatchInfo,
-    ) -> tuple:  # fmt: skip
-        out = sample_into_map(self.runner, self.future_map, logits, info, mwb, slots)
-        logprobs = None if out.logprobs is None else out.logprobs.numpy()
-        ids = out.next_token_ids.numpy()
-        return ("result", lid, ids, logprobs, out.top_logprobs, out.prompt_logprobs)

@@ -403,14 +403,14 @@ def test_device_process_error_is_raised_with_its_traceback(monkeypatch: pytest.M
 
     scheduler = build_scheduler(EngineArgs.from_kwargs(model_path=tiny_model("llama")))
     assert isinstance(scheduler.executor, ProcessExecutor)
-    good = process_executor._device_batch
+    good = process_executor.device_batch
 
     def corrupt(mwb):
         out = good(mwb)
         out.out_cache_loc = np.full_like(out.out_cache_loc, 1 << 40)
         return out
 
-    monkeypatch.setattr(process_executor, "_device_batch", corrupt)
+    monkeypatch.setattr(process_executor, "device_batch", corrupt)
     scheduler.add_request("x", _prompt(0, 5), _params(max_new_tokens=3))
     try:
         with pytest.raises(RuntimeError, match="failed on the device") as info:

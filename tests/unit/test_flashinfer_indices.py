@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from engine.attention import flashinfer_backend as fib
+from engine.attention import page_table
 from engine.attention.base import create_attention_backend
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.mem_cache.kv_pool import KVPool
@@ -61,7 +62,7 @@ def test_page_table_matches_reference(page_size, seed):
         indptr, indices, last = _reference_table(case, kv_lens, page_size)
         # the lengths from the host only, and also on the device (no host-to-device copy)
         for on_device in (None, torch.tensor(kv_lens, dtype=torch.int64)):
-            table = fib.build_page_table(
+            table = page_table.build_page_table(
                 case.req_to_token, case.req_pool_indices, kv_lens, page_size, on_device
             )
             assert table.indptr.tolist() == indptr
@@ -73,15 +74,15 @@ def test_page_table_matches_reference(page_size, seed):
 
 def test_page_table_of_empty_prefixes():
     case = make_paged_case([0, 0], [5, 9], 2, 1, 8, page_size=16)
-    table = fib.build_page_table(case.req_to_token, case.req_pool_indices, [0, 0], 16)
+    table = page_table.build_page_table(case.req_to_token, case.req_pool_indices, [0, 0], 16)
     assert table.indptr.tolist() == [0, 0, 0]
     assert table.indices.numel() == 0
     assert table.last_page_len.tolist() == [0, 0]
 
 
 def test_qo_indptr():
-    assert fib.build_qo_indptr([3, 1, 20]).tolist() == [0, 3, 4, 24]
-    assert fib.build_qo_indptr([3]).dtype == torch.int32
+    assert page_table.build_qo_indptr([3, 1, 20]).tolist() == [0, 3, 4, 24]
+    assert page_table.build_qo_indptr([3]).dtype == torch.int32
 
 
 # -- merging partial attentions -------------------------------------------------------------------
@@ -108,10 +109,10 @@ def test_merge_states_torch_equals_attention_over_all_keys():
     q, k, v = (torch.randn(5, 4, 16, generator=gen) for _ in range(3))
     want, _ = _attend(q, k, v, 0.3)
     out, lse = _attend(q, k[:2], v[:2], 0.3)
-    fib.merge_states_torch(out, lse, *_attend(q, k[2:], v[2:], 0.3))
+    page_table.merge_states_torch(out, lse, *_attend(q, k[2:], v[2:], 0.3))
     torch.testing.assert_close(out, want)
     empty_out, empty_lse = _attend(q, k[:0], v[:0], 0.3)  # a request without a cached prefix
-    fib.merge_states_torch(out, lse, empty_out, empty_lse)
+    page_table.merge_states_torch(out, lse, empty_out, empty_lse)
     torch.testing.assert_close(out, want)
 
 

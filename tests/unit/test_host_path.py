@@ -194,7 +194,8 @@ def test_process_executor_sends_an_unchanged_sampling_info_once():
 
     import numpy as np
 
-    from engine.overlap.process_executor import SAME_INFO, ProcessExecutor, _Device
+    from engine.overlap.device_process import SAME_INFO, Device
+    from engine.overlap.process_executor import ProcessExecutor
 
     a, b = (SamplingBatchInfo.from_params([SamplingParams(temperature=t)], 64, "cpu")
             for t in (0.5, 0.9))  # fmt: skip
@@ -211,7 +212,7 @@ def test_process_executor_sends_an_unchanged_sampling_info_once():
 
     runner = SimpleNamespace(device="cpu", build_forward_batch=lambda mwb: mwb,
                              forward=failing_forward)  # fmt: skip
-    device = _Device(runner, max_bs=4)
+    device = Device(runner, max_bs=4)
     mwb = SimpleNamespace(out_cache_loc=np.zeros(1, dtype=np.int64))
     answer = device.run(("forward", 0, mwb, None, sent_b))
     assert answer[0] == "error" and "the batch fails" in answer[2]
