@@ -1,9 +1,10 @@
 """Paged attention with FlashInfer (`attention_backend="flashinfer"`, the default on CUDA).
 
 flashinfer reads the KV pool in place, in NHD pages; per batch, `init_forward_metadata` builds
-the page tables (engine/attention/page_table.py) and plans the wrappers, for all layers. On CUDA the plan runs on the overlap executor's forward stream, behind
-the batch in flight: its host arrays are pinned and its page-id gather reads the batch's
-lengths on the device, so that planning never makes the host wait for that batch.
+the page tables (engine/attention/page_table.py) and plans the wrappers, for all layers. On
+CUDA the plan runs on the overlap executor's forward stream, behind the batch in flight: its
+host arrays are pinned and its page-id gather reads the batch's lengths on the device, so
+that planning never makes the host wait for that batch.
 
 * DECODE: BatchDecodeWithPagedKVCacheWrapper over each request's whole context (the new token's
   K/V is stored first). GQA groups of 4 or more query heads use the tensor-core (prefill)
