@@ -131,6 +131,12 @@ class Engine:
             for key, value in logprob_args.items():
                 if value is not None:
                     d.setdefault(key, value)
+            if "bad_words" in d:  # vLLM's, as token sequences
+                if self.tokenizer is None:
+                    raise ValueError("bad_words: the engine was started with skip_tokenizer_init")
+                from engine.tokenizer import bad_words_ids
+
+                d["bad_words_ids"] = bad_words_ids(self.tokenizer, d.pop("bad_words") or [])
             p = SamplingParams.from_dict(d)
             p.verify(vocab)
             p.normalize()

@@ -63,3 +63,20 @@ def apply_chat_template(
         **template_kwargs,
     )
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def bad_words_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
+    """vLLM's `bad_words` as the token sequences that spell them: each word as it would start
+    the text and, where that tokenizes differently, after a space (as inside a sentence); a
+    spelling that only adds a token in front of the other is left out. Raises ValueError for
+    a word that is empty or only spaces."""
+    out: list[list[int]] = []
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(f"bad_words: words must be non-empty strings, got {word!r}")
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced):
+            if ids and ids not in out and not (ids is spaced and ids[1:] == plain):
+                out.append(ids)
+    return out

@@ -27,6 +27,7 @@ from engine.sampling.sampling_params import ANY_JSON, logit_bias_error
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 1024
 _INT64 = 1 << 63
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -154,6 +155,7 @@ class SamplingFields(_SamplingCore):
     # vLLM's: keep the prompt's last k tokens (-1: as many as fit with the output)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     allowed_token_ids: TokenIds | None = Field(None, min_length=1)  # vLLM's: sample only these
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # vLLM's: never these
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -197,6 +199,7 @@ class SamplingFields(_SamplingCore):
             "no_stop_trim": self.include_stop_str_in_output or None,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words or None,
         }
         return core | {k: v for k, v in extra.items() if v is not None} | grammar_params(self)
 

@@ -8,7 +8,8 @@ copying them, and the router need not repeat them). Stop strings and the detoken
 flags are lifted out of the sampling dict into their `GenerateReqMsg` fields.
 
 vLLM's `truncate_prompt_tokens` (in the sampling dict, for the tokenizer only) keeps the
-prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`).
+prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`). Its
+`bad_words` become the token sequences `bad_words_ids` (engine/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import os
 from typing import Any
 
 from engine.sampling.sampling_params import SamplingParams
-from engine.tokenizer import apply_chat_template
+from engine.tokenizer import apply_chat_template, bad_words_ids
 from shared.messages import ChatMessage, GenerateReqMsg, TokenizeReqMsg, TokenizeRespMsg
 
 _LIFTED = ("stop", "skip_special_tokens", "spaces_between_special_tokens")
@@ -54,6 +55,8 @@ class RequestTokenizer:
         for key in _REQUEST_LEVEL:
             sp.pop(key, None)  # the message fields say it
         keep = sp.pop("truncate_prompt_tokens", None)
+        if "bad_words" in sp:
+            sp["bad_words_ids"] = self._bad_words(sp.pop("bad_words"))
         params = self._check_params(sp, lifted, msg)
         context_len = context_len or self.context_len
         if keep is not None:
@@ -130,6 +133,16 @@ class RequestTokenizer:
             except Exception as exc:  # template errors: roles out of order, bad content
                 raise RequestError("invalid_request", f"messages: {exc}") from None
         return list(msg.input_ids or [])
+
+    def _bad_words(self, words: Any) -> list[list[int]] | None:
+        if words is None:
+            return None
+        if not isinstance(words, list):
+            raise RequestError("invalid_request", "bad_words: must be a list of strings")
+        try:
+            return bad_words_ids(self.tokenizer, words)
+        except ValueError as exc:
+            raise RequestError("invalid_request", str(exc)) from None
 
     def _check_params(
         self, sp: dict[str, Any], lifted: dict[str, Any], msg: TokenizeReqMsg

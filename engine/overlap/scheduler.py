@@ -108,7 +108,7 @@ class OverlapScheduler(Scheduler):
         # on first use (`_placeholders`), since a decode step of the same batch needs none.
         self._pending: dict[Req, int] | None = None
         # requests whose sampling needs their history: penalties count it, a grammar's mask
-        # is that of the output so far
+        # is that of the output so far, a bad word's ban depends on its end
         self._penalized: set[Req] = set()
         self._seeded: set[Req] = set()  # requests whose sampling needs its step positions
         self._sampling_cache = SamplingInfoCache()
@@ -142,7 +142,7 @@ class OverlapScheduler(Scheduler):
         self, rid: str, input_ids: list[int], params: SamplingParams, priority: int | None = None
     ) -> Req:
         req = super().add_request(rid, input_ids, params, priority)
-        if params.has_penalty or params.has_grammar:
+        if params.needs_history:
             self._penalized.add(req)
         if params.sampling_seed is not None or params.min_new_tokens > 0:
             self._seeded.add(req)

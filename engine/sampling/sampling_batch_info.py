@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling.grammar import allow_only, apply_vocab_mask
+from engine.sampling.logit_bans import bad_word_bans, logit_bias_triples, min_new_token_bans
 from engine.sampling.penalties import BatchPenalties
 from engine.sampling.sampling_params import SamplingParams
 
@@ -73,7 +74,8 @@ class SamplingBatchInfo:
         """Vectorise the batch's parameters.
 
         `output_ids[i]` / `input_ids[i]`: request i's generated tokens so far and its prompt,
-        read only when some request has a penalty. `step_positions[i]`: index of the token
+        read only when some request has a penalty (output_ids: or a bad word of several
+        tokens, which then needs them). `step_positions[i]`: index of the token
         being sampled for request i (its output length so far); defaults to
         `len(output_ids[i])` and is required for seeded requests and ones with
         min_new_tokens when output_ids is None. `eos_token_ids`: the model's, banned (with
@@ -92,9 +94,10 @@ class SamplingBatchInfo:
             for p, g in zip(params, greedy, strict=True)
         ]
         seeded = _seeded(params, device, output_ids, step_positions)
-        bans = _min_new_token_bans(params, output_ids, step_positions, eos_token_ids)
+        bans = min_new_token_bans(params, output_ids, step_positions, eos_token_ids)
+        bans += bad_word_bans(params, output_ids)
         if bans or any(p.logit_bias for p in params):
-            bias = _logit_bias(params, device, bans)
+            bias = logit_bias_triples(params, device, bans)
         else:
             bias = (None,) * 3
         return cls(
@@ -183,7 +186,8 @@ class SamplingInfoCache:
             self.hits += 1
             return self._info
         info = SamplingBatchInfo.from_params(params, vocab_size, device, **kwargs)
-        step_free = not any(p.min_new_tokens for p in params)  # (bans end with the steps)
+        # (min_new_tokens bans end with the steps; a bad word's depends on the output)
+        step_free = not any(p.min_new_tokens or p.has_bad_word_prefixes for p in params)
         if info.penalties is None and info.seeded_rows is None and step_free:
             self._key, self._params, self._info = key, list(params), info
         else:
@@ -219,53 +223,6 @@ def _check_lengths(batch_size: int, **lists: Sequence | None) -> None:
     for name, values in lists.items():
         if values is not None and len(values) != batch_size:
             raise ValueError(f"{name} has {len(values)} entries for a batch of {batch_size}")
-
-
-def _min_new_token_bans(
-    params: Sequence[SamplingParams],
-    output_ids: Sequence[Sequence[int]] | None,
-    step_positions: Sequence[int] | None,
-    eos_token_ids: Sequence[int],
-) -> list[tuple[int, list[int]]]:
-    """(row, token ids) that must not be sampled yet: the EOS (unless ignored) and stop tokens
-    of rows short of their min_new_tokens (grammar rows excepted: the grammar ends them)."""
-    bans = []
-    for i, p in enumerate(params):
-        if p.min_new_tokens > 0 and not p.has_grammar:
-            if step_positions is not None:
-                position = step_positions[i]
-            elif output_ids is not None:
-                position = len(output_ids[i])
-            else:
-                raise ValueError("min_new_tokens needs step_positions or output_ids")
-            if position < p.min_new_tokens:
-                stops = set(p.stop_token_ids or ())
-                if not p.ignore_eos:
-                    stops.update(eos_token_ids)
-                if stops:
-                    bans.append((i, sorted(stops)))
-    return bans
-
-
-def _logit_bias(
-    params: Sequence[SamplingParams],
-    device: torch.device | str,
-    bans: Sequence[tuple[int, list[int]]] = (),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows: list[int] = []
-    ids: list[int] = []
-    values: list[float] = []
-    for i, p in enumerate(params):
-        if p.logit_bias:
-            rows += [i] * len(p.logit_bias)
-            ids += p.logit_bias_ids()
-            values += p.logit_bias.values()
-    for i, banned in bans:  # -inf added to a logit bans it
-        rows += [i] * len(banned)
-        ids += banned
-        values += [float("-inf")] * len(banned)
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
-    return as_tensor(rows), as_tensor(ids), _floats(values, device)
 
 
 _SeededTensors = tuple[

@@ -58,6 +58,8 @@ class SamplingParams:
     # only these tokens may be sampled (vLLM's allowed_token_ids; logprobs see the others as
     # impossible too)
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words as token sequences (never completed: engine/sampling/logit_bans.py)
+    bad_words_ids: list[list[int]] | None = None
     # structured output (engine/sampling/grammar.py), at most one: a JSON schema (as a JSON
     # string; "$$ANY$$" for any JSON), a regular expression or an EBNF grammar
     json_schema: str | None = None
@@ -76,6 +78,16 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+    @property
+    def has_bad_word_prefixes(self) -> bool:
+        """Some bad word is longer than one token: its ban depends on the output so far."""
+        return any(len(word) > 1 for word in self.bad_words_ids or ())
+
+    @property
+    def needs_history(self) -> bool:
+        """Sampling reads the output so far (the overlap scheduler defers it)."""
+        return self.has_penalty or self.has_grammar or self.has_bad_word_prefixes
 
     @property
     def has_grammar(self) -> bool:
@@ -109,6 +121,7 @@ class SamplingParams:
             (self.n >= 1, "n", "must be >= 1"),
             (all(s for s in self.stop_strs), "stop", "must not contain empty strings"),
             (self.allowed_token_ids != [], "allowed_token_ids", "must not be empty"),
+            (all(self.bad_words_ids or [[0]]), "bad_words_ids", "must not hold empty sequences"),
         ]
         if self.sampling_seed is not None:
             ok = _INT64_MIN <= self.sampling_seed <= _INT64_MAX
@@ -123,6 +136,9 @@ class SamplingParams:
             checks.append((ids_ok, "stop_token_ids", f"must be in [0, {vocab_size})"))
             ids_ok = all(0 <= t < vocab_size for t in self.allowed_token_ids or [])
             checks.append((ids_ok, "allowed_token_ids", f"must be in [0, {vocab_size})"))
+            words = self.bad_words_ids or []
+            ids_ok = all(0 <= t < vocab_size for word in words for t in word)
+            checks.append((ids_ok, "bad_words_ids", f"must be in [0, {vocab_size})"))
             k_ok = self.top_logprobs_num <= vocab_size
             checks.append((k_ok, "top_logprobs_num", f"must be <= vocab size {vocab_size}"))
             keys = [k for k in self.logit_bias or {} if _is_token_key(k)]
@@ -169,6 +185,8 @@ class SamplingParams:
         for key in ("stop", "stop_token_ids", "allowed_token_ids"):
             if isinstance(kwargs.get(key), (list, tuple)):
                 kwargs[key] = list(kwargs[key])
+        if kwargs.get("bad_words_ids") is not None:
+            kwargs["bad_words_ids"] = [list(word) for word in kwargs["bad_words_ids"]]
         if kwargs.get("logit_bias"):
             kwargs["logit_bias"] = {k: float(v) for k, v in kwargs["logit_bias"].items()}
         return cls(**kwargs)
@@ -197,6 +215,7 @@ _FIELD_TYPES: dict[str, str] = {
     "return_prompt_ranks": "bool",
     "logit_bias": "dict[str, float] | None",
     "allowed_token_ids": "list[int] | None",
+    "bad_words_ids": "list[list[int]] | None",
     "json_schema": "str | None",
     "regex": "str | None",
     "ebnf": "str | None",
@@ -239,6 +258,8 @@ def _type_ok(spec: str, v: Any) -> bool:
         return isinstance(v, str) or (
             isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)
         )
+    if spec.startswith("list[list[int]]"):
+        return isinstance(v, (list, tuple)) and all(_type_ok("list[int]", w) for w in v)
     if spec.startswith("list[int]"):
         return isinstance(v, (list, tuple)) and all(_is_int(t) for t in v)
     if spec.startswith("dict[str, float]"):

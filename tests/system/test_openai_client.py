@@ -258,6 +258,36 @@ def test_allowed_token_ids_are_the_only_tokens_sampled(
         assert "allowed_token_ids" in str(info.value)
 
 
+def test_bad_words_are_never_completed(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """vLLM's bad_words: a word of the greedy output, banned, is not written again; the output
+    is the greedy one until the word would be completed."""
+    from engine.tokenizer import bad_words_ids, load_tokenizer
+
+    tok = load_tokenizer(http_stack.model)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    kw = dict(model=served_model, prompt="The old house", max_tokens=24, temperature=0)
+    base = client.completions.create(**kw, extra_body=extra).choices[0].model_extra["token_ids"]
+
+    def spans(ids: list[int], word: list[int]) -> list[int]:
+        return [i for i in range(len(ids)) if ids[i : i + len(word)] == word]
+
+    words = [w for t in base if (w := tok.decode([t]).strip()).isalpha()]
+    word, seqs = next((w, ss) for w in words for ss in [bad_words_ids(tok, [w])]
+                      if any(spans(base, s) for s in ss))  # fmt: skip
+    out = client.completions.create(**kw, extra_body=extra | {"bad_words": [word]})
+    ids = out.choices[0].model_extra["token_ids"]
+    assert not any(spans(ids, s) for s in seqs), (word, seqs, ids)
+    cut = min(i + len(s) - 1 for s in seqs for i in spans(base, s))
+    assert ids[:cut] == base[:cut] and ids[cut] != base[cut]
+    for bad in (["  "], "word", [3]):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=served_model, prompt="x", max_tokens=1,
+                                      extra_body={"bad_words": bad})  # fmt: skip
+        assert "bad_words" in str(info.value)
+
+
 def test_return_token_ids_gives_the_prompts_and_outputs_ids(
     client: openai.OpenAI, served_model: str
 ) -> None:
