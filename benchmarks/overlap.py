@@ -104,9 +104,12 @@ class NullModelRunner:
         return self._logits.expand(fb.batch_size, -1)  # type: ignore[attr-defined]
 
 
-def _requests(n: int, vocab: int, max_new: int, stop: list[str] | None = None) -> list:
+def _requests(
+    n: int, vocab: int, max_new: int, stop: list[str] | None = None, **extra: object
+) -> list:
     rng = random.Random(0)
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, stop=stop)
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, stop=stop,
+                            **extra)  # type: ignore[arg-type]  # fmt: skip
     params.normalize()
     return [
         (f"r{i}", [rng.randrange(8, vocab) for _ in range(rng.randint(16, 48))], params)
@@ -252,14 +255,20 @@ MODELS = {
     "wide": {"preset": "tiny", "hidden_size": 1024, "num_layers": 1, "num_heads": 8,
              "num_kv_heads": 8, "intermediate_size": 4096, "vocab_size": 4096},
 }
+# sampling that reads the output so far: the overlap loop samples such batches deferred
+SAMPLING: dict[str, dict] = {
+    "": {},
+    "penalty": {"frequency_penalty": 0.5, "presence_penalty": 0.5},
+    "badwords": {"bad_words_ids": [[9, 10], [11, 12, 13], [FIXED_TOKEN, 14]]},  # never complete
+}
 STOP = ["zzqx", "qxzz yy"]  # never matched: the check runs every step for every request
 
 
 def compare(case: str, bs: int, max_new: int, reps: int) -> dict:
     """T_f, T_c, then plain and overlap runs alternated; medians."""
     tokenizer = None
-    if case == "device-sleep":
-        reqs = _requests(bs, NULL_VOCAB, max_new)
+    if case.startswith("device-sleep"):  # "device-sleep+<SAMPLING key>": every request has it
+        reqs = _requests(bs, NULL_VOCAB, max_new, **SAMPLING[case.partition("+")[2]])
         t_c = scheduler_time(reqs)
 
         def make(loop: str) -> Scheduler:
