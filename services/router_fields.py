@@ -184,8 +184,11 @@ class SamplingFields(_SamplingCore):
             return subs
         if self.stream:
             raise _invalid("prompt_logprobs is not available when streaming", "prompt_logprobs")
+        scorer: dict[int, int] = {}  # prompt -> its first sub-request, which scores it
         for sub in subs:
             sub.prompt_logprobs = self.prompt_logprobs
+            first = scorer.setdefault(sub.prompt_index, sub.index)
+            sub.prompt_scored_by = None if first == sub.index else first
         return subs
 
     def sampling_params(self, max_new_tokens: int | None) -> dict[str, Any]:

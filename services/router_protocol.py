@@ -53,6 +53,9 @@ class SubRequest:
     # vLLM's prompt_logprobs: every prompt token's logprob and rank, and this many candidates
     # (asked of the engine besides what return_logprob / top_logprobs_num show of the output)
     prompt_logprobs: int | None = None
+    # n > 1: the sub-request of the same prompt whose prompt logprobs this one shows (they
+    # are computed once per prompt; the others may then use the prefix cache)
+    prompt_scored_by: int | None = None
     # /v1/completions: the prompt goes before the output (and logprobs); chat: the last
     # message's content does, if it is the assistant's (vLLM's)
     echo: bool = False

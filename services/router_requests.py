@@ -147,7 +147,8 @@ class Broker:
     def _tokenize_msg(self, h: RequestHandle) -> TokenizeReqMsg:
         sub = h.sub
         assert h.worker is not None
-        wants_prompt = sub.prompt_logprobs is not None  # vLLM's: from the first token
+        # vLLM's: from the first token, computed once per prompt
+        wants_prompt = sub.prompt_logprobs is not None and sub.prompt_scored_by is None
         return TokenizeReqMsg(
             rid=h.rid,
             router_id=self.router_id,
@@ -158,7 +159,8 @@ class Broker:
             sampling_params=sub.sampling_params,
             stream=True,
             return_logprob=sub.return_logprob or wants_prompt,
-            top_logprobs_num=max(sub.top_logprobs_num, sub.prompt_logprobs or 0),
+            top_logprobs_num=max(sub.top_logprobs_num, sub.prompt_logprobs or 0) if wants_prompt
+            else sub.top_logprobs_num,
             logprob_start_len=0 if wants_prompt else sub.logprob_start_len,
             created=time.time(),
             tools=sub.tools,

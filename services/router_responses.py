@@ -93,6 +93,7 @@ class Formatter:
             return outs if self.batch else outs[0]
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
         body["choices"] = []
+        by_index = {c.index: c for c in choices}
         for c in choices:
             c.split = self._new_split()
             part = self._split(c, c.text, final=True)
@@ -104,9 +105,12 @@ class Formatter:
                 where = choice if self.kind == "completion" else body
                 where.setdefault("prompt_token_ids", c.prompt_ids)
                 choice["token_ids"] = c.output_ids
-            k = self.subs[c.index].prompt_logprobs
-            if k is not None:  # vLLM's: a completion's per choice, a chat's in the body
-                ranked = None if c.prompt is None else ranked_prompt(c.prompt, k, self.names)
+            sub = self.subs[c.index]
+            if sub.prompt_logprobs is not None:  # vLLM's: a completion's per choice, a chat's
+                # in the body; scored once per prompt
+                scored = c if sub.prompt_scored_by is None else by_index[sub.prompt_scored_by]
+                k, prompt = sub.prompt_logprobs, scored.prompt
+                ranked = None if prompt is None else ranked_prompt(prompt, k, self.names)
                 if self.kind == "completion":
                     choice["prompt_logprobs"] = ranked
                 else:

@@ -219,3 +219,25 @@ def test_vllm_prompt_logprobs_are_asked_of_the_engine_besides_the_outputs() -> N
     assert (sub.prompt_logprobs, sub.return_logprob) == (0, False)  # no output logprobs shown
     (sub,) = subs_of(ChatCompletionRequest, CHAT)
     assert sub.prompt_logprobs is None
+
+
+def test_prompt_logprobs_are_computed_once_per_prompt_with_n() -> None:
+    """n samples of a prompt share its prompt logprobs: only the first asks the engine for
+    them (the others sample from the prefix cache); every choice still shows them."""
+    from types import SimpleNamespace
+
+    from services.router_requests import Broker
+
+    body = {**COMP, "prompt": ["a b", "c"], "n": 3, "prompt_logprobs": 2, "logprobs": 1}
+    subs = subs_of(CompletionRequest, body)
+    assert [s.prompt_scored_by for s in subs] == [None, 0, 0, None, 3, 3]
+    assert all(s.prompt_logprobs == 2 for s in subs)
+    broker = SimpleNamespace(router_id="router-0")
+    msgs = [
+        Broker._tokenize_msg(  # type: ignore[arg-type]
+            broker, SimpleNamespace(sub=s, rid=f"r{s.index}", worker=SimpleNamespace(worker_id="w"))
+        )
+        for s in subs
+    ]
+    asks = [(m.logprob_start_len, m.return_prompt_ranks, m.top_logprobs_num) for m in msgs]
+    assert asks == [(0, True, 2), (-1, False, 1), (-1, False, 1)] * 2
