@@ -196,6 +196,7 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
         ns.model_path = settings.model
     args = engine_args_from(ns)
     scheduler = build_scheduler(args, load_tokenizer(args.model_path))
+    scheduler.grammar_queue.warm_up()  # in the background
     worker = Worker(settings, scheduler, args.model_path)
     stop_on_signals(worker.stop)
     worker.run()

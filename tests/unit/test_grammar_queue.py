@@ -192,3 +192,17 @@ def test_a_rejected_or_aborted_request_leaves_the_scheduler(backend: FakeBackend
         assert sched.take_rejected() == []
     finally:
         sched.close()
+
+
+def test_warm_up_builds_the_backend_once_in_the_background(backend: FakeBackend) -> None:
+    built = []
+
+    def make() -> FakeBackend:
+        built.append(threading.current_thread().name)
+        return backend
+
+    queue = GrammarQueue(make, threads=1)
+    future = queue.warm_up()
+    assert future is not None and future.result(timeout=5) is backend
+    assert queue.backend() is backend and len(built) == 1 and built[0].startswith("grammar")
+    assert GrammarQueue(make, threads=0).warm_up() is None  # inline: built on first use
