@@ -23,7 +23,8 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.sampling.sampling_params import ANY_JSON, logit_bias_error
+from engine.sampling.grammar_spec import ANY_JSON, structural_tag_json
+from engine.sampling.sampling_params import logit_bias_error
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -110,16 +111,18 @@ class StructuredOutputs(_Strict):
 
     def constraints(self) -> dict[str, Any]:
         """{"structured_outputs.<kind>": value} of the constraints set."""
-        for name in ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
+        for name in ("whitespace_pattern", "disable_any_whitespace",
                      "disable_additional_properties"):  # fmt: skip
             if getattr(self, name):
                 param = f"structured_outputs.{name}"
                 raise ApiError(400, f"{param} is not supported", param, "unsupported")
         values = {"json": self.json_, "regex": self.regex, "choice": self.choice,
-                  "grammar": self.grammar, "json_object": self.json_object or None}  # fmt: skip
+                  "grammar": self.grammar, "json_object": self.json_object or None,
+                  "structural_tag": self.structural_tag}  # fmt: skip
         out = {f"structured_outputs.{k}": v for k, v in values.items() if v is not None}
         if not out:
-            msg = "structured_outputs needs one of json, regex, choice, grammar, json_object"
+            msg = "structured_outputs needs one of json, regex, choice, grammar, json_object, "
+            msg += "structural_tag"
             raise _invalid(msg, "structured_outputs")
         return out
 
@@ -241,6 +244,9 @@ def grammar_params(request: Any) -> dict[str, str]:
         return {}
     (name, value), = given.items()
     kind = name.rsplit(".", 1)[-1].removeprefix("guided_")
+    if kind == "structural_tag" or (kind == "response_format"
+                                    and value.get("type") == "structural_tag"):
+        return {"structural_tag": _structural_tag(value, name)}
     if kind == "response_format":
         return {"json_schema": _response_format_schema(value)}
     if kind == "regex":
@@ -260,7 +266,8 @@ def _response_format_schema(fmt: dict[str, Any]) -> str:
         return ANY_JSON
     if kind != "json_schema":
         raise _invalid(
-            f"response_format type must be text, json_object or json_schema, got {kind!r}",
+            "response_format type must be text, json_object, json_schema or structural_tag, "
+            f"got {kind!r}",
             "response_format",
         )
     spec = fmt.get("json_schema")
@@ -276,6 +283,13 @@ def _response_format_schema(fmt: dict[str, Any]) -> str:
             "response_format json_schema.schema must be a JSON schema object", "response_format"
         )
     return json.dumps(schema)
+
+
+def _structural_tag(tag: dict[str, Any] | str, param: str) -> str:
+    try:
+        return structural_tag_json(tag)
+    except ValueError as exc:
+        raise _invalid(f"{param} {exc}", param) from None
 
 
 def _choice_grammar(choices: list[str], param: str) -> str:

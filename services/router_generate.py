@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, field_validator
 
+from engine.sampling.grammar_spec import structural_tag_json
 from services.router_fields import _INT64, MAX_LOGPROBS, ApiError, RequestId, _SamplingCore, _Strict
 from services.router_protocol import SubRequest, _is_id_list, fan_out
 
@@ -21,6 +22,12 @@ class GenerateSampling(_SamplingCore):
     min_new_tokens: int | None = Field(None, ge=0)
     sampling_seed: int | None = Field(None, ge=-_INT64, lt=_INT64)
     json_schema: str | None = None  # structured output, besides regex and ebnf
+    structural_tag: str | None = None  # (JSON, xgrammar's form or the legacy one)
+
+    @field_validator("structural_tag")
+    @classmethod
+    def _canonical_tag(cls, v: str | None) -> str | None:
+        return None if v is None else structural_tag_json(v)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(exclude_none=True, exclude={"n"})

@@ -28,10 +28,11 @@ from typing import Any
 
 import torch
 
-from engine.sampling.sampling_params import ANY_JSON, grammar_spec
+from engine.sampling.grammar_spec import ANY_JSON, grammar_spec
 
-# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:NN: "; the rest is the message
-_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:NN: " and may go on with a failed
+# check's condition ("Check failed: (...) is false: "); the rest is the message
+_CPP_PREFIX = re.compile(r"^(?:\[[\d:]+\]\s+\S+:\d+:\s*)?(?:Check failed: \(.*?\) is false:\s*)?")
 
 
 class Grammar:
@@ -101,6 +102,8 @@ class GrammarBackend:
                     compiled = compiler.compile_json_schema(text)
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
+            elif kind == "structural_tag":
+                compiled = compiler.compile_structural_tag(text)
             else:
                 compiled = compiler.compile_grammar(text)
         except RuntimeError as exc:

@@ -9,18 +9,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from engine.sampling.grammar_spec import GRAMMAR_KINDS, grammar_error
 
 # Below this temperature a request is greedy (SGLang's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-6
 # top_k meaning "the whole vocabulary"; the batch builder clamps it to vocab_size.
 TOP_K_ALL = 1 << 30
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-# `json_schema` value meaning "any JSON" (SGLang's convention; OpenAI's json_object format)
-ANY_JSON = "$$ANY$$"
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 @dataclass
@@ -60,11 +58,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's bad_words as token sequences (never completed: engine/sampling/logit_bans.py)
     bad_words_ids: list[list[int]] | None = None
-    # structured output (engine/sampling/grammar.py), at most one: a JSON schema (as a JSON
-    # string; "$$ANY$$" for any JSON), a regular expression or an EBNF grammar
+    # structured output (engine/sampling/grammar_spec.py), at most one: a JSON schema (as a
+    # JSON string; "$$ANY$$" for any JSON), a regular expression, an EBNF grammar or an
+    # xgrammar structural tag (JSON)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
     n: int = 1
 
     @property
@@ -91,7 +91,7 @@ class SamplingParams:
 
     @property
     def has_grammar(self) -> bool:
-        return self.json_schema is not None or self.regex is not None or self.ebnf is not None
+        return any(getattr(self, kind) is not None for kind in GRAMMAR_KINDS)
 
     @property
     def stop_strs(self) -> list[str]:
@@ -219,6 +219,7 @@ _FIELD_TYPES: dict[str, str] = {
     "json_schema": "str | None",
     "regex": "str | None",
     "ebnf": "str | None",
+    "structural_tag": "str | None",
     "n": "int",
 }
 assert set(_FIELD_TYPES) == {f.name for f in dataclasses.fields(SamplingParams)}
@@ -267,34 +268,3 @@ def _type_ok(spec: str, v: Any) -> bool:
             isinstance(k, str) and (_is_int(x) or isinstance(x, float)) for k, x in v.items()
         )
     raise AssertionError(f"no type check for {spec}")
-
-
-def grammar_spec(params: Any) -> tuple[str, str] | None:
-    """(kind, text) of the grammar `params` ask for, or None."""
-    for kind in GRAMMAR_KINDS:
-        value = getattr(params, kind)
-        if value is not None:
-            return kind, value
-    return None
-
-
-def grammar_error(params: Any) -> tuple[str, str] | None:
-    """(field, why) if the grammar fields cannot be right whatever the vocabulary: more than
-    one set, an empty one, or a json_schema that is no JSON object."""
-    given = [k for k in GRAMMAR_KINDS if getattr(params, k) is not None]
-    if len(given) > 1:
-        return given[1], f"only one of json_schema, regex and ebnf may be set, got {given}"
-    if not given:
-        return None
-    kind = given[0]
-    text = getattr(params, kind)
-    if not text.strip():
-        return kind, "must not be empty"
-    if kind == "json_schema" and text != ANY_JSON:
-        try:
-            schema = json.loads(text)
-        except ValueError as exc:
-            return kind, f"is not valid JSON: {exc}"
-        if not isinstance(schema, (dict, bool)):
-            return kind, "must be a JSON object (a JSON schema)"
-    return None

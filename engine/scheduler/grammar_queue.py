@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from engine.sampling.sampling_params import grammar_spec
+from engine.sampling.grammar_spec import grammar_spec
 
 logger = logging.getLogger(__name__)
 

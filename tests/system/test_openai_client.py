@@ -390,6 +390,22 @@ def test_structured_outputs_as_openai_and_vllm_clients_send_them(
         model=served_model, prompt="Code:", max_tokens=20, extra_body={"regex": "[A-Z]{3}-[0-9]{2}"}
     )
     assert re.fullmatch("[A-Z]{3}-[0-9]{2}", resp.choices[0].text)
+    # xgrammar's structural tag (SGLang's and vLLM's response_format type): the tagged JSON
+    tag = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<trip>", "end": "</trip>",
+        "content": {"type": "json_schema", "json_schema": schema}}}  # fmt: skip
+    resp = client.chat.completions.create(
+        model=served_model, messages=messages, max_tokens=200, temperature=0.7, seed=5,
+        response_format=tag,  # type: ignore[arg-type]
+    )  # fmt: skip
+    text = resp.choices[0].message.content
+    assert resp.choices[0].finish_reason == "stop" and re.fullmatch("<trip>.*</trip>", text, re.S)
+    jsonschema.validate(json.loads(text.removeprefix("<trip>").removesuffix("</trip>")), schema)
+    with pytest.raises(openai.BadRequestError, match="Format type not recognized"):
+        client.completions.create(
+            model=served_model, prompt="x", max_tokens=5,
+            extra_body={"structured_outputs": {"structural_tag": '{"format": {"type": "x"}}'}},
+        )  # fmt: skip
     # A regex that does not compile is the client's 400, with the reason.
     with pytest.raises(openai.BadRequestError, match="parenthesis is not closed"):
         client.completions.create(

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from engine.sampling.grammar import GrammarBackend, apply_vocab_mask
+from engine.sampling.grammar_spec import ANY_JSON
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
-from engine.sampling.sampling_params import ANY_JSON, SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from engine.tokenizer import load_tokenizer
+from services.router_generate import GenerateRequest
 from services.router_protocol import ApiError, ChatCompletionRequest, CompletionRequest
 from tests.factories import tiny_model
 
@@ -102,7 +104,8 @@ def test_compile_errors_are_value_errors_without_the_cpp_location(
 @pytest.mark.parametrize(
     ("fields", "why"),
     [
-        ({"regex": "a", "ebnf": "b"}, "ebnf only one of json_schema, regex and ebnf"),
+        ({"regex": "a", "ebnf": "b"}, "ebnf only one of json_schema, regex, ebnf"),
+        ({"structural_tag": "[]"}, "structural_tag must be a JSON object"),
         ({"regex": " "}, "regex must not be empty"),
         ({"json_schema": "{"}, "json_schema is not valid JSON"),
         ({"json_schema": "[1]"}, "json_schema must be a JSON object"),
@@ -177,9 +180,57 @@ def test_router_translates_openai_sglang_and_vllm_fields() -> None:
         ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
          "structured_outputs.whitespace_pattern"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+        ({"structured_outputs": {"structural_tag": "{"}}, "structured_outputs.structural_tag"),
+        ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>"}],
+                              "triggers": ["<"]}}, "response_format"),
+        ({"response_format": {"type": "structural_tag", "structures": []}}, "response_format"),
     ],
 )
 def test_router_refuses_conflicting_or_malformed_fields(fields: dict, param: str) -> None:
     with pytest.raises(ApiError) as info:
         _completion(**fields)
     assert info.value.status == 400 and info.value.param == param
+
+
+TAG_FORMAT = {"type": "tag", "begin": "<x>", "end": "</x>",
+              "content": {"type": "json_schema", "json_schema": {"type": "integer"}}}  # fmt: skip
+
+
+def test_router_takes_structural_tags_new_and_legacy() -> None:
+    """xgrammar's structural tag (SGLang's and vLLM's response_format type "structural_tag";
+    vLLM's structured_outputs.structural_tag), in its `format` form or the legacy one."""
+    new = {"type": "structural_tag", "format": TAG_FORMAT}
+    assert json.loads(_chat(response_format=new)["structural_tag"]) == new
+    so = _completion(structured_outputs={"structural_tag": json.dumps({"format": TAG_FORMAT})})
+    assert json.loads(so["structural_tag"]) == new
+    legacy = {"type": "structural_tag", "triggers": ["<f="], "structures": [
+        {"begin": "<f=a>", "schema": {"type": "object"}, "end": "</f>"},
+        {"begin": "<f=b>", "schema": '{"type": "integer"}', "end": "</f>"}]}  # fmt: skip
+    fmt = json.loads(_chat(response_format=legacy)["structural_tag"])["format"]
+    assert fmt["type"] == "triggered_tags" and fmt["triggers"] == ["<f="]
+    assert [(t["begin"], t["content"]["json_schema"]) for t in fmt["tags"]] == [
+        ("<f=a>", {"type": "object"}), ("<f=b>", {"type": "integer"})]
+    body = {"text": "hi", "sampling_params": {"structural_tag": json.dumps(legacy)}}
+    (sub,) = GenerateRequest.model_validate(body).to_subrequests()  # SGLang's /generate
+    assert json.loads(sub.sampling_params["structural_tag"])["format"] == fmt
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        GenerateRequest.model_validate({"text": "hi", "sampling_params": {"structural_tag": "1"}})
+
+
+def test_a_structural_tag_compiles_and_constrains(backend: GrammarBackend) -> None:
+    tok = load_tokenizer(tiny_model("llama"))
+    tag = json.dumps({"type": "structural_tag", "format": TAG_FORMAT})
+    grammar = backend.grammar(SamplingParams(structural_tag=tag))
+    assert grammar is not None
+    vocab = tok.get_vocab()
+
+    def chars(text: str) -> list[int]:  # one token per character, as in the regex test
+        return [vocab.get(ch, vocab.get(f"<0x{ord(ch):02X}>")) for ch in text]
+
+    assert all(grammar.accept(t) for t in chars("<x>42</x>"))
+    assert grammar.accept(tok.eos_token_id) and grammar.is_terminated()
+    refused = backend.grammar(SamplingParams(structural_tag=tag))
+    assert not all(refused.accept(t) for t in chars("<x>a"))
+    bad = json.dumps({"type": "structural_tag", "format": {"type": "nope"}})
+    with pytest.raises(ValueError, match=r"^structural_tag: Invalid structural tag error: Fo"):
+        backend.grammar(SamplingParams(structural_tag=bad))
