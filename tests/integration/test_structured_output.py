@@ -196,7 +196,8 @@ def test_grammar_errors_and_edges() -> None:
             ({"ebnf": "root ::= missing"}, "ebnf: EBNF parser error"),
             ({"json_schema": '{"type": "nonsense"}'}, "json_schema: Unsupported type"),
             ({"json_schema": "{bad"}, "json_schema is not valid JSON"),
-            ({"regex": "a", "ebnf": 'root ::= "a"'}, "only one of json_schema, regex and ebnf"),
+            ({"regex": "a", "ebnf": 'root ::= "a"'},
+             "only one of json_schema, regex, ebnf, structural_tag"),
         ]:
             with pytest.raises(ValueError, match=re.escape(why)):
                 engine.generate(input_ids=prompts[0], sampling_params=bad)
