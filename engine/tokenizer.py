@@ -69,7 +69,9 @@ def bad_words_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[
     """vLLM's `bad_words` as the token sequences that spell them: each word as it would start
     the text and, where that tokenizes differently, after a space (as inside a sentence); a
     spelling that only adds a token in front of the other is left out. Raises ValueError for
-    a word that is empty or only spaces."""
+    anything but a list of strings, or a word that is empty or only spaces."""
+    if not isinstance(words, list):
+        raise ValueError("bad_words: must be a list of strings")
     out: list[list[int]] = []
     for word in words:
         if not isinstance(word, str) or not word.strip():

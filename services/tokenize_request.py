@@ -56,7 +56,10 @@ class RequestTokenizer:
             sp.pop(key, None)  # the message fields say it
         keep = sp.pop("truncate_prompt_tokens", None)
         if "bad_words" in sp:
-            sp["bad_words_ids"] = self._bad_words(sp.pop("bad_words"))
+            try:
+                sp["bad_words_ids"] = bad_words_ids(self.tokenizer, sp.pop("bad_words") or [])
+            except ValueError as exc:
+                raise RequestError("invalid_request", str(exc)) from None
         params = self._check_params(sp, lifted, msg)
         context_len = context_len or self.context_len
         if keep is not None:
@@ -133,16 +136,6 @@ class RequestTokenizer:
             except Exception as exc:  # template errors: roles out of order, bad content
                 raise RequestError("invalid_request", f"messages: {exc}") from None
         return list(msg.input_ids or [])
-
-    def _bad_words(self, words: Any) -> list[list[int]] | None:
-        if words is None:
-            return None
-        if not isinstance(words, list):
-            raise RequestError("invalid_request", "bad_words: must be a list of strings")
-        try:
-            return bad_words_ids(self.tokenizer, words)
-        except ValueError as exc:
-            raise RequestError("invalid_request", str(exc)) from None
 
     def _check_params(
         self, sp: dict[str, Any], lifted: dict[str, Any], msg: TokenizeReqMsg

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.sampling.grammar_spec import ANY_JSON, grammar_spec
+from engine.sampling.grammar_spec import ANY_JSON, grammar_spec, structural_tag_json
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:NN: " and may go on with a failed
 # check's condition ("Check failed: (...) is false: "); the rest is the message
@@ -103,7 +103,7 @@ class GrammarBackend:
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
             elif kind == "structural_tag":
-                compiled = compiler.compile_structural_tag(text)
+                compiled = compiler.compile_structural_tag(structural_tag_json(text))
             else:
                 compiled = compiler.compile_grammar(text)
         except RuntimeError as exc:

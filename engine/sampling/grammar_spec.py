@@ -27,7 +27,8 @@ def grammar_spec(params: Any) -> tuple[str, str] | None:
 
 def grammar_error(params: Any) -> tuple[str, str] | None:
     """(field, why) if the grammar fields cannot be right whatever the vocabulary: more than
-    one set, an empty one, or a json_schema that is no JSON object."""
+    one set, an empty one, a json_schema that is no JSON object or a structural tag in
+    neither form `structural_tag_json` takes."""
     given = [k for k in GRAMMAR_KINDS if getattr(params, k) is not None]
     if len(given) > 1:
         return given[1], f"only one of {', '.join(GRAMMAR_KINDS)} may be set, got {given}"
@@ -37,15 +38,18 @@ def grammar_error(params: Any) -> tuple[str, str] | None:
     text = getattr(params, kind)
     if not text.strip():
         return kind, "must not be empty"
-    if kind in ("json_schema", "structural_tag") and text != ANY_JSON:
+    if kind == "json_schema" and text != ANY_JSON:
         try:
-            value = json.loads(text)
+            schema = json.loads(text)
         except ValueError as exc:
             return kind, f"is not valid JSON: {exc}"
-        if kind == "json_schema" and not isinstance(value, (dict, bool)):
+        if not isinstance(schema, (dict, bool)):
             return kind, "must be a JSON object (a JSON schema)"
-        if kind == "structural_tag" and not isinstance(value, dict):
-            return kind, "must be a JSON object"
+    if kind == "structural_tag":
+        try:
+            structural_tag_json(text)
+        except ValueError as exc:
+            return kind, str(exc)
     return None
 
 

@@ -231,6 +231,11 @@ def test_a_structural_tag_compiles_and_constrains(backend: GrammarBackend) -> No
     assert grammar.accept(tok.eos_token_id) and grammar.is_terminated()
     refused = backend.grammar(SamplingParams(structural_tag=tag))
     assert not all(refused.accept(t) for t in chars("<x>a"))
+    # the legacy form straight in the params (the offline Engine's path) compiles too
+    legacy = {"structures": [{"begin": "<x>", "schema": {"type": "integer"}, "end": "</x>"}],
+              "triggers": ["<x"]}  # fmt: skip
+    triggered = backend.grammar(SamplingParams(structural_tag=json.dumps(legacy)))
+    assert all(triggered.accept(t) for t in chars("hi <x>7</x>"))
     bad = json.dumps({"type": "structural_tag", "format": {"type": "nope"}})
     with pytest.raises(ValueError, match=r"^structural_tag: Invalid structural tag error: Fo"):
         backend.grammar(SamplingParams(structural_tag=bad))
