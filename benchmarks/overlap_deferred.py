@@ -4,15 +4,17 @@
 
 Penalties (frequency / presence / repetition), a grammar, and vLLM's bad_words of two or more
 tokens make a step's sampling depend on the token sampled the step before, which the overlap
-loop has not processed when it launches the step. sluice then defers that batch's sampling:
-the forward is launched at once, the sampling once the batch before is processed (its
-`SamplingBatchInfo` built from the complete history). SGLang instead keeps penalty counts on
-the device. This measures what the deferral costs, on the emulated accelerator of
+loop has not processed when it launches the step. For a grammar or a bad word sluice defers
+that batch's sampling: the forward is launched at once, the sampling once the batch before is
+processed (its `SamplingBatchInfo` built from the complete history). Penalties are counted on
+the device instead, as SGLang does (engine/sampling/penalty_slots.py; they were deferred
+too before). This measures what each costs the overlap loop, on the emulated accelerator of
 benchmarks/overlap.py (the null runner whose forward waits T_f = T_c without using the CPU, as
 a GPU leaves the host free): every request greedy, `ignore_eos`, with
 
 * "device-sleep": nothing that needs the history (the overlap loop's best case);
-* "device-sleep+penalty": frequency and presence penalties (deferred);
+* "device-sleep+penalty": frequency and presence penalties (the device's counts; the plain
+  loop counts the history);
 * "device-sleep+badwords": three bad words of 2-3 tokens, one whose prefix matches every step
   (deferred; the ban never changes the greedy token).
 
@@ -38,8 +40,9 @@ NOTES = [
     "T_c is each case's own plain-loop step on the null runner, so it includes building the "
     "penalty or ban tensors from the history; the emulated forward then waits T_f = T_c.",
     "deferred_vs_base: a case's overlap_on_vs_off over the base case's at the same batch. "
-    "Below 1: what the deferral loses of the overlap's gain (the sampling waits for the "
-    "previous batch's processing, and its info is rebuilt every step instead of cached).",
+    "Below 1: what the deferral (badwords) loses of the overlap's gain (the sampling waits for "
+    "the previous batch's processing, and its info is rebuilt every step instead of cached). "
+    "The penalty case is no longer deferred: its plain loop still counts the history.",
     "parallelism_probe.speedup: what two threads of GIL-free matmuls got at the time "
     "(2.0 = two free cores); the device process needs a second core to overlap.",
 ]

@@ -19,9 +19,11 @@ Invariants that keep the outputs identical to the plain loop:
 * Step positions (seeded sampling) count the token in flight: `len(output_ids) + 1` for a
   request with a placeholder. A sample is only kept if that token was appended (otherwise
   the request finished, was aborted or was retracted), so it always matches the plain loop.
-  Penalties and grammars need the history itself: a batch with a penalized request, or one
-  with a grammar (whose token mask is that of its output so far), is sampled after the
-  previous batch has been processed, when `output_ids` is exactly its history.
+  Penalties count the history on the device (engine/sampling/penalty_slots.py): each
+  batch's sampling adds its tokens there, and the next batch's, which runs after it, reads
+  them. A grammar's token mask, and a bad word's ban, need the history on the host: a batch
+  with such a request is sampled after the previous batch has been processed, when
+  `output_ids` is exactly its history.
 * Results are processed against the batch as it was launched (`_Record`): rows of requests
   that finished while it was in flight are skipped (their extra token is dropped; their KV
   slot, counted in `kv_allocated_len`, was freed once, with the rest of the request), and
@@ -47,6 +49,7 @@ from engine.forward_batch import ForwardMode
 from engine.model_runner import GenerationBatchResult
 from engine.overlap.executor import Launch, OverlapExecutor, create_executor
 from engine.overlap.future_map import FutureMap
+from engine.sampling.penalty_slots import PenaltyPlan, PenaltySlots
 from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingInfoCache
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
@@ -69,6 +72,7 @@ class _Record:
     num_retractions: int  # the scheduler's count at launch: unchanged means none of these
     decoding_reqs: frozenset[Req] = frozenset()  # a mixed batch's decode steps
     prompts_cached: bool = False
+    penalty_plan: PenaltyPlan | None = None  # its rows of the device's penalty counts
 
     def pending(self) -> dict[Req, int]:
         """Request -> placeholder of the token this batch samples for it."""
@@ -107,9 +111,10 @@ class OverlapScheduler(Scheduler):
         # (the only one not processed yet, so the only tokens the host does not have); built
         # on first use (`_placeholders`), since a decode step of the same batch needs none.
         self._pending: dict[Req, int] | None = None
-        # requests whose sampling needs their history: penalties count it, a grammar's mask
-        # is that of the output so far, a bad word's ban depends on its end
-        self._penalized: set[Req] = set()
+        # requests whose sampling needs their history on the host: a grammar's mask is that
+        # of the output so far, a bad word's ban depends on its end
+        self._history: set[Req] = set()
+        self._penalty_slots = PenaltySlots()  # requests with a penalty: the device counts
         self._seeded: set[Req] = set()  # requests whose sampling needs its step positions
         self._sampling_cache = SamplingInfoCache()
 
@@ -143,7 +148,9 @@ class OverlapScheduler(Scheduler):
     ) -> Req:
         req = super().add_request(rid, input_ids, params, priority)
         if params.needs_history:
-            self._penalized.add(req)
+            self._history.add(req)
+        if params.has_penalty:
+            self._penalty_slots.add(req)
         if params.sampling_seed is not None or params.min_new_tokens > 0:
             self._seeded.add(req)
         return req
@@ -188,10 +195,12 @@ class OverlapScheduler(Scheduler):
     # -- launch ---------------------------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch) -> _Record:
         reqs = batch.reqs
+        chunked = getattr(batch, "chunked_req", None) if batch.forward_mode.is_extend() else None
         deferred = False
-        if self._penalized:
-            self._penalized = {r for r in self._penalized if not r.finished}
-            deferred = any(r in self._penalized for r in reqs)
+        if self._history:
+            self._history = {r for r in self._history if not r.finished}
+            deferred = any(r in self._history for r in reqs)
+        plan = self._penalty_slots.plan(reqs, chunked) if self._penalty_slots else None
         info = None
         if not deferred:
             positions = None  # only seeded rows read them
@@ -200,10 +209,9 @@ class OverlapScheduler(Scheduler):
             if self._seeded:
                 pending = self._placeholders()
                 positions = [len(r.output_ids) + (r in pending) for r in reqs]
-            info = self._sampling_info(reqs, positions)
+            info = self._sampling_info(reqs, positions, plan)
         slots = self.future_map.alloc_future_indices(len(reqs))
         launch = self.executor.launch_forward(batch.get_model_worker_batch(), slots, info)
-        chunked = getattr(batch, "chunked_req", None) if batch.forward_mode.is_extend() else None
         record = _Record(
             list(reqs),
             batch.forward_mode,
@@ -214,6 +222,7 @@ class OverlapScheduler(Scheduler):
             deferred,
             self.stats.num_retractions,
             batch.decoding_reqs,
+            penalty_plan=plan,
         )
         self._in_flight.append(record)
         assert len(self._in_flight) <= 2, "more than two batches in flight"
@@ -222,19 +231,24 @@ class OverlapScheduler(Scheduler):
     def _launch_sample(self, record: _Record) -> None:
         """Deferred sampling: every earlier batch is processed, the histories are complete."""
         reqs = record.reqs
-        info = self._sampling_info(reqs, [len(r.output_ids) for r in reqs], history=True)
+        positions = [len(r.output_ids) for r in reqs]
+        info = self._sampling_info(reqs, positions, record.penalty_plan, history=True)
         self.executor.launch_sample(record.launch, info)
 
     def _sampling_info(
-        self, reqs: list[Req], step_positions: list[int] | None, history: bool = False
+        self,
+        reqs: list[Req],
+        step_positions: list[int] | None,
+        penalty_plan: PenaltyPlan | None,
+        history: bool = False,
     ) -> SamplingBatchInfo:
         device = self.model_runner.device
         info = self._sampling_cache.get(
             [r.sampling_params for r in reqs],
             self.vocab_size,
             device,
+            penalty_plan,
             output_ids=[r.output_ids for r in reqs] if history else None,
-            input_ids=[r.origin_input_ids for r in reqs] if history else None,
             step_positions=step_positions,
             eos_token_ids=self.eos_token_ids,
         )

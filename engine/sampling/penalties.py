@@ -10,6 +10,11 @@ Semantics (the same as SGLang, transformers and the OpenAI API):
 They are applied in that order, to the raw logits, before temperature. The tensors are
 built only when some request of the batch has a penalty; rows without one are left out of
 the counts (their penalty values are neutral, so they are unchanged either way).
+
+The counts come either from the history, counted on the host for the batch (`build` with
+`output_ids` and `input_ids`: the plain scheduler, and the reference), or from the counts the
+device keeps across steps (`build` with a `PenaltyPlan`: the overlap scheduler; see
+engine/sampling/penalty_slots.py), which the `Sampler` gathers when it samples the batch.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sampling.penalty_slots import PenaltyCounts, PenaltyPlan, PenaltyRows
 from engine.sampling.sampling_params import SamplingParams
 
 
@@ -27,8 +33,9 @@ class BatchPenalties:
     repetition: torch.Tensor | None  # [B, 1] float32, 1.0 where unused
     frequency: torch.Tensor | None  # [B, 1] float32, 0.0 where unused
     presence: torch.Tensor | None  # [B, 1] float32, 0.0 where unused
-    output_counts: torch.Tensor  # [B, V] float32, occurrences of each token in the output
+    output_counts: torch.Tensor | None  # [B, V] float32, each token's count in the output
     seen: torch.Tensor | None  # [B, V] bool, token in prompt or output (repetition only)
+    rows: PenaltyRows | None = None  # instead of the two above: the device's counts rows
 
     @classmethod
     def build(
@@ -38,8 +45,10 @@ class BatchPenalties:
         device: torch.device | str,
         output_ids: Sequence[Sequence[int]] | None,
         input_ids: Sequence[Sequence[int]] | None,
+        plan: PenaltyPlan | None = None,
     ) -> BatchPenalties | None:
-        """The batch's penalty tensors, or None when no request has a penalty."""
+        """The batch's penalty tensors, or None when no request has a penalty. With a
+        `plan`, the counts are the device's (`output_ids` and `input_ids` are not read)."""
         rep = [p.repetition_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
@@ -48,6 +57,14 @@ class BatchPenalties:
         use_pres = any(x != 0.0 for x in pres)
         if not (use_rep or use_freq or use_pres):
             return None
+        values = {
+            "repetition": _column(rep, device) if use_rep else None,
+            "frequency": _column(freq, device) if use_freq else None,
+            "presence": _column(pres, device) if use_pres else None,
+        }
+        if plan is not None:
+            rows = PenaltyRows.from_plan(plan, device)
+            return cls(**values, output_counts=None, seen=None, rows=rows)
         batch_size = len(params)
         active = [p.has_penalty for p in params]
         counts = count_tokens(output_ids, active, batch_size, vocab_size, device)
@@ -56,23 +73,28 @@ class BatchPenalties:
             rep_rows = [r != 1.0 for r in rep]
             prompt_counts = count_tokens(input_ids, rep_rows, batch_size, vocab_size, device)
             seen = (prompt_counts > 0) | (counts > 0)
-        return cls(
-            repetition=_column(rep, device) if use_rep else None,
-            frequency=_column(freq, device) if use_freq else None,
-            presence=_column(pres, device) if use_pres else None,
-            output_counts=counts,
-            seen=seen,
-        )
+        return cls(**values, output_counts=counts, seen=seen)
 
-    def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Return penalised logits [B, V] (a new tensor; `logits` is not modified)."""
-        if self.repetition is not None and self.seen is not None:
-            penalty = torch.where(self.seen, self.repetition, 1.0)
+    def apply(
+        self, logits: torch.Tensor, device_counts: PenaltyCounts | None = None
+    ) -> torch.Tensor:
+        """Return penalised logits [B, V] (a new tensor; `logits` is not modified).
+        `device_counts`: the sampler's, read (after the plan's resets) when `rows` is set."""
+        counts, seen = self.output_counts, self.seen
+        if self.rows is not None:
+            if device_counts is None:
+                raise ValueError("penalties planned on the device's counts need them")
+            with_seen = self.repetition is not None
+            counts, seen = device_counts.gather(self.rows, logits.shape[1], logits.device,
+                                                with_seen)  # fmt: skip
+        assert counts is not None
+        if self.repetition is not None and seen is not None:
+            penalty = torch.where(seen, self.repetition, 1.0)
             logits = torch.where(logits > 0, logits / penalty, logits * penalty)
         if self.frequency is not None:
-            logits = logits - self.frequency * self.output_counts
+            logits = logits - self.frequency * counts
         if self.presence is not None:
-            logits = logits - self.presence * (self.output_counts > 0).to(logits.dtype)
+            logits = logits - self.presence * (counts > 0).to(logits.dtype)
         return logits
 
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.sampling.penalty_slots import PenaltyCounts
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
@@ -59,12 +60,15 @@ class Sampler:
     """Picks the next token of every request in a batch.
 
     Owns the RNG of unseeded requests: one torch.Generator per device, seeded from `seed`
-    (the server's random_seed; None seeds it from the OS).
+    (the server's random_seed; None seeds it from the OS); and the penalty counts the
+    overlap scheduler keeps on the device (`penalty_counts`, engine/sampling/penalty_slots.py),
+    to which each batch planned on them adds its sampled tokens.
     """
 
     def __init__(self, seed: int | None = None, device: torch.device | str | None = None) -> None:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self.penalty_counts = PenaltyCounts()
         if device is not None:
             self._generator(torch.device(device))
 
@@ -78,7 +82,7 @@ class Sampler:
         """Sample from `logits` [B, V]; `logits` itself is left unchanged."""
         logits = logits.float()
         if info.penalties is not None:
-            logits = info.penalties.apply(logits)
+            logits = info.penalties.apply(logits, self.penalty_counts)
         logits = info.apply_vocab_mask(info.apply_logit_bias(logits))
         if info.is_all_greedy:
             scaled = logits
@@ -88,6 +92,8 @@ class Sampler:
             next_ids = self._sample(torch.softmax(scaled, dim=-1), info)
             if info.has_greedy:
                 next_ids = torch.where(info.greedy_rows, torch.argmax(logits, dim=-1), next_ids)
+        if info.penalties is not None and info.penalties.rows is not None:
+            self.penalty_counts.add(info.penalties.rows, next_ids)
         if not return_logprob:
             return SampleOutput(next_ids, None, None)
         logprobs = F.log_softmax(scaled, dim=-1).clamp_(min=torch.finfo(torch.float32).min)

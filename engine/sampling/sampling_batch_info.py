@@ -20,6 +20,7 @@ import torch
 from engine.sampling.grammar import allow_only, apply_vocab_mask
 from engine.sampling.logit_bans import bad_word_bans, logit_bias_triples, min_new_token_bans
 from engine.sampling.penalties import BatchPenalties
+from engine.sampling.penalty_slots import PenaltyPlan
 from engine.sampling.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class SamplingBatchInfo:
         input_ids: Sequence[Sequence[int]] | None = None,
         step_positions: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
+        penalty_plan: PenaltyPlan | None = None,
     ) -> SamplingBatchInfo:
         """Vectorise the batch's parameters.
 
@@ -79,7 +81,8 @@ class SamplingBatchInfo:
         being sampled for request i (its output length so far); defaults to
         `len(output_ids[i])` and is required for seeded requests and ones with
         min_new_tokens when output_ids is None. `eos_token_ids`: the model's, banned (with
-        the request's stop tokens) from rows below their min_new_tokens.
+        the request's stop tokens) from rows below their min_new_tokens. `penalty_plan`: the
+        penalties read the device's counts (engine/sampling/penalty_slots.py), not the history.
         """
         batch_size = len(params)
         _check_lengths(
@@ -116,7 +119,9 @@ class SamplingBatchInfo:
             seeds=seeded[1],
             seed_steps=seeded[2],
             unseeded_rows=seeded[3],
-            penalties=BatchPenalties.build(params, vocab_size, device, output_ids, input_ids),
+            penalties=BatchPenalties.build(
+                params, vocab_size, device, output_ids, input_ids, penalty_plan
+            ),
             bias_rows=bias[0],
             bias_ids=bias[1],
             bias_values=bias[2],
@@ -159,11 +164,12 @@ class SamplingInfoCache:
 
     Building an info is per-request Python plus five host-to-device copies: on the null model
     runner (benchmarks/host_overhead.py) it was about a sixth of a decode step's host time.
-    Only infos that do not depend on the step are kept: none with penalties (they count the
-    history), seeded rows (their noise depends on the token index) or min_new_tokens. The key
-    is the params objects' identities; the cache holds the objects, so an identity cannot be
-    reused by a new request while its entry lives. `SamplingParams` are not changed once a
-    request is queued.
+    Only infos that do not depend on the step are kept: none with penalties counted from the
+    history (penalties on the device's counts are kept while the plan has no resets), seeded
+    rows (their noise depends on the token index) or min_new_tokens. The key is the params
+    objects' identities (and the penalty plan's rows); the cache holds the objects, so an
+    identity cannot be reused by a new request while its entry lives. `SamplingParams` are not
+    changed once a request is queued.
     """
 
     def __init__(self) -> None:
@@ -177,18 +183,24 @@ class SamplingInfoCache:
         params: Sequence[SamplingParams],
         vocab_size: int,
         device: torch.device | str,
+        penalty_plan: PenaltyPlan | None = None,
         **kwargs: Sequence | None,
     ) -> SamplingBatchInfo:
-        """`SamplingBatchInfo.from_params(params, vocab_size, device, **kwargs)`, or the
-        previous call's result when it is reusable and `params` are the same objects."""
-        key = tuple(map(id, params))
+        """`SamplingBatchInfo.from_params(params, vocab_size, device, penalty_plan=...,
+        **kwargs)`, or the previous call's result when it is reusable and `params` are the same
+        objects (and the plan's rows the same)."""
+        key = tuple(map(id, params)) + (penalty_plan.key if penalty_plan is not None else ())
         if key == self._key and self._info is not None:
             self.hits += 1
             return self._info
-        info = SamplingBatchInfo.from_params(params, vocab_size, device, **kwargs)
+        info = SamplingBatchInfo.from_params(
+            params, vocab_size, device, penalty_plan=penalty_plan, **kwargs
+        )
         # (min_new_tokens bans end with the steps; a bad word's depends on the output)
         step_free = not any(p.min_new_tokens or p.has_bad_word_prefixes for p in params)
-        if info.penalties is None and info.seeded_rows is None and step_free:
+        # penalties on the device's counts are steady once the plan resets no row
+        steady = info.penalties is None or (penalty_plan is not None and not penalty_plan.resets)
+        if steady and info.seeded_rows is None and step_free:
             self._key, self._params, self._info = key, list(params), info
         else:
             self._key, self._params, self._info = None, [], None

@@ -86,8 +86,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Sampling reads the output so far (the overlap scheduler defers it)."""
-        return self.has_penalty or self.has_grammar or self.has_bad_word_prefixes
+        """Sampling reads the output so far on the host: a grammar's mask, a bad word's ban
+        (the overlap scheduler defers it). Penalties read counts the device keeps."""
+        return self.has_grammar or self.has_bad_word_prefixes
 
     @property
     def has_grammar(self) -> bool:

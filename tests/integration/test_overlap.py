@@ -375,6 +375,38 @@ def test_penalties_and_seeds_see_history_and_step() -> None:
     assert on.tokens["r0"] != baseline.tokens["r0"], "the penalty should change the output"
 
 
+PENALTIES = [
+    {"frequency_penalty": 1.5},
+    {"presence_penalty": 1.0},
+    {"repetition_penalty": 1.8},
+    {"frequency_penalty": 0.8, "presence_penalty": 0.5, "repetition_penalty": 1.3},
+]
+
+
+@pytest.mark.parametrize("config", ["tiny_pool", "paged_chunked"])
+def test_penalty_counts_on_the_device_match_the_history(config: str) -> None:
+    """Every request penalized: the overlap loop's device counts (rows handed out as
+    requests come and go, reset on re-prefill after a retraction) against the plain loop's
+    counts from the host's history, under retraction, chunked prefill and aborts."""
+    rng = random.Random(5)
+    arrivals, aborts = _workload(5, n=36)
+    for reqs in arrivals.values():
+        for i, (rid, ids, _) in enumerate(reqs):
+            kw = {"max_new_tokens": rng.randint(4, 60), "ignore_eos": rng.random() < 0.7}
+            reqs[i] = (rid, ids, _params(temperature=0.0, **kw, **rng.choice(PENALTIES)))
+    aborted = {rid for rs in aborts.values() for rid in rs}
+    on = drive(arrivals, aborts, True, **STRESS[config])
+    off = drive(arrivals, aborts, False, **STRESS[config])
+    for rid, tokens in off.tokens.items():
+        if rid not in aborted:
+            assert on.tokens[rid] == tokens, rid
+    slots = on.scheduler._penalty_slots
+    assert slots.capacity - 1 < len(on.finish), "rows of finished requests are reused"
+    assert on.scheduler._sampling_cache.hits > 0, "steady penalized batches reuse their info"
+    if config == "tiny_pool":
+        assert on.stats["retractions"] > 0
+
+
 def test_forward_error_is_raised_not_hung(monkeypatch: pytest.MonkeyPatch) -> None:
     args = EngineArgs.from_kwargs(model_path=tiny_model("llama"), cpu_overlap_executor="thread")
     scheduler = build_scheduler(args)
