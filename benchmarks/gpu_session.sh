@@ -13,7 +13,8 @@
 #               compiles its fp16/bf16 x head_dim 64/128 variants)
 #   tests-kernels  tests/gpu/test_kernels_gpu.py and test_cuda_graph_gpu.py
 #   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
-#               waits for a busy forward stream)
+#               waits for a busy forward stream) and the GPU cases of
+#               tests/integration/test_overlap.py (CUDA executor == plain loop)
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels;  all = parity bench tests-overlap tests-fi tests-kernels (the issue's
@@ -153,7 +154,8 @@ do_step() {
         tests-kernels)
             run_step tests-kernels 180 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py ;;
-        tests-overlap) run_step tests-overlap 60 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py ;;
+        tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
+                tests/integration/test_overlap.py -m gpu ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
         decode-bs1) run_step decode-bs1 130 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;

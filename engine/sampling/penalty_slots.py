@@ -104,7 +104,8 @@ class PenaltyCounts:
                 if self.prompt_seen is None:
                     self.prompt_seen = torch.zeros(self.counts.shape, dtype=torch.bool,
                                                    device=device)  # fmt: skip
-                self.prompt_seen[rows.prompt_rows, rows.prompt_ids] = True
+                trues = torch.ones(rows.prompt_rows.shape, dtype=torch.bool, device=device)
+                self.prompt_seen.index_put_((rows.prompt_rows, rows.prompt_ids), trues)
         counts = self.counts.index_select(0, rows.slots)
         if not with_seen:
             return counts, None

@@ -54,23 +54,27 @@ def _sleep_cycles(ms: float) -> int:
     return int(probe * ms / start.elapsed_time(end))
 
 
-def _params(max_new: int) -> SamplingParams:
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+def _params(max_new: int, penalized: bool = False) -> SamplingParams:
+    penalties = {"frequency_penalty": 0.5, "repetition_penalty": 1.2} if penalized else {}
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **penalties)
     params.normalize()
     return params
 
 
 CASES = [
-    ("flashinfer", "bfloat16", 1, True),
-    ("flashinfer", "bfloat16", 16, True),
-    ("flashinfer", "bfloat16", 1, False),
-    ("triton", "float32", 1, True),
-    ("triton", "float32", 1, False),
+    ("flashinfer", "bfloat16", 1, True, False),
+    ("flashinfer", "bfloat16", 16, True, False),
+    ("flashinfer", "bfloat16", 1, False, False),
+    ("triton", "float32", 1, True, False),
+    ("triton", "float32", 1, False, False),
+    # penalties: counted on the device (engine/sampling/penalty_slots.py), not deferred
+    ("flashinfer", "bfloat16", 16, True, True),
+    ("triton", "float32", 1, True, True),
 ]
 
 
-@pytest.mark.parametrize("backend,dtype,page_size,graphs", CASES)
-def test_launch_does_not_wait_for_the_device(backend, dtype, page_size, graphs):
+@pytest.mark.parametrize("backend,dtype,page_size,graphs,penalized", CASES)
+def test_launch_does_not_wait_for_the_device(backend, dtype, page_size, graphs, penalized):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     path = tiny_model("llama")
@@ -99,12 +103,13 @@ def test_launch_does_not_wait_for_the_device(backend, dtype, page_size, graphs):
             launches.clear()
             assert scheduler.flush_cache()
             for i, ids in enumerate(mixed_prompts(vocab, n=4, seed=0, max_len=60)):
-                scheduler.add_request(f"r{rnd}-{i}", ids, _params(12))
+                scheduler.add_request(f"r{rnd}-{i}", ids, _params(12, penalized))
             wave = mixed_prompts(vocab, n=2, seed=1, max_len=60)
             for step in range(9):
                 if step in (2, 4):  # new prompts, then the same again (cached prefixes)
                     for i, ids in enumerate(wave):
-                        scheduler.add_request(f"r{rnd}-s{step}-{i}", list(ids), _params(4))
+                        scheduler.add_request(f"r{rnd}-s{step}-{i}", list(ids),
+                                              _params(4, penalized))  # fmt: skip
                 with torch.cuda.stream(executor.forward_stream):
                     torch.cuda._sleep(cycles)  # the device is busy behind the batch in flight
                 scheduler.step()

@@ -383,8 +383,11 @@ PENALTIES = [
 ]
 
 
-@pytest.mark.parametrize("config", ["tiny_pool", "paged_chunked"])
-def test_penalty_counts_on_the_device_match_the_history(config: str) -> None:
+@pytest.mark.parametrize("config,device", [
+    ("tiny_pool", "cpu"), ("paged_chunked", "cpu"),
+    pytest.param("tiny_pool", "cuda", marks=pytest.mark.gpu),
+])  # fmt: skip
+def test_penalty_counts_on_the_device_match_the_history(config: str, device: str) -> None:
     """Every request penalized: the overlap loop's device counts (rows handed out as
     requests come and go, reset on re-prefill after a retraction) against the plain loop's
     counts from the host's history, under retraction, chunked prefill and aborts."""
@@ -395,8 +398,9 @@ def test_penalty_counts_on_the_device_match_the_history(config: str) -> None:
             kw = {"max_new_tokens": rng.randint(4, 60), "ignore_eos": rng.random() < 0.7}
             reqs[i] = (rid, ids, _params(temperature=0.0, **kw, **rng.choice(PENALTIES)))
     aborted = {rid for rs in aborts.values() for rid in rs}
-    on = drive(arrivals, aborts, True, **STRESS[config])
-    off = drive(arrivals, aborts, False, **STRESS[config])
+    extra = {"device": "cuda", "attention_backend": "torch_native"} if device == "cuda" else {}
+    on = drive(arrivals, aborts, True, **STRESS[config], **extra)
+    off = drive(arrivals, aborts, False, **STRESS[config], **extra)
     for rid, tokens in off.tokens.items():
         if rid not in aborted:
             assert on.tokens[rid] == tokens, rid
