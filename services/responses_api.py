@@ -16,9 +16,9 @@ is then reshaped into a `response` object, or into the API's stream of events
 * `max_output_tokens`, `temperature`, `top_p`, `parallel_tool_calls`, `metadata` (echoed),
   and the sampling extras of the chat body (`top_k`, `seed`, `stop`, ...) pass through.
 
-Nothing is stored: `previous_response_id`, `conversation` and `background` are refused with a
-400 naming the field (the client sends the whole conversation in `input` instead), and the
-response says `"store": false`.
+`store` (default true) keeps the response for `previous_response_id` and
+`GET /v1/responses/{id}` (services/responses_store.py); `conversation`, `background` and
+`prompt` are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_p
            "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
            "skip_special_tokens", "min_tokens", "rid", "priority", "chat_template_kwargs",
            "separate_reasoning", "parallel_tool_calls")  # fmt: skip
-_STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
+_STATEFUL = ("conversation", "background", "prompt")
 
 
 def _invalid(message: str, param: str) -> ApiError:
@@ -62,6 +62,7 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, Any] | None = None
     top_logprobs: int | None = None
     previous_response_id: str | None = None
+    store: bool = True
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
@@ -77,17 +78,21 @@ class ResponsesRequest(_Strict):
         body._extras = {k: given[k] for k in _PASSED if given.get(k) is not None}
         for name in _STATEFUL:
             if getattr(body, name) not in (None, False):
-                raise ApiError(400, f"{name} is not supported: sluice stores no responses",
-                               name, "unsupported")  # fmt: skip
+                raise ApiError(400, f"{name} is not supported", name, "unsupported")
         if body.top_logprobs:
             raise ApiError(400, "top_logprobs is not supported", "top_logprobs", "unsupported")
         return body
 
-    def to_chat(self) -> ChatCompletionRequest:
-        """The chat completion request this one means (400s name this API's fields)."""
+    def to_chat(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The chat completion request this one means (400s name this API's fields), after
+        the stored items of the conversation it continues (`history`)."""
+        messages = _messages(self.input, self.instructions)
+        if history:
+            at = 1 if self.instructions else 0
+            messages[at:at] = _messages(list(history), None)
         chat: dict[str, Any] = {
             "model": self.model,
-            "messages": _messages(self.input, self.instructions),
+            "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
             "stream": bool(self.stream),
             "stream_options": {"include_usage": True} if self.stream else None,

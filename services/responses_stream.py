@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from services.responses_api import ResponsesRequest
@@ -77,8 +77,11 @@ async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[byte
 
 
 class ResponseShaper:
-    def __init__(self, body: ResponsesRequest, fmt: Formatter) -> None:
+    def __init__(
+        self, body: ResponsesRequest, fmt: Formatter, save: Callable[..., Awaitable] | None = None
+    ) -> None:
         self.body, self.fmt = body, fmt
+        self.save = save  # stores the final response (services/responses_store.py)
         self.id, self.created = body._extras.get("rid") or _id("resp"), int(time.time())
         self._seq = 0
         self._items: list[dict[str, Any]] = []  # output items, the last one maybe open
@@ -93,7 +96,8 @@ class ResponseShaper:
             "error": None, "incomplete_details": incomplete, "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens, "model": b.model, "output": output,
             "parallel_tool_calls": extras.get("parallel_tool_calls", True),
-            "previous_response_id": None, "reasoning": None, "store": False,
+            "previous_response_id": b.previous_response_id, "reasoning": None,
+            "store": self.save is not None,
             "temperature": extras.get("temperature"), "top_p": extras.get("top_p"),
             "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [], "truncation": "disabled", "usage": usage,
@@ -114,7 +118,10 @@ class ResponseShaper:
         for c in calls:
             output.append(_call(c["id"], c["function"]["name"], c["function"]["arguments"]))
         status, incomplete = _status(choice["finish_reason"])
-        return self.envelope(status, output, _usage(chat.get("usage")), incomplete)
+        final = self.envelope(status, output, _usage(chat.get("usage")), incomplete)
+        if self.save is not None:
+            await self.save(final)
+        return final
 
     # -- streamed -------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[bytes]:
@@ -145,6 +152,8 @@ class ResponseShaper:
             status, incomplete = _status(finish)
             kind = "response.completed" if status == "completed" else f"response.{status}"
             final = self.envelope(status, self._items, _usage(usage), incomplete)
+            if self.save is not None:  # stored before the client hears it is done
+                await self.save(final)
             yield self._event(kind, response=final)
         finally:
             await chunks.aclose()

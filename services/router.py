@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services import router_tokens as tokens
+from services.responses_store import add_routes as add_response_routes
 from services.router_api import VERSION, Router
 from services.router_control import AbortBody
 from services.router_metrics import CONTENT_TYPE
@@ -125,9 +126,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await state["router"].generate(request, "chat")
 
-    @app.post("/v1/responses")
-    async def responses(request: Request) -> Response:
-        return await state["router"].responses(request)
+    add_response_routes(app, state)  # POST /v1/responses, and its stored responses
 
     def model_card(router: Router, name: str) -> dict[str, Any]:
         return {

@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -21,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.responses_api import ResponsesRequest
+from services.responses_store import ResponseStore, input_items
 from services.responses_stream import ResponseShaper
 from services.router_chat import ParserChoice
 from services.router_generate import GenerateRequest
@@ -80,6 +82,7 @@ class Router:
         self.token_names = TokenNames()
         self.token_names.load([r.model] if r.model else [])
         self.tool_parser = ParserChoice(r.tool_call_parser)
+        self.responses_store = ResponseStore(bus.redis, bus.prefix, r.responses_store_ttl_s)
         self.num_handled = 0
         self.started_at = time.time()
 
@@ -123,8 +126,13 @@ class Router:
         self.authorize(request)
         body = ResponsesRequest.parse(await request.body())
         self.check_model(body.model)
-        fmt = await self._start("chat", body.to_chat(), "max_output_tokens")
-        shaper = ResponseShaper(body, fmt)
+        store, history = self.responses_store, []
+        if body.previous_response_id is not None:
+            history = await store.history(body.previous_response_id)
+        fmt = await self._start("chat", body.to_chat(history), "max_output_tokens")
+        items = [*history, *input_items(body.input)]  # the conversation, as stored
+        save = partial(store.save, items=items) if store.enabled and body.store else None
+        shaper = ResponseShaper(body, fmt, save)
         if body.stream:
             return await _sse_response(request, shaper.events())
         return JSONResponse(await _unless_disconnected(request, shaper.response()))

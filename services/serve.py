@@ -46,7 +46,8 @@ WORKER_ID = "0"
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
 # RouterSettings fields that `serve` takes as flags too and passes on to its router.
-ROUTER_FLAGS = ("incremental_streaming_output", "tool_call_parser", "reasoning_parser")
+ROUTER_FLAGS = ("incremental_streaming_output", "tool_call_parser", "reasoning_parser",
+                "responses_store_ttl_s")  # fmt: skip
 
 
 def _die_with_parent() -> None:

@@ -11,7 +11,8 @@ can share one Redis. Streams:
 | `{p}:router:{r}:out`  | detokenizers, any (errors) → router r  | plain XREAD           |
 | `{p}:dlq`             | anyone → operators                     | XRANGE                |
 
-Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}`.
+Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}`; so are the Responses
+API's stored responses (JSON, services/responses_store.py): `{p}:response:{id}`.
 """
 
 from __future__ import annotations
@@ -71,3 +72,7 @@ def heartbeat_pattern(prefix: str, kind: str) -> str:
     """A SCAN pattern matching every heartbeat key of `kind` (the prefix glob-escaped)."""
     escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
     return f"{escaped}:hb:{_check_part('kind', kind)}:*"
+
+
+def response_key(prefix: str, response_id: str) -> str:
+    return f"{prefix}:response:{response_id}"

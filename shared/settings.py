@@ -180,6 +180,11 @@ class RouterSettings:
     model: str | None = setting(None, "model folder (for its name and tokenizer config)")
     served_model_name: str | None = setting(None, "model name in the API (default: folder name)")
     request_timeout_s: float = setting(600.0, "abort a request after this long")
+    responses_store_ttl_s: float = setting(
+        3600.0,
+        "keep Responses API responses (store: true) in Redis this long, for "
+        "previous_response_id and GET /v1/responses/{id}; 0 stores none",
+    )
     incremental_streaming_output: bool = setting(
         False, "streamed /generate chunks carry only the new text and ids (SGLang's flag)"
     )

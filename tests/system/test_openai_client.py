@@ -792,3 +792,26 @@ def test_responses_api_as_the_client_calls_it(
     (call,) = [item for item in called.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+
+
+def test_responses_are_stored_and_continued_as_the_client_does_it(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    """`previous_response_id` means the whole conversation sent again; the stored response
+    is retrieved, listed and deleted with the client's own calls."""
+    ask = {"model": served_model, "max_output_tokens": 8, **GREEDY}
+    first = client.responses.create(input="Hi", **ask)
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(input="And then?", previous_response_id=first.id, **ask)
+    turns = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": first.output_text},
+             {"role": "user", "content": "And then?"}]  # fmt: skip
+    whole = client.responses.create(input=turns, store=False, **ask)
+    assert not whole.store and second.previous_response_id == first.id
+    assert second.output_text == whole.output_text
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    items = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [item.role for item in items] == ["user", "assistant", "user"]  # two pages
+    client.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(second.id)

@@ -54,7 +54,7 @@ def test_a_whole_response_and_its_usage(fake: FakeWorker, base: str) -> None:
     assert resp.status_code == 200, resp.text
     body = resp.json()
     assert body["object"] == "response" and body["id"].startswith("resp_")
-    assert (body["status"], body["incomplete_details"], body["store"]) == ("completed", None, False)
+    assert (body["status"], body["incomplete_details"], body["store"]) == ("completed", None, True)
     assert body["metadata"] == {"k": "v"} and body["instructions"] == "be nice"
     (item,) = body["output"]
     assert item["type"] == "message" and item["role"] == "assistant"
@@ -132,7 +132,8 @@ def test_input_items_become_the_chat_conversation(fake: FakeWorker, base: str) -
 
 def test_what_it_cannot_do_is_a_400_naming_the_field(fake: FakeWorker, base: str) -> None:
     cases = [
-        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "previous_response_id": "resp_never"}, "previous_response_id"),
+        ({"input": "x", "conversation": "conv_1"}, "conversation"),
         ({"input": "x", "background": True}, "background"),
         ({"input": [{"type": "file_search_call", "id": "f"}]}, "input.0.type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content"),
@@ -150,17 +151,79 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(fake: FakeWorker, base: str
     assert resp.status_code == 404
 
 
+def test_a_stored_response_is_retrieved_listed_and_deleted(fake: FakeWorker, base: str) -> None:
+    body = post(base, input="hello", metadata={"k": "v"}).json()
+    assert body["store"] is True and body["previous_response_id"] is None
+    got = httpx.get(f"{base}/v1/responses/{body['id']}", timeout=10)
+    assert got.status_code == 200 and got.json() == body
+    items = httpx.get(f"{base}/v1/responses/{body['id']}/input_items", timeout=10).json()
+    assert items["object"] == "list" and not items["has_more"]
+    (item,) = items["data"]
+    assert item["role"] == "user" and item["content"] == [{"type": "input_text", "text": "hello"}]
+    assert item["id"].startswith("msg_") and items["first_id"] == items["last_id"] == item["id"]
+    gone = httpx.delete(f"{base}/v1/responses/{body['id']}", timeout=10)
+    assert gone.json() == {"id": body["id"], "object": "response", "deleted": True}
+    for method in ("GET", "DELETE"):
+        resp = httpx.request(method, f"{base}/v1/responses/{body['id']}", timeout=10)
+        assert resp.status_code == 404 and resp.json()["error"]["param"] == "response_id"
+    unstored = post(base, input="hello", store=False).json()
+    assert unstored["store"] is False
+    assert httpx.get(f"{base}/v1/responses/{unstored['id']}", timeout=10).status_code == 404
+    resp = post(base, input="again", previous_response_id=unstored["id"])
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "previous_response_id"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_previous_response_id_continues_the_conversation(
+    fake: FakeWorker, base: str, stream: bool
+) -> None:
+    """Each turn's messages: the stored turns (input, then output), then the new input; the
+    earlier turn's instructions are not carried over (OpenAI's rule)."""
+    def turn(**body: object) -> dict:
+        if not stream:
+            return post(base, **body).json()
+        final = events(base, **body)[-1]
+        assert final["type"] == "response.completed"
+        return final["response"]
+
+    first = turn(input="hello", instructions="be nice")
+    second = turn(input=[{"role": "user", "content": "more"}], previous_response_id=first["id"])
+    assert second["previous_response_id"] == first["id"]
+    assert [(m.role, m.content) for m in fake.received[-1].messages] == [
+        ("user", "hello"), ("assistant", "olleh"), ("user", "more")]  # fmt: skip
+    third = turn(input="last", instructions="be brief", previous_response_id=second["id"])
+    assert [(m.role, m.content) for m in fake.received[-1].messages] == [
+        ("system", "be brief"), ("user", "hello"), ("assistant", "olleh"), ("user", "more"),
+        ("assistant", "erom"), ("user", "last")]  # fmt: skip
+    assert third["output"][0]["content"][0]["text"] == "tsal"
+    stored = httpx.get(f"{base}/v1/responses/{third['id']}", timeout=10).json()
+    assert stored == third
+    page = httpx.get(f"{base}/v1/responses/{third['id']}/input_items",
+                     params={"order": "asc", "limit": 3}, timeout=10).json()  # fmt: skip
+    assert [i.get("role") for i in page["data"]] == ["user", "assistant", "user"]
+    assert page["has_more"] is True
+    after = {"order": "asc", "after": page["last_id"]}
+    rest = httpx.get(f"{base}/v1/responses/{third['id']}/input_items", params=after,
+                     timeout=10).json()  # fmt: skip
+    assert [i.get("role") for i in rest["data"]] == ["assistant", "user"] and not rest["has_more"]
+    newest = httpx.get(f"{base}/v1/responses/{third['id']}/input_items", timeout=10).json()
+    assert newest["data"] == (page["data"] + rest["data"])[::-1]
+
+
 @pytest.fixture(scope="module")
-def parsing(redis_url: str) -> Iterator[str]:
+def parsing_stack(redis_url: str) -> Iterator[tuple[str, FakeWorker]]:
     """A router with a reasoning parser and the hermes tool call parser, and its fake."""
     prefix = PREFIX + "-parse"
     extra = ("--reasoning-parser", "deepseek-r1", "--tool-call-parser", "hermes")
     with start_router(redis_url, prefix, *extra) as url:
-        with running(FakeWorker(redis_url, prefix, "w-parse", shuffle=True), url):
-            yield url
+        with running(FakeWorker(redis_url, prefix, "w-parse", shuffle=True), url) as fake:
+            yield url, fake
 
 
-def test_reasoning_text_and_calls_become_their_items(parsing: str) -> None:
+def test_reasoning_text_and_calls_become_their_items(
+    parsing_stack: tuple[str, FakeWorker],
+) -> None:
+    parsing, fake = parsing_stack
     call = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     said = f"hmm</think>ok<tool_call>\n{call}\n</tool_call>"
     tool = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -186,3 +249,13 @@ def test_reasoning_text_and_calls_become_their_items(parsing: str) -> None:
     assert final["status"] == "completed"
     assert [i["type"] for i in final["output"]] == kinds
     assert final["output"][2]["arguments"] == fc["arguments"]
+    # the call's output continues the stored conversation (the reasoning item is dropped)
+    result = {"type": "function_call_output", "call_id": fc["call_id"], "output": "sunny"}
+    resp = post(parsing, input=[result], previous_response_id=whole["id"], tools=[tool])
+    assert resp.status_code == 200, resp.text
+    user, assistant, output = fake.received[-1].messages
+    assert (user.role, user.content) == ("user", said[::-1])
+    assert (assistant.role, assistant.content) == ("assistant", "ok")
+    assert [(c["id"], c["function"]["name"]) for c in assistant.tool_calls] == [
+        (fc["call_id"], "get_weather")]  # fmt: skip
+    assert (output.role, output.tool_call_id, output.content) == ("tool", fc["call_id"], "sunny")
