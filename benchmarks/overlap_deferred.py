@@ -43,6 +43,8 @@ NOTES = [
     "Below 1: what the deferral (badwords) loses of the overlap's gain (the sampling waits for "
     "the previous batch's processing, and its info is rebuilt every step instead of cached). "
     "The penalty case is no longer deferred: its plain loop still counts the history.",
+    "overlap_step_vs_base: a case's overlap-loop step over the base case's at the same batch "
+    "(what that sampling adds to the overlap loop's step; 1 = nothing).",
     "parallelism_probe.speedup: what two threads of GIL-free matmuls got at the time "
     "(2.0 = two free cores); the device process needs a second core to overlap.",
 ]
@@ -64,13 +66,15 @@ def main() -> None:
     base = {r["batch"]: r for r in rows if r["case"] == CASES[0]}
     for r in rows:
         r["deferred_vs_base"] = r["throughput_on_vs_off"] / base[r["batch"]]["throughput_on_vs_off"]
-    print_table(rows, [*COLUMNS, "deferred_vs_base"])
+        r["overlap_step_vs_base"] = r["overlap_step_ms"] / base[r["batch"]]["overlap_step_ms"]
+    print_table(rows, [*COLUMNS, "deferred_vs_base", "overlap_step_vs_base"])
     summary = {
         f"{r['case']}/bs{r['batch']}": {
             "on_vs_off": r["throughput_on_vs_off"],
             "thread_on_vs_off": r["thread_on_vs_off"],
             "overlap_step_vs_max_part": r["overlap_step_vs_max_part"],
             "deferred_vs_base": r["deferred_vs_base"],
+            "overlap_step_vs_base": r["overlap_step_vs_base"],
         }
         for r in rows
     }

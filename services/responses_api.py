@@ -62,7 +62,7 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, Any] | None = None
     top_logprobs: int | None = None
     previous_response_id: str | None = None
-    store: bool = True
+    store: bool | None = None  # None: the API's default, true
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None

@@ -131,7 +131,8 @@ class Router:
             history = await store.history(body.previous_response_id)
         fmt = await self._start("chat", body.to_chat(history), "max_output_tokens")
         items = [*history, *input_items(body.input)]  # the conversation, as stored
-        save = partial(store.save, items=items) if store.enabled and body.store else None
+        keep = store.enabled and body.store is not False
+        save = partial(store.save, items=items) if keep else None
         shaper = ResponseShaper(body, fmt, save)
         if body.stream:
             return await _sse_response(request, shaper.events())
