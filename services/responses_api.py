@@ -89,7 +89,7 @@ class ResponsesRequest(_Strict):
         messages = _messages(self.input, self.instructions)
         if history:
             at = 1 if self.instructions else 0
-            messages[at:at] = _messages(list(history), None)
+            messages[at:at] = _messages(history, None)
         chat: dict[str, Any] = {
             "model": self.model,
             "messages": messages,

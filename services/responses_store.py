@@ -61,11 +61,10 @@ class ResponseStore:
         return bool(await self.redis.delete(response_key(self.prefix, response_id)))
 
     async def found(self, response_id: str) -> dict[str, Any]:
-        """The stored record, or a 404 (for GET and DELETE /v1/responses/{id})."""
+        """The stored record, or a 404 (for GET /v1/responses/{id})."""
         record = await self.load(response_id)
         if record is None:
-            raise ApiError(404, f"no stored response has id {response_id!r}", "response_id",
-                           "not_found")  # fmt: skip
+            raise _not_found(response_id)
         return record
 
     async def history(self, previous_id: str) -> list[dict[str, Any]]:
@@ -77,6 +76,10 @@ class ResponseStore:
             raise ApiError(400, f"previous response with id {previous_id!r} not found{why}",
                            "previous_response_id", "previous_response_not_found")  # fmt: skip
         return [*record["input"], *record["response"]["output"]]
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"no stored response has id {response_id!r}", "response_id", "not_found")
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -132,7 +135,7 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
         router = state["router"]
         router.authorize(request)
         if not await router.responses_store.delete(response_id):
-            await router.responses_store.found(response_id)  # the 404
+            raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.get("/v1/responses/{response_id}/input_items")

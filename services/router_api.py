@@ -130,9 +130,9 @@ class Router:
         if body.previous_response_id is not None:
             history = await store.history(body.previous_response_id)
         fmt = await self._start("chat", body.to_chat(history), "max_output_tokens")
-        items = [*history, *input_items(body.input)]  # the conversation, as stored
-        keep = store.enabled and body.store is not False
-        save = partial(store.save, items=items) if keep else None
+        save = None
+        if store.enabled and body.store is not False:  # the conversation, as stored
+            save = partial(store.save, items=[*history, *input_items(body.input)])
         shaper = ResponseShaper(body, fmt, save)
         if body.stream:
             return await _sse_response(request, shaper.events())
