@@ -255,7 +255,7 @@ MODELS = {
     "wide": {"preset": "tiny", "hidden_size": 1024, "num_layers": 1, "num_heads": 8,
              "num_kv_heads": 8, "intermediate_size": 4096, "vocab_size": 4096},
 }
-# sampling that reads the output so far: the overlap loop samples such batches deferred
+# sampling that reads the output so far (the overlap loop keeps what it needs on the device)
 SAMPLING: dict[str, dict] = {
     "": {},
     "penalty": {"frequency_penalty": 0.5, "presence_penalty": 0.5},

@@ -4,19 +4,20 @@
 
 Penalties (frequency / presence / repetition), a grammar, and vLLM's bad_words of two or more
 tokens make a step's sampling depend on the token sampled the step before, which the overlap
-loop has not processed when it launches the step. For a grammar or a bad word sluice defers
-that batch's sampling: the forward is launched at once, the sampling once the batch before is
-processed (its `SamplingBatchInfo` built from the complete history). Penalties are counted on
-the device instead, as SGLang does (engine/sampling/penalty_slots.py; they were deferred
-too before). This measures what each costs the overlap loop, on the emulated accelerator of
-benchmarks/overlap.py (the null runner whose forward waits T_f = T_c without using the CPU, as
-a GPU leaves the host free): every request greedy, `ignore_eos`, with
+loop has not processed when it launches the step. For a grammar sluice defers that batch's
+sampling: the forward is launched at once, the sampling once the batch before is processed (its
+`SamplingBatchInfo` built from the complete history). Penalties are counted on the device
+instead, as SGLang does, and bad words are matched there against the last tokens kept per
+request (engine/sampling/penalty_slots.py; both were deferred before). This measures what each
+costs the overlap loop, on the emulated accelerator of benchmarks/overlap.py (the null runner
+whose forward waits T_f = T_c without using the CPU, as a GPU leaves the host free): every
+request greedy, `ignore_eos`, with
 
 * "device-sleep": nothing that needs the history (the overlap loop's best case);
 * "device-sleep+penalty": frequency and presence penalties (the device's counts; the plain
   loop counts the history);
 * "device-sleep+badwords": three bad words of 2-3 tokens, one whose prefix matches every step
-  (deferred; the ban never changes the greedy token).
+  (matched on the device; the ban never changes the greedy token).
 
 Each case runs the plain loop, the overlap loop with the device process and with the forward
 thread, alternated, medians (benchmarks/overlap.py's `compare`).
@@ -40,9 +41,9 @@ NOTES = [
     "T_c is each case's own plain-loop step on the null runner, so it includes building the "
     "penalty or ban tensors from the history; the emulated forward then waits T_f = T_c.",
     "deferred_vs_base: a case's overlap_on_vs_off over the base case's at the same batch. "
-    "Below 1: what the deferral (badwords) loses of the overlap's gain (the sampling waits for "
-    "the previous batch's processing, and its info is rebuilt every step instead of cached). "
-    "The penalty case is no longer deferred: its plain loop still counts the history.",
+    "Neither case is deferred any more (penalty counts and bad words' last tokens are kept on "
+    "the device); their plain loop still counts and matches the history on the host, so above "
+    "1 is the overlap loop's lighter host work, not a deferral's loss.",
     "overlap_step_vs_base: a case's overlap-loop step over the base case's at the same batch "
     "(what that sampling adds to the overlap loop's step; 1 = nothing).",
     "parallelism_probe.speedup: what two threads of GIL-free matmuls got at the time "

@@ -10,9 +10,9 @@
 
 Sampling right behind the forward is the normal case: the batch's results are then ready as
 early as the device allows. A batch whose sampling needs the previous batch's tokens on the
-host (a grammar's mask, a bad word's ban) is launched without `info`, and `launch_sample`
-follows once the scheduler has processed that previous batch. (Penalties do not need that:
-their counts stay on the device, engine/sampling/penalty_slots.py.)
+host (a grammar's mask) is launched without `info`, and `launch_sample` follows once the
+scheduler has processed that previous batch. (Penalties and bad words do not need that: their
+counts and last tokens stay on the device, engine/sampling/penalty_slots.py.)
 
 All kinds run device work strictly in launch order, which is what makes the FutureMap and the
 early freeing of KV slots safe: a slot freed by the scheduler while a forward that writes it is

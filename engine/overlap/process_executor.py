@@ -25,7 +25,7 @@ executor copies rows instead; that copy is a per-step cost this executor does no
 
 Per launch the scheduler sends one message (pickled; tensors travel as numpy arrays): the
 ModelWorkerBatch without the per-request Python objects the device does not read, the batch's
-FutureMap slots and, unless sampling is deferred (grammars, bad words), the `SamplingBatchInfo` — or,
+FutureMap slots and, unless sampling is deferred (grammars), the `SamplingBatchInfo` — or,
 when it is the very object sent last (the scheduler reuses one while the batch holds the same
 requests: `SamplingInfoCache`), a marker that tells the device to reuse its copy (packing and
 unpickling an info of 256 rows took ~90 us). The device answers with the host results of each

@@ -3,7 +3,7 @@
 One step (SGLang's `event_loop_overlap`, with the device behind an `OverlapExecutor`):
 
     schedule batch N+1 -> launch its forward and sampling (non-blocking) -> wait for and
-    process batch N's results [-> launch N+1's sampling, for a batch with penalties]
+    process batch N's results [-> launch N+1's sampling, for a batch with a grammar]
 
 While the device runs the forward of N+1, the host processes N (appends tokens, checks
 finish conditions, updates the prefix cache) and then schedules N+2. Everything but the loop
@@ -19,11 +19,11 @@ Invariants that keep the outputs identical to the plain loop:
 * Step positions (seeded sampling) count the token in flight: `len(output_ids) + 1` for a
   request with a placeholder. A sample is only kept if that token was appended (otherwise
   the request finished, was aborted or was retracted), so it always matches the plain loop.
-  Penalties count the history on the device (engine/sampling/penalty_slots.py): each
-  batch's sampling adds its tokens there, and the next batch's, which runs after it, reads
-  them. A grammar's token mask, and a bad word's ban, need the history on the host: a batch
-  with such a request is sampled after the previous batch has been processed, when
-  `output_ids` is exactly its history.
+  Penalties and bad words read the history the device keeps (penalty counts, last tokens:
+  engine/sampling/penalty_slots.py): each batch's sampling adds its tokens there, and the
+  next batch's, which runs after it, reads them. A grammar's token mask needs the history on
+  the host: a batch with such a request is sampled after the previous batch has been
+  processed, when `output_ids` is exactly its history.
 * Results are processed against the batch as it was launched (`_Record`): rows of requests
   that finished while it was in flight are skipped (their extra token is dropped; their KV
   slot, counted in `kv_allocated_len`, was freed once, with the rest of the request), and
@@ -112,9 +112,9 @@ class OverlapScheduler(Scheduler):
         # on first use (`_placeholders`), since a decode step of the same batch needs none.
         self._pending: dict[Req, int] | None = None
         # requests whose sampling needs their history on the host: a grammar's mask is that
-        # of the output so far, a bad word's ban depends on its end
+        # of the output so far
         self._history: set[Req] = set()
-        self._penalty_slots = PenaltySlots()  # requests with a penalty: the device counts
+        self._penalty_slots = PenaltySlots()  # penalties, bad words: the device history
         self._seeded: set[Req] = set()  # requests whose sampling needs its step positions
         self._sampling_cache = SamplingInfoCache()
 
@@ -149,7 +149,7 @@ class OverlapScheduler(Scheduler):
         req = super().add_request(rid, input_ids, params, priority)
         if params.needs_history:
             self._history.add(req)
-        if params.has_penalty:
+        if params.has_device_history:
             self._penalty_slots.add(req)
         if params.sampling_seed is not None or params.min_new_tokens > 0:
             self._seeded.add(req)

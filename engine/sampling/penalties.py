@@ -13,8 +13,9 @@ the counts (their penalty values are neutral, so they are unchanged either way).
 
 The counts come either from the history, counted on the host for the batch (`build` with
 `output_ids` and `input_ids`: the plain scheduler, and the reference), or from the counts the
-device keeps across steps (`build` with a `PenaltyPlan`: the overlap scheduler; see
-engine/sampling/penalty_slots.py), which the `Sampler` gathers when it samples the batch.
+device keeps across steps (`build` with `on_device`: the overlap scheduler; see
+engine/sampling/penalty_slots.py), which the `Sampler` gathers (the batch's
+`SamplingBatchInfo.history_rows`) when it samples the batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling.penalty_slots import PenaltyCounts, PenaltyPlan, PenaltyRows
+from engine.sampling.penalty_slots import PenaltyCounts, PenaltyRows
 from engine.sampling.sampling_params import SamplingParams
 
 
@@ -35,7 +36,7 @@ class BatchPenalties:
     presence: torch.Tensor | None  # [B, 1] float32, 0.0 where unused
     output_counts: torch.Tensor | None  # [B, V] float32, each token's count in the output
     seen: torch.Tensor | None  # [B, V] bool, token in prompt or output (repetition only)
-    rows: PenaltyRows | None = None  # instead of the two above: the device's counts rows
+    on_device: bool = False  # instead of the two above: the device's counts
 
     @classmethod
     def build(
@@ -45,10 +46,10 @@ class BatchPenalties:
         device: torch.device | str,
         output_ids: Sequence[Sequence[int]] | None,
         input_ids: Sequence[Sequence[int]] | None,
-        plan: PenaltyPlan | None = None,
+        on_device: bool = False,
     ) -> BatchPenalties | None:
-        """The batch's penalty tensors, or None when no request has a penalty. With a
-        `plan`, the counts are the device's (`output_ids` and `input_ids` are not read)."""
+        """The batch's penalty tensors, or None when no request has a penalty. `on_device`:
+        the counts are the device's (`output_ids` and `input_ids` are not read)."""
         rep = [p.repetition_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
@@ -62,9 +63,8 @@ class BatchPenalties:
             "frequency": _column(freq, device) if use_freq else None,
             "presence": _column(pres, device) if use_pres else None,
         }
-        if plan is not None:
-            rows = PenaltyRows.from_plan(plan, device)
-            return cls(**values, output_counts=None, seen=None, rows=rows)
+        if on_device:
+            return cls(**values, output_counts=None, seen=None, on_device=True)
         batch_size = len(params)
         active = [p.has_penalty for p in params]
         counts = count_tokens(output_ids, active, batch_size, vocab_size, device)
@@ -76,17 +76,19 @@ class BatchPenalties:
         return cls(**values, output_counts=counts, seen=seen)
 
     def apply(
-        self, logits: torch.Tensor, device_counts: PenaltyCounts | None = None
+        self,
+        logits: torch.Tensor,
+        device_counts: PenaltyCounts | None = None,
+        rows: PenaltyRows | None = None,
     ) -> torch.Tensor:
         """Return penalised logits [B, V] (a new tensor; `logits` is not modified).
-        `device_counts`: the sampler's, read (after the plan's resets) when `rows` is set."""
+        `device_counts` and the batch's `rows` of them: read (after the plan's resets) when
+        the counts are on the device."""
         counts, seen = self.output_counts, self.seen
-        if self.rows is not None:
-            if device_counts is None:
+        if self.on_device:
+            if device_counts is None or rows is None:
                 raise ValueError("penalties planned on the device's counts need them")
-            with_seen = self.repetition is not None
-            counts, seen = device_counts.gather(self.rows, logits.shape[1], logits.device,
-                                                with_seen)  # fmt: skip
+            counts, seen = device_counts.gather(rows, self.repetition is not None)
         assert counts is not None
         if self.repetition is not None and seen is not None:
             penalty = torch.where(seen, self.repetition, 1.0)

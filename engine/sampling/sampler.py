@@ -60,9 +60,10 @@ class Sampler:
     """Picks the next token of every request in a batch.
 
     Owns the RNG of unseeded requests: one torch.Generator per device, seeded from `seed`
-    (the server's random_seed; None seeds it from the OS); and the penalty counts the
-    overlap scheduler keeps on the device (`penalty_counts`, engine/sampling/penalty_slots.py),
-    to which each batch planned on them adds its sampled tokens.
+    (the server's random_seed; None seeds it from the OS); and the penalty counts and last
+    tokens the overlap scheduler keeps on the device (`penalty_counts`,
+    engine/sampling/penalty_slots.py), to which each batch planned on them adds its sampled
+    tokens.
     """
 
     def __init__(self, seed: int | None = None, device: torch.device | str | None = None) -> None:
@@ -81,9 +82,15 @@ class Sampler:
     ) -> SampleOutput:
         """Sample from `logits` [B, V]; `logits` itself is left unchanged."""
         logits = logits.float()
+        rows = info.history_rows  # the overlap scheduler's history on the device
+        if rows is not None:
+            self.penalty_counts.prepare(rows, logits.shape[1], logits.device)
         if info.penalties is not None:
-            logits = info.penalties.apply(logits, self.penalty_counts)
-        logits = info.apply_vocab_mask(info.apply_logit_bias(logits))
+            logits = info.penalties.apply(logits, self.penalty_counts, rows)
+        logits = info.apply_logit_bias(logits)
+        if info.bad_words is not None:
+            logits = info.bad_words.apply(logits, self.penalty_counts.recent)
+        logits = info.apply_vocab_mask(logits)
         if info.is_all_greedy:
             scaled = logits
             next_ids = torch.argmax(logits, dim=-1)
@@ -92,8 +99,8 @@ class Sampler:
             next_ids = self._sample(torch.softmax(scaled, dim=-1), info)
             if info.has_greedy:
                 next_ids = torch.where(info.greedy_rows, torch.argmax(logits, dim=-1), next_ids)
-        if info.penalties is not None and info.penalties.rows is not None:
-            self.penalty_counts.add(info.penalties.rows, next_ids)
+        if rows is not None:
+            self.penalty_counts.add(rows, next_ids)
         if not return_logprob:
             return SampleOutput(next_ids, None, None)
         logprobs = F.log_softmax(scaled, dim=-1).clamp_(min=torch.finfo(torch.float32).min)

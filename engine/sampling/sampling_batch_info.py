@@ -14,13 +14,19 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from engine.sampling.grammar import allow_only, apply_vocab_mask
-from engine.sampling.logit_bans import bad_word_bans, logit_bias_triples, min_new_token_bans
+from engine.sampling.logit_bans import (
+    BadWordPrefixes,
+    bad_word_bans,
+    logit_bias_triples,
+    min_new_token_bans,
+)
 from engine.sampling.penalties import BatchPenalties
-from engine.sampling.penalty_slots import PenaltyPlan
+from engine.sampling.penalty_slots import PenaltyPlan, PenaltyRows
 from engine.sampling.sampling_params import SamplingParams
 
 
@@ -55,6 +61,11 @@ class SamplingBatchInfo:
     # allowed_token_ids: the rows that have them, and which tokens each may take
     allowed_rows: torch.Tensor | None = None  # [A] int64
     allowed: torch.Tensor | None = None  # [A, V] bool
+    # the overlap scheduler's: the batch's rows of the history the device keeps (penalty
+    # counts, last tokens; engine/sampling/penalty_slots.py), and the bad words of several
+    # tokens matched there
+    history_rows: PenaltyRows | None = None
+    bad_words: BadWordPrefixes | None = None
 
     @property
     def batch_size(self) -> int:
@@ -77,12 +88,13 @@ class SamplingBatchInfo:
 
         `output_ids[i]` / `input_ids[i]`: request i's generated tokens so far and its prompt,
         read only when some request has a penalty (output_ids: or a bad word of several
-        tokens, which then needs them). `step_positions[i]`: index of the token
-        being sampled for request i (its output length so far); defaults to
+        tokens, which then needs them), and not with a `penalty_plan`. `step_positions[i]`:
+        index of the token being sampled for request i (its output length so far); defaults to
         `len(output_ids[i])` and is required for seeded requests and ones with
         min_new_tokens when output_ids is None. `eos_token_ids`: the model's, banned (with
         the request's stop tokens) from rows below their min_new_tokens. `penalty_plan`: the
-        penalties read the device's counts (engine/sampling/penalty_slots.py), not the history.
+        penalties and the bad words read the history the device keeps
+        (engine/sampling/penalty_slots.py), not `output_ids` and `input_ids`.
         """
         batch_size = len(params)
         _check_lengths(
@@ -98,7 +110,8 @@ class SamplingBatchInfo:
         ]
         seeded = _seeded(params, device, output_ids, step_positions)
         bans = min_new_token_bans(params, output_ids, step_positions, eos_token_ids)
-        bans += bad_word_bans(params, output_ids)
+        on_device = penalty_plan is not None
+        bans += bad_word_bans(params, output_ids, prefixes_on_device=on_device)
         if bans or any(p.logit_bias for p in params):
             bias = logit_bias_triples(params, device, bans)
         else:
@@ -120,12 +133,13 @@ class SamplingBatchInfo:
             seed_steps=seeded[2],
             unseeded_rows=seeded[3],
             penalties=BatchPenalties.build(
-                params, vocab_size, device, output_ids, input_ids, penalty_plan
+                params, vocab_size, device, output_ids, input_ids, on_device
             ),
             bias_rows=bias[0],
             bias_ids=bias[1],
             bias_values=bias[2],
             **_allowed(params, vocab_size, device),
+            **_device_history(params, penalty_plan, device),
         )
 
     def apply_logit_bias(self, logits: torch.Tensor) -> torch.Tensor:
@@ -196,10 +210,13 @@ class SamplingInfoCache:
         info = SamplingBatchInfo.from_params(
             params, vocab_size, device, penalty_plan=penalty_plan, **kwargs
         )
-        # (min_new_tokens bans end with the steps; a bad word's depends on the output)
-        step_free = not any(p.min_new_tokens or p.has_bad_word_prefixes for p in params)
-        # penalties on the device's counts are steady once the plan resets no row
-        steady = info.penalties is None or (penalty_plan is not None and not penalty_plan.resets)
+        # (min_new_tokens bans end with the steps; a bad word's, matched on the host, depends
+        # on the output)
+        on_host = penalty_plan is None
+        step_free = not any(p.min_new_tokens or (p.has_bad_word_prefixes and on_host)
+                            for p in params)  # fmt: skip
+        # the device's history (counts, last tokens) is steady once the plan resets no row
+        steady = info.penalties is None if on_host else not penalty_plan.resets
         if steady and info.seeded_rows is None and step_free:
             self._key, self._params, self._info = key, list(params), info
         else:
@@ -220,6 +237,18 @@ def _allowed(
     return {
         "allowed_rows": torch.tensor(rows, dtype=torch.int64).to(device),
         "allowed": allowed.to(device),
+    }
+
+
+def _device_history(
+    params: Sequence[SamplingParams], plan: PenaltyPlan | None, device: torch.device | str
+) -> dict[str, Any]:
+    """`history_rows` and `bad_words` of a batch planned on the device's history ({} if not)."""
+    if plan is None:
+        return {}
+    return {
+        "history_rows": PenaltyRows.from_plan(plan, device),
+        "bad_words": BadWordPrefixes.build(params, plan.slots, plan.width, device),
     }
 
 

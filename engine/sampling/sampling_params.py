@@ -86,9 +86,15 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """Sampling reads the output so far on the host: a grammar's mask, a bad word's ban
-        (the overlap scheduler defers it). Penalties read counts the device keeps."""
-        return self.has_grammar or self.has_bad_word_prefixes
+        """Sampling reads the output so far on the host: a grammar's mask (the overlap
+        scheduler defers it). Penalties and bad words read the history the device keeps."""
+        return self.has_grammar
+
+    @property
+    def has_device_history(self) -> bool:
+        """The overlap scheduler keeps this request's history on the device: penalty counts,
+        or the last tokens a bad word of several tokens is matched against."""
+        return self.has_penalty or self.has_bad_word_prefixes
 
     @property
     def has_grammar(self) -> bool:

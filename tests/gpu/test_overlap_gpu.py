@@ -55,8 +55,10 @@ def _sleep_cycles(ms: float) -> int:
 
 
 def _params(max_new: int, penalized: bool = False) -> SamplingParams:
-    penalties = {"frequency_penalty": 0.5, "repetition_penalty": 1.2} if penalized else {}
-    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True, **penalties)
+    words = [[11, 12], [13, 14, 15]]
+    penalties = {"frequency_penalty": 0.5, "repetition_penalty": 1.2, "bad_words_ids": words}
+    params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True,
+                            **(penalties if penalized else {}))  # fmt: skip
     params.normalize()
     return params
 
@@ -67,7 +69,8 @@ CASES = [
     ("flashinfer", "bfloat16", 1, False, False),
     ("triton", "float32", 1, True, False),
     ("triton", "float32", 1, False, False),
-    # penalties: counted on the device (engine/sampling/penalty_slots.py), not deferred
+    # penalties and bad words: counted and matched on the device
+    # (engine/sampling/penalty_slots.py), not deferred
     ("flashinfer", "bfloat16", 16, True, True),
     ("triton", "float32", 1, True, True),
 ]

@@ -1,9 +1,10 @@
 """bad_words through the offline Engine, with the overlap scheduler and the plain loop.
 
 A two-token word's ban depends on the token sampled the step before, which the overlap
-scheduler has not processed when it launches the next step: such requests are sampled
-deferred (as penalties are). The words are taken from each prompt's own greedy output, so
-every ban bites: the output is the greedy one up to the word's first token, then differs.
+scheduler has not processed when it launches the next step: it matches the words on the device,
+against the last tokens it keeps there (engine/sampling/penalty_slots.py). The words are taken
+from each prompt's own greedy output, so every ban bites: the output is the greedy one up to
+the word's first token, then differs.
 """
 
 from __future__ import annotations

@@ -387,26 +387,44 @@ PENALTIES = [
     ("tiny_pool", "cpu"), ("paged_chunked", "cpu"),
     pytest.param("tiny_pool", "cuda", marks=pytest.mark.gpu),
 ])  # fmt: skip
-def test_penalty_counts_on_the_device_match_the_history(config: str, device: str) -> None:
-    """Every request penalized: the overlap loop's device counts (rows handed out as
-    requests come and go, reset on re-prefill after a retraction) against the plain loop's
-    counts from the host's history, under retraction, chunked prefill and aborts."""
+def test_device_history_matches_the_host(config: str, device: str) -> None:
+    """Every request penalized, or with a bad word of several tokens, or both: the overlap
+    loop's history on the device (penalty counts and last tokens in rows handed out as
+    requests come and go, reset on re-prefill after a retraction) against the plain loop's,
+    counted and matched on the host, under retraction, chunked prefill and aborts. Each bad
+    word is taken from the request's output without it, so that it bites."""
     rng = random.Random(5)
     arrivals, aborts = _workload(5, n=36)
+    kinds = {}
     for reqs in arrivals.values():
         for i, (rid, ids, _) in enumerate(reqs):
-            kw = {"max_new_tokens": rng.randint(4, 60), "ignore_eos": rng.random() < 0.7}
-            reqs[i] = (rid, ids, _params(temperature=0.0, **kw, **rng.choice(PENALTIES)))
+            kw = {"max_new_tokens": rng.randint(6, 60), "ignore_eos": rng.random() < 0.7}
+            kinds[rid] = (kw, rng.choice(PENALTIES), rng.choice(["penalty", "words", "both"]))
+            reqs[i] = (rid, ids, _params(temperature=0.0, **kw, **kinds[rid][1]))
     aborted = {rid for rs in aborts.values() for rid in rs}
     extra = {"device": "cuda", "attention_backend": "torch_native"} if device == "cuda" else {}
+    base = drive(arrivals, aborts, False, **STRESS[config], **extra)
+    for reqs in arrivals.values():
+        for i, (rid, ids, _) in enumerate(reqs):
+            kw, penalty, kind = kinds[rid]
+            out, n = base.tokens[rid], rng.choice([2, 3, 4])
+            if kind == "penalty" or len(out) < n:
+                continue
+            k = rng.randrange(len(out) - n + 1)
+            reqs[i] = (rid, ids, _params(temperature=0.0, **kw, bad_words_ids=[out[k : k + n]],
+                                         **(penalty if kind == "both" else {})))  # fmt: skip
     on = drive(arrivals, aborts, True, **STRESS[config], **extra)
     off = drive(arrivals, aborts, False, **STRESS[config], **extra)
     for rid, tokens in off.tokens.items():
         if rid not in aborted:
             assert on.tokens[rid] == tokens, rid
+    changed = [rid for rid, (_, _, kind) in kinds.items()
+               if kind != "penalty" and rid not in aborted and off.tokens[rid] != base.tokens[rid]]
+    assert len(changed) >= 10, "the bad words changed what was generated"
     slots = on.scheduler._penalty_slots
     assert slots.capacity - 1 < len(on.finish), "rows of finished requests are reused"
-    assert on.scheduler._sampling_cache.hits > 0, "steady penalized batches reuse their info"
+    assert slots.width >= 3, "the last tokens kept grew with the longest word"
+    assert on.scheduler._sampling_cache.hits > 0, "steady batches reuse their info"
     if config == "tiny_pool":
         assert on.stats["retractions"] > 0
 

@@ -1,9 +1,11 @@
-"""Penalty counts kept on the device (engine/sampling/penalty_slots.py) against the history.
+"""Penalty counts and last tokens kept on the device (engine/sampling/penalty_slots.py)
+against the history.
 
 A simulated overlap loop: requests come, are sampled in batches of changing membership and
 order, sometimes as a partial prompt first; some finish or are retracted with a token sampled
-on the device that the host drops. Every step the sampler that reads the device's counts must
-give exactly what a fresh sampler gives with the penalties counted from the host's history.
+on the device that the host drops. Every step the sampler that reads the device's history must
+give exactly what a fresh sampler gives with the penalties counted, and the bad words matched,
+from the host's history.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from engine.sampling.logit_bans import bad_word_bans
 from engine.sampling.penalties import BatchPenalties
-from engine.sampling.penalty_slots import PenaltyPlan, PenaltySlots
+from engine.sampling.penalty_slots import PenaltyCounts, PenaltyPlan, PenaltyRows, PenaltySlots
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingInfoCache
 from engine.sampling.sampling_params import SamplingParams
@@ -27,6 +30,13 @@ KINDS = [
     {"presence_penalty": 2.0},
     {"repetition_penalty": 1.7},
     {"frequency_penalty": 0.7, "presence_penalty": 0.4, "repetition_penalty": 1.3},
+    # bad words of several tokens (the favoured tokens 0-3 make them bite): the successor of
+    # the last token is always banned; longer prefixes widen the device's last tokens
+    {"bad_words_ids": [[t, (t + 1) % VOCAB] for t in range(VOCAB)]},
+    {"bad_words_ids": [[a, b, (a + b) % 4] for a in range(4) for b in range(4)] + [[5]]},
+    {"bad_words_ids": [[a, b, c, 4 + (a + b + c) % 4] for a in range(4) for b in range(4)
+                       for c in range(4)] + [[2, 0, 3, 1, 2]]},  # fmt: skip
+    {"frequency_penalty": 0.5, "bad_words_ids": [[1, 0], [3, 2, 1, 0]]},
 ]
 
 
@@ -51,11 +61,12 @@ def _simulate(seed: int, steps: int = 300) -> dict[str, int]:
     gen = torch.Generator().manual_seed(seed)
     slots, cache, device_sampler = PenaltySlots(), SamplingInfoCache(), Sampler(seed=0)
     live: list[FakeReq] = []
-    seen = {"penalized": 0, "retracted": 0, "finished": 0, "compared": 0}
+    seen = dict.fromkeys(["penalized", "retracted", "finished", "compared", "bites"], 0)
+    seen["long_bites"] = 0
     for _ in range(steps):
         for _ in range(rng.choice([0, 0, 0, 1, 2])):
             live.append(_new_req(rng))
-            if live[-1].sampling_params.has_penalty:
+            if live[-1].sampling_params.has_device_history:
                 slots.add(live[-1])
                 seen["penalized"] += 1
         if not live:
@@ -71,6 +82,7 @@ def _simulate(seed: int, steps: int = 300) -> dict[str, int]:
             input_ids=[r.origin_input_ids for r in batch],
         )  # fmt: skip
         logits = torch.randn(len(batch), VOCAB, generator=gen) * 3.0
+        logits[:, :4] += 3.0
         got = device_sampler(logits, on_device, return_logprob=True)
         want = Sampler(seed=0)(logits, history, return_logprob=True)
         for i, req in enumerate(batch):
@@ -78,6 +90,11 @@ def _simulate(seed: int, steps: int = 300) -> dict[str, int]:
                 req.chunks_left -= 1
                 continue
             seen["compared"] += 1
+            words = [w for w in req.sampling_params.bad_words_ids or () if len(w) > 1]
+            prefix_len = max((len(w) for w in words if bad_word_bans(
+                [SamplingParams(bad_words_ids=[w])], [req.output_ids])), default=0)  # fmt: skip
+            seen["bites"] += prefix_len > 0
+            seen["long_bites"] += prefix_len > 2
             assert int(got.next_token_ids[i]) == int(want.next_token_ids[i])
             assert float(got.logprobs[i]) == pytest.approx(float(want.logprobs[i]), abs=1e-6)
             fate = rng.random()
@@ -99,6 +116,7 @@ def _simulate(seed: int, steps: int = 300) -> dict[str, int]:
 def test_device_counts_match_the_history(seed: int) -> None:
     seen = _simulate(seed)
     assert seen["compared"] > 500 and seen["retracted"] > 10 and seen["finished"] > 10
+    assert seen["bites"] > 50 and seen["long_bites"] > 10  # bad words that banned a token
     # rows of finished requests were handed out again, and the counts grew as needed
     assert 8 < seen["capacity"] < seen["penalized"]
 
@@ -141,12 +159,25 @@ def test_a_row_is_given_when_the_first_token_is_sampled() -> None:
     other = FakeReq(SamplingParams(repetition_penalty=1.2), [4, 4])
     slots.add(other)
     assert slots.plan([other], None) == PenaltyPlan([1], [True], 2, [(1, [], [4, 4])])
+    # a bad word of several tokens: a row too, its last tokens as wide as the longest prefix
+    words = FakeReq(SamplingParams(bad_words_ids=[[7], [1, 2, 3], [5, 6]]), [2], output_ids=[9])
+    slots.add(words)
+    assert slots.width == 2
+    assert slots.plan([words, other], None) == PenaltyPlan([2, 1], [True, True], 3,
+                                                            [(2, [9], None)], 2, True)  # fmt: skip
+    assert slots.plan([words], None) == PenaltyPlan([2], [True], 3, [], 2, counts=False)
 
 
 def test_planned_penalties_need_the_device_counts() -> None:
-    plan = PenaltyPlan([1], [True], 2, [(1, [], None)])
     pens = BatchPenalties.build([SamplingParams(frequency_penalty=1.0)], VOCAB, "cpu", None,
-                                None, plan)  # fmt: skip
+                                None, on_device=True)  # fmt: skip
     assert pens is not None and pens.output_counts is None
     with pytest.raises(ValueError, match="device's counts"):
         pens.apply(torch.zeros(1, VOCAB))
+    # a plan of bad words alone allocates no counts: reading them is an error, not zeros
+    rows = PenaltyRows.from_plan(PenaltyPlan([1], [True], 2, [(1, [3], None)], 1, False), "cpu")
+    device_counts = PenaltyCounts()
+    device_counts.prepare(rows, VOCAB, torch.device("cpu"))
+    assert device_counts.counts is None and device_counts.recent.tolist() == [[-1], [3]]
+    with pytest.raises(ValueError, match="read no counts"):
+        pens.apply(torch.zeros(1, VOCAB), device_counts, rows)
