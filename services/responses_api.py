@@ -17,8 +17,9 @@ is then reshaped into a `response` object, or into the API's stream of events
   and the sampling extras of the chat body (`top_k`, `seed`, `stop`, ...) pass through.
 
 `store` (default true) keeps the response for `previous_response_id` and
-`GET /v1/responses/{id}` (services/responses_store.py); `conversation`, `background` and
-`prompt` are refused with a 400 naming the field.
+`GET /v1/responses/{id}` (services/responses_store.py); `background` generates it behind
+the client's back, to be polled, streamed again or cancelled (services/responses_background.py);
+`conversation` and `prompt` are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_p
            "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
            "skip_special_tokens", "min_tokens", "rid", "priority", "chat_template_kwargs",
            "separate_reasoning", "parallel_tool_calls")  # fmt: skip
-_STATEFUL = ("conversation", "background", "prompt")
+_STATEFUL = ("conversation", "prompt")
 
 
 def _invalid(message: str, param: str) -> ApiError:
@@ -83,9 +84,13 @@ class ResponsesRequest(_Strict):
             raise ApiError(400, "top_logprobs is not supported", "top_logprobs", "unsupported")
         return body
 
-    def to_chat(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    def to_chat(
+        self, history: list[dict[str, Any]] | None = None, stream: bool | None = None
+    ) -> ChatCompletionRequest:
         """The chat completion request this one means (400s name this API's fields), after
-        the stored items of the conversation it continues (`history`)."""
+        the stored items of the conversation it continues (`history`); streamed if `stream`
+        (default: as this request is)."""
+        stream = bool(self.stream) if stream is None else stream
         messages = _messages(self.input, self.instructions)
         if history:
             at = 1 if self.instructions else 0
@@ -94,8 +99,8 @@ class ResponsesRequest(_Strict):
             "model": self.model,
             "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
-            "stream": bool(self.stream),
-            "stream_options": {"include_usage": True} if self.stream else None,
+            "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None,
             **self._extras,
         }
         if self.tools is not None:

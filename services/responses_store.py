@@ -15,8 +15,8 @@ that response's output, then its own input, each item with an id).
   `previous_response_id`.
 
 With storing off (TTL 0), a response says `"store": false` and `previous_response_id` is a
-400, as in vLLM without its store. Conversations with `conversation` ids and `background`
-responses are not served.
+400, as in vLLM without its store. Conversations with `conversation` ids are not served;
+`background` responses are (services/responses_background.py), on this store.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import uuid
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from services.router_fields import ApiError
 from shared.keys import response_key
@@ -126,17 +127,33 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
         return await state["router"].responses(request)
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve(response_id: str, request: Request) -> Any:
-        state["router"].authorize(request)
-        return (await state["router"].responses_store.found(response_id))["response"]
+    async def retrieve(
+        response_id: str, request: Request, stream: bool = False,
+        starting_after: int | None = None,
+    ) -> Any:  # fmt: skip
+        """The stored response; with `stream`, a background one's events (again), after the
+        one numbered `starting_after` (services/responses_background.py)."""
+        router = state["router"]
+        router.authorize(request)
+        if stream:
+            events = await router.background.stream(response_id, starting_after)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+        return (await router.responses_store.found(response_id))["response"]
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request) -> Any:
         router = state["router"]
         router.authorize(request)
+        await router.background.check_deletable(response_id)
         if not await router.responses_store.delete(response_id):
             raise _not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request) -> Any:
+        state["router"].authorize(request)
+        return await state["router"].background.cancel(response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(

@@ -12,7 +12,8 @@ deltas (`response.reasoning_text.delta`, `response.content_part.added` then
 `response.output_text.delta`, `response.function_call_arguments.delta`), their `.done`
 events and `response.output_item.done`; and `response.completed` (or `.incomplete`) with the
 whole response and its usage. An error after the stream started is an `error` event
-followed by `response.failed`. Usage has no reasoning token count (`reasoning_tokens` is 0).
+followed by `response.failed` (the failed response is stored, as a finished one is). Usage
+has no reasoning token count (`reasoning_tokens` is 0).
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def _call(call_id: str, name: str, arguments: str, status: str = "completed") ->
             "arguments": arguments, "status": status}  # fmt: skip
 
 
+def parsed_event(event: bytes) -> dict[str, Any]:
+    """The JSON of an SSE event `event: <type>\ndata: <json>\n\n`."""
+    return json.loads(event[event.index(b"\ndata: ") + 7 :])
+
+
 async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield first
     async for chunk in rest:
@@ -101,7 +107,7 @@ class ResponseShaper:
             "temperature": extras.get("temperature"), "top_p": extras.get("top_p"),
             "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [], "truncation": "disabled", "usage": usage,
-            "metadata": b.metadata or {},
+            "metadata": b.metadata or {}, "background": bool(b.background),
         }  # fmt: skip
 
     # -- whole ----------------------------------------------------------------------------------
@@ -128,8 +134,8 @@ class ResponseShaper:
         chunks = self.fmt.chunks()
         try:
             first = await chunks.__anext__()  # an error before any output stays an HTTP error
-            yield self._event("response.created", response=self.envelope("in_progress", []))
-            yield self._event("response.in_progress", response=self.envelope("in_progress", []))
+            yield self.event("response.created", response=self.envelope("in_progress", []))
+            yield self.event("response.in_progress", response=self.envelope("in_progress", []))
             usage = finish = None
             async for raw in _after(first, chunks):
                 data = raw.removeprefix(b"data: ").strip()
@@ -137,7 +143,10 @@ class ResponseShaper:
                     break
                 obj = json.loads(data)
                 if "error" in obj:
-                    for ev in self._fail(obj["error"]):
+                    failed = self._fail(obj["error"])
+                    if self.save is not None:  # (the last event holds the failed response)
+                        await self.save(parsed_event(failed[-1])["response"])
+                    for ev in failed:
                         yield ev
                     return
                 if not obj["choices"]:
@@ -154,11 +163,11 @@ class ResponseShaper:
             final = self.envelope(status, self._items, _usage(usage), incomplete)
             if self.save is not None:  # stored before the client hears it is done
                 await self.save(final)
-            yield self._event(kind, response=final)
+            yield self.event(kind, response=final)
         finally:
             await chunks.aclose()
 
-    def _event(self, kind: str, **fields: Any) -> bytes:
+    def event(self, kind: str, **fields: Any) -> bytes:
         obj = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
         data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -187,10 +196,10 @@ class ResponseShaper:
         self._items.append(item)
         self._open, self._pieces = kind, []
         index = len(self._items) - 1
-        out.append(self._event("response.output_item.added", output_index=index, item=item))
+        out.append(self.event("response.output_item.added", output_index=index, item=item))
         if kind == "message":
             ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out.append(self._event("response.content_part.added", **ids, part=_text_part("")))
+            out.append(self.event("response.content_part.added", **ids, part=_text_part("")))
         return out
 
     def _text(self, kind: str, text: str) -> list[bytes]:
@@ -206,7 +215,7 @@ class ResponseShaper:
             self._pieces.append(text)
             name = "response.output_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
-        out.append(self._event(name, item_id=item["id"], output_index=index, content_index=0,
+        out.append(self.event(name, item_id=item["id"], output_index=index, content_index=0,
                                delta=text, **extra))  # fmt: skip
         return out
 
@@ -219,7 +228,7 @@ class ResponseShaper:
         if piece:
             item = self._items[-1]
             item["arguments"] += piece
-            out.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
                                    output_index=len(self._items) - 1, delta=piece))  # fmt: skip
         return out
 
@@ -232,27 +241,27 @@ class ResponseShaper:
         out = []
         if self._open == "reasoning":
             text = item["content"][0]["text"]
-            out.append(self._event("response.reasoning_text.done", **ids, content_index=0,
+            out.append(self.event("response.reasoning_text.done", **ids, content_index=0,
                                    text=text))  # fmt: skip
         elif self._open == "message":
             part = _text_part("".join(self._pieces))
             item["content"], item["status"] = [part], "completed"
-            out.append(self._event("response.output_text.done", **ids, content_index=0,
+            out.append(self.event("response.output_text.done", **ids, content_index=0,
                                    text=part["text"], logprobs=[]))  # fmt: skip
-            out.append(self._event("response.content_part.done", **ids, content_index=0,
+            out.append(self.event("response.content_part.done", **ids, content_index=0,
                                    part=part))  # fmt: skip
         else:
             item["status"] = "completed"
-            out.append(self._event("response.function_call_arguments.done", **ids,
+            out.append(self.event("response.function_call_arguments.done", **ids,
                                    arguments=item["arguments"]))  # fmt: skip
-        out.append(self._event("response.output_item.done", output_index=index, item=item))
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
         self._open = None
         return out
 
     def _fail(self, error: dict[str, Any]) -> list[bytes]:
-        out = [self._event("error", code=error.get("code"), message=error.get("message"),
+        out = [self.event("error", code=error.get("code"), message=error.get("message"),
                            param=error.get("param"))]  # fmt: skip
         failed = self.envelope("failed", self._items)
         failed["error"] = {"code": error.get("code"), "message": error.get("message")}
-        out.append(self._event("response.failed", response=failed))
+        out.append(self.event("response.failed", response=failed))
         return out

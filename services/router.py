@@ -104,6 +104,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         try:
             yield
         finally:
+            await router.background.stop()
             await router.broker.stop()
             beat.stop()
             await bus.aclose()

@@ -22,6 +22,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.responses_api import ResponsesRequest
+from services.responses_background import BackgroundResponses
 from services.responses_store import ResponseStore, input_items
 from services.responses_stream import ResponseShaper
 from services.router_chat import ParserChoice
@@ -83,6 +84,7 @@ class Router:
         self.token_names.load([r.model] if r.model else [])
         self.tool_parser = ParserChoice(r.tool_call_parser)
         self.responses_store = ResponseStore(bus.redis, bus.prefix, r.responses_store_ttl_s)
+        self.background = BackgroundResponses(self.responses_store)
         self.num_handled = 0
         self.started_at = time.time()
 
@@ -127,13 +129,22 @@ class Router:
         body = ResponsesRequest.parse(await request.body())
         self.check_model(body.model)
         store, history = self.responses_store, []
+        storing = store.enabled and body.store is not False
+        if body.background:
+            self.background.check_stored(body.store)
         if body.previous_response_id is not None:
             history = await store.history(body.previous_response_id)
-        fmt = await self._start("chat", body.to_chat(history), "max_output_tokens")
+        chat = body.to_chat(history, stream=True if body.background else None)
+        fmt = await self._start("chat", chat, "max_output_tokens")
         save = None
-        if store.enabled and body.store is not False:  # the conversation, as stored
+        if storing:  # the conversation, as stored
             save = partial(store.save, items=[*history, *input_items(body.input)])
         shaper = ResponseShaper(body, fmt, save)
+        if body.background:  # (the client may go: the response is generated anyway)
+            queued = await self.background.start(shaper, partial(self.broker.cancel, fmt.handles))
+            if body.stream:
+                return await _sse_response(request, self.background.follow(shaper.id, -1))
+            return JSONResponse(queued)
         if body.stream:
             return await _sse_response(request, shaper.events())
         return JSONResponse(await _unless_disconnected(request, shaper.response()))

@@ -12,7 +12,9 @@ can share one Redis. Streams:
 | `{p}:dlq`             | anyone → operators                     | XRANGE                |
 
 Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}`; so are the Responses
-API's stored responses (JSON, services/responses_store.py): `{p}:response:{id}`.
+API's stored responses (JSON, services/responses_store.py): `{p}:response:{id}`, and the
+cancel marks of background ones, `{p}:response-cancel:{id}`, whose events are the stream
+`{p}:response-events:{id}` (also with a TTL; services/responses_background.py).
 """
 
 from __future__ import annotations
@@ -76,3 +78,12 @@ def heartbeat_pattern(prefix: str, kind: str) -> str:
 
 def response_key(prefix: str, response_id: str) -> str:
     return f"{prefix}:response:{response_id}"
+
+
+def response_events_key(prefix: str, response_id: str) -> str:
+    """A background response's events (a stream, services/responses_background.py)."""
+    return f"{prefix}:response-events:{response_id}"
+
+
+def response_cancel_key(prefix: str, response_id: str) -> str:
+    return f"{prefix}:response-cancel:{response_id}"

@@ -4,6 +4,7 @@ streamed, usage, logprobs, n with seeds, model listing, and errors as its except
 from __future__ import annotations
 
 import re
+import time
 
 import httpx2 as httpx
 import openai
@@ -815,3 +816,28 @@ def test_responses_are_stored_and_continued_as_the_client_does_it(
     client.responses.delete(second.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(second.id)
+
+
+def test_a_background_response_as_the_client_polls_streams_and_cancels_it(
+    client: openai.OpenAI, served_model: str
+) -> None:
+    """`background=True`: queued at once, polled with `retrieve` until done (the same as a
+    foreground response), its events streamed again with `retrieve(stream=True)` from a
+    sequence number on (12 tokens: it ends incomplete); cancelling a finished one is the
+    client's BadRequestError."""
+    ask = {"model": served_model, "max_output_tokens": 12, **GREEDY}
+    queued = client.responses.create(input="Tell me", background=True, **ask)
+    assert queued.status == "queued" and queued.background
+    deadline = time.monotonic() + 60
+    while (done := client.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    foreground = client.responses.create(input="Tell me", **ask)
+    assert done.status == foreground.status and done.output_text == foreground.output_text
+    events = list(client.responses.retrieve(queued.id, stream=True, starting_after=1))
+    assert events[0].sequence_number == 2 and events[-1].type == f"response.{done.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == (
+        done.output_text
+    )
+    with pytest.raises(openai.BadRequestError, match=f"already {done.status}"):
+        client.responses.cancel(queued.id)

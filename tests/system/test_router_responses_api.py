@@ -134,7 +134,6 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(fake: FakeWorker, base: str
     cases = [
         ({"input": "x", "previous_response_id": "resp_never"}, "previous_response_id"),
         ({"input": "x", "conversation": "conv_1"}, "conversation"),
-        ({"input": "x", "background": True}, "background"),
         ({"input": [{"type": "file_search_call", "id": "f"}]}, "input.0.type"),
         ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input.0.content"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),

@@ -33,9 +33,15 @@ def call(index: int, args: str, name: str | None = None) -> dict:
     return piece
 
 
-def run(chunks: list[dict | str]) -> list[dict]:
+def run(chunks: list[dict | str], saved: list[dict] | None = None) -> list[dict]:
+    """The events; what the shaper stores goes to `saved` (if given)."""
     body = ResponsesRequest.parse(json.dumps({"model": "m", "input": "x", "stream": True}).encode())
-    shaper = ResponseShaper(body, FakeFormatter(chunks))  # type: ignore[arg-type]
+
+    async def save(response: dict) -> None:
+        assert saved is not None
+        saved.append(response)
+
+    shaper = ResponseShaper(body, FakeFormatter(chunks), save if saved is not None else None)  # type: ignore[arg-type]
 
     async def collect() -> list[dict]:
         out = []
@@ -109,8 +115,10 @@ def test_content_ends_before_the_call_it_precedes() -> None:
 def test_an_error_mid_stream_is_an_error_event_and_a_failed_response() -> None:
     error = {"error": {"message": "worker gone", "type": "x", "param": None,
                        "code": "worker_unavailable"}}  # fmt: skip
-    events = run([delta(role="assistant", content="par"), error, "[DONE]"])
+    saved: list[dict] = []
+    events = run([delta(role="assistant", content="par"), error, "[DONE]"], saved)
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "worker_unavailable"
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "worker gone"
+    assert saved == [failed]  # stored, as a finished response is

@@ -1,0 +1,171 @@
+"""Background responses of the Responses API (`background: true`), as OpenAI and vLLM serve
+them, shared by every router through Redis.
+
+* `POST /v1/responses` with `background` true (it needs `store`, and the router's store on)
+  sends the request to the workers, stores the response `queued` and answers it at once. The
+  router that took it generates it in a task of its own, which outlives the client's
+  connection: the stored record goes `in_progress` with the first output, then `completed`,
+  `incomplete`, `failed` or `cancelled`, so `GET /v1/responses/{id}` on any router polls it.
+* Every event of its stream (`services/responses_stream.py`) is appended to the Redis stream
+  `{p}:response-events:{id}`, which expires with the record. `stream: true` on the POST
+  follows it from the start; `GET /v1/responses/{id}?stream=true&starting_after=N`, on any
+  router, resumes it after the event with sequence number N (a lost connection loses nothing).
+* `POST /v1/responses/{id}/cancel` sets `{p}:response-cancel:{id}`; the router generating the
+  response checks that key while it runs (every `poll_s`) and aborts its request at the
+  worker, so the response ends `cancelled` with what was generated. The cancel answers the
+  stored response once it has ended (waiting at most `cancel_wait_s`). A response that is not
+  a background one is a 400 (vLLM's "Cannot cancel a synchronous response."), as is one that
+  has ended; deleting one still running is a 400 too (cancel it first).
+
+A router that stops marks the background responses it was generating `failed`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from services.responses_store import ResponseStore
+from services.responses_stream import ResponseShaper, parsed_event
+from services.router_fields import ApiError
+from shared.keys import response_cancel_key, response_events_key
+
+logger = logging.getLogger(__name__)
+
+RUNNING = ("queued", "in_progress")
+_ENDS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
+_FIELD = b"e"  # the event stream's one field: the SSE event's bytes
+
+
+class BackgroundResponses:
+    def __init__(
+        self, store: ResponseStore, poll_s: float = 0.2, cancel_wait_s: float = 10.0
+    ) -> None:
+        self.store, self.redis, self.prefix = store, store.redis, store.prefix
+        self.poll_s, self.cancel_wait_s = poll_s, cancel_wait_s
+        self._tasks: dict[str, asyncio.Task] = {}  # the responses this router generates
+
+    def check_stored(self, store: bool | None) -> None:
+        """A 400 unless a background response with this `store` field would be stored."""
+        if self.store.enabled and store is not False:
+            return
+        why = "store is false" if self.store.enabled else "this server stores no responses"
+        raise ApiError(400, f"background needs a stored response ({why})", "background",
+                       "invalid_value")  # fmt: skip
+
+    async def start(self, shaper: ResponseShaper, cancel: Callable[[str], None]) -> dict:
+        """Store `shaper`'s response queued and generate it in a task; the queued response.
+        `cancel(why)` aborts its request at the worker."""
+        assert shaper.save is not None, "a background response is stored"
+        queued = shaper.envelope("queued", [])
+        await shaper.save(queued)
+        task = asyncio.create_task(self._run(shaper, cancel))
+        self._tasks[shaper.id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(shaper.id, None))
+        return queued
+
+    async def stop(self) -> None:
+        """Stop generating (the responses are stored `failed`)."""
+        for task in list(self._tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _run(self, shaper: ResponseShaper, cancel: Callable[[str], None]) -> None:
+        assert shaper.save is not None
+        key = response_events_key(self.prefix, shaper.id)
+        ttl_ms = max(1, int(self.store.ttl_s * 1000))
+        watcher = asyncio.create_task(self._watch(shaper.id, cancel))
+        try:
+            async for event in shaper.events():
+                await self.redis.xadd(key, {_FIELD: event})
+                obj = parsed_event(event)
+                if obj["sequence_number"] == 0:
+                    await self.redis.pexpire(key, ttl_ms)
+                elif obj["type"] == "response.in_progress":
+                    await shaper.save(obj["response"])
+        except asyncio.CancelledError:
+            await self._failed(shaper, key, "the router stopped before the response was complete")
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a prompt too long: the response fails
+            message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
+            await self._failed(shaper, key, message)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(Exception):
+                await self.redis.pexpire(key, ttl_ms)
+
+    async def _failed(self, shaper: ResponseShaper, key: str, message: str) -> None:
+        """Store the response failed, and end its events with `response.failed`."""
+        failed = shaper.envelope("failed", [])
+        failed["error"] = {"code": "server_error", "message": message}
+        with contextlib.suppress(Exception):  # (Redis may be gone: shutting down)
+            await shaper.save(failed)  # type: ignore[misc]
+            await self.redis.xadd(key, {_FIELD: shaper.event("response.failed", response=failed)})
+        logger.warning("background response %s failed: %s", shaper.id, message)
+
+    async def _watch(self, response_id: str, cancel: Callable[[str], None]) -> None:
+        key = response_cancel_key(self.prefix, response_id)
+        while not await self.redis.exists(key):
+            await asyncio.sleep(self.poll_s)
+        cancel(f"response {response_id} cancelled")
+
+    # -- endpoints ------------------------------------------------------------------------------
+    async def cancel(self, response_id: str) -> dict[str, Any]:
+        """`POST /v1/responses/{id}/cancel`: the response once it has ended."""
+        response = (await self.store.found(response_id))["response"]
+        if response["status"] not in RUNNING:
+            if not response.get("background"):
+                raise ApiError(400, "Cannot cancel a synchronous response.", "response_id",
+                               "invalid_request")  # fmt: skip
+            status = response["status"]
+            raise ApiError(400, f"Cannot cancel a response that is already {status}.",
+                           "response_id", "invalid_request")  # fmt: skip
+        ttl_ms = max(1, int(self.store.ttl_s * 1000))
+        await self.redis.set(response_cancel_key(self.prefix, response_id), b"1", px=ttl_ms)
+        deadline = time.monotonic() + self.cancel_wait_s
+        while response["status"] in RUNNING and time.monotonic() < deadline:
+            await asyncio.sleep(min(self.poll_s, 0.05))
+            record = await self.store.load(response_id)
+            if record is None:
+                break
+            response = record["response"]
+        return response
+
+    async def check_deletable(self, response_id: str) -> None:
+        record = await self.store.load(response_id)
+        if record is not None and record["response"]["status"] in RUNNING:
+            raise ApiError(400, f"response {response_id!r} is still {record['response']['status']}"
+                                "; cancel it first", "response_id", "invalid_request")  # fmt: skip
+
+    async def stream(self, response_id: str, starting_after: int | None) -> AsyncIterator[bytes]:
+        """`GET /v1/responses/{id}?stream=true`: its events after `starting_after`; a 404 or
+        400 (not a background response) before any is sent."""
+        response = (await self.store.found(response_id))["response"]
+        if not response.get("background"):
+            raise ApiError(400, "only a background response can be streamed again", "stream",
+                           "invalid_request")  # fmt: skip
+        return self.follow(response_id, -1 if starting_after is None else starting_after)
+
+    async def follow(self, response_id: str, starting_after: int) -> AsyncIterator[bytes]:
+        """The response's events with a sequence number above `starting_after`, as they come,
+        until its last one (or, with none coming, until its record says it ended or is gone)."""
+        key, last, ended = response_events_key(self.prefix, response_id), b"0-0", False
+        while True:
+            got = await self.redis.xread({key: last}, count=256, block=int(self.poll_s * 5000))
+            entries = got[0][1] if got else []
+            for entry_id, fields in entries:
+                last, event = entry_id, fields[_FIELD]
+                obj = parsed_event(event)
+                if obj["sequence_number"] > starting_after:
+                    yield event
+                if obj["type"] in _ENDS:
+                    return
+            if not entries:  # nothing new: has the response ended without its last event?
+                if ended:  # (a second look: the record is stored just before that event)
+                    return
+                record = await self.store.load(response_id)
+                ended = record is None or record["response"]["status"] not in RUNNING
