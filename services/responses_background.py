@@ -11,11 +11,12 @@ them, shared by every router through Redis.
   follows it from the start; `GET /v1/responses/{id}?stream=true&starting_after=N`, on any
   router, resumes it after the event with sequence number N (a lost connection loses nothing).
 * `POST /v1/responses/{id}/cancel` sets `{p}:response-cancel:{id}`; the router generating the
-  response checks that key while it runs (every `poll_s`) and aborts its request at the
-  worker, so the response ends `cancelled` with what was generated. The cancel answers the
-  stored response once it has ended (waiting at most `cancel_wait_s`). A response that is not
-  a background one is a 400 (vLLM's "Cannot cancel a synchronous response."), as is one that
-  has ended; deleting one still running is a 400 too (cancel it first).
+  response looks at the marks of all its background responses at once (one MGET every `poll_s`)
+  and aborts a marked one's request at the worker, so the response ends `cancelled` with what
+  was generated. The cancel answers the stored response once it has ended (waiting at most
+  `cancel_wait_s`). A response that is not a background one is a 400 (vLLM's "Cannot cancel a
+  synchronous response."), as is one that has ended; deleting one still running is a 400 too
+  (cancel it first).
 
 A router that stops marks the background responses it was generating `failed`.
 """
@@ -48,6 +49,8 @@ class BackgroundResponses:
         self.store, self.redis, self.prefix = store, store.redis, store.prefix
         self.poll_s, self.cancel_wait_s = poll_s, cancel_wait_s
         self._tasks: dict[str, asyncio.Task] = {}  # the responses this router generates
+        self._cancels: dict[str, Callable[[str], None]] = {}  # their aborts, until they end
+        self._watcher: asyncio.Task | None = None
 
     def check_stored(self, store: bool | None) -> None:
         """A 400 unless a background response with this `store` field would be stored."""
@@ -63,22 +66,28 @@ class BackgroundResponses:
         assert shaper.save is not None, "a background response is stored"
         queued = shaper.envelope("queued", [])
         await shaper.save(queued)
-        task = asyncio.create_task(self._run(shaper, cancel))
-        self._tasks[shaper.id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(shaper.id, None))
+        task = asyncio.create_task(self._run(shaper))
+        self._tasks[shaper.id], self._cancels[shaper.id] = task, cancel
+        task.add_done_callback(lambda _: self._ended(shaper.id))
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch())
         return queued
+
+    def _ended(self, response_id: str) -> None:
+        self._tasks.pop(response_id, None)
+        self._cancels.pop(response_id, None)
 
     async def stop(self) -> None:
         """Stop generating (the responses are stored `failed`)."""
-        for task in list(self._tasks.values()):
+        tasks = list(self._tasks.values()) + ([self._watcher] if self._watcher else [])
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _run(self, shaper: ResponseShaper, cancel: Callable[[str], None]) -> None:
+    async def _run(self, shaper: ResponseShaper) -> None:
         assert shaper.save is not None
         key = response_events_key(self.prefix, shaper.id)
         ttl_ms = max(1, int(self.store.ttl_s * 1000))
-        watcher = asyncio.create_task(self._watch(shaper.id, cancel))
         try:
             async for event in shaper.events():
                 await self.redis.xadd(key, {_FIELD: event})
@@ -94,7 +103,6 @@ class BackgroundResponses:
             message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
             await self._failed(shaper, key, message)
         finally:
-            watcher.cancel()
             with contextlib.suppress(Exception):
                 await self.redis.pexpire(key, ttl_ms)
 
@@ -107,11 +115,20 @@ class BackgroundResponses:
             await self.redis.xadd(key, {_FIELD: shaper.event("response.failed", response=failed)})
         logger.warning("background response %s failed: %s", shaper.id, message)
 
-    async def _watch(self, response_id: str, cancel: Callable[[str], None]) -> None:
-        key = response_cancel_key(self.prefix, response_id)
-        while not await self.redis.exists(key):
+    async def _watch(self) -> None:
+        """While this router generates background responses: one look every `poll_s` at
+        all their cancel marks; a marked one is aborted at its worker."""
+        while self._cancels:
+            ids = list(self._cancels)
+            try:
+                marks = await self.redis.mget([response_cancel_key(self.prefix, i) for i in ids])
+            except Exception:  # noqa: BLE001 - Redis away for a moment: look again
+                logger.exception("looking for cancelled background responses")
+                marks = []
+            for response_id, mark in zip(ids, marks, strict=False):
+                if mark is not None and response_id in self._cancels:
+                    self._cancels.pop(response_id)(f"response {response_id} cancelled")
             await asyncio.sleep(self.poll_s)
-        cancel(f"response {response_id} cancelled")
 
     # -- endpoints ------------------------------------------------------------------------------
     async def cancel(self, response_id: str) -> dict[str, Any]:
