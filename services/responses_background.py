@@ -99,17 +99,20 @@ class BackgroundResponses:
         except asyncio.CancelledError:
             await self._failed(shaper, key, "the router stopped before the response was complete")
             raise
-        except Exception as exc:  # noqa: BLE001 - e.g. a prompt too long: the response fails
-            message = exc.message if isinstance(exc, ApiError) else f"{type(exc).__name__}: {exc}"
-            await self._failed(shaper, key, message)
+        except ApiError as exc:  # e.g. a prompt too long: the response fails
+            await self._failed(shaper, key, exc.message, exc.code or "server_error")
+        except Exception as exc:  # noqa: BLE001 - the same, with what went wrong
+            await self._failed(shaper, key, f"{type(exc).__name__}: {exc}")
         finally:
             with contextlib.suppress(Exception):
                 await self.redis.pexpire(key, ttl_ms)
 
-    async def _failed(self, shaper: ResponseShaper, key: str, message: str) -> None:
+    async def _failed(
+        self, shaper: ResponseShaper, key: str, message: str, code: str = "server_error"
+    ) -> None:
         """Store the response failed, and end its events with `response.failed`."""
         failed = shaper.envelope("failed", [])
-        failed["error"] = {"code": "server_error", "message": message}
+        failed["error"] = {"code": code, "message": message}
         with contextlib.suppress(Exception):  # (Redis may be gone: shutting down)
             await shaper.save(failed)  # type: ignore[misc]
             await self.redis.xadd(key, {_FIELD: shaper.event("response.failed", response=failed)})

@@ -159,7 +159,7 @@ def test_a_failed_background_response(routers) -> None:
     one, two = routers
     queued = post(one, input="fail please", background=True).json()
     failed = until(two, queued["id"], "failed")
-    assert "the fake refuses this prompt" in failed["error"]["message"]
+    assert failed["error"] == {"code": "invalid_value", "message": "the fake refuses this prompt"}
     events = stream_again(two, queued["id"])
     assert [e["type"] for e in events] == ["response.failed"]
 
