@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -38,8 +39,59 @@ from shared.keys import response_cancel_key, response_events_key
 logger = logging.getLogger(__name__)
 
 RUNNING = ("queued", "in_progress")
-_ENDS = {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
+_ENDS = {b"response.completed", b"response.incomplete", b"response.failed",
+         b"response.cancelled"}  # fmt: skip
 _FIELD = b"e"  # the event stream's one field: the SSE event's bytes
+_SEQ = re.compile(rb'"sequence_number":(\d+)')  # (the data's second key, before any nested)
+
+
+def _head(event: bytes) -> tuple[bytes, int]:
+    """The type and sequence number of an SSE event `event: <type>\ndata: {"type": ...,
+    "sequence_number": N, ...}` (the shaper's), without parsing the rest."""
+    end = event.index(b"\n")
+    match = _SEQ.search(event, end, end + 200)
+    assert match is not None, event[:200]
+    return event[7:end], int(match.group(1))
+
+
+class _EventWriter:
+    """Appends a response's events to its Redis stream in order, pipelined: the events that
+    came within `linger_s` of the first, or while one round trip was on its way, go together
+    in the next (a round trip per event would cost the router more than shaping it)."""
+
+    def __init__(self, redis: Any, key: str, ttl_ms: int, linger_s: float = 0.005) -> None:
+        self.redis, self.key, self.ttl_ms, self.linger_s = redis, key, ttl_ms, linger_s
+        self.pending: list[bytes] = []
+        self.closed = False
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._loop())
+
+    def add(self, event: bytes) -> None:
+        self.pending.append(event)
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Once every event added is in Redis (raises what writing them raised)."""
+        self.closed = True
+        self._wake.set()
+        await self._task
+
+    async def _loop(self) -> None:
+        first = True
+        while not (self.closed and not self.pending):
+            await self._wake.wait()
+            if not self.closed:
+                await asyncio.sleep(self.linger_s)
+            self._wake.clear()
+            batch, self.pending = self.pending, []
+            if batch:
+                pipe = self.redis.pipeline(transaction=False)
+                for event in batch:
+                    pipe.xadd(self.key, {_FIELD: event})
+                if first:
+                    pipe.pexpire(self.key, self.ttl_ms)
+                    first = False
+                await pipe.execute()
 
 
 class BackgroundResponses:
@@ -88,34 +140,37 @@ class BackgroundResponses:
         assert shaper.save is not None
         key = response_events_key(self.prefix, shaper.id)
         ttl_ms = max(1, int(self.store.ttl_s * 1000))
+        writer = _EventWriter(self.redis, key, ttl_ms)
         try:
             async for event in shaper.events():
-                await self.redis.xadd(key, {_FIELD: event})
-                obj = parsed_event(event)
-                if obj["sequence_number"] == 0:
-                    await self.redis.pexpire(key, ttl_ms)
-                elif obj["type"] == "response.in_progress":
-                    await shaper.save(obj["response"])
+                writer.add(event)
+                if event.startswith(b"event: response.in_progress\n"):
+                    await shaper.save(parsed_event(event)["response"])
+            await writer.close()
         except asyncio.CancelledError:
-            await self._failed(shaper, key, "the router stopped before the response was complete")
+            await self._failed(shaper, writer, "the router stopped before the response was "
+                                               "complete")  # fmt: skip
             raise
         except ApiError as exc:  # e.g. a prompt too long: the response fails
-            await self._failed(shaper, key, exc.message, exc.code or "server_error")
+            await self._failed(shaper, writer, exc.message, exc.code or "server_error")
         except Exception as exc:  # noqa: BLE001 - the same, with what went wrong
-            await self._failed(shaper, key, f"{type(exc).__name__}: {exc}")
+            await self._failed(shaper, writer, f"{type(exc).__name__}: {exc}")
         finally:
             with contextlib.suppress(Exception):
                 await self.redis.pexpire(key, ttl_ms)
 
     async def _failed(
-        self, shaper: ResponseShaper, key: str, message: str, code: str = "server_error"
-    ) -> None:
+        self, shaper: ResponseShaper, writer: _EventWriter, message: str,
+        code: str = "server_error",
+    ) -> None:  # fmt: skip
         """Store the response failed, and end its events with `response.failed`."""
         failed = shaper.envelope("failed", [])
         failed["error"] = {"code": code, "message": message}
         with contextlib.suppress(Exception):  # (Redis may be gone: shutting down)
             await shaper.save(failed)  # type: ignore[misc]
-            await self.redis.xadd(key, {_FIELD: shaper.event("response.failed", response=failed)})
+            if not writer.closed:
+                writer.add(shaper.event("response.failed", response=failed))
+                await writer.close()
         logger.warning("background response %s failed: %s", shaper.id, message)
 
     async def _watch(self) -> None:
@@ -179,10 +234,10 @@ class BackgroundResponses:
             entries = got[0][1] if got else []
             for entry_id, fields in entries:
                 last, event = entry_id, fields[_FIELD]
-                obj = parsed_event(event)
-                if obj["sequence_number"] > starting_after:
+                kind, seq = _head(event)
+                if seq > starting_after:
                     yield event
-                if obj["type"] in _ENDS:
+                if kind in _ENDS:
                     return
             if not entries:  # nothing new: has the response ended without its last event?
                 if ended:  # (a second look: the record is stored just before that event)
