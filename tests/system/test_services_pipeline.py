@@ -354,10 +354,13 @@ def test_kill_9_of_a_detokenizer_mid_stream_loses_nothing(
     assert with_fault == fault_free
     assert pending[0] > 0, "the victim never held an entry (the test proved nothing)"
     # Its entries (whose output may or may not have gone out before it froze) are taken
-    # over by the survivors once idle for SLUICE_CLAIM_IDLE_MS.
-    wait_until(lambda: victim_pending() == 0, 30, stack.detokenizers[1:], "the takeover")
-    logs = stack.detokenizers[1].log(100_000) + stack.detokenizers[2].log(100_000)
-    assert "took over" in logs
+    # over by the survivors once idle for SLUICE_CLAIM_IDLE_MS. (The claim moves them out
+    # of the victim's pending list just before the claimer logs it: wait for both.)
+    def taken_over() -> bool:
+        logs = stack.detokenizers[1].log(100_000) + stack.detokenizers[2].log(100_000)
+        return victim_pending() == 0 and "took over" in logs
+
+    wait_until(taken_over, 30, stack.detokenizers[1:], "the takeover")
 
 
 def test_sigterm_stops_every_service_cleanly(stack: Stack) -> None:
