@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.responses_store import ResponseStore
-from services.responses_stream import ResponseShaper, parsed_event
+from services.responses_stream import ResponseShaper
 from services.router_fields import ApiError
 from shared.keys import response_cancel_key, response_events_key
 
@@ -104,13 +104,11 @@ class BackgroundResponses:
         self._cancels: dict[str, Callable[[str], None]] = {}  # their aborts, until they end
         self._watcher: asyncio.Task | None = None
 
-    def check_stored(self, store: bool | None) -> None:
-        """A 400 unless a background response with this `store` field would be stored."""
-        if self.store.enabled and store is not False:
-            return
+    def not_stored(self, store: bool | None) -> ApiError:
+        """The 400 of a background request whose response would not be stored."""
         why = "store is false" if self.store.enabled else "this server stores no responses"
-        raise ApiError(400, f"background needs a stored response ({why})", "background",
-                       "invalid_value")  # fmt: skip
+        return ApiError(400, f"background needs a stored response ({why})", "background",
+                        "invalid_value")  # fmt: skip
 
     async def start(self, shaper: ResponseShaper, cancel: Callable[[str], None]) -> dict:
         """Store `shaper`'s response queued and generate it in a task; the queued response.
@@ -139,13 +137,12 @@ class BackgroundResponses:
     async def _run(self, shaper: ResponseShaper) -> None:
         assert shaper.save is not None
         key = response_events_key(self.prefix, shaper.id)
-        ttl_ms = max(1, int(self.store.ttl_s * 1000))
-        writer = _EventWriter(self.redis, key, ttl_ms)
+        writer = _EventWriter(self.redis, key, self.store.ttl_ms)
         try:
             async for event in shaper.events():
                 writer.add(event)
                 if event.startswith(b"event: response.in_progress\n"):
-                    await shaper.save(parsed_event(event)["response"])
+                    await shaper.save(shaper.envelope("in_progress", []))
             await writer.close()
         except asyncio.CancelledError:
             await self._failed(shaper, writer, "the router stopped before the response was "
@@ -156,8 +153,8 @@ class BackgroundResponses:
         except Exception as exc:  # noqa: BLE001 - the same, with what went wrong
             await self._failed(shaper, writer, f"{type(exc).__name__}: {exc}")
         finally:
-            with contextlib.suppress(Exception):
-                await self.redis.pexpire(key, ttl_ms)
+            with contextlib.suppress(Exception):  # (the events expire with the record)
+                await self.redis.pexpire(key, self.store.ttl_ms)
 
     async def _failed(
         self, shaper: ResponseShaper, writer: _EventWriter, message: str,
@@ -199,8 +196,8 @@ class BackgroundResponses:
             status = response["status"]
             raise ApiError(400, f"Cannot cancel a response that is already {status}.",
                            "response_id", "invalid_request")  # fmt: skip
-        ttl_ms = max(1, int(self.store.ttl_s * 1000))
-        await self.redis.set(response_cancel_key(self.prefix, response_id), b"1", px=ttl_ms)
+        key = response_cancel_key(self.prefix, response_id)
+        await self.redis.set(key, b"1", px=self.store.ttl_ms)
         deadline = time.monotonic() + self.cancel_wait_s
         while response["status"] in RUNNING and time.monotonic() < deadline:
             await asyncio.sleep(min(self.poll_s, 0.05))

@@ -44,10 +44,17 @@ class ResponseStore:
     def enabled(self) -> bool:
         return self.ttl_s > 0
 
+    @property
+    def ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    def keeps(self, store: bool | None) -> bool:
+        """Whether a response whose request says `store` is stored."""
+        return self.enabled and store is not False
+
     async def save(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
         record = json.dumps({"response": response, "input": items}, separators=(",", ":"))
-        ttl_ms = max(1, int(self.ttl_s * 1000))
-        await self.redis.set(response_key(self.prefix, response["id"]), record, px=ttl_ms)
+        await self.redis.set(response_key(self.prefix, response["id"]), record, px=self.ttl_ms)
 
     async def load(self, response_id: str) -> dict[str, Any] | None:
         """The stored record (`response`, `input`), or None."""

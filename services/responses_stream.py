@@ -71,11 +71,6 @@ def _call(call_id: str, name: str, arguments: str, status: str = "completed") ->
             "arguments": arguments, "status": status}  # fmt: skip
 
 
-def parsed_event(event: bytes) -> dict[str, Any]:
-    """The JSON of an SSE event `event: <type>\ndata: <json>\n\n`."""
-    return json.loads(event[event.index(b"\ndata: ") + 7 :])
-
-
 async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield first
     async for chunk in rest:
@@ -143,10 +138,10 @@ class ResponseShaper:
                     break
                 obj = json.loads(data)
                 if "error" in obj:
-                    failed = self._fail(obj["error"])
-                    if self.save is not None:  # (the last event holds the failed response)
-                        await self.save(parsed_event(failed[-1])["response"])
-                    for ev in failed:
+                    failed, events = self._fail(obj["error"])
+                    if self.save is not None:
+                        await self.save(failed)
+                    for ev in events:
                         yield ev
                     return
                 if not obj["choices"]:
@@ -216,7 +211,7 @@ class ResponseShaper:
             name = "response.output_text.delta"
         extra = {"logprobs": []} if kind == "message" else {}
         out.append(self.event(name, item_id=item["id"], output_index=index, content_index=0,
-                               delta=text, **extra))  # fmt: skip
+                              delta=text, **extra))  # fmt: skip
         return out
 
     def _arguments(self, call: dict[str, Any]) -> list[bytes]:
@@ -229,7 +224,7 @@ class ResponseShaper:
             item = self._items[-1]
             item["arguments"] += piece
             out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                   output_index=len(self._items) - 1, delta=piece))  # fmt: skip
+                                  output_index=len(self._items) - 1, delta=piece))  # fmt: skip
         return out
 
     def _close(self) -> list[bytes]:
@@ -242,26 +237,27 @@ class ResponseShaper:
         if self._open == "reasoning":
             text = item["content"][0]["text"]
             out.append(self.event("response.reasoning_text.done", **ids, content_index=0,
-                                   text=text))  # fmt: skip
+                                  text=text))  # fmt: skip
         elif self._open == "message":
             part = _text_part("".join(self._pieces))
             item["content"], item["status"] = [part], "completed"
             out.append(self.event("response.output_text.done", **ids, content_index=0,
-                                   text=part["text"], logprobs=[]))  # fmt: skip
+                                  text=part["text"], logprobs=[]))  # fmt: skip
             out.append(self.event("response.content_part.done", **ids, content_index=0,
-                                   part=part))  # fmt: skip
+                                  part=part))  # fmt: skip
         else:
             item["status"] = "completed"
             out.append(self.event("response.function_call_arguments.done", **ids,
-                                   arguments=item["arguments"]))  # fmt: skip
+                                  arguments=item["arguments"]))  # fmt: skip
         out.append(self.event("response.output_item.done", output_index=index, item=item))
         self._open = None
         return out
 
-    def _fail(self, error: dict[str, Any]) -> list[bytes]:
+    def _fail(self, error: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
+        """The failed response, and its events."""
         out = [self.event("error", code=error.get("code"), message=error.get("message"),
-                           param=error.get("param"))]  # fmt: skip
+                          param=error.get("param"))]  # fmt: skip
         failed = self.envelope("failed", self._items)
         failed["error"] = {"code": error.get("code"), "message": error.get("message")}
         out.append(self.event("response.failed", response=failed))
-        return out
+        return failed, out

@@ -129,9 +129,9 @@ class Router:
         body = ResponsesRequest.parse(await request.body())
         self.check_model(body.model)
         store, history = self.responses_store, []
-        storing = store.enabled and body.store is not False
-        if body.background:
-            self.background.check_stored(body.store)
+        storing = store.keeps(body.store)
+        if body.background and not storing:
+            raise self.background.not_stored(body.store)
         if body.previous_response_id is not None:
             history = await store.history(body.previous_response_id)
         chat = body.to_chat(history, stream=True if body.background else None)

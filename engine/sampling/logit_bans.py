@@ -39,9 +39,9 @@ def bad_word_bans(
         banned = set()
         for word in p.bad_words_ids:
             prefix = word[:-1]
-            if not prefix:
-                banned.add(word[-1])
-            elif not prefixes_on_device and _ends_with(output_ids[i], prefix):  # type: ignore[index]
+            if not prefix or (
+                not prefixes_on_device and _ends_with(output_ids[i], prefix)  # type: ignore[index]
+            ):
                 banned.add(word[-1])
         if banned:
             bans.append((i, sorted(banned)))

@@ -227,7 +227,9 @@ class PenaltySlots:
         if not any(r in self._slot for r in reqs):
             return None
         slots, counted, resets = [], [], []
+        penalized = False  # the batch reads the counts (a request of it has a penalty)
         for req in reqs:
+            penalized = penalized or req.sampling_params.has_penalty
             if req not in self._slot or req is chunked_req:
                 slots.append(0)
                 counted.append(False)
@@ -241,7 +243,6 @@ class PenaltySlots:
                 resets.append((self._slot[req], list(req.output_ids), prompt))
             slots.append(self._slot[req])
             counted.append(True)
-        penalized = any(r.sampling_params.has_penalty for r in reqs)  # the batch reads counts
         return PenaltyPlan(slots, counted, self.capacity, resets, self.width, penalized)
 
     def _take(self) -> int:
