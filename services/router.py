@@ -29,8 +29,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from services import router_tokens as tokens
 from services.responses_store import add_routes as add_response_routes
 from services.router_api import VERSION, Router
-from services.router_control import AbortBody
 from services.router_metrics import CONTENT_TYPE
+from services.router_named import AbortBody
 from services.router_protocol import ApiError, parse_body
 from services.router_tokens import DetokenizeBody, TokenizeBody
 from shared.async_bus import AsyncBus
@@ -178,22 +178,19 @@ def create_app(config: RouterConfig) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict[str, Any]:
-        """SGLang's: end this router's requests in flight with the client's `rid` (or all
-        of them: `abort_all`); their responses finish with finish_reason abort. 404 if none."""
+        """SGLang's: end the requests in flight with the client's `rid` (or all of them:
+        `abort_all`), on whichever router holds them; their responses finish with
+        finish_reason abort. 404 if none has the rid."""
         router = state["router"]
         router.authorize(request)
         body = parse_body(AbortBody, await request.body())
-        if body.abort_all:
-            handles = [h for h in router.broker.handles.values() if h.observed]
-        elif body.rid is not None:
-            handles = router.broker.named.get(body.rid)
-            if not handles:
-                msg = f"no request in flight here has rid {body.rid!r}"
-                raise ApiError(404, msg, "rid", "not_found")
-        else:
+        if not body.abort_all and body.rid is None:
             raise ApiError(400, "pass rid, or abort_all: true", "rid", "missing_required_parameter")
-        router.broker.cancel(handles, "aborted by /abort_request")
-        return {"success": True, "num_aborted": len(handles)}
+        rid = None if body.abort_all else body.rid
+        num_aborted = await router.broker.named.abort(rid, "aborted by /abort_request")
+        if rid is not None and not num_aborted:
+            raise ApiError(404, f"no request in flight has rid {rid!r}", "rid", "not_found")
+        return {"success": True, "num_aborted": num_aborted}
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")

@@ -161,7 +161,7 @@ class Router:
                     sub.sampling_params.setdefault("skip_special_tokens", False)
         if subs[0].return_logprob:
             self.token_names.load(hb.model for hb in self.broker.workers.live.values())
-        handles = self.broker.open(subs)
+        handles = await self.broker.open(subs)
         try:
             await self.broker.submit(handles)
         except ApiError:
@@ -193,7 +193,7 @@ class Router:
         """One token generated through the tokenizer, a worker and a detokenizer (SGLang's
         /health_generate); it is left out of the metrics."""
         start = time.perf_counter()
-        handles = self.broker.open(_HEALTH_REQUEST.to_subrequests())
+        handles = await self.broker.open(_HEALTH_REQUEST.to_subrequests())
         for h in handles:
             h.observed = False
 

@@ -11,8 +11,9 @@ One `Broker` per router process owns
   whose heartbeat is gone, they are sent to another worker if nothing was produced yet,
   else fail with 503 (failures reach a handle through its inbox, like its rows);
 * the abort messages, sent without making the caller wait;
-* the requests their clients named (`NamedRequests`), which `cancel` ends at their workers
-  (/abort_request).
+* the requests their clients named (`NamedRequests`, services/router_named.py: a rid is
+  claimed in Redis for the whole deployment), which `cancel` ends at their workers
+  (/abort_request, also when another router asks: `AbortNamedMsg` on this router's stream).
 
 A `RequestHandle` (services/router_handle.py) follows one sub-request: the broker submits
 it to the least-loaded live worker (TokenizeReqMsg to `{p}:tokenize`), and it yields
@@ -29,9 +30,10 @@ import uuid
 
 import redis
 
-from services.router_control import CacheFlushes, NamedRequests
+from services.router_control import CacheFlushes
 from services.router_handle import RequestHandle
 from services.router_metrics import RouterMetrics
+from services.router_named import NamedRequests
 from services.router_protocol import ApiError, SubRequest
 from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
@@ -39,6 +41,8 @@ from shared.async_bus import AsyncBus
 from shared.heartbeat import list_live_async
 from shared.keys import WORKER_KIND, router_out_stream, tokenize_stream, worker_in_stream
 from shared.messages import (
+    AbortNamedMsg,
+    AbortNamedRespMsg,
     AbortReqMsg,
     DetokOutputMsg,
     ErrorMsg,
@@ -69,7 +73,7 @@ class Broker:
         self.workers = WorkerTable()
         self.flushes = CacheFlushes(bus, router_id, self.workers)
         self.queries = TokenQueries(bus, router_id)
-        self.named = NamedRequests()
+        self.named = NamedRequests(self)
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -90,11 +94,11 @@ class Broker:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
 
-    def open(self, subs: list[SubRequest]) -> list[RequestHandle]:
+    async def open(self, subs: list[SubRequest]) -> list[RequestHandle]:
         """Handles of a new request's sub-requests; 400 if its rid names one in flight."""
         arrived = time.perf_counter()
         handles = [RequestHandle(self, sub, arrived) for sub in subs]
-        self.named.add(handles)
+        await self.named.add(handles)
         return handles
 
     async def submit(self, handles: list[RequestHandle]) -> None:
@@ -138,7 +142,7 @@ class Broker:
     def abort(self, handle: RequestHandle, reason: str) -> None:
         assert handle.worker is not None
         stream = worker_in_stream(self.bus.prefix, handle.worker.worker_id)
-        self._spawn(self.bus.publish(stream, AbortReqMsg(handle.rid, reason)))
+        self.spawn(self.bus.publish(stream, AbortReqMsg(handle.rid, reason)))
 
     async def refresh_workers(self) -> None:
         live = await list_live_async(self.bus.redis, self.bus.prefix, WORKER_KIND)
@@ -189,6 +193,8 @@ class Broker:
             self.flushes.deliver(msg)
         elif isinstance(msg, TokenizeRespMsg):
             self.queries.deliver(msg)
+        elif isinstance(msg, (AbortNamedMsg, AbortNamedRespMsg)):
+            self.named.deliver(msg)
         else:
             logger.warning("unexpected %s message on %s", type(msg).__name__, self.out_stream)
 
@@ -251,7 +257,8 @@ class Broker:
             )
         )
 
-    def _spawn(self, coro: object) -> None:
+    def spawn(self, coro: object) -> None:
+        """Run `coro` in the background (stop() waits briefly for what is left)."""
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._task_done)

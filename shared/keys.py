@@ -3,18 +3,20 @@
 All keys start with the deployment prefix `{p}` (default `sluice`), so several deployments
 can share one Redis. Streams:
 
-| key                   | producer → consumer                    | read as               |
-|-----------------------|----------------------------------------|-----------------------|
-| `{p}:tokenize`        | router → tokenizers                    | group `tokenizers`    |
-| `{p}:worker:{w}:in`   | tokenizers, router (aborts) → worker w | group `worker`        |
-| `{p}:detok`           | worker → detokenizers                  | group `detokenizers`  |
-| `{p}:router:{r}:out`  | detokenizers, any (errors) → router r  | plain XREAD           |
-| `{p}:dlq`             | anyone → operators                     | XRANGE                |
+| key                   | producer → consumer                            | read as              |
+|-----------------------|------------------------------------------------|----------------------|
+| `{p}:tokenize`        | router → tokenizers                            | group `tokenizers`   |
+| `{p}:worker:{w}:in`   | tokenizers, router (aborts) → worker w         | group `worker`       |
+| `{p}:detok`           | worker → detokenizers                          | group `detokenizers` |
+| `{p}:router:{r}:out`  | detokenizers, routers, any (errors) → router r | plain XREAD          |
+| `{p}:dlq`             | anyone → operators                             | XRANGE               |
 
 Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}`; so are the Responses
 API's stored responses (JSON, services/responses_store.py): `{p}:response:{id}`, and the
 cancel marks of background ones, `{p}:response-cancel:{id}`, whose events are the stream
-`{p}:response-events:{id}` (also with a TTL; services/responses_background.py).
+`{p}:response-events:{id}` (also with a TTL; services/responses_background.py), and the
+claims of the rids clients name their requests with, `{p}:rid:{rid}` (the holding router and
+a token; services/router_named.py).
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ def heartbeat_pattern(prefix: str, kind: str) -> str:
     """A SCAN pattern matching every heartbeat key of `kind` (the prefix glob-escaped)."""
     escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
     return f"{escaped}:hb:{_check_part('kind', kind)}:*"
+
+
+def named_request_key(prefix: str, rid: str) -> str:
+    return f"{prefix}:rid:{rid}"
 
 
 def response_key(prefix: str, response_id: str) -> str:

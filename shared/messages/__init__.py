@@ -6,7 +6,8 @@
 | `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
-|               |                        | TokenizeRespMsg                       |
+|               |                        | TokenizeRespMsg, AbortNamedMsg,       |
+|               |                        | AbortNamedRespMsg                     |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -17,6 +18,8 @@ from shared.messages.base import Message, Record, decode_message, message_types
 from shared.messages.common import DETOK_WINDOW_LEN, FinishReason, PromptLogprobs
 from shared.messages.detokenizer import StepOutputMsg, StepRow
 from shared.messages.router import (
+    AbortNamedMsg,
+    AbortNamedRespMsg,
     DetokOutputMsg,
     DetokRow,
     ErrorMsg,
@@ -30,6 +33,8 @@ from shared.messages.worker import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg
 
 __all__ = [
     "DETOK_WINDOW_LEN",
+    "AbortNamedMsg",
+    "AbortNamedRespMsg",
     "AbortReqMsg",
     "ChatMessage",
     "DetokOutputMsg",

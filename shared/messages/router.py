@@ -137,3 +137,30 @@ class TokenizeRespMsg(Message):
     input_ids: list[int]
     text: str | None = None
     token_strs: list[str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortNamedMsg(Message):
+    """router → router: end your requests named `rid` (None: all of them), as /abort_request
+    asked of router `router_id`, which waits for an `AbortNamedRespMsg` on its stream."""
+
+    TAG = "abort_named"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    rid: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class AbortNamedRespMsg(Message):
+    """router → router: the answer to an `AbortNamedMsg`; `router_id` is the router that
+    answers, `num_aborted` how many of its requests it ended."""
+
+    TAG = "abort_named_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    num_aborted: int

@@ -9,6 +9,8 @@ import msgpack
 import pytest
 
 from shared.messages import (
+    AbortNamedMsg,
+    AbortNamedRespMsg,
     AbortReqMsg,
     ChatMessage,
     DetokOutputMsg,
@@ -101,6 +103,9 @@ SAMPLES: list[Message] = [
                    return_token_strs=True),
     TokenizeRespMsg("r4", "router-b", [5, 6], token_strs=["▁a", "b"]),
     TokenizeRespMsg("r5", "router-b", [5, 6], text="ab"),
+    AbortNamedMsg("ask-1", "router-a", "job-1", "aborted by /abort_request"),
+    AbortNamedMsg("ask-2", "router-a", None, "aborted by /abort_request"),
+    AbortNamedRespMsg("ask-1", "router-b", 2),
 ]  # fmt: skip
 
 
