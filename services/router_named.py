@@ -98,13 +98,15 @@ class NamedRequests:
         router_id = self.broker.router_id
         hb_prefix = heartbeat_key(self.broker.bus.prefix, ROUTER_KIND, "x")[:-1]
         claims = {rid: f"{router_id}:{uuid.uuid4().hex[:12]}" for rid in rids}
+        args = [self._ttl_ms, router_id, hb_prefix]
         try:
-            async with self.broker.bus.redis.pipeline(transaction=False) as pipe:
-                for rid, value in claims.items():
-                    await self._claim(
-                        [self._key(rid)], [value, self._ttl_ms, router_id, hb_prefix], client=pipe
-                    )
-                results = await pipe.execute()
+            if len(rids) == 1:  # the usual case: one round trip, no pipeline to build
+                results = [await self._claim([self._key(rids[0])], [claims[rids[0]], *args])]
+            else:
+                async with self.broker.bus.redis.pipeline(transaction=False) as pipe:
+                    for rid, value in claims.items():
+                        await self._claim([self._key(rid)], [value, *args], client=pipe)
+                    results = await pipe.execute()
         except redis.RedisError as exc:
             self._unreserve(rids)
             raise ApiError(503, f"message bus unavailable: {exc}", None, "bus_unavailable") from exc
