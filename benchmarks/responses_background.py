@@ -112,7 +112,7 @@ async def _resumed(bg: BackgroundResponses, response_id: str) -> tuple:
 async def measure(url: str, tokens: int, reps: int, gap_s: float) -> list[dict]:
     client = aioredis.Redis.from_url(url)
     store = ResponseStore(client, "bench", 600.0)
-    bg = BackgroundResponses(store)
+    bg = BackgroundResponses(store, "bench")
     cpu: dict[str, list[float]] = {"streamed": [], "background": [], "resumed": []}
     wall: dict[str, list[float]] = {way: [] for way in cpu}
     for rep in range(reps + 1):  # the first rep warms up: not kept

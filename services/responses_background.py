@@ -18,23 +18,29 @@ them, shared by every router through Redis.
   synchronous response."), as is one that has ended; deleting one still running is a 400 too
   (cancel it first).
 
-A router that stops marks the background responses it was generating `failed`.
+A router that stops marks the background responses it was generating `failed`. One that dies
+cannot: the record names the router generating it (`owner`), and a router that loads a
+running record (to answer it, stream it, cancel or delete it) whose owner's heartbeat is gone,
+or that names itself but is not generating it (an earlier run), stores it `failed` and ends
+its events with `response.failed`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
-from services.responses_store import ResponseStore
+from services.responses_store import ResponseStore, not_found
 from services.responses_stream import ResponseShaper
 from services.router_fields import ApiError
-from shared.keys import response_cancel_key, response_events_key
+from shared.keys import ROUTER_KIND, heartbeat_key, response_cancel_key, response_events_key
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +102,15 @@ class _EventWriter:
 
 class BackgroundResponses:
     def __init__(
-        self, store: ResponseStore, poll_s: float = 0.2, cancel_wait_s: float = 10.0
+        self,
+        store: ResponseStore,
+        router_id: str,
+        poll_s: float = 0.2,
+        cancel_wait_s: float = 10.0,
     ) -> None:
         self.store, self.redis, self.prefix = store, store.redis, store.prefix
-        self.poll_s, self.cancel_wait_s = poll_s, cancel_wait_s
+        self.router_id, self.poll_s, self.cancel_wait_s = router_id, poll_s, cancel_wait_s
+        self._starting: set[str] = set()  # stored queued, their tasks not made yet
         self._tasks: dict[str, asyncio.Task] = {}  # the responses this router generates
         self._cancels: dict[str, Callable[[str], None]] = {}  # their aborts, until they end
         self._watcher: asyncio.Task | None = None
@@ -114,8 +125,13 @@ class BackgroundResponses:
         """Store `shaper`'s response queued and generate it in a task; the queued response.
         `cancel(why)` aborts its request at the worker."""
         assert shaper.save is not None, "a background response is stored"
+        shaper.save = partial(shaper.save, owner=self.router_id)
         queued = shaper.envelope("queued", [])
-        await shaper.save(queued)
+        self._starting.add(shaper.id)
+        try:
+            await shaper.save(queued)
+        finally:
+            self._starting.discard(shaper.id)
         task = asyncio.create_task(self._run(shaper))
         self._tasks[shaper.id], self._cancels[shaper.id] = task, cancel
         task.add_done_callback(lambda _: self._ended(shaper.id))
@@ -161,7 +177,7 @@ class BackgroundResponses:
         code: str = "server_error",
     ) -> None:  # fmt: skip
         """Store the response failed, and end its events with `response.failed`."""
-        failed = shaper.envelope("failed", [])
+        failed = shaper.envelope("failed", shaper.output_so_far())
         failed["error"] = {"code": code, "message": message}
         with contextlib.suppress(Exception):  # (Redis may be gone: shutting down)
             await shaper.save(failed)  # type: ignore[misc]
@@ -185,10 +201,51 @@ class BackgroundResponses:
                     self._cancels.pop(response_id)(f"response {response_id} cancelled")
             await asyncio.sleep(self.poll_s)
 
+    # -- orphans ---------------------------------------------------------------------------------
+    async def load(self, response_id: str) -> dict[str, Any] | None:
+        """The stored record (or None); a running one whose router died is stored failed
+        first (see module doc)."""
+        record = await self.store.load(response_id)
+        if record is None or record["response"]["status"] not in RUNNING:
+            return record
+        owner = record.get("owner")
+        if owner is None or await self._alive(owner, response_id):
+            return record
+        return await self._orphaned(record, owner)
+
+    async def found(self, response_id: str) -> dict[str, Any]:
+        """`load`, or a 404."""
+        if (record := await self.load(response_id)) is None:
+            raise not_found(response_id)
+        return record
+
+    async def _alive(self, owner: str, response_id: str) -> bool:
+        if owner == self.router_id:
+            return response_id in self._tasks or response_id in self._starting
+        return bool(await self.redis.exists(heartbeat_key(self.prefix, ROUTER_KIND, owner)))
+
+    async def _orphaned(self, record: dict[str, Any], owner: str) -> dict[str, Any]:
+        response = record["response"]
+        error = {"code": "server_error",
+                 "message": f"router {owner}, which was generating the response, stopped"}
+        failed = {**response, "status": "failed", "error": error}
+        await self.store.save(failed, record["input"])
+        key = response_events_key(self.prefix, response["id"])
+        last = await self.redis.xrevrange(key, count=1)
+        seq = _head(last[0][1][_FIELD])[1] + 1 if last else 0
+        obj = {"type": "response.failed", "sequence_number": seq, "response": failed}
+        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(key, {_FIELD: f"event: response.failed\ndata: {data}\n\n".encode()})
+        pipe.pexpire(key, self.store.ttl_ms)
+        await pipe.execute()
+        logger.warning("background response %s failed: %s", response["id"], error["message"])
+        return {**record, "response": failed}
+
     # -- endpoints ------------------------------------------------------------------------------
     async def cancel(self, response_id: str) -> dict[str, Any]:
         """`POST /v1/responses/{id}/cancel`: the response once it has ended."""
-        response = (await self.store.found(response_id))["response"]
+        response = (await self.found(response_id))["response"]
         if response["status"] not in RUNNING:
             if not response.get("background"):
                 raise ApiError(400, "Cannot cancel a synchronous response.", "response_id",
@@ -201,14 +258,14 @@ class BackgroundResponses:
         deadline = time.monotonic() + self.cancel_wait_s
         while response["status"] in RUNNING and time.monotonic() < deadline:
             await asyncio.sleep(min(self.poll_s, 0.05))
-            record = await self.store.load(response_id)
+            record = await self.load(response_id)
             if record is None:
                 break
             response = record["response"]
         return response
 
     async def check_deletable(self, response_id: str) -> None:
-        record = await self.store.load(response_id)
+        record = await self.load(response_id)
         if record is not None and record["response"]["status"] in RUNNING:
             raise ApiError(400, f"response {response_id!r} is still {record['response']['status']}"
                                 "; cancel it first", "response_id", "invalid_request")  # fmt: skip
@@ -216,7 +273,7 @@ class BackgroundResponses:
     async def stream(self, response_id: str, starting_after: int | None) -> AsyncIterator[bytes]:
         """`GET /v1/responses/{id}?stream=true`: its events after `starting_after`; a 404 or
         400 (not a background response) before any is sent."""
-        response = (await self.store.found(response_id))["response"]
+        response = (await self.found(response_id))["response"]
         if not response.get("background"):
             raise ApiError(400, "only a background response can be streamed again", "stream",
                            "invalid_request")  # fmt: skip
@@ -239,5 +296,5 @@ class BackgroundResponses:
             if not entries:  # nothing new: has the response ended without its last event?
                 if ended:  # (a second look: the record is stored just before that event)
                     return
-                record = await self.store.load(response_id)
+                record = await self.load(response_id)
                 ended = record is None or record["response"]["status"] not in RUNNING

@@ -52,9 +52,16 @@ class ResponseStore:
         """Whether a response whose request says `store` is stored."""
         return self.enabled and store is not False
 
-    async def save(self, response: dict[str, Any], items: list[dict[str, Any]]) -> None:
-        record = json.dumps({"response": response, "input": items}, separators=(",", ":"))
-        await self.redis.set(response_key(self.prefix, response["id"]), record, px=self.ttl_ms)
+    async def save(
+        self, response: dict[str, Any], items: list[dict[str, Any]], owner: str | None = None
+    ) -> None:
+        """Store `response` and its conversation's input `items`; `owner`: the router that
+        generates it in the background (services/responses_background.py)."""
+        record: dict[str, Any] = {"response": response, "input": items}
+        if owner is not None:
+            record["owner"] = owner
+        raw = json.dumps(record, separators=(",", ":"))
+        await self.redis.set(response_key(self.prefix, response["id"]), raw, px=self.ttl_ms)
 
     async def load(self, response_id: str) -> dict[str, Any] | None:
         """The stored record (`response`, `input`), or None."""
@@ -72,7 +79,7 @@ class ResponseStore:
         """The stored record, or a 404 (for GET /v1/responses/{id})."""
         record = await self.load(response_id)
         if record is None:
-            raise _not_found(response_id)
+            raise not_found(response_id)
         return record
 
     async def history(self, previous_id: str) -> list[dict[str, Any]]:
@@ -86,7 +93,7 @@ class ResponseStore:
         return [*record["input"], *record["response"]["output"]]
 
 
-def _not_found(response_id: str) -> ApiError:
+def not_found(response_id: str) -> ApiError:
     return ApiError(404, f"no stored response has id {response_id!r}", "response_id", "not_found")
 
 
@@ -146,7 +153,7 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
             events = await router.background.stream(response_id, starting_after)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
-        return (await router.responses_store.found(response_id))["response"]
+        return (await router.background.found(response_id))["response"]
 
     @app.delete("/v1/responses/{response_id}")
     async def delete(response_id: str, request: Request) -> Any:
@@ -154,7 +161,7 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
         router.authorize(request)
         await router.background.check_deletable(response_id)
         if not await router.responses_store.delete(response_id):
-            raise _not_found(response_id)
+            raise not_found(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/responses/{response_id}/cancel")

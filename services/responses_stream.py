@@ -253,11 +253,23 @@ class ResponseShaper:
         self._open = None
         return out
 
+    def output_so_far(self) -> list[dict[str, Any]]:
+        """The output items so far, an open one `incomplete` with what it has (the output of
+        a response that fails)."""
+        items = [dict(item) for item in self._items]
+        if self._open is not None:
+            last = items[-1]
+            if self._open == "message":
+                last["content"] = [_text_part("".join(self._pieces))]
+            if "status" in last:
+                last["status"] = "incomplete"
+        return items
+
     def _fail(self, error: dict[str, Any]) -> tuple[dict[str, Any], list[bytes]]:
         """The failed response, and its events."""
         out = [self.event("error", code=error.get("code"), message=error.get("message"),
                           param=error.get("param"))]  # fmt: skip
-        failed = self.envelope("failed", self._items)
+        failed = self.envelope("failed", self.output_so_far())
         failed["error"] = {"code": error.get("code"), "message": error.get("message")}
         out.append(self.event("response.failed", response=failed))
         return failed, out

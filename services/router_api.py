@@ -84,7 +84,7 @@ class Router:
         self.token_names.load([r.model] if r.model else [])
         self.tool_parser = ParserChoice(r.tool_call_parser)
         self.responses_store = ResponseStore(bus.redis, bus.prefix, r.responses_store_ttl_s)
-        self.background = BackgroundResponses(self.responses_store)
+        self.background = BackgroundResponses(self.responses_store, self.broker.router_id)
         self.num_handled = 0
         self.started_at = time.time()
 

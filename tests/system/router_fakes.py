@@ -260,11 +260,14 @@ def metric(base: str, name: str) -> float:
     return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
 
 
+ROUTER_PROCS: dict[str, subprocess.Popen] = {}  # base URL → the process, for a test to kill
+
+
 @contextmanager
 def start_router(
     redis_url: str, prefix: str, *extra: str, env: dict[str, str] | None = None
 ) -> Iterator[str]:
-    """Run `sluice router` on a free port; yield its base URL."""
+    """Run `sluice router` on a free port; yield its base URL (its process: ROUTER_PROCS)."""
     port = free_port()
     cmd = [
         sys.executable,
@@ -294,8 +297,10 @@ def start_router(
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the router did not start") from None
                 time.sleep(0.1)
+        ROUTER_PROCS[base] = proc
         yield base
     finally:
+        ROUTER_PROCS.pop(base, None)
         proc.terminate()
         try:
             proc.wait(10)

@@ -1,7 +1,7 @@
 """Background responses (`background: true`) on two real router processes sharing one Redis,
 with the fake back end (its output is the last message reversed, one character per token):
 queued, then polled, streamed again and resumed, and cancelled, each from the other router;
-the refusals; a failed one; a router that stops while it generates one."""
+the refusals; a failed one; a router that stops, or is killed, while it generates one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import httpx2 as httpx
 import pytest
 
 from shared.messages import TokenizeReqMsg
-from tests.system.router_fakes import FakeWorker, Plan, default_plan, start_router
+from tests.system.router_fakes import ROUTER_PROCS, FakeWorker, Plan, default_plan, start_router
 from tests.system.test_router_api import router_workers, running, wait_for
 
 pytest_plugins = ["tests.redis_fixtures"]
@@ -170,5 +170,41 @@ def test_a_router_that_stops_marks_its_responses_failed(redis_url: str, routers)
         wait_for(lambda: "w-bg" in router_workers(three))
         queued = post(three, input=LONG, background=True).json()
         until(one, queued["id"], "in_progress")
+        time.sleep(0.3)  # ~15 tokens
     failed = get(one, queued["id"])
     assert failed["status"] == "failed" and "router stopped" in failed["error"]["message"]
+    [item] = failed["output"]  # what was generated is kept
+    text = item["content"][0]["text"]
+    assert item["status"] == "incomplete" and text and LONG[::-1].startswith(text)
+
+
+def test_a_killed_routers_responses_fail_where_they_are_read(redis_url: str, routers) -> None:
+    """Killed, a router marks nothing: a new run of it fails its running responses at once
+    (it generates none of them), the other routers once its heartbeat is gone."""
+    one, two = routers
+    ids = {}
+    for router_id, ttl in (("r4", "5"), ("r3", "1")):
+        with start_router(redis_url, PREFIX, "--router-id", router_id,
+                          "--heartbeat-ttl-s", ttl) as base:  # fmt: skip
+            wait_for(lambda b=base: "w-bg" in router_workers(b))
+            ids[router_id] = post(base, input=LONG, background=True).json()["id"]
+            until(one, ids[router_id], "in_progress")
+            ROUTER_PROCS[base].kill()
+            ROUTER_PROCS[base].wait()
+        if router_id == "r4":
+            assert get(two, ids["r4"])["status"] == "in_progress"  # its heartbeat lives 5 s
+            with start_router(redis_url, PREFIX, "--router-id", "r4") as again:
+                failed = get(again, ids["r4"])
+            assert failed["status"] == "failed", failed
+            message = "router r4, which was generating the response, stopped"
+            assert failed["error"] == {"code": "server_error", "message": message}
+    failed = until(two, ids["r3"], "failed", timeout_s=10)
+    assert "router r3" in failed["error"]["message"]
+    for response_id in ids.values():
+        assert get(one, response_id)["status"] == "failed"
+        events = stream_again(one, response_id)  # they end, with no gap in their numbers
+        assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert len(events) > 3  # (what the router sent before it was killed)
+        resp = httpx.post(f"{two}/v1/responses/{response_id}/cancel", timeout=10)
+        assert resp.status_code == 400  # ended

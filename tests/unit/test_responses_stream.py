@@ -122,3 +122,5 @@ def test_an_error_mid_stream_is_an_error_event_and_a_failed_response() -> None:
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "worker gone"
     assert saved == [failed]  # stored, as a finished response is
+    [item] = failed["output"]  # with what was generated: the open message, incomplete
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == "par"
