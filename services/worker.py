@@ -86,6 +86,8 @@ class Worker:
             "batch_size": s.batch_size,
             "block_ms": s.block_ms,
             "heartbeat_ttl_s": common.heartbeat_ttl_s,
+            # a router missing at two looks this far apart is gone (services/worker_routers.py)
+            "router_check_s": max(0.5, common.heartbeat_ttl_s / 2),
             "log_level": common.log_level,
             "facts": list(WorkerFacts.of(self.scheduler, self.worker_id, self.model)),
         }

@@ -7,8 +7,9 @@ the worker (`services.worker_link.IoLink`), never by hand.
     heartbeat thread: the worker's load (`WorkerLoadMsg`) under {p}:hb:worker:{w}
 
 `Receiver` blocks on the worker's stream (group `worker`, consumer = the worker id) and
-forwards the requests, aborts and cache flushes of each read as one record. It acks what
-it forwarded at once: a worker's requests live in its memory only, and routers fail over
+forwards the requests, aborts and cache flushes of each read as one record (and, between
+reads, aborts of the requests of routers that are gone: services/worker_routers.py). It
+acks what it forwarded at once: a worker's requests live in its memory only, and routers fail over
 the requests of a worker that died (a worker restarted under the same id is a new worker
 to them), so replaying old entries after a restart would only duplicate work. Entries of
 the wrong type are dead-lettered.
@@ -40,6 +41,7 @@ from services.group_consumer import exit_process
 from services.worker_link import RecordReader, write_record
 from services.worker_load import LoadFigures, LoadReporter, WorkerFacts
 from services.worker_requests import ReqInfo, step_message
+from services.worker_routers import RouterWatch
 from shared.bus import Bus
 from shared.heartbeat import Heartbeat
 from shared.keys import WORKER_GROUP, WORKER_KIND, detok_stream, heartbeat_key, worker_in_stream
@@ -53,9 +55,17 @@ _RETRY_S = 0.5
 
 class Receiver(threading.Thread):
     def __init__(
-        self, bus: Bus, stream: str, consumer: str, batch_size: int, block_ms: int, out_fd: int
+        self,
+        bus: Bus,
+        stream: str,
+        consumer: str,
+        batch_size: int,
+        block_ms: int,
+        out_fd: int,
+        routers: RouterWatch,
     ) -> None:
         super().__init__(name="worker-receiver", daemon=True)
+        self.routers = routers
         self.bus = bus
         self.stream = stream
         self.consumer = consumer
@@ -76,6 +86,9 @@ class Receiver(threading.Thread):
         while not self.stopping.is_set():
             try:
                 self._receive()
+                aborts = self.routers.aborts()
+                if aborts:
+                    write_record(self.out_fd, ["in", [m.to_msg() for m in aborts]])
             except redis.RedisError as exc:
                 logger.warning("receiving: %s; retrying", exc)
                 self.stopping.wait(_RETRY_S)
@@ -162,16 +175,18 @@ class IoProcess:
         self.worker_id = str(hello["worker_id"])
         self.bus = Bus.from_url(hello["redis_url"], hello["prefix"], maxlen=hello["stream_maxlen"])
         self.out_fd = out_fd
+        self.infos: dict[str, ReqInfo] = {}
         stream = worker_in_stream(self.bus.prefix, self.worker_id)
+        routers = RouterWatch(self.bus, self.infos, hello["router_check_s"])
         self.receiver = Receiver(
-            self.bus, stream, self.worker_id, hello["batch_size"], hello["block_ms"], out_fd
-        )
+            self.bus, stream, self.worker_id, hello["batch_size"], hello["block_ms"], out_fd,
+            routers,
+        )  # fmt: skip
         self.sender = Sender(self.bus)
         self.load = LoadReporter(WorkerFacts(*hello["facts"]))
         key = heartbeat_key(self.bus.prefix, WORKER_KIND, self.worker_id)
         self.heartbeat = Heartbeat(self.bus.redis, key, hello["heartbeat_ttl_s"], self.load.payload)
         self.detok_stream = detok_stream(self.bus.prefix)
-        self.infos: dict[str, ReqInfo] = {}
         self._handlers = {
             "start": self._on_start,
             "forget": self._on_forget,

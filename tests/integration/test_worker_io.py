@@ -66,6 +66,7 @@ def hello(url: str, prefix: str, worker_id: str = "w0") -> dict:
         "batch_size": 64,
         "block_ms": 5,
         "heartbeat_ttl_s": 2.0,
+        "router_check_s": 0.0,  # (the routers of these tests have no heartbeat)
         "log_level": "info",
         "facts": list(WorkerFacts(worker_id, "tiny", 1000, 8, 512, os.getpid())),
     }
@@ -242,3 +243,37 @@ def _gone(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def test_the_requests_of_a_router_that_is_gone_are_aborted_once(
+    redis_url: str, redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """services/worker_routers.py: a router whose heartbeat is missing at two looks in a row
+    (0.2 s apart here) gets an abort for each of its running requests, once; a router whose
+    heartbeat lives keeps its requests."""
+    config = hello(redis_url, key_prefix, "w-routers")
+    config["router_check_s"] = 0.2
+    alive = heartbeat_key(key_prefix, "router", "router-a")
+    redis_client.set(alive, b"x", px=60_000)
+    lk = IoLink(config)
+    try:
+        for rid, router_id in (("a1", "router-a"), ("b1", "router-b"), ("b2", "router-b")):
+            lk.start(rid, ReqInfo(router_id, True, True, 3))
+        got: list = []
+        deadline = time.monotonic() + 1.5  # ~7 looks: the aborts come once
+        while time.monotonic() < deadline:
+            got += lk.receive(timeout=0.1)
+        assert sorted((m.rid, m.reason) for m in got) == [
+            ("b1", "router router-b is gone"), ("b2", "router router-b is gone")
+        ]
+        assert all(isinstance(m, AbortReqMsg) for m in got)
+        lk.forget("b1")
+        lk.forget("b2")
+        redis_client.delete(alive)  # router-a dies too
+        got = []
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            got += lk.receive(timeout=0.1)
+        assert [(m.rid, m.reason) for m in got] == [("a1", "router router-a is gone")]
+    finally:
+        lk.close()

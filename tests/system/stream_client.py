@@ -2,17 +2,27 @@
 
 `StreamClient` publishes `TokenizeReqMsg`s (or raw messages) and reads its own router
 stream `{p}:router:{r}:out`, reassembling each request's rows the way the router does:
-ordered by token index, a range already seen is ignored.
+ordered by token index, a range already seen is ignored. It has a router's heartbeat (for
+ten minutes; `vanish()` deletes it), since workers abort the requests of routers that have
+none (services/worker_routers.py).
 """
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from shared.bus import Bus
-from shared.keys import router_out_stream, tokenize_stream, worker_in_stream
+from shared.keys import (
+    ROUTER_KIND,
+    heartbeat_key,
+    router_out_stream,
+    tokenize_stream,
+    worker_in_stream,
+)
 from shared.messages import (
     DetokOutputMsg,
     DetokRow,
@@ -20,6 +30,7 @@ from shared.messages import (
     FlushCacheReqMsg,
     FlushCacheRespMsg,
     Message,
+    ServiceStatusMsg,
     TokenizeReqMsg,
 )
 
@@ -71,6 +82,14 @@ class StreamClient:
         self.results: dict[str, Result] = {}
         self.flushes: dict[str, FlushCacheRespMsg] = {}
         self._last_id = "0"
+        self.heartbeat = heartbeat_key(bus.prefix, ROUTER_KIND, self.router_id)
+        now, host = time.time(), socket.gethostname()
+        beat = ServiceStatusMsg("router", self.router_id, host, os.getpid(), now, now)
+        bus.redis.set(self.heartbeat, beat.to_msg(), px=600_000)
+
+    def vanish(self) -> None:
+        """Drop the heartbeat, as a router that died would."""
+        self.bus.redis.delete(self.heartbeat)
 
     def request(self, rid: str | None = None, **fields: object) -> str:
         rid = rid or f"q{uuid.uuid4().hex[:10]}"

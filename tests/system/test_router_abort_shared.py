@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from shared.keys import ROUTER_KIND, heartbeat_key, named_request_key
+from shared.messages import ServiceStatusMsg
 from tests.system.router_fakes import FakeWorker, start_router
 from tests.system.test_router_api import router_workers, running, sse_events, wait_for
 
@@ -157,7 +158,8 @@ def test_a_live_holder_that_does_not_answer_is_a_503(
     slow: FakeWorker, routers: tuple[str, str], db: redis.Redis
 ) -> None:
     one, _ = routers
-    db.set(heartbeat_key(PREFIX, ROUTER_KIND, "mute"), b"", px=30_000)  # live, reads nothing
+    beat = ServiceStatusMsg("router", "mute", "host", 1, time.time(), time.time()).to_msg()
+    db.set(heartbeat_key(PREFIX, ROUTER_KIND, "mute"), beat, px=30_000)  # live, reads nothing
     db.set(named_request_key(PREFIX, "held"), "mute:tok", px=30_000)
     try:
         resp = httpx.post(one + "/generate", json={"text": "ab", "rid": "held", **GEN}, timeout=30)
@@ -166,7 +168,9 @@ def test_a_live_holder_that_does_not_answer_is_a_503(
         resp = abort(one, rid="held")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "router_unavailable"
         assert time.monotonic() - start < 5
-        # abort_all still answers, counting what the routers that answered ended
+        # abort_all still answers (after 2 s), counting what the routers that answered ended
+        start = time.monotonic()
         assert abort(one, abort_all=True).json() == {"success": True, "num_aborted": 0}
+        assert 1.5 < time.monotonic() - start < 5
     finally:
         db.delete(heartbeat_key(PREFIX, ROUTER_KIND, "mute"), named_request_key(PREFIX, "held"))

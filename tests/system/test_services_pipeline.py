@@ -256,6 +256,31 @@ def test_abort_running_and_abort_that_overtakes_its_request(client: StreamClient
     assert early.finish_reason.type == "abort" and early.completion_tokens == 0
 
 
+def test_the_requests_of_a_router_that_died_are_aborted(stack: Stack) -> None:
+    """A router without a heartbeat (3 s TTL here) at two looks 1.5 s apart: the worker
+    aborts its requests (services/worker_routers.py); another router's run on."""
+    gone, stays = StreamClient(stack.bus, stack.worker_id), StreamClient(stack.bus, stack.worker_id)
+    long = {"max_new_tokens": 1500, "ignore_eos": True}
+    rids = [gone.request(text="tell me a long story", sampling_params=long) for _ in range(2)]
+    other = stays.request(text="and another one", sampling_params={"max_new_tokens": 64})
+
+    def started() -> bool:
+        gone.poll(50)
+        return all(gone.results[r].rows for r in rids)
+
+    wait_until(started, 60, what="output")
+    gone.vanish()
+    vanished = time.monotonic()
+    results = gone.wait(rids, timeout_s=30)
+    assert time.monotonic() - vanished < 10
+    for rid in rids:
+        final = results[rid].final
+        assert final.finish_reason.type == "abort" and final.completion_tokens < 1500
+        assert final.finish_reason.message == f"router {gone.router_id} is gone"
+    final = stays.wait([other], timeout_s=60)[other].final
+    assert final.finish_reason.type == "length" and final.completion_tokens == 64
+
+
 def test_abort_right_behind_its_request(stack: Stack, client: StreamClient) -> None:
     """Request and abort in one read: the request is queued and aborted before any step,
     leaving the worker without work; its final row must still go out at once."""
@@ -364,13 +389,14 @@ def test_kill_9_of_a_detokenizer_mid_stream_loses_nothing(
 
 
 def test_sigterm_stops_every_service_cleanly(stack: Stack) -> None:
+    def services_beating() -> list[bytes]:  # (the stream clients' router heartbeats are not)
+        keys = stack.client.keys(f"{stack.prefix}:hb:*")
+        return [k for k in keys if k.decode().split(":")[-2] != "router"]
+
     running = [s for s in stack.services if s.alive()]
     codes = stack.stop()
     assert set(codes) == {s.name for s in running}
     assert all(code == 0 for code in codes.values()), (codes, stack.logs())
     # A clean stop deletes the heartbeat at once; the killed detokenizer's expires (TTL 3 s).
-    heartbeats = {
-        key.decode().rsplit(":", 1)[1] for key in stack.client.keys(f"{stack.prefix}:hb:*")
-    }
-    assert heartbeats <= {"detok0"}
-    wait_until(lambda: not stack.client.keys(f"{stack.prefix}:hb:*"), 10, what="heartbeat TTL")
+    assert {key.decode().rsplit(":", 1)[1] for key in services_beating()} <= {"detok0"}
+    wait_until(lambda: not services_beating(), 10, what="heartbeat TTL")
