@@ -6,8 +6,9 @@ One `Broker` per router process owns
   requests already ended or retried, are dropped), answers to tokenize queries to
   `TokenQueries` (`router_tokens`) and answers to cache flushes to `CacheFlushes`
   (`router_control`);
-* a watch task that keeps the table of live workers (`WorkerTable`) current and looks
-  after requests that wait: past their deadline they fail with 504; waiting on a worker
+* a watch task that keeps the table of live workers (`WorkerTable`) current, renews the
+  TTL of the router's stream (which a clean stop deletes), and looks after requests that
+  wait: past their deadline they fail with 504; waiting on a worker
   whose heartbeat is gone, they are sent to another worker if nothing was produced yet,
   else fail with 503 (failures reach a handle through its inbox, like its rows);
 * the abort messages, sent without making the caller wait;
@@ -54,6 +55,10 @@ from shared.messages import (
 
 logger = logging.getLogger(__name__)
 
+# A router's stream keeps its last entries (MAXLEN) after they are read; it expires this long
+# after its router stops renewing it (a router that dies leaves no stream behind for good).
+OUT_STREAM_TTL_S = 600.0
+
 
 class Broker:
     def __init__(
@@ -85,7 +90,8 @@ class Broker:
         self._loops = [asyncio.create_task(c) for c in (self._read_loop(), self._watch_loop())]
 
     async def stop(self) -> None:
-        """Abort what is in flight (waiting briefly for the aborts to go out), stop the loops."""
+        """Abort what is in flight (waiting briefly for the aborts to go out), stop the loops,
+        delete this router's stream."""
         for handle in list(self.handles.values()):
             handle.close()
         if self._tasks:
@@ -93,6 +99,10 @@ class Broker:
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
+        try:
+            await self.bus.redis.delete(self.out_stream)
+        except redis.RedisError as exc:
+            logger.warning("deleting %s: %s", self.out_stream, exc)
 
     async def open(self, subs: list[SubRequest]) -> list[RequestHandle]:
         """Handles of a new request's sub-requests; 400 if its rid names one in flight."""
@@ -213,11 +223,13 @@ class Broker:
                 self._dispatch(msg)
 
     async def _watch_loop(self) -> None:
-        """Every `check_s`: refresh the worker table, then look after waiting requests."""
+        """Every `check_s`: refresh the worker table, renew the TTL of this router's stream,
+        then look after waiting requests."""
         while True:
             await asyncio.sleep(self.check_s)
             try:
                 await self.refresh_workers()
+                await self.bus.redis.pexpire(self.out_stream, int(OUT_STREAM_TTL_S * 1000))
             except redis.RedisError as exc:
                 logger.warning("refreshing workers: %s", exc)
                 continue

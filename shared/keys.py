@@ -11,6 +11,9 @@ can share one Redis. Streams:
 | `{p}:router:{r}:out`  | detokenizers, routers, any (errors) → router r | plain XREAD          |
 | `{p}:dlq`             | anyone → operators                             | XRANGE               |
 
+A router's stream keeps its last entries after they are read (MAXLEN bounds it); its router
+renews a TTL on it (600 s) and deletes it when it stops, so a dead router's goes too.
+
 Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}`; so are the Responses
 API's stored responses (JSON, services/responses_store.py): `{p}:response:{id}`, and the
 cancel marks of background ones, `{p}:response-cancel:{id}`, whose events are the stream

@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import pytest
+import redis
 
+from shared.keys import router_out_stream
 from shared.messages import TokenizeReqMsg
 from tests.system.router_fakes import (
     CONTEXT_LEN,
@@ -173,6 +175,21 @@ def test_generate_whole_and_streamed_agree_despite_reordered_repeated_rows(
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))  # cumulative, SGLang-style
     assert texts[-1] == whole["text"] and events[-2]["output_ids"] == whole["output_ids"]
     assert events[-2]["meta_info"]["finish_reason"]["type"] == "stop"
+
+
+def test_a_routers_stream_expires_unless_renewed_and_goes_with_a_clean_stop(
+    redis_url: str,
+) -> None:
+    client = redis.Redis.from_url(redis_url)
+    stream = router_out_stream(PREFIX, "r-brief")
+    with start_router(redis_url, PREFIX, "--router-id", "r-brief") as brief:
+        with running(FakeWorker(redis_url, PREFIX, "w-brief"), brief):  # (no repeated rows)
+            resp = httpx.post(brief + "/generate", json={"text": "ab"}, timeout=30)
+            assert resp.status_code == 200 and client.exists(stream)
+            # renewed at the router's next look at its workers (0.2 s here): ~600 s
+            wait_for(lambda: 590_000 < client.pttl(stream) <= 600_000)
+    assert not client.exists(stream)
+    client.close()
 
 
 def test_completion_stream_deltas_concatenate_to_the_whole_text(
