@@ -59,24 +59,30 @@ def test_abort_by_rid_ends_generate_with_what_it_made(slow: FakeWorker, base: st
     assert resp.json()["meta_info"]["id"] == "job-1" and resp.json()["text"] == "ba"
 
 
-def test_abort_by_rid_ends_a_chat_stream_and_n_choices(slow: FakeWorker, base: str) -> None:
+def abort_a_chat_stream(base: str, rid: str, abort_base: str | None = None) -> None:
+    """A streamed chat request with n=2 named `rid`, sent to `base`, aborted mid-stream at
+    `abort_base` (default: the same router): both choices end with finish_reason abort."""
     body = {
         "model": "fake-model",
         "messages": [{"role": "user", "content": LONG}],
         "max_tokens": 400,
         "n": 2,
         "stream": True,
-        "rid": "chat-7",
+        "rid": rid,
     }
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as resp:
         lines = resp.iter_lines()
         first = next(line for line in lines if line)
-        assert abort(base, rid="chat-7").json()["num_aborted"] == 2
+        assert abort(abort_base or base, rid=rid).json()["num_aborted"] == 2
         events = sse_events([first, *lines])
     assert events[-1] == "[DONE]"
-    assert {e["id"] for e in events[:-1]} == {"chat-7"}
+    assert {e["id"] for e in events[:-1]} == {rid}
     ends = {c["index"]: c["finish_reason"] for e in events[:-1] for c in e["choices"]}
     assert ends == {0: "abort", 1: "abort"}
+
+
+def test_abort_by_rid_ends_a_chat_stream_and_n_choices(slow: FakeWorker, base: str) -> None:
+    abort_a_chat_stream(base, "chat-7")
     assert sorted(slow.aborted) == sorted(m.rid for m in slow.received)
 
 

@@ -17,7 +17,8 @@ import redis
 from shared.keys import ROUTER_KIND, heartbeat_key, named_request_key
 from shared.messages import ServiceStatusMsg
 from tests.system.router_fakes import FakeWorker, start_router
-from tests.system.test_router_api import router_workers, running, sse_events, wait_for
+from tests.system.test_router_abort import abort_a_chat_stream
+from tests.system.test_router_api import router_workers, running, wait_for
 
 pytest_plugins = ["tests.redis_fixtures"]
 PREFIX = "rt-abort2"
@@ -79,22 +80,8 @@ def test_abort_from_the_other_router_counts_every_choice_of_a_stream(
     slow: FakeWorker, routers: tuple[str, str]
 ) -> None:
     one, two = routers
-    body = {
-        "model": "fake-model",
-        "messages": [{"role": "user", "content": LONG}],
-        "max_tokens": 400,
-        "n": 2,
-        "stream": True,
-        "rid": "chat-9",
-    }
-    with httpx.stream("POST", two + "/v1/chat/completions", json=body, timeout=30) as resp:
-        lines = resp.iter_lines()
-        first = next(line for line in lines if line)
-        assert abort(one, rid="chat-9").json()["num_aborted"] == 2
-        events = sse_events([first, *lines])
-    assert events[-1] == "[DONE]"
-    ends = {c["index"]: c["finish_reason"] for e in events[:-1] for c in e["choices"]}
-    assert ends == {0: "abort", 1: "abort"}
+    abort_a_chat_stream(two, "chat-9", abort_base=one)
+    assert sorted(slow.aborted) == sorted(m.rid for m in slow.received)
 
 
 def test_a_rid_names_one_request_in_the_whole_deployment(

@@ -176,6 +176,7 @@ def test_compose_commands_start_serve_and_stop(
         rid = stream_client.request(text="hello", sampling_params={"max_new_tokens": 4})
         result = stream_client.wait([rid], timeout_s=60)[rid]
         assert result.error is None and result.final.completion_tokens >= 1
+        stream_client.vanish()  # (its router heartbeat is the test's)
         codes = {name: svc.stop() for name, svc in procs.items()}
         # uvicorn re-raises the SIGTERM it handled once it has shut down gracefully.
         clean = {name: (0, -signal.SIGTERM) if name == "router" else (0,) for name in codes}
