@@ -14,9 +14,10 @@ can share one Redis. Streams:
 A router's stream keeps its last entries after they are read (MAXLEN bounds it); its router
 renews a TTL on it (600 s) and deletes it when it stops, so a dead router's goes too.
 
-Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}`; so are the Responses
-API's stored responses (JSON, services/responses_store.py): `{p}:response:{id}`, and the
-cancel marks of background ones, `{p}:response-cancel:{id}`, whose events are the stream
+Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}` (their ids also in the set
+`{p}:hb-index:{kind}`: a listing reads it, not the keyspace); so are the Responses API's
+stored responses (JSON, services/responses_store.py): `{p}:response:{id}`, and the cancel
+marks of background ones, `{p}:response-cancel:{id}`, whose events are the stream
 `{p}:response-events:{id}` (also with a TTL; services/responses_background.py), and the
 claims of the rids clients name their requests with, `{p}:rid:{rid}` (the holding router and
 a token; services/router_named.py).
@@ -75,10 +76,15 @@ def heartbeat_key(prefix: str, kind: str, service_id: str) -> str:
     return f"{prefix}:hb:{_check_part('kind', kind)}:{_check_part('service id', service_id)}"
 
 
-def heartbeat_pattern(prefix: str, kind: str) -> str:
-    """A SCAN pattern matching every heartbeat key of `kind` (the prefix glob-escaped)."""
-    escaped = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix)
-    return f"{escaped}:hb:{_check_part('kind', kind)}:*"
+def heartbeat_index_key(prefix: str, kind: str) -> str:
+    """The set of the ids of `kind` that have beaten (shared/heartbeat.py lists it)."""
+    return f"{prefix}:hb-index:{_check_part('kind', kind)}"
+
+
+def heartbeat_parts(key: str) -> tuple[str, str]:
+    """A heartbeat key's index key and service id."""
+    base, kind, service_id = key.rsplit(":", 2)
+    return heartbeat_index_key(base.removesuffix(":hb"), kind), service_id
 
 
 def named_request_key(prefix: str, rid: str) -> str:

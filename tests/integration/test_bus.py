@@ -22,6 +22,7 @@ from shared.keys import (
     MSG_FIELD,
     TOKENIZER_GROUP,
     detok_stream,
+    heartbeat_index_key,
     heartbeat_key,
     router_out_stream,
     tokenize_stream,
@@ -259,9 +260,10 @@ def test_heartbeat_expires_when_refreshing_stops(
 def test_list_live_async_skips_undecodable_payloads(redis_url: str, key_prefix: str) -> None:
     client = redis.Redis.from_url(redis_url)
     alive = status(1)
-    client.set(heartbeat_key(key_prefix, "detokenizer", "d1"), alive.to_msg(), px=5000)
-    client.set(heartbeat_key(key_prefix, "detokenizer", "d2"), b"not a message", px=5000)
-    client.set(heartbeat_key("elsewhere", "detokenizer", "d3"), status(3).to_msg(), px=5000)
+    for prefix, name, payload in ((key_prefix, "d1", alive), (key_prefix, "d2", b"not a message"),
+                                  ("elsewhere", "d3", status(3))):
+        Heartbeat(client, heartbeat_key(prefix, "detokenizer", name), 5, lambda p=payload: p).beat()
+    client.set(heartbeat_key(key_prefix, "detokenizer", "d4"), alive.to_msg(), px=5000)  # no index
 
     async def read() -> dict:
         aclient = redis.asyncio.Redis.from_url(redis_url)
@@ -272,6 +274,30 @@ def test_list_live_async_skips_undecodable_payloads(redis_url: str, key_prefix: 
 
     assert asyncio.run(read()) == {"d1": alive}
     client.close()
+
+
+def test_listing_reads_the_index_and_drops_ids_whose_key_expired(
+    redis_client: redis.Redis, key_prefix: str
+) -> None:
+    """One script over `{p}:hb-index:{kind}`, not a SCAN: keys of other kinds or prefixes
+    and unrelated keys are not read; an id whose key expired leaves the index."""
+    beats = {i: Heartbeat(redis_client, heartbeat_key(key_prefix, "worker", f"w{i}"), 0.3,
+                          lambda i=i: status(i)) for i in range(3)}  # fmt: skip
+    for hb in beats.values():
+        hb.beat()
+    tokenizer = heartbeat_key(key_prefix, "tokenizer", "t0")
+    Heartbeat(redis_client, tokenizer, 5, lambda: status(9)).beat()
+    index = heartbeat_index_key(key_prefix, "worker")
+    assert redis_client.smembers(index) == {b"w0", b"w1", b"w2"}
+    assert set(list_live(redis_client, key_prefix, "worker")) == {"w0", "w1", "w2"}
+    time.sleep(0.4)  # every worker key expires; w1 beats again
+    beats[1].beat()
+    assert set(list_live(redis_client, key_prefix, "worker")) == {"w1"}
+    assert redis_client.smembers(index) == {b"w1"}
+    beats[1].stop()  # a clean stop leaves no id behind
+    assert list_live(redis_client, key_prefix, "worker") == {}
+    assert not redis_client.exists(index)
+    assert set(list_live(redis_client, key_prefix, "tokenizer")) == {"t0"}
 
 
 def test_heartbeat_of_a_killed_process_expires(redis_url: str, key_prefix: str) -> None:

@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from shared.bus import Bus
+from shared.heartbeat import Heartbeat
 from shared.keys import (
     ROUTER_KIND,
     heartbeat_key,
@@ -82,14 +83,15 @@ class StreamClient:
         self.results: dict[str, Result] = {}
         self.flushes: dict[str, FlushCacheRespMsg] = {}
         self._last_id = "0"
-        self.heartbeat = heartbeat_key(bus.prefix, ROUTER_KIND, self.router_id)
         now, host = time.time(), socket.gethostname()
         beat = ServiceStatusMsg("router", self.router_id, host, os.getpid(), now, now)
-        bus.redis.set(self.heartbeat, beat.to_msg(), px=600_000)
+        key = heartbeat_key(bus.prefix, ROUTER_KIND, self.router_id)
+        self.heartbeat = Heartbeat(bus.redis, key, 600.0, lambda: beat)
+        self.heartbeat.beat()  # once: it lives ten minutes
 
     def vanish(self) -> None:
         """Drop the heartbeat, as a router that died would."""
-        self.bus.redis.delete(self.heartbeat)
+        self.heartbeat.stop()
 
     def request(self, rid: str | None = None, **fields: object) -> str:
         rid = rid or f"q{uuid.uuid4().hex[:10]}"

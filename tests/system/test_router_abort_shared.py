@@ -14,6 +14,7 @@ import httpx2 as httpx
 import pytest
 import redis
 
+from shared.heartbeat import Heartbeat
 from shared.keys import ROUTER_KIND, heartbeat_key, named_request_key
 from shared.messages import ServiceStatusMsg
 from tests.system.router_fakes import FakeWorker, start_router
@@ -145,8 +146,9 @@ def test_a_live_holder_that_does_not_answer_is_a_503(
     slow: FakeWorker, routers: tuple[str, str], db: redis.Redis
 ) -> None:
     one, _ = routers
-    beat = ServiceStatusMsg("router", "mute", "host", 1, time.time(), time.time()).to_msg()
-    db.set(heartbeat_key(PREFIX, ROUTER_KIND, "mute"), beat, px=30_000)  # live, reads nothing
+    beat = ServiceStatusMsg("router", "mute", "host", 1, time.time(), time.time())
+    mute = Heartbeat(db, heartbeat_key(PREFIX, ROUTER_KIND, "mute"), 30, lambda: beat)
+    mute.beat()  # a live router that reads nothing
     db.set(named_request_key(PREFIX, "held"), "mute:tok", px=30_000)
     try:
         resp = httpx.post(one + "/generate", json={"text": "ab", "rid": "held", **GEN}, timeout=30)
@@ -160,4 +162,5 @@ def test_a_live_holder_that_does_not_answer_is_a_503(
         assert abort(one, abort_all=True).json() == {"success": True, "num_aborted": 0}
         assert 1.5 < time.monotonic() - start < 5
     finally:
-        db.delete(heartbeat_key(PREFIX, ROUTER_KIND, "mute"), named_request_key(PREFIX, "held"))
+        mute.stop()
+        db.delete(named_request_key(PREFIX, "held"))
