@@ -164,7 +164,7 @@ class Router:
         handles = await self.broker.open(subs)
         try:
             await self.broker.submit(handles)
-        except ApiError:
+        except BaseException:  # (an ApiError, or the client gone while it was sent)
             for h in handles:
                 h.close()
             raise

@@ -107,9 +107,13 @@ class NamedRequests:
                     for rid, value in claims.items():
                         await self._claim([self._key(rid)], [value, *args], client=pipe)
                     results = await pipe.execute()
-        except redis.RedisError as exc:
+        except BaseException as exc:  # (a client gone mid-claim too: nothing may stay held)
+            self._claims.update(claims)  # whichever were made are released (if still ours)
             self._unreserve(rids)
-            raise ApiError(503, f"message bus unavailable: {exc}", None, "bus_unavailable") from exc
+            if isinstance(exc, redis.RedisError):
+                msg = f"message bus unavailable: {exc}"
+                raise ApiError(503, msg, None, "bus_unavailable") from exc
+            raise
         won = {rid for rid, r in zip(rids, results, strict=True) if r == 1}
         self._claims.update((rid, claims[rid]) for rid in won)
         if len(won) < len(rids):
