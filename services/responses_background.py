@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -38,9 +37,10 @@ from functools import partial
 from typing import Any
 
 from services.responses_store import ResponseStore, not_found
-from services.responses_stream import ResponseShaper
+from services.responses_stream import ResponseShaper, sse_event
 from services.router_fields import ApiError
-from shared.keys import ROUTER_KIND, heartbeat_key, response_cancel_key, response_events_key
+from shared.heartbeat import is_live_async
+from shared.keys import ROUTER_KIND, response_cancel_key, response_events_key
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class BackgroundResponses:
     async def _alive(self, owner: str, response_id: str) -> bool:
         if owner == self.router_id:
             return response_id in self._tasks or response_id in self._starting
-        return bool(await self.redis.exists(heartbeat_key(self.prefix, ROUTER_KIND, owner)))
+        return await is_live_async(self.redis, self.prefix, ROUTER_KIND, owner)
 
     async def _orphaned(self, record: dict[str, Any], owner: str) -> dict[str, Any]:
         response = record["response"]
@@ -233,12 +233,9 @@ class BackgroundResponses:
         key = response_events_key(self.prefix, response["id"])
         last = await self.redis.xrevrange(key, count=1)
         seq = _head(last[0][1][_FIELD])[1] + 1 if last else 0
-        obj = {"type": "response.failed", "sequence_number": seq, "response": failed}
-        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(key, {_FIELD: f"event: response.failed\ndata: {data}\n\n".encode()})
-        pipe.pexpire(key, self.store.ttl_ms)
-        await pipe.execute()
+        writer = _EventWriter(self.redis, key, self.store.ttl_ms)
+        writer.add(sse_event("response.failed", seq, response=failed))
+        await writer.close()
         logger.warning("background response %s failed: %s", response["id"], error["message"])
         return {**record, "response": failed}
 

@@ -71,6 +71,13 @@ def _call(call_id: str, name: str, arguments: str, status: str = "completed") ->
             "arguments": arguments, "status": status}  # fmt: skip
 
 
+def sse_event(kind: str, sequence_number: int, **fields: Any) -> bytes:
+    """One event of a streamed response, as it goes to the client."""
+    obj = {"type": kind, "sequence_number": sequence_number, **fields}
+    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"event: {kind}\ndata: {data}\n\n".encode()
+
+
 async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield first
     async for chunk in rest:
@@ -163,10 +170,8 @@ class ResponseShaper:
             await chunks.aclose()
 
     def event(self, kind: str, **fields: Any) -> bytes:
-        obj = {"type": kind, "sequence_number": self._seq, **fields}
         self._seq += 1
-        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {kind}\ndata: {data}\n\n".encode()
+        return sse_event(kind, self._seq - 1, **fields)
 
     def _delta(self, delta: dict[str, Any]) -> list[bytes]:
         """The events of one chat delta. Its content and call pieces are in the order they

@@ -26,8 +26,8 @@ import redis
 from services.router_control import Answers
 from services.router_fields import RequestId, _Strict
 from services.router_protocol import ApiError
-from shared.heartbeat import list_live_async
-from shared.keys import ROUTER_KIND, heartbeat_key, named_request_key, router_out_stream
+from shared.heartbeat import is_live_async, list_live_async
+from shared.keys import ROUTER_KIND, heartbeat_prefix, named_request_key, router_out_stream
 from shared.messages import AbortNamedMsg, AbortNamedRespMsg
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class NamedRequests:
             if h.sub.rid is not None:
                 self._by_rid.setdefault(h.sub.rid, []).append(h)
         router_id = self.broker.router_id
-        hb_prefix = heartbeat_key(self.broker.bus.prefix, ROUTER_KIND, "x")[:-1]
+        hb_prefix = heartbeat_prefix(self.broker.bus.prefix, ROUTER_KIND)
         claims = {rid: f"{router_id}:{uuid.uuid4().hex[:12]}" for rid in rids}
         args = [self._ttl_ms, router_id, hb_prefix]
         try:
@@ -171,7 +171,7 @@ class NamedRequests:
             return set(await list_live_async(client, prefix, ROUTER_KIND)) - {me}
         claim = await client.get(self._key(rid))
         holder = claim.decode().rsplit(":", 1)[0] if claim else me
-        if holder == me or not await client.exists(heartbeat_key(prefix, ROUTER_KIND, holder)):
+        if holder == me or not await is_live_async(client, prefix, ROUTER_KIND, holder):
             return set()
         return {holder}
 

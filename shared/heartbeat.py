@@ -18,7 +18,7 @@ from collections.abc import Callable
 import redis
 import redis.asyncio as aioredis
 
-from shared.keys import heartbeat_index_key, heartbeat_key, heartbeat_parts
+from shared.keys import heartbeat_index_key, heartbeat_key, heartbeat_parts, heartbeat_prefix
 from shared.messages import Message, MessageError, decode_message
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def _decode_live(prefix: str, kind: str, flat: list[bytes]) -> dict[str, Message
 
 
 def _list_args(prefix: str, kind: str) -> tuple[list[str], list[str]]:
-    return [heartbeat_index_key(prefix, kind)], [heartbeat_key(prefix, kind, "x")[:-1]]
+    return [heartbeat_index_key(prefix, kind)], [heartbeat_prefix(prefix, kind)]
 
 
 def list_live(client: redis.Redis, prefix: str, kind: str) -> dict[str, Message]:
@@ -152,3 +152,8 @@ async def list_live_async(client: aioredis.Redis, prefix: str, kind: str) -> dic
     """`list_live` for `redis.asyncio` clients."""
     keys, args = _list_args(prefix, kind)
     return _decode_live(prefix, kind, await client.register_script(_LIST)(keys, args))
+
+
+async def is_live_async(client: aioredis.Redis, prefix: str, kind: str, service_id: str) -> bool:
+    """Whether the service's heartbeat key is there (one EXISTS, no listing)."""
+    return bool(await client.exists(heartbeat_key(prefix, kind, service_id)))

@@ -73,7 +73,12 @@ def dlq_stream(prefix: str) -> str:
 
 
 def heartbeat_key(prefix: str, kind: str, service_id: str) -> str:
-    return f"{prefix}:hb:{_check_part('kind', kind)}:{_check_part('service id', service_id)}"
+    return heartbeat_prefix(prefix, kind) + _check_part("service id", service_id)
+
+
+def heartbeat_prefix(prefix: str, kind: str) -> str:
+    """What every heartbeat key of `kind` starts with (its service id follows)."""
+    return f"{prefix}:hb:{_check_part('kind', kind)}:"
 
 
 def heartbeat_index_key(prefix: str, kind: str) -> str:
