@@ -74,8 +74,8 @@ def _shaper(tokens: int, gap_s: float, store: ResponseStore, background: bool) -
     body = ResponsesRequest.parse(json.dumps(request).encode())
     save = None
     if background:
-        async def save(response: dict) -> None:
-            await store.save(response, [])
+        async def save(response: dict, owner: str | None = None) -> None:
+            await store.save(response, [], owner)
     return ResponseShaper(body, _Chunks(tokens, gap_s), save)  # type: ignore[arg-type]
 
 
