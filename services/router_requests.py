@@ -40,7 +40,13 @@ from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
 from shared.heartbeat import list_live_async
-from shared.keys import WORKER_KIND, router_out_stream, tokenize_stream, worker_in_stream
+from shared.keys import (
+    ROUTER_OUT_TTL_MS,
+    WORKER_KIND,
+    router_out_stream,
+    tokenize_stream,
+    worker_in_stream,
+)
 from shared.messages import (
     AbortNamedMsg,
     AbortNamedRespMsg,
@@ -54,10 +60,6 @@ from shared.messages import (
 )
 
 logger = logging.getLogger(__name__)
-
-# A router's stream keeps its last entries (MAXLEN) after they are read; it expires this long
-# after its router stops renewing it (a router that dies leaves no stream behind for good).
-OUT_STREAM_TTL_S = 600.0
 
 
 class Broker:
@@ -229,7 +231,7 @@ class Broker:
             await asyncio.sleep(self.check_s)
             try:
                 await self.refresh_workers()
-                await self.bus.redis.pexpire(self.out_stream, int(OUT_STREAM_TTL_S * 1000))
+                await self.bus.redis.pexpire(self.out_stream, ROUTER_OUT_TTL_MS)
             except redis.RedisError as exc:
                 logger.warning("refreshing workers: %s", exc)
                 continue

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 import redis
 import redis.asyncio as aioredis
 
-from shared.keys import DEFAULT_PREFIX, MSG_FIELD
+from shared.keys import DEFAULT_PREFIX, MSG_FIELD, is_router_out_stream
 from shared.messages import Message
 from shared.stream_entries import (
     BadEntry,
@@ -48,6 +48,8 @@ class AsyncBus(BusConfig):
             return False
 
     async def publish(self, stream: str, msg: Message | bytes, maxlen: int | None = None) -> str:
+        if is_router_out_stream(self.prefix, stream):  # its TTL renewed too
+            return (await self.publish_many([(stream, msg)], maxlen))[0]
         limit = self.maxlen if maxlen is None else maxlen
         entry_id = await self.redis.xadd(stream, {MSG_FIELD: to_bytes(msg)}, maxlen=limit or None)
         return as_text(entry_id)
@@ -55,11 +57,9 @@ class AsyncBus(BusConfig):
     async def publish_many(
         self, items: Iterable[tuple[str, Message | bytes]], maxlen: int | None = None
     ) -> list[str]:
-        limit = (self.maxlen if maxlen is None else maxlen) or None
         pipe = self.redis.pipeline(transaction=False)
-        for stream, msg in items:
-            pipe.xadd(stream, {MSG_FIELD: to_bytes(msg)}, maxlen=limit)
-        return [as_text(eid) for eid in await pipe.execute()]
+        count = self.queue_publish(pipe, items, maxlen)
+        return [as_text(eid) for eid in (await pipe.execute())[:count]]
 
     async def read_group(
         self,

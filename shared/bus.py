@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import redis
 
-from shared.keys import DEFAULT_PREFIX, MSG_FIELD
+from shared.keys import DEFAULT_PREFIX, MSG_FIELD, is_router_out_stream
 from shared.messages import Message
 from shared.stream_entries import (
     BadEntry,
@@ -61,6 +61,8 @@ class Bus(BusConfig):
 
     def publish(self, stream: str, msg: Message | bytes, maxlen: int | None = None) -> str:
         """Append one message; returns its entry id. `maxlen` 0 disables trimming."""
+        if is_router_out_stream(self.prefix, stream):  # its TTL renewed too
+            return self.publish_many([(stream, msg)], maxlen)[0]
         limit = self.maxlen if maxlen is None else maxlen
         entry_id = self.redis.xadd(stream, {MSG_FIELD: to_bytes(msg)}, maxlen=limit or None)
         return as_text(entry_id)
@@ -69,11 +71,9 @@ class Bus(BusConfig):
         self, items: Iterable[tuple[str, Message | bytes]], maxlen: int | None = None
     ) -> list[str]:
         """Append (stream, message) pairs in one round trip (a non-transactional pipeline)."""
-        limit = (self.maxlen if maxlen is None else maxlen) or None
         pipe = self.redis.pipeline(transaction=False)
-        for stream, msg in items:
-            pipe.xadd(stream, {MSG_FIELD: to_bytes(msg)}, maxlen=limit)
-        return [as_text(eid) for eid in pipe.execute()]
+        count = self.queue_publish(pipe, items, maxlen)
+        return [as_text(eid) for eid in pipe.execute()[:count]]
 
     def read_group(
         self,

@@ -11,8 +11,10 @@ can share one Redis. Streams:
 | `{p}:router:{r}:out`  | detokenizers, routers, any (errors) → router r | plain XREAD          |
 | `{p}:dlq`             | anyone → operators                             | XRANGE               |
 
-A router's stream keeps its last entries after they are read (MAXLEN bounds it); its router
-renews a TTL on it (600 s) and deletes it when it stops, so a dead router's goes too.
+A router's stream keeps its last entries after they are read (MAXLEN bounds it). It has a
+TTL (`ROUTER_OUT_TTL_MS`, 600 s) that its router renews while it runs and that every publish
+to it renews too (shared.bus), and its router deletes it when it stops; so a dead router's
+stream goes, even when rows still in flight to it recreate it after it expired.
 
 Heartbeats are plain string keys with a TTL: `{p}:hb:{kind}:{id}` (their ids also in the set
 `{p}:hb-index:{kind}`: a listing reads it, not the keyspace); so are the Responses API's
@@ -26,6 +28,7 @@ a token; services/router_named.py).
 from __future__ import annotations
 
 DEFAULT_PREFIX = "sluice"
+ROUTER_OUT_TTL_MS = 600_000
 
 TOKENIZER_GROUP = "tokenizers"
 WORKER_GROUP = "worker"
@@ -66,6 +69,10 @@ def detok_stream(prefix: str) -> str:
 
 def router_out_stream(prefix: str, router_id: str) -> str:
     return f"{prefix}:router:{_check_part('router id', router_id)}:out"
+
+
+def is_router_out_stream(prefix: str, stream: str) -> bool:
+    return stream.startswith(f"{prefix}:router:") and stream.endswith(":out")
 
 
 def dlq_stream(prefix: str) -> str:

@@ -18,7 +18,9 @@ from shared.keys import (
     DEFAULT_PREFIX,
     DEFAULT_STREAM_MAXLEN,
     MSG_FIELD,
+    ROUTER_OUT_TTL_MS,
     dlq_stream,
+    is_router_out_stream,
 )
 from shared.messages import Message, MessageError, decode_message
 
@@ -166,3 +168,21 @@ class BusConfig:
     @property
     def dlq(self) -> str:
         return dlq_stream(self.prefix)
+
+    def queue_publish(
+        self, pipe: Any, items: Iterable[tuple[str, Message | bytes]], maxlen: int | None
+    ) -> int:
+        """Queue an XADD per (stream, message) on `pipe`, then renew the TTL of each router
+        stream among them (shared.keys), so rows that outlive their router expire with its
+        stream. Returns the number of XADDs (their ids are the first results)."""
+        limit = (self.maxlen if maxlen is None else maxlen) or None
+        routers: set[str] = set()
+        count = 0
+        for stream, msg in items:
+            pipe.xadd(stream, {MSG_FIELD: to_bytes(msg)}, maxlen=limit)
+            if is_router_out_stream(self.prefix, stream):
+                routers.add(stream)
+            count += 1
+        for stream in routers:
+            pipe.pexpire(stream, ROUTER_OUT_TTL_MS)
+        return count

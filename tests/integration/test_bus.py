@@ -20,6 +20,7 @@ from shared.heartbeat import Heartbeat, list_live, list_live_async
 from shared.keys import (
     DETOKENIZER_GROUP,
     MSG_FIELD,
+    ROUTER_OUT_TTL_MS,
     TOKENIZER_GROUP,
     detok_stream,
     heartbeat_index_key,
@@ -68,6 +69,34 @@ def test_publish_and_read_through_a_group(bus: Bus) -> None:
     assert bus.read_group(stream, GROUP, "c1", count=10) == []
     assert bus.ack(stream, GROUP, *ids, first) == 3
     assert bus.redis.xpending(stream, GROUP)["pending"] == 0
+
+
+def test_publishing_to_a_router_stream_renews_its_ttl_and_no_other(
+    bus: Bus, redis_url: str
+) -> None:
+    """Rows still in flight to a router that died (its stream deleted or expired) recreate
+    the stream: it must come back with a TTL, not stay for good."""
+    gone, other = router_out_stream(bus.prefix, "gone"), tokenize_stream(bus.prefix)
+    ids = bus.publish_many([(gone, req(0)), (other, req(1)), (gone, req(2))])
+    assert len(ids) == 3 and bus.redis.xlen(gone) == 2  # the ids are the XADDs' only
+    assert 0 < bus.redis.pttl(gone) <= ROUTER_OUT_TTL_MS
+    assert bus.redis.pttl(other) == -1
+    bus.redis.persist(gone)
+    bus.publish(gone, req(3))
+    assert 0 < bus.redis.pttl(gone) <= ROUTER_OUT_TTL_MS
+
+    async def run() -> None:
+        abus = AsyncBus.from_url(redis_url, bus.prefix)
+        again = router_out_stream(bus.prefix, "again")
+        await abus.publish(again, req(4))
+        assert 0 < await abus.redis.pttl(again) <= ROUTER_OUT_TTL_MS
+        await abus.redis.persist(again)
+        (eid,) = await abus.publish_many([(again, req(5))])
+        assert 0 < await abus.redis.pttl(again) <= ROUTER_OUT_TTL_MS
+        assert (await abus.redis.xrange(again))[-1][0].decode() == eid
+        await abus.redis.aclose()
+
+    asyncio.run(run())
 
 
 def test_group_created_after_publish_sees_earlier_entries(bus: Bus) -> None:
