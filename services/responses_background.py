@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
-from services.responses_store import ResponseStore, not_found
+from services.responses_store import ResponseStore, duplicate_id, not_found
 from services.responses_stream import ResponseShaper, sse_event
 from services.router_fields import ApiError
 from shared.heartbeat import is_live_async
@@ -125,13 +125,15 @@ class BackgroundResponses:
         """Store `shaper`'s response queued and generate it in a task; the queued response.
         `cancel(why)` aborts its request at the worker."""
         assert shaper.save is not None, "a background response is stored"
-        shaper.save = partial(shaper.save, owner=self.router_id)
         queued = shaper.envelope("queued", [])
         self._starting.add(shaper.id)
         try:
-            await shaper.save(queued)
+            if not await shaper.save(queued, owner=self.router_id):  # (a client's rid, raced)
+                cancel("its response id is taken")
+                raise duplicate_id(shaper.id)
         finally:
             self._starting.discard(shaper.id)
+        shaper.save = partial(shaper.save, owner=self.router_id, new=False)  # (its own now)
         task = asyncio.create_task(self._run(shaper))
         self._tasks[shaper.id], self._cancels[shaper.id] = task, cancel
         task.add_done_callback(lambda _: self._ended(shaper.id))

@@ -22,6 +22,7 @@ With storing off (TTL 0), a response says `"store": false` and `previous_respons
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -30,6 +31,8 @@ from fastapi.responses import StreamingResponse
 
 from services.router_fields import ApiError
 from shared.keys import response_key
+
+logger = logging.getLogger(__name__)
 
 MAX_ID_LEN = 256
 _ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
@@ -53,15 +56,32 @@ class ResponseStore:
         return self.enabled and store is not False
 
     async def save(
-        self, response: dict[str, Any], items: list[dict[str, Any]], owner: str | None = None
-    ) -> None:
+        self, response: dict[str, Any], items: list[dict[str, Any]], owner: str | None = None,
+        new: bool = False,
+    ) -> bool:  # fmt: skip
         """Store `response` and its conversation's input `items`; `owner`: the router that
-        generates it in the background (services/responses_background.py)."""
+        generates it in the background (services/responses_background.py). With `new` (a
+        response's first save), a response stored under its id already is kept: False."""
         record: dict[str, Any] = {"response": response, "input": items}
         if owner is not None:
             record["owner"] = owner
         raw = json.dumps(record, separators=(",", ":"))
-        await self.redis.set(response_key(self.prefix, response["id"]), raw, px=self.ttl_ms)
+        key = response_key(self.prefix, response["id"])
+        saved = await self.redis.set(key, raw, px=self.ttl_ms, nx=new)
+        if not saved:
+            logger.warning("response %s not stored: a stored response has its id", response["id"])
+        return bool(saved)
+
+    async def check_new_id(self, response_id: str) -> None:
+        """A 400 unless a response can be stored under `response_id`, a client's `rid`: at
+        most MAX_ID_LEN characters and no stored response's (vLLM overwrites that one, and
+        with it the conversation other requests continue)."""
+        if len(response_id) > MAX_ID_LEN:
+            raise ApiError(400, f"rid of a stored response must be at most {MAX_ID_LEN} "
+                                f"characters, got {len(response_id)}", "rid",
+                           "invalid_value")  # fmt: skip
+        if await self.redis.exists(response_key(self.prefix, response_id)):
+            raise duplicate_id(response_id)
 
     async def load(self, response_id: str) -> dict[str, Any] | None:
         """The stored record (`response`, `input`), or None."""
@@ -95,6 +115,11 @@ class ResponseStore:
 
 def not_found(response_id: str) -> ApiError:
     return ApiError(404, f"no stored response has id {response_id!r}", "response_id", "not_found")
+
+
+def duplicate_id(response_id: str) -> ApiError:
+    return ApiError(400, f"a stored response has id {response_id!r} already (delete it, or "
+                         "name this request otherwise)", "rid", "duplicate_rid")  # fmt: skip
 
 
 def input_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

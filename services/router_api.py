@@ -134,11 +134,14 @@ class Router:
             raise self.background.not_stored(body.store)
         if body.previous_response_id is not None:
             history = await store.history(body.previous_response_id)
+        rid = body._extras.get("rid")
+        if storing and isinstance(rid, str):  # (its response is stored under it)
+            await store.check_new_id(rid)
         chat = body.to_chat(history, stream=True if body.background else None)
         fmt = await self._start("chat", chat, "max_output_tokens")
         save = None
-        if storing:  # the conversation, as stored
-            save = partial(store.save, items=[*history, *input_items(body.input)])
+        if storing:  # the conversation, as stored; the first save keeps a stored response
+            save = partial(store.save, items=[*history, *input_items(body.input)], new=True)
         shaper = ResponseShaper(body, fmt, save)
         if body.background:  # (the client may go: the response is generated anyway)
             queued = await self.background.start(shaper, partial(self.broker.cancel, fmt.handles))

@@ -79,6 +79,27 @@ def test_max_output_tokens_makes_it_incomplete_and_rid_names_it(
     assert fake.received[-1].sampling_params["max_new_tokens"] == 3
 
 
+def test_a_stored_responses_rid_is_not_taken_again_until_it_is_deleted(
+    fake: FakeWorker, base: str
+) -> None:
+    """vLLM overwrites the stored response (and the conversation others continue from it)."""
+    first = post(base, input="one", rid="taken-rid").json()
+    assert first["id"] == "taken-rid"
+    for body in ({}, {"stream": True}, {"background": True}):
+        resp = post(base, input="two", rid="taken-rid", **body)
+        assert resp.status_code == 400, (body, resp.text)
+        error = resp.json()["error"]
+        assert (error["code"], error["param"]) == ("duplicate_rid", "rid")
+    assert httpx.get(f"{base}/v1/responses/taken-rid", timeout=10).json() == first
+    unstored = post(base, input="three", rid="taken-rid", store=False)  # (nothing overwritten)
+    assert unstored.status_code == 200 and unstored.json()["store"] is False
+    assert httpx.delete(f"{base}/v1/responses/taken-rid", timeout=10).status_code == 200
+    assert post(base, input="four", rid="taken-rid").json()["output"][0]["content"][0][
+        "text"] == "ruof"  # fmt: skip
+    resp = post(base, input="x", rid="r" * 257)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "rid"
+
+
 def test_the_event_stream_adds_up_to_the_response(fake: FakeWorker, base: str) -> None:
     text = "streaming responses, piece by piece"
     evs = events(base, input=text, max_output_tokens=64)

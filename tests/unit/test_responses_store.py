@@ -62,6 +62,27 @@ def test_history_is_the_stored_input_then_the_output(redis_url: str) -> None:
     assert too_long is None
 
 
+def test_a_first_save_keeps_a_stored_response_and_new_ids_are_checked(redis_url: str) -> None:
+    async def work(client) -> tuple:  # noqa: ANN001
+        store = ResponseStore(client, "st-new", ttl_s=60)
+        first = await store.save(_response("mine", "one"), items=[], new=True)
+        again = await store.save(_response("mine", "two"), items=[], new=True)
+        kept = (await store.load("mine"))["response"]["output"][0]["content"][0]["text"]
+        refusals = []
+        for rid in ("mine", "r" * (MAX_ID_LEN + 1)):
+            with pytest.raises(ApiError) as refused:
+                await store.check_new_id(rid)
+            refusals.append(refused.value)
+        await store.check_new_id("free")  # no error
+        overwritten = await store.save(_response("mine", "three"), items=[])  # (its own)
+        return first, again, kept, refusals, overwritten
+
+    first, again, kept, (taken, too_long), overwritten = _run(redis_url, work)
+    assert (first, again, kept, overwritten) == (True, False, "one", True)
+    assert (taken.status, taken.code, taken.param) == (400, "duplicate_rid", "rid")
+    assert (too_long.status, too_long.param) == (400, "rid") and "256" in too_long.message
+
+
 def test_a_store_that_is_off_refuses_previous_response_ids() -> None:
     store = ResponseStore(None, "off", ttl_s=0)  # never reaches Redis
     assert not store.enabled
