@@ -21,8 +21,9 @@ them, shared by every router through Redis.
 A router that stops marks the background responses it was generating `failed`. One that dies
 cannot: the record names the router generating it (`owner`), and a router that loads a
 running record (to answer it, stream it, cancel or delete it) whose owner's heartbeat is gone,
-or that names itself but is not generating it (an earlier run), stores it `failed` and ends
-its events with `response.failed`.
+or that names itself but is not generating it (an earlier run), stores it `failed`, with the
+output its events add up to (the open item `incomplete`), and ends its events with
+`response.failed`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from functools import partial
 from typing import Any
 
 from services.responses_store import ResponseStore, duplicate_id, not_found
-from services.responses_stream import ResponseShaper, sse_event
+from services.responses_stream import ResponseShaper, output_from_events, sse_event
 from services.router_fields import ApiError
 from shared.heartbeat import is_live_async
 from shared.keys import ROUTER_KIND, response_cancel_key, response_events_key
@@ -230,11 +231,12 @@ class BackgroundResponses:
         response = record["response"]
         error = {"code": "server_error",
                  "message": f"router {owner}, which was generating the response, stopped"}
-        failed = {**response, "status": "failed", "error": error}
-        await self.store.save(failed, record["input"])
         key = response_events_key(self.prefix, response["id"])
-        last = await self.redis.xrevrange(key, count=1)
-        seq = _head(last[0][1][_FIELD])[1] + 1 if last else 0
+        events = [fields[_FIELD] for _, fields in await self.redis.xrange(key)]
+        output = output_from_events(events)  # (the record's is the in_progress one's: none)
+        failed = {**response, "status": "failed", "error": error, "output": output}
+        await self.store.save(failed, record["input"])
+        seq = _head(events[-1])[1] + 1 if events else 0
         writer = _EventWriter(self.redis, key, self.store.ttl_ms)
         writer.add(sse_event("response.failed", seq, response=failed))
         await writer.close()

@@ -78,6 +78,38 @@ def sse_event(kind: str, sequence_number: int, **fields: Any) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
+def output_from_events(events: list[bytes]) -> list[dict[str, Any]]:
+    """The output items that a response's events (`sse_event`s, in order) add up to, those not
+    done `incomplete` with what they have: the output of a response whose router died while
+    it generated (services/responses_background.py), as `ResponseShaper.output_so_far`."""
+    items: list[dict[str, Any]] = []
+    texts: dict[int, list[str]] = {}  # the output_text deltas of an open message
+    done: set[int] = set()
+    for event in events:
+        obj = json.loads(event[event.index(b"data: ") + 6:])
+        kind, index = obj["type"], obj.get("output_index")
+        if kind == "response.output_item.added":
+            items.append(obj["item"])
+            texts[index] = []
+        elif kind == "response.output_item.done":
+            items[index] = obj["item"]
+            done.add(index)
+        elif kind == "response.output_text.delta":
+            texts[index].append(obj["delta"])
+        elif kind == "response.reasoning_text.delta":
+            items[index]["content"][0]["text"] += obj["delta"]
+        elif kind == "response.function_call_arguments.delta":
+            items[index]["arguments"] += obj["delta"]
+    for index, item in enumerate(items):
+        if index in done:
+            continue
+        if item["type"] == "message":
+            item["content"] = [_text_part("".join(texts[index]))]
+        if "status" in item:
+            item["status"] = "incomplete"
+    return items
+
+
 async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield first
     async for chunk in rest:

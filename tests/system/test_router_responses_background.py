@@ -206,5 +206,9 @@ def test_a_killed_routers_responses_fail_where_they_are_read(redis_url: str, rou
         assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         assert len(events) > 3  # (what the router sent before it was killed)
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        (item,) = events[-1]["response"]["output"]  # what was generated, from the events
+        assert item["status"] == "incomplete" and item["content"][0]["text"] == deltas
+        assert get(two, response_id)["output"] == [item]
         resp = httpx.post(f"{two}/v1/responses/{response_id}/cancel", timeout=10)
         assert resp.status_code == 400  # ended

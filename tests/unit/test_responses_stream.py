@@ -9,7 +9,7 @@ import json
 from collections.abc import AsyncIterator
 
 from services.responses_api import ResponsesRequest
-from services.responses_stream import ResponseShaper
+from services.responses_stream import ResponseShaper, output_from_events
 
 
 class FakeFormatter:
@@ -33,8 +33,10 @@ def call(index: int, args: str, name: str | None = None) -> dict:
     return piece
 
 
-def run(chunks: list[dict | str], saved: list[dict] | None = None) -> list[dict]:
-    """The events; what the shaper stores goes to `saved` (if given)."""
+def run(
+    chunks: list[dict | str], saved: list[dict] | None = None, raw: list[bytes] | None = None
+) -> list[dict]:
+    """The events; what the shaper stores goes to `saved`, the events' bytes to `raw`."""
     body = ResponsesRequest.parse(json.dumps({"model": "m", "input": "x", "stream": True}).encode())
 
     async def save(response: dict) -> None:
@@ -45,8 +47,10 @@ def run(chunks: list[dict | str], saved: list[dict] | None = None) -> list[dict]
 
     async def collect() -> list[dict]:
         out = []
-        async for raw in shaper.events():
-            head, data = raw.decode().split("\n", 1)
+        async for event_bytes in shaper.events():
+            if raw is not None:
+                raw.append(event_bytes)
+            head, data = event_bytes.decode().split("\n", 1)
             event = json.loads(data.removeprefix("data: "))
             assert head == "event: " + event["type"]
             out.append(event)
@@ -124,3 +128,47 @@ def test_an_error_mid_stream_is_an_error_event_and_a_failed_response() -> None:
     assert saved == [failed]  # stored, as a finished response is
     [item] = failed["output"]  # with what was generated: the open message, incomplete
     assert item["status"] == "incomplete" and item["content"][0]["text"] == "par"
+
+
+def test_the_output_rebuilt_from_any_prefix_of_the_events_is_the_shapers() -> None:
+    """A router killed mid-response leaves its events: what they add up to, wherever they
+    stop, is the output the shaper would have failed with (the done items whole, the open one
+    incomplete with its deltas so far), and all of it at the end."""
+    chunks = [
+        delta(role="assistant", reasoning_content="think"),
+        delta(reasoning_content=" more", content="an"),
+        delta(content="swer", tool_calls=[call(0, '{"q"', "f")]),
+        delta(tool_calls=[call(0, ": 2}")]),
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+        USAGE, "[DONE]",
+    ]  # fmt: skip
+    raw: list[bytes] = []
+    events = run(chunks, raw=raw)
+    final = events[-1]["response"]
+    assert output_from_events(raw) == final["output"]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message", "function_call"]
+    kinds = [e["type"] for e in events]
+
+    def cut_after(kind: str, nth: int = 1) -> list[dict]:
+        at = [i for i, k in enumerate(kinds) if k == kind][nth - 1]
+        return output_from_events(raw[: at + 1])
+
+    reasoning = cut_after("response.reasoning_text.delta", 2)
+    assert reasoning[0]["content"][0]["text"] == "think more" and len(reasoning) == 1
+    message = cut_after("response.output_text.delta")
+    assert message[0] == final["output"][0]  # done
+    assert (message[1]["status"], message[1]["content"][0]["text"]) == ("incomplete", "an")
+    args = cut_after("response.function_call_arguments.delta")
+    assert args[1] == final["output"][1]
+    assert (args[2]["status"], args[2]["arguments"]) == ("incomplete", '{"q"')
+    assert output_from_events(raw[:2]) == []  # created, in_progress
+
+
+def test_the_output_rebuilt_from_the_events_is_what_a_failed_stream_stored() -> None:
+    error = {"error": {"message": "gone", "type": "x", "param": None, "code": "c"}}
+    saved: list[dict] = []
+    raw: list[bytes] = []
+    events = run([delta(role="assistant", reasoning_content="hm"), delta(content="pa"),
+                  delta(content="rt"), error, "[DONE]"], saved, raw)  # fmt: skip
+    assert events[-2]["type"] == "error"
+    assert output_from_events(raw[:-2]) == saved[0]["output"]
