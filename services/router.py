@@ -31,6 +31,7 @@ from services.responses_store import add_routes as add_response_routes
 from services.router_api import VERSION, Router
 from services.router_metrics import CONTENT_TYPE
 from services.router_named import AbortBody
+from services.router_profile import add_routes as add_profile_routes
 from services.router_protocol import ApiError, parse_body
 from services.router_tokens import DetokenizeBody, TokenizeBody
 from shared.async_bus import AsyncBus
@@ -128,6 +129,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         return await state["router"].generate(request, "chat")
 
     add_response_routes(app, state)  # POST /v1/responses, and its stored responses
+    add_profile_routes(app, state)  # POST /start_profile, /stop_profile
 
     def model_card(router: Router, name: str) -> dict[str, Any]:
         return {
@@ -163,7 +165,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         router = state["router"]
         router.authorize(request)
         await router.broker.refresh_workers()
-        replies = await router.broker.flushes.flush()
+        replies = await router.broker.to_workers.flush()
         failed = {
             w: r.message if r else "no answer"
             for w, r in replies.items()

@@ -1,19 +1,23 @@
-"""`POST /flush_cache`, which a router fans out to every live worker and waits on (the
-aborts of `POST /abort_request` are in services/router_named.py).
+"""Questions a router fans out to every live worker and waits on: `POST /flush_cache`
+(a `FlushCacheReqMsg`), `POST /start_profile` and `/stop_profile` (a `ProfileReqMsg`,
+services/router_profile.py). The aborts of `POST /abort_request` are in
+services/router_named.py.
 
-`CacheFlushes.flush()` sends a `FlushCacheReqMsg` to each live worker's stream and waits
-(at most `timeout_s`) for their `FlushCacheRespMsg`s, which the broker's reader hands to
-`deliver()`. A worker flushes only when idle, as in SGLang; a worker that does not answer
-in time counts as not flushed. `Answers` keeps such questions, sent to several services at
-once, until each has answered or the time is up.
+`WorkerQuestions.ask()` sends one message to each live worker's stream and waits (at most
+`timeout_s`) for their answers (`FlushCacheRespMsg`, `ProfileRespMsg`), which the broker's
+reader hands to `deliver()`; a worker that does not answer in time has None. A worker
+flushes only when idle, as in SGLang. `Answers` keeps such questions, sent to several
+services at once, until each has answered or the time is up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from functools import partial
+from typing import Any, Generic, TypeVar
 
 import redis
 
@@ -21,7 +25,7 @@ from services.router_protocol import ApiError
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
 from shared.keys import worker_in_stream
-from shared.messages import FlushCacheReqMsg, FlushCacheRespMsg, Message
+from shared.messages import FlushCacheReqMsg, FlushCacheRespMsg, Message, ProfileRespMsg
 
 FLUSH_TIMEOUT_S = 10.0
 
@@ -69,20 +73,21 @@ class Answers(Generic[T]):
             pending.done.set()
 
 
-class CacheFlushes:
+class WorkerQuestions:
     def __init__(self, bus: AsyncBus, router_id: str, workers: WorkerTable) -> None:
         self.bus, self.router_id, self.workers = bus, router_id, workers
-        self._answers = Answers[FlushCacheRespMsg]()
+        self._answers = Answers[Message]()
 
-    async def flush(
-        self, timeout_s: float = FLUSH_TIMEOUT_S
-    ) -> dict[str, FlushCacheRespMsg | None]:
-        """Each live worker's answer (None: no answer in time)."""
+    async def ask(
+        self, question: Callable[[str], Message], timeout_s: float = FLUSH_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """`question(request_id)` to each live worker; each one's answer (None: no answer in
+        time), by worker id."""
         ids = sorted(self.workers.live)
         if not ids:
             raise ApiError(503, "no live worker", None, "no_worker")
         request_id = uuid.uuid4().hex
-        msg = FlushCacheReqMsg(request_id, self.router_id)
+        msg = question(request_id)
         sends = {w: (worker_in_stream(self.bus.prefix, w), msg) for w in ids}
         try:
             replies = await self._answers.ask(self.bus, request_id, sends, timeout_s)
@@ -90,5 +95,8 @@ class CacheFlushes:
             raise ApiError(503, f"message bus unavailable: {exc}", None, "bus_unavailable") from exc
         return {w: replies.get(w) for w in ids}
 
-    def deliver(self, msg: FlushCacheRespMsg) -> None:
+    async def flush(self) -> dict[str, FlushCacheRespMsg | None]:
+        return await self.ask(partial(FlushCacheReqMsg, router_id=self.router_id))
+
+    def deliver(self, msg: FlushCacheRespMsg | ProfileRespMsg) -> None:
         self._answers.deliver(msg.request_id, msg.worker_id, msg)

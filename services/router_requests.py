@@ -4,8 +4,8 @@ One `Broker` per router process owns
 * a reader task that XREADs the router's stream `{p}:router:{r}:out` and hands every
   `DetokRow` and `ErrorMsg` to the `RequestHandle` of its rid (rows of unknown rids, from
   requests already ended or retried, are dropped), answers to tokenize queries to
-  `TokenQueries` (`router_tokens`) and answers to cache flushes to `CacheFlushes`
-  (`router_control`);
+  `TokenQueries` (`router_tokens`) and the answers of cache flushes and profiler starts and
+  stops to `WorkerQuestions` (`router_control`);
 * a watch task that keeps the table of live workers (`WorkerTable`) current, renews the
   TTL of the router's stream (which a clean stop deletes), and looks after requests that
   wait: past their deadline they fail with 504; waiting on a worker
@@ -31,7 +31,7 @@ import uuid
 
 import redis
 
-from services.router_control import CacheFlushes
+from services.router_control import WorkerQuestions
 from services.router_handle import RequestHandle
 from services.router_metrics import RouterMetrics
 from services.router_named import NamedRequests
@@ -54,6 +54,7 @@ from shared.messages import (
     DetokOutputMsg,
     ErrorMsg,
     FlushCacheRespMsg,
+    ProfileRespMsg,
     TokenizeReqMsg,
     TokenizeRespMsg,
     WorkerLoadMsg,
@@ -78,7 +79,7 @@ class Broker:
         self.max_attempts = max_attempts
         self.out_stream = router_out_stream(bus.prefix, router_id)
         self.workers = WorkerTable()
-        self.flushes = CacheFlushes(bus, router_id, self.workers)
+        self.to_workers = WorkerQuestions(bus, router_id, self.workers)
         self.queries = TokenQueries(bus, router_id)
         self.named = NamedRequests(self)
         self.handles: dict[str, RequestHandle] = {}
@@ -201,8 +202,8 @@ class Broker:
                 h.deliver(msg)
             else:
                 self.queries.deliver(msg)
-        elif isinstance(msg, FlushCacheRespMsg):
-            self.flushes.deliver(msg)
+        elif isinstance(msg, (FlushCacheRespMsg, ProfileRespMsg)):
+            self.to_workers.deliver(msg)
         elif isinstance(msg, TokenizeRespMsg):
             self.queries.deliver(msg)
         elif isinstance(msg, (AbortNamedMsg, AbortNamedRespMsg)):

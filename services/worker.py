@@ -13,7 +13,8 @@ I/O process builds and sends the step message. A `GenerateReqMsg` becomes
 `scheduler.add_request` (a ValueError, or a grammar that fails to compile later, becomes an
 `ErrorMsg` to its router); an `AbortReqMsg` becomes `scheduler.abort_request`, or is
 remembered when it overtook its request; a `FlushCacheReqMsg` empties the prefix cache if
-nothing runs or waits, and is answered either way. The load figures go to the I/O process's
+nothing runs or waits, and is answered either way; a `ProfileReqMsg` starts or stops the torch
+profiler around the steps (services/worker_profile.py). The load figures go to the I/O process's
 heartbeat (`WorkerLoadMsg`) at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O
 process deletes the heartbeat.
 
@@ -32,6 +33,7 @@ from engine.scheduler.step_trace import StepTrace
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_link import IoLink
 from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures
+from services.worker_profile import StepProfiler
 from services.worker_requests import RequestTable, aborted_row, row_record, sampling_params
 from shared.keys import WORKER_KIND, detok_stream, router_out_stream
 from shared.logging import setup_logging
@@ -41,6 +43,8 @@ from shared.messages import (
     FlushCacheReqMsg,
     FlushCacheRespMsg,
     GenerateReqMsg,
+    ProfileReqMsg,
+    ProfileRespMsg,
     StepOutputMsg,
 )
 from shared.settings import WorkerSettings, add_settings_args, settings_from_args
@@ -68,10 +72,14 @@ class Worker:
         self._events_waiting = False  # an abort of a queued request emitted its final event
         self._next_load = 0.0
         self.trace = StepTrace(settings.step_trace) if settings.step_trace else None
+        self.profiler = StepProfiler(
+            self.worker_id, settings.profile_dir, getattr(scheduler, "executor", None)
+        )
         self._handlers = {
             GenerateReqMsg: self._on_generate,
             AbortReqMsg: self._on_abort,
             FlushCacheReqMsg: self._on_flush,
+            ProfileReqMsg: self._on_profile,
         }
         self.link = IoLink(self.hello())  # starts the I/O process; ready when this returns
 
@@ -107,6 +115,8 @@ class Worker:
         finally:
             if self.trace is not None:
                 self.trace.flush()
+            if self.profiler.active:  # (what was profiled is not lost)
+                self.profiler.stop()
             self.link.close()
             close = getattr(self.scheduler, "close", None)
             if close is not None:
@@ -120,7 +130,8 @@ class Worker:
     def _step(self) -> None:
         self._events_waiting = False
         start = time.perf_counter()
-        events = self.scheduler.step()
+        with self.profiler.step(self.num_steps + 1):
+            events = self.scheduler.step()
         if self.trace is not None:
             self.trace.add(start, time.perf_counter(), self.scheduler.last_batch, len(events))
         self.num_steps += 1
@@ -182,6 +193,17 @@ class Worker:
             logger.info("prefix cache flushed")
         note = "" if flushed else "not flushed: requests are running or waiting"
         reply = FlushCacheRespMsg(msg.request_id, msg.router_id, self.worker_id, flushed, note)
+        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
+
+    def _on_profile(self, msg: ProfileReqMsg) -> None:
+        paths: list[str] = []
+        if msg.action == "start":
+            ok, note = self.profiler.start(msg)
+        elif msg.action == "stop":
+            ok, note, paths = self.profiler.stop()
+        else:
+            ok, note = False, f"unknown profile action {msg.action!r}"
+        reply = ProfileRespMsg(msg.request_id, msg.router_id, self.worker_id, ok, note, paths)
         self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
 

@@ -46,11 +46,12 @@ from shared.bus import Bus
 from shared.heartbeat import Heartbeat
 from shared.keys import WORKER_GROUP, WORKER_KIND, detok_stream, heartbeat_key, worker_in_stream
 from shared.logging import setup_logging
-from shared.messages import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg
+from shared.messages import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg, ProfileReqMsg
 
 logger = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
+_TO_SCHEDULER = (GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg)
 
 
 class Receiver(threading.Thread):
@@ -101,7 +102,7 @@ class Receiver(threading.Thread):
         )
         batch = []
         for entry_id, msg in entries:
-            if isinstance(msg, (GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg)):
+            if isinstance(msg, _TO_SCHEDULER):
                 batch.append(msg.to_msg())
             else:
                 reason = f"unexpected {type(msg).__name__} on {self.stream}"

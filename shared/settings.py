@@ -229,6 +229,11 @@ class WorkerSettings:
         "append each scheduler step's start, end, kind and event count to this file (profiling)",
         env="SLUICE_WORKER_STEP_TRACE",
     )
+    profile_dir: str = setting(
+        "/tmp/sluice-profile",
+        "where POST /start_profile writes torch profiler traces unless it names output_dir",
+        env="SLUICE_TORCH_PROFILER_DIR",
+    )
 
 
 @dataclass(frozen=True)

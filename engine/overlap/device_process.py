@@ -13,6 +13,7 @@ Messages are pickled; tensors travel as numpy arrays (`pack`/`unpack`), and a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import traceback
 from collections.abc import Callable
@@ -25,8 +26,11 @@ from engine.config import EngineArgs, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.overlap.executor import sample_into_map
 from engine.overlap.future_map import FutureMap, FutureSlots
+from engine.profiling import start_profiler, write_trace
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+logger = logging.getLogger(__name__)
 
 
 class DeviceError(RuntimeError):
@@ -105,7 +109,7 @@ def device_main(
                 return
             if msg[0] == "close":
                 return
-            answer = device.run(msg)
+            answer = device.profile(msg) if msg[0].startswith("profile_") else device.run(msg)
             if answer is not None:
                 conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -119,6 +123,21 @@ class Device:
         self.future_map = FutureMap(max_bs, runner.device)
         self.unsampled: dict[int, tuple[torch.Tensor, ModelWorkerBatch, FutureSlots]] = {}
         self.last_info: SamplingBatchInfo | None = None
+        self.profiler: Any = None  # a torch profiler, between profile_start and profile_stop
+
+    def profile(self, msg: tuple) -> tuple | None:
+        """("profile_start", -1, ProfileOptions), or ("profile_stop", -1, path), which is
+        answered ("profiled", -1, None or why no trace was written)."""
+        if msg[0] == "profile_start":
+            if self.profiler is None:
+                try:
+                    self.profiler = start_profiler(msg[2])[0]
+                except Exception:  # noqa: BLE001 - no profile; the stop says so
+                    logger.exception("starting the device's profiler")
+            return None
+        prof, self.profiler = self.profiler, None
+        why = "the device was not profiling" if prof is None else write_trace(prof, msg[2])
+        return ("profiled", -1, why)
 
     def _info(self, packed: Any) -> SamplingBatchInfo:
         if packed != SAME_INFO:

@@ -41,6 +41,7 @@ import torch
 
 from engine.model_runner import GenerationBatchResult
 from engine.overlap.future_map import FutureMap, FutureSlots
+from engine.profiling import ProfileOptions
 from engine.sampling.sampler import sample_batch
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
@@ -83,6 +84,15 @@ class OverlapExecutor(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop; results still in flight are dropped. Idempotent."""
+
+    def start_profile(self, options: ProfileOptions) -> bool:
+        """Profile the device's side too, if it runs in another process (ProcessExecutor):
+        whether it does. A forward thread of this process is in this process's profile."""
+        return False
+
+    def stop_profile(self, path: str) -> str | None:
+        """Stop the device's profile and write its trace to `path`; None, or why not."""
+        return "no device profile"
 
     def _sample(self, launch: Launch) -> Any:
         """Sample and store into the FutureMap (on whatever stream/thread is current)."""

@@ -64,6 +64,7 @@ from engine.overlap.device_process import (
 )
 from engine.overlap.executor import Launch, OverlapExecutor
 from engine.overlap.future_map import FutureMap, FutureSlots
+from engine.profiling import ProfileOptions
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 
@@ -127,6 +128,7 @@ class ProcessExecutor(OverlapExecutor):
         self._waiting: dict[int, Launch] = {}  # launched, answer not read yet
         self._last_info: SamplingBatchInfo | None = None  # the device holds a copy of it
         self._closed = False
+        self._profiled: str | None | bool = None  # a stop_profile's answer (False: waiting)
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
             raise RuntimeError("overlap executor: the device process did not start")
@@ -156,6 +158,20 @@ class ProcessExecutor(OverlapExecutor):
             return SAME_INFO
         self._last_info = info
         return pack(info)
+
+    def start_profile(self, options: ProfileOptions) -> bool:
+        self._send(("profile_start", -1, options))
+        return True
+
+    def stop_profile(self, path: str) -> str | None:
+        """Waits for the device to write its trace: the answers of earlier launches are
+        read on the way (as `wait` reads them)."""
+        self._send(("profile_stop", -1, path))
+        self._profiled = False
+        while self._profiled is False:
+            if self._read_answer() == "gone":
+                return "the device process is gone"
+        return self._profiled
 
     def wait(self, launch: Launch) -> GenerationBatchResult:
         while launch.result is None and launch.error is None:
@@ -197,15 +213,18 @@ class ProcessExecutor(OverlapExecutor):
             msg = f"overlap executor: the device process died (exit code {code})"
             raise RuntimeError(msg) from exc
 
-    def _read_answer(self) -> None:
+    def _read_answer(self) -> str | None:
         try:
             answer = self._recv()
         except RuntimeError as exc:  # every batch still waiting failed with it
             for launch in self._waiting.values():
                 launch.error = launch.error or exc
             self._waiting.clear()
-            return
+            return "gone"
         kind, lid = answer[0], answer[1]
+        if kind == "profiled":  # (a stop_profile's: None, or why no trace was written)
+            self._profiled = answer[2]
+            return None
         launch = self._waiting.pop(lid)
         if kind == "error":
             launch.error = DeviceError(answer[2])

@@ -3,11 +3,12 @@
 | module        | stream                 | types                                 |
 |---------------|------------------------|---------------------------------------|
 | `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
-| `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg |
+| `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, |
+|               |                        | ProfileReqMsg                         |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
 |               |                        | TokenizeRespMsg, AbortNamedMsg,       |
-|               |                        | AbortNamedRespMsg                     |
+|               |                        | AbortNamedRespMsg, ProfileRespMsg     |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -24,12 +25,13 @@ from shared.messages.router import (
     DetokRow,
     ErrorMsg,
     FlushCacheRespMsg,
+    ProfileRespMsg,
     TokenizeRespMsg,
 )
 from shared.messages.schema import MessageError
 from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
 from shared.messages.tokenizer import ChatMessage, TokenizeReqMsg
-from shared.messages.worker import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg
+from shared.messages.worker import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg, ProfileReqMsg
 
 __all__ = [
     "DETOK_WINDOW_LEN",
@@ -46,6 +48,8 @@ __all__ = [
     "GenerateReqMsg",
     "Message",
     "MessageError",
+    "ProfileReqMsg",
+    "ProfileRespMsg",
     "PromptLogprobs",
     "Record",
     "ServiceStatusMsg",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from shared.messages.base import Message
@@ -121,6 +121,22 @@ class FlushCacheRespMsg(Message):
     worker_id: str
     success: bool
     message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileRespMsg(Message):
+    """worker → router `router_id`: the answer to a `ProfileReqMsg`; `paths`: the trace
+    files a stop wrote."""
+
+    TAG = "profile_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    worker_id: str
+    success: bool
+    message: str = ""
+    paths: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

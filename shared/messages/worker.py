@@ -79,3 +79,28 @@ class FlushCacheReqMsg(Message):
 
     request_id: str
     router_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileReqMsg(Message):
+    """router → worker: start or stop the torch profiler around the scheduler's steps
+    (SGLang's `POST /start_profile` and `/stop_profile`; services/worker_profile.py).
+
+    `action` is "start" or "stop"; the other fields are the start's: the folder the trace goes
+    to ("": the worker's `--profile-dir`), the steps after which it stops by itself (0: at the
+    stop), the activities ("CPU", "GPU", "MEM"), and a name for the trace file. The worker
+    answers with a `ProfileRespMsg` carrying `request_id`.
+    """
+
+    TAG = "profile_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    action: str
+    output_dir: str = ""
+    num_steps: int = 0
+    activities: list[str] = field(default_factory=list)
+    with_stack: bool = False
+    record_shapes: bool = False
+    profile_id: str = ""

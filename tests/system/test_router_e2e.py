@@ -9,9 +9,11 @@ run changes no stream's text. The kill test runs last: it leaves 2 detokenizers.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx2 as httpx
 import pytest
@@ -150,6 +152,51 @@ def test_flush_cache_and_model_info_as_sglang_serves_them(
     assert resp.json()["success"] is True and resp.json()["workers"] == [http_stack.worker_id]
     resp = httpx.post(base + "/reset_prefix_cache", timeout=30)  # vLLM's name: idle now
     assert resp.status_code == 200 and resp.json()["workers"] == [http_stack.worker_id]
+
+
+def _trace_names(path: str) -> set[str]:
+    with gzip.open(path, "rt") as f:
+        return {e.get("name", "") for e in json.load(f)["traceEvents"]}
+
+
+def test_start_and_stop_profile_write_each_workers_trace(
+    http_stack: Stack, served_model: str, tmp_path: Path
+) -> None:
+    """SGLang's /start_profile and /stop_profile: the torch profiler on the worker, its trace
+    with the steps and the model's ops; and the stop after num_steps (sent as SGLang's
+    profiler client sends it, a string)."""
+    base, wid = http_stack.router_url, http_stack.worker_id
+    body = {"model": served_model, "prompt": "profile me", "max_tokens": 4, "temperature": 0}
+    resp = httpx.post(base + "/start_profile", json={"output_dir": str(tmp_path),
+                      "profile_id": "e2e", "activities": ["CPU"]}, timeout=30)  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    path = str(tmp_path / f"e2e-worker-{wid}.trace.json.gz")
+    assert path in resp.json()["workers"][wid]
+    again = httpx.post(base + "/start_profile", timeout=30)  # (no body: the defaults)
+    assert again.status_code == 400 and "already profiling" in again.json()["error"]["message"]
+    assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+    resp = httpx.post(base + "/stop_profile", timeout=130)
+    assert resp.status_code == 200, resp.text
+    device = str(tmp_path / f"e2e-worker-{wid}-device.trace.json.gz")  # (the CPU executor's)
+    assert resp.json()["traces"] == {wid: [path, device]}
+    assert any(n.startswith("sluice step ") for n in _trace_names(path))
+    assert _trace_names(device) & {"aten::linear", "aten::mm", "aten::addmm"}
+    resp = httpx.post(base + "/stop_profile", timeout=30)
+    assert resp.status_code == 400 and "not profiling" in resp.json()["error"]["message"]
+
+    auto = {"output_dir": str(tmp_path), "profile_id": "auto", "num_steps": "2"}
+    assert httpx.post(base + "/start_profile", json=auto, timeout=30).status_code == 200
+    assert httpx.post(base + "/v1/completions", json=body, timeout=60).status_code == 200
+    written = tmp_path / f"auto-worker-{wid}.trace.json.gz"
+    wait_until(written.exists, 30, what="the trace after 2 steps")
+    resp = httpx.post(base + "/stop_profile", timeout=30)
+    assert resp.status_code == 400 and "not profiling" in resp.json()["error"]["message"]
+
+    for bad, param in [({"activities": ["TPU"]}, None), ({"profile_by_stage": True},
+                       "profile_by_stage"), ({"num_steps": 0}, "num_steps")]:  # fmt: skip
+        resp = httpx.post(base + "/start_profile", json=bad, timeout=30)
+        assert resp.status_code == 400, (bad, resp.text)
+        assert resp.json()["error"]["param"] == param, resp.text
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_request(

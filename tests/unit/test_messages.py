@@ -22,6 +22,8 @@ from shared.messages import (
     GenerateReqMsg,
     Message,
     MessageError,
+    ProfileReqMsg,
+    ProfileRespMsg,
     PromptLogprobs,
     ServiceStatusMsg,
     StepOutputMsg,
@@ -85,6 +87,9 @@ SAMPLES: list[Message] = [
     WorkerLoadMsg("w0", "tiny", 3, 1, 100, 20, 4096, 64, 2048, 0.02, 55.5, "host", 123, 9.0),
     FlushCacheReqMsg("flush-1", "router-a"),
     FlushCacheRespMsg("flush-1", "router-a", "w0", False, "2 requests running"),
+    ProfileReqMsg("prof-1", "router-a", "start", "/tmp/p", 5, ["CPU", "GPU"], True, False, "p1"),
+    ProfileReqMsg("prof-2", "router-a", "stop"),
+    ProfileRespMsg("prof-2", "router-a", "w0", True, "written", ["/tmp/p/p1-worker-w0.json.gz"]),
     ServiceStatusMsg("detokenizer", "host-7", "host", 7, 1.0, 2.0, 5),
     TokenizeReqMsg(
         "r3", "router-b", "w0",
