@@ -17,17 +17,12 @@ from torch.profiler import ProfilerActivity
 
 logger = logging.getLogger(__name__)
 
-ACTIVITIES = ("CPU", "GPU", "MEM")
-
 
 @dataclass(frozen=True)
 class ProfileOptions:
     activities: Sequence[str] = ("CPU", "GPU")  # SGLang's default
     record_shapes: bool = False
     with_stack: bool = False
-
-    def unknown(self) -> list[str]:
-        return [a for a in self.activities if a not in ACTIVITIES]
 
 
 def _all_threads() -> object | None:
@@ -62,12 +57,12 @@ def start_profiler(options: ProfileOptions) -> tuple[torch.profiler.profile, str
 
 def write_trace(prof: torch.profiler.profile, path: str) -> str | None:
     """Stop `prof` and write its trace to `path`; None, or why it could not be written."""
-    prof.stop()
     start = time.perf_counter()
     try:
+        prof.stop()
         prof.export_chrome_trace(path)
-    except OSError as exc:
-        logger.error("writing the trace to %s failed: %s", path, exc)
-        return f"writing the trace to {path} failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - (a full disk, a profiler torch refused) one answer
+        logger.exception("writing the trace to %s failed", path)
+        return f"writing the trace to {path} failed: {type(exc).__name__}: {exc}"
     logger.info("trace written to %s in %.1f s", path, time.perf_counter() - start)
     return None

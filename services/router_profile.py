@@ -20,6 +20,7 @@ from pydantic import BeforeValidator, Field
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
 from shared.messages import ProfileReqMsg, ProfileRespMsg
+from shared.messages.worker import PROFILE_ACTIVITIES
 
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 120.0  # writing a long GPU trace takes a while
@@ -42,6 +43,11 @@ class ProfileBody(_Strict):
     start_step: int | None = None
 
     def check(self) -> None:
+        unknown = [a for a in self.activities or [] if a not in PROFILE_ACTIVITIES]
+        if unknown:
+            raise ApiError(400, f"unknown activities {unknown} (use "
+                                f"{', '.join(PROFILE_ACTIVITIES)})", "activities",
+                           "invalid_value")  # fmt: skip
         for name in ("profile_by_stage", "merge_profiles", "start_step"):
             if getattr(self, name) not in (False, None):
                 raise ApiError(400, f"{name} is not supported", name, "unsupported_parameter")

@@ -30,6 +30,7 @@ from torch.profiler import record_function
 
 from engine.profiling import ProfileOptions, start_profiler, write_trace
 from shared.messages import ProfileReqMsg
+from shared.messages.worker import PROFILE_ACTIVITIES
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ class StepProfiler:
             return False, f"already profiling to {self._path} (POST /stop_profile first)"
         options = ProfileOptions(msg.activities or ProfileOptions.activities,
                                  msg.record_shapes, msg.with_stack)  # fmt: skip
-        if options.unknown():
-            return False, f"unknown activities {options.unknown()} (use CPU, GPU, MEM)"
+        unknown = [a for a in options.activities if a not in PROFILE_ACTIVITIES]
+        if unknown:
+            return False, f"unknown activities {unknown} (use {', '.join(PROFILE_ACTIVITIES)})"
         if msg.num_steps < 0:
             return False, f"num_steps must be at least 1, got {msg.num_steps}"
         profile_id = msg.profile_id or str(int(time.time()))
@@ -68,10 +70,17 @@ class StepProfiler:
         except OSError as exc:
             return False, f"cannot make {out_dir}: {exc}"
         base = os.path.join(out_dir, f"{profile_id}-worker-{self.worker_id}")
-        self._prof, note = start_profiler(options)
+        try:
+            self._prof, note = start_profiler(options)
+        except Exception as exc:  # noqa: BLE001 - e.g. another profiler is on: refused
+            logger.exception("starting the profiler")
+            return False, f"the profiler did not start: {type(exc).__name__}: {exc}"
         self._path, self._device_path = base + ".trace.json.gz", ""
-        if self.executor is not None and self.executor.start_profile(options):
-            self._device_path = base + "-device.trace.json.gz"
+        try:
+            if self.executor is not None and self.executor.start_profile(options):
+                self._device_path = base + "-device.trace.json.gz"
+        except RuntimeError as exc:  # (the device process is gone: the batches fail too)
+            note += f" (the device process is not profiled: {exc})"
         self._steps_left = msg.num_steps
         until = f"for {msg.num_steps} steps" if msg.num_steps else "until /stop_profile"
         paths = " and ".join(p for p in (self._path, self._device_path) if p)
@@ -100,7 +109,10 @@ class StepProfiler:
         failures = [why for why in [write_trace(prof, self._path)] if why]
         paths = [] if failures else [self._path]
         if self._device_path:
-            why = self.executor.stop_profile(self._device_path)
+            try:
+                why = self.executor.stop_profile(self._device_path)
+            except RuntimeError as exc:
+                why = str(exc)
             failures += [f"device: {why}"] if why else []
             paths += [] if why else [self._device_path]
         if failures:

@@ -81,6 +81,9 @@ class FlushCacheReqMsg(Message):
     router_id: str
 
 
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")  # what a ProfileReqMsg's `activities` may name
+
+
 @dataclass(frozen=True, slots=True)
 class ProfileReqMsg(Message):
     """router → worker: start or stop the torch profiler around the scheduler's steps

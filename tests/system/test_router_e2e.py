@@ -192,7 +192,7 @@ def test_start_and_stop_profile_write_each_workers_trace(
     resp = httpx.post(base + "/stop_profile", timeout=30)
     assert resp.status_code == 400 and "not profiling" in resp.json()["error"]["message"]
 
-    for bad, param in [({"activities": ["TPU"]}, None), ({"profile_by_stage": True},
+    for bad, param in [({"activities": ["TPU"]}, "activities"), ({"profile_by_stage": True},
                        "profile_by_stage"), ({"num_steps": 0}, "num_steps")]:  # fmt: skip
         resp = httpx.post(base + "/start_profile", json=bad, timeout=30)
         assert resp.status_code == 400, (bad, resp.text)
