@@ -13,6 +13,8 @@ is then reshaped into a `response` object, or into the API's stream of events
 * `tools` are function tools (`{"type": "function", "name", "description", "parameters"}`);
   `tool_choice` is "auto", "none", "required" or `{"type": "function", "name"}`.
 * `text.format` is `text`, `json_object` or `json_schema` (`name`, `schema`, `strict`).
+* `reasoning.effort` goes to the chat template as `reasoning_effort` (as the chat API's
+  field of that name does; gpt-oss's template reads it); `reasoning` is echoed.
 * `max_output_tokens`, `temperature`, `top_p`, `parallel_tool_calls`, `metadata` (echoed),
   and the sampling extras of the chat body (`top_k`, `seed`, `stop`, ...) pass through.
 
@@ -37,6 +39,7 @@ _CHAT_PARAMS = {
     "max_completion_tokens": "max_output_tokens",
     "response_format": "text.format",
     "tool_choice.function": "tool_choice",
+    "reasoning_effort": "reasoning.effort",
 }
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
            "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
@@ -62,6 +65,7 @@ class ResponsesRequest(_Strict):
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     top_logprobs: int | None = None
+    reasoning: dict[str, Any] | None = None  # `effort` becomes the chat's reasoning_effort
     previous_response_id: str | None = None
     store: bool | None = None  # None: the API's default, true
     conversation: Any = None
@@ -107,6 +111,8 @@ class ResponsesRequest(_Strict):
             chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
             chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if (self.reasoning or {}).get("effort") is not None:
+            chat["reasoning_effort"] = self.reasoning["effort"]  # type: ignore[index]
         fmt = (self.text or {}).get("format")
         if fmt is not None:
             chat["response_format"] = _chat_format(fmt)

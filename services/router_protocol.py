@@ -13,7 +13,7 @@ the bodies share (and structured outputs) are in services/router_fields.py, SGLa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, field_validator
 
@@ -64,6 +64,9 @@ class SubRequest:
     add_generation_prompt: bool = True  # chat: open the assistant's turn after the messages
     continue_final_message: bool = False  # chat: or continue the last message
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids in the response
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's
 
 
 class CompletionRequest(SamplingFields):
@@ -118,6 +121,9 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; as vLLM and SGLang do, the chat template gets it (gpt-oss's reads it), unless
+    # chat_template_kwargs names it
+    reasoning_effort: ReasoningEffort | None = None
     separate_reasoning: bool | None = True  # SGLang's: false keeps think blocks in content
     # vLLM's: the template opens the assistant's turn (default), or leaves the last message
     # open for the output to continue it (a prefill); `echo` puts that message's text
@@ -150,13 +156,18 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         prompt = {
             "messages": [m.flat() for m in self.messages],
             "tools": self.tool_dicts(),
-            "chat_template_kwargs": self.chat_template_kwargs,
+            "chat_template_kwargs": self._template_kwargs(),
             "add_generation_prompt": self.add_generation_prompt is not False,
             "continue_final_message": bool(self.continue_final_message),
             "echo": bool(self.echo),
         }
         subs = fan_out([prompt], params, self.n, bool(self.logprobs), self.top_logprobs or 0)
         return self.finish_subrequests(subs)
+
+    def _template_kwargs(self) -> dict[str, Any] | None:
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 def fan_out(

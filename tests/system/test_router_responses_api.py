@@ -100,6 +100,20 @@ def test_a_stored_responses_rid_is_not_taken_again_until_it_is_deleted(
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "rid"
 
 
+def test_reasoning_effort_reaches_the_chat_template_and_is_echoed(
+    fake: FakeWorker, base: str
+) -> None:
+    body = post(base, input="hi", reasoning={"effort": "low", "summary": "auto"}).json()
+    assert body["reasoning"] == {"effort": "low", "summary": None}  # (no summaries made)
+    assert fake.received[-1].chat_template_kwargs == {"reasoning_effort": "low"}
+    assert post(base, input="hi").json()["reasoning"] == {"effort": None, "summary": None}
+    resp = httpx.post(base + "/v1/chat/completions", json={
+        "model": "fake-model", "messages": [{"role": "user", "content": "x"}],
+        "reasoning_effort": "high"}, timeout=30)  # fmt: skip
+    assert resp.status_code == 200, resp.text
+    assert fake.received[-1].chat_template_kwargs == {"reasoning_effort": "high"}
+
+
 def test_the_event_stream_adds_up_to_the_response(fake: FakeWorker, base: str) -> None:
     text = "streaming responses, piece by piece"
     evs = events(base, input=text, max_output_tokens=64)

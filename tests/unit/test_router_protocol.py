@@ -241,3 +241,31 @@ def test_prompt_logprobs_are_computed_once_per_prompt_with_n() -> None:
     ]
     asks = [(m.logprob_start_len, m.return_prompt_ranks, m.top_logprobs_num) for m in msgs]
     assert asks == [(0, True, 2), (-1, False, 1), (-1, False, 1)] * 2
+
+
+def test_reasoning_effort_goes_to_the_chat_template_unless_its_kwargs_name_it() -> None:
+    (sub,) = subs_of(ChatCompletionRequest, {**CHAT, "reasoning_effort": "low"})
+    assert sub.chat_template_kwargs == {"reasoning_effort": "low"}
+    body = {**CHAT, "reasoning_effort": "low",
+            "chat_template_kwargs": {"reasoning_effort": "high", "x": 1}}  # fmt: skip
+    (sub,) = subs_of(ChatCompletionRequest, body)
+    assert sub.chat_template_kwargs == {"reasoning_effort": "high", "x": 1}
+    (sub,) = subs_of(ChatCompletionRequest, CHAT)
+    assert sub.chat_template_kwargs is None
+    error = error_of(ChatCompletionRequest, {**CHAT, "reasoning_effort": "extreme"})
+    assert (error.status, error.param) == (400, "reasoning_effort")
+
+
+def test_a_responses_reasoning_effort_is_the_chats() -> None:
+    from services.responses_api import ResponsesRequest
+
+    def chat_of(**body: object) -> ChatCompletionRequest:
+        raw = json.dumps({"model": "m", "input": "hi", **body}).encode()
+        return ResponsesRequest.parse(raw).to_chat()
+
+    (sub,) = chat_of(reasoning={"effort": "medium", "summary": "auto"}).to_subrequests()
+    assert sub.chat_template_kwargs == {"reasoning_effort": "medium"}
+    assert chat_of(reasoning={"summary": "auto"}).reasoning_effort is None
+    with pytest.raises(ApiError) as info:
+        chat_of(reasoning={"effort": "extreme"})
+    assert (info.value.status, info.value.param) == (400, "reasoning.effort")
