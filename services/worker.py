@@ -130,7 +130,9 @@ class Worker:
     def _step(self) -> None:
         self._events_waiting = False
         start = time.perf_counter()
-        with self.profiler.step(self.num_steps + 1):
+        if self.profiler.active:  # (nothing on the step's path otherwise)
+            events = self.profiler.run_step(self.num_steps + 1, self.scheduler.step)
+        else:
             events = self.scheduler.step()
         if self.trace is not None:
             self.trace.add(start, time.perf_counter(), self.scheduler.last_batch, len(events))

@@ -18,13 +18,12 @@ without CUDA profiles the CPU only, and says so.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from torch.profiler import record_function
 
@@ -34,6 +33,7 @@ from shared.messages.worker import PROFILE_ACTIVITIES
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -87,34 +87,37 @@ class StepProfiler:
         logger.info("profiling %s to %s%s", until, paths, note)
         return True, f"Start profiling {until}; the traces go to {paths}{note}."
 
-    @contextlib.contextmanager
-    def step(self, number: int) -> Iterator[None]:
-        """Around scheduler step `number`: its range in the trace; the stop after the last
-        of `num_steps`."""
-        if self._prof is None:
-            yield
-            return
+    def run_step(self, number: int, step: Callable[[], T]) -> T:
+        """Scheduler step `number` (`step()`, while active), as its range in the trace; the
+        stop after the last of `num_steps`."""
         with record_function(f"sluice step {number}"):
-            yield
+            out = step()
         if self._steps_left:
             self._steps_left -= 1
             if not self._steps_left:
                 self.stop()
+        return out
 
     def stop(self) -> tuple[bool, str, list[str]]:
         """Stop and write the traces; (stopped, what happened, the files written)."""
         if self._prof is None:
             return False, "not profiling (POST /start_profile first)", []
         prof, self._prof = self._prof, None
-        failures = [why for why in [write_trace(prof, self._path)] if why]
-        paths = [] if failures else [self._path]
+        failures, paths = [], []
+        why = write_trace(prof, self._path)
+        if why:
+            failures.append(why)
+        else:
+            paths.append(self._path)
         if self._device_path:
             try:
                 why = self.executor.stop_profile(self._device_path)
             except RuntimeError as exc:
                 why = str(exc)
-            failures += [f"device: {why}"] if why else []
-            paths += [] if why else [self._device_path]
+            if why:
+                failures.append(f"device: {why}")
+            else:
+                paths.append(self._device_path)
         if failures:
             return False, "; ".join(failures), paths
         return True, f"Stop profiling; the traces are in {' and '.join(paths)}.", paths

@@ -36,10 +36,12 @@ def test_a_trace_has_each_step_and_the_ops_of_every_thread(tmp_path: Path) -> No
     ok, note = prof.start(start_msg(tmp_path, profile_id="p1", activities=["CPU"]))
     path = str(tmp_path / "p1-worker-w0.trace.json.gz")
     assert ok and path in note and prof.active
+    def step() -> None:
+        torch.ones(4).add_(1)
+        other_thread_mm()
+
     for n in (1, 2):
-        with prof.step(n):
-            torch.ones(4).add_(1)
-            other_thread_mm()
+        prof.run_step(n, step)
     ok, note, paths = prof.stop()
     assert ok and paths == [path] and not prof.active
     names = trace_names(path)
@@ -53,11 +55,9 @@ def test_it_stops_by_itself_after_num_steps_into_the_default_folder(tmp_path: Pa
     prof = StepProfiler("w1", str(tmp_path / "made"))
     ok, note = prof.start(ProfileReqMsg("q", "r", "start", num_steps=2, profile_id="auto"))
     assert ok and "for 2 steps" in note
-    with prof.step(7):
-        pass
+    assert prof.run_step(7, lambda: "out") == "out"
     assert prof.active
-    with prof.step(8):
-        pass
+    prof.run_step(8, lambda: None)
     assert not prof.active
     names = trace_names(str(tmp_path / "made" / "auto-worker-w1.trace.json.gz"))
     assert "sluice step 7" in names and "sluice step 8" in names
