@@ -22,7 +22,10 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.models.registry import get_model_class
 
-WeightTransform = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
+# (name, tensor), (name, tensor, shard id) for a shard of a stacked parameter, or None to skip.
+WeightTransform = Callable[
+    [str, torch.Tensor], "tuple[str, torch.Tensor] | tuple[str, torch.Tensor, Hashable] | None"
+]
 
 
 def load_model(
@@ -77,11 +80,13 @@ def load_named_weights(
 ) -> set[str]:
     """Copy checkpoint tensors into `model`'s parameters; return the fully loaded names.
 
-    `transform(name, tensor)` renames/reshapes a checkpoint tensor or returns None to skip it.
-    `stacked` rows `(ours, theirs, shard_id)` send a name containing `theirs` (e.g.
-    ".q_proj.") to the `MergedLinear` parameter named with `ours` (".qkv_proj."), shard
-    `shard_id`; such a parameter counts as loaded once all its shards are. A name that maps
-    to no parameter is an error.
+    `transform(name, tensor)` renames/reshapes a checkpoint tensor or returns None to skip it;
+    it may also return `(name, tensor, shard_id)`, loaded as that shard of the stacked
+    parameter `name` (the experts of a mixture-of-experts layer). `stacked` rows
+    `(ours, theirs, shard_id)` send a name containing `theirs` (e.g. ".q_proj.") to the
+    `MergedLinear` parameter named with `ours` (".qkv_proj."), shard `shard_id`. A stacked
+    parameter counts as loaded once all its shards are. A name that maps to no parameter is
+    an error.
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -90,14 +95,13 @@ def load_named_weights(
         mapped = transform(ckpt_name, ckpt_tensor) if transform else (ckpt_name, ckpt_tensor)
         if mapped is None:
             continue
-        name, tensor = mapped
-        for ours, theirs, shard_id in stacked:
-            if theirs in name:
-                name = name.replace(theirs, ours)
-                module = model.get_submodule(name.rsplit(".", 1)[0])
-                module.load_shard(_param(params, name, ckpt_name), tensor, shard_id)
-                shards_seen[name].add(shard_id)
-                break
+        name, tensor = mapped[:2]
+        shard = _stacked_shard(name, stacked) if len(mapped) == 2 else (name, mapped[2])
+        if shard is not None:
+            name, shard_id = shard
+            param = _param(params, name, ckpt_name)
+            model.get_submodule(name.rsplit(".", 1)[0]).load_shard(param, tensor, shard_id)
+            shards_seen[name].add(shard_id)
         else:
             param = _param(params, name, ckpt_name)
             if param.shape != tensor.shape:
@@ -112,6 +116,15 @@ def load_named_weights(
         if seen == set(module.shard_ranges):
             loaded.add(name)
     return loaded
+
+
+def _stacked_shard(
+    name: str, stacked: Sequence[tuple[str, str, Hashable]]
+) -> tuple[str, Hashable] | None:
+    for ours, theirs, shard_id in stacked:
+        if theirs in name:
+            return name.replace(theirs, ours), shard_id
+    return None
 
 
 def _param(params: dict[str, nn.Parameter], name: str, ckpt_name: str) -> nn.Parameter:

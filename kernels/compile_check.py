@@ -47,6 +47,7 @@ from triton.runtime import driver
 
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
+from kernels.fused_moe import fused_experts_triton
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.jit import interpreting
 from kernels.kv_store import store_kv
@@ -55,6 +56,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 HEAD_DIMS = (64, 128)
 HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))  # (Hq, Hk): GPT-2, Llama-3.2-1B, Qwen2 (group 7)
 STORE_KV_HEADS = 8
+# (hidden, experts, top_k, expert intermediate): Qwen3-30B-A3B, Mixtral-8x7B
+MOE_SHAPES = ((2048, 128, 8, 768), (4096, 8, 2, 14336))
 # Largest shared memory one block may opt into, per compute capability.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 REGISTERS_PER_SM = 65536
@@ -70,6 +73,7 @@ class Variant:
     num_heads: int | None = None  # Hq
     num_kv_heads: int | None = None  # Hk
     num_warps: int | None = None
+    case: str | None = None  # what other cases (the fused MoE's) are, and which compile of it
     blocks: dict[str, int] = field(default_factory=dict)
     registers: int | None = None
     stack: int | None = None
@@ -175,6 +179,21 @@ def _launch(dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool
     )
 
 
+def moe_case(shape: tuple[int, int, int, int], tokens: int) -> str:
+    hidden, experts, top_k, inter = shape
+    return f"moe H{hidden} E{experts} k{top_k} I{inter} T{tokens}"
+
+
+def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: int) -> None:
+    """Both grouped GEMMs of the fused MoE at `tokens` tokens (decode or prefill blocks)."""
+    hidden, experts, top_k, inter = shape
+    x = torch.empty(tokens, hidden, dtype=dtype)
+    w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
+    w2 = torch.empty(experts, hidden, inter, dtype=dtype)
+    ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+    fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
+
+
 def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
     """(labels, launch) for every case the check covers."""
     for name, dtype in DTYPES.items():
@@ -185,6 +204,11 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             kv = STORE_KV_HEADS  # store_kv's code depends on dtype and head_dim only
             labels = {"dtype": name, "head_dim": head_dim, "num_kv_heads": kv}
             yield labels, functools.partial(_launch, dtype, kv, kv, head_dim, attention=False)
+    for name, dtype in DTYPES.items():
+        for shape in MOE_SHAPES:
+            for tokens in (4, 1024):  # 16-row and 64-row blocks
+                labels = {"dtype": name, "case": moe_case(shape, tokens)}
+                yield labels, functools.partial(_launch_moe, dtype, shape, tokens)
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
 
@@ -212,20 +236,26 @@ def check(arch: int = 90) -> list[Variant]:
         for labels, launch in cases():
             start = len(compiled)
             launch()
+            counts: dict[str, int] = {}
             for info in compiled[start:]:
-                variants.append(Variant(**{**labels, **info, "problems": _problems(info, arch)}))
+                extra = {"problems": _problems(info, arch)}
+                if "case" in labels:  # a case may compile one kernel several times (two GEMMs)
+                    counts[info["kernel"]] = counts.get(info["kernel"], 0) + 1
+                    extra["case"] = f"{labels['case']} #{counts[info['kernel']]}"
+                variants.append(Variant(**{**labels, **info, **extra}))
     return variants
 
 
 def _table(variants: list[Variant]) -> str:
-    head = "kernel dtype D Hq/Hk warps blocks regs stack spill_st spill_ld shared status"
+    head = "kernel dtype D|case Hq/Hk warps blocks regs stack spill_st spill_ld shared status"
     rows = [head.split()]
     for v in variants:
         heads = f"{v.num_heads or '-'}/{v.num_kv_heads}" if v.num_kv_heads else "-"
         blocks = ",".join(f"{k.removeprefix('BLOCK_')}={n}" for k, n in v.blocks.items())
         figures = (v.registers, v.stack, v.spill_stores, v.spill_loads, v.shared)
         status = "OK" if not v.problems else "; ".join(v.problems).splitlines()[0][:100]
-        cells = (v.kernel, v.dtype, v.head_dim, heads, v.num_warps, blocks, *figures, status)
+        shape = v.head_dim or (v.case or "").replace(" ", "_") or None
+        cells = (v.kernel, v.dtype, shape, heads, v.num_warps, blocks, *figures, status)
         rows.append(["-" if c is None else str(c) for c in cells])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head.split()) - 1)]
     return "\n".join(" ".join(c.ljust(w) for c, w in zip(r, widths)) + " " + r[-1] for r in rows)

@@ -23,7 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 # build_tokenizer is also imported from here (this module's public API before the split).
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # --- Model ----------------------------------------------------------------------------------------
 
@@ -56,6 +57,12 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int
     head_dim: int | None = None
+    # mixture-of-experts archs only: experts per sparse layer, experts per token, and each
+    # expert's intermediate size (None: intermediate_size // 4; Mixtral's experts always
+    # have intermediate_size)
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
 
 
 _SIZE_KEYS = tuple(f.name for f in dataclasses.fields(ModelShape))
@@ -75,6 +82,7 @@ PRESETS: dict[str, tuple[ModelShape, str, dict[str, Any]]] = {
 _TINY_TWEAKS: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
+    "qwen3_moe": {"head_dim": 32},
 }
 
 
@@ -106,6 +114,10 @@ def build_config(
         pad_token_id=special.id_of(special.pad),
     )
     arch_fields = _gpt2_fields(shape, explicit) if arch == "gpt2" else _rope_fields(arch, shape)
+    if arch in MOE_ARCHS:
+        arch_fields.update(_moe_fields(arch, shape))
+    elif {"num_experts", "num_experts_per_tok", "moe_intermediate_size"} & explicit.keys():
+        raise ValueError(f"{arch} has no experts; the expert sizes are for {MOE_ARCHS}")
     return AutoConfig.for_model(arch, **arch_fields, **fields)
 
 
@@ -121,6 +133,27 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
     }
     if arch != "llama":
         fields["sliding_window"] = None
+    return fields
+
+
+def _moe_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
+    """Every layer sparse; Qwen3-MoE renormalises its top-k weights (as Qwen3-30B-A3B does),
+    Qwen2-MoE does not and adds a shared expert of intermediate_size (as Qwen1.5-MoE)."""
+    if arch == "mixtral":
+        return {
+            "num_local_experts": shape.num_experts,
+            "num_experts_per_tok": shape.num_experts_per_tok,
+        }
+    fields = {
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "moe_intermediate_size": shape.moe_intermediate_size or shape.intermediate_size // 4,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": arch == "qwen3_moe",
+    }
+    if arch == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = shape.intermediate_size
     return fields
 
 

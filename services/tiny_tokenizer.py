@@ -2,14 +2,15 @@
 
 Tokenizers come in the two families real models use:
 
-* gpt2 / qwen2 / qwen3 -- byte-level BPE. gpt2 splits like GPT-2; qwen2 / qwen3 use exactly the
-  pipeline transformers' ``Qwen2Tokenizer`` builds (see ``engine.tokenizer``). Special tokens:
-  ``<|endoftext|>`` 0 (bos = eos, never added by encode), ``<|pad|>`` 1, ``<|im_start|>`` 2,
-  ``<|im_end|>`` 3.
-* llama / mistral -- Llama-2-style SentencePiece BPE with byte fallback: ``<unk>`` 0, ``<s>`` 1
-  (added in front by encode), ``</s>`` 2, ``<pad>`` 3, ``<|im_start|>`` 4, ``<|im_end|>`` 5,
-  then ``<0x00>``..``<0xFF>`` (6..261) as ordinary tokens, so ``skip_special_tokens`` keeps
-  what they spell. As in Llama-2, text after a special token starts with "▁" (a space).
+* gpt2 / qwen2 / qwen3 / qwen2_moe / qwen3_moe -- byte-level BPE. gpt2 splits like GPT-2; the
+  Qwen ones use exactly the pipeline transformers' ``Qwen2Tokenizer`` builds (see
+  ``engine.tokenizer``). Special tokens: ``<|endoftext|>`` 0 (bos = eos, never added by
+  encode), ``<|pad|>`` 1, ``<|im_start|>`` 2, ``<|im_end|>`` 3.
+* llama / mistral / mixtral -- Llama-2-style SentencePiece BPE with byte fallback: ``<unk>`` 0,
+  ``<s>`` 1 (added in front by encode), ``</s>`` 2, ``<pad>`` 3, ``<|im_start|>`` 4,
+  ``<|im_end|>`` 5, then ``<0x00>``..``<0xFF>`` (6..261) as ordinary tokens, so
+  ``skip_special_tokens`` keeps what they spell. As in Llama-2, text after a special token
+  starts with "▁" (a space).
 
 The trained vocabulary has at most MAX_TRAINED_VOCAB tokens; up to the model's vocab_size it is
 padded with ordinary filler tokens that decode to " tok<id>" (nothing encodes to them), so
@@ -40,7 +41,7 @@ from transformers import PreTrainedTokenizerFast
 
 from services.tiny_corpus import synthetic_corpus
 
-BYTE_FALLBACK_ARCHS = ("llama", "mistral")
+BYTE_FALLBACK_ARCHS = ("llama", "mistral", "mixtral")
 
 # --- Tokenizer ------------------------------------------------------------------------------------
 

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = DENSE_ARCHS + MOE_ARCHS
 _ROOT = tempfile.mkdtemp(prefix="sluice-test-models-")
 
 

@@ -80,11 +80,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        inter, bias = config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        inter = intermediate_size or config.intermediate_size
+        bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedLinear(
             config.hidden_size, [("gate", inter), ("up", inter)], bias=bias
         )
@@ -99,7 +100,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary, variant)
-        self.mlp = LlamaMLP(config)
+        self.mlp = variant.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -157,6 +158,11 @@ class LlamaForCausalLM(nn.Module):
         """(bias on q/k/v, bias on o_proj)."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
+
+    @staticmethod
+    def make_mlp(config, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s feed-forward block (mixture-of-experts models override it)."""
+        return LlamaMLP(config)
 
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()

@@ -11,6 +11,9 @@ _MODELS = {
     "MistralForCausalLM": "engine.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "engine.models.llama:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "engine.models.llama_moe:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "engine.models.llama_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.llama_moe:Qwen3MoeForCausalLM",
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
 }
 

@@ -32,8 +32,8 @@ from tests.factories import assert_greedy_match, hf_greedy, mixed_prompts, tiny_
 pytestmark = pytest.mark.gpu
 
 MAX_NEW = 24
-FP32_ARCHS = ("llama", "qwen3", "gpt2")
-BF16_ARCHS = ("llama", "qwen3", "gpt2")
+FP32_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe")  # the MoE: the Triton fused MoE
+BF16_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe")
 MIN_AGREEMENT = 0.99  # the bar, on the tie-aware count (see `score`)
 RAW_FLOOR = 0.95  # plain argmax agreement; a real bug (mask, rope, KV slot) lands far below
 TIE_ULPS = 2

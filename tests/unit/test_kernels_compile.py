@@ -22,11 +22,18 @@ ATTENTION_KERNELS = ("_decode_split_kernel", "_decode_merge_kernel", "_extend_ke
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))
+# the fused MoE at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, decode and prefill row blocks
+MOE_CASES = [
+    f"moe {shape} T{tokens}"
+    for shape in ("H2048 E128 k8 I768", "H4096 E8 k2 I14336")
+    for tokens in (4, 1024)
+]
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
 
 
 def expected_variants() -> list[tuple]:
-    """(kernel, dtype, head_dim, Hq, Hk) for every kernel the launchers must have compiled."""
+    """(kernel, dtype, head_dim, Hq, Hk, case) for every kernel the launchers must have
+    compiled."""
     rows = [
         (kernel, dtype, head_dim, hq, hk)
         for dtype in DTYPES
@@ -35,11 +42,19 @@ def expected_variants() -> list[tuple]:
         for kernel in ATTENTION_KERNELS
     ]
     rows += [("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in HEAD_DIMS]
-    return rows + [("_resolve_kernel", "int64", None, None, None)]
+    rows = [(*row, None) for row in rows]
+    rows += [
+        ("_grouped_gemm_kernel", dtype, None, None, None, f"{case} #{gemm}")
+        for dtype in DTYPES
+        for case in MOE_CASES
+        for gemm in (1, 2)
+    ]
+    return rows + [("_resolve_kernel", "int64", None, None, None, None)]
 
 
 def _key(variant: dict) -> tuple:
-    return tuple(variant[k] for k in ("kernel", "dtype", "head_dim", "num_heads", "num_kv_heads"))
+    keys = ("kernel", "dtype", "head_dim", "num_heads", "num_kv_heads", "case")
+    return tuple(variant.get(k) for k in keys)
 
 
 def _require_nvidia_compiler() -> None:

@@ -51,6 +51,26 @@ ARCH_CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**_LLAMA_SHAPE, sliding_window=None),
     "qwen2": lambda: transformers.Qwen2Config(**_LLAMA_SHAPE, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**_LLAMA_SHAPE, head_dim=24),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **_LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+    ),
+    # layer 1 of 3 is dense (mlp_only_layers); shared expert; top-k weights not renormalised
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **{**_LLAMA_SHAPE, "num_hidden_layers": 3},
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+        mlp_only_layers=[1],
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **_LLAMA_SHAPE,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=3,
+        moe_intermediate_size=40,
+        norm_topk_prob=True,
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64,
         n_layer=2,
@@ -163,7 +183,11 @@ def case(request, tmp_path_factory) -> ArchCase:
 
 
 def _hf_model(path: str, dtype: torch.dtype):
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    # eager experts: transformers' default grouped_mm has no float64
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, experts_implementation="eager"
+    )
+    return hf.eval()
 
 
 def _random_ids(lens: list[int], seed: int) -> list[list[int]]:

@@ -1,0 +1,161 @@
+"""Mixture-of-experts feed-forward: top-k routing and the experts' SwiGLU MLPs.
+
+Every expert's weights are stacked into one tensor, as SGLang's and vLLM's `FusedMoE` hold
+them: `w13[e]` is expert e's [gate; up] projection ([2 * inter, hidden]) and `w2[e]` its down
+projection ([hidden, inter]). Checkpoints store one matrix per expert
+(`experts.{e}.gate_proj.weight`, or Mixtral's `w1` / `w3` / `w2`); the loader sends each into
+its rows through `ExpertWeights.load_shard` with shard id `(e, "gate" | "up" | "down")`.
+
+Routing follows transformers: softmax over the router logits in float32, the top k
+probabilities, renormalised to sum to 1 where the model says so (`norm_topk_prob`; Mixtral
+always). `fused_experts` then computes each token's weighted sum of its experts' outputs:
+on CUDA with Triton as two grouped GEMMs (`kernels.fused_moe`, CUDA-graph capturable), else
+with `fused_experts_torch`, which runs each chosen expert once over its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ExpertWeights(nn.Module):
+    """`weight[e]` = expert e's [out, in] matrix, whose output rows are the named shards."""
+
+    def __init__(self, num_experts: int, in_features: int, shards: Sequence[tuple[str, int]]):
+        super().__init__()
+        out_features = sum(size for _, size in shards)
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.shard_ranges: dict[tuple[int, str], tuple[int, int]] = {}
+        for expert in range(num_experts):
+            offset = 0
+            for name, size in shards:
+                self.shard_ranges[(expert, name)] = (offset, size)
+                offset += size
+
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]
+    ) -> None:
+        if shard_id not in self.shard_ranges:
+            raise ValueError(f"no expert shard {shard_id!r} (experts: {self.weight.shape[0]})")
+        offset, size = self.shard_ranges[shard_id]
+        target = param.data[shard_id[0]].narrow(0, offset, size)
+        if target.shape != loaded.shape:
+            raise ValueError(
+                f"expert shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does not "
+                f"match expected {tuple(target.shape)}"
+            )
+        target.copy_(loaded)
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k] int64) of each token's top-k experts."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t."""
+    if x.is_cuda:
+        from kernels.jit import HAS_TRITON
+
+        if HAS_TRITON:
+            from kernels.fused_moe import fused_experts_triton
+
+            return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)
+
+
+def fused_experts_torch(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_experts` in torch (the reference of the Triton kernels).
+
+    The (token, choice) pairs are sorted by expert, so each expert that any token chose runs
+    one matmul pair over its tokens. The experts' token counts are read on the host (one sync
+    per layer), so this path is not CUDA-graph capturable.
+    """
+    num_experts = w13.shape[0]
+    top_k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    tokens = order // top_k
+    weights = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = tokens[start : start + count]
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, rows, y * weights[start : start + count])
+        start += count
+    return out
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of one layer: `forward(x, topk_weights, topk_ids)`."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w13 = ExpertWeights(
+            num_experts, hidden_size, [("gate", intermediate_size), ("up", intermediate_size)]
+        )
+        self.w2 = ExpertWeights(num_experts, intermediate_size, [("down", hidden_size)])
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`, no bias) + routed experts, plus Qwen2-MoE's sigmoid-gated shared expert
+    when `shared_expert` is given."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        renormalize: bool,
+        shared_expert: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {num_experts}]")
+        self.top_k, self.renormalize = top_k, renormalize
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size)
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

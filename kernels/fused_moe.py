@@ -1,0 +1,153 @@
+"""Mixture-of-experts feed-forward as two grouped GEMMs (the GPU path of
+`engine.layers.moe.fused_experts`; the torch loop there is the reference).
+
+1. `moe_align`: the T * k (token, choice) pairs sorted by expert, each expert's run padded to
+   a multiple of BLOCK_M with the sentinel T * k, so that every BLOCK_M rows belong to one
+   expert. All in torch with shapes fixed by (T, k, E, BLOCK_M) and no host read, so the
+   whole layer can be captured in a CUDA graph: the buffers are sized for the worst case
+   (T * k + E * (BLOCK_M - 1) rows) and blocks past the padded total return at once.
+2. `_grouped_gemm_kernel` (grid: row blocks x column blocks): a block loads its expert id and
+   its BLOCK_M pair ids, gathers their A rows (token = pair // k for the first GEMM, the pair's
+   own row for the second) and multiplies them by that expert's [N, K] weight; the second
+   GEMM scales each row by its routing weight. Rows are written per pair: [T * k, N].
+3. SiLU-and-mul between the two, and the sum over each token's k rows after, in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.jit import cdiv, dot_dtype, dot_precision, launch_opts
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [capacity], expert of each BLOCK_M rows [capacity / block_m],
+    padded total [1]) for `topk_ids` [T, k]. Padding rows hold T * k; blocks past the total
+    hold expert id `num_experts`."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    capacity = num_pairs + num_experts * (block_m - 1)
+    capacity = cdiv(capacity, block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    start = torch.cumsum(counts, 0) - counts  # of each expert's run in the sorted order
+    order = torch.argsort(flat, stable=True)
+    expert_sorted = flat[order]
+    rank = torch.arange(num_pairs, device=flat.device) - start[expert_sorted]
+    dest = padded_end[expert_sorted] - padded[expert_sorted] + rank
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, capacity, block_m, device=flat.device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_ids, block_experts, padded_end[-1:].to(torch.int32)
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    routed_weight_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    total_ptr,
+    num_pairs,
+    N,
+    K,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    A_ROWS_PER_PAIR: tl.constexpr,  # top_k for the first GEMM (rows of x), 1 for the second
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_ptr):
+        return
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    pair_mask = pairs < num_pairs
+    rows = pairs // A_ROWS_PER_PAIR
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(routed_weight_ptr + pairs, mask=pair_mask, other=0.0)
+        acc = acc * weight[:, None]
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & n_mask[None, :])
+
+
+def _block_sizes(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): short row blocks when experts get few tokens each (decode),
+    64-row blocks for prefill; float32 halves BLOCK_K (twice the bytes per element)."""
+    block_m = 16 if num_pairs <= 4 * num_experts else 64
+    return block_m, 64, 32 if dtype == torch.float32 else 64
+
+
+def _grouped_gemm(a, w, c, routed_weight, align, num_pairs, rows_per_pair, block_sizes):
+    sorted_ids, block_experts, total = align
+    block_m, block_n, block_k = block_sizes
+    num_experts, n, k = w.shape
+    assert a.stride(1) == 1 and w.stride(2) == 1 and c.stride(1) == 1
+    grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, c, routed_weight, sorted_ids, block_experts, total,
+        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        A_ROWS_PER_PAIR=rows_per_pair,
+        MUL_ROUTED_WEIGHT=routed_weight is not None,
+        DOT_DTYPE=dot_dtype(a.dtype),
+        PRECISION=dot_precision(a.dtype),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **launch_opts(4),
+    )  # fmt: skip
+
+
+def fused_experts_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """As `engine.layers.moe.fused_experts`: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
+    topk_weights [T, k] (float32), topk_ids [T, k] -> [T, H] in x's dtype."""
+    num_tokens, top_k = topk_ids.shape
+    num_experts, inter2, hidden = w13.shape
+    num_pairs = num_tokens * top_k
+    x = x.contiguous()
+    block_sizes = _block_sizes(num_pairs, num_experts, x.dtype)
+    align = moe_align(topk_ids, num_experts, block_sizes[0])
+    gate_up = torch.empty(num_pairs, inter2, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, None, align, num_pairs, top_k, block_sizes)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _grouped_gemm(act, w2, down, weights, align, num_pairs, 1, block_sizes)
+    return down.view(num_tokens, top_k, hidden).sum(dim=1)

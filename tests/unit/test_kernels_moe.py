@@ -1,0 +1,69 @@
+"""The fused MoE kernels against the torch path (in the Triton interpreter on CPU, compiled on
+CUDA), and the alignment that sorts (token, choice) pairs into per-expert row blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.moe import fused_experts_torch, select_experts
+from kernels.testing import triton_test_device
+
+DEVICE, SKIP_REASON = triton_test_device()  # before anything below imports triton
+needs_triton = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+
+
+def _case(num_tokens, num_experts, top_k, hidden, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * inter**-0.5
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    logits[:, 0] = -1e4  # an expert nobody picks: its rows must stay empty
+    weights, ids = select_experts(logits, top_k, renormalize=True)
+    x, w13, w2, weights, ids = (t.to(DEVICE) for t in (x, w13, w2, weights, ids))
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids
+
+
+@needs_triton
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(5, 8, 2), (3, 4, 4), (70, 6, 2)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_moe_align_puts_each_pair_once_in_its_experts_blocks(
+    num_tokens, num_experts, top_k, block_m
+):
+    from kernels.fused_moe import moe_align
+
+    ids = _case(num_tokens, num_experts, top_k, 8, 8, torch.float32)[4]
+    sorted_ids, block_experts, total = moe_align(ids, num_experts, block_m)
+    num_pairs = ids.numel()
+    assert sorted_ids.numel() % block_m == 0
+    assert sorted_ids.numel() >= num_pairs + num_experts * (block_m - 1)
+    total = int(total.item())
+    assert total % block_m == 0
+    valid = sorted_ids[:total]
+    assert sorted(valid[valid < num_pairs].tolist()) == list(range(num_pairs))
+    assert (sorted_ids[total:] == num_pairs).all()
+    flat = ids.reshape(-1).tolist()
+    for block in range(total // block_m):
+        expert = int(block_experts[block])
+        rows = sorted_ids[block * block_m : (block + 1) * block_m].tolist()
+        assert all(flat[p] == expert for p in rows if p < num_pairs), (block, expert, rows)
+    assert (block_experts[total // block_m :] == num_experts).all()
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,hidden,inter",
+    # decode-like (16-row blocks), prefill-like (64-row blocks), sizes off the block grid
+    [(3, 8, 2, 64, 32), (1, 4, 1, 48, 40), (80, 6, 2, 96, 72)],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_triton_matches_torch(num_tokens, num_experts, top_k, hidden, inter, dtype):
+    from kernels.fused_moe import fused_experts_triton
+
+    x, w13, w2, weights, ids = _case(num_tokens, num_experts, top_k, hidden, inter, dtype)
+    got = fused_experts_triton(x, w13, w2, weights, ids)
+    assert got.dtype == dtype and got.shape == x.shape
+    want = fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
