@@ -1,10 +1,13 @@
 """Offline throughput on CPU: sluice vs transformers (padded `generate`, continuous batching),
 and the radix cache on vs off on a shared-prefix workload.
 
-    python benchmarks/offline_throughput.py [--num-prompts 64] [--quick]
+    python benchmarks/offline_throughput.py [--num-prompts 64] [--quick] [--arch qwen3_moe]
 
 Everything is measured side by side in one run on the same random weights (a Llama of
 realistic shape for a CPU: hidden 1024, 8 layers, GQA 16/4, vocab 32000; `--preset small`).
+`--arch` takes any `make-tiny-model` architecture at that shape; a mixture-of-experts one
+(qwen3_moe, mixtral, qwen2_moe) has 8 experts, 2 per token, of a quarter of the dense MLP
+(Mixtral's of the whole), and writes `offline_throughput_{arch}.json`.
 Absolute numbers on a shared machine are noise; the ratios are the result.
 """
 
@@ -148,6 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--preset", default="small")
+    ap.add_argument("--arch", default="llama", help="make-tiny-model architecture")
     ap.add_argument("--model", default=None, help="an existing model folder (default: generate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="tiny model and workload (smoke test)")
@@ -167,9 +171,9 @@ def main() -> None:
         from services.tiny_model import make_tiny_model
 
         preset = "tiny" if args.quick else args.preset
-        path = os.path.join(tempfile.gettempdir(), f"sluice-bench-llama-{preset}")
+        path = os.path.join(tempfile.gettempdir(), f"sluice-bench-{args.arch}-{preset}")
         if not os.path.exists(os.path.join(path, "config.json")):
-            make_tiny_model(path, arch="llama", preset=preset, seed=args.seed)
+            make_tiny_model(path, arch=args.arch, preset=preset, seed=args.seed)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size
@@ -241,7 +245,8 @@ def main() -> None:
     print_table(rows, columns + ["output_tok_per_cpu_s", "cached_tokens"])
     for k, v in summary.items():
         print(f"{k}: {v}")
-    name = "offline_throughput_quick" if args.quick else "offline_throughput"
+    name = "offline_throughput" + ("" if args.arch == "llama" else f"_{args.arch}")
+    name += "_quick" if args.quick else ""
     print("wrote", write_result(name, results, summary, torch_threads=torch.get_num_threads()))
 
 

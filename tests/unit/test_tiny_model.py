@@ -235,6 +235,20 @@ def test_tiny_architecture_details() -> None:
         build_config("gpt2", num_kv_heads=1)
 
 
+def test_mixture_of_experts_settings() -> None:
+    qwen3 = build_config("qwen3_moe", num_experts=6, num_experts_per_tok=3)
+    assert (qwen3.num_experts, qwen3.num_experts_per_tok, qwen3.norm_topk_prob) == (6, 3, True)
+    assert qwen3.moe_intermediate_size == qwen3.intermediate_size // 4
+    assert qwen3.mlp_only_layers == [] and qwen3.decoder_sparse_step == 1
+    qwen2 = build_config("qwen2_moe", moe_intermediate_size=24)
+    assert (qwen2.moe_intermediate_size, qwen2.norm_topk_prob) == (24, False)
+    assert qwen2.shared_expert_intermediate_size == qwen2.intermediate_size
+    mixtral = build_config("mixtral", num_experts=4)
+    assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (4, 2)
+    with pytest.raises(ValueError, match="has no experts"):
+        build_config("llama", num_experts=4)
+
+
 def test_command_line(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
