@@ -17,6 +17,10 @@ is then reshaped into a `response` object, or into the API's stream of events
   field of that name does; gpt-oss's template reads it); `reasoning` is echoed.
 * `max_output_tokens`, `temperature`, `top_p`, `parallel_tool_calls`, `metadata` (echoed),
   and the sampling extras of the chat body (`top_k`, `seed`, `stop`, ...) pass through.
+* `include: ["message.output_text.logprobs"]` asks for the output's logprobs (the chat's
+  `logprobs`), with `top_logprobs` (0-20) alternatives at each token, as in OpenAI's API and
+  vLLM; without it `top_logprobs` is only echoed. The other `include` values name outputs
+  this server has no tools or encrypted reasoning for, and add nothing.
 
 `store` (default true) keeps the response for `previous_response_id` and
 `GET /v1/responses/{id}` (services/responses_store.py); `background` generates it behind
@@ -46,6 +50,11 @@ _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_p
            "skip_special_tokens", "min_tokens", "rid", "priority", "chat_template_kwargs",
            "separate_reasoning", "parallel_tool_calls")  # fmt: skip
 _STATEFUL = ("conversation", "prompt")
+LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results",
+              "web_search_call.results", "web_search_call.action.sources",
+              "message.input_image.image_url", "computer_call_output.output.image_url",
+              "code_interpreter_call.outputs")  # fmt: skip
 
 
 def _invalid(message: str, param: str) -> ApiError:
@@ -64,7 +73,8 @@ class ResponsesRequest(_Strict):
     tool_choice: str | dict[str, Any] | None = None
     text: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
     reasoning: dict[str, Any] | None = None  # `effort` becomes the chat's reasoning_effort
     previous_response_id: str | None = None
     store: bool | None = None  # None: the API's default, true
@@ -84,9 +94,15 @@ class ResponsesRequest(_Strict):
         for name in _STATEFUL:
             if getattr(body, name) not in (None, False):
                 raise ApiError(400, f"{name} is not supported", name, "unsupported")
-        if body.top_logprobs:
-            raise ApiError(400, "top_logprobs is not supported", "top_logprobs", "unsupported")
+        for i, name in enumerate(body.include or []):
+            if name not in INCLUDABLE:
+                raise _invalid(f"include[{i}]: unknown value {name!r}; known: "
+                               f"{', '.join(INCLUDABLE)}", f"include.{i}")  # fmt: skip
         return body
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or [])
 
     def to_chat(
         self, history: list[dict[str, Any]] | None = None, stream: bool | None = None
@@ -111,6 +127,8 @@ class ResponsesRequest(_Strict):
             chat["tools"] = [_chat_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
             chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
+        if self.wants_logprobs:
+            chat["logprobs"], chat["top_logprobs"] = True, self.top_logprobs or 0
         if (self.reasoning or {}).get("effort") is not None:
             chat["reasoning_effort"] = self.reasoning["effort"]  # type: ignore[index]
         fmt = (self.text or {}).get("format")

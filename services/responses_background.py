@@ -37,8 +37,9 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
+from services.responses_items import output_from_events, sse_event
 from services.responses_store import ResponseStore, duplicate_id, not_found
-from services.responses_stream import ResponseShaper, output_from_events, sse_event
+from services.responses_stream import ResponseShaper
 from services.router_fields import ApiError
 from shared.heartbeat import is_live_async
 from shared.keys import ROUTER_KIND, response_cancel_key, response_events_key

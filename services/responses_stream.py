@@ -14,24 +14,33 @@ events and `response.output_item.done`; and `response.completed` (or `.incomplet
 whole response and its usage. An error after the stream started is an `error` event
 followed by `response.failed` (the failed response is stored, as a finished one is). Usage
 has no reasoning token count (`reasoning_tokens` is 0).
+
+Logprobs (`include: ["message.output_text.logprobs"]`): the `output_text` part carries those
+of every output token, reasoning and calls included (as vLLM's does; the chat's logprobs are
+per token, the reasoning split per text). Streamed, each `response.output_text.delta` has the
+tokens generated since the last one, and the finished part has them all.
 """
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from services.responses_api import ResponsesRequest
+from services.responses_items import (
+    call_item,
+    chat_logprobs,
+    message_item,
+    new_id,
+    reasoning_item,
+    sse_event,
+    text_part,
+)
 from services.router_responses import Formatter
 
 _STATUS = {"length": ("incomplete", {"reason": "max_output_tokens"}), "abort": ("cancelled", None)}
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _status(finish: str | None) -> tuple[str, dict | None]:
@@ -51,65 +60,6 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _message(text: str, status: str = "completed") -> dict[str, Any]:
-    content = [_text_part(text)] if status == "completed" else []
-    return {"type": "message", "id": _id("msg"), "status": status, "role": "assistant",
-            "content": content}  # fmt: skip
-
-
-def _reasoning(text: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": _id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
-
-
-def _call(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}  # fmt: skip
-
-
-def sse_event(kind: str, sequence_number: int, **fields: Any) -> bytes:
-    """One event of a streamed response, as it goes to the client."""
-    obj = {"type": kind, "sequence_number": sequence_number, **fields}
-    data = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {kind}\ndata: {data}\n\n".encode()
-
-
-def output_from_events(events: list[bytes]) -> list[dict[str, Any]]:
-    """The output items that a response's events (`sse_event`s, in order) add up to, those not
-    done `incomplete` with what they have: the output of a response whose router died while
-    it generated (services/responses_background.py), as `ResponseShaper.output_so_far`."""
-    items: list[dict[str, Any]] = []
-    texts: dict[int, list[str]] = {}  # the output_text deltas of an open message
-    done: set[int] = set()
-    for event in events:
-        obj = json.loads(event[event.index(b"data: ") + 6:])
-        kind, index = obj["type"], obj.get("output_index")
-        if kind == "response.output_item.added":
-            items.append(obj["item"])
-            texts[index] = []
-        elif kind == "response.output_item.done":
-            items[index] = obj["item"]
-            done.add(index)
-        elif kind == "response.output_text.delta":
-            texts[index].append(obj["delta"])
-        elif kind == "response.reasoning_text.delta":
-            items[index]["content"][0]["text"] += obj["delta"]
-        elif kind == "response.function_call_arguments.delta":
-            items[index]["arguments"] += obj["delta"]
-    for index, item in enumerate(items):
-        if index in done:
-            continue
-        if item["type"] == "message":
-            item["content"] = [_text_part("".join(texts[index]))]
-        if "status" in item:
-            item["status"] = "incomplete"
-    return items
-
-
 async def _after(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     yield first
     async for chunk in rest:
@@ -122,11 +72,13 @@ class ResponseShaper:
     ) -> None:
         self.body, self.fmt = body, fmt
         self.save = save  # stores the final response (services/responses_store.py)
-        self.id, self.created = body._extras.get("rid") or _id("resp"), int(time.time())
+        self.id, self.created = body._extras.get("rid") or new_id("resp"), int(time.time())
         self._seq = 0
         self._items: list[dict[str, Any]] = []  # output items, the last one maybe open
         self._open: str | int | None = None  # "reasoning", "message" or a call's index
         self._pieces: list[str] = []  # the open message's text
+        self._logprobs: list[dict[str, Any]] = []  # every output token's so far
+        self._unsent = 0  # how many of them no output_text delta has carried yet
 
     def envelope(self, status: str, output: list, usage: dict | None = None,
                  incomplete: dict | None = None) -> dict[str, Any]:  # fmt: skip
@@ -141,7 +93,8 @@ class ResponseShaper:
             "store": self.save is not None,
             "temperature": extras.get("temperature"), "top_p": extras.get("top_p"),
             "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
-            "tools": b.tools or [], "truncation": "disabled", "usage": usage,
+            "tools": b.tools or [], "top_logprobs": b.top_logprobs,
+            "truncation": "disabled", "usage": usage,
             "metadata": b.metadata or {}, "background": bool(b.background),
         }  # fmt: skip
 
@@ -152,12 +105,12 @@ class ResponseShaper:
         msg = choice["message"]
         output = []
         if msg.get("reasoning_content"):
-            output.append(_reasoning(msg["reasoning_content"]))
+            output.append(reasoning_item(msg["reasoning_content"]))
         calls = msg.get("tool_calls") or []
         if msg.get("content") or not calls:
-            output.append(_message(msg.get("content") or ""))
+            output.append(message_item(msg.get("content") or "", logprobs=chat_logprobs(choice)))
         for c in calls:
-            output.append(_call(c["id"], c["function"]["name"], c["function"]["arguments"]))
+            output.append(call_item(c["id"], c["function"]["name"], c["function"]["arguments"]))
         status, incomplete = _status(choice["finish_reason"])
         final = self.envelope(status, output, _usage(chat.get("usage")), incomplete)
         if self.save is not None:
@@ -188,11 +141,17 @@ class ResponseShaper:
                     usage = obj.get("usage")
                 else:
                     choice = obj["choices"][0]
+                    new = chat_logprobs(choice)
+                    self._logprobs += new
+                    self._unsent += len(new)
                     for ev in self._delta(choice["delta"]):
                         yield ev
                     finish = choice.get("finish_reason") or finish
             for ev in self._close():
                 yield ev
+            for item in self._items:  # tokens after the text closed too, as in a whole one
+                if item["type"] == "message":
+                    item["content"][0]["logprobs"] = list(self._logprobs)
             status, incomplete = _status(finish)
             kind = "response.completed" if status == "completed" else f"response.{status}"
             final = self.envelope(status, self._items, _usage(usage), incomplete)
@@ -232,13 +191,13 @@ class ResponseShaper:
         out.append(self.event("response.output_item.added", output_index=index, item=item))
         if kind == "message":
             ids = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            out.append(self.event("response.content_part.added", **ids, part=_text_part("")))
+            out.append(self.event("response.content_part.added", **ids, part=text_part("")))
         return out
 
     def _text(self, kind: str, text: str) -> list[bytes]:
         out = []
         if self._open != kind:
-            item = _reasoning("") if kind == "reasoning" else _message("", "in_progress")
+            item = reasoning_item("") if kind == "reasoning" else message_item("", "in_progress")
             out = self._open_item(kind, item)
         item, index = self._items[-1], len(self._items) - 1
         if kind == "reasoning":
@@ -247,7 +206,10 @@ class ResponseShaper:
         else:
             self._pieces.append(text)
             name = "response.output_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"] = self._logprobs[len(self._logprobs) - self._unsent :]
+            self._unsent = 0
         out.append(self.event(name, item_id=item["id"], output_index=index, content_index=0,
                               delta=text, **extra))  # fmt: skip
         return out
@@ -256,7 +218,8 @@ class ResponseShaper:
         fn = call.get("function") or {}
         out = []
         if self._open != call["index"]:
-            out = self._open_item(call["index"], _call(call["id"], fn["name"], "", "in_progress"))
+            item = call_item(call["id"], fn["name"], "", "in_progress")
+            out = self._open_item(call["index"], item)
         piece = fn.get("arguments") or ""
         if piece:
             item = self._items[-1]
@@ -277,10 +240,10 @@ class ResponseShaper:
             out.append(self.event("response.reasoning_text.done", **ids, content_index=0,
                                   text=text))  # fmt: skip
         elif self._open == "message":
-            part = _text_part("".join(self._pieces))
+            part = text_part("".join(self._pieces), list(self._logprobs))
             item["content"], item["status"] = [part], "completed"
             out.append(self.event("response.output_text.done", **ids, content_index=0,
-                                  text=part["text"], logprobs=[]))  # fmt: skip
+                                  text=part["text"], logprobs=part["logprobs"]))  # fmt: skip
             out.append(self.event("response.content_part.done", **ids, content_index=0,
                                   part=part))  # fmt: skip
         else:
@@ -298,7 +261,7 @@ class ResponseShaper:
         if self._open is not None:
             last = items[-1]
             if self._open == "message":
-                last["content"] = [_text_part("".join(self._pieces))]
+                last["content"] = [text_part("".join(self._pieces), list(self._logprobs))]
             if "status" in last:
                 last["status"] = "incomplete"
         return items

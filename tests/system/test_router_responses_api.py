@@ -135,6 +135,37 @@ def test_the_event_stream_adds_up_to_the_response(fake: FakeWorker, base: str) -
     assert evs[0]["response"]["id"] == final["id"]
 
 
+def test_include_logprobs_gives_the_chats_logprobs_whole_and_streamed(
+    fake: FakeWorker, base: str
+) -> None:
+    text = "logprobs, please"
+    include = ["message.output_text.logprobs"]
+    chat = httpx.post(base + "/v1/chat/completions", timeout=30, json={
+        "model": "fake-model", "messages": [{"role": "user", "content": text}],
+        "logprobs": True, "top_logprobs": 2}).json()  # fmt: skip
+    want = chat["choices"][0]["logprobs"]["content"]
+    assert len(want) == len(text) and all(len(t["top_logprobs"]) == 2 for t in want)
+    body = post(base, input=text, include=include, top_logprobs=2).json()
+    assert body["top_logprobs"] == 2
+    part = body["output"][0]["content"][0]
+    assert part["text"] == text[::-1] and part["logprobs"] == want
+    assert fake.received[-1].return_logprob and fake.received[-1].top_logprobs_num == 2
+    evs = events(base, input=text, include=include, top_logprobs=2)
+    deltas = [e for e in evs if e["type"] == "response.output_text.delta"]
+    assert [t for e in deltas for t in e["logprobs"]] == want
+    assert all(len(e["logprobs"]) >= 1 for e in deltas)
+    (done,) = [e for e in evs if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == want
+    assert evs[-1]["response"]["output"][0]["content"][0]["logprobs"] == want
+    # no include: no logprobs asked of the worker, top_logprobs only echoed
+    body = post(base, input=text, top_logprobs=3).json()
+    assert body["output"][0]["content"][0]["logprobs"] == [] and body["top_logprobs"] == 3
+    assert not fake.received[-1].return_logprob
+    zero = post(base, input=text, include=include).json()["output"][0]["content"][0]
+    assert [t["logprob"] for t in zero["logprobs"]] == [t["logprob"] for t in want]
+    assert all(t["top_logprobs"] == [] for t in zero["logprobs"])
+
+
 def test_input_items_become_the_chat_conversation(fake: FakeWorker, base: str) -> None:
     items = [
         {"role": "developer", "content": "use tools"},
@@ -176,6 +207,8 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(fake: FakeWorker, base: str
         ({"input": "x", "tool_choice": {"type": "file_search"}}, "tool_choice"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "input.0.role"),
         ({"input": 5}, "input"),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
+        ({"input": "x", "include": ["message.output_text.logprobs", "bogus"]}, "include.1"),
     ]
     for body, param in cases:
         resp = post(base, **body)

@@ -9,7 +9,8 @@ import json
 from collections.abc import AsyncIterator
 
 from services.responses_api import ResponsesRequest
-from services.responses_stream import ResponseShaper, output_from_events
+from services.responses_items import output_from_events
+from services.responses_stream import ResponseShaper
 
 
 class FakeFormatter:
@@ -34,10 +35,14 @@ def call(index: int, args: str, name: str | None = None) -> dict:
 
 
 def run(
-    chunks: list[dict | str], saved: list[dict] | None = None, raw: list[bytes] | None = None
+    chunks: list[dict | str],
+    saved: list[dict] | None = None,
+    raw: list[bytes] | None = None,
+    **request: object,
 ) -> list[dict]:
     """The events; what the shaper stores goes to `saved`, the events' bytes to `raw`."""
-    body = ResponsesRequest.parse(json.dumps({"model": "m", "input": "x", "stream": True}).encode())
+    fields = {"model": "m", "input": "x", "stream": True, **request}
+    body = ResponsesRequest.parse(json.dumps(fields).encode())
 
     async def save(response: dict) -> None:
         assert saved is not None
@@ -172,3 +177,39 @@ def test_the_output_rebuilt_from_the_events_is_what_a_failed_stream_stored() -> 
                   delta(content="rt"), error, "[DONE]"], saved, raw)  # fmt: skip
     assert events[-2]["type"] == "error"
     assert output_from_events(raw[:-2]) == saved[0]["output"]
+
+
+def lp(*tokens: str) -> dict:
+    return {"content": [{"token": t, "logprob": -1.0, "bytes": list(t.encode()),
+                         "top_logprobs": []} for t in tokens]}  # fmt: skip
+
+
+def test_logprobs_of_reasoning_tokens_go_with_the_first_text_delta_and_the_part_has_all() -> None:
+    with_lp = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "reasoning_content": "hm"},
+                      "logprobs": lp("<think>", "hm"), "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "an"}, "logprobs": lp("</think>", "an"),
+                      "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "swer"}, "logprobs": lp("swer"),
+                      "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {}, "logprobs": lp("<|im_end|>"),
+                      "finish_reason": "stop"}]},
+        USAGE, "[DONE]",
+    ]  # fmt: skip
+    raw: list[bytes] = []
+    events = run(with_lp, raw=raw, include=["message.output_text.logprobs"])
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [[t["token"] for t in e["logprobs"]] for e in deltas] == [
+        ["<think>", "hm", "</think>", "an"], ["swer"]]  # fmt: skip
+    final = events[-1]["response"]
+    part = final["output"][1]["content"][0]
+    assert [t["token"] for t in part["logprobs"]] == ["<think>", "hm", "</think>", "an", "swer",
+                                                      "<|im_end|>"]  # fmt: skip
+    rebuilt = output_from_events(raw[: kinds_index(events, "response.output_text.delta", 2)])
+    assert [t["token"] for t in rebuilt[1]["content"][0]["logprobs"]] == [
+        "<think>", "hm", "</think>", "an", "swer"]  # fmt: skip
+
+
+def kinds_index(events: list[dict], kind: str, nth: int) -> int:
+    """The length of the prefix of events that ends with the nth event of `kind`."""
+    return [i for i, e in enumerate(events) if e["type"] == kind][nth - 1] + 1
