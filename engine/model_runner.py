@@ -59,8 +59,9 @@ class ModelRunner:
         self.model_config = model_config
         self.args = args
         self.device = torch.device(args.device)
-        config_dtype = getattr(model_config.hf_config, "torch_dtype", None) or getattr(
-            model_config.hf_config, "dtype", None
+        # `dtype` first: transformers 5 warns on every read of its old name, `torch_dtype`
+        config_dtype = getattr(model_config.hf_config, "dtype", None) or getattr(
+            model_config.hf_config, "torch_dtype", None
         )
         self.dtype = resolve_dtype(args.dtype, str(config_dtype).replace("torch.", ""))
         if self.device.type == "cpu" and args.dtype == "auto":
