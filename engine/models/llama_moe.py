@@ -71,6 +71,22 @@ class MixtralForCausalLM(_MoeWeights, LlamaForCausalLM):
         )
 
 
+def _qwen_moe_mlp(config, layer_id: int, renormalize_default: bool) -> nn.Module:
+    """A Qwen-MoE layer's block: dense off the sparse grid, else the experts (and a shared
+    expert where the config sizes one)."""
+    if not _is_sparse_layer(config, layer_id):
+        return LlamaMLP(config)
+    shared_size = getattr(config, "shared_expert_intermediate_size", 0)
+    return SparseMoeBlock(
+        config.hidden_size,
+        num_experts=config.num_experts,
+        top_k=config.num_experts_per_tok,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=bool(getattr(config, "norm_topk_prob", renormalize_default)),
+        shared_expert=LlamaMLP(config, shared_size) if shared_size else None,
+    )
+
+
 class Qwen2MoeForCausalLM(_MoeWeights, LlamaForCausalLM):
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
@@ -78,28 +94,10 @@ class Qwen2MoeForCausalLM(_MoeWeights, LlamaForCausalLM):
 
     @staticmethod
     def make_mlp(config, layer_id: int) -> nn.Module:
-        if not _is_sparse_layer(config, layer_id):
-            return LlamaMLP(config)
-        shared_size = getattr(config, "shared_expert_intermediate_size", 0)
-        return SparseMoeBlock(
-            config.hidden_size,
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", False)),
-            shared_expert=LlamaMLP(config, shared_size) if shared_size else None,
-        )
+        return _qwen_moe_mlp(config, layer_id, renormalize_default=False)
 
 
 class Qwen3MoeForCausalLM(_MoeWeights, Qwen3ForCausalLM):
     @staticmethod
     def make_mlp(config, layer_id: int) -> nn.Module:
-        if not _is_sparse_layer(config, layer_id):
-            return LlamaMLP(config)
-        return SparseMoeBlock(
-            config.hidden_size,
-            num_experts=config.num_experts,
-            top_k=config.num_experts_per_tok,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", True)),
-        )
+        return _qwen_moe_mlp(config, layer_id, renormalize_default=True)
