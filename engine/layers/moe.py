@@ -15,7 +15,8 @@ with `fused_experts_torch`, which runs each chosen expert once over its tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -70,14 +71,20 @@ def fused_experts(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t."""
-    if x.is_cuda:
-        from kernels.jit import HAS_TRITON
+    impl = _cuda_experts() if x.is_cuda else fused_experts_torch
+    return impl(x, w13, w2, topk_weights, topk_ids)
 
-        if HAS_TRITON:
-            from kernels.fused_moe import fused_experts_triton
 
-            return fused_experts_triton(x, w13, w2, topk_weights, topk_ids)
-    return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)
+@functools.cache
+def _cuda_experts() -> Callable[..., torch.Tensor]:
+    """The Triton kernels (torch without Triton), looked up once, not on every layer's call."""
+    from kernels.jit import HAS_TRITON
+
+    if not HAS_TRITON:
+        return fused_experts_torch
+    from kernels.fused_moe import fused_experts_triton
+
+    return fused_experts_triton
 
 
 def fused_experts_torch(
