@@ -23,8 +23,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 # build_tokenizer is also imported from here (this module's public API before the split).
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *MOE_ARCHS)
 
 # --- Model ----------------------------------------------------------------------------------------
 
@@ -66,6 +66,7 @@ class ModelShape:
 
 
 _SIZE_KEYS = tuple(f.name for f in dataclasses.fields(ModelShape))
+_MOE_KEYS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size"}
 # preset -> (shape, its own architecture, other transformers config fields)
 PRESETS: dict[str, tuple[ModelShape, str, dict[str, Any]]] = {
     "tiny": (ModelShape(64, 2, 4, 2, 176, 1536, 2048), "llama", {}),
@@ -116,7 +117,7 @@ def build_config(
     arch_fields = _gpt2_fields(shape, explicit) if arch == "gpt2" else _rope_fields(arch, shape)
     if arch in MOE_ARCHS:
         arch_fields.update(_moe_fields(arch, shape))
-    elif {"num_experts", "num_experts_per_tok", "moe_intermediate_size"} & explicit.keys():
+    elif _MOE_KEYS & explicit.keys():
         raise ValueError(f"{arch} has no experts; the expert sizes are for {MOE_ARCHS}")
     return AutoConfig.for_model(arch, **arch_fields, **fields)
 
