@@ -51,6 +51,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     tie_word_embeddings: bool
     hf_config: object = field(repr=False, compare=False)
+    # per layer: the sliding attention window (keys a query sees, itself included), or None
+    sliding_windows: tuple[int | None, ...] = ()
 
     @classmethod
     def from_pretrained(cls, path: str, context_length: int | None = None) -> ModelConfig:
@@ -78,7 +80,33 @@ class ModelConfig:
             eos_token_ids=_eos_token_ids(path, hf),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             hf_config=hf,
+            sliding_windows=layer_sliding_windows(hf, num_layers),
         )
+
+    @property
+    def sliding_window_sizes(self) -> set[int]:
+        """The distinct windows of the model's windowed layers (empty: full attention)."""
+        return {w for w in self.sliding_windows if w is not None}
+
+
+# Architectures whose transformers implementation applies `config.sliding_window` (Llama's
+# and GPT-2's ignore it).
+_SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
+def layer_sliding_windows(hf: object, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's attention window as transformers applies it: `sliding_window` keys (the
+    query's own included; 0 or None is no window), on the layers that `layer_types` marks
+    "sliding_attention" where the config has that list (Qwen2 and Qwen3 derive it from
+    `use_sliding_window` and `max_window_layers`), else on every layer (Mistral, Mixtral,
+    Qwen3-MoE)."""
+    window = getattr(hf, "sliding_window", None)
+    if getattr(hf, "model_type", None) not in _SLIDING_WINDOW_TYPES or not window:
+        return (None,) * num_layers
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is None:
+        return (int(window),) * num_layers
+    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
 def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:

@@ -113,8 +113,8 @@ class ModelRunner:
 
     def _attention_backend_name(self) -> str:
         """`attention_backend` when given; by default flashinfer on CUDA where it can run this
-        model (installed, fp16/bf16, a head size it compiles), else triton; torch_native on
-        CPU."""
+        model (installed, fp16/bf16, a head size it compiles, at most one sliding window), else
+        triton; torch_native on CPU."""
         name = self.args.resolved_attention_backend
         if self.args.attention_backend or name != "flashinfer":
             return name
@@ -127,6 +127,8 @@ class ModelRunner:
             why = f"flashinfer has no {self.dtype} kernels"
         elif head_dim not in fi.SUPPORTED_HEAD_DIMS:
             why = f"flashinfer has no head_dim {head_dim} kernels"
+        elif len(self.model_config.sliding_window_sizes) > 1:
+            why = "the model has several sliding windows"
         else:
             return "flashinfer"
         logger.info("attention backend: triton (%s)", why)

@@ -29,7 +29,9 @@ def attend_paged_keys(
     scale_log2,
     offs_d,
     mask_d,
+    row_lo,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -41,7 +43,10 @@ def attend_paged_keys(
     lives at pool slot `req_to_token[row, j]`, head `kv_head`, of k_buf / v_buf
     [num_slots, Hk, D]. Every key in the range is visible to every query row (no causal
     mask); `scale_log2` is scale * log2(e). Keys are read BLOCK_N at a time from `start`; the
-    last block is masked at `end`.
+    last block is masked at `end`. WINDOWED (a sliding-window layer whose rows see different
+    ranges): key j is also hidden from row r when j < row_lo[r] ([ROWS] int32); otherwise
+    row_lo is not read. A row that sees no key of a block keeps its state (its m_i stays above
+    -inf, so exp2 of the masked scores is 0, never NaN).
     """
     offs_n = tl.arange(0, BLOCK_N)
     for block_start in range(start, end, BLOCK_N):
@@ -56,7 +61,10 @@ def attend_paged_keys(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        if WINDOWED:
+            qk = tl.where(mask_n[None, :] & (pos[None, :] >= row_lo[:, None]), qk, float("-inf"))
+        else:
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])

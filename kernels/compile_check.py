@@ -55,6 +55,10 @@ from kernels.kv_store import store_kv
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HEAD_DIMS = (64, 128)
 HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))  # (Hq, Hk): GPT-2, Llama-3.2-1B, Qwen2 (group 7)
+# sliding-window attention (its own kernel variants): Mistral-7B-v0.1's window and heads, and
+# Qwen2's heads
+WINDOW = 4096
+WINDOW_HEAD_SHAPES = ((32, 8), (28, 4))
 STORE_KV_HEADS = 8
 # (hidden, experts, top_k, expert intermediate): Qwen3-30B-A3B, Mixtral-8x7B
 MOE_SHAPES = ((2048, 128, 8, 768), (4096, 8, 2, 14336))
@@ -73,7 +77,7 @@ class Variant:
     num_heads: int | None = None  # Hq
     num_kv_heads: int | None = None  # Hk
     num_warps: int | None = None
-    case: str | None = None  # what other cases (the fused MoE's) are, and which compile of it
+    case: str | None = None  # a sliding window, or a fused MoE case and which compile of it
     blocks: dict[str, int] = field(default_factory=dict)
     registers: int | None = None
     stack: int | None = None
@@ -159,7 +163,9 @@ def offline_compiler(arch: int) -> Iterator[list[dict[str, Any]]]:
                 jit_fn.device_caches.clear()
 
 
-def _launch(dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool) -> None:
+def _launch(
+    dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1
+) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
     are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read."""
     batch, tokens, slots = 4, 64, 4096
@@ -173,9 +179,11 @@ def _launch(dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool
     r2t, rows = torch.zeros(16, 4096, dtype=torch.int32), torch.arange(batch)
     lens = torch.full((batch,), tokens // batch)
     prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
-    decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale)
+    decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale,
+                     window_left=window_left)  # fmt: skip
     extend_attention(
-        q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale
+        q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale,
+        window_left=window_left,
     )
 
 
@@ -201,6 +209,12 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for hq, hk in HEAD_SHAPES:
                 labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk}
                 yield labels, functools.partial(_launch, dtype, hq, hk, head_dim, attention=True)
+            for hq, hk in WINDOW_HEAD_SHAPES:
+                labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk,
+                          "case": f"window {WINDOW}"}  # fmt: skip
+                yield labels, functools.partial(
+                    _launch, dtype, hq, hk, head_dim, attention=True, window_left=WINDOW - 1
+                )
             kv = STORE_KV_HEADS  # store_kv's code depends on dtype and head_dim only
             labels = {"dtype": name, "head_dim": head_dim, "num_kv_heads": kv}
             yield labels, functools.partial(_launch, dtype, kv, kv, head_dim, attention=False)
@@ -239,7 +253,7 @@ def check(arch: int = 90) -> list[Variant]:
             counts: dict[str, int] = {}
             for info in compiled[start:]:
                 extra = {"problems": _problems(info, arch)}
-                if "case" in labels:  # a case may compile one kernel several times (two GEMMs)
+                if "moe" in labels.get("case", ""):  # two GEMMs: one kernel compiled twice
                     counts[info["kernel"]] = counts.get(info["kernel"], 0) + 1
                     extra["case"] = f"{labels['case']} #{counts[info['kernel']]}"
                 variants.append(Variant(**{**labels, **info, **extra}))
@@ -254,7 +268,7 @@ def _table(variants: list[Variant]) -> str:
         blocks = ",".join(f"{k.removeprefix('BLOCK_')}={n}" for k, n in v.blocks.items())
         figures = (v.registers, v.stack, v.spill_stores, v.spill_loads, v.shared)
         status = "OK" if not v.problems else "; ".join(v.problems).splitlines()[0][:100]
-        shape = v.head_dim or (v.case or "").replace(" ", "_") or None
+        shape = "|".join(str(x).replace(" ", "_") for x in (v.head_dim, v.case) if x) or None
         cells = (v.kernel, v.dtype, shape, heads, v.num_warps, blocks, *figures, status)
         rows.append(["-" if c is None else str(c) for c in cells])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head.split()) - 1)]

@@ -31,6 +31,15 @@ from kernels.jit import LOG2E, dot_dtype, dot_precision, launch_opts, next_pow2
 
 
 @triton.jit
+def _first_key(seq_len, WINDOW_LEFT: tl.constexpr):
+    """The first key the last query sees: 0, or with a sliding window (WINDOW_LEFT >= 0) the
+    first of its last WINDOW_LEFT + 1 keys."""
+    if WINDOW_LEFT >= 0:
+        return tl.maximum(seq_len - 1 - WINDOW_LEFT, 0)
+    return 0
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     k_buf_ptr,
@@ -54,6 +63,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -64,8 +74,9 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    lo = _first_key(seq_len, WINDOW_LEFT)
+    split_len = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start < end:
         row = tl.load(req_pool_indices_ptr + req).to(tl.int64)
@@ -82,8 +93,8 @@ def _decode_split_kernel(
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         m_i, l_i, acc = attend_paged_keys(
             q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
-            stride_buf_s, stride_buf_h, kv_head, start, end, scale_log2, offs_d, mask_d,
-            BLOCK_N, DOT_DTYPE, PRECISION,
+            stride_buf_s, stride_buf_h, kv_head, start, end, scale_log2, offs_d, mask_d, 0,
+            BLOCK_N, False, DOT_DTYPE, PRECISION,
         )  # fmt: skip
         mid_row = req.to(tl.int64) * stride_mob + heads * stride_moh + split * stride_mos
         out_mask = mask_h[:, None] & mask_d[None, :]
@@ -107,6 +118,7 @@ def _decode_merge_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -114,10 +126,11 @@ def _decode_merge_kernel(
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    span = seq_len - _first_key(seq_len, WINDOW_LEFT)
+    split_len = tl.cdiv(tl.cdiv(span, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    used = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)
+    used = (offs_s < NUM_SPLITS) & (offs_s * split_len < span)
     lse_off = req * stride_lb + head * stride_lh + offs_s
     lse = tl.load(mid_lse_ptr + lse_off, mask=used, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, 0))
@@ -157,9 +170,12 @@ def decode_attention(
     block_n: int = 64,
     out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> out [B, Hq, D] (q's dtype). `scratch` from `decode_scratch` (with the
-    same num_splits) avoids two allocations per call."""
+    same num_splits) avoids two allocations per call. `window_left` >= 0: a sliding-window
+    layer, each query sees its last window_left + 1 keys (split among the chunks: the window,
+    not the whole context, is what the splits cut)."""
     batch_size, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     group = num_heads // num_kv_heads
@@ -181,6 +197,7 @@ def decode_attention(
         GROUP=group,
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
+        WINDOW_LEFT=window_left,
         BLOCK_H=next_pow2(group, 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -194,6 +211,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
+        WINDOW_LEFT=window_left,
         BLOCK_S=next_pow2(num_splits),
         BLOCK_N=block_n,
         BLOCK_D=block_d,

@@ -4,7 +4,8 @@ Token layout as in ForwardBatch: request i owns the packed rows
 `extend_start_loc[i] .. extend_start_loc[i] + extend_lens[i] - 1` of q [N, Hq, D] and of the new
 k/v [N, Hk, D]; it also has `prefix_lens[i]` cached tokens whose K/V sit in the pool
 k_buffer / v_buffer [num_slots, Hk, D] at slots `req_to_token[req_pool_indices[i], :prefix]`.
-New token t (0-based) sees every prefix token and new tokens 0..t. Reference:
+New token t (0-based) sees every prefix token and new tokens 0..t (in a sliding-window layer,
+`window_left` >= 0, only those at positions >= its own minus window_left). Reference:
 `kernels.reference.extend_attention_ref`.
 
 Grid (B, Hq, cdiv(max_extend_len, BLOCK_M)): a program owns BLOCK_M new tokens of one request
@@ -53,6 +54,7 @@ def _extend_kernel(
     scale_log2,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -80,16 +82,28 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-        # cached prefix, gathered through req_to_token: every key is visible
-        m_i, l_i, acc = attend_paged_keys(
-            q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
-            stride_buf_s, stride_buf_h, kv_head, 0, prefix_len, scale_log2, offs_d, mask_d,
-            BLOCK_N, DOT_DTYPE, PRECISION,
-        )  # fmt: skip
+        # cached prefix, gathered through req_to_token: every key is visible (in a sliding
+        # window, key j to the query at position p iff j >= p - WINDOW_LEFT)
+        if WINDOW_LEFT >= 0:
+            row_lo = prefix_len + offs_m - WINDOW_LEFT
+            prefix_start = tl.maximum(prefix_len + m_start - WINDOW_LEFT, 0)
+            m_i, l_i, acc = attend_paged_keys(
+                q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
+                stride_buf_s, stride_buf_h, kv_head, prefix_start, prefix_len, scale_log2,
+                offs_d, mask_d, row_lo, BLOCK_N, True, DOT_DTYPE, PRECISION,
+            )  # fmt: skip
+            own_start = tl.maximum(m_start - WINDOW_LEFT, 0)
+        else:
+            m_i, l_i, acc = attend_paged_keys(
+                q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
+                stride_buf_s, stride_buf_h, kv_head, 0, prefix_len, scale_log2, offs_d, mask_d,
+                0, BLOCK_N, False, DOT_DTYPE, PRECISION,
+            )  # fmt: skip
+            own_start = 0
 
         # the new tokens themselves, contiguous in k/v: causal
         causal_end = tl.minimum(extend_len, m_start + BLOCK_M)
-        for block_start in range(0, causal_end, BLOCK_N):
+        for block_start in range(own_start, causal_end, BLOCK_N):
             pos = block_start + offs_n
             mask_n = pos < extend_len
             kv_mask = mask_n[:, None] & mask_d[None, :]
@@ -97,6 +111,8 @@ def _extend_kernel(
             k = tl.load(k_ptr + k_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             visible = mask_n[None, :] & (pos[None, :] <= offs_m[:, None])
+            if WINDOW_LEFT >= 0:
+                visible = visible & (pos[None, :] >= offs_m[:, None] - WINDOW_LEFT)
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -108,6 +124,8 @@ def _extend_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        if WINDOW_LEFT >= 0:  # a padded row (past extend_len) may see no key in a window
+            l_i = tl.where(mask_m, l_i, 1.0)
         out = acc / l_i[:, None]
         out_off = (start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
         out_mask = mask_m[:, None] & mask_d[None, :]
@@ -150,10 +168,13 @@ def extend_attention(
     block_m: int | None = None,
     block_n: int | None = None,
     out: torch.Tensor | None = None,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype);
     per-request tensors [B] on q's device; returns out [N, Hq, D] in q's dtype. Block sizes
-    left at None come from `launch_config`."""
+    left at None come from `launch_config`. `window_left` >= 0: a sliding-window layer, the
+    query at position p sees keys p - window_left .. p (blocks wholly before a row block's
+    window are skipped)."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     k = as_heads(k, num_kv_heads, head_dim)
@@ -179,6 +200,7 @@ def extend_attention(
         scale * LOG2E,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
+        WINDOW_LEFT=window_left,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,

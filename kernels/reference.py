@@ -14,15 +14,26 @@ from __future__ import annotations
 import torch
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_from: int):
-    """q [M, Hq, D], k/v [L, Hk, D] -> [M, Hq, D]; query m sees keys j <= causal_from + m."""
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal_from: int,
+    window_left: int = -1,
+):
+    """q [M, Hq, D], k/v [L, Hk, D] -> [M, Hq, D]; query m (at position causal_from + m) sees
+    keys j <= causal_from + m, and (window_left >= 0) j >= causal_from + m - window_left."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,lhd->hml", q.float(), k) * scale
     m = torch.arange(q.shape[0], device=q.device)[:, None]
     j = torch.arange(k.shape[0], device=q.device)[None, :]
-    scores = scores.masked_fill(j > causal_from + m, float("-inf"))
+    hidden = j > causal_from + m
+    if window_left >= 0:
+        hidden |= j < causal_from + m - window_left
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hml,lhd->mhd", scores.softmax(-1), v).to(q.dtype)
 
 
@@ -34,12 +45,16 @@ def decode_attention_ref(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window_left: int = -1,
 ) -> torch.Tensor:
-    """q [B, Hq, D] (the last token of each request) -> [B, Hq, D] over all seq_lens[i] keys."""
+    """q [B, Hq, D] (the last token of each request) -> [B, Hq, D] over all seq_lens[i] keys
+    (the last window_left + 1 of them when window_left >= 0)."""
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
-        slots = req_to_token[req_pool_indices[i], : int(seq_lens[i])].long()
-        out[i] = _attend(q[i : i + 1], k_buffer[slots], v_buffer[slots], scale, int(seq_lens[i]))[0]
+        n = int(seq_lens[i])
+        slots = req_to_token[req_pool_indices[i], :n].long()
+        keys, values = k_buffer[slots], v_buffer[slots]
+        out[i] = _attend(q[i : i + 1], keys, values, scale, n - 1, window_left)[0]
     return out
 
 
@@ -55,17 +70,19 @@ def extend_attention_ref(
     extend_lens: torch.Tensor,
     extend_start_loc: torch.Tensor,
     scale: float,
+    window_left: int = -1,
 ) -> torch.Tensor:
     """Packed new tokens: request i owns rows extend_start_loc[i] .. + extend_lens[i] of
     q [N, Hq, D] and k_extend/v_extend [N, Hk, D]. Each new token sees the request's
-    prefix_lens[i] cached tokens (slots from req_to_token) and the new tokens up to itself."""
+    prefix_lens[i] cached tokens (slots from req_to_token) and the new tokens up to itself;
+    with window_left >= 0, only the last window_left + 1 of those."""
     out = torch.zeros_like(q)
     for i in range(len(extend_lens)):
         start, n, p = int(extend_start_loc[i]), int(extend_lens[i]), int(prefix_lens[i])
         slots = req_to_token[req_pool_indices[i], :p].long()
         keys = torch.cat([k_buffer[slots], k_extend[start : start + n].to(k_buffer.dtype)])
         values = torch.cat([v_buffer[slots], v_extend[start : start + n].to(v_buffer.dtype)])
-        out[start : start + n] = _attend(q[start : start + n], keys, values, scale, p)
+        out[start : start + n] = _attend(q[start : start + n], keys, values, scale, p, window_left)
     return out
 
 

@@ -63,6 +63,9 @@ class ModelShape:
     num_experts: int = 8
     num_experts_per_tok: int = 2
     moe_intermediate_size: int | None = None
+    # every layer attends to its last `sliding_window` keys (Mistral v0.1 style; Qwen2-MoE's
+    # config windows the even layers), for all archs but llama and gpt2; None: whole context
+    sliding_window: int | None = None
 
 
 _SIZE_KEYS = tuple(f.name for f in dataclasses.fields(ModelShape))
@@ -119,6 +122,8 @@ def build_config(
         arch_fields.update(_moe_fields(arch, shape))
     elif _MOE_KEYS & explicit.keys():
         raise ValueError(f"{arch} has no experts; the expert sizes are for {MOE_ARCHS}")
+    if shape.sliding_window is not None and arch in ("llama", "gpt2"):
+        raise ValueError(f"{arch} has no sliding window attention")
     return AutoConfig.for_model(arch, **arch_fields, **fields)
 
 
@@ -133,7 +138,12 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
         "head_dim": shape.head_dim or shape.hidden_size // shape.num_heads,
     }
     if arch != "llama":
-        fields["sliding_window"] = None
+        fields["sliding_window"] = shape.sliding_window
+    if shape.sliding_window is not None and arch.startswith("qwen"):
+        # Qwen configs window the layers from max_window_layers on (Qwen2-MoE: the even ones
+        # below it)
+        layers = 0 if arch in ("qwen2", "qwen3") else shape.num_layers
+        fields.update(use_sliding_window=True, max_window_layers=layers)
     return fields
 
 

@@ -14,17 +14,31 @@ import torch
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCHS = DENSE_ARCHS + MOE_ARCHS
+# test model name -> (arch, sliding window): Mistral windows every layer, Qwen2-MoE's config
+# every other one (a model of full and windowed layers)
+WINDOWED_MODELS = {"mistral-sliding": ("mistral", 32), "qwen2_moe-sliding": ("qwen2_moe", 32)}
 _ROOT = tempfile.mkdtemp(prefix="sluice-test-models-")
 
 
 @functools.cache
-def tiny_model(arch: str, preset: str = "tiny", seed: int = 0) -> str:
+def tiny_model(
+    arch: str, preset: str = "tiny", seed: int = 0, sliding_window: int | None = None
+) -> str:
     from services.tiny_model import make_tiny_model
 
-    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}")
+    window = f"-sw{sliding_window}" if sliding_window else ""
+    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}{window}")
     if not os.path.exists(os.path.join(out, "config.json")):
-        make_tiny_model(out, arch=arch, preset=preset, seed=seed)
+        make_tiny_model(out, arch=arch, preset=preset, seed=seed, sliding_window=sliding_window)
     return out
+
+
+def model_path(name: str) -> str:
+    """The tiny model of an architecture, or of a name in WINDOWED_MODELS."""
+    if name in WINDOWED_MODELS:
+        arch, window = WINDOWED_MODELS[name]
+        return tiny_model(arch, sliding_window=window)
+    return tiny_model(name)
 
 
 def mixed_prompts(

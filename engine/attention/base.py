@@ -21,6 +21,14 @@ class AttentionLayer(Protocol):
     num_kv_heads: int
     head_dim: int
     scaling: float
+    sliding_window: int | None  # keys seen, the query's own included; None: all
+
+
+def window_left(layer: AttentionLayer) -> int:
+    """flashinfer's convention, used by every backend: the query at position p sees keys
+    p - window_left .. p; -1 means the whole context."""
+    window = getattr(layer, "sliding_window", None)
+    return -1 if window is None else window - 1
 
 
 class AttentionBackend(ABC):

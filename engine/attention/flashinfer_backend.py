@@ -16,6 +16,13 @@ that planning never makes the host wait for that batch.
   (`merge_state_in_place`). A batch where no request has a cached prefix (most first
   prefills) runs the ragged kernel alone, without log-sum-exps.
 
+Sliding-window layers (Mistral, Qwen2 with `use_sliding_window`; one window per model) have
+wrappers of their own, planned with `window_left` = window - 1 (flashinfer picks the windowed
+kernel variant at plan time, and `forward` must pass the same value): a paged prefill wrapper
+over each request's whole context, causal, so that the new tokens' keys (stored first) and the
+prefix's are read in one pass with the window applied to both, and a decode wrapper. Full
+layers of the same model keep the ragged + prefix path above.
+
 Each layer passes its own softmax scale (GPT-2 can scale per layer) to the wrappers' `forward(...,
 sm_scale=)` (which overwrites the planned scalar, as SGLang does). All wrappers use the FA2
 kernels: one JIT-compiled module per dtype and head_dim serves them all (FA3 on Hopper would be
@@ -36,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionLayer
+from engine.attention.base import AttentionBackend, AttentionLayer, window_left
 from engine.attention.page_table import (
     build_page_table,
     build_qo_indptr,
@@ -89,6 +96,7 @@ def _load_flashinfer(device: torch.device) -> ModuleType:
 @dataclass
 class _DecodeMetadata:
     wrapper: Any  # a BatchDecodeWithPagedKVCacheWrapper planned for this batch
+    window_wrapper: Any = None  # the same, planned with the window, for sliding-window layers
 
 
 @dataclass
@@ -129,6 +137,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.dtype = kv_pool.dtype
         _check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        self.window_left, self.full_layers = _windows(model_config)
         self.merge_on_device = merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)
         # Long-lived tensors are made outside inference mode, so that the in-place updates of
         # plans may happen in or out of it.
@@ -140,10 +149,16 @@ class FlashInferAttnBackend(AttentionBackend):
             self.paged = self.fi.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", backend=KERNEL_BACKEND
             )
+            # sliding-window layers: every new token over the whole context, causal
+            self.paged_window = self.fi.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=KERNEL_BACKEND
+            )
         self.decode = self._decode_wrapper()
+        self.decode_window = self._decode_wrapper() if self.window_left >= 0 else None
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
         self.graph_buffers: _GraphBuffers | None = None
-        self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
+        # captured batch size -> its decode wrapper (and its windowed one)
+        self.graph_wrappers: dict[int, tuple[Any, Any]] = {}
 
     # -- planning ---------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -151,27 +166,46 @@ class FlashInferAttnBackend(AttentionBackend):
         if fb.batch_size == 0:
             self.metadata = None
         elif fb.forward_mode.is_decode():
-            self._plan_decode(self.decode, fb)
-            self.metadata = _DecodeMetadata(self.decode)
+            self.metadata = self._plan_decode((self.decode, self.decode_window), fb)
         else:
             self.metadata = self._plan_extend(fb)
 
-    def _plan_decode(self, wrapper: Any, fb: ForwardBatch) -> None:
+    def _plan_decode(self, wrappers: tuple[Any, Any], fb: ForwardBatch) -> _DecodeMetadata:
+        """Plans the full-attention wrapper (if some layer attends fully) and the windowed one
+        (if some layer has a window) over the same page table."""
         table = build_page_table(
             fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens
         )
-        wrapper.plan(
-            table.indptr, table.indices, table.last_page_len,
-            self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            **self._plan_scalars(),
-        )  # fmt: skip
+        full, windowed = wrappers
+        for wrapper, left, used in (
+            (full, -1, self.full_layers),
+            (windowed, self.window_left, self.window_left >= 0),
+        ):
+            if used:
+                wrapper.plan(
+                    table.indptr, table.indices, table.last_page_len,
+                    self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                    window_left=left, **self._plan_scalars(),
+                )  # fmt: skip
+        return _DecodeMetadata(full, windowed)
 
     def _plan_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, pin=self.device.type == "cuda")
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        self.ragged.plan(qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars())
+        if self.window_left >= 0:
+            table = build_page_table(
+                fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens
+            )
+            self.paged_window.plan(
+                qo_indptr, table.indptr, table.indices, table.last_page_len,
+                *heads, self.page_size, causal=True, window_left=self.window_left,
+                **self._plan_scalars(),
+            )  # fmt: skip
         has_prefix = any(fb.extend_prefix_lens_cpu)
+        if not self.full_layers:
+            return _ExtendMetadata(has_prefix)
+        self.ragged.plan(qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars())
         if has_prefix:
             prefix_lens = None if fb.extend_seq_lens is None else fb.seq_lens - fb.extend_seq_lens
             table = build_page_table(
@@ -200,7 +234,15 @@ class FlashInferAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
         q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
-        if isinstance(md, _DecodeMetadata):
+        left = window_left(layer)
+        if left >= 0:
+            # the windowed wrappers read the new tokens' K/V from the pool, stored first
+            assert left == self.window_left, f"layer window {left + 1} was not planned"
+            paged_kv = self._paged_kv(pool, layer.layer_id)
+            wrapper = md.window_wrapper if isinstance(md, _DecodeMetadata) else self.paged_window
+            kwargs = {} if isinstance(md, _DecodeMetadata) else {"causal": True}
+            out = wrapper.forward(q, paged_kv, window_left=left, sm_scale=layer.scaling, **kwargs)
+        elif isinstance(md, _DecodeMetadata):
             paged_kv = self._paged_kv(pool, layer.layer_id)
             out = md.wrapper.forward(q, paged_kv, sm_scale=layer.scaling)
         else:
@@ -249,16 +291,15 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         bs = forward_batch.batch_size
-        wrapper = self._decode_wrapper(graph_bs=bs)
-        self.graph_wrappers[bs] = wrapper
-        self._plan_decode(wrapper, forward_batch)
-        self.metadata = _DecodeMetadata(wrapper)
+        windowed = self._decode_wrapper(graph_bs=bs) if self.window_left >= 0 else None
+        self.graph_wrappers[bs] = (self._decode_wrapper(graph_bs=bs), windowed)
+        self.metadata = self._plan_decode(self.graph_wrappers[bs], forward_batch)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
-        wrapper = self.graph_wrappers[forward_batch.batch_size]
-        self._plan_decode(wrapper, forward_batch)  # writes into the captured buffers
-        self.metadata = _DecodeMetadata(wrapper)
+        wrappers = self.graph_wrappers[forward_batch.batch_size]
+        # writes into the captured buffers
+        self.metadata = self._plan_decode(wrappers, forward_batch)
 
     def _decode_wrapper(self, graph_bs: int | None = None) -> Any:
         """The eager decode wrapper, or (graph_bs) one that a graph of that size captures."""
@@ -280,6 +321,19 @@ class FlashInferAttnBackend(AttentionBackend):
                 backend=KERNEL_BACKEND,
                 **graph_kwargs,
             )
+
+
+def _windows(model_config: ModelConfig) -> tuple[int, bool]:
+    """(window_left of the model's sliding-window layers, or -1; whether some layer attends to
+    the whole context). One window per model: flashinfer plans a wrapper per window."""
+    sizes = sorted(getattr(model_config, "sliding_window_sizes", set()))
+    if len(sizes) > 1:
+        raise ValueError(
+            f"attention_backend='flashinfer' runs one sliding window per model (this one has "
+            f"{sizes}); use attention_backend='triton'"
+        )
+    windows = getattr(model_config, "sliding_windows", ()) or (None,)
+    return (sizes[0] - 1 if sizes else -1), any(w is None for w in windows)
 
 
 def _check_supported(dtype: torch.dtype, head_dim: int, page_size: int, kv_pool: KVPool) -> None:

@@ -12,6 +12,10 @@ Once per batch, `init_forward_metadata` turns the paged layout into padded index
 * EXTEND only: `q_index` [B, Q] packed token of (request i, query t) (0 for padding) and
   `out_index` [num_tokens] the flat padded row of each packed token.
 
+A sliding-window layer (`layer.sliding_window` W, shorter than the batch's longest sequence)
+adds `key > p - W` to the mask (`_Metadata.window_mask`, made at the first such layer of the
+batch and shared by the others). It still gathers every key: the window only masks.
+
 Each layer then does one scatter of the new K/V into the pool, one gather of K and of V, and
 one `scaled_dot_product_attention`. GQA decode folds the query heads of a group into the
 query-length axis ([B, kv_heads, group, D]) instead of repeating K/V, which is much faster on
@@ -30,7 +34,7 @@ layer), far slower than the eager one it replaces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -52,6 +56,25 @@ class _Metadata:
     out_index: torch.Tensor | None = None  # [num_tokens] int64 (EXTEND)
     decode: bool = True  # one query per request at its last position (the decode layout)
     batch_size: int = 0
+    # what a sliding-window mask is made of, at the first layer that needs it (`window_mask`)
+    q_pos: torch.Tensor | None = None  # [B, Q] int64: each query's position (padded rows too)
+    key_valid: torch.Tensor | None = None  # [B, L] bool
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[B, 1, Q, L]: the causal mask of a layer that attends over the last `window` keys
+        (key j hidden from the query at position p when j <= p - window), made once per batch
+        and window. Padded query rows (whose outputs are dropped) see every key, so that no
+        row is fully masked."""
+        if window not in self.window_masks:
+            assert self.q_pos is not None and self.key_valid is not None
+            key_pos = torch.arange(self.max_seq_len, device=self.q_pos.device)
+            q_pos = self.q_pos[:, :, None]
+            visible = (key_pos > q_pos - window) & (key_pos <= q_pos)
+            q_real = q_pos < self.key_valid.sum(1)[:, None, None]  # [B, Q, 1]
+            visible = (visible | ~q_real) & self.key_valid[:, None, :]
+            self.window_masks[window] = visible.unsqueeze(1)
+        return self.window_masks[window]
 
 
 @dataclass
@@ -109,7 +132,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         if decode:
             all_full = min(fb.seq_lens_cpu) == max_seq_len
             mask = None if all_full else key_valid[:, None, None, :]
-            return _Metadata(kv_index, max_seq_len, mask, 1, batch_size=fb.batch_size)
+            return _Metadata(
+                kv_index,
+                max_seq_len,
+                mask,
+                1,
+                batch_size=fb.batch_size,
+                q_pos=(fb.seq_lens - 1).to(torch.int64)[:, None],
+                key_valid=key_valid,
+            )
         return self._extend_metadata(fb, kv_index, key_pos, key_valid)
 
     @staticmethod
@@ -144,6 +175,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                 causal=True,
                 decode=False,
                 batch_size=fb.batch_size,
+                q_pos=q_pos,
+                key_valid=key_valid,
             )
         return _Metadata(
             kv_index=kv_index,
@@ -154,6 +187,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             out_index=out_index,
             decode=False,
             batch_size=fb.batch_size,
+            q_pos=q_pos,
+            key_valid=key_valid,
         )
 
     def _attend(
@@ -181,9 +216,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv_shape = (batch_size, md.max_seq_len, layer.num_kv_heads, layer.head_dim)
         keys = self._gather(k_buf, md.kv_index, 0).view(kv_shape).transpose(1, 2)
         values = self._gather(v_buf, md.kv_index, 1).view(kv_shape).transpose(1, 2)
+        mask, causal = md.mask, md.causal
+        window = getattr(layer, "sliding_window", None)
+        if window is not None and md.max_seq_len > window:
+            mask, causal = md.window_mask(window), False
         if md.decode:
-            return self._decode(q, keys, values, layer, md)
-        return self._extend(q, keys, values, layer, md, batch_size)
+            return self._decode(q, keys, values, layer, batch_size, mask)
+        return self._extend(q, keys, values, layer, md, mask, causal)
 
     def _gather(self, buf: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
         """`buf[index]` into a workspace kept across layers and batches.
@@ -206,15 +245,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         keys: torch.Tensor,
         values: torch.Tensor,
         layer: AttentionLayer,
-        md: _Metadata,
+        batch_size: int,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """keys/values [B, kv_heads, L, D]; query heads of one KV group become query rows."""
-        batch_size = keys.shape[0]
         group = layer.num_heads // layer.num_kv_heads
         q = q.reshape(batch_size, layer.num_kv_heads, group, layer.head_dim)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=md.mask, scale=layer.scaling
-        )
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
         return out.reshape(batch_size, layer.num_heads * layer.head_dim)
 
     @staticmethod
@@ -224,8 +261,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         values: torch.Tensor,
         layer: AttentionLayer,
         md: _Metadata,
-        batch_size: int,
+        mask: torch.Tensor | None,
+        causal: bool,
     ) -> torch.Tensor:
+        batch_size = md.batch_size
         assert md.q_index is not None and md.out_index is not None
         q = q.reshape(-1, layer.num_heads, layer.head_dim).index_select(0, md.q_index)
         q = q.view(batch_size, md.max_q_len, layer.num_heads, layer.head_dim).transpose(1, 2)
@@ -234,7 +273,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
         out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=md.mask, is_causal=md.causal, scale=layer.scaling
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=layer.scaling
         )
         out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
         return out.index_select(0, md.out_index)

@@ -19,12 +19,22 @@ if TYPE_CHECKING:
 class PagedAttention(nn.Module):
     """Implements the backend's `AttentionLayer` protocol.
 
+    `sliding_window` W (None: the whole context): the query at position p sees keys
+    p - W + 1 .. p only, as transformers' sliding-window mask. The pool still holds every
+    token's K/V; the backends skip or mask what lies outside the window.
+
     q: [num_tokens, num_heads * head_dim] (or [num_tokens, num_heads, head_dim]);
     k, v: [num_tokens, num_kv_heads * head_dim]; returns [num_tokens, num_heads * head_dim].
     """
 
     def __init__(
-        self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float
+        self,
+        layer_id: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scaling: float,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -34,6 +44,9 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 (got {sliding_window})")
+        self.sliding_window = sliding_window
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
@@ -44,4 +57,5 @@ class PagedAttention(nn.Module):
         return (
             f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scaling={self.scaling:.4g}"
+            + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
         )

@@ -19,6 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.config import layer_sliding_windows
 from engine.forward_batch import ForwardBatch
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
@@ -40,7 +41,14 @@ _STACKED = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        variant: type,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -58,7 +66,12 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         self.attn = PagedAttention(
-            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+            layer_id,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            sliding_window=sliding_window,
         )
 
     def forward(
@@ -97,9 +110,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
+    def __init__(
+        self,
+        config,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        variant: type,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, variant)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, variant, sliding_window)
         self.mlp = variant.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -129,8 +149,10 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        windows = layer_sliding_windows(config, config.num_hidden_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, variant) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, variant, windows[i])
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -167,7 +189,6 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.sliding_window = self._sliding_window(config)
         max_position = max(max_position or 0, config.max_position_embeddings)
         self.model = LlamaModel(config, max_position, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -196,18 +217,6 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings and name.startswith("lm_head."):
             return None  # tied: the embedding is the head
         return name, tensor
-
-    @staticmethod
-    def _sliding_window(config) -> int | None:
-        window = getattr(config, "sliding_window", None)
-        if window is None or getattr(config, "use_sliding_window", True) is False:
-            return None
-        logger.warning(
-            "sliding_window=%d is not implemented: attention sees the whole context, so "
-            "outputs diverge from the reference for sequences longer than the window",
-            window,
-        )
-        return window
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -27,13 +27,21 @@ from typing import Any
 import pytest
 import torch
 
-from tests.factories import assert_greedy_match, hf_greedy, mixed_prompts, tiny_model
+from tests.factories import (
+    WINDOWED_MODELS,
+    assert_greedy_match,
+    hf_greedy,
+    mixed_prompts,
+    model_path,
+)
 
 pytestmark = pytest.mark.gpu
 
 MAX_NEW = 24
-FP32_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe")  # the MoE: the Triton fused MoE
-BF16_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe")
+# the MoE: the Triton fused MoE; "-sliding": WINDOWED_MODELS (every layer windowed with Triton,
+# full and windowed layers with flashinfer)
+FP32_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe", "mistral-sliding")
+BF16_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe", "qwen2_moe-sliding")
 MIN_AGREEMENT = 0.99  # the bar, on the tie-aware count (see `score`)
 RAW_FLOOR = 0.95  # plain argmax agreement; a real bug (mask, rope, KV slot) lands far below
 TIE_ULPS = 2
@@ -61,7 +69,7 @@ needs_flashinfer = pytest.mark.skipif(_NO_FLASHINFER is not None, reason=str(_NO
 def _fp32_reference(arch: str) -> tuple[str, list[list[int]], list[list[int]]]:
     from transformers import AutoConfig
 
-    path = tiny_model(arch)
+    path = model_path(arch)
     prompts = mixed_prompts(AutoConfig.from_pretrained(path).vocab_size, n=16)
     return path, prompts, [hf_greedy(path, p, MAX_NEW) for p in prompts]
 
@@ -104,9 +112,10 @@ def bf16_model(arch: str) -> str:
     from services.tiny_model import make_tiny_model
 
     path = os.path.join(_ROOT, f"{arch}-bf16")
+    base, window = WINDOWED_MODELS.get(arch, (arch, None))
     extra = {} if arch == "gpt2" else {"num_kv_heads": 4, "head_dim": 64}
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_model(path, arch=arch, **BF16_SHAPE, **extra)
+        make_tiny_model(path, arch=base, sliding_window=window, **BF16_SHAPE, **extra)
     return path
 
 

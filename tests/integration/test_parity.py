@@ -2,7 +2,10 @@
 every architecture, under every scheduler/memory configuration that changes the code path,
 with the overlap scheduler (the default) and the plain loop; and the two loops agree exactly.
 Mixture-of-experts models differ from their dense siblings only in the feed-forward block, so
-they run the configurations that change what a batch holds (MOE_CONFIGS), not all of them."""
+they run the configurations that change what a batch holds (MOE_CONFIGS), not all of them.
+So do the sliding-window models (`WINDOWED_MODELS`: every layer, or every other one, sees its
+last 32 keys of prompts up to 300 tokens), plus page16: pages and chunks that straddle a
+window's edge."""
 
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ from engine.engine import Engine
 from tests.factories import (
     DENSE_ARCHS,
     MOE_ARCHS,
+    WINDOWED_MODELS,
     assert_engine_clean,
     assert_greedy_match,
     hf_greedy,
     mixed_prompts,
-    tiny_model,
+    model_path,
 )
 
 MAX_NEW = 24
@@ -34,15 +38,19 @@ CONFIGS = {
 }
 
 MOE_CONFIGS = ("default", "chunked", "retract")
+WINDOWED_CONFIGS = ("default", "chunked", "page16", "retract")
 LOOPS = {"overlap": {}, "plain": {"disable_overlap_schedule": True}}
-CASES = [(arch, config) for arch in DENSE_ARCHS for config in CONFIGS] + [
-    (arch, config) for arch in MOE_ARCHS for config in MOE_CONFIGS
-]
+CASES = (
+    [(arch, config) for arch in DENSE_ARCHS for config in CONFIGS]
+    + [(arch, config) for arch in MOE_ARCHS for config in MOE_CONFIGS]
+    + [(name, config) for name in WINDOWED_MODELS for config in WINDOWED_CONFIGS]
+)
 
 
 @functools.cache
 def _reference(arch: str) -> tuple[str, list[list[int]], list[list[int]]]:
-    path = tiny_model(arch)
+    """`arch`: an architecture, or a name in WINDOWED_MODELS."""
+    path = model_path(arch)
     from transformers import AutoConfig
 
     vocab = AutoConfig.from_pretrained(path).vocab_size

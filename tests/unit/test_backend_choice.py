@@ -13,11 +13,11 @@ from engine.model_runner import ModelRunner
 
 
 def _choice(monkeypatch: pytest.MonkeyPatch, available: bool, dtype: torch.dtype,
-            head_dim: int = 64, **args: object) -> str:  # fmt: skip
+            head_dim: int = 64, windows: set | None = None, **args: object) -> str:  # fmt: skip
     monkeypatch.setattr(flashinfer_backend, "flashinfer_available", lambda: available)
     runner = ModelRunner.__new__(ModelRunner)  # only what the choice reads
     runner.args = EngineArgs.from_kwargs(model_path="m", **args)
-    runner.model_config = SimpleNamespace(head_dim=head_dim)
+    runner.model_config = SimpleNamespace(head_dim=head_dim, sliding_window_sizes=windows or set())
     runner.dtype = dtype
     return runner._attention_backend_name()
 
@@ -25,6 +25,8 @@ def _choice(monkeypatch: pytest.MonkeyPatch, available: bool, dtype: torch.dtype
 def test_flashinfer_by_default_on_cuda_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _choice(monkeypatch, True, torch.bfloat16, device="cuda") == "flashinfer"
     assert _choice(monkeypatch, True, torch.float16, 128, device="cuda:1") == "flashinfer"
+    one_window = _choice(monkeypatch, True, torch.bfloat16, windows={4096}, device="cuda")
+    assert one_window == "flashinfer"
 
 
 @pytest.mark.parametrize(
@@ -35,6 +37,11 @@ def test_triton_when_flashinfer_cannot_run_the_model(
     monkeypatch: pytest.MonkeyPatch, available: bool, dtype: torch.dtype, head_dim: int
 ) -> None:
     assert _choice(monkeypatch, available, dtype, head_dim, device="cuda") == "triton"
+
+
+def test_triton_for_a_model_of_two_sliding_windows(monkeypatch: pytest.MonkeyPatch) -> None:
+    two = _choice(monkeypatch, True, torch.bfloat16, windows={512, 4096}, device="cuda")
+    assert two == "triton"
 
 
 def test_a_named_backend_and_cpu_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -88,18 +88,22 @@ def test_qo_indptr():
 # -- merging partial attentions -------------------------------------------------------------------
 
 
-def _attend(q, k, v, scale, causal=False):
+def _attend(q, k, v, scale, causal=False, window_left=-1):
     """q [n, Hq, D], k/v [m, Hk, D] -> out [n, Hq, D] in q's dtype, lse [n, Hq] (base 2, -inf
-    without keys). Causal as in flashinfer: the last query sees every key, earlier ones fewer."""
+    without keys). Causal as in flashinfer: the last query sees every key, earlier ones fewer;
+    query t sits at key position t + m - n, and window_left >= 0 hides the keys before that
+    position minus window_left."""
     n, m = q.shape[0], k.shape[0]
     if m == 0:
         return torch.zeros_like(q), torch.full(q.shape[:2], -math.inf)
     group = q.shape[1] // k.shape[1]
     k, v = (x.float().repeat_interleave(group, 1) for x in (k, v))
     logits = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    key, pos = torch.arange(m)[None, :], torch.arange(n)[:, None] + (m - n)
     if causal:
-        visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
-        logits = logits.masked_fill(~visible, -math.inf)
+        logits = logits.masked_fill(key > pos, -math.inf)
+    if window_left >= 0:
+        logits = logits.masked_fill(key < pos - window_left, -math.inf)
     out = torch.einsum("hnm,mhd->nhd", logits.softmax(-1), v)
     return out.to(q.dtype), (logits.logsumexp(-1) / math.log(2)).T.contiguous()
 
@@ -143,10 +147,12 @@ class _Wrapper:
         assert kv_layout == "NHD"
         self.planned = None
 
-    def _check(self, q, k, causal):
+    def _check(self, q, k, causal, window_left=-1):
         assert self.planned is not None, "run before plan"
         assert (q.dtype, k.dtype) == self.planned["dtypes"], "flashinfer rejects other dtypes"
         assert causal == self.planned["causal"], "run with the mask the work was split for"
+        # the kernel variant (sliding window or not) is picked by plan()
+        assert window_left == self.planned.get("window_left", -1), "window differs from plan"
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
@@ -179,21 +185,26 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     @_recorded
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-             num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False, sm_scale=None,
-             q_data_type="float16", kv_data_type=None):  # fmt: skip
+             num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False, window_left=-1,
+             sm_scale=None, q_data_type="float16", kv_data_type=None):  # fmt: skip
         table = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.planned = dict(
-            qo=qo_indptr.tolist(), table=table, causal=causal, dtypes=(q_data_type, kv_data_type)
-        )
+            qo=qo_indptr.tolist(), table=table, causal=causal, dtypes=(q_data_type, kv_data_type),
+            window_left=window_left,
+        )  # fmt: skip
 
     @_recorded
-    def forward_return_lse(self, q, paged_kv_cache, causal=False, sm_scale=None):
+    def forward(self, q, paged_kv_cache, causal=False, window_left=-1, sm_scale=None):
+        return self.forward_return_lse(q, paged_kv_cache, causal, window_left, sm_scale)[0]
+
+    @_recorded
+    def forward_return_lse(self, q, paged_kv_cache, causal=False, window_left=-1, sm_scale=None):
         k_cache, v_cache = paged_kv_cache
-        self._check(q, k_cache, causal)
+        self._check(q, k_cache, causal, window_left)
         qo, table = self.planned["qo"], self.planned["table"]
         parts = [
             _attend(q[qo[i] : qo[i + 1]], _paged_keys(k_cache, *table, i),
-                    _paged_keys(v_cache, *table, i), sm_scale, causal)
+                    _paged_keys(v_cache, *table, i), sm_scale, causal, window_left)
             for i in range(len(qo) - 1)
         ]  # fmt: skip
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -215,7 +226,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
     @_recorded
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, q_data_type="float16", kv_data_type=None, sm_scale=None):  # fmt: skip
+             page_size, window_left=-1, q_data_type="float16", kv_data_type=None,
+             sm_scale=None):  # fmt: skip
         if self.graph:  # what flashinfer does: copy into the buffers the graph will read
             indptr_buf, indices_buf, last_buf = self.buffers
             assert len(last_page_len) == len(last_buf), "graph batch size is fixed"
@@ -225,15 +237,17 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
             indices_buf[: len(indices)].copy_(indices)
         else:
             self.buffers = (indptr.clone(), indices.clone(), last_page_len.clone())
-        self.planned = dict(causal=False, dtypes=(q_data_type, kv_data_type))
+        self.planned = dict(
+            causal=False, dtypes=(q_data_type, kv_data_type), window_left=window_left
+        )
 
     @_recorded
-    def forward(self, q, paged_kv_cache, sm_scale=None):
+    def forward(self, q, paged_kv_cache, window_left=-1, sm_scale=None):
         k_cache, v_cache = paged_kv_cache
-        self._check(q, k_cache, False)
+        self._check(q, k_cache, False, window_left)
         parts = [
             _attend(q[i : i + 1], _paged_keys(k_cache, *self.buffers, i),
-                    _paged_keys(v_cache, *self.buffers, i), sm_scale)[0]
+                    _paged_keys(v_cache, *self.buffers, i), sm_scale, False, window_left)[0]
             for i in range(q.shape[0])
         ]  # fmt: skip
         return torch.cat(parts)
@@ -265,10 +279,13 @@ def fake_flashinfer(monkeypatch):
 # -- the backend over the stand-in, against torch_native ------------------------------------------
 
 
-def _layer(num_heads: int, num_kv_heads: int, head_dim: int) -> SimpleNamespace:
+def _layer(
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None
+) -> SimpleNamespace:
     return SimpleNamespace(
         layer_id=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         scaling=0.7 * head_dim**-0.5,  # not the planned default: each layer passes its own
+        sliding_window=window,
     )  # fmt: skip
 
 
@@ -283,10 +300,13 @@ def _pool(case: PagedCase, layer, dtype: torch.dtype, page_size: int) -> KVPool:
 _batch = paged_case_batch
 
 
-def _flashinfer(layer, pool, page_size: int):
+def _flashinfer(layer, pool, page_size: int, windows: tuple | None = None):
+    """The backend for a model whose layers have `windows` (default: `layer`'s alone)."""
+    windows = (layer.sliding_window,) if windows is None else windows
     config = SimpleNamespace(
-        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim
-    )
+        num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
+        sliding_windows=windows, sliding_window_sizes={w for w in windows if w},
+    )  # fmt: skip
     return create_attention_backend(
         "flashinfer",
         device="cpu",
@@ -297,14 +317,15 @@ def _flashinfer(layer, pool, page_size: int):
     )
 
 
-def _run(name, case, layer, mode, page_size, rows=None):
+def _run(name, case, layer, mode, page_size, rows=None, windows=None):
     """One layer of `case` through backend `name` (flashinfer in bfloat16 over the stand-in,
-    torch_native in float32 on the same values); its output and the pool after."""
+    for a model whose layers have `windows`; torch_native in float32 on the same values); its
+    output and the pool after."""
     rows = list(range(len(case.seq_lens))) if rows is None else rows
     dtype = torch.bfloat16 if name == "flashinfer" else torch.float32
     pool = _pool(case, layer, dtype, page_size)
     if name == "flashinfer":
-        backend = _flashinfer(layer, pool, page_size)
+        backend = _flashinfer(layer, pool, page_size, windows)
     else:
         backend = create_attention_backend(name, device="cpu")
     fb = _batch(case, mode, pool, backend, rows)

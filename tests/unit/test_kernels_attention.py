@@ -32,18 +32,22 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert err <= TOL[want.dtype], f"max abs error {err}"
 
 
-def run_decode(case: PagedCase, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+def run_decode(
+    case: PagedCase, window_left: int = -1, **kw: object
+) -> tuple[torch.Tensor, torch.Tensor]:
     case.store_new_kv()
     args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
-    got = decode_attention(*args, case.seq_lens, case.scale, **kw)
-    return got, decode_attention_ref(*args, case.seq_lens, case.scale)
+    got = decode_attention(*args, case.seq_lens, case.scale, window_left=window_left, **kw)
+    return got, decode_attention_ref(*args, case.seq_lens, case.scale, window_left)
 
 
-def run_extend(case: PagedCase, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+def run_extend(
+    case: PagedCase, window_left: int = -1, **kw: object
+) -> tuple[torch.Tensor, torch.Tensor]:
     args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
     args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
-    got = extend_attention(*args, case.max_extend_len, case.scale, **kw)
-    return got, extend_attention_ref(*args, case.scale)
+    got = extend_attention(*args, case.max_extend_len, case.scale, window_left=window_left, **kw)
+    return got, extend_attention_ref(*args, case.scale, window_left)
 
 
 # (num_heads, num_kv_heads, head_dim, page_size, dtype)
@@ -114,3 +118,37 @@ def test_extend_then_decode_agree_on_last_token():
     extended, _ = run_extend(case, block_m=16, block_n=16)
     decoded, _ = run_decode(case, num_splits=2, block_n=16)
     _close(decoded, extended)
+
+
+def _window_matters(case: PagedCase, run, window_left: int, **kw: object) -> None:
+    """The windowed reference differs from the full one (so the comparison can fail)."""
+    _, full = run(case, **kw)
+    _, windowed = run(case, window_left, **kw)
+    assert (full.float() - windowed.float()).abs().max().item() > 10 * TOL[full.dtype]
+
+
+# window_left 0 (only itself), inside one key block, across blocks and splits
+@pytest.mark.parametrize("window_left", [0, 5, 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sliding_window_matches_reference(window_left, dtype):
+    case = make_paged_case([0, 15, 40, 57], [1] * 4, 4, 2, 64, 4, dtype, DEVICE, seed=3)
+    got, want = run_decode(case, window_left, num_splits=3, block_n=16)
+    _close(got, want)
+    _window_matters(case, run_decode, window_left, num_splits=3, block_n=16)
+
+
+@pytest.mark.parametrize("window_left", [0, 5, 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_sliding_window_matches_reference(window_left, dtype):
+    # rows whose window ends inside the prefix, inside the new tokens, or covers both
+    case = make_paged_case([0, 20, 37], [9, 1, 35], 4, 2, 64, 4, dtype, DEVICE, seed=4)
+    got, want = run_extend(case, window_left, block_m=16, block_n=16)
+    _close(got, want)
+    _window_matters(case, run_extend, window_left, block_m=16, block_n=16)
+
+
+def test_sliding_window_wider_than_every_sequence_is_full_attention():
+    case = make_paged_case([20, 3], [9, 30], 4, 2, 64, device=DEVICE, seed=6)
+    windowed, _ = run_extend(case, 64, block_m=16, block_n=16)
+    full, _ = run_extend(case, block_m=16, block_n=16)
+    _close(windowed, full)

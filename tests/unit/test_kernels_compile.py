@@ -22,6 +22,7 @@ ATTENTION_KERNELS = ("_decode_split_kernel", "_decode_merge_kernel", "_extend_ke
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))
+WINDOW_HEAD_SHAPES = ((32, 8), (28, 4))  # sliding-window attention, a window of 4096
 # the fused MoE at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, decode and prefill row blocks
 MOE_CASES = [
     f"moe {shape} T{tokens}"
@@ -43,6 +44,13 @@ def expected_variants() -> list[tuple]:
     ]
     rows += [("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in HEAD_DIMS]
     rows = [(*row, None) for row in rows]
+    rows += [
+        (kernel, dtype, head_dim, hq, hk, "window 4096")
+        for dtype in DTYPES
+        for head_dim in HEAD_DIMS
+        for hq, hk in WINDOW_HEAD_SHAPES
+        for kernel in ATTENTION_KERNELS
+    ]
     rows += [
         ("_grouped_gemm_kernel", dtype, None, None, None, f"{case} #{gemm}")
         for dtype in DTYPES

@@ -23,7 +23,7 @@ from engine.mem_cache.kv_pool import KVPool
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 512
-_LLAMA_SHAPE = dict(
+LLAMA_SHAPE = dict(
     hidden_size=64,
     intermediate_size=96,
     num_hidden_layers=2,
@@ -34,9 +34,9 @@ _LLAMA_SHAPE = dict(
     initializer_range=0.3,
 )
 ARCH_CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**_LLAMA_SHAPE),
+    "llama": lambda: transformers.LlamaConfig(**LLAMA_SHAPE),
     "llama-rope-llama3": lambda: transformers.LlamaConfig(
-        **_LLAMA_SHAPE,
+        **LLAMA_SHAPE,
         rope_scaling=dict(
             rope_type="llama3",
             factor=8.0,
@@ -46,17 +46,23 @@ ARCH_CONFIGS = {
         ),
     ),
     "llama-rope-linear": lambda: transformers.LlamaConfig(
-        **_LLAMA_SHAPE, rope_scaling=dict(rope_type="linear", factor=2.0), rope_theta=500.0
+        **LLAMA_SHAPE, rope_scaling=dict(rope_type="linear", factor=2.0), rope_theta=500.0
     ),
-    "mistral": lambda: transformers.MistralConfig(**_LLAMA_SHAPE, sliding_window=None),
-    "qwen2": lambda: transformers.Qwen2Config(**_LLAMA_SHAPE, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**_LLAMA_SHAPE, head_dim=24),
+    "mistral": lambda: transformers.MistralConfig(**LLAMA_SHAPE, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**LLAMA_SHAPE, tie_word_embeddings=True),
+    # every layer sees its last 5 keys only (the prompts are 6-14 tokens, then 4 decodes)
+    "mistral-sliding": lambda: transformers.MistralConfig(**LLAMA_SHAPE, sliding_window=5),
+    # layer 0 full, layer 1 windowed (max_window_layers=1)
+    "qwen2-sliding": lambda: transformers.Qwen2Config(
+        **LLAMA_SHAPE, use_sliding_window=True, sliding_window=5, max_window_layers=1
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**LLAMA_SHAPE, head_dim=24),
     "mixtral": lambda: transformers.MixtralConfig(
-        **_LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
+        **LLAMA_SHAPE, num_local_experts=4, num_experts_per_tok=2, sliding_window=None
     ),
     # layer 1 of 3 is dense (mlp_only_layers); shared expert; top-k weights not renormalised
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **{**_LLAMA_SHAPE, "num_hidden_layers": 3},
+        **{**LLAMA_SHAPE, "num_hidden_layers": 3},
         num_experts=6,
         num_experts_per_tok=2,
         moe_intermediate_size=48,
@@ -64,7 +70,7 @@ ARCH_CONFIGS = {
         mlp_only_layers=[1],
     ),
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **_LLAMA_SHAPE,
+        **LLAMA_SHAPE,
         head_dim=24,
         num_experts=8,
         num_experts_per_tok=3,

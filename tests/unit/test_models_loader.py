@@ -14,7 +14,7 @@ from engine.forward_batch import ForwardMode
 from engine.layers.rotary import compute_inv_freq, rope_parameters
 from engine.loader import load_model
 from engine.models import get_model_class, supported_architectures
-from tests.unit.test_models import VOCAB, PagedHarness, save_random_model
+from tests.unit.test_models import LLAMA_SHAPE, VOCAB, PagedHarness, save_random_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,3 +125,48 @@ def test_legacy_rope_scaling_fields_are_read():
     assert params["rope_type"] == "linear" and params["rope_theta"] == 1e6
     plain = compute_inv_freq(8, {"rope_type": "default", "rope_theta": 1e6})
     torch.testing.assert_close(compute_inv_freq(8, params), plain / 4.0)
+
+
+@pytest.mark.parametrize(
+    "make,want",
+    [
+        # Mistral v0.1 ships sliding_window 4096: every layer
+        (lambda: transformers.MistralConfig(num_hidden_layers=3), (4096,) * 3),
+        (lambda: transformers.MistralConfig(num_hidden_layers=2, sliding_window=None), (None,) * 2),
+        # Qwen2.5 ships sliding_window 131072 with use_sliding_window false: no window
+        (
+            lambda: transformers.Qwen2Config(num_hidden_layers=2, sliding_window=131072),
+            (None, None),
+        ),
+        (
+            lambda: transformers.Qwen2Config(
+                num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2
+            ),
+            (None, None, 64, 64),
+        ),
+        # Qwen2-MoE stores 0 for "no window"
+        (lambda: transformers.Qwen2MoeConfig(num_hidden_layers=2), (None, None)),
+        # Llama has no sliding window even if a config carries the key
+        (lambda: transformers.LlamaConfig(num_hidden_layers=2, sliding_window=16), (None, None)),
+    ],
+    ids=["mistral", "mistral-off", "qwen2-off", "qwen2-upper-layers", "qwen2_moe-off", "llama"],
+)
+def test_sliding_windows_per_layer_follow_transformers(make, want, tmp_path):
+    make().save_pretrained(tmp_path)
+    cfg = ModelConfig.from_pretrained(str(tmp_path))
+    assert cfg.sliding_windows == want
+    assert cfg.sliding_window_sizes == {w for w in want if w}
+
+
+def test_sliding_window_reaches_the_attention_layers(tmp_path):
+    config = transformers.Qwen2Config(
+        **LLAMA_SHAPE,
+        use_sliding_window=True,
+        sliding_window=7,
+        max_window_layers=1,
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_model(ModelConfig.from_pretrained(str(tmp_path)), torch.float32)
+    windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
+    assert windows == [None, 7]
+    assert "sliding_window=7" in repr(model.model.layers[1].self_attn.attn)

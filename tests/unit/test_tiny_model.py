@@ -249,17 +249,37 @@ def test_mixture_of_experts_settings() -> None:
         build_config("llama", num_experts=4)
 
 
+@pytest.mark.parametrize(
+    "arch,want",
+    [
+        ("mistral", (16, 16, 16, 16)),
+        ("qwen3", (16, 16, 16, 16)),
+        ("qwen2_moe", (16, None, 16, None)),  # its config windows the even layers
+    ],
+)
+def test_sliding_window_setting(arch: str, want: tuple) -> None:
+    from engine.config import layer_sliding_windows
+
+    config = build_config(arch, num_layers=4, sliding_window=16)
+    assert layer_sliding_windows(config, 4) == want
+    assert layer_sliding_windows(build_config(arch, num_layers=4), 4) == (None,) * 4
+    with pytest.raises(ValueError, match="no sliding window"):
+        build_config("llama", sliding_window=16)
+
+
 def test_command_line(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(
         ["make-tiny-model", str(tmp_path), "--arch", "qwen3", "--num-layers", "1",
-         "--hidden-size", "32", "--head-dim", "16", "--vocab-size", "700", "--dtype", "bfloat16"]
+         "--hidden-size", "32", "--head-dim", "16", "--vocab-size", "700", "--dtype", "bfloat16",
+         "--sliding-window", "8"]
     )
     assert args.func(args) == 0
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (1, 32, 16)
     assert (config["vocab_size"], config["dtype"]) == (700, "bfloat16")
+    assert (config["sliding_window"], config["layer_types"]) == (8, ["sliding_attention"])
     assert len(load_tokenizer(tmp_path)) == 700
 
 
