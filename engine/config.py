@@ -91,15 +91,17 @@ class ModelConfig:
 
 # Architectures whose transformers implementation applies `config.sliding_window` (Llama's
 # and GPT-2's ignore it).
-_SLIDING_WINDOW_TYPES = ("mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_SLIDING_WINDOW_TYPES = (
+    "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text",
+)  # fmt: skip
 
 
 def layer_sliding_windows(hf: object, num_layers: int) -> tuple[int | None, ...]:
     """Each layer's attention window as transformers applies it: `sliding_window` keys (the
     query's own included; 0 or None is no window), on the layers that `layer_types` marks
     "sliding_attention" where the config has that list (Qwen2 and Qwen3 derive it from
-    `use_sliding_window` and `max_window_layers`), else on every layer (Mistral, Mixtral,
-    Qwen3-MoE)."""
+    `use_sliding_window` and `max_window_layers`, Gemma 3 alternates five windowed layers and
+    a full one), else on every layer (Mistral, Mixtral, Qwen3-MoE)."""
     window = getattr(hf, "sliding_window", None)
     if getattr(hf, "model_type", None) not in _SLIDING_WINDOW_TYPES or not window:
         return (None,) * num_layers

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *MOE_ARCHS)
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3_text", *MOE_ARCHS)
 
 # --- Model ----------------------------------------------------------------------------------------
 
@@ -87,6 +87,8 @@ _TINY_TWEAKS: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
     "qwen3_moe": {"head_dim": 32},
+    # Gemma 3 always windows its local layers (gemma-3-1b: 512 keys)
+    "gemma3_text": {"sliding_window": 32},
 }
 
 
@@ -139,6 +141,13 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
     }
     if arch != "llama":
         fields["sliding_window"] = shape.sliding_window
+    if arch == "gemma3_text":
+        # local (windowed, rope base 10k) and global layers alternate, so that a 2-layer model
+        # has both (Gemma 3 has five local layers per global one)
+        fields["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(shape.num_layers)
+        ]
+        fields["query_pre_attn_scalar"] = fields["head_dim"]
     if shape.sliding_window is not None and arch.startswith("qwen"):
         # Qwen configs window the layers from max_window_layers on (Qwen2-MoE: the even ones
         # below it)
@@ -236,17 +245,30 @@ def _shape_weights(model: torch.nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
                 module.weight.uniform_(1.0 - NORM_JITTER, 1.0 + NORM_JITTER)
-        for name, param in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight", "q_norm.weight", "k_norm.weight")):
-                param.mul_(QK_SCALE)
-            elif name.endswith("c_attn.weight"):  # GPT-2's fused [q | k | v] columns
-                param[:, : 2 * param.shape[0]].mul_(QK_SCALE)
+                if _gain_offset(module):
+                    module.weight.sub_(1.0)
+        for name, module in model.named_modules():
+            if name.endswith(("q_proj", "k_proj", "q_norm", "k_norm")):
+                _scale_gain(module, QK_SCALE)
+            elif name.endswith("c_attn"):  # GPT-2's fused [q | k | v] columns
+                module.weight[:, : 2 * module.weight.shape[0]].mul_(QK_SCALE)
         for embedding in (model.get_input_embeddings(), getattr(decoder, "wpe", None)):
             if embedding is not None:
                 embedding.weight.mul_(EMBED_SCALE)
         row_norm = model.get_output_embeddings().weight.float().norm(dim=1).mean().item()
         final_norm = decoder.ln_f if hasattr(decoder, "ln_f") else decoder.norm
-        final_norm.weight.mul_(LOGIT_SCALE / row_norm)
+        _scale_gain(final_norm, LOGIT_SCALE / row_norm)
+
+
+def _gain_offset(module: torch.nn.Module) -> float:
+    """1 for a Gemma norm (its weight is stored as gain - 1), else 0."""
+    return 1.0 if type(module).__name__.startswith("Gemma") else 0.0
+
+
+def _scale_gain(module: torch.nn.Module, factor: float) -> None:
+    """Multiply a linear layer's or a norm's gain by `factor`."""
+    offset = _gain_offset(module)
+    module.weight.add_(offset).mul_(factor).sub_(offset)
 
 
 # --- Command line ---------------------------------------------------------------------------------

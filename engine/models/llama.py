@@ -31,7 +31,7 @@ from engine.loader import load_named_weights
 
 logger = logging.getLogger(__name__)
 
-_STACKED = (
+STACKED_WEIGHTS = (
     (".qkv_proj.", ".q_proj.", "q"),
     (".qkv_proj.", ".k_proj.", "k"),
     (".qkv_proj.", ".v_proj.", "v"),
@@ -209,7 +209,9 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_processor(hidden, self.lm_head_weight, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(self, weights, stacked=_STACKED, transform=self._map_weight)
+        return load_named_weights(
+            self, weights, stacked=STACKED_WEIGHTS, transform=self._map_weight
+        )
 
     def _map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         if "rotary_emb.inv_freq" in name:

@@ -77,6 +77,18 @@ ARCH_CONFIGS = {
         moe_intermediate_size=40,
         norm_topk_prob=True,
     ),
+    # layer 0 windowed (rope base 10k), layer 1 full (base 1M, linear scaling); GeGLU, 4 norms
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**LLAMA_SHAPE, "num_attention_heads": 4, "num_key_value_heads": 1},
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
+        },
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64,
         n_layer=2,

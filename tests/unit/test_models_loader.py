@@ -146,10 +146,18 @@ def test_legacy_rope_scaling_fields_are_read():
         ),
         # Qwen2-MoE stores 0 for "no window"
         (lambda: transformers.Qwen2MoeConfig(num_hidden_layers=2), (None, None)),
+        # gemma-3-1b: five local layers of 512 keys, then a global one
+        (
+            lambda: transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=512),
+            (512,) * 5 + (None,),
+        ),
         # Llama has no sliding window even if a config carries the key
         (lambda: transformers.LlamaConfig(num_hidden_layers=2, sliding_window=16), (None, None)),
     ],
-    ids=["mistral", "mistral-off", "qwen2-off", "qwen2-upper-layers", "qwen2_moe-off", "llama"],
+    ids=[
+        "mistral", "mistral-off", "qwen2-off", "qwen2-upper-layers", "qwen2_moe-off", "gemma3",
+        "llama",
+    ],  # fmt: skip
 )
 def test_sliding_windows_per_layer_follow_transformers(make, want, tmp_path):
     make().save_pretrained(tmp_path)
