@@ -33,6 +33,7 @@ LOGIT_SCALE = 8.0  # standard deviation of the logits
 EMBED_SCALE = 0.25  # input embeddings relative to a unit-gain layer's output
 NORM_JITTER = 0.2  # norm weights are uniform in 1 +- NORM_JITTER
 QK_SCALE = 2.0  # queries and keys are scaled by this: sharper attention
+GEMMA3_WINDOW = 512  # gemma-3-1b's local window (the tiny preset uses 32)
 QK_BIAS_STD = 0.5  # query / key projection biases (qwen2)
 BIAS_STD = 0.02  # other biases: they add the same vector at every position, so keep them small
 _LLAMA3_ROPE = {
@@ -143,7 +144,8 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
         fields["sliding_window"] = shape.sliding_window
     if arch == "gemma3_text":
         # local (windowed, rope base 10k) and global layers alternate, so that a 2-layer model
-        # has both (Gemma 3 has five local layers per global one)
+        # has both (Gemma 3 has five local layers per global one); always a window
+        fields["sliding_window"] = shape.sliding_window or GEMMA3_WINDOW
         fields["layer_types"] = [
             "full_attention" if i % 2 else "sliding_attention" for i in range(shape.num_layers)
         ]

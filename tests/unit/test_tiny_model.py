@@ -267,6 +267,17 @@ def test_sliding_window_setting(arch: str, want: tuple) -> None:
         build_config("llama", sliding_window=16)
 
 
+def test_gemma3_always_has_local_and_global_layers() -> None:
+    from engine.config import layer_sliding_windows
+
+    tiny = build_config("gemma3_text", num_layers=4)
+    assert layer_sliding_windows(tiny, 4) == (32, None, 32, None)
+    assert tiny.query_pre_attn_scalar == tiny.head_dim
+    small = build_config("gemma3_text", preset="small")
+    assert set(layer_sliding_windows(small, small.num_hidden_layers)) == {512, None}
+    assert build_config("gemma3_text", sliding_window=8).sliding_window == 8
+
+
 def test_command_line(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
