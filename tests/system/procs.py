@@ -79,10 +79,12 @@ class Service:
         Returns how many it held (0: it never did within `timeout_s`). A frozen consumer that
         sits in a blocking XREADGROUP still gets entries (Redis serves the blocked read), so
         each freeze waits up to 100 ms for that; a freeze that caught it between an ack and
-        its next read holds nothing and is let go.
+        its next read holds nothing and is let go, for 5 to 20 ms in turn (on a loaded machine
+        5 ms may not be enough for it to get back to its blocking read).
         """
         held = 0
         deadline = time.monotonic() + timeout_s
+        attempt = 0
         while not held and time.monotonic() < deadline:
             self.proc.send_signal(signal.SIGSTOP)
             frozen_until = time.monotonic() + 0.1
@@ -90,7 +92,8 @@ class Service:
                 time.sleep(0.002)
             if not held:
                 self.proc.send_signal(signal.SIGCONT)
-                time.sleep(0.005)
+                attempt += 1
+                time.sleep(0.005 * (1 + attempt % 4))
         self.kill()
         return held
 
