@@ -8,6 +8,8 @@
 #               flashinfer kernels (.whl/fi_aot.tgz*), `pip install -e .`; print the machine
 #   parity      tests/gpu/test_parity_gpu.py (fp32 greedy, bf16 flashinfer teacher forcing),
 #               writing benchmarks/results/gpu_parity.json
+#   parity-windows  its sliding-window and Gemma 3 cases (Triton and flashinfer windowed
+#               kernels), writing benchmarks/results/gpu_parity_windows.json
 #   seed-shape | decode-bs1 | overlap    one benchmark of benchmarks/gpu_bench.py, --profile
 #   tests-fi    tests/gpu/test_flashinfer_gpu.py on 4 pytest-xdist workers (flashinfer
 #               compiles its fp16/bf16 x head_dim 64/128 variants)
@@ -17,8 +19,8 @@
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
-#   tests-kernels;  all = parity bench tests-overlap tests-fi tests-kernels (the issue's
-#   results first)
+#   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
+#   parity-windows (the results first)
 #
 #   bash benchmarks/gpu_session.sh exec CMD [ARG ...]   CMD after setup, e.g. one benchmark
 #                                                       with other flags; results packed too
@@ -144,7 +146,13 @@ do_step() {
         parity)
             # its first flashinfer test waits for the JIT compile: longer timeout
             run_step parity 240 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" --timeout 500 \
-                tests/gpu/test_parity_gpu.py
+                tests/gpu/test_parity_gpu.py -k "not sliding and not gemma3"
+            pack_aot ;;
+        parity-windows)
+            # flashinfer JIT-compiles its sliding-window variants first
+            run_step parity-windows 240 env SLUICE_WRITE_RESULTS=1 \
+                SLUICE_PARITY_RESULTS=gpu_parity_windows "${PYTEST[@]}" --timeout 500 \
+                tests/gpu/test_parity_gpu.py -k "sliding or gemma3"
             pack_aot ;;
         tests-fi)
             # a worker's first test waits for the JIT compile of its variant: longer timeout
@@ -163,14 +171,15 @@ do_step() {
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
                 --results-dir /tmp/sluice-gpu-smoke ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
-        tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels ;;
+        tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels
+            do_step parity-windows ;;
         all) do_step parity; do_step bench; do_step tests-overlap; do_step tests-fi
-            do_step tests-kernels ;;
+            do_step tests-kernels; do_step parity-windows ;;
         *) status "unknown step $1"; return 2 ;;
     esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
 setup
 if [ "$1" = exec ]; then
     shift
