@@ -137,7 +137,11 @@ class Gemma3TextModel(nn.Module):
         )  # fmt: skip
         windows = layer_sliding_windows(config, config.num_hidden_layers)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.hidden_size**0.5
+        # transformers multiplies by sqrt(hidden_size) rounded to the weights' dtype (the
+        # loader builds the model under that default dtype); a Python float keeps the
+        # multiply free of host tensors (CUDA graphs)
+        scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype(), device="cpu")
+        self.embed_scale = float(scale)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(config, i, self.rotary[layer_types[i]], windows[i])
             for i in range(config.num_hidden_layers)
@@ -147,9 +151,7 @@ class Gemma3TextModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        # transformers multiplies by the scale rounded to the weights' dtype
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        hidden = self.embed_tokens(input_ids) * self.embed_scale
         for layer in self.layers:
             hidden = layer(positions, hidden, forward_batch)
         return self.norm(hidden)
