@@ -41,14 +41,7 @@ STACKED_WEIGHTS = (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        config,
-        layer_id: int,
-        rotary: RotaryEmbedding,
-        variant: type,
-        sliding_window: int | None = None,
-    ) -> None:
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.num_heads = config.num_attention_heads
@@ -71,7 +64,7 @@ class LlamaAttention(nn.Module):
             self.num_kv_heads,
             self.head_dim,
             self.head_dim**-0.5,
-            sliding_window=sliding_window,
+            sliding_window=layer_sliding_windows(config, config.num_hidden_layers)[layer_id],
         )
 
     def forward(
@@ -110,16 +103,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config,
-        layer_id: int,
-        rotary: RotaryEmbedding,
-        variant: type,
-        sliding_window: int | None = None,
-    ) -> None:
+    def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, variant, sliding_window)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, variant)
         self.mlp = variant.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -149,10 +135,8 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        windows = layer_sliding_windows(config, config.num_hidden_layers)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary, variant, windows[i])
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, rotary, variant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
