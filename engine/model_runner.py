@@ -118,7 +118,7 @@ class ModelRunner:
         name = self.args.resolved_attention_backend
         if self.args.attention_backend or name != "flashinfer":
             return name
-        from engine.attention import flashinfer_backend as fi
+        from engine.attention import flashinfer_support as fi
 
         head_dim = self.model_config.head_dim
         if not fi.flashinfer_available():

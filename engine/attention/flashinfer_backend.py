@@ -36,14 +36,13 @@ that the captured kernels read.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionLayer, window_left
+from engine.attention.flashinfer_support import check_supported, load_flashinfer, model_windows
 from engine.attention.page_table import (
     build_page_table,
     build_qo_indptr,
@@ -57,39 +56,8 @@ if TYPE_CHECKING:
     from engine.mem_cache.kv_pool import KVPool
 
 DEFAULT_WORKSPACE_BYTES = 384 << 20  # flashinfer's split-KV scratch, shared by all wrappers
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
 KERNEL_BACKEND = "fa2"
 TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which decode uses tensor cores
-
-
-@functools.cache
-def flashinfer_available() -> bool:
-    """A CUDA device is present and flashinfer imports (a broken install counts as absent)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import flashinfer  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _load_flashinfer(device: torch.device) -> ModuleType:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError(
-            f"attention_backend='flashinfer' needs a CUDA device (got {device}); "
-            "use attention_backend='torch_native' on CPU"
-        )
-    try:
-        import flashinfer
-    except Exception as e:
-        raise RuntimeError(
-            "attention_backend='flashinfer' needs the flashinfer-python package "
-            f"(pip install flashinfer-python; importing it failed: {e}); "
-            "or use attention_backend='triton'"
-        ) from e
-    return flashinfer
 
 
 # -- the backend ----------------------------------------------------------------------------------
@@ -129,15 +97,15 @@ class FlashInferAttnBackend(AttentionBackend):
         if model_config is None or kv_pool is None:
             raise ValueError("FlashInferAttnBackend needs model_config and kv_pool")
         self.device = torch.device(device)
-        self.fi = _load_flashinfer(self.device)
+        self.fi = load_flashinfer(self.device)
         self.num_heads = model_config.num_heads
         self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim
         self.page_size = page_size or kv_pool.page_size
         self.dtype = kv_pool.dtype
-        _check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
+        check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
-        self.window_left, self.full_layers = _windows(model_config)
+        self.window_left, self.full_layers = model_windows(model_config)
         self.merge_on_device = merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)
         # Long-lived tensors are made outside inference mode, so that the in-place updates of
         # plans may happen in or out of it.
@@ -321,34 +289,3 @@ class FlashInferAttnBackend(AttentionBackend):
                 backend=KERNEL_BACKEND,
                 **graph_kwargs,
             )
-
-
-def _windows(model_config: ModelConfig) -> tuple[int, bool]:
-    """(window_left of the model's sliding-window layers, or -1; whether some layer attends to
-    the whole context). One window per model: flashinfer plans a wrapper per window."""
-    sizes = sorted(getattr(model_config, "sliding_window_sizes", set()))
-    if len(sizes) > 1:
-        raise ValueError(
-            f"attention_backend='flashinfer' runs one sliding window per model (this one has "
-            f"{sizes}); use attention_backend='triton'"
-        )
-    windows = getattr(model_config, "sliding_windows", ()) or (None,)
-    return (sizes[0] - 1 if sizes else -1), any(w is None for w in windows)
-
-
-def _check_supported(dtype: torch.dtype, head_dim: int, page_size: int, kv_pool: KVPool) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"attention_backend='flashinfer' runs float16 and bfloat16 (the model is {dtype}); "
-            "use attention_backend='triton' or 'torch_native' for float32"
-        )
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
-            f"attention_backend='flashinfer' supports head_dim {SUPPORTED_HEAD_DIMS} "
-            f"(the model has {head_dim}); use attention_backend='triton'"
-        )
-    if kv_pool.page_size != page_size or kv_pool.num_slots % page_size:
-        raise ValueError(
-            f"KV pool of {kv_pool.num_slots} slots in pages of {kv_pool.page_size} "
-            f"does not split into pages of {page_size}"
-        )

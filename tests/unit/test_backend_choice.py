@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.attention import flashinfer_backend
+from engine.attention import flashinfer_support
 from engine.config import EngineArgs
 from engine.model_runner import ModelRunner
 
 
 def _choice(monkeypatch: pytest.MonkeyPatch, available: bool, dtype: torch.dtype,
             head_dim: int = 64, windows: set | None = None, **args: object) -> str:  # fmt: skip
-    monkeypatch.setattr(flashinfer_backend, "flashinfer_available", lambda: available)
+    monkeypatch.setattr(flashinfer_support, "flashinfer_available", lambda: available)
     runner = ModelRunner.__new__(ModelRunner)  # only what the choice reads
     runner.args = EngineArgs.from_kwargs(model_path="m", **args)
     runner.model_config = SimpleNamespace(head_dim=head_dim, sliding_window_sizes=windows or set())

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine.attention import flashinfer_backend as fib
-from engine.attention import page_table
+from engine.attention import flashinfer_support, page_table
 from engine.attention.base import create_attention_backend
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.mem_cache.kv_pool import KVPool
@@ -271,7 +271,7 @@ FAKE_FLASHINFER = SimpleNamespace(
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    monkeypatch.setattr(fib, "_load_flashinfer", lambda device: FAKE_FLASHINFER)
+    monkeypatch.setattr(fib, "load_flashinfer", lambda device: FAKE_FLASHINFER)
     CALLS.clear()
     return CALLS
 
@@ -433,7 +433,7 @@ def test_unsupported_setups_fail_at_construction(fake_flashinfer):
 def test_no_cuda_fails_at_construction():
     if torch.cuda.is_available():
         pytest.skip("the machine has CUDA")
-    assert not fib.flashinfer_available()
+    assert not flashinfer_support.flashinfer_available()
     layer = _layer(4, 4, 64)
     pool = _pool(make_paged_case([3], [1], 4, 4, 64), layer, torch.bfloat16, 1)
     with pytest.raises(RuntimeError, match="CUDA"):

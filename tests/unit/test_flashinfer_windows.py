@@ -31,7 +31,7 @@ from tests.unit.test_flashinfer_indices import (
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
-    monkeypatch.setattr(fib, "_load_flashinfer", lambda device: FAKE_FLASHINFER)
+    monkeypatch.setattr(fib, "load_flashinfer", lambda device: FAKE_FLASHINFER)
     CALLS.clear()
     return CALLS
 
