@@ -83,23 +83,18 @@ def _extend_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
         # cached prefix, gathered through req_to_token: every key is visible (in a sliding
-        # window, key j to the query at position p iff j >= p - WINDOW_LEFT)
+        # window, key j to the query at position p iff j >= p - WINDOW_LEFT; blocks wholly
+        # before the row block's window are skipped)
+        prefix_start, own_start, row_lo = 0, 0, 0
         if WINDOW_LEFT >= 0:
             row_lo = prefix_len + offs_m - WINDOW_LEFT
             prefix_start = tl.maximum(prefix_len + m_start - WINDOW_LEFT, 0)
-            m_i, l_i, acc = attend_paged_keys(
-                q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
-                stride_buf_s, stride_buf_h, kv_head, prefix_start, prefix_len, scale_log2,
-                offs_d, mask_d, row_lo, BLOCK_N, True, DOT_DTYPE, PRECISION,
-            )  # fmt: skip
             own_start = tl.maximum(m_start - WINDOW_LEFT, 0)
-        else:
-            m_i, l_i, acc = attend_paged_keys(
-                q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
-                stride_buf_s, stride_buf_h, kv_head, 0, prefix_len, scale_log2, offs_d, mask_d,
-                0, BLOCK_N, False, DOT_DTYPE, PRECISION,
-            )  # fmt: skip
-            own_start = 0
+        m_i, l_i, acc = attend_paged_keys(
+            q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
+            stride_buf_s, stride_buf_h, kv_head, prefix_start, prefix_len, scale_log2, offs_d,
+            mask_d, row_lo, BLOCK_N, WINDOW_LEFT >= 0, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
 
         # the new tokens themselves, contiguous in k/v: causal
         causal_end = tl.minimum(extend_len, m_start + BLOCK_M)

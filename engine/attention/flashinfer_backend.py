@@ -36,6 +36,7 @@ that the captured kernels read.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,8 +64,8 @@ TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which decode uses tens
 # -- the backend ----------------------------------------------------------------------------------
 @dataclass
 class _DecodeMetadata:
-    wrapper: Any  # a BatchDecodeWithPagedKVCacheWrapper planned for this batch
-    window_wrapper: Any = None  # the same, planned with the window, for sliding-window layers
+    wrapper: Any  # a BatchDecodeWithPagedKVCacheWrapper planned for this batch (full layers)
+    window_wrapper: Any = None  # the same, planned with the window (sliding-window layers)
 
 
 @dataclass
@@ -109,23 +110,24 @@ class FlashInferAttnBackend(AttentionBackend):
         self.merge_on_device = merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)
         # Long-lived tensors are made outside inference mode, so that the in-place updates of
         # plans may happen in or out of it.
+        # Wrappers only for the attention the model has: full layers (ragged + prefix, decode),
+        # sliding-window layers (paged over the whole context, causal; decode).
         with torch.inference_mode(False):
             self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-            self.ragged = self.fi.BatchPrefillWithRaggedKVCacheWrapper(
-                self.workspace, "NHD", backend=KERNEL_BACKEND
-            )
-            self.paged = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace, "NHD", backend=KERNEL_BACKEND
-            )
-            # sliding-window layers: every new token over the whole context, causal
-            self.paged_window = self.fi.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace, "NHD", backend=KERNEL_BACKEND
-            )
-        self.decode = self._decode_wrapper()
-        self.decode_window = self._decode_wrapper() if self.window_left >= 0 else None
+            prefill = functools.partial(
+                self.fi.BatchPrefillWithPagedKVCacheWrapper, self.workspace, "NHD",
+                backend=KERNEL_BACKEND,
+            )  # fmt: skip
+            if self.full_layers:
+                self.ragged = self.fi.BatchPrefillWithRaggedKVCacheWrapper(
+                    self.workspace, "NHD", backend=KERNEL_BACKEND
+                )
+                self.paged = prefill()
+            self.paged_window = prefill() if self.window_left >= 0 else None
+        self.decode = self._decode_wrappers()
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
         self.graph_buffers: _GraphBuffers | None = None
-        # captured batch size -> its decode wrapper (and its windowed one)
+        # captured batch size -> its decode wrappers (full, windowed)
         self.graph_wrappers: dict[int, tuple[Any, Any]] = {}
 
     # -- planning ---------------------------------------------------------------------------------
@@ -134,22 +136,17 @@ class FlashInferAttnBackend(AttentionBackend):
         if fb.batch_size == 0:
             self.metadata = None
         elif fb.forward_mode.is_decode():
-            self.metadata = self._plan_decode((self.decode, self.decode_window), fb)
+            self.metadata = self._plan_decode(self.decode, fb)
         else:
             self.metadata = self._plan_extend(fb)
 
     def _plan_decode(self, wrappers: tuple[Any, Any], fb: ForwardBatch) -> _DecodeMetadata:
-        """Plans the full-attention wrapper (if some layer attends fully) and the windowed one
-        (if some layer has a window) over the same page table."""
-        table = build_page_table(
-            fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens
-        )
+        """Plans the full-attention and the windowed wrapper (those the model has) over the
+        same page table."""
+        table = self._context_table(fb)
         full, windowed = wrappers
-        for wrapper, left, used in (
-            (full, -1, self.full_layers),
-            (windowed, self.window_left, self.window_left >= 0),
-        ):
-            if used:
+        for wrapper, left in ((full, -1), (windowed, self.window_left)):
+            if wrapper is not None:
                 wrapper.plan(
                     table.indptr, table.indices, table.last_page_len,
                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
@@ -157,14 +154,18 @@ class FlashInferAttnBackend(AttentionBackend):
                 )  # fmt: skip
         return _DecodeMetadata(full, windowed)
 
+    def _context_table(self, fb: ForwardBatch) -> Any:
+        """The page table of each request's whole context (new tokens included)."""
+        return build_page_table(
+            fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens
+        )
+
     def _plan_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, pin=self.device.type == "cuda")
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        if self.window_left >= 0:
-            table = build_page_table(
-                fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens
-            )
+        if self.paged_window is not None:
+            table = self._context_table(fb)
             self.paged_window.plan(
                 qo_indptr, table.indptr, table.indices, table.last_page_len,
                 *heads, self.page_size, causal=True, window_left=self.window_left,
@@ -259,8 +260,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         bs = forward_batch.batch_size
-        windowed = self._decode_wrapper(graph_bs=bs) if self.window_left >= 0 else None
-        self.graph_wrappers[bs] = (self._decode_wrapper(graph_bs=bs), windowed)
+        self.graph_wrappers[bs] = self._decode_wrappers(graph_bs=bs)
         self.metadata = self._plan_decode(self.graph_wrappers[bs], forward_batch)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
@@ -269,8 +269,9 @@ class FlashInferAttnBackend(AttentionBackend):
         # writes into the captured buffers
         self.metadata = self._plan_decode(wrappers, forward_batch)
 
-    def _decode_wrapper(self, graph_bs: int | None = None) -> Any:
-        """The eager decode wrapper, or (graph_bs) one that a graph of that size captures."""
+    def _decode_wrappers(self, graph_bs: int | None = None) -> tuple[Any, Any]:
+        """(full, windowed) decode wrappers, None for the attention the model lacks: eager ones,
+        or (graph_bs) those a graph of that size captures."""
         graph_kwargs: dict[str, Any] = {}
         if graph_bs is not None:
             buffers = self.graph_buffers
@@ -282,10 +283,10 @@ class FlashInferAttnBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=buffers.last_page_len[:graph_bs],
             )
         with torch.inference_mode(False):
-            return self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                "NHD",
-                use_tensor_cores=self.use_tensor_cores,
-                backend=KERNEL_BACKEND,
-                **graph_kwargs,
+            make = functools.partial(
+                self.fi.BatchDecodeWithPagedKVCacheWrapper, self.workspace, "NHD",
+                use_tensor_cores=self.use_tensor_cores, backend=KERNEL_BACKEND, **graph_kwargs,
+            )  # fmt: skip
+            return (make() if self.full_layers else None), (
+                make() if self.window_left >= 0 else None
             )

@@ -51,13 +51,13 @@ def load_flashinfer(device: torch.device) -> ModuleType:
 def model_windows(model_config: ModelConfig) -> tuple[int, bool]:
     """(window_left of the model's sliding-window layers, or -1; whether some layer attends to
     the whole context). One window per model: flashinfer plans a wrapper per window."""
-    sizes = sorted(getattr(model_config, "sliding_window_sizes", set()))
+    windows = getattr(model_config, "sliding_windows", ()) or (None,)
+    sizes = sorted({w for w in windows if w is not None})
     if len(sizes) > 1:
         raise ValueError(
             f"attention_backend='flashinfer' runs one sliding window per model (this one has "
             f"{sizes}); use attention_backend='triton'"
         )
-    windows = getattr(model_config, "sliding_windows", ()) or (None,)
     return (sizes[0] - 1 if sizes else -1), any(w is None for w in windows)
 
 

@@ -13,7 +13,6 @@ Fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` = [gate; up] (see
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 import torch
@@ -28,8 +27,6 @@ from engine.layers.linear import MergedLinear
 from engine.layers.logits import LogitsProcessor
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.loader import load_named_weights
-
-logger = logging.getLogger(__name__)
 
 STACKED_WEIGHTS = (
     (".qkv_proj.", ".q_proj.", "q"),

@@ -305,7 +305,7 @@ def _flashinfer(layer, pool, page_size: int, windows: tuple | None = None):
     windows = (layer.sliding_window,) if windows is None else windows
     config = SimpleNamespace(
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
-        sliding_windows=windows, sliding_window_sizes={w for w in windows if w},
+        sliding_windows=windows,
     )  # fmt: skip
     return create_attention_backend(
         "flashinfer",
