@@ -247,8 +247,7 @@ def _shape_weights(model: torch.nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
                 module.weight.uniform_(1.0 - NORM_JITTER, 1.0 + NORM_JITTER)
-                if _gain_offset(module):
-                    module.weight.sub_(1.0)
+                module.weight.sub_(_gain_offset(module))
         for name, module in model.named_modules():
             if name.endswith(("q_proj", "k_proj", "q_norm", "k_norm")):
                 _scale_gain(module, QK_SCALE)
