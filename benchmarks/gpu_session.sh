@@ -146,13 +146,13 @@ do_step() {
         parity)
             # its first flashinfer test waits for the JIT compile: longer timeout
             run_step parity 240 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" --timeout 500 \
-                tests/gpu/test_parity_gpu.py -k "not sliding and not gemma3"
+                tests/gpu/test_parity_gpu.py -k "not sliding and not gemma"
             pack_aot ;;
         parity-windows)
-            # flashinfer JIT-compiles its sliding-window variants first
+            # flashinfer JIT-compiles its sliding-window and soft-cap variants first
             run_step parity-windows 240 env SLUICE_WRITE_RESULTS=1 \
                 SLUICE_PARITY_RESULTS=gpu_parity_windows "${PYTEST[@]}" --timeout 500 \
-                tests/gpu/test_parity_gpu.py -k "sliding or gemma3"
+                tests/gpu/test_parity_gpu.py -k "sliding or gemma"
             pack_aot ;;
         tests-fi)
             # a worker's first test waits for the JIT compile of its variant: longer timeout

@@ -53,6 +53,8 @@ class ModelConfig:
     hf_config: object = field(repr=False, compare=False)
     # per layer: the sliding attention window (keys a query sees, itself included), or None
     sliding_windows: tuple[int | None, ...] = ()
+    # attention scores soft-capped to c * tanh(s / c) on every layer (Gemma 2), or None
+    attn_logit_cap: float | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, context_length: int | None = None) -> ModelConfig:
@@ -81,6 +83,7 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             hf_config=hf,
             sliding_windows=layer_sliding_windows(hf, num_layers),
+            attn_logit_cap=attn_logit_cap(hf),
         )
 
     @property
@@ -92,8 +95,11 @@ class ModelConfig:
 # Architectures whose transformers implementation applies `config.sliding_window` (Llama's
 # and GPT-2's ignore it).
 _SLIDING_WINDOW_TYPES = (
-    "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma3_text",
+    "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text",
 )  # fmt: skip
+# Architectures whose transformers implementation soft-caps attention scores by
+# `config.attn_logit_softcapping`.
+_SOFT_CAP_TYPES = ("gemma2", "gemma3_text")
 
 
 def layer_sliding_windows(hf: object, num_layers: int) -> tuple[int | None, ...]:
@@ -109,6 +115,15 @@ def layer_sliding_windows(hf: object, num_layers: int) -> tuple[int | None, ...]
     if layer_types is None:
         return (int(window),) * num_layers
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+
+
+def attn_logit_cap(hf: object) -> float | None:
+    """The cap c of the attention scores (s -> c * tanh(s / c)) as transformers applies it,
+    the same on every layer; None: not capped."""
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    if getattr(hf, "model_type", None) not in _SOFT_CAP_TYPES or not cap:
+        return None
+    return float(cap)
 
 
 def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:

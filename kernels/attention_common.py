@@ -9,6 +9,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.jit import LOG2E
+
+_TWO_LOG2E = tl.constexpr(2.0 * LOG2E)
+
+
+@triton.jit
+def soft_cap(qk, CAP: tl.constexpr):
+    """`CAP * tanh(qk / CAP)` (qk and CAP both in log2 units: a cap c on the scores s is
+    CAP = c * log2(e) on s * log2(e)), never NaN.
+
+    Written without libdevice's tanh, which the interpreter lacks: through exp2 where
+    |qk / CAP| >= 1/8, where it loses only float32's absolute rounding (1e-7 of CAP), and as
+    tanh's odd series to y^7 below (error under 2e-10), where that rounding would be large
+    against the result (a cap far above the scores would otherwise blur all of them)."""
+    y = qk * (1.0 / CAP)
+    y2 = y * y
+    series = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
+    through_exp = 1.0 - 2.0 / (tl.exp2(y * _TWO_LOG2E) + 1.0)
+    return CAP * tl.where(tl.abs(y) < 0.125, series, through_exp)
+
 
 @triton.jit
 def attend_paged_keys(
@@ -32,6 +52,7 @@ def attend_paged_keys(
     row_lo,
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -45,7 +66,8 @@ def attend_paged_keys(
     mask); `scale_log2` is scale * log2(e). Keys are read BLOCK_N at a time from `start`; the
     last block is masked at `end`. WINDOWED (a sliding-window layer whose rows see different
     ranges): key j is also hidden from row r when j < row_lo[r] ([ROWS] int32); otherwise
-    row_lo is not read. A row that sees no key of a block keeps its state (its m_i stays above
+    row_lo is not read. LOGIT_CAP > 0 (log2 units): scores are soft-capped before the mask
+    (`soft_cap`). A row that sees no key of a block keeps its state (its m_i stays above
     -inf, so exp2 of the masked scores is 0, never NaN).
     """
     offs_n = tl.arange(0, BLOCK_N)
@@ -61,6 +83,8 @@ def attend_paged_keys(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_buf_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if LOGIT_CAP > 0:
+            qk = soft_cap(qk, LOGIT_CAP)
         if WINDOWED:
             qk = tl.where(mask_n[None, :] & (pos[None, :] >= row_lo[:, None]), qk, float("-inf"))
         else:

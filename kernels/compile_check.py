@@ -59,6 +59,10 @@ HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))  # (Hq, Hk): GPT-2, Llama-3.2-1B, Qwe
 # Qwen2's heads
 WINDOW = 4096
 WINDOW_HEAD_SHAPES = ((32, 8), (28, 4))
+# head_dim 256 (Gemma 2 and 3), (Hq, Hk, window, attention soft-cap): gemma-2-2b's full and
+# local layers (window 4096, scores capped at 50), gemma-3-1b's (window 512, no cap)
+GEMMA_HEAD_DIM = 256
+GEMMA_CASES = ((8, 4, None, 50.0), (8, 4, 4096, 50.0), (4, 1, None, None), (4, 1, 512, None))
 STORE_KV_HEADS = 8
 # (hidden, experts, top_k, expert intermediate): Qwen3-30B-A3B, Mixtral-8x7B
 MOE_SHAPES = ((2048, 128, 8, 768), (4096, 8, 2, 14336))
@@ -164,7 +168,8 @@ def offline_compiler(arch: int) -> Iterator[list[dict[str, Any]]]:
 
 
 def _launch(
-    dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1
+    dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
     are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read."""
@@ -180,10 +185,16 @@ def _launch(
     lens = torch.full((batch,), tokens // batch)
     prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
     decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale,
-                     window_left=window_left)  # fmt: skip
+                     window_left=window_left, logit_cap=logit_cap)  # fmt: skip
     extend_attention(
         q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale,
-        window_left=window_left,
+        window_left=window_left, logit_cap=logit_cap,
+    )
+
+
+def gemma_case(window: int | None, cap: float | None) -> str:
+    return " ".join(
+        ["gemma"] + ([f"window {window}"] if window else []) + ([f"cap {cap:g}"] if cap else [])
     )
 
 
@@ -215,9 +226,17 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                 yield labels, functools.partial(
                     _launch, dtype, hq, hk, head_dim, attention=True, window_left=WINDOW - 1
                 )
+        for head_dim in (*HEAD_DIMS, GEMMA_HEAD_DIM):
             kv = STORE_KV_HEADS  # store_kv's code depends on dtype and head_dim only
             labels = {"dtype": name, "head_dim": head_dim, "num_kv_heads": kv}
             yield labels, functools.partial(_launch, dtype, kv, kv, head_dim, attention=False)
+        for hq, hk, window, cap in GEMMA_CASES:
+            labels = {"dtype": name, "head_dim": GEMMA_HEAD_DIM, "num_heads": hq,
+                      "num_kv_heads": hk, "case": gemma_case(window, cap)}  # fmt: skip
+            yield labels, functools.partial(
+                _launch, dtype, hq, hk, GEMMA_HEAD_DIM, attention=True,
+                window_left=(window or 0) - 1, logit_cap=cap or 0.0,
+            )  # fmt: skip
     for name, dtype in DTYPES.items():
         for shape in MOE_SHAPES:
             for tokens in (4, 1024):  # 16-row and 64-row blocks

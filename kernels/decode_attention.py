@@ -64,6 +64,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr,
+    LOGIT_CAP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -94,7 +95,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = attend_paged_keys(
             q, m_i, l_i, acc, k_buf_ptr, v_buf_ptr, req_to_token_ptr, row, stride_r2t,
             stride_buf_s, stride_buf_h, kv_head, start, end, scale_log2, offs_d, mask_d, 0,
-            BLOCK_N, False, DOT_DTYPE, PRECISION,
+            BLOCK_N, False, LOGIT_CAP, DOT_DTYPE, PRECISION,
         )  # fmt: skip
         mid_row = req.to(tl.int64) * stride_mob + heads * stride_moh + split * stride_mos
         out_mask = mask_h[:, None] & mask_d[None, :]
@@ -145,8 +146,11 @@ def _decode_merge_kernel(
 def split_warps(dtype: torch.dtype, block_d: int) -> int:
     """Warps of the stage-1 kernel. 4, except for float32 (ieee FMA dots, see
     `extend_attention.launch_config`) above head_dim 64: at 4 warps ptxas for sm_90a hit 255
-    registers and spilled (triton 3.6 and 3.9); at 8 it uses 73-80 and spills nothing."""
-    return 8 if dtype == torch.float32 and block_d > 64 else 4
+    registers and spilled (triton 3.6 and 3.9); at 8 it uses 73-80 and spills nothing. At
+    head_dim 256 8 warps spill again (255 registers, 28-56 B); 16 use 78."""
+    if dtype != torch.float32 or block_d <= 64:
+        return 4
+    return 8 if block_d <= 128 else 16
 
 
 def decode_scratch(
@@ -171,11 +175,13 @@ def decode_attention(
     out: torch.Tensor | None = None,
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> out [B, Hq, D] (q's dtype). `scratch` from `decode_scratch` (with the
     same num_splits) avoids two allocations per call. `window_left` >= 0: a sliding-window
     layer, each query sees its last window_left + 1 keys (split among the chunks: the window,
-    not the whole context, is what the splits cut)."""
+    not the whole context, is what the splits cut). `logit_cap` > 0: scores s = scale * q.k
+    become logit_cap * tanh(s / logit_cap) (one compiled variant per cap)."""
     batch_size, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     group = num_heads // num_kv_heads
@@ -198,6 +204,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
         WINDOW_LEFT=window_left,
+        LOGIT_CAP=logit_cap * LOG2E,
         BLOCK_H=next_pow2(group, 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,

@@ -21,13 +21,17 @@ def _attend(
     scale: float,
     causal_from: int,
     window_left: int = -1,
+    logit_cap: float = 0.0,
 ):
     """q [M, Hq, D], k/v [L, Hk, D] -> [M, Hq, D]; query m (at position causal_from + m) sees
-    keys j <= causal_from + m, and (window_left >= 0) j >= causal_from + m - window_left."""
+    keys j <= causal_from + m, and (window_left >= 0) j >= causal_from + m - window_left.
+    logit_cap > 0: scores s are soft-capped to logit_cap * tanh(s / logit_cap) first."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,lhd->hml", q.float(), k) * scale
+    if logit_cap > 0:
+        scores = torch.tanh(scores / logit_cap) * logit_cap
     m = torch.arange(q.shape[0], device=q.device)[:, None]
     j = torch.arange(k.shape[0], device=q.device)[None, :]
     hidden = j > causal_from + m
@@ -46,15 +50,17 @@ def decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """q [B, Hq, D] (the last token of each request) -> [B, Hq, D] over all seq_lens[i] keys
-    (the last window_left + 1 of them when window_left >= 0)."""
+    (the last window_left + 1 of them when window_left >= 0; scores soft-capped when
+    logit_cap > 0)."""
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         n = int(seq_lens[i])
         slots = req_to_token[req_pool_indices[i], :n].long()
         keys, values = k_buffer[slots], v_buffer[slots]
-        out[i] = _attend(q[i : i + 1], keys, values, scale, n - 1, window_left)[0]
+        out[i] = _attend(q[i : i + 1], keys, values, scale, n - 1, window_left, logit_cap)[0]
     return out
 
 
@@ -71,18 +77,22 @@ def extend_attention_ref(
     extend_start_loc: torch.Tensor,
     scale: float,
     window_left: int = -1,
+    logit_cap: float = 0.0,
 ) -> torch.Tensor:
     """Packed new tokens: request i owns rows extend_start_loc[i] .. + extend_lens[i] of
     q [N, Hq, D] and k_extend/v_extend [N, Hk, D]. Each new token sees the request's
     prefix_lens[i] cached tokens (slots from req_to_token) and the new tokens up to itself;
-    with window_left >= 0, only the last window_left + 1 of those."""
+    with window_left >= 0, only the last window_left + 1 of those (scores soft-capped when
+    logit_cap > 0)."""
     out = torch.zeros_like(q)
     for i in range(len(extend_lens)):
         start, n, p = int(extend_start_loc[i]), int(extend_lens[i]), int(prefix_lens[i])
         slots = req_to_token[req_pool_indices[i], :p].long()
         keys = torch.cat([k_buffer[slots], k_extend[start : start + n].to(k_buffer.dtype)])
         values = torch.cat([v_buffer[slots], v_extend[start : start + n].to(v_buffer.dtype)])
-        out[start : start + n] = _attend(q[start : start + n], keys, values, scale, p, window_left)
+        out[start : start + n] = _attend(
+            q[start : start + n], keys, values, scale, p, window_left, logit_cap
+        )
     return out
 
 

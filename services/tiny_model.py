@@ -24,7 +24,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3_text", *MOE_ARCHS)
+GEMMA_ARCHS = ("gemma2", "gemma3_text")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *GEMMA_ARCHS, *MOE_ARCHS)
 
 # --- Model ----------------------------------------------------------------------------------------
 
@@ -33,7 +34,8 @@ LOGIT_SCALE = 8.0  # standard deviation of the logits
 EMBED_SCALE = 0.25  # input embeddings relative to a unit-gain layer's output
 NORM_JITTER = 0.2  # norm weights are uniform in 1 +- NORM_JITTER
 QK_SCALE = 2.0  # queries and keys are scaled by this: sharper attention
-GEMMA3_WINDOW = 512  # gemma-3-1b's local window (the tiny preset uses 32)
+# the local window of gemma-2-2b and of gemma-3-1b (the tiny preset uses 32)
+GEMMA_WINDOWS = {"gemma2": 4096, "gemma3_text": 512}
 QK_BIAS_STD = 0.5  # query / key projection biases (qwen2)
 BIAS_STD = 0.02  # other biases: they add the same vector at every position, so keep them small
 _LLAMA3_ROPE = {
@@ -88,7 +90,8 @@ _TINY_TWEAKS: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
     "qwen3_moe": {"head_dim": 32},
-    # Gemma 3 always windows its local layers (gemma-3-1b: 512 keys)
+    # Gemma 2 and 3 always window their local layers (gemma-3-1b: 512 keys)
+    "gemma2": {"sliding_window": 32},
     "gemma3_text": {"sliding_window": 32},
 }
 
@@ -142,10 +145,11 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
     }
     if arch != "llama":
         fields["sliding_window"] = shape.sliding_window
-    if arch == "gemma3_text":
-        # local (windowed, rope base 10k) and global layers alternate, so that a 2-layer model
-        # has both (Gemma 3 has five local layers per global one); always a window
-        fields["sliding_window"] = shape.sliding_window or GEMMA3_WINDOW
+    if arch in GEMMA_ARCHS:
+        # local (windowed) and global layers alternate, so that a 2-layer model has both
+        # (Gemma 2 alternates too, Gemma 3 has five local layers per global one); always a
+        # window. Gemma 2 keeps its config's soft caps (attention 50, final logits 30).
+        fields["sliding_window"] = shape.sliding_window or GEMMA_WINDOWS[arch]
         fields["layer_types"] = [
             "full_attention" if i % 2 else "sliding_attention" for i in range(shape.num_layers)
         ]

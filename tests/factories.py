@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma3_text")
+DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 ARCHS = DENSE_ARCHS + MOE_ARCHS
 # test model name -> (arch, sliding window): Mistral windows every layer, Qwen2-MoE's config

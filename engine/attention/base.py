@@ -22,6 +22,7 @@ class AttentionLayer(Protocol):
     head_dim: int
     scaling: float
     sliding_window: int | None  # keys seen, the query's own included; None: all
+    logit_cap: float | None  # scores soft-capped to c * tanh(s / c); None: not capped
 
 
 def window_left(layer: AttentionLayer) -> int:
@@ -29,6 +30,11 @@ def window_left(layer: AttentionLayer) -> int:
     p - window_left .. p; -1 means the whole context."""
     window = getattr(layer, "sliding_window", None)
     return -1 if window is None else window - 1
+
+
+def logit_cap(layer: AttentionLayer) -> float:
+    """flashinfer's convention (`logits_soft_cap`), used by every backend: 0.0 is no cap."""
+    return float(getattr(layer, "logit_cap", None) or 0.0)
 
 
 class AttentionBackend(ABC):

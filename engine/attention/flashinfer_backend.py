@@ -16,17 +16,17 @@ that planning never makes the host wait for that batch.
   (`merge_state_in_place`). A batch where no request has a cached prefix (most first
   prefills) runs the ragged kernel alone, without log-sum-exps.
 
-Sliding-window layers (Mistral, Qwen2 with `use_sliding_window`; one window per model) have
-wrappers of their own, planned with `window_left` = window - 1 (flashinfer picks the windowed
-kernel variant at plan time, and `forward` must pass the same value): a paged prefill wrapper
-over each request's whole context, causal, so that the new tokens' keys (stored first) and the
-prefix's are read in one pass with the window applied to both, and a decode wrapper. Full
-layers of the same model keep the ragged + prefix path above.
+Sliding-window layers (Mistral, Qwen2, Gemma; one window per model) have wrappers of their
+own, planned with `window_left` = window - 1: a paged prefill wrapper over each request's whole
+context, causal (the new tokens' K/V are stored first; one pass applies the window to prefix
+and new keys alike), and a decode wrapper. Full layers keep the ragged + prefix path above.
+A soft-capped model (Gemma 2: scores s -> c * tanh(s / c)) plans every wrapper with its
+`logits_soft_cap`. flashinfer picks both kernel variants at plan time and each `forward`
+resets them to its own arguments, so every call passes the planned values again.
 
-Each layer passes its own softmax scale (GPT-2 can scale per layer) to the wrappers' `forward(...,
-sm_scale=)` (which overwrites the planned scalar, as SGLang does). All wrappers use the FA2
-kernels: one JIT-compiled module per dtype and head_dim serves them all (FA3 on Hopper would be
-a second, slow compile).
+Each layer passes its own softmax scale (GPT-2 can scale per layer) to `forward(..., sm_scale=)`,
+as SGLang does. All wrappers use the FA2 kernels: one JIT-compiled module per dtype and head_dim
+serves them all (FA3 on Hopper would be a second, slow compile).
 
 CUDA graphs (decode only): each captured batch size has its own decode wrapper with
 `use_cuda_graph=True` over slices of static page-table buffers (`init_cuda_graph_state`);
@@ -42,8 +42,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionLayer, window_left
-from engine.attention.flashinfer_support import check_supported, load_flashinfer, model_windows
+from engine.attention.base import AttentionBackend, AttentionLayer, logit_cap, window_left
+from engine.attention.flashinfer_support import (
+    check_supported,
+    load_flashinfer,
+    model_logit_cap,
+    model_windows,
+)  # fmt: skip
 from engine.attention.page_table import (
     build_page_table,
     build_qo_indptr,
@@ -61,7 +66,6 @@ KERNEL_BACKEND = "fa2"
 TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which decode uses tensor cores
 
 
-# -- the backend ----------------------------------------------------------------------------------
 @dataclass
 class _DecodeMetadata:
     wrapper: Any  # a BatchDecodeWithPagedKVCacheWrapper planned for this batch (full layers)
@@ -107,11 +111,10 @@ class FlashInferAttnBackend(AttentionBackend):
         check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
         self.window_left, self.full_layers = model_windows(model_config)
+        self.logit_cap = model_logit_cap(model_config)
         self.merge_on_device = merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)
-        # Long-lived tensors are made outside inference mode, so that the in-place updates of
-        # plans may happen in or out of it.
-        # Wrappers only for the attention the model has: full layers (ragged + prefix, decode),
-        # sliding-window layers (paged over the whole context, causal; decode).
+        # Long-lived tensors are made outside inference mode (plans update them in place, in or
+        # out of it); wrappers only for the attention the model has (full and/or windowed).
         with torch.inference_mode(False):
             self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
             prefill = functools.partial(
@@ -189,7 +192,10 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_scalars(self) -> dict[str, Any]:
         # sm_scale is only planned here: each layer passes its own to forward()
-        return dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5)
+        return dict(
+            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5,
+            logits_soft_cap=self.logit_cap,
+        )  # fmt: skip
 
     # -- attention --------------------------------------------------------------------------------
     def _attend(
@@ -203,19 +209,21 @@ class FlashInferAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
         q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
-        left = window_left(layer)
+        left, cap = window_left(layer), logit_cap(layer)
+        assert cap == self.logit_cap, f"layer logit cap {cap} was not planned"
+        scalars = dict(sm_scale=layer.scaling, logits_soft_cap=cap)
         if left >= 0:
             # the windowed wrappers read the new tokens' K/V from the pool, stored first
             assert left == self.window_left, f"layer window {left + 1} was not planned"
             paged_kv = self._paged_kv(pool, layer.layer_id)
             wrapper = md.window_wrapper if isinstance(md, _DecodeMetadata) else self.paged_window
             kwargs = {} if isinstance(md, _DecodeMetadata) else {"causal": True}
-            out = wrapper.forward(q, paged_kv, window_left=left, sm_scale=layer.scaling, **kwargs)
+            out = wrapper.forward(q, paged_kv, window_left=left, **scalars, **kwargs)
         elif isinstance(md, _DecodeMetadata):
             paged_kv = self._paged_kv(pool, layer.layer_id)
-            out = md.wrapper.forward(q, paged_kv, sm_scale=layer.scaling)
+            out = md.wrapper.forward(q, paged_kv, **scalars)
         else:
-            out = self._extend(q, k, v, layer, pool, md)
+            out = self._extend(q, k, v, layer, pool, md, scalars)
         return out.view(-1, layer.num_heads * layer.head_dim)
 
     def _extend(
@@ -226,16 +234,16 @@ class FlashInferAttnBackend(AttentionBackend):
         layer: AttentionLayer,
         pool: KVPool,
         md: _ExtendMetadata,
+        scalars: dict[str, float],
     ) -> torch.Tensor:
         k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
         v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
-        scale = layer.scaling
         if not md.has_prefix:
-            return self.ragged.forward(q, k, v, causal=True, sm_scale=scale)
-        out, lse = self.ragged.forward_return_lse(q, k, v, causal=True, sm_scale=scale)
+            return self.ragged.forward(q, k, v, causal=True, **scalars)
+        out, lse = self.ragged.forward_return_lse(q, k, v, causal=True, **scalars)
         paged_kv = self._paged_kv(pool, layer.layer_id)
         out_prefix, lse_prefix = self.paged.forward_return_lse(
-            q, paged_kv, causal=False, sm_scale=scale
+            q, paged_kv, causal=False, **scalars
         )
         merge = self.fi.merge_state_in_place if self.merge_on_device else merge_states_torch
         merge(out, lse, out_prefix, lse_prefix)

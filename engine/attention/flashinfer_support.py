@@ -1,7 +1,7 @@
 """What the flashinfer backend (engine/attention/flashinfer_backend.py) needs and can run:
 an importable flashinfer and a CUDA device, its dtypes and head sizes, the pool's page
-layout, and the model's sliding windows. Checked when the backend is built, and by the model
-runner's default backend choice."""
+layout, the model's sliding windows and attention soft-cap. Checked when the backend is
+built, and by the model runner's default backend choice."""
 
 from __future__ import annotations
 
@@ -59,6 +59,12 @@ def model_windows(model_config: ModelConfig) -> tuple[int, bool]:
             f"{sizes}); use attention_backend='triton'"
         )
     return (sizes[0] - 1 if sizes else -1), any(w is None for w in windows)
+
+
+def model_logit_cap(model_config: ModelConfig) -> float:
+    """The attention soft-cap of the model's layers (Gemma 2), 0.0 for none. flashinfer picks
+    the capped kernel variant at plan time, and one plan serves every layer."""
+    return float(getattr(model_config, "attn_logit_cap", None) or 0.0)
 
 
 def check_supported(dtype: torch.dtype, head_dim: int, page_size: int, kv_pool: KVPool) -> None:

@@ -16,6 +16,11 @@ A sliding-window layer (`layer.sliding_window` W, shorter than the batch's longe
 adds `key > p - W` to the mask (`_Metadata.window_mask`, made at the first such layer of the
 batch and shared by the others). It still gathers every key: the window only masks.
 
+A soft-capped layer (`layer.logit_cap` c, Gemma 2) cannot use SDPA, which has no hook between
+the scores and the softmax: it computes the scores, caps them to c * tanh(s / c), masks, and
+takes the softmax in float32 (as transformers' eager attention does; float64 models in
+float64).
+
 Each layer then does one scatter of the new K/V into the pool, one gather of K and of V, and
 one `scaled_dot_product_attention`. GQA decode folds the query heads of a group into the
 query-length axis ([B, kv_heads, group, D]) instead of repeating K/V, which is much faster on
@@ -35,13 +40,12 @@ layer), far slower than the eager one it replaces.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.base import AttentionBackend, AttentionLayer
+from engine.attention.torch_ops import sdpa, subset_batch
 from engine.forward_batch import ForwardBatch
 
 
@@ -111,7 +115,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.metadata = self._plan(fb, decode=True)
         elif ones:
             rest = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n != 1]
-            (one, one_index), (many, many_index) = _subset(fb, ones), _subset(fb, rest)
+            (one, one_index), (many, many_index) = subset_batch(fb, ones), subset_batch(fb, rest)
             self.metadata = _Mixed(
                 [
                     _Part(self._plan(one, decode=True), one_index),
@@ -122,7 +126,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.metadata = self._plan(fb, decode=False)
 
     def _plan(self, fb: Any, decode: bool) -> _Metadata:
-        """`fb`: the batch, or the part of a mixed batch (`_subset`)."""
+        """`fb`: the batch, or the part of a mixed batch (`subset_batch`)."""
         device = fb.seq_lens.device
         max_seq_len = max(fb.seq_lens_cpu)
         key_pos = torch.arange(max_seq_len, device=device)
@@ -251,7 +255,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """keys/values [B, kv_heads, L, D]; query heads of one KV group become query rows."""
         group = layer.num_heads // layer.num_kv_heads
         q = q.reshape(batch_size, layer.num_kv_heads, group, layer.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.scaling)
+        out = sdpa(q, keys, values, mask, False, layer)
         return out.reshape(batch_size, layer.num_heads * layer.head_dim)
 
     @staticmethod
@@ -272,34 +276,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, scale=layer.scaling
-        )
+        out = sdpa(q, keys, values, mask, causal, layer)
         out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
         return out.index_select(0, md.out_index)
-
-
-def _subset(fb: ForwardBatch, rows: list[int]) -> tuple[SimpleNamespace, torch.Tensor]:
-    """The requests `rows` of an EXTEND batch as a batch of their own (what planning reads),
-    and their rows of the batch's packed tokens."""
-    assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-    assert fb.extend_start_loc is not None
-    device = fb.seq_lens.device
-    idx = torch.tensor(rows, dtype=torch.int64, device=device)
-    lens = [fb.extend_seq_lens_cpu[i] for i in rows]
-    lens_t = torch.tensor(lens, dtype=torch.int64, device=device)
-    start_loc = torch.cumsum(lens_t, 0) - lens_t  # in the part's own packing
-    offset = fb.extend_start_loc.index_select(0, idx) - start_loc
-    token_index = torch.repeat_interleave(offset, lens_t) + torch.arange(sum(lens), device=device)
-    sub = SimpleNamespace(
-        batch_size=len(rows),
-        num_tokens=sum(lens),
-        seq_lens=fb.seq_lens.index_select(0, idx),
-        seq_lens_cpu=[fb.seq_lens_cpu[i] for i in rows],
-        req_to_token=fb.req_to_token,
-        req_pool_indices=fb.req_pool_indices.index_select(0, idx),
-        extend_seq_lens_cpu=lens,
-        extend_prefix_lens_cpu=[fb.extend_prefix_lens_cpu[i] for i in rows],
-        extend_start_loc=start_loc,
-    )
-    return sub, token_index

@@ -12,7 +12,8 @@ Per batch, `init_forward_metadata` prepares what every layer shares:
 Per layer, `forward` stores the new K/V at `out_cache_loc` with the store kernel, then runs
 the decode kernel (every key read from the pool through `req_to_token`) or the extend kernel
 (prefix from the pool, the new tokens from k/v directly). A sliding-window layer passes its
-window to both kernels (`window_left`), which skip the key blocks before it. Without CUDA
+window to both kernels (`window_left`), which skip the key blocks before it; a soft-capped
+layer (Gemma 2) its cap (`logit_cap`). Without CUDA
 the kernels run only under `TRITON_INTERPRET=1`, which is how this backend is tested on CPU.
 
 CUDA graphs (decode): the kernels' launch shapes depend on the batch size only (the split
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionLayer, window_left
+from engine.attention.base import AttentionBackend, AttentionLayer, logit_cap, window_left
 from engine.forward_batch import ForwardBatch
 from kernels.decode_attention import decode_attention, decode_scratch
 from kernels.extend_attention import extend_attention
@@ -141,7 +142,7 @@ class TritonAttnBackend(AttentionBackend):
                 q, k, v, k_buf, v_buf,
                 fb.req_to_token, fb.req_pool_indices,
                 md.prefix_lens, md.extend_lens, md.extend_start_loc, md.max_extend_len,
-                layer.scaling, window_left=window_left(layer),
+                layer.scaling, window_left=window_left(layer), logit_cap=logit_cap(layer),
             )  # fmt: skip
         return out.view(-1, layer.num_heads * layer.head_dim)
 
@@ -161,4 +162,5 @@ class TritonAttnBackend(AttentionBackend):
         return decode_attention(
             q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
             num_splits=self.num_kv_splits, scratch=md.scratch, window_left=window_left(layer),
+            logit_cap=logit_cap(layer),
         )  # fmt: skip

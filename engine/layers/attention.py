@@ -23,6 +23,9 @@ class PagedAttention(nn.Module):
     p - W + 1 .. p only, as transformers' sliding-window mask. The pool still holds every
     token's K/V; the backends skip or mask what lies outside the window.
 
+    `logit_cap` c (None: none): each score s = scaling * q.k becomes c * tanh(s / c) before
+    the mask and the softmax (Gemma 2's `attn_logit_softcapping`).
+
     q: [num_tokens, num_heads * head_dim] (or [num_tokens, num_heads, head_dim]);
     k, v: [num_tokens, num_kv_heads * head_dim]; returns [num_tokens, num_heads * head_dim].
     """
@@ -35,6 +38,7 @@ class PagedAttention(nn.Module):
         head_dim: int,
         scaling: float,
         sliding_window: int | None = None,
+        logit_cap: float | None = None,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -47,6 +51,9 @@ class PagedAttention(nn.Module):
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1 (got {sliding_window})")
         self.sliding_window = sliding_window
+        if logit_cap is not None and not logit_cap > 0:
+            raise ValueError(f"logit_cap must be positive (got {logit_cap})")
+        self.logit_cap = logit_cap
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
@@ -58,4 +65,5 @@ class PagedAttention(nn.Module):
             f"layer_id={self.layer_id}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, scaling={self.scaling:.4g}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
+            + (f", logit_cap={self.logit_cap}" if self.logit_cap else "")
         )

@@ -3,6 +3,9 @@
 Only the rows whose logits are needed go through the (large) lm_head matmul: the last new
 token of each request, then the rows of `forward_batch.prompt_logprob_rows` (prompt
 logprobs), or every token when `forward_batch.return_all_logits` is set.
+
+`soft_cap` c (Gemma 2's `final_logit_softcapping`): logits l become c * tanh(l / c), computed
+in float32 (or in float64 for a float64 model, as the float64 tests compare).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ if TYPE_CHECKING:
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, soft_cap: float | None = None) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.soft_cap = soft_cap
 
     def forward(
         self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
@@ -34,4 +38,8 @@ class LogitsProcessor(nn.Module):
                 index = torch.cat([index, fb.prompt_logprob_rows])
             hidden_states = hidden_states.index_select(0, index)
         logits = F.linear(hidden_states, lm_head_weight)
+        if logits.dtype != torch.float64:
+            logits = logits.float()
+        if self.soft_cap:
+            logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits.float()

@@ -15,7 +15,8 @@ _MODELS = {
     "Qwen2MoeForCausalLM": "engine.models.llama_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "engine.models.llama_moe:Qwen3MoeForCausalLM",
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
-    "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
+    "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
 }
 
 

@@ -43,7 +43,10 @@ MAX_NEW = 24
 # the MoE: the Triton fused MoE; "-sliding": WINDOWED_MODELS (every layer windowed with Triton,
 # full and windowed layers with flashinfer)
 FP32_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe", "mistral-sliding")
-BF16_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe", "qwen2_moe-sliding", "gemma3_text")
+# gemma2: windowed and full layers, all soft-capped (flashinfer's logits_soft_cap variants)
+BF16_ARCHS = (
+    "llama", "qwen3", "gpt2", "qwen3_moe", "qwen2_moe-sliding", "gemma2", "gemma3_text",
+)  # fmt: skip
 MIN_AGREEMENT = 0.99  # the bar, on the tie-aware count (see `score`)
 RAW_FLOOR = 0.95  # plain argmax agreement; a real bug (mask, rope, KV slot) lands far below
 TIE_ULPS = 2

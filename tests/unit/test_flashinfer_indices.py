@@ -88,17 +88,19 @@ def test_qo_indptr():
 # -- merging partial attentions -------------------------------------------------------------------
 
 
-def _attend(q, k, v, scale, causal=False, window_left=-1):
+def _attend(q, k, v, scale, causal=False, window_left=-1, cap=None):
     """q [n, Hq, D], k/v [m, Hk, D] -> out [n, Hq, D] in q's dtype, lse [n, Hq] (base 2, -inf
     without keys). Causal as in flashinfer: the last query sees every key, earlier ones fewer;
     query t sits at key position t + m - n, and window_left >= 0 hides the keys before that
-    position minus window_left."""
+    position minus window_left. `cap` > 0: the scores are cap * tanh(score / cap)."""
     n, m = q.shape[0], k.shape[0]
     if m == 0:
         return torch.zeros_like(q), torch.full(q.shape[:2], -math.inf)
     group = q.shape[1] // k.shape[1]
     k, v = (x.float().repeat_interleave(group, 1) for x in (k, v))
     logits = torch.einsum("nhd,mhd->hnm", q.float(), k) * scale
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
     key, pos = torch.arange(m)[None, :], torch.arange(n)[:, None] + (m - n)
     if causal:
         logits = logits.masked_fill(key > pos, -math.inf)
@@ -147,38 +149,41 @@ class _Wrapper:
         assert kv_layout == "NHD"
         self.planned = None
 
-    def _check(self, q, k, causal, window_left=-1):
+    def _check(self, q, k, causal, window_left=-1, cap=None):
         assert self.planned is not None, "run before plan"
         assert (q.dtype, k.dtype) == self.planned["dtypes"], "flashinfer rejects other dtypes"
         assert causal == self.planned["causal"], "run with the mask the work was split for"
-        # the kernel variant (sliding window or not) is picked by plan()
+        # the kernel variant (sliding window or not, soft-capped or not) is picked by plan();
+        # forward() resets both to its own arguments
         assert window_left == self.planned.get("window_left", -1), "window differs from plan"
+        assert (cap or 0.0) == (self.planned["cap"] or 0.0), "soft cap differs from plan"
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
     @_recorded
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, causal=False,
-             sm_scale=None, q_data_type="float16", kv_data_type=None):  # fmt: skip
+             logits_soft_cap=None, sm_scale=None, q_data_type="float16",
+             kv_data_type=None):  # fmt: skip
         assert qo_indptr.device.type == "cpu" and qo_indptr.dtype == torch.int32
         dtypes = (q_data_type, kv_data_type)
         self.planned = dict(
-            qo=qo_indptr.tolist(), kv=kv_indptr.tolist(), causal=causal, dtypes=dtypes
-        )
+            qo=qo_indptr.tolist(), kv=kv_indptr.tolist(), causal=causal, dtypes=dtypes,
+            cap=logits_soft_cap,
+        )  # fmt: skip
 
     @_recorded
-    def forward(self, q, k, v, causal=False, sm_scale=None):
-        return self.forward_return_lse(q, k, v, causal=causal, sm_scale=sm_scale)[0]
+    def forward(self, q, k, v, causal=False, logits_soft_cap=None, sm_scale=None):
+        return self.forward_return_lse(q, k, v, causal, logits_soft_cap, sm_scale)[0]
 
     @_recorded
-    def forward_return_lse(self, q, k, v, causal=False, sm_scale=None):
-        self._check(q, k, causal)
+    def forward_return_lse(self, q, k, v, causal=False, logits_soft_cap=None, sm_scale=None):
+        self._check(q, k, causal, cap=logits_soft_cap)
         qo, kv = self.planned["qo"], self.planned["kv"]
         parts = [
-            _attend(
-                q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]], sm_scale, causal
-            )
+            _attend(q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]], sm_scale,
+                    causal, cap=logits_soft_cap)
             for i in range(len(qo) - 1)
-        ]
+        ]  # fmt: skip
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -186,25 +191,31 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     @_recorded
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False, window_left=-1,
-             sm_scale=None, q_data_type="float16", kv_data_type=None):  # fmt: skip
+             logits_soft_cap=None, sm_scale=None, q_data_type="float16",
+             kv_data_type=None):  # fmt: skip
         table = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.planned = dict(
             qo=qo_indptr.tolist(), table=table, causal=causal, dtypes=(q_data_type, kv_data_type),
-            window_left=window_left,
+            window_left=window_left, cap=logits_soft_cap,
         )  # fmt: skip
 
     @_recorded
-    def forward(self, q, paged_kv_cache, causal=False, window_left=-1, sm_scale=None):
-        return self.forward_return_lse(q, paged_kv_cache, causal, window_left, sm_scale)[0]
+    def forward(self, q, paged_kv_cache, causal=False, window_left=-1, logits_soft_cap=None,
+                sm_scale=None):  # fmt: skip
+        return self.forward_return_lse(
+            q, paged_kv_cache, causal, window_left, logits_soft_cap, sm_scale
+        )[0]
 
     @_recorded
-    def forward_return_lse(self, q, paged_kv_cache, causal=False, window_left=-1, sm_scale=None):
+    def forward_return_lse(self, q, paged_kv_cache, causal=False, window_left=-1,
+                           logits_soft_cap=None, sm_scale=None):  # fmt: skip
         k_cache, v_cache = paged_kv_cache
-        self._check(q, k_cache, causal, window_left)
+        self._check(q, k_cache, causal, window_left, logits_soft_cap)
         qo, table = self.planned["qo"], self.planned["table"]
         parts = [
             _attend(q[qo[i] : qo[i + 1]], _paged_keys(k_cache, *table, i),
-                    _paged_keys(v_cache, *table, i), sm_scale, causal, window_left)
+                    _paged_keys(v_cache, *table, i), sm_scale, causal, window_left,
+                    logits_soft_cap)
             for i in range(len(qo) - 1)
         ]  # fmt: skip
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
@@ -226,8 +237,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
 
     @_recorded
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-             page_size, window_left=-1, q_data_type="float16", kv_data_type=None,
-             sm_scale=None):  # fmt: skip
+             page_size, window_left=-1, logits_soft_cap=None, q_data_type="float16",
+             kv_data_type=None, sm_scale=None):  # fmt: skip
         if self.graph:  # what flashinfer does: copy into the buffers the graph will read
             indptr_buf, indices_buf, last_buf = self.buffers
             assert len(last_page_len) == len(last_buf), "graph batch size is fixed"
@@ -238,16 +249,18 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
         else:
             self.buffers = (indptr.clone(), indices.clone(), last_page_len.clone())
         self.planned = dict(
-            causal=False, dtypes=(q_data_type, kv_data_type), window_left=window_left
-        )
+            causal=False, dtypes=(q_data_type, kv_data_type), window_left=window_left,
+            cap=logits_soft_cap,
+        )  # fmt: skip
 
     @_recorded
-    def forward(self, q, paged_kv_cache, window_left=-1, sm_scale=None):
+    def forward(self, q, paged_kv_cache, window_left=-1, logits_soft_cap=None, sm_scale=None):
         k_cache, v_cache = paged_kv_cache
-        self._check(q, k_cache, False, window_left)
+        self._check(q, k_cache, False, window_left, logits_soft_cap)
         parts = [
             _attend(q[i : i + 1], _paged_keys(k_cache, *self.buffers, i),
-                    _paged_keys(v_cache, *self.buffers, i), sm_scale, False, window_left)[0]
+                    _paged_keys(v_cache, *self.buffers, i), sm_scale, False, window_left,
+                    logits_soft_cap)[0]
             for i in range(q.shape[0])
         ]  # fmt: skip
         return torch.cat(parts)
@@ -280,12 +293,13 @@ def fake_flashinfer(monkeypatch):
 
 
 def _layer(
-    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None
+    num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None,
+    cap: float | None = None,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         layer_id=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         scaling=0.7 * head_dim**-0.5,  # not the planned default: each layer passes its own
-        sliding_window=window,
+        sliding_window=window, logit_cap=cap,
     )  # fmt: skip
 
 
@@ -301,11 +315,12 @@ _batch = paged_case_batch
 
 
 def _flashinfer(layer, pool, page_size: int, windows: tuple | None = None):
-    """The backend for a model whose layers have `windows` (default: `layer`'s alone)."""
+    """The backend for a model whose layers have `windows` (default: `layer`'s alone) and
+    `layer`'s soft cap."""
     windows = (layer.sliding_window,) if windows is None else windows
     config = SimpleNamespace(
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
-        sliding_windows=windows,
+        sliding_windows=windows, attn_logit_cap=layer.logit_cap,
     )  # fmt: skip
     return create_attention_backend(
         "flashinfer",

@@ -20,6 +20,10 @@ DEVICE, SKIP_REASON = triton_test_device()  # before any kernel module imports t
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kernels.attention_common import soft_cap  # noqa: E402
 from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
 from kernels.extend_attention import extend_attention  # noqa: E402
 
@@ -33,21 +37,24 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def run_decode(
-    case: PagedCase, window_left: int = -1, **kw: object
+    case: PagedCase, window_left: int = -1, logit_cap: float = 0.0, **kw: object
 ) -> tuple[torch.Tensor, torch.Tensor]:
     case.store_new_kv()
     args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
-    got = decode_attention(*args, case.seq_lens, case.scale, window_left=window_left, **kw)
-    return got, decode_attention_ref(*args, case.seq_lens, case.scale, window_left)
+    args += (case.seq_lens, case.scale)
+    got = decode_attention(*args, window_left=window_left, logit_cap=logit_cap, **kw)
+    return got, decode_attention_ref(*args, window_left, logit_cap)
 
 
 def run_extend(
-    case: PagedCase, window_left: int = -1, **kw: object
+    case: PagedCase, window_left: int = -1, logit_cap: float = 0.0, **kw: object
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
     args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
-    got = extend_attention(*args, case.max_extend_len, case.scale, window_left=window_left, **kw)
-    return got, extend_attention_ref(*args, case.scale, window_left)
+    got = extend_attention(
+        *args, case.max_extend_len, case.scale, window_left=window_left, logit_cap=logit_cap, **kw
+    )
+    return got, extend_attention_ref(*args, case.scale, window_left, logit_cap)
 
 
 # (num_heads, num_kv_heads, head_dim, page_size, dtype)
@@ -152,3 +159,57 @@ def test_sliding_window_wider_than_every_sequence_is_full_attention():
     windowed, _ = run_extend(case, 64, block_m=16, block_n=16)
     full, _ = run_extend(case, block_m=16, block_n=16)
     _close(windowed, full)
+
+
+def _cap_matters(case: PagedCase, run, window_left: int, logit_cap: float, **kw: object) -> None:
+    """The capped reference differs from the uncapped one (so the comparison can fail)."""
+    _, plain = run(case, window_left, **kw)
+    _, capped = run(case, window_left, logit_cap, **kw)
+    assert (plain.float() - capped.float()).abs().max().item() > 10 * TOL[plain.dtype]
+
+
+# Gemma 2's attention soft-capping: scores s -> c * tanh(s / c). The cases' scores reach a few
+# units, so caps 0.5 and 2 bend most of them; with and without a sliding window (Gemma 2 has both)
+@pytest.mark.parametrize("logit_cap,window_left", [(0.5, -1), (2.0, -1), (2.0, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_soft_cap_matches_reference(logit_cap, window_left, dtype):
+    case = make_paged_case([0, 15, 40, 57], [1] * 4, 4, 2, 64, 4, dtype, DEVICE, seed=7)
+    got, want = run_decode(case, window_left, logit_cap, num_splits=3, block_n=16)
+    _close(got, want)
+    _cap_matters(case, run_decode, window_left, logit_cap, num_splits=3, block_n=16)
+
+
+@pytest.mark.parametrize("logit_cap,window_left", [(0.5, -1), (2.0, -1), (2.0, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_soft_cap_matches_reference(logit_cap, window_left, dtype):
+    case = make_paged_case([0, 20, 37], [9, 1, 35], 4, 2, 64, 4, dtype, DEVICE, seed=8)
+    got, want = run_extend(case, window_left, logit_cap, block_m=16, block_n=16)
+    _close(got, want)
+    _cap_matters(case, run_extend, window_left, logit_cap, block_m=16, block_n=16)
+
+
+def test_a_cap_far_above_every_score_changes_nothing():
+    case = make_paged_case([20, 3], [9, 30], 4, 2, 64, device=DEVICE, seed=9)
+    capped, _ = run_extend(case, -1, 1e4, block_m=16, block_n=16)
+    plain, _ = run_extend(case, block_m=16, block_n=16)
+    _close(capped, plain)
+
+
+@triton.jit
+def _apply_soft_cap(x_ptr, y_ptr, N: tl.constexpr, CAP: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, soft_cap(tl.load(x_ptr + offs), CAP))
+
+
+def test_soft_cap_is_tanh_to_float32_rounding():
+    """The kernels' tanh (exp2 above |y| = 1/8, a series below) against torch's, over scores
+    from 1e-6 to 1e3 of the cap, both signs, and saturation."""
+    cap = 7.0
+    mags = torch.logspace(-6, 3, 256, dtype=torch.float64) * cap
+    x = torch.cat([mags, -mags, torch.tensor([0.0, 1e30, -1e30], dtype=torch.float64)])
+    x = torch.cat([x, torch.zeros(1024 - x.numel(), dtype=torch.float64)])
+    got = torch.empty(x.numel(), dtype=torch.float32, device=DEVICE)
+    _apply_soft_cap[(1,)](x.to(torch.float32).to(DEVICE), got, N=x.numel(), CAP=cap)
+    want = cap * torch.tanh(x.to(torch.float32).double() / cap)
+    err = (got.cpu().double() - want).abs() / want.abs().clamp_min(1e-30)
+    assert err.max().item() < 1e-6, f"worst relative error {err.max().item():.3g}"

@@ -24,13 +24,15 @@ class _Layer:
     num_heads, num_kv_heads, head_dim = 4, 2, 64
     scaling = 0.125
     sliding_window: int | None = None
+    logit_cap: float | None = None
 
 
 def _forward(
-    name: str, case: PagedCase, mode: ForwardMode, window: int | None = None
+    name: str, case: PagedCase, mode: ForwardMode, window: int | None = None,
+    cap: float | None = None,
 ) -> tuple[torch.Tensor, KVPool]:
     layer = _Layer()
-    layer.sliding_window = window
+    layer.sliding_window, layer.logit_cap = window, cap
     num_slots = case.k_buffer.shape[0]
     pool = KVPool(num_slots, 2, layer.num_kv_heads, layer.head_dim, torch.float32, DEVICE)
     pool.k_buffer[1].copy_(case.k_buffer)
@@ -42,7 +44,9 @@ def _forward(
     return backend.forward(q, k, v, layer, fb), pool
 
 
-@pytest.mark.parametrize("window", [None, 9], ids=["full", "sliding9"])
+@pytest.mark.parametrize(
+    "window,cap", [(None, None), (9, None), (9, 0.5)], ids=["full", "sliding9", "sliding9-cap"]
+)
 @pytest.mark.parametrize(
     "prefix_lens,extend_lens,mode,page_size",
     [
@@ -51,10 +55,10 @@ def _forward(
         ([0, 33, 70], [1, 1, 1], ForwardMode.DECODE, 16),
     ],
 )
-def test_backend_matches_torch_native(prefix_lens, extend_lens, mode, page_size, window):
+def test_backend_matches_torch_native(prefix_lens, extend_lens, mode, page_size, window, cap):
     case = make_paged_case(prefix_lens, extend_lens, 4, 2, 64, page_size, device=DEVICE)
-    got, got_pool = _forward("triton", case, mode, window)
-    want, want_pool = _forward("torch_native", case, mode, window)
+    got, got_pool = _forward("triton", case, mode, window, cap)
+    want, want_pool = _forward("torch_native", case, mode, window, cap)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
     assert torch.equal(got_pool.k_buffer[1], want_pool.k_buffer[1])  # K/V stored first
     assert torch.equal(got_pool.v_buffer[1], want_pool.v_buffer[1])
@@ -87,13 +91,14 @@ def _engine_logits(path: str, backend: str, page_size: int) -> list[torch.Tensor
     return steps
 
 
-@pytest.mark.parametrize("window", [None, 8], ids=["full", "sliding8"])
-def test_engine_logits_match_torch_native(window):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
+def test_engine_logits_match_torch_native(arch):
     from tests.factories import tiny_model
 
     # 2 layers, 4 query heads over 2 KV heads, head_dim 16 (mistral: each layer sees its last
-    # 8 keys, fewer than the 21-token prompt and its cached 16)
-    path = tiny_model("mistral", sliding_window=window) if window else tiny_model("llama")
+    # 8 keys, fewer than the 21-token prompt and its cached 16; gemma2: layer 0 too, both
+    # soft-capped at 50)
+    path = tiny_model(arch, sliding_window=8) if arch != "llama" else tiny_model("llama")
     got = _engine_logits(path, "triton", page_size=16)
     want = _engine_logits(path, "torch_native", page_size=16)
     assert len(got) == len(want) > 2

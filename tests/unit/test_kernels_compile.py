@@ -23,6 +23,11 @@ DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))
 WINDOW_HEAD_SHAPES = ((32, 8), (28, 4))  # sliding-window attention, a window of 4096
+# head_dim 256: gemma-2-2b's full and local layers (scores soft-capped at 50), gemma-3-1b's
+GEMMA_CASES = (
+    (8, 4, "gemma cap 50"), (8, 4, "gemma window 4096 cap 50"), (4, 1, "gemma"),
+    (4, 1, "gemma window 512"),
+)  # fmt: skip
 # the fused MoE at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, decode and prefill row blocks
 MOE_CASES = [
     f"moe {shape} T{tokens}"
@@ -42,8 +47,16 @@ def expected_variants() -> list[tuple]:
         for hq, hk in HEAD_SHAPES
         for kernel in ATTENTION_KERNELS
     ]
-    rows += [("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in HEAD_DIMS]
+    rows += [
+        ("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in (*HEAD_DIMS, 256)
+    ]
     rows = [(*row, None) for row in rows]
+    rows += [
+        (kernel, dtype, 256, hq, hk, case)
+        for dtype in DTYPES
+        for hq, hk, case in GEMMA_CASES
+        for kernel in ATTENTION_KERNELS
+    ]
     rows += [
         (kernel, dtype, head_dim, hq, hk, "window 4096")
         for dtype in DTYPES

@@ -9,6 +9,7 @@ or cache slot changes the logits visibly. One case runs in float32 as the engine
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -88,6 +89,17 @@ ARCH_CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
         },
+    ),
+    # Gemma 2: layer 0 windowed, layer 1 full, one rope; attention scores soft-capped at 4 and
+    # the final logits at 6 (the real 50 / 30 barely bend this model's scores)
+    "gemma2": lambda: transformers.Gemma2Config(
+        **{**LLAMA_SHAPE, "num_attention_heads": 4, "num_key_value_heads": 2},
+        head_dim=32,
+        query_pre_attn_scalar=24,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=6.0,
     ),
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64,
@@ -214,8 +226,29 @@ def _random_ids(lens: list[int], seed: int) -> list[list[int]]:
 
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
+    eager = hf.config._attn_implementation == "eager"
+    with torch.no_grad(), _float64_softmax() if eager else contextlib.nullcontext():
         return hf(torch.tensor([ids])).logits[0]
+
+
+@contextlib.contextmanager
+def _float64_softmax():
+    """transformers' eager attention (Gemma 2's: SDPA cannot soft-cap) takes its softmax in
+    float32 even for a float64 model, which leaves 1e-6 of noise in the float64 oracle's
+    logits; for the duration, a softmax asked for float32 of a float64 input stays float64.
+    (Only for eager models: the MoE routers' float32 softmax is what the engine matches.)"""
+    softmax = torch.nn.functional.softmax
+
+    def float64_softmax(x, *args, dtype=None, **kwargs):
+        if x.dtype == torch.float64:
+            dtype = None
+        return softmax(x, *args, dtype=dtype, **kwargs)
+
+    torch.nn.functional.softmax = float64_softmax
+    try:
+        yield
+    finally:
+        torch.nn.functional.softmax = softmax
 
 
 def _close(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> None:

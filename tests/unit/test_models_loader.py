@@ -151,12 +151,14 @@ def test_legacy_rope_scaling_fields_are_read():
             lambda: transformers.Gemma3TextConfig(num_hidden_layers=6, sliding_window=512),
             (512,) * 5 + (None,),
         ),
+        # gemma-2: local and global layers alternate, the local ones of 4096 keys
+        (lambda: transformers.Gemma2Config(num_hidden_layers=4), (4096, None, 4096, None)),
         # Llama has no sliding window even if a config carries the key
         (lambda: transformers.LlamaConfig(num_hidden_layers=2, sliding_window=16), (None, None)),
     ],
     ids=[
         "mistral", "mistral-off", "qwen2-off", "qwen2-upper-layers", "qwen2_moe-off", "gemma3",
-        "llama",
+        "gemma2", "llama",
     ],  # fmt: skip
 )
 def test_sliding_windows_per_layer_follow_transformers(make, want, tmp_path):
@@ -178,3 +180,34 @@ def test_sliding_window_reaches_the_attention_layers(tmp_path):
     windows = [layer.self_attn.attn.sliding_window for layer in model.model.layers]
     assert windows == [None, 7]
     assert "sliding_window=7" in repr(model.model.layers[1].self_attn.attn)
+
+
+@pytest.mark.parametrize(
+    "make,want",
+    [
+        (lambda: transformers.Gemma2Config(num_hidden_layers=2), 50.0),
+        (lambda: transformers.Gemma2Config(num_hidden_layers=2, attn_logit_softcapping=None), None),
+        (lambda: transformers.Gemma3TextConfig(num_hidden_layers=2), None),
+        (
+            lambda: transformers.Gemma3TextConfig(num_hidden_layers=2, attn_logit_softcapping=2e1),
+            20.0,
+        ),
+        # only Gemma's transformers code reads the key
+        (lambda: transformers.LlamaConfig(num_hidden_layers=2, attn_logit_softcapping=2e1), None),
+    ],
+    ids=["gemma2", "gemma2-off", "gemma3", "gemma3-on", "llama"],
+)
+def test_attention_soft_cap_follows_transformers(make, want, tmp_path):
+    make().save_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(str(tmp_path)).attn_logit_cap == want
+
+
+def test_soft_caps_reach_the_attention_layers_and_the_logits(tmp_path):
+    config = transformers.Gemma2Config(
+        **{**LLAMA_SHAPE, "num_attention_heads": 4, "num_key_value_heads": 2}, head_dim=16
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = load_model(ModelConfig.from_pretrained(str(tmp_path)), torch.float32)
+    assert [layer.self_attn.attn.logit_cap for layer in model.model.layers] == [50.0, 50.0]
+    assert model.logits_processor.soft_cap == 30.0
+    assert "logit_cap=50.0" in repr(model.model.layers[0].self_attn.attn)

@@ -267,15 +267,18 @@ def test_sliding_window_setting(arch: str, want: tuple) -> None:
         build_config("llama", sliding_window=16)
 
 
-def test_gemma3_always_has_local_and_global_layers() -> None:
-    from engine.config import layer_sliding_windows
+@pytest.mark.parametrize("arch,window", [("gemma2", 4096), ("gemma3_text", 512)])
+def test_gemma_always_has_local_and_global_layers(arch, window) -> None:
+    from engine.config import attn_logit_cap, layer_sliding_windows
 
-    tiny = build_config("gemma3_text", num_layers=4)
+    tiny = build_config(arch, num_layers=4)
     assert layer_sliding_windows(tiny, 4) == (32, None, 32, None)
     assert tiny.query_pre_attn_scalar == tiny.head_dim
-    small = build_config("gemma3_text", preset="small")
-    assert set(layer_sliding_windows(small, small.num_hidden_layers)) == {512, None}
-    assert build_config("gemma3_text", sliding_window=8).sliding_window == 8
+    small = build_config(arch, preset="small")
+    assert set(layer_sliding_windows(small, small.num_hidden_layers)) == {window, None}
+    assert build_config(arch, sliding_window=8).sliding_window == 8
+    # Gemma 2 keeps its soft caps (attention 50, final logits 30); Gemma 3 has none
+    assert attn_logit_cap(tiny) == (50.0 if arch == "gemma2" else None)
 
 
 def test_command_line(tmp_path: Path) -> None:

@@ -1,18 +1,21 @@
-"""Gemma 3 text models (`Gemma3ForCausalLM`: gemma-3-270m, gemma-3-1b; model_type
-gemma3_text), as transformers computes them.
+"""Gemma 2 (`Gemma2ForCausalLM`: gemma-2-2b/9b/27b; model_type gemma2) and Gemma 3 text models
+(`Gemma3ForCausalLM`: gemma-3-270m, gemma-3-1b; model_type gemma3_text), as transformers
+computes them.
 
 What differs from the Llama family (engine/models/llama.py):
 * RMSNorm scales by `1 + weight` in float32 before casting back (`GemmaRMSNorm`), and each
   layer has four: before and after attention, before and after the MLP; the residual is added
   after the post-norms;
-* q and k get a per-head RMSNorm before rope; the softmax scale is
-  `query_pre_attn_scalar ** -0.5`, not head_dim's;
-* layers alternate sliding-window ("sliding_attention", rope base 10k) and full attention
-  ("full_attention", rope base 1M, possibly scaled) as `config.layer_types` says, each layer
-  type with its own rope table;
+* the softmax scale is `query_pre_attn_scalar ** -0.5`, not head_dim's; Gemma 3 also puts a
+  per-head RMSNorm on q and k before rope;
+* attention scores are soft-capped, s -> c * tanh(s / c), where `attn_logit_softcapping` c is
+  set (50 in Gemma 2, None in Gemma 3): every backend applies the layer's `logit_cap`;
+* layers alternate sliding-window ("sliding_attention") and full attention ("full_attention")
+  as `config.layer_types` says (Gemma 2 1:1, Gemma 3 5:1); Gemma 3 gives each layer type its
+  own rope table (base 10k local, 1M global, possibly scaled), Gemma 2 shares one;
 * the embedding is multiplied by sqrt(hidden_size) (rounded to the weights' dtype, as
-  transformers does), the lm_head is tied, and a `final_logit_softcapping` (None in Gemma 3)
-  is honoured;
+  transformers does), the lm_head is tied, and the final logits are soft-capped where
+  `final_logit_softcapping` is set (30 in Gemma 2, None in Gemma 3);
 * the MLP is GeGLU: `gelu_pytorch_tanh(gate) * up`.
 
 The multimodal checkpoints (`Gemma3ForConditionalGeneration`, gemma-3-4b and up) are not
@@ -28,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import layer_sliding_windows
+from engine.config import attn_logit_cap, layer_sliding_windows
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import GemmaRMSNorm
@@ -49,9 +52,10 @@ def layer_rope(config, layer_type: str) -> dict:
     return rope_parameters(config)
 
 
-class Gemma3Attention(nn.Module):
+class GemmaAttention(nn.Module):
     def __init__(
-        self, config, layer_id: int, rotary: RotaryEmbedding, sliding_window: int | None
+        self, config, layer_id: int, rotary: RotaryEmbedding, sliding_window: int | None,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -63,13 +67,15 @@ class Gemma3Attention(nn.Module):
             config.hidden_size, [("q", q_size), ("k", kv_size), ("v", kv_size)], bias=bias
         )
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         scaling = config.query_pre_attn_scalar**-0.5
         self.attn = PagedAttention(
             layer_id, self.num_heads, self.num_kv_heads, self.head_dim, scaling,
-            sliding_window=sliding_window,
+            sliding_window=sliding_window, logit_cap=attn_logit_cap(config),
         )  # fmt: skip
 
     def forward(
@@ -77,20 +83,22 @@ class Gemma3Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         qk = self.rotary(positions, torch.cat((q, k), dim=1))
         out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, forward_batch)
         return self.o_proj(out)
 
 
-class Gemma3MLP(nn.Module):
+class GemmaMLP(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         if config.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(
                 f"hidden_activation {config.hidden_activation!r} is not supported "
-                "(Gemma 3 uses gelu_pytorch_tanh)"
+                "(Gemma 2 and 3 use gelu_pytorch_tanh)"
             )
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [("gate", inter), ("up", inter)])
@@ -101,14 +109,15 @@ class Gemma3MLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3DecoderLayer(nn.Module):
+class GemmaDecoderLayer(nn.Module):
     def __init__(
-        self, config, layer_id: int, rotary: RotaryEmbedding, sliding_window: int | None
+        self, config, layer_id: int, rotary: RotaryEmbedding, sliding_window: int | None,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, layer_id, rotary, sliding_window)
-        self.mlp = Gemma3MLP(config)
+        self.self_attn = GemmaAttention(config, layer_id, rotary, sliding_window, qk_norm)
+        self.mlp = GemmaMLP(config)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
@@ -123,8 +132,8 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp)
 
 
-class Gemma3TextModel(nn.Module):
-    def __init__(self, config, max_position: int) -> None:
+class GemmaTextModel(nn.Module):
+    def __init__(self, config, max_position: int, qk_norm: bool) -> None:
         super().__init__()
         layer_types = list(config.layer_types)
         unknown = set(layer_types) - set(LAYER_TYPES)
@@ -143,7 +152,7 @@ class Gemma3TextModel(nn.Module):
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype(), device="cpu")
         self.embed_scale = float(scale)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, i, self.rotary[layer_types[i]], windows[i])
+            GemmaDecoderLayer(config, i, self.rotary[layer_types[i]], windows[i], qk_norm)
             for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -157,28 +166,27 @@ class Gemma3TextModel(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    """`forward(input_ids, positions, forward_batch)` -> float32 logits."""
+class GemmaForCausalLM(nn.Module):
+    """`forward(input_ids, positions, forward_batch)` -> float32 logits. The subclasses say
+    whether q and k are normed."""
+
+    qk_norm: bool
 
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()
-        for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
-            if getattr(config, key, None):
-                raise ValueError(f"{key}={getattr(config, key)!r} is not supported")
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError("use_bidirectional_attention=True is not supported")
         self.config = config
         max_position = max(max_position or 0, config.max_position_embeddings)
-        self.model = Gemma3TextModel(config, max_position)
-        self.softcap = getattr(config, "final_logit_softcapping", None)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.model = GemmaTextModel(config, max_position, self.qk_norm)
+        soft_cap = getattr(config, "final_logit_softcapping", None)
+        self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden = self.model(input_ids, positions, forward_batch)
-        logits = self.logits_processor(hidden, self.model.embed_tokens.weight, forward_batch)
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return self.logits_processor(hidden, self.model.embed_tokens.weight, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_named_weights(
@@ -190,3 +198,11 @@ class Gemma3ForCausalLM(nn.Module):
         if name.startswith("lm_head."):
             return None  # tied: the embedding is the head
         return name, tensor
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    qk_norm = False
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    qk_norm = True
