@@ -60,8 +60,10 @@ class ModelConfig:
     def from_pretrained(cls, path: str, context_length: int | None = None) -> ModelConfig:
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(path)
-        arch = (getattr(hf, "architectures", None) or [""])[0]
+        outer = AutoConfig.from_pretrained(path)
+        arch = (getattr(outer, "architectures", None) or [""])[0]
+        # a multimodal checkpoint served as its text model: the text config describes it
+        hf = outer.get_text_config() if arch in TEXT_OF_MULTIMODAL else outer
         hidden = getattr(hf, "hidden_size", None) or hf.n_embd
         num_heads = getattr(hf, "num_attention_heads", None) or hf.n_head
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
@@ -79,7 +81,7 @@ class ModelConfig:
             head_dim=head_dim,
             vocab_size=hf.vocab_size,
             context_len=context_length or max_pos,
-            eos_token_ids=_eos_token_ids(path, hf),
+            eos_token_ids=_eos_token_ids(path, outer),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             hf_config=hf,
             sliding_windows=layer_sliding_windows(hf, num_layers),
@@ -92,6 +94,9 @@ class ModelConfig:
         return {w for w in self.sliding_windows if w is not None}
 
 
+# Multimodal architectures whose checkpoints are served as their text model (the vision
+# tower is not loaded; the router refuses image inputs).
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
 # Architectures whose transformers implementation applies `config.sliding_window` (Llama's
 # and GPT-2's ignore it).
 _SLIDING_WINDOW_TYPES = (

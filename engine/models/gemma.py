@@ -18,8 +18,10 @@ What differs from the Llama family (engine/models/llama.py):
   `final_logit_softcapping` is set (30 in Gemma 2, None in Gemma 3);
 * the MLP is GeGLU: `gelu_pytorch_tanh(gate) * up`.
 
-The multimodal checkpoints (`Gemma3ForConditionalGeneration`, gemma-3-4b and up) are not
-loaded: their text weights sit under a vision model's config.
+The multimodal checkpoints (`Gemma3ForConditionalGeneration`, gemma-3-4b and up) are served
+as their text model: the config's `text_config` (engine/config.py) and the weights under
+`language_model.` (or `model.language_model.`); the vision tower and projector are skipped,
+and images are refused by the router.
 """
 
 from __future__ import annotations
@@ -206,3 +208,26 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
 
 class Gemma3ForCausalLM(GemmaForCausalLM):
     qk_norm = True
+
+
+# where a multimodal checkpoint keeps its text model's weights (transformers' saved layout, and
+# the one of its own modules), and the parts that are not loaded
+_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
+_SKIPPED_PREFIXES = (
+    "vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+    "model.multi_modal_projector.", "language_model.lm_head.", "lm_head.",
+)  # fmt: skip
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """A multimodal Gemma 3 checkpoint (gemma-3-4b/12b/27b) served for text: its text model,
+    built from `config.text_config`, without the vision tower."""
+
+    @staticmethod
+    def _map_weight(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        for prefix in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                return "model." + name.removeprefix(prefix), tensor
+        if name.startswith(_SKIPPED_PREFIXES):
+            return None
+        return name, tensor  # not a text weight: the loader reports it

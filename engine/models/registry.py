@@ -17,6 +17,8 @@ _MODELS = {
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
     "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
+    # served as its text model (engine.config.TEXT_OF_MULTIMODAL)
+    "Gemma3ForConditionalGeneration": "engine.models.gemma:Gemma3ForConditionalGeneration",
 }
 
 

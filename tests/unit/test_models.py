@@ -90,6 +90,17 @@ ARCH_CONFIGS = {
             "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 4.0},
         },
     ),
+    # a multimodal Gemma 3 checkpoint (gemma-3-4b and up) served as its text model: the vision
+    # tower and projector are saved beside it and skipped by the loader
+    "gemma3-multimodal": lambda: transformers.Gemma3Config(
+        text_config=ARCH_CONFIGS["gemma3"]().to_dict(),
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14,
+        ).to_dict(),
+        mm_tokens_per_image=4, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+        image_token_index=VOCAB - 1,
+    ),  # fmt: skip
     # Gemma 2: layer 0 windowed, layer 1 full, one rope; attention scores soft-capped at 4 and
     # the final logits at 6 (the real 50 / 30 barely bend this model's scores)
     "gemma2": lambda: transformers.Gemma2Config(

@@ -211,3 +211,39 @@ def test_soft_caps_reach_the_attention_layers_and_the_logits(tmp_path):
     assert [layer.self_attn.attn.logit_cap for layer in model.model.layers] == [50.0, 50.0]
     assert model.logits_processor.soft_cap == 30.0
     assert "logit_cap=50.0" in repr(model.model.layers[0].self_attn.attn)
+
+
+def test_a_multimodal_gemma3_checkpoint_loads_as_its_text_model(tmp_path):
+    """gemma-3-4b and up: the text config describes the model; the text weights load from
+    either layout (transformers saves `language_model.model.*`, its modules name them
+    `model.language_model.*`), the vision tower is skipped, and a stray weight is an error."""
+    src = tmp_path / "saved"
+    save_random_model("gemma3-multimodal", str(src))
+    cfg = ModelConfig.from_pretrained(str(src))
+    assert (cfg.architecture, cfg.model_type) == ("Gemma3ForConditionalGeneration", "gemma3_text")
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2, 4, 1, 32)
+    assert cfg.sliding_windows == (5, None)
+    saved = load_file(f"{src}/model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in saved)
+    want = load_model(cfg, torch.float32).state_dict()
+    assert torch.equal(want["model.embed_tokens.weight"],
+                       saved["language_model.model.embed_tokens.weight"])  # fmt: skip
+
+    def modules_layout(tensors: dict) -> None:
+        for key in list(tensors):
+            if key.startswith("language_model.model."):
+                new = "model.language_model." + key.removeprefix("language_model.model.")
+                tensors[new] = tensors.pop(key)
+            elif key.startswith(("vision_tower.", "multi_modal_projector.")):
+                tensors["model." + key] = tensors.pop(key)
+
+    for name in ("renamed", "stray"):
+        (tmp_path / name).mkdir()
+    renamed = _rewrite(str(src), tmp_path / "renamed", modules_layout)
+    got = load_model(ModelConfig.from_pretrained(renamed), torch.float32).state_dict()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    stray = _rewrite(str(src), tmp_path / "stray",
+                     lambda t: t.update({"audio_tower.w": torch.zeros(2)}))  # fmt: skip
+    with pytest.raises(Exception, match="audio_tower.w"):
+        load_model(ModelConfig.from_pretrained(stray), torch.float32)
