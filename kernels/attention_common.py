@@ -24,10 +24,13 @@ def soft_cap(qk, CAP: tl.constexpr):
     tanh's odd series to y^7 below (error under 2e-10), where that rounding would be large
     against the result (a cap far above the scores would otherwise blur all of them)."""
     y = qk * (1.0 / CAP)
-    y2 = y * y
-    series = y * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
-    through_exp = 1.0 - 2.0 / (tl.exp2(y * _TWO_LOG2E) + 1.0)
-    return CAP * tl.where(tl.abs(y) < 0.125, series, through_exp)
+    small = tl.abs(y) < 0.125
+    ys = tl.where(small, y, 0.0)  # each branch sees only inputs it can take: no overflow
+    y2 = ys * ys
+    series = ys * (1.0 + y2 * (-1.0 / 3.0 + y2 * (2.0 / 15.0 + y2 * (-17.0 / 315.0))))
+    # exp2's argument stops at 64 (tanh is 1.0 in float32 long before)
+    through_exp = 1.0 - 2.0 / (tl.exp2(tl.minimum(y * _TWO_LOG2E, 64.0)) + 1.0)
+    return CAP * tl.where(small, series, through_exp)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 
 GQA (32 query heads over 8 KV heads) and MHA, head_dim 64/128, page sizes 1 and 16,
 float32 / float16 / bfloat16, contexts up to a few thousand tokens, default block sizes and
-split counts (the unit tests cover the same code with small blocks in the interpreter).
+split counts (the unit tests cover the same code with small blocks in the interpreter); and
+Gemma's head_dim 256 with sliding windows and attention soft-capping.
 """
 
 from __future__ import annotations
@@ -75,6 +76,33 @@ def test_extend(heads, kv_heads, head_dim, page_size, dtype):
     args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
     got = extend_attention(*args, case.max_extend_len, case.scale)
     _close(got, extend_attention_ref(*args, case.scale))
+
+
+# Gemma's shapes at head_dim 256 (its own launch configs): gemma-2-2b's heads with its local
+# window and soft cap, gemma-3-1b's with its window and no cap; plus a small cap that bends
+# most scores. (window, cap): full attention with a cap, windowed with and without.
+GEMMA_HEADS = [(8, 4), (4, 1)]
+GEMMA_VARIANTS = [(-1, 50.0), (511, 50.0), (511, 0.0), (-1, 2.0)]
+
+
+@pytest.mark.parametrize("window_left,cap", GEMMA_VARIANTS)
+@pytest.mark.parametrize("heads,kv_heads", GEMMA_HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_head_dim_256(dtype, heads, kv_heads, window_left, cap):
+    prefix, extend = [0, 512, 37, 1500, 3000], [700, 300, 129, 1, 64]
+    case = make_paged_case(prefix, extend, heads, kv_heads, 256, 16, dtype, "cuda", seed=5)
+    args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
+    args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
+    got = extend_attention(*args, case.max_extend_len, case.scale, window_left=window_left,
+                           logit_cap=cap)  # fmt: skip
+    _close(got, extend_attention_ref(*args, case.scale, window_left, cap))
+    dec = make_paged_case(prefix, [1] * len(prefix), heads, kv_heads, 256, 16, dtype, "cuda",
+                          seed=6)  # fmt: skip
+    dec.store_new_kv()
+    args = (dec.q, dec.k_buffer, dec.v_buffer, dec.req_to_token, dec.req_pool_indices)
+    args += (dec.seq_lens, dec.scale)
+    got = decode_attention(*args, window_left=window_left, logit_cap=cap)
+    _close(got, decode_attention_ref(*args, window_left, cap))
 
 
 def test_decode_replays_in_a_cuda_graph():
