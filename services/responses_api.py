@@ -26,12 +26,18 @@ is then reshaped into a `response` object, or into the API's stream of events
 `GET /v1/responses/{id}` (services/responses_store.py); `background` generates it behind
 the client's back, to be polled, streamed again or cancelled (services/responses_background.py);
 `conversation` and `prompt` are refused with a 400 naming the field.
+
+`truncation: "auto"`: a conversation longer than the context loses its earliest turns (a
+turn: a user message and what follows it up to the next user message; system messages and
+`instructions` stay) until it fits with `max_output_tokens`, as OpenAI's API drops items
+from the beginning of the conversation; the tokenizer does it (services/tokenize_request.py).
+If the last turn alone does not fit, the request fails as with "disabled" (400).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError
 
@@ -81,6 +87,7 @@ class ResponsesRequest(_Strict):
     conversation: Any = None
     background: bool | None = None
     prompt: Any = None
+    truncation: Literal["auto", "disabled"] | None = None  # None: the API's default, disabled
     _extras: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @classmethod
@@ -135,7 +142,7 @@ class ResponsesRequest(_Strict):
         if fmt is not None:
             chat["response_format"] = _chat_format(fmt)
         try:
-            return ChatCompletionRequest.model_validate(chat)
+            request = ChatCompletionRequest.model_validate(chat)
         except ValidationError as exc:
             err = exc.errors(include_url=False)[0]
             loc = ".".join(str(p) for p in err["loc"] if isinstance(p, (str, int)))
@@ -144,6 +151,8 @@ class ResponsesRequest(_Strict):
                     loc = name + loc[len(chat_name):]
             msg = err["msg"].removeprefix("Value error, ")
             raise _invalid(f"{loc}: {msg}", loc) from None
+        request._drop_turns = self.truncation == "auto"
+        return request
 
 
 def _messages(items: str | list[dict[str, Any]], instructions: str | None) -> list[dict]:

@@ -94,7 +94,7 @@ class ResponseShaper:
             "temperature": extras.get("temperature"), "top_p": extras.get("top_p"),
             "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
             "tools": b.tools or [], "top_logprobs": b.top_logprobs,
-            "truncation": "disabled", "usage": usage,
+            "truncation": b.truncation or "disabled", "usage": usage,
             "metadata": b.metadata or {}, "background": bool(b.background),
         }  # fmt: skip
 

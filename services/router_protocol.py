@@ -132,6 +132,9 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
     continue_final_message: bool | None = False
     echo: bool | None = False
     _tool_mode: ToolMode | None = PrivateAttr(None)
+    # the Responses API's `truncation: "auto"`: the tokenizer drops the earliest turns that
+    # do not fit the context (services/tokenize_request.py)
+    _drop_turns: bool = PrivateAttr(False)
 
     @property
     def tool_mode(self) -> ToolMode | None:
@@ -153,6 +156,8 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         limit = self.max_completion_tokens
         params = self.sampling_params(self.max_tokens if limit is None else limit)
         self._tool_mode = self.tool_params(params)
+        if self._drop_turns:
+            params["truncate_turns"] = True
         prompt = {
             "messages": [m.flat() for m in self.messages],
             "tools": self.tool_dicts(),

@@ -8,7 +8,9 @@ copying them, and the router need not repeat them). Stop strings and the detoken
 flags are lifted out of the sampling dict into their `GenerateReqMsg` fields.
 
 vLLM's `truncate_prompt_tokens` (in the sampling dict, for the tokenizer only) keeps the
-prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`). Its
+prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`);
+`truncate_turns` (the Responses API's `truncation: "auto"`) drops a chat's earliest turns until
+it fits. Its
 `bad_words` become the token sequences `bad_words_ids` (engine/tokenizer.py).
 """
 
@@ -55,6 +57,7 @@ class RequestTokenizer:
         for key in _REQUEST_LEVEL:
             sp.pop(key, None)  # the message fields say it
         keep = sp.pop("truncate_prompt_tokens", None)
+        drop_turns = sp.pop("truncate_turns", None)
         if "bad_words" in sp:
             try:
                 sp["bad_words_ids"] = bad_words_ids(self.tokenizer, sp.pop("bad_words") or [])
@@ -62,6 +65,8 @@ class RequestTokenizer:
                 raise RequestError("invalid_request", str(exc)) from None
         params = self._check_params(sp, lifted, msg)
         context_len = context_len or self.context_len
+        if drop_turns and msg.messages is not None:
+            ids = self._fit_turns(msg, ids, context_len - params.max_new_tokens)
         if keep is not None:
             ids = _truncated(ids, keep, context_len - params.max_new_tokens, context_len)
         self._check_length(ids, params.max_new_tokens, context_len)
@@ -103,18 +108,44 @@ class RequestTokenizer:
         self._check_ids(ids)
         return ids
 
+    def _fit_turns(self, msg: TokenizeReqMsg, ids: list[int], room: int) -> list[int]:
+        """The chat's prompt without its earliest turns, as few as make it `room` tokens or
+        fewer (the Responses API's `truncation: "auto"`). A turn starts at a user message;
+        the leading system messages stay. Dropping whole turns keeps the roles in the order
+        templates require (a tool result never loses its call). If even the last turn is too
+        long, the whole prompt is returned (and refused by the length check)."""
+        messages = list(msg.messages or [])
+        if len(ids) <= room:
+            return ids
+        lead = 0
+        while lead < len(messages) and messages[lead].role in ("system", "developer"):
+            lead += 1
+        starts = [i for i in range(lead + 1, len(messages)) if messages[i].role == "user"]
+        best, lo, hi = None, 0, len(starts) - 1  # the fewest turns dropped: starts[k] first
+        while lo <= hi:  # the prompt shrinks as turns go: the first k that fits, by bisection
+            k = (lo + hi) // 2
+            kept = self._encode(msg, messages[:lead] + messages[starts[k] :])
+            if len(kept) <= room:
+                best, hi = kept, k - 1
+            else:
+                lo = k + 1
+        return ids if best is None else best
+
     def _check_ids(self, ids: list[int]) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise RequestError(
                 "invalid_request", f"input_ids: token ids must be in [0, {self.vocab_size})"
             )
 
-    def _encode(self, msg: TokenizeReqMsg) -> list[int]:
+    def _encode(self, msg: TokenizeReqMsg, messages: list[ChatMessage] | None = None) -> list[int]:
+        """The prompt's ids: its text, its chat messages (or `messages` instead) templated,
+        or its ids."""
         special = msg.add_special_tokens
         if msg.text is not None:
             return self.tokenizer.encode(msg.text, add_special_tokens=special is not False)
-        if msg.messages is not None:
-            turns = [_turn(m) for m in msg.messages]
+        messages = msg.messages if messages is None else messages
+        if messages is not None:
+            turns = [_turn(m) for m in messages]
             kwargs = dict(msg.chat_template_kwargs or {})
             reserved_keys = ("messages", "tools", "add_generation_prompt",
                              "continue_final_message", "tokenize")  # fmt: skip

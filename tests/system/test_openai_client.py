@@ -818,6 +818,36 @@ def test_responses_are_stored_and_continued_as_the_client_does_it(
         client.responses.retrieve(second.id)
 
 
+def test_responses_truncation_auto_drops_the_earliest_turns(
+    client: openai.OpenAI, served_model: str, http_stack: Stack
+) -> None:
+    """A conversation longer than the tiny model's context: refused as it is ("disabled",
+    the default), answered with `truncation="auto"` as if it began at the first turn from
+    which it fits (found here with /tokenize), the instructions kept."""
+    turns = []
+    for t in range(24):
+        turns += [{"role": "user", "content": f"question {t} " + "word " * 40},
+                  {"role": "assistant", "content": f"answer {t} " + "more " * 40}]  # fmt: skip
+    turns.append({"role": "user", "content": "last question"})
+    ask = {"model": served_model, "instructions": "Be brief.", "max_output_tokens": 8, **GREEDY}
+    context = httpx.get(http_stack.router_url + "/get_model_info").json()["max_context_length"]
+
+    def prompt_len(items: list[dict]) -> int:
+        messages = [{"role": "system", "content": "Be brief."}, *items]
+        return client.post("/tokenize", body={"messages": messages}, cast_to=dict)["count"]
+
+    assert prompt_len(turns) + 8 > context
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.responses.create(input=turns, **ask)
+    first = next(s for s in range(0, len(turns), 2) if prompt_len(turns[s:]) + 8 <= context)
+    assert first > 0
+    cut = client.responses.create(input=turns, truncation="auto", **ask)
+    same = client.responses.create(input=turns[first:], **ask)
+    assert cut.truncation == "auto" and same.truncation == "disabled"
+    assert cut.usage.input_tokens == same.usage.input_tokens == prompt_len(turns[first:])
+    assert cut.output_text == same.output_text
+
+
 def test_a_background_response_as_the_client_polls_streams_and_cancels_it(
     client: openai.OpenAI, served_model: str
 ) -> None:

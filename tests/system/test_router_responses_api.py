@@ -209,6 +209,7 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(fake: FakeWorker, base: str
         ({"input": 5}, "input"),
         ({"input": "x", "top_logprobs": 21}, "top_logprobs"),
         ({"input": "x", "include": ["message.output_text.logprobs", "bogus"]}, "include.1"),
+        ({"input": "x", "truncation": "sometimes"}, "truncation"),
     ]
     for body, param in cases:
         resp = post(base, **body)
@@ -326,3 +327,19 @@ def test_reasoning_text_and_calls_become_their_items(
     assert [(c["id"], c["function"]["name"]) for c in assistant.tool_calls] == [
         (fc["call_id"], "get_weather")]  # fmt: skip
     assert (output.role, output.tool_call_id, output.content) == ("tool", fc["call_id"], "sunny")
+
+
+def test_truncation_auto_asks_the_tokenizer_to_drop_early_turns(
+    fake: FakeWorker, base: str
+) -> None:
+    """`truncation: "auto"` reaches the tokenizer as `truncate_turns` (which drops the
+    earliest turns that do not fit: tests/unit/test_tokenize_turns.py) and is echoed;
+    "disabled", the default, asks for nothing."""
+    for truncation in ("auto", "disabled", None):
+        extra = {} if truncation is None else {"truncation": truncation}
+        body = post(base, input="abc", **extra).json()
+        assert body["truncation"] == (truncation or "disabled")
+        sp = fake.received[-1].sampling_params
+        assert sp.get("truncate_turns") is (True if truncation == "auto" else None)
+    streamed = events(base, input="abc", truncation="auto")
+    assert streamed[0]["response"]["truncation"] == "auto"
