@@ -212,9 +212,11 @@ def check_max_tokens(subs: list[SubRequest], context_len: int | None, param: str
 
 
 def parse_body(model: type[BaseModel], raw: bytes) -> Any:
-    """Validate a JSON body against `model`; raise ApiError naming the first bad field."""
+    """Validate a JSON body against `model`; raise ApiError naming the first bad field. An
+    integer anywhere in it (a field without bounds, a free-form dict) must fit in 64 bits:
+    the messages carrying it could not encode it."""
     try:
-        return model.model_validate_json(raw or b"")
+        body = model.model_validate_json(raw or b"")
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         if err["type"] == "json_invalid":
@@ -224,6 +226,39 @@ def parse_body(model: type[BaseModel], raw: bytes) -> Any:
         msg = err["msg"].removeprefix("Value error, ")
         code = "missing_required_parameter" if err["type"] == "missing" else "invalid_value"
         raise ApiError(400, f"{param or 'body'}: {msg}", param, code) from None
+    bad = _int_out_of_range(body, "")
+    if bad is not None:
+        param = bad or None
+        raise ApiError(400, f"{bad or 'body'}: integer out of the 64-bit range", param,
+                       "invalid_value")  # fmt: skip
+    return body
+
+
+def _int_out_of_range(v: Any, path: str) -> str | None:
+    """The path of the first integer in `v` outside [-2**63, 2**63), or None."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return None if -_INT64 <= v < _INT64 else path
+    if isinstance(v, BaseModel):
+        fields = {**v.__dict__, **(v.model_extra or {})}
+        return _int_out_of_range(fields, path)
+    if isinstance(v, dict):
+        items: Any = v.items()
+    elif isinstance(v, (list, tuple)):
+        try:  # a list of numbers (token ids): checked at C speed
+            if not v or (-_INT64 <= min(v) and max(v) < _INT64):
+                return None
+        except TypeError:
+            pass
+        items = enumerate(v)
+    else:
+        return None
+    for key, x in items:
+        bad = _int_out_of_range(x, f"{path}.{key}" if path else str(key))
+        if bad is not None:
+            return bad
+    return None
 
 
 def _is_type_name(part: Any) -> bool:

@@ -91,6 +91,15 @@ COMP = {"model": "m", "prompt": "hi"}
          "invalid_value"),
         (GenerateRequest, {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params",
          "invalid_value"),
+        # integers the messages cannot carry (64 bits), in unbounded fields and free dicts
+        (CompletionRequest, {**COMP, "min_tokens": 2**64}, "min_tokens", "invalid_value"),
+        (CompletionRequest, {**COMP, "truncate_prompt_tokens": 2**63}, "truncate_prompt_tokens",
+         "invalid_value"),
+        (CompletionRequest, {"model": "m", "prompt": [1, 2**63]}, "prompt.0.1", "invalid_value"),
+        (GenerateRequest, {"input_ids": [[1], [2, 2**63]]}, "input_ids.1.1",
+         "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "chat_template_kwargs": {"k": [0, 2**70]}},
+         "chat_template_kwargs.k.1", "invalid_value"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_400_naming_the_field(
