@@ -10,8 +10,7 @@ flags are lifted out of the sampling dict into their `GenerateReqMsg` fields.
 vLLM's `truncate_prompt_tokens` (in the sampling dict, for the tokenizer only) keeps the
 prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`);
 `truncate_turns` (the Responses API's `truncation: "auto"`) drops a chat's earliest turns until
-it fits. Its
-`bad_words` become the token sequences `bad_words_ids` (engine/tokenizer.py).
+it fits. Its `bad_words` become the token sequences `bad_words_ids` (engine/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -66,7 +65,8 @@ class RequestTokenizer:
         params = self._check_params(sp, lifted, msg)
         context_len = context_len or self.context_len
         if drop_turns and msg.messages is not None:
-            ids = self._fit_turns(msg, ids, context_len - params.max_new_tokens)
+            room = min(context_len - params.max_new_tokens, context_len - 1)  # _check_length
+            ids = self._fit_turns(msg, ids, room)
         if keep is not None:
             ids = _truncated(ids, keep, context_len - params.max_new_tokens, context_len)
         self._check_length(ids, params.max_new_tokens, context_len)

@@ -55,14 +55,14 @@ def test_the_earliest_turns_go_until_the_chat_fits(service: RequestTokenizer) ->
     # candidates: the system message, then the conversation from a user message on
     candidates = [_ids(service, messages[:1] + messages[s:]) for s in starts[1:]]
     assert all(len(a) > len(b) for a, b in zip([whole, *candidates], candidates))
-    for max_new in (10, 60, 150):
-        room = CONTEXT - max_new
+    for max_new in (0, 10, 60, 150):
+        room = min(CONTEXT - max_new, CONTEXT - 1)  # a prompt never fills the whole context
         with pytest.raises(RequestError, match="context length"):
             _generate(service, messages, max_new)  # truncation disabled: refused
         got = _generate(service, messages, max_new, truncate_turns=True).input_ids
         want = next(c for c in ([whole] if len(whole) <= room else []) + candidates
                     if len(c) <= room)  # fmt: skip
-        assert got == want and len(got) + max_new <= CONTEXT
+        assert got == want and len(got) + max_new <= CONTEXT and len(got) < CONTEXT
         text = service.tokenizer.decode(got)
         assert text.count("You are terse.") == 1 and "and finally?" in text
         assert ("result" in text) == ("question 2" in text)  # a tool result keeps its call
