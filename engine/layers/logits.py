@@ -38,8 +38,7 @@ class LogitsProcessor(nn.Module):
                 index = torch.cat([index, fb.prompt_logprob_rows])
             hidden_states = hidden_states.index_select(0, index)
         logits = F.linear(hidden_states, lm_head_weight)
-        if logits.dtype != torch.float64:
-            logits = logits.float()
-        if self.soft_cap:
+        if self.soft_cap:  # in float32 at least (float64 models: float64), then float32
+            logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits.float()
