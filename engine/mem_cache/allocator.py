@@ -73,7 +73,7 @@ class TokenToKVPoolAllocator:
             raise ValueError("alloc_extend: seq_len < prefix_len")
         if self.page_size == 1:
             total = sum(seq_lens) - sum(prefix_lens)
-            if total > self._num_free:
+            if total > self._pages_free():
                 return None
             return self._take_pages(total)
         return self._alloc_extend_paged(prefix_lens, seq_lens, last_locs)
@@ -91,7 +91,7 @@ class TokenToKVPoolAllocator:
             raise ValueError("alloc_extend: last_loc is not in the page of position prefix_len-1")
         new_pages = (seq + ps - 1) // ps - (prefix + ps - 1) // ps
         total_pages = int(new_pages.sum())
-        if total_pages > self._num_free:
+        if total_pages > self._pages_free():
             return None
         num_new = seq - prefix
         room = torch.minimum((-prefix) % ps, num_new)  # slots left in the current last page
@@ -114,6 +114,10 @@ class TokenToKVPoolAllocator:
             fresh = pages.index_select(0, page_idx) * ps + k_new % ps
             out = torch.where(k < room_k, out, fresh)
         return out
+
+    def _pages_free(self) -> int:
+        """Pages an allocation may take (the hybrid allocator also needs window pages)."""
+        return self._num_free
 
     def _take_pages(self, n: int) -> torch.Tensor:
         """n free pages (as slots when page_size is 1), lowest first on a fresh pool."""

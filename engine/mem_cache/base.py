@@ -31,7 +31,10 @@ class TreeNode:
     parent's (the whole path is touched together).
     """
 
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref", "last_access_time")
+    __slots__ = (
+        "id", "key", "value", "parent", "children", "lock_ref", "last_access_time",
+        "swa_live", "swa_lock_ref",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -47,6 +50,10 @@ class TreeNode:
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
         self.last_access_time = last_access_time
+        # hybrid sliding-window memory (engine/mem_cache/swa_radix_cache.py): tokens of the
+        # value whose window-layer KV is still held, and locks on that KV
+        self.swa_live = 0
+        self.swa_lock_ref = 0
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -95,6 +102,14 @@ class PrefixCache(ABC):
 
     @abstractmethod
     def evictable_size(self) -> int: ...
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` of the sliding-window pool held by unlocked cache (or
+        all it can), keeping the full KV; returns tokens freed. Only the hybrid cache has it."""
+        return 0
+
+    def swa_evictable_size(self) -> int:
+        return 0
 
     @abstractmethod
     def protected_size(self) -> int: ...

@@ -64,6 +64,9 @@ class RadixCache(PrefixCache):
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached prefix of `key` cut to whole pages: (its slots, int64; the deepest
         node covering it). A match ending inside a node splits the node there."""
+        return self._match(key)
+
+    def _match(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
         key = key[: len(key) - len(key) % self.page_size]
         now = self._tick()
         node, pos, values = self.root_node, 0, []
@@ -93,8 +96,9 @@ class RadixCache(PrefixCache):
             child = node.children.get(child_key)
             if child is None:
                 value = slots[pos:].to(self.device, torch.int64).clone()
-                node.children[child_key] = TreeNode(key[pos:], value, node, now)
+                child = node.children[child_key] = TreeNode(key[pos:], value, node, now)
                 self._evictable += len(key) - pos
+                self._on_new_node(child)
                 return pos
             n = self._match_len(child.key, key, pos)
             if n < len(child.key):
@@ -113,7 +117,18 @@ class RadixCache(PrefixCache):
         parent.children[self._child_key(child.key, 0)] = upper
         child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
         upper.children[self._child_key(child.key, 0)] = child
+        self._on_split(upper, child)
         return upper
+
+    # hooks of the hybrid sliding-window cache (engine/mem_cache/swa_radix_cache.py)
+    def _on_new_node(self, node: TreeNode) -> None:
+        pass
+
+    def _on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        pass
+
+    def _on_evicted(self, node: TreeNode) -> None:
+        pass
 
     # -- locks ----------------------------------------------------------------------------------
     def _path(self, node: TreeNode | None) -> list[TreeNode]:
@@ -162,6 +177,7 @@ class RadixCache(PrefixCache):
             del parent.children[self._child_key(node.key, 0)]
             freed.append(node.value)
             num_freed += len(node.key)
+            self._on_evicted(node)
             if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         if freed:
@@ -205,7 +221,7 @@ class RadixCache(PrefixCache):
         in_tree = self.insert(key, kv)
         assert in_tree >= shared, "the request's locked prefix left the tree"
         self.allocator.free(kv[shared:in_tree])
-        slots, node = self.match_prefix(key)
+        slots, node = self._match(key)
         assert slots.numel() == aligned
         row[shared:aligned] = slots[shared:].to(row.dtype)
         self.inc_lock_ref(node)  # before the unlock, so the shared path never looks evictable

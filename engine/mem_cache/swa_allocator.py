@@ -1,0 +1,130 @@
+"""`SWATokenToKVPoolAllocator`: the hybrid sliding-window memory of SGLang and vLLM.
+
+A model whose sliding-window layers see only the last W keys need not keep those layers' K/V
+for every token. The slots handed out here (full slots) index `req_to_token`, the radix
+tree and the full-attention layers' buffers as before; each full page also gets a page of a
+second, smaller pool (swa slots) that only the windowed layers' buffers are sized for.
+`full_to_swa[full_slot]` is the swa slot of a full slot, 0 when it has none: never given
+one, or freed because no query will look that far back (`free_swa`; the tree calls a node
+whose swa pages are freed a tombstone). Slot 0 is the padding slot of both pools.
+
+Pages line up: full page f maps to one swa page s, slot f*P + k to s*P + k, so a request's
+pages keep the alignment the paged kernels rely on in both pools. Freeing a full page frees
+its swa page too. `available_size` stays the full pool's (the scheduler's token budget);
+`swa_available_size` is the second pool's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.mem_cache.allocator import DoubleFreeError, TokenToKVPoolAllocator
+
+
+class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
+    def __init__(
+        self, size: int, swa_size: int, page_size: int, device: str | torch.device = "cpu"
+    ) -> None:
+        self.swa = TokenToKVPoolAllocator(swa_size, page_size, device)
+        self.swa_size = swa_size
+        num_pages = size // page_size
+        # per full page: its swa page (0: none); per full slot: its swa slot (read by the
+        # attention backends; shared with the device process, so never reallocated)
+        self._swa_page = torch.zeros(num_pages + 1, dtype=torch.int64, device=device)
+        self.full_to_swa = torch.zeros(
+            (num_pages + 1) * page_size, dtype=torch.int64, device=device
+        )
+        self._in_page = torch.arange(page_size, dtype=torch.int64, device=device)
+        super().__init__(size, page_size, device)
+
+    def clear(self) -> None:
+        super().clear()
+        self.swa.clear()
+        self._swa_page.zero_()
+        self.full_to_swa.zero_()
+
+    def swa_available_size(self) -> int:
+        return self.swa.available_size()
+
+    def _pages_free(self) -> int:
+        return min(self._num_free, self.swa._num_free)
+
+    def _take_pages(self, n: int) -> torch.Tensor:
+        pages = super()._take_pages(n)
+        self._map(pages, self.swa._take_pages(n))
+        return pages
+
+    def _map(self, full_pages: torch.Tensor, swa_pages: torch.Tensor) -> None:
+        self._swa_page.index_copy_(0, full_pages, swa_pages)
+        ps = self.page_size
+        slots = (full_pages.unsqueeze(1) * ps + self._in_page).flatten()
+        swa_slots = swa_pages.unsqueeze(1) * ps + self._in_page
+        # a full page without swa maps to slot 0 for all its slots
+        swa_slots = torch.where(swa_pages.unsqueeze(1) > 0, swa_slots, 0).flatten()
+        self.full_to_swa.index_copy_(0, slots, swa_slots)
+
+    def _release(self, pages: torch.Tensor) -> None:
+        super()._release(pages)
+        self._drop_swa(pages)
+
+    def _drop_swa(self, pages: torch.Tensor) -> int:
+        """Free the swa pages of these full pages that have one; returns how many."""
+        swa_pages = self._swa_page.index_select(0, pages)
+        live = swa_pages > 0
+        if not bool(live.any()):
+            return 0
+        pages, swa_pages = pages[live], swa_pages[live]
+        self._map(pages, torch.zeros_like(pages))
+        self.swa.free(swa_pages * self.page_size)
+        return int(pages.numel())
+
+    # -- the window's own operations -------------------------------------------------------
+    def full_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """The distinct full pages of these full slots, checked to be allocated."""
+        slots = slots.to(device=self.device, dtype=torch.int64).flatten()
+        pages = torch.unique(slots // self.page_size)
+        if pages.numel() and not bool(self.is_allocated(pages * self.page_size).all()):
+            raise DoubleFreeError("swa allocator: a page that is not allocated")
+        return pages
+
+    def free_swa(self, slots: torch.Tensor) -> int:
+        """Free the swa pages of the full pages these slots lie in (those that still have one);
+        the full pages stay. Returns the swa tokens freed."""
+        if slots.numel() == 0:
+            return 0
+        return self._drop_swa(self.full_pages(slots)) * self.page_size
+
+    def has_swa(self, slots: torch.Tensor) -> torch.Tensor:
+        """Per full slot: whether its page still has a swa page."""
+        pages = slots.to(device=self.device, dtype=torch.int64) // self.page_size
+        return self._swa_page.index_select(0, pages.flatten()).view(pages.shape) > 0
+
+    def move_swa(self, src: torch.Tensor, dst: torch.Tensor) -> int:
+        """Give the swa pages of the full pages of `src` slots to those of `dst` slots (page
+        for page, the same tokens) where `dst`'s page has none and `src`'s has one; `src`'s
+        pages are left without. Returns the tokens moved."""
+        ps = self.page_size
+        src_p = src.to(self.device, torch.int64)[::ps] // ps
+        dst_p = dst.to(self.device, torch.int64)[::ps] // ps
+        swa_src = self._swa_page.index_select(0, src_p)
+        move = (swa_src > 0) & (self._swa_page.index_select(0, dst_p) == 0) & (src_p != dst_p)
+        if not bool(move.any()):
+            return 0
+        self._map(src_p[move], torch.zeros_like(src_p[move]))
+        self._map(dst_p[move], swa_src[move])
+        return int(move.sum()) * ps
+
+    def check_mapping(self) -> None:
+        """Every full page with a swa page is allocated; swa pages are held once each and
+        are allocated; the slot map agrees with the page map."""
+        live = torch.nonzero(self._swa_page > 0).flatten()
+        swa_pages = self._swa_page.index_select(0, live)
+        ps = self.page_size
+        assert bool(self.is_allocated(live * ps).all()), "a free full page has a swa page"
+        assert torch.unique(swa_pages).numel() == swa_pages.numel(), "a swa page held twice"
+        assert bool(self.swa.is_allocated(swa_pages * ps).all()), "a swa page is free"
+        held = self.swa.size - self.swa.available_size()
+        assert held == swa_pages.numel() * ps, f"swa pages leaked: {held} held"
+        expect = (self._swa_page.unsqueeze(1) * ps + self._in_page).flatten()
+        expect = torch.where(self._swa_page.repeat_interleave(ps) > 0, expect, 0)
+        assert torch.equal(expect, self.full_to_swa), "full_to_swa disagrees with the pages"

@@ -1,0 +1,183 @@
+"""`SWARadixCache`: the prefix cache over hybrid sliding-window memory (see
+engine/mem_cache/swa_allocator.py; SGLang's SWARadixCache works the same way).
+
+A node's full slots stay until the node is evicted, as in `RadixCache`. Its window-layer KV
+(the swa pages of those slots) may go earlier: `evict_swa` frees it from unlocked nodes,
+least recently used first, and a request frees its own tokens' swa pages once no query of
+it will look back that far. A node whose swa pages are gone is a tombstone for the windowed
+layers only.
+
+A cached prefix is usable only if its last W - 1 tokens (W the window) still have swa
+pages: the first new token looks back that far. `match_prefix` cuts a match to the longest
+such prefix. When a request inserts tokens the tree already holds, swa pages the tree lacks
+and the request has are moved to the tree's slots (their KV is the same).
+
+Locks: `inc_lock_ref(node)` locks the path's full KV as `RadixCache` does, and the swa KV of
+the path's last tokens from `swa_lock_start(depth)` on (the window of the request's first
+new token), splitting a node there so that this depth is a node boundary. Unlocking finds the
+same nodes again: splits only subdivide, and nothing above the boundary is ever locked.
+`swa_evictable_size` counts the swa tokens of nodes without swa locks.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from engine.mem_cache.base import TreeNode
+from engine.mem_cache.memory_pool import ReqToTokenPool
+from engine.mem_cache.radix_cache import RadixCache
+from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+
+
+class SWARadixCache(RadixCache):
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: SWATokenToKVPoolAllocator,
+        page_size: int,
+        sliding_window: int,
+    ) -> None:
+        super().__init__(req_to_token_pool, allocator, page_size)
+        self.allocator: SWATokenToKVPoolAllocator = allocator
+        self.sliding_window = sliding_window
+        self._swa_evictable = 0
+
+    def swa_lock_start(self, depth: int) -> int:
+        """First position the window of a query at `depth` reads, rounded down to a page."""
+        start = max(0, depth - self.sliding_window + 1)
+        return start - start % self.page_size
+
+    def _live(self, node: TreeNode) -> int:
+        if not node.value.numel():
+            return 0
+        return int(self.allocator.has_swa(node.value[:: self.page_size]).sum()) * self.page_size
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def _on_new_node(self, node: TreeNode) -> None:
+        node.swa_live = self._live(node)
+        self._swa_evictable += node.swa_live
+
+    def _on_split(self, upper: TreeNode, lower: TreeNode) -> None:
+        upper.swa_lock_ref = lower.swa_lock_ref
+        upper.swa_live = self._live(upper)
+        lower.swa_live -= upper.swa_live
+
+    def _on_evicted(self, node: TreeNode) -> None:
+        assert node.swa_lock_ref == 0
+        self._swa_evictable -= node.swa_live
+
+    # -- match / insert -------------------------------------------------------------------------
+    def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        """The longest cached prefix whose window (the last W - 1 tokens) has its swa KV."""
+        slots, node = self._match(key)
+        if not slots.numel():
+            return slots, node
+        ps = self.page_size
+        live = self.allocator.has_swa(slots[::ps])
+        num_pages = live.numel()
+        idx = torch.arange(num_pages, device=live.device)
+        last_dead = torch.where(live, -1, idx).cummax(0).values  # per page k: last dead <= k
+        ends = (idx + 1) * ps  # a prefix of k + 1 pages ends here
+        first_needed = (ends - self.sliding_window + 1).clamp(min=0) // ps
+        ok = torch.nonzero(last_dead < first_needed).flatten()
+        usable = (int(ok[-1]) + 1) * ps if ok.numel() else 0
+        if usable == slots.numel():
+            return slots, node
+        return slots[:usable], self._node_at(node, slots.numel(), usable)
+
+    def _node_at(self, node: TreeNode, depth: int, target: int) -> TreeNode:
+        """The node ending at `target` on the path to `node` (which ends at `depth`),
+        splitting one there if needed."""
+        while depth > target:
+            start = depth - len(node.key)
+            if start < target:
+                return self._split(node, target - start)
+            assert node.parent is not None
+            node, depth = node.parent, start
+        return node
+
+    def insert(self, key: list[int], slots: torch.Tensor) -> int:
+        in_tree = super().insert(key, slots)
+        if in_tree:
+            tree_slots, node = self._match(key[:in_tree])
+            if self.allocator.move_swa(slots[:in_tree], tree_slots):
+                for n in self._path(node):
+                    live = self._live(n)
+                    if n.swa_lock_ref == 0:
+                        self._swa_evictable += live - n.swa_live
+                    n.swa_live = live
+        return in_tree
+
+    # -- locks ----------------------------------------------------------------------------------
+    def _window_nodes(self, node: TreeNode | None, split: bool) -> list[TreeNode]:
+        """The nodes of the path to `node` that hold positions from `swa_lock_start` of its
+        depth on; with `split`, first cut the node that straddles that position."""
+        path = self._path(node)
+        depth = sum(len(n.key) for n in path)
+        start_at = self.swa_lock_start(depth)
+        out: list[TreeNode] = []
+        end = depth
+        for n in path:
+            start = end - len(n.key)
+            if start < start_at:
+                if split and end > start_at:
+                    self._split(n, start_at - start)
+                    out.append(n)  # the lower part keeps the object
+                break
+            out.append(n)
+            end = start
+        return out
+
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        super().inc_lock_ref(node)
+        for n in self._window_nodes(node, split=True):
+            if n.swa_lock_ref == 0:
+                self._swa_evictable -= n.swa_live
+            n.swa_lock_ref += 1
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        super().dec_lock_ref(node)
+        for n in self._window_nodes(node, split=False):
+            if n.swa_lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref: {n} has no swa lock")
+            n.swa_lock_ref -= 1
+            if n.swa_lock_ref == 0:
+                self._swa_evictable += n.swa_live
+
+    # -- eviction -------------------------------------------------------------------------------
+    def swa_evictable_size(self) -> int:
+        return self._swa_evictable
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Tombstone least-recently-used nodes without swa locks until `num_tokens` swa
+        tokens are freed (their full KV stays cached)."""
+        if num_tokens <= 0:
+            return 0
+        heap = [
+            (n.last_access_time, n.id, n)
+            for n in self._nodes()
+            if n.swa_lock_ref == 0 and n.swa_live > 0
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            node = heapq.heappop(heap)[2]
+            n = self.allocator.free_swa(node.value)
+            assert n == node.swa_live, "swa accounting"
+            freed += n
+            node.swa_live = 0
+        self._swa_evictable -= freed
+        return freed
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        total = 0
+        for n in self._nodes():
+            assert n.swa_live == self._live(n), f"{n}: swa_live {n.swa_live}"
+            assert 0 <= n.swa_lock_ref <= n.lock_ref, f"{n}: swa lock without a lock"
+            if n.swa_lock_ref == 0:
+                total += n.swa_live
+        assert total == self._swa_evictable, "swa evictable accounting"
+        self.allocator.check_mapping()

@@ -1,0 +1,83 @@
+"""SWATokenToKVPoolAllocator: every full page gets a window page, freeing either kind, moving
+window pages between full pages, and refusing what the pools cannot give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.mem_cache.allocator import DoubleFreeError
+from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+
+
+def swa_slots(alloc: SWATokenToKVPoolAllocator, slots: torch.Tensor) -> torch.Tensor:
+    return alloc.full_to_swa.index_select(0, slots)
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_each_full_page_maps_to_its_own_window_page(ps: int) -> None:
+    alloc = SWATokenToKVPoolAllocator(8 * ps, 4 * ps, ps)
+    out = alloc.alloc_extend([0, 0], [2 * ps, ps + 1], [-1, -1])
+    assert out is not None
+    swa = swa_slots(alloc, out)
+    assert bool((swa > 0).all()) and torch.unique(swa).numel() == swa.numel()
+    assert bool((swa % ps == out % ps).all()), "slots keep their offset within the page"
+    assert alloc.available_size() == 4 * ps and alloc.swa_available_size() == 0
+    alloc.check_mapping()
+    alloc.free(out)
+    assert alloc.available_size() == alloc.size and alloc.swa_available_size() == alloc.swa_size
+    assert int(alloc.full_to_swa.abs().sum()) == 0
+    alloc.check_mapping()
+
+
+def test_the_smaller_pool_limits_allocation_and_nothing_is_taken() -> None:
+    alloc = SWATokenToKVPoolAllocator(16, 4, 1)
+    assert alloc.alloc_extend([0], [5], [-1]) is None
+    assert alloc.available_size() == 16 and alloc.swa_available_size() == 4
+    first = alloc.alloc_extend([0], [4], [-1])
+    assert alloc.free_swa(first[:3]) == 3  # the full slots stay, their window KV goes
+    assert alloc.available_size() == 12 and alloc.swa_available_size() == 3
+    assert alloc.has_swa(first).tolist() == [False, False, False, True]
+    more = alloc.alloc_extend([4], [7], [int(first[-1])])
+    assert more is not None and bool((swa_slots(alloc, more) > 0).all())
+    assert alloc.free_swa(first[:3]) == 0  # freeing again frees nothing
+    alloc.check_mapping()
+    alloc.free(torch.cat([first, more]))
+    alloc.check_mapping()
+    assert alloc.swa_available_size() == 4
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_move_gives_window_pages_only_where_the_target_has_none(ps: int) -> None:
+    alloc = SWATokenToKVPoolAllocator(8 * ps, 8 * ps, ps)
+    tree = alloc.alloc_extend([0], [3 * ps], [-1])
+    mine = alloc.alloc_extend([0], [3 * ps], [-1])
+    alloc.free_swa(tree[: 2 * ps])  # the tree lost the window KV of its first two pages
+    alloc.free_swa(mine[:ps])  # and the request that of its first
+    before = swa_slots(alloc, mine).clone()
+    assert alloc.move_swa(mine, tree) == ps  # page 2 only: page 1 mine has none, 3 tree has
+    assert alloc.has_swa(tree).tolist() == [False] * ps + [True] * 2 * ps
+    assert swa_slots(alloc, tree)[ps : 2 * ps].tolist() == before[ps : 2 * ps].tolist()
+    assert not bool(alloc.has_swa(mine[: 2 * ps]).any())
+    assert alloc.move_swa(tree, tree) == 0
+    alloc.check_mapping()
+    alloc.free(torch.cat([tree, mine]))
+    assert alloc.swa_available_size() == alloc.swa_size
+    alloc.check_mapping()
+
+
+def test_window_operations_refuse_free_pages() -> None:
+    alloc = SWATokenToKVPoolAllocator(8, 8, 1)
+    out = alloc.alloc_extend([0], [2], [-1])
+    alloc.free(out)
+    with pytest.raises(DoubleFreeError):
+        alloc.free_swa(out)
+
+
+def test_check_mapping_catches_a_leaked_window_page() -> None:
+    alloc = SWATokenToKVPoolAllocator(8, 8, 1)
+    out = alloc.alloc_extend([0], [2], [-1])
+    alloc._swa_page[int(out[0])] = 0  # forget a window page without freeing it
+    alloc.full_to_swa[int(out[0])] = 0
+    with pytest.raises(AssertionError, match="leaked"):
+        alloc.check_mapping()
