@@ -174,6 +174,11 @@ class EngineArgs:
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
     disable_radix_cache: bool = False
+    # Hybrid sliding-window memory (SGLang's SWA memory pool): the windowed layers of a model
+    # keep K/V only for the tokens their window still reads, in a pool of
+    # swa_full_tokens_ratio x the full pool's tokens (engine/mem_cache/swa_allocator.py).
+    hybrid_swa_memory: bool = False
+    swa_full_tokens_ratio: float = 0.8
     disable_overlap_schedule: bool = False
     # Running requests decode inside each prefill batch (one-token extends) instead of
     # waiting for it: SGLang's mixed chunk.
@@ -208,6 +213,10 @@ class EngineArgs:
             raise ValueError(
                 f"cpu_overlap_executor: {self.cpu_overlap_executor!r} not in "
                 f"{CPU_OVERLAP_EXECUTORS}"
+            )
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(
+                f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
             )
         if self.grammar_compile_threads < 0:
             raise ValueError("grammar_compile_threads must be >= 0")

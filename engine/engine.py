@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.config import EngineArgs, ModelConfig
+from engine.mem_cache.base import PrefixCache
 from engine.mem_cache.no_cache import NoRadixCache
 from engine.mem_cache.radix_cache import RadixCache
+from engine.mem_cache.swa_radix_cache import SWARadixCache
 from engine.model_runner import ModelRunner
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
@@ -24,8 +26,7 @@ def build_scheduler(args: EngineArgs, tokenizer: Any | None = None) -> Scheduler
     model_config = ModelConfig.from_pretrained(args.model_path, args.context_length)
     # With a device process (CPU overlap), the model and KV pool live there, not here.
     runner = ModelRunner(model_config, args, host_only=args.overlap_device_process)
-    cache_cls = NoRadixCache if args.disable_radix_cache else RadixCache
-    tree_cache = cache_cls(runner.req_to_token_pool, runner.allocator, args.page_size)
+    tree_cache = make_tree_cache(runner, args)
     scheduler_cls: type[Scheduler] = Scheduler
     if not args.disable_overlap_schedule:
         try:
@@ -35,6 +36,15 @@ def build_scheduler(args: EngineArgs, tokenizer: Any | None = None) -> Scheduler
         else:
             scheduler_cls = OverlapScheduler
     return scheduler_cls(args, runner, tree_cache, tokenizer)
+
+
+def make_tree_cache(runner: ModelRunner, args: EngineArgs) -> PrefixCache:
+    pools = (runner.req_to_token_pool, runner.allocator, args.page_size)
+    if args.disable_radix_cache:
+        return NoRadixCache(*pools)
+    if runner.swa_window is not None:
+        return SWARadixCache(*pools, runner.swa_window)
+    return RadixCache(*pools)
 
 
 class Engine:

@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention.base import create_attention_backend
+from engine.attention.base import AttentionBackend, create_attention_backend
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.cuda_graph_runner import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.host_tensors import int64_rows
 from engine.loader import load_model
-from engine.mem_cache.allocator import TokenToKVPoolAllocator
-from engine.mem_cache.kv_pool import KVPool
+from engine.mem_cache.kv_memory import plan_kv_memory
 from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
@@ -28,11 +27,6 @@ if TYPE_CHECKING:
     from engine.overlap.future_map import FutureMap
 
 logger = logging.getLogger(__name__)
-
-# Without --max-total-tokens on CPU, the KV pool gets this many bytes, and at most this many
-# tokens (a tiny model would otherwise get millions of slots it never uses).
-DEFAULT_CPU_KV_BYTES = 1 << 30
-DEFAULT_CPU_KV_TOKENS = 1 << 17
 
 
 @dataclass
@@ -69,37 +63,31 @@ class ModelRunner:
         torch.manual_seed(args.random_seed)
         self.model = None if host_only else load_model(model_config, self.dtype, self.device)
         self.page_size = args.page_size
-        self.max_total_tokens = self._kv_budget_tokens()
+        memory = plan_kv_memory(model_config, args, self.dtype, self.device)
+        self.max_total_tokens = memory.tokens
+        # hybrid sliding-window memory: the longest window (None without it)
+        self.swa_window = memory.swa_window
         mc = model_config
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 2, mc.context_len + 8, self.device
         )
         self.padding_req_row = _reserve_last_row(self.req_to_token_pool)
-        self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.page_size, self.device)
+        self.allocator = memory.make_allocator(self.page_size, self.device)
         self.graph_runner: CudaGraphRunner | None = None
         self.sampling_cache = SamplingInfoCache()
         if host_only:
             self.kv_pool = self.attn_backend = self.sampler = None
             self.use_cuda_graph = False
             return
-        self.kv_pool = KVPool(
-            self.max_total_tokens + self.page_size,
-            mc.num_layers,
-            mc.num_kv_heads,
-            mc.head_dim,
-            self.dtype,
-            self.device,
+        self.kv_pool = memory.make_pool(mc, self.dtype, self.device, self.page_size)
+        self.attn_backend = self._make_attention_backend(memory.swa_layers)
+        self.sampler = Sampler(seed=args.random_seed, device=self.device)
+        logger.info(
+            "KV pool: %d tokens%s, page size %d",
+            self.max_total_tokens,
+            f" (windowed layers: {memory.swa_tokens})" if self.swa_window else "",
             self.page_size,
         )
-        self.attn_backend = create_attention_backend(
-            self._attention_backend_name(),
-            device=self.device,
-            model_config=mc,
-            kv_pool=self.kv_pool,
-            page_size=self.page_size,
-        )
-        self.sampler = Sampler(seed=args.random_seed, device=self.device)
-        logger.info("KV pool: %d tokens, page size %d", self.max_total_tokens, self.page_size)
         # the seam for tests: how graphs are recorded (CPU tests replay them eagerly)
         self.graph_capturer_factory: Callable[[torch.device], GraphCapturer] = CudaGraphCapturer
         self.use_cuda_graph = args.use_cuda_graph and self.attn_backend.supports_cuda_graph
@@ -110,6 +98,23 @@ class ModelRunner:
             )
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
+
+    def _make_attention_backend(self, swa_layers: frozenset[int]) -> AttentionBackend:
+        def make() -> AttentionBackend:
+            return create_attention_backend(
+                self._attention_backend_name(),
+                device=self.device,
+                model_config=self.model_config,
+                kv_pool=self.kv_pool,
+                page_size=self.page_size,
+            )
+
+        if self.swa_window is None:
+            return make()
+        from engine.attention.hybrid_swa import HybridSWABackend
+
+        full = make() if len(swa_layers) < self.model_config.num_layers else None
+        return HybridSWABackend(full, make(), self.allocator)
 
     def _attention_backend_name(self) -> str:
         """`attention_backend` when given; by default flashinfer on CUDA where it can run this
@@ -133,22 +138,6 @@ class ModelRunner:
             return "flashinfer"
         logger.info("attention backend: triton (%s)", why)
         return "triton"
-
-    def _kv_budget_tokens(self) -> int:
-        mc = self.model_config
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
-        if self.args.max_total_tokens is not None:
-            tokens = self.args.max_total_tokens
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            usable = free - total * (1 - self.args.mem_fraction_static)
-            tokens = int(max(usable, 0) // per_token)
-        else:
-            tokens = min(DEFAULT_CPU_KV_BYTES // per_token, DEFAULT_CPU_KV_TOKENS)
-        tokens = tokens // self.page_size * self.page_size
-        if tokens < 2 * self.page_size:
-            raise ValueError(f"max_total_tokens: KV pool too small ({tokens} tokens)")
-        return tokens
 
     # -- batches --------------------------------------------------------------------------------
     def build_forward_batch(self, mwb: ModelWorkerBatch) -> ForwardBatch:

@@ -49,6 +49,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10)
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument(
+        "--hybrid-swa-memory",
+        action="store_true",
+        help="sliding-window layers keep K/V only for the tokens their window still reads, in "
+        "a smaller pool (models with windowed and, or only, full layers: Gemma 2/3, Mistral)",
+    )
+    g.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=0.8,
+        help="with --hybrid-swa-memory: the window pool's size, as a fraction of the full pool's",
+    )
     g.add_argument("--disable-overlap-schedule", action="store_true")
     g.add_argument(
         "--enable-mixed-chunk",

@@ -5,6 +5,9 @@ contiguous, so a slot index addresses one token's K (or V) for all heads. With
 `page_size` P, slots p*P .. p*P+P-1 form page p (flashinfer's NHD paged layout is a view
 [num_pages, P, H, D] of the same memory). Slot 0 (page 0) is never handed out: padded
 tokens write there harmlessly.
+
+With hybrid sliding-window memory (engine/mem_cache/swa_allocator.py) the layers in
+`swa_layers` have buffers of `swa_num_slots` slots, addressed by swa slots.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ class KVPool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         page_size: int = 1,
+        swa_layers: frozenset[int] = frozenset(),
+        swa_num_slots: int = 0,
     ) -> None:
         self.num_slots = num_slots
         self.page_size = page_size
@@ -29,9 +34,15 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        shape = (num_slots, num_kv_heads, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.swa_layers = swa_layers
+        self.swa_num_slots = swa_num_slots
+
+        def buffer(layer: int) -> torch.Tensor:
+            n = swa_num_slots if layer in swa_layers else num_slots
+            return torch.zeros((n, num_kv_heads, head_dim), dtype=dtype, device=device)
+
+        self.k_buffer = [buffer(i) for i in range(num_layers)]
+        self.v_buffer = [buffer(i) for i in range(num_layers)]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]

@@ -89,13 +89,20 @@ def engine_device_runner(args: EngineArgs) -> ModelRunner:
 
 # -- the device process ----------------------------------------------------------------------------
 def device_main(
-    conn: Any, make_runner: Callable[[], Any], rows: torch.Tensor, max_bs: int, threads: int
+    conn: Any,
+    make_runner: Callable[[], Any],
+    rows: torch.Tensor,
+    max_bs: int,
+    threads: int,
+    swa_map: torch.Tensor | None = None,
 ) -> None:
     torch.set_num_threads(threads)
     try:
         with torch.inference_mode():
             runner = make_runner()
             runner.req_to_token_pool.req_to_token = rows  # the scheduler's, shared
+            if swa_map is not None:  # hybrid sliding-window memory: the scheduler's slot map
+                runner.allocator.full_to_swa = swa_map
             device = Device(runner, max_bs)
     except BaseException:  # noqa: BLE001 - reported to the scheduler, which raises it
         conn.send_bytes(pickle.dumps(("error", -1, traceback.format_exc())))

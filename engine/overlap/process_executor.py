@@ -116,9 +116,13 @@ class ProcessExecutor(OverlapExecutor):
         self._conn, child = ctx.Pipe()
         threads = num_threads or torch.get_num_threads()
         rows = runner.req_to_token_pool.req_to_token.share_memory_()  # in place
+        # hybrid sliding-window memory: the slot map too (the attention backend reads it)
+        swa_map = getattr(runner.allocator, "full_to_swa", None)
+        if swa_map is not None:
+            swa_map.share_memory_()
         self._proc = ctx.Process(
             target=device_main,
-            args=(child, make_runner, rows, future_map.max_bs, threads),
+            args=(child, make_runner, rows, future_map.max_bs, threads, swa_map),
             name="sluice-device",
             daemon=True,
         )

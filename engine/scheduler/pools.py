@@ -14,8 +14,11 @@ from engine.scheduler.req import Req
 class MemoryPools:
     req_to_token_pool: Any  # engine.mem_cache.memory_pool.ReqToTokenPool
     allocator: Any  # engine.mem_cache.allocator.TokenToKVPoolAllocator
-    tree_cache: Any  # RadixCache or NoRadixCache
+    tree_cache: Any  # RadixCache, SWARadixCache or NoRadixCache
     page_size: int
+    # hybrid sliding-window memory (engine/mem_cache/swa_allocator.py): the longest window;
+    # None without it
+    sliding_window: int | None = None
 
     def alloc_kv(
         self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
@@ -27,13 +30,54 @@ class MemoryPools:
             pages = sum(
                 self.allocator.num_pages_needed(p, s) for p, s in zip(prefix_lens, seq_lens)
             )
-            self.tree_cache.evict(pages * self.page_size - self.allocator.available_size())
+            self.make_room(pages * self.page_size)
             out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
         if out is None:
             raise MemoryError(
                 "KV cache exhausted although the scheduler's budget admitted the batch"
             )
         return out
+
+    def make_room(self, tokens: int) -> bool:
+        """Evict unlocked cache until `tokens` can be allocated (in both pools, with hybrid
+        sliding-window memory); whether they can."""
+        a = self.allocator
+        if a.available_size() < tokens:
+            self.tree_cache.evict(tokens - a.available_size())
+        if self.sliding_window is None:
+            return a.available_size() >= tokens
+        if a.swa_available_size() < tokens:
+            self.tree_cache.evict_swa(tokens - a.swa_available_size())
+        return min(a.available_size(), a.swa_available_size()) >= tokens
+
+    def release_swa_window(self, reqs: list[Req], positions: list[int] | None) -> None:
+        """Free the sliding-window KV of each request's own tokens that no query will read
+        again, then (with `positions`, the first new position of each request in the batch
+        being prepared) remember where that batch starts.
+
+        The bound comes from the batch prepared before for the request (`swa_batch_start`):
+        the only one of its batches that may still be running on the device (the overlap
+        scheduler runs one batch ahead), and the one reading furthest back. Its first query
+        reads positions from start - W + 1 on; whole pages before that are freed. Tokens the
+        tree holds are left to the tree (`SWARadixCache.evict_swa`)."""
+        window = self.sliding_window
+        if window is None:
+            return
+        rows = self.req_to_token_pool.req_to_token
+        ps = self.page_size
+        parts = []
+        for i, r in enumerate(reqs):
+            if r.swa_batch_start is not None:
+                end = max(0, r.swa_batch_start - window + 1)
+                end -= end % ps
+                start = max(len(r.prefix_indices), r.swa_released)
+                if end > start:
+                    parts.append(rows[r.req_pool_idx, start:end])
+                    r.swa_released = end
+            if positions is not None:
+                r.swa_batch_start = positions[i]
+        if parts:
+            self.allocator.free_swa(torch.cat(parts))
 
     def release_req(self, req: Req) -> None:
         """Give back everything a request holds without caching it (retraction): its private

@@ -85,6 +85,11 @@ class Req:
         self.fill_ids: list[int] = []
         self.kv_allocated_len = 0
         self.extend_input_len = 0
+        # hybrid sliding-window memory (MemoryPools.release_swa_window): the first new
+        # position of the last batch prepared for the request, and where its own tokens'
+        # window KV has been freed up to
+        self.swa_batch_start: int | None = None
+        self.swa_released = 0
         # bookkeeping
         self.cached_tokens = 0
         self.is_retracted = False
@@ -150,6 +155,8 @@ class Req:
         self.kv_allocated_len = 0
         self.fill_ids = []
         self.extend_input_len = 0
+        self.swa_batch_start = None
+        self.swa_released = 0
         self.is_retracted = True
         self.num_retractions += 1
         # results of batches in flight for this request are dropped (see the overlap

@@ -94,6 +94,7 @@ class ScheduleBatch:
             n = len(r.prefix_indices)
             if n and r.kv_allocated_len < n:
                 req_to_token[r.req_pool_idx, :n] = r.prefix_indices.to(torch.int32)
+        p.release_swa_window(self.reqs, prefix_lens)
         last_locs = self._last_locs(prefix_lens)
         out = p.alloc_kv(prefix_lens, seq_lens, last_locs)
         offset = 0
@@ -142,12 +143,8 @@ class ScheduleBatch:
         return sum(page for r in self.reqs if r.kv_allocated_len % page == 0)
 
     def check_decode_mem(self) -> bool:
-        need = self.new_page_tokens_needed()
-        p = self.pools
-        if p.allocator.available_size() >= need:
-            return True
-        p.tree_cache.evict(need - p.allocator.available_size())
-        return p.allocator.available_size() >= need
+        self.pools.release_swa_window(self.reqs, None)
+        return self.pools.make_room(self.new_page_tokens_needed())
 
     def prepare_for_decode(self, input_ids: list[int] | None = None) -> None:
         """One new token per request: the last output token (or `input_ids` given by the
@@ -156,6 +153,7 @@ class ScheduleBatch:
         req_to_token = self.pools.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_allocated_len for r in self.reqs]
         seq_lens = [n + 1 for n in prefix_lens]
+        self.pools.release_swa_window(self.reqs, prefix_lens)
         last_locs = self._last_locs(prefix_lens)
         out = self.pools.alloc_kv(prefix_lens, seq_lens, last_locs)
         rows = int64_tensor([r.req_pool_idx for r in self.reqs])
@@ -200,7 +198,10 @@ class ScheduleBatch:
         retracted: list[Req] = []
         while len(order) > 1:
             need = len(order) * RETRACT_DECODE_STEPS
-            if p.allocator.available_size() + p.tree_cache.evictable_size() >= need:
+            if p.allocator.available_size() + p.tree_cache.evictable_size() >= need and (
+                p.sliding_window is None
+                or p.allocator.swa_available_size() + p.tree_cache.swa_evictable_size() >= need
+            ):
                 break
             req = self.reqs[order.pop()]
             self._give_back(req)
@@ -208,6 +209,7 @@ class ScheduleBatch:
         keep = sorted(order)
         self.reqs = [self.reqs[i] for i in keep]
         p.tree_cache.evict(len(self.reqs) * p.page_size)
+        p.make_room(len(self.reqs) * p.page_size)
         return retracted
 
     def retract(self, reqs: list[Req]) -> None:
@@ -243,6 +245,15 @@ class ScheduleBatch:
             * new_token_ratio
         )
 
+    def running_swa_need_tokens(self, new_token_ratio: float) -> float:
+        """With hybrid sliding-window memory: what the running requests may still take of the
+        window pool (each holds about a window of its own tokens at most)."""
+        cap = swa_request_cap(self.pools)
+        return sum(
+            min(min(r.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS) * new_token_ratio, cap)
+            for r in self.reqs
+        )
+
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         extend = self.forward_mode.is_extend()
         return ModelWorkerBatch(
@@ -264,6 +275,12 @@ class ScheduleBatch:
             prompt_ranks=any(r.sampling_params.return_prompt_ranks for r in self.reqs),
             **_prompt_logprob_fields(self._prompt_logprobs if extend else None),
         )
+
+
+def swa_request_cap(pools: Any) -> int:
+    """The window-pool tokens a decoding request holds at most: its window, plus the page in
+    progress and the page the freeing lags behind (one batch in flight)."""
+    return (pools.sliding_window or 0) + 2 * pools.page_size
 
 
 def _prompt_logprob_fields(plan: tuple | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from engine.mem_cache.no_cache import NoRadixCache
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
+from engine.scheduler.schedule_batch import swa_request_cap
 
 # lpm sorts by cached prefix length; with a long queue the matching costs more than it saves.
 LPM_FALLBACK_QUEUE_LEN = 128
@@ -174,6 +175,9 @@ class PrefillAdder:
         new input tokens plus its own clipped max_new_tokens.
     rem_input_tokens: max_prefill_tokens for the whole batch (one request may exceed it alone).
     rem_chunk_tokens: chunked_prefill_size; a request that does not fit is cut to a chunk.
+    rem_swa_tokens (hybrid sliding-window memory only): the same for the window pool, where
+        a request takes its new input tokens (freed by the next batch once out of the window)
+        plus at most a window of output (`swa_request_cap`); None without it.
     Both input budgets leave room for `mixed_decode_tokens`, the running requests' tokens
     that a mixed batch also carries.
     """
@@ -186,6 +190,7 @@ class PrefillAdder:
         chunked_prefill_size: int | None,
         max_new_reqs: int,
         mixed_decode_tokens: int = 0,
+        running_swa_need: float = 0.0,
     ) -> None:
         self.pools = pools
         self.page_size = pools.page_size
@@ -198,14 +203,29 @@ class PrefillAdder:
             None if chunked_prefill_size is None else chunked_prefill_size - mixed_decode_tokens
         )
         self.max_new_reqs = max_new_reqs
+        self.rem_swa_tokens: float | None = None
+        self.swa_cap = swa_request_cap(pools)
+        if pools.sliding_window is not None:
+            self.rem_swa_tokens = (
+                pools.allocator.swa_available_size() + tc.swa_evictable_size() - running_swa_need
+            )
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
 
     def _ceil_page(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
+    def _swa_need(self, input_len: int, max_new: int) -> int:
+        return self._ceil_page(input_len) + min(max_new, self.swa_cap)
+
+    def _no_swa_room(self, input_len: int, max_new: int) -> bool:
+        rem = self.rem_swa_tokens
+        return rem is not None and self._swa_need(input_len, max_new) >= rem
+
     def _take(self, input_len: int, max_new: int) -> None:
         self.rem_total_tokens -= self._ceil_page(input_len) + max_new
+        if self.rem_swa_tokens is not None:
+            self.rem_swa_tokens -= self._swa_need(input_len, max_new)
         self.rem_input_tokens -= input_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= input_len
@@ -213,9 +233,12 @@ class PrefillAdder:
     def _lock(self, req: Req) -> None:
         """Lock the request's cached prefix; what was evictable before is no longer free."""
         tc = self.pools.tree_cache
-        before = tc.evictable_size()
+        hybrid = self.rem_swa_tokens is not None
+        before, swa_before = tc.evictable_size(), tc.swa_evictable_size() if hybrid else 0
         tc.inc_lock_ref(req.last_node)
         self.rem_total_tokens -= before - tc.evictable_size()
+        if self.rem_swa_tokens is not None:
+            self.rem_swa_tokens -= swa_before - tc.swa_evictable_size()
 
     def add_chunked_req(self, req: Req) -> Req | None:
         """Continue a prompt cut in an earlier round; returns it if it is still unfinished."""
@@ -240,6 +263,8 @@ class PrefillAdder:
         if input_len > self.rem_input_tokens and self.can_run_list:
             return AddResult.OTHER
         chunk = self.rem_chunk_tokens
+        if self._no_swa_room(input_len if chunk is None else min(input_len, chunk), max_new):
+            return AddResult.NO_TOKEN
         if chunk is None or input_len <= chunk:
             self._lock(req)
             self.can_run_list.append(req)

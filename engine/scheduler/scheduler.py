@@ -55,7 +55,11 @@ class Scheduler(RequestIntake):
         self.context_len = model_runner.model_config.context_len
         self.eos_token_ids = tuple(model_runner.model_config.eos_token_ids)
         self.pools = MemoryPools(
-            model_runner.req_to_token_pool, model_runner.allocator, tree_cache, args.page_size
+            model_runner.req_to_token_pool,
+            model_runner.allocator,
+            tree_cache,
+            args.page_size,
+            getattr(model_runner, "swa_window", None),
         )
         self.tree_cache = tree_cache
         sign = (1 if args.schedule_low_priority_values_first else -1) * (
@@ -153,6 +157,7 @@ class Scheduler(RequestIntake):
                 self.pools.req_to_token_pool.available_size(),
             ),
             mixed_decode_tokens=running if self.args.enable_mixed_chunk else 0,
+            running_swa_need=self.running_batch.running_swa_need_tokens(self.new_token_ratio),
         )
         chunked_batch_req = None
         if self.chunked_req is not None:

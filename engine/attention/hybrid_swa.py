@@ -1,0 +1,76 @@
+"""`HybridSWABackend`: attention over hybrid sliding-window memory.
+
+The windowed layers' K/V live in buffers addressed by swa slots (engine/mem_cache/
+swa_allocator.py), the others' by full slots. This backend holds two backends of the same
+kind: `full` is planned over the batch as it comes, `swa` over a view of it whose slots are
+translated through `full_to_swa` (the new tokens' slots, and the rows of the batch's
+requests, cut to the longest sequence). Each layer goes to the one that holds its K/V.
+
+Positions whose swa KV is freed translate to slot 0, the padding slot: only keys outside
+every query's window are freed, and every backend masks those (or does not read them).
+The translation reads the allocator's map when the batch is planned, on the device side:
+the scheduler changes it meanwhile only for slots the batch does not read in its window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionLayer
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+
+
+def swa_view(fb: ForwardBatch, full_to_swa: torch.Tensor) -> ForwardBatch:
+    """`fb` with swa slots: its new tokens' slots and its requests' rows translated."""
+    width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 1
+    rows = fb.req_to_token[:, :width].index_select(0, fb.req_pool_indices).to(torch.int64)
+    swa_rows = full_to_swa.index_select(0, rows.flatten()).view(rows.shape).to(torch.int32)
+    return dataclasses.replace(
+        fb,
+        out_cache_loc=full_to_swa.index_select(0, fb.out_cache_loc),
+        req_to_token=swa_rows,
+        req_pool_indices=torch.arange(fb.batch_size, device=fb.req_pool_indices.device),
+    )
+
+
+class HybridSWABackend(AttentionBackend):
+    supports_cuda_graph = False  # the translation is not captured (yet)
+
+    def __init__(
+        self, full: AttentionBackend | None, swa: AttentionBackend, allocator: object
+    ) -> None:
+        """`full` is None when every layer is windowed; `allocator` is read for its
+        `full_to_swa` at each batch (the device process swaps in the scheduler's map)."""
+        self.full = full
+        self.swa = swa
+        self.allocator = allocator
+        self._swa_batch: ForwardBatch | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if self.full is not None:
+            self.full.init_forward_metadata(forward_batch)
+        self._swa_batch = swa_view(forward_batch, self.allocator.full_to_swa)
+        self.swa.init_forward_metadata(self._swa_batch)
+        self.metadata = self._swa_batch
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        if getattr(layer, "sliding_window", None) is None:
+            assert self.full is not None, "a full-attention layer in an all-windowed model"
+            return self.full.forward(q, k, v, layer, forward_batch)
+        assert self._swa_batch is not None, "init_forward_metadata was not called"
+        return self.swa.forward(q, k, v, layer, self._swa_batch)
+
+    def _attend(self, *args: object) -> torch.Tensor:  # pragma: no cover - forward routes
+        raise NotImplementedError

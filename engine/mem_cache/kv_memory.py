@@ -1,0 +1,91 @@
+"""How much KV memory a model runner gets, and in which pools.
+
+Without `hybrid_swa_memory` (or for a model without sliding windows) every layer's buffers
+have one slot per token of the budget. With it, the windowed layers' buffers are
+`swa_full_tokens_ratio` as long, and the budget is split so that both fit: full tokens x
+(bytes of the full layers + ratio x bytes of the windowed layers) = the bytes available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineArgs, ModelConfig
+from engine.mem_cache.allocator import TokenToKVPoolAllocator
+from engine.mem_cache.kv_pool import KVPool
+from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+
+# Without --max-total-tokens on CPU, the KV pool gets this many bytes, and at most this many
+# tokens (a tiny model would otherwise get millions of slots it never uses).
+DEFAULT_CPU_KV_BYTES = 1 << 30
+DEFAULT_CPU_KV_TOKENS = 1 << 17
+
+
+@dataclass
+class KVMemory:
+    tokens: int  # full slots
+    swa_tokens: int  # window slots (0 without hybrid memory)
+    swa_window: int | None  # the longest window, with hybrid memory
+    swa_layers: frozenset[int]
+
+    def make_allocator(self, page_size: int, device: torch.device) -> TokenToKVPoolAllocator:
+        if self.swa_window is None:
+            return TokenToKVPoolAllocator(self.tokens, page_size, device)
+        return SWATokenToKVPoolAllocator(self.tokens, self.swa_tokens, page_size, device)
+
+    def make_pool(
+        self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, page_size: int
+    ) -> KVPool:
+        return KVPool(
+            self.tokens + page_size,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            dtype,
+            device,
+            page_size,
+            swa_layers=self.swa_layers,
+            swa_num_slots=self.swa_tokens + page_size,
+        )
+
+
+def plan_kv_memory(
+    mc: ModelConfig, args: EngineArgs, dtype: torch.dtype, device: torch.device
+) -> KVMemory:
+    windows = mc.sliding_windows or (None,) * mc.num_layers
+    swa_layers = frozenset(i for i, w in enumerate(windows) if w is not None)
+    hybrid = args.hybrid_swa_memory and bool(swa_layers)
+    ratio = args.swa_full_tokens_ratio if hybrid else 0.0
+    num_swa = len(swa_layers) if hybrid else 0
+    per_token = KVPool.bytes_per_token(mc.num_layers - num_swa, mc.num_kv_heads, mc.head_dim, dtype)
+    per_token += ratio * KVPool.bytes_per_token(num_swa, mc.num_kv_heads, mc.head_dim, dtype)
+    ps = args.page_size
+    if args.max_total_tokens is not None:
+        tokens = args.max_total_tokens
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        usable = free - total * (1 - args.mem_fraction_static)
+        tokens = int(max(usable, 0) // per_token)
+    else:
+        tokens = min(int(DEFAULT_CPU_KV_BYTES // per_token), DEFAULT_CPU_KV_TOKENS)
+    tokens = tokens // ps * ps
+    if tokens < 2 * ps:
+        raise ValueError(f"max_total_tokens: KV pool too small ({tokens} tokens)")
+    if not hybrid:
+        return KVMemory(tokens, 0, None, frozenset())
+    window = max(mc.sliding_window_sizes)
+    swa_tokens = int(tokens * ratio) // ps * ps
+    chunk = args.chunked_prefill_size
+    chunk = mc.context_len if chunk is None or chunk < 0 else min(chunk, mc.context_len)
+    # one prefill chunk, plus a request's window of output and a locked prefix's window
+    need = chunk + 2 * (window + 2 * ps)
+    if swa_tokens < need:
+        raise ValueError(
+            f"hybrid_swa_memory: the window pool ({swa_tokens} tokens = "
+            f"swa_full_tokens_ratio {ratio} x {tokens}) cannot hold a prefill chunk of {chunk} "
+            f"tokens plus two windows of {window} (needs {need}); raise swa_full_tokens_ratio "
+            "or the KV budget, or lower chunked_prefill_size"
+        )
+    return KVMemory(tokens, swa_tokens, window, swa_layers)
