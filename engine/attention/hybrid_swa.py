@@ -10,6 +10,10 @@ Positions whose swa KV is freed translate to slot 0, the padding slot: only keys
 every query's window are freed, and every backend masks those (or does not read them).
 The translation reads the allocator's map when the batch is planned, on the device side:
 the scheduler changes it meanwhile only for slots the batch does not read in its window.
+
+CUDA graphs (when the inner backend can be captured): the swa view of a captured batch lives
+in static buffers (`init_cuda_graph_state`), translated in place before each replay, after
+the graph runner has filled its own static buffers; the graph reads only those.
 """
 
 from __future__ import annotations
@@ -39,8 +43,6 @@ def swa_view(fb: ForwardBatch, full_to_swa: torch.Tensor) -> ForwardBatch:
 
 
 class HybridSWABackend(AttentionBackend):
-    supports_cuda_graph = False  # the translation is not captured (yet)
-
     def __init__(
         self, full: AttentionBackend | None, swa: AttentionBackend, allocator: object
     ) -> None:
@@ -50,6 +52,9 @@ class HybridSWABackend(AttentionBackend):
         self.swa = swa
         self.allocator = allocator
         self._swa_batch: ForwardBatch | None = None
+        self.supports_cuda_graph = swa.supports_cuda_graph
+        self.cuda_graph_seq_len_fill_value = swa.cuda_graph_seq_len_fill_value
+        self._graph_rows = self._graph_loc = self._graph_rids = torch.empty(0)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if self.full is not None:
@@ -57,6 +62,44 @@ class HybridSWABackend(AttentionBackend):
         self._swa_batch = swa_view(forward_batch, self.allocator.full_to_swa)
         self.swa.init_forward_metadata(self._swa_batch)
         self.metadata = self._swa_batch
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        if self.full is not None:
+            self.full.init_cuda_graph_state(max_bs, max_context_len)
+        self.swa.init_cuda_graph_state(max_bs, max_context_len)
+        dev = self.allocator.full_to_swa.device
+        self._graph_rows = torch.zeros((max_bs, max_context_len), dtype=torch.int32, device=dev)
+        self._graph_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self._graph_rids = torch.arange(max_bs, dtype=torch.int64, device=dev)
+
+    def _static_swa_view(self, fb: ForwardBatch) -> ForwardBatch:
+        """`fb` (the graph runner's static batch) translated into this backend's buffers."""
+        bs = fb.batch_size
+        full_to_swa = self.allocator.full_to_swa
+        torch.index_select(full_to_swa, 0, fb.out_cache_loc, out=self._graph_loc[:bs])
+        width = max(fb.seq_lens_cpu)
+        rows = fb.req_to_token[:, :width].index_select(0, fb.req_pool_indices).to(torch.int64)
+        self._graph_rows[:bs, :width] = full_to_swa.index_select(0, rows.flatten()).view(
+            rows.shape
+        )
+        self._swa_batch = dataclasses.replace(
+            fb,
+            out_cache_loc=self._graph_loc[:bs],
+            req_to_token=self._graph_rows,
+            req_pool_indices=self._graph_rids[:bs],
+        )
+        return self._swa_batch
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        if self.full is not None:
+            self.full.init_forward_metadata_capture_cuda_graph(forward_batch)
+        self.swa.init_forward_metadata_capture_cuda_graph(self._static_swa_view(forward_batch))
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
+        if self.full is not None:
+            self.full.init_forward_metadata_replay_cuda_graph(forward_batch)
+        self.swa.init_forward_metadata_replay_cuda_graph(self._static_swa_view(forward_batch))
 
     def forward(
         self,

@@ -334,34 +334,48 @@ def test_eager_forward_resolves_placeholders(runner):
     assert runner.graph_runner is None
 
 
+def _generate(path: str, graphs: bool, **kw: object) -> tuple[list[list[int]], int]:
+    from engine.engine import Engine
+
+    engine = Engine(
+        model_path=path,
+        device=DEVICE,
+        attention_backend="triton",
+        max_total_tokens=1024,
+        disable_overlap_schedule=True,
+        skip_tokenizer_init=True,
+        cuda_graph_bs=(1, 2, 4),
+        disable_cuda_graph=True,  # on a GPU too: the runner must not capture real graphs
+        **kw,
+    )
+    runner = engine.scheduler.model_runner
+    runner.use_cuda_graph = graphs
+    runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+    prompts = [list(range(20, 41)), [7, 8, 9], list(range(100, 160)), [11] * 5, [300]]
+    # the decode batch shrinks from 5 rows (eager: above 4) to 1 as requests finish
+    sp = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in range(2, 7)]
+    outs = engine.generate(input_ids=prompts, sampling_params=sp)
+    replays = _num_replays(runner) if graphs else 0
+    engine.shutdown()
+    return [o["output_ids"] for o in outs], replays
+
+
 def test_engine_tokens_with_graphs_equal_without():
     """Greedy generation through the plain loop: decode steps replayed (eager double) give
     the tokens of the eager run."""
-    from engine.engine import Engine
+    got, replays = _generate(tiny_model("llama"), True)
+    want, _ = _generate(tiny_model("llama"), False)
+    assert got == want
+    assert replays > 0
 
-    def generate(graphs: bool) -> tuple[list[list[int]], int]:
-        engine = Engine(
-            model_path=tiny_model("llama"),
-            device=DEVICE,
-            attention_backend="triton",
-            max_total_tokens=1024,
-            disable_overlap_schedule=True,
-            skip_tokenizer_init=True,
-            cuda_graph_bs=(1, 2, 4),
-            disable_cuda_graph=True,  # on a GPU too: the runner must not capture real graphs
-        )
-        runner = engine.scheduler.model_runner
-        runner.use_cuda_graph = graphs
-        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
-        prompts = [list(range(20, 41)), [7, 8, 9], list(range(100, 160)), [11] * 5, [300]]
-        # the decode batch shrinks from 5 rows (eager: above 4) to 1 as requests finish
-        sp = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True} for n in range(2, 7)]
-        outs = engine.generate(input_ids=prompts, sampling_params=sp)
-        replays = _num_replays(runner) if graphs else 0
-        engine.shutdown()
-        return [o["output_ids"] for o in outs], replays
 
-    got, replays = generate(True)
-    want, _ = generate(False)
+def test_hybrid_window_memory_replays_over_translated_slots():
+    """With hybrid sliding-window memory the windowed layers' slots are translated into the
+    backend's static buffers before each replay: the tokens of the eager run without it
+    (a 32-key window, prompts up to 60 tokens: window KV is freed as they decode)."""
+    path = tiny_model("gemma3_text")
+    kw = dict(chunked_prefill_size=128, swa_full_tokens_ratio=0.5)
+    got, replays = _generate(path, True, hybrid_swa_memory=True, **kw)
+    want, _ = _generate(path, False, **kw)
     assert got == want
     assert replays > 0
