@@ -130,6 +130,8 @@ def build_config(
         raise ValueError(f"{arch} has no experts; the expert sizes are for {MOE_ARCHS}")
     if shape.sliding_window is not None and arch in ("llama", "gpt2"):
         raise ValueError(f"{arch} has no sliding window attention")
+    # an explicit config field (e.g. Gemma's `layer_types`) wins over the arch's default
+    arch_fields = {k: v for k, v in arch_fields.items() if k not in fields}
     return AutoConfig.for_model(arch, **arch_fields, **fields)
 
 
