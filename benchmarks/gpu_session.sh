@@ -13,7 +13,8 @@
 #   seed-shape | decode-bs1 | overlap    one benchmark of benchmarks/gpu_bench.py, --profile
 #   tests-fi    tests/gpu/test_flashinfer_gpu.py on 4 pytest-xdist workers (flashinfer
 #               compiles its fp16/bf16 x head_dim 64/128 variants)
-#   tests-kernels  tests/gpu/test_kernels_gpu.py and test_cuda_graph_gpu.py
+#   tests-kernels  tests/gpu/test_kernels_gpu.py, test_cuda_graph_gpu.py and
+#               test_hybrid_swa_gpu.py (hybrid window memory == plain, graphs on and off)
 #   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
 #               waits for a busy forward stream) and the GPU cases of
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
@@ -160,8 +161,8 @@ do_step() {
                 tests/gpu/test_flashinfer_gpu.py
             pack_aot ;;
         tests-kernels)
-            run_step tests-kernels 180 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
-                tests/gpu/test_cuda_graph_gpu.py ;;
+            run_step tests-kernels 240 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
+                tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
