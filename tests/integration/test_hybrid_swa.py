@@ -94,3 +94,18 @@ def test_models_without_windows_ignore_the_flag() -> None:
         assert not hasattr(engine.scheduler.pools.allocator, "swa_size")
     finally:
         engine.shutdown()
+
+
+def test_cli_flags() -> None:
+    import argparse
+
+    from services.engine_args import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    flags = ["--model", "m", "--hybrid-swa-memory", "--swa-full-tokens-ratio", "0.3"]
+    args = engine_args_from(parser.parse_args(flags))
+    assert args.hybrid_swa_memory and args.swa_full_tokens_ratio == 0.3
+    assert not engine_args_from(parser.parse_args(["--model", "m"])).hybrid_swa_memory
+    with pytest.raises(ValueError, match="swa_full_tokens_ratio"):
+        engine_args_from(parser.parse_args(["--model", "m", "--swa-full-tokens-ratio", "0"]))
