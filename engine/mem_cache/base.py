@@ -117,6 +117,14 @@ class PrefixCache(ABC):
     def total_size(self) -> int:
         return self.evictable_size() + self.protected_size()
 
+    def unlock_req(self, req: CacheReq) -> None:
+        """Drop the request's lock on its cached prefix (retraction)."""
+        self.dec_lock_ref(req.last_node)
+
+    def release_prefix_window(self, req: CacheReq) -> None:
+        """Hybrid window memory only: the request no longer reads its prefix's window KV."""
+        return None
+
     @abstractmethod
     def cache_unfinished_req(self, req: CacheReq) -> None:
         """After a prefill chunk: share the computed page-aligned prefix of `fill_ids`."""

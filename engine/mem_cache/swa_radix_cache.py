@@ -16,7 +16,10 @@ Locks: `inc_lock_ref(node)` locks the path's full KV as `RadixCache` does, and t
 the path's last tokens from `swa_lock_start(depth)` on (the window of the request's first
 new token), splitting a node there so that this depth is a node boundary. Unlocking finds the
 same nodes again: splits only subdivide, and nothing above the boundary is ever locked.
-`swa_evictable_size` counts the swa tokens of nodes without swa locks.
+`swa_evictable_size` counts the swa tokens of nodes without swa locks. Once a request's
+queries have moved a window past its cached prefix, the scheduler drops that window lock
+early (`release_prefix_window`); it is taken again, for the bookkeeping, just before the
+request's lock moves or goes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import heapq
 
 import torch
 
-from engine.mem_cache.base import TreeNode
+from engine.mem_cache.base import CacheReq, TreeNode
 from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.mem_cache.radix_cache import RadixCache
 from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
@@ -130,21 +133,53 @@ class SWARadixCache(RadixCache):
             end = start
         return out
 
-    def inc_lock_ref(self, node: TreeNode | None) -> None:
-        super().inc_lock_ref(node)
+    def _lock_window(self, node: TreeNode | None) -> None:
         for n in self._window_nodes(node, split=True):
             if n.swa_lock_ref == 0:
                 self._swa_evictable -= n.swa_live
             n.swa_lock_ref += 1
 
-    def dec_lock_ref(self, node: TreeNode | None) -> None:
-        super().dec_lock_ref(node)
+    def _unlock_window(self, node: TreeNode | None) -> None:
         for n in self._window_nodes(node, split=False):
             if n.swa_lock_ref <= 0:
                 raise RuntimeError(f"dec_lock_ref: {n} has no swa lock")
             n.swa_lock_ref -= 1
             if n.swa_lock_ref == 0:
                 self._swa_evictable += n.swa_live
+
+    def inc_lock_ref(self, node: TreeNode | None) -> None:
+        super().inc_lock_ref(node)
+        self._lock_window(node)
+
+    def dec_lock_ref(self, node: TreeNode | None) -> None:
+        super().dec_lock_ref(node)
+        self._unlock_window(node)
+
+    # -- requests -------------------------------------------------------------------------------
+    def release_prefix_window(self, req: CacheReq) -> None:
+        """The request's queries no longer read its cached prefix: drop the window lock on
+        the prefix's last tokens (its full lock stays until it finishes)."""
+        if not getattr(req, "swa_prefix_released", False):
+            self._unlock_window(req.last_node)
+            req.swa_prefix_released = True
+
+    def _retake_window(self, req: CacheReq) -> None:
+        """Undo `release_prefix_window` before the request's lock is moved or dropped."""
+        if getattr(req, "swa_prefix_released", False):
+            self._lock_window(req.last_node)
+            req.swa_prefix_released = False
+
+    def cache_unfinished_req(self, req: CacheReq) -> None:
+        self._retake_window(req)
+        super().cache_unfinished_req(req)
+
+    def cache_finished_req(self, req: CacheReq, insert: bool = True) -> None:
+        self._retake_window(req)
+        super().cache_finished_req(req, insert)
+
+    def unlock_req(self, req: CacheReq) -> None:
+        self._retake_window(req)
+        super().unlock_req(req)
 
     # -- eviction -------------------------------------------------------------------------------
     def swa_evictable_size(self) -> int:

@@ -59,7 +59,8 @@ class MemoryPools:
         the only one of its batches that may still be running on the device (the overlap
         scheduler runs one batch ahead), and the one reading furthest back. Its first query
         reads positions from start - W + 1 on; whole pages before that are freed. Tokens the
-        tree holds are left to the tree (`SWARadixCache.evict_swa`)."""
+        tree holds are left to the tree (`SWARadixCache.evict_swa`); once they are all before
+        that position, the request's window lock on them goes."""
         window = self.sliding_window
         if window is None:
             return
@@ -69,6 +70,8 @@ class MemoryPools:
         for i, r in enumerate(reqs):
             if r.swa_batch_start is not None:
                 end = max(0, r.swa_batch_start - window + 1)
+                if end >= len(r.prefix_indices) > 0:
+                    self.tree_cache.release_prefix_window(r)
                 end -= end % ps
                 start = max(len(r.prefix_indices), r.swa_released)
                 if end > start:
@@ -88,7 +91,7 @@ class MemoryPools:
             slots = self.req_to_token_pool.req_to_token[row, shared : req.kv_allocated_len]
             self.allocator.free(slots.to(torch.int64))
         if req.last_node is not None:
-            self.tree_cache.dec_lock_ref(req.last_node)
+            self.tree_cache.unlock_req(req)
         self.req_to_token_pool.free(row)
 
     def token_usage(self) -> float:

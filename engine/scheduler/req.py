@@ -90,6 +90,7 @@ class Req:
         # window KV has been freed up to
         self.swa_batch_start: int | None = None
         self.swa_released = 0
+        self.swa_prefix_released = False  # its window lock on the cached prefix is dropped
         # bookkeeping
         self.cached_tokens = 0
         self.is_retracted = False
@@ -157,6 +158,7 @@ class Req:
         self.extend_input_len = 0
         self.swa_batch_start = None
         self.swa_released = 0
+        self.swa_prefix_released = False
         self.is_retracted = True
         self.num_retractions += 1
         # results of batches in flight for this request are dropped (see the overlap

@@ -1,7 +1,8 @@
 """SWARadixCache: matches cut to a live window, window locks across splits, tombstones and
 revivals; then a stateful property test in which requests run, free the window KV they no
-longer read, and the cache tombstones and evicts, checking after every step that no running
-request has lost a key its next query reads."""
+longer read (their own tokens', and their lock on the prefix's), and the cache tombstones and
+evicts, checking after every step that no running request has lost a key its next query
+reads."""
 
 from __future__ import annotations
 
@@ -135,6 +136,8 @@ class SWACacheMachine(RuleBasedStateMachine):
         """What the scheduler frees of a request's own tokens (no batch in flight here)."""
         ps = self.PAGE_SIZE
         end = max(0, req.kv_allocated_len - self.WINDOW + 1)
+        if end >= len(req.prefix_indices) > 0:  # its window has left the cached prefix
+            self.cache.release_prefix_window(req)
         end -= end % ps
         start = max(len(req.prefix_indices), self.released[req.req_pool_idx])
         if end > start:
@@ -226,3 +229,22 @@ class SWAPage2(SWACacheMachine):
 
 TestSWAPage1 = SWAPage1.TestCase
 TestSWAPage2 = SWAPage2.TestCase
+
+
+def test_a_released_prefix_window_becomes_evictable_and_is_taken_back_to_unlock() -> None:
+    pool, alloc, cache = make(1, window=4)
+    key = list(range(10, 22))
+    insert_new(cache, key)
+    slots, node = cache.match_prefix(key)
+    cache.inc_lock_ref(node)
+    req = FakeReq(pool.alloc(1)[0], key + [1, 2, 3, 4])
+    pool.req_to_token[req.req_pool_idx, :12] = slots.to(torch.int32)
+    req.prefix_indices, req.last_node, req.fill_ids, req.kv_allocated_len = slots, node, key, 12
+    assert cache.swa_evictable_size() == 9  # positions 9..11 locked
+    cache.release_prefix_window(req)
+    cache.release_prefix_window(req)  # once only
+    assert cache.swa_evictable_size() == 12 and cache.protected_size() == 12
+    cache.check_integrity()
+    cache.cache_finished_req(req)
+    assert cache.swa_evictable_size() == 12 and cache.protected_size() == 0
+    cache.check_integrity()
