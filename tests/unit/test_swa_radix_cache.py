@@ -7,7 +7,6 @@ reads."""
 from __future__ import annotations
 
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -15,7 +14,7 @@ from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 from engine.mem_cache.swa_radix_cache import SWARadixCache
 from tests.unit.cache_reference import ReferenceCache
-from tests.unit.test_radix_cache import FakeReq, token_ids
+from tests.unit.test_radix_cache import _SETTINGS, FakeReq, token_ids
 
 
 def make(ps: int, window: int, num_pages: int = 64, swa_pages: int = 64, rows: int = 4):
@@ -204,14 +203,6 @@ class SWACacheMachine(RuleBasedStateMachine):
         self.cache.check_integrity()
         assert self.alloc.available_size() == self.alloc.size
         assert self.alloc.swa_available_size() == self.alloc.swa_size
-
-
-_SETTINGS = settings(
-    max_examples=60,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
 
 
 @_SETTINGS
