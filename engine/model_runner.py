@@ -100,9 +100,11 @@ class ModelRunner:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
 
     def _make_attention_backend(self, swa_layers: frozenset[int]) -> AttentionBackend:
+        name = self._attention_backend_name()
+
         def make() -> AttentionBackend:
             return create_attention_backend(
-                self._attention_backend_name(),
+                name,
                 device=self.device,
                 model_config=self.model_config,
                 kv_pool=self.kv_pool,

@@ -29,15 +29,20 @@ if TYPE_CHECKING:
     from engine.forward_batch import ForwardBatch
 
 
-def swa_view(fb: ForwardBatch, full_to_swa: torch.Tensor) -> ForwardBatch:
-    """`fb` with swa slots: its new tokens' slots and its requests' rows translated."""
+def swa_rows(fb: ForwardBatch, full_to_swa: torch.Tensor) -> torch.Tensor:
+    """The batch's requests' rows (row i: request i's), cut to the longest sequence, in swa
+    slots (int64)."""
     width = max(fb.seq_lens_cpu) if fb.seq_lens_cpu else 1
     rows = fb.req_to_token[:, :width].index_select(0, fb.req_pool_indices).to(torch.int64)
-    swa_rows = full_to_swa.index_select(0, rows.flatten()).view(rows.shape).to(torch.int32)
+    return full_to_swa.index_select(0, rows.flatten()).view(rows.shape)
+
+
+def swa_view(fb: ForwardBatch, full_to_swa: torch.Tensor) -> ForwardBatch:
+    """`fb` with swa slots: its new tokens' slots and its requests' rows translated."""
     return dataclasses.replace(
         fb,
         out_cache_loc=full_to_swa.index_select(0, fb.out_cache_loc),
-        req_to_token=swa_rows,
+        req_to_token=swa_rows(fb, full_to_swa).to(torch.int32),
         req_pool_indices=torch.arange(fb.batch_size, device=fb.req_pool_indices.device),
     )
 
@@ -61,7 +66,6 @@ class HybridSWABackend(AttentionBackend):
             self.full.init_forward_metadata(forward_batch)
         self._swa_batch = swa_view(forward_batch, self.allocator.full_to_swa)
         self.swa.init_forward_metadata(self._swa_batch)
-        self.metadata = self._swa_batch
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
@@ -78,11 +82,8 @@ class HybridSWABackend(AttentionBackend):
         bs = fb.batch_size
         full_to_swa = self.allocator.full_to_swa
         torch.index_select(full_to_swa, 0, fb.out_cache_loc, out=self._graph_loc[:bs])
-        width = max(fb.seq_lens_cpu)
-        rows = fb.req_to_token[:, :width].index_select(0, fb.req_pool_indices).to(torch.int64)
-        self._graph_rows[:bs, :width] = full_to_swa.index_select(0, rows.flatten()).view(
-            rows.shape
-        )
+        rows = swa_rows(fb, full_to_swa)
+        self._graph_rows[:bs, : rows.shape[1]] = rows
         self._swa_batch = dataclasses.replace(
             fb,
             out_cache_loc=self._graph_loc[:bs],
