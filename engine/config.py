@@ -197,6 +197,11 @@ class EngineArgs:
     # Threads compiling structured-output grammars beside the scheduler (0: on its thread,
     # pausing every running request while one compiles; engine/scheduler/grammar_queue.py).
     grammar_compile_threads: int = 2
+    # LoRA adapters (SGLang's --lora-paths: NAME=PATH or PATH, PEFT folders), the adapters one
+    # batch may use (device slots) and the rank they are padded to (default: their largest).
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -222,6 +227,9 @@ class EngineArgs:
             raise ValueError("grammar_compile_threads must be >= 0")
         if self.max_running_requests < 1:
             raise ValueError("max_running_requests must be >= 1")
+        if self.max_loras_per_batch < 1 or (self.max_lora_rank or 1) < 1:
+            raise ValueError("max_loras_per_batch and max_lora_rank must be >= 1")
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:

@@ -69,20 +69,26 @@ class Engine:
         return_logprob: bool | None = None,
         top_logprobs_num: int | None = None,
         logprob_start_len: int | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
 
         With `return_logprob`, `meta_info` has SGLang's `output_token_logprobs` ([logprob,
         token id] per output token) and, with `top_logprobs_num`, `output_top_logprobs`;
         `logprob_start_len` >= 0 adds the prompt's from that position (`input_token_logprobs`,
-        `input_top_logprobs`; position 0 has none). `max_new_tokens` 0 runs the prompt only."""
+        `input_top_logprobs`; position 0 has none). `max_new_tokens` 0 runs the prompt only.
+        `lora_path` (SGLang's name): the LoRA adapter of `lora_paths` to run with, by name,
+        one for all prompts or one each (None: the base model)."""
         single, prompts_ids = self._input_ids(prompt, input_ids)
         logprob_args = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                         "logprob_start_len": logprob_start_len}  # fmt: skip
         params = self._params(sampling_params, len(prompts_ids), logprob_args)
         rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
-        for rid, ids, p in zip(rids, prompts_ids, params):
-            self.scheduler.add_request(rid, ids, p)
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts_ids)
+        if len(loras) != len(prompts_ids):
+            raise ValueError(f"lora_path: {len(loras)} given for {len(prompts_ids)} prompts")
+        for rid, ids, p, lora in zip(rids, prompts_ids, params, loras):
+            self.scheduler.add_request(rid, ids, p, lora_name=lora)
         finished: dict[str, Req] = {}
         for event in self._run_until(set(rids)):
             if event.finished_reason is not None:

@@ -64,6 +64,8 @@ class ForwardBatch:
     return_all_logits: bool = False
     # EXTEND: packed token indices whose logits follow the last tokens' (prompt logprobs)
     prompt_logprob_rows: torch.Tensor | None = None
+    # per request, its LoRA adapter's id (0: the base model); None: no adapter in the batch
+    lora_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -57,6 +57,14 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of a single-file or sharded checkpoint."""
     from safetensors import safe_open
 
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def safetensors_files(path: str) -> list[str]:
+    """The checkpoint files of a model folder (one file, or the shards of its index)."""
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -66,10 +74,7 @@ def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files (other formats are not supported)")
-    for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    return files
 
 
 def load_named_weights(

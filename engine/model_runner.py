@@ -62,6 +62,7 @@ class ModelRunner:
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
         self.model = None if host_only else load_model(model_config, self.dtype, self.device)
+        self.lora = None if host_only else make_lora_manager(self.model, args, self.dtype)
         self.page_size = args.page_size
         memory = plan_kv_memory(model_config, args, self.dtype, self.device)
         self.max_total_tokens = memory.tokens
@@ -96,6 +97,9 @@ class ModelRunner:
                 "CUDA graphs off: the %s backend cannot be captured",
                 type(self.attn_backend).__name__,
             )
+        if self.use_cuda_graph and self.lora is not None:
+            self.use_cuda_graph = False
+            logger.info("CUDA graphs off: LoRA adapters are applied eagerly")
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
 
@@ -180,6 +184,7 @@ class ModelRunner:
             prompt_logprob_rows=None
             if mwb.prompt_logprob_rows is None
             else torch.tensor(mwb.prompt_logprob_rows, dtype=torch.int64).to(dev),
+            lora_ids=mwb.lora_ids,
         )
 
     @torch.inference_mode()
@@ -196,6 +201,8 @@ class ModelRunner:
             return graphs.replay(forward_batch)
         if future_map is not None:
             future_map.resolve_future(forward_batch.input_ids)
+        if self.lora is not None:
+            self.lora.prepare(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
@@ -250,6 +257,20 @@ class ModelRunner:
     def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
         logits = self.forward(self.build_forward_batch(mwb))
         return self.sample(logits, mwb)
+
+
+def make_lora_manager(model, args: EngineArgs, dtype: torch.dtype):
+    """The LoRA manager of `args.lora_paths` over `model` (None without adapters)."""
+    if not args.lora_paths:
+        return None
+    from engine.lora import lora_rank, read_adapter_specs
+    from engine.lora.manager import LoRAManager
+
+    specs = read_adapter_specs(args.lora_paths)
+    device = next(model.parameters()).device
+    return LoRAManager(
+        model, specs, args.max_loras_per_batch, lora_rank(args, specs), dtype, device
+    )
 
 
 def _reserve_last_row(pool: ReqToTokenPool) -> int:

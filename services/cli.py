@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     # by this flag's default.
     parser.add_argument("--log-level", default=argparse.SUPPRESS, help="default: warning")
     sub = parser.add_subparsers(dest="command", required=True)
-    from services import tiny_model
+    from services import tiny_lora, tiny_model
 
     tiny_model.add_parser(sub)
+    tiny_lora.add_parser(sub)
     _add_generate(sub)
     from services import router
 

@@ -59,6 +59,15 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
+def namespaced(key: list[int], namespace: int) -> list[int]:
+    """The cache key of token ids in a namespace (a LoRA adapter's id; 0: the base model):
+    each id with the namespace in its high bits, so no two namespaces share a prefix."""
+    if not namespace:
+        return key
+    high = namespace << 32
+    return [high | t for t in key]
+
+
 class CacheReq(Protocol):
     """The fields of the scheduler's request that the cache reads and writes.
 

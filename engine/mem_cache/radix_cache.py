@@ -20,7 +20,7 @@ import heapq
 import torch
 
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
-from engine.mem_cache.base import CacheReq, PrefixCache, TreeNode
+from engine.mem_cache.base import CacheReq, PrefixCache, TreeNode, namespaced
 from engine.mem_cache.memory_pool import ReqToTokenPool
 
 
@@ -215,7 +215,7 @@ class RadixCache(PrefixCache):
         aligned length stay the request's."""
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         aligned = len(req.fill_ids) - len(req.fill_ids) % self.page_size
-        key = req.fill_ids[:aligned]
+        key = namespaced(req.fill_ids[:aligned], getattr(req, "cache_namespace", 0))
         kv = row[:aligned].to(torch.int64)
         shared = req.prefix_indices.numel()
         in_tree = self.insert(key, kv)
@@ -240,7 +240,8 @@ class RadixCache(PrefixCache):
         to_free = []
         if insert:
             aligned = len(req.fill_ids) - len(req.fill_ids) % self.page_size
-            in_tree = self.insert(req.fill_ids[:aligned], kv[:aligned])
+            key = namespaced(req.fill_ids[:aligned], getattr(req, "cache_namespace", 0))
+            in_tree = self.insert(key, kv[:aligned])
             to_free.append(kv[shared:in_tree])
             own_from = max(aligned, shared)
         to_free.append(kv[own_from:])

@@ -173,6 +173,7 @@ class GemmaForCausalLM(nn.Module):
     whether q and k are normed."""
 
     qk_norm: bool
+    stacked_weights = STACKED_WEIGHTS  # (fused, PEFT/HF name, shard): for LoRA too
 
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()

@@ -155,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qk_norm = False
+    stacked_weights = STACKED_WEIGHTS  # (fused, PEFT/HF name, shard): for LoRA too
 
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:

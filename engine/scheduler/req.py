@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.mem_cache.base import namespaced
 from engine.sampling.sampling_params import SamplingParams
 
 # SGLang clips a request's remaining max_new_tokens at this when estimating memory needs, so
@@ -61,9 +62,13 @@ class Req:
         eos_token_ids: tuple[int, ...] = (),
         arrival: int = 0,
         priority: int = 0,
+        lora_id: int = 0,
     ) -> None:
         self.rid = rid
         self.priority = priority  # with priority scheduling (EngineArgs)
+        # the LoRA adapter it runs with (0: the base model); also its prefix cache namespace,
+        # since an adapter's K/V differ from the base model's for the same tokens
+        self.lora_id = self.cache_namespace = lora_id
         self.origin_input_ids = origin_input_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -146,7 +151,9 @@ class Req:
         if self.prompt_logprob_start is not None and cursor < self.prompt_len - 1:
             limit = min(limit, cursor)
         key = self.fill_ids[:limit]
-        self.prefix_indices, self.last_node = tree_cache.match_prefix(key)
+        self.prefix_indices, self.last_node = tree_cache.match_prefix(
+            namespaced(key, self.cache_namespace)
+        )
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
     def reset_for_retract(self) -> None:

@@ -44,13 +44,24 @@ class RequestIntake:
     _constrained: set[Req]
     _rejected: list[tuple[str, str]]
     _arrival: itertools.count
+    lora_ids: dict[str, int]  # LoRA adapter name -> id (engine/lora)
 
     def add_request(
-        self, rid: str, input_ids: list[int], params: SamplingParams, priority: int | None = None
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        priority: int | None = None,
+        lora_name: str | None = None,
     ) -> Req:
         """Queue a validated request. Raises ValueError if it cannot fit the context, its
-        grammar is known not to compile, or it has a priority without priority scheduling;
-        one whose grammar fails later is rejected (`take_rejected`)."""
+        grammar is known not to compile, it has a priority without priority scheduling, or
+        names a LoRA adapter the engine does not serve; one whose grammar fails later is
+        rejected (`take_rejected`)."""
+        lora_id = self.lora_ids.get(lora_name, 0) if lora_name else 0
+        if lora_name and not lora_id:
+            served = sorted(self.lora_ids) or "none"
+            raise ValueError(f"lora_path: no LoRA adapter {lora_name!r} (served: {served})")
         if priority and not self.args.enable_priority_scheduling:
             raise ValueError(
                 "priority: priority scheduling is off (the worker's --enable-priority-scheduling)"
@@ -68,7 +79,13 @@ class RequestIntake:
                 f"tokens exceed the context length {self.context_len}"
             )
         req = Req(
-            rid, list(input_ids), params, self.eos_token_ids, next(self._arrival), priority or 0
+            rid,
+            list(input_ids),
+            params,
+            self.eos_token_ids,
+            next(self._arrival),
+            priority or 0,
+            lora_id,
         )
         compiling = params.has_grammar and not self.grammar_queue.submit(req)
         self.stats.prompt_tokens += len(input_ids)

@@ -47,6 +47,8 @@ class ModelWorkerBatch:
     # structured output: (rows, token bitmasks) of the grammar rows (engine/sampling/grammar.py),
     # set by the plain scheduler, whose grammars are up to date when it builds the batch
     vocab_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+    # per request, its LoRA adapter's id (0: the base model); None when no request has one
+    lora_ids: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -273,6 +275,7 @@ class ScheduleBatch:
             return_logprob=any(r.sampling_params.return_logprob for r in self.reqs),
             top_logprobs_nums=[r.sampling_params.top_logprobs_num for r in self.reqs],
             prompt_ranks=any(r.sampling_params.return_prompt_ranks for r in self.reqs),
+            lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
             **_prompt_logprob_fields(self._prompt_logprobs if extend else None),
         )
 

@@ -17,13 +17,15 @@ from typing import Any
 
 from engine.config import EngineArgs
 from engine.forward_batch import ForwardMode
+from engine.lora import read_adapter_specs
 from engine.scheduler.grammar_queue import GrammarQueue
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pools import MemoryPools
+from engine.scheduler.prefill_adder import AddResult, PrefillAdder
 from engine.scheduler.req import Req
 from engine.scheduler.request_intake import RequestIntake
 from engine.scheduler.schedule_batch import ScheduleBatch
-from engine.scheduler.schedule_policy import AddResult, PrefillAdder, SchedulePolicy
+from engine.scheduler.schedule_policy import SchedulePolicy
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class Scheduler(RequestIntake):
             getattr(model_runner, "swa_window", None),
         )
         self.tree_cache = tree_cache
+        self.lora_ids = {spec.name: spec.id for spec in read_adapter_specs(args.lora_paths)}
         sign = (1 if args.schedule_low_priority_values_first else -1) * (
             args.enable_priority_scheduling
         )
@@ -158,6 +161,8 @@ class Scheduler(RequestIntake):
             ),
             mixed_decode_tokens=running if self.args.enable_mixed_chunk else 0,
             running_swa_need=self.running_batch.running_swa_need_tokens(self.new_token_ratio),
+            lora_slots=self.args.max_loras_per_batch if self.args.lora_paths else None,
+            running_loras={r.lora_id for r in self.running_batch.reqs},
         )
         chunked_batch_req = None
         if self.chunked_req is not None:

@@ -1,0 +1,80 @@
+"""`LoRALinear`: a model's linear layer plus the LoRA deltas of the adapters in device slots.
+
+The layer holds, per output shard (q, k, v of a fused `qkv_proj`; one shard for a plain
+linear), `num_slots` adapters' matrices side by side: A as rows `[shard][slot][rank]` of one
+`[shards * slots * max_rank, in]` buffer, B per shard as `[shard size, slots * max_rank]` with
+the adapter's scaling folded in. A token's delta is then
+
+    y[:, shard] += ((x @ A.T) * mask)[:, shard's columns] @ B_shard.T
+
+where `mask` keeps only the rank columns of the token's slot (the batch's tokens of all
+adapters go through the same two matmuls; a base-model token's mask row is all zeros). A
+smaller rank than `max_rank` leaves its extra rows and columns zero. The masks are the
+manager's (engine/lora/manager.py), built once per forward for all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: nn.Linear, manager: LoRAManager) -> None:
+        super().__init__()
+        self.base = base
+        self.manager = manager
+        ranges = getattr(base, "shard_ranges", None) or {None: (0, base.out_features)}
+        self.shard_ids: list[Hashable] = list(ranges)
+        self.shard_ranges: list[tuple[int, int]] = [ranges[s] for s in self.shard_ids]
+        slots, rank = manager.num_slots, manager.max_rank
+        w = base.weight
+        self.lora_a = torch.zeros(
+            len(self.shard_ids) * slots * rank, base.in_features, dtype=w.dtype, device=w.device
+        )
+        self.lora_b = [
+            torch.zeros(size, slots * rank, dtype=w.dtype, device=w.device)
+            for _, size in self.shard_ranges
+        ]
+
+    def shard_of(self, shard_id: Hashable) -> tuple[int, int]:
+        """(index, size) of an output shard; KeyError names the shards there are."""
+        if shard_id not in self.shard_ids:
+            raise KeyError(f"no shard {shard_id!r} (shards: {self.shard_ids})")
+        index = self.shard_ids.index(shard_id)
+        return index, self.shard_ranges[index][1]
+
+    def set_slot(
+        self, slot: int, weights: dict[Hashable, tuple[torch.Tensor, torch.Tensor]], scaling: float
+    ) -> None:
+        """Put an adapter's (A [r, in], B [size, r]) per shard into `slot`; shards it does
+        not adapt get zeros."""
+        slots, rank = self.manager.num_slots, self.manager.max_rank
+        for index in range(len(self.shard_ids)):
+            rows = slice((index * slots + slot) * rank, (index * slots + slot + 1) * rank)
+            cols = slice(slot * rank, (slot + 1) * rank)
+            self.lora_a[rows].zero_()
+            self.lora_b[index][:, cols].zero_()
+        for shard_id, (a, b) in weights.items():
+            index, _ = self.shard_of(shard_id)
+            r = a.shape[0]
+            row0 = (index * slots + slot) * rank
+            self.lora_a[row0 : row0 + r].copy_(a)
+            self.lora_b[index][:, slot * rank : slot * rank + r].copy_(b * scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        mask = self.manager.mask
+        if mask is None:  # no token of this batch has an adapter
+            return y
+        width = mask.shape[1]
+        h = (x @ self.lora_a.T).view(x.shape[0], len(self.shard_ids), width) * mask.unsqueeze(1)
+        for index, (offset, size) in enumerate(self.shard_ranges):
+            y[:, offset : offset + size] += h[:, index] @ self.lora_b[index].T
+        return y

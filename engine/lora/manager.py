@@ -1,0 +1,156 @@
+"""`LoRAManager`: the adapters a worker serves, their device slots, and each batch's masks.
+
+All adapters (`lora_paths`) are read at start into host memory; `max_loras_per_batch` slots on
+the device hold the ones batches use (SGLang's LoRA memory pool). Before a forward, `prepare`
+puts the batch's adapters into slots (replacing the least recently used adapters that the batch
+does not use; the scheduler admits no batch with more adapters than slots) and builds the
+per-token mask that every `LoRALinear` reads (engine/lora/layers.py).
+
+The adapted modules are the attention and MLP projections of the decoder layers (PEFT's
+q/k/v/o_proj and gate/up/down_proj, into the model's fused projections); an adapter naming any
+other module is refused at start.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable
+
+import torch
+from torch import nn
+
+from engine.forward_batch import ForwardBatch
+from engine.lora.adapter import AdapterSpec, load_adapter_weights
+from engine.lora.layers import LoRALinear
+
+logger = logging.getLogger(__name__)
+
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        specs: list[AdapterSpec],
+        num_slots: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.device = device
+        self.specs = {s.id: s for s in specs}
+        self.mask: torch.Tensor | None = None  # [num_tokens, slots * max_rank] of this forward
+        self.layers: dict[str, LoRALinear] = {}
+        # adapter id -> {our module path: {shard: (A, B)}}, on the host
+        self.weights: dict[int, dict[str, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        for spec in specs:
+            if spec.rank > max_rank:
+                raise ValueError(
+                    f"LoRA adapter {spec.name!r}: rank {spec.rank} > max_lora_rank {max_rank}"
+                )
+            self.weights[spec.id] = self._place(model, spec, load_adapter_weights(spec, dtype))
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
+        self._column_slot = torch.arange(num_slots, device=device).repeat_interleave(max_rank)
+        logger.info(
+            "LoRA: %d adapter(s) %s, %d slots, max rank %d, %d modules adapted",
+            len(specs), [s.name for s in specs], num_slots, max_rank, len(self.layers),
+        )  # fmt: skip
+
+    def _place(
+        self, model: nn.Module, spec: AdapterSpec, tensors: dict[str, tuple[torch.Tensor, ...]]
+    ) -> dict[str, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]]:
+        """Map the adapter's PEFT module paths to the model's (fused) modules, wrapping each
+        module in a `LoRALinear` the first time an adapter names it."""
+        stacked = getattr(model, "stacked_weights", ())
+        placed: dict[str, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for path, (a, b) in sorted(tensors.items()):
+            leaf = path.rsplit(".", 1)[-1]
+            if leaf not in TARGET_MODULES:
+                raise ValueError(
+                    f"LoRA adapter {spec.name!r} adapts {path}; only {list(TARGET_MODULES)} "
+                    "can be adapted"
+                )
+            ours, shard = path, None
+            for fused, theirs, shard_id in stacked:
+                if theirs in path + ".":
+                    ours, shard = (path + ".").replace(theirs, fused).rstrip("."), shard_id
+                    break
+            layer = self._wrap(model, ours, spec, path)
+            try:
+                _, size = layer.shard_of(shard)
+            except KeyError as e:
+                raise ValueError(f"LoRA adapter {spec.name!r}: {path}: {e}") from None
+            if a.shape[1] != layer.base.in_features or b.shape[0] != size:
+                raise ValueError(
+                    f"LoRA adapter {spec.name!r}: {path} has A {tuple(a.shape)}, B "
+                    f"{tuple(b.shape)}; the model's layer takes {layer.base.in_features} "
+                    f"inputs to {size} outputs"
+                )
+            placed.setdefault(ours, {})[shard] = (a, b)
+        return placed
+
+    def _wrap(self, model: nn.Module, path: str, spec: AdapterSpec, theirs: str) -> LoRALinear:
+        if path in self.layers:
+            return self.layers[path]
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            module = None
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"LoRA adapter {spec.name!r} adapts {theirs}, which this model does not have "
+                "(is it an adapter of another base model?)"
+            )
+        parent_path, _, attr = path.rpartition(".")
+        layer = LoRALinear(module, self)
+        setattr(model.get_submodule(parent_path), attr, layer)
+        self.layers[path] = layer
+        return layer
+
+    # -- batches --------------------------------------------------------------------------------
+    def prepare(self, forward_batch: ForwardBatch) -> None:
+        """Slots for the batch's adapters, and the mask of its tokens' rank columns."""
+        ids = forward_batch.lora_ids
+        if not ids or not any(ids):
+            self.mask = None
+            return
+        needed = set(ids) - {0}
+        if len(needed) > self.num_slots:
+            raise RuntimeError(
+                f"a batch uses {len(needed)} LoRA adapters; there are {self.num_slots} slots"
+            )
+        for adapter_id in needed:
+            self._load(adapter_id, needed)
+        slots = [-1 if i == 0 else self.slot_of[i] for i in ids]
+        per_req = torch.tensor(slots, dtype=torch.int64)
+        if forward_batch.forward_mode.is_extend():
+            lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
+            per_req = per_req.repeat_interleave(lens)
+        token_slot = per_req.to(self.device)
+        dtype = self.lora_dtype
+        self.mask = (token_slot[:, None] == self._column_slot[None, :]).to(dtype)
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        return next(iter(self.layers.values())).lora_a.dtype
+
+    def _load(self, adapter_id: int, needed: set[int]) -> None:
+        if adapter_id in self.slot_of:
+            self.slot_of.move_to_end(adapter_id)
+            return
+        if adapter_id not in self.weights:
+            raise RuntimeError(f"unknown LoRA adapter id {adapter_id}")
+        if len(self.slot_of) < self.num_slots:
+            slot = len(self.slot_of)
+        else:
+            victim = next(i for i in self.slot_of if i not in needed)
+            slot = self.slot_of.pop(victim)
+        spec = self.specs[adapter_id]
+        modules = self.weights[adapter_id]
+        for path, layer in self.layers.items():
+            layer.set_slot(slot, modules.get(path, {}), spec.scaling)
+        self.slot_of[adapter_id] = slot
