@@ -43,6 +43,11 @@ class LoRALinear(nn.Module):
             for _, size in self.shard_ranges
         ]
 
+    @property
+    def output_sizes(self) -> list[int]:
+        """As `MergedLinear.output_sizes` (models split the fused output by it)."""
+        return [size for _, size in self.shard_ranges]
+
     def shard_of(self, shard_id: Hashable) -> tuple[int, int]:
         """(index, size) of an output shard; KeyError names the shards there are."""
         if shard_id not in self.shard_ids:

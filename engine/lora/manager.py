@@ -88,7 +88,7 @@ class LoRAManager:
                 raise ValueError(
                     f"LoRA adapter {spec.name!r}: {path} has A {tuple(a.shape)}, B "
                     f"{tuple(b.shape)}; the model's layer takes {layer.base.in_features} "
-                    f"inputs to {size} outputs"
+                    f"inputs to {size} outputs (is it an adapter of another base model?)"
                 )
             placed.setdefault(ours, {})[shard] = (a, b)
         return placed

@@ -144,9 +144,14 @@ class OverlapScheduler(Scheduler):
         return self._in_flight[-1].pending() if self._in_flight else {}
 
     def add_request(
-        self, rid: str, input_ids: list[int], params: SamplingParams, priority: int | None = None
+        self,
+        rid: str,
+        input_ids: list[int],
+        params: SamplingParams,
+        priority: int | None = None,
+        lora_name: str | None = None,
     ) -> Req:
-        req = super().add_request(rid, input_ids, params, priority)
+        req = super().add_request(rid, input_ids, params, priority, lora_name)
         if params.needs_history:
             self._history.add(req)
         if params.has_device_history:
