@@ -97,6 +97,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="decode batch sizes to capture (default 1 2 4 8 16 24 ... up to the max)",
     )
+    g.add_argument(
+        "--lora-paths",
+        "--lora-modules",
+        nargs="+",
+        default=(),
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (PEFT folders; NAME=PATH or PATH, named by its folder); "
+        "a request picks one by `model` (NAME, or BASE:NAME) or `lora_path` on /generate",
+    )
+    g.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=8,
+        help="LoRA adapters one batch may use (their device slots)",
+    )
+    g.add_argument(
+        "--max-lora-rank", type=int, default=None, help="default: the adapters' largest rank"
+    )
 
 
 def ensure_model(path: str | None) -> str:

@@ -144,14 +144,20 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def models(request: Request) -> dict[str, Any]:
         router = state["router"]
         router.authorize(request)
-        return {"object": "list", "data": [model_card(router, router.model_name)]}
+        await router.broker.refresh_workers()
+        base = router.model_name
+        adapters = [  # as vLLM lists them: the adapter's name, its base model as parent
+            model_card(router, name) | {"root": name, "parent": base}
+            for name in sorted(router.broker.workers.lora_adapters())
+        ]
+        return {"object": "list", "data": [model_card(router, base), *adapters]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str, request: Request) -> dict[str, Any]:
         """OpenAI's model retrieval (404 for a model not served)."""
         router = state["router"]
         router.authorize(request)
-        router.check_model(name)
+        await router.resolve_model(name)
         return model_card(router, name)
 
     @app.get("/version")

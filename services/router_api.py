@@ -29,6 +29,7 @@ from services.router_chat import ParserChoice
 from services.router_generate import GenerateRequest
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
+from services.router_models import check_adapters, check_model, resolve_model
 from services.router_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -99,10 +100,13 @@ class Router:
         ):
             raise ApiError(401, "invalid or missing API key", None, "invalid_api_key")
 
-    def check_model(self, name: str) -> None:
-        known = self.broker.workers.model_names() | {self.model_name}
-        if name not in known:
-            raise ApiError(404, f"the model {name!r} does not exist", "model", "model_not_found")
+    def check_model(self, name: str) -> str | None:
+        """The LoRA adapter `name` asks for (None: the base model); 404 if neither."""
+        return check_model(self.broker.workers, name, self.model_name)
+
+    async def resolve_model(self, name: str) -> str | None:
+        """`check_model` after a fresh look at the workers if the table does not know it."""
+        return await resolve_model(self.broker, name, self.model_name)
 
     def query_body(self, request: Request, model_cls: type, raw: bytes) -> Any:
         """The body of a non-generation request, authorized and its `model` (if any) known."""
@@ -116,8 +120,6 @@ class Router:
         self.authorize(request)
         model_cls, max_param = _APIS[kind]
         body = parse_body(model_cls, await request.body())
-        if kind != "generate":
-            self.check_model(body.model)
         fmt = await self._start(kind, body, max_param)
         if body.stream:
             return await _sse_response(request, fmt.chunks())
@@ -127,7 +129,7 @@ class Router:
         """OpenAI's Responses API, as the chat request it means (services/responses_api.py)."""
         self.authorize(request)
         body = ResponsesRequest.parse(await request.body())
-        self.check_model(body.model)
+        await self.resolve_model(body.model)
         store, history = self.responses_store, []
         storing = store.keeps(body.store)
         if body.background and not storing:
@@ -154,7 +156,12 @@ class Router:
 
     async def _start(self, kind: str, body: Any, max_param: str) -> Formatter:
         """Send the request's sub-requests; the formatter of their output."""
+        lora = await self.resolve_model(body.model) if kind != "generate" else None
         subs = body.to_subrequests()
+        if kind != "generate":  # (/generate names them per prompt)
+            for sub in subs:
+                sub.lora_name = lora
+        await check_adapters(self.broker, subs)
         check_max_tokens(subs, self.broker.workers.context_len, max_param)
         tool_mode = getattr(body, "tool_mode", None)
         if tool_mode is not None and tool_mode.kind == "auto":

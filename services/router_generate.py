@@ -47,6 +47,8 @@ class GenerateRequest(_Strict):
     logprob_start_len: int | list[int] | None = -1
     rid: RequestId | list[RequestId] | None = None  # one per prompt: meta_info.id, /abort_request
     priority: int | None = Field(None, ge=-_INT64, lt=_INT64)
+    # SGLang's: the LoRA adapter (by name) of every prompt, or one each (None: the base model)
+    lora_path: str | list[str | None] | None = None
 
     @field_validator("logprob_start_len")
     @classmethod
@@ -93,12 +95,18 @@ class GenerateRequest(_Strict):
             msg = f"{len(starts)} logprob_start_len for {len(prompts)} prompts"
             raise ApiError(400, msg, "logprob_start_len", "invalid_value")
         rids = self._rids(len(prompts))
+        loras = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path] * len(
+            prompts
+        )
+        if len(loras) != len(prompts):
+            msg = f"{len(loras)} lora_path for {len(prompts)} prompts"
+            raise ApiError(400, msg, "lora_path", "invalid_value")
         subs: list[SubRequest] = []
         logprob, top = bool(self.return_logprob), self.top_logprobs_num or 0
         for i, (prompt, p, start) in enumerate(zip(prompts, sps, starts, strict=True)):
             for sub in fan_out([prompt], p.to_dict(), p.n, logprob, top, start):
                 sub.index, sub.prompt_index, sub.rid = len(subs), i, rids[i]
-                sub.priority = self.priority
+                sub.priority, sub.lora_name = self.priority, loras[i]
                 subs.append(sub)
         return subs
 

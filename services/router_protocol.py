@@ -50,6 +50,7 @@ class SubRequest:
     logprob_start_len: int = -1  # with return_logprob: the prompt's logprobs from there
     rid: str | None = None  # the client's id of the request (SGLang's `rid`), if it gave one
     priority: int | None = None  # for the worker's priority scheduling
+    lora_name: str | None = None  # the LoRA adapter to run with (None: the base model)
     # vLLM's prompt_logprobs: every prompt token's logprob and rank, and this many candidates
     # (asked of the engine besides what return_logprob / top_logprobs_num show of the output)
     prompt_logprobs: int | None = None

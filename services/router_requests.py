@@ -118,10 +118,11 @@ class Broker:
         """Send each handle (again) to the least-loaded live worker it has not tried."""
         msgs = []
         for h in handles:
-            worker = self.workers.choose(exclude=h.tried)
+            lora = h.sub.lora_name
+            worker = self.workers.choose(exclude=h.tried, lora=lora)
             if worker is None:  # the table may be a moment old: look again before failing
                 await self.refresh_workers()
-                worker = self.workers.choose(exclude=h.tried)
+                worker = self.workers.choose(exclude=h.tried, lora=lora)
             if worker is None:
                 raise ApiError(503, "no live worker can take the request", None, "no_worker")
             self.forget(h)
@@ -186,6 +187,7 @@ class Broker:
             continue_final_message=sub.continue_final_message,
             return_prompt_ranks=wants_prompt,
             priority=sub.priority,
+            lora_name=sub.lora_name,
             return_prompt_ids=sub.return_token_ids,
         )
 

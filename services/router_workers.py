@@ -36,10 +36,16 @@ class WorkerTable:
         hb = self.live[worker_id]
         return max(hb.num_running_reqs + hb.num_waiting_reqs, self.inflight[worker_id])
 
-    def choose(self, exclude: Iterable[str] = ()) -> WorkerLoadMsg | None:
-        """The least-loaded live worker not in `exclude` (ties: lower token usage, then id)."""
+    def choose(
+        self, exclude: Iterable[str] = (), lora: str | None = None
+    ) -> WorkerLoadMsg | None:
+        """The least-loaded live worker not in `exclude` (ties: lower token usage, then id),
+        of those serving the LoRA adapter `lora` if one is named."""
         skip = set(exclude)
-        candidates = [w for w in self.live if w not in skip]
+        candidates = [
+            w for w, hb in self.live.items()
+            if w not in skip and (lora is None or lora in hb.lora_adapters)
+        ]  # fmt: skip
         if not candidates:
             return None
         best = min(candidates, key=lambda w: (self.load(w), self.live[w].token_usage, w))
@@ -61,6 +67,25 @@ class WorkerTable:
     def context_len(self) -> int | None:
         """The smallest context length of the live workers (what any request must fit)."""
         return min((hb.context_len for hb in self.live.values()), default=None)
+
+    def resolve_model(self, name: str, served_name: str) -> str | None:
+        """The LoRA adapter a request's `model` names: None for the base model (its served
+        name, path or folder name), the adapter for an adapter's name (vLLM) or for
+        `base:adapter` (SGLang); KeyError for anything else."""
+        bases = self.model_names() | {served_name}
+        if name in bases:
+            return None
+        adapters = self.lora_adapters()
+        if name in adapters:
+            return name
+        base, sep, adapter = name.rpartition(":")
+        if sep and base in bases and adapter in adapters:
+            return adapter
+        raise KeyError(name)
+
+    def lora_adapters(self) -> set[str]:
+        """The LoRA adapters some live worker serves."""
+        return {name for hb in self.live.values() for name in hb.lora_adapters}
 
     def model_names(self) -> set[str]:
         """Names the workers' models answer to: the path as given and its last component."""

@@ -85,6 +85,7 @@ class RequestTokenizer:
             created=msg.created,
             return_prompt_ranks=msg.return_prompt_ranks,
             priority=msg.priority,
+            lora_name=msg.lora_name,
             return_prompt_ids=msg.return_prompt_ids,
         )
 

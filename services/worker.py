@@ -172,7 +172,9 @@ class Worker:
             return
         try:
             params = sampling_params(msg, self.vocab_size)
-            self.scheduler.add_request(msg.rid, msg.input_ids, params, msg.priority)
+            self.scheduler.add_request(
+                msg.rid, msg.input_ids, params, msg.priority, msg.lora_name
+            )
         except ValueError as exc:
             self._reject(msg.rid, msg.router_id, str(exc))
             return

@@ -35,6 +35,7 @@ class WorkerFacts(NamedTuple):
     max_running_requests: int
     context_len: int
     pid: int
+    lora_adapters: list[str] = []  # noqa: RUF012 (a NamedTuple default, never mutated)
 
     @classmethod
     def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
@@ -45,6 +46,7 @@ class WorkerFacts(NamedTuple):
             scheduler.max_running_requests,
             scheduler.context_len,
             os.getpid(),
+            sorted(scheduler.lora_ids),
         )
 
 
@@ -94,4 +96,5 @@ class LoadReporter:
             pid=facts.pid,
             updated_at=time.time(),
             num_retracted_reqs=f.num_retracted,
+            lora_adapters=list(facts.lora_adapters),
         )

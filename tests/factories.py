@@ -33,6 +33,18 @@ def tiny_model(
     return out
 
 
+@functools.cache
+def tiny_lora(model: str, seed: int, rank: int = 8, **kw: Any) -> str:
+    """A random LoRA adapter (PEFT folder) of the model folder `model`, built once."""
+    from services.tiny_lora import make_tiny_lora
+
+    suffix = "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
+    out = f"{model}-lora{seed}-r{rank}{suffix}"
+    if not os.path.exists(os.path.join(out, "adapter_config.json")):
+        make_tiny_lora(model, out, rank=rank, seed=seed, **kw)
+    return out
+
+
 def model_path(name: str) -> str:
     """The tiny model of an architecture, or of a name in WINDOWED_MODELS."""
     if name in WINDOWED_MODELS:
@@ -84,6 +96,30 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=None,
         pad_token_id=0,
     )
+    return out[0, len(prompt) :].tolist()
+
+
+@functools.cache
+def _peft_model(path: str, adapter: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter).eval()
+
+
+@torch.inference_mode()
+def lora_greedy(
+    path: str, adapter: str | None, prompt: list[int], max_new_tokens: int
+) -> list[int]:
+    """`hf_greedy` with a LoRA adapter applied by PEFT (None: the base model)."""
+    if adapter is None:
+        return hf_greedy(path, prompt, max_new_tokens)
+    ids = torch.tensor([prompt])
+    out = _peft_model(path, adapter).generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=None, pad_token_id=0,
+    )  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.messages.base import Message
 
@@ -15,11 +15,11 @@ class WorkerLoadMsg(Message):
     held by running requests (`token_usage` is their ratio, 0..1); `num_cached_tokens` are
     held only by the prefix cache and can be evicted. `num_retracted_reqs` counts the
     requests the worker has retracted to its queue for lack of KV memory since it started.
-    `updated_at` is `time.time()`.
+    `updated_at` is `time.time()`. `lora_adapters`: the names of the LoRA adapters it serves.
     """
 
     TAG = "worker_load"
-    VERSION = 2
+    VERSION = 3  # 3: lora_adapters
 
     worker_id: str
     model: str
@@ -36,6 +36,7 @@ class WorkerLoadMsg(Message):
     pid: int
     updated_at: float
     num_retracted_reqs: int = 0
+    lora_adapters: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

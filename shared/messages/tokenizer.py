@@ -48,7 +48,7 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 8  # 6: return_prompt_ranks; 7: priority; 8: return_prompt_ids
+    VERSION = 9  # 6: return_prompt_ranks; 7: priority; 8: return_prompt_ids; 9: lora_name
 
     rid: str
     router_id: str
@@ -72,6 +72,7 @@ class TokenizeReqMsg(Message):
     return_token_strs: bool = False
     priority: int | None = None  # with the worker's priority scheduling (SGLang's)
     return_prompt_ids: bool = False  # the prompt's ids come back with the first output row
+    lora_name: str | None = None  # the worker's LoRA adapter to run with (None: base model)
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]

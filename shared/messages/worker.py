@@ -22,7 +22,7 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 5  # 3: return_prompt_ranks; 4: priority; 5: return_prompt_ids
+    VERSION = 6  # 3: return_prompt_ranks; 4: priority; 5: return_prompt_ids; 6: lora_name
 
     rid: str
     router_id: str
@@ -39,6 +39,7 @@ class GenerateReqMsg(Message):
     return_prompt_ranks: bool = False  # the prompt logprobs' ranks too (vLLM's)
     priority: int | None = None  # with the worker's priority scheduling (SGLang's)
     return_prompt_ids: bool = False  # `input_ids` go back in the request's first step row
+    lora_name: str | None = None  # the LoRA adapter to run with (None: the base model)
 
     def _check(self) -> None:
         if not self.input_ids:

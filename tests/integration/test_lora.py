@@ -6,20 +6,19 @@ engine cannot serve are refused at start with the reason."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import tempfile
 
 import pytest
-import torch
 
 from engine.engine import Engine
 from tests.factories import (
     assert_engine_clean,
-    hf_greedy,
+    lora_greedy,
     mixed_prompts,
     model_path,
+    tiny_lora,
     tiny_model,
 )
 
@@ -28,35 +27,14 @@ GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 _ROOT = tempfile.mkdtemp(prefix="sluice-test-loras-")
 
 
-@functools.cache
 def adapter(arch: str, seed: int, rank: int = 8, **kw: object) -> str:
-    from services.tiny_lora import make_tiny_lora
-
-    suffix = "-".join(f"{k}{v}" for k, v in sorted(kw.items()))
-    out = os.path.join(_ROOT, f"{arch}-{seed}-r{rank}{suffix}")
-    base = tiny_model("llama", preset="small") if arch == "llama-small" else model_path(arch)
-    return make_tiny_lora(base, out, rank=rank, seed=seed, **kw)
+    if arch == "llama-small":
+        return tiny_lora(tiny_model("llama", preset="small"), seed, rank, **kw)
+    return tiny_lora(model_path(arch), seed, rank, **kw)
 
 
-@functools.cache
-def _peft_model(arch: str, adapter_dir: str):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_path(arch), dtype=torch.float32)
-    return PeftModel.from_pretrained(base, adapter_dir).eval()
-
-
-@torch.inference_mode()
 def peft_greedy(arch: str, adapter_dir: str | None, prompt: list[int]) -> list[int]:
-    if adapter_dir is None:
-        return hf_greedy(model_path(arch), prompt, NEW)
-    ids = torch.tensor([prompt])
-    out = _peft_model(arch, adapter_dir).generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-        do_sample=False, eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
-    return out[0, len(prompt) :].tolist()
+    return lora_greedy(model_path(arch), adapter_dir, prompt, NEW)
 
 
 def serve(arch: str, adapters: dict[str, str], **kw: object) -> Engine:
