@@ -123,7 +123,7 @@ class LoRAManager:
             raise RuntimeError(
                 f"a batch uses {len(needed)} LoRA adapters; there are {self.num_slots} slots"
             )
-        for adapter_id in needed:
+        for adapter_id in sorted(needed):
             self._load(adapter_id, needed)
         slots = [-1 if i == 0 else self.slot_of[i] for i in ids]
         per_req = torch.tensor(slots, dtype=torch.int64)

@@ -1,0 +1,133 @@
+"""Multi-LoRA serving: what adapters cost against the base model, side by side in one run.
+
+    python benchmarks/lora.py [--layers 4] [--requests 32] [--rank 16] [--threads 2]
+
+A random Llama of the `small` preset's shape (hidden 1024, GQA 16/4, intermediate 2816) with
+`--layers` layers, and `--adapters` random rank-`--rank` adapters on all seven projections
+(`sluice make-tiny-lora`). `--requests` prompts of `--context` tokens, `--output` greedy
+tokens each (`ignore_eos`), all submitted at once, in-process, overlap off. Arms:
+
+* base: no adapters loaded;
+* served, unused: the adapters loaded, every request on the base model (the price of
+  enabling LoRA for requests that do not use it);
+* one adapter: every request on adapter 1;
+* mixed: requests round-robin over all adapters, `--adapters` slots (every batch mixes them);
+* mixed, 1 slot: the same requests with one device slot (batches hold one adapter's
+  requests at a time: the cost of too few slots).
+
+Reported per arm: wall time, output tokens/s, the largest decode batch, and the ratio of its
+throughput to the base arm's. The two mixed arms must generate the same tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import print_table, write_result  # noqa: E402
+
+
+def run_arm(path: str, prompts: list, loras: list, names: list, slots: int, args: Any) -> dict:
+    from engine.engine import Engine
+
+    paths = tuple(f"a{i}={p}" for i, p in enumerate(loras, start=1))
+    batch_sizes: list[int] = []
+    with Engine(
+        model_path=path, disable_overlap_schedule=True, skip_tokenizer_init=True,
+        max_total_tokens=args.requests * (args.context + args.output) + 256,
+        lora_paths=paths, max_loras_per_batch=slots,
+    ) as engine:  # fmt: skip
+        run_batch = engine.scheduler.run_batch
+
+        def counted(batch: Any) -> Any:
+            if batch.forward_mode.is_decode():
+                batch_sizes.append(len(batch.reqs))
+            return run_batch(batch)
+
+        engine.scheduler.run_batch = counted
+        params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True}
+        engine.generate(input_ids=prompts[:2], sampling_params=params, lora_path=names[:2])
+        batch_sizes.clear()  # (a warm-up: first-call costs out of the timing)
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
+        wall = time.perf_counter() - t0
+    out_tokens = sum(len(o["output_ids"]) for o in outs)
+    return {
+        "wall_s": wall,
+        "output_tok_s": out_tokens / wall,
+        "max_decode_batch": max(batch_sizes, default=0),
+        "tokens": [o["output_ids"] for o in outs],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--adapters", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from services.tiny_lora import make_tiny_lora
+    from services.tiny_model import make_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-lora-small-{args.layers}l")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, preset="small", seed=args.seed, num_layers=args.layers)
+    loras = [
+        make_tiny_lora(path, f"{path}-lora{i}-r{args.rank}", rank=args.rank, seed=i)
+        for i in range(1, args.adapters + 1)
+    ]
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(3, 30000) for _ in range(args.context)] for _ in range(args.requests)
+    ]
+    n, k = args.requests, args.adapters
+    mixed = [f"a{1 + i % k}" for i in range(n)]
+    arms = [  # (name, adapters loaded, request adapters, slots)
+        ("base", [], [None] * n, 1),
+        ("served, unused", loras, [None] * n, k),
+        ("one adapter", loras, ["a1"] * n, k),
+        (f"mixed, {k} slots", loras, mixed, k),
+        ("mixed, 1 slot", loras, mixed, 1),
+    ]
+    rows = []
+    for name, loaded, names, slots in arms:
+        res = run_arm(path, prompts, loaded, names, slots, args)
+        rows.append({"arm": name, **res})
+        print(f"{name}: {res['wall_s']:.1f} s", flush=True)
+    base = rows[0]["output_tok_s"]
+    for r in rows:
+        r["vs_base"] = r["output_tok_s"] / base
+    table = [{k: v for k, v in r.items() if k != "tokens"} for r in rows]
+    print_table(table, ["arm", "wall_s", "output_tok_s", "max_decode_batch", "vs_base"])
+    summary = {
+        "served_unused_vs_base": rows[1]["vs_base"],
+        "one_adapter_vs_base": rows[2]["vs_base"],
+        "mixed_vs_base": rows[3]["vs_base"],
+        "mixed_one_slot_vs_base": rows[4]["vs_base"],
+        "mixed_arms_same_tokens": rows[3]["tokens"] == rows[4]["tokens"],
+        "adapters_change_output": rows[2]["tokens"] != rows[0]["tokens"],
+    }
+    print(summary)
+    print("wrote", write_result("lora", table, summary, config=vars(args)))
+    if not summary["mixed_arms_same_tokens"]:
+        raise SystemExit("the two mixed arms generated different tokens")
+
+
+if __name__ == "__main__":
+    main()
