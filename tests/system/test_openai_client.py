@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.system.procs import Stack
+from tests.system.router_stack import STACK_LORAS
 
 pytest_plugins = ["tests.system.router_stack"]
 
@@ -23,7 +24,8 @@ def client(http_stack: Stack) -> openai.OpenAI:
 
 
 def test_models_list_names_the_served_model(client: openai.OpenAI, served_model: str) -> None:
-    assert [m.id for m in client.models.list().data] == [served_model]
+    # (then the LoRA adapters the shared stack serves, tests/system/test_router_lora.py)
+    assert [m.id for m in client.models.list().data] == [served_model, *sorted(STACK_LORAS)]
 
 
 def test_chat_whole_and_streamed_agree_and_report_usage(
