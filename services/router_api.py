@@ -29,7 +29,7 @@ from services.router_chat import ParserChoice
 from services.router_generate import GenerateRequest
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
-from services.router_models import check_adapters, check_model, resolve_model
+from services.router_models import check_adapters, check_model, request_adapter, resolve_model
 from services.router_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -156,7 +156,11 @@ class Router:
 
     async def _start(self, kind: str, body: Any, max_param: str) -> Formatter:
         """Send the request's sub-requests; the formatter of their output."""
-        lora = await self.resolve_model(body.model) if kind != "generate" else None
+        lora = (
+            None
+            if kind == "generate"
+            else await request_adapter(self.broker, body, self.model_name)
+        )
         subs = body.to_subrequests()
         if kind != "generate":  # (/generate names them per prompt)
             for sub in subs:

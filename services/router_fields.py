@@ -174,6 +174,7 @@ class SamplingFields(_SamplingCore):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     rid: RequestId | None = None  # SGLang's: the response's id, for /abort_request
     priority: int | None = Field(None, ge=-_INT64, lt=_INT64)  # SGLang's and vLLM's
+    lora_path: str | None = None  # SGLang's: the LoRA adapter, when `model` names the base
 
     def finish_subrequests(self, subs: list[Any]) -> list[Any]:
         """`subs` with the request's id and priority, asking for vLLM's prompt logprobs if

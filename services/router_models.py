@@ -1,8 +1,8 @@
 """Which model a request asks for: the base model, or one of the workers' LoRA adapters.
 
 A request's `model` names the base model (the served name, the model's path or its folder
-name) or an adapter: by its name (vLLM) or as `base:adapter` (SGLang); `/generate` names
-adapters per prompt (`lora_path`). What no live worker serves is a 404 (`model`) or a 400
+name) or an adapter: by its name (vLLM) or as `base:adapter` (SGLang); SGLang's `lora_path`
+names one too (per prompt on `/generate`). What no live worker serves is a 404 (`model`) or a 400
 (`lora_path`). The router's worker table may be a moment old (a worker just started), so it
 reads the heartbeats again before refusing.
 """
@@ -31,6 +31,19 @@ async def resolve_model(broker: Any, name: str, served_name: str) -> str | None:
     except ApiError:
         await broker.refresh_workers()
         return check_model(broker.workers, name, served_name)
+
+
+async def request_adapter(broker: Any, body: Any, served_name: str) -> str | None:
+    """The adapter of an OpenAI request: its `model`'s, or SGLang's `lora_path` where
+    `model` names the base model (400 where the two name different adapters)."""
+    lora = await resolve_model(broker, body.model, served_name)
+    wanted = getattr(body, "lora_path", None)
+    if not wanted:
+        return lora
+    if lora not in (None, wanted):
+        msg = f"lora_path {wanted!r} and model {body.model!r} disagree"
+        raise ApiError(400, msg, "lora_path", "invalid_value")
+    return wanted
 
 
 async def check_adapters(broker: Any, subs: list[SubRequest]) -> None:

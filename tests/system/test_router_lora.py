@@ -19,6 +19,12 @@ PROMPT = [40, 91, 7, 300, 52, 18, 77, 64, 9, 120]
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 
 
+def http_stack_model(stack: Stack) -> str:
+    import os
+
+    return os.path.basename(stack.model)
+
+
 def generate(url: str, **body: object) -> httpx.Response:
     return httpx.post(f"{url}/generate", json=body, timeout=60)
 
@@ -58,6 +64,9 @@ def test_openai_model_names_the_adapter(http_stack: Stack, served_model: str) ->
         assert r.json()["model"] == model
         texts[model] = r.json()["choices"][0]["text"]
     assert texts["sql"] == texts[f"{served_model}:sql"] != texts[served_model]
+    sglang_style = body | {"model": served_model, "lora_path": "sql"}
+    r = httpx.post(f"{url}/v1/completions", json=sglang_style, timeout=60)
+    assert r.json()["choices"][0]["text"] == texts["sql"]
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "model": "chat"}
     r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
     assert r.status_code == 200, r.text
@@ -70,6 +79,8 @@ def test_openai_model_names_the_adapter(http_stack: Stack, served_model: str) ->
         ("/generate", {"lora_path": ["sql"]}, 400, "1 lora_path for 2 prompts"),
         ("/v1/completions", {"model": "nope"}, 404, "'nope' does not exist"),
         ("/v1/completions", {"model": "other:sql"}, 404, "'other:sql' does not exist"),
+        ("/v1/completions", {"model": "chat", "lora_path": "sql"}, 400, "disagree"),
+        ("/v1/completions", {"lora_path": "nope"}, 400, "no LoRA adapter 'nope' is served"),
     ],
 )
 def test_unknown_adapters_are_refused(
@@ -78,7 +89,7 @@ def test_unknown_adapters_are_refused(
     if path == "/generate":
         body = {"input_ids": [PROMPT, PROMPT], "sampling_params": GREEDY} | body
     else:
-        body = {"prompt": "hi", "max_tokens": 2} | body
+        body = {"prompt": "hi", "max_tokens": 2, "model": http_stack_model(http_stack)} | body
     r = httpx.post(f"{http_stack.router_url}{path}", json=body, timeout=30)
     assert r.status_code == status, r.text
     assert why in r.text
