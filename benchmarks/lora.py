@@ -15,8 +15,10 @@ tokens each (`ignore_eos`), all submitted at once, in-process, overlap off. Arms
 * mixed, 1 slot: the same requests with one device slot (batches hold one adapter's
   requests at a time: the cost of too few slots).
 
-Reported per arm: wall time, output tokens/s, the largest decode batch, and the ratio of its
-throughput to the base arm's. The two mixed arms must generate the same tokens.
+The arms' engines stay open and their timed runs interleave, `--repeat` rounds (drift on
+this shared machine then hits every arm). Reported per arm (its fastest run): wall time,
+output tokens/s, the largest decode batch, and the ratio of its throughput to the base
+arm's. The two mixed arms must generate the same tokens.
 """
 
 from __future__ import annotations
@@ -36,37 +38,38 @@ import torch  # noqa: E402
 from benchmarks.common import print_table, write_result  # noqa: E402
 
 
-def run_arm(path: str, prompts: list, loras: list, names: list, slots: int, args: Any) -> dict:
-    from engine.engine import Engine
+class Arm:
+    """One engine of the comparison, kept open so that the arms' timed runs interleave."""
 
-    paths = tuple(f"a{i}={p}" for i, p in enumerate(loras, start=1))
-    batch_sizes: list[int] = []
-    with Engine(
-        model_path=path, disable_overlap_schedule=True, skip_tokenizer_init=True,
-        max_total_tokens=args.requests * (args.context + args.output) + 256,
-        lora_paths=paths, max_loras_per_batch=slots,
-    ) as engine:  # fmt: skip
-        run_batch = engine.scheduler.run_batch
+    def __init__(self, path: str, loras: list, names: list, slots: int, args: Any) -> None:
+        from engine.engine import Engine
+
+        self.names, self.args = names, args
+        self.engine = Engine(
+            model_path=path, disable_overlap_schedule=True, skip_tokenizer_init=True,
+            max_total_tokens=args.requests * (args.context + args.output) + 256,
+            lora_paths=tuple(f"a{i}={p}" for i, p in enumerate(loras, start=1)),
+            max_loras_per_batch=slots,
+        )  # fmt: skip
+        self.batch_sizes: list[int] = []
+        self.walls: list[float] = []
+        run_batch = self.engine.scheduler.run_batch
 
         def counted(batch: Any) -> Any:
             if batch.forward_mode.is_decode():
-                batch_sizes.append(len(batch.reqs))
+                self.batch_sizes.append(len(batch.reqs))
             return run_batch(batch)
 
-        engine.scheduler.run_batch = counted
-        params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True}
-        engine.generate(input_ids=prompts[:2], sampling_params=params, lora_path=names[:2])
-        batch_sizes.clear()  # (a warm-up: first-call costs out of the timing)
+        self.engine.scheduler.run_batch = counted
+
+    def run(self, prompts: list) -> list:
+        """One timed run of all prompts (the prefix cache flushed first)."""
+        params = {"max_new_tokens": self.args.output, "temperature": 0.0, "ignore_eos": True}
+        self.engine.flush_cache()
         t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
-        wall = time.perf_counter() - t0
-    out_tokens = sum(len(o["output_ids"]) for o in outs)
-    return {
-        "wall_s": wall,
-        "output_tok_s": out_tokens / wall,
-        "max_decode_batch": max(batch_sizes, default=0),
-        "tokens": [o["output_ids"] for o in outs],
-    }
+        outs = self.engine.generate(input_ids=prompts, sampling_params=params, lora_path=self.names)
+        self.walls.append(time.perf_counter() - t0)
+        return [o["output_ids"] for o in outs]
 
 
 def main() -> None:
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per arm (the fastest)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -105,11 +109,25 @@ def main() -> None:
         (f"mixed, {k} slots", loras, mixed, k),
         ("mixed, 1 slot", loras, mixed, 1),
     ]
+    engines = [Arm(path, loaded, names, slots, args) for _, loaded, names, slots in arms]
+    tokens: list[list] = [[] for _ in engines]
+    for engine in engines:  # a warm-up run each: first-call costs out of the timing
+        engine.run(prompts)
+        engine.walls.clear()
+        engine.batch_sizes.clear()
+    for i in range(args.repeat):  # rounds over all arms: drift on this shared machine hits all
+        for engine, out in zip(engines, tokens):
+            out[:] = engine.run(prompts)
+        print(f"round {i + 1}: " + " ".join(f"{e.walls[-1]:.2f}" for e in engines), flush=True)
     rows = []
-    for name, loaded, names, slots in arms:
-        res = run_arm(path, prompts, loaded, names, slots, args)
-        rows.append({"arm": name, **res})
-        print(f"{name}: {res['wall_s']:.1f} s", flush=True)
+    for (name, *_), engine, out in zip(arms, engines, tokens):
+        wall = min(engine.walls)
+        rows.append({
+            "arm": name, "wall_s": wall,
+            "output_tok_s": sum(map(len, out)) / wall,
+            "max_decode_batch": max(engine.batch_sizes, default=0), "tokens": out,
+        })  # fmt: skip
+        engine.engine.shutdown()
     base = rows[0]["output_tok_s"]
     for r in rows:
         r["vs_base"] = r["output_tok_s"] / base

@@ -1,16 +1,18 @@
 """`LoRALinear`: a model's linear layer plus the LoRA deltas of the adapters in device slots.
 
 The layer holds, per output shard (q, k, v of a fused `qkv_proj`; one shard for a plain
-linear), `num_slots` adapters' matrices side by side: A as rows `[shard][slot][rank]` of one
-`[shards * slots * max_rank, in]` buffer, B per shard as `[shard size, slots * max_rank]` with
-the adapter's scaling folded in. A token's delta is then
+linear), `num_slots` adapters' matrices side by side: A as rows `[slot][shard][rank]` of one
+`[slots * shards * max_rank, in]` buffer, B per shard as `[shard size, slots * max_rank]` with
+the adapter's scaling folded in. A forward uses the slots `lo..hi` its batch's adapters are
+in (a contiguous block of rows of A and of columns of each B); a token's delta is then
 
-    y[:, shard] += ((x @ A.T) * mask)[:, shard's columns] @ B_shard.T
+    y[:, shard] += ((x @ A[lo..hi].T) * mask)[:, shard's columns] @ B_shard[:, lo..hi].T
 
-where `mask` keeps only the rank columns of the token's slot (the batch's tokens of all
-adapters go through the same two matmuls; a base-model token's mask row is all zeros). A
-smaller rank than `max_rank` leaves its extra rows and columns zero. The masks are the
-manager's (engine/lora/manager.py), built once per forward for all layers.
+where `mask` keeps only the rank columns of the token's slot (the batch's tokens of all its
+adapters go through the same matmuls; a base-model token's mask row is all zeros), so a batch
+of one adapter computes one adapter's rank, not every slot's. A smaller rank than `max_rank`
+leaves its extra rows and columns zero. The mask and slot range are the manager's
+(engine/lora/manager.py), set once per forward for all layers.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class LoRALinear(nn.Module):
         slots, rank = manager.num_slots, manager.max_rank
         w = base.weight
         self.lora_a = torch.zeros(
-            len(self.shard_ids) * slots * rank, base.in_features, dtype=w.dtype, device=w.device
+            slots * len(self.shard_ids) * rank, base.in_features, dtype=w.dtype, device=w.device
         )
         self.lora_b = [
             torch.zeros(size, slots * rank, dtype=w.dtype, device=w.device)
@@ -60,16 +62,14 @@ class LoRALinear(nn.Module):
     ) -> None:
         """Put an adapter's (A [r, in], B [size, r]) per shard into `slot`; shards it does
         not adapt get zeros."""
-        slots, rank = self.manager.num_slots, self.manager.max_rank
-        for index in range(len(self.shard_ids)):
-            rows = slice((index * slots + slot) * rank, (index * slots + slot + 1) * rank)
-            cols = slice(slot * rank, (slot + 1) * rank)
-            self.lora_a[rows].zero_()
-            self.lora_b[index][:, cols].zero_()
+        rank, shards = self.manager.max_rank, len(self.shard_ids)
+        self.lora_a[slot * shards * rank : (slot + 1) * shards * rank].zero_()
+        for index in range(shards):
+            self.lora_b[index][:, slot * rank : (slot + 1) * rank].zero_()
         for shard_id, (a, b) in weights.items():
             index, _ = self.shard_of(shard_id)
             r = a.shape[0]
-            row0 = (index * slots + slot) * rank
+            row0 = (slot * shards + index) * rank
             self.lora_a[row0 : row0 + r].copy_(a)
             self.lora_b[index][:, slot * rank : slot * rank + r].copy_(b * scaling)
 
@@ -78,8 +78,11 @@ class LoRALinear(nn.Module):
         mask = self.manager.mask
         if mask is None:  # no token of this batch has an adapter
             return y
-        width = mask.shape[1]
-        h = (x @ self.lora_a.T).view(x.shape[0], len(self.shard_ids), width) * mask.unsqueeze(1)
+        lo, hi = self.manager.slot_range
+        rank, shards, n = self.manager.max_rank, len(self.shard_ids), x.shape[0]
+        a = self.lora_a[lo * shards * rank : (hi + 1) * shards * rank]
+        h = (x @ a.T).view(n, hi + 1 - lo, shards, rank) * mask.view(n, hi + 1 - lo, 1, rank)
         for index, (offset, size) in enumerate(self.shard_ranges):
-            y[:, offset : offset + size] += h[:, index] @ self.lora_b[index].T
+            b = self.lora_b[index][:, lo * rank : (hi + 1) * rank]
+            y[:, offset : offset + size] += h[:, :, index].reshape(n, -1) @ b.T
         return y

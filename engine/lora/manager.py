@@ -43,7 +43,10 @@ class LoRAManager:
         self.max_rank = max_rank
         self.device = device
         self.specs = {s.id: s for s in specs}
-        self.mask: torch.Tensor | None = None  # [num_tokens, slots * max_rank] of this forward
+        # of this forward: the slots its adapters are in (lo, hi), and which of their rank
+        # columns each token reads ([num_tokens, (hi - lo + 1) * max_rank]; None: no adapter)
+        self.slot_range = (0, num_slots - 1)
+        self.mask: torch.Tensor | None = None
         self.layers: dict[str, LoRALinear] = {}
         # adapter id -> {our module path: {shard: (A, B)}}, on the host
         self.weights: dict[int, dict[str, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]]] = {}
@@ -126,13 +129,16 @@ class LoRAManager:
         for adapter_id in sorted(needed):
             self._load(adapter_id, needed)
         slots = [-1 if i == 0 else self.slot_of[i] for i in ids]
+        lo, hi = min(self.slot_of[i] for i in needed), max(self.slot_of[i] for i in needed)
+        self.slot_range = (lo, hi)
         per_req = torch.tensor(slots, dtype=torch.int64)
         if forward_batch.forward_mode.is_extend():
             lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
             per_req = per_req.repeat_interleave(lens)
         token_slot = per_req.to(self.device)
         dtype = self.lora_dtype
-        self.mask = (token_slot[:, None] == self._column_slot[None, :]).to(dtype)
+        columns = self._column_slot[lo * self.max_rank : (hi + 1) * self.max_rank]
+        self.mask = (token_slot[:, None] == columns[None, :]).to(dtype)
 
     @property
     def lora_dtype(self) -> torch.dtype:

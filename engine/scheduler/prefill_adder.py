@@ -29,9 +29,10 @@ class PrefillAdder:
         plus at most a window of output (`swa_request_cap`); None without it.
     Both input budgets leave room for `mixed_decode_tokens`, the running requests' tokens
     that a mixed batch also carries.
-    lora_slots (LoRA serving only): the adapters one batch may use; with the running requests'
-        adapters (`running_loras`) a request of another adapter waits at the head of the queue
-        once they are that many (as in SGLang, so that it is not passed over forever).
+    lora_slots (LoRA serving only): the adapters one batch may use. Once the running
+        requests' adapters (`running_loras`) and the admitted ones are that many, a request of
+        another adapter is not admitted (`no_lora_slot`: the scheduler skips it, as SGLang and
+        vLLM do, so that requests of adapters in slots behind it still go).
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class PrefillAdder:
         if self.rem_swa_tokens is not None:
             self.rem_swa_tokens -= swa_before - tc.swa_evictable_size()
 
-    def _no_lora_slot(self, req: Req) -> bool:
+    def no_lora_slot(self, req: Req) -> bool:
         if self.lora_slots is None or not req.lora_id or req.lora_id in self.loras:
             return False
         return len(self.loras) >= self.lora_slots
@@ -120,7 +121,7 @@ class PrefillAdder:
         return req if truncated else None
 
     def add_one_req(self, req: Req) -> AddResult:
-        if len(self.can_run_list) >= self.max_new_reqs or self._no_lora_slot(req):
+        if len(self.can_run_list) >= self.max_new_reqs or self.no_lora_slot(req):
             return AddResult.OTHER
         max_new = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
         input_len = req.extend_input_len

@@ -173,6 +173,8 @@ class Scheduler(RequestIntake):
         for req in self.waiting_queue:
             if req.rid in deprioritized and adder.can_run_list:
                 continue
+            if adder.no_lora_slot(req):  # its adapter has no slot in this batch
+                continue
             if not matched:
                 req.init_next_round_input(self.tree_cache)
             if adder.add_one_req(req) is not AddResult.CONTINUE:

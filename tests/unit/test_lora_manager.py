@@ -43,7 +43,7 @@ def slot_matches(manager: LoRAManager, adapter_id: int) -> bool:
     a, b = load_adapter_weights(spec, torch.float32)["model.layers.0.self_attn.q_proj"]
     layer = manager.layers["model.layers.0.self_attn.qkv_proj"]
     slot, rank, slots = manager.slot_of[adapter_id], manager.max_rank, manager.num_slots
-    rows = layer.lora_a[slot * rank : (slot + 1) * rank]  # shard q is the first
+    rows = layer.lora_a[slot * 3 * rank : (slot * 3 + 1) * rank]  # [slot][shard][rank]; q first
     cols = layer.lora_b[0][:, slot * rank : (slot + 1) * rank]
     assert slots * rank * 3 == layer.lora_a.shape[0]
     return (
@@ -72,13 +72,17 @@ def test_slots_fill_then_replace_the_least_recently_used(setup) -> None:
 def test_mask_selects_each_tokens_slot(setup) -> None:
     m = make(setup, slots=3)
     m.prepare(_Batch([2, 0, 1], lens=[2, 3, 1]))  # extend: per-token rows
-    assert m.mask is not None and m.mask.shape == (6, 3 * 8)
+    assert dict(m.slot_of) == {1: 0, 2: 1} and m.slot_range == (0, 1)
+    assert m.mask is not None and m.mask.shape == (6, 2 * 8)  # slots 0..1 only
     per_token = [2, 2, 0, 0, 0, 1]
     for t, adapter_id in enumerate(per_token):
-        want = torch.zeros(3 * 8)
+        want = torch.zeros(2 * 8)
         if adapter_id:
             slot = m.slot_of[adapter_id]
             want[slot * 8 : (slot + 1) * 8] = 1
         assert torch.equal(m.mask[t], want), t
+    m.prepare(_Batch([0, 3, 3]))  # decode, one adapter: its slot alone
+    assert m.slot_of[3] == 2 and m.slot_range == (2, 2)
+    assert torch.equal(m.mask, torch.tensor([[0.0] * 8, [1.0] * 8, [1.0] * 8]))
     m.prepare(_Batch([0, 0]))
     assert m.mask is None  # no adapter in the batch: the layers skip the LoRA matmuls
