@@ -109,7 +109,12 @@ def engine_flags(ns: argparse.Namespace) -> list[str]:
         if action.dest == "model_path" or value == action.default:
             continue
         flag = action.option_strings[0]
-        flags += [flag] if action.nargs == 0 else [flag, str(value)]
+        if action.nargs == 0:
+            flags.append(flag)
+        elif isinstance(value, list | tuple):  # nargs="+": --cuda-graph-bs, --lora-paths
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, str(value)]
     return flags
 
 
