@@ -62,7 +62,9 @@ class ModelRunner:
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
         self.model = None if host_only else load_model(model_config, self.dtype, self.device)
-        self.lora = None if host_only else make_lora_manager(self.model, args, self.dtype)
+        self.lora = (
+            None if host_only else make_lora_manager(self.model, args, self.dtype, self.device)
+        )
         self.page_size = args.page_size
         memory = plan_kv_memory(model_config, args, self.dtype, self.device)
         self.max_total_tokens = memory.tokens
@@ -259,7 +261,7 @@ class ModelRunner:
         return self.sample(logits, mwb)
 
 
-def make_lora_manager(model, args: EngineArgs, dtype: torch.dtype):
+def make_lora_manager(model, args: EngineArgs, dtype: torch.dtype, device: torch.device):
     """The LoRA manager of `args.lora_paths` over `model` (None without adapters)."""
     if not args.lora_paths:
         return None
@@ -267,7 +269,6 @@ def make_lora_manager(model, args: EngineArgs, dtype: torch.dtype):
     from engine.lora.manager import LoRAManager
 
     specs = read_adapter_specs(args.lora_paths)
-    device = next(model.parameters()).device
     return LoRAManager(
         model, specs, args.max_loras_per_batch, lora_rank(args, specs), dtype, device
     )

@@ -162,7 +162,7 @@ class Router:
             else await request_adapter(self.broker, body, self.model_name)
         )
         subs = body.to_subrequests()
-        if kind != "generate":  # (/generate names them per prompt)
+        if lora is not None:  # (/generate's name theirs per prompt)
             for sub in subs:
                 sub.lora_name = lora
         await check_adapters(self.broker, subs)

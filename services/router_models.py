@@ -52,6 +52,7 @@ async def check_adapters(broker: Any, subs: list[SubRequest]) -> None:
     if not wanted <= broker.workers.lora_adapters():
         await broker.refresh_workers()
     served = broker.workers.lora_adapters()
-    for name in sorted(wanted - served):
-        msg = f"no LoRA adapter {name!r} is served (served: {sorted(served)})"
+    missing = sorted(wanted - served)
+    if missing:
+        msg = f"no LoRA adapter {missing[0]!r} is served (served: {sorted(served)})"
         raise ApiError(400, msg, "lora_path", "invalid_value")

@@ -42,6 +42,7 @@ class LoRAManager:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
+        self.dtype = dtype
         self.specs = {s.id: s for s in specs}
         # of this forward: the slots its adapters are in (lo, hi), and which of their rank
         # columns each token reads ([num_tokens, (hi - lo + 1) * max_rank]; None: no adapter)
@@ -136,13 +137,8 @@ class LoRAManager:
             lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
             per_req = per_req.repeat_interleave(lens)
         token_slot = per_req.to(self.device)
-        dtype = self.lora_dtype
         columns = self._column_slot[lo * self.max_rank : (hi + 1) * self.max_rank]
-        self.mask = (token_slot[:, None] == columns[None, :]).to(dtype)
-
-    @property
-    def lora_dtype(self) -> torch.dtype:
-        return next(iter(self.layers.values())).lora_a.dtype
+        self.mask = (token_slot[:, None] == columns[None, :]).to(self.dtype)
 
     def _load(self, adapter_id: int, needed: set[int]) -> None:
         if adapter_id in self.slot_of:

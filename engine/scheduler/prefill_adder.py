@@ -14,6 +14,7 @@ class AddResult(Enum):
     CONTINUE = auto()  # admitted; keep going
     NO_TOKEN = auto()  # the memory budget is exhausted
     OTHER = auto()  # a per-batch limit (prefill tokens, chunk) is reached
+    SKIP = auto()  # not this request (its LoRA adapter has no slot); later ones may go
 
 
 class PrefillAdder:
@@ -31,7 +32,7 @@ class PrefillAdder:
     that a mixed batch also carries.
     lora_slots (LoRA serving only): the adapters one batch may use. Once the running
         requests' adapters (`running_loras`) and the admitted ones are that many, a request of
-        another adapter is not admitted (`no_lora_slot`: the scheduler skips it, as SGLang and
+        another adapter is not admitted (`SKIP`: the scheduler passes it over, as SGLang and
         vLLM do, so that requests of adapters in slots behind it still go).
     """
 
@@ -97,7 +98,7 @@ class PrefillAdder:
         if self.rem_swa_tokens is not None:
             self.rem_swa_tokens -= swa_before - tc.swa_evictable_size()
 
-    def no_lora_slot(self, req: Req) -> bool:
+    def _no_lora_slot(self, req: Req) -> bool:
         if self.lora_slots is None or not req.lora_id or req.lora_id in self.loras:
             return False
         return len(self.loras) >= self.lora_slots
@@ -121,8 +122,10 @@ class PrefillAdder:
         return req if truncated else None
 
     def add_one_req(self, req: Req) -> AddResult:
-        if len(self.can_run_list) >= self.max_new_reqs or self.no_lora_slot(req):
+        if len(self.can_run_list) >= self.max_new_reqs:
             return AddResult.OTHER
+        if self._no_lora_slot(req):
+            return AddResult.SKIP
         max_new = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
         input_len = req.extend_input_len
         if self._ceil_page(input_len) + max_new >= self.rem_total_tokens:

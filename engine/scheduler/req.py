@@ -66,9 +66,7 @@ class Req:
     ) -> None:
         self.rid = rid
         self.priority = priority  # with priority scheduling (EngineArgs)
-        # the LoRA adapter it runs with (0: the base model); also its prefix cache namespace,
-        # since an adapter's K/V differ from the base model's for the same tokens
-        self.lora_id = self.cache_namespace = lora_id
+        self.lora_id = lora_id  # the LoRA adapter it runs with (0: the base model)
         self.origin_input_ids = origin_input_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -136,6 +134,12 @@ class Req:
         rows = range(max(prefix_len, self.prompt_logprob_cursor), min(seq_len, self.prompt_len - 1))
         self.prompt_logprob_cursor = max(self.prompt_logprob_cursor, rows.stop)
         return rows
+
+    @property
+    def cache_namespace(self) -> int:
+        """Its prefix-cache namespace: its adapter's, whose K/V differ from the base model's
+        (and from other adapters') for the same tokens."""
+        return self.lora_id
 
     @property
     def prompt_len(self) -> int:

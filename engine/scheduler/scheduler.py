@@ -161,8 +161,7 @@ class Scheduler(RequestIntake):
             ),
             mixed_decode_tokens=running if self.args.enable_mixed_chunk else 0,
             running_swa_need=self.running_batch.running_swa_need_tokens(self.new_token_ratio),
-            lora_slots=self.args.max_loras_per_batch if self.args.lora_paths else None,
-            running_loras={r.lora_id for r in self.running_batch.reqs},
+            **self._lora_budget(),
         )
         chunked_batch_req = None
         if self.chunked_req is not None:
@@ -173,11 +172,12 @@ class Scheduler(RequestIntake):
         for req in self.waiting_queue:
             if req.rid in deprioritized and adder.can_run_list:
                 continue
-            if adder.no_lora_slot(req):  # its adapter has no slot in this batch
-                continue
             if not matched:
                 req.init_next_round_input(self.tree_cache)
-            if adder.add_one_req(req) is not AddResult.CONTINUE:
+            result = adder.add_one_req(req)
+            if result is AddResult.SKIP:
+                continue
+            if result is not AddResult.CONTINUE:
                 break
         admitted = {id(r) for r in adder.can_run_list}
         self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
@@ -196,6 +196,13 @@ class Scheduler(RequestIntake):
         if self.args.enable_mixed_chunk:
             self._mix_running_into(batch)
         return batch
+
+    def _lora_budget(self) -> dict[str, Any]:
+        """The adder's LoRA slot budget (nothing without adapters)."""
+        if not self.lora_ids:
+            return {}
+        running = {r.lora_id for r in self.running_batch.reqs}
+        return {"lora_slots": self.args.max_loras_per_batch, "running_loras": running}
 
     def _may_preempt(self) -> bool:
         """Whether some waiting request's priority beats some running one's by more than the
