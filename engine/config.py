@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.speculative import check_speculative_args
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -202,6 +204,12 @@ class EngineArgs:
     lora_paths: tuple[str, ...] = ()
     max_loras_per_batch: int = 8
     max_lora_rank: int | None = None
+    # Speculative decoding (SGLang's flags): "ngram" drafts up to num_draft_tokens tokens a
+    # step from the request's own text, matching its last min..max tokens (engine/speculative/).
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 4
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -235,6 +243,7 @@ class EngineArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens is too small for one page")
         self._check_cuda_graph_args()
+        check_speculative_args(self)
 
     def _check_cuda_graph_args(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -20,6 +20,7 @@ from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
+from engine.speculative.verify import VerifyResult, verify
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -256,7 +257,11 @@ class ModelRunner:
             out.next_token_ids, out.logprobs, out.top_logprobs, out.prompt_logprobs
         )
 
-    def forward_batch_generation(self, mwb: ModelWorkerBatch) -> GenerationBatchResult:
+    def forward_batch_generation(
+        self, mwb: ModelWorkerBatch
+    ) -> GenerationBatchResult | VerifyResult:
+        if mwb.spec_draft_lens is not None:
+            return verify(self, mwb)
         logits = self.forward(self.build_forward_batch(mwb))
         return self.sample(logits, mwb)
 

@@ -6,7 +6,11 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from engine.scheduler.req import FinishReason, Req
+from engine.speculative.scheduling import trim_kv
+from engine.speculative.verify import VerifyResult
 
 if TYPE_CHECKING:
     from engine.scheduler.schedule_batch import ScheduleBatch
@@ -48,7 +52,11 @@ class OutputProcessor:
 
     def process_batch_result(self, batch: ScheduleBatch, result: Any) -> None:
         """`result.next_token_ids` holds one sampled token per request of `batch` (a tensor or
-        list); optional `logprobs` / `top_logprobs` / `prompt_logprobs` alongside."""
+        list); optional `logprobs` / `top_logprobs` / `prompt_logprobs` alongside. A verify
+        step's result (`VerifyResult`) has several tokens per request."""
+        if isinstance(result, VerifyResult):
+            self.process_verify_result(batch, result)
+            return
         next_ids = result.next_token_ids
         if hasattr(next_ids, "tolist"):
             next_ids = next_ids.tolist()
@@ -100,6 +108,57 @@ class OutputProcessor:
             events.append(StepEvent(req, new, start, reason))
         stats.generation_tokens += num_new
         stats.num_finished += num_finished
+
+
+    def process_verify_result(self, batch: ScheduleBatch, result: VerifyResult) -> None:
+        """Append each request's accepted tokens one at a time, as if each were a step of
+        its own (the tokens after one that finishes the request are dropped), then give
+        back the KV of what was not kept: every request holds KV for all its tokens but the
+        last, as after a decode step."""
+        sched = self.scheduler
+        sched.drafter.count(result.num_drafts, result.accepted)
+        tree_cache, pools, context_len = sched.tree_cache, sched.pools, sched.context_len
+        tokenizer = self.tokenizer
+        logprobs, top = result.logprobs, result.top_logprobs
+        num_new = num_finished = 0
+        rejected = []  # KV slots of rejected drafts (freed at once)
+        for i, req in enumerate(batch.reqs):
+            if req.finished_reason is not None:
+                continue
+            output_ids = req.output_ids
+            start = len(output_ids)
+            params = req.sampling_params
+            for j, token in enumerate(result.tokens[i]):
+                if req.to_abort is not None:
+                    break
+                output_ids.append(token)
+                if req.grammar is not None and not req.grammar.accept(token):
+                    req.to_abort = FinishReason(
+                        "abort", message=f"token {token} does not follow the grammar"
+                    )
+                if logprobs is not None and params.return_logprob:
+                    req.logprobs.append(logprobs[i][j])
+                    if top is not None and params.top_logprobs_num > 0:
+                        req.top_logprobs.append(top[i][j])
+                req.check_finished(context_len, tokenizer)
+                if req.finished_reason is not None:
+                    break
+            req.check_finished(context_len, tokenizer)  # (an abort with no token appended)
+            slots = trim_kv(pools, req, req.seqlen - 1)
+            if slots is not None:
+                rejected.append(slots)
+            reason = req.finished_reason
+            if reason is not None:
+                req.fill_ids = req.all_ids()[: req.kv_allocated_len]
+                tree_cache.cache_finished_req(req)
+                num_finished += 1
+            new = output_ids[start:]
+            num_new += len(new)
+            self._events.append(StepEvent(req, new, start, reason))
+        if rejected:
+            pools.allocator.free(torch.cat(rejected).to(torch.int64))
+        sched.stats.generation_tokens += num_new
+        sched.stats.num_finished += num_finished
 
 
 def _add_prompt_logprobs(reqs: list[Req], prompt: list) -> None:

@@ -49,6 +49,9 @@ class ModelWorkerBatch:
     vocab_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     # per request, its LoRA adapter's id (0: the base model); None when no request has one
     lora_ids: list[int] | None = None
+    # a speculative verify step (an EXTEND of each request's last token and drafts): the
+    # number of drafts of each request (engine/speculative/)
+    spec_draft_lens: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -69,6 +72,8 @@ class ScheduleBatch:
         self.decoding_reqs: frozenset[Req] = frozenset()
         # (rows, targets, counts) of prompt logprobs, see ModelWorkerBatch
         self._prompt_logprobs: tuple[list[int], list[int], list[int]] | None = None
+        # a verify step's drafts per request (engine/speculative/scheduling.py)
+        self.spec_draft_lens: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -152,6 +157,7 @@ class ScheduleBatch:
         """One new token per request: the last output token (or `input_ids` given by the
         overlap scheduler, which may hold future placeholders)."""
         self.forward_mode = ForwardMode.DECODE
+        self.spec_draft_lens = None
         req_to_token = self.pools.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_allocated_len for r in self.reqs]
         seq_lens = [n + 1 for n in prefix_lens]
@@ -257,9 +263,10 @@ class ScheduleBatch:
         )
 
     def get_model_worker_batch(self) -> ModelWorkerBatch:
-        extend = self.forward_mode.is_extend()
+        verify = self.spec_draft_lens is not None  # a decode batch that runs as an extend
+        extend = self.forward_mode.is_extend() or verify
         return ModelWorkerBatch(
-            forward_mode=self.forward_mode,
+            forward_mode=ForwardMode.EXTEND if verify else self.forward_mode,
             input_ids=self.input_ids,
             positions=self.positions,
             out_cache_loc=self.out_cache_loc,
@@ -276,7 +283,8 @@ class ScheduleBatch:
             top_logprobs_nums=[r.sampling_params.top_logprobs_num for r in self.reqs],
             prompt_ranks=any(r.sampling_params.return_prompt_ranks for r in self.reqs),
             lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
-            **_prompt_logprob_fields(self._prompt_logprobs if extend else None),
+            spec_draft_lens=self.spec_draft_lens,
+            **_prompt_logprob_fields(self._prompt_logprobs if extend and not verify else None),
         )
 
 

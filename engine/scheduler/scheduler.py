@@ -26,6 +26,7 @@ from engine.scheduler.req import Req
 from engine.scheduler.request_intake import RequestIntake
 from engine.scheduler.schedule_batch import ScheduleBatch
 from engine.scheduler.schedule_policy import SchedulePolicy
+from engine.speculative.scheduling import NgramDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class Scheduler(RequestIntake):
         self._arrival = itertools.count()
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = None if chunk is None or chunk < 0 else chunk
+        self.drafter = (
+            NgramDrafter(args, self.context_len) if args.speculative_algorithm else None
+        )
         self.max_running_requests = min(
             args.max_running_requests, self.pools.req_to_token_pool.size - 1
         )
@@ -266,7 +270,8 @@ class Scheduler(RequestIntake):
                 self.new_token_ratio - self.args.new_token_ratio_decay,
                 self.args.min_new_token_ratio,
             )
-        batch.prepare_for_decode(self.decode_input_ids(batch))
+        if self.drafter is None or not self.drafter.prepare(batch):
+            batch.prepare_for_decode(self.decode_input_ids(batch))
         return batch
 
     def decode_input_ids(self, batch: ScheduleBatch) -> list[int] | None:

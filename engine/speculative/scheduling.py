@@ -1,0 +1,134 @@
+"""The scheduler's side of speculative decoding: drafts, and the verify step's memory.
+
+A decode step with drafts (a verify step) runs each request's last token and its k drafts
+as one extend of 1 + k tokens on top of its KV ([last, d1..dk] at positions kv..kv+k), with
+logits at every position. The model runner samples a token at each position
+(engine/speculative/verify.py); the drafts up to the first one that differs from the token
+sampled before it are accepted, and that token follows them. So a step yields 1..k+1 tokens
+per request, and the KV of the rejected drafts is given back (`trim_kv`).
+
+Requests get no drafts when they have a grammar (its mask is known one token at a time), or
+no room for more than one token (max_new_tokens, the context). Without the memory for every
+request's drafts, the step decodes one token each, as without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.forward_batch import ForwardMode
+from engine.speculative.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs
+    from engine.scheduler.pools import MemoryPools
+    from engine.scheduler.req import Req
+    from engine.scheduler.schedule_batch import ScheduleBatch
+
+
+@dataclass
+class SpecStats:
+    """Counts over the server's life: verify steps' requests (vLLM's num_drafts), drafts
+    proposed and accepted. Accept length (SGLang's) = (accepted + drafts) / drafts."""
+
+    num_drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens per request and verify step (1 + accepted drafts, on average)."""
+        return 1.0 + self.accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class NgramDrafter:
+    def __init__(self, args: EngineArgs, context_len: int) -> None:
+        self.k = args.speculative_num_draft_tokens
+        self.min_n = args.speculative_ngram_min_match_window_size
+        self.max_n = args.speculative_ngram_max_match_window_size
+        self.context_len = context_len
+        self.stats = SpecStats()
+
+    def propose(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's drafts (maybe none)."""
+        drafts = []
+        for r in reqs:
+            room = min(self.k, r.remaining_new_tokens() - 1, self.context_len - r.seqlen - 1)
+            if room <= 0 or r.grammar is not None or r.to_abort is not None:
+                drafts.append([])
+            else:
+                drafts.append(propose_ngram(r.all_ids(), room, self.min_n, self.max_n))
+        return drafts
+
+    def prepare(self, batch: ScheduleBatch) -> bool:
+        """Set `batch` up as a verify step if some request has drafts and the memory for all
+        of them can be had; whether it did (else it is for a plain decode step)."""
+        drafts = self.propose(batch.reqs)
+        if not any(drafts) or not batch.pools.make_room(verify_tokens_needed(batch, drafts)):
+            return False
+        prepare_for_verify(batch, drafts)
+        return True
+
+    def count(self, num_drafts: list[int], accepted: list[int]) -> None:
+        s = self.stats
+        for n, a in zip(num_drafts, accepted, strict=True):
+            if n:
+                s.num_drafts += 1
+                s.draft_tokens += n
+                s.accepted_tokens += a
+
+
+def verify_tokens_needed(batch: ScheduleBatch, drafts: list[list[int]]) -> int:
+    """KV slots (whole pages) the verify step must allocate."""
+    a = batch.pools.allocator
+    pages = sum(
+        a.num_pages_needed(r.kv_allocated_len, r.kv_allocated_len + 1 + len(d))
+        for r, d in zip(batch.reqs, drafts, strict=True)
+    )
+    return pages * batch.pools.page_size
+
+
+def prepare_for_verify(batch: ScheduleBatch, drafts: list[list[int]]) -> None:
+    """Set up `batch` (the running batch) for a verify step: KV slots for each request's last
+    token and drafts, the packed inputs. The batch stays a decode batch for the scheduler;
+    its worker batch is an extend with `spec_draft_lens`."""
+    batch.forward_mode = ForwardMode.DECODE
+    pools = batch.pools
+    req_to_token = pools.req_to_token_pool.req_to_token
+    prefix_lens = [r.kv_allocated_len for r in batch.reqs]
+    seq_lens = [n + 1 + len(d) for n, d in zip(prefix_lens, drafts, strict=True)]
+    out = pools.alloc_kv(prefix_lens, seq_lens, batch._last_locs(prefix_lens))
+    input_ids: list[int] = []
+    positions: list[int] = []
+    offset = 0
+    for r, pl, sl, d in zip(batch.reqs, prefix_lens, seq_lens, drafts, strict=True):
+        req_to_token[r.req_pool_idx, pl:sl] = out[offset : offset + sl - pl].to(torch.int32)
+        offset += sl - pl
+        r.kv_allocated_len = sl
+        input_ids.append(r.output_ids[-1])
+        input_ids.extend(d)
+        positions.extend(range(pl, sl))
+    batch.input_ids = input_ids
+    batch.positions = positions
+    batch.out_cache_loc = out
+    batch._prefix_lens = prefix_lens
+    batch._seq_lens = seq_lens
+    batch.spec_draft_lens = [len(d) for d in drafts]
+
+
+def trim_kv(pools: MemoryPools, req: Req, length: int) -> torch.Tensor | None:
+    """Keep the request's KV for its first `length` positions; returns the slots of the
+    whole pages after the page of position length - 1, for the caller to free (the rest of
+    that page stays the request's, and its next tokens fill it)."""
+    held = req.kv_allocated_len
+    if length >= held:
+        return None
+    req.kv_allocated_len = length
+    ps = pools.page_size
+    first_free = -(-length // ps) * ps
+    if first_free >= held:
+        return None
+    return pools.req_to_token_pool.req_to_token[req.req_pool_idx, first_free:held]
