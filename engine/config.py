@@ -208,7 +208,7 @@ class EngineArgs:
     # step from the request's own text, matching its last min..max tokens (engine/speculative/).
     speculative_algorithm: str | None = None
     speculative_num_draft_tokens: int = 4
-    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
 
     def __post_init__(self) -> None:

@@ -199,6 +199,7 @@ class Engine:
             "generation_tokens": s.generation_tokens,
             "num_retractions": s.num_retractions,
             "new_token_ratio": s.new_token_ratio,
+            **_spec_stats(self.scheduler),
         }
 
     def flush_cache(self) -> bool:
@@ -239,3 +240,18 @@ def _logprob_meta(req: Req) -> dict[str, Any]:
 
 def _pairs(top: tuple[list[int], list[float]]) -> list[list]:
     return [[v, t] for t, v in zip(*top)]
+
+
+def _spec_stats(scheduler: Scheduler) -> dict[str, Any]:
+    """Speculative decoding's counts (vLLM's spec decode metrics), when it is on."""
+    drafter = getattr(scheduler, "drafter", None)
+    if drafter is None:
+        return {}
+    s = drafter.stats
+    return {
+        "spec_num_drafts": s.num_drafts,
+        "spec_draft_tokens": s.draft_tokens,
+        "spec_accepted_tokens": s.accepted_tokens,
+        "spec_accept_length": s.accept_length,
+        "spec_memory_skips": s.memory_skips,
+    }

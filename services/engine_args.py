@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 from engine.config import (
@@ -13,6 +14,7 @@ from engine.config import (
     SCHEDULE_POLICIES,
     EngineArgs,
 )
+from engine.speculative import SPECULATIVE_ALGORITHMS, from_vllm_config
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sluice", "tiny-llama")
 
@@ -114,6 +116,57 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max-lora-rank", type=int, default=None, help="default: the adapters' largest rank"
+    )
+
+    _add_speculative_args(g)
+
+
+class _VllmSpeculativeConfig(argparse.Action):
+    """vLLM's --speculative-config JSON, set as the SGLang-named flags it stands for."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+        try:
+            fields = from_vllm_config(json.loads(values))
+        except ValueError as e:  # (json.JSONDecodeError is one)
+            parser.error(f"{option_string}: {e}")
+        for name, value in fields.items():
+            setattr(namespace, name, value)
+
+
+def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--speculative-algorithm",
+        type=str.lower,
+        choices=SPECULATIVE_ALGORITHMS,
+        default=None,
+        help="speculative decoding: ngram drafts each request's next tokens from its own "
+        "text (prompt and output), verified by the model in one forward (turns overlap off)",
+    )
+    g.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=4,
+        help="draft tokens per request and step (vLLM's num_speculative_tokens)",
+    )
+    g.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=2,
+        help="shortest suffix of the request's tokens matched earlier (prompt_lookup_min)",
+    )
+    g.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=4,
+        help="longest suffix matched; the longest match wins (prompt_lookup_max)",
+    )
+    g.add_argument(
+        "--speculative-config",
+        action=_VllmSpeculativeConfig,
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s form, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, '
+        '"prompt_lookup_max": 4}\'',
     )
 
 

@@ -24,6 +24,7 @@ class LoadFigures(NamedTuple):
     token_usage: float = 0.0
     generation_tokens: int = 0
     num_retracted: int = 0
+    spec_accept_length: float = 0.0
 
 
 class WorkerFacts(NamedTuple):
@@ -53,6 +54,7 @@ class WorkerFacts(NamedTuple):
 def load_figures(scheduler: Any) -> LoadFigures:
     """The scheduler's figures now (on the scheduler thread)."""
     stats, pools = scheduler.stats, scheduler.pools
+    drafter = getattr(scheduler, "drafter", None)  # speculative decoding's
     cached = pools.tree_cache.evictable_size()
     used = pools.allocator.size - pools.allocator.available_size() - cached
     return LoadFigures(
@@ -63,6 +65,7 @@ def load_figures(scheduler: Any) -> LoadFigures:
         stats.token_usage,
         stats.generation_tokens,
         stats.num_retractions,
+        drafter.stats.accept_length if drafter is not None else 0.0,
     )
 
 
@@ -97,4 +100,5 @@ class LoadReporter:
             updated_at=time.time(),
             num_retracted_reqs=f.num_retracted,
             lora_adapters=list(facts.lora_adapters),
+            spec_accept_length=f.spec_accept_length,
         )

@@ -37,6 +37,7 @@ class SpecStats:
     num_drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    memory_skips: int = 0  # steps whose drafts did not fit in the KV pool
 
     @property
     def accept_length(self) -> float:
@@ -67,7 +68,10 @@ class NgramDrafter:
         """Set `batch` up as a verify step if some request has drafts and the memory for all
         of them can be had; whether it did (else it is for a plain decode step)."""
         drafts = self.propose(batch.reqs)
-        if not any(drafts) or not batch.pools.make_room(verify_tokens_needed(batch, drafts)):
+        if not any(drafts):
+            return False
+        if not batch.pools.make_room(verify_tokens_needed(batch, drafts)):
+            self.stats.memory_skips += 1
             return False
         prepare_for_verify(batch, drafts)
         return True

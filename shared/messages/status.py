@@ -16,10 +16,12 @@ class WorkerLoadMsg(Message):
     held only by the prefix cache and can be evicted. `num_retracted_reqs` counts the
     requests the worker has retracted to its queue for lack of KV memory since it started.
     `updated_at` is `time.time()`. `lora_adapters`: the names of the LoRA adapters it serves.
+    `spec_accept_length`: with speculative decoding, the tokens per request and verify step
+    since it started (1 + accepted drafts; SGLang's avg_spec_accept_length), else 0.
     """
 
     TAG = "worker_load"
-    VERSION = 3  # 3: lora_adapters
+    VERSION = 4  # 3: lora_adapters; 4: spec_accept_length
 
     worker_id: str
     model: str
@@ -37,6 +39,7 @@ class WorkerLoadMsg(Message):
     updated_at: float
     num_retracted_reqs: int = 0
     lora_adapters: list[str] = field(default_factory=list)
+    spec_accept_length: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

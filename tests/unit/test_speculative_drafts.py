@@ -1,0 +1,98 @@
+"""N-gram drafts, vLLM's --speculative-config, and giving back a rejected draft's pages."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from engine.mem_cache.allocator import TokenToKVPoolAllocator
+from engine.mem_cache.memory_pool import ReqToTokenPool
+from engine.scheduler.pools import MemoryPools
+from engine.scheduler.req import Req
+from engine.sampling.sampling_params import SamplingParams
+from engine.speculative import from_vllm_config
+from engine.speculative.ngram import propose_ngram
+from engine.speculative.scheduling import trim_kv
+
+
+def test_longest_then_latest_match_is_continued() -> None:
+    # "5 6" occurs twice before the end; "4 5 6" once: the longest match wins
+    tokens = [4, 5, 6, 7, 8, 1, 5, 6, 9, 9, 4, 5, 6]
+    assert propose_ngram(tokens, 3, min_n=1, max_n=3) == [7, 8, 1]
+    # with windows of at most 2 tokens, the latest "5 6" wins
+    assert propose_ngram(tokens, 3, min_n=1, max_n=2) == [9, 9, 4]
+    # the draft stops at k, and is cut by nothing else
+    assert propose_ngram(tokens, 1, min_n=1, max_n=3) == [7]
+
+
+def test_no_match_and_minimum_window() -> None:
+    assert propose_ngram([1, 2, 3, 4], 4, min_n=1, max_n=3) == []
+    # only the last token recurs: not enough for min_n 2
+    assert propose_ngram([7, 1, 2, 7], 4, min_n=2, max_n=3) == []
+    assert propose_ngram([7, 1, 2, 7], 2, min_n=1, max_n=3) == [1, 2]
+    assert propose_ngram([], 4, min_n=1, max_n=3) == []
+    assert propose_ngram([5], 4, min_n=1, max_n=3) == []
+
+
+def test_a_loop_is_continued_past_the_end() -> None:
+    # period 2: the match ends one token before the end, the draft repeats the loop
+    assert propose_ngram([3, 1, 2, 1, 2, 1, 2], 5, min_n=2, max_n=4) == [1, 2, 1, 2, 1]
+    assert propose_ngram([9, 9, 9], 4, min_n=1, max_n=4) == [9, 9, 9, 9]
+
+
+def test_vllm_config() -> None:
+    assert from_vllm_config({"method": "ngram", "num_speculative_tokens": 5,
+                             "prompt_lookup_max": 4}) == {  # fmt: skip
+        "speculative_algorithm": "ngram",
+        "speculative_num_draft_tokens": 5,
+        "speculative_ngram_max_match_window_size": 4,
+        "speculative_ngram_min_match_window_size": 4,
+    }
+    for bad, why in [
+        ({"method": "eagle"}, "not served"),
+        ({"num_speculative_tokens": 3}, "not served"),
+        ({"method": "ngram", "model": "x"}, "unsupported keys"),
+        ([1], "JSON object"),
+    ]:
+        with pytest.raises(ValueError, match=why):
+            from_vllm_config(bad)
+
+
+def test_cli_flags() -> None:
+    from services.engine_args import add_engine_args
+    from services.serve import engine_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--speculative-config", '{"method": "NGRAM", "prompt_lookup_min": 1}'])
+    assert ns.speculative_algorithm == "NGRAM" and ns.speculative_ngram_min_match_window_size == 1
+    # the worker gets the SGLang-named flags
+    assert engine_flags(ns) == ["--speculative-algorithm", "NGRAM",
+                                "--speculative-ngram-min-match-window-size", "1"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{not json"])
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_trim_gives_back_whole_pages_after_the_kept_length(page_size: int) -> None:
+    allocator = TokenToKVPoolAllocator(64, page_size)
+    rows = ReqToTokenPool(4, 32, "cpu")
+    pools = MemoryPools(rows, allocator, None, page_size)
+    req = Req("r", [1, 2, 3], SamplingParams())
+    req.req_pool_idx = rows.alloc(1)[0]
+    slots = pools.alloc_kv([0], [11], [-1])
+    rows.req_to_token[req.req_pool_idx, :11] = slots.to(torch.int32)
+    req.kv_allocated_len = 11
+    free_before = allocator.available_size()
+    gone = trim_kv(pools, req, 6)
+    assert req.kv_allocated_len == 6
+    kept_pages = -(-6 // page_size)
+    # the pages of positions 0..5 stay; the rest of the 11 positions' pages are returned
+    want = -(-11 // page_size) - kept_pages
+    assert gone is not None and len(torch.unique(gone.long() // page_size)) == want
+    allocator.free(gone.long())
+    assert allocator.available_size() == free_before + want * page_size
+    assert bool(allocator.is_allocated(slots[:6]).all())
+    assert trim_kv(pools, req, 6) is None  # nothing more to give back
