@@ -9,9 +9,9 @@ import torch
 
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import ReqToTokenPool
+from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.pools import MemoryPools
 from engine.scheduler.req import Req
-from engine.sampling.sampling_params import SamplingParams
 from engine.speculative import from_vllm_config
 from engine.speculative.ngram import propose_ngram
 from engine.speculative.scheduling import trim_kv
