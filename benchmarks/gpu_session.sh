@@ -19,6 +19,8 @@
 #               waits for a busy forward stream) and the GPU cases of
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
+#   speculative benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
+#               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
 #   parity-windows (the results first)
@@ -171,6 +173,9 @@ do_step() {
         smoke)
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
                 --results-dir /tmp/sluice-gpu-smoke ;;
+        speculative)
+            run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
+                --dtype bfloat16 --layers 8 --name gpu_speculative ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
         tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels
             do_step parity-windows ;;
@@ -180,7 +185,7 @@ do_step() {
     esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,32p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,34p' "$0"; exit 2; }
 setup
 if [ "$1" = exec ]; then
     shift

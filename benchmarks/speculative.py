@@ -1,0 +1,157 @@
+"""Speculative decoding (n-gram drafts) against plain decoding, side by side in one run.
+
+    python benchmarks/speculative.py [--layers 4] [--output 64] [--draft-tokens 4] [--threads 2]
+        [--device cuda --dtype bfloat16 --name gpu_speculative]   (the GPU session's step)
+
+A random Llama of the `small` preset's shape (hidden 1024, GQA 16/4, intermediate 2816,
+vocab 32000) with `--layers` layers; two engines, overlap off in both (speculative decoding
+turns it off), one with `--speculative-algorithm ngram`. Prompts of `--context` random tokens,
+`--output` greedy tokens each (`ignore_eos`), `--batch` requests at once. A random model's
+text decides how often the drafts are right, so three workloads span the range:
+
+* forced: a logit_bias of +100 on one token; the output repeats it and every draft from the
+  second step on is right (the ceiling: accept length near 1 + draft tokens);
+* 3-token loop: allowed_token_ids of 3 tokens; the greedy output cycles irregularly and the
+  drafts are partly right (about what copying text does for a real model);
+* free text: no constraint; n-grams of the random text rarely recur, drafts are rarely
+  proposed (the floor: what speculation costs when it finds nothing).
+
+The arms' timed runs interleave, `--repeat` rounds (the fastest run counts). Reported per
+workload and batch: output tokens/s of each arm and their ratio, the accept length (tokens per
+request and verify step), the mean time of a plain decode step and of the speculative arm's
+decode steps (verify steps, and plain ones where no request had drafts), and the fraction of
+requests whose tokens are the same in both arms: on CPU (float32) the run fails unless all
+are; in bf16 on a GPU the two kernels' roundings may break a near-tie differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import print_table, write_result  # noqa: E402
+
+WORKLOADS = {
+    "forced": {"logit_bias": {"500": 100.0}},
+    "3-token loop": {"allowed_token_ids": [11, 12, 13]},
+    "free text": {},
+}
+
+
+class Arm:
+    """One engine, kept open; times its runs and its decode / verify steps."""
+
+    def __init__(self, path: str, args: Any, **kw: Any) -> None:
+        from engine.engine import Engine
+
+        self.engine = Engine(
+            model_path=path, disable_overlap_schedule=True, skip_tokenizer_init=True,
+            max_total_tokens=max(args.batch) * (args.context + args.output) + 512,
+            device=args.device, dtype=args.dtype, **kw,
+        )  # fmt: skip
+        self.step_s: list[float] = []
+        run_batch = self.engine.scheduler.run_batch
+
+        def timed(batch: Any) -> Any:
+            t0 = time.perf_counter()
+            out = run_batch(batch)
+            if self.engine.args.device.startswith("cuda"):
+                torch.cuda.synchronize()  # (a verify step reads its tokens; decode does not)
+            if batch.forward_mode.is_decode():
+                self.step_s.append(time.perf_counter() - t0)
+            return out
+
+        self.engine.scheduler.run_batch = timed
+
+    def run(self, prompts: list, params: dict) -> tuple[float, list, dict]:
+        """(wall seconds, output ids, stats) of one run, the prefix cache flushed first."""
+        self.engine.flush_cache()
+        drafter = self.engine.scheduler.drafter
+        if drafter is not None:
+            drafter.stats.__init__()
+        self.step_s.clear()
+        t0 = time.perf_counter()
+        outs = self.engine.generate(input_ids=prompts, sampling_params=params)
+        wall = time.perf_counter() - t0
+        stats = self.engine.get_stats()
+        stats["mean_step_ms"] = 1e3 * sum(self.step_s) / max(1, len(self.step_s))
+        return wall, [o["output_ids"] for o in outs], stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--name", default="speculative", help="results file name (no .json)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per arm (the fastest)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from services.tiny_model import make_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-lora-small-{args.layers}l")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, preset="small", seed=args.seed, num_layers=args.layers)
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(3, 30000) for _ in range(args.context)] for _ in range(max(args.batch))
+    ]
+    plain = Arm(path, args)
+    spec = Arm(path, args, speculative_algorithm="ngram",
+               speculative_num_draft_tokens=args.draft_tokens)  # fmt: skip
+    rows = []
+    for name, extra in WORKLOADS.items():
+        params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True, **extra}
+        for bs in args.batch:
+            batch = prompts[:bs]
+            for arm in (plain, spec):  # warm-up
+                arm.run(batch, params)
+            best: dict[str, Any] = {}
+            for _ in range(args.repeat):
+                for label, arm in (("plain", plain), ("spec", spec)):
+                    wall, out, stats = arm.run(batch, params)
+                    if label not in best or wall < best[label][0]:
+                        best[label] = (wall, out, stats)
+            (pw, pout, pstats), (sw, sout, sstats) = best["plain"], best["spec"]
+            same = sum(p == q for p, q in zip(pout, sout)) / bs
+            if same < 1 and args.device == "cpu":  # (bf16 kernels may break near-ties apart)
+                raise SystemExit(f"{name}, batch {bs}: speculative tokens differ from plain")
+            tokens = sum(map(len, pout))
+            row = {
+                "workload": name, "batch": bs,
+                "plain_tok_s": tokens / pw, "spec_tok_s": tokens / sw, "speedup": pw / sw,
+                "accept_length": sstats["spec_accept_length"],
+                "drafted_steps": sstats["spec_num_drafts"],
+                "decode_step_ms": pstats["mean_step_ms"], "spec_step_ms": sstats["mean_step_ms"],
+                "same_tokens": same,
+            }  # fmt: skip
+            print(row, flush=True)
+            rows.append(row)
+    for arm in (plain, spec):
+        arm.engine.shutdown()
+    cols = ["workload", "batch", "plain_tok_s", "spec_tok_s", "speedup", "accept_length",
+            "drafted_steps", "decode_step_ms", "spec_step_ms", "same_tokens"]  # fmt: skip
+    print_table(rows, cols)
+    summary = {f"{r['workload']} bs{r['batch']}": round(r["speedup"], 3) for r in rows}
+    print(summary)
+    print("wrote", write_result(args.name, rows, summary, config=vars(args)))
+
+
+if __name__ == "__main__":
+    main()
