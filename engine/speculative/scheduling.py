@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.forward_batch import ForwardMode
@@ -61,7 +62,7 @@ class NgramDrafter:
             if room <= 0 or r.grammar is not None or r.to_abort is not None:
                 drafts.append([])
             else:
-                drafts.append(propose_ngram(r.all_ids(), room, self.min_n, self.max_n))
+                drafts.append(propose_ngram(_token_array(r), room, self.min_n, self.max_n))
         return drafts
 
     def prepare(self, batch: ScheduleBatch) -> bool:
@@ -83,6 +84,25 @@ class NgramDrafter:
                 s.num_drafts += 1
                 s.draft_tokens += n
                 s.accepted_tokens += a
+
+
+def _token_array(req: Req) -> np.ndarray:
+    """The request's tokens (prompt + output) as an int64 array, kept on the request and
+    extended by the new output tokens only (a long prompt is not converted every step)."""
+    buf, n = req.spec_tokens
+    total = req.seqlen
+    if buf is None or len(buf) < total:
+        grown = np.empty(max(2 * total, 64), dtype=np.int64)
+        if buf is not None:
+            grown[:n] = buf[:n]
+        buf = grown
+    if n == 0:
+        buf[: req.prompt_len] = req.origin_input_ids
+        n = req.prompt_len
+    if total > n:
+        buf[n:total] = req.output_ids[n - req.prompt_len :]
+    req.spec_tokens = (buf, total)
+    return buf[:total]
 
 
 def verify_tokens_needed(batch: ScheduleBatch, drafts: list[list[int]]) -> int:

@@ -96,3 +96,13 @@ def test_trim_gives_back_whole_pages_after_the_kept_length(page_size: int) -> No
     assert allocator.available_size() == free_before + want * page_size
     assert bool(allocator.is_allocated(slots[:6]).all())
     assert trim_kv(pools, req, 6) is None  # nothing more to give back
+
+
+def test_the_drafters_token_copy_follows_the_output() -> None:
+    from engine.speculative.scheduling import _token_array
+
+    req = Req("r", list(range(100, 150)), SamplingParams())
+    assert _token_array(req).tolist() == req.all_ids()
+    for step in range(40):  # grows past its first capacity (2 x 50)
+        req.output_ids.extend([step] * (1 + step % 3))
+        assert _token_array(req).tolist() == req.all_ids()
