@@ -74,10 +74,12 @@ class Arm:
 
     def run(self, prompts: list, params: dict) -> tuple[float, list, dict]:
         """(wall seconds, output ids, stats) of one run, the prefix cache flushed first."""
+        from engine.speculative.scheduling import SpecStats
+
         self.engine.flush_cache()
         drafter = self.engine.scheduler.drafter
-        if drafter is not None:
-            drafter.stats.__init__()
+        if drafter is not None:  # this run's counts only
+            drafter.stats = SpecStats()
         self.step_s.clear()
         t0 = time.perf_counter()
         outs = self.engine.generate(input_ids=prompts, sampling_params=params)

@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class SpecStats:
-    """Counts over the server's life: verify steps' requests (vLLM's num_drafts), drafts
-    proposed and accepted. Accept length (SGLang's) = (accepted + drafts) / drafts."""
+    """Counts over the server's life: requests of verify steps that had drafts (vLLM's
+    num_drafts), drafts proposed and accepted; see `accept_length`."""
 
     num_drafts: int = 0
     draft_tokens: int = 0
