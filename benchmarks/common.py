@@ -119,3 +119,16 @@ def cpu_seconds() -> float:
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def small_model(layers: int, seed: int = 0) -> str:
+    """A random Llama of the `small` preset's shape with `layers` layers (built once, in the
+    temp folder): the model of the CPU benchmarks that compare engine arms."""
+    import tempfile
+
+    from services.tiny_model import make_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-small-{layers}l-s{seed}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, preset="small", seed=seed, num_layers=layers)
+    return path

@@ -27,7 +27,6 @@ import argparse
 import os
 import random
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -35,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import print_table, small_model, write_result  # noqa: E402
 
 
 class Arm:
@@ -87,11 +86,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from services.tiny_lora import make_tiny_lora
-    from services.tiny_model import make_tiny_model
 
-    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-lora-small-{args.layers}l")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_model(path, preset="small", seed=args.seed, num_layers=args.layers)
+    path = small_model(args.layers, args.seed)
     loras = [
         make_tiny_lora(path, f"{path}-lora{i}-r{args.rank}", rank=args.rank, seed=i)
         for i in range(1, args.adapters + 1)

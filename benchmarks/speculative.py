@@ -30,7 +30,6 @@ import argparse
 import os
 import random
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import print_table, small_model, write_result  # noqa: E402
 
 WORKLOADS = {
     "forced": {"logit_bias": {"500": 100.0}},
@@ -105,11 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from services.tiny_model import make_tiny_model
-
-    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-lora-small-{args.layers}l")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_model(path, preset="small", seed=args.seed, num_layers=args.layers)
+    path = small_model(args.layers, args.seed)
     rng = random.Random(args.seed)
     prompts = [
         [rng.randrange(3, 30000) for _ in range(args.context)] for _ in range(max(args.batch))
