@@ -86,15 +86,7 @@ class OutputProcessor:
             output_ids = req.output_ids
             start = len(output_ids)
             if req.to_abort is None:
-                output_ids.append(next_ids[i])
-                if req.grammar is not None and not req.grammar.accept(next_ids[i]):
-                    req.to_abort = FinishReason(
-                        "abort", message=f"token {next_ids[i]} does not follow the grammar"
-                    )
-                if logprobs is not None and req.sampling_params.return_logprob:
-                    req.logprobs.append(logprobs[i])
-                    if top is not None and req.sampling_params.top_logprobs_num > 0:
-                        req.top_logprobs.append(top[i])
+                _take_token(req, next_ids[i], logprobs, top, i)
             req.check_finished(context_len, tokenizer)
             reason = req.finished_reason
             if reason is not None:
@@ -108,7 +100,6 @@ class OutputProcessor:
             events.append(StepEvent(req, new, start, reason))
         stats.generation_tokens += num_new
         stats.num_finished += num_finished
-
 
     def process_verify_result(self, batch: ScheduleBatch, result: VerifyResult) -> None:
         """Append each request's accepted tokens one at a time, as if each were a step of
@@ -127,23 +118,14 @@ class OutputProcessor:
                 continue
             output_ids = req.output_ids
             start = len(output_ids)
-            params = req.sampling_params
-            for j, token in enumerate(result.tokens[i]):
-                if req.to_abort is not None:
-                    break
-                output_ids.append(token)
-                if req.grammar is not None and not req.grammar.accept(token):
-                    req.to_abort = FinishReason(
-                        "abort", message=f"token {token} does not follow the grammar"
-                    )
-                if logprobs is not None and params.return_logprob:
-                    req.logprobs.append(logprobs[i][j])
-                    if top is not None and params.top_logprobs_num > 0:
-                        req.top_logprobs.append(top[i][j])
+            own_logprobs = logprobs[i] if logprobs is not None else None
+            own_top = top[i] if top is not None else None
+            for j, token in enumerate(result.tokens[i]):  # (at least one)
+                if req.to_abort is None:
+                    _take_token(req, token, own_logprobs, own_top, j)
                 req.check_finished(context_len, tokenizer)
                 if req.finished_reason is not None:
                     break
-            req.check_finished(context_len, tokenizer)  # (an abort with no token appended)
             slots = trim_kv(pools, req, req.seqlen - 1)
             if slots is not None:
                 rejected.append(slots)
@@ -159,6 +141,21 @@ class OutputProcessor:
             pools.allocator.free(torch.cat(rejected).to(torch.int64))
         sched.stats.generation_tokens += num_new
         sched.stats.num_finished += num_finished
+
+
+def _take_token(
+    req: Req, token: int, logprobs: list | None, top: list | None, index: int
+) -> None:
+    """Append a sampled token to a request that is not being aborted: its grammar must accept
+    it (else the request is to abort), and entry `index` of the step's logprobs (and top
+    logprobs) is its logprob if it asked for them."""
+    req.output_ids.append(token)
+    if req.grammar is not None and not req.grammar.accept(token):
+        req.to_abort = FinishReason("abort", message=f"token {token} does not follow the grammar")
+    if logprobs is not None and req.sampling_params.return_logprob:
+        req.logprobs.append(logprobs[index])
+        if top is not None and req.sampling_params.top_logprobs_num > 0:
+            req.top_logprobs.append(top[index])
 
 
 def _add_prompt_logprobs(reqs: list[Req], prompt: list) -> None:
