@@ -153,25 +153,37 @@ class ScheduleBatch:
         self.pools.release_swa_window(self.reqs, None)
         return self.pools.make_room(self.new_page_tokens_needed())
 
-    def prepare_for_decode(self, input_ids: list[int] | None = None) -> None:
+    def prepare_for_decode(
+        self, input_ids: list[int] | None = None, drafts: list[list[int]] | None = None
+    ) -> None:
         """One new token per request: the last output token (or `input_ids` given by the
-        overlap scheduler, which may hold future placeholders)."""
+        overlap scheduler, which may hold future placeholders). With `drafts` (speculative
+        decoding, engine/speculative/), each request's last token and its drafts: a verify
+        step, still a decode batch for the scheduler, whose worker batch is an EXTEND."""
         self.forward_mode = ForwardMode.DECODE
-        self.spec_draft_lens = None
         req_to_token = self.pools.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_allocated_len for r in self.reqs]
-        seq_lens = [n + 1 for n in prefix_lens]
+        rows = int64_tensor([r.req_pool_idx for r in self.reqs])
+        if drafts is None:
+            self.spec_draft_lens = None
+            seq_lens = [n + 1 for n in prefix_lens]
+            positions = prefix_lens
+            if input_ids is None:
+                input_ids = [r.output_ids[-1] for r in self.reqs]
+        else:
+            self.spec_draft_lens = [len(d) for d in drafts]
+            seq_lens = [n + 1 + k for n, k in zip(prefix_lens, self.spec_draft_lens)]
+            positions = [p for n, s in zip(prefix_lens, seq_lens) for p in range(n, s)]
+            input_ids = [t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)]
+            rows = rows.repeat_interleave(int64_tensor([k + 1 for k in self.spec_draft_lens]))
         self.pools.release_swa_window(self.reqs, prefix_lens)
         last_locs = self._last_locs(prefix_lens)
         out = self.pools.alloc_kv(prefix_lens, seq_lens, last_locs)
-        rows = int64_tensor([r.req_pool_idx for r in self.reqs])
-        req_to_token[rows, int64_tensor(prefix_lens)] = out.to(torch.int32)
-        for r in self.reqs:
-            r.kv_allocated_len += 1
-        self.input_ids = (
-            input_ids if input_ids is not None else [r.output_ids[-1] for r in self.reqs]
-        )
-        self.positions = prefix_lens
+        req_to_token[rows, int64_tensor(positions)] = out.to(torch.int32)
+        for r, n in zip(self.reqs, seq_lens):
+            r.kv_allocated_len = n
+        self.input_ids = input_ids
+        self.positions = positions
         self.out_cache_loc = out
         self._prefix_lens = prefix_lens
         self._seq_lens = seq_lens

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.forward_batch import ForwardMode
 from engine.speculative.ngram import propose_ngram
 
 if TYPE_CHECKING:
@@ -74,7 +73,7 @@ class NgramDrafter:
         if not batch.pools.make_room(verify_tokens_needed(batch, drafts)):
             self.stats.memory_skips += 1
             return False
-        prepare_for_verify(batch, drafts)
+        batch.prepare_for_decode(drafts=drafts)
         return True
 
     def count(self, num_drafts: list[int], accepted: list[int]) -> None:
@@ -113,34 +112,6 @@ def verify_tokens_needed(batch: ScheduleBatch, drafts: list[list[int]]) -> int:
         for r, d in zip(batch.reqs, drafts, strict=True)
     )
     return pages * batch.pools.page_size
-
-
-def prepare_for_verify(batch: ScheduleBatch, drafts: list[list[int]]) -> None:
-    """Set up `batch` (the running batch) for a verify step: KV slots for each request's last
-    token and drafts, the packed inputs. The batch stays a decode batch for the scheduler;
-    its worker batch is an extend with `spec_draft_lens`."""
-    batch.forward_mode = ForwardMode.DECODE
-    pools = batch.pools
-    req_to_token = pools.req_to_token_pool.req_to_token
-    prefix_lens = [r.kv_allocated_len for r in batch.reqs]
-    seq_lens = [n + 1 + len(d) for n, d in zip(prefix_lens, drafts, strict=True)]
-    out = pools.alloc_kv(prefix_lens, seq_lens, batch._last_locs(prefix_lens))
-    input_ids: list[int] = []
-    positions: list[int] = []
-    offset = 0
-    for r, pl, sl, d in zip(batch.reqs, prefix_lens, seq_lens, drafts, strict=True):
-        req_to_token[r.req_pool_idx, pl:sl] = out[offset : offset + sl - pl].to(torch.int32)
-        offset += sl - pl
-        r.kv_allocated_len = sl
-        input_ids.append(r.output_ids[-1])
-        input_ids.extend(d)
-        positions.extend(range(pl, sl))
-    batch.input_ids = input_ids
-    batch.positions = positions
-    batch.out_cache_loc = out
-    batch._prefix_lens = prefix_lens
-    batch._seq_lens = seq_lens
-    batch.spec_draft_lens = [len(d) for d in drafts]
 
 
 def trim_kv(pools: MemoryPools, req: Req, length: int) -> torch.Tensor | None:
