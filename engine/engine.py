@@ -244,7 +244,7 @@ def _pairs(top: tuple[list[int], list[float]]) -> list[list]:
 
 def _spec_stats(scheduler: Scheduler) -> dict[str, Any]:
     """Speculative decoding's counts (vLLM's spec decode metrics), when it is on."""
-    drafter = getattr(scheduler, "drafter", None)
+    drafter = scheduler.drafter
     if drafter is None:
         return {}
     s = drafter.stats
