@@ -4,8 +4,9 @@ them, shared by every router through Redis.
 * `POST /v1/responses` with `background` true (it needs `store`, and the router's store on)
   sends the request to the workers, stores the response `queued` and answers it at once. The
   router that took it generates it in a task of its own, which outlives the client's
-  connection: the stored record goes `in_progress` with the first output, then `completed`,
-  `incomplete`, `failed` or `cancelled`, so `GET /v1/responses/{id}` on any router polls it.
+  connection: the stored record goes `in_progress` with the first output (once the events
+  before it are in Redis), then `completed`, `incomplete`, `failed` or `cancelled`, so
+  `GET /v1/responses/{id}` on any router polls it.
 * Every event of its stream (`services/responses_stream.py`) is appended to the Redis stream
   `{p}:response-events:{id}`, which expires with the record. `stream: true` on the POST
   follows it from the start; `GET /v1/responses/{id}?stream=true&starting_after=N`, on any
@@ -31,12 +32,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any
 
+from services.responses_events import EVENT_FIELD, EventWriter, event_head
 from services.responses_items import output_from_events, sse_event
 from services.responses_store import ResponseStore, duplicate_id, not_found
 from services.responses_stream import ResponseShaper
@@ -49,59 +50,6 @@ logger = logging.getLogger(__name__)
 RUNNING = ("queued", "in_progress")
 _ENDS = {b"response.completed", b"response.incomplete", b"response.failed",
          b"response.cancelled"}  # fmt: skip
-_FIELD = b"e"  # the event stream's one field: the SSE event's bytes
-_SEQ = re.compile(rb'"sequence_number":(\d+)')  # (the data's second key, before any nested)
-
-
-def _head(event: bytes) -> tuple[bytes, int]:
-    """The type and sequence number of an SSE event `event: <type>\ndata: {"type": ...,
-    "sequence_number": N, ...}` (the shaper's), without parsing the rest."""
-    end = event.index(b"\n")
-    match = _SEQ.search(event, end, end + 200)
-    assert match is not None, event[:200]
-    return event[7:end], int(match.group(1))
-
-
-class _EventWriter:
-    """Appends a response's events to its Redis stream in order, pipelined: the events that
-    came within `linger_s` of the first, or while one round trip was on its way, go together
-    in the next (a round trip per event would cost the router more than shaping it)."""
-
-    def __init__(self, redis: Any, key: str, ttl_ms: int, linger_s: float = 0.005) -> None:
-        self.redis, self.key, self.ttl_ms, self.linger_s = redis, key, ttl_ms, linger_s
-        self.pending: list[bytes] = []
-        self.closed = False
-        self._wake = asyncio.Event()
-        self._task = asyncio.create_task(self._loop())
-
-    def add(self, event: bytes) -> None:
-        self.pending.append(event)
-        self._wake.set()
-
-    async def close(self) -> None:
-        """Once every event added is in Redis (raises what writing them raised)."""
-        self.closed = True
-        self._wake.set()
-        await self._task
-
-    async def _loop(self) -> None:
-        first = True
-        while not (self.closed and not self.pending):
-            await self._wake.wait()
-            if not self.closed:
-                await asyncio.sleep(self.linger_s)
-            self._wake.clear()
-            batch, self.pending = self.pending, []
-            if batch:
-                pipe = self.redis.pipeline(transaction=False)
-                for event in batch:
-                    pipe.xadd(self.key, {_FIELD: event})
-                if first:
-                    pipe.pexpire(self.key, self.ttl_ms)
-                    first = False
-                await pipe.execute()
-
-
 class BackgroundResponses:
     def __init__(
         self,
@@ -157,11 +105,12 @@ class BackgroundResponses:
     async def _run(self, shaper: ResponseShaper) -> None:
         assert shaper.save is not None
         key = response_events_key(self.prefix, shaper.id)
-        writer = _EventWriter(self.redis, key, self.store.ttl_ms)
+        writer = EventWriter(self.redis, key, self.store.ttl_ms)
         try:
             async for event in shaper.events():
                 writer.add(event)
                 if event.startswith(b"event: response.in_progress\n"):
+                    await writer.flush()  # (one that reads it in_progress finds its events)
                     await shaper.save(shaper.envelope("in_progress", []))
             await writer.close()
         except asyncio.CancelledError:
@@ -177,7 +126,7 @@ class BackgroundResponses:
                 await self.redis.pexpire(key, self.store.ttl_ms)
 
     async def _failed(
-        self, shaper: ResponseShaper, writer: _EventWriter, message: str,
+        self, shaper: ResponseShaper, writer: EventWriter, message: str,
         code: str = "server_error",
     ) -> None:  # fmt: skip
         """Store the response failed, and end its events with `response.failed`."""
@@ -233,12 +182,12 @@ class BackgroundResponses:
         error = {"code": "server_error",
                  "message": f"router {owner}, which was generating the response, stopped"}
         key = response_events_key(self.prefix, response["id"])
-        events = [fields[_FIELD] for _, fields in await self.redis.xrange(key)]
+        events = [fields[EVENT_FIELD] for _, fields in await self.redis.xrange(key)]
         output = output_from_events(events)  # (the record's is the in_progress one's: none)
         failed = {**response, "status": "failed", "error": error, "output": output}
         await self.store.save(failed, record["input"])
-        seq = _head(events[-1])[1] + 1 if events else 0
-        writer = _EventWriter(self.redis, key, self.store.ttl_ms)
+        seq = event_head(events[-1])[1] + 1 if events else 0
+        writer = EventWriter(self.redis, key, self.store.ttl_ms)
         writer.add(sse_event("response.failed", seq, response=failed))
         await writer.close()
         logger.warning("background response %s failed: %s", response["id"], error["message"])
@@ -289,8 +238,8 @@ class BackgroundResponses:
             got = await self.redis.xread({key: last}, count=256, block=int(self.poll_s * 5000))
             entries = got[0][1] if got else []
             for entry_id, fields in entries:
-                last, event = entry_id, fields[_FIELD]
-                kind, seq = _head(event)
+                last, event = entry_id, fields[EVENT_FIELD]
+                kind, seq = event_head(event)
                 if seq > starting_after:
                     yield event
                 if kind in _ENDS:

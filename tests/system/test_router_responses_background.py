@@ -178,6 +178,14 @@ def test_a_router_that_stops_marks_its_responses_failed(redis_url: str, routers)
     assert item["status"] == "incomplete" and text and LONG[::-1].startswith(text)
 
 
+def first_events(base: str, response_id: str, n: int) -> list[dict]:
+    """The first `n` events of a running response, once they are stored."""
+    url = f"{base}/v1/responses/{response_id}"
+    with httpx.stream("GET", url, params={"stream": "true"}, timeout=30) as resp:
+        assert resp.status_code == 200, resp.read()
+        return read_events(resp, stop_after=n)
+
+
 def test_a_killed_routers_responses_fail_where_they_are_read(redis_url: str, routers) -> None:
     """Killed, a router marks nothing: a new run of it fails its running responses at once
     (it generates none of them), the other routers once its heartbeat is gone."""
@@ -189,6 +197,7 @@ def test_a_killed_routers_responses_fail_where_they_are_read(redis_url: str, rou
             wait_for(lambda b=base: "w-bg" in router_workers(b))
             ids[router_id] = post(base, input=LONG, background=True).json()["id"]
             until(one, ids[router_id], "in_progress")
+            first_events(one, ids[router_id], 6)  # (two deltas are in Redis: not lost)
             ROUTER_PROCS[base].kill()
             ROUTER_PROCS[base].wait()
         if router_id == "r4":
