@@ -82,7 +82,7 @@ class NullModelRunner:
         )
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, context_len + 8)
         self.allocator = TokenToKVPoolAllocator(kv_tokens, 1)
-        self.kv_pool = self.attn_backend = None
+        self.kv_pool = self.attn_backend = self.pooling = None
         self.sampler = Sampler(seed=0, device=self.device)
         self.sampling_cache = SamplingInfoCache()
         self._logits = torch.zeros(NULL_VOCAB)

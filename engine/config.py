@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.pooling import check_embedding_args
 from engine.speculative import check_speculative_args
 
 _DTYPES = {
@@ -210,6 +211,10 @@ class EngineArgs:
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
+    # An embedding model (SGLang's --is-embedding): requests come back as one vector pooled
+    # from the prompt's final hidden states, "last", "mean" or "cls" (engine/pooling.py).
+    is_embedding: bool = False
+    pooling_type: str = "last"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -243,6 +248,7 @@ class EngineArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens is too small for one page")
         self._check_cuda_graph_args()
+        check_embedding_args(self)
         check_speculative_args(self)
 
     def _check_cuda_graph_args(self) -> None:

@@ -79,6 +79,8 @@ class Engine:
         `input_top_logprobs`; position 0 has none). `max_new_tokens` 0 runs the prompt only.
         `lora_path` (SGLang's name): the LoRA adapter of `lora_paths` to run with, by name,
         one for all prompts or one each (None: the base model)."""
+        if self.args.is_embedding:
+            raise ValueError("generate: this engine serves an embedding model; use encode()")
         single, prompts_ids = self._input_ids(prompt, input_ids)
         logprob_args = {"return_logprob": return_logprob, "top_logprobs_num": top_logprobs_num,
                         "logprob_start_len": logprob_start_len}  # fmt: skip
@@ -94,6 +96,31 @@ class Engine:
             if event.finished_reason is not None:
                 finished[event.rid] = event.req
         outs = [self._format(finished[rid]) for rid in rids]
+        return outs[0] if single else outs
+
+    def encode(
+        self,
+        prompt: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        lora_path: str | None = None,
+    ) -> dict | list[dict]:
+        """An embedding model's embeddings (SGLang's `Engine.encode`), for one prompt (a dict)
+        or a batch (a list): `{"embedding": [floats], "meta_info": {"id", "prompt_tokens",
+        "cached_tokens"}}`, each embedding pooled as `pooling_type` says and L2-normalised."""
+        if not self.args.is_embedding:
+            raise ValueError("encode: this engine serves a generative model (is_embedding off)")
+        single, prompts_ids = self._input_ids(prompt, input_ids)
+        rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
+        for rid, ids in zip(rids, prompts_ids):
+            params = SamplingParams(max_new_tokens=0).normalize()
+            self.scheduler.add_request(rid, ids, params, lora_name=lora_path)
+        finished = {e.rid: e.req for e in self._run_until(set(rids)) if e.finished_reason}
+        outs = []
+        for rid in rids:
+            req = finished[rid]
+            meta = {"id": rid, "prompt_tokens": len(req.origin_input_ids),
+                    "cached_tokens": req.cached_tokens}  # fmt: skip
+            outs.append({"embedding": req.embedding.embedding().tolist(), "meta_info": meta})
         return outs[0] if single else outs
 
     def _run_until(self, rids: set[str]) -> Iterator[StepEvent]:

@@ -66,6 +66,9 @@ class ForwardBatch:
     prompt_logprob_rows: torch.Tensor | None = None
     # per request, its LoRA adapter's id (0: the base model); None: no adapter in the batch
     lora_ids: list[int] | None = None
+    # an embedding model's pooling ("last", "mean", "cls"): the forward returns each
+    # request's pooled final hidden states instead of logits (engine/pooling.py)
+    pooling: str | None = None
 
     @property
     def num_tokens(self) -> int:

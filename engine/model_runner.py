@@ -17,6 +17,7 @@ from engine.host_tensors import int64_rows
 from engine.loader import load_model
 from engine.mem_cache.kv_memory import plan_kv_memory
 from engine.mem_cache.memory_pool import ReqToTokenPool
+from engine.pooling import EmbeddingBatchResult
 from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
@@ -67,6 +68,8 @@ class ModelRunner:
             None if host_only else make_lora_manager(self.model, args, self.dtype, self.device)
         )
         self.page_size = args.page_size
+        # an embedding model's pooling: its forwards return pooled states (engine/pooling.py)
+        self.pooling = args.pooling_type if args.is_embedding else None
         memory = plan_kv_memory(model_config, args, self.dtype, self.device)
         self.max_total_tokens = memory.tokens
         # hybrid sliding-window memory: the longest window (None without it)
@@ -94,8 +97,10 @@ class ModelRunner:
         )
         # the seam for tests: how graphs are recorded (CPU tests replay them eagerly)
         self.graph_capturer_factory: Callable[[torch.device], GraphCapturer] = CudaGraphCapturer
-        self.use_cuda_graph = args.use_cuda_graph and self.attn_backend.supports_cuda_graph
-        if args.use_cuda_graph and not self.use_cuda_graph:
+        # (decode graphs: an embedding model never decodes)
+        wants_graphs = args.use_cuda_graph and not args.is_embedding
+        self.use_cuda_graph = wants_graphs and self.attn_backend.supports_cuda_graph
+        if wants_graphs and not self.use_cuda_graph:
             logger.info(
                 "CUDA graphs off: the %s backend cannot be captured",
                 type(self.attn_backend).__name__,
@@ -188,6 +193,7 @@ class ModelRunner:
             if mwb.prompt_logprob_rows is None
             else torch.tensor(mwb.prompt_logprob_rows, dtype=torch.int64).to(dev),
             lora_ids=mwb.lora_ids,
+            pooling=self.pooling,
         )
 
     @torch.inference_mode()
@@ -259,9 +265,11 @@ class ModelRunner:
 
     def forward_batch_generation(
         self, mwb: ModelWorkerBatch
-    ) -> GenerationBatchResult | VerifyResult:
+    ) -> GenerationBatchResult | VerifyResult | EmbeddingBatchResult:
         if mwb.spec_draft_lens is not None:
             return verify(self, mwb)
+        if self.pooling is not None:
+            return EmbeddingBatchResult(self.forward(self.build_forward_batch(mwb)).cpu())
         logits = self.forward(self.build_forward_batch(mwb))
         return self.sample(logits, mwb)
 

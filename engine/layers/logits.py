@@ -4,6 +4,9 @@ Only the rows whose logits are needed go through the (large) lm_head matmul: the
 token of each request, then the rows of `forward_batch.prompt_logprob_rows` (prompt
 logprobs), or every token when `forward_batch.return_all_logits` is set.
 
+An embedding model's batch (`forward_batch.pooling` set) gets its pooled hidden states
+instead (engine/pooling.py): the lm_head is not applied.
+
 `soft_cap` c (Gemma 2's `final_logit_softcapping`): logits l become c * tanh(l / c), computed
 in float32 (or in float64 for a float64 model, as the float64 tests compare).
 """
@@ -15,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.pooling import pool_hidden
 
 if TYPE_CHECKING:
     from engine.forward_batch import ForwardBatch
@@ -32,6 +37,8 @@ class LogitsProcessor(nn.Module):
         """hidden_states [num_tokens, hidden] -> logits [batch_size (+ prompt logprob rows),
         vocab] float32 ([num_tokens, vocab] with `return_all_logits`)."""
         fb = forward_batch
+        if fb.pooling is not None:
+            return pool_hidden(hidden_states, fb, fb.pooling)
         if not fb.return_all_logits and not fb.forward_mode.is_decode():
             index = fb.last_token_indices
             if fb.prompt_logprob_rows is not None:

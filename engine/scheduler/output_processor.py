@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.pooling import EmbeddingBatchResult, PooledState
 from engine.scheduler.req import FinishReason, Req
 from engine.speculative.scheduling import trim_kv
 from engine.speculative.verify import VerifyResult
@@ -56,6 +57,9 @@ class OutputProcessor:
         step's result (`VerifyResult`) has several tokens per request."""
         if isinstance(result, VerifyResult):
             self.process_verify_result(batch, result)
+            return
+        if isinstance(result, EmbeddingBatchResult):
+            self.process_embedding_result(batch, result)
             return
         next_ids = result.next_token_ids
         if hasattr(next_ids, "tolist"):
@@ -141,6 +145,28 @@ class OutputProcessor:
             pools.allocator.free(torch.cat(rejected).to(torch.int64))
         sched.stats.generation_tokens += num_new
         sched.stats.num_finished += num_finished
+
+
+    def process_embedding_result(self, batch: ScheduleBatch, result: EmbeddingBatchResult) -> None:
+        """An embedding model's extend batch: each request takes its chunk's pooled states;
+        one whose prompt is complete ends with its embedding (finish reason "length": it
+        asked for no new tokens) and goes into the prefix cache."""
+        sched = self.scheduler
+        pooling = sched.args.pooling_type
+        chunked = getattr(batch, "chunked_req", None)
+        for i, req in enumerate(batch.reqs):
+            if req.finished_reason is not None:
+                continue
+            if req.embedding is None:
+                req.embedding = PooledState(pooling)
+            req.embedding.add(result.pooled[i], req.extend_input_len)
+            if req is chunked:
+                continue
+            req.finished_reason = req.to_abort or FinishReason("length", length=0)
+            req.fill_ids = req.all_ids()[: req.kv_allocated_len]
+            sched.tree_cache.cache_finished_req(req)
+            sched.stats.num_finished += 1
+            self._events.append(StepEvent(req, [], 0, req.finished_reason))
 
 
 def _take_token(

@@ -94,6 +94,8 @@ class Req:
         self.swa_batch_start: int | None = None
         self.swa_released = 0
         self.swa_prefix_released = False  # its window lock on the cached prefix is dropped
+        # an embedding model's pooled states so far (engine/pooling.py PooledState)
+        self.embedding: Any = None
         # speculative decoding's copy of the tokens: (int64 array, tokens in it)
         self.spec_tokens: tuple[Any, int] = (None, 0)
         # bookkeeping

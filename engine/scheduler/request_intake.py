@@ -55,8 +55,9 @@ class RequestIntake:
         lora_name: str | None = None,
     ) -> Req:
         """Queue a validated request. Raises ValueError if it cannot fit the context, its
-        grammar is known not to compile, it has a priority without priority scheduling, or
-        names a LoRA adapter the engine does not serve; one whose grammar fails later is
+        grammar is known not to compile, it has a priority without priority scheduling,
+        names a LoRA adapter the engine does not serve, or asks an embedding model for new
+        tokens or logprobs; one whose grammar fails later is
         rejected (`take_rejected`)."""
         lora_id = self.lora_ids.get(lora_name, 0) if lora_name else 0
         if lora_name and not lora_id:
@@ -68,6 +69,9 @@ class RequestIntake:
             )
         if not input_ids:
             raise ValueError("input_ids: the prompt is empty")
+        if self.args.is_embedding and (params.max_new_tokens or params.return_logprob):
+            raise ValueError("an embedding model pools the prompt: max_new_tokens must be 0, "
+                             "and it has no logprobs")  # fmt: skip
         if len(input_ids) >= self.context_len:
             raise ValueError(
                 f"input_ids: the prompt has {len(input_ids)} tokens, the context length is "

@@ -113,7 +113,7 @@ def test_step_dependent_infos_are_never_reused(kind):
 class _Runner:
     device = torch.device("cpu")
     req_to_token_pool = type("Pool", (), {"req_to_token": torch.zeros(4, 8, dtype=torch.int32)})
-    kv_pool = attn_backend = None
+    kv_pool = attn_backend = pooling = None
     build_forward_batch = ModelRunner.build_forward_batch
 
 

@@ -1,0 +1,105 @@
+"""Embedding models (SGLang's `--is-embedding`, vLLM's pooling runner): each request's prompt
+runs through the model once and comes back as one vector pooled from the final hidden
+states (after the model's last norm), L2-normalised as OpenAI's embeddings are.
+
+Pooling (`pooling_type`, vLLM's names): "last" takes the last prompt token's state (decoder
+embedding models: Qwen3-Embedding, gte-Qwen2, e5-mistral), "mean" averages every position,
+"cls" takes the first. A prompt may be prefilled in several chunks: each chunk's forward
+pools its own tokens (`pool_hidden`, called by the LogitsProcessor in place of the lm_head),
+and `PooledState` adds the chunks up per request. "last" only reads the final chunk, so a
+prefix-cache hit changes nothing and the radix cache stays on; "mean" and "cls" need the
+states of every position, which a cached prefix never computes, so they run without it.
+
+An embedding engine runs no decode step: every request asks for no new tokens
+(`max_new_tokens` 0) and ends with its prefill. The overlap scheduler (which samples ahead)
+and speculative decoding are off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+POOLING_TYPES = ("last", "mean", "cls")
+
+
+def check_embedding_args(args: Any) -> None:
+    """Validate and normalise the embedding arguments of a (frozen) EngineArgs."""
+    pooling = str(args.pooling_type).lower()
+    if pooling not in POOLING_TYPES:
+        raise ValueError(f"pooling_type: {args.pooling_type!r} not in {POOLING_TYPES}")
+    object.__setattr__(args, "pooling_type", pooling)
+    if not args.is_embedding:
+        return
+    if args.speculative_algorithm is not None:
+        raise ValueError("speculative decoding does not apply to an embedding model")
+    if not args.disable_overlap_schedule:
+        logger.info("embedding model: the overlap scheduler is off (no decode steps)")
+        object.__setattr__(args, "disable_overlap_schedule", True)
+    if pooling != "last" and not args.disable_radix_cache:
+        logger.info("%s pooling reads every position: the radix cache is off", pooling)
+        object.__setattr__(args, "disable_radix_cache", True)
+
+
+def pool_hidden(hidden: torch.Tensor, fb: ForwardBatch, pooling: str) -> torch.Tensor:
+    """Each request's share of an extend batch's final hidden states [num_tokens, hidden], as
+    float32 [batch, hidden]: its last new token's state ("last"), the sum of its new tokens'
+    states ("mean": divided by the prompt length once all chunks are in), or its first new
+    token's ("cls": the prompt's first token in the request's first chunk)."""
+    assert fb.forward_mode.is_extend(), "embedding models run extend batches only"
+    if pooling == "last":
+        return hidden.index_select(0, fb.last_token_indices).float()
+    if pooling == "cls":
+        assert fb.extend_start_loc is not None
+        return hidden.index_select(0, fb.extend_start_loc).float()
+    lens = fb.extend_seq_lens
+    if lens is None:
+        lens = torch.tensor(fb.extend_seq_lens_cpu, device=hidden.device)
+    owner = torch.repeat_interleave(torch.arange(fb.batch_size, device=hidden.device), lens)
+    sums = torch.zeros(fb.batch_size, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    return sums.index_add_(0, owner, hidden.float())
+
+
+@dataclass
+class EmbeddingBatchResult:
+    """What an embedding model's forward returns: per request of the batch, its chunk's
+    pooled states (see `pool_hidden`), float32 [batch, hidden] on the CPU."""
+
+    pooled: torch.Tensor
+
+
+class PooledState:
+    """One request's embedding as its prompt's chunks come in."""
+
+    def __init__(self, pooling: str) -> None:
+        self.pooling = pooling
+        self.value: torch.Tensor | None = None
+        self.positions = 0
+
+    def add(self, pooled: torch.Tensor, num_positions: int) -> None:
+        """Take one chunk's pooled states (`num_positions` new tokens)."""
+        if self.value is None or self.pooling == "last":
+            self.value = pooled.clone()
+        elif self.pooling == "mean":
+            self.value += pooled
+        self.positions += num_positions  # ("cls": the first chunk's stays)
+
+    def embedding(self) -> torch.Tensor:
+        """The request's normalised embedding (float32 [hidden])."""
+        assert self.value is not None, "no chunk of the prompt has run"
+        value = self.value / self.positions if self.pooling == "mean" else self.value
+        return F.normalize(value, dim=-1)
+
+
+def embedding_bytes(embedding: torch.Tensor) -> bytes:
+    """float32 little-endian bytes of an embedding (the wire format, and OpenAI's base64)."""
+    return embedding.to(torch.float32).numpy().astype("<f4", copy=False).tobytes()
