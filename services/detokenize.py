@@ -198,6 +198,7 @@ class StepDetokenizer:
                     top_logprobs_vals=row.top_logprobs_vals,
                     prompt_logprobs=row.prompt_logprobs,
                     prompt_ids=row.prompt_ids,
+                    embedding=row.embedding,
                 )
             )
         return [

@@ -14,6 +14,7 @@ from engine.config import (
     SCHEDULE_POLICIES,
     EngineArgs,
 )
+from engine.pooling import POOLING_TYPES
 from engine.speculative import SPECULATIVE_ALGORITHMS, from_vllm_config
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sluice", "tiny-llama")
@@ -119,6 +120,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
     _add_speculative_args(g)
+    g.add_argument(
+        "--is-embedding",
+        action="store_true",
+        help="serve an embedding model: /v1/embeddings pools each prompt's final hidden "
+        "states into one normalised vector (no generation)",
+    )
+    g.add_argument(
+        "--pooling-type",
+        type=str.lower,
+        choices=POOLING_TYPES,
+        default="last",
+        help="with --is-embedding: the last token's state (decoder embedding models), the "
+        "mean of all, or the first's (cls); mean and cls turn the radix cache off",
+    )
 
 
 class _VllmSpeculativeConfig(argparse.Action):

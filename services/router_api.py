@@ -123,7 +123,7 @@ class Router:
         fmt = await self._start(kind, body, max_param)
         if body.stream:
             return await _sse_response(request, fmt.chunks())
-        return JSONResponse(await _unless_disconnected(request, fmt.response()))
+        return JSONResponse(await unless_disconnected(request, fmt.response()))
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as the chat request it means (services/responses_api.py)."""
@@ -152,7 +152,7 @@ class Router:
             return JSONResponse(queued)
         if body.stream:
             return await _sse_response(request, shaper.events())
-        return JSONResponse(await _unless_disconnected(request, shaper.response()))
+        return JSONResponse(await unless_disconnected(request, shaper.response()))
 
     async def _start(self, kind: str, body: Any, max_param: str) -> Formatter:
         """Send the request's sub-requests; the formatter of their output."""
@@ -277,7 +277,7 @@ def without_credentials(url: str | None) -> str | None:
 async def _sse_response(request: Request, chunks: AsyncIterator[bytes]) -> Response:
     """Wait for the first chunk, so that an error before any output is a plain HTTP error."""
     try:
-        first = await _unless_disconnected(request, chunks.__anext__())
+        first = await unless_disconnected(request, chunks.__anext__())
     except StopAsyncIteration:
         first = b""
 
@@ -293,7 +293,7 @@ async def _sse_response(request: Request, chunks: AsyncIterator[bytes]) -> Respo
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 
-async def _unless_disconnected(request: Request, work: Any) -> Any:
+async def unless_disconnected(request: Request, work: Any) -> Any:
     """Await `work`, cancelling it (which aborts its requests) if the client goes away."""
     task = asyncio.ensure_future(work)
 

@@ -65,6 +65,7 @@ class SubRequest:
     add_generation_prompt: bool = True  # chat: open the assistant's turn after the messages
     continue_final_message: bool = False  # chat: or continue the last message
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids in the response
+    embed: bool = False  # /v1/embeddings: pooled by an embedding worker (no output tokens)
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's

@@ -118,13 +118,13 @@ class Broker:
         """Send each handle (again) to the least-loaded live worker it has not tried."""
         msgs = []
         for h in handles:
-            lora = h.sub.lora_name
-            worker = self.workers.choose(exclude=h.tried, lora=lora)
+            kind = {"lora": h.sub.lora_name, "embedding": h.sub.embed}
+            worker = self.workers.choose(exclude=h.tried, **kind)
             if worker is None:  # the table may be a moment old: look again before failing
                 await self.refresh_workers()
-                worker = self.workers.choose(exclude=h.tried, lora=lora)
+                worker = self.workers.choose(exclude=h.tried, **kind)
             if worker is None:
-                raise ApiError(503, "no live worker can take the request", None, "no_worker")
+                raise self.workers.none_for(h.sub.embed)
             self.forget(h)
             h.rid = f"{self._rid_base}-{next(self._ids)}"
             h.worker = worker
@@ -189,6 +189,7 @@ class Broker:
             priority=sub.priority,
             lora_name=sub.lora_name,
             return_prompt_ids=sub.return_token_ids,
+            embed=sub.embed,
         )
 
     def _dispatch(self, msg: object) -> None:

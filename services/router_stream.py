@@ -48,6 +48,7 @@ class Delta:
     prompt_logprobs: PromptLogprobs | None = None  # in the request's first delta
     prompt_tokens: int | None = None  # the prompt's length, once a row has said it
     prompt_ids: list[int] | None = None  # in the request's first delta, when asked for
+    embedding: bytes | None = None  # an embedding request's, in its last delta
 
     @property
     def finished(self) -> bool:
@@ -161,6 +162,8 @@ class OutputAssembler:
             delta.prompt_logprobs = row.prompt_logprobs
         if row.prompt_ids is not None:
             delta.prompt_ids = row.prompt_ids
+        if row.embedding is not None:
+            delta.embedding = row.embedding
         if row.finished:
             self._finish(row.finish_reason, row)
 

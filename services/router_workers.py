@@ -13,6 +13,7 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 
+from services.router_fields import ApiError
 from shared.messages import WorkerLoadMsg
 
 logger = logging.getLogger(__name__)
@@ -37,19 +38,32 @@ class WorkerTable:
         return max(hb.num_running_reqs + hb.num_waiting_reqs, self.inflight[worker_id])
 
     def choose(
-        self, exclude: Iterable[str] = (), lora: str | None = None
+        self, exclude: Iterable[str] = (), lora: str | None = None, embedding: bool = False
     ) -> WorkerLoadMsg | None:
         """The least-loaded live worker not in `exclude` (ties: lower token usage, then id),
-        of those serving the LoRA adapter `lora` if one is named."""
+        of those serving the LoRA adapter `lora` if one is named, and of the kind asked for
+        (an embedding model or a generative one)."""
         skip = set(exclude)
         candidates = [
             w for w, hb in self.live.items()
             if w not in skip and (lora is None or lora in hb.lora_adapters)
+            and hb.is_embedding == embedding
         ]  # fmt: skip
         if not candidates:
             return None
         best = min(candidates, key=lambda w: (self.load(w), self.live[w].token_usage, w))
         return self.live[best]
+
+    def none_for(self, embedding: bool) -> ApiError:
+        """The error when no worker can take a request: a 400 if live workers all serve the
+        other kind of model (embedding or generative), else a 503."""
+        kinds = {hb.is_embedding for hb in self.live.values()}
+        if kinds and embedding not in kinds:
+            msg = ("the model does not support the Embeddings API (no worker runs with "
+                   "--is-embedding)" if embedding else "the model is an embedding model "
+                   "(its workers run with --is-embedding): use /v1/embeddings")  # fmt: skip
+            return ApiError(400, msg, None, "invalid_request")
+        return ApiError(503, "no live worker can take the request", None, "no_worker")
 
     def is_alive(self, worker_id: str, pid: int) -> bool:
         hb = self.live.get(worker_id)

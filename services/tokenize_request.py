@@ -87,6 +87,7 @@ class RequestTokenizer:
             priority=msg.priority,
             lora_name=msg.lora_name,
             return_prompt_ids=msg.return_prompt_ids,
+            embed=msg.embed,
         )
 
     def answer(self, msg: TokenizeReqMsg) -> TokenizeRespMsg:

@@ -34,7 +34,13 @@ from services.group_consumer import exit_process, stop_on_signals
 from services.worker_link import IoLink
 from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures
 from services.worker_profile import StepProfiler
-from services.worker_requests import RequestTable, aborted_row, row_record, sampling_params
+from services.worker_requests import (
+    RequestTable,
+    aborted_row,
+    check_kind,
+    row_record,
+    sampling_params,
+)
 from shared.keys import WORKER_KIND, detok_stream, router_out_stream
 from shared.logging import setup_logging
 from shared.messages import (
@@ -171,6 +177,7 @@ class Worker:
             self.link.publish(self.detok_stream, out)
             return
         try:
+            check_kind(msg, self.scheduler.args.is_embedding)
             params = sampling_params(msg, self.vocab_size)
             self.scheduler.add_request(
                 msg.rid, msg.input_ids, params, msg.priority, msg.lora_name

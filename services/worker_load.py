@@ -37,6 +37,7 @@ class WorkerFacts(NamedTuple):
     context_len: int
     pid: int
     lora_adapters: list[str] = []  # noqa: RUF012 (a NamedTuple default, never mutated)
+    is_embedding: bool = False
 
     @classmethod
     def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
@@ -48,6 +49,7 @@ class WorkerFacts(NamedTuple):
             scheduler.context_len,
             os.getpid(),
             sorted(scheduler.lora_ids),
+            scheduler.args.is_embedding,
         )
 
 
@@ -101,4 +103,5 @@ class LoadReporter:
             num_retracted_reqs=f.num_retracted,
             lora_adapters=list(facts.lora_adapters),
             spec_accept_length=f.spec_accept_length,
+            is_embedding=facts.is_embedding,
         )

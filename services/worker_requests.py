@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Literal, NamedTuple
 
+from engine.pooling import embedding_bytes
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
 from shared.messages import (
@@ -98,6 +99,14 @@ class RequestTable:
             self._aborted_early.discard(oldest)
 
 
+def check_kind(msg: GenerateReqMsg, is_embedding: bool) -> None:
+    """ValueError unless the request is of the kind the worker serves (embedding or not)."""
+    if msg.embed and not is_embedding:
+        raise ValueError("this worker serves a generative model, not embeddings")
+    if is_embedding and not msg.embed:
+        raise ValueError("this worker serves an embedding model: use /v1/embeddings")
+
+
 def sampling_params(msg: GenerateReqMsg, vocab_size: int) -> SamplingParams:
     """The engine's params for a request; ValueError if they are invalid."""
     d: dict[str, Any] = dict(msg.sampling_params)
@@ -126,9 +135,10 @@ def _finish_fields(reason: Any) -> tuple[str, Any, str | None]:
 
 
 # A row record: what the I/O process needs of one step event besides the request's
-# `ReqInfo`: (rid, start, new_ids, window_ids, finish, cached_tokens, logprobs, prompt), with
-# finish None or (type, matched, message), logprobs None or (token_logprobs, top_ids,
-# top_vals) and prompt None or `PromptLogprobs`' fields (the request's first row only).
+# `ReqInfo`: (rid, start, new_ids, window_ids, finish, cached_tokens, logprobs, prompt,
+# embedding), with finish None or (type, matched, message), logprobs None or
+# (token_logprobs, top_ids, top_vals), prompt None or `PromptLogprobs`' fields (the request's
+# first row only) and embedding None or an embedding request's float32 bytes (its last row).
 RowRecord = tuple[Any, ...]
 
 
@@ -161,7 +171,15 @@ def row_record(event: StepEvent) -> RowRecord:
         req.cached_tokens,
         logprobs,
         prompt,
+        _embedding(req, reason),
     )
+
+
+def _embedding(req: Any, reason: Any) -> bytes | None:
+    """An embedding request's embedding, with its final row (none if it was aborted)."""
+    if reason is None or req.embedding is None or reason.type == "abort":
+        return None
+    return embedding_bytes(req.embedding.embedding())
 
 
 def _prompt_fields(req: Any) -> tuple | None:
@@ -186,7 +204,7 @@ def _prompt_fields(req: Any) -> tuple | None:
 
 def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
     """The step row of a row record (in the I/O process, from msgpack's lists)."""
-    rid, start, new_ids, window_ids, finish, cached_tokens, logprobs, prompt = record
+    rid, start, new_ids, window_ids, finish, cached_tokens, logprobs, prompt, emb = record
     lps, top_ids, top_vals = logprobs or (None, None, None)
     return StepRow(
         rid=rid,
@@ -205,6 +223,7 @@ def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
         top_logprobs_vals=top_vals,
         prompt_logprobs=None if prompt is None else PromptLogprobs(*prompt),
         prompt_ids=info.prompt_ids if start == 0 else None,
+        embedding=emb,
     )
 
 

@@ -22,6 +22,7 @@ class StepRow(NamedTuple):
     carry no new tokens (an abort). `completion_tokens` is the output length after this
     step; the logprob fields, when requested, have one entry per new token.
     `prompt_logprobs` and `prompt_ids`, when requested, come with the request's first row.
+    An embedding request's final row carries its `embedding` (float32, little-endian).
     """
 
     rid: str
@@ -40,6 +41,7 @@ class StepRow(NamedTuple):
     top_logprobs_vals: list[list[float]] | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_ids: list[int] | None = None
+    embedding: bytes | None = None
 
     @property
     def finished(self) -> bool:
@@ -56,13 +58,13 @@ class StepOutputMsg(Columnar, Message):
     """
 
     TAG = "step_output"
-    VERSION = 4  # 3: prompt logprobs carry ranks; 4: prompt_ids
+    VERSION = 5  # 3: prompt logprobs carry ranks; 4: prompt_ids; 5: embeddings
     ROW = StepRow
     COLUMNS = (
         "rids", "router_ids", "starts", "new_ids", "window_ids", "finish_reasons",
         "prompt_tokens", "completion_tokens", "cached_tokens", "skip_special_tokens",
         "spaces_between_special_tokens", "token_logprobs", "top_logprobs_ids",
-        "top_logprobs_vals", "prompt_logprobs", "prompt_ids",
+        "top_logprobs_vals", "prompt_logprobs", "prompt_ids", "embeddings",
     )  # fmt: skip
 
     worker_id: str
@@ -83,6 +85,7 @@ class StepOutputMsg(Columnar, Message):
     top_logprobs_vals: list[list[list[float]] | None]
     prompt_logprobs: list[PromptLogprobs | None]
     prompt_ids: list[list[int] | None]
+    embeddings: list[bytes | None]
 
     def _check(self) -> None:
         self._check_columns()

@@ -34,6 +34,7 @@ class DetokRow(NamedTuple):
     top_logprobs_vals: list[list[float]] | None = None
     prompt_logprobs: PromptLogprobs | None = None
     prompt_ids: list[int] | None = None
+    embedding: bytes | None = None  # an embedding request's (float32, little-endian)
 
     @property
     def finished(self) -> bool:
@@ -49,12 +50,12 @@ class DetokOutputMsg(Columnar, Message):
     """
 
     TAG = "detok_output"
-    VERSION = 4  # 3: prompt logprobs carry ranks; 4: prompt_ids
+    VERSION = 5  # 3: prompt logprobs carry ranks; 4: prompt_ids; 5: embeddings
     ROW = DetokRow
     COLUMNS = (
         "rids", "starts", "ends", "texts", "output_ids", "finish_reasons", "prompt_tokens",
         "completion_tokens", "cached_tokens", "token_logprobs", "top_logprobs_ids",
-        "top_logprobs_vals", "prompt_logprobs", "prompt_ids",
+        "top_logprobs_vals", "prompt_logprobs", "prompt_ids", "embeddings",
     )  # fmt: skip
 
     router_id: str
@@ -74,6 +75,7 @@ class DetokOutputMsg(Columnar, Message):
     top_logprobs_vals: list[list[list[float]] | None]
     prompt_logprobs: list[PromptLogprobs | None]
     prompt_ids: list[list[int] | None]
+    embeddings: list[bytes | None]
 
     def _check(self) -> None:
         self._check_columns()

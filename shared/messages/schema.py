@@ -57,6 +57,10 @@ def _check_bool(v: Any, path: str) -> bool:
     return v if type(v) is bool else _fail(path, "bool", v)
 
 
+def _check_bytes(v: Any, path: str) -> bytes:
+    return v if type(v) is bytes else _fail(path, "bytes", v)
+
+
 def _check_plain(v: Any, path: str, depth: int = 0) -> Any:
     """Any msgpack-native plain data: what a JSON body could carry."""
     if v is None or type(v) in (bool, int, float, str):
@@ -81,6 +85,7 @@ _SCALARS: dict[object, tuple[type, Checker]] = {
     float: (float, _check_float),
     str: (str, _check_str),
     bool: (bool, _check_bool),
+    bytes: (bytes, _check_bytes),
 }
 
 

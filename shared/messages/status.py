@@ -18,10 +18,11 @@ class WorkerLoadMsg(Message):
     `updated_at` is `time.time()`. `lora_adapters`: the names of the LoRA adapters it serves.
     `spec_accept_length`: with speculative decoding, the tokens per request and verify step
     since it started (1 + accepted drafts; SGLang's avg_spec_accept_length), else 0.
+    `is_embedding`: it serves an embedding model (embedding requests only).
     """
 
     TAG = "worker_load"
-    VERSION = 4  # 3: lora_adapters; 4: spec_accept_length
+    VERSION = 5  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding
 
     worker_id: str
     model: str
@@ -40,6 +41,7 @@ class WorkerLoadMsg(Message):
     num_retracted_reqs: int = 0
     lora_adapters: list[str] = field(default_factory=list)
     spec_accept_length: float = 0.0
+    is_embedding: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,9 @@ class TokenizeReqMsg(Message):
     `continue_final_message` leaves the last message open for the output to continue it
     (HF's and vLLM's options; at most one of the two).
 
+    `embed` makes it an embedding request: the prompt is pooled into one vector by a worker
+    serving an embedding model (`sampling_params` then asks for no new tokens).
+
     `reply` "tokenize" or "detokenize" makes it a query, answered to the router with a
     `TokenizeRespMsg` instead of forwarded (`worker_id` is then unused): the ids of `text` or
     `messages` (`add_special_tokens`: None for the default, true for text, false for messages
@@ -48,7 +51,7 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 9  # 6: return_prompt_ranks; 7: priority; 8: return_prompt_ids; 9: lora_name
+    VERSION = 10  # 7: priority; 8: return_prompt_ids; 9: lora_name; 10: embed
 
     rid: str
     router_id: str
@@ -73,6 +76,7 @@ class TokenizeReqMsg(Message):
     priority: int | None = None  # with the worker's priority scheduling (SGLang's)
     return_prompt_ids: bool = False  # the prompt's ids come back with the first output row
     lora_name: str | None = None  # the worker's LoRA adapter to run with (None: base model)
+    embed: bool = False  # an embedding request (`/v1/embeddings`), for an embedding worker
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]

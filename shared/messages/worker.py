@@ -22,7 +22,7 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 6  # 3: return_prompt_ranks; 4: priority; 5: return_prompt_ids; 6: lora_name
+    VERSION = 7  # 4: priority; 5: return_prompt_ids; 6: lora_name; 7: embed
 
     rid: str
     router_id: str
@@ -40,6 +40,7 @@ class GenerateReqMsg(Message):
     priority: int | None = None  # with the worker's priority scheduling (SGLang's)
     return_prompt_ids: bool = False  # `input_ids` go back in the request's first step row
     lora_name: str | None = None  # the LoRA adapter to run with (None: the base model)
+    embed: bool = False  # pool the prompt into an embedding (an embedding worker's requests)
 
     def _check(self) -> None:
         if not self.input_ids:

@@ -50,6 +50,8 @@ def step_rows() -> list[StepRow]:
             prompt_logprobs=PromptLogprobs(0, [1, 2, 3], [-1.5, -2.0], [[5], [6]], [[-0.5], [-1]]),
             prompt_ids=[1, 2, 3],
         ),
+        StepRow("r5", "router-a", 0, [], [], FinishReason("length"), 4, 0, 0,
+                embedding=b"\x00\x00\x80\x3f" * 3),
     ]  # fmt: skip
 
 
@@ -62,6 +64,7 @@ def detok_rows() -> list[DetokRow]:
             prompt_logprobs=PromptLogprobs(7, [8, 9], [-0.5, -0.75]),
             prompt_ids=[1, 8, 9],
         ),
+        DetokRow("r5", 0, 0, "", [], FinishReason("length"), 4, 0, 0, embedding=b"\x01\x02"),
     ]  # fmt: skip
 
 
@@ -145,10 +148,11 @@ def test_every_registered_type_has_a_sample() -> None:
 def test_columnar_rows_round_trip() -> None:
     step = decode_message(SAMPLES[7].to_msg())
     assert isinstance(step, StepOutputMsg)
-    assert step.num_rows == 5
+    assert step.num_rows == 6
     assert step.rows() == step_rows()
     assert step.row(4).prompt_logprobs.token_logprobs() == [None, -1.5, -2.0]
     assert step.row(4).prompt_ids == [1, 2, 3] and step.row(0).prompt_ids is None
+    assert step.row(5).embedding == b"\x00\x00\x80\x3f" * 3 and step.row(0).embedding is None
     assert step.row(2).finished and not step.row(1).finished
     assert step.row(2).finish_reason.to_dict() == {"type": "stop", "matched": 2}
     detok = decode_message(SAMPLES[9].to_msg())
@@ -213,7 +217,7 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=10), "tokenize_req: unsupported schema version 10 (speaks 9)"),
+        (lambda b: b.update(v=11), "tokenize_req: unsupported schema version 11 (speaks 10)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
         (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),
@@ -235,7 +239,10 @@ def test_schema_violations(mutate, expected: str) -> None:
 def test_cross_field_checks_of_columnar_messages() -> None:
     body = wire(SAMPLES[7])
     body["starts"].pop()
-    assert "StepOutputMsg.starts: column has 4 entries, expected 5" in reason_of(pack(body))
+    assert "StepOutputMsg.starts: column has 5 entries, expected 6" in reason_of(pack(body))
+    body = wire(SAMPLES[7])
+    body["embeddings"][5] = "not bytes"
+    assert "embeddings[5]: expected bytes, got str" in reason_of(pack(body))
     body = wire(SAMPLES[7])
     body["prompt_logprobs"][4]["logprobs"].pop()  # from position 0: one per token but the first
     assert "PromptLogprobs: 1 logprobs for 3 token(s) from position 0" in reason_of(pack(body))

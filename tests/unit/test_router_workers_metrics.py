@@ -10,13 +10,14 @@ from services.worker_load import LoadReporter, WorkerFacts, load_figures
 from shared.messages import WorkerLoadMsg
 
 
-def load(worker_id: str, running: int = 0, waiting: int = 0, usage: float = 0.0,
-         pid: int = 1, context_len: int = 2048) -> WorkerLoadMsg:  # fmt: skip
+def load(worker_id: str, running: int = 0, waiting: int = 0, usage: float = 0.0, pid: int = 1,
+         context_len: int = 2048, embedding: bool = False) -> WorkerLoadMsg:  # fmt: skip
     return WorkerLoadMsg(
         worker_id=worker_id, model="/models/tiny", num_running_reqs=running,
         num_waiting_reqs=waiting, num_used_tokens=0, num_cached_tokens=0,
         max_total_num_tokens=1000, max_running_requests=8, context_len=context_len,
         token_usage=usage, gen_throughput=12.5, host="h", pid=pid, updated_at=0.0,
+        is_embedding=embedding,
     )  # fmt: skip
 
 
@@ -32,6 +33,22 @@ def test_least_loaded_worker_wins_counting_this_routers_own_requests() -> None:
     for _ in range(4):
         table.ended("a")
     assert table.inflight == {}
+
+
+def test_requests_go_to_workers_of_their_kind() -> None:
+    table = WorkerTable()
+    assert table.none_for(embedding=True).status == 503  # no worker at all
+    table.update({"gen": load("gen", running=5), "emb": load("emb", embedding=True)})
+    assert table.choose().worker_id == "gen"  # (the idle embedding worker does not generate)
+    assert table.choose(embedding=True).worker_id == "emb"
+    assert table.choose(exclude=["emb"], embedding=True) is None
+    assert table.none_for(embedding=True).status == 503  # (one exists: tried and gone)
+    table.update({"emb": load("emb", embedding=True)})
+    err = table.none_for(embedding=False)
+    assert err.status == 400 and "use /v1/embeddings" in err.message
+    table.update({"gen": load("gen")})
+    err = table.none_for(embedding=True)
+    assert err.status == 400 and "--is-embedding" in err.message
 
 
 def test_ties_go_to_lower_token_usage() -> None:

@@ -12,6 +12,7 @@ from engine.scheduler.req import Req
 from services.worker_requests import (
     RequestTable,
     aborted_row,
+    check_kind,
     expand_row,
     row_record,
     sampling_params,
@@ -63,6 +64,35 @@ def test_sampling_params_take_the_lifted_fields_and_check_ranges() -> None:
         sampling_params(GenerateReqMsg("r", "a", [1, 100]), vocab_size=100)
 
 
+def test_a_worker_takes_requests_of_its_kind_only() -> None:
+    check_kind(gen(embed=True), is_embedding=True)
+    check_kind(gen(), is_embedding=False)
+    with pytest.raises(ValueError, match="use /v1/embeddings"):
+        check_kind(gen(), is_embedding=True)
+    with pytest.raises(ValueError, match="not embeddings"):
+        check_kind(gen(embed=True), is_embedding=False)
+
+
+def test_an_embedding_requests_final_row_carries_its_embedding() -> None:
+    import torch
+
+    from engine.pooling import PooledState
+
+    req = Req("r1", [1, 2, 3], SamplingParams(max_new_tokens=0))
+    req.embedding = PooledState("mean")
+    req.embedding.add(torch.tensor([3.0, 0.0]), 2)
+    req.embedding.add(torch.tensor([3.0, 8.0]), 1)  # mean [2, 8/3]: normalised [0.6, 0.8]
+    info = RequestTable().start(gen("r1", embed=True))
+    row = expand_row(_through_the_pipe(row_record(StepEvent(req, [], 0, None))), info)
+    assert row.embedding is None  # not before the end
+    done = StepEvent(req, [], 0, EngineFinish("length", 0))
+    row = expand_row(_through_the_pipe(row_record(done)), info)
+    assert torch.frombuffer(bytearray(row.embedding), dtype=torch.float32).tolist() == \
+        pytest.approx([0.6, 0.8])  # fmt: skip
+    aborted = StepEvent(req, [], 0, EngineFinish("abort", message="gone"))
+    assert expand_row(_through_the_pipe(row_record(aborted)), info).embedding is None
+
+
 def _through_the_pipe(record: tuple) -> list:
     """A row record as the I/O process receives it (msgpack turns tuples into lists)."""
     return msgpack.unpackb(msgpack.packb(record))
@@ -101,9 +131,8 @@ def test_the_first_row_carries_the_prompt_logprobs_once_complete() -> None:
     info = RequestTable().start(gen("r1"))
     req.output_ids = [9]
     req.prompt_token_logprobs = [-1.0]  # one of the two still to come (an abort): none sent
-    assert expand_row(_through_the_pipe(row_record(StepEvent(req, [9], 0, None))), info)[
-        -1
-    ] is None
+    row = expand_row(_through_the_pipe(row_record(StepEvent(req, [9], 0, None))), info)
+    assert row.prompt_logprobs is None
     req.prompt_token_logprobs = [-1.0, -2.0]
     req.prompt_top_logprobs = [([7], [-0.5]), ([8], [-0.25])]
     req.logprobs, req.top_logprobs = [-0.1], [([9], [-0.1])]
@@ -149,12 +178,12 @@ def test_a_step_message_forgets_a_request_with_its_final_row_and_skips_strangers
     info = RequestTable().start(gen("r1"))
     infos = {"r1": info}
     rows = [
-        ("r1", 0, [5], [], None, 0, None, None),
-        ("ghost", 0, [6], [], None, 0, None, None),  # never started: skipped, not fatal
+        ("r1", 0, [5], [], None, 0, None, None, None),
+        ("ghost", 0, [6], [], None, 0, None, None, None),  # never started: skipped, not fatal
     ]
     msg = step_message(rows, infos, "w0", 1)
     assert [r.rid for r in msg.rows()] == ["r1"] and "r1" in infos
-    last = ("r1", 1, [7], [5], ("length", None, None), 0, None, None)
+    last = ("r1", 1, [7], [5], ("length", None, None), 0, None, None, None)
     final = step_message([last], infos, "w0", 2)
     assert final.rows()[0].finish_reason.type == "length" and "r1" not in infos
-    assert step_message([("ghost", 0, [1], [], None, 0, None, None)], infos, "w0", 3) is None
+    assert step_message([("ghost", 0, [1], [], None, 0, None, None, None)], infos, "w0", 3) is None
