@@ -205,9 +205,12 @@ class Router:
 
     async def health_generate(self) -> Response:
         """One token generated through the tokenizer, a worker and a detokenizer (SGLang's
-        /health_generate); it is left out of the metrics."""
+        /health_generate; an embedding-only deployment embeds it); out of the metrics."""
         start = time.perf_counter()
-        handles = await self.broker.open(_HEALTH_REQUEST.to_subrequests())
+        subs = _HEALTH_REQUEST.to_subrequests()
+        if self.broker.workers.embedding_only:
+            subs[0].embed, subs[0].sampling_params = True, {"max_new_tokens": 0}
+        handles = await self.broker.open(subs)
         for h in handles:
             h.observed = False
 

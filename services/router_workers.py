@@ -65,6 +65,11 @@ class WorkerTable:
             return ApiError(400, msg, None, "invalid_request")
         return ApiError(503, "no live worker can take the request", None, "no_worker")
 
+    @property
+    def embedding_only(self) -> bool:
+        """Every live worker (at least one) serves an embedding model."""
+        return bool(self.live) and all(hb.is_embedding for hb in self.live.values())
+
     def is_alive(self, worker_id: str, pid: int) -> bool:
         hb = self.live.get(worker_id)
         return hb is not None and hb.pid == pid

@@ -98,8 +98,10 @@ def test_bad_requests(stack: Stack, body: dict, status: int, needle: str) -> Non
     assert needle in resp.json()["error"]["message"]
 
 
-def test_generation_requests_are_refused(stack: Stack) -> None:
+def test_generation_requests_are_refused_and_health_checks_embed(stack: Stack) -> None:
     body = {"model": os.path.basename(stack.model), "prompt": "hi", "max_tokens": 4}
     resp = httpx.post(stack.router_url + "/v1/completions", json=body, timeout=30)
     assert resp.status_code == 400, resp.text
     assert "use /v1/embeddings" in resp.json()["error"]["message"]
+    health = httpx.get(stack.router_url + "/health_generate", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "ok", health.text
