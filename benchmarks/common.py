@@ -121,6 +121,25 @@ def cpu_seconds() -> float:
     return total
 
 
+def parse_arm_args(ap: Any, name: str | None = None) -> Any:
+    """Parse the flags of a benchmark whose arms run interleaved, adding the ones they all
+    take: --threads (torch's, set here), --seed, --repeat (timed runs per arm, the fastest
+    counts) and, with a results `name`, --device, --dtype and --name (for a GPU run)."""
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per arm (the fastest)")
+    if name is not None:
+        ap.add_argument("--device", default="cpu")
+        ap.add_argument("--dtype", default="auto")
+        ap.add_argument("--name", default=name, help="results file name (no .json)")
+    args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def small_model(layers: int, seed: int = 0) -> str:
     """A random Llama of the `small` preset's shape with `layers` layers (built once, in the
     temp folder): the model of the CPU benchmarks that compare engine arms."""

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import print_table, small_model, write_result  # noqa: E402
+from benchmarks.common import parse_arm_args, print_table, small_model, write_result  # noqa: E402
 
 
 class SluiceArm:
@@ -111,15 +111,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--prefix", type=int, default=96, help="shared prefix tokens")
     ap.add_argument("--hf-batch", type=int, default=32, help="transformers' batch size")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--name", default="embeddings", help="results file name (no .json)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs per arm (the fastest)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_arm_args(ap, "embeddings")
     path = small_model(args.layers, args.seed)
     rng = random.Random(args.seed)
     workloads = {
@@ -151,7 +143,8 @@ def main() -> None:
                 raise SystemExit(f"{name}: {label}'s embeddings are {diff} from transformers'")
             row = {"workload": name, "arm": label, "inputs_s": len(prompts) / wall,
                    "tokens_s": tokens / wall, "vs_transformers": hf_wall / wall,
-                   "max_abs_diff": diff, "cached_tokens": getattr(arms[label], "cached", 0)}  # fmt: skip
+                   "max_abs_diff": diff,
+                   "cached_tokens": getattr(arms[label], "cached", 0)}  # fmt: skip
             print(row, flush=True)
             rows.append(row)
     sluice.engine.shutdown()

@@ -32,9 +32,8 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 
-from benchmarks.common import print_table, small_model, write_result  # noqa: E402
+from benchmarks.common import parse_arm_args, print_table, small_model, write_result  # noqa: E402
 
 
 class Arm:
@@ -79,12 +78,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs per arm (the fastest)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_arm_args(ap)
     from services.tiny_lora import make_tiny_lora
 
     path = small_model(args.layers, args.seed)

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, small_model, write_result  # noqa: E402
+from benchmarks.common import parse_arm_args, print_table, small_model, write_result  # noqa: E402
 
 WORKLOADS = {
     "forced": {"logit_bias": {"500": 100.0}},
@@ -95,15 +95,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--draft-tokens", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--name", default="speculative", help="results file name (no .json)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs per arm (the fastest)")
-    args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_arm_args(ap, "speculative")
     path = small_model(args.layers, args.seed)
     rng = random.Random(args.seed)
     prompts = [
