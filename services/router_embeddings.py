@@ -8,13 +8,16 @@ the request's final step row (float32 bytes, little-endian) and is answered as a
 floats or, with `encoding_format` "base64" (what OpenAI's Python client asks for), as those
 bytes in base64. vLLM's `truncate_prompt_tokens` keeps a prompt's last k tokens. `dimensions`
 (matryoshka truncation) is refused: no served model declares matryoshka representations.
-Without an embedding worker the request is a 400, as is a generation request to
-a deployment that has only embedding workers (services/router_requests.py).
+SGLang's `/encode` (`text` or `input_ids`, one or a batch) answers `{"embedding",
+"meta_info"}` per input. Without an embedding worker the request is a 400, as is a
+generation request to a deployment that has only embedding workers
+(services/router_workers.py).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -28,6 +31,7 @@ from services.router_fields import _Strict
 from services.router_handle import merged
 from services.router_models import check_adapters
 from services.router_protocol import ApiError, SubRequest, parse_body
+from services.router_stream import Usage
 
 MAX_INPUTS = 2048  # OpenAI's limit of inputs per request
 
@@ -87,12 +91,9 @@ def response_item(index: int, data: bytes, encoding: str) -> dict[str, Any]:
     return {"object": "embedding", "index": index, "embedding": embedding}
 
 
-async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
-    """Send the request's inputs to the embedding workers; the answer once all are pooled."""
-    subs = body.to_subrequests()
-    lora = await router.resolve_model(body.model)
-    for sub in subs:
-        sub.lora_name = lora
+async def pooled(router: Any, subs: list[SubRequest]) -> list[tuple[bytes, Usage]]:
+    """Send the sub-requests to the embedding workers: each one's embedding and usage, in
+    order, once all are pooled."""
     await check_adapters(router.broker, subs)
     handles = await router.broker.open(subs)
     try:
@@ -102,18 +103,27 @@ async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
             h.close()
         raise
     router.num_handled += 1
-    vectors: dict[int, bytes] = {}
-    prompt_tokens = 0
+    out: dict[int, tuple[bytes, Usage]] = {}
     async for index, delta in merged(handles):
-        if delta.embedding is not None:
-            vectors[index] = delta.embedding
-        if delta.usage is not None:
-            prompt_tokens += delta.usage.prompt_tokens
         reason = delta.finish_reason
-        if reason is not None and index not in vectors:  # (an abort: /abort_request)
+        if reason is None:
+            continue
+        if delta.embedding is None or delta.usage is None:  # (an abort: /abort_request)
             why = reason.message or reason.type
             raise ApiError(503, f"input {index} was not embedded: {why}", None, "aborted")
-    data = [response_item(i, vectors[i], body.encoding_format) for i in range(len(subs))]
+        out[index] = (delta.embedding, delta.usage)
+    return [out[i] for i in range(len(subs))]
+
+
+async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
+    """OpenAI's answer to an embeddings request."""
+    subs = body.to_subrequests()
+    lora = await router.resolve_model(body.model)
+    for sub in subs:
+        sub.lora_name = lora
+    results = await pooled(router, subs)
+    data = [response_item(i, v, body.encoding_format) for i, (v, _) in enumerate(results)]
+    prompt_tokens = sum(u.prompt_tokens for _, u in results)
     return {
         "id": f"embd-{uuid.uuid4().hex}",
         "object": "list",
@@ -122,6 +132,34 @@ async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
         "data": data,
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
+
+
+class EncodeRequest(_Strict):
+    """SGLang's `/encode` body (EmbeddingReqInput): `text` or `input_ids`, one or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+
+    def to_embedding_request(self) -> EmbeddingRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ApiError(400, "give exactly one of text and input_ids", None, "invalid_value")
+        given = self.text if self.text is not None else self.input_ids
+        return parse_body(EmbeddingRequest, json.dumps({"model": "", "input": given}).encode())
+
+
+async def encode(router: Any, body: EncodeRequest) -> Any:
+    """SGLang's answer to `/encode`: `{"embedding", "meta_info"}`, a list of them for a batch."""
+    single = isinstance(body.text, str) or (
+        body.input_ids is not None and all(type(t) is int for t in body.input_ids)
+    )  # fmt: skip
+    subs = body.to_embedding_request().to_subrequests()
+    outs = []
+    for vector, usage in await pooled(router, subs):
+        meta = {"id": uuid.uuid4().hex, "prompt_tokens": usage.prompt_tokens,
+                "cached_tokens": usage.cached_tokens}  # fmt: skip
+        outs.append({"embedding": response_item(0, vector, "float")["embedding"],
+                     "meta_info": meta})  # fmt: skip
+    return outs[0] if single else outs
 
 
 def add_routes(app: Any, state: dict[str, Any]) -> None:
@@ -133,3 +171,10 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
         router.authorize(request)
         body = parse_body(EmbeddingRequest, await request.body())
         return JSONResponse(await unless_disconnected(request, embed(router, body)))
+
+    @app.post("/encode")
+    async def encode_route(request: Request) -> JSONResponse:
+        router = state["router"]
+        router.authorize(request)
+        body = parse_body(EncodeRequest, await request.body())
+        return JSONResponse(await unless_disconnected(request, encode(router, body)))

@@ -67,6 +67,18 @@ def test_the_openai_client_reads_base64(stack: Stack, want) -> None:
     assert floats == pytest.approx(want[0], abs=1e-6)
 
 
+def test_sglangs_encode(stack: Stack, want) -> None:
+    one = httpx.post(stack.router_url + "/encode", json={"text": TEXTS[0]}, timeout=60).json()
+    assert one["embedding"] == pytest.approx(want[0], abs=1e-6)
+    assert one["meta_info"]["prompt_tokens"] > 0
+    batch = httpx.post(stack.router_url + "/encode", json={"text": TEXTS}, timeout=60).json()
+    assert np.abs(np.array([o["embedding"] for o in batch]) - np.array(want)).max() < 1e-6
+    by_ids = httpx.post(stack.router_url + "/encode", json={"input_ids": [5, 6, 7]}, timeout=60)
+    assert by_ids.json()["meta_info"]["prompt_tokens"] == 3
+    resp = httpx.post(stack.router_url + "/encode", json={}, timeout=60)
+    assert resp.status_code == 400 and "exactly one" in resp.json()["error"]["message"]
+
+
 def test_token_id_inputs_and_truncation(stack: Stack) -> None:
     ids = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     whole = post(stack, input=ids).json()
