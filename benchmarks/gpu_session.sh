@@ -21,6 +21,8 @@
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
 #   speculative benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
 #               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json
+#   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
+#               engine against transformers, writing benchmarks/results/gpu_embeddings.json
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
 #   parity-windows (the results first)
@@ -176,6 +178,9 @@ do_step() {
         speculative)
             run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative ;;
+        embeddings)
+            run_step embeddings 120 python3 benchmarks/embeddings.py --device cuda \
+                --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --name gpu_embeddings ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
         tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels
             do_step parity-windows ;;
