@@ -100,6 +100,16 @@ class PooledState:
         return F.normalize(value, dim=-1)
 
 
+def matryoshka_dimensions(hf_config: Any) -> list[int] | None:
+    """The sizes a matryoshka model's embeddings may be truncated to (vLLM reads the same
+    config fields): None for a model without matryoshka representations, [] for any size
+    (`is_matryoshka` without `matryoshka_dimensions`)."""
+    dims = getattr(hf_config, "matryoshka_dimensions", None)
+    if dims:
+        return sorted(int(d) for d in dims)
+    return [] if getattr(hf_config, "is_matryoshka", False) else None
+
+
 def embedding_bytes(embedding: torch.Tensor) -> bytes:
     """float32 little-endian bytes of an embedding (the wire format, and OpenAI's base64)."""
     return embedding.to(torch.float32).numpy().astype("<f4", copy=False).tobytes()

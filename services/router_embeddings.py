@@ -7,7 +7,8 @@ pools the prompt's final hidden states into one normalised float32 vector. It co
 the request's final step row (float32 bytes, little-endian) and is answered as a list of
 floats or, with `encoding_format` "base64" (what OpenAI's Python client asks for), as those
 bytes in base64. vLLM's `truncate_prompt_tokens` keeps a prompt's last k tokens. `dimensions`
-(matryoshka truncation) is refused: no served model declares matryoshka representations.
+keeps the first k values of each embedding, normalised again, for a matryoshka model (its
+config's `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them; a 400 otherwise).
 SGLang's `/encode` (`text` or `input_ids`, one or a batch) answers `{"embedding",
 "meta_info"}` per input. Without an embedding worker the request is a 400, as is a
 generation request to a deployment that has only embedding workers
@@ -66,9 +67,6 @@ class EmbeddingRequest(_Strict):
         return v
 
     def to_subrequests(self) -> list[SubRequest]:
-        if self.dimensions is not None:
-            raise ApiError(400, "dimensions: the model has no matryoshka representation; "
-                           "its embeddings have one size", "dimensions", "unsupported")  # fmt: skip
         if self.truncate_prompt_tokens == 0:
             raise ApiError(400, "truncate_prompt_tokens must be -1 or >= 1",
                            "truncate_prompt_tokens", "invalid_value")  # fmt: skip
@@ -80,6 +78,30 @@ class EmbeddingRequest(_Strict):
             kind = "text" if isinstance(prompt, str) else "input_ids"
             subs.append(SubRequest(i, i, dict(params), embed=True, **{kind: prompt}))
         return subs
+
+
+def check_dimensions(workers: Any, dims: int) -> None:
+    """400 unless every live embedding worker's model can cut its embeddings to `dims`."""
+    for hb in workers.live.values():
+        allowed = hb.matryoshka_dimensions
+        if not hb.is_embedding:
+            continue
+        if allowed is None:
+            raise ApiError(400, "dimensions: the model has no matryoshka representation; its "
+                           "embeddings have one size", "dimensions", "unsupported")  # fmt: skip
+        if allowed and dims not in allowed:
+            raise ApiError(400, f"dimensions: {dims} is not one of the model's matryoshka "
+                           f"sizes {allowed}", "dimensions", "invalid_value")  # fmt: skip
+
+
+def cut(vector: bytes, dims: int) -> bytes:
+    """A matryoshka embedding's first `dims` values, normalised again."""
+    full = np.frombuffer(vector, dtype="<f4")
+    if dims > len(full):
+        raise ApiError(400, f"dimensions: {dims} is more than the model's {len(full)}",
+                       "dimensions", "invalid_value")  # fmt: skip
+    part = full[:dims].astype(np.float64)
+    return (part / max(np.linalg.norm(part), 1e-12)).astype("<f4").tobytes()
 
 
 def response_item(index: int, data: bytes, encoding: str) -> dict[str, Any]:
@@ -121,7 +143,12 @@ async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
     lora = await router.resolve_model(body.model)
     for sub in subs:
         sub.lora_name = lora
+    dims = body.dimensions
+    if dims is not None:
+        check_dimensions(router.broker.workers, dims)
     results = await pooled(router, subs)
+    if dims is not None:
+        results = [(cut(v, dims), u) for v, u in results]
     data = [response_item(i, v, body.encoding_format) for i, (v, _) in enumerate(results)]
     prompt_tokens = sum(u.prompt_tokens for _, u in results)
     return {

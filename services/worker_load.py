@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any, NamedTuple
 
+from engine.pooling import matryoshka_dimensions
 from shared.messages import WorkerLoadMsg
 
 REFRESH_EVERY_S = 0.25
@@ -38,6 +39,7 @@ class WorkerFacts(NamedTuple):
     pid: int
     lora_adapters: list[str] = []  # noqa: RUF012 (a NamedTuple default, never mutated)
     is_embedding: bool = False
+    matryoshka_dimensions: list[int] | None = None  # (engine/pooling.py)
 
     @classmethod
     def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
@@ -50,6 +52,7 @@ class WorkerFacts(NamedTuple):
             os.getpid(),
             sorted(scheduler.lora_ids),
             scheduler.args.is_embedding,
+            matryoshka_dimensions(scheduler.model_runner.model_config.hf_config),
         )
 
 
@@ -104,4 +107,5 @@ class LoadReporter:
             lora_adapters=list(facts.lora_adapters),
             spec_accept_length=f.spec_accept_length,
             is_embedding=facts.is_embedding,
+            matryoshka_dimensions=facts.matryoshka_dimensions,
         )

@@ -10,8 +10,9 @@ encoded as a plain map without tag or version. The schema is the dataclass's typ
 `from_msg` checks every value against it, so a consumer never sees an int where a str belongs.
 
 Supported field types: `int` (bool is refused), `float` (an int is accepted and converted),
-`str`, `bool`, `bytes` (msgpack bin), `Literal[...]`, `X | None`, `list[X]`, `dict[str, X]`, `Any` (plain data:
-None, bool, int, float, str, list and str-keyed maps of those) and `Record` subclasses.
+`str`, `bool`, `bytes` (msgpack bin), `Literal[...]`, `X | None`, `list[X]`, `dict[str, X]`,
+`Any` (plain data: None, bool, int, float, str, list and str-keyed maps of those) and
+`Record` subclasses.
 
 Every field must be present on the wire, even one with a default in Python: defaults are
 for constructing messages, not for filling gaps in what a peer sent. A peer that needs a

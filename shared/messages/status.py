@@ -18,7 +18,9 @@ class WorkerLoadMsg(Message):
     `updated_at` is `time.time()`. `lora_adapters`: the names of the LoRA adapters it serves.
     `spec_accept_length`: with speculative decoding, the tokens per request and verify step
     since it started (1 + accepted drafts; SGLang's avg_spec_accept_length), else 0.
-    `is_embedding`: it serves an embedding model (embedding requests only).
+    `is_embedding`: it serves an embedding model (embedding requests only);
+    `matryoshka_dimensions`: the sizes its embeddings may be cut to (`dimensions`), [] for
+    any, None if the model has no matryoshka representations.
     """
 
     TAG = "worker_load"
@@ -42,6 +44,7 @@ class WorkerLoadMsg(Message):
     lora_adapters: list[str] = field(default_factory=list)
     spec_accept_length: float = 0.0
     is_embedding: bool = False
+    matryoshka_dimensions: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
