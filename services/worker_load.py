@@ -43,6 +43,8 @@ class WorkerFacts(NamedTuple):
 
     @classmethod
     def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
+        embedding = scheduler.args.is_embedding
+        config = scheduler.model_runner.model_config
         return cls(
             worker_id,
             model,
@@ -51,8 +53,8 @@ class WorkerFacts(NamedTuple):
             scheduler.context_len,
             os.getpid(),
             sorted(scheduler.lora_ids),
-            scheduler.args.is_embedding,
-            matryoshka_dimensions(scheduler.model_runner.model_config.hf_config),
+            embedding,
+            matryoshka_dimensions(config.hf_config) if embedding else None,
         )
 
 
