@@ -109,8 +109,8 @@ def test_requests_reach_the_scheduler_and_step_records_become_step_messages(
     assert "unexpected ErrorMsg" in dead[0].reason
 
     link.start("r1", ReqInfo.of(got[0]))
-    link.step(1, [("r1", 0, [40, 41], [], None, 0, None, None)])
-    link.step(2, [("r1", 2, [42], [40, 41], ("length", None, None), 2, None, None)])
+    link.step(1, [("r1", 0, [40, 41], [], None, 0, None, None, None)])
+    link.step(2, [("r1", 2, [42], [40, 41], ("length", None, None), 2, None, None, None)])
     error = ErrorMsg("r2", "router-a", "invalid_request", "bad", 400, "worker:w0")
     link.publish(router_out_stream(key_prefix, "router-a"), error)
     detok = detok_stream(key_prefix)
@@ -151,7 +151,7 @@ def test_a_lost_io_process_is_an_error_for_the_scheduler(redis_url: str, key_pre
         for _ in range(100):
             lk.receive(timeout=0.05)
     with pytest.raises(RuntimeError, match="I/O process exited"):
-        lk.step(1, [("r", 0, [1], [], None, 0, None, None)] * 20_000)  # more than a pipe holds
+        lk.step(1, [("r", 0, [1], [], None, 0, None, None, None)] * 20_000)  # (over a pipe)
     lk.close()
 
 
