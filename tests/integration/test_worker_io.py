@@ -151,7 +151,8 @@ def test_a_lost_io_process_is_an_error_for_the_scheduler(redis_url: str, key_pre
         for _ in range(100):
             lk.receive(timeout=0.05)
     with pytest.raises(RuntimeError, match="I/O process exited"):
-        lk.step(1, [("r", 0, [1], [], None, 0, None, None, None)] * 20_000)  # (over a pipe)
+        rows = [("r", 0, [1], [], None, 0, None, None, None)] * 20_000  # more than a pipe holds
+        lk.step(1, rows)
     lk.close()
 
 
