@@ -83,9 +83,9 @@ class EmbeddingRequest(_Strict):
 def check_dimensions(workers: Any, dims: int) -> None:
     """400 unless every live embedding worker's model can cut its embeddings to `dims`."""
     for hb in workers.live.values():
-        allowed = hb.matryoshka_dimensions
         if not hb.is_embedding:
             continue
+        allowed = hb.matryoshka_dimensions
         if allowed is None:
             raise ApiError(400, "dimensions: the model has no matryoshka representation; its "
                            "embeddings have one size", "dimensions", "unsupported")  # fmt: skip
@@ -104,12 +104,13 @@ def cut(vector: bytes, dims: int) -> bytes:
     return (part / max(np.linalg.norm(part), 1e-12)).astype("<f4").tobytes()
 
 
+def _floats(data: bytes) -> list[float]:
+    return np.frombuffer(data, dtype="<f4").tolist()
+
+
 def response_item(index: int, data: bytes, encoding: str) -> dict[str, Any]:
     """One input's entry of the answer's `data`: its float32 bytes as floats or base64."""
-    if encoding == "base64":
-        embedding: Any = base64.b64encode(data).decode("ascii")
-    else:
-        embedding = np.frombuffer(data, dtype="<f4").tolist()
+    embedding = base64.b64encode(data).decode("ascii") if encoding == "base64" else _floats(data)
     return {"object": "embedding", "index": index, "embedding": embedding}
 
 
@@ -184,24 +185,20 @@ async def encode(router: Any, body: EncodeRequest) -> Any:
     for vector, usage in await pooled(router, subs):
         meta = {"id": uuid.uuid4().hex, "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens}  # fmt: skip
-        outs.append({"embedding": response_item(0, vector, "float")["embedding"],
-                     "meta_info": meta})  # fmt: skip
+        outs.append({"embedding": _floats(vector), "meta_info": meta})
     return outs[0] if single else outs
 
 
 def add_routes(app: Any, state: dict[str, Any]) -> None:
     from services.router_api import unless_disconnected
 
-    @app.post("/v1/embeddings")
-    async def embeddings(request: Request) -> JSONResponse:
-        router = state["router"]
-        router.authorize(request)
-        body = parse_body(EmbeddingRequest, await request.body())
-        return JSONResponse(await unless_disconnected(request, embed(router, body)))
+    def route(path: str, body_cls: type, answer: Any) -> None:
+        @app.post(path)
+        async def handler(request: Request) -> JSONResponse:
+            router = state["router"]
+            router.authorize(request)
+            body = parse_body(body_cls, await request.body())
+            return JSONResponse(await unless_disconnected(request, answer(router, body)))
 
-    @app.post("/encode")
-    async def encode_route(request: Request) -> JSONResponse:
-        router = state["router"]
-        router.authorize(request)
-        body = parse_body(EncodeRequest, await request.body())
-        return JSONResponse(await unless_disconnected(request, encode(router, body)))
+    route("/v1/embeddings", EmbeddingRequest, embed)
+    route("/encode", EncodeRequest, encode)
