@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.pooling import check_embedding_args
+from engine.pooling import check_embedding_args, classifier_labels
 from engine.speculative import check_speculative_args
 
 _DTYPES = {
@@ -58,6 +58,9 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     # attention scores soft-capped to c * tanh(s / c) on every layer (Gemma 2), or None
     attn_logit_cap: float | None = None
+    # a sequence classifier's label names by index (`*ForSequenceClassification`; its
+    # requests come back as the scores of these); () for every other model
+    labels: tuple[str, ...] = ()
 
     @classmethod
     def from_pretrained(cls, path: str, context_length: int | None = None) -> ModelConfig:
@@ -89,6 +92,7 @@ class ModelConfig:
             hf_config=hf,
             sliding_windows=layer_sliding_windows(hf, num_layers),
             attn_logit_cap=attn_logit_cap(hf),
+            labels=classifier_labels(arch, hf),
         )
 
     @property

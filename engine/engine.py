@@ -13,6 +13,7 @@ from engine.mem_cache.no_cache import NoRadixCache
 from engine.mem_cache.radix_cache import RadixCache
 from engine.mem_cache.swa_radix_cache import SWARadixCache
 from engine.model_runner import ModelRunner
+from engine.pooling import resolve_model_kind
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
 from engine.scheduler.req import Req
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 def build_scheduler(args: EngineArgs, tokenizer: Any | None = None) -> Scheduler:
     """Model runner + prefix cache + scheduler, as the worker service also builds them."""
     model_config = ModelConfig.from_pretrained(args.model_path, args.context_length)
+    args = resolve_model_kind(args, model_config.labels)
     # With a device process (CPU overlap), the model and KV pool live there, not here.
     runner = ModelRunner(model_config, args, host_only=args.overlap_device_process)
     tree_cache = make_tree_cache(runner, args)
@@ -58,6 +60,7 @@ class Engine:
 
             self.tokenizer = load_tokenizer(self.args.model_path)
         self.scheduler = build_scheduler(self.args, self.tokenizer)
+        self.args = self.scheduler.args  # (a classifier's: a pooling model's)
         self._rids = itertools.count()
 
     # -- generation -----------------------------------------------------------------------------

@@ -10,6 +10,12 @@ and `PooledState` adds the chunks up per request. "last" only reads the final ch
 prefix-cache hit changes nothing and the radix cache stays on; "mean" and "cls" need the
 states of every position, which a cached prefix never computes, so they run without it.
 
+A sequence classifier (`*ForSequenceClassification`: cross-encoders, rerankers, reward and
+sentiment models) is served the same way: its `score` head maps the pooled state to one
+logit per label (engine/models/classification.py), and those logits come back raw (not
+normalised); the router turns them into probabilities or relevance scores. Such a model is
+always a pooling model (`resolve_model_kind`), as in SGLang and vLLM.
+
 An embedding engine runs no decode step: every request asks for no new tokens
 (`max_new_tokens` 0) and ends with its prefill. The overlap scheduler (which samples ahead)
 and speculative decoding are off.
@@ -17,6 +23,7 @@ and speculative decoding are off.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +37,28 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POOLING_TYPES = ("last", "mean", "cls")
+
+
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
+def classifier_labels(architecture: str, hf_config: Any) -> tuple[str, ...]:
+    """A sequence classifier's label names by index (its config's `id2label`), () for a model
+    of any other architecture."""
+    if not architecture.endswith(CLASSIFIER_SUFFIX):
+        return ()
+    num = int(hf_config.num_labels)
+    names = getattr(hf_config, "id2label", None) or {}
+    return tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num))
+
+
+def resolve_model_kind(args: Any, labels: tuple[str, ...]) -> Any:
+    """`args` for the model: a sequence classifier (`labels` non-empty) is served as a pooling
+    model whether or not `is_embedding` was given (SGLang and vLLM decide by architecture)."""
+    if labels and not args.is_embedding:
+        logger.info("a sequence classifier (%d labels): served as a pooling model", len(labels))
+        return dataclasses.replace(args, is_embedding=True)
+    return args
 
 
 def check_embedding_args(args: Any) -> None:
@@ -78,10 +107,11 @@ class EmbeddingBatchResult:
 
 
 class PooledState:
-    """One request's embedding as its prompt's chunks come in."""
+    """One request's embedding (or a classifier's logits) as its prompt's chunks come in."""
 
-    def __init__(self, pooling: str) -> None:
+    def __init__(self, pooling: str, normalize: bool = True) -> None:
         self.pooling = pooling
+        self.normalize = normalize
         self.value: torch.Tensor | None = None
         self.positions = 0
 
@@ -94,10 +124,11 @@ class PooledState:
         self.positions += num_positions  # ("cls": the first chunk's stays)
 
     def embedding(self) -> torch.Tensor:
-        """The request's normalised embedding (float32 [hidden])."""
+        """The request's embedding, normalised (float32 [hidden]); a classifier's logits as
+        they are (float32 [num_labels])."""
         assert self.value is not None, "no chunk of the prompt has run"
         value = self.value / self.positions if self.pooling == "mean" else self.value
-        return F.normalize(value, dim=-1)
+        return F.normalize(value, dim=-1) if self.normalize else value
 
 
 def matryoshka_dimensions(hf_config: Any) -> list[int] | None:

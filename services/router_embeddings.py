@@ -41,6 +41,23 @@ def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(type(t) is int and t >= 0 for t in v)
 
 
+def check_inputs(v: Any) -> list[str] | list[list[int]]:
+    """A pooling request's `input` as a list of prompts (texts or token id lists)."""
+    if isinstance(v, str) or _is_ids(v):
+        v = [v]
+    ok = isinstance(v, list) and v and (
+        all(isinstance(p, str) for p in v) or all(_is_ids(p) for p in v)
+    )  # fmt: skip
+    if not ok:
+        raise ValueError("must be a string, a list of strings, a non-empty list of token "
+                         "ids, or a list of those")  # fmt: skip
+    if any(p == "" for p in v):
+        raise ValueError("an input string is empty")
+    if len(v) > MAX_INPUTS:
+        raise ValueError(f"at most {MAX_INPUTS} inputs per request, got {len(v)}")
+    return v
+
+
 class EmbeddingRequest(_Strict):
     model: str
     input: Any
@@ -52,19 +69,7 @@ class EmbeddingRequest(_Strict):
     @field_validator("input")
     @classmethod
     def _check_input(cls, v: Any) -> list[str] | list[list[int]]:
-        if isinstance(v, str) or _is_ids(v):
-            v = [v]
-        ok = isinstance(v, list) and v and (
-            all(isinstance(p, str) for p in v) or all(_is_ids(p) for p in v)
-        )  # fmt: skip
-        if not ok:
-            raise ValueError("must be a string, a list of strings, a non-empty list of token "
-                             "ids, or a list of those")  # fmt: skip
-        if any(p == "" for p in v):
-            raise ValueError("an input string is empty")
-        if len(v) > MAX_INPUTS:
-            raise ValueError(f"at most {MAX_INPUTS} inputs per request, got {len(v)}")
-        return v
+        return check_inputs(v)
 
     def to_subrequests(self) -> list[SubRequest]:
         if self.truncate_prompt_tokens == 0:
@@ -142,6 +147,9 @@ async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
     """OpenAI's answer to an embeddings request."""
     subs = body.to_subrequests()
     lora = await router.resolve_model(body.model)
+    if any(hb.labels for hb in router.broker.workers.live.values() if hb.is_embedding):
+        raise ApiError(400, "the model is a sequence classifier: use /v1/classify, /v1/score "
+                       "or /v1/rerank", None, "invalid_request")  # fmt: skip
     for sub in subs:
         sub.lora_name = lora
     dims = body.dimensions
@@ -190,7 +198,10 @@ async def encode(router: Any, body: EncodeRequest) -> Any:
 
 
 def add_routes(app: Any, state: dict[str, Any]) -> None:
+    """The pooling APIs: embeddings and `/encode` here, classify / score / rerank
+    (services/router_scores.py)."""
     from services.router_api import unless_disconnected
+    from services.router_scores import ROUTES
 
     def route(path: str, body_cls: type, answer: Any) -> None:
         @app.post(path)
@@ -202,3 +213,6 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
 
     route("/v1/embeddings", EmbeddingRequest, embed)
     route("/encode", EncodeRequest, encode)
+    for paths, body_cls, answer in ROUTES:
+        for path in paths:
+            route(path, body_cls, answer)

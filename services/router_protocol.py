@@ -66,6 +66,7 @@ class SubRequest:
     continue_final_message: bool = False  # chat: or continue the last message
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids in the response
     embed: bool = False  # /v1/embeddings: pooled by an embedding worker (no output tokens)
+    text_pair: str | None = None  # with text: a cross-encoder's pair (/v1/score, /v1/rerank)
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's

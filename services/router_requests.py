@@ -190,6 +190,7 @@ class Broker:
             lora_name=sub.lora_name,
             return_prompt_ids=sub.return_token_ids,
             embed=sub.embed,
+            text_pair=sub.text_pair,
         )
 
     def _dispatch(self, msg: object) -> None:

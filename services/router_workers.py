@@ -59,9 +59,11 @@ class WorkerTable:
         other kind of model (embedding or generative), else a 503."""
         kinds = {hb.is_embedding for hb in self.live.values()}
         if kinds and embedding not in kinds:
-            msg = ("the model does not support the Embeddings API (no worker runs with "
-                   "--is-embedding)" if embedding else "the model is an embedding model "
-                   "(its workers run with --is-embedding): use /v1/embeddings")  # fmt: skip
+            msg = ("the model is a generative model: the pooling APIs (embeddings, classify, "
+                   "score, rerank) need a worker run with --is-embedding or a classifier"
+                   if embedding else "the model is a pooling model (an embedding model or a "
+                   "classifier): use /v1/embeddings, /v1/classify, /v1/score or /v1/rerank"
+                   )  # fmt: skip
             return ApiError(400, msg, None, "invalid_request")
         return ApiError(503, "no live worker can take the request", None, "no_worker")
 

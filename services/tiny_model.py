@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 # build_tokenizer is also imported from here (this module's public API before the split).
+from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -204,6 +205,7 @@ def make_tiny_model(
     preset: str = "tiny",
     seed: int = 0,
     dtype: str = "float32",
+    num_labels: int | None = None,
     **size_overrides: Any,
 ) -> str:
     """Write a random ``arch`` model of ``preset``'s shape, with its tokenizer, to ``out_dir``.
@@ -218,6 +220,8 @@ def make_tiny_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
         _shape_weights(model)
+        if num_labels is not None:
+            model = to_classifier(model, config, num_labels, LOGIT_SCALE)
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in os.listdir(out_dir):  # written through a 0600 temporary file
         os.chmod(os.path.join(out_dir, name), 0o644)
@@ -291,6 +295,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--preset", choices=tuple(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
+    parser.add_argument("--num-labels", type=int, default=None,
+                        help="a sequence classifier (cross-encoder) with this many labels")
     for key in _SIZE_KEYS:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None)
     parser.set_defaults(func=run)
@@ -301,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     sizes = {key: getattr(args, key) for key in _SIZE_KEYS}
     path = make_tiny_model(
-        args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype, **sizes
-    )
+        args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
+        num_labels=args.num_labels, **sizes,
+    )  # fmt: skip
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
     return 0

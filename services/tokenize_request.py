@@ -68,7 +68,9 @@ class RequestTokenizer:
             room = min(context_len - params.max_new_tokens, context_len - 1)  # _check_length
             ids = self._fit_turns(msg, ids, room)
         if keep is not None:
-            ids = _truncated(ids, keep, context_len - params.max_new_tokens, context_len)
+            room = min(context_len - params.max_new_tokens, context_len - 1)  # _check_length
+            keep = _keep_count(keep, room, context_len)
+            ids = ids[-keep:] if msg.text_pair is None else self._pair_ids(msg, keep)
         self._check_length(ids, params.max_new_tokens, context_len)
         return GenerateReqMsg(
             rid=msg.rid,
@@ -133,6 +135,18 @@ class RequestTokenizer:
                 lo = k + 1
         return ids if best is None else best
 
+    def _pair_ids(self, msg: TokenizeReqMsg, keep: int) -> list[int]:
+        """A pair's ids cut to `keep` tokens the way transformers truncates pairs (HF's and
+        vLLM's `truncation=True`: the longer text loses its last tokens first), so that both
+        texts keep their starts and the special tokens stay."""
+        try:
+            pair = self.tokenizer(msg.text, text_pair=msg.text_pair, truncation=True,
+                                  max_length=keep, add_special_tokens=msg.add_special_tokens
+                                  is not False)  # fmt: skip
+        except Exception as exc:  # (a max_length below the special tokens' count)
+            raise RequestError("invalid_request", f"truncate_prompt_tokens: {exc}") from None
+        return list(pair["input_ids"])
+
     def _check_ids(self, ids: list[int]) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
             raise RequestError(
@@ -143,6 +157,10 @@ class RequestTokenizer:
         """The prompt's ids: its text, its chat messages (or `messages` instead) templated,
         or its ids."""
         special = msg.add_special_tokens
+        if msg.text_pair is not None:  # (a cross-encoder's query and document)
+            pair = self.tokenizer(msg.text, text_pair=msg.text_pair,
+                                  add_special_tokens=special is not False)  # fmt: skip
+            return list(pair["input_ids"])
         if msg.text is not None:
             return self.tokenizer.encode(msg.text, add_special_tokens=special is not False)
         messages = msg.messages if messages is None else messages
@@ -200,8 +218,9 @@ class RequestTokenizer:
             )
 
 
-def _truncated(ids: list[int], keep: Any, room: int, context_len: int) -> list[int]:
-    """The last `keep` tokens of the prompt (-1: the last `room`, at least one)."""
+def _keep_count(keep: Any, room: int, context_len: int) -> int:
+    """How many of the prompt's tokens `truncate_prompt_tokens` keeps (-1: `room`, at
+    least one)."""
     if isinstance(keep, bool) or not isinstance(keep, int) or (keep < 1 and keep != -1):
         raise RequestError("invalid_request", "truncate_prompt_tokens must be -1 or >= 1")
     if keep > context_len:
@@ -209,8 +228,7 @@ def _truncated(ids: list[int], keep: Any, room: int, context_len: int) -> list[i
             "invalid_request",
             f"truncate_prompt_tokens {keep} is more than the context length {context_len}",
         )
-    keep = max(room, 1) if keep == -1 else keep
-    return ids[-keep:]
+    return max(room, 1) if keep == -1 else keep
 
 
 def _turn(m: ChatMessage) -> dict[str, Any]:

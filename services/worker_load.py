@@ -40,6 +40,7 @@ class WorkerFacts(NamedTuple):
     lora_adapters: list[str] = []  # noqa: RUF012 (a NamedTuple default, never mutated)
     is_embedding: bool = False
     matryoshka_dimensions: list[int] | None = None  # (engine/pooling.py)
+    labels: list[str] | None = None  # a sequence classifier's
 
     @classmethod
     def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
@@ -54,7 +55,8 @@ class WorkerFacts(NamedTuple):
             os.getpid(),
             sorted(scheduler.lora_ids),
             embedding,
-            matryoshka_dimensions(config.hf_config) if embedding else None,
+            matryoshka_dimensions(config.hf_config) if embedding and not config.labels else None,
+            list(config.labels) if config.labels else None,
         )
 
 
@@ -110,4 +112,5 @@ class LoadReporter:
             spec_accept_length=f.spec_accept_length,
             is_embedding=facts.is_embedding,
             matryoshka_dimensions=facts.matryoshka_dimensions,
+            labels=facts.labels,
         )

@@ -22,14 +22,21 @@ _ROOT = tempfile.mkdtemp(prefix="sluice-test-models-")
 
 @functools.cache
 def tiny_model(
-    arch: str, preset: str = "tiny", seed: int = 0, sliding_window: int | None = None
+    arch: str,
+    preset: str = "tiny",
+    seed: int = 0,
+    sliding_window: int | None = None,
+    num_labels: int | None = None,
 ) -> str:
+    """A tiny model folder, built once; `num_labels`: a sequence classifier of that many."""
     from services.tiny_model import make_tiny_model
 
     window = f"-sw{sliding_window}" if sliding_window else ""
-    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}{window}")
+    labels = f"-cls{num_labels}" if num_labels else ""
+    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}{window}{labels}")
     if not os.path.exists(os.path.join(out, "config.json")):
-        make_tiny_model(out, arch=arch, preset=preset, seed=seed, sliding_window=sliding_window)
+        make_tiny_model(out, arch=arch, preset=preset, seed=seed, sliding_window=sliding_window,
+                        num_labels=num_labels)  # fmt: skip
     return out
 
 

@@ -28,6 +28,7 @@ class FakeModelConfig:
     vocab_size: int = 1000
     context_len: int = 4096
     eos_token_ids: tuple[int, ...] = (2,)
+    labels: tuple[str, ...] = ()  # (not a classifier)
 
 
 def expected_next(ids: list[int], vocab: int) -> int:

@@ -1,4 +1,7 @@
-"""Architecture name (HF `config.architectures[0]`) -> model class, imported lazily."""
+"""Architecture name (HF `config.architectures[0]`) -> model class, imported lazily.
+
+A `*ForSequenceClassification` architecture is its causal model's class with a `score` head
+(engine/models/classification.py)."""
 
 from __future__ import annotations
 
@@ -23,10 +26,16 @@ _MODELS = {
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    from engine.models.classification import CLASSIFIER_BASES
+
+    return sorted([*_MODELS, *CLASSIFIER_BASES])
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
+    from engine.models.classification import CLASSIFIER_BASES, sequence_classifier
+
+    if architecture in CLASSIFIER_BASES:
+        return sequence_classifier(get_model_class(CLASSIFIER_BASES[architecture]))
     if architecture not in _MODELS:
         raise ValueError(
             f"model architecture {architecture!r} is not supported; "

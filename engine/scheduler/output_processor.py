@@ -148,17 +148,18 @@ class OutputProcessor:
 
 
     def process_embedding_result(self, batch: ScheduleBatch, result: EmbeddingBatchResult) -> None:
-        """An embedding model's extend batch: each request takes its chunk's pooled states;
-        one whose prompt is complete ends with its embedding (finish reason "length": it
-        asked for no new tokens) and goes into the prefix cache."""
+        """An embedding model's (or a classifier's) extend batch: each request takes its
+        chunk's pooled states; one whose prompt is complete ends with its embedding (finish
+        reason "length": it asked for no new tokens) and goes into the prefix cache."""
         sched = self.scheduler
         pooling = sched.args.pooling_type
+        normalize = not sched.model_runner.model_config.labels  # (a classifier's: raw logits)
         chunked = getattr(batch, "chunked_req", None)
         for i, req in enumerate(batch.reqs):
             if req.finished_reason is not None:
                 continue
             if req.embedding is None:
-                req.embedding = PooledState(pooling)
+                req.embedding = PooledState(pooling, normalize)
             req.embedding.add(result.pooled[i], req.extend_input_len)
             if req is chunked:
                 continue

@@ -20,11 +20,13 @@ class WorkerLoadMsg(Message):
     since it started (1 + accepted drafts; SGLang's avg_spec_accept_length), else 0.
     `is_embedding`: it serves an embedding model (embedding requests only);
     `matryoshka_dimensions`: the sizes its embeddings may be cut to (`dimensions`), [] for
-    any, None if the model has no matryoshka representations.
+    any, None if the model has no matryoshka representations. `labels`: a sequence
+    classifier's label names by index (its pooling requests come back as one logit per
+    label: `/v1/classify`, `/v1/score`, `/v1/rerank`); None for any other model.
     """
 
     TAG = "worker_load"
-    VERSION = 5  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding
+    VERSION = 6  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels
 
     worker_id: str
     model: str
@@ -45,6 +47,7 @@ class WorkerLoadMsg(Message):
     spec_accept_length: float = 0.0
     is_embedding: bool = False
     matryoshka_dimensions: list[int] | None = None
+    labels: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

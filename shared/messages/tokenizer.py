@@ -41,7 +41,9 @@ class TokenizeReqMsg(Message):
     (HF's and vLLM's options; at most one of the two).
 
     `embed` makes it an embedding request: the prompt is pooled into one vector by a worker
-    serving an embedding model (`sampling_params` then asks for no new tokens).
+    serving an embedding model or a classifier (`sampling_params` then asks for no new
+    tokens). `text_pair` (with `text`): the prompt is the pair as the tokenizer joins two
+    texts (a cross-encoder's query and document).
 
     `reply` "tokenize" or "detokenize" makes it a query, answered to the router with a
     `TokenizeRespMsg` instead of forwarded (`worker_id` is then unused): the ids of `text` or
@@ -51,7 +53,7 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 10  # 7: priority; 8: return_prompt_ids; 9: lora_name; 10: embed
+    VERSION = 11  # 7: priority; 8: return_prompt_ids; 9: lora_name; 10: embed; 11: text_pair
 
     rid: str
     router_id: str
@@ -77,6 +79,7 @@ class TokenizeReqMsg(Message):
     return_prompt_ids: bool = False  # the prompt's ids come back with the first output row
     lora_name: str | None = None  # the worker's LoRA adapter to run with (None: base model)
     embed: bool = False  # an embedding request (`/v1/embeddings`), for an embedding worker
+    text_pair: str | None = None  # the second text of a pair (`/v1/score`, `/v1/rerank`)
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]
@@ -84,6 +87,8 @@ class TokenizeReqMsg(Message):
             raise MessageError(
                 f"TokenizeReqMsg {self.rid}: exactly one of text, messages, input_ids must be set"
             )
+        if self.text_pair is not None and self.text is None:
+            raise MessageError(f"TokenizeReqMsg {self.rid}: text_pair needs text")
         if self.top_logprobs_num < 0:
             raise MessageError(f"TokenizeReqMsg {self.rid}: top_logprobs_num must be >= 0")
         if self.logprob_start_len < -1:

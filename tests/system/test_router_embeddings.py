@@ -117,3 +117,21 @@ def test_generation_requests_are_refused_and_health_checks_embed(stack: Stack) -
     assert "use /v1/embeddings" in resp.json()["error"]["message"]
     health = httpx.get(stack.router_url + "/health_generate", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+
+
+def test_score_and_rerank_with_an_embedding_model_are_cosine_similarities(stack, want) -> None:
+    """vLLM's `/v1/score` and `/v1/rerank` on an embedding model: each text embedded once, a
+    pair's score the cosine similarity of its two embeddings (here: normalised, so their dot)."""
+    vectors = np.array(want)
+    out = httpx.post(stack.router_url + "/v1/score", timeout=60,
+                     json={"text_1": TEXTS[0], "text_2": TEXTS}).json()  # fmt: skip
+    cosine = vectors @ vectors[0]
+    assert [d["score"] for d in out["data"]] == pytest.approx(cosine.tolist(), abs=1e-5)
+    assert out["data"][0]["score"] == pytest.approx(1.0, abs=1e-5)  # a text with itself
+    ranked = httpx.post(stack.router_url + "/v1/rerank", timeout=60,
+                        json={"query": TEXTS[1], "documents": TEXTS, "top_n": 2}).json()
+    order = np.argsort(-(vectors @ vectors[1]))[:2].tolist()
+    assert [r["index"] for r in ranked["results"]] == order == [1, order[1]]
+    assert ranked["results"][0]["document"] == {"text": TEXTS[1]}
+    resp = httpx.post(stack.router_url + "/v1/classify", json={"input": "hi"}, timeout=30)
+    assert resp.status_code == 400 and "/v1/embeddings" in resp.json()["error"]["message"]

@@ -217,7 +217,7 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=11), "tokenize_req: unsupported schema version 11 (speaks 10)"),
+        (lambda b: b.update(v=12), "tokenize_req: unsupported schema version 12 (speaks 11)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
         (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),
