@@ -140,14 +140,16 @@ def parse_arm_args(ap: Any, name: str | None = None) -> Any:
     return args
 
 
-def small_model(layers: int, seed: int = 0) -> str:
+def small_model(layers: int, seed: int = 0, num_labels: int | None = None) -> str:
     """A random Llama of the `small` preset's shape with `layers` layers (built once, in the
-    temp folder): the model of the CPU benchmarks that compare engine arms."""
+    temp folder): the model of the CPU benchmarks that compare engine arms; with `num_labels`,
+    a sequence classifier of its body."""
     import tempfile
 
     from services.tiny_model import make_tiny_model
 
-    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-small-{layers}l-s{seed}")
+    labels = f"-cls{num_labels}" if num_labels else ""
+    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-small-{layers}l-s{seed}{labels}")
     if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_model(path, preset="small", seed=seed, num_layers=layers)
+        make_tiny_model(path, preset="small", seed=seed, num_layers=layers, num_labels=num_labels)
     return path

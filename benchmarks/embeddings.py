@@ -1,7 +1,8 @@
-"""Embedding throughput: sluice's embedding engine against transformers, side by side.
+"""Embedding and reranking throughput: sluice's pooling engine against transformers, side
+by side.
 
     python benchmarks/embeddings.py [--layers 4] [--inputs 64] [--threads 2]
-        [--device cuda --dtype bfloat16 --name gpu_embeddings]
+        [--task rerank] [--device cuda --dtype bfloat16 --name gpu_embeddings]
 
 A random Llama of the `small` preset's shape (hidden 1024, GQA 16/4, intermediate 2816, vocab
 32000) with `--layers` layers, served as an embedding model (last-token pooling, normalised:
@@ -22,6 +23,12 @@ Two workloads: "distinct" prompts, and "shared prefix" prompts that all begin wi
 sluice's radix cache computes the prefix once; that workload adds a sluice arm with the cache
 off. The run fails unless every arm's embeddings agree with transformers' (max |diff|
 < 1e-4 in float32). Reported: inputs/s and prompt tokens/s per arm, and the ratios.
+
+`--task rerank` (results: rerank.json) does the same for a cross-encoder: the model is the
+same body with a one-label `score` head (LlamaForSequenceClassification), each input a
+(query, document) pair as one prompt, the query first, `--queries` queries of `--prefix`
+tokens with `--inputs` / `--queries` documents each (what `/v1/rerank` sends); transformers
+runs `AutoModelForSequenceClassification` on the same batches. The arms' logits must agree.
 """
 
 from __future__ import annotations
@@ -60,37 +67,55 @@ class SluiceArm:
 
 class TransformersArm:
     def __init__(self, path: str, args: Any) -> None:
-        from transformers import AutoModel
+        from transformers import AutoModel, AutoModelForSequenceClassification
 
         dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-        self.model = AutoModel.from_pretrained(path, dtype=dtype).to(args.device).eval()
+        auto = AutoModelForSequenceClassification if args.task == "rerank" else AutoModel
+        self.model = auto.from_pretrained(path, dtype=dtype).to(args.device).eval()
         self.device, self.batch = args.device, args.hf_batch
+        self.classifier = args.task == "rerank"
+        self.pad = self.model.config.pad_token_id or 0
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]]) -> torch.Tensor:
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        out = torch.empty(len(prompts), self.model.config.hidden_size)
+        width = self.model.config.num_labels if self.classifier else self.model.config.hidden_size
+        out = torch.empty(len(prompts), width)
         for lo in range(0, len(order), self.batch):
             rows = order[lo : lo + self.batch]
             width = max(len(prompts[i]) for i in rows)
-            ids = torch.zeros(len(rows), width, dtype=torch.int64)
+            ids = torch.full((len(rows), width), self.pad, dtype=torch.int64)
             mask = torch.zeros(len(rows), width, dtype=torch.int64)
             for j, i in enumerate(rows):
                 ids[j, : len(prompts[i])] = torch.tensor(prompts[i])
                 mask[j, : len(prompts[i])] = 1
-            hidden = self.model(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
-            ).last_hidden_state
+            result = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+            if self.classifier:  # (its own pooling: the last token that is not padding)
+                out[rows] = result.logits.float().cpu()
+                continue
+            hidden = result.last_hidden_state
             last = hidden[torch.arange(len(rows)), mask.sum(1).to(self.device) - 1]
             out[rows] = F.normalize(last.float(), dim=-1).cpu()
         return out
 
 
-def _prompts(args: Any, rng: random.Random, prefix: list[int]) -> list[list[int]]:
-    return [
-        prefix + [rng.randrange(3, 30000) for _ in range(rng.randint(args.min_len, args.max_len))]
-        for _ in range(args.inputs)
-    ]
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 30000) for _ in range(n)]  # (0-3: special, 3 the padding)
+
+
+def _prompts(args: Any, rng: random.Random, prefix: list[int], n: int = 0) -> list[list[int]]:
+    return [prefix + _tokens(rng, rng.randint(args.min_len, args.max_len))
+            for _ in range(n or args.inputs)]  # fmt: skip
+
+
+def _workloads(args: Any, rng: random.Random) -> dict[str, list[list[int]]]:
+    if args.task == "rerank":
+        docs = args.inputs // args.queries
+        pairs = [p for _ in range(args.queries)
+                 for p in _prompts(args, rng, _tokens(rng, args.prefix), docs)]  # fmt: skip
+        return {"query x documents": pairs}
+    return {"distinct": _prompts(args, rng, []),
+            "shared prefix": _prompts(args, rng, _tokens(rng, args.prefix))}  # fmt: skip
 
 
 def _timed(arm: Any, prompts: list[list[int]]) -> tuple[float, torch.Tensor]:
@@ -111,13 +136,13 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=256)
     ap.add_argument("--prefix", type=int, default=96, help="shared prefix tokens")
     ap.add_argument("--hf-batch", type=int, default=32, help="transformers' batch size")
+    ap.add_argument("--task", choices=("embed", "rerank"), default="embed")
+    ap.add_argument("--queries", type=int, default=4, help="rerank: queries (--inputs split)")
     args = parse_arm_args(ap, "embeddings")
-    path = small_model(args.layers, args.seed)
-    rng = random.Random(args.seed)
-    workloads = {
-        "distinct": _prompts(args, rng, []),
-        "shared prefix": _prompts(args, rng, [rng.randrange(3, 30000) for _ in range(args.prefix)]),
-    }
+    if args.task == "rerank" and args.name == "embeddings":
+        args.name = "rerank"
+    path = small_model(args.layers, args.seed, num_labels=1 if args.task == "rerank" else None)
+    workloads = _workloads(args, random.Random(args.seed))
     hf = TransformersArm(path, args)
     sluice = SluiceArm(path, args)
     no_cache = SluiceArm(path, args, disable_radix_cache=True)
@@ -125,7 +150,7 @@ def main() -> None:
     rows = []
     for name, prompts in workloads.items():
         arms = {"transformers": hf, "sluice": sluice}
-        if name == "shared prefix":
+        if name != "distinct":
             arms["sluice, cache off"] = no_cache
         for arm in arms.values():  # warm-up
             arm.run(prompts[:8])

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.config import EngineArgs, ModelConfig
+from engine.engine_pooling import PoolingCalls
 from engine.mem_cache.base import PrefixCache
 from engine.mem_cache.no_cache import NoRadixCache
 from engine.mem_cache.radix_cache import RadixCache
@@ -49,7 +50,7 @@ def make_tree_cache(runner: ModelRunner, args: EngineArgs) -> PrefixCache:
     return RadixCache(*pools)
 
 
-class Engine:
+class Engine(PoolingCalls):
     """`Engine(model_path=..., **sglang_style_args).generate(prompt=..., sampling_params=...)`."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -99,31 +100,6 @@ class Engine:
             if event.finished_reason is not None:
                 finished[event.rid] = event.req
         outs = [self._format(finished[rid]) for rid in rids]
-        return outs[0] if single else outs
-
-    def encode(
-        self,
-        prompt: str | list[str] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        lora_path: str | None = None,
-    ) -> dict | list[dict]:
-        """An embedding model's embeddings (SGLang's `Engine.encode`), for one prompt (a dict)
-        or a batch (a list): `{"embedding": [floats], "meta_info": {"id", "prompt_tokens",
-        "cached_tokens"}}`, each embedding pooled as `pooling_type` says and L2-normalised."""
-        if not self.args.is_embedding:
-            raise ValueError("encode: this engine serves a generative model (is_embedding off)")
-        single, prompts_ids = self._input_ids(prompt, input_ids)
-        rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
-        for rid, ids in zip(rids, prompts_ids):
-            params = SamplingParams(max_new_tokens=0).normalize()
-            self.scheduler.add_request(rid, ids, params, lora_name=lora_path)
-        finished = {e.rid: e.req for e in self._run_until(set(rids)) if e.finished_reason}
-        outs = []
-        for rid in rids:
-            req = finished[rid]
-            meta = {"id": rid, "prompt_tokens": len(req.origin_input_ids),
-                    "cached_tokens": req.cached_tokens}  # fmt: skip
-            outs.append({"embedding": req.embedding.embedding().tolist(), "meta_info": meta})
         return outs[0] if single else outs
 
     def _run_until(self, rids: set[str]) -> Iterator[StepEvent]:

@@ -78,3 +78,20 @@ def test_the_label_names_come_from_the_config() -> None:
     assert ModelConfig.from_pretrained(tiny_model("llama", num_labels=3)).labels == (
         "LABEL_0", "LABEL_1", "LABEL_2")  # fmt: skip
     assert ModelConfig.from_pretrained(tiny_model("llama")).labels == ()
+
+
+def test_offline_score_of_a_cross_encoder_and_of_an_embedding_model() -> None:
+    path = tiny_model("qwen3", num_labels=1)
+    queries, docs = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+    want = [torch.sigmoid(hf_logits(path, ids)).item() for ids in pair_ids(path)]
+    with Engine(model_path=path) as engine:
+        assert engine.score(queries, docs) == pytest.approx(want, abs=1e-6)
+        one = engine.score(queries[0], docs)  # one query for every document
+        assert one[0] == pytest.approx(want[0], abs=1e-6) and len(one) == 3
+        with pytest.raises(ValueError, match="2 text_1 for 3 text_2"):
+            engine.score(queries[:2], docs)
+    with Engine(model_path=tiny_model("qwen3"), is_embedding=True) as engine:
+        e = torch.tensor([o["embedding"] for o in engine.encode(prompt=[queries[0], *docs])])
+        got = engine.score(queries[0], docs)
+        assert got == pytest.approx((e[1:] @ e[0]).tolist(), abs=1e-5)
+        assert engine.score(docs[0], docs[0]) == pytest.approx([1.0], abs=1e-6)
