@@ -238,7 +238,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         return {
             "model_path": r.model or router.model_name,
             "tokenizer_path": r.model,
-            "is_generation": True,
+            "is_generation": not router.broker.workers.embedding_only,
             "served_model_name": router.model_name,
             "max_context_length": router.broker.workers.context_len,
         }

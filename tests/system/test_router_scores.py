@@ -108,6 +108,8 @@ def test_bad_requests_are_400s(stack: Stack, path: str, body: dict, needle: str)
     assert needle in resp.json()["error"]["message"]
 
 
-def test_health_generate_runs_the_classifier(stack: Stack) -> None:
+def test_health_generate_runs_the_classifier_and_the_model_info_says_so(stack: Stack) -> None:
     health = httpx.get(stack.router_url + "/health_generate", timeout=30)
     assert health.status_code == 200 and health.json()["status"] == "ok", health.text
+    info = httpx.get(stack.router_url + "/get_model_info", timeout=30).json()
+    assert info["is_generation"] is False
