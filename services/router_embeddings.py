@@ -72,17 +72,25 @@ class EmbeddingRequest(_Strict):
         return check_inputs(v)
 
     def to_subrequests(self) -> list[SubRequest]:
-        if self.truncate_prompt_tokens == 0:
-            raise ApiError(400, "truncate_prompt_tokens must be -1 or >= 1",
-                           "truncate_prompt_tokens", "invalid_value")  # fmt: skip
-        params: dict[str, Any] = {"max_new_tokens": 0}
-        if self.truncate_prompt_tokens is not None:
-            params["truncate_prompt_tokens"] = self.truncate_prompt_tokens
-        subs = []
-        for i, prompt in enumerate(self.input):
-            kind = "text" if isinstance(prompt, str) else "input_ids"
-            subs.append(SubRequest(i, i, dict(params), embed=True, **{kind: prompt}))
-        return subs
+        return prompt_subrequests(self.input, pooling_params(self.truncate_prompt_tokens))
+
+
+def pooling_params(truncate_prompt_tokens: int | None) -> dict[str, Any]:
+    """A pooling sub-request's sampling dict: no new tokens, and vLLM's truncation."""
+    if truncate_prompt_tokens == 0:
+        raise ApiError(400, "truncate_prompt_tokens must be -1 or >= 1",
+                       "truncate_prompt_tokens", "invalid_value")  # fmt: skip
+    params: dict[str, Any] = {"max_new_tokens": 0}
+    if truncate_prompt_tokens is not None:
+        params["truncate_prompt_tokens"] = truncate_prompt_tokens
+    return params
+
+
+def prompt_subrequests(prompts: list, params: dict[str, Any]) -> list[SubRequest]:
+    """One pooling sub-request per prompt (a text or token ids)."""
+    return [SubRequest(i, i, dict(params), embed=True,
+                       **{"text" if isinstance(p, str) else "input_ids": p})
+            for i, p in enumerate(prompts)]  # fmt: skip
 
 
 def check_dimensions(workers: Any, dims: int) -> None:

@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 from pydantic import Field, field_validator
 
-from services.router_embeddings import MAX_INPUTS, check_inputs, pooled
+from services.router_embeddings import (
+    MAX_INPUTS,
+    check_inputs,
+    pooled,
+    pooling_params,
+    prompt_subrequests,
+)
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, SubRequest
 
@@ -71,13 +77,7 @@ class _PoolingFields(_Strict):
     use_activation: bool = True
 
     def params(self) -> dict[str, Any]:
-        if self.truncate_prompt_tokens == 0:
-            raise ApiError(400, "truncate_prompt_tokens must be -1 or >= 1",
-                           "truncate_prompt_tokens", "invalid_value")  # fmt: skip
-        params: dict[str, Any] = {"max_new_tokens": 0}
-        if self.truncate_prompt_tokens is not None:
-            params["truncate_prompt_tokens"] = self.truncate_prompt_tokens
-        return params
+        return pooling_params(self.truncate_prompt_tokens)
 
 
 async def _run(router: Any, body: _PoolingFields, subs: list[SubRequest]) -> tuple[list, int]:
@@ -106,10 +106,7 @@ async def classify(router: Any, body: ClassifyRequest) -> dict[str, Any]:
     if labels is None:
         raise ApiError(400, "the model is an embedding model, not a classifier: use "
                        "/v1/embeddings", None, "invalid_request")  # fmt: skip
-    params = body.params()
-    subs = [SubRequest(i, i, dict(params), embed=True,
-                       **{"text" if isinstance(p, str) else "input_ids": p})
-            for i, p in enumerate(body.input)]  # fmt: skip
+    subs = prompt_subrequests(body.input, body.params())
     vectors, prompt_tokens = await _run(router, body, subs)
     data = []
     for i, vector in enumerate(vectors):
