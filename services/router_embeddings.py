@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import Field, field_validator
 
+from services.router_chat import ChatMessageIn
 from services.router_fields import _Strict
 from services.router_handle import merged
 from services.router_models import check_adapters
@@ -60,11 +61,17 @@ def check_inputs(v: Any) -> list[str] | list[list[int]]:
 
 class EmbeddingRequest(_Strict):
     model: str
-    input: Any
+    input: Any = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's chat form: `messages` instead of `input`, rendered by the model's chat template
+    # (no generation prompt unless asked for) and embedded as one prompt
+    messages: list[ChatMessageIn] | None = Field(None, min_length=1)
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("input")
     @classmethod
@@ -72,7 +79,20 @@ class EmbeddingRequest(_Strict):
         return check_inputs(v)
 
     def to_subrequests(self) -> list[SubRequest]:
-        return prompt_subrequests(self.input, pooling_params(self.truncate_prompt_tokens))
+        params = pooling_params(self.truncate_prompt_tokens)
+        if (self.input is None) == (self.messages is None):
+            raise ApiError(400, "give exactly one of input and messages", "input",
+                           "invalid_value")  # fmt: skip
+        if self.messages is None:
+            return prompt_subrequests(self.input, params)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt=false",
+                           "continue_final_message", "invalid_value")  # fmt: skip
+        chat = SubRequest(0, 0, params, messages=[m.flat() for m in self.messages], embed=True,
+                          add_generation_prompt=self.add_generation_prompt,
+                          continue_final_message=self.continue_final_message,
+                          chat_template_kwargs=self.chat_template_kwargs)  # fmt: skip
+        return [chat]
 
 
 def pooling_params(truncate_prompt_tokens: int | None) -> dict[str, Any]:

@@ -94,7 +94,9 @@ class Broker:
 
     async def stop(self) -> None:
         """Abort what is in flight (waiting briefly for the aborts to go out), stop the loops,
-        delete this router's stream."""
+        delete this router's stream: first (a stop cut short, e.g. killed after its grace
+        period, leaves none behind) and last (what was written to it meanwhile)."""
+        await self._delete_stream()
         for handle in list(self.handles.values()):
             handle.close()
         if self._tasks:
@@ -102,6 +104,9 @@ class Broker:
         for task in self._loops:
             task.cancel()
         await asyncio.gather(*self._loops, return_exceptions=True)
+        await self._delete_stream()
+
+    async def _delete_stream(self) -> None:
         try:
             await self.bus.redis.delete(self.out_stream)
         except redis.RedisError as exc:

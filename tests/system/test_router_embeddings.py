@@ -135,3 +135,17 @@ def test_score_and_rerank_with_an_embedding_model_are_cosine_similarities(stack,
     assert ranked["results"][0]["document"] == {"text": TEXTS[1]}
     resp = httpx.post(stack.router_url + "/v1/classify", json={"input": "hi"}, timeout=30)
     assert resp.status_code == 400 and "/v1/embeddings" in resp.json()["error"]["message"]
+
+
+def test_chat_messages_are_embedded_as_their_template_renders_them(stack: Stack) -> None:
+    from engine.tokenizer import apply_chat_template, load_tokenizer
+
+    chat = [{"role": "system", "content": "Represent the question"},
+            {"role": "user", "content": TEXTS[0]}]  # fmt: skip
+    ids = apply_chat_template(load_tokenizer(stack.model), chat, add_generation_prompt=False)
+    by_ids = post(stack, input=[ids]).json()["data"][0]["embedding"]
+    out = post(stack, messages=chat).json()
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["data"][0]["embedding"] == pytest.approx(by_ids, abs=1e-6)
+    plain = post(stack, input=TEXTS[0]).json()["data"][0]["embedding"]
+    assert np.abs(np.array(plain) - by_ids).max() > 1e-3  # (the template changed the prompt)

@@ -77,3 +77,20 @@ def test_a_cut_embedding_is_normalised_again_and_encoded_both_ways() -> None:
                       "embedding": pytest.approx([0.6, 0.0, 0.8, 0.0])}  # fmt: skip
     b64 = response_item(0, full, "base64")["embedding"]
     assert base64.b64decode(b64) == full
+
+
+def test_chat_messages_become_one_prompt_without_a_generation_prompt() -> None:
+    chat = [{"role": "system", "content": "Represent it"}, {"role": "user", "content": "hi"}]
+    (sub,) = body(messages=chat).to_subrequests()
+    assert sub.embed and sub.text is None and sub.input_ids is None
+    assert [m.role for m in sub.messages] == ["system", "user"]
+    assert sub.add_generation_prompt is False and sub.sampling_params == {"max_new_tokens": 0}
+    (opened,) = body(messages=chat, add_generation_prompt=True).to_subrequests()
+    assert opened.add_generation_prompt is True
+    for bad, needle in (({"messages": chat, "input": "x"}, "exactly one"), ({}, "exactly one"),
+                        ({"messages": chat, "add_generation_prompt": True,
+                          "continue_final_message": True}, "continue_final_message")):  # fmt: skip
+        with pytest.raises(ApiError, match=needle):
+            body(**bad).to_subrequests()
+    with pytest.raises(ApiError):
+        body(messages=[])
