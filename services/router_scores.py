@@ -58,7 +58,7 @@ def _logits(data: bytes) -> np.ndarray:
 def activated(logits: np.ndarray) -> np.ndarray:
     """A classifier's probabilities: the sigmoid of a single logit, else the softmax."""
     if logits.shape[-1] == 1:
-        return 1.0 / (1.0 + np.exp(-logits))
+        return 0.5 * (1.0 + np.tanh(0.5 * logits))  # (the sigmoid, without overflow)
     shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
