@@ -9,7 +9,9 @@ floats or, with `encoding_format` "base64" (what OpenAI's Python client asks for
 bytes in base64. vLLM's `truncate_prompt_tokens` keeps a prompt's last k tokens. `dimensions`
 keeps the first k values of each embedding, normalised again, for a matryoshka model (its
 config's `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them; a 400 otherwise).
-SGLang's `/encode` (`text` or `input_ids`, one or a batch) answers `{"embedding",
+vLLM's chat form takes `messages` (rendered by the chat template, no generation prompt by
+default) instead of `input`: one prompt. SGLang's `/encode` (`text` or `input_ids`, one or a
+batch) answers `{"embedding",
 "meta_info"}` per input. Without an embedding worker the request is a 400, as is a
 generation request to a deployment that has only embedding workers
 (services/router_workers.py).

@@ -8,7 +8,8 @@ copying them, and the router need not repeat them). Stop strings and the detoken
 flags are lifted out of the sampling dict into their `GenerateReqMsg` fields.
 
 vLLM's `truncate_prompt_tokens` (in the sampling dict, for the tokenizer only) keeps the
-prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`);
+prompt's last k tokens (-1: as many as fit in the context with `max_new_tokens`; a text pair,
+`text_pair`, is cut the way transformers truncates pairs);
 `truncate_turns` (the Responses API's `truncation: "auto"`) drops a chat's earliest turns until
 it fits. Its `bad_words` become the token sequences `bad_words_ids` (engine/tokenizer.py).
 """
