@@ -149,6 +149,14 @@ def response_item(index: int, data: bytes, encoding: str) -> dict[str, Any]:
     return {"object": "embedding", "index": index, "embedding": embedding}
 
 
+async def model_labels(router: Any) -> list[str] | None:
+    """The deployment's pooling model's labels (`WorkerTable.pooling_labels`; None: an
+    embedding model), after a fresh look at the workers if the table has none."""
+    if not router.broker.workers.live:
+        await router.broker.refresh_workers()
+    return router.broker.workers.pooling_labels()
+
+
 async def pooled(router: Any, subs: list[SubRequest]) -> list[tuple[bytes, Usage]]:
     """Send the sub-requests to the embedding workers: each one's embedding and usage, in
     order, once all are pooled."""
@@ -177,7 +185,7 @@ async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
     """OpenAI's answer to an embeddings request."""
     subs = body.to_subrequests()
     lora = await router.resolve_model(body.model)
-    if any(hb.labels for hb in router.broker.workers.live.values() if hb.is_embedding):
+    if await model_labels(router) is not None:
         raise ApiError(400, "the model is a sequence classifier: use /v1/classify, /v1/score "
                        "or /v1/rerank", None, "invalid_request")  # fmt: skip
     for sub in subs:

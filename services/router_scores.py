@@ -24,31 +24,13 @@ from pydantic import Field, field_validator
 from services.router_embeddings import (
     MAX_INPUTS,
     check_inputs,
+    model_labels,
     pooled,
     pooling_params,
     prompt_subrequests,
 )
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, SubRequest
-
-
-def pooling_labels(workers: Any) -> list[str] | None:
-    """The label names of the deployment's pooling model (None: an embedding model); an
-    error without a pooling worker, or with workers of both kinds."""
-    kinds = {tuple(hb.labels or ()) for hb in workers.live.values() if hb.is_embedding}
-    if not kinds:
-        raise workers.none_for(True)
-    if len(kinds) > 1:
-        raise ApiError(400, "the pooling workers serve different models (a classifier and "
-                       "an embedding model)", None, "invalid_request")  # fmt: skip
-    (labels,) = kinds
-    return list(labels) or None
-
-
-async def _labels(router: Any) -> list[str] | None:
-    if not router.broker.workers.live:  # (the table may be a moment old)
-        await router.broker.refresh_workers()
-    return pooling_labels(router.broker.workers)
 
 
 def _logits(data: bytes) -> np.ndarray:
@@ -102,7 +84,7 @@ class ClassifyRequest(_PoolingFields):
 
 
 async def classify(router: Any, body: ClassifyRequest) -> dict[str, Any]:
-    labels = await _labels(router)
+    labels = await model_labels(router)
     if labels is None:
         raise ApiError(400, "the model is an embedding model, not a classifier: use "
                        "/v1/embeddings", None, "invalid_request")  # fmt: skip
@@ -134,7 +116,7 @@ def _texts(v: Any, name: str) -> list[str]:
 async def pair_scores(router: Any, body: _PoolingFields, pairs: list[tuple[str, str]]) -> tuple:
     """Each (text_1, text_2) pair's score, and the prompt tokens it took: a cross-encoder's
     sigmoid of the pair's logit, or an embedding model's cosine similarity."""
-    labels = await _labels(router)
+    labels = await model_labels(router)
     params = body.params()
     if labels is not None:
         if len(labels) != 1:

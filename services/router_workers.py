@@ -67,6 +67,18 @@ class WorkerTable:
             return ApiError(400, msg, None, "invalid_request")
         return ApiError(503, "no live worker can take the request", None, "no_worker")
 
+    def pooling_labels(self) -> list[str] | None:
+        """The label names of the deployment's pooling model (None: an embedding model); an
+        error without a pooling worker, or with workers of both kinds."""
+        kinds = {tuple(hb.labels or ()) for hb in self.live.values() if hb.is_embedding}
+        if not kinds:
+            raise self.none_for(True)
+        if len(kinds) > 1:
+            raise ApiError(400, "the pooling workers serve different models (a classifier "
+                           "and an embedding model)", None, "invalid_request")  # fmt: skip
+        (labels,) = kinds
+        return list(labels) or None
+
     @property
     def embedding_only(self) -> bool:
         """Every live worker (at least one) serves an embedding model."""

@@ -63,15 +63,15 @@ def run(coro):
 def test_the_deployments_pooling_model_decides() -> None:
     table = WorkerTable()
     table.live = {"a": worker(["yes"]), "g": worker(embedding=False)}
-    assert scores.pooling_labels(table) == ["yes"]
+    assert table.pooling_labels() == ["yes"]
     table.live = {"e": worker()}
-    assert scores.pooling_labels(table) is None
+    assert table.pooling_labels() is None
     table.live = {"a": worker(["yes"]), "e": worker()}
     with pytest.raises(ApiError, match="different models"):
-        scores.pooling_labels(table)
+        table.pooling_labels()
     table.live = {"g": worker(embedding=False)}
     with pytest.raises(ApiError, match="--is-embedding or a classifier") as err:
-        scores.pooling_labels(table)
+        table.pooling_labels()
     assert err.value.status == 400
 
 
