@@ -73,7 +73,18 @@ class Service:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
 
-    def kill_while_holding(self, pending: Callable[[], int], timeout_s: float = 30.0) -> int:
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill_while_holding(
+        self,
+        pending: Callable[[], int],
+        producer: Service | None = None,
+        timeout_s: float = 30.0,
+    ) -> int:
         """Freeze this consumer until it holds read-but-unacked entries, then SIGKILL it.
 
         Returns how many it held (0: it never did within `timeout_s`). A frozen consumer that
@@ -81,20 +92,34 @@ class Service:
         each freeze waits up to 100 ms for that; a freeze that caught it between an ack and
         its next read holds nothing and is let go, for 5 to 20 ms in turn (on a loaded machine
         5 ms may not be enough for it to get back to its blocking read).
+
+        With `producer` (the service writing this consumer's stream), the producer is paused
+        whenever this consumer is let go: it runs only while this one is frozen, so the stream
+        cannot run dry before a freeze catches an entry (a tiny model on a fast machine
+        finishes the whole generation in well under a second), and this consumer, finding
+        nothing new, goes back to the blocking read where the next freeze finds it.
         """
         held = 0
         deadline = time.monotonic() + timeout_s
         attempt = 0
-        while not held and time.monotonic() < deadline:
-            self.proc.send_signal(signal.SIGSTOP)
-            frozen_until = time.monotonic() + 0.1
-            while not (held := pending()) and time.monotonic() < frozen_until:
-                time.sleep(0.002)
-            if not held:
-                self.proc.send_signal(signal.SIGCONT)
-                attempt += 1
-                time.sleep(0.005 * (1 + attempt % 4))
-        self.kill()
+        try:
+            while not held and time.monotonic() < deadline:
+                self.pause()
+                if producer is not None:
+                    producer.resume()
+                frozen_until = time.monotonic() + 0.1
+                while not (held := pending()) and time.monotonic() < frozen_until:
+                    time.sleep(0.002)
+                if not held:
+                    if producer is not None:
+                        producer.pause()
+                    self.resume()
+                    attempt += 1
+                    time.sleep(0.005 * (1 + attempt % 4))
+            self.kill()
+        finally:
+            if producer is not None:
+                producer.resume()
         return held
 
 

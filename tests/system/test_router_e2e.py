@@ -320,7 +320,7 @@ def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
         return next((c["pending"] for c in consumers if c["name"] == b"detok0"), 0)
 
     def kill_while_holding_entries() -> None:
-        held.append(victim.kill_while_holding(pending))
+        held.append(victim.kill_while_holding(pending, producer=http_stack.worker))
 
     t0 = time.monotonic()
     with_fault = asyncio.run(run_all(kill_while_holding_entries))

@@ -376,7 +376,7 @@ def test_kill_9_of_a_detokenizer_mid_stream_loses_nothing(
     def kill_holding_entries() -> None:
         # Kill the victim while it holds entries it has read but not acked: those entries
         # must be taken over by the others.
-        pending.append(victim.kill_while_holding(victim_pending))
+        pending.append(victim.kill_while_holding(victim_pending, producer=stack.worker))
 
     with_fault = run_all(kill_holding_entries)
     assert with_fault == fault_free
