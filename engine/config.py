@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.models.registry import ENCODER_ARCHITECTURES
 from engine.pooling import check_embedding_args, classifier_labels
 from engine.speculative import check_speculative_args
 
@@ -61,6 +62,9 @@ class ModelConfig:
     # a sequence classifier's label names by index (`*ForSequenceClassification`; its
     # requests come back as the scores of these); () for every other model
     labels: tuple[str, ...] = ()
+    # bidirectional attention (BERT, RoBERTa: engine/models/bert.py): served as a pooling
+    # model, each prompt in one piece, no prefix cache
+    is_encoder: bool = False
 
     @classmethod
     def from_pretrained(cls, path: str, context_length: int | None = None) -> ModelConfig:
@@ -76,6 +80,9 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hidden // num_heads
         num_layers = getattr(hf, "num_hidden_layers", None) or hf.n_layer
         max_pos = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 2048)
+        is_encoder = arch in ENCODER_ARCHITECTURES
+        if is_encoder and hf.model_type in ("roberta", "xlm-roberta"):
+            max_pos -= int(hf.pad_token_id) + 1  # (its positions start after the pad id)
         return cls(
             path=path,
             architecture=arch,
@@ -93,6 +100,7 @@ class ModelConfig:
             sliding_windows=layer_sliding_windows(hf, num_layers),
             attn_logit_cap=attn_logit_cap(hf),
             labels=classifier_labels(arch, hf),
+            is_encoder=is_encoder,
         )
 
     @property
@@ -216,9 +224,11 @@ class EngineArgs:
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
     # An embedding model (SGLang's --is-embedding): requests come back as one vector pooled
-    # from the prompt's final hidden states, "last", "mean" or "cls" (engine/pooling.py).
+    # from the prompt's final hidden states, "last", "mean" or "cls" (engine/pooling.py;
+    # None: the checkpoint's sentence-transformers pooling, else cls for an encoder, last
+    # for a decoder).
     is_embedding: bool = False
-    pooling_type: str = "last"
+    pooling_type: str | None = None  # None: the model's (engine/pooling.py)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

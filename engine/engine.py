@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 def build_scheduler(args: EngineArgs, tokenizer: Any | None = None) -> Scheduler:
     """Model runner + prefix cache + scheduler, as the worker service also builds them."""
     model_config = ModelConfig.from_pretrained(args.model_path, args.context_length)
-    args = resolve_model_kind(args, model_config.labels)
+    args = resolve_model_kind(args, model_config)
     # With a device process (CPU overlap), the model and KV pool live there, not here.
     runner = ModelRunner(model_config, args, host_only=args.overlap_device_process)
     tree_cache = make_tree_cache(runner, args)

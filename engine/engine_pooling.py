@@ -27,18 +27,23 @@ class PoolingCalls:
         prompt: str | list[str] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         lora_path: str | None = None,
+        token_type_ids: list[list[int] | None] | None = None,
     ) -> dict | list[dict]:
         """An embedding model's embeddings (SGLang's `Engine.encode`), for one prompt (a dict)
         or a batch (a list): `{"embedding": [floats], "meta_info": {"id", "prompt_tokens",
         "cached_tokens"}}`, each embedding pooled as `pooling_type` says and L2-normalised; a
-        sequence classifier's raw logits (one per label) in `embedding` (as SGLang's)."""
+        sequence classifier's raw logits (one per label) in `embedding` (as SGLang's).
+        `token_type_ids`: per prompt of `input_ids`, its token types (a BERT pair's)."""
         if not self.args.is_embedding:
             raise ValueError("encode: this engine serves a generative model (is_embedding off)")
         single, prompts_ids = self._input_ids(prompt, input_ids)
         rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
-        for rid, ids in zip(rids, prompts_ids):
+        types = token_type_ids or [None] * len(prompts_ids)
+        if len(types) != len(prompts_ids):
+            raise ValueError(f"encode: token_type_ids for {len(types)} of {len(rids)} prompts")
+        for rid, ids, t in zip(rids, prompts_ids, types):
             params = SamplingParams(max_new_tokens=0).normalize()
-            self.scheduler.add_request(rid, ids, params, lora_name=lora_path)
+            self.scheduler.add_request(rid, ids, params, lora_name=lora_path, token_type_ids=t)
         finished = {e.rid: e.req for e in self._run_until(set(rids)) if e.finished_reason}
         outs = []
         for rid in rids:
@@ -65,8 +70,12 @@ class PoolingCalls:
         if labels:
             if len(labels) != 1:
                 raise ValueError(f"score: a cross-encoder has one label; this has {len(labels)}")
-            ids = [self.tokenizer(a, text_pair=b)["input_ids"] for a, b in zip(first, second)]
-            logits = torch.tensor([o["embedding"][0] for o in self.encode(input_ids=ids)])
+            pairs = [self.tokenizer(a, text_pair=b, return_token_type_ids=True)
+                     for a, b in zip(first, second)]  # fmt: skip
+            ids = [p["input_ids"] for p in pairs]
+            types = [p.get("token_type_ids") for p in pairs]
+            outs = self.encode(input_ids=ids, token_type_ids=types)
+            logits = torch.tensor([o["embedding"][0] for o in outs])
             return torch.sigmoid(logits.double()).tolist()
         texts = list(dict.fromkeys(first + second))  # each embedded once
         vectors = torch.tensor([o["embedding"] for o in self.encode(prompt=texts)]).double()

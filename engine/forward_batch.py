@@ -69,6 +69,8 @@ class ForwardBatch:
     # an embedding model's pooling ("last", "mean", "cls"): the forward returns each
     # request's pooled final hidden states instead of logits (engine/pooling.py)
     pooling: str | None = None
+    # an encoder's token types of the packed tokens (None: all 0; engine/models/bert.py)
+    token_type_ids: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

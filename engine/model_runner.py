@@ -70,6 +70,7 @@ class ModelRunner:
         self.page_size = args.page_size
         # an embedding model's pooling: its forwards return pooled states (engine/pooling.py)
         self.pooling = args.pooling_type if args.is_embedding else None
+        assert self.pooling or not args.is_embedding, "resolve_model_kind resolves the pooling"
         memory = plan_kv_memory(model_config, args, self.dtype, self.device)
         self.max_total_tokens = memory.tokens
         # hybrid sliding-window memory: the longest window (None without it)
@@ -194,6 +195,9 @@ class ModelRunner:
             else torch.tensor(mwb.prompt_logprob_rows, dtype=torch.int64).to(dev),
             lora_ids=mwb.lora_ids,
             pooling=self.pooling,
+            token_type_ids=None
+            if mwb.token_type_ids is None
+            else torch.tensor(mwb.token_type_ids, dtype=torch.int64).to(dev),
         )
 
     @torch.inference_mode()

@@ -24,7 +24,9 @@ and speculative decoding are off.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,21 +54,82 @@ def classifier_labels(architecture: str, hf_config: Any) -> tuple[str, ...]:
     return tuple(str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(num))
 
 
-def resolve_model_kind(args: Any, labels: tuple[str, ...]) -> Any:
-    """`args` for the model: a sequence classifier (`labels` non-empty) is served as a pooling
-    model whether or not `is_embedding` was given (SGLang and vLLM decide by architecture)."""
-    if labels and not args.is_embedding:
-        logger.info("a sequence classifier (%d labels): served as a pooling model", len(labels))
-        return dataclasses.replace(args, is_embedding=True)
-    return args
+def resolve_model_kind(args: Any, model_config: Any) -> Any:
+    """`args` for the model. A sequence classifier (`labels`) or an encoder is served as a
+    pooling model whether or not `is_embedding` was given (SGLang and vLLM decide by
+    architecture). The pooling is `pooling_type` when given, else what the checkpoint's
+    sentence-transformers config says (`sentence_pooling`), else "cls" for an encoder and
+    "last" for a decoder; an encoder classifier's head reads its first token ("cls"). An
+    encoder runs each prompt in one piece, without the radix cache (engine/models/bert.py);
+    "mean" and "cls" pooling read every position of the prompt, which a cached prefix never
+    computes: no radix cache either."""
+    changes: dict[str, Any] = {}
+    encoder, labels = model_config.is_encoder, model_config.labels
+    if (labels or encoder) and not args.is_embedding:
+        kind = f"a sequence classifier ({len(labels)} labels)" if labels else "an encoder"
+        logger.info("%s: served as a pooling model", kind)
+        changes["is_embedding"] = True
+    default = sentence_pooling(model_config.path) or ("cls" if encoder else "last")
+    pooling = args.pooling_type or default
+    if encoder and labels and pooling != "cls":
+        raise ValueError(f"pooling_type: {pooling!r}; this classifier's head reads the first "
+                         "token (cls)")  # fmt: skip
+    changes["pooling_type"] = pooling
+    if args.is_embedding or changes.get("is_embedding"):
+        if encoder and args.chunked_prefill_size != -1:
+            logger.info("encoder: each prompt runs in one piece (no chunked prefill)")
+            changes["chunked_prefill_size"] = -1
+        if (encoder or pooling != "last") and not args.disable_radix_cache:
+            why = "an encoder's" if encoder else f"{pooling} pooling reads every position:"
+            logger.info("%s prefix states depend on the whole prompt: radix cache off", why)
+            changes["disable_radix_cache"] = True
+    return dataclasses.replace(args, **changes)
+
+
+def sentence_pooling(path: str) -> str | None:
+    """The pooling of a sentence-transformers checkpoint (its `modules.json` names a Pooling
+    module whose config.json sets one `pooling_mode_*`), as vLLM reads it; None for a folder
+    without one."""
+    try:
+        with open(os.path.join(path, "modules.json")) as f:
+            modules = json.load(f)
+    except (OSError, ValueError):
+        return None
+    folder = next((m.get("path", "") for m in modules if isinstance(m, dict)
+                   and str(m.get("type", "")).endswith("Pooling")), None)  # fmt: skip
+    if folder is None:
+        return None
+    try:
+        with open(os.path.join(path, folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    modes = [m for m, on in config.items() if m.startswith("pooling_mode_") and on]
+    for mode, name in _SENTENCE_POOLING.items():
+        if mode in modes:
+            return name
+    if modes:
+        raise ValueError(f"{path}: sentence-transformers pooling {modes} is not supported; "
+                         f"pass --pooling-type, one of {POOLING_TYPES}")  # fmt: skip
+    return None
+
+
+# sentence-transformers' pooling modes -> ours
+_SENTENCE_POOLING = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+}
 
 
 def check_embedding_args(args: Any) -> None:
-    """Validate and normalise the embedding arguments of a (frozen) EngineArgs."""
-    pooling = str(args.pooling_type).lower()
-    if pooling not in POOLING_TYPES:
-        raise ValueError(f"pooling_type: {args.pooling_type!r} not in {POOLING_TYPES}")
-    object.__setattr__(args, "pooling_type", pooling)
+    """Validate and normalise the embedding arguments of a (frozen) EngineArgs; the pooling
+    (None: the model's) is resolved with the model (`resolve_model_kind`)."""
+    if args.pooling_type is not None:
+        pooling = str(args.pooling_type).lower()
+        if pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling_type: {args.pooling_type!r} not in {POOLING_TYPES}")
+        object.__setattr__(args, "pooling_type", pooling)
     if not args.is_embedding:
         return
     if args.speculative_algorithm is not None:
@@ -74,9 +137,6 @@ def check_embedding_args(args: Any) -> None:
     if not args.disable_overlap_schedule:
         logger.info("embedding model: the overlap scheduler is off (no decode steps)")
         object.__setattr__(args, "disable_overlap_schedule", True)
-    if pooling != "last" and not args.disable_radix_cache:
-        logger.info("%s pooling reads every position: the radix cache is off", pooling)
-        object.__setattr__(args, "disable_radix_cache", True)
 
 
 def pool_hidden(hidden: torch.Tensor, fb: ForwardBatch, pooling: str) -> torch.Tensor:

@@ -130,9 +130,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--pooling-type",
         type=str.lower,
         choices=POOLING_TYPES,
-        default="last",
+        default=None,
         help="with --is-embedding: the last token's state (decoder embedding models), the "
-        "mean of all, or the first's (cls); mean and cls turn the radix cache off",
+        "mean of all, or the first's (cls); mean and cls turn the radix cache off (default: "
+        "the checkpoint's sentence-transformers pooling, else cls for BERT-style encoders "
+        "and last for decoders)",
     )
 
 

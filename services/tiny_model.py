@@ -6,7 +6,8 @@ tokenizer_config.json, chat_template.jinja) that transformers and sluice both lo
 
 The tokenizers (two families, trained on a fixed synthetic corpus, with a ChatML chat template)
 are built in ``services.tiny_tokenizer``; special token ids in config.json come from there.
-generation_config.json stops on eos and ``<|im_end|>``.
+generation_config.json stops on eos and ``<|im_end|>``. Encoders (bert, xlm-roberta: embedding
+models and cross-encoders) are built in ``services.tiny_encoder``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 # build_tokenizer is also imported from here (this module's public API before the split).
+from services import tiny_encoder
 from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
@@ -206,6 +208,7 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     num_labels: int | None = None,
+    pooling: str = "cls",
     **size_overrides: Any,
 ) -> str:
     """Write a random ``arch`` model of ``preset``'s shape, with its tokenizer, to ``out_dir``.
@@ -213,7 +216,11 @@ def make_tiny_model(
     ``arch`` defaults to the preset's own (llama for tiny / small); ``size_overrides`` are as
     for ``build_config``. The same arguments give the same weights (the torch seed is set
     first) and the same tokenizer (trained on a fixed corpus). Returns ``out_dir``.
+    ``pooling`` ("cls" or "mean") is for encoder embedding models only.
     """
+    if arch in tiny_encoder.ENCODER_ARCHS:
+        tiny_encoder.check_encoder_options(dtype, size_overrides)
+        return tiny_encoder.make_tiny_encoder(out_dir, arch, preset, seed, num_labels, pooling)
     out_dir = os.fspath(out_dir)
     config = build_config(arch, preset, **size_overrides)
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
@@ -290,13 +297,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser = subparsers.add_parser("make-tiny-model", help="write a small random model folder")
     parser.add_argument("out_dir", metavar="DIR")
     parser.add_argument(
-        "--arch", choices=ARCHS, default=None, help="default: the preset's (llama for tiny/small)"
-    )
+        "--arch", choices=ARCHS + tiny_encoder.ENCODER_ARCHS, default=None,
+        help="default: the preset's (llama for tiny/small)",
+    )  # fmt: skip
     parser.add_argument("--preset", choices=tuple(PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     parser.add_argument("--num-labels", type=int, default=None,
                         help="a sequence classifier (cross-encoder) with this many labels")
+    parser.add_argument("--pooling", choices=tiny_encoder.POOLING_MODES, default="cls",
+                        help="an encoder embedding model's pooling (bert, xlm-roberta)")
     for key in _SIZE_KEYS:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None)
     parser.set_defaults(func=run)
@@ -308,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = {key: getattr(args, key) for key in _SIZE_KEYS}
     path = make_tiny_model(
         args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
-        num_labels=args.num_labels, **sizes,
+        num_labels=args.num_labels, pooling=args.pooling, **sizes,
     )  # fmt: skip
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
     return 0

@@ -39,6 +39,8 @@ def model_limits(model_path: str) -> tuple[int, int]:
     with open(os.path.join(model_path, "config.json")) as f:
         config = json.load(f)
     context = config.get("max_position_embeddings") or config.get("n_positions") or 2048
+    if config.get("model_type") in ("roberta", "xlm-roberta"):  # (as engine/config.py)
+        context -= int(config.get("pad_token_id", 1)) + 1  # its positions start after the pad
     return int(config["vocab_size"]), int(context)
 
 
@@ -51,7 +53,6 @@ class RequestTokenizer:
         self.context_len = context_len
 
     def to_generate(self, msg: TokenizeReqMsg, context_len: int | None = None) -> GenerateReqMsg:
-        ids = self._input_ids(msg)
         sp = dict(msg.sampling_params)
         lifted = {k: sp.pop(k) for k in _LIFTED if k in sp}
         for key in _REQUEST_LEVEL:
@@ -65,14 +66,20 @@ class RequestTokenizer:
                 raise RequestError("invalid_request", str(exc)) from None
         params = self._check_params(sp, lifted, msg)
         context_len = context_len or self.context_len
-        if drop_turns and msg.messages is not None:
-            room = min(context_len - params.max_new_tokens, context_len - 1)  # _check_length
-            ids = self._fit_turns(msg, ids, room)
+        # (_check_length: a pooled prompt may fill the context, a generated one leaves a token)
+        room = min(context_len - params.max_new_tokens, context_len - (not msg.embed))
         if keep is not None:
-            room = min(context_len - params.max_new_tokens, context_len - 1)  # _check_length
             keep = _keep_count(keep, room, context_len)
-            ids = ids[-keep:] if msg.text_pair is None else self._pair_ids(msg, keep)
-        self._check_length(ids, params.max_new_tokens, context_len)
+        types = None
+        if msg.text_pair is not None:
+            ids, types = self._pair(msg, keep)
+        else:
+            ids = self._input_ids(msg)
+            if drop_turns and msg.messages is not None:
+                ids = self._fit_turns(msg, ids, room)
+            if keep is not None:
+                ids = ids[-keep:]
+        self._check_length(ids, params.max_new_tokens, context_len, msg.embed)
         return GenerateReqMsg(
             rid=msg.rid,
             router_id=msg.router_id,
@@ -91,6 +98,7 @@ class RequestTokenizer:
             lora_name=msg.lora_name,
             return_prompt_ids=msg.return_prompt_ids,
             embed=msg.embed,
+            token_type_ids=types,
         )
 
     def answer(self, msg: TokenizeReqMsg) -> TokenizeRespMsg:
@@ -136,17 +144,27 @@ class RequestTokenizer:
                 lo = k + 1
         return ids if best is None else best
 
-    def _pair_ids(self, msg: TokenizeReqMsg, keep: int) -> list[int]:
-        """A pair's ids cut to `keep` tokens the way transformers truncates pairs (HF's and
-        vLLM's `truncation=True`: the longer text loses its last tokens first), so that both
-        texts keep their starts and the special tokens stay."""
+    def _pair(self, msg: TokenizeReqMsg, keep: int | None = None) -> tuple[list[int], Any]:
+        """A text pair's ids as its tokenizer joins them, and their token types (BERT's second
+        text: 1; None when all are 0). With `keep`, cut to that many tokens the way
+        transformers truncates pairs (HF's and vLLM's `truncation=True`: the longer text
+        loses its last tokens first), so that both texts keep their starts and the special
+        tokens stay."""
+        cut = {} if keep is None else {"truncation": True, "max_length": keep}
+        special = msg.add_special_tokens is not False
         try:
-            pair = self.tokenizer(msg.text, text_pair=msg.text_pair, truncation=True,
-                                  max_length=keep, add_special_tokens=msg.add_special_tokens
-                                  is not False)  # fmt: skip
+            pair = self.tokenizer(msg.text, text_pair=msg.text_pair, add_special_tokens=special,
+                                  return_token_type_ids=True, **cut)  # fmt: skip
         except Exception as exc:  # (a max_length below the special tokens' count)
+            if keep is None:
+                raise
             raise RequestError("invalid_request", f"truncate_prompt_tokens: {exc}") from None
-        return list(pair["input_ids"])
+        ids = list(pair["input_ids"])
+        if not ids:
+            raise RequestError("invalid_request", "the prompt is empty")
+        self._check_ids(ids)
+        types = pair.get("token_type_ids")
+        return ids, (list(types) if types and any(types) else None)
 
     def _check_ids(self, ids: list[int]) -> None:
         if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
@@ -159,9 +177,7 @@ class RequestTokenizer:
         or its ids."""
         special = msg.add_special_tokens
         if msg.text_pair is not None:  # (a cross-encoder's query and document)
-            pair = self.tokenizer(msg.text, text_pair=msg.text_pair,
-                                  add_special_tokens=special is not False)  # fmt: skip
-            return list(pair["input_ids"])
+            return self._pair(msg)[0]
         if msg.text is not None:
             return self.tokenizer.encode(msg.text, add_special_tokens=special is not False)
         messages = msg.messages if messages is None else messages
@@ -205,8 +221,13 @@ class RequestTokenizer:
             raise RequestError("invalid_request", "sampling_params: n must be 1 per request")
         return params
 
-    def _check_length(self, ids: list[int], max_new_tokens: int, context_len: int) -> None:
-        if len(ids) >= context_len:
+    def _check_length(
+        self, ids: list[int], max_new_tokens: int, context_len: int, pooled: bool = False
+    ) -> None:
+        """A prompt to generate from leaves room for a token; a pooled one may fill the
+        context (a BERT embedding model reads its 512 positions, as sentence-transformers
+        does)."""
+        if len(ids) > context_len - (not pooled):
             raise RequestError(
                 "prompt_too_long",
                 f"the prompt has {len(ids)} tokens; the context length is {context_len}",

@@ -27,16 +27,19 @@ def tiny_model(
     seed: int = 0,
     sliding_window: int | None = None,
     num_labels: int | None = None,
+    pooling: str = "cls",
 ) -> str:
-    """A tiny model folder, built once; `num_labels`: a sequence classifier of that many."""
+    """A tiny model folder, built once; `num_labels`: a sequence classifier of that many;
+    `pooling` ("cls" / "mean"): an encoder embedding model's (bert, xlm-roberta)."""
     from services.tiny_model import make_tiny_model
 
     window = f"-sw{sliding_window}" if sliding_window else ""
     labels = f"-cls{num_labels}" if num_labels else ""
-    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}{window}{labels}")
+    pool = f"-{pooling}" if pooling != "cls" else ""
+    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}{window}{labels}{pool}")
     if not os.path.exists(os.path.join(out, "config.json")):
         make_tiny_model(out, arch=arch, preset=preset, seed=seed, sliding_window=sliding_window,
-                        num_labels=num_labels)  # fmt: skip
+                        num_labels=num_labels, pooling=pooling)  # fmt: skip
     return out
 
 

@@ -1,13 +1,25 @@
 """Architecture name (HF `config.architectures[0]`) -> model class, imported lazily.
 
 A `*ForSequenceClassification` architecture is its causal model's class with a `score` head
-(engine/models/classification.py)."""
+(engine/models/classification.py); BERT's and RoBERTa's are encoders of their own
+(engine/models/bert.py)."""
 
 from __future__ import annotations
 
 import importlib
 
 from torch import nn
+
+# Encoders (bidirectional attention; ModelConfig.is_encoder): architecture -> class name
+_ENCODERS = {
+    "BertModel": "BertModel",
+    "BertForSequenceClassification": "BertForSequenceClassification",
+    "RobertaModel": "RobertaModel",
+    "RobertaForSequenceClassification": "RobertaForSequenceClassification",
+    "XLMRobertaModel": "RobertaModel",
+    "XLMRobertaForSequenceClassification": "RobertaForSequenceClassification",
+}
+ENCODER_ARCHITECTURES = frozenset(_ENCODERS)
 
 _MODELS = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
@@ -22,6 +34,7 @@ _MODELS = {
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
     # served as its text model (engine.config.TEXT_OF_MULTIMODAL)
     "Gemma3ForConditionalGeneration": "engine.models.gemma:Gemma3ForConditionalGeneration",
+    **{arch: f"engine.models.bert:{cls}" for arch, cls in _ENCODERS.items()},
 }
 
 

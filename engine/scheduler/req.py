@@ -96,6 +96,9 @@ class Req:
         self.swa_prefix_released = False  # its window lock on the cached prefix is dropped
         # an embedding model's pooled states so far (engine/pooling.py PooledState)
         self.embedding: Any = None
+        # an encoder's token types, one per prompt token (a BERT pair's second text: 1);
+        # None: all 0
+        self.token_type_ids: list[int] | None = None
         # speculative decoding's copy of the tokens: (int64 array, tokens in it)
         self.spec_tokens: tuple[Any, int] = (None, 0)
         # bookkeeping

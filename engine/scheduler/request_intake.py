@@ -53,12 +53,14 @@ class RequestIntake:
         params: SamplingParams,
         priority: int | None = None,
         lora_name: str | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> Req:
         """Queue a validated request. Raises ValueError if it cannot fit the context, its
         grammar is known not to compile, it has a priority without priority scheduling,
         names a LoRA adapter the engine does not serve, or asks an embedding model for new
         tokens or logprobs; one whose grammar fails later is
-        rejected (`take_rejected`)."""
+        rejected (`take_rejected`). `token_type_ids` (one per prompt token) go to an encoder
+        (a BERT pair's); a decoder has none, and ignores them."""
         lora_id = self.lora_ids.get(lora_name, 0) if lora_name else 0
         if lora_name and not lora_id:
             served = sorted(self.lora_ids) or "none"
@@ -72,7 +74,8 @@ class RequestIntake:
         if self.args.is_embedding and (params.max_new_tokens or params.return_logprob):
             raise ValueError("an embedding model pools the prompt: max_new_tokens must be 0, "
                              "and it has no logprobs")  # fmt: skip
-        if len(input_ids) >= self.context_len:
+        # a prompt to generate from leaves room for a token; a pooled one may fill the context
+        if len(input_ids) > self.context_len - (not self.args.is_embedding):
             raise ValueError(
                 f"input_ids: the prompt has {len(input_ids)} tokens, the context length is "
                 f"{self.context_len}"
@@ -82,6 +85,7 @@ class RequestIntake:
                 f"max_new_tokens: {len(input_ids)} prompt tokens + {params.max_new_tokens} new "
                 f"tokens exceed the context length {self.context_len}"
             )
+        types = self._token_types(input_ids, token_type_ids)
         req = Req(
             rid,
             list(input_ids),
@@ -91,11 +95,24 @@ class RequestIntake:
             priority or 0,
             lora_id,
         )
+        req.token_type_ids = types
         compiling = params.has_grammar and not self.grammar_queue.submit(req)
         self.stats.prompt_tokens += len(input_ids)
         if not compiling:
             self._enqueue(req)
         return req
+
+    def _token_types(self, input_ids: list[int], types: list[int] | None) -> list[int] | None:
+        """The request's token types for an encoder (None: all 0, or not an encoder)."""
+        config = self.model_runner.model_config
+        if not types or not config.is_encoder or not any(types):
+            return None
+        if len(types) != len(input_ids):
+            raise ValueError(f"token_type_ids: {len(types)} for {len(input_ids)} prompt tokens")
+        num_types = int(getattr(config.hf_config, "type_vocab_size", 1))
+        if min(types) < 0 or max(types) >= num_types:
+            raise ValueError(f"token_type_ids: the model's types are 0..{num_types - 1}")
+        return list(types)
 
     def _enqueue(self, req: Req) -> None:
         if req.grammar is not None:

@@ -52,6 +52,8 @@ class ModelWorkerBatch:
     # a speculative verify step (an EXTEND of each request's last token and drafts): the
     # number of drafts of each request (engine/speculative/)
     spec_draft_lens: list[int] | None = None
+    # EXTEND of an encoder: each new token's type (None: all 0; engine/models/bert.py)
+    token_type_ids: list[int] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -67,6 +69,7 @@ class ScheduleBatch:
         self.out_cache_loc: torch.Tensor | None = None
         self.input_ids: list[int] = []
         self.positions: list[int] = []
+        self.token_type_ids: list[int] | None = None
         # requests decoding one token inside this prefill batch (mixed chunk; see
         # `mix_with_running`): they are not prompts, the prefix cache is not updated for them
         self.decoding_reqs: frozenset[Req] = frozenset()
@@ -111,6 +114,9 @@ class ScheduleBatch:
             r.kv_allocated_len = sl
             self.input_ids.extend(r.fill_ids[pl:sl])
             self.positions.extend(range(pl, sl))
+        if any(r.token_type_ids for r in self.reqs):
+            self.token_type_ids = [t for r, pl, sl in zip(self.reqs, prefix_lens, seq_lens)
+                                   for t in (r.token_type_ids or [0] * sl)[pl:sl]]  # fmt: skip
         self.out_cache_loc = out
         self._prefix_lens = prefix_lens
         self._seq_lens = seq_lens
@@ -296,6 +302,7 @@ class ScheduleBatch:
             prompt_ranks=any(r.sampling_params.return_prompt_ranks for r in self.reqs),
             lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
             spec_draft_lens=self.spec_draft_lens,
+            token_type_ids=self.token_type_ids if extend else None,
             **_prompt_logprob_fields(self._prompt_logprobs if extend and not verify else None),
         )
 

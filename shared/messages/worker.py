@@ -22,7 +22,7 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 7  # 4: priority; 5: return_prompt_ids; 6: lora_name; 7: embed
+    VERSION = 8  # 4: priority; 5: return_prompt_ids; 6: lora_name; 7: embed; 8: token_type_ids
 
     rid: str
     router_id: str
@@ -41,10 +41,17 @@ class GenerateReqMsg(Message):
     return_prompt_ids: bool = False  # `input_ids` go back in the request's first step row
     lora_name: str | None = None  # the LoRA adapter to run with (None: the base model)
     embed: bool = False  # pool the prompt into an embedding (an embedding worker's requests)
+    # a text pair's token types as its tokenizer gives them (BERT's second text: 1), one per
+    # input id; None: all 0 (an encoder model reads them, a decoder ignores them)
+    token_type_ids: list[int] | None = None
 
     def _check(self) -> None:
         if not self.input_ids:
             raise MessageError(f"GenerateReqMsg {self.rid}: input_ids is empty")
+        if self.token_type_ids is not None and len(self.token_type_ids) != len(self.input_ids):
+            raise MessageError(
+                f"GenerateReqMsg {self.rid}: token_type_ids and input_ids differ in length"
+            )
         if self.top_logprobs_num < 0:
             raise MessageError(f"GenerateReqMsg {self.rid}: top_logprobs_num must be >= 0")
         if self.logprob_start_len < -1:

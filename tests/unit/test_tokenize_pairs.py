@@ -44,7 +44,7 @@ def test_a_long_pair_is_cut_keeping_both_starts(service: RequestTokenizer) -> No
         service.to_generate(pair())  # too long without truncation
     tok = service.tokenizer
     query_ids = tok.encode(QUERY)
-    for keep, want_len in ((40, 40), (-1, CONTEXT - 1)):
+    for keep, want_len in ((40, 40), (-1, CONTEXT)):  # (a pooled prompt may fill the context)
         ids = service.to_generate(pair(truncate_prompt_tokens=keep)).input_ids
         assert len(ids) == want_len
         assert ids[: len(query_ids)] == query_ids  # the query stays whole, first
@@ -57,10 +57,38 @@ def test_a_single_embedding_prompt_with_minus_one_fits(service: RequestTokenizer
     msg = TokenizeReqMsg("r", "rt", "w", text=DOC, embed=True,
                          sampling_params={"max_new_tokens": 0, "truncate_prompt_tokens": -1})
     ids = service.to_generate(msg).input_ids
-    assert len(ids) == CONTEXT - 1  # (the context's last slot: the length check's rule)
-    assert ids == service.tokenizer.encode(DOC)[-(CONTEXT - 1) :]
+    assert len(ids) == CONTEXT  # (pooled, not generated from: the whole context is its own)
+    assert ids == service.tokenizer.encode(DOC)[-CONTEXT:]
+    generate = TokenizeReqMsg("r", "rt", "w", text=DOC, sampling_params={
+        "max_new_tokens": 0, "truncate_prompt_tokens": -1})  # fmt: skip
+    assert len(service.to_generate(generate).input_ids) == CONTEXT - 1  # (room for a token)
 
 
 def test_a_pair_needs_its_first_text() -> None:
     with pytest.raises(MessageError, match="text_pair needs text"):  # (checked on decoding)
         TokenizeReqMsg("r", "rt", "w", input_ids=[1], text_pair="b").validate()
+
+
+@pytest.mark.parametrize("arch", ["bert", "xlm-roberta", "llama"])
+def test_a_pairs_token_types_go_to_the_worker(arch: str) -> None:
+    """BERT's second text has token type 1: the types travel with the ids (also when cut;
+    the worker gives them to an encoder only); tokenizers whose pairs are all type 0, XLM-R's,
+    send none."""
+    path = tiny_model(arch)
+    tokenizer = load_tokenizer(path)
+    service = RequestTokenizer(tokenizer, len(tokenizer), 512)
+    whole = tokenizer(QUERY, text_pair=DOC, return_token_type_ids=True)
+    for keep, want in ((None, whole), (30, tokenizer(QUERY, text_pair=DOC, truncation=True,
+                                                     max_length=30, return_token_type_ids=True))):
+        cut = {} if keep is None else {"truncate_prompt_tokens": keep}
+        msg = service.to_generate(pair(**cut))
+        assert msg.input_ids == want["input_ids"]
+        types = want["token_type_ids"]
+        assert msg.token_type_ids == (types if any(types) else None)
+        assert (arch == "bert") <= (0 < sum(types) < len(types))  # (a decoder ignores them)
+        assert (arch == "xlm-roberta") <= (msg.token_type_ids is None)
+    decoded = type(msg).from_msg(msg.to_msg())  # (the message carries them)
+    assert decoded.token_type_ids == msg.token_type_ids
+    single = TokenizeReqMsg("r", "rt", "w", text=QUERY, embed=True,
+                            sampling_params={"max_new_tokens": 0})  # fmt: skip
+    assert service.to_generate(single).token_type_ids is None
