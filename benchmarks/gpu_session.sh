@@ -14,7 +14,8 @@
 #   tests-fi    tests/gpu/test_flashinfer_gpu.py on 4 pytest-xdist workers (flashinfer
 #               compiles its fp16/bf16 x head_dim 64/128 variants)
 #   tests-kernels  tests/gpu/test_kernels_gpu.py, test_cuda_graph_gpu.py and
-#               test_hybrid_swa_gpu.py (hybrid window memory == plain, graphs on and off)
+#               test_hybrid_swa_gpu.py (hybrid window memory == plain, graphs on and off),
+#               test_encoders_gpu.py (BERT / XLM-R == transformers on the GPU)
 #   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
 #               waits for a busy forward stream) and the GPU cases of
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
@@ -22,7 +23,8 @@
 #   speculative benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
 #               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json
 #   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
-#               engine against transformers, writing benchmarks/results/gpu_embeddings.json
+#               engine against transformers, writing benchmarks/results/gpu_embeddings.json;
+#               then benchmarks/encoders.py (BERT-base shape, 1024 inputs): gpu_encoders.json
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
 #   parity-windows (the results first)
@@ -166,7 +168,8 @@ do_step() {
             pack_aot ;;
         tests-kernels)
             run_step tests-kernels 240 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
-                tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py ;;
+                tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
+                tests/gpu/test_encoders_gpu.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
@@ -180,7 +183,9 @@ do_step() {
                 --dtype bfloat16 --layers 8 --name gpu_speculative ;;
         embeddings)
             run_step embeddings 120 python3 benchmarks/embeddings.py --device cuda \
-                --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --name gpu_embeddings ;;
+                --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --name gpu_embeddings
+            run_step encoders 90 python3 benchmarks/encoders.py --device cuda \
+                --dtype bfloat16 --shape base --inputs 1024 --hf-batch 64 --name gpu_encoders ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
         tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels
             do_step parity-windows ;;
@@ -190,7 +195,7 @@ do_step() {
     esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,34p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,36p' "$0"; exit 2; }
 setup
 if [ "$1" = exec ]; then
     shift
