@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from engine.models.registry import ENCODER_ARCHITECTURES
 from engine.pooling import check_embedding_args, classifier_labels
 from engine.speculative import check_speculative_args
@@ -67,10 +68,20 @@ class ModelConfig:
     is_encoder: bool = False
 
     @classmethod
-    def from_pretrained(cls, path: str, context_length: int | None = None) -> ModelConfig:
+    def from_args(cls, args: EngineArgs) -> ModelConfig:
+        overrides = json.loads(args.hf_overrides) if args.hf_overrides else None
+        return cls.from_pretrained(args.model_path, args.context_length, overrides)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, context_length: int | None = None, hf_overrides: dict | None = None
+    ) -> ModelConfig:
+        """`hf_overrides`: config fields to replace first (engine/hf_overrides.py)."""
         from transformers import AutoConfig
 
         outer = AutoConfig.from_pretrained(path)
+        if hf_overrides:
+            apply_hf_overrides(outer, hf_overrides)
         arch = (getattr(outer, "architectures", None) or [""])[0]
         # a multimodal checkpoint served as its text model: the text config describes it
         hf = outer.get_text_config() if arch in TEXT_OF_MULTIMODAL else outer
@@ -228,7 +239,10 @@ class EngineArgs:
     # None: the checkpoint's sentence-transformers pooling, else cls for an encoder, last
     # for a decoder).
     is_embedding: bool = False
-    pooling_type: str | None = None  # None: the model's (engine/pooling.py)
+    pooling_type: str | None = None
+    # vLLM's --hf-overrides (SGLang's --json-model-override-args): config fields replaced
+    # before the model is built (engine/hf_overrides.py); a dict or its JSON, kept as JSON
+    hf_overrides: str | None = None  # None: the model's (engine/pooling.py)
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -257,6 +271,8 @@ class EngineArgs:
         if self.max_loras_per_batch < 1 or (self.max_lora_rank or 1) < 1:
             raise ValueError("max_loras_per_batch and max_lora_rank must be >= 1")
         object.__setattr__(self, "lora_paths", tuple(self.lora_paths))
+        overrides = parse_hf_overrides(self.hf_overrides)
+        object.__setattr__(self, "hf_overrides", json.dumps(overrides) if overrides else None)
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("chunked_prefill_size must be positive, or -1 to disable chunking")
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:

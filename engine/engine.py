@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 def build_scheduler(args: EngineArgs, tokenizer: Any | None = None) -> Scheduler:
     """Model runner + prefix cache + scheduler, as the worker service also builds them."""
-    model_config = ModelConfig.from_pretrained(args.model_path, args.context_length)
+    model_config = ModelConfig.from_args(args)
     args = resolve_model_kind(args, model_config)
     # With a device process (CPU overlap), the model and KV pool live there, not here.
     runner = ModelRunner(model_config, args, host_only=args.overlap_device_process)

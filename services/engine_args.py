@@ -127,6 +127,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "states into one normalised vector (no generation)",
     )
     g.add_argument(
+        "--hf-overrides",
+        "--json-model-override-args",
+        dest="hf_overrides",
+        default=None,
+        metavar="JSON",
+        help="config fields to replace (vLLM's --hf-overrides, SGLang's "
+        "--json-model-override-args), e.g. a yes/no reranker served as a classifier: "
+        '\'{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
+        '["no", "yes"], "is_original_qwen3_reranker": true}\'',
+    )
+    g.add_argument(
         "--pooling-type",
         type=str.lower,
         choices=POOLING_TYPES,

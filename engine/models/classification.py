@@ -17,12 +17,14 @@ registry: its checkpoint has the base's body weights (`model.*`, GPT-2's `transf
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
+from engine.hf_overrides import token_head_method, token_head_rows
 
 # classifier architecture -> the causal architecture whose body it has
 CLASSIFIER_BASES = {
@@ -37,6 +39,18 @@ CLASSIFIER_BASES = {
     "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
     "GPT2ForSequenceClassification": "GPT2LMHeadModel",
 }
+
+
+def token_head_weight(config, lm_head: torch.Tensor) -> torch.Tensor:
+    """The score head [num_labels, hidden] made from the lm_head rows of the config's
+    `classifier_from_token` (looked up in the tokenizer of the model's folder)."""
+    from engine.tokenizer import load_tokenizer
+
+    ids, two_way = token_head_rows(config, load_tokenizer(config.name_or_path))
+    if max(ids) >= lm_head.shape[0]:
+        raise ValueError(f"classifier_from_token: ids {ids} beyond the lm_head's rows")
+    rows = lm_head[ids].float()
+    return (rows[1:] - rows[:1]) if two_way else rows
 
 
 @functools.cache
@@ -70,6 +84,25 @@ def sequence_classifier(base: type[nn.Module]) -> type[nn.Module]:
             if name.startswith("lm_head."):
                 return None
             return super()._map_weight(name, tensor)
+
+        def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+            """A classifier's checkpoint; or, with `classifier_from_token` (engine/
+            hf_overrides.py), a causal LM's, whose lm_head rows (the input embedding's when
+            tied) of those tokens become the score head."""
+            if token_head_method(self.config) is None:
+                return super().load_weights(weights)
+            lm_head: list[torch.Tensor] = []
+
+            def body(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator:
+                for name, tensor in stream:
+                    if name == "lm_head.weight":
+                        lm_head.append(tensor)
+                    yield name, tensor
+
+            loaded = super().load_weights(body(weights))
+            rows = lm_head[0] if lm_head else base.lm_head_weight.fget(self)  # (tied)
+            self.score.weight.data.copy_(token_head_weight(self.config, rows))
+            return loaded | {"score.weight"}
 
     SequenceClassifier.__name__ = SequenceClassifier.__qualname__ = (
         base.__name__.replace("ForCausalLM", "").replace("LMHeadModel", "")

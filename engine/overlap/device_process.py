@@ -84,7 +84,7 @@ class _Record:
 
 def engine_device_runner(args: EngineArgs) -> ModelRunner:
     """The engine's model runner (model, KV pool, sampler), built in the device process."""
-    return ModelRunner(ModelConfig.from_pretrained(args.model_path, args.context_length), args)
+    return ModelRunner(ModelConfig.from_args(args), args)
 
 
 # -- the device process ----------------------------------------------------------------------------

@@ -74,3 +74,17 @@ def test_an_encoder_classifier_reads_its_first_token(tmp_path: Path) -> None:
         resolve_model_kind(EngineArgs(model_path="m", pooling_type="last"), config)
     with pytest.raises(ValueError, match="pooling_type"):
         EngineArgs(model_path="m", pooling_type="max")
+
+
+def test_hf_overrides_flags_reach_the_engine_args() -> None:
+    import argparse
+
+    from services.engine_args import add_engine_args, engine_args_from
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    body = '{"architectures": ["Qwen3ForSequenceClassification"], "method": "no_post_processing"}'
+    for flag in ("--hf-overrides", "--json-model-override-args"):
+        args = engine_args_from(parser.parse_args(["--model", "m", flag, body]))
+        assert json.loads(args.hf_overrides) == json.loads(body)
+    assert engine_args_from(parser.parse_args(["--model", "m"])).hf_overrides is None
