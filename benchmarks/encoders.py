@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks import embeddings  # noqa: E402
 from benchmarks.common import parse_arm_args, print_table, write_result  # noqa: E402
 
 SHAPES = {  # hidden, layers, heads, intermediate
@@ -79,15 +80,9 @@ class SluiceArm:
         return torch.tensor([o["embedding"] for o in outs])
 
 
-class TransformersArm:
-    def __init__(self, path: str, args: Any) -> None:
-        from transformers import AutoModel, AutoModelForSequenceClassification
-
-        dtype = torch.float32 if args.dtype == "auto" else getattr(torch, args.dtype)
-        auto = AutoModelForSequenceClassification if args.task == "rerank" else AutoModel
-        self.model = auto.from_pretrained(path, dtype=dtype).to(args.device).eval()
-        self.device, self.batch = args.device, args.hf_batch
-        self.classifier = args.task == "rerank"
+class TransformersArm(embeddings.TransformersArm):
+    """The embeddings benchmark's transformers arm (its model and batching), pooling the
+    [CLS] state and passing token types."""
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], types: list[list[int]] | None) -> torch.Tensor:
@@ -98,7 +93,7 @@ class TransformersArm:
         for lo in range(0, len(order), self.batch):
             rows = order[lo : lo + self.batch]
             width = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), width), PAD, dtype=torch.int64)
+            ids = torch.full((len(rows), width), self.pad, dtype=torch.int64)
             kinds = torch.zeros(len(rows), width, dtype=torch.int64)
             mask = torch.zeros(len(rows), width, dtype=torch.int64)
             for j, i in enumerate(rows):
