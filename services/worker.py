@@ -180,8 +180,9 @@ class Worker:
             check_kind(msg, self.scheduler.args.is_embedding)
             params = sampling_params(msg, self.vocab_size)
             self.scheduler.add_request(
-                msg.rid, msg.input_ids, params, msg.priority, msg.lora_name, msg.token_type_ids
-            )
+                msg.rid, msg.input_ids, params, msg.priority, msg.lora_name,
+                token_type_ids=msg.token_type_ids,
+            )  # fmt: skip
         except ValueError as exc:
             self._reject(msg.rid, msg.router_id, str(exc))
             return

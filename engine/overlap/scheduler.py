@@ -150,8 +150,9 @@ class OverlapScheduler(Scheduler):
         params: SamplingParams,
         priority: int | None = None,
         lora_name: str | None = None,
+        token_type_ids: list[int] | None = None,
     ) -> Req:
-        req = super().add_request(rid, input_ids, params, priority, lora_name)
+        req = super().add_request(rid, input_ids, params, priority, lora_name, token_type_ids)
         if params.needs_history:
             self._history.add(req)
         if params.has_device_history:
