@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
+from engine.layer_windows import attn_logit_cap, layer_sliding_windows
 from engine.models.registry import ENCODER_ARCHITECTURES
 from engine.pooling import check_embedding_args, classifier_labels
 from engine.speculative import check_speculative_args
@@ -123,40 +124,6 @@ class ModelConfig:
 # Multimodal architectures whose checkpoints are served as their text model (the vision
 # tower is not loaded; the router refuses image inputs).
 TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
-# Architectures whose transformers implementation applies `config.sliding_window` (Llama's
-# and GPT-2's ignore it).
-_SLIDING_WINDOW_TYPES = (
-    "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text",
-)  # fmt: skip
-# Architectures whose transformers implementation soft-caps attention scores by
-# `config.attn_logit_softcapping`.
-_SOFT_CAP_TYPES = ("gemma2", "gemma3_text")
-
-
-def layer_sliding_windows(hf: object, num_layers: int) -> tuple[int | None, ...]:
-    """Each layer's attention window as transformers applies it: `sliding_window` keys (the
-    query's own included; 0 or None is no window), on the layers that `layer_types` marks
-    "sliding_attention" where the config has that list (Qwen2 and Qwen3 derive it from
-    `use_sliding_window` and `max_window_layers`, Gemma 3 alternates five windowed layers and
-    a full one), else on every layer (Mistral, Mixtral, Qwen3-MoE)."""
-    window = getattr(hf, "sliding_window", None)
-    if getattr(hf, "model_type", None) not in _SLIDING_WINDOW_TYPES or not window:
-        return (None,) * num_layers
-    layer_types = getattr(hf, "layer_types", None)
-    if layer_types is None:
-        return (int(window),) * num_layers
-    return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-
-
-def attn_logit_cap(hf: object) -> float | None:
-    """The cap c of the attention scores (s -> c * tanh(s / c)) as transformers applies it,
-    the same on every layer; None: not capped."""
-    cap = getattr(hf, "attn_logit_softcapping", None)
-    if getattr(hf, "model_type", None) not in _SOFT_CAP_TYPES or not cap:
-        return None
-    return float(cap)
-
-
 def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:
     """EOS ids from generation_config.json when present (it may list several), else config."""
     ids: object = None

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import attn_logit_cap, layer_sliding_windows
 from engine.forward_batch import ForwardBatch
+from engine.layer_windows import attn_logit_cap, layer_sliding_windows
 from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import GemmaRMSNorm
 from engine.layers.linear import MergedLinear

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.config import layer_sliding_windows
 from engine.forward_batch import ForwardBatch
+from engine.layer_windows import layer_sliding_windows
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import RMSNorm

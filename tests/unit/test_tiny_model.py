@@ -258,7 +258,7 @@ def test_mixture_of_experts_settings() -> None:
     ],
 )
 def test_sliding_window_setting(arch: str, want: tuple) -> None:
-    from engine.config import layer_sliding_windows
+    from engine.layer_windows import layer_sliding_windows
 
     config = build_config(arch, num_layers=4, sliding_window=16)
     assert layer_sliding_windows(config, 4) == want
@@ -269,7 +269,7 @@ def test_sliding_window_setting(arch: str, want: tuple) -> None:
 
 @pytest.mark.parametrize("arch,window", [("gemma2", 4096), ("gemma3_text", 512)])
 def test_gemma_always_has_local_and_global_layers(arch, window) -> None:
-    from engine.config import attn_logit_cap, layer_sliding_windows
+    from engine.layer_windows import attn_logit_cap, layer_sliding_windows
 
     tiny = build_config(arch, num_layers=4)
     assert layer_sliding_windows(tiny, 4) == (32, None, 32, None)
