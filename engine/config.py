@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
-from engine.layer_windows import attn_logit_cap, layer_sliding_windows
+from engine.layer_windows import attn_logit_cap, layer_sliding_windows, position_limit
 from engine.models.registry import ENCODER_ARCHITECTURES
 from engine.pooling import check_embedding_args, classifier_labels
 from engine.speculative import check_speculative_args
@@ -92,9 +92,7 @@ class ModelConfig:
         head_dim = getattr(hf, "head_dim", None) or hidden // num_heads
         num_layers = getattr(hf, "num_hidden_layers", None) or hf.n_layer
         max_pos = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 2048)
-        is_encoder = arch in ENCODER_ARCHITECTURES
-        if is_encoder and hf.model_type in ("roberta", "xlm-roberta"):
-            max_pos -= int(hf.pad_token_id) + 1  # (its positions start after the pad id)
+        max_pos = position_limit(hf.model_type, max_pos, getattr(hf, "pad_token_id", None))
         return cls(
             path=path,
             architecture=arch,
@@ -112,7 +110,7 @@ class ModelConfig:
             sliding_windows=layer_sliding_windows(hf, num_layers),
             attn_logit_cap=attn_logit_cap(hf),
             labels=classifier_labels(arch, hf),
-            is_encoder=is_encoder,
+            is_encoder=arch in ENCODER_ARCHITECTURES,
         )
 
     @property
@@ -206,10 +204,10 @@ class EngineArgs:
     # None: the checkpoint's sentence-transformers pooling, else cls for an encoder, last
     # for a decoder).
     is_embedding: bool = False
-    pooling_type: str | None = None
+    pooling_type: str | None = None  # None: the model's (engine/pooling.py)
     # vLLM's --hf-overrides (SGLang's --json-model-override-args): config fields replaced
     # before the model is built (engine/hf_overrides.py); a dict or its JSON, kept as JSON
-    hf_overrides: str | None = None  # None: the model's (engine/pooling.py)
+    hf_overrides: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

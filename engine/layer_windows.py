@@ -1,6 +1,7 @@
-"""Per-layer attention facts of a transformers config, as transformers applies them: each
-layer's sliding window and the attention-score soft cap (read by ModelConfig and by the
-models that build their layers from the config)."""
+"""Attention and position facts of a transformers config, as transformers applies them: each
+layer's sliding window, the attention-score soft cap, and the positions a model can read
+(read by ModelConfig, by the models that build their layers from the config, and by the
+tokenizer service, which imports no torch)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,11 @@ def attn_logit_cap(hf: object) -> float | None:
     if getattr(hf, "model_type", None) not in _SOFT_CAP_TYPES or not cap:
         return None
     return float(cap)
+
+
+def position_limit(model_type: str | None, max_position_embeddings: int, pad_id: int | None) -> int:
+    """The positions a model reads: its position embeddings, less RoBERTa's first pad_id + 1
+    (its positions start after the pad id: 514 embeddings, 512 positions)."""
+    if model_type in ("roberta", "xlm-roberta"):
+        return max_position_embeddings - (1 if pad_id is None else int(pad_id)) - 1
+    return max_position_embeddings

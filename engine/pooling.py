@@ -63,26 +63,25 @@ def resolve_model_kind(args: Any, model_config: Any) -> Any:
     encoder runs each prompt in one piece, without the radix cache (engine/models/bert.py);
     "mean" and "cls" pooling read every position of the prompt, which a cached prefix never
     computes: no radix cache either."""
-    changes: dict[str, Any] = {}
     encoder, labels = model_config.is_encoder, model_config.labels
-    if (labels or encoder) and not args.is_embedding:
+    if not (args.is_embedding or labels or encoder):  # a generative model
+        return dataclasses.replace(args, pooling_type=args.pooling_type or "last")
+    changes: dict[str, Any] = {"is_embedding": True}
+    if not args.is_embedding:
         kind = f"a sequence classifier ({len(labels)} labels)" if labels else "an encoder"
         logger.info("%s: served as a pooling model", kind)
-        changes["is_embedding"] = True
-    default = sentence_pooling(model_config.path) or ("cls" if encoder else "last")
-    pooling = args.pooling_type or default
+    pooling = args.pooling_type or sentence_pooling(model_config.path)
+    pooling = changes["pooling_type"] = pooling or ("cls" if encoder else "last")
     if encoder and labels and pooling != "cls":
         raise ValueError(f"pooling_type: {pooling!r}; this classifier's head reads the first "
                          "token (cls)")  # fmt: skip
-    changes["pooling_type"] = pooling
-    if args.is_embedding or changes.get("is_embedding"):
-        if encoder and args.chunked_prefill_size != -1:
-            logger.info("encoder: each prompt runs in one piece (no chunked prefill)")
-            changes["chunked_prefill_size"] = -1
-        if (encoder or pooling != "last") and not args.disable_radix_cache:
-            why = "an encoder's" if encoder else f"{pooling} pooling reads every position:"
-            logger.info("%s prefix states depend on the whole prompt: radix cache off", why)
-            changes["disable_radix_cache"] = True
+    if encoder and args.chunked_prefill_size != -1:
+        logger.info("encoder: each prompt runs in one piece (no chunked prefill)")
+        changes["chunked_prefill_size"] = -1
+    if (encoder or pooling != "last") and not args.disable_radix_cache:
+        why = "an encoder's" if encoder else f"{pooling} pooling reads every position:"
+        logger.info("%s prefix states depend on the whole prompt: radix cache off", why)
+        changes["disable_radix_cache"] = True
     return dataclasses.replace(args, **changes)
 
 

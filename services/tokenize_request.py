@@ -20,6 +20,7 @@ import json
 import os
 from typing import Any
 
+from engine.layer_windows import position_limit
 from engine.sampling.sampling_params import SamplingParams
 from engine.tokenizer import apply_chat_template, bad_words_ids
 from shared.messages import ChatMessage, GenerateReqMsg, TokenizeReqMsg, TokenizeRespMsg
@@ -39,9 +40,8 @@ def model_limits(model_path: str) -> tuple[int, int]:
     with open(os.path.join(model_path, "config.json")) as f:
         config = json.load(f)
     context = config.get("max_position_embeddings") or config.get("n_positions") or 2048
-    if config.get("model_type") in ("roberta", "xlm-roberta"):  # (as engine/config.py)
-        context -= int(config.get("pad_token_id", 1)) + 1  # its positions start after the pad
-    return int(config["vocab_size"]), int(context)
+    context = position_limit(config.get("model_type"), int(context), config.get("pad_token_id"))
+    return int(config["vocab_size"]), context
 
 
 class RequestTokenizer:

@@ -88,3 +88,11 @@ def test_hf_overrides_flags_reach_the_engine_args() -> None:
         args = engine_args_from(parser.parse_args(["--model", "m", flag, body]))
         assert json.loads(args.hf_overrides) == json.loads(body)
     assert engine_args_from(parser.parse_args(["--model", "m"])).hf_overrides is None
+
+
+def test_a_generative_model_ignores_its_sentence_transformers_config(tmp_path: Path) -> None:
+    sentence_folder(tmp_path, max_tokens=True)  # (refused for a pooling model)
+    generative = resolve_model_kind(EngineArgs(model_path=str(tmp_path)), model_config(tmp_path))
+    assert (generative.is_embedding, generative.pooling_type) == (False, "last")
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_model_kind(EngineArgs(model_path=str(tmp_path)), model_config(tmp_path, True))
