@@ -208,6 +208,9 @@ class EngineArgs:
     # vLLM's --hf-overrides (SGLang's --json-model-override-args): config fields replaced
     # before the model is built (engine/hf_overrides.py); a dict or its JSON, kept as JSON
     hf_overrides: str | None = None
+    # "fp8": the blocks' linear layers quantized once loaded (an FP8 checkpoint runs in FP8
+    # without it); engine/quantization.py
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.layers.fp8 import Fp8Linear, QuantizedWeight
 from engine.models.registry import get_model_class
+from engine.quantization import Fp8Config, pair_fp8_scales, swap_in_fp8
 
 # (name, tensor), (name, tensor, shard id) for a shard of a stacked parameter, or None to skip.
 WeightTransform = Callable[
@@ -29,17 +31,27 @@ WeightTransform = Callable[
 
 
 def load_model(
-    model_config: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu"
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    quantization: Fp8Config | None = None,
 ) -> nn.Module:
-    """The model of `model_config.path` with its checkpoint weights, in eval mode, no grads.
+    """The model of `model_config.path` with its checkpoint weights, in eval mode, no grads;
+    its blocks' linear layers in FP8 with `quantization` (engine/quantization.py).
 
     Call it as `model(input_ids, positions, forward_batch) -> float32 logits`.
     """
     cls = get_model_class(model_config.architecture)
+    fp8_checkpoint = quantization is not None and quantization.checkpoint
     with torch.device("meta"), _default_dtype(dtype):
         model = cls(model_config.hf_config, max_position=model_config.context_len)
+        if fp8_checkpoint:
+            swap_in_fp8(model, quantization)
     model = model.to_empty(device=device)
-    loaded = model.load_weights(iter_safetensors(model_config.path))
+    weights: Iterable = iter_safetensors(model_config.path)
+    if fp8_checkpoint:
+        weights = pair_fp8_scales(weights, quantization.block)
+    loaded = model.load_weights(weights)
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
         raise ValueError(
@@ -50,6 +62,8 @@ def load_model(
         init_buffers = getattr(module, "init_buffers", None)
         if callable(init_buffers):
             init_buffers()
+    if quantization is not None and not quantization.checkpoint:
+        swap_in_fp8(model, quantization)
     return model.eval().requires_grad_(False)
 
 
@@ -102,13 +116,18 @@ def load_named_weights(
             continue
         name, tensor = mapped[:2]
         shard = _stacked_shard(name, stacked) if len(mapped) == 2 else (name, mapped[2])
+        param = _param(params, shard[0] if shard else name, ckpt_name)
+        module = model.get_submodule((shard[0] if shard else name).rsplit(".", 1)[0])
+        if isinstance(tensor, QuantizedWeight) and not isinstance(module, Fp8Linear):
+            tensor = tensor.dequantize(param.dtype)  # an FP8 checkpoint's weight we keep 16-bit
         if shard is not None:
             name, shard_id = shard
-            param = _param(params, name, ckpt_name)
-            model.get_submodule(name.rsplit(".", 1)[0]).load_shard(param, tensor, shard_id)
+            module.load_shard(param, tensor, shard_id)
             shards_seen[name].add(shard_id)
+        elif isinstance(module, Fp8Linear):
+            module.load_shard(param, tensor, None)
+            loaded.add(name)
         else:
-            param = _param(params, name, ckpt_name)
             if param.shape != tensor.shape:
                 raise ValueError(
                     f"weight {ckpt_name!r}: checkpoint shape {tuple(tensor.shape)} does not match "

@@ -18,6 +18,7 @@ from engine.loader import load_model
 from engine.mem_cache.kv_memory import plan_kv_memory
 from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.pooling import EmbeddingBatchResult
+from engine.quantization import resolve_quantization
 from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
@@ -63,7 +64,8 @@ class ModelRunner:
         if self.device.type == "cpu" and args.dtype == "auto":
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
-        self.model = None if host_only else load_model(model_config, self.dtype, self.device)
+        quant = resolve_quantization(args.quantization, model_config.hf_config)
+        self.model = None if host_only else load_model(model_config, self.dtype, self.device, quant)
         self.lora = (
             None if host_only else make_lora_manager(self.model, args, self.dtype, self.device)
         )

@@ -15,6 +15,7 @@ from engine.config import (
     EngineArgs,
 )
 from engine.pooling import POOLING_TYPES
+from engine.quantization import QUANTIZATION_METHODS
 from engine.speculative import SPECULATIVE_ALGORITHMS, from_vllm_config
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sluice", "tiny-llama")
@@ -30,6 +31,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="Hugging Face model folder (default: a generated tiny model)",
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="fp8: run the blocks' linear layers in float8 (W8A8, scales per output channel "
+        "and per token), quantized as the model loads; an FP8 checkpoint (quant_method fp8 "
+        "in its config) runs in FP8 without the flag",
+    )
     g.add_argument("--device", default="cpu")
     g.add_argument("--page-size", type=int, default=1)
     g.add_argument("--chunked-prefill-size", type=int, default=8192)

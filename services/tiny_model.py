@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 # build_tokenizer is also imported from here (this module's public API before the split).
-from services import tiny_encoder
+from services import tiny_encoder, tiny_fp8
 from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
@@ -309,6 +309,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="an encoder embedding model's pooling (bert, xlm-roberta)")
     for key in _SIZE_KEYS:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None)
+    tiny_fp8.add_args(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -320,5 +321,6 @@ def run(args: argparse.Namespace) -> int:
         args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
         num_labels=args.num_labels, pooling=args.pooling, **sizes,
     )  # fmt: skip
+    tiny_fp8.apply(args, path)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
     return 0

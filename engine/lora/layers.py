@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: nn.Linear, manager: LoRAManager) -> None:
+    def __init__(self, base: nn.Module, manager: LoRAManager) -> None:
         super().__init__()
         self.base = base
         self.manager = manager
@@ -36,12 +36,12 @@ class LoRALinear(nn.Module):
         self.shard_ids: list[Hashable] = list(ranges)
         self.shard_ranges: list[tuple[int, int]] = [ranges[s] for s in self.shard_ids]
         slots, rank = manager.num_slots, manager.max_rank
-        w = base.weight
+        dtype, device = manager.dtype, base.weight.device  # an FP8 base's weight is float8
         self.lora_a = torch.zeros(
-            slots * len(self.shard_ids) * rank, base.in_features, dtype=w.dtype, device=w.device
+            slots * len(self.shard_ids) * rank, base.in_features, dtype=dtype, device=device
         )
         self.lora_b = [
-            torch.zeros(size, slots * rank, dtype=w.dtype, device=w.device)
+            torch.zeros(size, slots * rank, dtype=dtype, device=device)
             for _, size in self.shard_ranges
         ]
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
+from engine.layers.fp8 import Fp8Linear
 from engine.lora.adapter import AdapterSpec, load_adapter_weights
 from engine.lora.layers import LoRALinear
 
@@ -104,7 +105,7 @@ class LoRAManager:
             module = model.get_submodule(path)
         except AttributeError:
             module = None
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear | Fp8Linear):
             raise ValueError(
                 f"LoRA adapter {spec.name!r} adapts {theirs}, which this model does not have "
                 "(is it an adapter of another base model?)"

@@ -36,6 +36,7 @@ from tests.factories import (
     mixed_prompts,
     model_path,
 )
+from tests.teacher_forcing import hf_logits, runner_teacher_forced, score, score_logits
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,6 @@ BF16_ARCHS = (
 )  # fmt: skip
 MIN_AGREEMENT = 0.99  # the issue's bar, on the tie-aware count (see `score`)
 RAW_FLOOR = 0.95  # plain argmax agreement; a real bug (mask, rope, KV slot) lands far below
-TIE_ULPS = 2
 # A small KV pool (the default takes 85% of free memory) and few graphs to capture.
 LIMITS = dict(max_total_tokens=1 << 16, max_running_requests=32)
 _ROOT = tempfile.mkdtemp(prefix="sluice-gpu-parity-")
@@ -122,99 +122,6 @@ def bf16_model(arch: str) -> str:
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_model(path, arch=base, sliding_window=window, **BF16_SHAPE, **extra)
     return path
-
-
-def hf_logits(path: str, seqs: list[list[int]], device: str, dtype: torch.dtype) -> list:
-    """transformers' logits at every position of each sequence (float32, on the CPU)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    with torch.inference_mode():
-        out = [model(torch.tensor([s], device=device)).logits[0].float().cpu() for s in seqs]
-    del model
-    return out
-
-
-def runner_teacher_forced(
-    path: str, seqs: list[list[int]], prompt_lens: list[int], device: str, backend: str,
-    dtype: str = "bfloat16", page_size: int = 1,
-) -> list[torch.Tensor]:
-    """The model runner on `seqs`: one prefill of each prompt with every position's logits,
-    then decode steps fed the sequences' own next tokens. Row p of sequence i's result is the
-    logits after seqs[i][: p + 1] (float32, on the CPU)."""
-    from engine.config import EngineArgs, ModelConfig
-    from engine.forward_batch import ForwardMode
-    from engine.model_runner import ModelRunner
-    from engine.sampling.sampling_params import SamplingParams
-    from engine.scheduler.schedule_batch import ModelWorkerBatch
-
-    args = EngineArgs(model_path=path, device=device, dtype=dtype, attention_backend=backend,
-                      page_size=page_size, max_total_tokens=8192, max_running_requests=8,
-                      disable_cuda_graph=True)
-    runner = ModelRunner(ModelConfig.from_pretrained(path), args)
-    rows = runner.req_to_token_pool.alloc(len(seqs))
-    table = runner.req_to_token_pool.req_to_token
-    n = len(seqs)
-
-    def forward(mode: ForwardMode, lens: list[int], new: list[int], all_logits: bool) -> Any:
-        last = [int(table[r, p - 1]) if p else 0 for r, p in zip(rows, lens)]
-        slots = runner.allocator.alloc_extend(lens, [p + k for p, k in zip(lens, new)], last)
-        start = 0
-        for r, p, k in zip(rows, lens, new):
-            table[r, p : p + k] = slots[start : start + k].to(table.dtype)
-            start += k
-        extend = mode == ForwardMode.EXTEND
-        mwb = ModelWorkerBatch(
-            forward_mode=mode,
-            input_ids=[t for s, p, k in zip(seqs, lens, new) for t in s[p : p + k]],
-            positions=[p + j for p, k in zip(lens, new) for j in range(k)],
-            out_cache_loc=slots, req_pool_indices=list(rows),
-            seq_lens=[p + k for p, k in zip(lens, new)],
-            extend_prefix_lens=list(lens) if extend else None,
-            extend_seq_lens=list(new) if extend else None,
-            sampling_params=[SamplingParams(temperature=0.0)] * n,
-            output_ids=[[] for _ in seqs], prompt_ids=[s[:p] for s, p in zip(seqs, prompt_lens)],
-        )
-        fb = runner.build_forward_batch(mwb)
-        fb.return_all_logits = all_logits
-        return runner.forward(fb).float().cpu()
-
-    num_decode = {len(s) - p for s, p in zip(seqs, prompt_lens)}
-    assert len(num_decode) == 1, "every sequence decodes the same number of tokens"
-    prefill = forward(ForwardMode.EXTEND, [0] * n, prompt_lens, True)
-    out = list(torch.split(prefill, prompt_lens))
-    for step in range(num_decode.pop()):
-        lens = [p + step for p in prompt_lens]
-        logits = forward(ForwardMode.DECODE, lens, [1] * n, False)
-        out = [torch.cat([o, logits[i : i + 1]]) for i, o in enumerate(out)]
-    return out
-
-
-def score(tokens: torch.Tensor, logprobs: torch.Tensor, ref_logits: torch.Tensor) -> dict:
-    """Our chosen tokens and their logprobs [N] against the reference's logits [N, V].
-
-    `agreement`: our token is the reference's argmax. `agreement_tie_aware` also accepts a
-    token whose reference logit is within TIE_ULPS bfloat16 ulps of the reference's top logit
-    (the engine-core rule's tie, at bf16 resolution: logits are rounded to bf16 by lm_head in
-    both engines, so such tokens are tied to within rounding)."""
-    top = ref_logits.max(-1).values
-    ours = ref_logits.gather(1, tokens[:, None]).squeeze(1)
-    ulp = 2.0 ** (torch.floor(torch.log2(top.abs().clamp(min=1e-6))) - 7)
-    raw = tokens == ref_logits.argmax(-1)
-    tied = ours >= top - TIE_ULPS * ulp
-    ref_lp = torch.log_softmax(ref_logits, -1).gather(1, tokens[:, None]).squeeze(1)
-    delta = (logprobs - ref_lp).abs()
-    return {"positions": len(tokens), "agreement": float(raw.float().mean()),
-            "agreement_tie_aware": float((raw | tied).float().mean()),
-            "max_abs_dlogprob": float(delta.max()), "mean_abs_dlogprob": float(delta.mean())}
-
-
-def score_logits(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
-    """`score` of our argmax at every row of each sequence's logits."""
-    ours_all = torch.cat(ours)
-    tokens = ours_all.argmax(-1)
-    logprobs = torch.log_softmax(ours_all, -1).gather(1, tokens[:, None]).squeeze(1)
-    return score(tokens, logprobs, torch.cat([r[: o.shape[0]] for o, r in zip(ours, ref)]))
 
 
 def _sequences(vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:

@@ -1,0 +1,189 @@
+"""`Fp8Linear`: a linear layer whose weight is float8 (e4m3) with float32 block scales, and
+whose input is quantized to float8 on the fly (W8A8, dynamic activation scales), as SGLang's
+and vLLM's `Fp8LinearMethod`.
+
+The weight's scales are per `group` = (rows, columns) block: the checkpoint's
+`weight_block_size` (DeepSeek-style FP8 checkpoints: 128 x 128, activations then scaled per
+token and 128 columns), or (1, in_features), one scale per output channel (what
+`--quantization fp8` makes of a 16-bit checkpoint, and what a per-tensor scale becomes when
+q, k and v with their own scales are stacked in one layer; activations then scaled per token).
+
+The matmul: on CUDA, `torch._scaled_mm` (per-channel, bfloat16 output) or the Triton block
+kernel (kernels/fp8_gemm.py); elsewhere the same arithmetic in torch, activations quantized
+to float8 and back, so a CPU run computes what the GPU does up to summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.fp8_gemm import (
+    FP8_DTYPE,
+    dequantize_groups,
+    fp8_gemm,
+    fp8_gemm_reference,
+    quantize_groups,
+)
+from kernels.jit import HAS_TRITON, cdiv
+
+
+@dataclass
+class QuantizedWeight:
+    """A checkpoint's float8 weight with its scale: one per tensor (shape [] or [1]), or one
+    per `block` of a `weight_block_size` checkpoint."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_groups(self.data, self.scale, self.block, dtype)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ dequant(weight).T + bias, computed in float8; `shards` as `MergedLinear`'s
+    (the stacked projections: q/k/v, gate/up), else one output block."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        group: tuple[int, int] | None = None,
+        shards: Sequence[tuple[Hashable, int]] | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group = (1, in_features) if group is None else (int(group[0]), int(group[1]))
+        gn, gk = self.group
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False
+        )
+        scale = torch.empty(cdiv(out_features, gn), cdiv(in_features, gk), dtype=torch.float32)
+        self.register_buffer("weight_scale", scale)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.shard_ranges: dict[Hashable, tuple[int, int]] = {}
+        offset = 0
+        for shard_id, size in shards or [(None, out_features)]:
+            self.shard_ranges[shard_id] = (offset, size)
+            offset += size
+        self.output_sizes = [size for _, size in self.shard_ranges.values()]
+        self.merged = shards is not None
+
+    @classmethod
+    def like(cls, linear: nn.Linear, group: tuple[int, int] | None = None) -> Fp8Linear:
+        """An empty layer of `linear`'s shape (and shards), on its device."""
+        shards = getattr(linear, "shard_ranges", None)
+        with torch.device(linear.weight.device):
+            return cls(
+                linear.in_features,
+                linear.out_features,
+                linear.bias is not None,
+                group,
+                [(s, size) for s, (_, size) in shards.items()] if shards else None,
+            )
+
+    @classmethod
+    def quantize(cls, linear: nn.Linear, group: tuple[int, int] | None = None) -> Fp8Linear:
+        """`linear` quantized (`--quantization fp8` on a 16-bit checkpoint)."""
+        layer = cls.like(linear, group)
+        layer.weight.data, layer.weight_scale = quantize_groups(linear.weight.data, *layer.group)
+        if linear.bias is not None:
+            layer.bias.data = linear.bias.data
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group}"
+
+    # -- loading ------------------------------------------------------------------------------
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor | QuantizedWeight, shard_id: Hashable
+    ) -> None:
+        """Fill shard `shard_id`'s rows of the weight (and their scales) or of the bias from a
+        checkpoint tensor: float8 with its scale, requantized to this layer's blocks where
+        the two differ, or a 16/32-bit tensor, quantized here."""
+        offset, size = self.shard_ranges[shard_id if self.merged else None]
+        if loaded.shape[0] != size or (
+            param is self.weight and loaded.shape[1] != self.in_features
+        ):
+            expected = (size, self.in_features) if param is self.weight else (size,)
+            raise ValueError(
+                f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does not match "
+                f"expected {expected}"
+            )
+        if param is not self.weight:
+            param.data.narrow(0, offset, size).copy_(loaded)
+            return
+        gn = self.group[0]
+        if offset % gn or (size % gn and offset + size != self.out_features):
+            raise ValueError(
+                f"shard {shard_id!r}: rows {offset}..{offset + size} are not whole "
+                f"{self.group} scale blocks"
+            )
+        if isinstance(loaded, QuantizedWeight) and self._same_blocks(loaded):
+            q, scale = loaded.data, loaded.scale.float()
+            if loaded.block is None:  # the tensor's one scale, for each of its rows
+                scale = scale.reshape(1, 1).expand(size, 1)
+        else:
+            full = (
+                loaded.dequantize(torch.float32) if isinstance(loaded, QuantizedWeight) else loaded
+            )
+            q, scale = quantize_groups(full, *self.group)
+        self.weight.data.narrow(0, offset, size).copy_(q)
+        self.weight_scale.narrow(0, offset // gn, scale.shape[0]).copy_(scale)
+
+    def _same_blocks(self, loaded: QuantizedWeight) -> bool:
+        if loaded.block is None:  # one scale for the tensor: the same for each of its rows
+            return self.group == (1, self.in_features) and loaded.scale.numel() == 1
+        return tuple(loaded.block) == self.group
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = fp8_linear(
+            x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.group, self.bias
+        )
+        return y.view(*shape[:-1], self.out_features)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    group: tuple[int, int],
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] in bf16/fp16/fp32 -> [M, N] in x's dtype; activations quantized per row and
+    `group[1]` columns."""
+    n, k = weight.shape
+    x_q, x_s = quantize_groups(x, 1, group[1])
+    if x.is_cuda:
+        if _scaled_mm_fits(x, group, n, k):
+            return torch._scaled_mm(
+                x_q, weight.t(), scale_a=x_s, scale_b=weight_scale.view(1, n),
+                bias=bias, out_dtype=x.dtype,
+            )  # fmt: skip
+        if HAS_TRITON:
+            return fp8_gemm(x_q, x_s, weight, weight_scale, group, bias, x.dtype)
+    return fp8_gemm_reference(x_q, x_s, weight, weight_scale, group, bias, x.dtype)
+
+
+def _scaled_mm_fits(x: torch.Tensor, group: tuple[int, int], n: int, k: int) -> bool:
+    """Row-wise scaled `_scaled_mm` (cuBLASLt, sm89+): per-channel weights, bf16 output,
+    dimensions multiples of 16."""
+    return (
+        group[0] == 1
+        and group[1] >= k
+        and x.dtype == torch.bfloat16
+        and n % 16 == 0
+        and k % 16 == 0
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    )

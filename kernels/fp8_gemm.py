@@ -1,0 +1,185 @@
+"""W8A8 float8 GEMM with block scales: y = (a_q * a_s) @ (w_q * w_s).T (+ bias), as SGLang's
+and vLLM's `w8a8_block_fp8_matmul` compute it for DeepSeek-style FP8 checkpoints.
+
+* `a_q` [M, K] float8_e4m3fn activations, `a_s` [M, cdiv(K, group_k)] float32: one scale per
+  row and group of `group_k` columns (`quantize_groups(x, 1, group_k)`, done per forward);
+* `w_q` [N, K] float8_e4m3fn weights, `w_s` [cdiv(N, group_n), cdiv(K, group_k)] float32: one
+  scale per `group_n` x `group_k` block (the checkpoint's `weight_block_size`).
+
+Per-channel weights with per-token activations are the same with group_n = 1, group_k = K.
+The kernel walks K in BLOCK_K steps that never straddle a group, multiplies the float8 tiles
+(tensor cores on the GPU, fp32 accumulation) and adds each partial product times its row's
+activation scale and its column's weight scale. `fp8_gemm_reference` is the same in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.jit import HAS_TRITON, cdiv, interpreting, launch_opts, next_pow2, tl, triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+_MIN_SCALE = 1e-12  # an all-zero group still gets a usable scale
+
+
+def quantize_groups(
+    x: torch.Tensor, group_rows: int, group_cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in float8 [R, C], float32 scales [cdiv(R, group_rows), cdiv(C, group_cols)]) with
+    x ~= q * scale of its block, each block's largest magnitude mapped to 448."""
+    rows, cols = x.shape
+    gr, gc = min(group_rows, rows), min(group_cols, cols)
+    nr, nc = cdiv(rows, gr), cdiv(cols, gc)
+    xf = x.float()
+    if nr * gr != rows or nc * gc != cols:
+        xf = F.pad(xf, (0, nc * gc - cols, 0, nr * gr - rows))
+    blocks = xf.view(nr, gr, nc, gc)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_SCALE) / FP8_MAX
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.view(nr * gr, nc * gc)[:rows, :cols]
+    return q.contiguous(), scale
+
+
+def dequantize_groups(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    group: tuple[int, int] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """q * its block's scale, in `dtype`, blocks of `group` = (rows, columns); None: one
+    scale for the whole tensor, or one per row."""
+    rows, cols = q.shape
+    scale = scale.float().reshape(scale.shape if scale.dim() == 2 else (1, 1))
+    if group is None:
+        group = (cdiv(rows, scale.shape[0]), cols)
+    gr, gc = min(group[0], rows), min(group[1], cols)
+    full = scale.repeat_interleave(gr, 0)[:rows].repeat_interleave(gc, 1)[:, :cols]
+    return (q.float() * full).to(dtype)
+
+
+def fp8_gemm_reference(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    group: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The kernel's result in torch: both operands dequantized (the weight's blocks are
+    `group` = (group_n, group_k), the activations' groups (1, group_k)), one float32 matmul."""
+    a = dequantize_groups(a_q, a_s, (1, group[1]))
+    y = a @ dequantize_groups(w_q, w_s, group).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _fp8_gemm_kernel(
+        a_ptr,
+        a_s_ptr,
+        w_ptr,
+        w_s_ptr,
+        bias_ptr,
+        c_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_asm,
+        stride_wn,
+        stride_wsn,
+        stride_cm,
+        GROUP_N: tl.constexpr,
+        GROUP_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        UPCAST: tl.constexpr,  # the interpreter multiplies float32, the GPU float8
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+        a_s_ptrs = a_s_ptr + offs_m * stride_asm
+        w_s_ptrs = w_s_ptr + (offs_n // GROUP_N) * stride_wsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_mask = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            group = k0 // GROUP_K
+            a_s = tl.load(a_s_ptrs + group, mask=m_mask, other=0.0)
+            w_s = tl.load(w_s_ptrs + group, mask=n_mask, other=0.0)
+            if UPCAST:
+                part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(a, w)
+            acc += part * a_s[:, None] * w_s[None, :]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_k_for(group_k: int, k: int) -> int | None:
+    """The K step: at most 128, never straddling a scale group (None: no such power of two
+    of at least 16, as `tl.dot` needs)."""
+    if group_k >= k:
+        return min(128, max(16, next_pow2(k)))
+    step = min(128, group_k & -group_k)  # the largest power of two dividing group_k
+    return step if step >= 16 else None
+
+
+def fp8_gemm(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    group: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """As `fp8_gemm_reference`, in Triton: a_q [M, K], a_s [M, cdiv(K, group_k)], w_q [N, K],
+    w_s [cdiv(N, group_n), cdiv(K, group_k)]."""
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    group_n, group_k = min(group[0], n), min(group[1], k)
+    block_k = block_k_for(group_k, k)
+    if block_k is None or a_s.shape[1] != w_s.shape[1]:
+        raise ValueError(
+            f"fp8_gemm: scale groups of {group_k} columns (activation groups "
+            f"{a_s.shape[1]}, weight groups {w_s.shape[1]}) have no K step"
+        )
+    assert a_q.stride(1) == 1 and w_q.stride(1) == 1
+    a_s, w_s = a_s.float().contiguous(), w_s.float().contiguous()
+    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
+    block_m = 16 if m <= 16 else 64
+    block_n = 64 if m <= 16 else 128
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
+    _fp8_gemm_kernel[grid](
+        a_q, a_s, w_q, w_s, bias if bias is not None else out, out,
+        m, n, k, a_q.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
+        GROUP_N=group_n,
+        GROUP_K=group_k if group_k < k else k + block_k,  # one group: every step is group 0
+        HAS_BIAS=bias is not None,
+        UPCAST=interpreting(),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **launch_opts(4),
+    )  # fmt: skip
+    return out
