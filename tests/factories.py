@@ -43,6 +43,20 @@ def tiny_model(
     return out
 
 
+def tiny_fp8_model(arch: str, block_size: int = 16) -> str:
+    """`tiny_model(arch)` as an FP8 checkpoint (services/tiny_fp8.py; 0: per-tensor scales)."""
+    import shutil
+
+    from services.tiny_fp8 import quantize_checkpoint
+
+    out = os.path.join(_ROOT, f"{arch}-tiny-0-fp8b{block_size}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        shutil.copytree(tiny_model(arch), out + ".tmp", dirs_exist_ok=True)
+        quantize_checkpoint(out + ".tmp", block_size)
+        os.replace(out + ".tmp", out)
+    return out
+
+
 @functools.cache
 def tiny_lora(model: str, seed: int, rank: int = 8, **kw: Any) -> str:
     """A random LoRA adapter (PEFT folder) of the model folder `model`, built once."""

@@ -1,0 +1,204 @@
+"""FP8 models against transformers computing the same arithmetic (CPU, float32, torch_native).
+
+The reference is transformers' model with the FP8 checkpoint's weights dequantized and every
+quantized layer's input quantized to float8 and back (per token, or per token and 16 columns
+for a block-scaled checkpoint), which is W8A8 with a float32 matmul: what `Fp8Linear` computes.
+So the engine must agree with it to float32 rounding; a wrong scale, shard offset or block
+layout shows up as a large error. Teacher forcing through the model runner (prefill with every
+position's logits, then decode steps).
+
+Activation quantization is discontinuous: a float32 rounding difference that moves an
+activation across an e4m3 rounding boundary changes it by an fp8 step. So a few positions may
+differ by more than rounding; the tests allow 2% of them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from engine.layers.fp8 import Fp8Linear
+from engine.quantization import Fp8Config, quantized_linear_names
+from kernels.fp8_gemm import FP8_DTYPE, dequantize_groups, quantize_groups
+from tests.factories import tiny_fp8_model, tiny_lora, tiny_model
+from tests.teacher_forcing import runner_teacher_forced, score_logits
+
+PROMPT_LENS = [40, 7, 90, 1]
+DECODE = 12
+CLOSE = 1e-3  # |delta logit| of a position that computed the same fp8 operands
+MIN_CLOSE_POSITIONS = 0.98
+
+
+@functools.cache
+def _sequences(seed: int = 0) -> tuple[tuple[int, ...], ...]:
+    rng = random.Random(seed)
+    return tuple(tuple(rng.randrange(8, 1536) for _ in range(p + DECODE)) for p in PROMPT_LENS)
+
+
+def dequantized_copy(fp8_path: str) -> str:
+    """The FP8 checkpoint with its float8 weights multiplied out (float32, no
+    quantization_config): what transformers loads as the reference's weights."""
+    from safetensors.torch import load_file, save_file
+
+    out = fp8_path + "-dequantized"
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    shutil.copytree(fp8_path, out + ".tmp", dirs_exist_ok=True)
+    with open(os.path.join(fp8_path, "config.json")) as f:
+        config = json.load(f)
+    qc = config.pop("quantization_config")
+    block = qc.get("weight_block_size")
+    tensors = load_file(os.path.join(fp8_path, "model.safetensors"))
+    plain = {}
+    for name, tensor in tensors.items():
+        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale")):
+            continue
+        if tensor.dtype == FP8_DTYPE:
+            base = name.removesuffix(".weight")
+            if block:
+                plain[name] = dequantize_groups(tensor, tensors[base + ".weight_scale_inv"], block)
+            else:
+                plain[name] = dequantize_groups(tensor, tensors[base + ".weight_scale"])
+        else:
+            plain[name] = tensor
+    save_file(plain, os.path.join(out + ".tmp", "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out + ".tmp", "config.json"), "w") as f:
+        json.dump(config, f)
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def hf_w8a8_logits(path: str, group_cols: int | None, quantize_weights: bool = False) -> list:
+    """transformers' logits on `_sequences()` with the blocks' projections fed float8-rounded
+    inputs (`group_cols` columns per scale; None: per token), and with `quantize_weights`
+    their weights rounded per output channel too (--quantization fp8's arithmetic)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    names = quantized_linear_names(model, Fp8Config(checkpoint=True))
+    # GPT-2's projections are Conv1D layers in transformers: weight [in, out]
+    names += [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    for name in names:
+        linear = model.get_submodule(name)
+        transposed = type(linear).__name__ == "Conv1D"
+        cols = group_cols or linear.weight.shape[0 if transposed else 1]
+        if quantize_weights:
+            with torch.no_grad():
+                w = linear.weight.T if transposed else linear.weight
+                q, s = quantize_groups(w, 1, w.shape[1])
+                w.copy_(dequantize_groups(q, s))
+
+        def fake_quant(module, args, cols=cols):
+            x = args[0].reshape(-1, args[0].shape[-1])
+            q, s = quantize_groups(x, 1, cols)
+            return (dequantize_groups(q, s, (1, cols)).view_as(args[0]),)
+
+        linear.register_forward_pre_hook(fake_quant)
+    with torch.inference_mode():
+        return [model(torch.tensor([s])).logits[0].float() for s in _sequences()]
+
+
+def _ours(path: str, **engine_kwargs) -> list:
+    seqs = [list(s) for s in _sequences()]
+    return runner_teacher_forced(
+        path, seqs, PROMPT_LENS, "cpu", "torch_native", dtype="float32", **engine_kwargs
+    )
+
+
+def _assert_same_arithmetic(ours: list, ref: list) -> dict:
+    stats = score_logits(ours, ref)
+    worst = torch.cat([(o - r).abs().amax(-1) for o, r in zip(ours, ref)])
+    stats["close_positions"] = float((worst < CLOSE).float().mean())
+    assert stats["positions"] == sum(PROMPT_LENS) + len(PROMPT_LENS) * DECODE
+    assert stats["close_positions"] >= MIN_CLOSE_POSITIONS, stats
+    assert stats["agreement_tie_aware"] >= 0.99, stats
+    return stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_block_fp8_checkpoint_matches_transformers(arch):
+    """Block scales (16 x 16 here, 128 x 128 in Qwen3-*-FP8); transformers reads the
+    checkpoint with its own FP8 loader (dequantizing on a CPU), so the format is theirs."""
+    path = tiny_fp8_model(arch, 16)
+    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(path, group_cols=16))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_per_tensor_fp8_checkpoint_matches_transformers(arch):
+    """Per-tensor scales (q, k, v each their own, stacked in one layer) and static input
+    scales (not used); MoE experts are dequantized as they load."""
+    path = tiny_fp8_model(arch, 0)
+    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(dequantized_copy(path), None))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2"])
+def test_online_fp8_matches_transformers(arch):
+    path = tiny_model(arch)
+    _assert_same_arithmetic(
+        _ours(path, quantization="fp8"), hf_w8a8_logits(path, None, quantize_weights=True)
+    )
+
+
+def test_fp8_checkpoint_loads_as_stored_and_holds_a_quarter_of_the_bytes():
+    from safetensors.torch import load_file
+
+    from engine.config import ModelConfig
+    from engine.loader import load_model
+    from engine.quantization import resolve_quantization
+
+    path = tiny_fp8_model("llama", 16)
+    mc = ModelConfig.from_pretrained(path)
+    model = load_model(mc, torch.float32, "cpu", resolve_quantization(None, mc.hf_config))
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert len(layers) == 4 * mc.num_layers  # qkv, o, gate_up, down
+    stored = load_file(os.path.join(path, "model.safetensors"))
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    want = torch.cat([stored[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(qkv.weight.view(torch.uint8), want.view(torch.uint8))
+    scales = [stored[f"model.layers.1.self_attn.{p}_proj.weight_scale_inv"] for p in "qkv"]
+    assert torch.equal(qkv.weight_scale, torch.cat(scales))
+    full = load_model(mc.__class__.from_pretrained(tiny_model("llama")), torch.float32, "cpu")
+    fp8_bytes = sum(m.weight.nbytes for m in layers)
+    full_bytes = sum(
+        full.get_submodule(n).weight.nbytes for n in quantized_linear_names(full, Fp8Config(True))
+    )
+    assert fp8_bytes * 4 == full_bytes
+
+
+def test_engine_serves_fp8_with_overlap_and_lora():
+    """The whole engine: the overlap loop's device process loads the FP8 model too, and a LoRA
+    adapter wraps FP8 layers (its delta in float32 beside them)."""
+    base = tiny_model("llama")
+    path = tiny_fp8_model("llama", 16)
+    adapter = tiny_lora(base, seed=1)
+    params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    prompts = [list(s[:20]) for s in _sequences()]
+    with Engine(model_path=path, lora_paths=[f"a={adapter}"]) as engine:
+        assert not engine.args.disable_overlap_schedule
+        plain = engine.generate(input_ids=prompts, sampling_params=params)
+        adapted = engine.generate(input_ids=prompts, sampling_params=params, lora_path="a")
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        again = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in plain] == [o["output_ids"] for o in again]
+    assert [o["output_ids"] for o in adapted] != [o["output_ids"] for o in plain]
+    assert all(len(o["output_ids"]) == 8 for o in plain + adapted)
+
+
+def test_unsupported_quantization_is_refused_at_start(tmp_path):
+    path = str(tmp_path / "awq")
+    shutil.copytree(tiny_model("llama"), path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="quantized with 'awq'"):
+        Engine(model_path=path, disable_overlap_schedule=True)
