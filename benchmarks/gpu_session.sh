@@ -169,7 +169,7 @@ do_step() {
         tests-kernels)
             run_step tests-kernels 240 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
-                tests/gpu/test_encoders_gpu.py ;;
+                tests/gpu/test_encoders_gpu.py tests/unit/test_fp8.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
@@ -186,6 +186,11 @@ do_step() {
                 --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --name gpu_embeddings
             run_step encoders 90 python3 benchmarks/encoders.py --device cuda \
                 --dtype bfloat16 --shape base --inputs 1024 --hf-batch 64 --name gpu_encoders ;;
+        fp8)
+            run_step fp8-tests 150 "${PYTEST[@]}" --timeout 400 tests/gpu/test_fp8_gpu.py
+            run_step fp8-bench 150 python3 benchmarks/fp8.py --preset llama-3.2-1b --device cuda \
+                --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 --kv-tokens 65536 \
+                --name gpu_fp8 ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
         tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels
             do_step parity-windows ;;

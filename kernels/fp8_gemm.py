@@ -55,6 +55,9 @@ def dequantize_groups(
     if group is None:
         group = (cdiv(rows, scale.shape[0]), cols)
     gr, gc = min(group[0], rows), min(group[1], cols)
+    if rows % gr == 0 and cols % gc == 0:  # whole blocks: a broadcast multiply
+        blocks = q.to(dtype).view(rows // gr, gr, cols // gc, gc)
+        return (blocks * scale.to(dtype)[:, None, :, None]).view(rows, cols)
     full = scale.repeat_interleave(gr, 0)[:rows].repeat_interleave(gc, 1)[:, :cols]
     return (q.float() * full).to(dtype)
 
@@ -69,7 +72,8 @@ def fp8_gemm_reference(
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The kernel's result in torch: both operands dequantized (the weight's blocks are
-    `group` = (group_n, group_k), the activations' groups (1, group_k)), one float32 matmul."""
+    `group` = (group_n, group_k), the activations' groups (1, group_k)), one float32 matmul
+    (transformers' arithmetic on dequantized weights, which the CPU tests compare against)."""
     a = dequantize_groups(a_q, a_s, (1, group[1]))
     y = a @ dequantize_groups(w_q, w_s, group).T
     if bias is not None:
@@ -98,7 +102,7 @@ if HAS_TRITON:
         GROUP_N: tl.constexpr,
         GROUP_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        UPCAST: tl.constexpr,  # the interpreter multiplies float32, the GPU float8
+        UPCAST: tl.constexpr,  # multiply in float32 (the interpreter; K steps under 32)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -176,7 +180,7 @@ def fp8_gemm(
         GROUP_N=group_n,
         GROUP_K=group_k if group_k < k else k + block_k,  # one group: every step is group 0
         HAS_BIAS=bias is not None,
-        UPCAST=interpreting(),
+        UPCAST=interpreting() or block_k < 32,  # float8 MMAs take K steps of 32
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -26,8 +26,8 @@ import torch
 from engine.engine import Engine
 from engine.layers.fp8 import Fp8Linear
 from engine.quantization import Fp8Config, quantized_linear_names
-from kernels.fp8_gemm import FP8_DTYPE, dequantize_groups, quantize_groups
 from tests.factories import tiny_fp8_model, tiny_lora, tiny_model
+from tests.fp8_reference import dequantized_copy, hf_w8a8_logits
 from tests.teacher_forcing import runner_teacher_forced, score_logits
 
 PROMPT_LENS = [40, 7, 90, 1]
@@ -40,70 +40,6 @@ MIN_CLOSE_POSITIONS = 0.98
 def _sequences(seed: int = 0) -> tuple[tuple[int, ...], ...]:
     rng = random.Random(seed)
     return tuple(tuple(rng.randrange(8, 1536) for _ in range(p + DECODE)) for p in PROMPT_LENS)
-
-
-def dequantized_copy(fp8_path: str) -> str:
-    """The FP8 checkpoint with its float8 weights multiplied out (float32, no
-    quantization_config): what transformers loads as the reference's weights."""
-    from safetensors.torch import load_file, save_file
-
-    out = fp8_path + "-dequantized"
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
-    shutil.copytree(fp8_path, out + ".tmp", dirs_exist_ok=True)
-    with open(os.path.join(fp8_path, "config.json")) as f:
-        config = json.load(f)
-    qc = config.pop("quantization_config")
-    block = qc.get("weight_block_size")
-    tensors = load_file(os.path.join(fp8_path, "model.safetensors"))
-    plain = {}
-    for name, tensor in tensors.items():
-        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale")):
-            continue
-        if tensor.dtype == FP8_DTYPE:
-            base = name.removesuffix(".weight")
-            if block:
-                plain[name] = dequantize_groups(tensor, tensors[base + ".weight_scale_inv"], block)
-            else:
-                plain[name] = dequantize_groups(tensor, tensors[base + ".weight_scale"])
-        else:
-            plain[name] = tensor
-    save_file(plain, os.path.join(out + ".tmp", "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out + ".tmp", "config.json"), "w") as f:
-        json.dump(config, f)
-    os.replace(out + ".tmp", out)
-    return out
-
-
-def hf_w8a8_logits(path: str, group_cols: int | None, quantize_weights: bool = False) -> list:
-    """transformers' logits on `_sequences()` with the blocks' projections fed float8-rounded
-    inputs (`group_cols` columns per scale; None: per token), and with `quantize_weights`
-    their weights rounded per output channel too (--quantization fp8's arithmetic)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-    names = quantized_linear_names(model, Fp8Config(checkpoint=True))
-    # GPT-2's projections are Conv1D layers in transformers: weight [in, out]
-    names += [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
-    for name in names:
-        linear = model.get_submodule(name)
-        transposed = type(linear).__name__ == "Conv1D"
-        cols = group_cols or linear.weight.shape[0 if transposed else 1]
-        if quantize_weights:
-            with torch.no_grad():
-                w = linear.weight.T if transposed else linear.weight
-                q, s = quantize_groups(w, 1, w.shape[1])
-                w.copy_(dequantize_groups(q, s))
-
-        def fake_quant(module, args, cols=cols):
-            x = args[0].reshape(-1, args[0].shape[-1])
-            q, s = quantize_groups(x, 1, cols)
-            return (dequantize_groups(q, s, (1, cols)).view_as(args[0]),)
-
-        linear.register_forward_pre_hook(fake_quant)
-    with torch.inference_mode():
-        return [model(torch.tensor([s])).logits[0].float() for s in _sequences()]
 
 
 def _ours(path: str, **engine_kwargs) -> list:
@@ -128,7 +64,7 @@ def test_block_fp8_checkpoint_matches_transformers(arch):
     """Block scales (16 x 16 here, 128 x 128 in Qwen3-*-FP8); transformers reads the
     checkpoint with its own FP8 loader (dequantizing on a CPU), so the format is theirs."""
     path = tiny_fp8_model(arch, 16)
-    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(path, group_cols=16))
+    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(path, _sequences(), group_cols=16))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -136,14 +72,15 @@ def test_per_tensor_fp8_checkpoint_matches_transformers(arch):
     """Per-tensor scales (q, k, v each their own, stacked in one layer) and static input
     scales (not used); MoE experts are dequantized as they load."""
     path = tiny_fp8_model(arch, 0)
-    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(dequantized_copy(path), None))
+    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(dequantized_copy(path), _sequences(), None))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2"])
 def test_online_fp8_matches_transformers(arch):
     path = tiny_model(arch)
     _assert_same_arithmetic(
-        _ours(path, quantization="fp8"), hf_w8a8_logits(path, None, quantize_weights=True)
+        _ours(path, quantization="fp8"),
+        hf_w8a8_logits(path, _sequences(), None, quantize_weights=True),
     )
 
 
