@@ -20,12 +20,15 @@ def test_engine_flags_round_trip_to_the_worker() -> None:
     given = (
         "--page-size", "4", "--disable-overlap-schedule", "--cuda-graph-bs", "1", "8",
         "--lora-paths", "sql=/a/sql", "/b/chat", "--max-loras-per-batch", "2",
+        "--quantization", "fp8",
     )  # fmt: skip
     flags = engine_flags(parse(*given))
     assert flags == [
-        "--page-size", "4", "--disable-overlap-schedule", "--cuda-graph-bs", "1", "8",
-        "--lora-paths", "sql=/a/sql", "/b/chat", "--max-loras-per-batch", "2",
+        "--quantization", "fp8", "--page-size", "4", "--disable-overlap-schedule",
+        "--cuda-graph-bs", "1", "8", "--lora-paths", "sql=/a/sql", "/b/chat",
+        "--max-loras-per-batch", "2",
     ]  # fmt: skip
     again = parse(*flags)  # what the worker parses
+    assert again.quantization == "fp8"
     assert again.lora_paths == ["sql=/a/sql", "/b/chat"] and again.cuda_graph_bs == [1, 8]
     assert engine_flags(parse()) == []
