@@ -47,6 +47,7 @@ from triton.runtime import driver
 
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
+from kernels.fp8_gemm import fp8_gemm
 from kernels.fused_moe import fused_experts_triton
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.jit import interpreting
@@ -213,6 +214,16 @@ def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: in
     fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
 
 
+def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int) -> None:
+    """The W8A8 GEMM of a 4096 x 4096 layer with `dtype` output."""
+    n = k = 4096
+    a = torch.empty(tokens, k, dtype=torch.float8_e4m3fn)
+    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    a_s = torch.empty(tokens, -(-k // group[1]))
+    w_s = torch.empty(-(-n // group[0]), -(-k // group[1]))
+    fp8_gemm(a, a_s, w, w_s, group, None, dtype)
+
+
 def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
     """(labels, launch) for every case the check covers."""
     for name, dtype in DTYPES.items():
@@ -242,6 +253,11 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for tokens in (4, 1024):  # 16-row and 64-row blocks
                 labels = {"dtype": name, "case": moe_case(shape, tokens)}
                 yield labels, functools.partial(_launch_moe, dtype, shape, tokens)
+    for name, dtype in DTYPES.items():
+        for group in ((128, 128), (1, 4096)):  # a block-scaled checkpoint; per channel
+            for tokens in (4, 1024):  # 16-row and 64-row blocks
+                labels = {"dtype": name, "case": f"fp8 gemm group {group} T{tokens}"}
+                yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
 

@@ -15,6 +15,7 @@ to float8 and back, so a CPU run computes what the GPU does up to summation orde
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -185,5 +186,10 @@ def _scaled_mm_fits(x: torch.Tensor, group: tuple[int, int], n: int, k: int) -> 
         and x.dtype == torch.bfloat16
         and n % 16 == 0
         and k % 16 == 0
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and _capability(x.device.index) >= (8, 9)
     )
+
+
+@functools.cache
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)

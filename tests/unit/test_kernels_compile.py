@@ -34,6 +34,8 @@ MOE_CASES = [
     for shape in ("H2048 E128 k8 I768", "H4096 E8 k2 I14336")
     for tokens in (4, 1024)
 ]
+# the FP8 W8A8 GEMM of a 4096 x 4096 layer: 128 x 128 block scales and per-channel ones
+FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
 
 
@@ -47,9 +49,7 @@ def expected_variants() -> list[tuple]:
         for hq, hk in HEAD_SHAPES
         for kernel in ATTENTION_KERNELS
     ]
-    rows += [
-        ("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in (*HEAD_DIMS, 256)
-    ]
+    rows += [("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in (*HEAD_DIMS, 256)]
     rows = [(*row, None) for row in rows]
     rows += [
         (kernel, dtype, 256, hq, hk, case)
@@ -69,6 +69,11 @@ def expected_variants() -> list[tuple]:
         for dtype in DTYPES
         for case in MOE_CASES
         for gemm in (1, 2)
+    ]
+    rows += [
+        ("_fp8_gemm_kernel", dtype, None, None, None, case)
+        for dtype in DTYPES
+        for case in FP8_CASES
     ]
     return rows + [("_resolve_kernel", "int64", None, None, None, None)]
 
