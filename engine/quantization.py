@@ -21,12 +21,16 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from engine.layers.fp8 import FP8_DTYPE, Fp8Linear, QuantizedWeight
+if TYPE_CHECKING:
+    from engine.layers.fp8 import QuantizedWeight
 
+# The FP8 layer (and with it Triton) is imported where a model is quantized, not here: the
+# CLI of every service reads QUANTIZATION_METHODS.
 QUANTIZATION_METHODS = ("fp8",)
 _IN_BLOCK = re.compile(r"(^|\.)(layers|layer|h)\.\d+\.")  # a transformer block's module
 _ROUTERS = ("gate", "shared_expert_gate")  # MoE routing logits: kept precise, as vLLM does
@@ -86,6 +90,8 @@ def swap_in_fp8(model: nn.Module, config: Fp8Config) -> int:
     """Replace the layers of `quantized_linear_names` by `Fp8Linear`s: empty ones for a
     checkpoint to fill (the model still on the meta device), or the loaded weights quantized.
     Returns how many were replaced."""
+    from engine.layers.fp8 import Fp8Linear
+
     names = quantized_linear_names(model, config)
     for name in names:
         parent, _, attr = name.rpartition(".")
@@ -106,6 +112,8 @@ def pair_fp8_scales(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """An FP8 checkpoint's tensors with each float8 weight joined to its scale (they may come
     in either order) as one `QuantizedWeight`; static activation and KV scales dropped."""
+    from engine.layers.fp8 import FP8_DTYPE, QuantizedWeight
+
     weights_waiting: dict[str, torch.Tensor] = {}
     scales_waiting: dict[str, tuple[torch.Tensor, tuple[int, int] | None]] = {}
     for name, tensor in weights:
