@@ -76,8 +76,14 @@ class TransformersArm:
         self.classifier = args.task == "rerank"
         self.pad = self.model.config.pad_token_id or 0
 
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The last token that is not padding (a decoder embedding model's pooling)."""
+        return hidden[torch.arange(len(hidden)), mask.sum(1).to(self.device) - 1]
+
     @torch.inference_mode()
-    def run(self, prompts: list[list[int]]) -> torch.Tensor:
+    def run(self, prompts: list[list[int]], types: list[list[int]] | None = None) -> torch.Tensor:
+        """Pooled, normalised states (or a classifier's logits) of `prompts`, sorted by length
+        and padded in batches; `types`: their token types (BERT pairs)."""
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         width = self.model.config.num_labels if self.classifier else self.model.config.hidden_size
         out = torch.empty(len(prompts), width)
@@ -86,16 +92,21 @@ class TransformersArm:
             width = max(len(prompts[i]) for i in rows)
             ids = torch.full((len(rows), width), self.pad, dtype=torch.int64)
             mask = torch.zeros(len(rows), width, dtype=torch.int64)
+            kinds = torch.zeros(len(rows), width, dtype=torch.int64)
             for j, i in enumerate(rows):
                 ids[j, : len(prompts[i])] = torch.tensor(prompts[i])
                 mask[j, : len(prompts[i])] = 1
-            result = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
-            if self.classifier:  # (its own pooling: the last token that is not padding)
+                if types is not None:
+                    kinds[j, : len(prompts[i])] = torch.tensor(types[i])
+            extra = {} if types is None else {"token_type_ids": kinds.to(self.device)}
+            result = self.model(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra
+            )
+            if self.classifier:  # (its own pooling)
                 out[rows] = result.logits.float().cpu()
                 continue
-            hidden = result.last_hidden_state
-            last = hidden[torch.arange(len(rows)), mask.sum(1).to(self.device) - 1]
-            out[rows] = F.normalize(last.float(), dim=-1).cpu()
+            pooled = self.pool(result.last_hidden_state, mask)
+            out[rows] = F.normalize(pooled.float(), dim=-1).cpu()
         return out
 
 

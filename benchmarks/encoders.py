@@ -38,7 +38,6 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import embeddings  # noqa: E402
 from benchmarks.common import parse_arm_args, print_table, write_result  # noqa: E402
@@ -84,30 +83,8 @@ class TransformersArm(embeddings.TransformersArm):
     """The embeddings benchmark's transformers arm (its model and batching), pooling the
     [CLS] state and passing token types."""
 
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], types: list[list[int]] | None) -> torch.Tensor:
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        config = self.model.config
-        width = config.num_labels if self.classifier else config.hidden_size
-        out = torch.empty(len(prompts), width)
-        for lo in range(0, len(order), self.batch):
-            rows = order[lo : lo + self.batch]
-            width = max(len(prompts[i]) for i in rows)
-            ids = torch.full((len(rows), width), self.pad, dtype=torch.int64)
-            kinds = torch.zeros(len(rows), width, dtype=torch.int64)
-            mask = torch.zeros(len(rows), width, dtype=torch.int64)
-            for j, i in enumerate(rows):
-                ids[j, : len(prompts[i])] = torch.tensor(prompts[i])
-                mask[j, : len(prompts[i])] = 1
-                if types is not None:
-                    kinds[j, : len(prompts[i])] = torch.tensor(types[i])
-            result = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                token_type_ids=kinds.to(self.device))  # fmt: skip
-            if self.classifier:
-                out[rows] = result.logits.float().cpu()
-            else:
-                out[rows] = F.normalize(result.last_hidden_state[:, 0].float(), dim=-1).cpu()
-        return out
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return hidden[:, 0]
 
 
 def workload(args: Any, rng: random.Random) -> tuple[list[list[int]], list[list[int]] | None]:
@@ -180,8 +157,11 @@ def main() -> None:
             arm.engine.shutdown()
     print_table(rows, ["task", "shape", "arm", "inputs_s", "tokens_s", "vs_transformers",
                        "max_abs_diff"])  # fmt: skip
-    summary = {f"{args.shape} {args.task}: {r['arm']} vs transformers":
-               round(r["vs_transformers"], 3) for r in rows if r["arm"] != "transformers"}
+    summary = {
+        f"{args.shape} {args.task}: {r['arm']} vs transformers": round(r["vs_transformers"], 3)
+        for r in rows
+        if r["arm"] != "transformers"
+    }
     print(summary)
     print("wrote", write_result(args.name, rows, summary, config=vars(args)))
 
