@@ -116,12 +116,13 @@ def load_named_weights(
             continue
         name, tensor = mapped[:2]
         shard = _stacked_shard(name, stacked) if len(mapped) == 2 else (name, mapped[2])
-        param = _param(params, shard[0] if shard else name, ckpt_name)
-        module = model.get_submodule((shard[0] if shard else name).rsplit(".", 1)[0])
+        if shard is not None:
+            name, shard_id = shard
+        param = _param(params, name, ckpt_name)
+        module = model.get_submodule(name.rsplit(".", 1)[0])
         if isinstance(tensor, QuantizedWeight) and not isinstance(module, Fp8Linear):
             tensor = tensor.dequantize(param.dtype)  # an FP8 checkpoint's weight we keep 16-bit
         if shard is not None:
-            name, shard_id = shard
             module.load_shard(param, tensor, shard_id)
             shards_seen[name].add(shard_id)
         elif isinstance(module, Fp8Linear):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.layers.linear import shard_ranges
 from kernels.fp8_gemm import (
     FP8_DTYPE,
     dequantize_groups,
@@ -71,11 +72,7 @@ class Fp8Linear(nn.Module):
         scale = torch.empty(cdiv(out_features, gn), cdiv(in_features, gk), dtype=torch.float32)
         self.register_buffer("weight_scale", scale)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.shard_ranges: dict[Hashable, tuple[int, int]] = {}
-        offset = 0
-        for shard_id, size in shards or [(None, out_features)]:
-            self.shard_ranges[shard_id] = (offset, size)
-            offset += size
+        self.shard_ranges = shard_ranges(shards or [(None, out_features)])
         self.output_sizes = [size for _, size in self.shard_ranges.values()]
         self.merged = shards is not None
 

@@ -14,16 +14,21 @@ import torch
 from torch import nn
 
 
+def shard_ranges(shards: Sequence[tuple[Hashable, int]]) -> dict[Hashable, tuple[int, int]]:
+    """Each shard's (first output row, rows), stacked in the order given."""
+    ranges, offset = {}, 0
+    for shard_id, size in shards:
+        ranges[shard_id] = (offset, size)
+        offset += size
+    return ranges
+
+
 class MergedLinear(nn.Linear):
     def __init__(
         self, in_features: int, shards: Sequence[tuple[Hashable, int]], bias: bool = False
     ) -> None:
         super().__init__(in_features, sum(size for _, size in shards), bias=bias)
-        self.shard_ranges: dict[Hashable, tuple[int, int]] = {}
-        offset = 0
-        for shard_id, size in shards:
-            self.shard_ranges[shard_id] = (offset, size)
-            offset += size
+        self.shard_ranges = shard_ranges(shards)
         self.output_sizes = [size for _, size in shards]
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable) -> None:
