@@ -16,6 +16,7 @@ import torch
 
 from engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from engine.layer_windows import attn_logit_cap, layer_sliding_windows, position_limit
+from engine.mem_cache.kv_quant import KV_CACHE_DTYPES
 from engine.models.registry import ENCODER_ARCHITECTURES
 from engine.pooling import check_embedding_args, classifier_labels
 from engine.speculative import check_speculative_args
@@ -211,6 +212,8 @@ class EngineArgs:
     # "fp8": the blocks' linear layers quantized once loaded (an FP8 checkpoint runs in FP8
     # without it); engine/quantization.py
     quantization: str | None = None
+    # "fp8" / "fp8_e4m3" / "fp8_e5m2": K/V stored in float8 (engine/mem_cache/kv_quant.py)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -232,6 +235,8 @@ class EngineArgs:
             raise ValueError(
                 f"swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
         if self.grammar_compile_threads < 0:
             raise ValueError("grammar_compile_threads must be >= 0")
         if self.max_running_requests < 1:

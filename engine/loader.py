@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers.fp8 import Fp8Linear, QuantizedWeight
+from engine.mem_cache.kv_quant import take_kv_scales
 from engine.models.registry import get_model_class
 from engine.quantization import Fp8Config, pair_fp8_scales, swap_in_fp8
 
@@ -39,7 +40,9 @@ def load_model(
     """The model of `model_config.path` with its checkpoint weights, in eval mode, no grads;
     its blocks' linear layers in FP8 with `quantization` (engine/quantization.py).
 
-    Call it as `model(input_ids, positions, forward_batch) -> float32 logits`.
+    Call it as `model(input_ids, positions, forward_batch) -> float32 logits`. The
+    checkpoint's KV-cache scales, if any, are left in `model.kv_cache_scales`
+    ({layer: (k_scale, v_scale)}, engine/mem_cache/kv_quant.py) for an FP8 KV cache.
     """
     cls = get_model_class(model_config.architecture)
     fp8_checkpoint = quantization is not None and quantization.checkpoint
@@ -48,7 +51,8 @@ def load_model(
         if fp8_checkpoint:
             swap_in_fp8(model, quantization)
     model = model.to_empty(device=device)
-    weights: Iterable = iter_safetensors(model_config.path)
+    kv_cache_scales: dict[int, tuple[float, float]] = {}
+    weights: Iterable = take_kv_scales(iter_safetensors(model_config.path), kv_cache_scales)
     if fp8_checkpoint:
         weights = pair_fp8_scales(weights, quantization.block)
     loaded = model.load_weights(weights)
@@ -64,6 +68,7 @@ def load_model(
             init_buffers()
     if quantization is not None and not quantization.checkpoint:
         swap_in_fp8(model, quantization)
+    model.kv_cache_scales = kv_cache_scales
     return model.eval().requires_grad_(False)
 
 

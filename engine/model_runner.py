@@ -89,14 +89,16 @@ class ModelRunner:
             self.kv_pool = self.attn_backend = self.sampler = None
             self.use_cuda_graph = False
             return
-        self.kv_pool = memory.make_pool(mc, self.dtype, self.device, self.page_size)
+        scales = getattr(self.model, "kv_cache_scales", None)  # the checkpoint's, if any
+        self.kv_pool = memory.make_pool(mc, self.dtype, self.device, self.page_size, scales)
         self.attn_backend = self._make_attention_backend(memory.swa_layers)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         logger.info(
-            "KV pool: %d tokens%s, page size %d",
+            "KV pool: %d tokens%s, page size %d, %s",
             self.max_total_tokens,
             f" (windowed layers: {memory.swa_tokens})" if self.swa_window else "",
             self.page_size,
+            str(memory.kv_dtype).replace("torch.", ""),
         )
         # the seam for tests: how graphs are recorded (CPU tests replay them eagerly)
         self.graph_capturer_factory: Callable[[torch.device], GraphCapturer] = CudaGraphCapturer

@@ -65,6 +65,8 @@ WINDOW_HEAD_SHAPES = ((32, 8), (28, 4))
 GEMMA_HEAD_DIM = 256
 GEMMA_CASES = ((8, 4, None, 50.0), (8, 4, 4096, 50.0), (4, 1, None, None), (4, 1, 512, None))
 STORE_KV_HEADS = 8
+# an FP8 KV cache (bf16 / fp16 models): the attention kernels read float8, store_kv copies it
+FP8_KV_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # (hidden, experts, top_k, expert intermediate): Qwen3-30B-A3B, Mixtral-8x7B
 MOE_SHAPES = ((2048, 128, 8, 768), (4096, 8, 2, 14336))
 # Largest shared memory one block may opt into, per compute capability.
@@ -170,14 +172,17 @@ def offline_compiler(arch: int) -> Iterator[list[dict[str, Any]]]:
 
 def _launch(
     dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
-    logit_cap: float = 0.0,
+    logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None,
 ) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
-    are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read."""
+    are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read.
+    `kv_dtype` (float8): an FP8 KV cache, whose new k/v arrive quantized ([N, Hk, D])."""
     batch, tokens, slots = 4, 64, 4096
     qkv = torch.empty(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
     q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
-    k_buf, v_buf = torch.empty(2, slots, hk, head_dim, dtype=dtype)
+    if kv_dtype is not None:
+        k, v = torch.empty(2, tokens, hk, head_dim, dtype=kv_dtype)
+    k_buf, v_buf = torch.empty(2, slots, hk, head_dim, dtype=kv_dtype or dtype)
     if not attention:
         store_kv(k_buf, v_buf, torch.arange(tokens), k, v)
         return
@@ -248,6 +253,23 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                 _launch, dtype, hq, hk, GEMMA_HEAD_DIM, attention=True,
                 window_left=(window or 0) - 1, logit_cap=cap or 0.0,
             )  # fmt: skip
+    for name, kv_dtype in FP8_KV_DTYPES.items():
+        for model_dtype in ("bfloat16", "float16"):
+            for head_dim in HEAD_DIMS:
+                for hq, hk in HEAD_SHAPES[1:]:
+                    labels = {"dtype": model_dtype, "head_dim": head_dim, "num_heads": hq,
+                              "num_kv_heads": hk, "case": f"kv {name}"}  # fmt: skip
+                    yield labels, functools.partial(
+                        _launch, DTYPES[model_dtype], hq, hk, head_dim, attention=True,
+                        kv_dtype=kv_dtype,
+                    )  # fmt: skip
+        for head_dim in (*HEAD_DIMS, GEMMA_HEAD_DIM):
+            kv = STORE_KV_HEADS  # float8 in, float8 stored
+            labels = {"dtype": "bfloat16", "head_dim": head_dim, "num_kv_heads": kv,
+                      "case": f"kv {name}"}  # fmt: skip
+            yield labels, functools.partial(
+                _launch, torch.bfloat16, kv, kv, head_dim, attention=False, kv_dtype=kv_dtype
+            )
     for name, dtype in DTYPES.items():
         for shape in MOE_SHAPES:
             for tokens in (4, 1024):  # 16-row and 64-row blocks

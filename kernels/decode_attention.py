@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_common import attend_paged_keys
-from kernels.jit import LOG2E, dot_dtype, dot_precision, launch_opts, next_pow2
+from kernels.jit import LOG2E, compute_dtype, dot_dtype, dot_precision, launch_opts, next_pow2
 
 
 @triton.jit
@@ -177,11 +177,13 @@ def decode_attention(
     window_left: int = -1,
     logit_cap: float = 0.0,
 ) -> torch.Tensor:
-    """q [B, Hq, D] -> out [B, Hq, D] (q's dtype). `scratch` from `decode_scratch` (with the
-    same num_splits) avoids two allocations per call. `window_left` >= 0: a sliding-window
-    layer, each query sees its last window_left + 1 keys (split among the chunks: the window,
-    not the whole context, is what the splits cut). `logit_cap` > 0: scores s = scale * q.k
-    become logit_cap * tanh(s / logit_cap) (one compiled variant per cap)."""
+    """q [B, Hq, D] -> out [B, Hq, D] (q's dtype); a float8 pool's values are read as stored
+    (`scale` includes its k_scale, the caller applies v_scale). `scratch` from
+    `decode_scratch` (with the same num_splits) avoids two allocations per call.
+    `window_left` >= 0: a sliding-window layer, each query sees its last window_left + 1 keys
+    (split among the chunks: the window, not the whole context, is what the splits cut).
+    `logit_cap` > 0: scores s = scale * q.k become logit_cap * tanh(s / logit_cap) (one
+    compiled variant per cap)."""
     batch_size, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     group = num_heads // num_kv_heads
@@ -195,6 +197,7 @@ def decode_attention(
         batch_size, num_heads, head_dim, num_splits, q.device
     )
     block_d = next_pow2(head_dim, 16)
+    dtype = compute_dtype(q.dtype, k_buffer.dtype)
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
@@ -208,9 +211,9 @@ def decode_attention(
         BLOCK_H=next_pow2(group, 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        DOT_DTYPE=dot_dtype(k_buffer.dtype),
-        PRECISION=dot_precision(k_buffer.dtype),
-        **launch_opts(num_warps=split_warps(k_buffer.dtype, block_d)),
+        DOT_DTYPE=dot_dtype(dtype),
+        PRECISION=dot_precision(dtype),
+        **launch_opts(num_warps=split_warps(dtype, block_d)),
     )  # fmt: skip
     _decode_merge_kernel[(batch_size, num_heads)](
         mid_o, mid_lse, seq_lens, out,

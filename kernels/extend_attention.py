@@ -23,7 +23,15 @@ import triton
 import triton.language as tl
 
 from kernels.attention_common import attend_paged_keys, soft_cap
-from kernels.jit import LOG2E, cdiv, dot_dtype, dot_precision, launch_opts, next_pow2
+from kernels.jit import (
+    LOG2E,
+    cdiv,
+    compute_dtype,
+    dot_dtype,
+    dot_precision,
+    launch_opts,
+    next_pow2,
+)
 from kernels.reference import as_heads
 
 
@@ -176,7 +184,8 @@ def extend_attention(
     window_left: int = -1,
     logit_cap: float = 0.0,
 ) -> torch.Tensor:
-    """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype);
+    """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype; a
+    float8 cache's are read as stored, like its prefix: `scale` includes its k_scale);
     per-request tensors [B] on q's device; returns out [N, Hq, D] in q's dtype. Block sizes
     left at None come from `launch_config`. `window_left` >= 0: a sliding-window layer, the
     query at position p sees keys p - window_left .. p (blocks wholly before a row block's
@@ -193,7 +202,8 @@ def extend_attention(
     if num_tokens == 0 or batch_size == 0:
         return out
     block_d = next_pow2(head_dim, 16)
-    default_m, default_n, num_warps = launch_config(k_buffer.dtype, block_d)
+    dtype = compute_dtype(q.dtype, k_buffer.dtype)
+    default_m, default_n, num_warps = launch_config(dtype, block_d)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n
     grid = (batch_size, num_heads, cdiv(max_extend_len, block_m))
@@ -211,8 +221,8 @@ def extend_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        DOT_DTYPE=dot_dtype(k_buffer.dtype),
-        PRECISION=dot_precision(k_buffer.dtype),
+        DOT_DTYPE=dot_dtype(dtype),
+        PRECISION=dot_precision(dtype),
         **launch_opts(num_warps=num_warps),
     )  # fmt: skip
     return out

@@ -37,6 +37,12 @@ def interpreting() -> bool:
     return isinstance(tl.standard.max, InterpretedFunction)
 
 
+def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention computes in: the cache's, or q's over a float8 cache (whose values
+    the kernels convert as they load them; the caller folds the scales in)."""
+    return q_dtype if kv_dtype.itemsize == 1 else kv_dtype
+
+
 def dot_dtype(dtype: torch.dtype) -> Any:
     """Operand type of `tl.dot` for K/V of `dtype`: the native half type on the GPU (tensor
     cores), float32 under the interpreter (which multiplies bf16 bit patterns as integers)."""

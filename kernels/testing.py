@@ -60,6 +60,15 @@ class PagedCase:
     def max_extend_len(self) -> int:
         return int(self.extend_lens.max())
 
+    def as_float8(self, dtype: torch.dtype) -> PagedCase:
+        """The pool and the new K/V in float8 `dtype`, as an FP8 KV cache holds them (scale 1,
+        the poison clamped into range); q keeps its dtype."""
+        tensors = (self.k_buffer, self.v_buffer, self.k, self.v)
+        self.k_buffer, self.v_buffer, self.k, self.v = (
+            x.float().clamp(-240, 240).to(dtype) for x in tensors
+        )
+        return self
+
     def store_new_kv(self) -> None:
         """Write the new tokens' K/V into the pool (what a backend does before attending)."""
         store_kv_ref(self.k_buffer, self.v_buffer, self.out_cache_loc, self.k, self.v)

@@ -14,6 +14,7 @@ from engine.config import (
     SCHEDULE_POLICIES,
     EngineArgs,
 )
+from engine.mem_cache.kv_quant import KV_CACHE_DTYPES
 from engine.pooling import POOLING_TYPES
 from engine.quantization import QUANTIZATION_METHODS
 from engine.speculative import SPECULATIVE_ALGORITHMS, from_vllm_config
@@ -38,6 +39,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fp8: run the blocks' linear layers in float8 (W8A8, scales per output channel "
         "and per token), quantized as the model loads; an FP8 checkpoint (quant_method fp8 "
         "in its config) runs in FP8 without the flag",
+    )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored in float8, twice the tokens of a "
+        "bfloat16 cache in the same memory; per-layer scales from the checkpoint "
+        "(self_attn.k_scale / v_scale), else 1.0",
     )
     g.add_argument("--device", default="cpu")
     g.add_argument("--page-size", type=int, default=1)

@@ -32,6 +32,12 @@ def window_left(layer: AttentionLayer) -> int:
     return -1 if window is None else window - 1
 
 
+def softmax_scale(layer: AttentionLayer, forward_batch: ForwardBatch) -> float:
+    """The layer's softmax scale times its k_scale: a float8 KV cache's keys are read as stored
+    (K / k_scale), so the scale goes on the scores (1.0 for any other cache)."""
+    return layer.scaling * forward_batch.kv_pool.k_scales[layer.layer_id]
+
+
 def logit_cap(layer: AttentionLayer) -> float:
     """flashinfer's convention (`logits_soft_cap`), used by every backend: 0.0 is no cap."""
     return float(getattr(layer, "logit_cap", None) or 0.0)
@@ -45,6 +51,12 @@ class AttentionBackend(ABC):
     pool at `forward_batch.out_cache_loc` (`_store_kv`), then attends over each request's
     full context (`req_to_token[req_pool_indices[i], :seq_lens[i]]`), causal within the new
     tokens (`_attend`, what each backend implements).
+
+    With a float8 KV cache (engine/mem_cache/kv_quant.py) `forward` quantizes the new K/V
+    first: `_store_kv` and `_attend` get them as stored ([tokens, kv_heads, head_dim], float8,
+    divided by their scales), and every key a query sees, new or cached, is a stored one.
+    `_attend` reads them as they are, converted to q's dtype, with `softmax_scale` (k_scale
+    folded in); `forward` multiplies the output by v_scale.
 
     Shapes: q [num_tokens, num_heads * head_dim], k/v [num_tokens, num_kv_heads * head_dim];
     returns [num_tokens, num_heads * head_dim] in q's dtype.
@@ -105,8 +117,15 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         md = self.metadata
         assert md is not None, "init_forward_metadata was not called for this batch"
+        pool = forward_batch.kv_pool
+        if not pool.quantized:
+            self._store_kv(layer, forward_batch, k, v)
+            return self._attend(q, k, v, layer, forward_batch, md)
+        k, v = pool.quantize(layer.layer_id, k, v)
         self._store_kv(layer, forward_batch, k, v)
-        return self._attend(q, k, v, layer, forward_batch, md)
+        out = self._attend(q, k, v, layer, forward_batch, md)
+        v_scale = pool.v_scales[layer.layer_id]
+        return out if v_scale == 1.0 else out * v_scale
 
     def _store_kv(
         self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor

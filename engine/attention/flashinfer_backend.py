@@ -24,6 +24,13 @@ A soft-capped model (Gemma 2: scores s -> c * tanh(s / c)) plans every wrapper w
 `logits_soft_cap`. flashinfer picks both kernel variants at plan time and each `forward`
 resets them to its own arguments, so every call passes the planned values again.
 
+FP8 KV cache (`kv_cache_dtype`): the paged and decode wrappers are planned with float8 K/V and
+q in the model's dtype; the ragged one gets the new tokens' stored values converted to the
+model's dtype, so that every key is read as the cache holds it, as in the other backends. The
+layer's k_scale is folded into the softmax scale and v_scale applied to the output
+(engine/attention/base.py) rather than passed as flashinfer's k_scale/v_scale, which would
+scale the paged part of a merged extend and not the ragged one.
+
 Each layer passes its own softmax scale (GPT-2 can scale per layer) to `forward(..., sm_scale=)`,
 as SGLang does. All wrappers use the FA2 kernels: one JIT-compiled module per dtype and head_dim
 serves them all (FA3 on Hopper would be a second, slow compile).
@@ -42,7 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionLayer, logit_cap, window_left
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionLayer,
+    logit_cap,
+    softmax_scale,
+    window_left,
+)
 from engine.attention.flashinfer_support import (
     check_supported,
     load_flashinfer,
@@ -107,7 +120,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.num_kv_heads = model_config.num_kv_heads
         self.head_dim = model_config.head_dim
         self.page_size = page_size or kv_pool.page_size
-        self.dtype = kv_pool.dtype
+        self.dtype = kv_pool.compute_dtype  # q's (and the ragged K/V's)
+        self.kv_dtype = kv_pool.dtype  # the pages' (float8 with an FP8 cache)
         check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
         self.use_tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
         self.window_left, self.full_layers = model_windows(model_config)
@@ -177,7 +191,9 @@ class FlashInferAttnBackend(AttentionBackend):
         has_prefix = any(fb.extend_prefix_lens_cpu)
         if not self.full_layers:
             return _ExtendMetadata(has_prefix)
-        self.ragged.plan(qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars())
+        self.ragged.plan(
+            qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars(self.dtype)
+        )
         if has_prefix:
             prefix_lens = None if fb.extend_seq_lens is None else fb.seq_lens - fb.extend_seq_lens
             table = build_page_table(
@@ -190,11 +206,13 @@ class FlashInferAttnBackend(AttentionBackend):
             )  # fmt: skip
         return _ExtendMetadata(has_prefix)
 
-    def _plan_scalars(self) -> dict[str, Any]:
-        # sm_scale is only planned here: each layer passes its own to forward()
+    def _plan_scalars(self, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
+        """Plan arguments; K/V in the pages' dtype unless `kv_dtype` (the ragged wrapper's
+        K/V come from the projections). sm_scale is only planned here: each layer passes its
+        own to forward()."""
         return dict(
-            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.head_dim**-0.5,
-            logits_soft_cap=self.logit_cap,
+            q_data_type=self.dtype, kv_data_type=kv_dtype or self.kv_dtype,
+            sm_scale=self.head_dim**-0.5, logits_soft_cap=self.logit_cap,
         )  # fmt: skip
 
     # -- attention --------------------------------------------------------------------------------
@@ -211,7 +229,7 @@ class FlashInferAttnBackend(AttentionBackend):
         q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
         left, cap = window_left(layer), logit_cap(layer)
         assert cap == self.logit_cap, f"layer logit cap {cap} was not planned"
-        scalars = dict(sm_scale=layer.scaling, logits_soft_cap=cap)
+        scalars = dict(sm_scale=softmax_scale(layer, forward_batch), logits_soft_cap=cap)
         if left >= 0:
             # the windowed wrappers read the new tokens' K/V from the pool, stored first
             assert left == self.window_left, f"layer window {left + 1} was not planned"
@@ -236,8 +254,10 @@ class FlashInferAttnBackend(AttentionBackend):
         md: _ExtendMetadata,
         scalars: dict[str, float],
     ) -> torch.Tensor:
-        k = k.reshape(-1, layer.num_kv_heads, layer.head_dim)
-        v = v.reshape(-1, layer.num_kv_heads, layer.head_dim)
+        # (a float8 cache's new K/V as stored, read like the pages: the scales are applied
+        # outside, engine/attention/base.py)
+        k = k.reshape(-1, layer.num_kv_heads, layer.head_dim).to(self.dtype)
+        v = v.reshape(-1, layer.num_kv_heads, layer.head_dim).to(self.dtype)
         if not md.has_prefix:
             return self.ragged.forward(q, k, v, causal=True, **scalars)
         out, lse = self.ragged.forward_return_lse(q, k, v, causal=True, **scalars)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionLayer
+from engine.attention.base import AttentionBackend, AttentionLayer, softmax_scale
 from engine.attention.torch_native_plan import MixedPlan, Plan, plan_batch
 from engine.attention.torch_ops import sdpa
 from engine.forward_batch import ForwardBatch
@@ -33,7 +33,8 @@ class TorchNativeAttnBackend(AttentionBackend):
     def __init__(self, device: str | torch.device = "cpu", **kwargs: object) -> None:
         self.device = torch.device(device)
         self.metadata: Plan | MixedPlan | None = None
-        self._workspace: list[torch.Tensor | None] = [None, None]  # gathered K, gathered V
+        # gathered K, gathered V; then (a float8 cache) the same converted to q's dtype
+        self._workspace: list[torch.Tensor | None] = [None] * 4
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         self.metadata = plan_batch(forward_batch)
@@ -66,26 +67,43 @@ class TorchNativeAttnBackend(AttentionBackend):
             view = md.window_view(window)
             index, length, mask, causal = view.index, view.length, view.mask, False
         kv_shape = (batch_size, length, layer.num_kv_heads, layer.head_dim)
-        keys = self._gather(k_buf, index, 0).view(kv_shape).transpose(1, 2)
-        values = self._gather(v_buf, index, 1).view(kv_shape).transpose(1, 2)
+        keys = self._gather(k_buf, index, 0, q.dtype).view(kv_shape).transpose(1, 2)
+        values = self._gather(v_buf, index, 1, q.dtype).view(kv_shape).transpose(1, 2)
+        scale = softmax_scale(layer, forward_batch)
         if md.decode:
-            return self._decode(q, keys, values, layer, batch_size, mask)
-        return self._extend(q, keys, values, layer, md, mask, causal)
+            return self._decode(q, keys, values, layer, batch_size, mask, scale)
+        return self._extend(q, keys, values, layer, md, mask, causal, scale)
 
-    def _gather(self, buf: torch.Tensor, index: torch.Tensor, slot: int) -> torch.Tensor:
-        """`buf[index]` into a workspace kept across layers and batches.
+    def _gather(
+        self, buf: torch.Tensor, index: torch.Tensor, slot: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """`buf[index]` in `dtype` (a float8 cache's values converted as they are), into
+        workspaces kept across layers and batches.
 
         A fresh multi-megabyte tensor per layer would be freshly mapped memory each time
         (page faults cost several times the copy on CPU); every layer of a batch has the same
         gathered size, and each layer is done with it before the next one gathers.
         """
         shape = (index.shape[0], *buf.shape[1:])
-        numel = shape[0] * buf[0].numel()
+        out = torch.index_select(buf, 0, index, out=self._space(slot, shape, buf))
+        if buf.dtype == dtype:
+            return out
+        return self._space(slot + 2, shape, buf, dtype).copy_(out)
+
+    def _space(
+        self,
+        slot: int,
+        shape: tuple[int, ...],
+        like: torch.Tensor,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        dtype = dtype or like.dtype
+        numel = shape[0] * like[0].numel()
         ws = self._workspace[slot]
-        if ws is None or ws.numel() < numel or ws.dtype != buf.dtype or ws.device != buf.device:
-            ws = torch.empty(numel, dtype=buf.dtype, device=buf.device)
+        if ws is None or ws.numel() < numel or ws.dtype != dtype or ws.device != like.device:
+            ws = torch.empty(numel, dtype=dtype, device=like.device)
             self._workspace[slot] = ws
-        return torch.index_select(buf, 0, index, out=ws[:numel].view(shape))
+        return ws[:numel].view(shape)
 
     @staticmethod
     def _decode(
@@ -95,11 +113,12 @@ class TorchNativeAttnBackend(AttentionBackend):
         layer: AttentionLayer,
         batch_size: int,
         mask: torch.Tensor | None,
+        scale: float,
     ) -> torch.Tensor:
         """keys/values [B, kv_heads, L, D]; query heads of one KV group become query rows."""
         group = layer.num_heads // layer.num_kv_heads
         q = q.reshape(batch_size, layer.num_kv_heads, group, layer.head_dim)
-        out = sdpa(q, keys, values, mask, False, layer)
+        out = sdpa(q, keys, values, mask, False, layer, scale)
         return out.reshape(batch_size, layer.num_heads * layer.head_dim)
 
     @staticmethod
@@ -111,6 +130,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         md: Plan,
         mask: torch.Tensor | None,
         causal: bool,
+        scale: float,
     ) -> torch.Tensor:
         batch_size = md.batch_size
         assert md.q_index is not None and md.out_index is not None
@@ -120,6 +140,6 @@ class TorchNativeAttnBackend(AttentionBackend):
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-        out = sdpa(q, keys, values, mask, causal, layer)
+        out = sdpa(q, keys, values, mask, causal, layer, scale)
         out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
         return out.index_select(0, md.out_index)

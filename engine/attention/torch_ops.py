@@ -20,16 +20,18 @@ def sdpa(
     mask: torch.Tensor | None,
     causal: bool,
     layer: AttentionLayer,
+    scale: float | None = None,
 ) -> torch.Tensor:
-    """`scaled_dot_product_attention` at the layer's scale, its scores soft-capped if the
-    layer says so. q [..., Q, D], keys/values [..., L, D]; `mask` bool, broadcast to
+    """`scaled_dot_product_attention` at `scale` (default: the layer's), its scores soft-capped
+    if the layer says so. q [..., Q, D], keys/values [..., L, D]; `mask` bool, broadcast to
     [..., Q, L]; `causal`: the top-left causal mask instead (Q == L)."""
     cap = logit_cap(layer)
+    scale = layer.scaling if scale is None else scale
     if not cap:
         return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, scale=layer.scaling
+            q, keys, values, attn_mask=mask, is_causal=causal, scale=scale
         )
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * layer.scaling
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / cap) * cap
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()

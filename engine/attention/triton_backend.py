@@ -29,7 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionLayer, logit_cap, window_left
+from engine.attention.base import (
+    AttentionBackend,
+    AttentionLayer,
+    logit_cap,
+    softmax_scale,
+    window_left,
+)
 from engine.forward_batch import ForwardBatch
 from kernels.decode_attention import decode_attention, decode_scratch
 from kernels.extend_attention import extend_attention
@@ -62,6 +68,7 @@ class TritonAttnBackend(AttentionBackend):
             raise RuntimeError(
                 "attention_backend='triton' runs on CUDA, or on CPU under TRITON_INTERPRET=1"
             )
+        check_float8_loads(kwargs.get("kv_pool"), self.device)
         # More splits keep the GPU busy on small batches with long contexts; on CPU (the
         # interpreter, tests only) every program is Python, so fewer is faster.
         self.num_kv_splits = num_kv_splits or (8 if self.device.type == "cuda" else 2)
@@ -142,7 +149,8 @@ class TritonAttnBackend(AttentionBackend):
                 q, k, v, k_buf, v_buf,
                 fb.req_to_token, fb.req_pool_indices,
                 md.prefix_lens, md.extend_lens, md.extend_start_loc, md.max_extend_len,
-                layer.scaling, window_left=window_left(layer), logit_cap=logit_cap(layer),
+                softmax_scale(layer, fb), window_left=window_left(layer),
+                logit_cap=logit_cap(layer),
             )  # fmt: skip
         return out.view(-1, layer.num_heads * layer.head_dim)
 
@@ -160,7 +168,19 @@ class TritonAttnBackend(AttentionBackend):
                 fb.batch_size, layer.num_heads, layer.head_dim, self.num_kv_splits, q.device
             )
         return decode_attention(
-            q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens, layer.scaling,
+            q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
+            softmax_scale(layer, fb),
             num_splits=self.num_kv_splits, scratch=md.scratch, window_left=window_left(layer),
             logit_cap=logit_cap(layer),
         )  # fmt: skip
+
+
+def check_float8_loads(kv_pool: object, device: torch.device) -> None:
+    """Triton converts float8 e4m3 on sm_89 and later only (e5m2 everywhere)."""
+    dtype = getattr(kv_pool, "dtype", None)
+    if dtype == torch.float8_e4m3fn and device.type == "cuda":
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(
+                "kv_cache_dtype fp8_e4m3 with attention_backend='triton' needs compute "
+                "capability 8.9 or later (Ada, Hopper); use fp8_e5m2 on this GPU"
+            )

@@ -1,5 +1,8 @@
 """How much KV memory a model runner gets, and in which pools.
 
+Bytes per token are those of the cache's dtype (`kv_cache_dtype`: float8 holds twice the
+tokens of bfloat16 in the same memory).
+
 Without `hybrid_swa_memory` (or for a model without sliding windows) every layer's buffers
 have one slot per token of the budget. With it, the windowed layers' buffers are
 `swa_full_tokens_ratio` as long, and the budget is split so that both fit: full tokens x
@@ -15,6 +18,7 @@ import torch
 from engine.config import EngineArgs, ModelConfig
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
 from engine.mem_cache.kv_pool import KVPool
+from engine.mem_cache.kv_quant import resolve_kv_cache_dtype
 from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 
 # Without --max-total-tokens on CPU, the KV pool gets this many bytes, and at most this many
@@ -29,6 +33,7 @@ class KVMemory:
     swa_tokens: int  # window slots (0 without hybrid memory)
     swa_window: int | None  # the longest window, with hybrid memory
     swa_layers: frozenset[int]
+    kv_dtype: torch.dtype  # what the buffers hold (the model's dtype, or float8)
 
     def make_allocator(self, page_size: int, device: torch.device) -> TokenToKVPoolAllocator:
         if self.swa_window is None:
@@ -36,9 +41,16 @@ class KVMemory:
         return SWATokenToKVPoolAllocator(self.tokens, self.swa_tokens, page_size, device)
 
     def make_pool(
-        self, mc: ModelConfig, dtype: torch.dtype, device: torch.device, page_size: int
+        self,
+        mc: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        page_size: int,
+        kv_scales: dict[int, tuple[float, float]] | None = None,
     ) -> KVPool:
-        return KVPool(
+        """The pool; `kv_scales` ({layer: (k_scale, v_scale)}, the checkpoint's) are used by
+        a float8 cache and ignored by any other."""
+        pool = KVPool(
             self.tokens + page_size,
             mc.num_layers,
             mc.num_kv_heads,
@@ -48,7 +60,11 @@ class KVMemory:
             page_size,
             swa_layers=self.swa_layers,
             swa_num_slots=self.swa_tokens + page_size,
+            kv_cache_dtype=self.kv_dtype,
         )
+        if pool.quantized and kv_scales:
+            pool.set_scales(kv_scales)
+        return pool
 
 
 def plan_kv_memory(
@@ -59,8 +75,11 @@ def plan_kv_memory(
     hybrid = args.hybrid_swa_memory and bool(swa_layers)
     ratio = args.swa_full_tokens_ratio if hybrid else 0.0
     num_swa = len(swa_layers) if hybrid else 0
-    per_token = KVPool.bytes_per_token(mc.num_layers - num_swa, mc.num_kv_heads, mc.head_dim, dtype)
-    per_token += ratio * KVPool.bytes_per_token(num_swa, mc.num_kv_heads, mc.head_dim, dtype)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    per_token = KVPool.bytes_per_token(
+        mc.num_layers - num_swa, mc.num_kv_heads, mc.head_dim, kv_dtype
+    )
+    per_token += ratio * KVPool.bytes_per_token(num_swa, mc.num_kv_heads, mc.head_dim, kv_dtype)
     ps = args.page_size
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens
@@ -74,7 +93,7 @@ def plan_kv_memory(
     if tokens < 2 * ps:
         raise ValueError(f"max_total_tokens: KV pool too small ({tokens} tokens)")
     if not hybrid:
-        return KVMemory(tokens, 0, None, frozenset())
+        return KVMemory(tokens, 0, None, frozenset(), kv_dtype)
     window = max(mc.sliding_window_sizes)
     swa_tokens = int(tokens * ratio) // ps * ps
     chunk = args.chunked_prefill_size
@@ -88,4 +107,4 @@ def plan_kv_memory(
             f"tokens plus two windows of {window} (needs {need}); raise swa_full_tokens_ratio "
             "or the KV budget, or lower chunked_prefill_size"
         )
-    return KVMemory(tokens, swa_tokens, window, swa_layers)
+    return KVMemory(tokens, swa_tokens, window, swa_layers, kv_dtype)

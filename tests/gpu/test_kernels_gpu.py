@@ -147,3 +147,22 @@ def test_resolve_future_tokens():
     want = resolve_future_tokens_torch(ids.clone(), future)
     assert resolve_future_tokens(ids, future) is ids
     assert torch.equal(ids, want) and bool((ids >= 0).all())
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_float8_cache(head_dim, dtype, kv_dtype):
+    """fp16/bf16 queries over a float8 pool (GQA 32/8, page 16): the kernels convert float8 as
+    they load it; the reference reads the same values."""
+    prefix = [1, 17, 255, 1000, 3000]
+    case = make_paged_case(prefix, [1] * len(prefix), 32, 8, head_dim, 16, dtype, "cuda",
+                           seed=head_dim).as_float8(kv_dtype)  # fmt: skip
+    got, want = _decode(case)
+    _close(got, want)
+    case = make_paged_case([0, 512, 37, 1500], [700, 300, 129, 1], 32, 8, head_dim, 16, dtype,
+                           "cuda", seed=head_dim).as_float8(kv_dtype)  # fmt: skip
+    args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
+    args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
+    got = extend_attention(*args, case.max_extend_len, case.scale)
+    _close(got, extend_attention_ref(*args, case.scale))

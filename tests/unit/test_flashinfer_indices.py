@@ -303,11 +303,18 @@ def _layer(
     )  # fmt: skip
 
 
-def _pool(case: PagedCase, layer, dtype: torch.dtype, page_size: int) -> KVPool:
+def _pool(
+    case: PagedCase, layer, dtype: torch.dtype, page_size: int, kv_dtype=None, scales=None
+) -> KVPool:
+    """The case's prefix K/V in layer 1 of a pool (stored in float8 `kv_dtype`, divided by
+    `scales` = (k_scale, v_scale), when given)."""
     pool = KVPool(case.k_buffer.shape[0], 2, layer.num_kv_heads, layer.head_dim, dtype,
-                  page_size=page_size)  # fmt: skip
-    pool.k_buffer[1].copy_(case.k_buffer)
-    pool.v_buffer[1].copy_(case.v_buffer)
+                  page_size=page_size, kv_cache_dtype=kv_dtype)  # fmt: skip
+    if scales is not None:
+        pool.set_scales({1: scales})
+    k, v = pool.quantize(1, case.k_buffer.to(dtype), case.v_buffer.to(dtype))
+    pool.k_buffer[1].copy_(k)
+    pool.v_buffer[1].copy_(v)
     return pool
 
 
@@ -332,13 +339,13 @@ def _flashinfer(layer, pool, page_size: int, windows: tuple | None = None):
     )
 
 
-def _run(name, case, layer, mode, page_size, rows=None, windows=None):
+def _run(name, case, layer, mode, page_size, rows=None, windows=None, kv_dtype=None, scales=None):
     """One layer of `case` through backend `name` (flashinfer in bfloat16 over the stand-in,
     for a model whose layers have `windows`; torch_native in float32 on the same values); its
-    output and the pool after."""
+    output and the pool after (a float8 one with `kv_dtype`)."""
     rows = list(range(len(case.seq_lens))) if rows is None else rows
     dtype = torch.bfloat16 if name == "flashinfer" else torch.float32
-    pool = _pool(case, layer, dtype, page_size)
+    pool = _pool(case, layer, dtype, page_size, kv_dtype, scales)
     if name == "flashinfer":
         backend = _flashinfer(layer, pool, page_size, windows)
     else:
@@ -379,6 +386,45 @@ def test_backend_matches_torch_native(
     assert torch.equal(got_pool.v_buffer[1].float(), want_pool.v_buffer[1])
     merged = any(c[1] == "merge_state_in_place" for c in fake_flashinfer[start:])
     assert merged == (mode.is_extend() and any(prefix_lens))
+
+
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens,mode",
+    [
+        ([16, 5, 0, 37], [20, 2, 9, 16], ForwardMode.EXTEND),  # ragged + paged, merged
+        ([0, 0], [7, 20], ForwardMode.EXTEND),  # ragged alone
+        ([0, 33, 70, 15], [1, 1, 1, 1], ForwardMode.DECODE),
+    ],
+)
+def test_fp8_cache_matches_torch_native(fake_flashinfer, prefix_lens, extend_lens, mode):
+    """A float8 cache with scales: the paged and decode wrappers are planned with float8 K/V,
+    the ragged one with the new tokens' stored values in bfloat16 (the stand-in rejects any
+    other dtype pair), k_scale in the softmax scale and v_scale on the output; the pools hold
+    the same bytes."""
+    start = len(fake_flashinfer)
+    case = make_paged_case(prefix_lens, extend_lens, 8, 2, 64, 16, dtype=torch.bfloat16,
+                           seed=5)  # fmt: skip
+    layer = _layer(8, 2, 64)
+    fp8 = dict(kv_dtype=torch.float8_e4m3fn, scales=(0.5, 2.0))
+    got, got_pool = _run("flashinfer", case, layer, mode, 16, **fp8)
+    want, want_pool = _run("torch_native", case, layer, mode, 16, **fp8)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
+    plain, _ = _run("torch_native", case, layer, mode, 16)
+    assert (plain - want).abs().max() > 0.05  # float8 rounding shows (the bar above can fail)
+    assert got_pool.k_buffer[1].dtype == torch.float8_e4m3fn
+    assert torch.equal(
+        got_pool.k_buffer[1].view(torch.uint8), want_pool.k_buffer[1].view(torch.uint8)
+    )
+    assert torch.equal(
+        got_pool.v_buffer[1].view(torch.uint8), want_pool.v_buffer[1].view(torch.uint8)
+    )
+    planned = [c for c in fake_flashinfer[start:] if c[1] == "plan"]
+    kv_dtypes = {c[0]: c[3]["kv_data_type"] for c in planned}
+    assert kv_dtypes.pop("BatchPrefillWithRaggedKVCacheWrapper", torch.bfloat16) == torch.bfloat16
+    assert set(kv_dtypes.values()) == ({torch.float8_e4m3fn} if any(prefix_lens) else set())
+    runs = [c for c in fake_flashinfer[start:] if "forward" in c[1] and "sm_scale" in c[3]]
+    scales = {c[3]["sm_scale"] for c in runs}  # (the backend's calls, by keyword)
+    assert scales == {layer.scaling * 0.5}
 
 
 def _graph_batch(case: PagedCase, pool, backend, bs: int, pad_row: int) -> ForwardBatch:

@@ -119,6 +119,22 @@ def test_extend_reads_strided_new_kv():
     _close(got, want)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_float8_cache_reads_its_values(kv_dtype, q_dtype):
+    """A float8 pool (and float8 new K/V for extend): the kernels convert each value as they
+    load it and compute as for q's dtype; the reference reads the same float8 values."""
+    fp8 = dict(block_m=16, block_n=16)
+    case = make_paged_case([0, 20, 37], [9, 1, 35], 8, 2, 64, 16, q_dtype, DEVICE,
+                           seed=4).as_float8(kv_dtype)  # fmt: skip
+    got, want = run_extend(case, **fp8)
+    _close(got, want)
+    case = make_paged_case([0, 33, 70], [1, 1, 1], 8, 2, 64, 16, q_dtype, DEVICE,
+                           seed=5).as_float8(kv_dtype)  # fmt: skip
+    got, want = run_decode(case, num_splits=3, block_n=16)
+    _close(got, want)
+
+
 def test_extend_then_decode_agree_on_last_token():
     """Extending one token on a prefix is the decode computation: both kernels agree."""
     case = make_paged_case([23, 48], [1, 1], 8, 2, 64, 16, device=DEVICE, seed=11)

@@ -36,6 +36,8 @@ MOE_CASES = [
 ]
 # the FP8 W8A8 GEMM of a 4096 x 4096 layer: 128 x 128 block scales and per-channel ones
 FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
+# an FP8 KV cache: bf16/fp16 queries over float8 pools (GQA shapes), store_kv of float8 rows
+FP8_KV_CASES = ("kv e4m3", "kv e5m2")
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
 
 
@@ -74,6 +76,19 @@ def expected_variants() -> list[tuple]:
         ("_fp8_gemm_kernel", dtype, None, None, None, case)
         for dtype in DTYPES
         for case in FP8_CASES
+    ]
+    rows += [
+        (kernel, dtype, head_dim, hq, hk, case)
+        for case in FP8_KV_CASES
+        for dtype in ("bfloat16", "float16")
+        for head_dim in HEAD_DIMS
+        for hq, hk in HEAD_SHAPES[1:]
+        for kernel in ATTENTION_KERNELS
+    ]
+    rows += [
+        ("_store_kv_kernel", "bfloat16", d, None, 8, case)
+        for case in FP8_KV_CASES
+        for d in (*HEAD_DIMS, 256)
     ]
     return rows + [("_resolve_kernel", "int64", None, None, None, None)]
 
