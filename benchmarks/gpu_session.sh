@@ -25,6 +25,11 @@
 #   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
 #               engine against transformers, writing benchmarks/results/gpu_embeddings.json;
 #               then benchmarks/encoders.py (BERT-base shape, 1024 inputs): gpu_encoders.json
+#   fp8         tests/gpu/test_fp8_gpu.py, then benchmarks/fp8.py (Llama-3.2-1B shape, bf16):
+#               FP8 weights against bf16, writing benchmarks/results/gpu_fp8.json
+#   kv-fp8      tests/gpu/test_kv_fp8_gpu.py, then benchmarks/kv_fp8.py (Llama-3.2-1B shape,
+#               bf16, 256 x 1024-token prompts): the FP8 KV cache against bf16 on the same KV
+#               bytes, writing benchmarks/results/gpu_kv_fp8.json
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
 #   parity-windows (the results first)
@@ -191,6 +196,11 @@ do_step() {
             run_step fp8-bench 150 python3 benchmarks/fp8.py --preset llama-3.2-1b --device cuda \
                 --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 --kv-tokens 65536 \
                 --name gpu_fp8 ;;
+        kv-fp8)
+            run_step kv-fp8-tests 150 "${PYTEST[@]}" --timeout 400 tests/gpu/test_kv_fp8_gpu.py
+            run_step kv-fp8-bench 150 python3 benchmarks/kv_fp8.py --preset llama-3.2-1b \
+                --device cuda --dtype bfloat16 --requests 256 --context 1024 --output 128 \
+                --score-prompts 32 --score-len 512 --name gpu_kv_fp8 ;;
         bench) do_step seed-shape; do_step decode-bs1; do_step overlap ;;
         tests) do_step parity; do_step tests-overlap; do_step tests-fi; do_step tests-kernels
             do_step parity-windows ;;

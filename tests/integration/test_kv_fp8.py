@@ -158,3 +158,27 @@ def test_engine_fp8_cache_with_prefix_cache_chunked_prefill_and_overlap():
                 assert k_buf.dtype == E4M3
     assert [o["output_ids"] for o in outs[True]] == [o["output_ids"] for o in outs[False]]
     assert outs[False][2]["meta_info"]["cached_tokens"] >= 32  # the first prompt's prefix
+
+
+def test_hybrid_window_memory_over_an_fp8_cache():
+    """Gemma 2 (windowed layers of 32 keys) with its windowed layers' float8 K/V in the smaller
+    window pool: the same greedy tokens as the float8 cache without it."""
+    path = tiny_model("gemma2")
+    prompts = [list(s[:70]) for s in _sequences()[:3]]
+    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    outs = []
+    for hybrid in (False, True):
+        with Engine(model_path=path, kv_cache_dtype="fp8", hybrid_swa_memory=hybrid,
+                    swa_full_tokens_ratio=0.5, disable_overlap_schedule=True,
+                    max_total_tokens=2048, chunked_prefill_size=64) as engine:  # fmt: skip
+            outs.append(
+                [
+                    o["output_ids"]
+                    for o in engine.generate(input_ids=prompts, sampling_params=params)
+                ]
+            )
+            pool = engine.scheduler.model_runner.kv_pool
+            assert {b.dtype for b in pool.k_buffer} == {E4M3}
+            if hybrid:
+                assert len({b.shape[0] for b in pool.k_buffer}) == 2  # window and full pools
+    assert outs[0] == outs[1]
