@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from typing import Any
@@ -153,3 +154,47 @@ def small_model(layers: int, seed: int = 0, num_labels: int | None = None) -> st
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_model(path, preset="small", seed=seed, num_layers=layers, num_labels=num_labels)
     return path
+
+
+def count_decode_batches(scheduler: Any) -> list[int]:
+    """Wrap an in-process engine's `scheduler.run_batch`: the returned list gets the number of
+    requests of every decode batch it runs from now on."""
+    sizes: list[int] = []
+    run_batch = scheduler.run_batch
+
+    def counted(batch: Any) -> Any:
+        if batch.forward_mode.is_decode():
+            sizes.append(len(batch.reqs))
+        return run_batch(batch)
+
+    scheduler.run_batch = counted
+    return sizes
+
+
+def score_prompts(engine: Any, prompts: list[list[int]]) -> dict[str, list[list[Any]]]:
+    """Every prompt position's logprob of the prompt's own next token and top-1 token
+    (`logprob_start_len=0`, `top_logprobs_num=1`), for `prompt_agreement`."""
+    res = engine.generate(
+        input_ids=prompts, sampling_params={"max_new_tokens": 0},
+        return_logprob=True, logprob_start_len=0, top_logprobs_num=1,
+    )  # fmt: skip
+    return {
+        "prompt_logprobs": [
+            [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]] for o in res
+        ],
+        "prompt_top": [
+            [top[0][1] for top in o["meta_info"]["input_top_logprobs"][1:]] for o in res
+        ],
+    }
+
+
+def prompt_agreement(arm: dict, full: dict) -> dict[str, float]:
+    """`arm`'s `score_prompts` against `full`'s: top-1 agreement and |delta logprob|."""
+    same = [a == b for x, y in zip(arm["prompt_top"], full["prompt_top"]) for a, b in zip(x, y)]
+    deltas = [
+        abs(a - b)
+        for x, y in zip(arm["prompt_logprobs"], full["prompt_logprobs"])
+        for a, b in zip(x, y)
+    ]
+    return {"top1_agreement": sum(same) / len(same), "mean_abs_dlogprob": statistics.mean(deltas),
+            "max_abs_dlogprob": max(deltas), "positions": len(same)}  # fmt: skip

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import print_table, prompt_agreement, score_prompts, write_result  # noqa: E402
 
 ARMS = ("full", "online", "checkpoint")  # timed; "float32" and "bfloat16" are scored only
 
@@ -83,17 +83,7 @@ def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[in
         model_path=path, device=args.device, dtype=dtype, skip_tokenizer_init=True,
         disable_overlap_schedule=args.device == "cpu", max_total_tokens=args.kv_tokens, **kwargs,
     ) as engine:  # fmt: skip
-        out: dict[str, Any] = {"arm": arm, **weight_bytes(engine)}
-        scored = engine.generate(
-            input_ids=prompts, sampling_params={"max_new_tokens": 0},
-            return_logprob=True, logprob_start_len=0, top_logprobs_num=1,
-        )  # fmt: skip
-        out["prompt_logprobs"] = [
-            [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]] for o in scored
-        ]
-        out["prompt_top"] = [
-            [top[0][1] for top in o["meta_info"]["input_top_logprobs"][1:]] for o in scored
-        ]
+        out: dict[str, Any] = {"arm": arm, **weight_bytes(engine), **score_prompts(engine, prompts)}
         if arm not in ARMS:
             return out
         decode = {"max_new_tokens": args.decode_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -111,17 +101,6 @@ def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[in
         engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 1})
         out["prefill_tok_s"] = 512 * len(batch) / (time.perf_counter() - t0)
     return out
-
-
-def agreement(arm: dict, full: dict) -> dict[str, float]:
-    same = [a == b for x, y in zip(arm["prompt_top"], full["prompt_top"]) for a, b in zip(x, y)]
-    deltas = [
-        abs(a - b)
-        for x, y in zip(arm["prompt_logprobs"], full["prompt_logprobs"])
-        for a, b in zip(x, y)
-    ]
-    return {"top1_agreement": sum(same) / len(same), "mean_abs_dlogprob": statistics.mean(deltas),
-            "max_abs_dlogprob": max(deltas), "positions": len(same)}  # fmt: skip
 
 
 def main() -> None:
@@ -164,7 +143,7 @@ def main() -> None:
         if arm == "full":
             row["arm"] = f"full ({args.dtype})"
         if out is not reference:
-            row.update(agreement(out, reference))
+            row.update(prompt_agreement(out, reference))
         if arm in ("online", "checkpoint"):
             row["decode_speedup"] = full["decode_ms_per_token"] / out["decode_ms_per_token"]
             row["prefill_speedup"] = out["prefill_tok_s"] / full["prefill_tok_s"]
@@ -178,7 +157,7 @@ def main() -> None:
                        "decode_speedup", "prefill_speedup"])  # fmt: skip
     by_arm = dict(zip(shown, rows))
     summary = {
-        "bf16_top1_agreement": agreement(arms["bfloat16"], reference)["top1_agreement"],
+        "bf16_top1_agreement": prompt_agreement(arms["bfloat16"], reference)["top1_agreement"],
         "fp8_block_linear_bytes_ratio": by_arm["online"].get("block_linear_bytes_ratio"),
         "fp8_online_top1_agreement": by_arm["online"]["top1_agreement"],
         "fp8_checkpoint_top1_agreement": by_arm["checkpoint"]["top1_agreement"],

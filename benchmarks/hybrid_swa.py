@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import count_decode_batches, print_table, write_result  # noqa: E402
 
 
 def full_tokens_for(path: str, plain_tokens: int, ratio: float) -> int:
@@ -47,7 +47,6 @@ def run_arm(path: str, prompts: list[list[int]], output: int, hybrid: bool, args
     from engine.engine import Engine
 
     tokens = full_tokens_for(path, args.plain_tokens, args.ratio) if hybrid else args.plain_tokens
-    batch_sizes: list[int] = []
     with Engine(
         model_path=path,
         attention_backend="torch_native",
@@ -61,14 +60,7 @@ def run_arm(path: str, prompts: list[list[int]], output: int, hybrid: bool, args
         scheduler = engine.scheduler
         pool = scheduler.model_runner.kv_pool
         kv_bytes = sum(b.numel() * b.element_size() for b in pool.k_buffer + pool.v_buffer)
-        run_batch = scheduler.run_batch
-
-        def counted(batch: Any) -> Any:
-            if batch.forward_mode.is_decode():
-                batch_sizes.append(len(batch.reqs))
-            return run_batch(batch)
-
-        scheduler.run_batch = counted
+        batch_sizes = count_decode_batches(scheduler)
         params = {"max_new_tokens": output, "temperature": 0.0, "ignore_eos": True}
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)
@@ -120,9 +112,7 @@ def main() -> None:
             ],
         )  # fmt: skip
     rng = random.Random(args.seed)
-    prompts = [
-        [rng.randrange(3, 30000) for _ in range(args.context)] for _ in range(args.requests)
-    ]
+    prompts = [[rng.randrange(3, 30000) for _ in range(args.context)] for _ in range(args.requests)]
     rows = []
     for hybrid in (False, True):
         res = run_arm(path, prompts, args.output, hybrid, args)

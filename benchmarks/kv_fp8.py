@@ -41,8 +41,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, write_result  # noqa: E402
-from benchmarks.fp8 import agreement  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    count_decode_batches,
+    print_table,
+    prompt_agreement,
+    score_prompts,
+    write_result,
+)
 
 ARMS = ("auto", "fp8_e4m3", "fp8_e5m2")
 
@@ -75,31 +80,14 @@ def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list, scored
         skip_tokenizer_init=True, disable_overlap_schedule=args.device == "cpu",
         max_total_tokens=tokens, chunked_prefill_size=args.chunk,
     ) as engine:  # fmt: skip
-        res = engine.generate(
-            input_ids=scored, sampling_params={"max_new_tokens": 0},
-            return_logprob=True, logprob_start_len=0, top_logprobs_num=1,
-        )  # fmt: skip
-        out["prompt_logprobs"] = [
-            [lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]] for o in res
-        ]
-        out["prompt_top"] = [
-            [top[0][1] for top in o["meta_info"]["input_top_logprobs"][1:]] for o in res
-        ]
+        out.update(score_prompts(engine, scored))
         if arm == "bfloat16":
             return out
         scheduler = engine.scheduler
         pool = scheduler.model_runner.kv_pool
         if pool is not None:  # (the CPU overlap loop's device process holds it otherwise)
             out["kv_bytes"] = sum(b.nbytes for b in pool.k_buffer + pool.v_buffer)
-        batch_sizes: list[int] = []
-        run_batch = scheduler.run_batch
-
-        def counted(batch: Any) -> Any:
-            if batch.forward_mode.is_decode():
-                batch_sizes.append(len(batch.reqs))
-            return run_batch(batch)
-
-        scheduler.run_batch = counted
+        batch_sizes = count_decode_batches(scheduler)
         params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True}
         before = scheduler.stats.num_retractions
         t0 = time.perf_counter()
@@ -166,7 +154,7 @@ def main() -> None:
         elif arm == "bfloat16":
             row["arm"] = "bfloat16 model vs float32 (scored only)"
         if arm != "auto":
-            row.update(agreement(out, auto))
+            row.update(prompt_agreement(out, auto))
         if arm in ARMS and arm != "auto":
             row["tokens_ratio"] = out["pool_tokens"] / auto["pool_tokens"]
             row["throughput_ratio"] = out["total_tok_s"] / auto["total_tok_s"]

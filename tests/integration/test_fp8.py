@@ -14,10 +14,8 @@ differ by more than rounding; the tests allow 2% of them.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import random
 import shutil
 
 import pytest
@@ -28,35 +26,11 @@ from engine.layers.fp8 import Fp8Linear
 from engine.quantization import Fp8Config, quantized_linear_names
 from tests.factories import tiny_fp8_model, tiny_lora, tiny_model
 from tests.fp8_reference import dequantized_copy, hf_w8a8_logits
-from tests.teacher_forcing import runner_teacher_forced, score_logits
-
-PROMPT_LENS = [40, 7, 90, 1]
-DECODE = 12
-CLOSE = 1e-3  # |delta logit| of a position that computed the same fp8 operands
-MIN_CLOSE_POSITIONS = 0.98
-
-
-@functools.cache
-def _sequences(seed: int = 0) -> tuple[tuple[int, ...], ...]:
-    rng = random.Random(seed)
-    return tuple(tuple(rng.randrange(8, 1536) for _ in range(p + DECODE)) for p in PROMPT_LENS)
-
-
-def _ours(path: str, **engine_kwargs) -> list:
-    seqs = [list(s) for s in _sequences()]
-    return runner_teacher_forced(
-        path, seqs, PROMPT_LENS, "cpu", "torch_native", dtype="float32", **engine_kwargs
-    )
-
-
-def _assert_same_arithmetic(ours: list, ref: list) -> dict:
-    stats = score_logits(ours, ref)
-    worst = torch.cat([(o - r).abs().amax(-1) for o, r in zip(ours, ref)])
-    stats["close_positions"] = float((worst < CLOSE).float().mean())
-    assert stats["positions"] == sum(PROMPT_LENS) + len(PROMPT_LENS) * DECODE
-    assert stats["close_positions"] >= MIN_CLOSE_POSITIONS, stats
-    assert stats["agreement_tie_aware"] >= 0.99, stats
-    return stats
+from tests.teacher_forcing import (
+    assert_same_arithmetic,
+    cpu_sequences,
+    cpu_teacher_forced,
+)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -64,7 +38,9 @@ def test_block_fp8_checkpoint_matches_transformers(arch):
     """Block scales (16 x 16 here, 128 x 128 in Qwen3-*-FP8); transformers reads the
     checkpoint with its own FP8 loader (dequantizing on a CPU), so the format is theirs."""
     path = tiny_fp8_model(arch, 16)
-    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(path, _sequences(), group_cols=16))
+    assert_same_arithmetic(
+        cpu_teacher_forced(path), hf_w8a8_logits(path, cpu_sequences(), group_cols=16)
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -72,15 +48,17 @@ def test_per_tensor_fp8_checkpoint_matches_transformers(arch):
     """Per-tensor scales (q, k, v each their own, stacked in one layer) and static input
     scales (not used); MoE experts are dequantized as they load."""
     path = tiny_fp8_model(arch, 0)
-    _assert_same_arithmetic(_ours(path), hf_w8a8_logits(dequantized_copy(path), _sequences(), None))
+    assert_same_arithmetic(
+        cpu_teacher_forced(path), hf_w8a8_logits(dequantized_copy(path), cpu_sequences(), None)
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2"])
 def test_online_fp8_matches_transformers(arch):
     path = tiny_model(arch)
-    _assert_same_arithmetic(
-        _ours(path, quantization="fp8"),
-        hf_w8a8_logits(path, _sequences(), None, quantize_weights=True),
+    assert_same_arithmetic(
+        cpu_teacher_forced(path, quantization="fp8"),
+        hf_w8a8_logits(path, cpu_sequences(), None, quantize_weights=True),
     )
 
 
@@ -117,7 +95,7 @@ def test_engine_serves_fp8_with_overlap_and_lora():
     path = tiny_fp8_model("llama", 16)
     adapter = tiny_lora(base, seed=1)
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-    prompts = [list(s[:20]) for s in _sequences()]
+    prompts = [list(s[:20]) for s in cpu_sequences()]
     with Engine(model_path=path, lora_paths=[f"a={adapter}"]) as engine:
         assert not engine.args.disable_overlap_schedule
         plain = engine.generate(input_ids=prompts, sampling_params=params)

@@ -11,10 +11,8 @@ lost a scale, or applied one twice fails the bar by far.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import random
 import shutil
 
 import pytest
@@ -23,38 +21,15 @@ import torch
 from engine.engine import Engine
 from tests.factories import tiny_model
 from tests.kv_fp8_reference import hf_fp8_kv_logits
-from tests.teacher_forcing import runner_teacher_forced, score_logits
+from tests.teacher_forcing import (
+    assert_same_arithmetic,
+    close_positions,
+    cpu_sequences,
+    cpu_teacher_forced,
+    score_logits,
+)
 
-PROMPT_LENS = [40, 7, 90, 1]
-DECODE = 12
-CLOSE = 1e-3  # |delta logit| at a position that rounded the same K/V
-MIN_CLOSE_POSITIONS = 0.98
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-@functools.cache
-def _sequences(seed: int = 0) -> tuple[tuple[int, ...], ...]:
-    rng = random.Random(seed)
-    return tuple(tuple(rng.randrange(8, 1536) for _ in range(p + DECODE)) for p in PROMPT_LENS)
-
-
-def _ours(path: str, backend: str = "torch_native", **engine_kwargs) -> list:
-    seqs = [list(s) for s in _sequences()]
-    return runner_teacher_forced(
-        path, seqs, PROMPT_LENS, "cpu", backend, dtype="float32", **engine_kwargs
-    )
-
-
-def _assert_same_arithmetic(ours: list, ref: list) -> dict:
-    """Float32 rounding apart, the same logits; a position where a float32 difference moved a
-    value across a float8 rounding boundary may differ more (2% of them allowed)."""
-    stats = score_logits(ours, ref)
-    worst = torch.cat([(o - r).abs().amax(-1) for o, r in zip(ours, ref)])
-    stats["close_positions"] = float((worst < CLOSE).float().mean())
-    assert stats["positions"] == sum(PROMPT_LENS) + len(PROMPT_LENS) * DECODE
-    assert stats["close_positions"] >= MIN_CLOSE_POSITIONS, stats
-    assert stats["agreement_tie_aware"] >= 0.99, stats
-    return stats
 
 
 def scaled_model(arch: str) -> tuple[str, dict[int, tuple[float, float]]]:
@@ -89,14 +64,16 @@ def test_fp8_e4m3_cache_matches_transformers(arch):
     """Llama (GQA), Qwen3 (key norm before the cache), Gemma 2 (soft-capped scores, a sliding
     window of 32 shorter than the 90-token prompt), GPT-2 (its own attention)."""
     path = tiny_model(arch)
-    seqs = _sequences()
-    _assert_same_arithmetic(_ours(path, kv_cache_dtype="fp8"), hf_fp8_kv_logits(path, seqs, E4M3))
+    seqs = cpu_sequences()
+    assert_same_arithmetic(
+        cpu_teacher_forced(path, kv_cache_dtype="fp8"), hf_fp8_kv_logits(path, seqs, E4M3)
+    )
 
 
 def test_fp8_e5m2_cache_matches_transformers():
     path = tiny_model("llama")
-    ref = hf_fp8_kv_logits(path, _sequences(), E5M2)
-    _assert_same_arithmetic(_ours(path, kv_cache_dtype="fp8_e5m2"), ref)
+    ref = hf_fp8_kv_logits(path, cpu_sequences(), E5M2)
+    assert_same_arithmetic(cpu_teacher_forced(path, kv_cache_dtype="fp8_e5m2"), ref)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -104,30 +81,28 @@ def test_checkpoint_kv_scales_are_applied(arch):
     """The checkpoint's per-layer scales: keys and values stored divided by them, multiplied
     back in attention. Against the reference without them the result is far off."""
     path, scales = scaled_model(arch)
-    seqs = _sequences()
-    ours = _ours(path, kv_cache_dtype="fp8_e4m3")
-    _assert_same_arithmetic(ours, hf_fp8_kv_logits(path, seqs, E4M3, scales))
+    seqs = cpu_sequences()
+    ours = cpu_teacher_forced(path, kv_cache_dtype="fp8_e4m3")
+    assert_same_arithmetic(ours, hf_fp8_kv_logits(path, seqs, E4M3, scales))
     unscaled = hf_fp8_kv_logits(path, seqs, E4M3)
-    worst = torch.cat([(o - r).abs().amax(-1) for o, r in zip(ours, unscaled)])
-    assert float((worst < CLOSE).float().mean()) < 0.5
+    assert close_positions(ours, unscaled) < 0.5
 
 
 def test_kv_scales_unused_without_an_fp8_cache():
     """kv_cache_dtype auto: the checkpoint loads (its scales are not weights) and the cache
     holds the model's values: transformers' own logits."""
     path, _ = scaled_model("llama")
-    ref = hf_fp8_kv_logits(path, _sequences(), None)
-    stats = _assert_same_arithmetic(_ours(path), ref)
+    ref = hf_fp8_kv_logits(path, cpu_sequences(), None)
+    stats = assert_same_arithmetic(cpu_teacher_forced(path), ref)
     assert stats["agreement"] == 1.0
 
 
 def test_rounding_is_visible():
     """The bar above can fail: the FP8 cache's logits against transformers without rounding."""
     path = tiny_model("llama")
-    ours = _ours(path, kv_cache_dtype="fp8")
-    plain = hf_fp8_kv_logits(path, _sequences(), None)
-    worst = torch.cat([(o - r).abs().amax(-1) for o, r in zip(ours, plain)])
-    assert float((worst < CLOSE).float().mean()) < 0.2
+    ours = cpu_teacher_forced(path, kv_cache_dtype="fp8")
+    plain = hf_fp8_kv_logits(path, cpu_sequences(), None)
+    assert close_positions(ours, plain) < 0.2
     assert score_logits(ours, plain)["agreement"] < 0.95
 
 
@@ -136,16 +111,16 @@ def test_triton_backend_matches_transformers(page_size):
     """The Triton kernels (interpreted) read the float8 pool and the new tokens' stored
     values, scales folded in."""
     path, scales = scaled_model("llama")
-    seqs = _sequences()
-    ours = _ours(path, "triton", kv_cache_dtype="fp8", page_size=page_size)
-    _assert_same_arithmetic(ours, hf_fp8_kv_logits(path, seqs, E4M3, scales))
+    seqs = cpu_sequences()
+    ours = cpu_teacher_forced(path, "triton", kv_cache_dtype="fp8", page_size=page_size)
+    assert_same_arithmetic(ours, hf_fp8_kv_logits(path, seqs, E4M3, scales))
 
 
 def test_engine_fp8_cache_with_prefix_cache_chunked_prefill_and_overlap():
     """The whole engine (overlap loop in its device process): chunked prefill and radix-cache
     hits read float8 prefixes; the same greedy tokens with and without the overlap loop."""
     path = tiny_model("llama")
-    seqs = _sequences()
+    seqs = cpu_sequences()
     prompts = [list(s[:60]) for s in seqs[:2]] + [list(seqs[0][:60]) + [9, 10, 11]]
     params = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
     outs = {}
@@ -164,7 +139,7 @@ def test_hybrid_window_memory_over_an_fp8_cache():
     """Gemma 2 (windowed layers of 32 keys) with its windowed layers' float8 K/V in the smaller
     window pool: the same greedy tokens as the float8 cache without it."""
     path = tiny_model("gemma2")
-    prompts = [list(s[:70]) for s in _sequences()[:3]]
+    prompts = [list(s[:70]) for s in cpu_sequences()[:3]]
     params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     outs = []
     for hybrid in (False, True):
