@@ -28,12 +28,14 @@ class PoolingCalls:
         input_ids: list[int] | list[list[int]] | None = None,
         lora_path: str | None = None,
         token_type_ids: list[list[int] | None] | None = None,
+        normalize: bool | None = None,
     ) -> dict | list[dict]:
         """An embedding model's embeddings (SGLang's `Engine.encode`), for one prompt (a dict)
         or a batch (a list): `{"embedding": [floats], "meta_info": {"id", "prompt_tokens",
         "cached_tokens"}}`, each embedding pooled as `pooling_type` says and L2-normalised; a
         sequence classifier's raw logits (one per label) in `embedding` (as SGLang's).
-        `token_type_ids`: per prompt of `input_ids`, its token types (a BERT pair's)."""
+        `token_type_ids`: per prompt of `input_ids`, its token types (a BERT pair's).
+        `normalize` False: the pooled states as they are (vLLM's pooling `normalize`)."""
         if not self.args.is_embedding:
             raise ValueError("encode: this engine serves a generative model (is_embedding off)")
         single, prompts_ids = self._input_ids(prompt, input_ids)
@@ -42,7 +44,7 @@ class PoolingCalls:
         if len(types) != len(prompts_ids):
             raise ValueError(f"encode: token_type_ids for {len(types)} of {len(rids)} prompts")
         for rid, ids, t in zip(rids, prompts_ids, types):
-            params = SamplingParams(max_new_tokens=0).normalize()
+            params = SamplingParams(max_new_tokens=0, normalize_embedding=normalize).normalize()
             self.scheduler.add_request(rid, ids, params, lora_name=lora_path, token_type_ids=t)
         finished = {e.rid: e.req for e in self._run_until(set(rids)) if e.finished_reason}
         outs = []

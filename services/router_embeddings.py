@@ -10,9 +10,10 @@ bytes in base64. vLLM's `truncate_prompt_tokens` keeps a prompt's last k tokens.
 keeps the first k values of each embedding, normalised again, for a matryoshka model (its
 config's `is_matryoshka` or `matryoshka_dimensions`, as vLLM reads them; a 400 otherwise).
 vLLM's chat form takes `messages` (rendered by the chat template, no generation prompt by
-default) instead of `input`: one prompt. SGLang's `/encode` (`text` or `input_ids`, one or a
-batch) answers `{"embedding",
-"meta_info"}` per input. Without an embedding worker the request is a 400, as is a
+default) instead of `input`: one prompt. vLLM's `normalize` false returns the pooled vectors
+as they are. vLLM's `/pooling` takes the same body and answers the same vectors as
+`{"object": "pooling", "data": [...]}` items. SGLang's `/encode` (`text` or `input_ids`, one
+or a batch) answers `{"embedding", "meta_info"}` per input. Without an embedding worker the request is a 400, as is a
 generation request to a deployment that has only embedding workers
 (services/router_workers.py).
 """
@@ -20,6 +21,7 @@ generation request to a deployment that has only embedding workers
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import time
 import uuid
@@ -68,6 +70,8 @@ class EmbeddingRequest(_Strict):
     dimensions: int | None = Field(None, ge=1)
     user: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    # vLLM's: false returns the pooled vector as it is (not L2-normalised); None: the model's
+    normalize: bool | None = None
     # vLLM's chat form: `messages` instead of `input`, rendered by the model's chat template
     # (no generation prompt unless asked for) and embedded as one prompt
     messages: list[ChatMessageIn] | None = Field(None, min_length=1)
@@ -82,6 +86,8 @@ class EmbeddingRequest(_Strict):
 
     def to_subrequests(self) -> list[SubRequest]:
         params = pooling_params(self.truncate_prompt_tokens)
+        if self.normalize is not None:
+            params["normalize_embedding"] = self.normalize
         if (self.input is None) == (self.messages is None):
             raise ApiError(400, "give exactly one of input and messages", "input",
                            "invalid_value")  # fmt: skip
@@ -129,12 +135,14 @@ def check_dimensions(workers: Any, dims: int) -> None:
                            f"sizes {allowed}", "dimensions", "invalid_value")  # fmt: skip
 
 
-def cut(vector: bytes, dims: int) -> bytes:
-    """A matryoshka embedding's first `dims` values, normalised again."""
+def cut(vector: bytes, dims: int, normalize: bool = True) -> bytes:
+    """A matryoshka embedding's first `dims` values, normalised again (unless not asked)."""
     full = np.frombuffer(vector, dtype="<f4")
     if dims > len(full):
         raise ApiError(400, f"dimensions: {dims} is more than the model's {len(full)}",
                        "dimensions", "invalid_value")  # fmt: skip
+    if not normalize:
+        return full[:dims].tobytes()
     part = full[:dims].astype(np.float64)
     return (part / max(np.linalg.norm(part), 1e-12)).astype("<f4").tobytes()
 
@@ -143,10 +151,11 @@ def _floats(data: bytes) -> list[float]:
     return np.frombuffer(data, dtype="<f4").tolist()
 
 
-def response_item(index: int, data: bytes, encoding: str) -> dict[str, Any]:
-    """One input's entry of the answer's `data`: its float32 bytes as floats or base64."""
-    embedding = base64.b64encode(data).decode("ascii") if encoding == "base64" else _floats(data)
-    return {"object": "embedding", "index": index, "embedding": embedding}
+def response_item(index: int, data: bytes, encoding: str, kind: str = "embedding") -> dict:
+    """One input's entry of the answer's `data`: its float32 bytes as floats or base64, under
+    `kind` ("embedding"; vLLM's /pooling: "pooling", the vector under "data")."""
+    vector = base64.b64encode(data).decode("ascii") if encoding == "base64" else _floats(data)
+    return {"object": kind, "index": index, ("data" if kind == "pooling" else "embedding"): vector}
 
 
 async def model_labels(router: Any) -> list[str] | None:
@@ -181,8 +190,9 @@ async def pooled(router: Any, subs: list[SubRequest]) -> list[tuple[bytes, Usage
     return [out[i] for i in range(len(subs))]
 
 
-async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
-    """OpenAI's answer to an embeddings request."""
+async def embed(router: Any, body: EmbeddingRequest, kind: str = "embedding") -> dict[str, Any]:
+    """OpenAI's answer to an embeddings request (`kind` "pooling": vLLM's /pooling answer,
+    the same vectors as `{"object": "pooling", "data": [...]}` items)."""
     subs = body.to_subrequests()
     lora = await router.resolve_model(body.model)
     if await model_labels(router) is not None:
@@ -195,11 +205,11 @@ async def embed(router: Any, body: EmbeddingRequest) -> dict[str, Any]:
         check_dimensions(router.broker.workers, dims)
     results = await pooled(router, subs)
     if dims is not None:
-        results = [(cut(v, dims), u) for v, u in results]
-    data = [response_item(i, v, body.encoding_format) for i, (v, _) in enumerate(results)]
+        results = [(cut(v, dims, body.normalize is not False), u) for v, u in results]
+    data = [response_item(i, v, body.encoding_format, kind) for i, (v, _) in enumerate(results)]
     prompt_tokens = sum(u.prompt_tokens for _, u in results)
     return {
-        "id": f"embd-{uuid.uuid4().hex}",
+        "id": f"{'pool' if kind == 'pooling' else 'embd'}-{uuid.uuid4().hex}",
         "object": "list",
         "created": int(time.time()),
         "model": body.model,
@@ -250,6 +260,7 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
             return JSONResponse(await unless_disconnected(request, answer(router, body)))
 
     route("/v1/embeddings", EmbeddingRequest, embed)
+    route("/pooling", EmbeddingRequest, functools.partial(embed, kind="pooling"))
     route("/encode", EncodeRequest, encode)
     for paths, body_cls, answer in ROUTES:
         for path in paths:

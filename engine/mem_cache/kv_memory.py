@@ -11,6 +11,7 @@ have one slot per token of the budget. With it, the windowed layers' buffers are
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
 
 # Without --max-total-tokens on CPU, the KV pool gets this many bytes, and at most this many
 # tokens (a tiny model would otherwise get millions of slots it never uses).
+logger = logging.getLogger(__name__)
+
 DEFAULT_CPU_KV_BYTES = 1 << 30
 DEFAULT_CPU_KV_TOKENS = 1 << 17
 
@@ -64,6 +67,10 @@ class KVMemory:
         )
         if pool.quantized and kv_scales:
             pool.set_scales(kv_scales)
+        elif pool.quantized:
+            logger.info("%s KV cache: scale 1.0 (the checkpoint has no KV scales)", pool.dtype)
+        elif kv_scales:
+            logger.info("the checkpoint's KV-cache scales are unused: the cache is %s", pool.dtype)
         return pool
 
 

@@ -66,6 +66,9 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | None = None
     n: int = 1
+    # an embedding request's vector L2-normalised (vLLM's pooling `normalize`); None: the
+    # model's way (an embedding model normalises, a classifier returns raw logits)
+    normalize_embedding: bool | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -213,6 +216,7 @@ _FIELD_TYPES: dict[str, str] = {
     "frequency_penalty": "float",
     "presence_penalty": "float",
     "sampling_seed": "int | None",
+    "normalize_embedding": "bool | None",
     "skip_special_tokens": "bool",
     "spaces_between_special_tokens": "bool",
     "no_stop_trim": "bool",
@@ -258,7 +262,7 @@ def _type_ok(spec: str, v: Any) -> bool:
         return _is_int(v)
     if spec == "float":
         return _is_int(v) or isinstance(v, float)
-    if spec == "bool":
+    if spec.startswith("bool"):
         return isinstance(v, bool)
     if spec == "str | None":
         return isinstance(v, str)

@@ -159,7 +159,8 @@ class OutputProcessor:
             if req.finished_reason is not None:
                 continue
             if req.embedding is None:
-                req.embedding = PooledState(pooling, normalize)
+                asked = req.sampling_params.normalize_embedding
+                req.embedding = PooledState(pooling, normalize if asked is None else asked)
             req.embedding.add(result.pooled[i], req.extend_input_len)
             if req is chunked:
                 continue

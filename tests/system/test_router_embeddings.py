@@ -149,3 +149,26 @@ def test_chat_messages_are_embedded_as_their_template_renders_them(stack: Stack)
     assert out["data"][0]["embedding"] == pytest.approx(by_ids, abs=1e-6)
     plain = post(stack, input=TEXTS[0]).json()["data"][0]["embedding"]
     assert np.abs(np.array(plain) - by_ids).max() > 1e-3  # (the template changed the prompt)
+
+
+def test_unnormalized_embeddings_and_vllms_pooling_route(stack: Stack, want) -> None:
+    """vLLM's `normalize: false`: the pooled vectors as the offline engine gives them with
+    `normalize=False` (their norms are not 1); `/pooling`: the same vectors, vLLM's shape."""
+    with Engine(model_path=tiny_model("qwen3"), is_embedding=True) as engine:
+        raw = [o["embedding"] for o in engine.encode(prompt=TEXTS, normalize=False)]
+    norms = np.linalg.norm(np.array(raw), axis=1)
+    assert (np.abs(norms - 1) > 1e-3).all()
+    np.testing.assert_allclose(np.array(raw) / norms[:, None], np.array(want), atol=1e-5)
+    got = post(stack, input=TEXTS, normalize=False).json()
+    assert "data" in got, got
+    # (as close as the normalised ones are, relative to the norm: the worker prefills in chunks)
+    got_raw = np.array([d["embedding"] for d in got["data"]])
+    np.testing.assert_allclose(got_raw, raw, rtol=0, atol=2e-6 * norms.max())
+    body = {"model": os.path.basename(stack.model), "input": TEXTS}
+    pooled = httpx.post(stack.router_url + "/pooling", json=body, timeout=60).json()
+    assert pooled["object"] == "list" and pooled["id"].startswith("pool-")
+    assert [d["object"] for d in pooled["data"]] == ["pooling"] * len(TEXTS)
+    np.testing.assert_allclose(np.array([d["data"] for d in pooled["data"]]), want, atol=1e-6)
+    assert pooled["usage"]["prompt_tokens"] > len(TEXTS)
+    bad = httpx.post(stack.router_url + "/pooling", json={**body, "normalize": "no"}, timeout=60)
+    assert bad.status_code == 400

@@ -132,11 +132,22 @@ def test_from_dict_rejects_unknown_key() -> None:
         ("stop_token_ids", ["a"]),
         ("stop_token_ids", [1.0]),
         ("sampling_seed", 1.0),
+        ("normalize_embedding", 1),
     ],
 )
 def test_from_dict_rejects_wrong_types(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams.from_dict({field: value})
+
+
+def test_every_field_is_type_checked() -> None:
+    """Each field's default goes through `from_dict` (a type spec the checker does not know
+    would raise AssertionError: a 500 for a request that uses the field)."""
+    defaults = SamplingParams()
+    for field in dataclasses.fields(SamplingParams):
+        value = getattr(defaults, field.name)
+        assert getattr(SamplingParams.from_dict({field.name: value}), field.name) == value
+    assert SamplingParams.from_dict({"normalize_embedding": False}).normalize_embedding is False
 
 
 def test_from_dict_accepts_ints_for_floats_and_none_for_optionals() -> None:
