@@ -13,8 +13,8 @@ vLLM's chat form takes `messages` (rendered by the chat template, no generation 
 default) instead of `input`: one prompt. vLLM's `normalize` false returns the pooled vectors
 as they are. vLLM's `/pooling` takes the same body and answers the same vectors as
 `{"object": "pooling", "data": [...]}` items. SGLang's `/encode` (`text` or `input_ids`, one
-or a batch) answers `{"embedding", "meta_info"}` per input. Without an embedding worker the request is a 400, as is a
-generation request to a deployment that has only embedding workers
+or a batch) answers `{"embedding", "meta_info"}` per input. Without an embedding worker the
+request is a 400, as is a generation request to a deployment that has only embedding workers
 (services/router_workers.py).
 """
 
