@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 QUANTIZATION_METHODS = ("fp8",)
 _IN_BLOCK = re.compile(r"(^|\.)(layers|layer|h)\.\d+\.")  # a transformer block's module
 _ROUTERS = ("gate", "shared_expert_gate")  # MoE routing logits: kept precise, as vLLM does
-_DROPPED = (".input_scale", ".k_scale", ".v_scale")  # static activation / KV-cache scales
+# static activation scales (unused: activations are scaled as they come); KV-cache scales never
+# get here, the loader takes them first (engine/mem_cache/kv_quant.take_kv_scales)
+_DROPPED = (".input_scale",)
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def pair_fp8_scales(
     weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """An FP8 checkpoint's tensors with each float8 weight joined to its scale (they may come
-    in either order) as one `QuantizedWeight`; static activation and KV scales dropped."""
+    in either order) as one `QuantizedWeight`; static activation scales dropped."""
     from engine.layers.fp8 import FP8_DTYPE, QuantizedWeight
 
     weights_waiting: dict[str, torch.Tensor] = {}

@@ -4,7 +4,7 @@ the bytes of bfloat16, so twice the tokens fit in the same memory.
 A token's K is stored as `K / k_scale` rounded to float8 (saturated at the format's largest
 value), V likewise with `v_scale`; attention computes with the stored values times their
 scale. The scales are per layer: 1.0 (what vLLM and SGLang use without calibration), or those
-of the checkpoint, under the names calibration tools write (`checkpoint_kv_scales`).
+of the checkpoint, under the names calibration tools write (`take_kv_scales`).
 """
 
 from __future__ import annotations
