@@ -190,10 +190,12 @@ class EngineArgs:
     # pausing every running request while one compiles; engine/scheduler/grammar_queue.py).
     grammar_compile_threads: int = 2
     # LoRA adapters (SGLang's --lora-paths: NAME=PATH or PATH, PEFT folders), the adapters one
-    # batch may use (device slots) and the rank they are padded to (default: their largest).
+    # batch may use (device slots) and the rank they are padded to (default: their largest, or
+    # 16 without any). `enable_lora` serves adapters loaded while running, with none at start.
     lora_paths: tuple[str, ...] = ()
     max_loras_per_batch: int = 8
     max_lora_rank: int | None = None
+    enable_lora: bool = False
     # Speculative decoding (SGLang's flags): "ngram" drafts up to num_draft_tokens tokens a
     # step from the request's own text, matching its last min..max tokens (engine/speculative/).
     speculative_algorithm: str | None = None
@@ -283,6 +285,11 @@ class EngineArgs:
         if self.attention_backend:
             return self.attention_backend
         return "flashinfer" if self.device.startswith("cuda") else "torch_native"
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether LoRA adapters are served (at start, or loaded later)."""
+        return self.enable_lora or bool(self.lora_paths)
 
     @property
     def use_cuda_graph(self) -> bool:

@@ -211,6 +211,18 @@ class Engine(PoolingCalls):
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, replace: bool = False) -> None:
+        """Serve the PEFT adapter in `lora_path` as `lora_name` (SGLang's Engine call; needs
+        `enable_lora` or `lora_paths`); `replace` swaps the weights of a loaded one."""
+        self.scheduler.load_lora_adapter(lora_name, lora_path, replace)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self.scheduler.unload_lora_adapter(lora_name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """The adapters served now: name -> folder."""
+        return dict(self.scheduler.loras.paths)
+
     def shutdown(self) -> None:
         close = getattr(self.scheduler, "close", None)
         if close is not None:

@@ -27,6 +27,7 @@ from engine.speculative.verify import VerifyResult, verify
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from engine.lora import AdapterSpec
     from engine.overlap.future_map import FutureMap
 
 logger = logging.getLogger(__name__)
@@ -223,6 +224,15 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
+    # -- LoRA adapters loaded and unloaded while running (engine/scheduler/lora_updates.py) ---
+    def add_lora_adapter(self, spec: AdapterSpec) -> None:
+        assert self.lora is not None, "LoRA is not enabled on this runner"
+        self.lora.add(spec)
+
+    def remove_lora_adapter(self, adapter_id: int) -> None:
+        assert self.lora is not None, "LoRA is not enabled on this runner"
+        self.lora.remove(adapter_id)
+
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:
         """(Re)capture the decode graphs of every size in `args.resolved_cuda_graph_bs`,
@@ -283,8 +293,8 @@ class ModelRunner:
 
 
 def make_lora_manager(model, args: EngineArgs, dtype: torch.dtype, device: torch.device):
-    """The LoRA manager of `args.lora_paths` over `model` (None without adapters)."""
-    if not args.lora_paths:
+    """The LoRA manager of `args.lora_paths` over `model` (None with LoRA off)."""
+    if not args.lora_enabled:
         return None
     from engine.lora import lora_rank, read_adapter_specs
     from engine.lora.manager import LoRAManager

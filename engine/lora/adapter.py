@@ -65,14 +65,19 @@ def parse_lora_paths(entries: tuple[str, ...] | list[str]) -> dict[str, str]:
 def read_adapter_specs(entries: tuple[str, ...] | list[str]) -> list[AdapterSpec]:
     """The adapters of `lora_paths`, ids in the order given; raises ValueError for a folder
     that is not a LoRA this engine can serve."""
-    specs = []
-    for i, (name, path) in enumerate(parse_lora_paths(entries).items(), start=1):
-        config = _read_config(name, path)
-        rank = int(config["r"])
-        alpha = float(config.get("lora_alpha", rank))
-        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        specs.append(AdapterSpec(i, name, path, rank, scaling, config))
-    return specs
+    return [
+        read_adapter_spec(i, name, path)
+        for i, (name, path) in enumerate(parse_lora_paths(entries).items(), start=1)
+    ]
+
+
+def read_adapter_spec(adapter_id: int, name: str, path: str) -> AdapterSpec:
+    """One adapter's spec from its folder's config; ValueError if the engine cannot serve it."""
+    config = _read_config(name, path)
+    rank = int(config["r"])
+    alpha = float(config.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    return AdapterSpec(adapter_id, name, path, rank, scaling, config)
 
 
 def _read_config(name: str, path: str) -> dict:

@@ -1,14 +1,15 @@
 """`LoRAManager`: the adapters a worker serves, their device slots, and each batch's masks.
 
-All adapters (`lora_paths`) are read at start into host memory; `max_loras_per_batch` slots on
-the device hold the ones batches use (SGLang's LoRA memory pool). Before a forward, `prepare`
-puts the batch's adapters into slots (replacing the least recently used adapters that the batch
-does not use; the scheduler admits no batch with more adapters than slots) and builds the
-per-token mask that every `LoRALinear` reads (engine/lora/layers.py).
+The adapters (`lora_paths` at start; `add` and `remove` while the engine runs, between
+forwards) are kept in host memory; `max_loras_per_batch` slots on the device hold the ones
+batches use (SGLang's LoRA memory pool). Before a forward, `prepare` puts the batch's adapters
+into slots (replacing the least recently used adapters that the batch does not use; the
+scheduler admits no batch with more adapters than slots) and builds the per-token mask that
+every `LoRALinear` reads (engine/lora/layers.py).
 
 The adapted modules are the attention and MLP projections of the decoder layers (PEFT's
 q/k/v/o_proj and gate/up/down_proj, into the model's fused projections); an adapter naming any
-other module is refused at start.
+other module is refused.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class LoRAManager:
         self.max_rank = max_rank
         self.device = device
         self.dtype = dtype
-        self.specs = {s.id: s for s in specs}
+        self.specs: dict[int, AdapterSpec] = {}
         # of this forward: the slots its adapters are in (lo, hi), and which of their rank
         # columns each token reads ([num_tokens, (hi - lo + 1) * max_rank]; None: no adapter)
         self.slot_range = (0, num_slots - 1)
@@ -52,18 +53,36 @@ class LoRAManager:
         self.layers: dict[str, LoRALinear] = {}
         # adapter id -> {our module path: {shard: (A, B)}}, on the host
         self.weights: dict[int, dict[str, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.model = model
         for spec in specs:
-            if spec.rank > max_rank:
-                raise ValueError(
-                    f"LoRA adapter {spec.name!r}: rank {spec.rank} > max_lora_rank {max_rank}"
-                )
-            self.weights[spec.id] = self._place(model, spec, load_adapter_weights(spec, dtype))
+            self.add(spec)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU first
         self._column_slot = torch.arange(num_slots, device=device).repeat_interleave(max_rank)
         logger.info(
             "LoRA: %d adapter(s) %s, %d slots, max rank %d, %d modules adapted",
             len(specs), [s.name for s in specs], num_slots, max_rank, len(self.layers),
         )  # fmt: skip
+
+    # -- adapters --------------------------------------------------------------------------------
+    def add(self, spec: AdapterSpec) -> None:
+        """Read an adapter into host memory (at start, or into a running engine: between
+        forwards); ValueError, naming the adapter, if it cannot be served. A module no adapter
+        named before is wrapped now (its slots all zero, as for adapters that do not adapt it)."""
+        if spec.rank > self.max_rank:
+            raise ValueError(
+                f"LoRA adapter {spec.name!r}: rank {spec.rank} > max_lora_rank {self.max_rank}"
+            )
+        if spec.id in self.specs:
+            raise ValueError(f"LoRA adapter id {spec.id} is taken ({self.specs[spec.id].name!r})")
+        tensors = load_adapter_weights(spec, self.dtype)
+        self.weights[spec.id] = self._place(self.model, spec, tensors)
+        self.specs[spec.id] = spec
+
+    def remove(self, adapter_id: int) -> None:
+        """Forget an adapter no request uses any more (between forwards); its slot is free."""
+        self.specs.pop(adapter_id, None)
+        self.weights.pop(adapter_id, None)
+        self.slot_of.pop(adapter_id, None)
 
     def _place(
         self, model: nn.Module, spec: AdapterSpec, tensors: dict[str, tuple[torch.Tensor, ...]]
@@ -147,8 +166,8 @@ class LoRAManager:
             return
         if adapter_id not in self.weights:
             raise RuntimeError(f"unknown LoRA adapter id {adapter_id}")
-        if len(self.slot_of) < self.num_slots:
-            slot = len(self.slot_of)
+        if len(self.slot_of) < self.num_slots:  # (after a `remove`, not the highest)
+            slot = min(set(range(self.num_slots)) - set(self.slot_of.values()))
         else:
             victim = next(i for i in self.slot_of if i not in needed)
             slot = self.slot_of.pop(victim)

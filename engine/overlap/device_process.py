@@ -116,7 +116,12 @@ def device_main(
                 return
             if msg[0] == "close":
                 return
-            answer = device.profile(msg) if msg[0].startswith("profile_") else device.run(msg)
+            if msg[0] == "call":
+                answer = device.call(msg)
+            elif msg[0].startswith("profile_"):
+                answer = device.profile(msg)
+            else:
+                answer = device.run(msg)
             if answer is not None:
                 conn.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -145,6 +150,16 @@ class Device:
         prof, self.profiler = self.profiler, None
         why = "the device was not profiling" if prof is None else write_trace(prof, msg[2])
         return ("profiled", -1, why)
+
+    def call(self, msg: tuple) -> tuple:
+        """("call", -1, method, args): `runner.<method>(*args)`, answered ("called", -1,
+        result, None) or ("called", -1, None, (error type, message))."""
+        _, _, method, args = msg
+        try:
+            return ("called", -1, getattr(self.runner, method)(*args), None)
+        except Exception as exc:  # noqa: BLE001 - the caller raises it; the device lives on
+            logger.info("device call %s failed: %s", method, exc)
+            return ("called", -1, None, (type(exc).__name__, str(exc)))
 
     def _info(self, packed: Any) -> SamplingBatchInfo:
         if packed != SAME_INFO:

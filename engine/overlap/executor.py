@@ -85,6 +85,13 @@ class OverlapExecutor(ABC):
     def close(self) -> None:
         """Stop; results still in flight are dropped. Idempotent."""
 
+    def call(self, method: str, *args: Any) -> Any:
+        """`runner.<method>(*args)` after the device work launched so far and before any
+        launched later (a LoRA adapter's load or release); its result, or its exception.
+        Here (CUDA), at once: device work already launched is on the streams, where what
+        the call enqueues follows it."""
+        return getattr(self.runner, method)(*args)
+
     def start_profile(self, options: ProfileOptions) -> bool:
         """Profile the device's side too, if it runs in another process (ProcessExecutor):
         whether it does. A forward thread of this process is in this process's profile."""
@@ -176,6 +183,20 @@ class ThreadExecutor(OverlapExecutor):
         if launch.error is not None:
             raise RuntimeError("overlap executor: the batch failed on the device") from launch.error
         assert launch.result is not None
+        return launch.result
+
+    def call(self, method: str, *args: Any) -> Any:
+        """On the forward thread, after the jobs queued before it; waits for it."""
+        launch = Launch(None, None, None, done=threading.Event())  # type: ignore[arg-type]
+
+        def job(launch: Launch) -> None:
+            launch.result = getattr(self.runner, method)(*args)
+            launch.done.set()
+
+        self._put(job, launch)
+        launch.done.wait()
+        if launch.error is not None:
+            raise launch.error
         return launch.result
 
     def close(self) -> None:

@@ -133,6 +133,7 @@ class ProcessExecutor(OverlapExecutor):
         self._last_info: SamplingBatchInfo | None = None  # the device holds a copy of it
         self._closed = False
         self._profiled: str | None | bool = None  # a stop_profile's answer (False: waiting)
+        self._called: tuple[Any, tuple[str, str] | None] | None = None  # a call's answer
         if not self._conn.poll(START_TIMEOUT_S):
             self.close()
             raise RuntimeError("overlap executor: the device process did not start")
@@ -162,6 +163,21 @@ class ProcessExecutor(OverlapExecutor):
             return SAME_INFO
         self._last_info = info
         return pack(info)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """In the device process, after the launches sent before it; waits for its answer
+        (reading those of earlier launches on the way). A ValueError there is raised here
+        with its message; any other error as a RuntimeError."""
+        self._send(("call", -1, method, args))
+        self._called = None
+        while self._called is None:
+            if self._read_answer() == "gone":
+                raise RuntimeError("overlap executor: the device process is gone")
+        result, error = self._called
+        if error is not None:
+            kind, message = error
+            raise (ValueError if kind == "ValueError" else RuntimeError)(message)
+        return result
 
     def start_profile(self, options: ProfileOptions) -> bool:
         self._send(("profile_start", -1, options))
@@ -228,6 +244,9 @@ class ProcessExecutor(OverlapExecutor):
         kind, lid = answer[0], answer[1]
         if kind == "profiled":  # (a stop_profile's: None, or why no trace was written)
             self._profiled = answer[2]
+            return None
+        if kind == "called":  # (a call's: its result, and its error's type and message)
+            self._called = (answer[2], answer[3])
             return None
         launch = self._waiting.pop(lid)
         if kind == "error":

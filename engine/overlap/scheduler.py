@@ -133,11 +133,16 @@ class OverlapScheduler(Scheduler):
         elif not self._in_flight:
             self.wait_for_grammars()
         self.last_batch = batch
+        self.release_loras()
         self._update_stats()
         return self.output.take_events()
 
     def has_work(self) -> bool:
         return bool(self._in_flight) or super().has_work()
+
+    def _on_device(self, method: str, *args: Any) -> Any:
+        """Through the executor: after the forwards in flight, before the next."""
+        return self.executor.call(method, *args)
 
     def placeholders_in_flight(self) -> dict[Req, int]:
         """Between steps: the requests whose next token is sampled but not processed yet."""

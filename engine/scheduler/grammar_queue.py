@@ -56,6 +56,10 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self._queue)
 
+    def reqs(self) -> list[Any]:
+        """The requests waiting for their grammar."""
+        return [req for req, _, _ in self._queue]
+
     def backend(self) -> Any:
         """The grammar backend, built on first use (by whichever thread needs it first)."""
         with self._backend_lock:

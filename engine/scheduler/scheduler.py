@@ -17,8 +17,10 @@ from typing import Any
 
 from engine.config import EngineArgs
 from engine.forward_batch import ForwardMode
-from engine.lora import read_adapter_specs
+from engine.lora import lora_rank, read_adapter_specs
+from engine.lora.registry import LoRARegistry
 from engine.scheduler.grammar_queue import GrammarQueue
+from engine.scheduler.lora_updates import LoRAUpdates
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pools import MemoryPools
 from engine.scheduler.prefill_adder import AddResult, PrefillAdder
@@ -45,7 +47,7 @@ class SchedulerStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Scheduler(RequestIntake):
+class Scheduler(RequestIntake, LoRAUpdates):
     def __init__(
         self,
         args: EngineArgs,
@@ -65,7 +67,10 @@ class Scheduler(RequestIntake):
             getattr(model_runner, "swa_window", None),
         )
         self.tree_cache = tree_cache
-        self.lora_ids = {spec.name: spec.id for spec in read_adapter_specs(args.lora_paths)}
+        specs = read_adapter_specs(args.lora_paths)
+        rank = lora_rank(args, specs) if args.lora_enabled else None
+        self.loras = LoRARegistry(specs, args.lora_enabled, rank)
+        self.lora_ids = self.loras.ids  # name -> id of the adapters served now (the same dict)
         sign = (1 if args.schedule_low_priority_values_first else -1) * (
             args.enable_priority_scheduling
         )
@@ -102,6 +107,7 @@ class Scheduler(RequestIntake):
         else:
             self.wait_for_grammars()
         self.last_batch = batch
+        self.release_loras()
         self._update_stats()
         return self.output.take_events()
 
@@ -203,7 +209,7 @@ class Scheduler(RequestIntake):
 
     def _lora_budget(self) -> dict[str, Any]:
         """The adder's LoRA slot budget (nothing without adapters)."""
-        if not self.lora_ids:
+        if not self.loras.enabled:
             return {}
         running = {r.lora_id for r in self.running_batch.reqs}
         return {"lora_slots": self.args.max_loras_per_batch, "running_loras": running}

@@ -86,3 +86,25 @@ def test_mask_selects_each_tokens_slot(setup) -> None:
     assert torch.equal(m.mask, torch.tensor([[0.0] * 8, [1.0] * 8, [1.0] * 8]))
     m.prepare(_Batch([0, 0]))
     assert m.mask is None  # no adapter in the batch: the layers skip the LoRA matmuls
+
+
+def test_removed_adapters_free_their_slot_and_added_ones_take_it(setup) -> None:
+    """An adapter removed while running leaves a hole in the slots; the next adapter goes
+    into that hole (not onto the slot of an adapter the batch still uses)."""
+    path, specs = setup
+    m = make(setup, slots=3)
+    m.prepare(_Batch([1, 2, 3]))
+    assert dict(m.slot_of) == {1: 0, 2: 1, 3: 2}
+    m.remove(1)
+    assert 1 not in m.specs and 1 not in m.weights and dict(m.slot_of) == {2: 1, 3: 2}
+    late = read_adapter_specs([f"late={tiny_lora(path, 4, 8)}"])[0]
+    late = type(late)(7, late.name, late.path, late.rank, late.scaling, late.config)
+    m.add(late)
+    m.prepare(_Batch([2, 7, 3]))
+    assert dict(m.slot_of) == {2: 1, 7: 0, 3: 2}
+    assert slot_matches(m, 7) and slot_matches(m, 2) and slot_matches(m, 3)
+    with pytest.raises(ValueError, match="id 7 is taken"):
+        m.add(late)
+    big = read_adapter_specs([f"big={tiny_lora(path, 5, 16)}"])[0]
+    with pytest.raises(ValueError, match="'big': rank 16 > max_lora_rank 8"):
+        m.add(big)

@@ -1,0 +1,70 @@
+"""Loading and unloading LoRA adapters in a running scheduler (vLLM's `/v1/load_lora_adapter`
+and `/v1/unload_lora_adapter`, SGLang's `/load_lora_adapter` and `/unload_lora_adapter`).
+
+Called between steps, on the scheduler's thread. The adapter's weights go to the model
+runner through `_on_device`: directly without overlap, and in launch order through the overlap
+executor otherwise (its forward thread, or its device process), so a load or a release never
+runs beside a forward. The names and ids are `LoRARegistry`'s (engine/lora/registry.py): an
+unloaded adapter's requests finish on it, and its weights are dropped once none is left
+(`release_loras`, after every step).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from engine.lora.registry import LoRARegistry
+from engine.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAUpdates:
+    loras: LoRARegistry
+    waiting_queue: list[Req]
+    running_batch: Any
+    last_batch: Any
+    chunked_req: Req | None
+    grammar_queue: Any
+    model_runner: Any
+
+    def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        """Serve the PEFT adapter in `path` as `name` from the next step on; `replace`: a
+        loaded adapter of that name is replaced (its running requests finish on the old
+        weights). ValueError, with the reason, if it cannot be loaded; nothing changes then."""
+        spec = self.loras.prepare(name, path, replace)
+        self._on_device("add_lora_adapter", spec)
+        self.loras.commit(spec)
+        self.release_loras()
+        logger.info("LoRA adapter %r loaded from %s (rank %d, id %d)", name, path, spec.rank,
+                    spec.id)  # fmt: skip
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name` (ValueError if it is not loaded); requests admitted with it
+        finish on it, and its weights go once they have."""
+        self.loras.remove(name)
+        self.release_loras()
+        logger.info("LoRA adapter %r unloaded", name)
+
+    def release_loras(self) -> None:
+        """Drop the weights of unloaded adapters that no request uses any more."""
+        if not self.loras.draining:
+            return
+        for adapter_id in self.loras.release(self._lora_ids_in_use()):
+            self._on_device("remove_lora_adapter", adapter_id)
+
+    def _lora_ids_in_use(self) -> set[int]:
+        batches = [self.running_batch, self.last_batch]
+        reqs = itertools.chain(
+            self.waiting_queue,
+            self.grammar_queue.reqs(),
+            [self.chunked_req] if self.chunked_req is not None else (),
+            *(b.reqs for b in batches if b is not None),
+        )
+        return {r.lora_id for r in reqs if not r.finished}
+
+    def _on_device(self, method: str, *args: Any) -> Any:
+        """`model_runner.<method>(*args)` where the model is, between forwards."""
+        return getattr(self.model_runner, method)(*args)
