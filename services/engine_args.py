@@ -134,7 +134,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="LoRA adapters one batch may use (their device slots)",
     )
     g.add_argument(
-        "--max-lora-rank", type=int, default=None, help="default: the adapters' largest rank"
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="the rank the device slots hold (default: the adapters' largest, else 16); an "
+        "adapter loaded later must not exceed it",
+    )
+    g.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters loaded while running (POST /v1/load_lora_adapter or "
+        "/load_lora_adapter), also with no --lora-paths",
     )
 
     _add_speculative_args(g)

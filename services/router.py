@@ -30,6 +30,7 @@ from services import router_tokens as tokens
 from services.responses_store import add_routes as add_response_routes
 from services.router_api import VERSION, Router
 from services.router_embeddings import add_routes as add_embedding_routes
+from services.router_lora import add_routes as add_lora_routes
 from services.router_metrics import CONTENT_TYPE
 from services.router_named import AbortBody
 from services.router_profile import add_routes as add_profile_routes
@@ -132,6 +133,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     add_response_routes(app, state)  # POST /v1/responses, and its stored responses
     add_profile_routes(app, state)  # POST /start_profile, /stop_profile
     add_embedding_routes(app, state)  # POST /v1/embeddings
+    add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /load_lora_adapter, unloads
 
     def model_card(router: Router, name: str) -> dict[str, Any]:
         return {

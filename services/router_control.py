@@ -1,6 +1,7 @@
 """Questions a router fans out to every live worker and waits on: `POST /flush_cache`
 (a `FlushCacheReqMsg`), `POST /start_profile` and `/stop_profile` (a `ProfileReqMsg`,
-services/router_profile.py). The aborts of `POST /abort_request` are in
+services/router_profile.py), the LoRA adapter loads and unloads (a `LoraReqMsg`,
+services/router_lora.py). The aborts of `POST /abort_request` are in
 services/router_named.py.
 
 `WorkerQuestions.ask()` sends one message to each live worker's stream and waits (at most
@@ -25,7 +26,13 @@ from services.router_protocol import ApiError
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
 from shared.keys import worker_in_stream
-from shared.messages import FlushCacheReqMsg, FlushCacheRespMsg, Message, ProfileRespMsg
+from shared.messages import (
+    FlushCacheReqMsg,
+    FlushCacheRespMsg,
+    LoraRespMsg,
+    Message,
+    ProfileRespMsg,
+)
 
 FLUSH_TIMEOUT_S = 10.0
 
@@ -98,5 +105,5 @@ class WorkerQuestions:
     async def flush(self) -> dict[str, FlushCacheRespMsg | None]:
         return await self.ask(partial(FlushCacheReqMsg, router_id=self.router_id))
 
-    def deliver(self, msg: FlushCacheRespMsg | ProfileRespMsg) -> None:
+    def deliver(self, msg: FlushCacheRespMsg | ProfileRespMsg | LoraRespMsg) -> None:
         self._answers.deliver(msg.request_id, msg.worker_id, msg)

@@ -54,6 +54,7 @@ from shared.messages import (
     DetokOutputMsg,
     ErrorMsg,
     FlushCacheRespMsg,
+    LoraRespMsg,
     ProfileRespMsg,
     TokenizeReqMsg,
     TokenizeRespMsg,
@@ -211,7 +212,7 @@ class Broker:
                 h.deliver(msg)
             else:
                 self.queries.deliver(msg)
-        elif isinstance(msg, (FlushCacheRespMsg, ProfileRespMsg)):
+        elif isinstance(msg, (FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg)):
             self.to_workers.deliver(msg)
         elif isinstance(msg, TokenizeRespMsg):
             self.queries.deliver(msg)

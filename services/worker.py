@@ -14,9 +14,10 @@ I/O process builds and sends the step message. A `GenerateReqMsg` becomes
 `ErrorMsg` to its router); an `AbortReqMsg` becomes `scheduler.abort_request`, or is
 remembered when it overtook its request; a `FlushCacheReqMsg` empties the prefix cache if
 nothing runs or waits, and is answered either way; a `ProfileReqMsg` starts or stops the torch
-profiler around the steps (services/worker_profile.py). The load figures go to the I/O process's
-heartbeat (`WorkerLoadMsg`) at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O
-process deletes the heartbeat.
+profiler around the steps (services/worker_profile.py); a `LoraReqMsg` loads or unloads a LoRA
+adapter (engine/scheduler/lora_updates.py) and is answered with the adapters served then. The
+load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most every 0.25 s;
+SIGTERM / SIGINT stop the loop, and the I/O process deletes the heartbeat.
 
     sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
 """
@@ -49,6 +50,8 @@ from shared.messages import (
     FlushCacheReqMsg,
     FlushCacheRespMsg,
     GenerateReqMsg,
+    LoraReqMsg,
+    LoraRespMsg,
     ProfileReqMsg,
     ProfileRespMsg,
     StepOutputMsg,
@@ -86,6 +89,7 @@ class Worker:
             AbortReqMsg: self._on_abort,
             FlushCacheReqMsg: self._on_flush,
             ProfileReqMsg: self._on_profile,
+            LoraReqMsg: self._on_lora,
         }
         self.link = IoLink(self.hello())  # starts the I/O process; ready when this returns
 
@@ -216,6 +220,28 @@ class Worker:
         else:
             ok, note = False, f"unknown profile action {msg.action!r}"
         reply = ProfileRespMsg(msg.request_id, msg.router_id, self.worker_id, ok, note, paths)
+        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
+
+    def _on_lora(self, msg: LoraReqMsg) -> None:
+        loras = self.scheduler.loras
+        try:
+            if msg.action == "load":
+                self.scheduler.load_lora_adapter(msg.lora_name, msg.lora_path, msg.replace)
+            elif msg.action == "unload":
+                self.scheduler.unload_lora_adapter(msg.lora_name)
+            else:
+                raise ValueError(f"unknown LoRA action {msg.action!r}")
+            ok, note = True, ""
+        except Exception as exc:  # noqa: BLE001 - refused with the reason; the worker goes on
+            if not isinstance(exc, ValueError):
+                logger.exception("LoRA %s of %r", msg.action, msg.lora_name)
+            ok, note = False, str(exc)
+        if ok:
+            self.link.adapters(sorted(loras.ids))
+        reply = LoraRespMsg(
+            msg.request_id, msg.router_id, self.worker_id, ok, note, loras.enabled,
+            dict(loras.paths),
+        )  # fmt: skip
         self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
 

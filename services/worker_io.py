@@ -46,12 +46,18 @@ from shared.bus import Bus
 from shared.heartbeat import Heartbeat
 from shared.keys import WORKER_GROUP, WORKER_KIND, detok_stream, heartbeat_key, worker_in_stream
 from shared.logging import setup_logging
-from shared.messages import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg, ProfileReqMsg
+from shared.messages import (
+    AbortReqMsg,
+    FlushCacheReqMsg,
+    GenerateReqMsg,
+    LoraReqMsg,
+    ProfileReqMsg,
+)
 
 logger = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
-_TO_SCHEDULER = (GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg)
+_TO_SCHEDULER = (GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg, LoraReqMsg)
 
 
 class Receiver(threading.Thread):
@@ -194,6 +200,7 @@ class IoProcess:
             "step": self._on_step,
             "msg": self._on_msg,
             "load": self._on_load,
+            "adapters": self._on_adapters,
         }
 
     def run(self, reader: RecordReader) -> None:
@@ -231,6 +238,13 @@ class IoProcess:
 
     def _on_load(self, figures: list[Any]) -> None:
         self.load.figures = LoadFigures(*figures)
+
+    def _on_adapters(self, names: list[str]) -> None:
+        self.load.facts = self.load.facts._replace(lora_adapters=list(names))
+        try:
+            self.heartbeat.beat()  # now, before the load's reply is sent
+        except redis.RedisError as exc:  # the heartbeat thread retries; the router refreshes
+            logger.warning("heartbeat after a LoRA update: %s", exc)
 
 
 def main(argv: list[str]) -> None:

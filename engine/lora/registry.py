@@ -60,7 +60,7 @@ class LoRARegistry:
         """Stop serving `name`; its id drains. ValueError if no adapter has that name."""
         if name not in self.ids:
             served = sorted(self.ids) or "none"
-            raise ValueError(f"no LoRA adapter {name!r} is loaded (served: {served})")
+            raise ValueError(f"the LoRA adapter {name!r} is not loaded (served: {served})")
         adapter_id = self.ids.pop(name)
         del self.paths[name]
         self.draining.add(adapter_id)

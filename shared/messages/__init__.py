@@ -4,11 +4,12 @@
 |---------------|------------------------|---------------------------------------|
 | `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
 | `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, |
-|               |                        | ProfileReqMsg                         |
+|               |                        | ProfileReqMsg, LoraReqMsg             |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
 |               |                        | TokenizeRespMsg, AbortNamedMsg,       |
-|               |                        | AbortNamedRespMsg, ProfileRespMsg     |
+|               |                        | AbortNamedRespMsg, ProfileRespMsg,    |
+|               |                        | LoraRespMsg                           |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -25,13 +26,20 @@ from shared.messages.router import (
     DetokRow,
     ErrorMsg,
     FlushCacheRespMsg,
+    LoraRespMsg,
     ProfileRespMsg,
     TokenizeRespMsg,
 )
 from shared.messages.schema import MessageError
 from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
 from shared.messages.tokenizer import ChatMessage, TokenizeReqMsg
-from shared.messages.worker import AbortReqMsg, FlushCacheReqMsg, GenerateReqMsg, ProfileReqMsg
+from shared.messages.worker import (
+    AbortReqMsg,
+    FlushCacheReqMsg,
+    GenerateReqMsg,
+    LoraReqMsg,
+    ProfileReqMsg,
+)
 
 __all__ = [
     "DETOK_WINDOW_LEN",
@@ -46,6 +54,8 @@ __all__ = [
     "FlushCacheReqMsg",
     "FlushCacheRespMsg",
     "GenerateReqMsg",
+    "LoraReqMsg",
+    "LoraRespMsg",
     "Message",
     "MessageError",
     "ProfileReqMsg",

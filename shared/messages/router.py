@@ -142,6 +142,24 @@ class ProfileRespMsg(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class LoraRespMsg(Message):
+    """worker → router `router_id`: the answer to a `LoraReqMsg`. `lora_enabled`: whether
+    the worker serves LoRA at all (a worker without it refuses every load); `adapters`: the
+    adapters it serves after the call, name -> folder."""
+
+    TAG = "lora_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    worker_id: str
+    success: bool
+    message: str = ""
+    lora_enabled: bool = False
+    adapters: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizeRespMsg(Message):
     """tokenizer → router `router_id`: the answer to a `TokenizeReqMsg` whose `reply` is
     "tokenize" (`input_ids`, and `token_strs` if asked for) or "detokenize" (`text` of the

@@ -116,3 +116,28 @@ class ProfileReqMsg(Message):
     with_stack: bool = False
     record_shapes: bool = False
     profile_id: str = ""
+
+
+LORA_ACTIONS = ("load", "unload")  # what a LoraReqMsg's `action` may be
+
+
+@dataclass(frozen=True, slots=True)
+class LoraReqMsg(Message):
+    """router → worker: load a LoRA adapter into the running worker, or unload one (vLLM's
+    `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`, SGLang's `/load_lora_adapter`
+    and `/unload_lora_adapter`; engine/scheduler/lora_updates.py).
+
+    `action` is "load" (the PEFT folder `lora_path` on the worker's machine, served as
+    `lora_name`; `replace`: a loaded adapter of that name is replaced, vLLM's `load_inplace`)
+    or "unload". The worker answers with a `LoraRespMsg` carrying `request_id`.
+    """
+
+    TAG = "lora_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    action: str
+    lora_name: str
+    lora_path: str = ""
+    replace: bool = False

@@ -60,7 +60,7 @@ def test_what_cannot_be_loaded_is_refused(folders, tmp_path) -> None:
     for name, path in (("", folders["r4"]), (" ", folders["r4"]), ("x", "")):
         with pytest.raises(ValueError, match="must not be empty"):
             reg.prepare(name, path)
-    with pytest.raises(ValueError, match=r"no LoRA adapter 'x' is loaded \(served: none\)"):
+    with pytest.raises(ValueError, match=r"'x' is not loaded \(served: none\)"):
         reg.remove("x")
     assert reg.ids == {} and not reg.draining
     assert reg.prepare("ok", folders["r4"]).id == 1  # refusals took no id

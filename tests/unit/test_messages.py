@@ -20,6 +20,8 @@ from shared.messages import (
     FlushCacheReqMsg,
     FlushCacheRespMsg,
     GenerateReqMsg,
+    LoraReqMsg,
+    LoraRespMsg,
     Message,
     MessageError,
     ProfileReqMsg,
@@ -93,6 +95,9 @@ SAMPLES: list[Message] = [
     ProfileReqMsg("prof-1", "router-a", "start", "/tmp/p", 5, ["CPU", "GPU"], True, False, "p1"),
     ProfileReqMsg("prof-2", "router-a", "stop"),
     ProfileRespMsg("prof-2", "router-a", "w0", True, "written", ["/tmp/p/p1-worker-w0.json.gz"]),
+    LoraReqMsg("lora-1", "router-a", "load", "sql", "/adapters/sql", True),
+    LoraReqMsg("lora-2", "router-a", "unload", "sql"),
+    LoraRespMsg("lora-1", "router-a", "w0", True, "", True, {"sql": "/adapters/sql"}),
     ServiceStatusMsg("detokenizer", "host-7", "host", 7, 1.0, 2.0, 5),
     TokenizeReqMsg(
         "r3", "router-b", "w0",
