@@ -219,6 +219,12 @@ class Engine(PoolingCalls):
     def unload_lora_adapter(self, lora_name: str) -> None:
         self.scheduler.unload_lora_adapter(lora_name)
 
+    def update_weights_from_disk(self, model_path: str) -> None:
+        """Serve the weights of the checkpoint in `model_path` (the same model's: the same
+        architecture and tensor shapes) from now on (SGLang's Engine call); the prefix cache
+        is emptied. ValueError, the old weights kept, if the checkpoint does not fit."""
+        self.scheduler.update_weights_from_disk(model_path)
+
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served now: name -> folder."""
         return dict(self.scheduler.loras.paths)

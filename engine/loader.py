@@ -44,24 +44,9 @@ def load_model(
     checkpoint's KV-cache scales, if any, are left in `model.kv_cache_scales`
     ({layer: (k_scale, v_scale)}, engine/mem_cache/kv_quant.py) for an FP8 KV cache.
     """
-    cls = get_model_class(model_config.architecture)
-    fp8_checkpoint = quantization is not None and quantization.checkpoint
-    with torch.device("meta"), _default_dtype(dtype):
-        model = cls(model_config.hf_config, max_position=model_config.context_len)
-        if fp8_checkpoint:
-            swap_in_fp8(model, quantization)
-    model = model.to_empty(device=device)
-    kv_cache_scales: dict[int, tuple[float, float]] = {}
-    weights: Iterable = take_kv_scales(iter_safetensors(model_config.path), kv_cache_scales)
-    if fp8_checkpoint:
-        weights = pair_fp8_scales(weights, quantization.block)
-    loaded = model.load_weights(weights)
-    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
-    if missing:
-        raise ValueError(
-            f"{model_config.path}: checkpoint lacks {len(missing)} weight(s) of "
-            f"{cls.__name__}: {missing[:10]}{' ...' if len(missing) > 10 else ''}"
-        )
+    model = build_model(model_config, dtype, device, quantization)
+    kv_cache_scales = fill_model(model, iter_safetensors(model_config.path), model_config.path,
+                                 quantization)  # fmt: skip
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
         if callable(init_buffers):
@@ -70,6 +55,44 @@ def load_model(
         swap_in_fp8(model, quantization)
     model.kv_cache_scales = kv_cache_scales
     return model.eval().requires_grad_(False)
+
+
+def build_model(
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    quantization: Fp8Config | None = None,
+) -> nn.Module:
+    """The model's class built on the meta device, then (unless `device` is "meta")
+    materialised there, uninitialised."""
+    cls = get_model_class(model_config.architecture)
+    with torch.device("meta"), _default_dtype(dtype):
+        model = cls(model_config.hf_config, max_position=model_config.context_len)
+        if quantization is not None and quantization.checkpoint:
+            swap_in_fp8(model, quantization)
+    return model if torch.device(device).type == "meta" else model.to_empty(device=device)
+
+
+def fill_model(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    path: str,
+    quantization: Fp8Config | None = None,
+) -> dict[int, tuple[float, float]]:
+    """Copy a checkpoint's tensors into `model` (ValueError if one does not fit or any
+    parameter is left without one); its KV-cache scales, by layer."""
+    kv_cache_scales: dict[int, tuple[float, float]] = {}
+    weights = take_kv_scales(weights, kv_cache_scales)
+    if quantization is not None and quantization.checkpoint:
+        weights = pair_fp8_scales(weights, quantization.block)
+    loaded = model.load_weights(weights)
+    missing = sorted(set(dict(model.named_parameters())) - set(loaded))
+    if missing:
+        raise ValueError(
+            f"{path}: checkpoint lacks {len(missing)} weight(s) of "
+            f"{type(model).__name__}: {missing[:10]}{' ...' if len(missing) > 10 else ''}"
+        )
+    return kv_cache_scales
 
 
 def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:

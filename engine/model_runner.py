@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -65,8 +66,12 @@ class ModelRunner:
         if self.device.type == "cpu" and args.dtype == "auto":
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
-        quant = resolve_quantization(args.quantization, model_config.hf_config)
-        self.model = None if host_only else load_model(model_config, self.dtype, self.device, quant)
+        self.quantization = resolve_quantization(args.quantization, model_config.hf_config)
+        self.model = (
+            None if host_only
+            else load_model(model_config, self.dtype, self.device, self.quantization)
+        )  # fmt: skip
+        self.weights_path = model_config.path  # the checkpoint the weights are from
         self.lora = (
             None if host_only else make_lora_manager(self.model, args, self.dtype, self.device)
         )
@@ -85,6 +90,7 @@ class ModelRunner:
         self.padding_req_row = _reserve_last_row(self.req_to_token_pool)
         self.allocator = memory.make_allocator(self.page_size, self.device)
         self.graph_runner: CudaGraphRunner | None = None
+        self._graphs_stale = False  # recapture before the next replay (new KV-cache scales)
         self.sampling_cache = SamplingInfoCache()
         if host_only:
             self.kv_pool = self.attn_backend = self.sampler = None
@@ -224,7 +230,7 @@ class ModelRunner:
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
-    # -- LoRA adapters loaded and unloaded while running (engine/scheduler/lora_updates.py) ---
+    # -- LoRA adapters loaded and unloaded while running (engine/scheduler/model_updates.py) --
     def add_lora_adapter(self, spec: AdapterSpec) -> None:
         assert self.lora is not None, "LoRA is not enabled on this runner"
         self.lora.add(spec)
@@ -232,6 +238,39 @@ class ModelRunner:
     def remove_lora_adapter(self, adapter_id: int) -> None:
         assert self.lora is not None, "LoRA is not enabled on this runner"
         self.lora.remove(adapter_id)
+
+    # -- weights from another checkpoint (engine/weight_update.py) -----------------------------
+    def update_weights_from_disk(self, path: str) -> None:
+        """The checkpoint in `path` into the model, in place (between forwards; the caller
+        flushes the prefix cache). ValueError, nothing changed, if it is not one of this
+        model; a failure while copying reloads the previous checkpoint and raises."""
+        from engine.weight_update import reload_weights
+
+        assert self.model is not None, "a host-only runner has no weights"
+        unwrapped = self.lora.unwrapped() if self.lora is not None else contextlib.nullcontext()
+        with unwrapped:
+            try:
+                scales = reload_weights(
+                    self.model, self.model_config, path, self.dtype, self.quantization
+                )
+            except ValueError:
+                raise
+            except Exception as exc:
+                logger.exception("loading the weights of %s; reloading %s", path,
+                                 self.weights_path)  # fmt: skip
+                reload_weights(self.model, self.model_config, self.weights_path, self.dtype,
+                               self.quantization)  # fmt: skip
+                raise RuntimeError(f"reading {path} failed ({exc}); the previous weights "
+                                   "were reloaded") from exc  # fmt: skip
+        self.weights_path = path
+        pool = self.kv_pool
+        if getattr(pool, "quantized", False):
+            before = (list(pool.k_scales), list(pool.v_scales))
+            pool.k_scales[:] = [1.0] * pool.num_layers
+            pool.v_scales[:] = [1.0] * pool.num_layers
+            pool.set_scales(scales)
+            self._graphs_stale = before != (list(pool.k_scales), list(pool.v_scales))
+        logger.info("weights updated from %s", path)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:
@@ -262,7 +301,10 @@ class ModelRunner:
         if not self.use_cuda_graph:
             return None
         graphs = self.graph_runner
-        if graphs is None or (future_map is not None and graphs.future_map is not future_map):
+        if graphs is not None and self._graphs_stale:  # constants baked in changed
+            self._graphs_stale = False
+            self.capture_cuda_graphs(graphs.future_map if future_map is None else future_map)
+        elif graphs is None or (future_map is not None and graphs.future_map is not future_map):
             self.capture_cuda_graphs(future_map)
         return self.graph_runner
 

@@ -15,7 +15,7 @@ I/O process builds and sends the step message. A `GenerateReqMsg` becomes
 remembered when it overtook its request; a `FlushCacheReqMsg` empties the prefix cache if
 nothing runs or waits, and is answered either way; a `ProfileReqMsg` starts or stops the torch
 profiler around the steps (services/worker_profile.py); a `LoraReqMsg` loads or unloads a LoRA
-adapter (engine/scheduler/lora_updates.py) and is answered with the adapters served then. The
+adapter (engine/scheduler/model_updates.py) and is answered with the adapters served then. The
 load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most every 0.25 s;
 SIGTERM / SIGINT stop the loop, and the I/O process deletes the heartbeat.
 

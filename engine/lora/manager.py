@@ -14,9 +14,10 @@ other module is refused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import torch
 from torch import nn
@@ -134,6 +135,20 @@ class LoRAManager:
         setattr(model.get_submodule(parent_path), attr, layer)
         self.layers[path] = layer
         return layer
+
+    @contextlib.contextmanager
+    def unwrapped(self) -> Iterator[None]:
+        """The model with its own layers where `LoRALinear`s wrap them (its parameters under
+        their checkpoint names, for the loader), wrapped again after."""
+        for path, layer in self.layers.items():
+            parent, _, attr = path.rpartition(".")
+            setattr(self.model.get_submodule(parent), attr, layer.base)
+        try:
+            yield
+        finally:
+            for path, layer in self.layers.items():
+                parent, _, attr = path.rpartition(".")
+                setattr(self.model.get_submodule(parent), attr, layer)
 
     # -- batches --------------------------------------------------------------------------------
     def prepare(self, forward_batch: ForwardBatch) -> None:

@@ -20,7 +20,7 @@ from engine.forward_batch import ForwardMode
 from engine.lora import lora_rank, read_adapter_specs
 from engine.lora.registry import LoRARegistry
 from engine.scheduler.grammar_queue import GrammarQueue
-from engine.scheduler.lora_updates import LoRAUpdates
+from engine.scheduler.model_updates import ModelUpdates
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pools import MemoryPools
 from engine.scheduler.prefill_adder import AddResult, PrefillAdder
@@ -47,7 +47,7 @@ class SchedulerStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Scheduler(RequestIntake, LoRAUpdates):
+class Scheduler(RequestIntake, ModelUpdates):
     def __init__(
         self,
         args: EngineArgs,
@@ -71,6 +71,7 @@ class Scheduler(RequestIntake, LoRAUpdates):
         rank = lora_rank(args, specs) if args.lora_enabled else None
         self.loras = LoRARegistry(specs, args.lora_enabled, rank)
         self.lora_ids = self.loras.ids  # name -> id of the adapters served now (the same dict)
+        self.weights_path = model_runner.model_config.path
         sign = (1 if args.schedule_low_priority_values_first else -1) * (
             args.enable_priority_scheduling
         )

@@ -125,7 +125,7 @@ LORA_ACTIONS = ("load", "unload")  # what a LoraReqMsg's `action` may be
 class LoraReqMsg(Message):
     """router → worker: load a LoRA adapter into the running worker, or unload one (vLLM's
     `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`, SGLang's `/load_lora_adapter`
-    and `/unload_lora_adapter`; engine/scheduler/lora_updates.py).
+    and `/unload_lora_adapter`; engine/scheduler/model_updates.py).
 
     `action` is "load" (the PEFT folder `lora_path` on the worker's machine, served as
     `lora_name`; `replace`: a loaded adapter of that name is replaced, vLLM's `load_inplace`)

@@ -1,10 +1,12 @@
-"""Loading and unloading LoRA adapters in a running scheduler (vLLM's `/v1/load_lora_adapter`
-and `/v1/unload_lora_adapter`, SGLang's `/load_lora_adapter` and `/unload_lora_adapter`).
+"""Changing the model of a running scheduler: loading and unloading LoRA adapters (vLLM's
+`/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, SGLang's `/load_lora_adapter` and
+`/unload_lora_adapter`), and replacing the weights with another checkpoint's (SGLang's
+`update_weights_from_disk`, engine/weight_update.py).
 
-Called between steps, on the scheduler's thread. The adapter's weights go to the model
+Called between steps, on the scheduler's thread. The work on the model goes to the model
 runner through `_on_device`: directly without overlap, and in launch order through the overlap
-executor otherwise (its forward thread, or its device process), so a load or a release never
-runs beside a forward. The names and ids are `LoRARegistry`'s (engine/lora/registry.py): an
+executor otherwise (its forward thread, or its device process), so it never runs beside a
+forward. The names and ids are `LoRARegistry`'s (engine/lora/registry.py): an
 unloaded adapter's requests finish on it, and its weights are dropped once none is left
 (`release_loras`, after every step).
 """
@@ -21,7 +23,7 @@ from engine.scheduler.req import Req
 logger = logging.getLogger(__name__)
 
 
-class LoRAUpdates:
+class ModelUpdates:
     loras: LoRARegistry
     waiting_queue: list[Req]
     running_batch: Any
@@ -29,6 +31,8 @@ class LoRAUpdates:
     chunked_req: Req | None
     grammar_queue: Any
     model_runner: Any
+    tree_cache: Any
+    weights_path: str  # the checkpoint the model's weights are from now
 
     def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
         """Serve the PEFT adapter in `path` as `name` from the next step on; `replace`: a
@@ -54,6 +58,18 @@ class LoRAUpdates:
             return
         for adapter_id in self.loras.release(self._lora_ids_in_use()):
             self._on_device("remove_lora_adapter", adapter_id)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """The weights of the checkpoint in `path` (the same model's) from the next step on;
+        the prefix cache is emptied (its K/V are the old weights'). Only with no request
+        running or waiting (ValueError otherwise: the worker holds new requests back and lets
+        the running ones finish first). ValueError with the reason, nothing changed, if the
+        checkpoint does not fit the model."""
+        if self.has_work():
+            raise ValueError("requests are running or waiting: update the weights when idle")
+        self._on_device("update_weights_from_disk", path)
+        self.tree_cache.reset()
+        self.weights_path = path
 
     def _lora_ids_in_use(self) -> set[int]:
         batches = [self.running_batch, self.last_batch]

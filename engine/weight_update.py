@@ -1,0 +1,98 @@
+"""Another checkpoint's weights into the running model, in place: SGLang's
+`update_weights_from_disk` (what RL trainers call between rollouts).
+
+The checkpoint must be of the same model: the same architecture and quantization method, and
+tensors of the same names and shapes. That is checked first, without touching the served
+weights: the checkpoint is loaded into a copy of the model on the meta device (no memory; the
+loader's own name mapping, shape checks and missing-weight check run, on tensors that have a
+shape but no data). Only then are the real tensors copied into the model's parameters, in
+place, so CUDA graphs captured over them stay valid. A failure in that second pass (an
+unreadable file) leaves a mix of weights: the caller reloads the old checkpoint then.
+Config fields other than the shapes (rope settings, for example) are not applied: they are
+logged where the new config differs. An FP8 model quantized while loading (`--quantization
+fp8` over a 16-bit checkpoint) is refused: its weights would have to be quantized again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.loader import build_model, fill_model, iter_safetensors, safetensors_files
+from engine.quantization import Fp8Config
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
+_READ_BELOW = 64  # tensors this small are read for real in the dry run (scales, read by value)
+_IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures"}
+
+
+def reload_weights(
+    model: nn.Module,
+    model_config: ModelConfig,
+    path: str,
+    dtype: torch.dtype,
+    quantization: Fp8Config | None,
+) -> dict[int, tuple[float, float]]:
+    """Copy the checkpoint in `path` into `model` (built from `model_config`); its KV-cache
+    scales. ValueError, with nothing changed, if it is not a checkpoint of this model."""
+    if quantization is not None and not quantization.checkpoint:
+        raise ValueError("the model was quantized to FP8 as it loaded (--quantization fp8); "
+                         "updating its weights from disk is not supported")  # fmt: skip
+    check_config(model_config, path)
+    dry = build_model(model_config, dtype, "meta", quantization)
+    try:
+        fill_model(dry, meta_safetensors(path), path, quantization)
+    except (ValueError, RuntimeError) as exc:
+        raise ValueError(f"{path} does not fit the served model: {exc}") from None
+    return fill_model(model, iter_safetensors(path), path, quantization)
+
+
+def check_config(model_config: ModelConfig, path: str) -> None:
+    """ValueError unless `path` holds a checkpoint with the served model's architecture and
+    quantization; the other config fields that differ are logged (not applied)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ValueError(f"no config.json in {path}")
+    with open(config_file) as f:
+        new = json.load(f)
+    ours = model_config.hf_config.to_dict()
+    if new.get("architectures") != ours.get("architectures"):
+        raise ValueError(f"{path} is a {new.get('architectures')} checkpoint; the served model "
+                         f"is {ours.get('architectures')}")  # fmt: skip
+    method = (new.get("quantization_config") or {}).get("quant_method")
+    served = (ours.get("quantization_config") or {}).get("quant_method")
+    if method != served:
+        raise ValueError(f"{path} has quantization {method}; the served model's is {served}")
+    differ = sorted(k for k in new if k not in _IGNORED and k in ours and new[k] != ours[k])
+    if differ:
+        logger.warning("weights from %s: its config differs in %s (not applied)", path, differ)
+
+
+def meta_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors as meta tensors of their shapes and dtypes (no data read),
+    except the tiny ones, read (a KV-cache scale is taken by value)."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                piece = f.get_slice(name)
+                shape = piece.get_shape()
+                if math.prod(shape) < _READ_BELOW or piece.get_dtype() not in _DTYPES:
+                    yield name, f.get_tensor(name)
+                else:
+                    yield name, torch.empty(shape, dtype=_DTYPES[piece.get_dtype()], device="meta")
