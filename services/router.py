@@ -36,6 +36,7 @@ from services.router_named import AbortBody
 from services.router_profile import add_routes as add_profile_routes
 from services.router_protocol import ApiError, parse_body
 from services.router_tokens import DetokenizeBody, TokenizeBody
+from services.router_weights import add_routes as add_weights_routes
 from shared.async_bus import AsyncBus
 from shared.heartbeat import Heartbeat, list_live_async
 from shared.keys import DETOKENIZER_KIND, ROUTER_KIND, TOKENIZER_KIND, WORKER_KIND, heartbeat_key
@@ -134,6 +135,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     add_profile_routes(app, state)  # POST /start_profile, /stop_profile
     add_embedding_routes(app, state)  # POST /v1/embeddings
     add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /load_lora_adapter, unloads
+    add_weights_routes(app, state)  # POST /update_weights_from_disk
 
     def model_card(router: Router, name: str) -> dict[str, Any]:
         return {
@@ -237,8 +239,11 @@ def create_app(config: RouterConfig) -> FastAPI:
         if router.broker.workers.context_len is None:  # no heartbeat read yet
             await router.broker.refresh_workers()
         r = router.config.router
+        updated = {hb.weights_path for hb in router.broker.workers.live.values()}
         return {
-            "model_path": r.model or router.model_name,
+            # the checkpoint of the weights, where every worker's has been updated to one
+            "model_path": updated.pop() if len(updated) == 1 and "" not in updated
+            else r.model or router.model_name,
             "tokenizer_path": r.model,
             "is_generation": not router.broker.workers.embedding_only,
             "served_model_name": router.model_name,

@@ -1,7 +1,8 @@
 """Questions a router fans out to every live worker and waits on: `POST /flush_cache`
 (a `FlushCacheReqMsg`), `POST /start_profile` and `/stop_profile` (a `ProfileReqMsg`,
 services/router_profile.py), the LoRA adapter loads and unloads (a `LoraReqMsg`,
-services/router_lora.py). The aborts of `POST /abort_request` are in
+services/router_lora.py) and `POST /update_weights_from_disk` (an `UpdateWeightsReqMsg`,
+services/router_weights.py). The aborts of `POST /abort_request` are in
 services/router_named.py.
 
 `WorkerQuestions.ask()` sends one message to each live worker's stream and waits (at most
@@ -29,9 +30,7 @@ from shared.keys import worker_in_stream
 from shared.messages import (
     FlushCacheReqMsg,
     FlushCacheRespMsg,
-    LoraRespMsg,
     Message,
-    ProfileRespMsg,
 )
 
 FLUSH_TIMEOUT_S = 10.0
@@ -105,5 +104,7 @@ class WorkerQuestions:
     async def flush(self) -> dict[str, FlushCacheRespMsg | None]:
         return await self.ask(partial(FlushCacheReqMsg, router_id=self.router_id))
 
-    def deliver(self, msg: FlushCacheRespMsg | ProfileRespMsg | LoraRespMsg) -> None:
-        self._answers.deliver(msg.request_id, msg.worker_id, msg)
+    def deliver(self, msg: Message) -> None:
+        """A worker's answer (FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg,
+        UpdateWeightsRespMsg)."""
+        self._answers.deliver(msg.request_id, msg.worker_id, msg)  # type: ignore[attr-defined]

@@ -58,10 +58,14 @@ from shared.messages import (
     ProfileRespMsg,
     TokenizeReqMsg,
     TokenizeRespMsg,
+    UpdateWeightsRespMsg,
     WorkerLoadMsg,
 )
 
 logger = logging.getLogger(__name__)
+
+# the workers' answers to the router's questions (services/router_control.py)
+_WORKER_ANSWERS = (FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg, UpdateWeightsRespMsg)
 
 
 class Broker:
@@ -212,7 +216,7 @@ class Broker:
                 h.deliver(msg)
             else:
                 self.queries.deliver(msg)
-        elif isinstance(msg, (FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg)):
+        elif isinstance(msg, _WORKER_ANSWERS):
             self.to_workers.deliver(msg)
         elif isinstance(msg, TokenizeRespMsg):
             self.queries.deliver(msg)

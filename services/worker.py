@@ -15,9 +15,11 @@ I/O process builds and sends the step message. A `GenerateReqMsg` becomes
 remembered when it overtook its request; a `FlushCacheReqMsg` empties the prefix cache if
 nothing runs or waits, and is answered either way; a `ProfileReqMsg` starts or stops the torch
 profiler around the steps (services/worker_profile.py); a `LoraReqMsg` loads or unloads a LoRA
-adapter (engine/scheduler/model_updates.py) and is answered with the adapters served then. The
-load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most every 0.25 s;
-SIGTERM / SIGINT stop the loop, and the I/O process deletes the heartbeat.
+adapter (engine/scheduler/model_updates.py) and is answered with the adapters served then; an
+`UpdateWeightsReqMsg` holds new requests back until the running ones end, then updates the
+weights and admits them. The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`)
+at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O process deletes the
+heartbeat.
 
     sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
 """
@@ -55,6 +57,8 @@ from shared.messages import (
     ProfileReqMsg,
     ProfileRespMsg,
     StepOutputMsg,
+    UpdateWeightsReqMsg,
+    UpdateWeightsRespMsg,
 )
 from shared.settings import WorkerSettings, add_settings_args, settings_from_args
 
@@ -90,7 +94,12 @@ class Worker:
             FlushCacheReqMsg: self._on_flush,
             ProfileReqMsg: self._on_profile,
             LoraReqMsg: self._on_lora,
+            UpdateWeightsReqMsg: self._on_update_weights,
         }
+        # a weights update waiting for the running requests to end, and the requests that
+        # arrived meanwhile (admitted after it)
+        self._update: UpdateWeightsReqMsg | None = None
+        self._held: list[GenerateReqMsg] = []
         self.link = IoLink(self.hello())  # starts the I/O process; ready when this returns
 
     def hello(self) -> dict:
@@ -119,9 +128,11 @@ class Worker:
                 idle = not self.scheduler.has_work()
                 if idle and self.trace is not None:
                     self.trace.flush()
-                self._drain(block=idle)
+                self._drain(block=idle and self._update is None)
                 if self.scheduler.has_work() or self._events_waiting:
                     self._step()
+                elif self._update is not None:
+                    self._update_weights()
         finally:
             if self.trace is not None:
                 self.trace.flush()
@@ -171,6 +182,9 @@ class Worker:
 
     # -- dispatch ---------------------------------------------------------------------------
     def _on_generate(self, msg: GenerateReqMsg) -> None:
+        if self._update is not None:  # after the weights update
+            self._held.append(msg)
+            return
         admission = self.table.admit(msg)
         if admission == "duplicate":
             logger.info("ignoring a second copy of request %s", msg.rid)
@@ -237,10 +251,50 @@ class Worker:
                 logger.exception("LoRA %s of %r", msg.action, msg.lora_name)
             ok, note = False, str(exc)
         if ok:
-            self.link.adapters(sorted(loras.ids))
+            self.link.facts(lora_adapters=sorted(loras.ids))
         reply = LoraRespMsg(
             msg.request_id, msg.router_id, self.worker_id, ok, note, loras.enabled,
             dict(loras.paths),
+        )  # fmt: skip
+        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
+
+    def _on_update_weights(self, msg: UpdateWeightsReqMsg) -> None:
+        """Hold new requests back until the running ones have ended (aborted with
+        `abort_all_requests`); the update itself is `_update_weights`, once idle."""
+        if self._update is not None:
+            why = f"an update of the weights (to {self._update.model_path}) is in progress"
+            self._reply_update(msg, False, why, 0)
+            return
+        self._update = msg
+        logger.info("weights update to %s: waiting for %d running request(s)%s",
+                    msg.model_path, len(self.table.active),
+                    " (aborting them)" if msg.abort_all_requests else "")  # fmt: skip
+        if msg.abort_all_requests:
+            for rid in list(self.table.active):
+                self._on_abort(AbortReqMsg(rid, "aborted: the weights are being updated"))
+
+    def _update_weights(self) -> None:
+        msg, self._update = self._update, None
+        held, self._held = self._held, []
+        assert msg is not None
+        try:
+            self.scheduler.update_weights_from_disk(msg.model_path)
+            ok, note = True, ""
+        except Exception as exc:  # noqa: BLE001 - refused with the reason; the worker goes on
+            if not isinstance(exc, ValueError):
+                logger.exception("updating the weights from %s", msg.model_path)
+            ok, note = False, str(exc)
+        if ok:
+            path = self.scheduler.weights_path
+            self.link.facts(weights_path="" if path == self.model else path)
+        self._reply_update(msg, ok, note, len(held))
+        for request in held:
+            self._on_generate(request)
+
+    def _reply_update(self, msg: UpdateWeightsReqMsg, ok: bool, note: str, paused: int) -> None:
+        reply = UpdateWeightsRespMsg(
+            msg.request_id, msg.router_id, self.worker_id, ok, note, paused,
+            self.scheduler.weights_path,
         )  # fmt: skip
         self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 

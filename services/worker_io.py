@@ -52,12 +52,15 @@ from shared.messages import (
     GenerateReqMsg,
     LoraReqMsg,
     ProfileReqMsg,
+    UpdateWeightsReqMsg,
 )
 
 logger = logging.getLogger(__name__)
 
 _RETRY_S = 0.5
-_TO_SCHEDULER = (GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg, LoraReqMsg)
+_TO_SCHEDULER = (
+    GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg, LoraReqMsg, UpdateWeightsReqMsg,
+)  # fmt: skip
 
 
 class Receiver(threading.Thread):
@@ -200,7 +203,7 @@ class IoProcess:
             "step": self._on_step,
             "msg": self._on_msg,
             "load": self._on_load,
-            "adapters": self._on_adapters,
+            "facts": self._on_facts,
         }
 
     def run(self, reader: RecordReader) -> None:
@@ -239,12 +242,12 @@ class IoProcess:
     def _on_load(self, figures: list[Any]) -> None:
         self.load.figures = LoadFigures(*figures)
 
-    def _on_adapters(self, names: list[str]) -> None:
-        self.load.facts = self.load.facts._replace(lora_adapters=list(names))
+    def _on_facts(self, changes: dict[str, Any]) -> None:
+        self.load.facts = self.load.facts._replace(**changes)
         try:
-            self.heartbeat.beat()  # now, before the load's reply is sent
+            self.heartbeat.beat()  # now, before the reply that follows is sent
         except redis.RedisError as exc:  # the heartbeat thread retries; the router refreshes
-            logger.warning("heartbeat after a LoRA update: %s", exc)
+            logger.warning("heartbeat after %s changed: %s", sorted(changes), exc)
 
 
 def main(argv: list[str]) -> None:

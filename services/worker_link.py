@@ -20,7 +20,7 @@ first item names the record:
                       ["step", step, [row record, ...]]                    see `row_record`
                       ["msg", stream, message bytes]                       publish as is
                       ["load", [figure, ...]]                              `LoadFigures`
-                      ["adapters", [name, ...]]         the LoRA adapters served now (beat now)
+                      ["facts", {field: value}]         `WorkerFacts` changed (beat now)
     I/O → scheduler   ["ready"]                                            once, when serving
                       ["in", [message bytes, ...]]                         one read of the stream
 
@@ -167,10 +167,11 @@ class IoLink:
     def load(self, figures: tuple[Any, ...]) -> None:
         self._send(["load", list(figures)])
 
-    def adapters(self, names: list[str]) -> None:
-        """The LoRA adapters served after a load or unload: the heartbeat says so before any
-        record sent after this one is handled (a reply's routers then see them listed)."""
-        self._send(["adapters", list(names)])
+    def facts(self, **changes: Any) -> None:
+        """Facts of the heartbeat changed (the LoRA adapters served, the weights' checkpoint):
+        it says so before any record sent after this one is handled (the routers that get a
+        reply sent next then see them)."""
+        self._send(["facts", changes])
 
     # -- from the I/O process -----------------------------------------------------------------
     def receive(self, timeout: float = 0.0) -> list[Message]:

@@ -29,7 +29,8 @@ class LoadFigures(NamedTuple):
 
 
 class WorkerFacts(NamedTuple):
-    """What a worker's heartbeat says that does not change while it runs."""
+    """What a worker's heartbeat says that changes only by request (LoRA adapters loaded,
+    weights updated: services/worker.py sends the new facts)."""
 
     worker_id: str
     model: str
@@ -41,6 +42,7 @@ class WorkerFacts(NamedTuple):
     is_embedding: bool = False
     matryoshka_dimensions: list[int] | None = None  # (engine/pooling.py)
     labels: list[str] | None = None  # a sequence classifier's
+    weights_path: str = ""  # where not `model`: the checkpoint of an update_weights_from_disk
 
     @classmethod
     def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
@@ -113,4 +115,5 @@ class LoadReporter:
             is_embedding=facts.is_embedding,
             matryoshka_dimensions=facts.matryoshka_dimensions,
             labels=facts.labels,
+            weights_path=facts.weights_path,
         )

@@ -4,12 +4,13 @@
 |---------------|------------------------|---------------------------------------|
 | `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
 | `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, |
-|               |                        | ProfileReqMsg, LoraReqMsg             |
+|               |                        | ProfileReqMsg, LoraReqMsg,            |
+|               |                        | UpdateWeightsReqMsg                   |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
 |               |                        | TokenizeRespMsg, AbortNamedMsg,       |
 |               |                        | AbortNamedRespMsg, ProfileRespMsg,    |
-|               |                        | LoraRespMsg                           |
+|               |                        | LoraRespMsg, UpdateWeightsRespMsg     |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -29,6 +30,7 @@ from shared.messages.router import (
     LoraRespMsg,
     ProfileRespMsg,
     TokenizeRespMsg,
+    UpdateWeightsRespMsg,
 )
 from shared.messages.schema import MessageError
 from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
@@ -39,6 +41,7 @@ from shared.messages.worker import (
     GenerateReqMsg,
     LoraReqMsg,
     ProfileReqMsg,
+    UpdateWeightsReqMsg,
 )
 
 __all__ = [
@@ -67,6 +70,8 @@ __all__ = [
     "TokenizeRespMsg",
     "StepRow",
     "TokenizeReqMsg",
+    "UpdateWeightsReqMsg",
+    "UpdateWeightsRespMsg",
     "WorkerLoadMsg",
     "decode_message",
     "message_types",

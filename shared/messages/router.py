@@ -160,6 +160,24 @@ class LoraRespMsg(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class UpdateWeightsRespMsg(Message):
+    """worker → router `router_id`: the answer to an `UpdateWeightsReqMsg`;
+    `num_paused_requests`: the requests held back while it waited and updated;
+    `weights_path`: the checkpoint its weights are from after the call."""
+
+    TAG = "update_weights_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    worker_id: str
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0
+    weights_path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class TokenizeRespMsg(Message):
     """tokenizer → router `router_id`: the answer to a `TokenizeReqMsg` whose `reply` is
     "tokenize" (`input_ids`, and `token_strs` if asked for) or "detokenize" (`text` of the

@@ -23,10 +23,13 @@ class WorkerLoadMsg(Message):
     any, None if the model has no matryoshka representations. `labels`: a sequence
     classifier's label names by index (its pooling requests come back as one logit per
     label: `/v1/classify`, `/v1/score`, `/v1/rerank`); None for any other model.
+    `weights_path`: the checkpoint its weights are from, where it is not `model` (after
+    `POST /update_weights_from_disk`), else "".
     """
 
     TAG = "worker_load"
-    VERSION = 6  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels
+    VERSION = 7  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
+    # 7: weights_path
 
     worker_id: str
     model: str
@@ -48,6 +51,7 @@ class WorkerLoadMsg(Message):
     is_embedding: bool = False
     matryoshka_dimensions: list[int] | None = None
     labels: list[str] | None = None
+    weights_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,3 +141,21 @@ class LoraReqMsg(Message):
     lora_name: str
     lora_path: str = ""
     replace: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateWeightsReqMsg(Message):
+    """router → worker: serve the weights of the checkpoint `model_path` (on the worker's
+    machine; the same model's) from now on (SGLang's `POST /update_weights_from_disk`;
+    engine/weight_update.py). The worker holds new requests back, lets the running ones
+    finish (or aborts them first with `abort_all_requests`), updates, empties its prefix
+    cache and answers with an `UpdateWeightsRespMsg` carrying `request_id`.
+    """
+
+    TAG = "update_weights_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    model_path: str
+    abort_all_requests: bool = False

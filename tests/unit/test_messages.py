@@ -32,6 +32,8 @@ from shared.messages import (
     StepRow,
     TokenizeReqMsg,
     TokenizeRespMsg,
+    UpdateWeightsReqMsg,
+    UpdateWeightsRespMsg,
     WorkerLoadMsg,
     decode_message,
     message_types,
@@ -98,6 +100,8 @@ SAMPLES: list[Message] = [
     LoraReqMsg("lora-1", "router-a", "load", "sql", "/adapters/sql", True),
     LoraReqMsg("lora-2", "router-a", "unload", "sql"),
     LoraRespMsg("lora-1", "router-a", "w0", True, "", True, {"sql": "/adapters/sql"}),
+    UpdateWeightsReqMsg("upd-1", "router-a", "/ckpt/step-200", True),
+    UpdateWeightsRespMsg("upd-1", "router-a", "w0", True, "", 3, "/ckpt/step-200"),
     ServiceStatusMsg("detokenizer", "host-7", "host", 7, 1.0, 2.0, 5),
     TokenizeReqMsg(
         "r3", "router-b", "w0",

@@ -1,0 +1,88 @@
+"""`POST /update_weights_from_disk`, as SGLang serves it: every live worker replaces its
+weights with the checkpoint in `model_path` (a folder on the workers' machines, of the same
+model: same architecture, quantization and tensor shapes; engine/weight_update.py).
+
+Each worker holds new requests back, lets its running requests finish (or aborts them first
+with `abort_all_requests: true`), updates, empties its prefix cache and takes the held requests
+on. The answer is SGLang's: `{"success", "message", "num_paused_requests"}` (the requests held
+back, summed over the workers), a 400 with the reasons if a worker refused (a checkpoint of
+another model: that worker's weights are unchanged), a 503 if one did not answer in time (its
+update may still happen). `/get_model_info`'s `model_path` then names the checkpoint. SGLang's
+`load_format` may be left out or "auto"/"safetensors"; `flush_cache: false` is refused (the
+old weights' K/V would be reused).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from services.router_fields import _Strict
+from services.router_protocol import ApiError, parse_body
+from shared.messages import UpdateWeightsReqMsg, UpdateWeightsRespMsg
+
+# a worker first lets its running requests finish: as long as the longest of them may take
+UPDATE_TIMEOUT_S = 600.0
+
+
+class UpdateWeightsBody(_Strict):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    flush_cache: bool = True
+
+
+async def update_weights(router: Any, body: UpdateWeightsBody) -> int:
+    """Update every live worker; the requests they held back meanwhile. ApiError if any
+    refused or did not answer."""
+    if not body.model_path.strip():
+        raise ApiError(400, "model_path must not be empty", "model_path", "invalid_value")
+    if body.load_format not in (None, "auto", "safetensors"):
+        raise ApiError(400, f"load_format {body.load_format!r} is not supported (safetensors "
+                            "folders only)", "load_format", "unsupported_parameter")  # fmt: skip
+    if not body.flush_cache:
+        raise ApiError(400, "flush_cache false is not supported (the prefix cache holds the old "
+                            "weights' K/V)", "flush_cache", "unsupported_parameter")  # fmt: skip
+    broker = router.broker
+    await broker.refresh_workers()
+
+    def question(request_id: str) -> UpdateWeightsReqMsg:
+        return UpdateWeightsReqMsg(
+            request_id, broker.router_id, body.model_path, body.abort_all_requests
+        )
+
+    replies: dict[str, UpdateWeightsRespMsg | None] = await broker.to_workers.ask(
+        question, UPDATE_TIMEOUT_S
+    )
+    await broker.refresh_workers()  # (each updated worker's heartbeat names the checkpoint)
+    refused = {w: r.message for w, r in replies.items() if r is not None and not r.success}
+    if refused:
+        detail = "; ".join(f"{w}: {m}" for w, m in sorted(refused.items()))
+        done = sorted(w for w, r in replies.items() if r is not None and r.success)
+        if done:
+            detail += f" (updated: {', '.join(done)})"
+        raise ApiError(400, f"weights not updated: {detail}", "model_path", "update_refused")
+    silent = sorted(w for w, r in replies.items() if r is None)
+    if silent:
+        raise ApiError(503, f"weights update: no answer from {', '.join(silent)} within "
+                            f"{UPDATE_TIMEOUT_S:g} s", None, "worker_unavailable")  # fmt: skip
+    return sum(r.num_paused_requests for r in replies.values() if r is not None)
+
+
+def add_routes(app: Any, state: dict[str, Any]) -> None:
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        router = state["router"]
+        router.authorize(request)
+        try:
+            body = parse_body(UpdateWeightsBody, await request.body())
+            paused = await update_weights(router, body)
+        except ApiError as exc:
+            if exc.status in (401, 403):
+                raise
+            return JSONResponse({"success": False, "message": exc.message,
+                                 "num_paused_requests": 0}, status_code=exc.status)  # fmt: skip
+        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
+                             "num_paused_requests": paused})  # fmt: skip
