@@ -1,0 +1,107 @@
+"""Updating a running engine's weights from disk against restarting it on the new checkpoint
+(what one would do without `update_weights_from_disk`), side by side in one run.
+
+    python benchmarks/weight_update.py [--layers 4] [--threads 2] [--repeat 3]
+
+Two random Llamas of the `small` preset's shape (hidden 1024, GQA 16/4, intermediate 2816)
+with `--layers` layers, seeds 0 and 1, float32 safetensors. Arms, alternating, `--repeat`
+rounds (the fastest of each counts), the engine with its defaults (the overlap loop, on CPU
+its device process):
+
+* update: `Engine.update_weights_from_disk` to the other checkpoint (the dry run on the meta
+  device, then the tensors copied in place, the prefix cache emptied), then one request;
+* dry run: the check alone (`engine.weight_update.check_config` + the meta-device load);
+* restart: the engine shut down and a new one built on the other checkpoint (process, model
+  load, KV pool), then one request.
+
+The request's greedy tokens after an update must equal those of an engine started on that
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+from benchmarks.common import parse_arm_args, print_table, small_model, write_result  # noqa: E402
+
+PROMPT = list(range(100, 164))
+PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=4)
+    args = parse_arm_args(ap)
+    from engine.config import ModelConfig
+    from engine.engine import Engine
+    from engine.loader import build_model, fill_model
+    from engine.weight_update import check_config, meta_safetensors
+
+    paths = [small_model(args.layers, seed) for seed in (0, 1)]
+    size_mb = sum(
+        os.path.getsize(os.path.join(paths[0], f)) for f in os.listdir(paths[0])
+        if f.endswith(".safetensors")
+    ) / 2**20  # fmt: skip
+    kw = dict(skip_tokenizer_init=True, max_total_tokens=4096)
+    times: dict[str, list[float]] = {"update": [], "dry run": [], "restart": []}
+    outs: dict[str, list] = {"update": [], "restart": []}
+    engine = Engine(model_path=paths[0], **kw)
+    current = 0
+    try:
+        engine.generate(input_ids=PROMPT, sampling_params=PARAMS)  # warm-up
+        for i in range(args.repeat):
+            target = 1 - current
+            t0 = time.perf_counter()
+            engine.update_weights_from_disk(paths[target])
+            out = engine.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
+            times["update"].append(time.perf_counter() - t0)
+            outs["update"].append((target, out))
+
+            config = ModelConfig.from_pretrained(paths[target])
+            t0 = time.perf_counter()
+            check_config(config, paths[target])
+            dry = build_model(config, torch.float32, "meta")
+            fill_model(dry, meta_safetensors(paths[target]), paths[target])
+            times["dry run"].append(time.perf_counter() - t0)
+
+            t0 = time.perf_counter()
+            engine.shutdown()
+            engine = Engine(model_path=paths[target], **kw)
+            out = engine.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
+            times["restart"].append(time.perf_counter() - t0)
+            outs["restart"].append((target, out))
+            current = target
+            print(f"round {i + 1}: " + " ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+                  flush=True)  # fmt: skip
+    finally:
+        engine.shutdown()
+    same = outs["update"] == outs["restart"]  # round by round, the same checkpoint
+    checked = {ckpt for ckpt, _ in outs["update"]}
+    rows = [{"arm": k, "best_s": min(v), "median_s": sorted(v)[len(v) // 2]}
+            for k, v in times.items()]  # fmt: skip
+    print_table(rows, ["arm", "best_s", "median_s"])
+    summary = {
+        "checkpoint_mb": size_mb,
+        "update_s": rows[0]["best_s"],
+        "dry_run_s": rows[1]["best_s"],
+        "restart_s": rows[2]["best_s"],
+        "restart_vs_update": rows[2]["best_s"] / rows[0]["best_s"],
+        "update_tokens_equal_fresh_engine": same,
+        "checkpoints_compared": sorted(checked),
+    }
+    print(summary)
+    print("wrote", write_result("weight_update", rows, summary, config=vars(args)))
+    if not same or not checked:
+        raise SystemExit("an updated engine's tokens differ from a fresh engine's")
+
+
+if __name__ == "__main__":
+    main()
