@@ -9,6 +9,7 @@ import random
 import tempfile
 from typing import Any
 
+import pytest
 import torch
 
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text")
@@ -208,3 +209,16 @@ def paged_case_batch(case: Any, mode: Any, pool: Any, backend: Any, rows: Any = 
         extend_seq_lens_cpu=case.extend_lens.tolist() if extend else None,
         extend_start_loc=case.extend_start_loc if extend else None,
     )
+
+
+# the scheduler loops a change to the running model must work under: without overlap, and
+# with the overlap executor's forward thread and its device process (engine/overlap/)
+SCHEDULER_LOOPS = pytest.mark.parametrize(
+    "kw",
+    [
+        dict(disable_overlap_schedule=True),
+        dict(cpu_overlap_executor="thread"),
+        dict(cpu_overlap_executor="process"),
+    ],
+    ids=["no-overlap", "thread", "process"],
+)

@@ -11,7 +11,14 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import Engine
-from tests.factories import assert_engine_clean, lora_greedy, mixed_prompts, model_path, tiny_lora
+from tests.factories import (
+    SCHEDULER_LOOPS,
+    assert_engine_clean,
+    lora_greedy,
+    mixed_prompts,
+    model_path,
+    tiny_lora,
+)
 
 NEW = 12
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
@@ -40,15 +47,7 @@ def device_lora(eng: Engine):
     return eng.scheduler.model_runner.lora
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(disable_overlap_schedule=True),
-        dict(cpu_overlap_executor="thread"),
-        dict(cpu_overlap_executor="process"),
-    ],
-    ids=["no-overlap", "thread", "process"],
-)
+@SCHEDULER_LOOPS
 def test_adapters_loaded_at_run_time_match_peft(kw: dict) -> None:
     a, b = adapter(1), adapter(2, rank=4, targets=("q_proj", "v_proj", "down_proj"))
     prompts = mixed_prompts(500, n=6, max_len=40, seed=5)

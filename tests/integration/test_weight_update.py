@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 import engine.weight_update as weight_update
 from engine.engine import Engine
 from tests.factories import (
+    SCHEDULER_LOOPS,
     assert_engine_clean,
     hf_greedy,
     lora_greedy,
@@ -35,15 +36,7 @@ def greedy(eng: Engine, **kw: object) -> dict:
     return eng.generate(input_ids=PROMPT, sampling_params=GREEDY, **kw)
 
 
-@pytest.mark.parametrize(
-    "kw",
-    [
-        dict(disable_overlap_schedule=True),
-        dict(cpu_overlap_executor="thread"),
-        dict(cpu_overlap_executor="process"),
-    ],
-    ids=["no-overlap", "thread", "process"],
-)
+@SCHEDULER_LOOPS
 def test_updated_weights_match_transformers(kw: dict) -> None:
     eng = Engine(model_path=A, max_total_tokens=2048, **kw)
     try:
