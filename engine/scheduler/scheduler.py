@@ -71,7 +71,7 @@ class Scheduler(RequestIntake, ModelUpdates):
         rank = lora_rank(args, specs) if args.lora_enabled else None
         self.loras = LoRARegistry(specs, args.lora_enabled, rank)
         self.lora_ids = self.loras.ids  # name -> id of the adapters served now (the same dict)
-        self.weights_path = model_runner.model_config.path
+        self.weights_path = getattr(model_runner, "weights_path", "")  # (the checkpoint)
         sign = (1 if args.schedule_low_priority_values_first else -1) * (
             args.enable_priority_scheduling
         )
