@@ -77,22 +77,33 @@ def test_update_and_back(stack: Stack) -> None:
     assert tokens(stack) == hf_greedy(OTHER, PROMPT, NEW)
 
 
+def waiting_updates(stack: Stack) -> int:
+    """How many weights updates the worker has logged as waiting for a running request."""
+    assert stack.worker is not None
+    return stack.worker.log(tail=10**7).count(f"weights update to {OTHER}: waiting for 1 ")
+
+
 def test_running_requests_finish_on_the_old_weights(stack: Stack) -> None:
-    long = {"max_new_tokens": 200}
+    long = {"max_new_tokens": 1500}  # (seconds of decoding: the update waits that long)
     want_old = tokens(stack, **long)
     body = {"input_ids": PROMPT, "sampling_params": GREEDY | long, "stream": True}
+    seen = waiting_updates(stack)
     reader, events = stream_in_background(stack, body)
     answer: list[httpx.Response] = []
     updater = threading.Thread(
         target=lambda: answer.append(post(stack, "/update_weights_from_disk", model_path=OTHER))
     )
     updater.start()
-    time.sleep(0.3)  # the update is waiting for the streaming request
+    deadline = time.monotonic() + 30
+    while waiting_updates(stack) == seen and time.monotonic() < deadline:
+        time.sleep(0.02)  # until the worker holds the update back
+    assert waiting_updates(stack) == seen + 1
+    assert events[-1]["meta_info"]["finish_reason"] is None  # still running
     held = tokens(stack)  # arrives during the wait: runs after the update
     updater.join(120)
     reader.join(120)
     assert events[-1]["output_ids"][-1] == want_old[-1]
-    assert events[-1]["meta_info"]["completion_tokens"] == 200
+    assert events[-1]["meta_info"]["completion_tokens"] == 1500
     assert answer[0].status_code == 200, answer[0].text
     assert answer[0].json()["num_paused_requests"] >= 1
     assert held == hf_greedy(OTHER, PROMPT, NEW)
