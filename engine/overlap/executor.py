@@ -87,7 +87,8 @@ class OverlapExecutor(ABC):
 
     def call(self, method: str, *args: Any) -> Any:
         """`runner.<method>(*args)` after the device work launched so far and before any
-        launched later (a LoRA adapter's load or release); its result, or its exception.
+        launched later (a LoRA adapter's load or release, a weights update); its result, or
+        its exception.
         Here (CUDA), at once: device work already launched is on the streams, where what
         the call enqueues follows it."""
         return getattr(self.runner, method)(*args)
