@@ -266,8 +266,6 @@ class ModelRunner:
         pool = self.kv_pool
         if getattr(pool, "quantized", False):
             before = (list(pool.k_scales), list(pool.v_scales))
-            pool.k_scales[:] = [1.0] * pool.num_layers
-            pool.v_scales[:] = [1.0] * pool.num_layers
             pool.set_scales(scales)
             self._graphs_stale = before != (list(pool.k_scales), list(pool.v_scales))
         logger.info("weights updated from %s", path)

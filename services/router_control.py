@@ -79,6 +79,26 @@ class Answers(Generic[T]):
             pending.done.set()
 
 
+class Outcome:
+    """The answers to a question fanned out to workers (a worker -> answer or None map; each
+    answer has `success` and `message`), sorted for the caller's reply."""
+
+    def __init__(self, replies: dict[str, Any]) -> None:
+        self.answers = {w: r for w, r in sorted(replies.items()) if r is not None}
+        self.silent = sorted(w for w, r in replies.items() if r is None)
+        self.refused = {w: r.message for w, r in self.answers.items() if not r.success}
+        self.done = [w for w, r in self.answers.items() if r.success]
+
+    def detail(self) -> str:
+        """Each refusal with its worker, and which workers did it anyway."""
+        text = "; ".join(f"{w}: {m}" for w, m in self.refused.items())
+        return text + (f" (done on {', '.join(self.done)})" if self.done else "")
+
+    def no_answer(self, what: str, timeout_s: float) -> ApiError:
+        msg = f"{what}: no answer from {', '.join(self.silent)} within {timeout_s:g} s"
+        return ApiError(503, msg, None, "worker_unavailable")
+
+
 class WorkerQuestions:
     def __init__(self, bus: AsyncBus, router_id: str, workers: WorkerTable) -> None:
         self.bus, self.router_id, self.workers = bus, router_id, workers

@@ -25,6 +25,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from services.router_control import Outcome
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
 from shared.messages import LoraReqMsg, LoraRespMsg
@@ -62,26 +63,21 @@ async def update_adapters(
 
     replies: dict[str, LoraRespMsg | None] = await broker.to_workers.ask(question, LORA_TIMEOUT_S)
     await broker.refresh_workers()  # (each answering worker's heartbeat already lists them)
-    serving = {w: r for w, r in replies.items() if r is not None and r.lora_enabled}
-    silent = sorted(w for w, r in replies.items() if r is None)
-    if not serving and not silent:
+    # the workers that serve LoRA, and those that did not say
+    outcome = Outcome({w: r for w, r in replies.items() if r is None or r.lora_enabled})
+    if not outcome.answers and not outcome.silent:
         raise ApiError(400, "no live worker serves LoRA adapters (start workers with "
                             "--enable-lora or --lora-paths)", None, "lora_disabled")  # fmt: skip
-    refused = {w: r.message for w, r in serving.items() if not r.success}
-    if refused:
-        done = sorted(w for w, r in serving.items() if r.success)
-        detail = "; ".join(f"{w}: {m}" for w, m in sorted(refused.items()))
-        if done:
-            detail += f" (done on {', '.join(done)})"
-        missing = action == "unload" and all("is not loaded" in m for m in refused.values())
+    if outcome.refused:
+        reasons = outcome.refused.values()
+        missing = action == "unload" and all("is not loaded" in m for m in reasons)
         code = "lora_not_found" if missing else "lora_refused"
-        raise ApiError(404 if missing else 400, f"LoRA adapter {name!r} not {action}ed: {detail}",
-                       "lora_name", code)  # fmt: skip
-    if silent:
-        raise ApiError(503, f"LoRA adapter {name!r}: no answer from {', '.join(silent)} within "
-                            f"{LORA_TIMEOUT_S:g} s", None, "worker_unavailable")  # fmt: skip
+        msg = f"LoRA adapter {name!r} not {action}ed: {outcome.detail()}"
+        raise ApiError(404 if missing else 400, msg, "lora_name", code)
+    if outcome.silent:
+        raise outcome.no_answer(f"LoRA adapter {name!r}", LORA_TIMEOUT_S)
     adapters: dict[str, str] = {}
-    for r in serving.values():
+    for r in outcome.answers.values():
         adapters.update(r.adapters)
     return adapters
 

@@ -17,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import Request
 from pydantic import BeforeValidator, Field
 
+from services.router_control import Outcome
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
 from shared.messages import ProfileReqMsg, ProfileRespMsg
@@ -58,15 +59,13 @@ async def _ask(router: Any, question: Any, timeout_s: float, what: str) -> dict[
     replies: dict[str, ProfileRespMsg | None] = await router.broker.to_workers.ask(
         question, timeout_s
     )
-    refused = {w: r.message for w, r in replies.items() if r is not None and not r.success}
-    if refused:
-        detail = "; ".join(f"{w}: {m}" for w, m in sorted(refused.items()))
-        raise ApiError(400, f"profiling not {what} ({detail})", None, f"profile_not_{what}")
-    silent = sorted(w for w, r in replies.items() if r is None)
-    if silent:
-        raise ApiError(503, f"profiling not {what}: no answer from {', '.join(silent)} within "
-                            f"{timeout_s:g} s", None, "worker_unavailable")  # fmt: skip
-    return {w: r for w, r in replies.items() if r is not None}
+    outcome = Outcome(replies)
+    if outcome.refused:
+        msg = f"profiling not {what} ({outcome.detail()})"
+        raise ApiError(400, msg, None, f"profile_not_{what}")
+    if outcome.silent:
+        raise outcome.no_answer(f"profiling not {what}", timeout_s)
+    return outcome.answers
 
 
 def add_routes(app: Any, state: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from services.router_control import Outcome
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
 from shared.messages import UpdateWeightsReqMsg, UpdateWeightsRespMsg
@@ -57,18 +58,13 @@ async def update_weights(router: Any, body: UpdateWeightsBody) -> int:
         question, UPDATE_TIMEOUT_S
     )
     await broker.refresh_workers()  # (each updated worker's heartbeat names the checkpoint)
-    refused = {w: r.message for w, r in replies.items() if r is not None and not r.success}
-    if refused:
-        detail = "; ".join(f"{w}: {m}" for w, m in sorted(refused.items()))
-        done = sorted(w for w, r in replies.items() if r is not None and r.success)
-        if done:
-            detail += f" (updated: {', '.join(done)})"
-        raise ApiError(400, f"weights not updated: {detail}", "model_path", "update_refused")
-    silent = sorted(w for w, r in replies.items() if r is None)
-    if silent:
-        raise ApiError(503, f"weights update: no answer from {', '.join(silent)} within "
-                            f"{UPDATE_TIMEOUT_S:g} s", None, "worker_unavailable")  # fmt: skip
-    return sum(r.num_paused_requests for r in replies.values() if r is not None)
+    outcome = Outcome(replies)
+    if outcome.refused:
+        msg = f"weights not updated: {outcome.detail()}"
+        raise ApiError(400, msg, "model_path", "update_refused")
+    if outcome.silent:
+        raise outcome.no_answer("weights update", UPDATE_TIMEOUT_S)
+    return sum(r.num_paused_requests for r in outcome.answers.values())
 
 
 def add_routes(app: Any, state: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ import argparse
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.scheduler.step_trace import StepTrace
 from services.group_consumer import exit_process, stop_on_signals
@@ -237,19 +237,13 @@ class Worker:
         self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
     def _on_lora(self, msg: LoraReqMsg) -> None:
-        loras = self.scheduler.loras
-        try:
-            if msg.action == "load":
-                self.scheduler.load_lora_adapter(msg.lora_name, msg.lora_path, msg.replace)
-            elif msg.action == "unload":
-                self.scheduler.unload_lora_adapter(msg.lora_name)
-            else:
-                raise ValueError(f"unknown LoRA action {msg.action!r}")
-            ok, note = True, ""
-        except Exception as exc:  # noqa: BLE001 - refused with the reason; the worker goes on
-            if not isinstance(exc, ValueError):
-                logger.exception("LoRA %s of %r", msg.action, msg.lora_name)
-            ok, note = False, str(exc)
+        loras, sched = self.scheduler.loras, self.scheduler
+        if msg.action == "load":
+            ok, note = _attempt(sched.load_lora_adapter, msg.lora_name, msg.lora_path, msg.replace)
+        elif msg.action == "unload":
+            ok, note = _attempt(sched.unload_lora_adapter, msg.lora_name)
+        else:
+            ok, note = False, f"unknown LoRA action {msg.action!r}"
         if ok:
             self.link.facts(lora_adapters=sorted(loras.ids))
         reply = LoraRespMsg(
@@ -277,13 +271,7 @@ class Worker:
         msg, self._update = self._update, None
         held, self._held = self._held, []
         assert msg is not None
-        try:
-            self.scheduler.update_weights_from_disk(msg.model_path)
-            ok, note = True, ""
-        except Exception as exc:  # noqa: BLE001 - refused with the reason; the worker goes on
-            if not isinstance(exc, ValueError):
-                logger.exception("updating the weights from %s", msg.model_path)
-            ok, note = False, str(exc)
+        ok, note = _attempt(self.scheduler.update_weights_from_disk, msg.model_path)
         if ok:
             path = self.scheduler.weights_path
             self.link.facts(weights_path="" if path == self.model else path)
@@ -297,6 +285,18 @@ class Worker:
             self.scheduler.weights_path,
         )  # fmt: skip
         self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
+
+
+def _attempt(change: Any, *args: Any) -> tuple[bool, str]:
+    """Run a change to the model (a LoRA load, a weights update): (True, "") or (False, why).
+    A ValueError is a refusal; anything else is logged too; the worker goes on either way."""
+    try:
+        change(*args)
+    except Exception as exc:  # noqa: BLE001 - answered with the reason
+        if not isinstance(exc, ValueError):
+            logger.exception("%s%r", change.__name__, args)
+        return False, str(exc)
+    return True, ""
 
 
 def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:

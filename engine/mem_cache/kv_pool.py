@@ -59,13 +59,16 @@ class KVPool:
         self.v_buffer = [buffer(i) for i in range(num_layers)]
 
     def set_scales(self, scales: dict[int, tuple[float, float]]) -> None:
-        """Per layer (k_scale, v_scale) of a quantized cache (layers not named keep 1.0)."""
+        """Per layer (k_scale, v_scale) of a quantized cache; layers not named get 1.0."""
         assert self.quantized, "KV scales apply to a float8 cache only"
-        for layer, (k_scale, v_scale) in scales.items():
+        for layer in scales:
             if not 0 <= layer < self.num_layers:
                 raise ValueError(
                     f"KV cache scales for layer {layer}: the model has {self.num_layers} layers"
                 )
+        self.k_scales[:] = [1.0] * self.num_layers
+        self.v_scales[:] = [1.0] * self.num_layers
+        for layer, (k_scale, v_scale) in scales.items():
             self.k_scales[layer], self.v_scales[layer] = float(k_scale), float(v_scale)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:

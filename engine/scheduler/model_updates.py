@@ -27,12 +27,12 @@ class ModelUpdates:
     loras: LoRARegistry
     waiting_queue: list[Req]
     running_batch: Any
-    last_batch: Any
-    chunked_req: Req | None
     grammar_queue: Any
     model_runner: Any
     tree_cache: Any
     weights_path: str  # the checkpoint the model's weights are from now
+    _in_flight_reqs: Any
+    has_work: Any
 
     def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
         """Serve the PEFT adapter in `path` as `name` from the next step on; `replace`: a
@@ -72,12 +72,11 @@ class ModelUpdates:
         self.weights_path = path
 
     def _lora_ids_in_use(self) -> set[int]:
-        batches = [self.running_batch, self.last_batch]
         reqs = itertools.chain(
             self.waiting_queue,
             self.grammar_queue.reqs(),
-            [self.chunked_req] if self.chunked_req is not None else (),
-            *(b.reqs for b in batches if b is not None),
+            self.running_batch.reqs,
+            self._in_flight_reqs(),  # (RequestIntake's: the last batch's, the chunked one)
         )
         return {r.lora_id for r in reqs if not r.finished}
 

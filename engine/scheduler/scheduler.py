@@ -209,7 +209,7 @@ class Scheduler(RequestIntake, ModelUpdates):
         return batch
 
     def _lora_budget(self) -> dict[str, Any]:
-        """The adder's LoRA slot budget (nothing without adapters)."""
+        """The adder's LoRA slot budget (nothing with LoRA off)."""
         if not self.loras.enabled:
             return {}
         running = {r.lora_id for r in self.running_batch.reqs}
