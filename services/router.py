@@ -178,6 +178,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         router.authorize(request)
         await router.broker.refresh_workers()
         replies = await router.broker.to_workers.flush()
+        router.broker.workers.policy.forget_all()
         failed = {
             w: r.message if r else "no answer"
             for w, r in replies.items()
@@ -275,7 +276,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def metrics() -> Response:
         router = state["router"]
         router.metrics.model_name = router.model_name
-        text = router.metrics.render(router.broker.workers.live)
+        workers = router.broker.workers
+        text = router.metrics.render(workers.live, workers.routed)
         return PlainTextResponse(text, media_type=CONTENT_TYPE)
 
     return app

@@ -30,6 +30,7 @@ from services.router_generate import GenerateRequest
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
 from services.router_models import check_adapters, check_model, request_adapter, resolve_model
+from services.router_policy import make_policy
 from services.router_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -80,6 +81,7 @@ class Router:
             self.metrics,
             request_timeout_s=r.request_timeout_s,
             check_s=config.worker_check_s,
+            policy=make_policy(r),
         )
         self.token_names = TokenNames()
         self.token_names.load([r.model] if r.model else [])

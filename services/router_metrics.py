@@ -169,9 +169,22 @@ class RouterMetrics:
         prompt = self.counters["prompt_tokens"]
         return self.counters["cached_tokens"] / prompt if prompt else 0.0
 
-    def render(self, workers: Mapping[str, WorkerLoadMsg]) -> str:
+    def render(
+        self,
+        workers: Mapping[str, WorkerLoadMsg],
+        routed: Mapping[tuple[str, str], int] | None = None,
+    ) -> str:
+        """The text of /metrics; `routed`: the requests this router sent to each worker,
+        by the routing policy's reason (`router_policy.Policy.pick`)."""
         base = {"model_name": self.model_name}
         lines: list[str] = []
+        by_worker = [
+            ({**base, "worker_id": w, "reason": why}, n)
+            for (w, why), n in sorted((routed or {}).items())
+        ]
+        lines += _family("sluice:router_routed_requests", "counter",
+                         "Requests sent to each worker, by why the routing policy chose it.",
+                         by_worker, suffix="_total")  # fmt: skip
         for prefix in PREFIXES:
             for name, help, attr in _WORKER_GAUGES:
                 samples = _per_worker(base, workers, attr)

@@ -35,6 +35,7 @@ from services.router_control import WorkerQuestions
 from services.router_handle import RequestHandle
 from services.router_metrics import RouterMetrics
 from services.router_named import NamedRequests
+from services.router_policy import Policy, routing_key
 from services.router_protocol import ApiError, SubRequest
 from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
@@ -78,12 +79,13 @@ class Broker:
         request_timeout_s: float = 600.0,
         check_s: float = 0.5,
         max_attempts: int = 3,
+        policy: Policy | None = None,
     ) -> None:
         self.bus, self.router_id, self.metrics = bus, router_id, metrics
         self.request_timeout_s, self.check_s = request_timeout_s, check_s
         self.max_attempts = max_attempts
         self.out_stream = router_out_stream(bus.prefix, router_id)
-        self.workers = WorkerTable()
+        self.workers = WorkerTable(policy)
         self.to_workers = WorkerQuestions(bus, router_id, self.workers)
         self.queries = TokenQueries(bus, router_id)
         self.named = NamedRequests(self)
@@ -125,10 +127,19 @@ class Broker:
         return handles
 
     async def submit(self, handles: list[RequestHandle]) -> None:
-        """Send each handle (again) to the least-loaded live worker it has not tried."""
+        """Send each handle (again) to the live worker the routing policy picks of those it
+        has not tried."""
         msgs = []
         for h in handles:
-            kind = {"lora": h.sub.lora_name, "embedding": h.sub.embed}
+            sub = h.sub
+            kind = {
+                "lora": sub.lora_name,
+                "embedding": sub.embed,
+                "key": routing_key(
+                    text=sub.text, text_pair=sub.text_pair, input_ids=sub.input_ids,
+                    messages=sub.messages, tools=sub.tools, lora_name=sub.lora_name,
+                ),
+            }  # fmt: skip
             worker = self.workers.choose(exclude=h.tried, **kind)
             if worker is None:  # the table may be a moment old: look again before failing
                 await self.refresh_workers()

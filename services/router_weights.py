@@ -58,6 +58,7 @@ async def update_weights(router: Any, body: UpdateWeightsBody) -> int:
         question, UPDATE_TIMEOUT_S
     )
     await broker.refresh_workers()  # (each updated worker's heartbeat names the checkpoint)
+    broker.workers.policy.forget_all()  # (their prefix caches were emptied)
     outcome = Outcome(replies)
     if outcome.refused:
         msg = f"weights not updated: {outcome.detail()}"

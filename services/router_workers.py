@@ -14,15 +14,18 @@ from collections import Counter
 from collections.abc import Iterable
 
 from services.router_fields import ApiError
+from services.router_policy import Policy, ShortestQueue
 from shared.messages import WorkerLoadMsg
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerTable:
-    def __init__(self) -> None:
+    def __init__(self, policy: Policy | None = None) -> None:
         self.live: dict[str, WorkerLoadMsg] = {}
         self.inflight: Counter[str] = Counter()
+        self.policy = policy or ShortestQueue()
+        self.routed: Counter[tuple[str, str]] = Counter()  # (worker, why) -> requests sent
 
     def update(self, live: dict[str, WorkerLoadMsg]) -> None:
         gone = self.live.keys() - live.keys()
@@ -31,6 +34,9 @@ class WorkerTable:
             logger.info(
                 "workers: %s live (joined %s, gone %s)", sorted(live), sorted(new), sorted(gone)
             )
+        restarted = {w for w in live.keys() & self.live.keys() if live[w].pid != self.live[w].pid}
+        for w in gone | restarted:  # what they cached is gone with them
+            self.policy.forget(w)
         self.live = live
 
     def load(self, worker_id: str) -> int:
@@ -38,11 +44,16 @@ class WorkerTable:
         return max(hb.num_running_reqs + hb.num_waiting_reqs, self.inflight[worker_id])
 
     def choose(
-        self, exclude: Iterable[str] = (), lora: str | None = None, embedding: bool = False
+        self,
+        exclude: Iterable[str] = (),
+        lora: str | None = None,
+        embedding: bool = False,
+        key: str | None = None,
     ) -> WorkerLoadMsg | None:
-        """The least-loaded live worker not in `exclude` (ties: lower token usage, then id),
-        of those serving the LoRA adapter `lora` if one is named, and of the kind asked for
-        (an embedding model or a generative one)."""
+        """The live worker the routing policy picks for a request whose prompt is keyed `key`
+        (`router_policy.routing_key`), of those not in `exclude`, serving the LoRA adapter
+        `lora` if one is named, and of the kind asked for (an embedding model or a
+        generative one); None if there is none."""
         skip = set(exclude)
         candidates = [
             w for w, hb in self.live.items()
@@ -51,8 +62,9 @@ class WorkerTable:
         ]  # fmt: skip
         if not candidates:
             return None
-        best = min(candidates, key=lambda w: (self.load(w), self.live[w].token_usage, w))
-        return self.live[best]
+        chosen, reason = self.policy.pick([self.live[w] for w in candidates], key, self.load)
+        self.routed[chosen, reason] += 1
+        return self.live[chosen]
 
     def none_for(self, embedding: bool) -> ApiError:
         """The error when no worker can take a request: a 400 if live workers all serve the

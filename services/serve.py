@@ -1,12 +1,13 @@
 """`sluice serve`: every service on one machine, as child processes.
 
-    sluice serve [--model PATH] [--redis-url URL] [--tokenizers N] [--detokenizers M]
-                 [--host H] [--port P] [--incremental-streaming-output]
+    sluice serve [--model PATH] [--redis-url URL] [--dp-size D] [--tokenizers N]
+                 [--detokenizers M] [--host H] [--port P] [--incremental-streaming-output]
                  [--tool-call-parser hermes|llama3|mistral] [--reasoning-parser P]
-                 [engine flags: --device, --page-size, ...]
+                 [--policy cache_aware|shortest_queue|...] [engine flags: --device, ...]
 
 Starts an embedded redis-server when no Redis URL is given, generates a small model when
-none is given, then one worker (`sluice worker`, with the engine flags), N tokenizers, M
+none is given, then D workers (`sluice worker`, with the engine flags; ids 0..D-1, on CUDA
+one GPU each), N tokenizers, M
 detokenizers and the router (`sluice router`, with those of its flags named in
 `ROUTER_FLAGS`). Children get their configuration through `SLUICE_*` variables and die
 with the launcher (PR_SET_PDEATHSIG), so even a `kill -9` of the launcher leaves no
@@ -42,12 +43,12 @@ from shared.settings import RouterSettings, ServeSettings, add_settings_args, se
 
 logger = logging.getLogger(__name__)
 
-WORKER_ID = "0"
 READY_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
 # RouterSettings fields that `serve` takes as flags too and passes on to its router.
 ROUTER_FLAGS = ("incremental_streaming_output", "tool_call_parser", "reasoning_parser",
-                "responses_store_ttl_s")  # fmt: skip
+                "responses_store_ttl_s", "policy", "cache_threshold", "balance_abs_threshold",
+                "balance_rel_threshold", "max_tree_size")  # fmt: skip
 
 
 def _die_with_parent() -> None:
@@ -187,20 +188,43 @@ class Launcher:
             SLUICE_MODEL=self.model,
             SLUICE_LOG_LEVEL=s.common.log_level,
         )
-        start = [("worker", ["--worker-id", WORKER_ID, *self.worker_flags])]
+        start = [(f"worker-{i}", ["--worker-id", str(i), *self.worker_flags])
+                 for i in range(s.dp_size)]  # fmt: skip
         start += [(f"tokenizer-{i}", []) for i in range(s.tokenizers)]
         start += [(f"detokenizer-{i}", []) for i in range(s.detokenizers)]
         if importlib.util.find_spec("services.router") is not None:
             start.append(("router", ["--host", s.host, "--port", str(s.port), *self.router_flags]))
         else:
             logger.warning("services.router is missing: serving without the HTTP API")
+        gpus = self._worker_gpus()
         for name, args in start:
-            service = name.split("-")[0]
-            self.children[name] = spawn(service_command(service, *args), env)
+            service, _, index = name.partition("-")
+            child_env = env
+            if service == "worker" and gpus:
+                child_env = {**env, "CUDA_VISIBLE_DEVICES": gpus[int(index)]}
+            self.children[name] = spawn(service_command(service, *args), child_env)
+
+    @property
+    def device(self) -> str:
+        flags = self.worker_flags
+        return flags[flags.index("--device") + 1] if "--device" in flags else "cpu"
+
+    def _worker_gpus(self) -> list[str]:
+        """Each worker's GPU, when several run on CUDA: the visible devices in turn."""
+        n = self.settings.dp_size
+        if n < 2 or not self.device.startswith("cuda"):
+            return []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpus = [g for g in visible.split(",") if g.strip()] if visible else list(map(str, range(n)))
+        if len(gpus) < n:
+            raise SystemExit(f"--dp-size {n} needs {n} GPUs; CUDA_VISIBLE_DEVICES has {visible}")
+        return gpus[:n]
 
     def _wait_ready(self, url: str) -> bool:
         s = self.settings
-        want = {WORKER_KIND: 1, TOKENIZER_KIND: s.tokenizers, DETOKENIZER_KIND: s.detokenizers}
+        want = {
+            WORKER_KIND: s.dp_size, TOKENIZER_KIND: s.tokenizers, DETOKENIZER_KIND: s.detokenizers
+        }  # fmt: skip
         client = redis.Redis.from_url(url)
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:

@@ -169,6 +169,8 @@ class CommonSettings:
 # the names services/tool_parsers.py knows (aliases included)
 TOOL_CALL_PARSERS = ("hermes", "qwen25", "qwen", "qwen3", "llama3", "llama3_json", "mistral")
 REASONING_PARSERS = ("qwen3", "deepseek-r1", "qwen3-thinking")  # services/reasoning_parsers.py
+# services/router_policy.py
+ROUTING_POLICIES = ("cache_aware", "shortest_queue", "round_robin", "random", "power_of_two")
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,29 @@ class RouterSettings:
         "split <think>...</think> off chat outputs as reasoning_content: qwen3 (an optional "
         "block at the start), deepseek-r1 / qwen3-thinking (the prompt opened the block)",
         choices=REASONING_PARSERS,
+    )
+    policy: str = setting(
+        "cache_aware",
+        "how a request's worker is chosen: cache_aware (the worker that was sent the longest "
+        "prefix of its prompt, while loads stay balanced), shortest_queue, round_robin, "
+        "random, power_of_two",
+        choices=ROUTING_POLICIES,
+    )
+    cache_threshold: float = setting(
+        0.3,
+        "cache_aware: go to the worker holding the prompt's longest prefix when that prefix "
+        "is more than this fraction of the prompt, else to the one holding the least",
+    )
+    balance_abs_threshold: int = setting(
+        64,
+        "cache_aware: the least loaded worker takes requests while the most loaded has more "
+        "than this many requests more than it (and --balance-rel-threshold times as many)",
+    )
+    balance_rel_threshold: float = setting(1.5, "cache_aware: see --balance-abs-threshold")
+    max_tree_size: int = setting(
+        1 << 24,
+        "cache_aware: characters of prompts remembered per worker (least recently routed "
+        "forgotten first)",
     )
 
 
@@ -257,6 +282,11 @@ class ServeSettings:
 
     common: CommonSettings = field(default_factory=CommonSettings)
     model: str | None = setting(None, "model folder (default: a small generated model)")
+    dp_size: int = setting(
+        1,
+        "workers, each a replica of the model (data parallelism, as SGLang's --dp-size; with "
+        "--device cuda each gets its own GPU: the i-th of CUDA_VISIBLE_DEVICES, else GPU i)",
+    )
     tokenizers: int = setting(1, "tokenizer processes")
     detokenizers: int = setting(1, "detokenizer processes")
     host: str = setting("127.0.0.1", "HTTP bind address")
