@@ -2,7 +2,7 @@
 
 Parse config → connect (an `AsyncBus`, a `Broker` with its reader and worker-table tasks, a
 heartbeat) → serve HTTP until stopped. Each generation request is validated
-(`router_protocol`), split into sub-requests sent to the least-loaded live worker
+(`router_protocol`), split into sub-requests sent to the live worker the routing policy picks
 (`router_requests`), reassembled in token order with stop strings trimmed
 (`router_stream`) and answered in the API's shape, whole or as SSE (`router_responses`).
 

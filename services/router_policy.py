@@ -191,7 +191,9 @@ def routing_key(
     beginning share a beginning here. The adapter comes first; token ids are characters."""
     head = f"{lora_name or ''}\x00"
     if input_ids is not None:
-        return head + "i" + "".join(chr(t) if 0 <= t < 0x110000 else "\ufffd" for t in input_ids)
+        if input_ids and not 0 <= min(input_ids) <= max(input_ids) < 0x110000:
+            input_ids = [t if 0 <= t < 0x110000 else 0xFFFD for t in input_ids]
+        return head + "i" + "".join(map(chr, input_ids))
     if messages is not None:
         parts = [head, "m", json.dumps(tools, sort_keys=True) if tools else ""]
         for m in messages:

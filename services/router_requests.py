@@ -17,8 +17,8 @@ One `Broker` per router process owns
   (/abort_request, also when another router asks: `AbortNamedMsg` on this router's stream).
 
 A `RequestHandle` (services/router_handle.py) follows one sub-request: the broker submits
-it to the least-loaded live worker (TokenizeReqMsg to `{p}:tokenize`), and it yields
-`Delta`s in token order.
+it to the worker the routing policy picks (services/router_policy.py; a TokenizeReqMsg to
+`{p}:tokenize`), and it yields `Delta`s in token order.
 """
 
 from __future__ import annotations

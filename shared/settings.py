@@ -208,6 +208,7 @@ class RouterSettings:
         "prefix of its prompt, while loads stay balanced), shortest_queue, round_robin, "
         "random, power_of_two",
         choices=ROUTING_POLICIES,
+        env="SLUICE_ROUTING_POLICY",
     )
     cache_threshold: float = setting(
         0.3,

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from services.engine_args import add_engine_args
-from services.serve import engine_flags
+from services.serve import Launcher, add_router_args, engine_flags, router_flags
+from shared.settings import ServeSettings
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -34,3 +37,25 @@ def test_engine_flags_round_trip_to_the_worker() -> None:
     assert again.enable_lora
     assert again.lora_paths == ["sql=/a/sql", "/b/chat"] and again.cuda_graph_bs == [1, 8]
     assert engine_flags(parse()) == []
+
+
+def _launcher(dp_size: int, *worker_flags: str) -> Launcher:
+    return Launcher(ServeSettings(dp_size=dp_size), "/m", list(worker_flags))
+
+
+def test_dp_workers_get_one_gpu_each(monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _launcher(2, "--device", "cuda")._worker_gpus() == ["0", "1"]
+    assert _launcher(1, "--device", "cuda")._worker_gpus() == []  # (whatever is visible)
+    assert _launcher(3)._worker_gpus() == []  # CPU workers
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    assert _launcher(2, "--device", "cuda")._worker_gpus() == ["4", "6"]
+    with pytest.raises(SystemExit, match="needs 4 GPUs"):
+        _launcher(4, "--device", "cuda")._worker_gpus()
+
+
+def test_serve_passes_the_routing_policy_to_its_router() -> None:
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    ns = parser.parse_args(["--policy", "round_robin", "--cache-threshold", "0.5"])
+    assert router_flags(ns) == ["--policy", "round_robin", "--cache-threshold", "0.5"]
