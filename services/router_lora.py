@@ -14,8 +14,8 @@ machines. A worker that refuses (no such folder, not a LoRA it can serve, a rank
 reason (404 for unloading a name that is not loaded, as vLLM); one that does not answer in
 time, a 503. Each worker's heartbeat lists its adapters before it answers, so a request
 naming the adapter right after a successful load is routed to it. An adapter unloaded while
-its requests run lets them finish. A worker that starts later serves only its own
-`--lora-paths`.
+its requests run lets them finish. A worker that starts later (or restarts) loads the
+adapters loaded at run time and leaves out those unloaded (shared/deployment.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from services.router_control import Outcome
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
+from shared.deployment import record_lora
 from shared.messages import LoraReqMsg, LoraRespMsg
 
 LORA_TIMEOUT_S = 120.0  # a worker reads the adapter's weights between two steps
@@ -79,6 +80,8 @@ async def update_adapters(
     adapters: dict[str, str] = {}
     for r in outcome.answers.values():
         adapters.update(r.adapters)
+    # for workers that start later (shared/deployment.py)
+    await record_lora(broker.bus.redis, broker.bus.prefix, name, adapters.get(name))
     return adapters
 
 

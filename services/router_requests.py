@@ -85,7 +85,7 @@ class Broker:
         self.request_timeout_s, self.check_s = request_timeout_s, check_s
         self.max_attempts = max_attempts
         self.out_stream = router_out_stream(bus.prefix, router_id)
-        self.workers = WorkerTable(policy)
+        self.workers = WorkerTable(policy, router_id)
         self.to_workers = WorkerQuestions(bus, router_id, self.workers)
         self.queries = TokenQueries(bus, router_id)
         self.named = NamedRequests(self)

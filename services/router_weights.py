@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from services.router_control import Outcome
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
+from shared.deployment import record_weights
 from shared.messages import UpdateWeightsReqMsg, UpdateWeightsRespMsg
 
 # a worker first lets its running requests finish: as long as the longest of them may take
@@ -65,6 +66,10 @@ async def update_weights(router: Any, body: UpdateWeightsBody) -> int:
         raise ApiError(400, msg, "model_path", "update_refused")
     if outcome.silent:
         raise outcome.no_answer("weights update", UPDATE_TIMEOUT_S)
+    if not outcome.answers:
+        raise ApiError(503, "no live worker to update", None, "no_worker")
+    path = next(iter(outcome.answers.values())).weights_path
+    await record_weights(broker.bus.redis, broker.bus.prefix, path)  # (shared/deployment.py)
     return sum(r.num_paused_requests for r in outcome.answers.values())
 
 

@@ -1,9 +1,11 @@
 """The live workers as one router sees them, and the choice of a worker for a request.
 
-The table is refreshed from heartbeats (`WorkerLoadMsg`) a few times a second. Heartbeats
-lag behind a burst of requests, so the router also counts the requests it has in flight
-on each worker and takes the larger of the two figures as that worker's load. A worker is
-identified by id and pid: a worker restarted under the same id has lost its requests.
+The table is refreshed from heartbeats (`WorkerLoadMsg`) a few times a second. A worker's
+load is the requests this router has in flight on it, counted as they are sent and end,
+plus those of the other routers, from its heartbeat (which counts them by router): a
+heartbeat lags by up to a second, so the router's own requests are not taken from it. A
+worker is identified by id and pid: a worker restarted under the same id has lost its
+requests.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerTable:
-    def __init__(self, policy: Policy | None = None) -> None:
+    def __init__(self, policy: Policy | None = None, router_id: str = "") -> None:
+        self.router_id = router_id
         self.live: dict[str, WorkerLoadMsg] = {}
         self.inflight: Counter[str] = Counter()
         self.policy = policy or ShortestQueue()
@@ -40,8 +43,8 @@ class WorkerTable:
         self.live = live
 
     def load(self, worker_id: str) -> int:
-        hb = self.live[worker_id]
-        return max(hb.num_running_reqs + hb.num_waiting_reqs, self.inflight[worker_id])
+        others = self.live[worker_id].reqs_by_router
+        return self.inflight[worker_id] + sum(n for r, n in others.items() if r != self.router_id)
 
     def choose(
         self,

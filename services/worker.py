@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from engine.scheduler.step_trace import StepTrace
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_link import IoLink
-from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures
+from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures, other_checkpoint
 from services.worker_profile import StepProfiler
 from services.worker_requests import (
     RequestTable,
@@ -44,7 +45,8 @@ from services.worker_requests import (
     row_record,
     sampling_params,
 )
-from shared.keys import WORKER_KIND, detok_stream, router_out_stream
+from shared.deployment import read_state
+from shared.keys import WORKER_KIND, detok_stream, router_out_stream, weights_key
 from shared.logging import setup_logging
 from shared.messages import (
     AbortReqMsg,
@@ -178,7 +180,8 @@ class Worker:
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + REFRESH_EVERY_S
-            self.link.load(load_figures(self.scheduler))
+            figures = load_figures(self.scheduler)
+            self.link.load(figures._replace(reqs_by_router=self.table.by_router()))
 
     # -- dispatch ---------------------------------------------------------------------------
     def _on_generate(self, msg: GenerateReqMsg) -> None:
@@ -274,7 +277,7 @@ class Worker:
         ok, note = _attempt(self.scheduler.update_weights_from_disk, msg.model_path)
         if ok:
             path = self.scheduler.weights_path
-            self.link.facts(weights_path="" if path == self.model else path)
+            self.link.facts(weights_path=other_checkpoint(path, self.model))
         self._reply_update(msg, ok, note, len(held))
         for request in held:
             self._on_generate(request)
@@ -299,6 +302,47 @@ def _attempt(change: Any, *args: Any) -> tuple[bool, str]:
     return True, ""
 
 
+def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> None:
+    """Make what the deployment's other workers serve since run-time changes (a weights
+    update, LoRA adapters loaded or unloaded; shared/deployment.py) this worker's too, before
+    it announces itself. Weights it cannot load stop it: serving other weights than the rest
+    of the deployment would be worse. An adapter it cannot load is left out (the router sends
+    requests naming an adapter only to workers that serve it)."""
+    import redis
+
+    client = redis.Redis.from_url(settings.common.require_redis_url())
+    try:
+        state = read_state(client, settings.common.prefix)
+    finally:
+        client.close()
+    weights = state.weights
+    if weights and os.path.realpath(weights) != os.path.realpath(scheduler.weights_path):
+        logger.info("the deployment's weights were updated to %s: loading them", weights)
+        try:
+            scheduler.update_weights_from_disk(weights)
+        except Exception as exc:  # noqa: BLE001 - stop with the reason
+            raise SystemExit(
+                f"the deployment serves the weights of {weights} (a weights update), which "
+                f"this worker cannot load: {exc}. To start workers from --model again: DEL "
+                f"{weights_key(settings.common.prefix)}"
+            ) from exc
+    loras = scheduler.loras
+    changes = sorted(state.lora_adapters.items())
+    if changes and not loras.enabled:
+        logger.info("LoRA adapters were loaded at run time, but this worker serves none "
+                    "(start it with --enable-lora)")  # fmt: skip
+        return
+    for name, path in changes:
+        try:
+            if not path and name in loras.ids:
+                scheduler.unload_lora_adapter(name)
+            elif path and loras.paths.get(name) != path:
+                scheduler.load_lora_adapter(name, path, name in loras.ids)
+        except Exception as exc:  # noqa: BLE001 - the others still serve it
+            logger.warning("LoRA adapter %r (from %s, loaded at run time) left out: %s",
+                           name, path, exc)  # fmt: skip
+
+
 def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
     from engine.engine import build_scheduler
     from engine.tokenizer import load_tokenizer
@@ -312,6 +356,7 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
         ns.model_path = settings.model
     args = engine_args_from(ns)
     scheduler = build_scheduler(args, load_tokenizer(args.model_path))
+    catch_up(scheduler, settings)
     scheduler.grammar_queue.warm_up()  # in the background
     worker = Worker(settings, scheduler, args.model_path)
     stop_on_signals(worker.stop)

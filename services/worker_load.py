@@ -26,6 +26,7 @@ class LoadFigures(NamedTuple):
     generation_tokens: int = 0
     num_retracted: int = 0
     spec_accept_length: float = 0.0
+    reqs_by_router: dict[str, int] = {}  # noqa: RUF012 (a NamedTuple default, never mutated)
 
 
 class WorkerFacts(NamedTuple):
@@ -59,7 +60,14 @@ class WorkerFacts(NamedTuple):
             embedding,
             matryoshka_dimensions(config.hf_config) if embedding and not config.labels else None,
             list(config.labels) if config.labels else None,
+            other_checkpoint(getattr(scheduler, "weights_path", ""), model),
         )
+
+
+def other_checkpoint(weights_path: str, model: str) -> str:
+    """`weights_path` if the weights are not `model`'s (a weights update), else ""."""
+    same = not weights_path or os.path.realpath(weights_path) == os.path.realpath(model)
+    return "" if same else weights_path
 
 
 def load_figures(scheduler: Any) -> LoadFigures:
@@ -116,4 +124,5 @@ class LoadReporter:
             matryoshka_dimensions=facts.matryoshka_dimensions,
             labels=facts.labels,
             weights_path=facts.weights_path,
+            reqs_by_router=dict(f.reqs_by_router),
         )

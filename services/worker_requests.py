@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any, Literal, NamedTuple
 
 from engine.pooling import embedding_bytes
@@ -69,6 +69,10 @@ class RequestTable:
             self._aborted_early.discard(msg.rid)  # a redelivered copy is a duplicate
             return "aborted"
         return "duplicate" if msg.rid in self._ended else "new"
+
+    def by_router(self) -> dict[str, int]:
+        """The active requests, counted by the router that sent them."""
+        return dict(Counter(info.router_id for info in self.active.values()))
 
     def start(self, msg: GenerateReqMsg) -> ReqInfo:
         info = self.active[msg.rid] = ReqInfo.of(msg)

@@ -114,3 +114,13 @@ def response_events_key(prefix: str, response_id: str) -> str:
 
 def response_cancel_key(prefix: str, response_id: str) -> str:
     return f"{prefix}:response-cancel:{response_id}"
+
+
+def weights_key(prefix: str) -> str:
+    """The checkpoint the deployment's last weights update moved it to (shared/deployment.py)."""
+    return f"{prefix}:weights"
+
+
+def lora_adapters_key(prefix: str) -> str:
+    """Hash: the LoRA adapters loaded ("name" -> folder) or unloaded (-> "") at run time."""
+    return f"{prefix}:lora-adapters"

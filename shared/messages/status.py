@@ -24,12 +24,14 @@ class WorkerLoadMsg(Message):
     classifier's label names by index (its pooling requests come back as one logit per
     label: `/v1/classify`, `/v1/score`, `/v1/rerank`); None for any other model.
     `weights_path`: the checkpoint its weights are from, where it is not `model` (after
-    `POST /update_weights_from_disk`), else "".
+    `POST /update_weights_from_disk`), else "". `reqs_by_router`: its running and waiting
+    requests by the router that sent them (a router counts its own live, and adds the
+    others' from here).
     """
 
     TAG = "worker_load"
-    VERSION = 7  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
-    # 7: weights_path
+    VERSION = 8  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
+    # 7: weights_path; 8: reqs_by_router
 
     worker_id: str
     model: str
@@ -52,6 +54,7 @@ class WorkerLoadMsg(Message):
     matryoshka_dimensions: list[int] | None = None
     labels: list[str] | None = None
     weights_path: str = ""
+    reqs_by_router: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

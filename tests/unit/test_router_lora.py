@@ -30,8 +30,24 @@ class _Questions:
         return {w: (f(msg) if f else None) for w, f in self.answers.items()}
 
 
+class _Redis:
+    def __init__(self) -> None:
+        self.hashes: dict[str, dict[str, str]] = {}
+
+    async def hset(self, key: str, name: str, value: str) -> None:
+        self.hashes.setdefault(key, {})[name] = value
+
+
+class _Bus:
+    prefix = "p"
+
+    def __init__(self) -> None:
+        self.redis = _Redis()
+
+
 class _Broker:
     def __init__(self, answers: dict[str, Any]) -> None:
+        self.bus = _Bus()
         self.router_id, self.workers = "r1", _Workers()
         self.to_workers = _Questions(answers)
         self.refreshed = 0
@@ -70,6 +86,8 @@ def test_load_on_every_lora_worker() -> None:
     assert out == {"a": "/x/a", "b": "/x/b"}
     assert router.broker.to_workers.asked == [LoraReqMsg("q1", "r1", "load", "a", "/x/a", True)]
     assert router.broker.refreshed == 2  # before asking, and after the answers
+    # recorded for workers that start later
+    assert router.broker.bus.redis.hashes == {"p:lora-adapters": {"a": "/x/a"}}
 
 
 @pytest.mark.parametrize(
@@ -91,6 +109,7 @@ def test_load_on_every_lora_worker() -> None:
     ],
 )  # fmt: skip
 def test_failures(answers: dict, args: tuple, status: int, why: str) -> None:
-    _, out = call(answers, *args)
+    router, out = call(answers, *args)
     assert isinstance(out, ApiError), out
     assert (out.status, why in out.message) == (status, True), out.message
+    assert router.broker.bus.redis.hashes == {}  # nothing recorded

@@ -18,16 +18,22 @@ def load(worker_id: str, running: int = 0, waiting: int = 0, usage: float = 0.0,
         max_total_num_tokens=1000, max_running_requests=8, context_len=context_len,
         token_usage=usage, gen_throughput=12.5, host="h", pid=pid, updated_at=0.0,
         is_embedding=embedding,
+        reqs_by_router={"another-router": running + waiting} if running + waiting else {},
     )  # fmt: skip
 
 
 def test_least_loaded_worker_wins_counting_this_routers_own_requests() -> None:
-    table = WorkerTable()
+    table = WorkerTable(router_id="me")
     table.update({"a": load("a", running=2), "b": load("b", running=1, waiting=2)})
-    assert table.choose().worker_id == "a"  # 2 < 3
-    for _ in range(4):  # heartbeats lag: 4 of ours are in flight on a, more than it reported
+    assert table.choose().worker_id == "a"  # 2 < 3 (another router's)
+    for _ in range(4):  # ours count as they are sent, before any heartbeat says so
         table.started("a")
+    assert table.load("a") == 6
     assert table.choose().worker_id == "b"
+    # what a heartbeat says of our own requests is stale: our live count replaces it
+    table.update({"a": load("a"), "b": load("b")})
+    table.live["a"].reqs_by_router.update({"me": 9, "them": 1})  # (ours, a second ago)
+    assert table.load("a") == 4 + 1 and table.load("b") == 0
     assert table.choose(exclude=["b"]).worker_id == "a"
     assert table.choose(exclude=["a", "b"]) is None
     for _ in range(4):

@@ -1,0 +1,43 @@
+"""What a running deployment was changed to, kept in Redis so that a worker starting later (a
+new one, or one restarted after a crash) serves what the others serve: the checkpoint of the
+last `/update_weights_from_disk`, and the LoRA adapters loaded (or unloaded) at run time.
+
+The router records a change once every worker asked has made it; a worker reads the record
+as it starts, before it announces itself (services/worker.py). The start flags (`--model`,
+`--lora-paths`) are the base the record is applied over. `DEL {p}:weights {p}:lora-adapters`
+makes workers start from their flags alone again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import redis
+import redis.asyncio as aioredis
+
+from shared.keys import lora_adapters_key, weights_key
+
+
+@dataclass
+class DeploymentState:
+    weights: str | None = None  # None: each worker's own --model
+    # name -> folder; "" for an adapter unloaded at run time (also one of --lora-paths)
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+
+
+def read_state(client: redis.Redis, prefix: str) -> DeploymentState:
+    weights = client.get(weights_key(prefix))
+    adapters = client.hgetall(lora_adapters_key(prefix))
+    return DeploymentState(
+        weights.decode() if weights else None,
+        {k.decode(): v.decode() for k, v in adapters.items()},
+    )
+
+
+async def record_weights(client: aioredis.Redis, prefix: str, path: str) -> None:
+    await client.set(weights_key(prefix), path)
+
+
+async def record_lora(client: aioredis.Redis, prefix: str, name: str, path: str | None) -> None:
+    """`name` loaded from `path`, or unloaded (None)."""
+    await client.hset(lora_adapters_key(prefix), name, path or "")
