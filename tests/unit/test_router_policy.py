@@ -135,6 +135,15 @@ def test_cache_aware_follows_prefixes_and_spreads_new_ones() -> None:
     }  # fmt: skip
 
 
+def test_a_new_prefix_goes_to_the_least_loaded_then_the_smallest_tree() -> None:
+    table = WorkerTable(CacheAware())
+    table.update({"a": load("a"), "b": load("b")})
+    assert table.choose(key="b" * 300).worker_id == "a"
+    assert table.choose(key="c" * 100).worker_id == "b"  # equal loads: b holds less
+    table.update({"a": load("a"), "b": load("b", running=1)})
+    assert table.choose(key="d" * 50).worker_id == "a"  # though a holds more
+
+
 def test_cache_aware_balances_load_when_workers_drift_apart() -> None:
     table = WorkerTable(CacheAware(balance_abs_threshold=4, balance_rel_threshold=1.5))
     table.update({"a": load("a"), "b": load("b")})
