@@ -5,7 +5,8 @@
   worker. A request goes to the worker holding the longest prefix of its prompt when that
   prefix is more than `--cache-threshold` of it, so the worker's prefix cache serves it;
   otherwise to the least loaded worker, of equally loaded ones the one whose tree is smallest
-  (the most room in its cache for a new prefix; SGLang's router goes by the tree alone). While the workers' loads are too far apart (the most loaded carries over
+  (the most room in its cache for a new prefix; SGLang's router goes by the tree alone).
+  While the workers' loads are too far apart (the most loaded carries over
   `--balance-abs-threshold` requests more than the least loaded and over
   `--balance-rel-threshold` times its load) the least loaded takes it, whatever it holds.
   Each worker's share of the tree is bounded by `--max-tree-size` characters, its least

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 
 import httpx2 as httpx
-import pytest
 
 from shared.deployment import read_state
 from shared.heartbeat import list_live
