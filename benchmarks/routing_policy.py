@@ -27,7 +27,6 @@ import asyncio
 import os
 import queue
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,7 @@ from benchmarks.bench_serving import (  # noqa: E402
     summarize,
 )
 from benchmarks.common import print_table, small_model, write_result  # noqa: E402
-from services.serve import service_command, spawn  # noqa: E402
+from services.serve import service_command, spawn, stop_processes  # noqa: E402
 from shared.redis_server import free_port  # noqa: E402
 
 POLICIES = ("cache_aware", "shortest_queue", "round_robin")
@@ -103,16 +102,6 @@ def _wait_http(base: str, timeout_s: float = 120) -> None:
     raise RuntimeError(f"router at {base} not healthy")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def start(stack: ExitStack, model: str, args: argparse.Namespace) -> dict[str, str]:
     """The deployment; the base URL of each policy's router."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
@@ -127,7 +116,7 @@ def start(stack: ExitStack, model: str, args: argparse.Namespace) -> dict[str, s
         ),
         env, stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO,
     )  # fmt: skip
-    stack.callback(_stop, serve)
+    stack.callback(stop_processes, [serve])
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in serve.stdout], daemon=True).start()
     redis_url = _wait_ready(serve, lines)
@@ -139,7 +128,7 @@ def start(stack: ExitStack, model: str, args: argparse.Namespace) -> dict[str, s
                             "--model", model, "--policy", policy),
             env, stderr=log, cwd=REPO,
         )  # fmt: skip
-        stack.callback(_stop, proc)
+        stack.callback(stop_processes, [proc])
         routers[policy] = f"http://127.0.0.1:{p}"
     for base in routers.values():
         _wait_http(base)

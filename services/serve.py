@@ -7,13 +7,12 @@
 
 Starts an embedded redis-server when no Redis URL is given, generates a small model when
 none is given, then D workers (`sluice worker`, with the engine flags; ids 0..D-1, on CUDA
-one GPU each), N tokenizers, M
-detokenizers and the router (`sluice router`, with those of its flags named in
-`ROUTER_FLAGS`). Children get their configuration through `SLUICE_*` variables and die
-with the launcher (PR_SET_PDEATHSIG), so even a `kill -9` of the launcher leaves no
-orphans. Ready when the worker, tokenizer and detokenizer heartbeats are up and the
-router accepts connections; Ctrl-C or SIGTERM stops the children (SIGTERM, then SIGKILL
-after a grace period) and Redis. A child that exits on its own stops the whole
+one GPU each), N tokenizers, M detokenizers and the router (`sluice router`, with those of
+its flags named in `ROUTER_FLAGS`). Children get their configuration through `SLUICE_*`
+variables and die with the launcher (PR_SET_PDEATHSIG), so even a `kill -9` of the launcher
+leaves no orphans. Ready when the workers', tokenizers' and detokenizers' heartbeats are
+up and the router accepts connections; Ctrl-C or SIGTERM stops the children (SIGTERM, then
+SIGKILL after a grace period) and Redis. A child that exits on its own stops the whole
 deployment with an error.
 """
 
