@@ -213,6 +213,7 @@ class Policy:
     name), as /metrics counts them (`sluice:router_routed_requests_total`)."""
 
     name = ""
+    uses_key = False  # whether `pick` looks at the prompt (else the router builds no key)
 
     def pick(
         self, candidates: list[WorkerLoadMsg], key: str | None, load: LoadFn
@@ -276,6 +277,7 @@ class PowerOfTwo(RandomChoice):
 
 class CacheAware(Policy):
     name = "cache_aware"
+    uses_key = True
 
     def __init__(
         self,

@@ -132,14 +132,11 @@ class Broker:
         msgs = []
         for h in handles:
             sub = h.sub
-            kind = {
-                "lora": sub.lora_name,
-                "embedding": sub.embed,
-                "key": routing_key(
-                    text=sub.text, text_pair=sub.text_pair, input_ids=sub.input_ids,
-                    messages=sub.messages, tools=sub.tools, lora_name=sub.lora_name,
-                ),
-            }  # fmt: skip
+            key = routing_key(
+                text=sub.text, text_pair=sub.text_pair, input_ids=sub.input_ids,
+                messages=sub.messages, tools=sub.tools, lora_name=sub.lora_name,
+            ) if self.workers.policy.uses_key else None  # fmt: skip
+            kind = {"lora": sub.lora_name, "embedding": sub.embed, "key": key}
             worker = self.workers.choose(exclude=h.tried, **kind)
             if worker is None:  # the table may be a moment old: look again before failing
                 await self.refresh_workers()

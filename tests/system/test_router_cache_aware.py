@@ -21,10 +21,10 @@ from services.serve import count_live, service_command, spawn
 from shared.redis_server import free_port
 from tests.factories import tiny_model
 from tests.system.procs import router_available
+from tests.system.test_services_serve import READY_TIMEOUT_S, read_lines
 
 pytestmark = pytest.mark.skipif(not router_available(), reason="router dependencies missing")
 
-READY_TIMEOUT_S = 300
 DOCS = {
     name: " ".join(f"{name} fact {i} is {word}." for i, word in enumerate(words * 4))
     for name, words in {
@@ -32,11 +32,6 @@ DOCS = {
         "beta": ["one", "two", "three", "four", "five", "six", "seven", "eight"],
     }.items()
 }
-
-
-def _read_lines(stream, out: queue.Queue) -> None:
-    for line in stream:
-        out.put(line)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +47,7 @@ def served(tmp_path_factory) -> Iterator[tuple[str, str]]:
     with open(log_path, "wb") as log:
         proc = spawn(command, env, stdout=subprocess.PIPE, stderr=log, text=True)
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
     try:
         ready = lines.get(timeout=READY_TIMEOUT_S)
         assert ready.startswith("sluice ready"), log_path.read_text()[-3000:]
