@@ -16,6 +16,7 @@ import torch
 
 from engine.hf_overrides import apply_hf_overrides, parse_hf_overrides
 from engine.layer_windows import attn_logit_cap, layer_sliding_windows, position_limit
+from engine.mem_cache.host_pool import HICACHE_WRITE_POLICIES
 from engine.mem_cache.kv_quant import KV_CACHE_DTYPES
 from engine.models.registry import ENCODER_ARCHITECTURES
 from engine.pooling import check_embedding_args, classifier_labels
@@ -166,6 +167,13 @@ class EngineArgs:
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
     disable_radix_cache: bool = False
+    # SGLang's hierarchical cache (HiCache): prefixes evicted from the device's KV pool stay
+    # in a host-memory pool (hicache_ratio x the device pool's tokens, or hicache_size GB)
+    # and are loaded back when a request reuses them (engine/mem_cache/hiradix_cache.py).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
     # Hybrid sliding-window memory (SGLang's SWA memory pool): the windowed layers of a model
     # keep K/V only for the tokens their window still reads, in a pool of
     # swa_full_tokens_ratio x the full pool's tokens (engine/mem_cache/swa_allocator.py).
@@ -239,6 +247,7 @@ class EngineArgs:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype: {self.kv_cache_dtype!r} not in {KV_CACHE_DTYPES}")
+        self._check_hicache_args()
         if self.grammar_compile_threads < 0:
             raise ValueError("grammar_compile_threads must be >= 0")
         if self.max_running_requests < 1:
@@ -255,6 +264,23 @@ class EngineArgs:
         self._check_cuda_graph_args()
         check_embedding_args(self)
         check_speculative_args(self)
+
+    def _check_hicache_args(self) -> None:
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(
+                f"hicache_write_policy: {self.hicache_write_policy!r} not in "
+                f"{HICACHE_WRITE_POLICIES}"
+            )
+        if self.hicache_ratio <= 1 and self.hicache_size <= 0:
+            raise ValueError(
+                f"hicache_ratio must be > 1 (the host pool is larger than the device's), got "
+                f"{self.hicache_ratio}"
+            )
+        if self.hicache_size < 0:
+            raise ValueError(f"hicache_size must be >= 0 GB, got {self.hicache_size}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache needs the radix cache (not with "
+                             "disable_radix_cache)")  # fmt: skip
 
     def _check_cuda_graph_args(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -47,6 +47,12 @@ def make_tree_cache(runner: ModelRunner, args: EngineArgs) -> PrefixCache:
         return NoRadixCache(*pools)
     if runner.swa_window is not None:
         return SWARadixCache(*pools, runner.swa_window)
+    if runner.host_kv_tokens:
+        from engine.mem_cache.allocator import TokenToKVPoolAllocator
+        from engine.mem_cache.hiradix_cache import HiRadixCache
+
+        host = TokenToKVPoolAllocator(runner.host_kv_tokens, args.page_size, "cpu")
+        return HiRadixCache(*pools, host, args.hicache_write_policy)
     return RadixCache(*pools)
 
 
@@ -206,6 +212,7 @@ class Engine(PoolingCalls):
             "num_retractions": s.num_retractions,
             "new_token_ratio": s.new_token_ratio,
             **_spec_stats(self.scheduler),
+            **getattr(self.scheduler.tree_cache, "host_stats", dict)(),
         }
 
     def flush_cache(self) -> bool:

@@ -71,6 +71,8 @@ class ForwardBatch:
     pooling: str | None = None
     # an encoder's token types of the packed tokens (None: all 0; engine/models/bert.py)
     token_type_ids: torch.Tensor | None = None
+    # hierarchical cache: K/V copies the forward runs first (ModelWorkerBatch.kv_transfers)
+    kv_transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -89,6 +89,10 @@ class ModelRunner:
         )
         self.padding_req_row = _reserve_last_row(self.req_to_token_pool)
         self.allocator = memory.make_allocator(self.page_size, self.device)
+        # hierarchical cache: the host pool's tokens (its allocator is the tree's, its buffer
+        # is made below, beside the KV pool)
+        self.host_kv_tokens = memory.host_tokens
+        self.host_kv_pool = None
         self.graph_runner: CudaGraphRunner | None = None
         self._graphs_stale = False  # recapture before the next replay (new KV-cache scales)
         self.sampling_cache = SamplingInfoCache()
@@ -98,6 +102,12 @@ class ModelRunner:
             return
         scales = getattr(self.model, "kv_cache_scales", None)  # the checkpoint's, if any
         self.kv_pool = memory.make_pool(mc, self.dtype, self.device, self.page_size, scales)
+        if memory.host_tokens:
+            from engine.mem_cache.host_pool import HostKVPool
+
+            self.host_kv_pool = HostKVPool(
+                self.kv_pool, memory.host_tokens + self.page_size, self.device
+            )
         self.attn_backend = self._make_attention_backend(memory.swa_layers)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)
         logger.info(
@@ -209,6 +219,7 @@ class ModelRunner:
             token_type_ids=None
             if mwb.token_type_ids is None
             else torch.tensor(mwb.token_type_ids, dtype=torch.int64).to(dev),
+            kv_transfers=mwb.kv_transfers,
         )
 
     @torch.inference_mode()
@@ -220,6 +231,10 @@ class ModelRunner:
         With `future_map`, the batch's input ids may hold placeholders, resolved on the device
         before the model reads them (inside the graph, or first thing in the eager path).
         """
+        if forward_batch.kv_transfers:
+            assert self.host_kv_pool is not None, "K/V transfers without a host pool"
+            self.host_kv_pool.apply(forward_batch.kv_transfers)
+            forward_batch.kv_transfers = None
         graphs = self._graphs_for(future_map)
         if graphs is not None and graphs.can_run(forward_batch, future_map):
             return graphs.replay(forward_batch)

@@ -14,6 +14,7 @@ from engine.config import (
     SCHEDULE_POLICIES,
     EngineArgs,
 )
+from engine.mem_cache.host_pool import HICACHE_WRITE_POLICIES
 from engine.mem_cache.kv_quant import KV_CACHE_DTYPES
 from engine.pooling import POOLING_TYPES
 from engine.quantization import QUANTIZATION_METHODS
@@ -70,6 +71,31 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10)
     g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="keep prefixes evicted from the device's KV pool in a host-memory pool, and load "
+        "them back when a request reuses them (SGLang's HiCache)",
+    )
+    g.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=2.0,
+        help="the host pool's size as a multiple of the device pool's tokens (> 1)",
+    )
+    g.add_argument(
+        "--hicache-size",
+        type=float,
+        default=0.0,
+        help="the host pool's size in GB (10^9 bytes of K/V); overrides --hicache-ratio",
+    )
+    g.add_argument(
+        "--hicache-write-policy",
+        default="write_through",
+        choices=HICACHE_WRITE_POLICIES,
+        help="when a prefix is copied to host memory: as it is cached (write_through), when "
+        "it is reused (write_through_selective), or when it is evicted (write_back)",
+    )
     g.add_argument(
         "--hybrid-swa-memory",
         action="store_true",

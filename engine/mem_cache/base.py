@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -33,7 +33,7 @@ class TreeNode:
 
     __slots__ = (
         "id", "key", "value", "parent", "children", "lock_ref", "last_access_time",
-        "swa_live", "swa_lock_ref",
+        "swa_live", "swa_lock_ref", "host_value", "host_ref", "hit_count",
     )  # fmt: skip
 
     def __init__(
@@ -54,6 +54,12 @@ class TreeNode:
         # value whose window-layer KV is still held, and locks on that KV
         self.swa_live = 0
         self.swa_lock_ref = 0
+        # hierarchical cache (engine/mem_cache/hiradix_cache.py): the node's slots in the host
+        # pool (None: not backed up), loads in progress from them, and matches of the node;
+        # a node evicted to host memory has `value` None
+        self.host_value: torch.Tensor | None = None
+        self.host_ref = 0
+        self.hit_count = 0
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -85,14 +91,42 @@ class CacheReq(Protocol):
     last_node: TreeNode | None
 
 
+class PrefixMatch(NamedTuple):
+    """A match of the prefix cache: `slots` (int64) of the longest cached page-aligned prefix
+    on the device and `node`, its deepest node; with a hierarchical cache, `host_len` more
+    tokens of the key held in host memory, down to `host_node` (0 and None without)."""
+
+    slots: torch.Tensor
+    node: TreeNode
+    host_len: int = 0
+    host_node: TreeNode | None = None
+
+
 class PrefixCache(ABC):
     """What the scheduler calls. Sizes are in tokens."""
 
     root_node: TreeNode
+    # bumped whenever device cache is evicted: a match made before may name freed slots
+    epoch = 0
 
     @abstractmethod
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """Longest cached page-aligned prefix of `key`: (its slots, int64; the deepest node)."""
+
+    def match(self, key: list[int]) -> PrefixMatch:
+        """`match_prefix`, and what host memory holds beyond it (hierarchical cache)."""
+        return PrefixMatch(*self.match_prefix(key))
+
+    def load_back(self, req: CacheReq) -> int:
+        """Hierarchical cache: bring the host part of the request's match (`host_len`,
+        `host_node`, as `match` found them) into device memory, extending its
+        `prefix_indices` and `last_node`; returns the tokens loaded (0: none)."""
+        return 0
+
+    def take_transfers(self) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
+        """Hierarchical cache: the host <-> device copies queued since the last call, in
+        order, for the next forward to run first (engine/mem_cache/host_pool.py)."""
+        return None
 
     @abstractmethod
     def insert(self, key: list[int], slots: torch.Tensor) -> int:

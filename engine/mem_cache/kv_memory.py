@@ -18,6 +18,7 @@ import torch
 
 from engine.config import EngineArgs, ModelConfig
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
+from engine.mem_cache.host_pool import host_pool_tokens
 from engine.mem_cache.kv_pool import KVPool
 from engine.mem_cache.kv_quant import resolve_kv_cache_dtype
 from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
@@ -37,6 +38,7 @@ class KVMemory:
     swa_window: int | None  # the longest window, with hybrid memory
     swa_layers: frozenset[int]
     kv_dtype: torch.dtype  # what the buffers hold (the model's dtype, or float8)
+    host_tokens: int = 0  # the hierarchical cache's host pool (0: none)
 
     def make_allocator(self, page_size: int, device: torch.device) -> TokenToKVPoolAllocator:
         if self.swa_window is None:
@@ -100,7 +102,17 @@ def plan_kv_memory(
     if tokens < 2 * ps:
         raise ValueError(f"max_total_tokens: KV pool too small ({tokens} tokens)")
     if not hybrid:
-        return KVMemory(tokens, 0, None, frozenset(), kv_dtype)
+        host = 0
+        if args.enable_hierarchical_cache:
+            host = host_pool_tokens(
+                tokens, int(per_token), args.hicache_ratio, args.hicache_size, ps
+            )
+        return KVMemory(tokens, 0, None, frozenset(), kv_dtype, host)
+    if args.enable_hierarchical_cache:
+        raise ValueError(
+            "enable_hierarchical_cache: not with hybrid_swa_memory (the host pool keeps "
+            "every layer's K/V; turn one of them off)"
+        )
     window = max(mc.sliding_window_sizes)
     swa_tokens = int(tokens * ratio) // ps * ps
     chunk = args.chunked_prefill_size

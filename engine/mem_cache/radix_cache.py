@@ -67,9 +67,16 @@ class RadixCache(PrefixCache):
         return self._match(key)
 
     def _match(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
+        path = self._walk(key)
+        slots = torch.cat([n.value for n in path]) if path else self._empty
+        return slots, path[-1] if path else self.root_node
+
+    def _walk(self, key: list[int]) -> list[TreeNode]:
+        """The nodes of the longest page-aligned prefix of `key` in the tree, root first
+        (excluded), splitting the last one where the match ends inside it; touches them."""
         key = key[: len(key) - len(key) % self.page_size]
         now = self._tick()
-        node, pos, values = self.root_node, 0, []
+        node, pos, path = self.root_node, 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -78,10 +85,9 @@ class RadixCache(PrefixCache):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
-            values.append(child.value)
+            path.append(child)
             node, pos = child, pos + n
-        slots = torch.cat(values) if values else self._empty
-        return slots, node
+        return path
 
     def insert(self, key: list[int], slots: torch.Tensor) -> int:
         """Add a page-aligned key with its slots; the tree takes ownership of the slots it did
@@ -112,10 +118,13 @@ class RadixCache(PrefixCache):
         so the sizes do not change."""
         parent = child.parent
         assert parent is not None
-        upper = TreeNode(child.key[:n], child.value[:n], parent, child.last_access_time)
+        value = child.value  # None: evicted to host memory (hierarchical cache)
+        upper = TreeNode(child.key[:n], None, parent, child.last_access_time)
+        upper.value = None if value is None else value[:n]
         upper.lock_ref = child.lock_ref
         parent.children[self._child_key(child.key, 0)] = upper
-        child.key, child.value, child.parent = child.key[n:], child.value[n:], upper
+        child.key, child.parent = child.key[n:], upper
+        child.value = None if value is None else value[n:]
         upper.children[self._child_key(child.key, 0)] = child
         self._on_split(upper, child)
         return upper
@@ -182,6 +191,7 @@ class RadixCache(PrefixCache):
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         if freed:
             self.allocator.free(torch.cat(freed))
+            self.epoch += 1
         self._evictable -= num_freed
         return num_freed
 
@@ -269,12 +279,15 @@ class RadixCache(PrefixCache):
             else:
                 evictable += len(node.key)
         assert (evictable, protected) == (self._evictable, self._protected), "size accounting"
-        if not nodes:
-            return
-        slots = torch.cat([n.value for n in nodes])
+        if nodes:
+            self._check_owned(torch.cat([n.value for n in nodes]), self.allocator)
+
+    def _check_owned(self, slots: torch.Tensor, allocator: TokenToKVPoolAllocator) -> None:
+        """Slots the tree holds: each once, allocated, in whole contiguous pages."""
+        ps = self.page_size
         assert torch.unique(slots).numel() == slots.numel(), "a slot is owned twice"
-        assert bool(self.allocator.is_allocated(slots).all()), "the tree holds a free slot"
+        assert bool(allocator.is_allocated(slots).all()), "the tree holds a free slot"
         pages = slots.view(-1, ps)  # node values are whole pages, in order
         assert bool((pages[:, 0] % ps == 0).all()), "a page does not start at its first slot"
-        offsets = torch.arange(ps, device=self.device)
+        offsets = torch.arange(ps, device=slots.device)
         assert bool((pages - pages[:, :1] == offsets).all()), "a page is not contiguous"

@@ -46,6 +46,9 @@ def device_batch(mwb: ModelWorkerBatch) -> ModelWorkerBatch:
     return dataclasses.replace(
         mwb,
         out_cache_loc=mwb.out_cache_loc.numpy(),
+        kv_transfers=None
+        if mwb.kv_transfers is None
+        else [(kind, src.numpy(), dst.numpy()) for kind, src, dst in mwb.kv_transfers],
         sampling_params=[],
         output_ids=[],
         prompt_ids=[],
@@ -188,6 +191,9 @@ class Device:
 
     def _forward(self, mwb: ModelWorkerBatch) -> torch.Tensor:
         mwb.out_cache_loc = torch.from_numpy(mwb.out_cache_loc)
+        if mwb.kv_transfers is not None:
+            mwb.kv_transfers = [(kind, torch.from_numpy(src), torch.from_numpy(dst))
+                                for kind, src, dst in mwb.kv_transfers]  # fmt: skip
         return self.runner.forward(self.runner.build_forward_batch(mwb), self.future_map)
 
     def _sample(

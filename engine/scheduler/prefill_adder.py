@@ -88,15 +88,27 @@ class PrefillAdder:
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= input_len
 
-    def _lock(self, req: Req) -> None:
-        """Lock the request's cached prefix; what was evictable before is no longer free."""
+    def _lock(self, req: Req) -> tuple[float, float]:
+        """Lock the request's cached prefix; what was evictable before is no longer free.
+        Returns what it took off the (total, window) budgets, for `_unlock`."""
         tc = self.pools.tree_cache
         hybrid = self.rem_swa_tokens is not None
         before, swa_before = tc.evictable_size(), tc.swa_evictable_size() if hybrid else 0
         tc.inc_lock_ref(req.last_node)
-        self.rem_total_tokens -= before - tc.evictable_size()
+        charged = before - tc.evictable_size()
+        swa_charged = swa_before - tc.swa_evictable_size() if hybrid else 0
+        self.rem_total_tokens -= charged
         if self.rem_swa_tokens is not None:
-            self.rem_swa_tokens -= swa_before - tc.swa_evictable_size()
+            self.rem_swa_tokens -= swa_charged
+        return charged, swa_charged
+
+    def _unlock(self, req: Req, charged: tuple[float, float], result: AddResult | None):
+        """Undo `_lock` (the request is not admitted); returns `result`."""
+        self.pools.tree_cache.dec_lock_ref(req.last_node)
+        self.rem_total_tokens += charged[0]
+        if self.rem_swa_tokens is not None:
+            self.rem_swa_tokens += charged[1]
+        return result
 
     def _no_lora_slot(self, req: Req) -> bool:
         if self.lora_slots is None or not req.lora_id or req.lora_id in self.loras:
@@ -127,23 +139,29 @@ class PrefillAdder:
         if self._no_lora_slot(req):
             return AddResult.SKIP
         max_new = min(req.remaining_new_tokens(), CLIP_MAX_NEW_TOKENS)
+        # Lock the cached prefix first: what the lock protects stops being evictable, so the
+        # budget must hold the request without it (SGLang checks inside its lock too). Each
+        # way out that does not admit the request unlocks it again.
+        charged = self._lock(req)
+        if self._ceil_page(req.extend_input_len) + max_new >= self.rem_total_tokens:
+            return self._unlock(req, charged, AddResult.NO_TOKEN)
+        if req.host_hit_len:
+            # hierarchical cache: its prefix's host part comes back to the device instead of
+            # being computed (the device memory it takes is charged by the new lock)
+            charged = self._load_back(req, charged)
         input_len = req.extend_input_len
-        if self._ceil_page(input_len) + max_new >= self.rem_total_tokens:
-            return AddResult.NO_TOKEN
         if input_len > self.rem_input_tokens and self.can_run_list:
-            return AddResult.OTHER
+            return self._unlock(req, charged, AddResult.OTHER)
         chunk = self.rem_chunk_tokens
         if self._no_swa_room(input_len if chunk is None else min(input_len, chunk), max_new):
-            return AddResult.NO_TOKEN
+            return self._unlock(req, charged, AddResult.NO_TOKEN)
         if chunk is None or input_len <= chunk:
-            self._lock(req)
             self._admit(req)
             self._take(input_len, max_new)
             return AddResult.CONTINUE
         trunc = chunk // self.page_size * self.page_size
         if trunc <= 0:
-            return AddResult.OTHER
-        self._lock(req)
+            return self._unlock(req, charged, AddResult.OTHER)
         prefix_len = len(req.prefix_indices)
         req.extend_input_len = trunc
         req.fill_ids = req.fill_ids[: prefix_len + trunc]
@@ -151,3 +169,11 @@ class PrefillAdder:
         self.new_chunked_req = req
         self._take(trunc, 0)
         return AddResult.OTHER
+
+    def _load_back(self, req: Req, charged: tuple[float, float]) -> tuple[float, float]:
+        """Load the host part of the request's prefix (`PrefixCache.load_back`) and move its
+        lock to the deeper prefix; returns what its lock now charges."""
+        self._unlock(req, charged, None)  # (the cache locks what it needs while it loads)
+        self.pools.tree_cache.load_back(req)
+        req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)
+        return self._lock(req)

@@ -85,6 +85,12 @@ class Req:
         self.req_pool_idx: int | None = None
         self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.last_node: Any = None
+        # hierarchical cache: tokens of the prefix in host memory past `prefix_indices`, down
+        # to `host_node` (loaded back when the request is admitted); the cache's `epoch` at
+        # the match
+        self.host_hit_len = 0
+        self.host_node: Any = None
+        self.match_epoch = -1
         self.fill_ids: list[int] = []
         self.kv_allocated_len = 0
         self.extend_input_len = 0
@@ -157,19 +163,24 @@ class Req:
         token is always left to compute, since its logits give the next token; and the prefix
         stops where prompt logprobs still need logits (a cached prefix computes none)."""
         self.fill_ids = self.all_ids()
+        m = tree_cache.match(self.prefix_key())
+        self.prefix_indices, self.last_node = m.slots, m.node
+        self.host_hit_len, self.host_node = m.host_len, m.host_node
+        self.match_epoch = tree_cache.epoch
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def prefix_key(self) -> list[int]:
+        """The prefix-cache key `fill_ids` may reuse a prefix of (see above)."""
         limit = len(self.fill_ids) - 1
         cursor = self.prompt_logprob_cursor
         if self.prompt_logprob_start is not None and cursor < self.prompt_len - 1:
             limit = min(limit, cursor)
-        key = self.fill_ids[:limit]
-        self.prefix_indices, self.last_node = tree_cache.match_prefix(
-            namespaced(key, self.cache_namespace)
-        )
-        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+        return namespaced(self.fill_ids[:limit], self.cache_namespace)
 
     def reset_for_retract(self) -> None:
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
+        self.host_hit_len, self.host_node = 0, None
         self.req_pool_idx = None
         self.kv_allocated_len = 0
         self.fill_ids = []

@@ -54,6 +54,9 @@ class ModelWorkerBatch:
     spec_draft_lens: list[int] | None = None
     # EXTEND of an encoder: each new token's type (None: all 0; engine/models/bert.py)
     token_type_ids: list[int] | None = None
+    # hierarchical cache: host <-> device K/V copies to run, in order, before the forward
+    # ((kind, source slots, destination slots); engine/mem_cache/host_pool.py)
+    kv_transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -303,6 +306,7 @@ class ScheduleBatch:
             lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
             spec_draft_lens=self.spec_draft_lens,
             token_type_ids=self.token_type_ids if extend else None,
+            kv_transfers=self.pools.tree_cache.take_transfers(),
             **_prompt_logprob_fields(self._prompt_logprobs if extend and not verify else None),
         )
 

@@ -116,7 +116,10 @@ class SchedulePolicy:
         deprioritized = self.deprioritized = self._match_all(waiting)
         self.matched_all = True
         if policy == "lpm":
-            waiting.sort(key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices)))
+            # (a prefix in host memory, hierarchical cache, is loaded back: it counts too)
+            waiting.sort(
+                key=lambda r: (r.rid in deprioritized, -len(r.prefix_indices) - r.host_hit_len)
+            )
         else:
             self._sort_dfs_weight(waiting)
 
@@ -125,7 +128,7 @@ class SchedulePolicy:
         deprioritized: set[str] = set()
         for r in waiting:
             r.init_next_round_input(self.tree_cache)
-            if len(r.prefix_indices) <= IN_BATCH_PREFIX_CHECK_THRESHOLD:
+            if len(r.prefix_indices) + r.host_hit_len <= IN_BATCH_PREFIX_CHECK_THRESHOLD:
                 limit = IN_BATCH_PREFIX_DEPRIORITIZE_THRESHOLD
                 ids = namespaced(r.origin_input_ids[:limit], r.cache_namespace)
                 if seen.match_len(ids, limit) >= limit:

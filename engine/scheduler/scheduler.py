@@ -183,7 +183,8 @@ class Scheduler(RequestIntake, ModelUpdates):
         for req in self.waiting_queue:
             if req.rid in deprioritized and adder.can_run_list:
                 continue
-            if not matched:
+            if not matched or req.match_epoch != self.tree_cache.epoch:
+                # (matched before a load back of an earlier request evicted device cache)
                 req.init_next_round_input(self.tree_cache)
             result = adder.add_one_req(req)
             if result is AddResult.SKIP:

@@ -213,7 +213,7 @@ def test_process_executor_sends_an_unchanged_sampling_info_once():
     runner = SimpleNamespace(device="cpu", build_forward_batch=lambda mwb: mwb,
                              forward=failing_forward)  # fmt: skip
     device = Device(runner, max_bs=4)
-    mwb = SimpleNamespace(out_cache_loc=np.zeros(1, dtype=np.int64))
+    mwb = SimpleNamespace(out_cache_loc=np.zeros(1, dtype=np.int64), kv_transfers=None)
     answer = device.run(("forward", 0, mwb, None, sent_b))
     assert answer[0] == "error" and "the batch fails" in answer[2]
     assert device._info(SAME_INFO) is device.last_info

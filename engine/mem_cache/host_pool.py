@@ -1,0 +1,215 @@
+"""Host memory for the hierarchical prefix cache (SGLang's HiCache host tier).
+
+Two halves, as for device memory (the allocator with the scheduler, the buffers with the
+model runner):
+
+* `TransferQueue`, on the scheduler's side: the copies the cache decides on (a node backed up
+  to host memory, a node loaded back), in order. `take()` hands them to the next forward
+  batch (`ModelWorkerBatch.kv_transfers`).
+* `HostKVPool`, beside the device's KV pool: the K/V of host slots, one buffer
+  [layers, 2 (K, V), slots, kv_heads, head_dim]; `apply` runs a batch's copies before its
+  forward.
+
+Why order is enough: every copy runs on the device's queue (the forward thread, the device
+process, the CUDA stream), before the forward of the batch it came with and after every
+batch launched before. The K/V a store reads was written by a batch launched earlier (the
+tree only holds computed K/V); the device slots a load fills, and host slots a store fills,
+are free until the copy is queued, and anything that reuses them later is queued after it.
+Consecutive copies of one kind are merged into one (their destinations disjoint, so the
+merged copy does what they did one by one).
+
+On CUDA the host buffer is pinned. A load gathers on the host and copies to the device
+asynchronously on the forward stream; a store gathers on the device and copies to a pinned
+staging buffer asynchronously, and is scattered into the host buffer once its event has
+completed: at the next `apply`, or before a load that reads a slot it writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+STORE = "store"  # device slots -> host slots (a backup)
+LOAD = "load"  # host slots -> device slots (a load back)
+
+Transfer = tuple[str, torch.Tensor, torch.Tensor]  # (kind, source slots, destination slots)
+
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclass
+class _Pending:
+    kind: str
+    src: list[torch.Tensor] = field(default_factory=list)
+    dst: list[torch.Tensor] = field(default_factory=list)
+    dst_set: set[int] = field(default_factory=set)
+
+
+class TransferQueue:
+    """The copies decided since the last `take`, in order."""
+
+    def __init__(self) -> None:
+        self._ops: list[_Pending] = []
+        self.stored_tokens = 0  # totals, for the stats
+        self.loaded_tokens = 0
+
+    def add(self, kind: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        assert kind in (STORE, LOAD) and src.numel() == dst.numel()
+        if kind == STORE:
+            self.stored_tokens += dst.numel()
+        else:
+            self.loaded_tokens += dst.numel()
+        targets = dst.tolist()
+        last = self._ops[-1] if self._ops else None
+        if last is None or last.kind != kind or not last.dst_set.isdisjoint(targets):
+            last = _Pending(kind)
+            self._ops.append(last)
+        last.src.append(src)
+        last.dst.append(dst)
+        last.dst_set.update(targets)
+
+    def take(self) -> list[Transfer] | None:
+        if not self._ops:
+            return None
+        ops = [(p.kind, torch.cat(p.src), torch.cat(p.dst)) for p in self._ops]
+        self._ops = []
+        return ops
+
+    def clear(self) -> None:
+        """Drop what is queued (the cache was emptied: nothing reads those slots)."""
+        self._ops = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+
+def host_pool_tokens(
+    device_tokens: int, bytes_per_token: int, ratio: float, size_gb: float, page_size: int
+) -> int:
+    """Host slots: `size_gb` (10^9 bytes) of K/V when given, else `ratio` x the device
+    pool's tokens; whole pages, and more than the device pool (everything on the device is
+    backed up there under write-through)."""
+    if size_gb > 0:
+        tokens = int(size_gb * 1e9 // bytes_per_token)
+        what = f"hicache_size {size_gb} GB"
+    else:
+        tokens = int(device_tokens * ratio)
+        what = f"hicache_ratio {ratio}"
+    tokens -= tokens % page_size
+    if tokens <= device_tokens:
+        raise ValueError(
+            f"hierarchical cache: the host pool ({what}: {tokens} tokens) must be larger than "
+            f"the device KV pool ({device_tokens} tokens)"
+        )
+    return tokens
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Byte-sized floats as uint8 (indexing float8 is not implemented everywhere)."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+
+class HostKVPool:
+    """K/V of `num_slots` host slots for `kv_pool`'s layers (slot 0's page is padding, as on
+    the device)."""
+
+    def __init__(self, kv_pool, num_slots: int, device: torch.device) -> None:
+        if kv_pool.swa_layers:
+            raise ValueError("hierarchical cache: not with hybrid sliding-window memory")
+        self.kv_pool = kv_pool
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        shape = (kv_pool.num_layers, 2, num_slots, kv_pool.num_kv_heads, kv_pool.head_dim)
+        nbytes = kv_pool.num_layers * 2 * num_slots * kv_pool.num_kv_heads * kv_pool.head_dim
+        nbytes *= torch.empty((), dtype=kv_pool.dtype).element_size()
+        free = available_host_bytes()
+        if free is not None and nbytes > free and not os.environ.get("SLUICE_HICACHE_NO_CHECK"):
+            raise ValueError(
+                f"hierarchical cache: the host pool needs {nbytes / 1e9:.2f} GB, and the "
+                f"machine has {free / 1e9:.2f} GB available; lower --hicache-ratio or "
+                "--hicache-size"
+            )
+        # (torch.empty: pages are only touched when written, so an idle pool costs little)
+        self.buffer = torch.empty(shape, dtype=kv_pool.dtype, device="cpu", pin_memory=self.cuda)
+        self.num_slots = num_slots
+        self._raw = _raw(self.buffer)
+        # CUDA: stores copied to the host but not yet scattered into the buffer
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
+        logger.info(
+            "hierarchical cache: host KV pool of %d tokens (%.2f GB)", num_slots, nbytes / 1e9
+        )
+
+    def _layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        pool = self.kv_pool
+        return [(_raw(pool.k_buffer[i]), _raw(pool.v_buffer[i])) for i in range(pool.num_layers)]
+
+    @torch.inference_mode()
+    def apply(self, ops: list[Transfer]) -> None:
+        """Run the copies in order (on the current stream on CUDA)."""
+        self._finish_stores()
+        for kind, src, dst in ops:
+            if kind == STORE:
+                self._store(src.to(self.device, torch.int64), dst.to("cpu", torch.int64))
+            else:
+                self._load(src.to("cpu", torch.int64), dst.to(self.device, torch.int64))
+
+    def _store(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        layers = self._layers()
+        if not self.cuda:
+            for i, (k, v) in enumerate(layers):
+                self._raw[i, 0].index_copy_(0, dst, k.index_select(0, src))
+                self._raw[i, 1].index_copy_(0, dst, v.index_select(0, src))
+            return
+        gathered = torch.stack(
+            [torch.stack([k.index_select(0, src), v.index_select(0, src)]) for k, v in layers]
+        )
+        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        staging.copy_(gathered, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending.append((done, dst, staging))
+
+    def _load(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self._pending:
+            self._finish_stores(src)
+        if not self.cuda:
+            for i, (k, v) in enumerate(self._layers()):
+                k.index_copy_(0, dst, self._raw[i, 0].index_select(0, src))
+                v.index_copy_(0, dst, self._raw[i, 1].index_select(0, src))
+            return
+        gathered = self._raw.index_select(2, src).pin_memory()
+        on_device = gathered.to(self.device, non_blocking=True)
+        for i, (k, v) in enumerate(self._layers()):
+            k.index_copy_(0, dst, on_device[i, 0])
+            v.index_copy_(0, dst, on_device[i, 1])
+
+    def _finish_stores(self, reading: torch.Tensor | None = None) -> None:
+        """Scatter stores into the host buffer, waiting for their copies: all of them, or
+        (`reading`) those up to the last that writes one of these slots (in order, since a
+        later store may write a slot an earlier one wrote)."""
+        n = len(self._pending)
+        if reading is not None:
+            hits = [i for i, (_, dst, _) in enumerate(self._pending)
+                    if bool(torch.isin(dst, reading).any())]  # fmt: skip
+            n = hits[-1] + 1 if hits else 0
+        for done, dst, staging in self._pending[:n]:
+            done.synchronize()
+            self._raw.index_copy_(2, dst, staging)
+        del self._pending[:n]
