@@ -58,6 +58,21 @@ _WORKER_GAUGES = (
         "Requests the worker retracted to its queue for lack of KV memory (since it started).",
         "num_retracted_reqs",
     ),
+    (
+        "hicache_host_total_tokens",
+        "KV slots of the worker's host-memory pool (hierarchical cache; 0 without it).",
+        "host_cache_tokens",
+    ),
+    (
+        "hicache_host_used_tokens",
+        "Host-memory KV slots holding cached prefixes (hierarchical cache).",
+        "host_cache_used_tokens",
+    ),
+    (
+        "hicache_host_hit_tokens",
+        "Prompt tokens loaded back from host memory instead of computed (since it started).",
+        "host_cache_hit_tokens",
+    ),
 )
 
 # vLLM's names of the per-worker series (name, type, help, WorkerLoadMsg attribute)

@@ -27,6 +27,9 @@ class LoadFigures(NamedTuple):
     num_retracted: int = 0
     spec_accept_length: float = 0.0
     reqs_by_router: dict[str, int] = {}  # noqa: RUF012 (a NamedTuple default, never mutated)
+    host_cache_tokens: int = 0  # the hierarchical cache's host pool (engine/mem_cache/)
+    host_cache_used_tokens: int = 0
+    host_cache_hit_tokens: int = 0
 
 
 class WorkerFacts(NamedTuple):
@@ -76,6 +79,7 @@ def load_figures(scheduler: Any) -> LoadFigures:
     drafter = getattr(scheduler, "drafter", None)  # speculative decoding's
     cached = pools.tree_cache.evictable_size()
     used = pools.allocator.size - pools.allocator.available_size() - cached
+    host = pools.tree_cache.host_stats() if hasattr(pools.tree_cache, "host_stats") else {}
     return LoadFigures(
         stats.num_running,
         stats.num_waiting,
@@ -85,6 +89,9 @@ def load_figures(scheduler: Any) -> LoadFigures:
         stats.generation_tokens,
         stats.num_retractions,
         drafter.stats.accept_length if drafter is not None else 0.0,
+        host_cache_tokens=host.get("hicache_host_tokens", 0),
+        host_cache_used_tokens=host.get("hicache_host_used_tokens", 0),
+        host_cache_hit_tokens=host.get("hicache_host_hit_tokens", 0),
     )
 
 
@@ -125,4 +132,7 @@ class LoadReporter:
             labels=facts.labels,
             weights_path=facts.weights_path,
             reqs_by_router=dict(f.reqs_by_router),
+            host_cache_tokens=f.host_cache_tokens,
+            host_cache_used_tokens=f.host_cache_used_tokens,
+            host_cache_hit_tokens=f.host_cache_hit_tokens,
         )

@@ -21,7 +21,8 @@ merged copy does what they did one by one).
 On CUDA the host buffer is pinned. A load gathers on the host and copies to the device
 asynchronously on the forward stream; a store gathers on the device and copies to a pinned
 staging buffer asynchronously, and is scattered into the host buffer once its event has
-completed: at the next `apply`, or before a load that reads a slot it writes.
+completed: at an `apply` that finds it done, or before a load that reads a slot it writes
+(which then waits for it).
 """
 
 from __future__ import annotations
@@ -162,13 +163,21 @@ class HostKVPool:
 
     @torch.inference_mode()
     def apply(self, ops: list[Transfer]) -> None:
-        """Run the copies in order (on the current stream on CUDA)."""
-        self._finish_stores()
+        """Run the copies in order (on the current stream on CUDA: the forward's)."""
+        self._finish_stores(done_only=True)
         for kind, src, dst in ops:
             if kind == STORE:
-                self._store(src.to(self.device, torch.int64), dst.to("cpu", torch.int64))
+                self._store(self._on_device(src), dst.to("cpu", torch.int64))
             else:
-                self._load(src.to("cpu", torch.int64), dst.to(self.device, torch.int64))
+                self._load(src.to("cpu", torch.int64), self._on_device(dst))
+
+    def _on_device(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slot indices on the device. On CUDA through pinned memory, asynchronously: a
+        pageable copy would wait for the stream, i.e. for the forward in flight."""
+        slots = slots.to(torch.int64)
+        if not self.cuda or slots.device.type == "cuda":
+            return slots.to(self.device)
+        return slots.pin_memory().to(self.device, non_blocking=True)
 
     def _store(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         layers = self._layers()
@@ -200,12 +209,17 @@ class HostKVPool:
             k.index_copy_(0, dst, on_device[i, 0])
             v.index_copy_(0, dst, on_device[i, 1])
 
-    def _finish_stores(self, reading: torch.Tensor | None = None) -> None:
-        """Scatter stores into the host buffer, waiting for their copies: all of them, or
-        (`reading`) those up to the last that writes one of these slots (in order, since a
-        later store may write a slot an earlier one wrote)."""
+    def _finish_stores(self, reading: torch.Tensor | None = None, done_only: bool = False):
+        """Scatter stores into the host buffer, in order (a later store may write a slot an
+        earlier one wrote): those whose copies are done (`done_only`; waits for none), or
+        those up to the last that writes one of the slots a load is `reading` (waiting for
+        their copies)."""
         n = len(self._pending)
-        if reading is not None:
+        if done_only:
+            n = 0
+            while n < len(self._pending) and self._pending[n][0].query():
+                n += 1
+        elif reading is not None:
             hits = [i for i, (_, dst, _) in enumerate(self._pending)
                     if bool(torch.isin(dst, reading).any())]  # fmt: skip
             n = hits[-1] + 1 if hits else 0

@@ -26,12 +26,15 @@ class WorkerLoadMsg(Message):
     `weights_path`: the checkpoint its weights are from, where it is not `model` (after
     `POST /update_weights_from_disk`), else "". `reqs_by_router`: its running and waiting
     requests by the router that sent them (a router counts its own live, and adds the
-    others' from here).
+    others' from here). With the hierarchical cache: `host_cache_tokens`, the host pool's
+    slots (0 without it), `host_cache_used_tokens` of them holding K/V, and
+    `host_cache_hit_tokens`, prompt tokens loaded back from it instead of computed since
+    the worker started.
     """
 
     TAG = "worker_load"
-    VERSION = 8  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
-    # 7: weights_path; 8: reqs_by_router
+    VERSION = 9  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
+    # 7: weights_path; 8: reqs_by_router; 9: host_cache_*
 
     worker_id: str
     model: str
@@ -55,6 +58,9 @@ class WorkerLoadMsg(Message):
     labels: list[str] | None = None
     weights_path: str = ""
     reqs_by_router: dict[str, int] = field(default_factory=dict)
+    host_cache_tokens: int = 0
+    host_cache_used_tokens: int = 0
+    host_cache_hit_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

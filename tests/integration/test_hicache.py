@@ -109,3 +109,29 @@ def test_flags_are_checked() -> None:
     with pytest.raises(ValueError, match="hybrid_swa_memory"):
         Engine(model_path=model_path("gemma3_text"), enable_hierarchical_cache=True,
                hybrid_swa_memory=True, disable_overlap_schedule=True)  # fmt: skip
+
+
+def test_host_pool_figures_reach_metrics_through_the_heartbeat() -> None:
+    from services.router_metrics import RouterMetrics
+    from services.worker_load import LoadReporter, WorkerFacts, load_figures
+    from tests.unit.test_router_workers_metrics import _samples
+
+    docs = documents(4, seed=2)
+    engine = Engine(model_path=model_path("llama"), max_total_tokens=640,
+                    enable_hierarchical_cache=True, disable_overlap_schedule=True)  # fmt: skip
+    try:
+        for doc in docs + docs[:1]:  # the first document comes back from host memory
+            engine.generate(input_ids=[doc + [9]], sampling_params=GREEDY)
+        s = engine.scheduler
+        reporter = LoadReporter(WorkerFacts.of(s, "w0", "tiny"))
+        reporter.figures = load_figures(s)
+        beat = reporter.payload()
+    finally:
+        engine.shutdown()
+    assert beat.host_cache_tokens == 2 * 640
+    assert 0 < beat.host_cache_used_tokens <= beat.host_cache_tokens
+    assert beat.host_cache_hit_tokens == DOC_LEN
+    samples = _samples(RouterMetrics("tiny").render({"w0": beat}))
+    worker = '{model_name="tiny",worker_id="w0"}'
+    assert samples[f"sluice:hicache_host_total_tokens{worker}"] == 1280
+    assert samples[f"sglang:hicache_host_hit_tokens{worker}"] == DOC_LEN

@@ -57,9 +57,10 @@ CONFIGS = {
     "overlap_thread": {"cpu_overlap_executor": "thread"},
     "mixed_chunk": {"chunked_prefill_size": 48, "enable_mixed_chunk": True, "page_size": 4},
     # grammars compiled inline: every request is waiting from the start, as the tight pool
-    # needs to force a retraction (the other configs compile them in the background)
+    # needs to force a retraction (the other configs compile them in the background); a low
+    # reservation for the running requests' output admits more than their decode can hold
     "retract": {"max_total_tokens": 320, "chunked_prefill_size": 128, "max_prefill_tokens": 256,
-                "grammar_compile_threads": 0},
+                "grammar_compile_threads": 0, "init_new_token_ratio": 0.05},
 }
 
 
