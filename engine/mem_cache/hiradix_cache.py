@@ -38,6 +38,8 @@ from engine.mem_cache.radix_cache import RadixCache
 
 # A host hit shorter than this is computed again rather than loaded (SGLang's default).
 LOAD_BACK_THRESHOLD = 10
+# When host memory is full, at least 1/this of it is freed at once.
+HOST_EVICT_SLACK = 64
 
 
 class HiRadixCache(RadixCache):
@@ -88,7 +90,9 @@ class HiRadixCache(RadixCache):
         """Copy a device node to host memory (evicting host-only nodes for room)."""
         n = len(node.key)
         if self.host.available_size() < n:
-            self.evict_host(n - self.host.available_size())
+            # a little more than needed: each call scans the tree, and a full host pool would
+            # otherwise scan it again for every node written through
+            self.evict_host(max(n - self.host.available_size(), self.host.size // HOST_EVICT_SLACK))
         slots = self.host.alloc_extend([0], [n], [0])
         if slots is None:
             return False

@@ -17,13 +17,16 @@ assertion messages by `Stack.logs()`), and dies with the test process (PDEATHSIG
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
+import queue
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -293,3 +296,34 @@ def start_stack(
             "router", "--port", str(stack.router_port), name="router", service_id="r0", **common
         )
     return stack
+
+
+def read_lines(stream, out: queue.Queue) -> None:
+    for line in stream:
+        out.put(line)
+
+
+@contextlib.contextmanager
+def sluice_serve(log_path: str, *args: str, ready_s: float = 300) -> Iterator[tuple[str, str]]:
+    """`sluice serve ARGS` (on a free port, no SLUICE_* settings from the environment) until
+    the block ends: yields (router URL, its embedded Redis's URL); stderr goes to
+    `log_path`, quoted if it never gets ready."""
+    port = free_port()
+    command = service_command("serve", "--port", str(port), *args)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    with open(log_path, "wb") as log:
+        proc = spawn(command, env, stdout=subprocess.PIPE, stderr=log, text=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        ready = lines.get(timeout=ready_s)
+        with open(log_path) as f:
+            assert ready.startswith("sluice ready"), f.read()[-3000:]
+        yield f"http://127.0.0.1:{port}", ready.split("(redis ")[1].split(",")[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -5,23 +5,16 @@ turn after turn; /flush_cache makes the router forget."""
 
 from __future__ import annotations
 
-import os
-import queue
 import re
-import signal
-import subprocess
-import threading
 from collections.abc import Iterator
 
 import httpx2 as httpx
 import pytest
 import redis
 
-from services.serve import count_live, service_command, spawn
-from shared.redis_server import free_port
+from services.serve import count_live
 from tests.factories import tiny_model
-from tests.system.procs import router_available
-from tests.system.test_services_serve import READY_TIMEOUT_S, read_lines
+from tests.system.procs import router_available, sluice_serve
 
 pytestmark = pytest.mark.skipif(not router_available(), reason="router dependencies missing")
 
@@ -38,27 +31,11 @@ DOCS = {
 def served(tmp_path_factory) -> Iterator[tuple[str, str]]:
     """(router URL, redis URL) of `sluice serve --dp-size 2` with the cache-aware policy."""
     log_path = tmp_path_factory.mktemp("dp") / "serve.log"
-    port = free_port()
-    command = service_command(
-        "serve", "--model", tiny_model("qwen3"), "--port", str(port), "--dp-size", "2",
+    with sluice_serve(
+        str(log_path), "--model", tiny_model("qwen3"), "--dp-size", "2",
         "--policy", "cache_aware", "--disable-overlap-schedule", "--max-total-tokens", "8192",
-    )  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
-    with open(log_path, "wb") as log:
-        proc = spawn(command, env, stdout=subprocess.PIPE, stderr=log, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
-    try:
-        ready = lines.get(timeout=READY_TIMEOUT_S)
-        assert ready.startswith("sluice ready"), log_path.read_text()[-3000:]
-        yield f"http://127.0.0.1:{port}", ready.split("(redis ")[1].split(",")[0]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    ) as urls:  # fmt: skip
+        yield urls
 
 
 def _routed(client: httpx.Client) -> dict[tuple[str, str], int]:

@@ -17,7 +17,7 @@ from services.serve import count_live, port_open, service_command, spawn
 from shared.bus import Bus
 from shared.redis_server import free_port
 from tests.factories import tiny_model
-from tests.system.procs import router_available
+from tests.system.procs import read_lines, router_available
 from tests.system.stream_client import StreamClient
 
 READY_TIMEOUT_S = 300
@@ -34,11 +34,6 @@ def gone(pid: int) -> bool:
             return f.read().split(") ")[1].startswith("Z")  # a zombie has exited
     except FileNotFoundError:
         return True
-
-
-def read_lines(stream, out: queue.Queue) -> None:
-    for line in stream:
-        out.put(line)
 
 
 def test_serve_runs_every_service_and_stops_cleanly(tmp_path) -> None:

@@ -8,7 +8,7 @@ import argparse
 
 import pytest
 
-from services.engine_args import add_engine_args
+from services.engine_args import add_engine_args, engine_args_from
 from services.serve import Launcher, add_router_args, engine_flags, router_flags
 from shared.settings import ServeSettings
 
@@ -59,3 +59,12 @@ def test_serve_passes_the_routing_policy_to_its_router() -> None:
     add_router_args(parser)
     ns = parser.parse_args(["--policy", "round_robin", "--cache-threshold", "0.5"])
     assert router_flags(ns) == ["--policy", "round_robin", "--cache-threshold", "0.5"]
+
+
+def test_hierarchical_cache_flags_reach_the_worker() -> None:
+    given = ("--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy",
+             "write_back")  # fmt: skip
+    again = parse(*engine_flags(parse(*given)))
+    args = engine_args_from(again)
+    assert args.enable_hierarchical_cache and args.hicache_ratio == 3.0
+    assert args.hicache_write_policy == "write_back" and args.hicache_size == 0.0
