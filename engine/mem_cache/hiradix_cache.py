@@ -26,8 +26,6 @@ forward (engine/mem_cache/host_pool.py says why that order is safe).
 
 from __future__ import annotations
 
-import heapq
-
 import torch
 
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
@@ -164,37 +162,16 @@ class HiRadixCache(RadixCache):
         return self.transfers.take()
 
     # -- insert ---------------------------------------------------------------------------------
-    def insert(self, key: list[int], slots: torch.Tensor) -> int:
-        """As `RadixCache.insert`; a node evicted to host memory on the way takes the caller's
-        slots (their K/V is the same), so the count returned stops at the first such node:
-        the caller frees its slots before it, the tree owns the rest."""
-        if len(key) % self.page_size or len(key) != slots.numel():
-            raise ValueError(f"insert: key of {len(key)} tokens, {slots.numel()} slots")
-        now = self._tick()
-        node, pos, held = self.root_node, 0, None
-        while pos < len(key):
-            child_key = self._child_key(key, pos)
-            child = node.children.get(child_key)
-            if child is None:
-                value = slots[pos:].to(self.device, torch.int64).clone()
-                child = node.children[child_key] = TreeNode(key[pos:], value, node, now)
-                self._evictable += len(key) - pos
-                self._on_new_node(child)
-                return pos if held is None else held
-            n = self._match_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access_time = now
-            if child.value is None:  # back on the device, with the caller's slots
-                held = pos if held is None else held
-                child.value = slots[pos : pos + n].to(self.device, torch.int64).clone()
-                self._evictable += n
-            else:
-                assert held is None, "a device node below a host node"
-                child.hit_count += 1
-                self._maybe_backup(child)
-            node, pos = child, pos + n
-        return pos if held is None else held
+    def _on_reused(self, node: TreeNode, slots: torch.Tensor) -> bool:
+        """A node evicted to host memory takes the inserting caller's slots (back on the
+        device); a device node counts a hit."""
+        if node.value is None:
+            node.value = slots.to(self.device, torch.int64).clone()
+            self._evictable += len(node.key)
+            return True
+        node.hit_count += 1
+        self._maybe_backup(node)
+        return False
 
     # -- eviction -------------------------------------------------------------------------------
     def _device_leaf(self, node: TreeNode) -> bool:
@@ -202,27 +179,25 @@ class HiRadixCache(RadixCache):
 
     def evict(self, num_tokens: int) -> int:
         """Free the device slots of least-recently-used unlocked nodes with no child on the
-        device, keeping them as host nodes when they are (or can now be) backed up."""
+        device, keeping them as host nodes when they are (or, write_back, can now be) backed
+        up."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._nodes()
-                if n.lock_ref == 0 and self._device_leaf(n)]  # fmt: skip
-        heapq.heapify(heap)
         freed: list[torch.Tensor] = []
-        num_freed = 0
-        while num_freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+
+        def evict_one(node: TreeNode) -> bool:
             if node.host_value is None and self.write_policy == "write_back":
                 self._backup(node)
             parent = node.parent
             assert parent is not None and node.value is not None
             freed.append(node.value)
-            num_freed += len(node.key)
             node.value = None
             if node.host_value is None:
                 self._drop(node)
-            if parent.parent is not None and parent.lock_ref == 0 and self._device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            return parent.lock_ref == 0 and self._device_leaf(parent)
+
+        candidates = [n for n in self._nodes() if n.lock_ref == 0 and self._device_leaf(n)]
+        num_freed = self._evict_lru(candidates, num_tokens, evict_one)
         if freed:
             self.allocator.free(torch.cat(freed))
             self.epoch += 1
@@ -232,21 +207,18 @@ class HiRadixCache(RadixCache):
     def evict_host(self, num_tokens: int) -> int:
         """Forget least-recently-used host-only leaves until `num_tokens` host tokens are
         freed (or none is left); returns how many were."""
-        heap = [(n.last_access_time, n.id, n) for n in self._nodes()
-                if n.value is None and not n.children and n.host_ref == 0]  # fmt: skip
-        heapq.heapify(heap)
         freed: list[torch.Tensor] = []
-        num_freed = 0
-        while num_freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+
+        def evict_one(node: TreeNode) -> bool:
             parent = node.parent
             assert parent is not None and node.host_value is not None
             del parent.children[self._child_key(node.key, 0)]
             freed.append(node.host_value)
-            num_freed += len(node.key)
-            if parent.parent is not None and parent.value is None and not parent.children:
-                if parent.host_ref == 0:
-                    heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            return parent.value is None and not parent.children and parent.host_ref == 0
+
+        candidates = [n for n in self._nodes()
+                      if n.value is None and not n.children and n.host_ref == 0]  # fmt: skip
+        num_freed = self._evict_lru(candidates, num_tokens, evict_one)
         if freed:
             self.host.free(torch.cat(freed))
         return num_freed

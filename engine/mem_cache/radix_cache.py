@@ -16,6 +16,7 @@ time, so a parent is never older than its children and the oldest unlocked leaf 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import torch
 
@@ -92,11 +93,12 @@ class RadixCache(PrefixCache):
     def insert(self, key: list[int], slots: torch.Tensor) -> int:
         """Add a page-aligned key with its slots; the tree takes ownership of the slots it did
         not hold. Returns how many leading tokens it already held (their `slots` stay the
-        caller's to free)."""
+        caller's to free; with a hierarchical cache, up to the first node the tree had only in
+        host memory: from there on it takes the caller's slots)."""
         if len(key) % self.page_size or len(key) != slots.numel():
             raise ValueError(f"insert: key of {len(key)} tokens, {slots.numel()} slots")
         now = self._tick()
-        node, pos = self.root_node, 0
+        node, pos, held = self.root_node, 0, None
         while pos < len(key):
             child_key = self._child_key(key, pos)
             child = node.children.get(child_key)
@@ -105,13 +107,15 @@ class RadixCache(PrefixCache):
                 child = node.children[child_key] = TreeNode(key[pos:], value, node, now)
                 self._evictable += len(key) - pos
                 self._on_new_node(child)
-                return pos
+                return pos if held is None else held
             n = self._match_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
+            if self._on_reused(child, slots[pos : pos + n]) and held is None:
+                held = pos
             node, pos = child, pos + n
-        return pos
+        return pos if held is None else held
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; the new upper part inherits its lock and access time,
@@ -138,6 +142,12 @@ class RadixCache(PrefixCache):
 
     def _on_evicted(self, node: TreeNode) -> None:
         pass
+
+    def _on_reused(self, node: TreeNode, slots: torch.Tensor) -> bool:
+        """An insert passes through `node`, which the tree holds already (the caller's
+        `slots` have the same K/V). True if the tree takes `slots` for it (a hierarchical
+        cache's node that was in host memory only)."""
+        return False
 
     # -- locks ----------------------------------------------------------------------------------
     def _path(self, node: TreeNode | None) -> list[TreeNode]:
@@ -175,25 +185,41 @@ class RadixCache(PrefixCache):
         until at least `num_tokens` are freed or nothing unlocked is left."""
         if num_tokens <= 0:
             return 0
-        heap = [(n.last_access_time, n.id, n) for n in self._leaves() if n.lock_ref == 0]
-        heapq.heapify(heap)
         freed: list[torch.Tensor] = []
-        num_freed = 0
-        while num_freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+
+        def evict_one(node: TreeNode) -> bool:
             parent = node.parent
             assert parent is not None
             del parent.children[self._child_key(node.key, 0)]
             freed.append(node.value)
-            num_freed += len(node.key)
             self._on_evicted(node)
-            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+            return not parent.children and parent.lock_ref == 0
+
+        candidates = [n for n in self._leaves() if n.lock_ref == 0]
+        num_freed = self._evict_lru(candidates, num_tokens, evict_one)
         if freed:
             self.allocator.free(torch.cat(freed))
             self.epoch += 1
         self._evictable -= num_freed
         return num_freed
+
+    @staticmethod
+    def _evict_lru(
+        candidates: list[TreeNode], num_tokens: int, evict_one: Callable[[TreeNode], bool]
+    ) -> int:
+        """Evict `candidates`, least recently used first, until `num_tokens` are evicted or
+        none is left; `evict_one(node)` evicts one and says whether its parent (unless the
+        root) has become a candidate. Returns the tokens evicted."""
+        heap = [(n.last_access_time, n.id, n) for n in candidates]
+        heapq.heapify(heap)
+        num = 0
+        while num < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            num += len(node.key)
+            if evict_one(node) and parent is not None and parent.parent is not None:
+                heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        return num
 
     def _nodes(self) -> list[TreeNode]:
         """Every node except the root, parents before children."""
