@@ -177,32 +177,21 @@ class HiRadixCache(RadixCache):
     def _device_leaf(self, node: TreeNode) -> bool:
         return node.value is not None and all(c.value is None for c in node.children.values())
 
-    def evict(self, num_tokens: int) -> int:
-        """Free the device slots of least-recently-used unlocked nodes with no child on the
-        device, keeping them as host nodes when they are (or, write_back, can now be) backed
-        up."""
-        if num_tokens <= 0:
-            return 0
-        freed: list[torch.Tensor] = []
+    def _evict_candidates(self) -> list[TreeNode]:
+        """Unlocked nodes with no child on the device: eviction frees their device slots and
+        keeps them as host nodes when they are (or, write_back, can now be) backed up."""
+        return [n for n in self._nodes() if n.lock_ref == 0 and self._device_leaf(n)]
 
-        def evict_one(node: TreeNode) -> bool:
-            if node.host_value is None and self.write_policy == "write_back":
-                self._backup(node)
-            parent = node.parent
-            assert parent is not None and node.value is not None
-            freed.append(node.value)
-            node.value = None
-            if node.host_value is None:
-                self._drop(node)
-            return parent.lock_ref == 0 and self._device_leaf(parent)
-
-        candidates = [n for n in self._nodes() if n.lock_ref == 0 and self._device_leaf(n)]
-        num_freed = self._evict_lru(candidates, num_tokens, evict_one)
-        if freed:
-            self.allocator.free(torch.cat(freed))
-            self.epoch += 1
-        self._evictable -= num_freed
-        return num_freed
+    def _evict_node(self, node: TreeNode, freed: list[torch.Tensor]) -> bool:
+        if node.host_value is None and self.write_policy == "write_back":
+            self._backup(node)
+        parent = node.parent
+        assert parent is not None and node.value is not None
+        freed.append(node.value)
+        node.value = None
+        if node.host_value is None:
+            self._drop(node)
+        return parent.lock_ref == 0 and self._device_leaf(parent)
 
     def evict_host(self, num_tokens: int) -> int:
         """Forget least-recently-used host-only leaves until `num_tokens` host tokens are

@@ -186,22 +186,27 @@ class RadixCache(PrefixCache):
         if num_tokens <= 0:
             return 0
         freed: list[torch.Tensor] = []
-
-        def evict_one(node: TreeNode) -> bool:
-            parent = node.parent
-            assert parent is not None
-            del parent.children[self._child_key(node.key, 0)]
-            freed.append(node.value)
-            self._on_evicted(node)
-            return not parent.children and parent.lock_ref == 0
-
-        candidates = [n for n in self._leaves() if n.lock_ref == 0]
-        num_freed = self._evict_lru(candidates, num_tokens, evict_one)
+        num_freed = self._evict_lru(
+            self._evict_candidates(), num_tokens, lambda node: self._evict_node(node, freed)
+        )
         if freed:
             self.allocator.free(torch.cat(freed))
             self.epoch += 1
         self._evictable -= num_freed
         return num_freed
+
+    def _evict_candidates(self) -> list[TreeNode]:
+        return [n for n in self._leaves() if n.lock_ref == 0]
+
+    def _evict_node(self, node: TreeNode, freed: list[torch.Tensor]) -> bool:
+        """Evict one candidate, adding its device slots to `freed`; whether its parent has
+        become a candidate."""
+        parent = node.parent
+        assert parent is not None
+        del parent.children[self._child_key(node.key, 0)]
+        freed.append(node.value)
+        self._on_evicted(node)
+        return not parent.children and parent.lock_ref == 0
 
     @staticmethod
     def _evict_lru(
