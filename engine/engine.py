@@ -212,7 +212,7 @@ class Engine(PoolingCalls):
             "num_retractions": s.num_retractions,
             "new_token_ratio": s.new_token_ratio,
             **_spec_stats(self.scheduler),
-            **getattr(self.scheduler.tree_cache, "host_stats", dict)(),
+            **self.scheduler.tree_cache.host_stats(),
         }
 
     def flush_cache(self) -> bool:

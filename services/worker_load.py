@@ -79,7 +79,7 @@ def load_figures(scheduler: Any) -> LoadFigures:
     drafter = getattr(scheduler, "drafter", None)  # speculative decoding's
     cached = pools.tree_cache.evictable_size()
     used = pools.allocator.size - pools.allocator.available_size() - cached
-    host = pools.tree_cache.host_stats() if hasattr(pools.tree_cache, "host_stats") else {}
+    host = pools.tree_cache.host_stats()
     return LoadFigures(
         stats.num_running,
         stats.num_waiting,

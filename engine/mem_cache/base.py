@@ -123,6 +123,10 @@ class PrefixCache(ABC):
         `prefix_indices` and `last_node`; returns the tokens loaded (0: none)."""
         return 0
 
+    def host_stats(self) -> dict[str, int]:
+        """Hierarchical cache: its host pool's figures (`hicache_*`); none without it."""
+        return {}
+
     def take_transfers(self) -> list[tuple[str, torch.Tensor, torch.Tensor]] | None:
         """Hierarchical cache: the host <-> device copies queued since the last call, in
         order, for the next forward to run first (engine/mem_cache/host_pool.py)."""

@@ -222,15 +222,6 @@ class HiRadixCache(RadixCache):
         if host:
             self.host.free(torch.cat(host))
 
-    @staticmethod
-    def _subtree(node: TreeNode) -> list[TreeNode]:
-        out, stack = [], [node]
-        while stack:
-            n = stack.pop()
-            out.append(n)
-            stack.extend(n.children.values())
-        return out
-
     def reset(self) -> None:
         """Forget every unlocked node, on the device and in host memory."""
         device: list[torch.Tensor] = []

@@ -138,8 +138,9 @@ class HostKVPool:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         shape = (kv_pool.num_layers, 2, num_slots, kv_pool.num_kv_heads, kv_pool.head_dim)
-        nbytes = kv_pool.num_layers * 2 * num_slots * kv_pool.num_kv_heads * kv_pool.head_dim
-        nbytes *= torch.empty((), dtype=kv_pool.dtype).element_size()
+        nbytes = num_slots * kv_pool.bytes_per_token(
+            kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
+        )
         free = available_host_bytes()
         if free is not None and nbytes > free and not os.environ.get("SLUICE_HICACHE_NO_CHECK"):
             raise ValueError(

@@ -228,8 +228,12 @@ class RadixCache(PrefixCache):
 
     def _nodes(self) -> list[TreeNode]:
         """Every node except the root, parents before children."""
-        out: list[TreeNode] = []
-        stack = list(self.root_node.children.values())
+        return self._subtree(self.root_node)[1:]
+
+    @staticmethod
+    def _subtree(top: TreeNode) -> list[TreeNode]:
+        """`top` and every node below it, parents before children."""
+        out, stack = [], [top]
         while stack:
             node = stack.pop()
             out.append(node)
