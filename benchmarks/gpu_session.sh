@@ -20,6 +20,8 @@
 #   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
 #               waits for a busy forward stream) and the GPU cases of
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
+#   host-profile  benchmarks/host_profile.py: wall time of seed-shape waves (overlap and CUDA
+#               graphs on / off, and a decode-heavy wave) and the host's cProfile of one wave
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
 #   speculative benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
 #               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json
@@ -179,6 +181,11 @@ do_step() {
                 tests/unit/test_fp8.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
+        host-profile)
+            run_step host-profile 150 python3 benchmarks/host_profile.py --name gpu_host_profile \
+                --config default --config no_overlap:disable_overlap_schedule=True \
+                --config no_graph:disable_cuda_graph=True \
+                --config decode64:num_prompts=64,input_len=32,output_len=256 ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
         decode-bs1) run_step decode-bs1 130 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;

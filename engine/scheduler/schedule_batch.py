@@ -146,9 +146,10 @@ class ScheduleBatch:
         partly filled page from it. With page_size 1 it is never needed."""
         if self.pools.page_size == 1:
             return [-1] * len(prefix_lens)
-        rows = int64_tensor([r.req_pool_idx for r in self.reqs])
+        req_to_token = self.pools.req_to_token_pool.req_to_token
+        rows = int64_tensor([r.req_pool_idx for r in self.reqs]).to(req_to_token.device)
         cols = int64_tensor(prefix_lens) - 1
-        locs = self.pools.req_to_token_pool.req_to_token[rows, cols.clamp(min=0)]
+        locs = req_to_token[rows, cols.clamp(min=0).to(req_to_token.device)].cpu()
         return torch.where(cols >= 0, locs.to(torch.int64), -1).tolist()
 
     # -- decode ---------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ CASES = [
 def test_launch_does_not_wait_for_the_device(backend, dtype, page_size, graphs, penalized):
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
-    path = tiny_model("llama")
+    # flashinfer's kernels take head_dim 64/128/256 (the small preset's 64; tiny's is 16)
+    path = tiny_model("llama", preset="small" if backend == "flashinfer" else "tiny")
     args = EngineArgs.from_kwargs(
         model_path=path, device="cuda", dtype=dtype, attention_backend=backend,
         page_size=page_size, max_total_tokens=8192, max_running_requests=8,
