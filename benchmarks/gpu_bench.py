@@ -8,9 +8,10 @@ and the overlap scheduler on vs off with the GPU's idle time per decode step.
   ignore_eos: output tokens/s of sluice and of transformers' continuous batching (its GPU
   defaults, and with CUDA graphs forced on: the faster one is the baseline), one after the
   other in this process on the same GPU and weights, each after a warm-up wave of the same
-  shape. Anchor: SGLang 15,538 output tok/s, vLLM 9,024 on this workload. Their
-  `dtype=auto` runs GPT-2's float32 checkpoint in float16; we run bfloat16 (the same
-  tensor-core rate and bytes per weight on Hopper; `--dtype float16` reproduces theirs).
+  shape; the median of three timed waves. Anchor: SGLang 15,538 output tok/s, vLLM 9,024
+  on this workload. Their `dtype=auto` runs GPT-2's float32 checkpoint in float16; we run
+  bfloat16 (the same tensor-core rate and bytes per weight on Hopper; `--dtype float16`
+  reproduces theirs).
 * decode-bs1: one request on a Llama-3.2-1B shaped random model (bf16): ms per output token
   in steady decode, CUDA graphs on and off, against bytes-per-token / HBM bandwidth. Bytes: the
   model's unique parameter storage (the tied embedding counted once: decode reads it whole as

@@ -1,11 +1,14 @@
 """seed-shape: offline output tokens/s of sluice and of transformers' continuous batching on a
 GPT-2 (124M) shaped random model, 128 prompts x 256 input / 64 output tokens, one after the
-other on the same device and weights (see gpu_bench.py)."""
+other on the same device and weights (see gpu_bench.py). Each runs a warm-up wave, then
+TIMED_WAVES timed waves of the same prompts (sluice flushes its prefix cache before each);
+the median wave's time is the result, every wave's is in the JSON."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 from typing import Any
 
@@ -24,6 +27,8 @@ from benchmarks.gpu_common import (
 )
 from benchmarks.gpu_timeline import Profiled
 
+TIMED_WAVES = 3  # after a warm-up wave; the median wave is the result (a first-use compile
+# in one wave, e.g. a Triton specialization, moves the median little)
 ANCHORS = {"sglang_output_tok_s": 15538, "vllm_output_tok_s": 9024,
            "anchor_dtype": "float16 (SGLang/vLLM dtype=auto turns a float32 checkpoint into fp16)"}
 
@@ -67,15 +72,18 @@ def run_sluice_offline(
     params = {"max_new_tokens": out_len, "temperature": 0.0, "ignore_eos": True}
     with make_engine(ctx, path) as engine:
         engine.generate(input_ids=warm, sampling_params=params)  # graphs, kernels, allocator
-        engine.flush_cache()
-        sync(ctx)
-        t0 = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        sync(ctx)
-        seconds = time.perf_counter() - t0
-        gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
-        out = {"seconds": seconds, "output_tokens": gen, "output_tok_s": gen / seconds,
-               "complete": gen == out_len * len(prompts),
+        waves, gen = [], 0
+        for _ in range(TIMED_WAVES):
+            engine.flush_cache()
+            sync(ctx)
+            t0 = time.perf_counter()
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            sync(ctx)
+            waves.append(time.perf_counter() - t0)
+            gen = sum(o["meta_info"]["completion_tokens"] for o in outs)
+        seconds = statistics.median(waves)
+        out = {"seconds": seconds, "waves_s": waves, "output_tokens": gen,
+               "output_tok_s": gen / seconds, "complete": gen == out_len * len(prompts),
                "engine_args": _args_dict(engine.args)}
         if ctx.profile:
             engine.flush_cache()
@@ -114,15 +122,19 @@ def run_hf_cb(
         continuous_batching_config=ContinuousBatchingConfig(**cb_kwargs),
     ) as manager:
         _hf_wait(manager, warm, out_len)
-        sync(ctx)
-        t0 = time.perf_counter()
-        gen = _hf_wait(manager, prompts, out_len)
-        sync(ctx)
-        seconds = time.perf_counter() - t0
+        waves = []
+        for _ in range(TIMED_WAVES):
+            sync(ctx)
+            t0 = time.perf_counter()
+            gen = _hf_wait(manager, prompts, out_len)
+            sync(ctx)
+            waves.append(time.perf_counter() - t0)
+        seconds = statistics.median(waves)
         resolved = getattr(manager, "continuous_batching_config", None)
         attn = model.config._attn_implementation
     del model, manager
-    return {"seconds": seconds, "output_tokens": gen, "output_tok_s": gen / seconds,
+    return {"seconds": seconds, "waves_s": waves, "output_tokens": gen,
+            "output_tok_s": gen / seconds,
             "complete": gen == out_len * len(prompts), "attn_implementation": attn,
             "cb_config": _cb_config_dict(resolved)}
 

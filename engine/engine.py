@@ -237,9 +237,14 @@ class Engine(PoolingCalls):
         return dict(self.scheduler.loras.paths)
 
     def shutdown(self) -> None:
+        """Stop the scheduler and free the model's device memory (weights, KV cache, graphs);
+        the engine cannot generate afterwards."""
         close = getattr(self.scheduler, "close", None)
         if close is not None:
             close()
+        runner = getattr(self.scheduler, "model_runner", None)
+        if runner is not None:
+            runner.release_memory()
 
     def __enter__(self) -> Engine:
         return self

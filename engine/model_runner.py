@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from dataclasses import dataclass
@@ -286,6 +287,16 @@ class ModelRunner:
         logger.info("weights updated from %s", path)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
+    def release_memory(self) -> None:
+        """Drop the weights, the KV pools and the graphs (`Engine.shutdown`): a process that
+        makes engines one after another gets the device memory back at once, not when the
+        garbage collector finds the runner."""
+        self.graph_runner = None
+        self.model = self.kv_pool = self.attn_backend = self.host_kv_pool = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:
         """(Re)capture the decode graphs of every size in `args.resolved_cuda_graph_bs`,
         resolving placeholders from `future_map` when given (see engine/cuda_graph_runner.py)."""

@@ -29,18 +29,22 @@ def tiny_model(
     sliding_window: int | None = None,
     num_labels: int | None = None,
     pooling: str = "cls",
+    head_dim: int | None = None,
 ) -> str:
     """A tiny model folder, built once; `num_labels`: a sequence classifier of that many;
-    `pooling` ("cls" / "mean"): an encoder embedding model's (bert, xlm-roberta)."""
+    `pooling` ("cls" / "mean"): an encoder embedding model's (bert, xlm-roberta); `head_dim`:
+    other than the preset's (flashinfer's kernels take 64, 128 or 256; tiny's is 16)."""
     from services.tiny_model import make_tiny_model
 
     window = f"-sw{sliding_window}" if sliding_window else ""
     labels = f"-cls{num_labels}" if num_labels else ""
     pool = f"-{pooling}" if pooling != "cls" else ""
-    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}{window}{labels}{pool}")
+    hd = f"-hd{head_dim}" if head_dim else ""
+    out = os.path.join(_ROOT, f"{arch}-{preset}-{seed}{window}{labels}{pool}{hd}")
     if not os.path.exists(os.path.join(out, "config.json")):
         make_tiny_model(out, arch=arch, preset=preset, seed=seed, sliding_window=sliding_window,
-                        num_labels=num_labels, pooling=pooling)  # fmt: skip
+                        num_labels=num_labels, pooling=pooling,
+                        **({"head_dim": head_dim} if head_dim else {}))  # fmt: skip
     return out
 
 
@@ -70,12 +74,12 @@ def tiny_lora(model: str, seed: int, rank: int = 8, **kw: Any) -> str:
     return out
 
 
-def model_path(name: str) -> str:
+def model_path(name: str, head_dim: int | None = None) -> str:
     """The tiny model of an architecture, or of a name in WINDOWED_MODELS."""
     if name in WINDOWED_MODELS:
         arch, window = WINDOWED_MODELS[name]
-        return tiny_model(arch, sliding_window=window)
-    return tiny_model(name)
+        return tiny_model(arch, sliding_window=window, head_dim=head_dim)
+    return tiny_model(name, head_dim=head_dim)
 
 
 def mixed_prompts(

@@ -43,7 +43,9 @@ that the captured kernels read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +79,38 @@ if TYPE_CHECKING:
 DEFAULT_WORKSPACE_BYTES = 384 << 20  # flashinfer's split-KV scratch, shared by all wrappers
 KERNEL_BACKEND = "fa2"
 TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which decode uses tensor cores
+
+
+class PinnedRing:
+    """Pinned staging buffers for flashinfer's plans, used in turn.
+
+    A wrapper's `plan` writes its scheduling data into a pinned host buffer and queues an
+    asynchronous copy of it to the device, on the forward stream, behind the batch in flight.
+    flashinfer keeps one such buffer per wrapper: planning the same wrapper again before the
+    device has run that copy (the overlap scheduler plans batch N+1 while batch N waits
+    behind N-1) would overwrite data the pending copy has yet to read, and batch N would run
+    with N+1's plan (an illegal memory access when the shapes differ). So each plan stages in
+    the next of `size` buffers instead, after waiting for the event recorded when that buffer
+    was last used. A batch plans at most three wrappers and batch N-1 is done (its results
+    processed) when N+1 is planned, so with 8 buffers the wait is already over.
+    """
+
+    def __init__(self, device: torch.device, size: int = 8, nbytes: int = 8 << 20) -> None:
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                        for _ in range(size)]  # fmt: skip
+        self.events: list[torch.cuda.Event | None] = [None] * size
+        self.device = device
+        self.next = 0
+
+    @contextlib.contextmanager
+    def stage(self) -> Iterator[torch.Tensor]:
+        i, self.next = self.next, (self.next + 1) % len(self.buffers)
+        event = self.events[i]
+        if event is not None:
+            event.synchronize()
+        yield self.buffers[i]
+        self.events[i] = event = event or torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
 
 
 @dataclass
@@ -142,6 +176,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 self.paged = prefill()
             self.paged_window = prefill() if self.window_left >= 0 else None
         self.decode = self._decode_wrappers()
+        self.pinned_ring = PinnedRing(self.device) if self.device.type == "cuda" else None
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
         self.graph_buffers: _GraphBuffers | None = None
         # captured batch size -> its decode wrappers (full, windowed)
@@ -164,8 +199,8 @@ class FlashInferAttnBackend(AttentionBackend):
         full, windowed = wrappers
         for wrapper, left in ((full, -1), (windowed, self.window_left)):
             if wrapper is not None:
-                wrapper.plan(
-                    table.indptr, table.indices, table.last_page_len,
+                self._plan(
+                    wrapper, table.indptr, table.indices, table.last_page_len,
                     self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
                     window_left=left, **self._plan_scalars(),
                 )  # fmt: skip
@@ -183,16 +218,16 @@ class FlashInferAttnBackend(AttentionBackend):
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         if self.paged_window is not None:
             table = self._context_table(fb)
-            self.paged_window.plan(
-                qo_indptr, table.indptr, table.indices, table.last_page_len,
+            self._plan(
+                self.paged_window, qo_indptr, table.indptr, table.indices, table.last_page_len,
                 *heads, self.page_size, causal=True, window_left=self.window_left,
                 **self._plan_scalars(),
             )  # fmt: skip
         has_prefix = any(fb.extend_prefix_lens_cpu)
         if not self.full_layers:
             return _ExtendMetadata(has_prefix)
-        self.ragged.plan(
-            qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars(self.dtype)
+        self._plan(
+            self.ragged, qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars(self.dtype)
         )
         if has_prefix:
             prefix_lens = None if fb.extend_seq_lens is None else fb.seq_lens - fb.extend_seq_lens
@@ -200,11 +235,21 @@ class FlashInferAttnBackend(AttentionBackend):
                 fb.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.page_size,
                 prefix_lens,
             )  # fmt: skip
-            self.paged.plan(
-                qo_indptr, table.indptr, table.indices, table.last_page_len,
+            self._plan(
+                self.paged, qo_indptr, table.indptr, table.indices, table.last_page_len,
                 *heads, self.page_size, causal=False, **self._plan_scalars(),
             )  # fmt: skip
         return _ExtendMetadata(has_prefix)
+
+    def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """`wrapper.plan(...)`, its host-side scheduling data staged in the next buffer of
+        the pinned ring (see `PinnedRing`)."""
+        if self.pinned_ring is None:
+            wrapper.plan(*args, **kwargs)
+            return
+        with self.pinned_ring.stage() as buffer:
+            wrapper._pin_memory_int_workspace_buffer = buffer
+            wrapper.plan(*args, **kwargs)
 
     def _plan_scalars(self, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
         """Plan arguments; K/V in the pages' dtype unless `kv_dtype` (the ragged wrapper's

@@ -169,6 +169,7 @@ class OverlapScheduler(Scheduler):
     def close(self) -> None:
         """Stop the executor (the forward thread on CPU). Results in flight are dropped."""
         self.executor.close()
+        self._in_flight.clear()
         super().close()
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:

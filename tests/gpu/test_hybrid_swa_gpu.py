@@ -25,7 +25,8 @@ GREEDY = {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}
 
 def _generate(name: str, backend: str, hybrid: bool, **kw: object) -> list[list[int]]:
     engine = Engine(
-        model_path=model_path(name),
+        # flashinfer's kernels take head_dim 64/128/256 (the tiny preset's is 16)
+        model_path=model_path(name, head_dim=64 if backend == "flashinfer" else None),
         device="cuda",
         dtype="bfloat16" if backend == "flashinfer" else "float32",
         attention_backend=backend,

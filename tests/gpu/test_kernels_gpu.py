@@ -39,9 +39,10 @@ TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 HEADS = [(32, 8), (16, 16)]  # (query heads, KV heads)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def _close(got: torch.Tensor, want: torch.Tensor, size: float = 1.0) -> None:
+    """`size`: the outputs' magnitude, where it is not about 1 (the tolerance scales)."""
     err = (got.float() - want.float()).abs().max().item()
-    assert err <= TOL[want.dtype], f"max abs error {err}"
+    assert err <= TOL[want.dtype] * size, f"max abs error {err} (outputs of size {size})"
 
 
 def _decode(case: PagedCase, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +124,9 @@ def test_decode_replays_in_a_cuda_graph():
         case.seq_lens.copy_(torch.tensor(seq_lens))
         graph.replay()
         torch.cuda.synchronize()
-        _close(out, decode_attention_ref(*args, case.seq_lens, case.scale))
+        want = decode_attention_ref(*args, case.seq_lens, case.scale)
+        # the second replay's requests read poisoned slots (std 30): outputs up to ~30
+        _close(out, want, size=max(1.0, want.abs().max().item()))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

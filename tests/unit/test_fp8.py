@@ -75,7 +75,15 @@ def test_triton_gemm_matches_reference(m, n, k, group, bias):
     bias_dev = b.to(DEVICE) if b is not None else None
     got = fp8_gemm(*args, group, bias_dev, torch.float32).cpu()
     want = fp8_gemm_reference(x_q, x_s, w_q, w_s, group, b, torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if DEVICE == "cpu" or m <= 16 or k < 32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        # Compiled with M > 16 (64-row tiles: Hopper's wgmma) the float8 MMA accumulates
+        # with about 14 mantissa bits within a K step (DeepSeek-V3 report, 3.3.2), not in
+        # float32: bounded relative to the sum of the products' magnitudes
+        size = dequantize_groups(x_q, x_s, (1, group[1])).abs()
+        size = size @ dequantize_groups(w_q, w_s, group).abs().T
+        assert ((got - want).abs() <= 2.0**-11 * size + 1e-5).all()
     # and the arithmetic is the quantized operands', close to the full-precision product
     exact = x @ w.T + (b if b is not None else 0)
     assert (got - exact).norm() / exact.norm() < 0.06
