@@ -314,6 +314,18 @@ class FlashInferAttnBackend(AttentionBackend):
         merge(out, lse, out_prefix, lse_prefix)
         return out
 
+    def _store_kv(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """The Triton store (one launch writes K and V), as the triton backend does; two
+        indexed copies where Triton is missing."""
+        try:
+            from kernels.kv_store import store_kv
+        except ImportError:
+            return super()._store_kv(layer, forward_batch, k, v)
+        k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
+        store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+
     def _paged_kv(self, pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
