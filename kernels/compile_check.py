@@ -45,13 +45,16 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.runtime import driver
 
+from kernels.activation import gelu_new, silu_and_mul
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
 from kernels.fp8_gemm import fp8_gemm
 from kernels.fused_moe import fused_experts_triton
+from kernels.fused_norm import fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.jit import interpreting
 from kernels.kv_store import store_kv
+from kernels.rotary import apply_rotary
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HEAD_DIMS = (64, 128)
@@ -69,6 +72,11 @@ STORE_KV_HEADS = 8
 FP8_KV_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # (hidden, experts, top_k, expert intermediate): Qwen3-30B-A3B, Mixtral-8x7B
 MOE_SHAPES = ((2048, 128, 8, 768), (4096, 8, 2, 14336))
+# Largest shared memory one block may opt into, per compute capability.
+# the elementwise kernels: RMSNorm rows (a per-head q/k norm up to the widest hidden the
+# kernel takes), SiLU-and-mul of Llama-3.2-1B's and Mistral-7B's intermediate sizes
+NORM_HIDDEN = (128, 2048, 4096, 8192, 16384)
+SILU_INTER = (8192, 14336)
 # Largest shared memory one block may opt into, per compute capability.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 REGISTERS_PER_SM = 65536
@@ -229,6 +237,47 @@ def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int) -> None
     fp8_gemm(a, a_s, w, w_s, group, None, dtype)
 
 
+def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:
+    """RMSNorm of 64 rows, with the residual add or without."""
+    x, res = torch.empty(2, 64, hidden, dtype=dtype)
+    weight = torch.empty(hidden, dtype=dtype)
+    if residual:
+        fused_add_rms_norm(x, res, weight, 1e-6)
+    else:
+        rms_norm(x, weight, 1e-6)
+
+
+def _launch_rotary(dtype: torch.dtype, hq: int, hk: int, head_dim: int) -> None:
+    """q and k stacked, a view of a fused qkv, as llama.py rotates them."""
+    tokens = 64
+    qkv = torch.empty(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
+    qk = qkv[:, : (hq + hk) * head_dim].view(tokens, hq + hk, head_dim)
+    cache = torch.empty(4096, head_dim, dtype=dtype)
+    apply_rotary(torch.zeros(tokens, dtype=torch.int64), qk, cache, head_dim)
+
+
+def _elementwise_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
+    for name, dtype in DTYPES.items():
+        for hidden in NORM_HIDDEN:
+            for residual in (False, True):
+                case = f"{'add_' if residual else ''}rms_norm H{hidden}"
+                yield {"dtype": name, "case": case}, functools.partial(
+                    _launch_norm, dtype, hidden, residual
+                )
+        for inter in SILU_INTER:
+            x = torch.empty(64, 2 * inter, dtype=dtype)
+            yield {"dtype": name, "case": f"silu_and_mul I{inter}"}, functools.partial(
+                silu_and_mul, x
+            )
+        x = torch.empty(64, 3072, dtype=dtype)  # GPT-2's MLP width
+        yield {"dtype": name, "case": "gelu_new"}, functools.partial(gelu_new, x)
+        for head_dim in HEAD_DIMS:
+            for hq, hk in HEAD_SHAPES:
+                labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq,
+                          "num_kv_heads": hk, "case": "rotary"}  # fmt: skip
+                yield labels, functools.partial(_launch_rotary, dtype, hq, hk, head_dim)
+
+
 def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
     """(labels, launch) for every case the check covers."""
     for name, dtype in DTYPES.items():
@@ -282,6 +331,7 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                 yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
+    yield from _elementwise_cases()
 
 
 def _problems(v: dict[str, Any], arch: int) -> list[str]:

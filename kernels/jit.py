@@ -37,6 +37,12 @@ def interpreting() -> bool:
     return isinstance(tl.standard.max, InterpretedFunction)
 
 
+def compiled_on(x: torch.Tensor) -> bool:
+    """Whether a kernel on `x` runs compiled: on CUDA with Triton installed and not in the
+    interpreter. The engine's layers take their torch code otherwise (CPU stays bit-exact)."""
+    return x.is_cuda and HAS_TRITON and not interpreting()
+
+
 def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype attention computes in: the cache's, or q's over a float8 cache (whose values
     the kernels convert as they load them; the caller folds the scales in)."""

@@ -1,4 +1,9 @@
-"""Activation functions, written as the Hugging Face reference computes them."""
+"""Activation functions, written as the Hugging Face reference computes them.
+
+On CUDA, `gelu_new` and `SiluAndMul` run as one Triton kernel each (kernels/activation.py):
+SiLU-and-mul rounds as the torch code does; gelu_new computes in float32 and rounds once,
+so in half precision it differs from the op-by-op torch code by rounding only.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import activation as fused
+from kernels.jit import compiled_on
+
 _GELU_NEW_COEF = math.sqrt(2.0 / math.pi)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
-    """GPT-2's tanh approximation of GELU (HF `NewGELUActivation`, same op order)."""
+    """GPT-2's tanh approximation of GELU: the fused kernel on CUDA, else `gelu_new_torch`."""
+    if compiled_on(x):
+        return fused.gelu_new(x)
+    return gelu_new_torch(x)
+
+
+def gelu_new_torch(x: torch.Tensor) -> torch.Tensor:
+    """HF `NewGELUActivation`, same op order (the reference of the kernel)."""
     return 0.5 * x * (1.0 + torch.tanh(_GELU_NEW_COEF * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
@@ -39,5 +54,12 @@ class SiluAndMul(nn.Module):
     """`silu(gate) * up` for a fused [..., 2 * intermediate] gate_up projection output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        if compiled_on(x):
+            return fused.silu_and_mul(x)
+        return silu_and_mul_torch(x)
+
+
+def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    """`SiluAndMul` in torch (the reference of the kernel)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -3,13 +3,17 @@
 `RMSNorm` follows Hugging Face's Llama op order exactly (upcast to float32, mean of
 squares, rsqrt, cast back, scale) so float32 outputs match the reference bit for bit.
 It optionally fuses the residual add that precedes it, as SGLang's does:
-`norm(x, residual)` returns `(norm(x + residual), x + residual)`.
+`norm(x, residual)` returns `(norm(x + residual), x + residual)`. On CUDA both forms run as
+one Triton kernel (kernels/fused_norm.py, same op order; torch elsewhere).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels import fused_norm
+from kernels.jit import compiled_on
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,6 +34,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if compiled_on(x):
+            if residual is None:
+                return fused_norm.rms_norm(x, self.weight, self.eps)
+            return fused_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         x = x + residual

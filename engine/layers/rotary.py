@@ -7,7 +7,9 @@ model dtype. It is a derived (non-checkpoint) buffer: the loader materialises mo
 meta device, so the table is (re)built by `init_buffers()` once parameters exist.
 
 Rotation uses the "rotate half" (GPT-NeoX) layout of Llama-family checkpoints: the first and
-second halves of each head are the two coordinates of each rotated pair.
+second halves of each head are the two coordinates of each rotated pair. On CUDA the rotation
+is one Triton kernel (kernels/rotary.py, float32 arithmetic rounded once); `rotate_torch`
+elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import math
 
 import torch
 from torch import nn
+
+from kernels.jit import compiled_on
+from kernels.rotary import apply_rotary
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -90,10 +95,20 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [num_tokens, num_heads, head_dim] (any number of heads, e.g. q and k
         stacked) at `positions` [num_tokens]; returns a new contiguous tensor."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        half = self.head_dim // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        if compiled_on(x):
+            return apply_rotary(positions, x, self.cos_sin_cache, self.head_dim)
+        return rotate_torch(positions, x, self.cos_sin_cache, self.head_dim)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, {self.params}"
+
+
+def rotate_torch(
+    positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor, head_dim: int
+) -> torch.Tensor:
+    """`RotaryEmbedding.forward` in torch, in the model dtype op by op (the kernel's
+    reference)."""
+    cos, sin = cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+    half = head_dim // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

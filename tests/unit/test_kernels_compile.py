@@ -38,6 +38,10 @@ MOE_CASES = [
 FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
 # an FP8 KV cache: bf16/fp16 queries over float8 pools (GQA shapes), store_kv of float8 rows
 FP8_KV_CASES = ("kv e4m3", "kv e5m2")
+# the elementwise kernels: RMSNorm (with the residual add or not) up to the widest row it takes,
+# SiLU-and-mul, gelu_new, rotary of q and k stacked
+NORM_CASES = [f"{add}rms_norm H{h}" for h in (128, 2048, 4096, 8192, 16384) for add in ("", "add_")]
+SILU_CASES = ("silu_and_mul I8192", "silu_and_mul I14336")
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
 
 
@@ -90,7 +94,17 @@ def expected_variants() -> list[tuple]:
         for case in FP8_KV_CASES
         for d in (*HEAD_DIMS, 256)
     ]
-    return rows + [("_resolve_kernel", "int64", None, None, None, None)]
+    rows += [("_resolve_kernel", "int64", None, None, None, None)]
+    for dtype in DTYPES:
+        rows += [("_rms_norm_kernel", dtype, None, None, None, case) for case in NORM_CASES]
+        rows += [("_silu_and_mul_kernel", dtype, None, None, None, case) for case in SILU_CASES]
+        rows += [("_gelu_new_kernel", dtype, None, None, None, "gelu_new")]
+        rows += [
+            ("_rotary_kernel", dtype, head_dim, hq, hk, "rotary")
+            for head_dim in HEAD_DIMS
+            for hq, hk in HEAD_SHAPES
+        ]
+    return rows
 
 
 def _key(variant: dict) -> tuple:

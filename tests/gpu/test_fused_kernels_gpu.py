@@ -1,0 +1,148 @@
+"""The fused elementwise kernels compiled on CUDA at real shapes, against the torch layer code.
+
+RMSNorm (hidden 2048 / 4096, with and without the residual add, and Qwen3's per-head q/k norm
+read from a fused qkv), SiLU-and-mul (Llama-3.2-1B's and Llama-3-8B's intermediate sizes),
+GPT-2's gelu_new, rotary of q and k stacked (head_dim 64 / 128, GQA heads), in float32 /
+float16 / bfloat16; and the layers themselves on CUDA take the kernels (their outputs differ
+from the torch path only by rounding). CUDA rounds to nearest, so where the kernel rounds
+where torch does (norm, silu) half precision agrees bit for bit but for rare last-bit ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from engine.layers.activation import (  # noqa: E402
+    SiluAndMul,
+    gelu_new_torch,
+    silu_and_mul_torch,
+)
+from engine.layers.layernorm import RMSNorm, rms_norm  # noqa: E402
+from engine.layers.rotary import RotaryEmbedding, rotate_torch  # noqa: E402
+from kernels import fused_norm  # noqa: E402
+from kernels.activation import gelu_new, silu_and_mul  # noqa: E402
+from kernels.jit import interpreting  # noqa: E402
+from kernels.rotary import apply_rotary  # noqa: E402
+
+if interpreting():
+    pytest.skip(
+        "TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True
+    )
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ULPS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, ulps: float | None = None) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    eps = torch.finfo(want.dtype).eps
+    rtol = (ulps or ULPS[want.dtype]) * eps
+    torch.testing.assert_close(got, want, rtol=rtol, atol=1e-5 if eps < 1e-6 else eps * 1e-2)
+
+
+def _mostly_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert (got != want).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [2048, 4096])
+@pytest.mark.parametrize("tokens", [1, 7, 4096])
+def test_rms_norm(dtype, hidden, tokens):
+    x = _randn(tokens, hidden, dtype=dtype, seed=0, scale=3.0)
+    w = _randn(hidden, dtype=dtype, seed=1)
+    got, want = fused_norm.rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)
+    _close(got, want)
+    if dtype != torch.float32:
+        _mostly_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [2048, 4096])
+def test_fused_add_rms_norm(dtype, hidden):
+    x = _randn(513, hidden, dtype=dtype, seed=2)
+    residual = _randn(513, hidden, dtype=dtype, seed=3, scale=8.0)
+    w = _randn(hidden, dtype=dtype, seed=4)
+    got_out, got_res = fused_norm.fused_add_rms_norm(x, residual, w, 1e-6)
+    want_res = x + residual
+    assert torch.equal(got_res, want_res)  # one rounding of the sum, as torch's
+    _close(got_out, rms_norm(want_res, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_per_head_qk_norm(dtype):
+    tokens, heads, kv_heads, head_dim = 300, 16, 8, 128
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=5)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    w = _randn(head_dim, dtype=dtype, seed=6)
+    _close(fused_norm.rms_norm(qk[:, :heads], w, 1e-6), rms_norm(qk[:, :heads], w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [8192, 14336])
+@pytest.mark.parametrize("tokens", [1, 1000])
+def test_silu_and_mul(dtype, inter, tokens):
+    x = _randn(tokens, 2 * inter, dtype=dtype, seed=7, scale=4.0)
+    got, want = silu_and_mul(x), silu_and_mul_torch(x)
+    _close(got, want)
+    if dtype != torch.float32:
+        _mostly_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_new(dtype):
+    x = _randn(1000, 3072, dtype=dtype, seed=8, scale=3.0)
+    got = gelu_new(x)
+    _close(got, gelu_new_torch(x.float()).to(dtype), ulps=8 if dtype == torch.float32 else 1)
+    err = (got.float() - gelu_new_torch(x).float()).abs()
+    assert (err <= 4 * torch.finfo(dtype).eps * x.float().abs() + 1e-5).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 32, 8), (128, 32, 8), (128, 28, 4)])
+@pytest.mark.parametrize("tokens", [1, 2000])
+def test_rotary(dtype, head_dim, heads, kv_heads, tokens):
+    params = {"rope_type": "default", "rope_theta": 500000.0}
+    rope = RotaryEmbedding(head_dim, 8192, params)
+    cache = rope.cos_sin_cache.to("cuda", dtype)
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=9, scale=2.0)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    positions = torch.randint(0, 8192, (tokens,), generator=gen, device="cuda")
+    got = apply_rotary(positions, qk, cache, head_dim)
+    want = rotate_torch(positions, qk, cache, head_dim)
+    if dtype == torch.float32:
+        _close(got, want)
+    else:  # x1 * cos - x2 * sin can cancel: the torch code's roundings against the magnitude
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= 3 * torch.finfo(dtype).eps * qk.float().abs().amax().item(), err
+
+
+def test_layers_take_the_kernels_on_cuda():
+    """RMSNorm (both forms), SiluAndMul and RotaryEmbedding on CUDA tensors give the kernels'
+    outputs exactly (the layers dispatch to them)."""
+    dtype, hidden = torch.bfloat16, 2048
+    norm = RMSNorm(hidden, 1e-5).to("cuda", dtype)
+    norm.weight.data.copy_(_randn(hidden, dtype=dtype, seed=11))
+    x = _randn(5, hidden, dtype=dtype, seed=12)
+    r = _randn(5, hidden, dtype=dtype, seed=13)
+    assert torch.equal(norm(x), fused_norm.rms_norm(x, norm.weight, 1e-5))
+    for got, want in zip(norm(x, r), fused_norm.fused_add_rms_norm(x, r, norm.weight, 1e-5)):
+        assert torch.equal(got, want)
+    y = _randn(5, 2 * hidden, dtype=dtype, seed=14)
+    assert torch.equal(SiluAndMul()(y), silu_and_mul(y))
+    rope = RotaryEmbedding(64, 128, {"rope_type": "default", "rope_theta": 10000.0}).cuda()
+    q = _randn(5, 4, 64, dtype=torch.float32, seed=15)
+    pos = torch.arange(5, device="cuda")
+    assert torch.equal(rope(pos, q), apply_rotary(pos, q, rope.cos_sin_cache, 64))
