@@ -178,7 +178,7 @@ do_step() {
             run_step tests-kernels 240 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
                 tests/gpu/test_encoders_gpu.py tests/gpu/test_hicache_gpu.py \
-                tests/unit/test_fp8.py ;;
+                tests/gpu/test_fused_kernels_gpu.py tests/unit/test_fp8.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
         host-profile)
