@@ -2,8 +2,10 @@
 without it, for the Triton and flashinfer backends, CUDA graphs on and off, in the plain and
 the overlap loop; the windowed layers' pool is a small fraction of the tokens in flight.
 
-The K/V the windowed layers read are the same values at other addresses, so the tokens must
-be equal exactly (same kernels, same data), not only close.
+The K/V the windowed layers read are the same values at other addresses, so in float32
+(Triton) the tokens must be equal exactly. In bf16 (flashinfer) a request whose prefix-cache
+hit differs between the two runs takes another kernel path, and near-ties may flip: equal up
+to a first divergence that is a near-tie (`assert_equal_or_tied`).
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed")
 
 from engine.engine import Engine  # noqa: E402
-from tests.factories import mixed_prompts, model_path  # noqa: E402
+from tests.factories import assert_equal_or_tied, mixed_prompts, model_path  # noqa: E402
 
 GREEDY = {"max_new_tokens": 96, "temperature": 0, "ignore_eos": True}
 
 
-def _generate(name: str, backend: str, hybrid: bool, **kw: object) -> list[list[int]]:
+def _generate(name: str, backend: str, hybrid: bool, **kw: object) -> list[dict]:
     engine = Engine(
         # flashinfer's kernels take head_dim 64/128/256 (the tiny preset's is 16)
         model_path=model_path(name, head_dim=64 if backend == "flashinfer" else None),
@@ -40,10 +42,12 @@ def _generate(name: str, backend: str, hybrid: bool, **kw: object) -> list[list[
     )
     try:
         prompts = mixed_prompts(500, n=16, max_len=300, seed=11)
-        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY)
+        # bf16 (flashinfer): the top two logprobs, to judge a divergence (assert_equal_or_tied)
+        tops = {"return_logprob": True, "top_logprobs_num": 2} if backend == "flashinfer" else {}
+        outs = engine.generate(input_ids=prompts, sampling_params=GREEDY, **tops)
         engine.scheduler.tree_cache.check_integrity()
         assert engine.scheduler.stats.num_retractions == 0
-        return [o["output_ids"] for o in outs]
+        return outs
     finally:
         engine.shutdown()
 
@@ -62,4 +66,10 @@ def test_hybrid_tokens_equal_plain(name: str, backend: str, cuda_graph: bool, ov
     if backend == "flashinfer":
         pytest.importorskip("flashinfer", reason="flashinfer is not installed")
     kw = dict(disable_cuda_graph=not cuda_graph, disable_overlap_schedule=not overlap)
-    assert _generate(name, backend, True, **kw) == _generate(name, backend, False, **kw)
+    hybrid, plain = (_generate(name, backend, h, **kw) for h in (True, False))
+    if backend == "triton":  # float32, the same kernels on the same values: exactly equal
+        assert [o["output_ids"] for o in hybrid] == [o["output_ids"] for o in plain]
+    else:
+        # bf16: a request whose prefix hit differs takes another flashinfer path (ragged +
+        # paged merge, or ragged alone); near-ties of these random models may flip
+        assert_equal_or_tied(hybrid, plain)
