@@ -286,7 +286,6 @@ class ModelRunner:
             self._graphs_stale = before != (list(pool.k_scales), list(pool.v_scales))
         logger.info("weights updated from %s", path)
 
-    # -- CUDA graphs ----------------------------------------------------------------------------
     def release_memory(self) -> None:
         """Drop the weights, the KV pools and the graphs (`Engine.shutdown`): a process that
         makes engines one after another gets the device memory back at once, not when the
@@ -297,6 +296,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    # -- CUDA graphs ----------------------------------------------------------------------------
     def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:
         """(Re)capture the decode graphs of every size in `args.resolved_cuda_graph_bs`,
         resolving placeholders from `future_map` when given (see engine/cuda_graph_runner.py)."""

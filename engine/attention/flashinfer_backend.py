@@ -72,6 +72,11 @@ from engine.attention.page_table import (
 )
 from engine.forward_batch import ForwardBatch
 
+try:
+    from kernels.kv_store import store_kv
+except ImportError:  # no Triton: the base class's indexed copies
+    store_kv = None
+
 if TYPE_CHECKING:
     from engine.config import ModelConfig
     from engine.mem_cache.kv_pool import KVPool
@@ -319,9 +324,7 @@ class FlashInferAttnBackend(AttentionBackend):
     ) -> None:
         """The Triton store (one launch writes K and V), as the triton backend does; two
         indexed copies where Triton is missing."""
-        try:
-            from kernels.kv_store import store_kv
-        except ImportError:
+        if store_kv is None:
             return super()._store_kv(layer, forward_batch, k, v)
         k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
