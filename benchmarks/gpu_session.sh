@@ -16,7 +16,8 @@
 #   tests-kernels  tests/gpu/test_kernels_gpu.py, test_cuda_graph_gpu.py and
 #               test_hybrid_swa_gpu.py (hybrid window memory == plain, graphs on and off),
 #               test_encoders_gpu.py (BERT / XLM-R == transformers on the GPU),
-#               test_hicache_gpu.py (hierarchical cache == plain radix cache)
+#               test_hicache_gpu.py (hierarchical cache == plain radix cache),
+#               test_kernels_page_table.py (flashinfer's page ids in one launch)
 #   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
 #               waits for a busy forward stream) and the GPU cases of
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
@@ -178,7 +179,8 @@ do_step() {
             run_step tests-kernels 240 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
                 tests/gpu/test_encoders_gpu.py tests/gpu/test_hicache_gpu.py \
-                tests/gpu/test_fused_kernels_gpu.py tests/unit/test_fp8.py ;;
+                tests/gpu/test_fused_kernels_gpu.py tests/unit/test_fp8.py \
+                tests/unit/test_kernels_page_table.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
         host-profile)

@@ -54,6 +54,7 @@ from kernels.fused_norm import fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.jit import interpreting
 from kernels.kv_store import store_kv
+from kernels.page_table import page_ids
 from kernels.rotary import apply_rotary
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -331,7 +332,23 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                 yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
+    yield from _page_table_cases()
     yield from _elementwise_cases()
+
+
+def _page_table_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
+    """flashinfer's page ids: page sizes 1 and 16, a small and a large batch (the block of
+    lengths each program sums), with and without the prefix subtraction."""
+    table = torch.zeros(260, 64, dtype=torch.int32)
+    for page in (1, 16):
+        for batch in (1, 256):
+            rows, lens = torch.arange(batch), torch.ones(batch, dtype=torch.int64)
+            out = torch.zeros(batch, dtype=torch.int32)
+            for sub in (None, lens):
+                case = f"page {page} bs{batch}{' prefix' if sub is not None else ''}"
+                yield {"dtype": "int32", "case": case}, functools.partial(
+                    page_ids, table, rows, lens, page, out, sub
+                )
 
 
 def _problems(v: dict[str, Any], arch: int) -> list[str]:

@@ -3,8 +3,9 @@
 flashinfer reads the KV pool in place, in NHD pages; per batch, `init_forward_metadata` builds
 the page tables (engine/attention/page_table.py) and plans the wrappers, for all layers. On
 CUDA the plan runs on the overlap executor's forward stream, behind the batch in flight: its
-host arrays are pinned and its page-id gather reads the batch's lengths on the device, so
-that planning never makes the host wait for that batch.
+host arrays are numpy arithmetic staged in pinned memory (`PinnedRing`) and its page ids one
+Triton launch that reads the batch's lengths on the device, so that planning never makes the
+host wait for that batch and costs it a single launch besides flashinfer's own plan.
 
 * DECODE: BatchDecodeWithPagedKVCacheWrapper over each request's whole context (the new token's
   K/V is stored first). GQA groups of 4 or more query heads use the tensor-core (prefill)
@@ -97,7 +98,9 @@ class PinnedRing:
     with N+1's plan (an illegal memory access when the shapes differ). So each plan stages in
     the next of `size` buffers instead, after waiting for the event recorded when that buffer
     was last used. A batch plans at most three wrappers and batch N-1 is done (its results
-    processed) when N+1 is planned, so with 8 buffers the wait is already over.
+    processed) when N+1 is planned, so with 8 buffers the wait is already over. The host
+    tables passed to `plan` (indptr, last page lengths), which flashinfer also copies
+    asynchronously, stage the same way in a second ring, held over all of a batch's plans.
     """
 
     def __init__(self, device: torch.device, size: int = 8, nbytes: int = 8 << 20) -> None:
@@ -182,6 +185,7 @@ class FlashInferAttnBackend(AttentionBackend):
             self.paged_window = prefill() if self.window_left >= 0 else None
         self.decode = self._decode_wrappers()
         self.pinned_ring = PinnedRing(self.device) if self.device.type == "cuda" else None
+        self.table_ring: PinnedRing | None = None  # (made at the first plan: `_host_ints`)
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
         self.graph_buffers: _GraphBuffers | None = None
         # captured batch size -> its decode wrappers (full, windowed)
@@ -197,32 +201,54 @@ class FlashInferAttnBackend(AttentionBackend):
         else:
             self.metadata = self._plan_extend(fb)
 
-    def _plan_decode(self, wrappers: tuple[Any, Any], fb: ForwardBatch) -> _DecodeMetadata:
+    def _plan_decode(
+        self, wrappers: tuple[Any, Any], fb: ForwardBatch, indices_out: torch.Tensor | None = None
+    ) -> _DecodeMetadata:
         """Plans the full-attention and the windowed wrapper (those the model has) over the
-        same page table."""
-        table = self._context_table(fb)
+        same page table (its page ids written into `indices_out` when given)."""
         full, windowed = wrappers
-        for wrapper, left in ((full, -1), (windowed, self.window_left)):
-            if wrapper is not None:
-                self._plan(
-                    wrapper, table.indptr, table.indices, table.last_page_len,
-                    self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                    window_left=left, **self._plan_scalars(),
-                )  # fmt: skip
+        with self._host_ints(fb, 2 * fb.batch_size + 1) as host:
+            table = self._context_table(fb, host, indices_out)
+            for wrapper, left in ((full, -1), (windowed, self.window_left)):
+                if wrapper is not None:
+                    self._plan(
+                        wrapper, table.indptr, table.indices, table.last_page_len,
+                        self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                        window_left=left, **self._plan_scalars(),
+                    )  # fmt: skip
         return _DecodeMetadata(full, windowed)
 
-    def _context_table(self, fb: ForwardBatch) -> Any:
+    def _context_table(
+        self, fb: ForwardBatch, host: torch.Tensor | None, indices_out: torch.Tensor | None = None
+    ) -> Any:
         """The page table of each request's whole context (new tokens included)."""
         return build_page_table(
-            fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens
-        )
+            fb.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu, self.page_size, fb.seq_lens,
+            host=host, indices_out=indices_out,
+        )  # fmt: skip
 
     def _plan_extend(self, fb: ForwardBatch) -> _ExtendMetadata:
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
-        qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, pin=self.device.type == "cuda")
+        bs = fb.batch_size
+        # host tables, in one staged buffer: qo_indptr, then up to two page tables
+        with self._host_ints(fb, 5 * bs + 3) as host:
+            parts = (None, None, None) if host is None else (
+                host[: bs + 1], host[bs + 1 : 3 * bs + 2], host[3 * bs + 2 :]
+            )  # fmt: skip
+            return self._plan_extend_tables(fb, *parts)
+
+    def _plan_extend_tables(
+        self,
+        fb: ForwardBatch,
+        qo_host: torch.Tensor | None,
+        context_host: torch.Tensor | None,
+        prefix_host: torch.Tensor | None,
+    ) -> _ExtendMetadata:
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+        qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, qo_host)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
         if self.paged_window is not None:
-            table = self._context_table(fb)
+            table = self._context_table(fb, context_host)
             self._plan(
                 self.paged_window, qo_indptr, table.indptr, table.indices, table.last_page_len,
                 *heads, self.page_size, causal=True, window_left=self.window_left,
@@ -235,16 +261,33 @@ class FlashInferAttnBackend(AttentionBackend):
             self.ragged, qo_indptr, qo_indptr, *heads, causal=True, **self._plan_scalars(self.dtype)
         )
         if has_prefix:
-            prefix_lens = None if fb.extend_seq_lens is None else fb.seq_lens - fb.extend_seq_lens
+            # the prefix lengths on the device: context minus new tokens
             table = build_page_table(
                 fb.req_to_token, fb.req_pool_indices, fb.extend_prefix_lens_cpu, self.page_size,
-                prefix_lens,
+                None if fb.extend_seq_lens is None else fb.seq_lens, fb.extend_seq_lens,
+                host=prefix_host,
             )  # fmt: skip
             self._plan(
                 self.paged, qo_indptr, table.indptr, table.indices, table.last_page_len,
                 *heads, self.page_size, causal=False, **self._plan_scalars(),
             )  # fmt: skip
         return _ExtendMetadata(has_prefix)
+
+    @contextlib.contextmanager
+    def _host_ints(self, fb: ForwardBatch, n: int) -> Iterator[torch.Tensor | None]:
+        """n int32 of host memory for a batch's tables (flashinfer copies them to the device
+        asynchronously inside `plan`), valid until the plans made inside this block have been
+        copied: pinned staging memory from a ring of its own on CUDA (see `PinnedRing`), None
+        elsewhere (the tables are then new tensors). The ring is sized for the largest batch,
+        one per row of `req_to_token`."""
+        if self.pinned_ring is None:
+            yield None
+            return
+        if self.table_ring is None:
+            rows = int(fb.req_to_token.shape[0])
+            self.table_ring = PinnedRing(self.device, size=16, nbytes=4 * (5 * rows + 3))
+        with self.table_ring.stage() as buffer:
+            yield buffer.view(torch.int32)[:n]
 
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
         """`wrapper.plan(...)`, its host-side scheduling data staged in the next buffer of
@@ -354,8 +397,10 @@ class FlashInferAttnBackend(AttentionBackend):
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         wrappers = self.graph_wrappers[forward_batch.batch_size]
-        # writes into the captured buffers
-        self.metadata = self._plan_decode(wrappers, forward_batch)
+        assert self.graph_buffers is not None
+        # writes into the captured buffers (the page ids straight from the kernel: flashinfer's
+        # copy of them onto themselves is then a no-op)
+        self.metadata = self._plan_decode(wrappers, forward_batch, self.graph_buffers.indices)
 
     def _decode_wrappers(self, graph_bs: int | None = None) -> tuple[Any, Any]:
         """(full, windowed) decode wrappers, None for the attention the model lacks: eager ones,

@@ -1,20 +1,31 @@
-"""The page tables and merge that `FlashInferAttnBackend` plans with (plain torch: they run,
-and are tested, on CPU too).
+"""The page tables and merge that `FlashInferAttnBackend` plans with (they run, and are
+tested, on CPU too).
 
 flashinfer reads the KV pool in its NHD paged layout: slot s is key s % P of page s // P. A
 request's keys are a list of page ids, every page full but the last (`PageTable`); a batch of
 extends names its new tokens' rows with a `qo_indptr`. The extend path attends over the new
 tokens and the cached prefix separately and merges the two softmaxes through their
 log-sum-exps (`merge_states_torch` where flashinfer's merge kernel cannot run the shape).
+
+Planning runs on the host before every forward, so its cost is host time per step: the host
+tables are numpy arithmetic on the batch's length lists, written into the caller's (pinned)
+buffer, and the page ids one Triton launch on a GPU (kernels/page_table.py).
 """
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.host_tensors import int64_tensor
+from kernels.jit import HAS_TRITON, compiled_on
+
+if HAS_TRITON:
+    from kernels.page_table import page_ids
+else:  # no Triton: the torch gather below
+    page_ids = None
 
 
 @dataclass(frozen=True)
@@ -32,30 +43,65 @@ class PageTable:
     last_page_len: torch.Tensor  # [B]
 
 
+def table_host_ints(batch_size: int) -> int:
+    """int32 entries of the host buffer `build_page_table` and `build_qo_indptr` of one batch
+    write into, together (indptr, last_page_len, qo_indptr)."""
+    return 3 * batch_size + 2
+
+
 def build_page_table(
     req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor,
     kv_lens: list[int],
     page_size: int,
     kv_lens_device: torch.Tensor | None = None,
+    sub_lens_device: torch.Tensor | None = None,
+    host: torch.Tensor | None = None,
+    indices_out: torch.Tensor | None = None,
+    use_kernel: bool | None = None,
 ) -> PageTable:
     """The pages of the first `kv_lens[i]` keys of request i (row `req_pool_indices[i]`).
 
     The allocator hands out whole pages, so keys kP .. kP+P-1 of a request share the page
-    `req_to_token[row, kP] // P`: one gather of each page's first slot. `kv_lens_device`: the
-    same lengths already on `req_to_token`'s device, so the gather needs no host-to-device
-    copy (on CUDA the host tables are also pinned: see `FlashInferAttnBackend`).
+    `req_to_token[row, kP] // P`: one gather of each page's first slot.
+
+    * The host tables are computed with numpy, no torch op: into `host` (an int32 CPU buffer of
+      at least 2B + 1 entries: the backend passes pinned staging memory, see
+      `FlashInferAttnBackend`), or into a new tensor.
+    * The page ids: where Triton is compiled for `req_to_token`'s device (or `use_kernel`),
+      one launch of `kernels.page_table.page_ids`, given the same lengths already on the
+      device (`kv_lens_device`, minus `sub_lens_device` when given: no host-to-device copy);
+      else a dozen torch ops. Into `indices_out[:total]` when given (a CUDA graph's buffer).
     """
-    lens = int64_tensor(kv_lens)
+    batch = len(kv_lens)
+    if host is None:
+        host = torch.empty(2 * batch + 1, dtype=torch.int32)
+    indptr, last_page_len = host[: batch + 1], host[batch + 1 : 2 * batch + 1]
+    lens = np.frombuffer(array.array("q", kv_lens), dtype=np.int64)
     num_pages = (lens + page_size - 1) // page_size
-    indptr = torch.cat([lens.new_zeros(1), num_pages.cumsum(0)])
-    last_page_len = lens - (num_pages - 1).clamp(min=0) * page_size
+    indptr_np, last_np = indptr.numpy(), last_page_len.numpy()
+    indptr_np[0] = 0
+    np.cumsum(num_pages, out=indptr_np[1:], dtype=np.int32)
+    np.subtract(lens, np.maximum(num_pages - 1, 0) * page_size, out=last_np, casting="unsafe")
+    total = int(indptr_np[-1])
+    device = req_to_token.device
+    if use_kernel is None:
+        use_kernel = page_ids is not None and compiled_on(req_to_token)
+    if use_kernel and kv_lens_device is not None:
+        out = indices_out if indices_out is not None else torch.empty(
+            total, dtype=torch.int32, device=device
+        )
+        assert out.numel() >= total, f"{total} page ids do not fit in {out.numel()}"
+        page_ids(req_to_token, req_pool_indices, kv_lens_device, page_size, out,
+                 sub_lens_device)  # fmt: skip
+        return PageTable(indptr, out[:total], last_page_len)
     if kv_lens_device is not None:
-        num_pages = (kv_lens_device + page_size - 1) // page_size
-    indices = _page_ids(req_to_token, req_pool_indices, num_pages, int(indptr[-1]), page_size)
-    indptr, last_page_len = indptr.to(torch.int32), last_page_len.to(torch.int32)
-    if req_to_token.is_cuda:
-        indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
+        if sub_lens_device is not None:
+            kv_lens_device = kv_lens_device - sub_lens_device
+        num_pages_dev = (kv_lens_device + page_size - 1) // page_size
+    else:
+        num_pages_dev = torch.from_numpy(num_pages).to(device)
+    indices = _page_ids(req_to_token, req_pool_indices, num_pages_dev, total, page_size)
     return PageTable(indptr, indices, last_page_len)
 
 
@@ -67,7 +113,6 @@ def _page_ids(
     page_size: int,
 ) -> torch.Tensor:
     device = req_to_token.device
-    num_pages = num_pages.to(device, non_blocking=True)  # (no copy when already there)
     # output_size spares repeat_interleave a device-to-host read of the total
     req = torch.repeat_interleave(
         torch.arange(len(num_pages), device=device), num_pages, output_size=total_pages
@@ -78,11 +123,16 @@ def _page_ids(
     return torch.div(slots, page_size, rounding_mode="floor").to(torch.int32)
 
 
-def build_qo_indptr(extend_lens: list[int], pin: bool = False) -> torch.Tensor:
-    """[B + 1] int32 host tensor (pinned with `pin`): request i's new tokens are rows
-    indptr[i] .. indptr[i+1]-1."""
-    indptr = torch.tensor([0, *extend_lens], dtype=torch.int64).cumsum(0).to(torch.int32)
-    return indptr.pin_memory() if pin else indptr
+def build_qo_indptr(extend_lens: list[int], host: torch.Tensor | None = None) -> torch.Tensor:
+    """[B + 1] int32 host tensor (the first B + 1 entries of `host` when given): request i's
+    new tokens are rows indptr[i] .. indptr[i+1]-1."""
+    batch = len(extend_lens)
+    indptr = torch.empty(batch + 1, dtype=torch.int32) if host is None else host[: batch + 1]
+    out = indptr.numpy()
+    out[0] = 0
+    np.cumsum(np.frombuffer(array.array("q", extend_lens), dtype=np.int64), out=out[1:],
+              dtype=np.int32)  # fmt: skip
+    return indptr
 
 
 def merge_states_torch(

@@ -95,6 +95,12 @@ def expected_variants() -> list[tuple]:
         for d in (*HEAD_DIMS, 256)
     ]
     rows += [("_resolve_kernel", "int64", None, None, None, None)]
+    rows += [
+        ("_page_ids_kernel", "int32", None, None, None, f"page {page} bs{bs}{prefix}")
+        for page in (1, 16)
+        for bs in (1, 256)
+        for prefix in ("", " prefix")
+    ]
     for dtype in DTYPES:
         rows += [("_rms_norm_kernel", dtype, None, None, None, case) for case in NORM_CASES]
         rows += [("_silu_and_mul_kernel", dtype, None, None, None, case) for case in SILU_CASES]
