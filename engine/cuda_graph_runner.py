@@ -6,7 +6,8 @@ replays them with one call. A graph replays exactly what it recorded (the same k
 same shapes, the same device addresses), hence the layout here:
 
 * static buffers of `max_bs` rows: `input_ids`, `positions`, `out_cache_loc`,
-  `req_pool_indices`, `seq_lens` (int64), and `logits` [max_bs, vocab] (float32). The graph of
+  `req_pool_indices`, `seq_lens` (int64; the rows of one tensor, `static_rows`, loaded with
+  two copies), and `logits` [max_bs, vocab] (float32). The graph of
   size `bs` reads and writes their first `bs` rows; the model reads the KV pool and the pool's
   `req_to_token` (fixed tensors) and the attention backend's graph state
   (`AttentionBackend.init_cuda_graph_state`);
@@ -144,15 +145,16 @@ class CudaGraphRunner:
         device = model_runner.device
         vocab_size = model_runner.model_config.vocab_size
         with torch.inference_mode():
-            self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-            self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-            self.req_pool_indices = torch.full(
-                (self.max_bs,), self.padding_req_row, dtype=torch.int64, device=device
+            # the int64 inputs are the rows of one tensor, in `ForwardBatch.decode_rows`'
+            # order then out_cache_loc: a replay loads them with one or two copies, and pads
+            # them with one more (from `padding`, every row's padding value)
+            fill = [self.padding_req_row, self.seq_len_fill_value, 0, 0, 0]
+            self.padding = torch.tensor(fill, dtype=torch.int64, device=device)[:, None].expand(
+                5, self.max_bs
             )
-            self.seq_lens = torch.full(
-                (self.max_bs,), self.seq_len_fill_value, dtype=torch.int64, device=device
-            )
+            self.static_rows = self.padding.contiguous()
+            (self.req_pool_indices, self.seq_lens, self.input_ids, self.positions,
+             self.out_cache_loc) = self.static_rows.unbind(0)  # fmt: skip
             self.logits = torch.zeros(self.max_bs, vocab_size, dtype=torch.float32, device=device)
 
     # -- capture --------------------------------------------------------------------------------
@@ -211,17 +213,16 @@ class CudaGraphRunner:
     def _load(self, forward_batch: ForwardBatch, bs: int) -> ForwardBatch:
         """Copy the batch into the static rows and pad them to `bs`; the static batch."""
         fb, n = forward_batch, forward_batch.batch_size
-        self.input_ids[:n].copy_(fb.input_ids)
-        self.positions[:n].copy_(fb.positions)
+        if _packed(fb):  # (every replay from `ModelRunner.build_forward_batch`)
+            self.static_rows[:4, :n].copy_(fb.decode_rows)
+        else:
+            self.req_pool_indices[:n].copy_(fb.req_pool_indices)
+            self.seq_lens[:n].copy_(fb.seq_lens)
+            self.input_ids[:n].copy_(fb.input_ids)
+            self.positions[:n].copy_(fb.positions)
         self.out_cache_loc[:n].copy_(fb.out_cache_loc)
-        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
-        self.seq_lens[:n].copy_(fb.seq_lens)
         if bs > n:  # a larger batch may have left its rows here
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.out_cache_loc[n:bs].zero_()
-            self.req_pool_indices[n:bs].fill_(self.padding_req_row)
-            self.seq_lens[n:bs].fill_(self.seq_len_fill_value)
+            self.static_rows[:, n:bs].copy_(self.padding[:, n:bs])
         padding = [self.seq_len_fill_value] * (bs - n)
         return self._static_batch(bs, list(fb.seq_lens_cpu) + padding)
 
@@ -239,3 +240,13 @@ class CudaGraphRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.backend,
         )
+
+
+def _packed(fb: ForwardBatch) -> bool:
+    """Whether the batch's four per-request inputs are still the rows of its `decode_rows`
+    (nothing replaced one of them since it was built)."""
+    rows = fb.decode_rows
+    return rows is not None and all(
+        t.data_ptr() == row.data_ptr() and t.shape == row.shape
+        for t, row in zip((fb.req_pool_indices, fb.seq_lens, fb.input_ids, fb.positions), rows)
+    )

@@ -73,6 +73,9 @@ class ForwardBatch:
     token_type_ids: torch.Tensor | None = None
     # hierarchical cache: K/V copies the forward runs first (ModelWorkerBatch.kv_transfers)
     kv_transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+    # DECODE built by the model runner: [4, B] int64, the tensor whose rows req_pool_indices,
+    # seq_lens, input_ids and positions are (a graph replay loads them with one copy)
+    decode_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

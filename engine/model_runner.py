@@ -221,6 +221,7 @@ class ModelRunner:
             if mwb.token_type_ids is None
             else torch.tensor(mwb.token_type_ids, dtype=torch.int64).to(dev),
             kv_transfers=mwb.kv_transfers,
+            decode_rows=None if extend else rows,
         )
 
     @torch.inference_mode()

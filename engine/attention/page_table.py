@@ -79,7 +79,8 @@ def build_page_table(
     indptr, last_page_len = host[: batch + 1], host[batch + 1 : 2 * batch + 1]
     lens = np.frombuffer(array.array("q", kv_lens), dtype=np.int64)
     num_pages = (lens + page_size - 1) // page_size
-    indptr_np, last_np = indptr.numpy(), last_page_len.numpy()
+    host_np = host.numpy()
+    indptr_np, last_np = host_np[: batch + 1], host_np[batch + 1 : 2 * batch + 1]
     indptr_np[0] = 0
     np.cumsum(num_pages, out=indptr_np[1:], dtype=np.int32)
     np.subtract(lens, np.maximum(num_pages - 1, 0) * page_size, out=last_np, casting="unsafe")

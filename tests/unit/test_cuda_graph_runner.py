@@ -23,6 +23,7 @@ DEVICE, SKIP_REASON = triton_test_device()  # before anything imports triton
 if SKIP_REASON:
     pytest.skip(SKIP_REASON, allow_module_level=True)
 
+from engine import cuda_graph_runner  # noqa: E402
 from engine.config import EngineArgs, ModelConfig  # noqa: E402
 from engine.cuda_graph_runner import CudaGraphRunner, EagerGraphCapturer  # noqa: E402
 from engine.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -188,10 +189,21 @@ def test_padding_row_is_reserved(runner):
     assert pool.available_size() == pool.size
 
 
-def test_replay_matches_eager(runner):
+def _packed(fb: ForwardBatch) -> ForwardBatch:
+    """The batch as `ModelRunner.build_forward_batch` makes a decode batch: its four
+    per-request inputs are the rows of one tensor (`decode_rows`), loaded with one copy."""
+    rows = torch.stack([fb.req_pool_indices, fb.seq_lens, fb.input_ids, fb.positions])
+    fb.req_pool_indices, fb.seq_lens, fb.input_ids, fb.positions = rows.unbind(0)
+    fb.decode_rows = rows
+    assert cuda_graph_runner._packed(fb)
+    return fb
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_replay_matches_eager(runner, packed):
     """Batches of changing size, rows and lengths through one set of graphs: each replay
     equals the eager forward (logits, and the KV it writes), whatever the previous batch
-    left in the static buffers."""
+    left in the static buffers; with the inputs given one by one and packed as rows."""
     graphs = _graphs(runner)
     cases = [
         ([3, 0, 7], [40, 1, 130]),  # padded to 4
@@ -203,6 +215,8 @@ def test_replay_matches_eager(runner):
     for seed, (rows, seq_lens) in enumerate(cases):
         fb = _decode_batch(runner, rows, seq_lens, seed)
         want_logits, want_kv = _eager(runner, fb)
+        if packed:
+            fb = _packed(fb)
         saved = _kv(runner)
         assert graphs.can_run(fb)
         got = graphs.replay(fb)
@@ -214,6 +228,7 @@ def test_replay_matches_eager(runner):
         assert graphs.seq_lens[n:bs].tolist() == [1] * (bs - n)  # the fill value
         assert graphs.req_pool_indices[n:bs].tolist() == [runner.padding_req_row] * (bs - n)
         assert graphs.out_cache_loc[n:bs].tolist() == [0] * (bs - n)
+        assert graphs.input_ids[n:bs].tolist() == graphs.positions[n:bs].tolist() == [0] * (bs - n)
     assert sum(g.num_replays for g in graphs.graphs.values()) == len(cases)
 
 
@@ -244,16 +259,21 @@ def test_backend_hooks_see_the_padded_static_batch(runner, monkeypatch):
     assert seen == [(4, [10, 20, 30, 1], [10, 20, 30, 1])]
 
 
-def test_placeholders_resolved_inside_the_replayed_step(runner):
+@pytest.mark.parametrize("packed", [False, True])
+def test_placeholders_resolved_inside_the_replayed_step(runner, packed):
+    """(packed: the ids replaced after packing, so the replay must not load the stale rows)"""
     fm = FutureMap(runner.req_to_token_pool.size, DEVICE)
     graphs = _graphs(runner, fm)
     fb = _decode_batch(runner, [4, 6, 1], [12, 50, 3], seed=3)
+    if packed:
+        fb = _packed(fb)
     real_ids = fb.input_ids.clone()
     slots = fm.alloc_future_indices(3)
     fm.store_to_map(slots, real_ids)
     want, _ = _eager(runner, fb)
     # the sampling of the previous batch stores after the capture: the graph reads the map
     fb.input_ids = torch.tensor(slots.placeholders(), dtype=torch.int64, device=DEVICE)
+    assert not cuda_graph_runner._packed(fb)
     assert graphs.can_run(fb, fm)
     got = graphs.replay(fb)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -148,8 +148,15 @@ def test_forward_batch_tensors_equal_the_lists(mode):
         assert fb.extend_start_loc.tolist() == [0, 3]
         assert fb.extend_seq_lens.tolist() == mwb.extend_seq_lens
         assert fb.last_token_indices.tolist() == [2, 4]
+        assert fb.decode_rows is None
     else:
         assert fb.extend_seq_lens is None
+        # the rows a graph replay loads with one copy
+        assert fb.decode_rows.tolist() == [mwb.req_pool_indices, mwb.seq_lens, mwb.input_ids,
+                                           mwb.positions]  # fmt: skip
+        from engine.cuda_graph_runner import _packed
+
+        assert _packed(fb)
     fb.input_ids[1] = 99  # resolving placeholders writes in place: rows are separate
     assert fb.positions.tolist() == mwb.positions and fb.seq_lens.tolist() == mwb.seq_lens
 

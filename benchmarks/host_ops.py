@@ -1,0 +1,208 @@
+"""Torch ops the host issues per decode step outside the model, this tree against a baseline
+revision: what a GPU waits for in a host-bound step, counted where no GPU is needed.
+
+    python benchmarks/host_ops.py [--base REV] [--batch-sizes 1 64] [--page-sizes 1 16]
+
+On the H100 (benchmarks/results/gpu_overlap.json) the overlap loop at batch 64 was host
+bound: 1.8 ms of host time per decode step against 0.96 ms of GPU work, and the profiler put
+most of that host time inside torch ops (each op on a CUDA tensor is a launch or a copy, some
+microseconds of host time each). This counts those ops on CPU, deterministically: a real
+engine (a tiny Llama, head_dim 64, bfloat16) with the flashinfer backend over the stand-in
+for flashinfer of tests/unit/test_flashinfer_indices.py and decode "graphs" replayed by the
+CPU stand-in for CUDA graphs (`EagerGraphCapturer`), so that a decode step takes the GPU's
+path: schedule, allocate, build the forward batch, load the graph's static inputs, plan
+(page table + plan), replay, sample, process the results. A TorchDispatchMode counts every
+aten op the scheduler thread dispatches during steady decode steps, except inside the model
+(a graph replay on the GPU) and inside the stand-in's own methods (flashinfer's plan is C++
+there). Triton launches are counted too (`triton_launches`): they are launches, not aten ops.
+
+Views (slice, select, view, unbind...) cost host time but launch nothing; they are counted
+apart (`views`). The counts are exact and repeatable, so one run per tree suffices; what they
+save in microseconds depends on the GPU host and is measured in the GPU session.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 8  # steady decode steps counted per case
+
+
+def child(root: str, bs: int, page_size: int) -> dict[str, Any]:
+    """Ops per steady decode step of `bs` requests, importing from `root`."""
+    sys.path.insert(0, root)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.set_num_threads(1)
+    from engine.attention import flashinfer_backend as fib
+    from engine.cuda_graph_runner import EagerGraphCapturer, _EagerGraph
+    from engine.engine import Engine
+    from engine.sampling.sampling_params import SamplingParams
+    from tests.factories import tiny_model
+    from tests.unit import test_flashinfer_indices as stand_in
+
+    paused = [0]
+
+    def pausing(fn):  # noqa: ANN001, ANN202
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            paused[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                paused[0] -= 1
+
+        return wrapper
+
+    for cls in (stand_in.BatchPrefillWithRaggedKVCacheWrapper,
+                stand_in.BatchPrefillWithPagedKVCacheWrapper,
+                stand_in.BatchDecodeWithPagedKVCacheWrapper):  # fmt: skip
+        for name in ("plan", "forward", "forward_return_lse"):
+            if name in vars(cls):
+                setattr(cls, name, pausing(vars(cls)[name]))
+    fib.load_flashinfer = lambda device: stand_in.FAKE_FLASHINFER
+    _EagerGraph.replay = pausing(_EagerGraph.replay)
+
+    ops: Counter[str] = Counter()
+    launches = [0]
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if not paused[0]:
+                ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    try:  # Triton launches (the page-table kernel), counted where they are made
+        from triton.runtime.interpreter import InterpretedFunction
+
+        run = InterpretedFunction.run
+
+        def counted_run(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if not paused[0]:
+                launches[0] += 1
+            paused[0] += 1
+            try:
+                return run(self, *args, **kwargs)
+            finally:
+                paused[0] -= 1
+
+        InterpretedFunction.run = counted_run
+    except ImportError:
+        pass
+
+    engine = Engine(model_path=tiny_model("llama", head_dim=64), device="cpu", dtype="bfloat16",
+                    attention_backend="flashinfer", disable_overlap_schedule=True,
+                    max_running_requests=max(bs, 8), page_size=page_size,
+                    disable_radix_cache=True)  # fmt: skip
+    runner = engine.scheduler.model_runner
+    runner.use_cuda_graph = True
+    runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+    _use_kernels(runner)
+    sched = engine.scheduler
+    params = SamplingParams(max_new_tokens=STEPS + 12, temperature=0.0, ignore_eos=True)
+    params.normalize()
+    for i in range(bs):
+        sched.add_request(f"r{i}", [5 + (i * 7 + j) % 90 for j in range(20 + i % 13)], params)
+    counted, triton_launches, steps, seen = Counter(), 0, 0, 0
+    while sched.has_work() and steps < STEPS:
+        before, before_launches = ops.copy(), launches[0]
+        with torch.inference_mode(), Count():
+            sched.step()
+        last = sched.last_batch
+        if last is not None and last.forward_mode.is_decode() and len(last.reqs) == bs:
+            seen += 1
+            if seen > 1:  # (the first captures the graphs)
+                counted += ops - before
+                triton_launches += launches[0] - before_launches
+                steps += 1
+    engine.shutdown()
+    assert steps == STEPS, f"only {steps} steady decode steps"
+    n = steps
+    per_step = {k: v / n for k, v in sorted(counted.items(), key=lambda kv: -kv[1])}
+    views = sum(v for k, v in per_step.items() if k in VIEW_OPS)
+    total = sum(per_step.values())
+    return {"ops": total - views, "views": views, "triton_launches": triton_launches / n,
+            "by_op": per_step}
+
+
+VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "unbind", "alias", "as_strided",
+            "detach", "expand", "t", "transpose", "unsqueeze", "squeeze", "reshape", "split",
+            "narrow", "permute", "lift_fresh", "_reshape_alias", "numpy_T", "unfold"}
+
+
+def _use_kernels(runner: Any) -> None:
+    """The page table takes its GPU path (the Triton kernel, here interpreted) where this tree
+    has one: `compiled_on` is false on CPU."""
+    try:
+        from engine.attention import page_table
+    except ImportError:
+        return
+    if getattr(page_table, "page_ids", None) is not None:
+        page_table.compiled_on = lambda x: True
+
+
+def measure(root: str, bs: int, page_size: int) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", root, str(bs), str(page_size)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": root}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=root)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base", default="HEAD", help="the baseline git revision")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--name", default="host_ops", help="results file benchmarks/results/NAME.json")
+    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        root, bs, page_size = args.child
+        print(json.dumps(child(root, int(bs), int(page_size))))
+        return
+    sys.path.insert(0, ROOT)
+    from benchmarks.common import print_table, write_result
+
+    git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True,
+                                    text=True).stdout.strip()  # noqa: E731
+    base_rev = git("rev-parse", args.base)
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    rows, detail = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        git("worktree", "add", "--detach", base, base_rev)
+        try:
+            for page_size in args.page_sizes:
+                for bs in args.batch_sizes:
+                    ours, theirs = measure(ROOT, bs, page_size), measure(base, bs, page_size)
+                    key = f"bs{bs}_page{page_size}"
+                    detail[key] = {"tree": ours["by_op"], "base": theirs["by_op"]}
+                    rows.append({"batch": bs, "page_size": page_size,
+                                 "ops": ours["ops"], "base_ops": theirs["ops"],
+                                 "views": ours["views"], "base_views": theirs["views"],
+                                 "triton": ours["triton_launches"],
+                                 "base_triton": theirs["triton_launches"]})
+                    print_table(rows[-1:], list(rows[-1]))
+        finally:
+            git("worktree", "remove", "--force", base)
+    print_table(rows, list(rows[0]))
+    summary = {f"bs{r['batch']}_page{r['page_size']}_launches": r["ops"] + r["triton"]
+               for r in rows}
+    summary.update({f"bs{r['batch']}_page{r['page_size']}_base_launches":
+                    r["base_ops"] + r["base_triton"] for r in rows})
+    results = {"base_rev": base_rev, "tree": git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
+               "steps": STEPS, "cases": rows, "ops_per_step": detail}
+    print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[1]))
+
+
+if __name__ == "__main__":
+    main()
