@@ -16,6 +16,7 @@ Each page is in one of three states: allocated, free, or pending (freed inside a
 
 from __future__ import annotations
 
+import array
 import operator
 
 import torch
@@ -77,6 +78,28 @@ class TokenToKVPoolAllocator:
                 return None
             return self._take_pages(total)
         return self._alloc_extend_paged(prefix_lens, seq_lens, last_locs)
+
+    def alloc_decode(
+        self, prefix_lens: list[int], last_locs: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """One slot per request, for position prefix_lens[i] (a decode step; every prefix_len
+        >= 1): the next slot of the request's last page, or the first slot of a new page where
+        that page is full. `last_locs` (None with page_size 1): int64 [B] on this allocator's
+        device, the slot of position prefix_lens[i] - 1, read where it is (no host read,
+        unlike `alloc_extend`'s list). A handful of device ops where `alloc_extend` takes about
+        fifty. Returns None, allocating nothing, if there are not enough free pages."""
+        ps = self.page_size
+        need = [i for i, n in enumerate(prefix_lens) if n % ps == 0]
+        if len(need) > self._pages_free():
+            return None
+        if ps == 1:
+            return self._take_pages(len(need))
+        assert last_locs is not None, "alloc_decode: paged decode needs the last slots"
+        out = last_locs + 1
+        if need:
+            rows = torch.frombuffer(array.array("q", need), dtype=torch.int64).to(self.device)
+            out.index_copy_(0, rows, self._take_pages(len(need)) * ps)
+        return out
 
     def _alloc_extend_paged(
         self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]

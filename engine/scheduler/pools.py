@@ -38,6 +38,21 @@ class MemoryPools:
             )
         return out
 
+    def alloc_decode(
+        self, prefix_lens: list[int], last_locs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One KV slot per request for a decode step (`TokenToKVPoolAllocator.alloc_decode`),
+        evicting unlocked cache entries if the free pages do not suffice."""
+        out = self.allocator.alloc_decode(prefix_lens, last_locs)
+        if out is None:
+            self.make_room(self.page_size * sum(n % self.page_size == 0 for n in prefix_lens))
+            out = self.allocator.alloc_decode(prefix_lens, last_locs)
+        if out is None:
+            raise MemoryError(
+                "KV cache exhausted although the scheduler's budget admitted the batch"
+            )
+        return out
+
     def make_room(self, tokens: int) -> bool:
         """Evict unlocked cache until `tokens` can be allocated (in both pools, with hybrid
         sliding-window memory); whether they can."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.forward_batch import ForwardMode
-from engine.host_tensors import int64_tensor
+from engine.host_tensors import int64_rows, int64_tensor
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
 
@@ -173,7 +173,7 @@ class ScheduleBatch:
         self.forward_mode = ForwardMode.DECODE
         req_to_token = self.pools.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_allocated_len for r in self.reqs]
-        rows = int64_tensor([r.req_pool_idx for r in self.reqs])
+        rows_list = [r.req_pool_idx for r in self.reqs]
         if drafts is None:
             self.spec_draft_lens = None
             seq_lens = [n + 1 for n in prefix_lens]
@@ -185,11 +185,23 @@ class ScheduleBatch:
             seq_lens = [n + 1 + k for n, k in zip(prefix_lens, self.spec_draft_lens)]
             positions = [p for n, s in zip(prefix_lens, seq_lens) for p in range(n, s)]
             input_ids = [t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)]
-            rows = rows.repeat_interleave(int64_tensor([k + 1 for k in self.spec_draft_lens]))
+            rows = int64_tensor(rows_list).repeat_interleave(
+                int64_tensor([k + 1 for k in self.spec_draft_lens])
+            )
         self.pools.release_swa_window(self.reqs, prefix_lens)
-        last_locs = self._last_locs(prefix_lens)
-        out = self.pools.alloc_kv(prefix_lens, seq_lens, last_locs)
-        req_to_token[rows, int64_tensor(positions)] = out.to(torch.int32)
+        if drafts is None:
+            # one token per request: rows and positions go to the device once, and each
+            # request's last slot is read there (no host read of the device table)
+            assert min(prefix_lens, default=1) >= 1, "a decoding request has no cached token"
+            where = int64_rows([rows_list, positions]).to(req_to_token.device)
+            last_locs = None
+            if self.pools.page_size > 1:
+                last_locs = req_to_token[where[0], where[1] - 1].to(torch.int64)
+            out = self.pools.alloc_decode(prefix_lens, last_locs)
+            req_to_token[where[0], where[1]] = out.to(torch.int32)
+        else:
+            out = self.pools.alloc_kv(prefix_lens, seq_lens, self._last_locs(prefix_lens))
+            req_to_token[rows, int64_tensor(positions)] = out.to(torch.int32)
         for r, n in zip(self.reqs, seq_lens):
             r.kv_allocated_len = n
         self.input_ids = input_ids

@@ -52,6 +52,36 @@ def test_decode_is_alloc_extend_by_one() -> None:
     assert alloc.available_size() == 16 - 12
 
 
+@pytest.mark.parametrize("ps", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_alloc_decode_equals_alloc_extend_by_one(ps: int, seed: int) -> None:
+    """The decode fast path (last slots given as a tensor, read on the device) hands out the
+    same slots, from the same pages, as alloc_extend by one token, step after step, over
+    requests at and off page boundaries; and refuses, changing nothing, when short."""
+    import random
+
+    rng = random.Random(seed)
+    fast, slow = TokenToKVPoolAllocator(80 * ps, ps), TokenToKVPoolAllocator(80 * ps, ps)
+    lens = [rng.randint(1, 3 * ps) for _ in range(6)]
+    first = fast.alloc_extend([0] * 6, lens, [-1] * 6)
+    assert torch.equal(first, slow.alloc_extend([0] * 6, lens, [-1] * 6))
+    ends = torch.cumsum(torch.tensor(lens), 0) - 1
+    last = first[ends].tolist()  # each request's last slot
+    for _ in range(2 * ps + 3):
+        locs = None if ps == 1 else torch.tensor(last, dtype=torch.int64)
+        got = fast.alloc_decode(lens, locs)
+        want = slow.alloc_extend(lens, [n + 1 for n in lens], last if ps > 1 else [-1] * 6)
+        assert got is not None and torch.equal(got, want)
+        assert fast.available_size() == slow.available_size()
+        last, lens = got.tolist(), [n + 1 for n in lens]
+    before = fast.available_size()
+    short = TokenToKVPoolAllocator(2 * ps, ps)
+    short.alloc_extend([0, 0], [ps, ps], [-1, -1])  # both pages taken, both full
+    full = torch.tensor([ps - 1, 2 * ps - 1]) if ps > 1 else None
+    assert short.alloc_decode([ps, ps], full) is None and short.available_size() == 0
+    assert fast.available_size() == before
+
+
 def test_short_allocation_changes_nothing() -> None:
     alloc = TokenToKVPoolAllocator(4 * 4, 4)
     last = int(alloc.alloc_extend([0], [10], [-1])[-1])  # 3 pages, 2 slots left in the last
