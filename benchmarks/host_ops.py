@@ -17,7 +17,11 @@ aten op the scheduler thread dispatches during steady decode steps, except insid
 there). Triton launches are counted too (`triton_launches`): they are launches, not aten ops.
 
 Views (slice, select, view, unbind...) cost host time but launch nothing; they are counted
-apart (`views`). The counts are exact and repeatable, so one run per tree suffices; what they
+apart (`views`). Not seen here: copies a GPU makes implicitly, e.g. of CPU index tensors that
+index a CUDA tensor (`t[cpu_rows, cpu_cols] = v` copies both index tensors to the device
+first; on CPU nothing is copied). The counts therefore understate code that indexes device
+tensors with host indices, and an explicit `.to(device)` ("to") counts one op where that code
+counted none. The counts are exact and repeatable, so one run per tree suffices; what they
 save in microseconds depends on the GPU host and is measured in the GPU session.
 """
 
