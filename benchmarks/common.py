@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -198,3 +202,24 @@ def prompt_agreement(arm: dict, full: dict) -> dict[str, float]:
     ]
     return {"top1_agreement": sum(same) / len(same), "mean_abs_dlogprob": statistics.mean(deltas),
             "max_abs_dlogprob": max(deltas), "positions": len(same)}  # fmt: skip
+
+
+@contextlib.contextmanager
+def base_worktree(root: str, rev: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """A temporary git worktree of `root` at revision `rev` (a benchmark's baseline), and the
+    revisions compared: {"base_rev": rev's commit, "tree": HEAD's, "+dirty" when the tree has
+    uncommitted changes to tracked files}. The worktree is removed on exit."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", root, *args], check=True, capture_output=True,
+                              text=True).stdout.strip()  # fmt: skip
+
+    base_rev = git("rev-parse", rev)
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    revs = {"base_rev": base_rev, "tree": git("rev-parse", "HEAD") + ("+dirty" if dirty else "")}
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        git("worktree", "add", "--detach", base, base_rev)
+        try:
+            yield base, revs
+        finally:
+            git("worktree", "remove", "--force", base)

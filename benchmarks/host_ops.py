@@ -32,7 +32,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from typing import Any
 
@@ -174,37 +173,26 @@ def main() -> None:
         print(json.dumps(child(root, int(bs), int(page_size))))
         return
     sys.path.insert(0, ROOT)
-    from benchmarks.common import print_table, write_result
+    from benchmarks.common import base_worktree, print_table, write_result
 
-    git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True,
-                                    text=True).stdout.strip()  # noqa: E731
-    base_rev = git("rev-parse", args.base)
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     rows, detail = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "base")
-        git("worktree", "add", "--detach", base, base_rev)
-        try:
-            for page_size in args.page_sizes:
-                for bs in args.batch_sizes:
-                    ours, theirs = measure(ROOT, bs, page_size), measure(base, bs, page_size)
-                    key = f"bs{bs}_page{page_size}"
-                    detail[key] = {"tree": ours["by_op"], "base": theirs["by_op"]}
-                    rows.append({"batch": bs, "page_size": page_size,
-                                 "ops": ours["ops"], "base_ops": theirs["ops"],
-                                 "views": ours["views"], "base_views": theirs["views"],
-                                 "triton": ours["triton_launches"],
-                                 "base_triton": theirs["triton_launches"]})
-                    print_table(rows[-1:], list(rows[-1]))
-        finally:
-            git("worktree", "remove", "--force", base)
+    with base_worktree(ROOT, args.base) as (base, revs):
+        for page_size in args.page_sizes:
+            for bs in args.batch_sizes:
+                ours, theirs = measure(ROOT, bs, page_size), measure(base, bs, page_size)
+                detail[f"bs{bs}_page{page_size}"] = {"tree": ours["by_op"], "base": theirs["by_op"]}
+                rows.append({"batch": bs, "page_size": page_size,
+                             "ops": ours["ops"], "base_ops": theirs["ops"],
+                             "views": ours["views"], "base_views": theirs["views"],
+                             "triton": ours["triton_launches"],
+                             "base_triton": theirs["triton_launches"]})
+                print_table(rows[-1:], list(rows[-1]))
     print_table(rows, list(rows[0]))
     summary = {f"bs{r['batch']}_page{r['page_size']}_launches": r["ops"] + r["triton"]
                for r in rows}
     summary.update({f"bs{r['batch']}_page{r['page_size']}_base_launches":
                     r["base_ops"] + r["base_triton"] for r in rows})
-    results = {"base_rev": base_rev, "tree": git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
-               "steps": STEPS, "cases": rows, "ops_per_step": detail}
+    results = {**revs, "steps": STEPS, "cases": rows, "ops_per_step": detail}
     print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[1]))
 
 

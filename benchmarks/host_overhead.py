@@ -31,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -115,36 +114,26 @@ def main() -> None:
         print(child(root, loop, int(bs), int(steps)))
         return
     sys.path.insert(0, ROOT)
-    from benchmarks.common import print_table, write_result
+    from benchmarks.common import base_worktree, print_table, write_result
 
-    git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True,
-                                    text=True).stdout.strip()  # noqa: E731
-    base_rev = git("rev-parse", args.base)
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "base")
-        git("worktree", "add", "--detach", base, base_rev)
-        try:
-            for loop in args.loops:
-                for bs in args.batch_sizes:
-                    ours, theirs = [], []
-                    for _ in range(args.reps):  # alternated
-                        ours.append(measure(ROOT, loop, bs, args.steps))
-                        theirs.append(measure(base, loop, bs, args.steps))
-                    ratios = [a / b for a, b in zip(ours, theirs)]
-                    rows.append({"loop": loop, "batch": bs,
-                                 "step_us": 1e6 * statistics.median(ours),
-                                 "base_step_us": 1e6 * statistics.median(theirs),
-                                 "ratio": statistics.median(ratios),
-                                 "ratio_min": min(ratios), "ratio_max": max(ratios)})
-                    print_table(rows[-1:], list(rows[-1]))
-        finally:
-            git("worktree", "remove", "--force", base)
+    with base_worktree(ROOT, args.base) as (base, revs):
+        for loop in args.loops:
+            for bs in args.batch_sizes:
+                ours, theirs = [], []
+                for _ in range(args.reps):  # alternated
+                    ours.append(measure(ROOT, loop, bs, args.steps))
+                    theirs.append(measure(base, loop, bs, args.steps))
+                ratios = [a / b for a, b in zip(ours, theirs)]
+                rows.append({"loop": loop, "batch": bs,
+                             "step_us": 1e6 * statistics.median(ours),
+                             "base_step_us": 1e6 * statistics.median(theirs),
+                             "ratio": statistics.median(ratios),
+                             "ratio_min": min(ratios), "ratio_max": max(ratios)})
+                print_table(rows[-1:], list(rows[-1]))
     print_table(rows, list(rows[0]))
     summary = {f"{r['loop']}_bs{r['batch']}_vs_base": r["ratio"] for r in rows}
-    results = {"base_rev": base_rev, "tree": git("rev-parse", "HEAD") + ("+dirty" if dirty else ""),
-               "steps": args.steps, "reps": args.reps, "cases": rows}
+    results = {**revs, "steps": args.steps, "reps": args.reps, "cases": rows}
     print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[1]))
 
 
