@@ -21,6 +21,20 @@ WINDOWED_MODELS = {"mistral-sliding": ("mistral", 32), "qwen2_moe-sliding": ("qw
 _ROOT = tempfile.mkdtemp(prefix="sluice-test-models-")
 
 
+def require_compiled_cuda() -> None:
+    """Skip the calling test module unless kernels run compiled on a CUDA GPU: a GPU, Triton
+    installed, and not in the interpreter (TRITON_INTERPRET set). Call it before importing
+    anything that imports triton."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU", allow_module_level=True)
+    pytest.importorskip("triton", reason="triton is not installed")
+    from kernels.jit import interpreting
+
+    if interpreting():
+        pytest.skip("TRITON_INTERPRET is set: these tests need compiled kernels",
+                    allow_module_level=True)  # fmt: skip
+
+
 @functools.cache
 def tiny_model(
     arch: str,

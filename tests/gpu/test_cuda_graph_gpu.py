@@ -16,16 +16,15 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed")
+from tests.factories import require_compiled_cuda  # noqa: E402
+
+require_compiled_cuda()
 
 from engine.config import EngineArgs, ModelConfig  # noqa: E402
 from engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from engine.forward_batch import ForwardBatch  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.overlap.future_map import FutureMap  # noqa: E402
-from kernels.jit import interpreting  # noqa: E402
 from tests.factories import mixed_prompts, tiny_model  # noqa: E402
 from tests.runner_batches import (  # noqa: E402
     decode_batch,
@@ -33,9 +32,6 @@ from tests.runner_batches import (  # noqa: E402
     kv_restore,
     kv_snapshot,
 )
-
-if interpreting():
-    pytest.skip("TRITON_INTERPRET is set: graphs need compiled kernels", allow_module_level=True)
 
 SIZES = (1, 2, 4, 8, 16, 24)
 

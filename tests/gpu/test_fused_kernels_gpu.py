@@ -15,9 +15,9 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed")
+from tests.factories import require_compiled_cuda  # noqa: E402
+
+require_compiled_cuda()
 
 from engine.layers.activation import (  # noqa: E402
     SiluAndMul,
@@ -28,13 +28,7 @@ from engine.layers.layernorm import RMSNorm, rms_norm  # noqa: E402
 from engine.layers.rotary import RotaryEmbedding, rotate_torch  # noqa: E402
 from kernels import fused_norm  # noqa: E402
 from kernels.activation import gelu_new, silu_and_mul  # noqa: E402
-from kernels.jit import interpreting  # noqa: E402
 from kernels.rotary import apply_rotary  # noqa: E402
-
-if interpreting():
-    pytest.skip(
-        "TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True
-    )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ULPS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}

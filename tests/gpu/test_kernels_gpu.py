@@ -13,14 +13,13 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-pytest.importorskip("triton", reason="triton is not installed")
+from tests.factories import require_compiled_cuda  # noqa: E402
+
+require_compiled_cuda()
 
 from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
 from kernels.extend_attention import extend_attention  # noqa: E402
 from kernels.future_tokens import resolve_future_tokens, resolve_future_tokens_torch  # noqa: E402
-from kernels.jit import interpreting  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
 from kernels.reference import (  # noqa: E402
     decode_attention_ref,
@@ -28,11 +27,6 @@ from kernels.reference import (  # noqa: E402
     store_kv_ref,
 )
 from kernels.testing import PagedCase, make_paged_case  # noqa: E402
-
-if interpreting():
-    pytest.skip(
-        "TRITON_INTERPRET is set: these tests need compiled kernels", allow_module_level=True
-    )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}
