@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,28 +26,34 @@ class MemoryPools:
     ) -> torch.Tensor:
         """KV slots for positions prefix_len..seq_len-1 of each request, evicting unlocked
         cache entries if the free pages do not suffice."""
-        out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
-        if out is None:
-            pages = sum(
-                self.allocator.num_pages_needed(p, s) for p, s in zip(prefix_lens, seq_lens)
-            )
-            self.make_room(pages * self.page_size)
-            out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
-        if out is None:
-            raise MemoryError(
-                "KV cache exhausted although the scheduler's budget admitted the batch"
-            )
-        return out
+        return self._alloc_evicting(
+            lambda: self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs),
+            prefix_lens, seq_lens,
+        )  # fmt: skip
 
     def alloc_decode(
         self, prefix_lens: list[int], last_locs: torch.Tensor | None
     ) -> torch.Tensor:
         """One KV slot per request for a decode step (`TokenToKVPoolAllocator.alloc_decode`),
         evicting unlocked cache entries if the free pages do not suffice."""
-        out = self.allocator.alloc_decode(prefix_lens, last_locs)
+        return self._alloc_evicting(
+            lambda: self.allocator.alloc_decode(prefix_lens, last_locs), prefix_lens, None
+        )
+
+    def _alloc_evicting(
+        self,
+        alloc: Callable[[], torch.Tensor | None],
+        prefix_lens: list[int],
+        seq_lens: list[int] | None,
+    ) -> torch.Tensor:
+        """`alloc()`, again after evicting the pages it needs (requests growing from
+        prefix_lens to seq_lens; None: by one token) if it found too few."""
+        out = alloc()
         if out is None:
-            self.make_room(self.page_size * sum(n % self.page_size == 0 for n in prefix_lens))
-            out = self.allocator.alloc_decode(prefix_lens, last_locs)
+            ends = seq_lens if seq_lens is not None else [n + 1 for n in prefix_lens]
+            pages = sum(map(self.allocator.num_pages_needed, prefix_lens, ends))
+            self.make_room(pages * self.page_size)
+            out = alloc()
         if out is None:
             raise MemoryError(
                 "KV cache exhausted although the scheduler's budget admitted the batch"
