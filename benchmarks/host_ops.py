@@ -23,6 +23,17 @@ first; on CPU nothing is copied). The counts therefore understate code that inde
 tensors with host indices, and an explicit `.to(device)` ("to") counts one op where that code
 counted none. The counts are exact and repeatable, so one run per tree suffices; what they
 save in microseconds depends on the GPU host and is measured in the GPU session.
+
+Second count (`--reads`, table "reads"): host reads of device memory in a serving-like run
+(requests of different lengths arriving, chunked prefill into partly filled pages, finishing
+at different steps, prefix cache on, page size 16; the allocator defers its checks as on
+CUDA). Each read (`.item()`, `bool()`, `.tolist()`, `.cpu()` of a tensor, or an op whose
+output size depends on the data: `unique`, `nonzero`...) waits for the device: on the GPU, a
+round trip of some tens of microseconds. Counted: the aten ops that read, and the Tensor
+methods that do, on the scheduler thread, except the step's sampled tokens (read once per
+step by design: one step late with the overlap scheduler) and the allocator's amortized
+`verify`. The stand-in's own methods are not counted (flashinfer's plan reads its host
+tables, which are host memory).
 """
 
 from __future__ import annotations
@@ -39,8 +50,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8  # steady decode steps counted per case
 
 
-def child(root: str, bs: int, page_size: int) -> dict[str, Any]:
-    """Ops per steady decode step of `bs` requests, importing from `root`."""
+def child(root: str, bs: int, page_size: int, reads: bool = False) -> dict[str, Any]:
+    """Ops per steady decode step of `bs` requests, importing from `root` (`reads`: host
+    reads of device memory per step of a serving-like run, see the module's docstring)."""
     sys.path.insert(0, root)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
@@ -105,12 +117,16 @@ def child(root: str, bs: int, page_size: int) -> dict[str, Any]:
     engine = Engine(model_path=tiny_model("llama", head_dim=64), device="cpu", dtype="bfloat16",
                     attention_backend="flashinfer", disable_overlap_schedule=True,
                     max_running_requests=max(bs, 8), page_size=page_size,
-                    disable_radix_cache=True)  # fmt: skip
+                    disable_radix_cache=not reads,
+                    chunked_prefill_size=READS_CHUNK if reads else None)  # fmt: skip
     runner = engine.scheduler.model_runner
     runner.use_cuda_graph = True
     runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
     _use_kernels(runner)
     sched = engine.scheduler
+    if reads:
+        sched.pools.allocator.defer_checks = True  # as on CUDA (attribute of this tree's)
+        return _count_reads(sched, engine, bs, paused)
     params = SamplingParams(max_new_tokens=STEPS + 12, temperature=0.0, ignore_eos=True)
     params.normalize()
     for i in range(bs):
@@ -137,6 +153,85 @@ def child(root: str, bs: int, page_size: int) -> dict[str, Any]:
             "by_op": per_step}
 
 
+READS_CHUNK = 40  # chunked prefill: chunks end inside a page of 16
+READ_OPS = {"_local_scalar_dense", "is_nonzero", "_unique2", "unique_dim", "unique_consecutive",
+            "nonzero", "masked_select", "equal"}  # fmt: skip
+
+
+def _count_reads(sched: Any, engine: Any, bs: int, paused: list[int]) -> dict[str, Any]:
+    """Host reads of device memory per scheduler step of a serving-like run: `bs` requests
+    of 20..92 prompt tokens (a shared 32-token prefix for half of them) and 2..24 new tokens,
+    a third at the start, the rest two per step."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from engine.sampling.sampling_params import SamplingParams
+
+    where: Counter[str] = Counter()
+    # (.numpy() is left out: a CUDA tensor refuses it, so it only ever reads host memory)
+    methods = ("item", "tolist", "cpu", "__bool__", "__int__", "__float__", "__index__")
+    allowed = ("process_batch_result", "verify")  # the step's tokens; the amortized checks
+    active = [False]
+
+    def reading(name: str, fn: Any) -> Any:
+        def wrapper(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if active[0] and not paused[0]:
+                _record(where, name, allowed)
+            return fn(self, *args, **kwargs)
+
+        return wrapper
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            name = func.overloadpacket.__name__
+            if not paused[0] and name in READ_OPS:
+                _record(where, f"{name} (aten)", allowed)
+            return func(*args, **(kwargs or {}))
+
+    saved = {m: getattr(torch.Tensor, m) for m in methods}
+    for m in methods:
+        setattr(torch.Tensor, m, reading(m, saved[m]))
+    prompts = [([7] * 32 if i % 2 else []) + [5 + (i * 7 + j) % 90 for j in range(20 + i * 11 % 61)]
+               for i in range(bs)]  # fmt: skip
+    pending = list(range(bs))
+    steps = 0
+
+    def admit(n: int) -> None:
+        for i in pending[:n]:
+            params = SamplingParams(max_new_tokens=2 + i * 5 % 23, temperature=0.0,
+                                    ignore_eos=True)  # fmt: skip
+            params.normalize()
+            sched.add_request(f"r{i}", prompts[i], params)
+        del pending[:n]
+
+    try:
+        admit(bs // 3)
+        while sched.has_work() or pending:
+            admit(2)
+            active[0] = True
+            with torch.inference_mode(), Reads():
+                sched.step()
+            active[0] = False
+            steps += 1
+    finally:
+        for m in methods:
+            setattr(torch.Tensor, m, saved[m])
+        engine.shutdown()
+    return {"steps": steps, "reads": sum(where.values()), "by_site": dict(where.most_common())}
+
+
+def _record(where: Any, name: str, allowed: tuple[str, ...]) -> None:
+    """Count a read at its innermost call site in engine/ (not in kernels/: launches), unless
+    that is a function `allowed` names."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-2] if f"{os.sep}engine{os.sep}" in f.filename]
+    if not frames or frames[-1].name in allowed:
+        return
+    f = frames[-1]
+    where[f"{name} {os.path.basename(f.filename)}:{f.name}"] += 1
+
+
 VIEW_OPS = {"view", "_unsafe_view", "slice", "select", "unbind", "alias", "as_strided",
             "detach", "expand", "t", "transpose", "unsqueeze", "squeeze", "reshape", "split",
             "narrow", "permute", "lift_fresh", "_reshape_alias", "numpy_T", "unfold"}
@@ -153,8 +248,9 @@ def _use_kernels(runner: Any) -> None:
         page_table.compiled_on = lambda x: True
 
 
-def measure(root: str, bs: int, page_size: int) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", root, str(bs), str(page_size)]
+def measure(root: str, bs: int, page_size: int, reads: bool = False) -> dict[str, Any]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", root, str(bs), str(page_size),
+           str(int(reads))]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": root}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -166,17 +262,28 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--name", default="host_ops", help="results file benchmarks/results/NAME.json")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--requests", type=int, default=24,
+                    help="requests of the serving-like run that counts host reads")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        root, bs, page_size = args.child
-        print(json.dumps(child(root, int(bs), int(page_size))))
+        root, bs, page_size, reads = args.child
+        print(json.dumps(child(root, int(bs), int(page_size), bool(int(reads)))))
         return
     sys.path.insert(0, ROOT)
     from benchmarks.common import base_worktree, print_table, write_result
 
-    rows, detail = [], {}
+    rows, detail, read_rows = [], {}, []
     with base_worktree(ROOT, args.base) as (base, revs):
+        for page_size in args.page_sizes:
+            ours, theirs = (measure(root, args.requests, page_size, reads=True)
+                            for root in (ROOT, base))  # fmt: skip
+            read_rows.append({"requests": args.requests, "page_size": page_size,
+                              "steps": ours["steps"], "reads": ours["reads"],
+                              "base_steps": theirs["steps"], "base_reads": theirs["reads"]})
+            detail[f"reads_page{page_size}"] = {"tree": ours["by_site"],
+                                                "base": theirs["by_site"]}
+            print_table(read_rows[-1:], list(read_rows[-1]))
         for page_size in args.page_sizes:
             for bs in args.batch_sizes:
                 ours, theirs = measure(ROOT, bs, page_size), measure(base, bs, page_size)
@@ -188,11 +295,14 @@ def main() -> None:
                              "base_triton": theirs["triton_launches"]})
                 print_table(rows[-1:], list(rows[-1]))
     print_table(rows, list(rows[0]))
+    print_table(read_rows, list(read_rows[0]))
     summary = {f"bs{r['batch']}_page{r['page_size']}_launches": r["ops"] + r["triton"]
                for r in rows}
     summary.update({f"bs{r['batch']}_page{r['page_size']}_base_launches":
                     r["base_ops"] + r["base_triton"] for r in rows})
-    results = {**revs, "steps": STEPS, "cases": rows, "ops_per_step": detail}
+    summary.update({f"page{r['page_size']}_host_reads": r["reads"] for r in read_rows})
+    summary.update({f"page{r['page_size']}_base_host_reads": r["base_reads"] for r in read_rows})
+    results = {**revs, "steps": STEPS, "cases": rows, "reads": read_rows, "detail": detail}
     print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[1]))
 
 

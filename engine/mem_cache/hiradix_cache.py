@@ -238,7 +238,7 @@ class HiRadixCache(RadixCache):
                 if n.host_value is not None:
                     host.append(n.host_value)
         if device:
-            self.allocator.free(torch.cat(device))
+            self.allocator.free_runs(device)
             self.epoch += 1
         if host:
             self.host.free(torch.cat(host))
@@ -255,6 +255,7 @@ class HiRadixCache(RadixCache):
         }
 
     def check_integrity(self) -> None:
+        self.allocator.verify()
         ps = self.page_size
         nodes = self._nodes()
         evictable = protected = 0

@@ -61,11 +61,12 @@ class NoRadixCache(PrefixCache):
         if req.kv_allocated_len < len(req.fill_ids):
             raise ValueError("cache_finished_req: kv_allocated_len < len(fill_ids)")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.allocator.free(row[: req.kv_allocated_len].to(torch.int64))
+        self.allocator.free_runs([row[: req.kv_allocated_len]])
         self.req_to_token_pool.free(req.req_pool_idx)
 
     def reset(self) -> None:
         pass
 
     def check_integrity(self) -> None:
+        self.allocator.verify()
         assert not self.root_node.children, "NoRadixCache: the root must stay empty"

@@ -190,7 +190,7 @@ class RadixCache(PrefixCache):
             self._evict_candidates(), num_tokens, lambda node: self._evict_node(node, freed)
         )
         if freed:
-            self.allocator.free(torch.cat(freed))
+            self.allocator.free_runs(freed)  # (node values: whole pages)
             self.epoch += 1
         self._evictable -= num_freed
         return num_freed
@@ -265,7 +265,7 @@ class RadixCache(PrefixCache):
         shared = req.prefix_indices.numel()
         in_tree = self.insert(key, kv)
         assert in_tree >= shared, "the request's locked prefix left the tree"
-        self.allocator.free(kv[shared:in_tree])
+        self.allocator.free_runs([kv[shared:in_tree]])
         slots, node = self._match(key)
         assert slots.numel() == aligned
         row[shared:aligned] = slots[shared:].to(row.dtype)
@@ -290,12 +290,13 @@ class RadixCache(PrefixCache):
             to_free.append(kv[shared:in_tree])
             own_from = max(aligned, shared)
         to_free.append(kv[own_from:])
-        self.allocator.free(torch.cat(to_free))
+        self.allocator.free_runs(to_free)  # (each from a page boundary)
         self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
 
     # -- integrity ------------------------------------------------------------------------------
     def check_integrity(self) -> None:
+        self.allocator.verify()
         ps = self.page_size
         nodes = self._nodes()
         evictable = protected = 0

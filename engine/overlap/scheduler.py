@@ -131,7 +131,7 @@ class OverlapScheduler(Scheduler):
             if all(r.finished for r in record.reqs):
                 self._process(self._in_flight.popleft())  # nothing left to learn from it
         elif not self._in_flight:
-            self.wait_for_grammars()
+            self.idle()
         self.last_batch = batch
         self.release_loras()
         self._update_stats()

@@ -6,8 +6,6 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.pooling import EmbeddingBatchResult, PooledState
 from engine.scheduler.req import FinishReason, Req
 from engine.speculative.scheduling import trim_kv
@@ -142,7 +140,7 @@ class OutputProcessor:
             num_new += len(new)
             self._events.append(StepEvent(req, new, start, reason))
         if rejected:
-            pools.allocator.free(torch.cat(rejected).to(torch.int64))
+            pools.allocator.free_runs(rejected)  # (each from a page boundary: trim_kv)
         sched.stats.generation_tokens += num_new
         sched.stats.num_finished += num_finished
 

@@ -22,10 +22,14 @@ class MemoryPools:
     sliding_window: int | None = None
 
     def alloc_kv(
-        self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
+        self,
+        prefix_lens: list[int],
+        seq_lens: list[int],
+        last_locs: list[int] | torch.Tensor | None,
     ) -> torch.Tensor:
         """KV slots for positions prefix_len..seq_len-1 of each request, evicting unlocked
-        cache entries if the free pages do not suffice."""
+        cache entries if the free pages do not suffice (`TokenToKVPoolAllocator.alloc_extend`;
+        `last_locs` may be a device tensor)."""
         return self._alloc_evicting(
             lambda: self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs),
             prefix_lens, seq_lens,
@@ -111,7 +115,7 @@ class MemoryPools:
         shared = len(req.prefix_indices)
         if req.kv_allocated_len > shared:
             slots = self.req_to_token_pool.req_to_token[row, shared : req.kv_allocated_len]
-            self.allocator.free(slots.to(torch.int64))
+            self.allocator.free_runs([slots])  # (from the page-aligned prefix on)
         if req.last_node is not None:
             self.tree_cache.unlock_req(req)
         self.req_to_token_pool.free(row)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.forward_batch import ForwardMode
-from engine.host_tensors import int64_rows, int64_tensor
+from engine.host_tensors import int64_rows
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
 
@@ -108,15 +108,17 @@ class ScheduleBatch:
             if n and r.kv_allocated_len < n:
                 req_to_token[r.req_pool_idx, :n] = r.prefix_indices.to(torch.int32)
         p.release_swa_window(self.reqs, prefix_lens)
-        last_locs = self._last_locs(prefix_lens)
-        out = p.alloc_kv(prefix_lens, seq_lens, last_locs)
-        offset = 0
+        out = p.alloc_kv(prefix_lens, seq_lens, self._last_locs(prefix_lens))
+        rows: list[int] = []
         for r, pl, sl in zip(self.reqs, prefix_lens, seq_lens):
-            req_to_token[r.req_pool_idx, pl:sl] = out[offset : offset + sl - pl].to(torch.int32)
-            offset += sl - pl
+            rows.extend([r.req_pool_idx] * (sl - pl))
             r.kv_allocated_len = sl
             self.input_ids.extend(r.fill_ids[pl:sl])
             self.positions.extend(range(pl, sl))
+        # the new slots into the requests' rows: one copy of the (row, position) pairs, one
+        # write (not one per request)
+        where = int64_rows([rows, self.positions]).to(req_to_token.device)
+        req_to_token[where[0], where[1]] = out.to(torch.int32)
         if any(r.token_type_ids for r in self.reqs):
             self.token_type_ids = [t for r, pl, sl in zip(self.reqs, prefix_lens, seq_lens)
                                    for t in (r.token_type_ids or [0] * sl)[pl:sl]]  # fmt: skip
@@ -141,16 +143,18 @@ class ScheduleBatch:
         if rows:
             self._prompt_logprobs = (rows, targets, counts)
 
-    def _last_locs(self, prefix_lens: list[int]) -> list[int]:
-        """Slot of each request's last cached token (-1 if none); the allocator continues a
-        partly filled page from it. With page_size 1 it is never needed."""
-        if self.pools.page_size == 1:
-            return [-1] * len(prefix_lens)
+    def _last_locs(self, prefix_lens: list[int]) -> torch.Tensor | None:
+        """Slot of each request's last cached token, as a device tensor read where it is (no
+        host read): the allocator continues a partly filled page from it. None where no
+        request continues a page (always with page_size 1); entries of those that do not are
+        meaningless."""
+        ps = self.pools.page_size
+        if all(n % ps == 0 for n in prefix_lens):
+            return None
         req_to_token = self.pools.req_to_token_pool.req_to_token
-        rows = int64_tensor([r.req_pool_idx for r in self.reqs]).to(req_to_token.device)
-        cols = int64_tensor(prefix_lens) - 1
-        locs = req_to_token[rows, cols.clamp(min=0).to(req_to_token.device)].cpu()
-        return torch.where(cols >= 0, locs.to(torch.int64), -1).tolist()
+        rows = [r.req_pool_idx for r in self.reqs]
+        where = int64_rows([rows, [max(n - 1, 0) for n in prefix_lens]]).to(req_to_token.device)
+        return req_to_token[where[0], where[1]].to(torch.int64)
 
     # -- decode ---------------------------------------------------------------------------------
     def new_page_tokens_needed(self) -> int:
@@ -185,9 +189,8 @@ class ScheduleBatch:
             seq_lens = [n + 1 + k for n, k in zip(prefix_lens, self.spec_draft_lens)]
             positions = [p for n, s in zip(prefix_lens, seq_lens) for p in range(n, s)]
             input_ids = [t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)]
-            rows = int64_tensor(rows_list).repeat_interleave(
-                int64_tensor([k + 1 for k in self.spec_draft_lens])
-            )
+            rows_list = [row for row, k in zip(rows_list, self.spec_draft_lens)
+                         for _ in range(k + 1)]  # fmt: skip
         self.pools.release_swa_window(self.reqs, prefix_lens)
         if drafts is None:
             # one token per request: rows and positions go to the device once, and each
@@ -201,7 +204,8 @@ class ScheduleBatch:
             req_to_token[where[0], where[1]] = out.to(torch.int32)
         else:
             out = self.pools.alloc_kv(prefix_lens, seq_lens, self._last_locs(prefix_lens))
-            req_to_token[rows, int64_tensor(positions)] = out.to(torch.int32)
+            where = int64_rows([rows_list, positions]).to(req_to_token.device)
+            req_to_token[where[0], where[1]] = out.to(torch.int32)
         for r, n in zip(self.reqs, seq_lens):
             r.kv_allocated_len = n
         self.input_ids = input_ids

@@ -106,7 +106,7 @@ class Scheduler(RequestIntake, ModelUpdates):
             result = self.run_batch(batch)
             self.output.process_batch_result(batch, result)
         else:
-            self.wait_for_grammars()
+            self.idle()
         self.last_batch = batch
         self.release_loras()
         self._update_stats()
@@ -114,6 +114,12 @@ class Scheduler(RequestIntake, ModelUpdates):
 
     def close(self) -> None:
         self.grammar_queue.close()
+
+    def idle(self) -> None:
+        """Nothing to run: read the allocator's deferred checks (the device has no batch to
+        finish first), then wait briefly on compiling grammars."""
+        self.pools.allocator.verify()
+        self.wait_for_grammars()
 
     def run_batch(self, batch: ScheduleBatch) -> Any:
         mwb = batch.get_model_worker_batch()

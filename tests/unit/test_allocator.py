@@ -176,3 +176,91 @@ def test_req_to_token_pool_rows() -> None:
     pool.alloc(3)
     pool.clear()
     assert pool.available_size() == 3
+
+
+@pytest.mark.parametrize("ps", [4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_alloc_extend_takes_last_slots_as_a_device_tensor(ps: int, seed: int) -> None:
+    """Last slots given as a tensor (read where they are) or as a list: the same slots from
+    the same pages, over requests continuing partial pages, starting fresh or adding nothing;
+    entries of requests at a page boundary are ignored, and None does when all are."""
+    import random
+
+    rng = random.Random(seed)
+    a, b = TokenToKVPoolAllocator(64 * ps, ps), TokenToKVPoolAllocator(64 * ps, ps)
+    lens = [rng.randint(0, 3 * ps) for _ in range(5)]
+    first = a.alloc_extend([0] * 5, lens, None)
+    assert torch.equal(first, b.alloc_extend([0] * 5, lens, [-1] * 5))
+    ends = torch.cumsum(torch.tensor(lens), 0) - 1
+    last = [first[e].item() if n else -1 for e, n in zip(ends.tolist(), lens)]
+    for _ in range(3):
+        grow = [rng.choice([0, 1, rng.randint(1, 2 * ps)]) for _ in lens]
+        seq = [n + g for n, g in zip(lens, grow)]
+        junk = [s if n % ps else 10**6 for s, n in zip(last, lens)]  # (ignored where aligned)
+        got = a.alloc_extend(lens, seq, torch.tensor(junk, dtype=torch.int64))
+        want = b.alloc_extend(lens, seq, last)
+        assert got is not None and torch.equal(got, want)
+        assert a.available_size() == b.available_size()
+        out = got.tolist()
+        offsets = torch.cumsum(torch.tensor([0] + grow), 0).tolist()
+        last = [out[offsets[i + 1] - 1] if grow[i] else last[i] for i in range(len(lens))]
+        assert all(s % ps == (n - 1) % ps for s, n in zip(last, seq) if n)
+        lens = seq
+
+
+def test_deferred_checks_raise_at_verify() -> None:
+    """With checks deferred (as on CUDA, where reading them waits for the device), a double
+    free and a last slot outside its page are flagged on the device and raised by `verify`
+    (or after CHECK_EVERY checks), not at the call."""
+    from engine.mem_cache import allocator as mod
+
+    alloc = TokenToKVPoolAllocator(8 * 4, 4, defer_checks=True)
+    out = alloc.alloc_extend([0], [8], None)
+    alloc.free_runs([out])
+    alloc.verify()  # all fine so far
+    with pytest.raises(DoubleFreeError, match="more pages"):  # (counted on the host)
+        alloc.free_runs([out[4:]])
+    with pytest.raises(DoubleFreeError, match="deferred"):  # (and flagged on the device)
+        alloc.verify()
+    alloc.verify()  # the flag was cleared
+    alloc.clear()
+    out = alloc.alloc_extend([0], [8], None)
+    alloc.free_runs([out[:4]])
+    alloc.free_runs([out[:4]])  # page already free, and others still held: flagged only
+    with pytest.raises(DoubleFreeError, match="deferred"):
+        alloc.verify()
+    alloc.clear()
+    last = int(alloc.alloc_extend([0], [6], None)[-1])
+    alloc.alloc_extend([6], [7], torch.tensor([last + 1]))  # not the slot of position 5
+    with pytest.raises(ValueError, match="last_loc"):
+        alloc.verify()
+    alloc.clear()
+    pages = alloc.alloc_extend([0], [4], None)
+    alloc.free_runs([pages])
+    with pytest.raises(DoubleFreeError):
+        for _ in range(mod.CHECK_EVERY):
+            alloc.free_runs([pages])
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_free_runs_frees_what_free_does(ps: int) -> None:
+    """Runs from a page boundary (whole pages, then a partial one): the pages `free` finds
+    with `unique`, found as every page_size-th slot; a page not held is refused at once
+    without deferred checks, and page 0 always."""
+    a, b = TokenToKVPoolAllocator(16 * ps, ps), TokenToKVPoolAllocator(16 * ps, ps)
+    runs = [a.alloc_extend([0], [n], None) for n in (2 * ps, ps + 1, 1)]
+    for n in (2 * ps, ps + 1, 1):
+        b.alloc_extend([0], [n], None)
+    a.free_runs([runs[0], runs[1]])
+    b.free(torch.cat([runs[0], runs[1]]))
+    assert a.available_size() == b.available_size()
+    assert torch.equal(a.is_allocated(runs[2]), torch.tensor([True]))
+    assert not a.is_allocated(runs[0]).any() and not a.is_allocated(runs[1]).any()
+    with pytest.raises(DoubleFreeError):
+        a.free_runs([runs[1]])
+    with pytest.raises(DoubleFreeError):
+        a.free_runs([torch.tensor([0])])  # the padding page
+    with pytest.raises(DoubleFreeError):
+        a.free_runs([torch.tensor([17 * ps])])  # beyond the pool
+    a.free_runs([runs[2]])
+    assert a.available_size() == a.size
