@@ -1,5 +1,6 @@
 """decode-bs1: ms per output token of one request on a Llama-3.2-1B shaped random model, CUDA
-graphs on and off, against bytes per token / HBM bandwidth (datasheet and measured copy
+graphs on and off (and on with flashinfer's CUDA-core decode kernel in place of the tensor-core
+one auto picks), against bytes per token / HBM bandwidth (datasheet and measured copy
 bandwidth; see gpu_bench.py)."""
 
 from __future__ import annotations
@@ -43,9 +44,13 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                          "prompt_len": prompt_len, "new_tokens": new,
                          "copy_bandwidth_measured_Bps": bw_measured,
                          "datasheet_bandwidth_Bps": bw_sheet, "datasheet_bandwidth": bw_name}
-    for graphs in (True, False):
-        label = "cuda_graph" if graphs else "no_cuda_graph"
-        with make_engine(ctx, path, disable_cuda_graph=not graphs) as engine:
+    # (label, CUDA graphs, flashinfer's decode kernel): the default, its CUDA-core kernel
+    # (auto picks tensor cores for the 32/8 heads), and eager
+    configs = [("cuda_graph", True, "auto"), ("cuda_graph_cuda_core_decode", True, "off"),
+               ("no_cuda_graph", False, "auto")]
+    for label, graphs, cores in configs:
+        with make_engine(ctx, path, disable_cuda_graph=not graphs,
+                         flashinfer_decode_tensor_cores=cores) as engine:  # fmt: skip
             weight_bytes = _weight_bytes(engine)
             kv_bytes = _kv_bytes_per_token(engine) * (prompt_len + new / 2)
             drive(engine, random_prompts(vocab, 1, prompt_len, ctx.seed + 7), 8)  # warm-up
@@ -73,7 +78,9 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     best = results["cuda_graph"]
     summary = {"decode_bs1_ms_per_token": best["ms_per_token"],
                "decode_bs1_roofline_fraction": best["roofline_fraction"],
-               "decode_bs1_roofline_fraction_measured_bw": best["roofline_fraction_measured_bw"]}
+               "decode_bs1_roofline_fraction_measured_bw": best["roofline_fraction_measured_bw"],
+               "decode_bs1_cuda_core_decode_vs_default":
+                   best["ms_per_token"] / results["cuda_graph_cuda_core_decode"]["ms_per_token"]}
     return finish(ctx, "decode_bs1", results, summary)
 
 

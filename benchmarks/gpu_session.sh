@@ -17,7 +17,9 @@
 #               test_hybrid_swa_gpu.py (hybrid window memory == plain, graphs on and off),
 #               test_encoders_gpu.py (BERT / XLM-R == transformers on the GPU),
 #               test_hicache_gpu.py (hierarchical cache == plain radix cache),
-#               test_kernels_page_table.py (flashinfer's page ids in one launch)
+#               test_kernels_page_table.py (flashinfer's page ids in one launch),
+#               test_allocator_gpu.py (the allocator on CUDA == on CPU, deferred checks),
+#               test_logits_gpu.py (GPT-2's lm_head into aligned rows: agrees, not slower)
 #   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
 #               waits for a busy forward stream) and the GPU cases of
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
@@ -180,7 +182,8 @@ do_step() {
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
                 tests/gpu/test_encoders_gpu.py tests/gpu/test_hicache_gpu.py \
                 tests/gpu/test_fused_kernels_gpu.py tests/unit/test_fp8.py \
-                tests/unit/test_kernels_page_table.py ;;
+                tests/unit/test_kernels_page_table.py tests/gpu/test_allocator_gpu.py \
+                tests/gpu/test_logits_gpu.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
         host-profile)
@@ -189,7 +192,7 @@ do_step() {
                 --config no_graph:disable_cuda_graph=True \
                 --config decode64:num_prompts=64,input_len=32,output_len=256 ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
-        decode-bs1) run_step decode-bs1 130 "${BENCH[@]}" decode-bs1 --profile ;;
+        decode-bs1) run_step decode-bs1 170 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
         smoke)
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \

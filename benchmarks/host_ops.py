@@ -50,9 +50,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 8  # steady decode steps counted per case
 
 
-def child(root: str, bs: int, page_size: int, reads: bool = False) -> dict[str, Any]:
-    """Ops per steady decode step of `bs` requests, importing from `root` (`reads`: host
-    reads of device memory per step of a serving-like run, see the module's docstring)."""
+def child(root: str, bs: int, page_size: int, reads: str = "") -> dict[str, Any]:
+    """Ops per steady decode step of `bs` requests, importing from `root` (`reads`, "plain"
+    or "overlap": host reads of device memory per step of a serving-like run with that
+    scheduler loop, see the module's docstring)."""
     sys.path.insert(0, root)
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch
@@ -115,9 +116,9 @@ def child(root: str, bs: int, page_size: int, reads: bool = False) -> dict[str, 
         pass
 
     engine = Engine(model_path=tiny_model("llama", head_dim=64), device="cpu", dtype="bfloat16",
-                    attention_backend="flashinfer", disable_overlap_schedule=True,
-                    max_running_requests=max(bs, 8), page_size=page_size,
-                    disable_radix_cache=not reads,
+                    attention_backend="flashinfer", disable_overlap_schedule=reads != "overlap",
+                    cpu_overlap_executor="thread", max_running_requests=max(bs, 8),
+                    page_size=page_size, disable_radix_cache=not reads,
                     chunked_prefill_size=READS_CHUNK if reads else None)  # fmt: skip
     runner = engine.scheduler.model_runner
     runner.use_cuda_graph = True
@@ -126,6 +127,11 @@ def child(root: str, bs: int, page_size: int, reads: bool = False) -> dict[str, 
     sched = engine.scheduler
     if reads:
         sched.pools.allocator.defer_checks = True  # as on CUDA (attribute of this tree's)
+        if reads == "overlap":  # the CUDA executor's host path: launches on this thread
+            from benchmarks.host_overhead import _inline_executor
+
+            sched.executor.close()
+            sched.executor = _inline_executor(sched)
         return _count_reads(sched, engine, bs, paused)
     params = SamplingParams(max_new_tokens=STEPS + 12, temperature=0.0, ignore_eos=True)
     params.normalize()
@@ -248,9 +254,9 @@ def _use_kernels(runner: Any) -> None:
         page_table.compiled_on = lambda x: True
 
 
-def measure(root: str, bs: int, page_size: int, reads: bool = False) -> dict[str, Any]:
+def measure(root: str, bs: int, page_size: int, reads: str = "") -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", root, str(bs), str(page_size),
-           str(int(reads))]  # fmt: skip
+           reads or "-"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": root}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, cwd=root)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -268,7 +274,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         root, bs, page_size, reads = args.child
-        print(json.dumps(child(root, int(bs), int(page_size), bool(int(reads)))))
+        print(json.dumps(child(root, int(bs), int(page_size), reads.strip("-"))))
         return
     sys.path.insert(0, ROOT)
     from benchmarks.common import base_worktree, print_table, write_result
@@ -276,14 +282,16 @@ def main() -> None:
     rows, detail, read_rows = [], {}, []
     with base_worktree(ROOT, args.base) as (base, revs):
         for page_size in args.page_sizes:
-            ours, theirs = (measure(root, args.requests, page_size, reads=True)
-                            for root in (ROOT, base))  # fmt: skip
-            read_rows.append({"requests": args.requests, "page_size": page_size,
-                              "steps": ours["steps"], "reads": ours["reads"],
-                              "base_steps": theirs["steps"], "base_reads": theirs["reads"]})
-            detail[f"reads_page{page_size}"] = {"tree": ours["by_site"],
-                                                "base": theirs["by_site"]}
-            print_table(read_rows[-1:], list(read_rows[-1]))
+            for loop in ("plain", "overlap"):
+                ours, theirs = (measure(root, args.requests, page_size, reads=loop)
+                                for root in (ROOT, base))  # fmt: skip
+                read_rows.append({"loop": loop, "requests": args.requests,
+                                  "page_size": page_size, "steps": ours["steps"],
+                                  "reads": ours["reads"], "base_steps": theirs["steps"],
+                                  "base_reads": theirs["reads"]})  # fmt: skip
+                detail[f"reads_{loop}_page{page_size}"] = {"tree": ours["by_site"],
+                                                           "base": theirs["by_site"]}
+                print_table(read_rows[-1:], list(read_rows[-1]))
         for page_size in args.page_sizes:
             for bs in args.batch_sizes:
                 ours, theirs = measure(ROOT, bs, page_size), measure(base, bs, page_size)
@@ -300,8 +308,9 @@ def main() -> None:
                for r in rows}
     summary.update({f"bs{r['batch']}_page{r['page_size']}_base_launches":
                     r["base_ops"] + r["base_triton"] for r in rows})
-    summary.update({f"page{r['page_size']}_host_reads": r["reads"] for r in read_rows})
-    summary.update({f"page{r['page_size']}_base_host_reads": r["base_reads"] for r in read_rows})
+    for r in read_rows:
+        summary[f"{r['loop']}_page{r['page_size']}_host_reads"] = r["reads"]
+        summary[f"{r['loop']}_page{r['page_size']}_base_host_reads"] = r["base_reads"]
     results = {**revs, "steps": STEPS, "cases": rows, "reads": read_rows, "detail": detail}
     print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[1]))
 

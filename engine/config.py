@@ -140,6 +140,7 @@ def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+DECODE_TENSOR_CORES = ("auto", "on", "off")
 CPU_OVERLAP_EXECUTORS = ("process", "thread")
 
 
@@ -186,6 +187,9 @@ class EngineArgs:
     # What plays the asynchronous device for the overlap loop on CPU (see engine/overlap/).
     cpu_overlap_executor: str = "process"
     attention_backend: str | None = None
+    # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
+    # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)
+    flashinfer_decode_tensor_cores: str = "auto"
     random_seed: int = 0
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
@@ -231,6 +235,11 @@ class EngineArgs:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy: {self.schedule_policy!r} not in {SCHEDULE_POLICIES}"
+            )
+        if self.flashinfer_decode_tensor_cores not in DECODE_TENSOR_CORES:
+            raise ValueError(
+                f"flashinfer_decode_tensor_cores: {self.flashinfer_decode_tensor_cores!r} not in "
+                f"{DECODE_TENSOR_CORES}"
             )
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

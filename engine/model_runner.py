@@ -144,6 +144,7 @@ class ModelRunner:
                 model_config=self.model_config,
                 kv_pool=self.kv_pool,
                 page_size=self.page_size,
+                decode_tensor_cores=self.args.flashinfer_decode_tensor_cores,
             )
 
         if self.swa_window is None:

@@ -11,6 +11,7 @@ import os
 from engine.config import (
     ATTENTION_BACKENDS,
     CPU_OVERLAP_EXECUTORS,
+    DECODE_TENSOR_CORES,
     SCHEDULE_POLICIES,
     EngineArgs,
 )
@@ -122,6 +123,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default) or a thread of the scheduler's process (shares its GIL)",
     )
     g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
+    g.add_argument(
+        "--flashinfer-decode-tensor-cores",
+        default="auto",
+        choices=DECODE_TENSOR_CORES,
+        help="flashinfer decode kernel: on (tensor cores, its prefill kernel), off (CUDA "
+        "cores), auto (on from 4 query heads per KV head, as SGLang)",
+    )
     g.add_argument("--random-seed", type=int, default=0)
     g.add_argument(
         "--grammar-compile-threads",

@@ -152,6 +152,7 @@ class FlashInferAttnBackend(AttentionBackend):
         kv_pool: KVPool | None = None,
         page_size: int | None = None,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        decode_tensor_cores: str = "auto",
         **kwargs: object,
     ) -> None:
         if model_config is None or kv_pool is None:
@@ -165,7 +166,10 @@ class FlashInferAttnBackend(AttentionBackend):
         self.dtype = kv_pool.compute_dtype  # q's (and the ragged K/V's)
         self.kv_dtype = kv_pool.dtype  # the pages' (float8 with an FP8 cache)
         check_supported(self.dtype, self.head_dim, self.page_size, kv_pool)
-        self.use_tensor_cores = self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        self.use_tensor_cores = decode_tensor_cores == "on" or (
+            decode_tensor_cores == "auto"
+            and self.num_heads // self.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        )
         self.window_left, self.full_layers = model_windows(model_config)
         self.logit_cap = model_logit_cap(model_config)
         self.merge_on_device = merge_kernel_fits(self.num_heads, self.head_dim, self.dtype)

@@ -9,6 +9,15 @@ instead (engine/pooling.py): the lm_head is not applied.
 
 `soft_cap` c (Gemma 2's `final_logit_softcapping`): logits l become c * tanh(l / c), computed
 in float32 (or in float64 for a float64 model, as the float64 tests compare).
+
+A vocabulary that is not a multiple of 8 (GPT-2's 50257) leaves the lm_head's output rows
+misaligned for 16-byte loads and stores, and cuBLAS then falls back to its slowest kernels: on
+the H100 a cutlass sm75 "align1" GEMM took 152 us per decode step at batch 64 (16 % of the GPU
+time; benchmarks/results/gpu_overlap_bs64_on_profile.txt). SGLang and vLLM pad the vocabulary
+to a multiple of 64. Here the weight stays as loaded: on CUDA, in 16-bit, the matmul writes
+into rows of a multiple of 64 (`torch.mm` into a view of a wider buffer: cuBLAS takes the
+row stride as its leading dimension) and the float32 cast that follows anyway makes the
+logits contiguous again.
 """
 
 from __future__ import annotations
@@ -44,8 +53,27 @@ class LogitsProcessor(nn.Module):
             if fb.prompt_logprob_rows is not None:
                 index = torch.cat([index, fb.prompt_logprob_rows])
             hidden_states = hidden_states.index_select(0, index)
-        logits = F.linear(hidden_states, lm_head_weight)
+        logits = lm_head_matmul(hidden_states, lm_head_weight)
         if self.soft_cap:  # in float32 at least (float64 models: float64), then float32
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
         return logits.float()
+
+
+ALIGN = 8  # elements: 16 bytes of a 16-bit dtype
+ROW_MULTIPLE = 64  # the output row length used where the vocabulary is not aligned
+
+
+def lm_head_matmul(
+    hidden: torch.Tensor, weight: torch.Tensor, pad: bool | None = None
+) -> torch.Tensor:
+    """hidden [N, H] @ weight[V, H].T. `pad` (default: on CUDA, 16-bit, V not a multiple of
+    ALIGN): into rows of ROW_MULTIPLE elements, returned as the [N, V] view (strided)."""
+    vocab = weight.shape[0]
+    if pad is None:
+        pad = hidden.is_cuda and hidden.element_size() == 2 and vocab % ALIGN != 0
+    if not pad or hidden.dim() != 2:
+        return F.linear(hidden, weight)
+    width = -(-vocab // ROW_MULTIPLE) * ROW_MULTIPLE
+    out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
+    return torch.mm(hidden, weight.t(), out=out[:, :vocab])

@@ -321,9 +321,9 @@ def _pool(
 _batch = paged_case_batch
 
 
-def _flashinfer(layer, pool, page_size: int, windows: tuple | None = None):
+def _flashinfer(layer, pool, page_size: int, windows: tuple | None = None, **options):
     """The backend for a model whose layers have `windows` (default: `layer`'s alone) and
-    `layer`'s soft cap."""
+    `layer`'s soft cap (and the backend's `options`)."""
     windows = (layer.sliding_window,) if windows is None else windows
     config = SimpleNamespace(
         num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, head_dim=layer.head_dim,
@@ -336,6 +336,7 @@ def _flashinfer(layer, pool, page_size: int, windows: tuple | None = None):
         kv_pool=pool,
         page_size=page_size,
         workspace_bytes=64,
+        **options,
     )
 
 
@@ -491,6 +492,21 @@ def test_unsupported_setups_fail_at_construction(fake_flashinfer):
         _flashinfer(_layer(4, 4, 16), _pool(odd, _layer(4, 4, 16), torch.bfloat16, 1), 1)
 
 
+@pytest.mark.parametrize(
+    "heads,kv_heads,option,want",
+    [(8, 2, "auto", True), (8, 4, "auto", False), (8, 2, "off", False), (8, 8, "on", True)],
+)
+def test_decode_tensor_cores_option(fake_flashinfer, heads, kv_heads, option, want):
+    """flashinfer_decode_tensor_cores: auto (from 4 query heads per KV head on), or forced;
+    the decode wrappers, eager and captured, are made with it."""
+    layer = _layer(heads, kv_heads, 64)
+    pool = _pool(make_paged_case([3], [1], heads, kv_heads, 64), layer, torch.bfloat16, 1)
+    backend = _flashinfer(layer, pool, 1, decode_tensor_cores=option)
+    backend.init_cuda_graph_state(2, 8)
+    for wrapper in (backend.decode[0], backend._decode_wrappers(graph_bs=2)[0]):
+        assert wrapper.use_tensor_cores is want
+
+
 def test_no_cuda_fails_at_construction():
     if torch.cuda.is_available():
         pytest.skip("the machine has CUDA")
@@ -523,3 +539,10 @@ def test_calls_bind_to_the_real_flashinfer_signatures(fake_flashinfer):
         # decode plan() takes **kwargs and hands them to _plan_impl
         func = getattr(real_cls, "_plan_impl", None) if name == "plan" else None
         inspect.signature(func or getattr(real_cls, name)).bind(None, *args, **kwargs)
+
+
+def test_decode_tensor_cores_option_is_checked():
+    from engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match="flashinfer_decode_tensor_cores"):
+        EngineArgs(model_path="m", flashinfer_decode_tensor_cores="maybe")

@@ -24,12 +24,13 @@ def test_decode_step_ops(page_size, most):
         assert op not in got["by_op"], got["by_op"]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_serving_steps_read_nothing_from_the_device(page_size):
+@pytest.mark.parametrize("page_size,loop", [(1, "plain"), (16, "plain"), (16, "overlap")])
+def test_serving_steps_read_nothing_from_the_device(page_size, loop):
     """Requests arriving, prefilled in chunks that end inside pages, finishing at different
-    steps, with the prefix cache: no step reads device memory on the host (on CUDA each read
-    waits for the device) but for its sampled tokens. Before free_runs, the device tensor
+    steps, with the prefix cache, with or without the overlap scheduler (its CUDA executor's
+    host path): no step reads device memory on the host (on CUDA each read waits for the
+    device) but for its sampled tokens. Before free_runs, the device tensor
     last slots and deferred checks, page size 16 made 315 reads over 62 steps."""
-    got = measure(ROOT, 24, page_size, reads=True)
+    got = measure(ROOT, 24, page_size, reads=loop)
     assert got["steps"] > 40
     assert got["reads"] == 0, got["by_site"]
