@@ -226,14 +226,19 @@ class TokenToKVPoolAllocator:
         parts = [r.flatten()[::ps] for r in runs if r.numel()]
         if not parts:
             return
-        pages = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device, torch.int64)
-        self._free_pages_checked(pages // ps if ps > 1 else pages)
+        firsts = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device, torch.int64)
+        if ps == 1:
+            self._free_pages_checked(firsts)
+            return
+        # (a run that does not start at a page boundary would free the wrong pages)
+        self._free_pages_checked(firsts // ps, firsts % ps != 0)
 
-    def _free_pages_checked(self, pages: torch.Tensor) -> None:
+    def _free_pages_checked(self, pages: torch.Tensor, bad: torch.Tensor | None = None) -> None:
         """Free distinct pages, each checked to be allocated (page 0 and pages beyond the pool
-        read as reserved: one gather checks all three)."""
+        read as reserved: one gather checks all three), and none marked `bad`."""
         state = self._page_state.index_select(0, pages.clamp(0, self.num_pages + 1))
-        self._check(state != _ALLOCATED, _BAD_FREE, pages)
+        not_held = state != _ALLOCATED
+        self._check(not_held if bad is None else not_held | bad, _BAD_FREE, pages)
         if self._group is not None:
             self._page_state.index_fill_(0, pages, _PENDING)
             self._group.append(pages)

@@ -262,5 +262,10 @@ def test_free_runs_frees_what_free_does(ps: int) -> None:
         a.free_runs([torch.tensor([0])])  # the padding page
     with pytest.raises(DoubleFreeError):
         a.free_runs([torch.tensor([17 * ps])])  # beyond the pool
+    if ps > 1:
+        two = a.alloc_extend([0], [2], None)
+        with pytest.raises(DoubleFreeError):
+            a.free_runs([two[1:]])  # not from a page boundary
+        a.free_runs([two])
     a.free_runs([runs[2]])
     assert a.available_size() == a.size
