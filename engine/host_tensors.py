@@ -16,6 +16,7 @@ from __future__ import annotations
 import array
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -24,6 +25,14 @@ def int64_tensor(values: Sequence[int]) -> torch.Tensor:
     if not values:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
+
+
+def int64_array(values: Sequence[int]) -> np.ndarray:
+    """numpy int64 array [len(values)] of `values` (the same fast packing, for host
+    arithmetic: the allocator's plans, the attention page tables)."""
+    if not values:
+        return np.zeros(0, dtype=np.int64)
+    return np.frombuffer(array.array("q", values), dtype=np.int64)
 
 
 def int64_rows(rows: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -14,12 +14,12 @@ buffer, and the page ids one Triton launch on a GPU (kernels/page_table.py).
 
 from __future__ import annotations
 
-import array
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from engine.host_tensors import int64_array
 from kernels.jit import HAS_TRITON, compiled_on
 
 if HAS_TRITON:
@@ -77,7 +77,7 @@ def build_page_table(
     if host is None:
         host = torch.empty(2 * batch + 1, dtype=torch.int32)
     indptr, last_page_len = host[: batch + 1], host[batch + 1 : 2 * batch + 1]
-    lens = np.frombuffer(array.array("q", kv_lens), dtype=np.int64)
+    lens = int64_array(kv_lens)
     num_pages = (lens + page_size - 1) // page_size
     host_np = host.numpy()
     indptr_np, last_np = host_np[: batch + 1], host_np[batch + 1 : 2 * batch + 1]
@@ -131,8 +131,7 @@ def build_qo_indptr(extend_lens: list[int], host: torch.Tensor | None = None) ->
     indptr = torch.empty(batch + 1, dtype=torch.int32) if host is None else host[: batch + 1]
     out = indptr.numpy()
     out[0] = 0
-    np.cumsum(np.frombuffer(array.array("q", extend_lens), dtype=np.int64), out=out[1:],
-              dtype=np.int32)  # fmt: skip
+    np.cumsum(int64_array(extend_lens), out=out[1:], dtype=np.int32)
     return indptr
 
 

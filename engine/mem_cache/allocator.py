@@ -32,12 +32,13 @@ a round trip of some tens of microseconds of host time each. So:
 
 from __future__ import annotations
 
-import array
 import operator
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from engine.host_tensors import int64_array, int64_tensor
 
 _ALLOCATED, _FREE, _PENDING, _RESERVED = 0, 1, 2, 3
 CHECK_EVERY = 64  # deferred checks between two reads of the fault flags (`verify`)
@@ -125,9 +126,9 @@ class TokenToKVPoolAllocator:
         """One slot per request, for position prefix_lens[i] (a decode step; every prefix_len
         >= 1): the next slot of the request's last page, or the first slot of a new page where
         that page is full. `last_locs` (None with page_size 1): int64 [B] on this allocator's
-        device, the slot of position prefix_lens[i] - 1, read where it is (no host read,
-        unlike `alloc_extend`'s list). A handful of device ops where `alloc_extend` takes about
-        fifty. Returns None, allocating nothing, if there are not enough free pages."""
+        device, the slot of position prefix_lens[i] - 1, read where it is. Four device ops:
+        fewer than `alloc_extend`'s plan for the same one-token steps. Returns None,
+        allocating nothing, if there are not enough free pages."""
         ps = self.page_size
         need = [i for i, n in enumerate(prefix_lens) if n % ps == 0]
         if len(need) > self._pages_free():
@@ -137,7 +138,7 @@ class TokenToKVPoolAllocator:
         assert last_locs is not None, "alloc_decode: paged decode needs the last slots"
         out = last_locs + 1
         if need:
-            rows = torch.frombuffer(array.array("q", need), dtype=torch.int64).to(self.device)
+            rows = int64_tensor(need).to(self.device)
             out.index_copy_(0, rows, self._take_pages(len(need)) * ps)
         return out
 
@@ -151,7 +152,7 @@ class TokenToKVPoolAllocator:
         its offset k among that request's new tokens. The first `room` tokens of a request
         continue its last page (last_loc + 1 + k), the others fill its new pages in order."""
         ps = self.page_size
-        prefix, seq = _int64(prefix_lens), _int64(seq_lens)
+        prefix, seq = int64_array(prefix_lens), int64_array(seq_lens)
         new_pages = _ceil_div(seq, ps) - _ceil_div(prefix, ps)
         total_pages = int(new_pages.sum())
         if total_pages > self._pages_free():
@@ -169,7 +170,7 @@ class TokenToKVPoolAllocator:
                 want = torch.from_numpy(np.where(partial, (prefix - 1) % ps, -1)).to(self.device)
                 self._check((want >= 0) & (last_dev % ps != want), _BAD_LAST)
             else:
-                last = _int64(last_locs)
+                last = int64_array(last_locs)
                 if ((last[partial] + 1 - prefix[partial]) % ps != 0).any():
                     raise ValueError(
                         "alloc_extend: last_loc is not in the page of position prefix_len-1"
@@ -302,12 +303,6 @@ def _fault_error(fault: int, pages: list[int] | None) -> Exception:
         return ValueError("alloc_extend: last_loc is not in the page of position prefix_len-1")
     where = f" of pages {pages}" if pages is not None else " (found by a deferred check)"
     return DoubleFreeError(f"allocator: free of a page that is not allocated{where}")
-
-
-def _int64(values: Sequence[int]) -> np.ndarray:
-    return np.frombuffer(array.array("q", values), dtype=np.int64) if values else np.zeros(
-        0, dtype=np.int64
-    )
 
 
 def _ceil_div(x: np.ndarray, n: int) -> np.ndarray:
