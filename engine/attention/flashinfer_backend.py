@@ -59,6 +59,7 @@ from engine.attention.base import (
     softmax_scale,
     window_left,
 )
+from engine.attention.flashinfer_plan import DecodePlanner
 from engine.attention.flashinfer_support import (
     check_supported,
     load_flashinfer,
@@ -188,6 +189,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 self.paged = prefill()
             self.paged_window = prefill() if self.window_left >= 0 else None
         self.decode = self._decode_wrappers()
+        self.decode_planner = DecodePlanner(self.fi)
         self.pinned_ring = PinnedRing(self.device) if self.device.type == "cuda" else None
         self.table_ring: PinnedRing | None = None  # (made at the first plan: `_host_ints`)
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
@@ -215,11 +217,12 @@ class FlashInferAttnBackend(AttentionBackend):
             table = self._context_table(fb, host, indices_out)
             for wrapper, left in ((full, -1), (windowed, self.window_left)):
                 if wrapper is not None:
-                    self._plan(
-                        wrapper, table.indptr, table.indices, table.last_page_len,
-                        self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                        window_left=left, **self._plan_scalars(),
-                    )  # fmt: skip
+                    with self._staged(wrapper):
+                        self.decode_planner.plan(
+                            wrapper, table, fb.seq_lens_cpu, self.num_heads, self.num_kv_heads,
+                            self.head_dim, self.page_size, window_left=left,
+                            **self._plan_scalars(),
+                        )  # fmt: skip
         return _DecodeMetadata(full, windowed)
 
     def _context_table(
@@ -295,12 +298,19 @@ class FlashInferAttnBackend(AttentionBackend):
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
         """`wrapper.plan(...)`, its host-side scheduling data staged in the next buffer of
         the pinned ring (see `PinnedRing`)."""
-        if self.pinned_ring is None:
+        with self._staged(wrapper):
             wrapper.plan(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _staged(self, wrapper: Any) -> Iterator[None]:
+        """A plan of `wrapper` made inside stages its scheduling data in the next buffer of the
+        pinned ring (on CUDA)."""
+        if self.pinned_ring is None:
+            yield
             return
         with self.pinned_ring.stage() as buffer:
             wrapper._pin_memory_int_workspace_buffer = buffer
-            wrapper.plan(*args, **kwargs)
+            yield
 
     def _plan_scalars(self, kv_dtype: torch.dtype | None = None) -> dict[str, Any]:
         """Plan arguments; K/V in the pages' dtype unless `kv_dtype` (the ragged wrapper's

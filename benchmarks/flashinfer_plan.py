@@ -1,0 +1,155 @@
+"""Host time of planning a decode batch with flashinfer: the backend's fast re-plan of
+tensor-core decode wrappers (engine/attention/flashinfer_plan.py) against flashinfer's own
+`plan`, side by side in one run.
+
+    python benchmarks/flashinfer_plan.py [--batch-sizes 1 64 256] [--reps 200]
+        [--name flashinfer_plan]
+
+Runs on a CPU machine: flashinfer's own Python (the installed package, as CI installs it)
+with its C++ planner replaced by one that does nothing, so what is timed is the Python both
+paths run on the host before every decode forward, not the planner's scheduling arithmetic in
+C++, which both paths call once with the same arguments (tests/unit/test_flashinfer_plan.py).
+Per case, the median over `--reps` alternating calls of each path:
+
+* `plan_us`: planning one decode wrapper over a ready page table (`DecodePlanner.plan`, fast,
+  against flashinfer's `plan`);
+* `batch_us`: the backend's whole decode planning of a batch, as before every graph replay
+  (`init_forward_metadata_replay_cuda_graph`: host tables, page ids, plan) or every eager
+  decode (`init_forward_metadata`). On CPU the page ids are gathered with torch ops, where a
+  GPU runs one Triton launch (engine/attention/page_table.py), so this column holds more
+  host time than the GPU's would.
+
+Cases: GQA group 4 (32 query heads, 8 KV heads: Llama-3.2-1B; flashinfer's tensor-core decode
+kernel, which the backend picks from group 4) and MHA (12 and 12: GPT-2; the CUDA-core kernel,
+never re-planned fast: the control), head_dim 64, page size 16, contexts of 128 to 1024 tokens.
+On a GPU add flashinfer's C++ planner (the same in both) and the host-to-device copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE_SIZE = 16
+HEAD_DIM = 64
+HEADS = {"gqa4": (32, 8), "mha": (12, 12)}
+
+
+def _setup(fi: Any, heads: tuple[int, int], bs: int, graph: bool, seed: int) -> dict[str, Any]:
+    """A flashinfer backend over a one-layer pool, and a decode batch of `bs` requests."""
+    from engine.attention import flashinfer_backend as fib
+    from engine.attention.base import create_attention_backend
+    from engine.forward_batch import ForwardBatch, ForwardMode
+    from engine.mem_cache.kv_pool import KVPool
+    from tests.flashinfer_cpu import unpinned
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(128, 1025, (bs,), generator=gen)
+    width = 1024
+    pages = torch.randperm(bs * width // PAGE_SIZE + 1, generator=gen)[: bs * width // PAGE_SIZE]
+    req_to_token = (pages.view(bs, -1).repeat_interleave(PAGE_SIZE, 1) * PAGE_SIZE
+                    + torch.arange(PAGE_SIZE).repeat(width // PAGE_SIZE)).to(torch.int32)
+    pool = KVPool(bs * width + PAGE_SIZE, 1, heads[1], HEAD_DIM, torch.bfloat16,
+                  page_size=PAGE_SIZE)  # fmt: skip
+    config = argparse.Namespace(num_heads=heads[0], num_kv_heads=heads[1], head_dim=HEAD_DIM,
+                                sliding_windows=(None,), attn_logit_cap=None)  # fmt: skip
+    fib.load_flashinfer = lambda device: fi
+    with unpinned():
+        backend = create_attention_backend("flashinfer", device="cpu", model_config=config,
+                                           kv_pool=pool, page_size=PAGE_SIZE,
+                                           workspace_bytes=1 << 20)  # fmt: skip
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=bs,
+            input_ids=torch.zeros(bs, dtype=torch.int64),
+            positions=lens - 1, out_cache_loc=torch.zeros(bs, dtype=torch.int64),
+            req_pool_indices=torch.arange(bs), seq_lens=lens, seq_lens_cpu=lens.tolist(),
+            req_to_token=req_to_token, kv_pool=pool, attn_backend=backend,
+        )  # fmt: skip
+        if graph:
+            backend.init_cuda_graph_state(max_bs=bs, max_context_len=width)
+            backend.init_forward_metadata_capture_cuda_graph(fb)
+    plan_batch = (backend.init_forward_metadata_replay_cuda_graph if graph
+                  else backend.init_forward_metadata)  # fmt: skip
+    plan_batch(fb)  # the first full plan of the eager wrapper
+    wrapper = backend.metadata.wrapper
+    table = backend._context_table(fb, None, wrapper._paged_kv_indices_buf if graph else None)
+    scalars = backend._plan_scalars()
+
+    def plan_one() -> None:
+        backend.decode_planner.plan(wrapper, table, fb.seq_lens_cpu, heads[0], heads[1],
+                                    HEAD_DIM, PAGE_SIZE, **scalars)  # fmt: skip
+
+    return {"backend": backend, "plan_one": plan_one, "plan_batch": lambda: plan_batch(fb)}
+
+
+def _median_us(setup: dict[str, Any], what: str, reps: int) -> tuple[float, float, int]:
+    """Median microseconds of `what` with the fast re-plan on and off (alternating calls), and
+    the fast plans made while on."""
+    planner = setup["backend"].decode_planner
+    fn = setup[what]
+    times: dict[bool, list[float]] = {True: [], False: []}
+    fast_before = planner.fast_plans
+    for i in range(2 * reps + 10):
+        on = i % 2 == 0
+        planner.enabled = on
+        t = time.perf_counter()
+        fn()
+        if i >= 10:
+            times[on].append(time.perf_counter() - t)
+    planner.enabled = True
+    return (1e6 * statistics.median(times[True]), 1e6 * statistics.median(times[False]),
+            planner.fast_plans - fast_before)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--name", default="flashinfer_plan",
+                    help="results file benchmarks/results/NAME.json")
+    args = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    torch.set_num_threads(1)
+    import flashinfer
+
+    from benchmarks.common import print_table, versions, write_result
+    from engine.attention.flashinfer_plan import fast_replan_supported
+    from tests.flashinfer_cpu import NullPlanner, stubbed_planners
+
+    if not fast_replan_supported(flashinfer):
+        sys.exit(f"flashinfer {flashinfer.__version__}: the fast re-plan does not run on it")
+    rows = []
+    with stubbed_planners(flashinfer, NullPlanner()):
+        for name, heads in HEADS.items():
+            for graph in (True, False):
+                for bs in args.batch_sizes:
+                    setup = _setup(flashinfer, heads, bs, graph, seed=bs)
+                    row: dict[str, Any] = {"heads": name, "graph": graph, "batch": bs}
+                    for what, key in (("plan_one", "plan"), ("plan_batch", "batch")):
+                        fast, slow, n_fast = _median_us(setup, what, args.reps)
+                        row.update({f"{key}_us": fast, f"{key}_us_flashinfer": slow,
+                                    f"{key}_saved_us": slow - fast,
+                                    f"{key}_fast_plans": n_fast})  # fmt: skip
+                    rows.append(row)
+                    print_table(rows[-1:], list(row))
+    print_table(rows, ["heads", "graph", "batch", "plan_us", "plan_us_flashinfer",
+                       "batch_us", "batch_us_flashinfer", "batch_saved_us"])
+    summary = {}
+    for r in rows:
+        tag = f"{r['heads']}_{'graph' if r['graph'] else 'eager'}_bs{r['batch']}"
+        summary[f"{tag}_plan_flashinfer_vs_fast"] = r["plan_us_flashinfer"] / r["plan_us"]
+        summary[f"{tag}_batch_saved_us"] = r["batch_saved_us"]
+    results = {"page_size": PAGE_SIZE, "head_dim": HEAD_DIM, "reps": args.reps,
+               "flashinfer": versions("flashinfer-python"), "cases": rows}  # fmt: skip
+    print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[2]))
+
+
+if __name__ == "__main__":
+    main()

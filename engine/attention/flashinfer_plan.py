@@ -1,0 +1,159 @@
+"""Re-planning flashinfer's tensor-core decode wrapper without its Python overhead.
+
+`BatchDecodeWithPagedKVCacheWrapper.plan` with `use_tensor_cores=True` (the kernel the backend
+picks for GQA groups of 4 or more: Llama 3, Qwen 2.5, Mistral...) finds the longest context
+with Python's builtin `max` over a CPU tensor, which makes one 0-d tensor per request. With
+flashinfer's C++ planner stubbed out, that plan cost the host 120 us at batch 64 and 440 us at
+batch 256 on this repository's 2-core CPU machine, against 20 us at batch 1 and for the
+CUDA-core wrapper at any batch (`benchmarks/flashinfer_plan.py`). Decode plans every step,
+before every graph replay, so that time is host time per decode step, the time the overlap
+scheduler must hide behind the GPU's. SGLang and vLLM re-plan their decode wrappers with fast
+plan functions of their own for the same reason.
+
+`DecodePlanner.plan` plans a wrapper through flashinfer's `plan` the first time, and again
+whenever anything but the batch's page table changes. Otherwise it repeats, for the new table,
+only what that `plan` would do:
+
+* into a CUDA graph's buffers: copy indptr and the last page lengths (the page ids are written
+  in place by the page-table kernel; flashinfer's copy of them onto themselves is skipped);
+  outside graphs: move the tables to the device;
+* call the planning module `plan` loaded (the same JIT module, which flashinfer caches per
+  configuration) with the same arguments, taking the context lengths from the batch (numpy)
+  instead of from the page table, and store its plan.
+
+That reproduces private details of flashinfer's wrapper, so it runs only on the flashinfer
+versions it has been checked against (`VALIDATED_VERSIONS`):
+`tests/unit/test_flashinfer_plan.py` plans real wrappers of the installed flashinfer (its C++
+planner replaced by a recorder) both ways and requires the same planner calls and the same
+wrapper state after every plan. Elsewhere, and for wrappers it does not cover (CUDA-core
+decode, other backends, custom JIT modules, the stand-in of the CPU tests), every plan is
+flashinfer's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.host_tensors import int64_array
+
+VALIDATED_VERSIONS = ("0.6.18", "0.6.18.post1")
+
+
+def fast_replan_supported(fi: Any) -> bool:
+    """The loaded flashinfer is a version whose tensor-core decode plan `DecodePlanner`
+    reproduces."""
+    return getattr(fi, "__version__", None) in VALIDATED_VERSIONS
+
+
+class DecodePlanner:
+    """Plans decode wrappers, re-planning tensor-core ones the fast way (module docstring)."""
+
+    def __init__(self, fi: Any, enabled: bool | None = None) -> None:
+        self.enabled = fast_replan_supported(fi) if enabled is None else enabled
+        # wrapper -> the configuration of its last full plan (None: never re-plan it fast)
+        self._planned: dict[int, tuple | None] = {}
+        self._qo_indptr = torch.arange(1, dtype=torch.int32)
+        self.fast_plans = 0  # (counted for the tests and the benchmark)
+
+    def plan(
+        self,
+        wrapper: Any,
+        table: Any,
+        kv_lens: list[int],
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        window_left: int = -1,
+        **scalars: Any,
+    ) -> None:
+        """Plans `wrapper` over `table` (a PageTable whose request i has `kv_lens[i]` keys),
+        with flashinfer's plan arguments."""
+        config = (num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
+                  tuple(sorted(scalars.items())))  # fmt: skip
+        if self.enabled and self._planned.get(id(wrapper)) == config:
+            self._replan(wrapper, table, kv_lens, config)
+            return
+        wrapper.plan(
+            table.indptr, table.indices, table.last_page_len, num_qo_heads, num_kv_heads,
+            head_dim, page_size, window_left=window_left, **scalars,
+        )  # fmt: skip
+        self._planned[id(wrapper)] = config if _covered(wrapper) else None
+
+    def _replan(self, wrapper: Any, table: Any, kv_lens: list[int], config: tuple) -> None:
+        num_qo_heads, num_kv_heads, head_dim, page_size, window_left, _ = config
+        indptr, indices, last = table.indptr, table.indices, table.last_page_len
+        batch = len(last)
+        qo_indptr = self._qo_range(batch)
+        if wrapper.is_cuda_graph_enabled:
+            if batch != wrapper._fixed_batch_size:
+                raise ValueError(
+                    f"a graph's decode wrapper plans {wrapper._fixed_batch_size} requests, "
+                    f"not {batch}"
+                )
+            if len(indices) > len(wrapper._paged_kv_indices_buf):
+                raise ValueError("the page ids do not fit in the graph's buffer")
+            wrapper._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
+            wrapper._paged_kv_last_page_len_buf.copy_(last, non_blocking=True)
+            if indices.data_ptr() != wrapper._paged_kv_indices_buf.data_ptr():
+                wrapper._paged_kv_indices_buf[: len(indices)].copy_(
+                    indices, non_blocking=indices.device == wrapper.device
+                )
+        else:
+            device = wrapper.device
+            wrapper._paged_kv_indptr_buf = indptr.to(device, non_blocking=True)
+            wrapper._paged_kv_indices_buf = indices.to(device, non_blocking=True)
+            wrapper._paged_kv_last_page_len_buf = last.to(device, non_blocking=True)
+            wrapper._qo_indptr_buf = qo_indptr.to(device, non_blocking=True)
+        lens = int64_array(kv_lens).astype(np.int32)
+        wrapper._batch_size = batch
+        wrapper._max_kv_len = int(lens.max())
+        wrapper._plan_info = wrapper._cached_module.plan(
+            wrapper._float_workspace_buffer,
+            wrapper._int_workspace_buffer,
+            wrapper._pin_memory_int_workspace_buffer,
+            qo_indptr,
+            indptr,
+            torch.from_numpy(lens),
+            batch,  # rows: one query per request
+            batch,
+            num_qo_heads,
+            num_kv_heads,
+            page_size,
+            wrapper.is_cuda_graph_enabled,
+            head_dim,
+            head_dim,
+            False,  # not causal: one query sees the whole context
+            window_left,
+            -1,  # no fixed split size
+            False,  # split-KV allowed
+            0,  # colocated CTAs
+            0,  # no uniform query length
+        )
+        self.fast_plans += 1
+
+    def _qo_range(self, batch: int) -> torch.Tensor:
+        """[0, 1, ..., batch] int32 on the host (one query per request)."""
+        if len(self._qo_indptr) < batch + 1:
+            self._qo_indptr = torch.arange(max(batch + 1, 2 * len(self._qo_indptr)),
+                                           dtype=torch.int32)  # fmt: skip
+        return self._qo_indptr[: batch + 1]
+
+
+def _covered(wrapper: Any) -> bool:
+    """A wrapper whose plan `_replan` reproduces: tensor-core decode on flashinfer's FA2
+    kernels, one query per request, no custom module; and planned (its module is loaded)."""
+    try:
+        return (
+            wrapper.use_tensor_cores
+            and wrapper._backend == "fa2"
+            and wrapper._jit_module is None
+            and wrapper._cached_module is not None
+            and getattr(wrapper, "_q_len_per_req", 1) == 1
+            and wrapper._kv_layout == "NHD"
+        )
+    except AttributeError:  # not flashinfer's wrapper (the CPU tests' stand-in)
+        return False
