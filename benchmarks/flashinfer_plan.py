@@ -19,6 +19,13 @@ Per case, the median over `--reps` alternating calls of each path:
   GPU runs one Triton launch (engine/attention/page_table.py), so this column holds more
   host time than the GPU's would.
 
+Extend batches plan flashinfer's paged prefill wrapper over the cached prefixes (every batch
+with a prefix-cache hit, a later prefill chunk, or decode rows mixed in). Its `plan` makes the
+same Python `max` twice, over the query and the context lengths; the backend passes the first
+(`max_token_per_sequence`, public), no public argument spares the second. `extend` rows: that
+plan with and without the argument (`extend_us`, `extend_us_flashinfer`), for batches of one
+prompt chunk and bs - 1 decode rows.
+
 Cases: GQA group 4 (32 query heads, 8 KV heads: Llama-3.2-1B; flashinfer's tensor-core decode
 kernel, which the backend picks from group 4) and MHA (12 and 12: GPT-2; the CUDA-core kernel,
 never re-planned fast: the control), head_dim 64, page size 16, contexts of 128 to 1024 tokens.
@@ -28,6 +35,7 @@ On a GPU add flashinfer's C++ planner (the same in both) and the host-to-device 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -89,6 +97,36 @@ def _setup(fi: Any, heads: tuple[int, int], bs: int, graph: bool, seed: int) -> 
     return {"backend": backend, "plan_one": plan_one, "plan_batch": lambda: plan_batch(fb)}
 
 
+def _extend_case(fi: Any, bs: int, reps: int) -> dict[str, Any]:
+    """flashinfer's paged prefill plan of a batch of one 100-token chunk and bs - 1 decode rows
+    over 20-page contexts, with and without `max_token_per_sequence` (alternating calls)."""
+    from tests.flashinfer_cpu import NullPlanner, stubbed_planners, unpinned
+
+    with unpinned():
+        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+            torch.zeros(1 << 20, dtype=torch.uint8), "NHD", backend="fa2"
+        )
+    qo_lens = [1] * (bs - 1) + [100]
+    qo_indptr = torch.tensor([0, *itertools.accumulate(qo_lens)], dtype=torch.int32)
+    kv_indptr = torch.arange(bs + 1, dtype=torch.int32) * 20
+    last = torch.full((bs,), 7, dtype=torch.int32)
+    indices = torch.arange(20 * bs, dtype=torch.int32)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with stubbed_planners(fi, NullPlanner()):
+        for i in range(2 * reps + 10):
+            given = i % 2 == 0
+            extra = {"max_token_per_sequence": max(qo_lens)} if given else {}
+            t = time.perf_counter()
+            wrapper.plan(qo_indptr, kv_indptr, indices, last, *HEADS["gqa4"], HEAD_DIM,
+                         PAGE_SIZE, causal=False, q_data_type=torch.bfloat16,
+                         kv_data_type=torch.bfloat16, **extra)  # fmt: skip
+            if i >= 10:
+                times[given].append(time.perf_counter() - t)
+    ours, theirs = (1e6 * statistics.median(times[g]) for g in (True, False))
+    return {"batch": bs, "extend_us": ours, "extend_us_flashinfer": theirs,
+            "extend_saved_us": theirs - ours}
+
+
 def _median_us(setup: dict[str, Any], what: str, reps: int) -> tuple[float, float, int]:
     """Median microseconds of `what` with the fast re-plan on and off (alternating calls), and
     the fast plans made while on."""
@@ -139,15 +177,20 @@ def main() -> None:
                                     f"{key}_fast_plans": n_fast})  # fmt: skip
                     rows.append(row)
                     print_table(rows[-1:], list(row))
+        extend_rows = [_extend_case(flashinfer, bs, args.reps) for bs in args.batch_sizes]
     print_table(rows, ["heads", "graph", "batch", "plan_us", "plan_us_flashinfer",
                        "batch_us", "batch_us_flashinfer", "batch_saved_us"])
+    print_table(extend_rows, list(extend_rows[0]))
     summary = {}
     for r in rows:
         tag = f"{r['heads']}_{'graph' if r['graph'] else 'eager'}_bs{r['batch']}"
         summary[f"{tag}_plan_flashinfer_vs_fast"] = r["plan_us_flashinfer"] / r["plan_us"]
         summary[f"{tag}_batch_saved_us"] = r["batch_saved_us"]
+    for r in extend_rows:
+        summary[f"extend_bs{r['batch']}_plan_saved_us"] = r["extend_saved_us"]
     results = {"page_size": PAGE_SIZE, "head_dim": HEAD_DIM, "reps": args.reps,
-               "flashinfer": versions("flashinfer-python"), "cases": rows}  # fmt: skip
+               "flashinfer": versions("flashinfer-python"), "cases": rows,
+               "extend": extend_rows}  # fmt: skip
     print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[2]))
 
 

@@ -53,12 +53,14 @@ class NullPlanner:
 
 @contextlib.contextmanager
 def stubbed_planners(fi: Any, module: Any) -> Iterator[Any]:
-    """Inside this block, flashinfer's decode wrappers plan with `module`."""
-    saved = fi.decode.get_batch_prefill_module, fi.decode.get_batch_decode_module
-    fi.decode.get_batch_prefill_module = fi.decode.get_batch_decode_module = (
-        lambda *a, **k: module
-    )
+    """Inside this block, flashinfer's decode and prefill wrappers plan with `module`."""
+    sites = [(fi.decode, "get_batch_prefill_module"), (fi.decode, "get_batch_decode_module"),
+             (fi.prefill, "get_batch_prefill_module")]  # fmt: skip
+    saved = [getattr(owner, name) for owner, name in sites]
+    for owner, name in sites:
+        setattr(owner, name, lambda *a, **k: module)
     try:
         yield module
     finally:
-        fi.decode.get_batch_prefill_module, fi.decode.get_batch_decode_module = saved
+        for (owner, name), value in zip(sites, saved):
+            setattr(owner, name, value)

@@ -253,12 +253,15 @@ class FlashInferAttnBackend(AttentionBackend):
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, qo_host)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+        # the paged plans' longest query run, which flashinfer would otherwise find with a
+        # Python max over a tensor (one 0-d tensor per request)
+        longest = dict(max_token_per_sequence=max(fb.extend_seq_lens_cpu))
         if self.paged_window is not None:
             table = self._context_table(fb, context_host)
             self._plan(
                 self.paged_window, qo_indptr, table.indptr, table.indices, table.last_page_len,
                 *heads, self.page_size, causal=True, window_left=self.window_left,
-                **self._plan_scalars(),
+                **longest, **self._plan_scalars(),
             )  # fmt: skip
         has_prefix = any(fb.extend_prefix_lens_cpu)
         if not self.full_layers:
@@ -275,7 +278,7 @@ class FlashInferAttnBackend(AttentionBackend):
             )  # fmt: skip
             self._plan(
                 self.paged, qo_indptr, table.indptr, table.indices, table.last_page_len,
-                *heads, self.page_size, causal=False, **self._plan_scalars(),
+                *heads, self.page_size, causal=False, **longest, **self._plan_scalars(),
             )  # fmt: skip
         return _ExtendMetadata(has_prefix)
 

@@ -192,7 +192,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False, window_left=-1,
              logits_soft_cap=None, sm_scale=None, q_data_type="float16",
-             kv_data_type=None):  # fmt: skip
+             kv_data_type=None, max_token_per_sequence=None):  # fmt: skip
+        qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
+        assert max_token_per_sequence in (None, max(qo_lens)), "flashinfer would trust it"
         table = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         self.planned = dict(
             qo=qo_indptr.tolist(), table=table, causal=causal, dtypes=(q_data_type, kv_data_type),
