@@ -24,7 +24,8 @@ tensors with host indices, and an explicit `.to(device)` ("to") counts one op wh
 counted none. The counts are exact and repeatable, so one run per tree suffices; what they
 save in microseconds depends on the GPU host and is measured in the GPU session.
 
-Second count (`--reads`, table "reads"): host reads of device memory in a serving-like run
+Second count (table "reads"; with `--swa` also for a sliding-window model with hybrid window
+memory, `--hybrid-swa-memory`): host reads of device memory in a serving-like run
 (requests of different lengths arriving, chunked prefill into partly filled pages, finishing
 at different steps, prefix cache on, page size 16; the allocator defers its checks as on
 CUDA). Each read (`.item()`, `bool()`, `.tolist()`, `.cpu()` of a tensor, or an op whose
@@ -115,18 +116,24 @@ def child(root: str, bs: int, page_size: int, reads: str = "") -> dict[str, Any]
     except ImportError:
         pass
 
-    engine = Engine(model_path=tiny_model("llama", head_dim=64), device="cpu", dtype="bfloat16",
+    reads, swa = reads.removesuffix("+swa"), reads.endswith("+swa")
+    model = (tiny_model("mistral", head_dim=64, sliding_window=SWA_WINDOW) if swa
+             else tiny_model("llama", head_dim=64))  # fmt: skip
+    engine = Engine(model_path=model, device="cpu", dtype="bfloat16",
                     attention_backend="flashinfer", disable_overlap_schedule=reads != "overlap",
                     cpu_overlap_executor="thread", max_running_requests=max(bs, 8),
                     page_size=page_size, disable_radix_cache=not reads,
-                    chunked_prefill_size=READS_CHUNK if reads else None)  # fmt: skip
+                    chunked_prefill_size=READS_CHUNK if reads else None,
+                    **({"hybrid_swa_memory": True} if swa else {}))  # fmt: skip
     runner = engine.scheduler.model_runner
     runner.use_cuda_graph = True
     runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
     _use_kernels(runner)
     sched = engine.scheduler
     if reads:
-        sched.pools.allocator.defer_checks = True  # as on CUDA (attribute of this tree's)
+        for alloc in (sched.pools.allocator, getattr(sched.pools.allocator, "swa", None)):
+            if alloc is not None:  # as on CUDA (an attribute of this tree's allocators)
+                alloc.defer_checks = True
         if reads == "overlap":  # the CUDA executor's host path: launches on this thread
             from benchmarks.host_overhead import _inline_executor
 
@@ -160,6 +167,7 @@ def child(root: str, bs: int, page_size: int, reads: str = "") -> dict[str, Any]
 
 
 READS_CHUNK = 40  # chunked prefill: chunks end inside a page of 16
+SWA_WINDOW = 24  # --swa: the window of the sliding-window model (hybrid window memory)
 READ_OPS = {"_local_scalar_dense", "is_nonzero", "_unique2", "unique_dim", "unique_consecutive",
             "nonzero", "masked_select", "equal"}  # fmt: skip
 
@@ -270,6 +278,9 @@ def main() -> None:
     ap.add_argument("--name", default="host_ops", help="results file benchmarks/results/NAME.json")
     ap.add_argument("--requests", type=int, default=24,
                     help="requests of the serving-like run that counts host reads")
+    ap.add_argument("--swa", action="store_true",
+                    help="also count host reads with a sliding-window model and hybrid window "
+                         "memory (--hybrid-swa-memory)")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -281,17 +292,18 @@ def main() -> None:
 
     rows, detail, read_rows = [], {}, []
     with base_worktree(ROOT, args.base) as (base, revs):
-        for page_size in args.page_sizes:
-            for loop in ("plain", "overlap"):
-                ours, theirs = (measure(root, args.requests, page_size, reads=loop)
-                                for root in (ROOT, base))  # fmt: skip
-                read_rows.append({"loop": loop, "requests": args.requests,
-                                  "page_size": page_size, "steps": ours["steps"],
-                                  "reads": ours["reads"], "base_steps": theirs["steps"],
-                                  "base_reads": theirs["reads"]})  # fmt: skip
-                detail[f"reads_{loop}_page{page_size}"] = {"tree": ours["by_site"],
-                                                           "base": theirs["by_site"]}
-                print_table(read_rows[-1:], list(read_rows[-1]))
+        for model, suffix in (("llama", ""), ("mistral-swa", "+swa"))[: 2 if args.swa else 1]:
+            for page_size in args.page_sizes:
+                for loop in ("plain", "overlap"):
+                    ours, theirs = (measure(root, args.requests, page_size, loop + suffix)
+                                    for root in (ROOT, base))  # fmt: skip
+                    read_rows.append({"model": model, "loop": loop, "requests": args.requests,
+                                      "page_size": page_size, "steps": ours["steps"],
+                                      "reads": ours["reads"], "base_steps": theirs["steps"],
+                                      "base_reads": theirs["reads"]})  # fmt: skip
+                    detail[f"reads_{loop}_page{page_size}{suffix}"] = {
+                        "tree": ours["by_site"], "base": theirs["by_site"]}
+                    print_table(read_rows[-1:], list(read_rows[-1]))
         for page_size in args.page_sizes:
             for bs in args.batch_sizes:
                 ours, theirs = measure(ROOT, bs, page_size), measure(base, bs, page_size)
@@ -309,8 +321,9 @@ def main() -> None:
     summary.update({f"bs{r['batch']}_page{r['page_size']}_base_launches":
                     r["base_ops"] + r["base_triton"] for r in rows})
     for r in read_rows:
-        summary[f"{r['loop']}_page{r['page_size']}_host_reads"] = r["reads"]
-        summary[f"{r['loop']}_page{r['page_size']}_base_host_reads"] = r["base_reads"]
+        tag = f"{r['loop']}_page{r['page_size']}{'_swa' if r['model'] != 'llama' else ''}"
+        summary[f"{tag}_host_reads"] = r["reads"]
+        summary[f"{tag}_base_host_reads"] = r["base_reads"]
     results = {**revs, "steps": STEPS, "cases": rows, "reads": read_rows, "detail": detail}
     print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[1]))
 

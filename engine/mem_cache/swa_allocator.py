@@ -23,9 +23,14 @@ from engine.mem_cache.allocator import DoubleFreeError, TokenToKVPoolAllocator
 
 class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def __init__(
-        self, size: int, swa_size: int, page_size: int, device: str | torch.device = "cpu"
+        self,
+        size: int,
+        swa_size: int,
+        page_size: int,
+        device: str | torch.device = "cpu",
+        defer_checks: bool | None = None,
     ) -> None:
-        self.swa = TokenToKVPoolAllocator(swa_size, page_size, device)
+        self.swa = TokenToKVPoolAllocator(swa_size, page_size, device, defer_checks)
         self.swa_size = swa_size
         num_pages = size // page_size
         # per full page: its swa page (0: none); per full slot: its swa slot (read by the
@@ -35,13 +40,19 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
             (num_pages + 1) * page_size, dtype=torch.int64, device=device
         )
         self._in_page = torch.arange(page_size, dtype=torch.int64, device=device)
-        super().__init__(size, page_size, device)
+        super().__init__(size, page_size, device, defer_checks)
 
     def clear(self) -> None:
         super().clear()
         self.swa.clear()
         self._swa_page.zero_()
         self.full_to_swa.zero_()
+
+    def verify(self) -> None:
+        """Raise the first fault either pool's deferred checks flagged (the window pool checks
+        the window pages it frees)."""
+        super().verify()
+        self.swa.verify()
 
     def swa_available_size(self) -> int:
         return self.swa.available_size()

@@ -81,3 +81,18 @@ def test_check_mapping_catches_a_leaked_window_page() -> None:
     alloc.full_to_swa[int(out[0])] = 0
     with pytest.raises(AssertionError, match="leaked"):
         alloc.check_mapping()
+
+
+def test_deferred_checks_of_the_window_pool_are_raised_by_verify() -> None:
+    """With checks deferred (as on CUDA) a bad free of a window page is flagged on the device
+    by the window pool, and the hybrid allocator's `verify` (what the scheduler calls when
+    idle) raises it."""
+    alloc = SWATokenToKVPoolAllocator(8, 8, 1, defer_checks=True)
+    assert alloc.swa.defer_checks
+    out = alloc.alloc_extend([0], [2], [-1])
+    window_page = alloc._swa_page[out[:1]].clone()
+    alloc.swa.free(window_page)  # freed behind the hybrid allocator's back
+    alloc.free_swa(out[:1])  # frees it again: flagged, not raised
+    with pytest.raises(DoubleFreeError):
+        alloc.verify()
+    alloc.verify()  # (reported once)
