@@ -1,6 +1,6 @@
-"""Host time of planning a decode batch with flashinfer: the backend's fast re-plan of
-tensor-core decode wrappers (engine/attention/flashinfer_plan.py) against flashinfer's own
-`plan`, side by side in one run.
+"""Host time of planning a decode batch with flashinfer: the backend's fast re-plan of decode
+wrappers (engine/attention/flashinfer_plan.py) against flashinfer's own `plan`, side by side in
+one run.
 
     python benchmarks/flashinfer_plan.py [--batch-sizes 1 64 256] [--reps 200]
         [--name flashinfer_plan]
@@ -27,8 +27,8 @@ plan with and without the argument (`extend_us`, `extend_us_flashinfer`), for ba
 prompt chunk and bs - 1 decode rows.
 
 Cases: GQA group 4 (32 query heads, 8 KV heads: Llama-3.2-1B; flashinfer's tensor-core decode
-kernel, which the backend picks from group 4) and MHA (12 and 12: GPT-2; the CUDA-core kernel,
-never re-planned fast: the control), head_dim 64, page size 16, contexts of 128 to 1024 tokens.
+kernel, which the backend picks from group 4) and MHA (12 and 12: GPT-2; the CUDA-core kernel),
+head_dim 64, page size 16, contexts of 128 to 1024 tokens.
 On a GPU add flashinfer's C++ planner (the same in both) and the host-to-device copies.
 """
 

@@ -1,33 +1,32 @@
-"""Re-planning flashinfer's tensor-core decode wrapper without its Python overhead.
+"""Re-planning flashinfer's decode wrappers without its Python overhead.
 
-`BatchDecodeWithPagedKVCacheWrapper.plan` with `use_tensor_cores=True` (the kernel the backend
-picks for GQA groups of 4 or more: Llama 3, Qwen 2.5, Mistral...) finds the longest context
-with Python's builtin `max` over a CPU tensor, which makes one 0-d tensor per request. With
-flashinfer's C++ planner stubbed out, that plan cost the host 120 us at batch 64 and 440 us at
-batch 256 on this repository's 2-core CPU machine, against 20 us at batch 1 and for the
-CUDA-core wrapper at any batch (`benchmarks/flashinfer_plan.py`). Decode plans every step,
-before every graph replay, so that time is host time per decode step, the time the overlap
-scheduler must hide behind the GPU's. SGLang and vLLM re-plan their decode wrappers with fast
-plan functions of their own for the same reason.
+A decode batch is planned before every forward and every graph replay, so the host time of
+`BatchDecodeWithPagedKVCacheWrapper.plan` is host time per decode step, which the overlap
+scheduler must hide behind the GPU's. With `use_tensor_cores=True` (the kernel the backend
+picks for GQA groups of 4 or more: Llama 3, Qwen 2.5, Mistral...) that plan finds the longest
+context with Python's builtin `max` over a CPU tensor, one 0-d tensor per request: with
+flashinfer's C++ planner stubbed out, it cost 117 us at batch 64 and 380 us at batch 256 on this
+repository's 2-core CPU machine; the CUDA-core wrapper's plan, 20 us at any batch
+(`benchmarks/flashinfer_plan.py`). SGLang and vLLM re-plan their decode wrappers with fast plan
+functions of their own for the same reason.
 
 `DecodePlanner.plan` plans a wrapper through flashinfer's `plan` the first time, and again
 whenever anything but the batch's page table changes. Otherwise it repeats, for the new table,
 only what that `plan` would do:
 
 * into a CUDA graph's buffers: copy indptr and the last page lengths (the page ids are written
-  in place by the page-table kernel; flashinfer's copy of them onto themselves is skipped);
-  outside graphs: move the tables to the device;
+  in place by the page-table kernel; flashinfer's copy of them onto themselves, a device copy,
+  is skipped); outside graphs: move the tables to the device;
 * call the planning module `plan` loaded (the same JIT module, which flashinfer caches per
-  configuration) with the same arguments, taking the context lengths from the batch (numpy)
-  instead of from the page table, and store its plan.
+  configuration) with the same arguments, the tensor-core planner taking the context lengths
+  from the batch (numpy) instead of from the page table, and store its plan.
 
 That reproduces private details of flashinfer's wrapper, so it runs only on the flashinfer
 versions it has been checked against (`VALIDATED_VERSIONS`):
 `tests/unit/test_flashinfer_plan.py` plans real wrappers of the installed flashinfer (its C++
-planner replaced by a recorder) both ways and requires the same planner calls and the same
-wrapper state after every plan. Elsewhere, and for wrappers it does not cover (CUDA-core
-decode, other backends, custom JIT modules, the stand-in of the CPU tests), every plan is
-flashinfer's own.
+planners replaced by a recorder) both ways and requires the same planner calls and the same
+wrapper state after every plan. Elsewhere, and for wrappers it does not cover (other
+backends, custom JIT modules, the stand-in of the CPU tests), every plan is flashinfer's own.
 """
 
 from __future__ import annotations
@@ -49,13 +48,14 @@ def fast_replan_supported(fi: Any) -> bool:
 
 
 class DecodePlanner:
-    """Plans decode wrappers, re-planning tensor-core ones the fast way (module docstring)."""
+    """Plans decode wrappers, re-planning them the fast way (module docstring)."""
 
     def __init__(self, fi: Any, enabled: bool | None = None) -> None:
         self.enabled = fast_replan_supported(fi) if enabled is None else enabled
         # wrapper -> the configuration of its last full plan (None: never re-plan it fast)
         self._planned: dict[int, tuple | None] = {}
         self._qo_indptr = torch.arange(1, dtype=torch.int32)
+        self._empties: dict[torch.dtype, torch.Tensor] = {}
         self.fast_plans = 0  # (counted for the tests and the benchmark)
 
     def plan(
@@ -108,32 +108,41 @@ class DecodePlanner:
             wrapper._paged_kv_indices_buf = indices.to(device, non_blocking=True)
             wrapper._paged_kv_last_page_len_buf = last.to(device, non_blocking=True)
             wrapper._qo_indptr_buf = qo_indptr.to(device, non_blocking=True)
-        lens = int64_array(kv_lens).astype(np.int32)
         wrapper._batch_size = batch
-        wrapper._max_kv_len = int(lens.max())
-        wrapper._plan_info = wrapper._cached_module.plan(
-            wrapper._float_workspace_buffer,
-            wrapper._int_workspace_buffer,
-            wrapper._pin_memory_int_workspace_buffer,
-            qo_indptr,
-            indptr,
-            torch.from_numpy(lens),
-            batch,  # rows: one query per request
-            batch,
-            num_qo_heads,
-            num_kv_heads,
-            page_size,
-            wrapper.is_cuda_graph_enabled,
-            head_dim,
-            head_dim,
-            False,  # not causal: one query sees the whole context
-            window_left,
-            -1,  # no fixed split size
-            False,  # split-KV allowed
-            0,  # colocated CTAs
-            0,  # no uniform query length
-        )
+        common = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+                  wrapper._pin_memory_int_workspace_buffer)  # fmt: skip
+        graph = wrapper.is_cuda_graph_enabled
+        if wrapper.use_tensor_cores:
+            lens = int64_array(kv_lens).astype(np.int32)
+            wrapper._max_kv_len = int(lens.max())
+            wrapper._plan_info = wrapper._cached_module.plan(
+                *common, qo_indptr, indptr, torch.from_numpy(lens),
+                batch,  # rows: one query per request
+                batch, num_qo_heads, num_kv_heads, page_size, graph, head_dim, head_dim,
+                False,  # not causal: one query sees the whole context
+                window_left,
+                -1,  # no fixed split size
+                False,  # split-KV allowed
+                0,  # colocated CTAs
+                0,  # no uniform query length
+            )  # fmt: skip
+        else:
+            scalars = dict(config[5])
+            q_dtype = scalars["q_data_type"]
+            kv_dtype = scalars.get("kv_data_type") or q_dtype
+            wrapper._plan_info = wrapper._cached_module.plan(
+                *common, indptr, batch, num_qo_heads, num_kv_heads, page_size, graph,
+                window_left, scalars.get("logits_soft_cap") or 0.0, head_dim, head_dim,
+                self._empty(q_dtype), self._empty(kv_dtype),
+            )  # fmt: skip
         self.fast_plans += 1
+
+    def _empty(self, dtype: torch.dtype) -> torch.Tensor:
+        """An empty host tensor of `dtype` (how the CUDA-core planner is told the dtypes)."""
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if dtype not in self._empties:
+            self._empties[dtype] = torch.empty(0, dtype=dtype)
+        return self._empties[dtype]
 
     def _qo_range(self, batch: int) -> torch.Tensor:
         """[0, 1, ..., batch] int32 on the host (one query per request)."""
@@ -144,12 +153,12 @@ class DecodePlanner:
 
 
 def _covered(wrapper: Any) -> bool:
-    """A wrapper whose plan `_replan` reproduces: tensor-core decode on flashinfer's FA2
-    kernels, one query per request, no custom module; and planned (its module is loaded)."""
+    """A wrapper whose plan `_replan` reproduces: decode on flashinfer's FA2 kernels (tensor
+    cores or CUDA cores), one query per request, no custom module; and planned (its module is
+    loaded)."""
     try:
         return (
-            wrapper.use_tensor_cores
-            and wrapper._backend == "fa2"
+            wrapper._backend == "fa2"
             and wrapper._jit_module is None
             and wrapper._cached_module is not None
             and getattr(wrapper, "_q_len_per_req", 1) == 1

@@ -103,9 +103,10 @@ def _plan_both(planner, ours, theirs, recorder, lens, page_size, window_left=-1,
     _same_state(ours, theirs)
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_eager_replans_match_flashinfer(recorder, page_size):
-    ours, theirs = _pair()
+def test_eager_replans_match_flashinfer(recorder, page_size, tensor_cores):
+    ours, theirs = _pair(tensor_cores)
     planner = DecodePlanner(fi)
     assert planner.enabled
     rng = np.random.default_rng(page_size)
@@ -116,10 +117,11 @@ def test_eager_replans_match_flashinfer(recorder, page_size):
         assert planner.fast_plans == i  # the first plan is flashinfer's own
 
 
+@pytest.mark.parametrize("tensor_cores", [True, False])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_graph_replans_match_flashinfer(recorder, page_size):
+def test_graph_replans_match_flashinfer(recorder, page_size, tensor_cores):
     """A graph's wrapper: tables copied into its buffers, page ids already in place."""
-    ours, theirs = _pair(graph_bs=8)
+    ours, theirs = _pair(tensor_cores, graph_bs=8)
     planner = DecodePlanner(fi)
     rng = np.random.default_rng(7)
     for i in range(5):
@@ -139,10 +141,11 @@ def test_a_graph_wrapper_refuses_another_batch_size(recorder):
         planner.plan(ours, _table([5] * 3, 16), [5] * 3, *HEADS.values(), 16, **SCALARS)
 
 
-def test_a_new_configuration_is_planned_by_flashinfer(recorder):
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_a_new_configuration_is_planned_by_flashinfer(recorder, tensor_cores):
     """A window, another scale or dtype: flashinfer's plan again (it may load another module),
     then fast re-plans under the new configuration."""
-    ours, theirs = _pair()
+    ours, theirs = _pair(tensor_cores)
     planner = DecodePlanner(fi)
     lens = [40, 9, 130]
     _plan_both(planner, ours, theirs, recorder, lens, 16)
@@ -157,18 +160,27 @@ def test_a_new_configuration_is_planned_by_flashinfer(recorder):
     assert planner.fast_plans == 2
 
 
-def test_uncovered_wrappers_always_take_flashinfers_plan(recorder, monkeypatch):
-    """CUDA-core decode, and any flashinfer version the re-plan was not checked against."""
-    ours, theirs = _pair(tensor_cores=False)
+@pytest.mark.parametrize("tensor_cores", [True, False])
+@pytest.mark.parametrize("options", [
+    dict(kv_data_type=torch.float8_e4m3fn),  # an FP8 KV cache
+    dict(logits_soft_cap=50.0),  # Gemma 2
+    dict(q_data_type=torch.float16, kv_data_type=None, logits_soft_cap=30.0),
+])  # fmt: skip
+def test_replans_of_other_configurations_match_flashinfer(recorder, tensor_cores, options):
+    ours, theirs = _pair(tensor_cores)
     planner = DecodePlanner(fi)
-    for lens in ([5, 70], [6, 71], [7, 72]):
-        _plan_both(planner, ours, theirs, recorder, lens, 16)
-    assert planner.fast_plans == 0
+    scalars = {**SCALARS, **options}
+    for lens in ([5, 70, 300], [6, 71, 301], [1, 2]):
+        _plan_both(planner, ours, theirs, recorder, lens, 16, window_left=63, scalars=scalars)
+    assert planner.fast_plans == 2
+
+
+def test_other_flashinfer_versions_always_take_flashinfers_plan(recorder, monkeypatch):
     monkeypatch.setattr(fi, "__version__", "0.6.99")
     assert not fast_replan_supported(fi)
     ours, theirs = _pair()
     planner = DecodePlanner(fi)
-    for lens in ([5, 70], [6, 71]):
+    for lens in ([5, 70], [6, 71], [7, 72]):
         _plan_both(planner, ours, theirs, recorder, lens, 16)
     assert planner.fast_plans == 0
 
@@ -223,12 +235,12 @@ def _backend_decode_calls(monkeypatch, recorder, heads, kv_heads, fast, graph):
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
 def test_backend_decode_plans_match_flashinfers(monkeypatch, recorder, heads, kv_heads, graph):
-    """GQA group 4 (tensor-core decode): every plan after the first is fast and calls the
-    planner as flashinfer's plan does; MHA (CUDA-core decode): flashinfer's plan throughout."""
+    """GQA group 4 (tensor-core decode) and MHA (CUDA-core decode): every plan after the
+    first is fast and calls the planner as flashinfer's plan does."""
     fast, fast_plans = _backend_decode_calls(monkeypatch, recorder, heads, kv_heads, True, graph)
     slow, slow_fast_plans = _backend_decode_calls(monkeypatch, recorder, heads, kv_heads, False,
                                                   graph)  # fmt: skip
     assert len(fast) == (4 if graph else 3)
     assert fast == slow
     assert slow_fast_plans == 0
-    assert fast_plans == (len(fast) - 1 if heads // kv_heads >= 4 else 0)
+    assert fast_plans == len(fast) - 1
