@@ -3,12 +3,14 @@ wrappers (engine/attention/flashinfer_plan.py) against flashinfer's own `plan`, 
 one run.
 
     python benchmarks/flashinfer_plan.py [--batch-sizes 1 64 256] [--reps 200]
-        [--name flashinfer_plan]
+        [--device cpu|cuda] [--name flashinfer_plan]
 
-Runs on a CPU machine: flashinfer's own Python (the installed package, as CI installs it)
-with its C++ planner replaced by one that does nothing, so what is timed is the Python both
+On a CPU machine (the default): flashinfer's own Python (the installed package, as CI installs
+it) with its C++ planners replaced by ones that do nothing, so what is timed is the Python both
 paths run on the host before every decode forward, not the planner's scheduling arithmetic in
 C++, which both paths call once with the same arguments (tests/unit/test_flashinfer_plan.py).
+With `--device cuda` (`gpu_session.sh flashinfer-plan`): the real planners and host-to-device
+copies, host time still (each call timed without waiting for the device).
 Per case, the median over `--reps` alternating calls of each path:
 
 * `plan_us`: planning one decode wrapper over a ready page table (`DecodePlanner.plan`, fast,
@@ -29,12 +31,12 @@ prompt chunk and bs - 1 decode rows.
 Cases: GQA group 4 (32 query heads, 8 KV heads: Llama-3.2-1B; flashinfer's tensor-core decode
 kernel, which the backend picks from group 4) and MHA (12 and 12: GPT-2; the CUDA-core kernel),
 head_dim 64, page size 16, contexts of 128 to 1024 tokens.
-On a GPU add flashinfer's C++ planner (the same in both) and the host-to-device copies.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -50,35 +52,38 @@ HEAD_DIM = 64
 HEADS = {"gqa4": (32, 8), "mha": (12, 12)}
 
 
-def _setup(fi: Any, heads: tuple[int, int], bs: int, graph: bool, seed: int) -> dict[str, Any]:
+def _setup(fi: Any, heads: tuple[int, int], bs: int, graph: bool, seed: int,
+           device: str) -> dict[str, Any]:  # fmt: skip
     """A flashinfer backend over a one-layer pool, and a decode batch of `bs` requests."""
     from engine.attention import flashinfer_backend as fib
     from engine.attention.base import create_attention_backend
     from engine.forward_batch import ForwardBatch, ForwardMode
     from engine.mem_cache.kv_pool import KVPool
-    from tests.flashinfer_cpu import unpinned
 
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(128, 1025, (bs,), generator=gen)
     width = 1024
     pages = torch.randperm(bs * width // PAGE_SIZE + 1, generator=gen)[: bs * width // PAGE_SIZE]
     req_to_token = (pages.view(bs, -1).repeat_interleave(PAGE_SIZE, 1) * PAGE_SIZE
-                    + torch.arange(PAGE_SIZE).repeat(width // PAGE_SIZE)).to(torch.int32)
-    pool = KVPool(bs * width + PAGE_SIZE, 1, heads[1], HEAD_DIM, torch.bfloat16,
+                    + torch.arange(PAGE_SIZE).repeat(width // PAGE_SIZE)).to(device, torch.int32)
+    pool = KVPool(bs * width + PAGE_SIZE, 1, heads[1], HEAD_DIM, torch.bfloat16, device=device,
                   page_size=PAGE_SIZE)  # fmt: skip
     config = argparse.Namespace(num_heads=heads[0], num_kv_heads=heads[1], head_dim=HEAD_DIM,
                                 sliding_windows=(None,), attn_logit_cap=None)  # fmt: skip
     fib.load_flashinfer = lambda device: fi
-    with unpinned():
-        backend = create_attention_backend("flashinfer", device="cpu", model_config=config,
+    with _host_memory(device):
+        backend = create_attention_backend("flashinfer", device=device, model_config=config,
                                            kv_pool=pool, page_size=PAGE_SIZE,
-                                           workspace_bytes=1 << 20)  # fmt: skip
+                                           workspace_bytes=128 << 20)  # fmt: skip
+        seq_lens_cpu = lens.tolist()
+        lens = lens.to(device)
         fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=bs,
-            input_ids=torch.zeros(bs, dtype=torch.int64),
-            positions=lens - 1, out_cache_loc=torch.zeros(bs, dtype=torch.int64),
-            req_pool_indices=torch.arange(bs), seq_lens=lens, seq_lens_cpu=lens.tolist(),
-            req_to_token=req_to_token, kv_pool=pool, attn_backend=backend,
+            input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+            positions=lens - 1, out_cache_loc=torch.zeros(bs, dtype=torch.int64, device=device),
+            req_pool_indices=torch.arange(bs, device=device), seq_lens=lens,
+            seq_lens_cpu=seq_lens_cpu, req_to_token=req_to_token, kv_pool=pool,
+            attn_backend=backend,
         )  # fmt: skip
         if graph:
             backend.init_cuda_graph_state(max_bs=bs, max_context_len=width)
@@ -97,37 +102,49 @@ def _setup(fi: Any, heads: tuple[int, int], bs: int, graph: bool, seed: int) -> 
     return {"backend": backend, "plan_one": plan_one, "plan_batch": lambda: plan_batch(fb)}
 
 
-def _extend_case(fi: Any, bs: int, reps: int) -> dict[str, Any]:
+def _host_memory(device: str) -> Any:
+    """On CPU, wrappers are made with plain memory for pinned (tests/flashinfer_cpu.py)."""
+    from tests.flashinfer_cpu import unpinned
+
+    return unpinned() if device == "cpu" else contextlib.nullcontext()
+
+
+def _extend_case(fi: Any, bs: int, reps: int, device: str) -> dict[str, Any]:
     """flashinfer's paged prefill plan of a batch of one 100-token chunk and bs - 1 decode rows
     over 20-page contexts, with and without `max_token_per_sequence` (alternating calls)."""
-    from tests.flashinfer_cpu import NullPlanner, stubbed_planners, unpinned
-
-    with unpinned():
+    with _host_memory(device):
         wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
-            torch.zeros(1 << 20, dtype=torch.uint8), "NHD", backend="fa2"
+            torch.zeros(128 << 20, dtype=torch.uint8, device=device), "NHD", backend="fa2"
         )
     qo_lens = [1] * (bs - 1) + [100]
     qo_indptr = torch.tensor([0, *itertools.accumulate(qo_lens)], dtype=torch.int32)
     kv_indptr = torch.arange(bs + 1, dtype=torch.int32) * 20
     last = torch.full((bs,), 7, dtype=torch.int32)
-    indices = torch.arange(20 * bs, dtype=torch.int32)
+    indices = torch.arange(20 * bs, dtype=torch.int32, device=device)
     times: dict[bool, list[float]] = {True: [], False: []}
-    with stubbed_planners(fi, NullPlanner()):
-        for i in range(2 * reps + 10):
-            given = i % 2 == 0
-            extra = {"max_token_per_sequence": max(qo_lens)} if given else {}
-            t = time.perf_counter()
-            wrapper.plan(qo_indptr, kv_indptr, indices, last, *HEADS["gqa4"], HEAD_DIM,
-                         PAGE_SIZE, causal=False, q_data_type=torch.bfloat16,
-                         kv_data_type=torch.bfloat16, **extra)  # fmt: skip
-            if i >= 10:
-                times[given].append(time.perf_counter() - t)
+    for i in range(2 * reps + 10):
+        given = i % 2 == 0
+        extra = {"max_token_per_sequence": max(qo_lens)} if given else {}
+        _settle(device, i)
+        t = time.perf_counter()
+        wrapper.plan(qo_indptr, kv_indptr, indices, last, *HEADS["gqa4"], HEAD_DIM,
+                     PAGE_SIZE, causal=False, q_data_type=torch.bfloat16,
+                     kv_data_type=torch.bfloat16, **extra)  # fmt: skip
+        if i >= 10:
+            times[given].append(time.perf_counter() - t)
     ours, theirs = (1e6 * statistics.median(times[g]) for g in (True, False))
     return {"batch": bs, "extend_us": ours, "extend_us_flashinfer": theirs,
             "extend_saved_us": theirs - ours}
 
 
-def _median_us(setup: dict[str, Any], what: str, reps: int) -> tuple[float, float, int]:
+def _settle(device: str, i: int) -> None:
+    """Every 16 calls on a GPU, wait for the copies the plans queued (outside the timing)."""
+    if device != "cpu" and i % 16 == 0:
+        torch.cuda.synchronize()
+
+
+def _median_us(setup: dict[str, Any], what: str, reps: int, device: str
+               ) -> tuple[float, float, int]:  # fmt: skip
     """Median microseconds of `what` with the fast re-plan on and off (alternating calls), and
     the fast plans made while on."""
     planner = setup["backend"].decode_planner
@@ -137,6 +154,7 @@ def _median_us(setup: dict[str, Any], what: str, reps: int) -> tuple[float, floa
     for i in range(2 * reps + 10):
         on = i % 2 == 0
         planner.enabled = on
+        _settle(device, i)
         t = time.perf_counter()
         fn()
         if i >= 10:
@@ -150,9 +168,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--name", default="flashinfer_plan",
-                    help="results file benchmarks/results/NAME.json")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu (flashinfer's C++ planners stubbed out) or cuda (the real ones)")
+    ap.add_argument("--name", default=None,
+                    help="results file benchmarks/results/NAME.json (default flashinfer_plan, "
+                         "gpu_flashinfer_plan on a GPU)")
     args = ap.parse_args()
+    device = args.device
+    name = args.name or ("flashinfer_plan" if device == "cpu" else "gpu_flashinfer_plan")
     sys.path.insert(0, ROOT)
     torch.set_num_threads(1)
     import flashinfer
@@ -164,20 +187,23 @@ def main() -> None:
     if not fast_replan_supported(flashinfer):
         sys.exit(f"flashinfer {flashinfer.__version__}: the fast re-plan does not run on it")
     rows = []
-    with stubbed_planners(flashinfer, NullPlanner()):
-        for name, heads in HEADS.items():
+    stub = stubbed_planners(flashinfer, NullPlanner()) if device == "cpu" else (
+        contextlib.nullcontext())  # fmt: skip
+    with stub:
+        for heads_name, heads in HEADS.items():
             for graph in (True, False):
                 for bs in args.batch_sizes:
-                    setup = _setup(flashinfer, heads, bs, graph, seed=bs)
-                    row: dict[str, Any] = {"heads": name, "graph": graph, "batch": bs}
+                    setup = _setup(flashinfer, heads, bs, graph, bs, device)
+                    row: dict[str, Any] = {"heads": heads_name, "graph": graph, "batch": bs}
                     for what, key in (("plan_one", "plan"), ("plan_batch", "batch")):
-                        fast, slow, n_fast = _median_us(setup, what, args.reps)
+                        fast, slow, n_fast = _median_us(setup, what, args.reps, device)
                         row.update({f"{key}_us": fast, f"{key}_us_flashinfer": slow,
                                     f"{key}_saved_us": slow - fast,
                                     f"{key}_fast_plans": n_fast})  # fmt: skip
                     rows.append(row)
                     print_table(rows[-1:], list(row))
-        extend_rows = [_extend_case(flashinfer, bs, args.reps) for bs in args.batch_sizes]
+        extend_rows = [_extend_case(flashinfer, bs, args.reps, device)
+                       for bs in args.batch_sizes]  # fmt: skip
     print_table(rows, ["heads", "graph", "batch", "plan_us", "plan_us_flashinfer",
                        "batch_us", "batch_us_flashinfer", "batch_saved_us"])
     print_table(extend_rows, list(extend_rows[0]))
@@ -188,10 +214,11 @@ def main() -> None:
         summary[f"{tag}_batch_saved_us"] = r["batch_saved_us"]
     for r in extend_rows:
         summary[f"extend_bs{r['batch']}_plan_saved_us"] = r["extend_saved_us"]
-    results = {"page_size": PAGE_SIZE, "head_dim": HEAD_DIM, "reps": args.reps,
+    results = {"device": device, "planners": "stubbed" if device == "cpu" else "flashinfer's",
+               "page_size": PAGE_SIZE, "head_dim": HEAD_DIM, "reps": args.reps,
                "flashinfer": versions("flashinfer-python"), "cases": rows,
                "extend": extend_rows}  # fmt: skip
-    print(write_result(args.name, results, summary, notes=__doc__.split("\n\n")[2]))
+    print(write_result(name, results, summary, notes=__doc__.split("\n\n")[2]))
 
 
 if __name__ == "__main__":

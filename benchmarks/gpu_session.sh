@@ -25,6 +25,9 @@
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
 #   host-profile  benchmarks/host_profile.py: wall time of seed-shape waves (overlap and CUDA
 #               graphs on / off, and a decode-heavy wave) and the host's cProfile of one wave
+#   flashinfer-plan  benchmarks/flashinfer_plan.py --device cuda: host time of planning a
+#               decode batch, the backend's fast re-plan against flashinfer's plan (real
+#               planners), writing benchmarks/results/gpu_flashinfer_plan.json
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
 #   speculative benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
 #               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json
@@ -194,6 +197,8 @@ do_step() {
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
         decode-bs1) run_step decode-bs1 170 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
+        flashinfer-plan)
+            run_step flashinfer-plan 60 python3 benchmarks/flashinfer_plan.py --device cuda ;;
         smoke)
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
                 --results-dir /tmp/sluice-gpu-smoke ;;
