@@ -4,7 +4,8 @@
   (tensor-core decode) and MHA 8/8, head_dim 64/128, pages of 1 and 16, float16/bfloat16;
   decode, extend over cached prefixes (empty, whole and partial pages), extend without any.
 * The CUDA-graph hooks under a real torch.cuda.CUDAGraph: one capture, replays of other
-  batches (other lengths, other requests, padded rows).
+  batches (other lengths, other requests, padded rows); eager decode batches one after another
+  on one backend. Both re-plan the fast way (engine/attention/flashinfer_plan.py).
 * End to end: greedy bfloat16 generation of a small model, flashinfer against triton.
 
 flashinfer compiles its kernels on first use (minutes per dtype and head_dim; the cache is
@@ -161,6 +162,38 @@ def test_decode_replays_in_a_cuda_graph(heads, kv_heads, page_size):
         want, _ = _run("torch_native", case, layer, ForwardMode.DECODE, torch.float32,
                        page_size, rows)  # fmt: skip
         _assert_close(out[:n], want, dtype)
+    # every replay re-planned the fast way (engine/attention/flashinfer_plan.py)
+    assert backend.decode_planner.fast_plans == 3
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_eager_decode_replans_of_one_backend(heads, kv_heads, page_size):
+    """Decode batches one after another on one backend: the first is planned by flashinfer,
+    the others by the fast re-plan, each against torch_native; then the same batch planned
+    both ways gives the same output, bit for bit."""
+    dtype, head_dim = torch.bfloat16, 128
+    case = make_paged_case([100, 900, 33, 2000, 1, 640, 4095], [1] * 7, heads, kv_heads,
+                           head_dim, page_size, dtype, "cuda", seed=8)  # fmt: skip
+    layer = _layer(heads, kv_heads, head_dim)
+    pool = _pool(case, layer, dtype, page_size)
+    backend = _backend("flashinfer", layer, pool, page_size)
+
+    def decode(rows):
+        fb = _batch(case, ForwardMode.DECODE, pool, backend, rows)
+        with torch.inference_mode():
+            backend.init_forward_metadata(fb)
+            q, k, v = (x[rows].to(dtype).flatten(1) for x in (case.q, case.k, case.v))
+            return backend.forward(q, k, v, layer, fb)
+
+    for rows in ([0, 1, 2], [6, 3, 5, 4], [2], list(range(7))):
+        want, _ = _run("torch_native", case, layer, ForwardMode.DECODE, torch.float32,
+                       page_size, rows)  # fmt: skip
+        _assert_close(decode(rows), want, dtype)
+    assert backend.decode_planner.fast_plans == 3
+    fast = decode([5, 0, 6])
+    backend.decode_planner.enabled = False
+    assert torch.equal(decode([5, 0, 6]), fast)
 
 
 # -- end to end -----------------------------------------------------------------------------------
