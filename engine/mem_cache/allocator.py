@@ -223,16 +223,24 @@ class TokenToKVPoolAllocator:
         value), so that its pages are those of every page_size-th slot: no `unique`, no read
         of the device. Raises DoubleFreeError as `free` does (late where checks are deferred);
         a page given twice in one call is not caught here."""
+        found = self._run_pages(runs)
+        if found is not None:
+            self._free_pages_checked(*found)
+
+    def _run_pages(
+        self, runs: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The pages of page-aligned runs (see `free_runs`), and where a run does not start at
+        a page boundary (None at page size 1); None for no slots."""
         ps = self.page_size
         parts = [r.flatten()[::ps] for r in runs if r.numel()]
         if not parts:
-            return
+            return None
         firsts = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device, torch.int64)
         if ps == 1:
-            self._free_pages_checked(firsts)
-            return
+            return firsts, None
         # (a run that does not start at a page boundary would free the wrong pages)
-        self._free_pages_checked(firsts // ps, firsts % ps != 0)
+        return firsts // ps, firsts % ps != 0
 
     def _free_pages_checked(self, pages: torch.Tensor, bad: torch.Tensor | None = None) -> None:
         """Free distinct pages, each checked to be allocated (page 0 and pages beyond the pool

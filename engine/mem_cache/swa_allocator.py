@@ -16,9 +16,11 @@ its swa page too. `available_size` stays the full pool's (the scheduler's token 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from engine.mem_cache.allocator import DoubleFreeError, TokenToKVPoolAllocator
+from engine.mem_cache.allocator import _BAD_FREE, DoubleFreeError, TokenToKVPoolAllocator
 
 
 class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
@@ -104,6 +106,23 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         if slots.numel() == 0:
             return 0
         return self._drop_swa(self.full_pages(slots)) * self.page_size
+
+    def free_swa_runs(self, runs: Sequence[torch.Tensor]) -> int:
+        """`free_swa` of page-aligned runs (see `free_runs`) whose every page holds a swa page:
+        a request's own slots past its cached prefix, each freed once as its window moves on.
+        The host knows how many pages that frees, so nothing is read from the device; a page
+        that is not allocated or has no swa page is a DoubleFreeError, raised late where
+        checks are deferred. Returns the swa tokens freed."""
+        found = self._run_pages(runs)
+        if found is None:
+            return 0
+        pages, bad = found
+        not_held = ~self.is_allocated(pages * self.page_size)
+        self._check(not_held if bad is None else not_held | bad, _BAD_FREE, pages)
+        swa_pages = self._swa_page.index_select(0, pages)
+        self._map(pages, torch.zeros_like(pages))
+        self.swa._free_pages_checked(swa_pages)  # (page 0, "no swa page", reads as reserved)
+        return pages.numel() * self.page_size
 
     def has_swa(self, slots: torch.Tensor) -> torch.Tensor:
         """Per full slot: whether its page still has a swa page."""

@@ -105,8 +105,8 @@ class MemoryPools:
                     r.swa_released = end
             if positions is not None:
                 r.swa_batch_start = positions[i]
-        if parts:
-            self.allocator.free_swa(torch.cat(parts))
+        if parts:  # (the request's own pages, each freed once: no read of the device)
+            self.allocator.free_swa_runs(parts)
 
     def release_req(self, req: Req) -> None:
         """Give back everything a request holds without caching it (retraction): its private

@@ -96,3 +96,38 @@ def test_deferred_checks_of_the_window_pool_are_raised_by_verify() -> None:
     with pytest.raises(DoubleFreeError):
         alloc.verify()
     alloc.verify()  # (reported once)
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_free_swa_runs_frees_what_free_swa_frees(ps: int) -> None:
+    """A request's window runs (page-aligned, every page holding a swa page) free the same
+    swa pages as `free_swa` of the same slots, and count them on the host."""
+    runs_alloc, slots_alloc = (SWATokenToKVPoolAllocator(16 * ps, 12 * ps, ps) for _ in range(2))
+    outs = [a.alloc_extend([0, 0], [5 * ps, 3 * ps + 1], [-1, -1]) for a in (runs_alloc,
+                                                                          slots_alloc)]
+    assert torch.equal(*outs)
+    out = outs[0]
+    runs = [out[ps : 3 * ps], out[5 * ps : 7 * ps]]  # two requests' windows
+    assert runs_alloc.free_swa_runs(runs) == 4 * ps
+    assert slots_alloc.free_swa(torch.cat(runs)) == 4 * ps
+    assert torch.equal(runs_alloc.full_to_swa, slots_alloc.full_to_swa)
+    assert runs_alloc.swa_available_size() == slots_alloc.swa_available_size() == 7 * ps
+    assert runs_alloc.available_size() == 16 * ps - 9 * ps  # the full pages stay
+    runs_alloc.check_mapping()
+    assert runs_alloc.free_swa_runs([out[:0]]) == 0
+
+
+def test_free_swa_runs_refuses_pages_without_swa_and_misaligned_runs() -> None:
+    alloc = SWATokenToKVPoolAllocator(16, 16, 4)
+    out = alloc.alloc_extend([0], [12], [-1])
+    alloc.free_swa_runs([out[:4]])
+    with pytest.raises(DoubleFreeError):  # freed already: its page has no swa page
+        alloc.free_swa_runs([out[:4]])
+    with pytest.raises(DoubleFreeError):
+        alloc.free_swa_runs([out[6:10]])  # does not start at a page boundary
+    deferred = SWATokenToKVPoolAllocator(16, 16, 4, defer_checks=True)
+    out = deferred.alloc_extend([0], [8], [-1])
+    deferred.free_swa_runs([out[:4]])
+    deferred.free_swa_runs([out[:4]])  # flagged, not raised
+    with pytest.raises(DoubleFreeError):
+        deferred.verify()
