@@ -24,8 +24,8 @@ tensors with host indices, and an explicit `.to(device)` ("to") counts one op wh
 counted none. The counts are exact and repeatable, so one run per tree suffices; what they
 save in microseconds depends on the GPU host and is measured in the GPU session.
 
-Second count (table "reads"; with `--swa` also for a sliding-window model with hybrid window
-memory, `--hybrid-swa-memory`): host reads of device memory in a serving-like run
+Second count (table "reads"; with `--swa` for a sliding-window model with hybrid window
+memory, `--hybrid-swa-memory`, instead): host reads of device memory in a serving-like run
 (requests of different lengths arriving, chunked prefill into partly filled pages, finishing
 at different steps, prefix cache on, page size 16; the allocator defers its checks as on
 CUDA). Each read (`.item()`, `bool()`, `.tolist()`, `.cpu()` of a tensor, or an op whose
@@ -139,7 +139,7 @@ def child(root: str, bs: int, page_size: int, reads: str = "") -> dict[str, Any]
 
             sched.executor.close()
             sched.executor = _inline_executor(sched)
-        return _count_reads(sched, engine, bs, paused)
+        return _count_reads(sched, engine, bs, paused, 2 * SWA_WINDOW if swa else 0)
     params = SamplingParams(max_new_tokens=STEPS + 12, temperature=0.0, ignore_eos=True)
     params.normalize()
     for i in range(bs):
@@ -172,10 +172,12 @@ READ_OPS = {"_local_scalar_dense", "is_nonzero", "_unique2", "unique_dim", "uniq
             "nonzero", "masked_select", "equal"}  # fmt: skip
 
 
-def _count_reads(sched: Any, engine: Any, bs: int, paused: list[int]) -> dict[str, Any]:
+def _count_reads(sched: Any, engine: Any, bs: int, paused: list[int], longer: int = 0
+                 ) -> dict[str, Any]:  # fmt: skip
     """Host reads of device memory per scheduler step of a serving-like run: `bs` requests
-    of 20..92 prompt tokens (a shared 32-token prefix for half of them) and 2..24 new tokens,
-    a third at the start, the rest two per step."""
+    of 20..92 prompt tokens (a shared 32-token prefix for half of them) and 2..24 (+ `longer`:
+    the sliding-window model's requests decode past their window) new tokens, a third at the
+    start, the rest two per step."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -212,7 +214,7 @@ def _count_reads(sched: Any, engine: Any, bs: int, paused: list[int]) -> dict[st
 
     def admit(n: int) -> None:
         for i in pending[:n]:
-            params = SamplingParams(max_new_tokens=2 + i * 5 % 23, temperature=0.0,
+            params = SamplingParams(max_new_tokens=2 + i * 5 % 23 + longer, temperature=0.0,
                                     ignore_eos=True)  # fmt: skip
             params.normalize()
             sched.add_request(f"r{i}", prompts[i], params)
@@ -279,8 +281,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24,
                     help="requests of the serving-like run that counts host reads")
     ap.add_argument("--swa", action="store_true",
-                    help="also count host reads with a sliding-window model and hybrid window "
-                         "memory (--hybrid-swa-memory)")
+                    help="count host reads with a sliding-window model and hybrid window memory "
+                         "(--hybrid-swa-memory) instead, its requests decoding past the window; "
+                         "no ops table")
     ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -292,7 +295,7 @@ def main() -> None:
 
     rows, detail, read_rows = [], {}, []
     with base_worktree(ROOT, args.base) as (base, revs):
-        for model, suffix in (("llama", ""), ("mistral-swa", "+swa"))[: 2 if args.swa else 1]:
+        for model, suffix in [("mistral-swa", "+swa") if args.swa else ("llama", "")]:
             for page_size in args.page_sizes:
                 for loop in ("plain", "overlap"):
                     ours, theirs = (measure(root, args.requests, page_size, loop + suffix)
@@ -304,7 +307,7 @@ def main() -> None:
                     detail[f"reads_{loop}_page{page_size}{suffix}"] = {
                         "tree": ours["by_site"], "base": theirs["by_site"]}
                     print_table(read_rows[-1:], list(read_rows[-1]))
-        for page_size in args.page_sizes:
+        for page_size in [] if args.swa else args.page_sizes:
             for bs in args.batch_sizes:
                 ours, theirs = measure(ROOT, bs, page_size), measure(base, bs, page_size)
                 detail[f"bs{bs}_page{page_size}"] = {"tree": ours["by_op"], "base": theirs["by_op"]}
@@ -314,7 +317,8 @@ def main() -> None:
                              "triton": ours["triton_launches"],
                              "base_triton": theirs["triton_launches"]})
                 print_table(rows[-1:], list(rows[-1]))
-    print_table(rows, list(rows[0]))
+    if rows:
+        print_table(rows, list(rows[0]))
     print_table(read_rows, list(read_rows[0]))
     summary = {f"bs{r['batch']}_page{r['page_size']}_launches": r["ops"] + r["triton"]
                for r in rows}
