@@ -42,8 +42,7 @@ VALIDATED_VERSIONS = ("0.6.18", "0.6.18.post1")
 
 
 def fast_replan_supported(fi: Any) -> bool:
-    """The loaded flashinfer is a version whose tensor-core decode plan `DecodePlanner`
-    reproduces."""
+    """The loaded flashinfer is a version whose decode plans `DecodePlanner` reproduces."""
     return getattr(fi, "__version__", None) in VALIDATED_VERSIONS
 
 
@@ -75,7 +74,7 @@ class DecodePlanner:
         config = (num_qo_heads, num_kv_heads, head_dim, page_size, window_left,
                   tuple(sorted(scalars.items())))  # fmt: skip
         if self.enabled and self._planned.get(id(wrapper)) == config:
-            self._replan(wrapper, table, kv_lens, config)
+            self._replan(wrapper, table, kv_lens, config, scalars)
             return
         wrapper.plan(
             table.indptr, table.indices, table.last_page_len, num_qo_heads, num_kv_heads,
@@ -83,7 +82,9 @@ class DecodePlanner:
         )  # fmt: skip
         self._planned[id(wrapper)] = config if _covered(wrapper) else None
 
-    def _replan(self, wrapper: Any, table: Any, kv_lens: list[int], config: tuple) -> None:
+    def _replan(
+        self, wrapper: Any, table: Any, kv_lens: list[int], config: tuple, scalars: dict
+    ) -> None:
         num_qo_heads, num_kv_heads, head_dim, page_size, window_left, _ = config
         indptr, indices, last = table.indptr, table.indices, table.last_page_len
         batch = len(last)
@@ -127,7 +128,6 @@ class DecodePlanner:
                 0,  # no uniform query length
             )  # fmt: skip
         else:
-            scalars = dict(config[5])
             q_dtype = scalars["q_data_type"]
             kv_dtype = scalars.get("kv_data_type") or q_dtype
             wrapper._plan_info = wrapper._cached_module.plan(

@@ -243,11 +243,8 @@ class TokenToKVPoolAllocator:
         return firsts // ps, firsts % ps != 0
 
     def _free_pages_checked(self, pages: torch.Tensor, bad: torch.Tensor | None = None) -> None:
-        """Free distinct pages, each checked to be allocated (page 0 and pages beyond the pool
-        read as reserved: one gather checks all three), and none marked `bad`."""
-        state = self._page_state.index_select(0, pages.clamp(0, self.num_pages + 1))
-        not_held = state != _ALLOCATED
-        self._check(not_held if bad is None else not_held | bad, _BAD_FREE, pages)
+        """Free distinct pages, each checked to be allocated and none marked `bad`."""
+        self._check_held(pages, bad)
         if self._group is not None:
             self._page_state.index_fill_(0, pages, _PENDING)
             self._group.append(pages)
@@ -255,6 +252,13 @@ class TokenToKVPoolAllocator:
         self._release(pages)
 
     # -- checks ----------------------------------------------------------------------------------
+    def _check_held(self, pages: torch.Tensor, bad: torch.Tensor | None = None) -> None:
+        """Each page is allocated (page 0 and pages beyond the pool read as reserved: one
+        gather checks all three) and none is marked `bad`: a DoubleFreeError otherwise."""
+        state = self._page_state.index_select(0, pages.clamp(0, self.num_pages + 1))
+        not_held = state != _ALLOCATED
+        self._check(not_held if bad is None else not_held | bad, _BAD_FREE, pages)
+
     def _check(self, bad: torch.Tensor, fault: int, pages: torch.Tensor | None = None) -> None:
         """Where `bad` (a device bool tensor) holds a True, the `fault`: raised now, or with
         `defer_checks` flagged on the device for `verify` (no read of the device here)."""

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.mem_cache.allocator import _BAD_FREE, DoubleFreeError, TokenToKVPoolAllocator
+from engine.mem_cache.allocator import DoubleFreeError, TokenToKVPoolAllocator
 
 
 class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
@@ -117,8 +117,7 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         if found is None:
             return 0
         pages, bad = found
-        not_held = ~self.is_allocated(pages * self.page_size)
-        self._check(not_held if bad is None else not_held | bad, _BAD_FREE, pages)
+        self._check_held(pages, bad)
         swa_pages = self._swa_page.index_select(0, pages)
         self._map(pages, torch.zeros_like(pages))
         self.swa._free_pages_checked(swa_pages)  # (page 0, "no swa page", reads as reserved)
