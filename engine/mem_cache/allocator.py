@@ -42,7 +42,9 @@ from engine.host_tensors import int64_array, int64_tensor
 
 _ALLOCATED, _FREE, _PENDING, _RESERVED = 0, 1, 2, 3
 CHECK_EVERY = 64  # deferred checks between two reads of the fault flags (`verify`)
-_BAD_FREE, _BAD_LAST = 0, 1  # the fault flags
+# the fault flags: a free of a page not held, a last slot outside its page, window pages that
+# disagree with their owner's account (the hybrid sliding-window allocator)
+_BAD_FREE, _BAD_LAST, _BAD_WINDOW = 0, 1, 2
 
 
 class DoubleFreeError(RuntimeError):
@@ -83,7 +85,7 @@ class TokenToKVPoolAllocator:
         )
         self._page_state[0] = self._page_state[-1] = _RESERVED
         self._group: list[torch.Tensor] | None = None
-        self._faults = torch.zeros(2, dtype=torch.bool, device=self.device)
+        self._faults = torch.zeros(3, dtype=torch.bool, device=self.device)
         self._unverified = 0
 
     def available_size(self) -> int:
@@ -217,12 +219,16 @@ class TokenToKVPoolAllocator:
             raise DoubleFreeError("allocator.free: the same slot given twice")
         self._free_pages_checked(pages)
 
-    def free_runs(self, runs: Sequence[torch.Tensor]) -> None:
+    def free_runs(
+        self, runs: Sequence[torch.Tensor], live_from: Sequence[int] | None = None
+    ) -> None:
         """Free the pages of `runs`: each the slots of consecutive positions of one owner from
         a page boundary on (a request's row from a page-aligned position, a radix node's
         value), so that its pages are those of every page_size-th slot: no `unique`, no read
         of the device. Raises DoubleFreeError as `free` does (late where checks are deferred);
-        a page given twice in one call is not caught here."""
+        a page given twice in one call is not caught here. `live_from`: the owner's account of
+        which pages still hold sliding-window KV (see `SWATokenToKVPoolAllocator.free_runs`);
+        this pool has none."""
         found = self._run_pages(runs)
         if found is not None:
             self._free_pages_checked(*found)
@@ -314,6 +320,8 @@ def _fault_error(fault: int, pages: list[int] | None) -> Exception:
     if fault == _BAD_LAST:
         return ValueError("alloc_extend: last_loc is not in the page of position prefix_len-1")
     where = f" of pages {pages}" if pages is not None else " (found by a deferred check)"
+    if fault == _BAD_WINDOW:
+        return DoubleFreeError(f"swa allocator: window pages not as their owner says{where}")
     return DoubleFreeError(f"allocator: free of a page that is not allocated{where}")
 
 

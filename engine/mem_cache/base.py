@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.mem_cache.allocator import TokenToKVPoolAllocator
 
 _node_ids = itertools.count()
 
@@ -82,6 +85,7 @@ class CacheReq(Protocol):
     scheduler may have allocated one more). `prefix_indices`: the leading slots shared with
     the cache (page aligned). `last_node`: the node the request holds a lock on (the root, or
     None, when nothing is shared).
+    Hybrid sliding-window memory also reads `swa_released` (see `free_own`; 0 if absent).
     """
 
     req_pool_idx: int
@@ -89,6 +93,24 @@ class CacheReq(Protocol):
     kv_allocated_len: int
     prefix_indices: torch.Tensor
     last_node: TreeNode | None
+
+
+def free_own(
+    allocator: TokenToKVPoolAllocator,
+    req: CacheReq,
+    row: torch.Tensor,
+    ranges: list[tuple[int, int]],
+) -> None:
+    """Free the request's own slots `row[a:b]` for each (a, b), every a at a page boundary.
+    With hybrid sliding-window memory, the request's account says which of them still hold
+    window KV, so that freeing them reads nothing from the device: those from its
+    `swa_released` on (the ones before were freed as its window moved on, or handed to the
+    radix tree)."""
+    released = getattr(req, "swa_released", 0)
+    kept = [(a, b) for a, b in ranges if b > a]
+    if kept:
+        allocator.free_runs([row[a:b] for a, b in kept],
+                            [min(b, max(a, released)) - a for a, b in kept])  # fmt: skip
 
 
 class PrefixMatch(NamedTuple):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
-from engine.mem_cache.base import CacheReq, PrefixCache, TreeNode
+from engine.mem_cache.base import CacheReq, PrefixCache, TreeNode, free_own
 from engine.mem_cache.memory_pool import ReqToTokenPool
 
 
@@ -61,7 +61,7 @@ class NoRadixCache(PrefixCache):
         if req.kv_allocated_len < len(req.fill_ids):
             raise ValueError("cache_finished_req: kv_allocated_len < len(fill_ids)")
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.allocator.free_runs([row[: req.kv_allocated_len]])
+        free_own(self.allocator, req, row, [(0, req.kv_allocated_len)])
         self.req_to_token_pool.free(req.req_pool_idx)
 
     def reset(self) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
-from engine.mem_cache.base import CacheReq, PrefixCache, TreeNode, namespaced
+from engine.mem_cache.base import CacheReq, PrefixCache, TreeNode, free_own, namespaced
 from engine.mem_cache.memory_pool import ReqToTokenPool
 
 
@@ -186,11 +186,15 @@ class RadixCache(PrefixCache):
         if num_tokens <= 0:
             return 0
         freed: list[torch.Tensor] = []
-        num_freed = self._evict_lru(
-            self._evict_candidates(), num_tokens, lambda node: self._evict_node(node, freed)
-        )
+        live_from: list[int] = []  # (a node's window KV: its last swa_live tokens')
+
+        def evict_one(node: TreeNode) -> bool:
+            live_from.append(len(node.key) - node.swa_live)
+            return self._evict_node(node, freed)
+
+        num_freed = self._evict_lru(self._evict_candidates(), num_tokens, evict_one)
         if freed:
-            self.allocator.free_runs(freed)  # (node values: whole pages)
+            self.allocator.free_runs(freed, live_from)  # (node values: whole pages)
             self.epoch += 1
         self._evictable -= num_freed
         return num_freed
@@ -263,9 +267,9 @@ class RadixCache(PrefixCache):
         key = namespaced(req.fill_ids[:aligned], getattr(req, "cache_namespace", 0))
         kv = row[:aligned].to(torch.int64)
         shared = req.prefix_indices.numel()
-        in_tree = self.insert(key, kv)
+        in_tree = self._insert_req(req, key, kv)
         assert in_tree >= shared, "the request's locked prefix left the tree"
-        self.allocator.free_runs([kv[shared:in_tree]])
+        free_own(self.allocator, req, kv, [(shared, in_tree)])
         slots, node = self._match(key)
         assert slots.numel() == aligned
         row[shared:aligned] = slots[shared:].to(row.dtype)
@@ -286,13 +290,18 @@ class RadixCache(PrefixCache):
         if insert:
             aligned = len(req.fill_ids) - len(req.fill_ids) % self.page_size
             key = namespaced(req.fill_ids[:aligned], getattr(req, "cache_namespace", 0))
-            in_tree = self.insert(key, kv[:aligned])
-            to_free.append(kv[shared:in_tree])
+            in_tree = self._insert_req(req, key, kv[:aligned])
+            to_free.append((shared, in_tree))
             own_from = max(aligned, shared)
-        to_free.append(kv[own_from:])
-        self.allocator.free_runs(to_free)  # (each from a page boundary)
+        to_free.append((own_from, kv.numel()))
+        free_own(self.allocator, req, kv, to_free)  # (each from a page boundary)
         self.dec_lock_ref(req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
+
+    def _insert_req(self, req: CacheReq, key: list[int], kv: torch.Tensor) -> int:
+        """`insert` of a request's page-aligned KV `kv` (its row from position 0); returns how
+        many tokens the tree held (the caller frees the request's own slots for them)."""
+        return self.insert(key, kv)
 
     # -- integrity ------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from engine.mem_cache.allocator import DoubleFreeError, TokenToKVPoolAllocator
+from engine.mem_cache.allocator import _BAD_WINDOW, DoubleFreeError, TokenToKVPoolAllocator
 
 
 class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
@@ -76,12 +77,42 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         swa_slots = torch.where(swa_pages.unsqueeze(1) > 0, swa_slots, 0).flatten()
         self.full_to_swa.index_copy_(0, slots, swa_slots)
 
+    def free_runs(
+        self, runs: Sequence[torch.Tensor], live_from: Sequence[int] | None = None
+    ) -> None:
+        """`free_runs` of the full pages, and their window pages. `live_from`, the owners'
+        account: per run, the offset (in slots) from which its pages still hold window pages;
+        the pages before it hold none (a request's before its `swa_released`, a radix node's
+        before its last `swa_live` tokens). With it the host knows how many window pages are
+        freed and nothing is read from the device; a page whose window page is not as the
+        account says is a DoubleFreeError (late where checks are deferred), or a leaked
+        window page that `check_mapping` finds. Without it (or inside a free group), the
+        window pages are looked up on the device (`_drop_swa`, a read)."""
+        if live_from is None or self._group is not None:
+            super().free_runs(runs)
+            return
+        found = self._run_pages(runs)
+        if found is None:
+            return
+        pages, bad = found
+        self._check_held(pages, bad)
+        live = _live_pages(runs, live_from, self.page_size)
+        if live.size:
+            if live.size < pages.numel():
+                held = pages.index_select(0, torch.from_numpy(live).to(self.device))
+            else:
+                held = pages
+            self.swa._free_pages_checked(self._swa_page.index_select(0, held))
+        self._map(pages, torch.zeros_like(pages))
+        TokenToKVPoolAllocator._release(self, pages)
+
     def _release(self, pages: torch.Tensor) -> None:
         super()._release(pages)
         self._drop_swa(pages)
 
     def _drop_swa(self, pages: torch.Tensor) -> int:
-        """Free the swa pages of these full pages that have one; returns how many."""
+        """Free the swa pages of these full pages that have one (found by reading the device);
+        returns how many."""
         swa_pages = self._swa_page.index_select(0, pages)
         live = swa_pages > 0
         if not bool(live.any()):
@@ -109,8 +140,9 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
     def free_swa_runs(self, runs: Sequence[torch.Tensor]) -> int:
         """`free_swa` of page-aligned runs (see `free_runs`) whose every page holds a swa page:
-        a request's own slots past its cached prefix, each freed once as its window moves on.
-        The host knows how many pages that frees, so nothing is read from the device; a page
+        a request's own slots past its cached prefix, each freed once as its window moves on,
+        or a radix node's live suffix (`SWARadixCache`). The host knows how many pages that
+        frees, so nothing is read from the device; a page
         that is not allocated or has no swa page is a DoubleFreeError, raised late where
         checks are deferred. Returns the swa tokens freed."""
         found = self._run_pages(runs)
@@ -128,20 +160,28 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         pages = slots.to(device=self.device, dtype=torch.int64) // self.page_size
         return self._swa_page.index_select(0, pages.flatten()).view(pages.shape) > 0
 
-    def move_swa(self, src: torch.Tensor, dst: torch.Tensor) -> int:
-        """Give the swa pages of the full pages of `src` slots to those of `dst` slots (page
-        for page, the same tokens) where `dst`'s page has none and `src`'s has one; `src`'s
-        pages are left without. Returns the tokens moved."""
+    def move_swa_runs(self, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> int:
+        """Give the window pages of the pages of the page-aligned runs `src` to those of `dst`,
+        run for run and page for page (the same tokens' KV): the radix cache adopting a
+        request's window KV for tokens it holds without. The owners' account says that every
+        `src` page has a window page and no `dst` page does; where that is wrong, a
+        DoubleFreeError (late where checks are deferred). No read of the device; returns the
+        tokens moved."""
         ps = self.page_size
-        src_p = src.to(self.device, torch.int64)[::ps] // ps
-        dst_p = dst.to(self.device, torch.int64)[::ps] // ps
-        swa_src = self._swa_page.index_select(0, src_p)
-        move = (swa_src > 0) & (self._swa_page.index_select(0, dst_p) == 0) & (src_p != dst_p)
-        if not bool(move.any()):
+        counts = [-(-r.numel() // ps) for r in src]
+        if counts != [-(-r.numel() // ps) for r in dst]:
+            raise ValueError("move_swa_runs: source and target runs differ in length")
+        found_src, found_dst = self._run_pages(src), self._run_pages(dst)
+        if found_src is None or found_dst is None:
             return 0
-        self._map(src_p[move], torch.zeros_like(src_p[move]))
-        self._map(dst_p[move], swa_src[move])
-        return int(move.sum()) * ps
+        (src_p, bad_src), (dst_p, bad_dst) = found_src, found_dst
+        self._check_held(torch.cat([src_p, dst_p]),
+                         None if bad_src is None else torch.cat([bad_src, bad_dst]))  # fmt: skip
+        swa = self._swa_page.index_select(0, src_p)
+        self._check((swa == 0) | (self._swa_page.index_select(0, dst_p) != 0), _BAD_WINDOW)
+        self._map(src_p, torch.zeros_like(src_p))
+        self._map(dst_p, swa)
+        return sum(counts) * ps
 
     def check_mapping(self) -> None:
         """Every full page with a swa page is allocated; swa pages are held once each and
@@ -157,3 +197,17 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         expect = (self._swa_page.unsqueeze(1) * ps + self._in_page).flatten()
         expect = torch.where(self._swa_page.repeat_interleave(ps) > 0, expect, 0)
         assert torch.equal(expect, self.full_to_swa), "full_to_swa disagrees with the pages"
+
+
+def _live_pages(runs: Sequence[torch.Tensor], live_from: Sequence[int], ps: int) -> np.ndarray:
+    """Indices, among the pages of the non-empty `runs` in order (as `_run_pages` lists
+    them), of each run's pages from its `live_from` offset on."""
+    if len(live_from) != len(runs):
+        raise ValueError("free_runs: one live_from per run")
+    parts, base = [], 0
+    for run, first in zip(runs, live_from):
+        n = -(-run.numel() // ps)
+        if n:
+            parts.append(np.arange(base + min(n, -(-first // ps)), base + n, dtype=np.int64))
+            base += n
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

@@ -12,6 +12,12 @@ pages: the first new token looks back that far. `match_prefix` cuts a match to t
 such prefix. When a request inserts tokens the tree already holds, swa pages the tree lacks
 and the request has are moved to the tree's slots (their KV is the same).
 
+Which pages hold swa KV is known on the host, so none of this reads the device: a node's live
+swa pages are always its last `swa_live` tokens' (a node is made from a request's slots, whose
+own live pages are those from its `swa_released` on; tombstoning takes a whole node; a split
+cuts the suffix in two; adopting a request's pages extends it), and a request knows its own.
+`check_integrity` compares the account with the device.
+
 Locks: `inc_lock_ref(node)` locks the path's full KV as `RadixCache` does, and the swa KV of
 the path's last tokens from `swa_lock_start(depth)` on (the window of the request's first
 new token), splitting a node there so that this depth is a node boundary. Unlocking finds the
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 
+import numpy as np
 import torch
 
 from engine.mem_cache.base import CacheReq, TreeNode
@@ -46,26 +53,37 @@ class SWARadixCache(RadixCache):
         self.allocator: SWATokenToKVPoolAllocator = allocator
         self.sliding_window = sliding_window
         self._swa_evictable = 0
+        # the insert in progress: its key's length and where the caller's live swa pages start
+        self._inserting = (0, 0)
 
     def swa_lock_start(self, depth: int) -> int:
         """First position the window of a query at `depth` reads, rounded down to a page."""
         start = max(0, depth - self.sliding_window + 1)
         return start - start % self.page_size
 
-    def _live(self, node: TreeNode) -> int:
-        if not node.value.numel():
-            return 0
-        return int(self.allocator.has_swa(node.value[:: self.page_size]).sum()) * self.page_size
+    def _live_pages(self, path: list[TreeNode]) -> np.ndarray:
+        """Per page of the path's nodes, in order: whether it still has its swa page."""
+        ps = self.page_size
+        live = np.zeros(sum(len(n.key) for n in path) // ps, dtype=bool)
+        end = 0
+        for n in path:
+            end += len(n.key) // ps
+            live[end - n.swa_live // ps : end] = True
+        return live
 
     # -- hooks ----------------------------------------------------------------------------------
     def _on_new_node(self, node: TreeNode) -> None:
-        node.swa_live = self._live(node)
+        # an insert's new node holds the caller's slots from position key_len - len(key) on
+        key_len, live_from = self._inserting
+        dead = min(len(node.key), max(0, live_from - (key_len - len(node.key))))
+        node.swa_live = len(node.key) - dead
         self._swa_evictable += node.swa_live
 
     def _on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         upper.swa_lock_ref = lower.swa_lock_ref
-        upper.swa_live = self._live(upper)
-        lower.swa_live -= upper.swa_live
+        live = lower.swa_live  # the suffix of the whole node: the lower part's end of it
+        lower.swa_live = min(live, len(lower.key))
+        upper.swa_live = live - lower.swa_live
 
     def _on_evicted(self, node: TreeNode) -> None:
         assert node.swa_lock_ref == 0
@@ -74,18 +92,18 @@ class SWARadixCache(RadixCache):
     # -- match / insert -------------------------------------------------------------------------
     def match_prefix(self, key: list[int]) -> tuple[torch.Tensor, TreeNode]:
         """The longest cached prefix whose window (the last W - 1 tokens) has its swa KV."""
-        slots, node = self._match(key)
-        if not slots.numel():
-            return slots, node
+        path = self._walk(key)
+        if not path:
+            return self._empty, self.root_node
+        slots, node = torch.cat([n.value for n in path]), path[-1]
         ps = self.page_size
-        live = self.allocator.has_swa(slots[::ps])
-        num_pages = live.numel()
-        idx = torch.arange(num_pages, device=live.device)
-        last_dead = torch.where(live, -1, idx).cummax(0).values  # per page k: last dead <= k
+        live = self._live_pages(path)
+        idx = np.arange(live.size)
+        last_dead = np.maximum.accumulate(np.where(live, -1, idx))  # per page k: last dead <= k
         ends = (idx + 1) * ps  # a prefix of k + 1 pages ends here
-        first_needed = (ends - self.sliding_window + 1).clamp(min=0) // ps
-        ok = torch.nonzero(last_dead < first_needed).flatten()
-        usable = (int(ok[-1]) + 1) * ps if ok.numel() else 0
+        first_needed = np.maximum(ends - self.sliding_window + 1, 0) // ps
+        ok = np.flatnonzero(last_dead < first_needed)
+        usable = (int(ok[-1]) + 1) * ps if ok.size else 0
         if usable == slots.numel():
             return slots, node
         return slots[:usable], self._node_at(node, slots.numel(), usable)
@@ -101,16 +119,50 @@ class SWARadixCache(RadixCache):
             node, depth = node.parent, start
         return node
 
-    def insert(self, key: list[int], slots: torch.Tensor) -> int:
+    def insert(
+        self, key: list[int], slots: torch.Tensor, own_from: int = 0, live_from: int = 0
+    ) -> int:
+        """`RadixCache.insert`, with the caller's account of its `slots`: those before
+        `own_from` are the tree's own (a request's cached prefix); of the others, those from
+        `live_from` on still have swa pages (a request's `swa_released`). For tokens the tree
+        holds already, the caller's swa pages go to the tree's pages that lack one, and its
+        others are freed: none of its own slots before the returned count keeps a swa page."""
+        ps = self.page_size
+        src_from = -(-max(own_from, live_from) // ps) * ps
+        self._inserting = (len(key), src_from)
         in_tree = super().insert(key, slots)
-        if in_tree:
-            tree_slots, node = self._match(key[:in_tree])
-            if self.allocator.move_swa(slots[:in_tree], tree_slots):
-                for n in self._path(node):
-                    live = self._live(n)
-                    if n.swa_lock_ref == 0:
-                        self._swa_evictable += live - n.swa_live
-                    n.swa_live = live
+        if in_tree > src_from:
+            self._adopt_swa(self._walk(key[:in_tree]), slots, src_from)
+        return in_tree
+
+    def _adopt_swa(self, path: list[TreeNode], slots: torch.Tensor, src_from: int) -> None:
+        """The tree's `path` holds the tokens of `slots` (the caller's, for the same positions),
+        whose pages from `src_from` on have swa pages: give them to the tree's pages without
+        (each node's live suffix grows down to the caller's) and free the rest."""
+        moved_src, moved_dst, dropped = [], [], []
+        end = 0
+        for n in path:
+            start, end = end, end + len(n.key)
+            lo = max(start, src_from)  # the caller's live pages here: lo .. end
+            tree_from = end - n.swa_live  # the tree's: tree_from .. end
+            if lo >= end:
+                continue
+            if lo < tree_from:
+                moved_src.append(slots[lo:tree_from])
+                moved_dst.append(n.value[lo - start : tree_from - start])
+                n.swa_live += tree_from - lo
+                if n.swa_lock_ref == 0:
+                    self._swa_evictable += tree_from - lo
+            dropped.append(slots[max(lo, tree_from) : end])
+        if moved_src:
+            self.allocator.move_swa_runs(moved_src, moved_dst)
+        self.allocator.free_swa_runs(dropped)
+
+    def _insert_req(self, req: CacheReq, key: list[int], kv: torch.Tensor) -> int:
+        in_tree = self.insert(key, kv, own_from=req.prefix_indices.numel(),
+                              live_from=getattr(req, "swa_released", 0))  # fmt: skip
+        # its own slots before in_tree have no swa pages now (given to the tree or freed)
+        req.swa_released = max(getattr(req, "swa_released", 0), in_tree)
         return in_tree
 
     # -- locks ----------------------------------------------------------------------------------
@@ -198,11 +250,15 @@ class SWARadixCache(RadixCache):
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
-            node = heapq.heappop(heap)[2]
-            n = self.allocator.free_swa(node.value)
-            assert n == node.swa_live, "swa accounting"
-            freed += n
-            node.swa_live = 0
+            freed += self._tombstone(heapq.heappop(heap)[2])
+        return freed
+
+    def _tombstone(self, node: TreeNode) -> int:
+        """Free an unlocked node's swa pages (its live suffix); returns the tokens freed."""
+        assert node.swa_lock_ref == 0
+        freed = self.allocator.free_swa_runs([node.value[len(node.key) - node.swa_live :]])
+        assert freed == node.swa_live, "swa accounting"
+        node.swa_live = 0
         self._swa_evictable -= freed
         return freed
 
@@ -210,7 +266,9 @@ class SWARadixCache(RadixCache):
         super().check_integrity()
         total = 0
         for n in self._nodes():
-            assert n.swa_live == self._live(n), f"{n}: swa_live {n.swa_live}"
+            live = self.allocator.has_swa(n.value[:: self.page_size]).tolist()
+            dead = (len(n.key) - n.swa_live) // self.page_size
+            assert live == [False] * dead + [True] * (len(live) - dead), f"{n}: swa pages"
             assert 0 <= n.swa_lock_ref <= n.lock_ref, f"{n}: swa lock without a lock"
             if n.swa_lock_ref == 0:
                 total += n.swa_live

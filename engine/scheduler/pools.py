@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from engine.mem_cache.base import free_own
 from engine.scheduler.req import Req
 
 
@@ -113,9 +114,8 @@ class MemoryPools:
         slots, its lock on the shared prefix and its row."""
         row = req.req_pool_idx
         shared = len(req.prefix_indices)
-        if req.kv_allocated_len > shared:
-            slots = self.req_to_token_pool.req_to_token[row, shared : req.kv_allocated_len]
-            self.allocator.free_runs([slots])  # (from the page-aligned prefix on)
+        slots = self.req_to_token_pool.req_to_token[row]
+        free_own(self.allocator, req, slots, [(shared, req.kv_allocated_len)])  # (aligned)
         if req.last_node is not None:
             self.tree_cache.unlock_req(req)
         self.req_to_token_pool.free(row)

@@ -30,6 +30,7 @@ class FakeReq:
     kv_allocated_len: int = 0
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: TreeNode | None = None
+    swa_released: int = 0  # hybrid window memory: own window KV freed up to here
 
 
 def make(page_size: int, num_pages: int = 64, rows: int = 4, cls: type = RadixCache):

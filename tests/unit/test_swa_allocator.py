@@ -48,22 +48,73 @@ def test_the_smaller_pool_limits_allocation_and_nothing_is_taken() -> None:
 
 
 @pytest.mark.parametrize("ps", [1, 4])
-def test_move_gives_window_pages_only_where_the_target_has_none(ps: int) -> None:
+def test_move_gives_window_pages_page_for_page(ps: int) -> None:
     alloc = SWATokenToKVPoolAllocator(8 * ps, 8 * ps, ps)
     tree = alloc.alloc_extend([0], [3 * ps], [-1])
     mine = alloc.alloc_extend([0], [3 * ps], [-1])
-    alloc.free_swa(tree[: 2 * ps])  # the tree lost the window KV of its first two pages
-    alloc.free_swa(mine[:ps])  # and the request that of its first
+    alloc.free_swa_runs([tree[: 2 * ps]])  # the tree lost the window KV of its first two pages
+    alloc.free_swa_runs([mine[:ps]])  # and the request that of its first
     before = swa_slots(alloc, mine).clone()
-    assert alloc.move_swa(mine, tree) == ps  # page 2 only: page 1 mine has none, 3 tree has
+    # page 2 only: page 1 of mine has none, page 3 of the tree has one
+    assert alloc.move_swa_runs([mine[ps : 2 * ps]], [tree[ps : 2 * ps]]) == ps
     assert alloc.has_swa(tree).tolist() == [False] * ps + [True] * 2 * ps
     assert swa_slots(alloc, tree)[ps : 2 * ps].tolist() == before[ps : 2 * ps].tolist()
     assert not bool(alloc.has_swa(mine[: 2 * ps]).any())
-    assert alloc.move_swa(tree, tree) == 0
+    assert alloc.move_swa_runs([mine[:0]], [tree[:0]]) == 0
     alloc.check_mapping()
     alloc.free(torch.cat([tree, mine]))
     assert alloc.swa_available_size() == alloc.swa_size
     alloc.check_mapping()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_move_refuses_pages_not_as_the_owners_say(defer: bool) -> None:
+    alloc = SWATokenToKVPoolAllocator(8, 8, 1, defer_checks=defer)
+    tree = alloc.alloc_extend([0], [2], [-1])
+    mine = alloc.alloc_extend([0], [2], [-1])
+    with pytest.raises(ValueError, match="differ in length"):
+        alloc.move_swa_runs([mine], [tree[:1]])
+    try:  # the target page has a window page already
+        alloc.move_swa_runs([mine[:1]], [tree[:1]])
+        alloc.verify()
+    except DoubleFreeError as exc:
+        assert "owner" in str(exc)
+    else:
+        raise AssertionError("not refused")
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_free_runs_with_the_owners_account_frees_what_a_lookup_frees(ps: int) -> None:
+    """`free_runs` told where each run's window pages start frees the same pages, full and
+    window, as the read of the device does without it."""
+    told, looked = (SWATokenToKVPoolAllocator(16 * ps, 16 * ps, ps) for _ in range(2))
+    for alloc in (told, looked):
+        out = alloc.alloc_extend([0, 0], [5 * ps, 3 * ps + 1], [-1, -1])
+        alloc.free_swa_runs([out[: 2 * ps], out[5 * ps : 6 * ps]])
+    runs = [out[: 4 * ps], out[5 * ps : 8 * ps + 1], out[4 * ps : 5 * ps]]
+    told.free_runs(runs, [2 * ps, ps, 0])
+    looked.free_runs(runs)
+    for alloc in (told, looked):
+        assert alloc.available_size() == alloc.size
+        assert alloc.swa_available_size() == alloc.swa_size
+        alloc.check_mapping()
+    assert torch.equal(told.full_to_swa, looked.full_to_swa)
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_free_runs_with_a_wrong_account_is_caught(defer: bool) -> None:
+    alloc = SWATokenToKVPoolAllocator(8, 8, 1, defer_checks=defer)
+    out = alloc.alloc_extend([0], [4], [-1])
+    alloc.free_swa_runs([out[:2]])
+    with pytest.raises(DoubleFreeError):  # says position 1 has a window page: it has none
+        alloc.free_runs([out[:2]], [1])
+        alloc.verify()
+    alloc = SWATokenToKVPoolAllocator(8, 8, 1, defer_checks=defer)
+    out = alloc.alloc_extend([0], [4], [-1])
+    alloc.free_runs([out], [2])  # says 0..1 have none: they do, and leak
+    alloc.verify()
+    with pytest.raises(AssertionError, match="leaked"):
+        alloc.check_mapping()
 
 
 def test_window_operations_refuse_free_pages() -> None:

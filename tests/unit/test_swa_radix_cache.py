@@ -34,17 +34,46 @@ def test_match_stops_where_the_window_of_the_next_token_has_lost_its_kv() -> Non
     _, alloc, cache = make(1, window=4)
     key = list(range(10, 22))
     slots = insert_new(cache, key)
-    alloc.free_swa(slots[5:6])  # position 5: outside the window of position 12
-    cache._nodes()[0].swa_live -= 1
-    cache._swa_evictable -= 1
+    for n in (5, 6, 10, 11):  # nodes 0..4, 5, 6..9, 10, 11
+        cache.match_prefix(key[:n] + [99])
+    nodes = {sum(len(m.key) for m in cache._path(n)) - len(n.key): n for n in cache._nodes()}
+    cache._tombstone(nodes[5])  # position 5: outside the window of position 12
     got, node = cache.match_prefix(key)
     assert got.tolist() == slots.tolist()
-    alloc.free_swa(slots[10:11])  # position 10: the next token (12) reads 9..11
-    cache._nodes()[0].swa_live -= 1
-    cache._swa_evictable -= 1
+    cache._tombstone(nodes[10])  # position 10: the next token (12) reads 9..11
     got, node = cache.match_prefix(key + [99])
     assert got.tolist() == slots[:10].tolist()  # 10 reads 7..9: live
-    assert node.key == key[:10] and sum(len(n.key) for n in cache._path(node)) == 10
+    assert node.key == key[6:10] and sum(len(n.key) for n in cache._path(node)) == 10
+    assert alloc.has_swa(slots).tolist() == [True] * 5 + [False] + [True] * 4 + [False, True]
+    cache.check_integrity()
+
+
+def test_an_insert_takes_the_callers_account_of_its_window_pages() -> None:
+    """A request's slots before its `swa_released` have no swa pages: the new node says so
+    (its live pages are a suffix), and where the tree already holds the tokens, the request's
+    live pages go to the tree's dead ones and its others are freed."""
+    ps = 2
+    _, alloc, cache = make(ps, window=5)
+    key = list(range(10, 26))  # 8 pages
+    mine = alloc.alloc_extend([0], [16], [-1])
+    alloc.free_swa_runs([mine[:6]])  # released up to 6
+    assert cache.insert(key, mine, live_from=6) == 0
+    (node,) = cache._nodes()
+    assert node.swa_live == 10 and cache.swa_evictable_size() == 10
+    cache.check_integrity()
+    other = alloc.alloc_extend([0], [16], [-1])
+    alloc.free_swa_runs([other[:10]])  # released up to 10; the tree has 10..15: freed
+    free_before = alloc.swa_available_size()
+    assert cache.insert(key, other, live_from=10) == 16
+    assert node.swa_live == 10 and alloc.swa_available_size() == free_before + 6  # 10..15
+    assert not bool(alloc.has_swa(other).any())
+    alloc.free(other)
+    third = alloc.alloc_extend([0], [16], [-1])
+    alloc.free_swa_runs([third[:2]])
+    assert cache.insert(key, third, live_from=2) == 16  # revives 2..5 of the tree's
+    assert node.swa_live == 14 and cache.swa_evictable_size() == 14
+    assert alloc.has_swa(cache.match_prefix(key)[0]).tolist() == [False] * 2 + [True] * 14
+    alloc.free(third)
     cache.check_integrity()
 
 
@@ -99,7 +128,6 @@ class SWACacheMachine(RuleBasedStateMachine):
         )
         self.ref = ReferenceCache(self.PAGE_SIZE)
         self.running: list[FakeReq] = []
-        self.released: dict[int, int] = {}  # request row -> own window KV freed up to
 
     def row(self, req: FakeReq) -> torch.Tensor:
         return self.pool.req_to_token[req.req_pool_idx].to(torch.int64)
@@ -128,7 +156,6 @@ class SWACacheMachine(RuleBasedStateMachine):
         self.pool.req_to_token[req.req_pool_idx, : len(slots)] = slots.to(torch.int32)
         req.prefix_indices, req.last_node = slots, node
         req.fill_ids, req.kv_allocated_len = ids[: len(slots)], len(slots)
-        self.released[req.req_pool_idx] = 0
         self.running.append(req)
 
     def release_window(self, req: FakeReq) -> None:
@@ -138,10 +165,10 @@ class SWACacheMachine(RuleBasedStateMachine):
         if end >= len(req.prefix_indices) > 0:  # its window has left the cached prefix
             self.cache.release_prefix_window(req)
         end -= end % ps
-        start = max(len(req.prefix_indices), self.released[req.req_pool_idx])
+        start = max(len(req.prefix_indices), req.swa_released)
         if end > start:
-            self.alloc.free_swa(self.row(req)[start:end])
-            self.released[req.req_pool_idx] = end
+            self.alloc.free_swa_runs([self.row(req)[start:end]])
+            req.swa_released = end
 
     @precondition(lambda self: self.running)
     @rule(i=st.integers(0, 2), n=st.integers(1, 8), cache_it=st.booleans())
