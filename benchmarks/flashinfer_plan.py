@@ -1,6 +1,6 @@
-"""Host time of planning a decode batch with flashinfer: the backend's fast re-plan of decode
-wrappers (engine/attention/flashinfer_plan.py) against flashinfer's own `plan`, side by side in
-one run.
+"""Host time of planning a batch with flashinfer: the backend's fast re-plans of decode and
+paged prefill wrappers (engine/attention/flashinfer_plan.py) against flashinfer's own `plan`,
+side by side in one run.
 
     python benchmarks/flashinfer_plan.py [--batch-sizes 1 64 256] [--reps 200]
         [--device cpu|cuda] [--name flashinfer_plan]
@@ -23,10 +23,11 @@ Per case, the median over `--reps` alternating calls of each path:
 
 Extend batches plan flashinfer's paged prefill wrapper over the cached prefixes (every batch
 with a prefix-cache hit, a later prefill chunk, or decode rows mixed in). Its `plan` makes the
-same Python `max` twice, over the query and the context lengths; the backend passes the first
-(`max_token_per_sequence`, public), no public argument spares the second. `extend` rows: that
-plan with and without the argument (`extend_us`, `extend_us_flashinfer`), for batches of one
-prompt chunk and bs - 1 decode rows.
+same Python `max` twice, over the query and the context lengths; the public
+`max_token_per_sequence` spares the first, no public argument the second, and the backend
+re-plans the wrapper itself (`PrefillPlanner`). `extend` rows, for batches of one prompt chunk
+and bs - 1 decode rows: the backend's plan (`extend_us`), flashinfer's with the argument (how
+the backend planned before; `extend_saved_us` is the difference) and without it.
 
 Cases: GQA group 4 (32 query heads, 8 KV heads: Llama-3.2-1B; flashinfer's tensor-core decode
 kernel, which the backend picks from group 4) and MHA (12 and 12: GPT-2; the CUDA-core kernel),
@@ -110,31 +111,45 @@ def _host_memory(device: str) -> Any:
 
 
 def _extend_case(fi: Any, bs: int, reps: int, device: str) -> dict[str, Any]:
-    """flashinfer's paged prefill plan of a batch of one 100-token chunk and bs - 1 decode rows
-    over 20-page contexts, with and without `max_token_per_sequence` (alternating calls)."""
+    """The paged prefill plan of a batch of one 100-token chunk and bs - 1 decode rows over
+    20-page contexts, alternating three ways: the backend's (`PrefillPlanner`: fast re-plans
+    after the first), flashinfer's `plan` with `max_token_per_sequence` (how the backend
+    planned before), and without it."""
+    from engine.attention.flashinfer_plan import PrefillPlanner
+    from engine.attention.page_table import PageTable
+
     with _host_memory(device):
-        wrapper = fi.BatchPrefillWithPagedKVCacheWrapper(
+        wrappers = [fi.BatchPrefillWithPagedKVCacheWrapper(
             torch.zeros(128 << 20, dtype=torch.uint8, device=device), "NHD", backend="fa2"
-        )
+        ) for _ in range(3)]  # fmt: skip
     qo_lens = [1] * (bs - 1) + [100]
     qo_indptr = torch.tensor([0, *itertools.accumulate(qo_lens)], dtype=torch.int32)
-    kv_indptr = torch.arange(bs + 1, dtype=torch.int32) * 20
-    last = torch.full((bs,), 7, dtype=torch.int32)
-    indices = torch.arange(20 * bs, dtype=torch.int32, device=device)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(2 * reps + 10):
-        given = i % 2 == 0
-        extra = {"max_token_per_sequence": max(qo_lens)} if given else {}
+    table = PageTable(torch.arange(bs + 1, dtype=torch.int32) * 20,
+                      torch.arange(20 * bs, dtype=torch.int32, device=device),
+                      torch.full((bs,), 7, dtype=torch.int32))  # fmt: skip
+    heads = (*HEADS["gqa4"], HEAD_DIM, PAGE_SIZE)
+    scalars = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    planner = PrefillPlanner(fi)
+
+    def flashinfers(wrapper: Any, **extra: Any) -> None:
+        wrapper.plan(qo_indptr, table.indptr, table.indices, table.last_page_len, *heads,
+                     causal=False, **scalars, **extra)  # fmt: skip
+
+    ways = [lambda: planner.plan(wrappers[0], qo_indptr, table, qo_lens, *heads, causal=False,
+                                 **scalars),
+            lambda: flashinfers(wrappers[1], max_token_per_sequence=max(qo_lens)),
+            lambda: flashinfers(wrappers[2])]  # fmt: skip
+    times: list[list[float]] = [[], [], []]
+    for i in range(3 * reps + 15):
         _settle(device, i)
         t = time.perf_counter()
-        wrapper.plan(qo_indptr, kv_indptr, indices, last, *HEADS["gqa4"], HEAD_DIM,
-                     PAGE_SIZE, causal=False, q_data_type=torch.bfloat16,
-                     kv_data_type=torch.bfloat16, **extra)  # fmt: skip
-        if i >= 10:
-            times[given].append(time.perf_counter() - t)
-    ours, theirs = (1e6 * statistics.median(times[g]) for g in (True, False))
-    return {"batch": bs, "extend_us": ours, "extend_us_flashinfer": theirs,
-            "extend_saved_us": theirs - ours}
+        ways[i % 3]()
+        if i >= 15:
+            times[i % 3].append(time.perf_counter() - t)
+    fast, given, plain = (1e6 * statistics.median(t) for t in times)
+    return {"batch": bs, "extend_us": fast, "extend_us_flashinfer_given_max_q": given,
+            "extend_us_flashinfer": plain, "extend_saved_us": given - fast,
+            "extend_fast_plans": planner.fast_plans}
 
 
 def _settle(device: str, i: int) -> None:

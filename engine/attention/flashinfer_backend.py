@@ -59,7 +59,7 @@ from engine.attention.base import (
     softmax_scale,
     window_left,
 )
-from engine.attention.flashinfer_plan import DecodePlanner
+from engine.attention.flashinfer_plan import DecodePlanner, PrefillPlanner
 from engine.attention.flashinfer_support import (
     check_supported,
     load_flashinfer,
@@ -190,6 +190,7 @@ class FlashInferAttnBackend(AttentionBackend):
             self.paged_window = prefill() if self.window_left >= 0 else None
         self.decode = self._decode_wrappers()
         self.decode_planner = DecodePlanner(self.fi)
+        self.prefill_planner = PrefillPlanner(self.fi)
         self.pinned_ring = PinnedRing(self.device) if self.device.type == "cuda" else None
         self.table_ring: PinnedRing | None = None  # (made at the first plan: `_host_ints`)
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
@@ -253,16 +254,14 @@ class FlashInferAttnBackend(AttentionBackend):
         assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, qo_host)
         heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-        # the paged plans' longest query run, which flashinfer would otherwise find with a
-        # Python max over a tensor (one 0-d tensor per request)
-        longest = dict(max_token_per_sequence=max(fb.extend_seq_lens_cpu))
+        qo_lens = fb.extend_seq_lens_cpu
         if self.paged_window is not None:
             table = self._context_table(fb, context_host)
-            self._plan(
-                self.paged_window, qo_indptr, table.indptr, table.indices, table.last_page_len,
-                *heads, self.page_size, causal=True, window_left=self.window_left,
-                **longest, **self._plan_scalars(),
-            )  # fmt: skip
+            with self._staged(self.paged_window):
+                self.prefill_planner.plan(
+                    self.paged_window, qo_indptr, table, qo_lens, *heads, self.page_size,
+                    causal=True, window_left=self.window_left, **self._plan_scalars(),
+                )  # fmt: skip
         has_prefix = any(fb.extend_prefix_lens_cpu)
         if not self.full_layers:
             return _ExtendMetadata(has_prefix)
@@ -276,10 +275,11 @@ class FlashInferAttnBackend(AttentionBackend):
                 None if fb.extend_seq_lens is None else fb.seq_lens, fb.extend_seq_lens,
                 host=prefix_host,
             )  # fmt: skip
-            self._plan(
-                self.paged, qo_indptr, table.indptr, table.indices, table.last_page_len,
-                *heads, self.page_size, causal=False, **longest, **self._plan_scalars(),
-            )  # fmt: skip
+            with self._staged(self.paged):
+                self.prefill_planner.plan(
+                    self.paged, qo_indptr, table, qo_lens, *heads, self.page_size,
+                    causal=False, **self._plan_scalars(),
+                )  # fmt: skip
         return _ExtendMetadata(has_prefix)
 
     @contextlib.contextmanager

@@ -4,8 +4,9 @@
   (tensor-core decode) and MHA 8/8, head_dim 64/128, pages of 1 and 16, float16/bfloat16;
   decode, extend over cached prefixes (empty, whole and partial pages), extend without any.
 * The CUDA-graph hooks under a real torch.cuda.CUDAGraph: one capture, replays of other
-  batches (other lengths, other requests, padded rows); eager decode batches one after another
-  on one backend. Both re-plan the fast way (engine/attention/flashinfer_plan.py).
+  batches (other lengths, other requests, padded rows); eager decode batches, and extend
+  batches, one after another on one backend. All re-plan the fast way
+  (engine/attention/flashinfer_plan.py).
 * End to end: greedy bfloat16 generation of a small model, flashinfer against triton.
 
 flashinfer compiles its kernels on first use (minutes per dtype and head_dim; the cache is
@@ -194,6 +195,39 @@ def test_eager_decode_replans_of_one_backend(heads, kv_heads, page_size):
     fast = decode([5, 0, 6])
     backend.decode_planner.enabled = False
     assert torch.equal(decode([5, 0, 6]), fast)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+def test_extend_replans_of_one_backend(heads, kv_heads, page_size):
+    """Extend batches over cached prefixes one after another on one backend: the paged prefill
+    wrapper's first plan is flashinfer's, the others are the fast re-plan, each against
+    torch_native; then the same batch planned both ways gives the same output, bit for
+    bit."""
+    dtype, head_dim = torch.bfloat16, 128
+    batches = [([0, 0, 512, 37, 1500, 16], [1, 700, 300, 129, 1, 64]),
+               ([4000, 1, 90], [1, 1, 200]),
+               ([33] * 40, [1] * 39 + [250])]  # fmt: skip
+    cases = [make_paged_case(p, e, heads, kv_heads, head_dim, page_size, dtype, "cuda",
+                             seed=i) for i, (p, e) in enumerate(batches)]  # fmt: skip
+    layer = _layer(heads, kv_heads, head_dim)
+    backend = _backend("flashinfer", layer, _pool(cases[0], layer, dtype, page_size), page_size)
+
+    def extend(case):  # (the batch's own pool: the backend reads the pages from there)
+        fb = _batch(case, ForwardMode.EXTEND, _pool(case, layer, dtype, page_size), backend)
+        with torch.inference_mode():
+            backend.init_forward_metadata(fb)
+            q, k, v = (x.to(dtype).flatten(1) for x in (case.q, case.k, case.v))
+            return backend.forward(q, k, v, layer, fb)
+
+    for case in cases + cases[:1]:
+        want, _ = _run("torch_native", case, layer, ForwardMode.EXTEND, torch.float32,
+                       page_size)  # fmt: skip
+        _assert_close(extend(case), want, dtype)
+    assert backend.prefill_planner.fast_plans == 3
+    fast = extend(cases[2])
+    backend.prefill_planner.enabled = False
+    assert torch.equal(extend(cases[2]), fast)
 
 
 # -- end to end -----------------------------------------------------------------------------------

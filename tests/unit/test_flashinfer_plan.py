@@ -1,5 +1,6 @@
-"""`DecodePlanner`'s fast re-plan of tensor-core decode wrappers (engine/attention/
-flashinfer_plan.py) against flashinfer's own `plan`, on the installed flashinfer's real wrappers.
+"""`DecodePlanner`'s fast re-plan of decode wrappers and `PrefillPlanner`'s of paged prefill
+wrappers (engine/attention/flashinfer_plan.py) against flashinfer's own `plan`, on the installed
+flashinfer's real wrappers.
 
 Its C++ planner is replaced by a recorder: a plan's result is a snapshot of the arguments it was
 called with. Each case plans two wrappers over the same batches, one always with flashinfer's
@@ -10,12 +11,18 @@ on a CPU machine (CI installs it without its CUDA dependencies); its kernels are
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from engine.attention import flashinfer_plan
-from engine.attention.flashinfer_plan import DecodePlanner, fast_replan_supported
+from engine.attention.flashinfer_plan import (
+    DecodePlanner,
+    PrefillPlanner,
+    fast_replan_supported,
+)
 from engine.attention.page_table import build_page_table
 from engine.forward_batch import ForwardMode
 from tests.flashinfer_cpu import SHARED_BYTES, Recorder, stubbed_planners, unpinned
@@ -77,7 +84,11 @@ def _same_state(ours, theirs):
     keys = set(vars(ours)) | set(vars(theirs))
     for key in sorted(keys):
         a, b = vars(ours).get(key, "<missing>"), vars(theirs).get(key, "<missing>")
-        if isinstance(a, torch.Tensor) and a.numel() * a.element_size() <= SHARED_BYTES:
+        if key == "_kv_lens_buffer" and isinstance(a, torch.Tensor):  # each one's own: a plan
+            # fills its head
+            n = ours._batch_size
+            assert a.shape == b.shape and torch.equal(a[:n], b[:n]), key
+        elif isinstance(a, torch.Tensor) and a.numel() * a.element_size() <= SHARED_BYTES:
             assert isinstance(b, torch.Tensor), key
             assert (a.dtype, a.shape) == (b.dtype, b.shape), key
             assert torch.equal(a, b), key
@@ -175,6 +186,66 @@ def test_replans_of_other_configurations_match_flashinfer(recorder, tensor_cores
     assert planner.fast_plans == 2
 
 
+# -- paged prefill (extend batches) ------------------------------------------------------------
+
+
+def _prefill_pair():
+    workspace = torch.zeros(1 << 20, dtype=torch.uint8)
+    with unpinned():
+        ours, theirs = (fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+                        for _ in range(2))  # fmt: skip
+    ours._int_workspace_buffer = theirs._int_workspace_buffer
+    ours._pin_memory_int_workspace_buffer = theirs._pin_memory_int_workspace_buffer
+    return ours, theirs
+
+
+def _plan_prefill_both(planner, ours, theirs, recorder, qo_lens, kv_lens, page_size,
+                       causal=False, window_left=-1, scalars=SCALARS):  # fmt: skip
+    table = _table(kv_lens, page_size)
+    qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
+    theirs.plan(qo_indptr, table.indptr, table.indices, table.last_page_len, *HEADS.values(),
+                page_size, causal=causal, window_left=window_left,
+                max_token_per_sequence=max(qo_lens), **scalars)  # fmt: skip
+    expected = recorder.calls[-1]
+    planner.plan(ours, qo_indptr, table, qo_lens, *HEADS.values(), page_size, causal=causal,
+                 window_left=window_left, **scalars)  # fmt: skip
+    assert recorder.calls[-1] == expected
+    _same_state(ours, theirs)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("causal,window_left", [(False, -1), (True, -1), (True, 40)])
+def test_prefill_replans_match_flashinfer(recorder, page_size, causal, window_left):
+    """Extend batches: a prompt chunk over a cached prefix and decode rows mixed in, requests
+    without a prefix (no keys in the table), growing and shrinking batches."""
+    ours, theirs = _prefill_pair()
+    planner = PrefillPlanner(fi)
+    rng = np.random.default_rng(page_size + window_left)
+    for i, bs in enumerate([4, 64, 1, 256, 9, 64]):
+        qo_lens = [1] * (bs - 1) + [int(rng.integers(1, 300))]
+        kv_lens = [int(x) for x in rng.integers(0, 400, bs)]
+        kv_lens[-1] = max(kv_lens[-1], 1)
+        if bs > 2:
+            kv_lens[0] = 0  # no cached prefix
+        _plan_prefill_both(planner, ours, theirs, recorder, qo_lens, kv_lens, page_size,
+                           causal, window_left)  # fmt: skip
+        assert planner.fast_plans == i
+
+
+def test_a_new_prefill_configuration_is_planned_by_flashinfer(recorder):
+    ours, theirs = _prefill_pair()
+    planner = PrefillPlanner(fi)
+    qo_lens, kv_lens = [1, 1, 50], [30, 99, 16]
+    for causal, fast_after in ((False, 0), (False, 1), (True, 1), (True, 2)):
+        _plan_prefill_both(planner, ours, theirs, recorder, qo_lens, kv_lens, 16, causal)
+        assert planner.fast_plans == fast_after
+    capped = {**SCALARS, "logits_soft_cap": 50.0, "kv_data_type": torch.float8_e4m3fn}
+    for fast_after in (2, 3):
+        _plan_prefill_both(planner, ours, theirs, recorder, qo_lens, kv_lens, 16, True,
+                           scalars=capped)  # fmt: skip
+        assert planner.fast_plans == fast_after
+
+
 def test_other_flashinfer_versions_always_take_flashinfers_plan(recorder, monkeypatch):
     monkeypatch.setattr(fi, "__version__", "0.6.99")
     assert not fast_replan_supported(fi)
@@ -182,6 +253,11 @@ def test_other_flashinfer_versions_always_take_flashinfers_plan(recorder, monkey
     planner = DecodePlanner(fi)
     for lens in ([5, 70], [6, 71], [7, 72]):
         _plan_both(planner, ours, theirs, recorder, lens, 16)
+    assert planner.fast_plans == 0
+    ours, theirs = _prefill_pair()
+    planner = PrefillPlanner(fi)
+    for lens in ([5, 70], [6, 71], [7, 72]):
+        _plan_prefill_both(planner, ours, theirs, recorder, [1, 9], lens, 16)
     assert planner.fast_plans == 0
 
 
@@ -244,3 +320,46 @@ def test_backend_decode_plans_match_flashinfers(monkeypatch, recorder, heads, kv
     assert fast == slow
     assert slow_fast_plans == 0
     assert fast_plans == len(fast) - 1
+
+
+def _backend_extend_calls(monkeypatch, recorder, fast):
+    """The planner calls of a flashinfer backend with full and windowed layers over a series
+    of extend batches (prompt chunks over cached prefixes, decode rows mixed in), with fast
+    re-plans on or off; and how many were fast."""
+    from engine.attention import flashinfer_backend as fib
+    from tests.unit import test_flashinfer_indices as t
+
+    monkeypatch.setattr(fib, "load_flashinfer", lambda device: fi)
+    case = t.make_paged_case([40, 0, 7, 63, 100, 16], [1, 20, 1, 1, 30, 1], 8, 2, 64, 16,
+                             dtype=torch.bfloat16, seed=5)  # fmt: skip
+    layer = t._layer(8, 2, 64)
+    pool = t._pool(case, layer, torch.bfloat16, 16)
+    with unpinned():
+        backend = t._flashinfer(layer, pool, 16, windows=(None, 32))
+    backend.prefill_planner.enabled = fast
+    whole = t._batch(case, ForwardMode.EXTEND, pool, backend)
+    start = len(recorder.calls)
+    for rows in ([0, 1, 2], [3, 4, 0, 2], [1], [0, 1, 2, 3, 4, 5], [4]):
+        extend = [whole.extend_seq_lens_cpu[i] for i in rows]  # (planning reads no tokens)
+        backend.init_forward_metadata(dataclasses.replace(
+            whole, batch_size=len(rows), req_pool_indices=whole.req_pool_indices[rows],
+            seq_lens=whole.seq_lens[rows], seq_lens_cpu=[whole.seq_lens_cpu[i] for i in rows],
+            extend_prefix_lens_cpu=[whole.extend_prefix_lens_cpu[i] for i in rows],
+            extend_seq_lens_cpu=extend,
+            extend_start_loc=torch.tensor(np.cumsum([0] + extend[:-1])),
+        ))  # fmt: skip
+    calls = [_without_buffers(c) for c in recorder.calls[start:]]
+    return calls, backend.prefill_planner.fast_plans
+
+
+def test_backend_extend_plans_match_flashinfers(monkeypatch, recorder):
+    """The paged prefill wrappers (the prefix's, full layers; the whole context's, windowed
+    layers) are re-planned fast after their first plan, with flashinfer's planner calls."""
+    fast, fast_plans = _backend_extend_calls(monkeypatch, recorder, True)
+    slow, slow_fast_plans = _backend_extend_calls(monkeypatch, recorder, False)
+    assert fast == slow
+    assert slow_fast_plans == 0
+    # per batch: the windowed wrapper, the ragged one, and the prefix's where there is one
+    # (every batch but [1]: a prompt without a cached prefix); all but each one's first fast
+    assert len(fast) == 5 * 2 + 4
+    assert fast_plans == 5 + 4 - 2
