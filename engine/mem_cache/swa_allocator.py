@@ -142,9 +142,9 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         """`free_swa` of page-aligned runs (see `free_runs`) whose every page holds a swa page:
         a request's own slots past its cached prefix, each freed once as its window moves on,
         or a radix node's live suffix (`SWARadixCache`). The host knows how many pages that
-        frees, so nothing is read from the device; a page
-        that is not allocated or has no swa page is a DoubleFreeError, raised late where
-        checks are deferred. Returns the swa tokens freed."""
+        frees, so nothing is read from the device; a page that is not allocated or has no swa
+        page is a DoubleFreeError, raised late where checks are deferred. Returns the swa
+        tokens freed."""
         found = self._run_pages(runs)
         if found is None:
             return 0
