@@ -123,35 +123,25 @@ class DecodePlanner(_Replanner):
                     indices, non_blocking=indices.device == wrapper.device
                 )
         else:
-            device = wrapper.device
-            wrapper._paged_kv_indptr_buf = indptr.to(device, non_blocking=True)
-            wrapper._paged_kv_indices_buf = indices.to(device, non_blocking=True)
-            wrapper._paged_kv_last_page_len_buf = last.to(device, non_blocking=True)
-            wrapper._qo_indptr_buf = qo_indptr.to(device, non_blocking=True)
+            _tables_to_device(wrapper, qo_indptr, table)
         wrapper._batch_size = batch
-        common = (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
-                  wrapper._pin_memory_int_workspace_buffer)  # fmt: skip
         graph = wrapper.is_cuda_graph_enabled
         if wrapper.use_tensor_cores:
             lens = int64_array(kv_lens).astype(np.int32)
             wrapper._max_kv_len = int(lens.max())
-            wrapper._plan_info = wrapper._cached_module.plan(
-                *common, qo_indptr, indptr, torch.from_numpy(lens),
+            _plan_fa2_prefill(
+                wrapper, qo_indptr, indptr, torch.from_numpy(lens),
                 batch,  # rows: one query per request
-                batch, num_qo_heads, num_kv_heads, page_size, graph, head_dim, head_dim,
+                num_qo_heads, num_kv_heads, page_size, head_dim, graph,
                 False,  # not causal: one query sees the whole context
                 window_left,
-                -1,  # no fixed split size
-                False,  # split-KV allowed
-                0,  # colocated CTAs
-                0,  # no uniform query length
             )  # fmt: skip
         else:
             q_dtype = scalars["q_data_type"]
             kv_dtype = scalars.get("kv_data_type") or q_dtype
             wrapper._plan_info = wrapper._cached_module.plan(
-                *common, indptr, batch, num_qo_heads, num_kv_heads, page_size, graph,
-                window_left, scalars.get("logits_soft_cap") or 0.0, head_dim, head_dim,
+                *_workspaces(wrapper), indptr, batch, num_qo_heads, num_kv_heads, page_size,
+                graph, window_left, scalars.get("logits_soft_cap") or 0.0, head_dim, head_dim,
                 self._empty(q_dtype), self._empty(kv_dtype),
             )  # fmt: skip
         self.fast_plans += 1
@@ -223,24 +213,53 @@ class PrefillPlanner(_Replanner):
         if batch > wrapper._kv_lens_buffer.shape[0]:
             wrapper._kv_lens_buffer = torch.empty(batch, dtype=torch.int32, device=wrapper.device)
         wrapper._kv_lens_buffer[:batch].copy_(kv_lens, non_blocking=True)
-        wrapper._max_kv_len = int(kv_lens.max()) if batch else 0
-        device = wrapper.device
-        wrapper._qo_indptr_buf = qo_indptr.to(device, non_blocking=True)
-        wrapper._paged_kv_indptr_buf = indptr.to(device, non_blocking=True)
-        wrapper._paged_kv_indices_buf = table.indices.to(device, non_blocking=True)
-        wrapper._paged_kv_last_page_len_buf = last.to(device, non_blocking=True)
-        wrapper._plan_info = wrapper._cached_module.plan(
-            wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
-            wrapper._pin_memory_int_workspace_buffer, qo_indptr, indptr, kv_lens,
-            wrapper._max_total_num_rows or rows, batch, num_qo_heads, num_kv_heads, page_size,
-            False,  # not in a graph
-            head_dim, head_dim, causal, window_left,
-            -1,  # no fixed split size
-            False,  # split-KV allowed
-            0,  # colocated CTAs
-            0,  # no uniform query length
-        )  # fmt: skip
+        wrapper._max_kv_len = int(kv_lens.max())
+        _tables_to_device(wrapper, qo_indptr, table)
+        _plan_fa2_prefill(wrapper, qo_indptr, indptr, kv_lens, wrapper._max_total_num_rows or rows,
+                          num_qo_heads, num_kv_heads, page_size, head_dim, False, causal,
+                          window_left)  # fmt: skip
         self.fast_plans += 1
+
+
+def _workspaces(wrapper: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A wrapper's float, int and pinned int workspaces: every planner's first arguments."""
+    return (wrapper._float_workspace_buffer, wrapper._int_workspace_buffer,
+            wrapper._pin_memory_int_workspace_buffer)  # fmt: skip
+
+
+def _tables_to_device(wrapper: Any, qo_indptr: torch.Tensor, table: Any) -> None:
+    """An eager wrapper's tables, moved to its device as flashinfer's `plan` moves them."""
+    device = wrapper.device
+    wrapper._qo_indptr_buf = qo_indptr.to(device, non_blocking=True)
+    wrapper._paged_kv_indptr_buf = table.indptr.to(device, non_blocking=True)
+    wrapper._paged_kv_indices_buf = table.indices.to(device, non_blocking=True)
+    wrapper._paged_kv_last_page_len_buf = table.last_page_len.to(device, non_blocking=True)
+
+
+def _plan_fa2_prefill(
+    wrapper: Any,
+    qo_indptr: torch.Tensor,
+    indptr: torch.Tensor,
+    kv_lens: torch.Tensor,
+    rows: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    page_size: int,
+    head_dim: int,
+    graph: bool,
+    causal: bool,
+    window_left: int,
+) -> None:
+    """The FA2 prefill planner's call, as flashinfer's `plan` makes it (the paged prefill
+    wrapper, and the decode wrapper on tensor cores), and its plan stored."""
+    wrapper._plan_info = wrapper._cached_module.plan(
+        *_workspaces(wrapper), qo_indptr, indptr, kv_lens, rows, len(kv_lens), num_qo_heads,
+        num_kv_heads, page_size, graph, head_dim, head_dim, causal, window_left,
+        -1,  # no fixed split size
+        False,  # split-KV allowed
+        0,  # colocated CTAs
+        0,  # no uniform query length
+    )  # fmt: skip
 
 
 def _covered(wrapper: Any) -> bool:

@@ -96,15 +96,20 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
             return
         pages, bad = found
         self._check_held(pages, bad)
-        live = _live_pages(runs, live_from, self.page_size)
-        if live.size:
-            if live.size < pages.numel():
-                held = pages.index_select(0, torch.from_numpy(live).to(self.device))
-            else:
-                held = pages
-            self.swa._free_pages_checked(self._swa_page.index_select(0, held))
-        self._map(pages, torch.zeros_like(pages))
+        live = _live_page_index(runs, live_from, self.page_size)
+        if live.size == pages.numel():
+            self._free_windows(pages, pages)
+        elif live.size:
+            self._free_windows(pages, pages.index_select(0, torch.from_numpy(live).to(self.device)))
+        else:
+            self._map(pages, torch.zeros_like(pages))
         TokenToKVPoolAllocator._release(self, pages)
+
+    def _free_windows(self, pages: torch.Tensor, held: torch.Tensor) -> None:
+        """Free the window pages of the full pages `held` (each must have one: a page without
+        reads as page 0, reserved, a DoubleFreeError) and clear the map of all `pages`."""
+        self.swa._free_pages_checked(self._swa_page.index_select(0, held))
+        self._map(pages, torch.zeros_like(pages))
 
     def _release(self, pages: torch.Tensor) -> None:
         super()._release(pages)
@@ -150,9 +155,7 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
             return 0
         pages, bad = found
         self._check_held(pages, bad)
-        swa_pages = self._swa_page.index_select(0, pages)
-        self._map(pages, torch.zeros_like(pages))
-        self.swa._free_pages_checked(swa_pages)  # (page 0, "no swa page", reads as reserved)
+        self._free_windows(pages, pages)
         return pages.numel() * self.page_size
 
     def has_swa(self, slots: torch.Tensor) -> torch.Tensor:
@@ -199,7 +202,9 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         assert torch.equal(expect, self.full_to_swa), "full_to_swa disagrees with the pages"
 
 
-def _live_pages(runs: Sequence[torch.Tensor], live_from: Sequence[int], ps: int) -> np.ndarray:
+def _live_page_index(
+    runs: Sequence[torch.Tensor], live_from: Sequence[int], ps: int
+) -> np.ndarray:
     """Indices, among the pages of the non-empty `runs` in order (as `_run_pages` lists
     them), of each run's pages from its `live_from` offset on."""
     if len(live_from) != len(runs):
