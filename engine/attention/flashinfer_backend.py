@@ -109,7 +109,14 @@ class PinnedRing:
                         for _ in range(size)]  # fmt: skip
         self.events: list[torch.cuda.Event | None] = [None] * size
         self.device = device
+        self.nbytes = nbytes
         self.next = 0
+
+    def synchronize(self) -> None:
+        """Waits until no copy staged from these buffers is pending."""
+        for event in self.events:
+            if event is not None:
+                event.synchronize()
 
     @contextlib.contextmanager
     def stage(self) -> Iterator[torch.Tensor]:
@@ -288,14 +295,19 @@ class FlashInferAttnBackend(AttentionBackend):
         asynchronously inside `plan`), valid until the plans made inside this block have been
         copied: pinned staging memory from a ring of its own on CUDA (see `PinnedRing`), None
         elsewhere (the tables are then new tensors). The ring is sized for the largest batch,
-        one per row of `req_to_token`."""
+        one per row of `req_to_token`, and grows when a batch needs more (the hybrid window
+        backend's batches have a row per request)."""
         if self.pinned_ring is None:
             yield None
             return
-        if self.table_ring is None:
+        ring = self.table_ring
+        if ring is None or ring.nbytes < 4 * n:
             rows = int(fb.req_to_token.shape[0])
-            self.table_ring = PinnedRing(self.device, size=16, nbytes=4 * (5 * rows + 3))
-        with self.table_ring.stage() as buffer:
+            nbytes = 4 * max(n, 5 * rows + 3, 2 * ring.nbytes // 4 if ring else 0)
+            if ring is not None:
+                ring.synchronize()  # (its buffers may still be read by pending copies)
+            self.table_ring = ring = PinnedRing(self.device, size=16, nbytes=nbytes)
+        with ring.stage() as buffer:
             yield buffer.view(torch.int32)[:n]
 
     def _plan(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:

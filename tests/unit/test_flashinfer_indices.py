@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -548,3 +549,41 @@ def test_decode_tensor_cores_option_is_checked():
 
     with pytest.raises(ValueError, match="flashinfer_decode_tensor_cores"):
         EngineArgs(model_path="m", flashinfer_decode_tensor_cores="maybe")
+
+
+class _FakeRing:
+    """Stands for `PinnedRing` on a machine without pinned memory or CUDA events."""
+
+    def __init__(self, device, size=8, nbytes=8 << 20):
+        self.nbytes, self.synchronized = nbytes, False
+        self.buffer = torch.zeros(nbytes, dtype=torch.uint8)
+
+    def synchronize(self):
+        self.synchronized = True
+
+    @contextlib.contextmanager
+    def stage(self):
+        yield self.buffer
+
+
+def test_table_ring_grows_for_batches_with_more_rows(fake_flashinfer, monkeypatch):
+    """The pinned ring of host tables is sized at the first plan from `req_to_token`'s rows; a
+    later batch with more rows (the hybrid window backend's batches have one per request) gets
+    a larger ring, made after the old one's pending copies are done, and plans over it."""
+    monkeypatch.setattr(fib, "PinnedRing", _FakeRing)
+    layer = _layer(8, 2, 64)
+    small = make_paged_case([40, 7], [1, 30], 8, 2, 64, page_size=16)
+    big = make_paged_case([33] * 40, [1] * 39 + [250], 8, 2, 64, page_size=16)
+    backend = _flashinfer(layer, _pool(small, layer, torch.bfloat16, 16), 16)
+    backend.pinned_ring = _FakeRing(None)  # (CUDA's: the tables stage in `table_ring`)
+
+    def extend(case):
+        pool = _pool(case, layer, torch.bfloat16, 16)
+        backend.init_forward_metadata(_batch(case, ForwardMode.EXTEND, pool, backend))
+        return backend.table_ring
+
+    first = extend(small)
+    assert first.nbytes < 4 * (5 * 40 + 3)
+    grown = extend(big)
+    assert first.synchronized and grown is not first and grown.nbytes >= 4 * (5 * 40 + 3)
+    assert extend(small) is grown and extend(big) is grown
