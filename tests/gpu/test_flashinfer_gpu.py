@@ -233,15 +233,19 @@ def test_extend_replans_of_one_backend(heads, kv_heads, page_size):
 # -- end to end -----------------------------------------------------------------------------------
 
 MAX_NEW = 32
-# Two bfloat16 ulps of a top logit in [32, 64) (the small model's logits have a standard
-# deviation of 8 over 32000 tokens): lm_head rounds logits to bfloat16, so tokens this close
-# are tied to within rounding, and either backend may pick either.
-TIE_NATS = 0.5
+# A wrong prefix page, mask or position ruins a request's tokens (a random vocabulary of 32000:
+# agreement far below these); bf16 rounding does not. The small model's top logits lie in
+# [32, 64), where a bf16 ulp is 0.25 nats: lm_head's rounding alone moves a logprob by about
+# that. On the H100 (2026-11-23): tie-aware agreement 0.896 (plain 0.832), mean |delta
+# logprob| 0.225, worst request 0.812.
+MIN_TIE_AWARE = 0.85
+MIN_TIE_AWARE_PER_REQUEST = 0.6
+MAX_MEAN_DLOGPROB = 0.5  # two bf16 ulps of these logits
 
 
 def _generate(path: str, backend: str, prompts: list[list[int]]) -> list[dict]:
-    """Greedy bfloat16 generation with top-2 logprobs, in two waves (the second hits the
-    prefix cache)."""
+    """Greedy bfloat16 generation with logprobs, in two waves (the second hits the prefix
+    cache)."""
     from engine.engine import Engine
 
     params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
@@ -249,43 +253,44 @@ def _generate(path: str, backend: str, prompts: list[list[int]]) -> list[dict]:
     limits = dict(max_total_tokens=1 << 16, max_running_requests=16)  # 16: few graphs to capture
     with Engine(model_path=path, skip_tokenizer_init=True, **kwargs, **limits) as engine:
         engine.generate(input_ids=prompts[:4], sampling_params=params)
-        outs = engine.generate(
-            input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=2
-        )
+        outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     assert sum(o["meta_info"]["cached_tokens"] for o in outs) > 0, "no prefix-cache hit"
     return outs
 
 
-def _agreeing_tokens(got: dict, want: dict) -> tuple[int, bool]:
-    """Tokens of `got` equal to `want`'s; a first difference on a tie in `want`'s own top-2
-    ends the comparison as equal (both sequences legitimately diverge after it). Also
-    whether the sequences were identical."""
-    g, w = got["output_ids"], want["output_ids"]
-    first = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
-    if first == len(w):
-        return first, True
-    top = want["meta_info"]["output_top_logprobs"][first]  # [[logprob, token id], ...]
-    top_ids, top_logprobs = [t for _, t in top], [v for v, _ in top]
-    tied = (
-        g[first] in top_ids and top_logprobs[0] - top_logprobs[top_ids.index(g[first])] <= TIE_NATS
-    )
-    return (len(w) if tied else first), False
-
-
 def test_engine_greedy_agrees_with_triton():
-    """flashinfer's greedy bfloat16 tokens are triton's on >= 99% of positions (ties aside,
-    see `_agreeing_tokens`). Teacher-forced agreement with transformers is
-    tests/gpu/test_parity_gpu.py's."""
+    """flashinfer's greedy bfloat16 tokens (two waves: the second's requests hit the prefix
+    cache, so they take the ragged + paged prefix merge), scored teacher-forced by the triton
+    backend on the same sequences: its argmax at each generated position (tie-aware, see
+    `tests.teacher_forcing.score`) and the logprob of flashinfer's token.
+
+    Free-running greedy outputs of two bf16 backends cannot be compared token for token on
+    these random models: on the H100, triton against itself at page size 1 and 16 agreed on
+    470 of 512 tokens, torch_native against triton on 376, flashinfer on 290 (a first
+    divergence that is not a near-tie, after which the sequences differ). Teacher-forced
+    agreement with transformers is tests/gpu/test_parity_gpu.py's."""
     from transformers import AutoConfig
 
     from tests.factories import mixed_prompts, tiny_model
+    from tests.teacher_forcing import runner_teacher_forced, score
 
     path = tiny_model("llama", "small")  # 8 layers, 16 query heads over 4 KV heads, head_dim 64
     prompts = mixed_prompts(AutoConfig.from_pretrained(path).vocab_size, n=16, max_len=300)
-    got = _generate(path, "flashinfer", prompts)
-    want = _generate(path, "triton", prompts)
-    counts = [_agreeing_tokens(g, w) for g, w in zip(got, want, strict=True)]
-    agree, identical = sum(c[0] for c in counts), sum(c[1] for c in counts)
-    total = MAX_NEW * len(prompts)
-    print(f"\nflashinfer vs triton: {agree}/{total} tokens agree, {identical} sequences identical")
-    assert agree >= 0.99 * total, f"{agree}/{total} tokens agree ({identical} sequences identical)"
+    outs = _generate(path, "flashinfer", prompts)
+    seqs = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
+    rows = []
+    for part in (slice(0, 8), slice(8, 16)):  # (the runner holds 8 requests)
+        ref = runner_teacher_forced(path, seqs[part], [len(p) for p in prompts[part]], "cuda",
+                                    "triton", page_size=16)  # fmt: skip
+        rows += [r[len(p) - 1 : len(p) - 1 + MAX_NEW] for p, r in zip(prompts[part], ref)]
+    tokens = [torch.tensor(o["output_ids"]) for o in outs]
+    logprobs = [torch.tensor([lp for lp, _ in o["meta_info"]["output_token_logprobs"]])
+                for o in outs]  # fmt: skip
+    per_request = [score(*args) for args in zip(tokens, logprobs, rows, strict=True)]
+    stats = score(torch.cat(tokens), torch.cat(logprobs), torch.cat(rows))
+    worst = min(s["agreement_tie_aware"] for s in per_request)
+    print(f"\nflashinfer engine vs triton teacher-forced: {stats}, worst request {worst:.3f}")
+    assert stats["positions"] == MAX_NEW * len(prompts)
+    assert stats["agreement_tie_aware"] >= MIN_TIE_AWARE, stats
+    assert stats["mean_abs_dlogprob"] <= MAX_MEAN_DLOGPROB, stats
+    assert worst >= MIN_TIE_AWARE_PER_REQUEST, [s["agreement_tie_aware"] for s in per_request]
