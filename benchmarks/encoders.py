@@ -71,8 +71,12 @@ class SluiceArm:
     def __init__(self, path: str, args: Any, max_prefill_tokens: int) -> None:
         from engine.engine import Engine
 
+        # a KV pool for the whole workload: the arms' engines live side by side, and on CUDA
+        # the default (a fraction of free memory) leaves the second one nothing
+        pool = args.inputs * args.max_len + max_prefill_tokens
         self.engine = Engine(model_path=path, skip_tokenizer_init=True, device=args.device,
-                             dtype=args.dtype, max_prefill_tokens=max_prefill_tokens)  # fmt: skip
+                             dtype=args.dtype, max_prefill_tokens=max_prefill_tokens,
+                             max_total_tokens=pool)  # fmt: skip
 
     def run(self, prompts: list[list[int]], types: list[list[int]] | None) -> torch.Tensor:
         outs = self.engine.encode(input_ids=prompts, token_type_ids=types)
