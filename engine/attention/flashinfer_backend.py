@@ -303,7 +303,7 @@ class FlashInferAttnBackend(AttentionBackend):
         ring = self.table_ring
         if ring is None or ring.nbytes < 4 * n:
             rows = int(fb.req_to_token.shape[0])
-            nbytes = 4 * max(n, 5 * rows + 3, 2 * ring.nbytes // 4 if ring else 0)
+            nbytes = max(4 * n, 4 * (5 * rows + 3), 2 * ring.nbytes if ring else 0)
             if ring is not None:
                 ring.synchronize()  # (its buffers may still be read by pending copies)
             self.table_ring = ring = PinnedRing(self.device, size=16, nbytes=nbytes)
