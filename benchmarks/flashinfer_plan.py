@@ -16,10 +16,13 @@ Per case, the median over `--reps` alternating calls of each path:
 * `plan_us`: planning one decode wrapper over a ready page table (`DecodePlanner.plan`, fast,
   against flashinfer's `plan`);
 * `batch_us`: the backend's whole decode planning of a batch, as before every graph replay
-  (`init_forward_metadata_replay_cuda_graph`: host tables, page ids, plan) or every eager
-  decode (`init_forward_metadata`). On CPU the page ids are gathered with torch ops, where a
-  GPU runs one Triton launch (engine/attention/page_table.py), so this column holds more
-  host time than the GPU's would.
+  (`init_forward_metadata_replay_cuda_graph`: host tables and plan; the graph writes the page
+  ids itself, `cuda_graph_prologue`, as on a GPU) or every eager decode
+  (`init_forward_metadata`: host tables, page ids, plan). On CPU the page ids are gathered
+  with torch ops, where a GPU runs one Triton launch (engine/attention/page_table.py), so
+  the eager rows hold more host time than the GPU's would. Graph rows also give
+  `batch_us_ids_at_replay`: the replay writing the page ids itself, as it did before the
+  graphs wrote them (fast re-plans on in both).
 
 Extend batches plan flashinfer's paged prefill wrapper over the cached prefixes (every batch
 with a prefix-cache hit, a later prefill chunk, or decode rows mixed in). Its `plan` makes the
@@ -88,6 +91,7 @@ def _setup(fi: Any, heads: tuple[int, int], bs: int, graph: bool, seed: int,
         )  # fmt: skip
         if graph:
             backend.init_cuda_graph_state(max_bs=bs, max_context_len=width)
+            backend.graph_page_ids = True  # (a GPU's default; the CPU's torch gather is not)
             backend.init_forward_metadata_capture_cuda_graph(fb)
     plan_batch = (backend.init_forward_metadata_replay_cuda_graph if graph
                   else backend.init_forward_metadata)  # fmt: skip
@@ -215,18 +219,25 @@ def main() -> None:
                         row.update({f"{key}_us": fast, f"{key}_us_flashinfer": slow,
                                     f"{key}_saved_us": slow - fast,
                                     f"{key}_fast_plans": n_fast})  # fmt: skip
+                    if graph:
+                        setup["backend"].graph_page_ids = False
+                        row["batch_us_ids_at_replay"] = _median_us(
+                            setup, "plan_batch", args.reps, device)[0]  # fmt: skip
                     rows.append(row)
                     print_table(rows[-1:], list(row))
         extend_rows = [_extend_case(flashinfer, bs, args.reps, device)
                        for bs in args.batch_sizes]  # fmt: skip
     print_table(rows, ["heads", "graph", "batch", "plan_us", "plan_us_flashinfer",
-                       "batch_us", "batch_us_flashinfer", "batch_saved_us"])
+                       "batch_us", "batch_us_flashinfer", "batch_saved_us",
+                       "batch_us_ids_at_replay"])
     print_table(extend_rows, list(extend_rows[0]))
     summary = {}
     for r in rows:
         tag = f"{r['heads']}_{'graph' if r['graph'] else 'eager'}_bs{r['batch']}"
         summary[f"{tag}_plan_flashinfer_vs_fast"] = r["plan_us_flashinfer"] / r["plan_us"]
         summary[f"{tag}_batch_saved_us"] = r["batch_saved_us"]
+        if r["graph"]:
+            summary[f"{tag}_ids_in_graph_saved_us"] = r["batch_us_ids_at_replay"] - r["batch_us"]
     for r in extend_rows:
         summary[f"extend_bs{r['batch']}_plan_saved_us"] = r["extend_saved_us"]
     results = {"device": device, "planners": "stubbed" if device == "cpu" else "flashinfer's",

@@ -10,7 +10,8 @@ same shapes, the same device addresses), hence the layout here:
   two copies), and `logits` [max_bs, vocab] (float32). The graph of
   size `bs` reads and writes their first `bs` rows; the model reads the KV pool and the pool's
   `req_to_token` (fixed tensors) and the attention backend's graph state
-  (`AttentionBackend.init_cuda_graph_state`);
+  (`AttentionBackend.init_cuda_graph_state`), part of which the graph may compute itself
+  before the layers (`AttentionBackend.cuda_graph_prologue`: flashinfer's page ids);
 * a batch of `n` requests replays the graph of the smallest captured size `bs >= n`. Rows
   `n..bs-1` are padding: input id 0 at position 0, written to KV slot 0 (never handed out),
   attending over `cuda_graph_seq_len_fill_value` keys of the model runner's padding row of
@@ -174,6 +175,7 @@ class CudaGraphRunner:
         def step() -> None:
             if future_map is not None:
                 future_map.resolve_future(batch.input_ids)
+            self.backend.cuda_graph_prologue(batch)
             logits = self.model(batch.input_ids, batch.positions, batch)
             self.logits[:bs].copy_(logits)
 

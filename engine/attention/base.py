@@ -104,6 +104,13 @@ class AttentionBackend(ABC):
         """
         raise NotImplementedError
 
+    def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
+        """Device work a captured graph runs first, before the layers, on the static batch
+        (recorded at capture; every replay runs it again on the refreshed buffers): metadata
+        a backend would rather compute in the graph than launch from the host at replay.
+        None by default."""
+        return None
+
     # what `init_forward_metadata` planned for the current batch (a backend's own type)
     metadata: object | None = None
 

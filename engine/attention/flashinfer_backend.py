@@ -39,7 +39,9 @@ serves them all (FA3 on Hopper would be a second, slow compile).
 CUDA graphs (decode only): each captured batch size has its own decode wrapper with
 `use_cuda_graph=True` over slices of static page-table buffers (`init_cuda_graph_state`);
 replay re-plans it, which rewrites those buffers and the wrapper's scheduling workspace, all
-that the captured kernels read.
+that the captured kernels read. Where the page-table kernel runs compiled (a GPU), the graph
+itself writes the page ids, first thing (`cuda_graph_prologue`: the kernel reads the static
+rows and lengths): a replay's plan is then numpy and flashinfer's planner, with no launch.
 """
 
 from __future__ import annotations
@@ -69,10 +71,13 @@ from engine.attention.flashinfer_support import (
 from engine.attention.page_table import (
     build_page_table,
     build_qo_indptr,
+    host_page_table,
     merge_kernel_fits,
     merge_states_torch,
+    page_ids,
 )
 from engine.forward_batch import ForwardBatch
+from kernels.jit import compiled_on
 
 try:
     from kernels.kv_store import store_kv
@@ -202,6 +207,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.table_ring: PinnedRing | None = None  # (made at the first plan: `_host_ints`)
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
         self.graph_buffers: _GraphBuffers | None = None
+        # whether captured graphs write their page ids themselves (`cuda_graph_prologue`)
+        self.graph_page_ids = False
         # captured batch size -> its decode wrappers (full, windowed)
         self.graph_wrappers: dict[int, tuple[Any, Any]] = {}
 
@@ -216,13 +223,22 @@ class FlashInferAttnBackend(AttentionBackend):
             self.metadata = self._plan_extend(fb)
 
     def _plan_decode(
-        self, wrappers: tuple[Any, Any], fb: ForwardBatch, indices_out: torch.Tensor | None = None
+        self,
+        wrappers: tuple[Any, Any],
+        fb: ForwardBatch,
+        indices_out: torch.Tensor | None = None,
+        ids_in_graph: bool = False,
     ) -> _DecodeMetadata:
         """Plans the full-attention and the windowed wrapper (those the model has) over the
-        same page table (its page ids written into `indices_out` when given)."""
+        same page table (its page ids written into `indices_out` when given; with
+        `ids_in_graph`, left for the graph to write there)."""
         full, windowed = wrappers
         with self._host_ints(fb, 2 * fb.batch_size + 1) as host:
-            table = self._context_table(fb, host, indices_out)
+            if ids_in_graph:
+                assert indices_out is not None
+                table = host_page_table(fb.seq_lens_cpu, self.page_size, indices_out, host)
+            else:
+                table = self._context_table(fb, host, indices_out)
             for wrapper, left in ((full, -1), (windowed, self.window_left)):
                 if wrapper is not None:
                     with self._staged(wrapper):
@@ -415,6 +431,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 last_page_len=torch.ones(max_bs, dtype=torch.int32, device=self.device),
             )
         self.graph_wrappers = {}
+        self.graph_page_ids = page_ids is not None and compiled_on(self.graph_buffers.indices)
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
@@ -426,9 +443,20 @@ class FlashInferAttnBackend(AttentionBackend):
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         wrappers = self.graph_wrappers[forward_batch.batch_size]
         assert self.graph_buffers is not None
-        # writes into the captured buffers (the page ids straight from the kernel: flashinfer's
-        # copy of them onto themselves is then a no-op)
-        self.metadata = self._plan_decode(wrappers, forward_batch, self.graph_buffers.indices)
+        # writes into the captured buffers (the page ids straight from the kernel, here or in
+        # the graph: flashinfer's copy of them onto themselves is then a no-op)
+        self.metadata = self._plan_decode(
+            wrappers, forward_batch, self.graph_buffers.indices, self.graph_page_ids
+        )
+
+    def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
+        """In the graph, before the layers: the page ids of the static batch's contexts into
+        the graph's buffer (the replay's plan computed only the host tables)."""
+        if self.graph_page_ids:
+            fb = forward_batch
+            assert self.graph_buffers is not None and page_ids is not None
+            page_ids(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, self.page_size,
+                     self.graph_buffers.indices)  # fmt: skip
 
     def _decode_wrappers(self, graph_bs: int | None = None) -> tuple[Any, Any]:
         """(full, windowed) decode wrappers, None for the attention the model lacks: eager ones,

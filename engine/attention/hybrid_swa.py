@@ -84,13 +84,18 @@ class HybridSWABackend(AttentionBackend):
         torch.index_select(full_to_swa, 0, fb.out_cache_loc, out=self._graph_loc[:bs])
         rows = swa_rows(fb, full_to_swa)
         self._graph_rows[:bs, : rows.shape[1]] = rows
-        self._swa_batch = dataclasses.replace(
+        self._swa_batch = self._graph_view(fb)
+        return self._swa_batch
+
+    def _graph_view(self, fb: ForwardBatch) -> ForwardBatch:
+        """The static batch over this backend's graph buffers (what `_static_swa_view` fills)."""
+        bs = fb.batch_size
+        return dataclasses.replace(
             fb,
             out_cache_loc=self._graph_loc[:bs],
             req_to_token=self._graph_rows,
             req_pool_indices=self._graph_rids[:bs],
         )
-        return self._swa_batch
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         if self.full is not None:
@@ -101,6 +106,11 @@ class HybridSWABackend(AttentionBackend):
         if self.full is not None:
             self.full.init_forward_metadata_replay_cuda_graph(forward_batch)
         self.swa.init_forward_metadata_replay_cuda_graph(self._static_swa_view(forward_batch))
+
+    def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
+        if self.full is not None:
+            self.full.cuda_graph_prologue(forward_batch)
+        self.swa.cuda_graph_prologue(self._graph_view(forward_batch))
 
     def forward(
         self,

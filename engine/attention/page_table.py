@@ -73,18 +73,7 @@ def build_page_table(
       device (`kv_lens_device`, minus `sub_lens_device` when given: no host-to-device copy);
       else a dozen torch ops. Into `indices_out[:total]` when given (a CUDA graph's buffer).
     """
-    batch = len(kv_lens)
-    if host is None:
-        host = torch.empty(2 * batch + 1, dtype=torch.int32)
-    indptr, last_page_len = host[: batch + 1], host[batch + 1 : 2 * batch + 1]
-    lens = int64_array(kv_lens)
-    num_pages = (lens + page_size - 1) // page_size
-    host_np = host.numpy()
-    indptr_np, last_np = host_np[: batch + 1], host_np[batch + 1 : 2 * batch + 1]
-    indptr_np[0] = 0
-    np.cumsum(num_pages, out=indptr_np[1:], dtype=np.int32)
-    np.subtract(lens, np.maximum(num_pages - 1, 0) * page_size, out=last_np, casting="unsafe")
-    total = int(indptr_np[-1])
+    indptr, last_page_len, num_pages, total = _host_tables(kv_lens, page_size, host)
     device = req_to_token.device
     if use_kernel is None:
         use_kernel = page_ids is not None and compiled_on(req_to_token)
@@ -104,6 +93,37 @@ def build_page_table(
         num_pages_dev = torch.from_numpy(num_pages).to(device)
     indices = _page_ids(req_to_token, req_pool_indices, num_pages_dev, total, page_size)
     return PageTable(indptr, indices, last_page_len)
+
+
+def host_page_table(
+    kv_lens: list[int], page_size: int, indices: torch.Tensor, host: torch.Tensor | None = None
+) -> PageTable:
+    """The table of `build_page_table` whose page ids are (or will be, before any kernel reads
+    them) in `indices`, on the device: the host tables alone are computed here. A captured
+    decode graph writes its page ids itself (`FlashInferAttnBackend.cuda_graph_prologue`)."""
+    indptr, last_page_len, _, total = _host_tables(kv_lens, page_size, host)
+    assert indices.numel() >= total, f"{total} page ids do not fit in {indices.numel()}"
+    return PageTable(indptr, indices[:total], last_page_len)
+
+
+def _host_tables(
+    kv_lens: list[int], page_size: int, host: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
+    """indptr [B + 1] and last_page_len [B] (int32 host tensors, the first 2B + 1 entries of
+    `host` when given) of requests with `kv_lens` keys, their page counts (numpy) and the
+    total."""
+    batch = len(kv_lens)
+    if host is None:
+        host = torch.empty(2 * batch + 1, dtype=torch.int32)
+    lens = int64_array(kv_lens)
+    num_pages = (lens + page_size - 1) // page_size
+    host_np = host.numpy()
+    indptr_np, last_np = host_np[: batch + 1], host_np[batch + 1 : 2 * batch + 1]
+    indptr_np[0] = 0
+    np.cumsum(num_pages, out=indptr_np[1:], dtype=np.int32)
+    np.subtract(lens, np.maximum(num_pages - 1, 0) * page_size, out=last_np, casting="unsafe")
+    total = int(indptr_np[-1])
+    return host[: batch + 1], host[batch + 1 : 2 * batch + 1], num_pages, total
 
 
 def _page_ids(

@@ -148,7 +148,13 @@ def test_decode_replays_in_a_cuda_graph(heads, kv_heads, page_size):
     out = torch.empty(bs, heads * head_dim, dtype=dtype, device="cuda")
     with torch.inference_mode():
         backend.init_forward_metadata_capture_cuda_graph(fb)
-        graph = _capture(lambda: out.copy_(backend.forward(*static_qkv, layer, fb)))
+        assert backend.graph_page_ids  # the graph writes the page ids (a GPU's default)
+
+        def step():
+            backend.cuda_graph_prologue(fb)
+            out.copy_(backend.forward(*static_qkv, layer, fb))
+
+        graph = _capture(step)
     for rows in ([0, 1, 2], [6, 3, 5, 4], [2]):  # other lengths, requests, padding
         n = len(rows)
         fb.out_cache_loc.zero_()[:n] = case.out_cache_loc[rows]

@@ -245,18 +245,31 @@ def test_padded_rows_do_not_change_real_rows(runner):
 
 
 def test_backend_hooks_see_the_padded_static_batch(runner, monkeypatch):
+    """The replay hook (outside the graph), then the prologue (the graph's first step: the
+    eager double runs it again at each replay), both over the padded static buffers."""
     graphs = _graphs(runner)
     seen = []
-    hook = runner.attn_backend.init_forward_metadata_replay_cuda_graph
+    backend = runner.attn_backend
 
-    def spy(fb: ForwardBatch) -> None:
-        seen.append((fb.batch_size, list(fb.seq_lens_cpu), fb.seq_lens.tolist()))
-        assert fb.seq_lens.data_ptr() == graphs.seq_lens.data_ptr()  # the static buffer
-        hook(fb)
+    def spy(name):
+        hook = getattr(backend, name)
 
-    monkeypatch.setattr(runner.attn_backend, "init_forward_metadata_replay_cuda_graph", spy)
+        def spied(fb: ForwardBatch) -> None:
+            seen.append((name, fb.batch_size, list(fb.seq_lens_cpu)))
+            assert fb.seq_lens.data_ptr() == graphs.seq_lens.data_ptr()  # the static buffer
+            hook(fb)
+
+        monkeypatch.setattr(backend, name, spied)
+
+    spy("init_forward_metadata_replay_cuda_graph")
+    spy("cuda_graph_prologue")
     graphs.replay(_decode_batch(runner, [1, 2, 3], [10, 20, 30]))
-    assert seen == [(4, [10, 20, 30, 1], [10, 20, 30, 1])]
+    lens = [10, 20, 30, 1]
+    # the prologue is recorded: its host values are the capture's (every row padding), only
+    # its device buffers hold the batch
+    assert seen == [("init_forward_metadata_replay_cuda_graph", 4, lens),
+                    ("cuda_graph_prologue", 4, [1] * 4)]  # fmt: skip
+    assert graphs.seq_lens[:4].tolist() == lens
 
 
 @pytest.mark.parametrize("packed", [False, True])

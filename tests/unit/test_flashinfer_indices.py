@@ -457,8 +457,28 @@ def _fill(fb: ForwardBatch, case: PagedCase, rows: list[int], pad_row: int) -> N
     fb.seq_lens_cpu = case.seq_lens[rows].tolist() + [1] * (bs - n)
 
 
+def graph_page_ids(backend, in_graph: bool) -> None:
+    """After `init_cuda_graph_state`: whether the graphs write their page ids themselves
+    (`cuda_graph_prologue`). A GPU does; on CPU the page-table kernel runs in Triton's
+    interpreter, which the backend does not choose by itself."""
+    if in_graph and page_table.page_ids is None:
+        pytest.skip("Triton is not installed")
+    backend.graph_page_ids = in_graph
+
+
+def replay_page_ids(backend, fb: ForwardBatch, in_graph: bool) -> None:
+    """The replay's plan (outside the graph) and the graph's prologue: with the page ids in the
+    graph, the plan leaves the buffer as it was (zeroed here) and the prologue fills it."""
+    indices = backend.graph_buffers.indices.zero_()
+    backend.init_forward_metadata_replay_cuda_graph(fb)
+    assert bool(indices.any()) is not in_graph, "the plan wrote the page ids"
+    backend.cuda_graph_prologue(fb)
+    assert indices.any()
+
+
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
-def test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, heads, kv_heads):
+@pytest.mark.parametrize("in_graph", [False, True], ids=["ids-at-replay", "ids-in-graph"])
+def test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, heads, kv_heads, in_graph):
     page_size, bs = 16, 4
     case = make_paged_case([100, 37, 250, 3, 16, 64], [1] * 6, heads, kv_heads, 64, page_size,
                            dtype=torch.bfloat16, seed=3)  # fmt: skip
@@ -468,17 +488,19 @@ def test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, heads, kv_head
     pool = _pool(case, layer, torch.bfloat16, page_size)
     backend = _flashinfer(layer, pool, page_size)
     backend.init_cuda_graph_state(max_bs=8, max_context_len=case.req_to_token.shape[1])
+    graph_page_ids(backend, in_graph)
     fb = _graph_batch(case, pool, backend, bs, pad_row)
     backend.init_forward_metadata_capture_cuda_graph(fb)
     static_qkv = [torch.zeros(bs, x.shape[1] * x.shape[2], dtype=torch.bfloat16)
                   for x in (case.q, case.k, case.v)]  # fmt: skip
-    backend.forward(*static_qkv, layer, fb)  # what the capture records
+    backend.cuda_graph_prologue(fb)  # what the capture records
+    backend.forward(*static_qkv, layer, fb)
     captured = backend.metadata.wrapper
     for rows in ([0, 1, 2], [5, 3, 4, 2]):
         _fill(fb, case, rows, pad_row)
         for static, x in zip(static_qkv, (case.q, case.k, case.v)):
             static.zero_()[: len(rows)] = x[rows].flatten(1)
-        backend.init_forward_metadata_replay_cuda_graph(fb)
+        replay_page_ids(backend, fb, in_graph)
         assert backend.metadata.wrapper is captured
         got = backend.forward(*static_qkv, layer, fb)[: len(rows)].float()  # "replay"
         want, _ = _run("torch_native", case, layer, ForwardMode.DECODE, page_size, rows)
@@ -531,7 +553,7 @@ def test_calls_bind_to_the_real_flashinfer_signatures(fake_flashinfer):
                                       ForwardMode.EXTEND, 16)  # fmt: skip
     test_backend_matches_torch_native(fake_flashinfer, 4, 4, [16, 0], [1, 1],
                                       ForwardMode.DECODE, 16)  # fmt: skip
-    test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, 8, 2)
+    test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, 8, 2, True)  # (a GPU's way)
     methods = {(cls, name) for cls, name, _, _ in fake_flashinfer}
     assert len(methods) >= 9, methods
     for cls, name, args, kwargs in fake_flashinfer:

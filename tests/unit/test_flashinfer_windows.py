@@ -28,6 +28,8 @@ from tests.unit.test_flashinfer_indices import (
     _layer,
     _pool,
     _run,
+    graph_page_ids,
+    replay_page_ids,
 )
 
 
@@ -83,7 +85,8 @@ def test_full_and_windowed_layers_of_one_model(fake_flashinfer, prefix_lens, ext
 
 
 @pytest.mark.parametrize("cap", [None, CAP], ids=["plain", "soft-capped"])
-def test_graph_replay_of_a_windowed_model(fake_flashinfer, cap):
+@pytest.mark.parametrize("in_graph", [False, True], ids=["ids-at-replay", "ids-in-graph"])
+def test_graph_replay_of_a_windowed_model(fake_flashinfer, cap, in_graph):
     page_size, bs = 16, 4
     case = _case([100, 37, 250, 3, 16, 64], [1] * 6, 8, 2, page_size, seed=3)
     pad_row = case.req_to_token.shape[0]
@@ -92,6 +95,7 @@ def test_graph_replay_of_a_windowed_model(fake_flashinfer, cap):
     pool = _pool(case, layers[0], torch.bfloat16, page_size)
     backend = _flashinfer(layers[0], pool, page_size, windows=(None, WINDOW))
     backend.init_cuda_graph_state(max_bs=8, max_context_len=case.req_to_token.shape[1])
+    graph_page_ids(backend, in_graph)
     fb = _graph_batch(case, pool, backend, bs, pad_row)
     backend.init_forward_metadata_capture_cuda_graph(fb)
     static_qkv = [torch.zeros(bs, x.shape[1] * x.shape[2], dtype=torch.bfloat16)
@@ -102,7 +106,7 @@ def test_graph_replay_of_a_windowed_model(fake_flashinfer, cap):
         _fill(fb, case, rows, pad_row)
         for static, x in zip(static_qkv, (case.q, case.k, case.v), strict=True):
             static.zero_()[: len(rows)] = x[rows].flatten(1)
-        backend.init_forward_metadata_replay_cuda_graph(fb)
+        replay_page_ids(backend, fb, in_graph)
         assert (backend.metadata.wrapper, backend.metadata.window_wrapper) == captured
         for layer in layers:
             got = backend.forward(*static_qkv, layer, fb)[: len(rows)].float()  # "replay"
@@ -155,9 +159,9 @@ def test_window_calls_bind_to_the_real_flashinfer_signatures(fake_flashinfer):
     real = pytest.importorskip("flashinfer")
     test_full_and_windowed_layers_of_one_model(fake_flashinfer, *CASES[1])
     test_full_and_windowed_layers_of_one_model(fake_flashinfer, *CASES[3])
-    test_graph_replay_of_a_windowed_model(fake_flashinfer, None)
+    test_graph_replay_of_a_windowed_model(fake_flashinfer, None, True)  # (a GPU's way)
     test_soft_capped_layers_match_torch_native(fake_flashinfer, *CASES[1], (None, WINDOW))
-    test_graph_replay_of_a_windowed_model(fake_flashinfer, CAP)
+    test_graph_replay_of_a_windowed_model(fake_flashinfer, CAP, False)
     windowed = [c for c in fake_flashinfer if c[3].get("window_left", -1) >= 0]
     assert {(cls, name) for cls, name, _, _ in windowed} == {
         ("BatchPrefillWithPagedKVCacheWrapper", "plan"),
