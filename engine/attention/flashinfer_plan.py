@@ -127,7 +127,8 @@ class DecodePlanner(_Replanner):
         wrapper._batch_size = batch
         graph = wrapper.is_cuda_graph_enabled
         if wrapper.use_tensor_cores:
-            lens = int64_array(kv_lens).astype(np.int32)
+            known = getattr(table, "kv_lens", None)  # (converted already by the table's build)
+            lens = (int64_array(kv_lens) if known is None else known).astype(np.int32)
             wrapper._max_kv_len = int(lens.max())
             _plan_fa2_prefill(
                 wrapper, qo_indptr, indptr, torch.from_numpy(lens),

@@ -41,6 +41,9 @@ class PageTable:
     indptr: torch.Tensor  # [B + 1]
     indices: torch.Tensor  # [indptr[-1]]
     last_page_len: torch.Tensor  # [B]
+    # the key counts it was built from (int64 numpy [B]), when known: a planner that needs
+    # them takes these instead of converting the length list again
+    kv_lens: np.ndarray | None = None
 
 
 def table_host_ints(batch_size: int) -> int:
@@ -73,7 +76,7 @@ def build_page_table(
       device (`kv_lens_device`, minus `sub_lens_device` when given: no host-to-device copy);
       else a dozen torch ops. Into `indices_out[:total]` when given (a CUDA graph's buffer).
     """
-    indptr, last_page_len, num_pages, total = _host_tables(kv_lens, page_size, host)
+    indptr, last_page_len, lens, num_pages, total = _host_tables(kv_lens, page_size, host)
     device = req_to_token.device
     if use_kernel is None:
         use_kernel = page_ids is not None and compiled_on(req_to_token)
@@ -84,7 +87,7 @@ def build_page_table(
         assert out.numel() >= total, f"{total} page ids do not fit in {out.numel()}"
         page_ids(req_to_token, req_pool_indices, kv_lens_device, page_size, out,
                  sub_lens_device)  # fmt: skip
-        return PageTable(indptr, out[:total], last_page_len)
+        return PageTable(indptr, out[:total], last_page_len, lens)
     if kv_lens_device is not None:
         if sub_lens_device is not None:
             kv_lens_device = kv_lens_device - sub_lens_device
@@ -92,7 +95,7 @@ def build_page_table(
     else:
         num_pages_dev = torch.from_numpy(num_pages).to(device)
     indices = _page_ids(req_to_token, req_pool_indices, num_pages_dev, total, page_size)
-    return PageTable(indptr, indices, last_page_len)
+    return PageTable(indptr, indices, last_page_len, lens)
 
 
 def host_page_table(
@@ -101,17 +104,17 @@ def host_page_table(
     """The table of `build_page_table` whose page ids are (or will be, before any kernel reads
     them) in `indices`, on the device: the host tables alone are computed here. A captured
     decode graph writes its page ids itself (`FlashInferAttnBackend.cuda_graph_prologue`)."""
-    indptr, last_page_len, _, total = _host_tables(kv_lens, page_size, host)
+    indptr, last_page_len, lens, _, total = _host_tables(kv_lens, page_size, host)
     assert indices.numel() >= total, f"{total} page ids do not fit in {indices.numel()}"
-    return PageTable(indptr, indices[:total], last_page_len)
+    return PageTable(indptr, indices[:total], last_page_len, lens)
 
 
 def _host_tables(
     kv_lens: list[int], page_size: int, host: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, int]:
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray, int]:
     """indptr [B + 1] and last_page_len [B] (int32 host tensors, the first 2B + 1 entries of
-    `host` when given) of requests with `kv_lens` keys, their page counts (numpy) and the
-    total."""
+    `host` when given) of requests with `kv_lens` keys; the key and page counts (int64
+    numpy) and the total."""
     batch = len(kv_lens)
     if host is None:
         host = torch.empty(2 * batch + 1, dtype=torch.int32)
@@ -123,7 +126,7 @@ def _host_tables(
     np.cumsum(num_pages, out=indptr_np[1:], dtype=np.int32)
     np.subtract(lens, np.maximum(num_pages - 1, 0) * page_size, out=last_np, casting="unsafe")
     total = int(indptr_np[-1])
-    return host[: batch + 1], host[batch + 1 : 2 * batch + 1], num_pages, total
+    return host[: batch + 1], host[batch + 1 : 2 * batch + 1], lens, num_pages, total
 
 
 def _page_ids(
