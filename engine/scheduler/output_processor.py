@@ -83,12 +83,15 @@ class OutputProcessor:
         events = self._events
         num_new = num_finished = 0
         for i, req in enumerate(batch.reqs):  # (the per-request loop of every step: kept lean)
-            if req is chunked or req.finished_reason is not None:
+            if req.finished_reason is not None or req is chunked:
                 continue  # a partial prompt: its sampled token means nothing
             output_ids = req.output_ids
             start = len(output_ids)
             if req.to_abort is None:
-                _take_token(req, next_ids[i], logprobs, top, i)
+                if logprobs is None and req.grammar is None:  # (most steps: the token alone)
+                    output_ids.append(next_ids[i])
+                else:
+                    _take_token(req, next_ids[i], logprobs, top, i)
             req.check_finished(context_len, tokenizer)
             reason = req.finished_reason
             if reason is not None:

@@ -210,13 +210,15 @@ class Req:
             self.finished_reason = self.to_abort
             return
         params = self.sampling_params
-        if len(self.output_ids) >= params.max_new_tokens:
+        output_ids = self.output_ids  # (every request, every step: read once)
+        n = len(output_ids)
+        if n >= params.max_new_tokens:
             if params.max_new_tokens == 0:  # the prompt only (for its logprobs): no output
-                del self.output_ids[:], self.logprobs[:], self.top_logprobs[:]
+                del output_ids[:], self.logprobs[:], self.top_logprobs[:]
             self.finished_reason = FinishReason("length", length=params.max_new_tokens)
             return
-        last = self.output_ids[-1] if self.output_ids else None
-        if last is not None and len(self.output_ids) >= params.min_new_tokens:
+        if n and n >= params.min_new_tokens:
+            last = output_ids[-1]
             if self.grammar is not None and self.grammar.is_terminated():
                 self.finished_reason = FinishReason("stop", last)  # its stop token, ignore_eos
                 return  # or not: a complete grammar allows nothing else
@@ -230,7 +232,7 @@ class Req:
                 if matched is not None:
                     self.finished_reason = FinishReason("stop", matched)
                     return
-        if len(self.origin_input_ids) + len(self.output_ids) >= context_len:
+        if len(self.origin_input_ids) + n >= context_len:
             self.finished_reason = FinishReason("length", length=context_len)
 
     def _match_stop_str(self, tokenizer: Any) -> str | None:
