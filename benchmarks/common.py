@@ -75,6 +75,24 @@ def write_result(name: str, results: Any, summary: dict[str, Any], **extra: Any)
     return path
 
 
+def write_profile(prof: Any, name: str, top: int = 30) -> str:
+    """A cProfile's `top` functions by own time, then by cumulative time: printed, and written
+    to results/NAME.txt; returns the text."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    text = buf.getvalue()
+    print(text)
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    with open(os.path.join(RESULTS_DIR, f"{name}.txt"), "w") as f:
+        f.write(text)
+    return text
+
+
 def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
     widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))

@@ -24,6 +24,10 @@ sluice's radix cache computes the prefix once; that workload adds a sluice arm w
 off. The run fails unless every arm's embeddings agree with transformers' (max |diff|
 < 1e-4 in float32). Reported: inputs/s and prompt tokens/s per arm, and the ratios.
 
+`--profile`: afterwards, one more sluice run of the distinct workload under cProfile, its top
+functions written to results/NAME_profile.txt (where a GPU run's host time goes: a small
+model's extend batches are launch- and scheduler-bound there).
+
 `--task rerank` (results: rerank.json) does the same for a cross-encoder: the model is the
 same body with a one-label `score` head (LlamaForSequenceClassification), each input a
 (query, document) pair as one prompt, the query first, `--queries` queries of `--prefix`
@@ -139,6 +143,19 @@ def _timed(arm: Any, prompts: list[list[int]]) -> tuple[float, torch.Tensor]:
     return time.perf_counter() - t0, out
 
 
+def _profile(arm: SluiceArm, prompts: list[list[int]], name: str) -> None:
+    import cProfile
+
+    from benchmarks.common import write_profile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    wall, _ = _timed(arm, prompts)
+    prof.disable()
+    print(f"profiled run: {wall:.3f}s ({len(prompts) / wall:.1f} inputs/s under cProfile)")
+    write_profile(prof, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=4)
@@ -149,6 +166,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=32, help="transformers' batch size")
     ap.add_argument("--task", choices=("embed", "rerank"), default="embed")
     ap.add_argument("--queries", type=int, default=4, help="rerank: queries (--inputs split)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one more sluice run (results/NAME_profile.txt)")
     args = parse_arm_args(ap, "embeddings")
     if args.task == "rerank" and args.name == "embeddings":
         args.name = "rerank"
@@ -183,6 +202,8 @@ def main() -> None:
                    "cached_tokens": getattr(arms[label], "cached", 0)}  # fmt: skip
             print(row, flush=True)
             rows.append(row)
+    if args.profile:
+        _profile(sluice, next(iter(workloads.values())), f"{args.name}_profile")
     sluice.engine.shutdown()
     no_cache.engine.shutdown()
     print_table(rows, ["workload", "arm", "inputs_s", "tokens_s", "vs_transformers",

@@ -207,7 +207,8 @@ do_step() {
                 --dtype bfloat16 --layers 8 --name gpu_speculative ;;
         embeddings)
             run_step embeddings 120 python3 benchmarks/embeddings.py --device cuda \
-                --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --name gpu_embeddings
+                --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --profile \
+                --name gpu_embeddings
             run_step encoders 90 python3 benchmarks/encoders.py --device cuda \
                 --dtype bfloat16 --shape base --inputs 1024 --hf-batch 64 --name gpu_encoders ;;
         fp8)

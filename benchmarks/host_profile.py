@@ -18,9 +18,7 @@ import argparse
 import ast
 import cProfile
 import gc
-import io
 import os
-import pstats
 import sys
 import time
 from typing import Any
@@ -86,15 +84,7 @@ def profile_config(args: argparse.Namespace, path: str, name: str, kw: dict) -> 
         out["profiled_wave_s"] = time.perf_counter() - t
     tokens = args.num_prompts * args.output_len
     out["output_tok_s_best"] = tokens / min(out["waves_s"][1:] or out["waves_s"])
-    buf = io.StringIO()
-    stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("tottime").print_stats(args.top)
-    stats.sort_stats("cumulative").print_stats(args.top)
-    text = buf.getvalue()
-    print(text)
-    os.makedirs(common.RESULTS_DIR, exist_ok=True)
-    with open(os.path.join(common.RESULTS_DIR, f"{args.name}_{name}.txt"), "w") as f:
-        f.write(text)
+    common.write_profile(prof, f"{args.name}_{name}", args.top)
     return out
 
 
