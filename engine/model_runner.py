@@ -190,7 +190,9 @@ class ModelRunner:
             input_ids, positions = int64_rows([mwb.input_ids, mwb.positions]).to(dev)
         else:  # one token per request: everything is per request
             per_req += [mwb.input_ids, mwb.positions]
-        rows = int64_rows(per_req).to(dev)
+        rows = mwb.decode_rows  # (copied once already, by the scheduler: no second copy)
+        if extend or rows is None or rows.device != self.req_to_token_pool.req_to_token.device:
+            rows = int64_rows(per_req).to(dev)
         start_loc = lens = None
         if extend:
             req_pool_indices, seq_lens, lens = rows

@@ -57,6 +57,10 @@ class ModelWorkerBatch:
     # hierarchical cache: host <-> device K/V copies to run, in order, before the forward
     # ((kind, source slots, destination slots); engine/mem_cache/host_pool.py)
     kv_transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+    # DECODE: req_pool_indices, seq_lens, input_ids and positions as the rows of one int64
+    # tensor on the pool's device, copied there once by `prepare_for_decode` (which writes
+    # the new slots through rows 0 and 3); the model runner's batch takes them as they are
+    decode_rows: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -78,6 +82,9 @@ class ScheduleBatch:
         self.decoding_reqs: frozenset[Req] = frozenset()
         # (rows, targets, counts) of prompt logprobs, see ModelWorkerBatch
         self._prompt_logprobs: tuple[list[int], list[int], list[int]] | None = None
+        # the decode inputs on the device (ModelWorkerBatch.decode_rows), until the
+        # membership changes
+        self._decode_rows: torch.Tensor | None = None
         # a verify step's drafts per request (engine/speculative/scheduling.py)
         self.spec_draft_lens: list[int] | None = None
 
@@ -192,11 +199,15 @@ class ScheduleBatch:
             rows_list = [row for row, k in zip(rows_list, self.spec_draft_lens)
                          for _ in range(k + 1)]  # fmt: skip
         self.pools.release_swa_window(self.reqs, prefix_lens)
+        self._decode_rows = None
         if drafts is None:
-            # one token per request: rows and positions go to the device once, and each
-            # request's last slot is read there (no host read of the device table)
+            # one token per request: the batch's inputs go to the device once (the model
+            # runner's rows: ModelWorkerBatch.decode_rows), and each request's last slot is
+            # read there (no host read of the device table)
             assert min(prefix_lens, default=1) >= 1, "a decoding request has no cached token"
-            where = int64_rows([rows_list, positions]).to(req_to_token.device)
+            rows = int64_rows([rows_list, seq_lens, input_ids, positions])
+            self._decode_rows = rows = rows.to(req_to_token.device)
+            where = (rows[0], rows[3])
             last_locs = None
             if self.pools.page_size > 1:
                 last_locs = req_to_token[where[0], where[1] - 1].to(torch.int64)
@@ -227,6 +238,7 @@ class ScheduleBatch:
         self._prefix_lens = running._prefix_lens + self._prefix_lens
         self._seq_lens = running._seq_lens + self._seq_lens
         self.decoding_reqs = frozenset(running.reqs)
+        running._decode_rows = None
         if self._prompt_logprobs is not None:  # the running requests' tokens come first
             rows, targets, counts = self._prompt_logprobs
             n = len(running.reqs)
@@ -254,6 +266,7 @@ class ScheduleBatch:
             retracted.append(req)
         keep = sorted(order)
         self.reqs = [self.reqs[i] for i in keep]
+        self._decode_rows = None
         p.tree_cache.evict(len(self.reqs) * p.page_size)
         p.make_room(len(self.reqs) * p.page_size)
         return retracted
@@ -265,6 +278,7 @@ class ScheduleBatch:
         for req in reqs:
             self._give_back(req)
         self.reqs = [r for r in self.reqs if id(r) not in gone]
+        self._decode_rows = None
 
     def _give_back(self, req: Req) -> None:
         """One request's memory back to the pools; it starts over from waiting."""
@@ -281,9 +295,11 @@ class ScheduleBatch:
     def filter(self, exclude: Req | None = None) -> None:
         """Drop finished requests, and `exclude` (every step: attributes, not properties)."""
         self.reqs = [r for r in self.reqs if r.finished_reason is None and r is not exclude]
+        self._decode_rows = None
 
     def merge(self, other: ScheduleBatch) -> None:
         self.reqs.extend(other.reqs)
+        self._decode_rows = None
 
     def running_need_tokens(self, new_token_ratio: float) -> float:
         return (
@@ -324,6 +340,7 @@ class ScheduleBatch:
             spec_draft_lens=self.spec_draft_lens,
             token_type_ids=self.token_type_ids if extend else None,
             kv_transfers=self.pools.tree_cache.take_transfers(),
+            decode_rows=None if extend else self._decode_rows,
             **_prompt_logprob_fields(self._prompt_logprobs if extend and not verify else None),
         )
 
