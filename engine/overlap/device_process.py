@@ -52,6 +52,7 @@ def device_batch(mwb: ModelWorkerBatch) -> ModelWorkerBatch:
         sampling_params=[],
         output_ids=[],
         prompt_ids=[],
+        decode_rows=None,  # (a tensor: the device process rebuilds the rows from the lists)
     )
 
 
