@@ -191,7 +191,7 @@ class ModelRunner:
         else:  # one token per request: everything is per request
             per_req += [mwb.input_ids, mwb.positions]
         rows = mwb.decode_rows  # (copied once already, by the scheduler: no second copy)
-        if extend or rows is None or rows.device != self.req_to_token_pool.req_to_token.device:
+        if extend or rows is None:
             rows = int64_rows(per_req).to(dev)
         start_loc = lens = None
         if extend:

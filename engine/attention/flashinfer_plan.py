@@ -127,7 +127,7 @@ class DecodePlanner(_Replanner):
         wrapper._batch_size = batch
         graph = wrapper.is_cuda_graph_enabled
         if wrapper.use_tensor_cores:
-            known = getattr(table, "kv_lens", None)  # (converted already by the table's build)
+            known = table.kv_lens  # (converted already by the table's build, when it was)
             lens = (int64_array(kv_lens) if known is None else known).astype(np.int32)
             wrapper._max_kv_len = int(lens.max())
             _plan_fa2_prefill(
