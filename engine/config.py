@@ -187,6 +187,10 @@ class EngineArgs:
     # What plays the asynchronous device for the overlap loop on CPU (see engine/overlap/).
     cpu_overlap_executor: str = "process"
     attention_backend: str | None = None
+    # one backend for EXTEND batches, another for DECODE ones (SGLang's flags of the same
+    # names; engine/attention/hybrid_attn.py); None: attention_backend's choice
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
     # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
     # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)
     flashinfer_decode_tensor_cores: str = "auto"
@@ -241,10 +245,11 @@ class EngineArgs:
                 f"flashinfer_decode_tensor_cores: {self.flashinfer_decode_tensor_cores!r} not in "
                 f"{DECODE_TENSOR_CORES}"
             )
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend: {self.attention_backend!r} not in {ATTENTION_BACKENDS}"
-            )
+        for name in ("attention_backend", "prefill_attention_backend",
+                     "decode_attention_backend"):  # fmt: skip
+            value = getattr(self, name)
+            if value is not None and value not in ATTENTION_BACKENDS:
+                raise ValueError(f"{name}: {value!r} not in {ATTENTION_BACKENDS}")
         if self.cpu_overlap_executor not in CPU_OVERLAP_EXECUTORS:
             raise ValueError(
                 f"cpu_overlap_executor: {self.cpu_overlap_executor!r} not in "

@@ -136,8 +136,10 @@ class ModelRunner:
 
     def _make_attention_backend(self, swa_layers: frozenset[int]) -> AttentionBackend:
         name = self._attention_backend_name()
+        prefill = self.args.prefill_attention_backend or name
+        decode = self.args.decode_attention_backend or name
 
-        def make() -> AttentionBackend:
+        def make_one(name: str) -> AttentionBackend:
             return create_attention_backend(
                 name,
                 device=self.device,
@@ -146,6 +148,16 @@ class ModelRunner:
                 page_size=self.page_size,
                 decode_tensor_cores=self.args.flashinfer_decode_tensor_cores,
             )
+
+        def make() -> AttentionBackend:
+            if prefill == decode:
+                return make_one(prefill)
+            from engine.attention.hybrid_attn import HybridAttnBackend
+
+            return HybridAttnBackend(make_one(prefill), make_one(decode))
+
+        if prefill != decode:
+            logger.info("attention backends: %s prefill, %s decode", prefill, decode)
 
         if self.swa_window is None:
             return make()

@@ -124,6 +124,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS)
     g.add_argument(
+        "--prefill-attention-backend",
+        default=None,
+        choices=ATTENTION_BACKENDS,
+        help="the backend of prefill (extend) batches only; default: --attention-backend's",
+    )
+    g.add_argument(
+        "--decode-attention-backend",
+        default=None,
+        choices=ATTENTION_BACKENDS,
+        help="the backend of decode batches (and their CUDA graphs) only; default: "
+        "--attention-backend's (e.g. flashinfer prefill with triton decode)",
+    )
+    g.add_argument(
         "--flashinfer-decode-tensor-cores",
         default="auto",
         choices=DECODE_TENSOR_CORES,

@@ -249,13 +249,14 @@ MIN_TIE_AWARE_PER_REQUEST = 0.6
 MAX_MEAN_DLOGPROB = 0.5  # two bf16 ulps of these logits
 
 
-def _generate(path: str, backend: str, prompts: list[list[int]]) -> list[dict]:
+def _generate(path: str, backend: str, prompts: list[list[int]], **extra: object) -> list[dict]:
     """Greedy bfloat16 generation with logprobs, in two waves (the second hits the prefix
     cache)."""
     from engine.engine import Engine
 
     params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
-    kwargs = dict(device="cuda", dtype="bfloat16", attention_backend=backend, page_size=16)
+    kwargs = dict(device="cuda", dtype="bfloat16", attention_backend=backend, page_size=16,
+                  **extra)  # fmt: skip
     limits = dict(max_total_tokens=1 << 16, max_running_requests=16)  # 16: few graphs to capture
     with Engine(model_path=path, skip_tokenizer_init=True, **kwargs, **limits) as engine:
         engine.generate(input_ids=prompts[:4], sampling_params=params)
@@ -264,11 +265,14 @@ def _generate(path: str, backend: str, prompts: list[list[int]]) -> list[dict]:
     return outs
 
 
-def test_engine_greedy_agrees_with_triton():
-    """flashinfer's greedy bfloat16 tokens (two waves: the second's requests hit the prefix
-    cache, so they take the ragged + paged prefix merge), scored teacher-forced by the triton
-    backend on the same sequences: its argmax at each generated position (tie-aware, see
-    `tests.teacher_forcing.score`) and the logprob of flashinfer's token.
+@pytest.mark.parametrize("decode", [None, "triton"], ids=["flashinfer", "flashinfer-prefill"])
+def test_engine_greedy_agrees_with_triton(decode):
+    """flashinfer's greedy bfloat16 tokens (with `decode`: flashinfer's prefill, that
+    backend's decode and its CUDA graphs, engine/attention/hybrid_attn.py), in two waves (the
+    second's requests hit the prefix cache, so they take the ragged + paged prefix merge),
+    scored teacher-forced by the triton backend on the same sequences: its argmax at each
+    generated position (tie-aware, see `tests.teacher_forcing.score`) and the logprob of the
+    engine's token.
 
     Free-running greedy outputs of two bf16 backends cannot be compared token for token on
     these random models: on the H100, triton against itself at page size 1 and 16 agreed on
@@ -282,7 +286,7 @@ def test_engine_greedy_agrees_with_triton():
 
     path = tiny_model("llama", "small")  # 8 layers, 16 query heads over 4 KV heads, head_dim 64
     prompts = mixed_prompts(AutoConfig.from_pretrained(path).vocab_size, n=16, max_len=300)
-    outs = _generate(path, "flashinfer", prompts)
+    outs = _generate(path, "flashinfer", prompts, decode_attention_backend=decode)
     seqs = [p + o["output_ids"] for p, o in zip(prompts, outs, strict=True)]
     rows = []
     for part in (slice(0, 8), slice(8, 16)):  # (the runner holds 8 requests)

@@ -64,9 +64,11 @@ def test_backend_matches_torch_native(prefix_lens, extend_lens, mode, page_size,
     assert torch.equal(got_pool.v_buffer[1], want_pool.v_buffer[1])
 
 
-def _engine_logits(path: str, backend: str, page_size: int) -> list[torch.Tensor]:
+def _engine_logits(
+    path: str, backend: str, page_size: int, check: object = None, **kwargs: object
+) -> list[torch.Tensor]:
     """Greedy generation in two rounds (the second hits the radix cache); the logits of
-    every forward step, in order."""
+    every forward step, in order. `check(runner)` runs on the model runner first."""
     from engine.engine import Engine
 
     engine = Engine(
@@ -77,8 +79,11 @@ def _engine_logits(path: str, backend: str, page_size: int) -> list[torch.Tensor
         max_total_tokens=1024,
         disable_overlap_schedule=True,
         skip_tokenizer_init=True,
+        **kwargs,
     )
     runner = engine.scheduler.model_runner
+    if check is not None:
+        check(runner)
     steps: list[torch.Tensor] = []
     forward = runner.forward
     runner.forward = lambda fb: steps.append(forward(fb).clone()) or steps[-1]
@@ -102,5 +107,38 @@ def test_engine_logits_match_torch_native(arch):
     got = _engine_logits(path, "triton", page_size=16)
     want = _engine_logits(path, "torch_native", page_size=16)
     assert len(got) == len(want) > 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("prefill,decode", [("torch_native", "triton"), ("triton", "torch_native")])
+def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode):
+    """--prefill-attention-backend / --decode-attention-backend: each batch goes to its
+    phase's backend over the shared pool (a request prefilled by one decodes with the other),
+    and the logits are the single backend's."""
+    from engine.attention.hybrid_attn import HybridAttnBackend
+    from tests.factories import tiny_model
+
+    path = tiny_model("mistral", sliding_window=8)
+    calls: dict[str, list[str]] = {"prefill": [], "decode": []}
+
+    def spy(runner) -> None:
+        hybrid = runner.attn_backend
+        assert isinstance(hybrid, HybridAttnBackend)
+        for phase in calls:
+            backend = getattr(hybrid, phase)
+            plan = backend.init_forward_metadata
+
+            def spied(fb, plan=plan, phase=phase):
+                calls[phase].append(fb.forward_mode.name)
+                return plan(fb)
+
+            backend.init_forward_metadata = spied
+
+    got = _engine_logits(path, "torch_native", 16, spy, prefill_attention_backend=prefill,
+                         decode_attention_backend=decode)  # fmt: skip
+    want = _engine_logits(path, "torch_native", page_size=16)
+    assert set(calls["prefill"]) == {"EXTEND"} and set(calls["decode"]) == {"DECODE"}
+    assert len(got) == len(want) == len(calls["prefill"]) + len(calls["decode"])
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
