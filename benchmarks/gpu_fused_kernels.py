@@ -2,7 +2,8 @@
 torch code they replace, on a GPU.
 
 1. Per op, Llama-3.2-1B decode shapes (one token, bf16, hidden 2048, intermediate 8192,
-   32 + 8 heads of 64): each op replayed `REPS` times in one CUDA graph, microseconds per op.
+   32 + 8 heads of 64; greedy argmax over 128,256 float32 logits, batch 1 and 64): each op
+   replayed `REPS` times in one CUDA graph, microseconds per op.
 2. Whole engine, decode at batch 1 on a random Llama-3.2-1B shaped model with CUDA graphs
    (as benchmarks/gpu_decode_bs1.py): ms per output token and the GPU's busy time per step,
    with the fused kernels and with the layers forced onto their torch code.
@@ -56,6 +57,7 @@ def op_table() -> list[dict[str, Any]]:
     from engine.layers.rotary import RotaryEmbedding, rotate_torch
     from kernels import fused_norm
     from kernels.activation import silu_and_mul
+    from kernels.argmax import argmax_rows
     from kernels.rotary import apply_rotary
 
     dt, dev = torch.bfloat16, "cuda"
@@ -66,6 +68,7 @@ def op_table() -> list[dict[str, Any]]:
     qk = qkv[:, : 40 * 64].view(1, 40, 64)
     rope = RotaryEmbedding(64, 8192, {"rope_type": "default", "rope_theta": 500000.0})
     cache, pos = rope.cos_sin_cache.to(dev, dt), torch.tensor([1000], device=dev)
+    logits1, logits64 = (torch.randn(b, 128256, device=dev) for b in (1, 64))  # float32
     ops = {
         "rms_norm": (lambda: rms_norm_torch(x, w, 1e-5), lambda: fused_norm.rms_norm(x, w, 1e-5)),
         "add_rms_norm": (
@@ -77,6 +80,8 @@ def op_table() -> list[dict[str, Any]]:
             lambda: rotate_torch(pos, qk, cache, 64),
             lambda: apply_rotary(pos, qk, cache, 64),
         ),
+        "argmax_bs1": (lambda: torch.argmax(logits1, -1), lambda: argmax_rows(logits1)),
+        "argmax_bs64": (lambda: torch.argmax(logits64, -1), lambda: argmax_rows(logits64)),
     }
     rows = []
     for name, (torch_fn, fused_fn) in ops.items():

@@ -185,7 +185,8 @@ do_step() {
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
                 tests/gpu/test_encoders_gpu.py tests/gpu/test_hicache_gpu.py \
                 tests/gpu/test_fused_kernels_gpu.py tests/unit/test_fp8.py \
-                tests/unit/test_kernels_page_table.py tests/gpu/test_allocator_gpu.py \
+                tests/unit/test_kernels_page_table.py tests/unit/test_kernels_argmax.py \
+                tests/gpu/test_allocator_gpu.py \
                 tests/gpu/test_logits_gpu.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;

@@ -46,6 +46,7 @@ from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.runtime import driver
 
 from kernels.activation import gelu_new, silu_and_mul
+from kernels.argmax import argmax_rows
 from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
 from kernels.fp8_gemm import fp8_gemm
@@ -332,6 +333,9 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                 yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
+    for name in ("float32", "bfloat16"):  # greedy sampling's logits (float32 in the engine)
+        logits = torch.zeros(2, 128256, dtype=DTYPES[name])
+        yield {"dtype": name, "case": "argmax"}, functools.partial(argmax_rows, logits)
     yield from _page_table_cases()
     yield from _elementwise_cases()
 
