@@ -80,11 +80,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="extra EngineArgs (python literals), e.g. cuda_graph_max_bs=160")
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=256)
+    ap.add_argument("--decode-configs", nargs="+",
+                    default=["cuda_graph", "cuda_graph_cuda_core_decode", "no_cuda_graph"],
+                    help="decode-bs1's configurations (cuda_graph, the result, always first)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--overlap-preset", default="gpt2-124m",
                     choices=("gpt2-124m", "llama-3.2-1b"))
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "sluice-gpu-bench"))
+    ap.add_argument("--tag", default="",
+                    help="an experiment: results into gpu_<bench>_<tag>.json, apart")
     ap.add_argument("--results-dir", default=None, help="default: benchmarks/results")
     return ap.parse_args(argv)
 
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ctx = Ctx(device=args.device, quick=args.quick, profile=args.profile,
               dtype=args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"),
               attention_backend=backend, engine_args=_engine_args(args.engine_arg),
-              model_dir=args.model_dir)
+              model_dir=args.model_dir, tag=args.tag)
     summary: dict[str, Any] = {}
     for name in (BENCHES if args.bench == "all" else [args.bench]):
         t = time.perf_counter()

@@ -35,13 +35,15 @@ class Ctx:
     engine_args: dict[str, Any]
     model_dir: str
     seed: int = 0
+    tag: str = ""  # an experiment's results: gpu_<base>_<tag>.json (the summary's too)
 
     @property
     def cuda(self) -> bool:
         return self.device.startswith("cuda")
 
     def name(self, base: str) -> str:
-        return f"gpu_{base}_quick" if self.quick else f"gpu_{base}"
+        name = f"gpu_{base}_quick" if self.quick else f"gpu_{base}"
+        return f"{name}_{self.tag}" if self.tag else name
 
 
 # -- setup ------------------------------------------------------------------------------------
