@@ -13,7 +13,8 @@ and the overlap scheduler on vs off with the GPU's idle time per decode step.
   bfloat16 (the same tensor-core rate and bytes per weight on Hopper; `--dtype float16`
   reproduces theirs).
 * decode-bs1: one request on a Llama-3.2-1B shaped random model (bf16): ms per output token
-  in steady decode, CUDA graphs on and off, against bytes-per-token / HBM bandwidth. Bytes: the
+  in steady decode, CUDA graphs on and off (and flashinfer's decode kernels beside the default
+  Triton one), against bytes-per-token / HBM bandwidth. Bytes: the
   model's unique parameter storage (the tied embedding counted once: decode reads it whole as
   lm_head) plus the KV cache read. Bandwidth: the device's datasheet figure (named in the
   JSON; H100 SXM 3.35 TB/s) and the copy bandwidth measured in the same run.
@@ -81,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--decode-configs", nargs="+",
-                    default=["cuda_graph", "cuda_graph_cuda_core_decode", "no_cuda_graph"],
+                    default=["cuda_graph", "cuda_graph_flashinfer_decode",
+                             "cuda_graph_cuda_core_decode", "no_cuda_graph"],
                     help="decode-bs1's configurations (cuda_graph, the result, always first)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--overlap-preset", default="gpt2-124m",

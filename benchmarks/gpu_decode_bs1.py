@@ -44,15 +44,19 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                          "prompt_len": prompt_len, "new_tokens": new,
                          "copy_bandwidth_measured_Bps": bw_measured,
                          "datasheet_bandwidth_Bps": bw_sheet, "datasheet_bandwidth": bw_name}
-    # (label, CUDA graphs, flashinfer's decode kernel): the default, its CUDA-core kernel
-    # (auto picks tensor cores for the 32/8 heads), and eager
-    configs = [("cuda_graph", True, "auto"), ("cuda_graph_cuda_core_decode", True, "off"),
-               ("no_cuda_graph", False, "auto")]
-    configs = [c for c in configs if c[0] in args.decode_configs]
+    # (label, CUDA graphs, engine overrides): the default (flashinfer prefill, Triton decode
+    # where Triton compiles), flashinfer's decode (auto: its tensor-core kernel for 32/8
+    # heads) and its CUDA-core decode kernel, and eager
+    fi_decode = {"decode_attention_backend": "flashinfer"}
+    configs = [("cuda_graph", True, {}), ("cuda_graph_flashinfer_decode", True, fi_decode),
+               ("cuda_graph_cuda_core_decode", True,
+                {**fi_decode, "flashinfer_decode_tensor_cores": "off"}),
+               ("no_cuda_graph", False, {})]
+    configs = [c for c in configs if c[0] in args.decode_configs
+               and (ctx.cuda or "decode_attention_backend" not in c[2])]  # (CPU: no flashinfer)
     assert configs and configs[0][0] == "cuda_graph", "the cuda_graph config is the result"
-    for label, graphs, cores in configs:
-        with make_engine(ctx, path, disable_cuda_graph=not graphs,
-                         flashinfer_decode_tensor_cores=cores) as engine:  # fmt: skip
+    for label, graphs, overrides in configs:
+        with make_engine(ctx, path, disable_cuda_graph=not graphs, **overrides) as engine:
             weight_bytes = _weight_bytes(engine)
             kv_bytes = _kv_bytes_per_token(engine) * (prompt_len + new / 2)
             drive(engine, random_prompts(vocab, 1, prompt_len, ctx.seed + 7), 8)  # warm-up
@@ -81,9 +85,10 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     summary = {"decode_bs1_ms_per_token": best["ms_per_token"],
                "decode_bs1_roofline_fraction": best["roofline_fraction"],
                "decode_bs1_roofline_fraction_measured_bw": best["roofline_fraction_measured_bw"]}
-    if "cuda_graph_cuda_core_decode" in results:
-        summary["decode_bs1_cuda_core_decode_vs_default"] = (
-            best["ms_per_token"] / results["cuda_graph_cuda_core_decode"]["ms_per_token"])
+    for label in ("cuda_graph_flashinfer_decode", "cuda_graph_cuda_core_decode"):
+        if label in results:  # (below 1: the default is faster)
+            summary[f"decode_bs1_default_vs_{label.removeprefix('cuda_graph_')}"] = (
+                best["ms_per_token"] / results[label]["ms_per_token"])
     return finish(ctx, "decode_bs1", results, summary)
 
 

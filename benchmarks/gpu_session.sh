@@ -25,6 +25,9 @@
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
 #   host-profile  benchmarks/host_profile.py: wall time of seed-shape waves (overlap and CUDA
 #               graphs on / off, and a decode-heavy wave) and the host's cProfile of one wave
+#   decode-backends  benchmarks/gpu_decode_backends.py: decode step time of flashinfer's and
+#               Triton's decode attention (flashinfer prefill) from batch 1 at 8k tokens to
+#               batch 256 at 512, writing benchmarks/results/gpu_decode_backends.json
 #   flashinfer-plan  benchmarks/flashinfer_plan.py --device cuda: host time of planning a
 #               decode batch, the backend's fast re-plan against flashinfer's plan (real
 #               planners), writing benchmarks/results/gpu_flashinfer_plan.json
@@ -198,6 +201,8 @@ do_step() {
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
         decode-bs1) run_step decode-bs1 170 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
+        decode-backends)
+            run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;
         flashinfer-plan)
             run_step flashinfer-plan 60 python3 benchmarks/flashinfer_plan.py --device cuda ;;
         smoke)

@@ -50,3 +50,29 @@ def test_a_named_backend_and_cpu_are_left_alone(monkeypatch: pytest.MonkeyPatch)
         monkeypatch, False, torch.float32, device="cuda", attention_backend="flashinfer"
     )
     assert named == "flashinfer"  # asked for: its constructor explains why it cannot run
+
+
+def _phases(monkeypatch: pytest.MonkeyPatch, triton: bool = True, **args: object):
+    from kernels import jit
+
+    monkeypatch.setattr(flashinfer_support, "flashinfer_available", lambda: True)
+    monkeypatch.setattr(jit, "HAS_TRITON", triton)
+    monkeypatch.setattr(jit, "interpreting", lambda: False)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.args = EngineArgs.from_kwargs(model_path="m", **args)
+    runner.model_config = SimpleNamespace(head_dim=64, sliding_window_sizes=set())
+    runner.dtype = torch.bfloat16
+    return runner._attention_backend_names()
+
+
+def test_default_decode_is_tritons_where_flashinfer_is_chosen(monkeypatch):
+    assert _phases(monkeypatch, device="cuda") == ("flashinfer", "triton")
+    assert _phases(monkeypatch, triton=False, device="cuda") == ("flashinfer", "flashinfer")
+    # a backend named is that backend for both phases, unless a phase names its own
+    named = _phases(monkeypatch, device="cuda", attention_backend="flashinfer")
+    assert named == ("flashinfer", "flashinfer")
+    both = _phases(monkeypatch, device="cuda", decode_attention_backend="flashinfer")
+    assert both == ("flashinfer", "flashinfer")
+    assert _phases(monkeypatch, device="cuda", attention_backend="triton",
+                   prefill_attention_backend="flashinfer") == ("flashinfer", "triton")  # fmt: skip
+    assert _phases(monkeypatch, device="cpu") == ("torch_native", "torch_native")
