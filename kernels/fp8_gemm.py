@@ -36,7 +36,11 @@ def quantize_groups(
     if nr * gr != rows or nc * gc != cols:
         xf = F.pad(xf, (0, nc * gc - cols, 0, nr * gr - rows))
     blocks = xf.view(nr, gr, nc, gc)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_SCALE) / FP8_MAX
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_SCALE)
+    # divided by a tensor: CUDA divides by a Python scalar as a multiplication by its
+    # reciprocal, a scale an ulp off the CPU's, which flips float8 roundings of the values
+    # (the same weights and activations quantized differently per device, seen on the H100)
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     q = q.view(nr * gr, nc * gc)[:rows, :cols]
     return q.contiguous(), scale

@@ -46,6 +46,22 @@ def _models(arch: str) -> tuple[str, str]:
     return full, fp8
 
 
+@pytest.mark.parametrize("rows,cols,group", [(7, 2048, (1, 2048)), (300, 2048, (1, 128)),
+                                             (2560, 2048, (128, 128))])
+def test_quantization_is_the_same_on_cuda_and_cpu(rows, cols, group):
+    """Bit for bit: the H100 once quantized an ulp-different scale (a division by a Python
+    scalar is a multiplication by its reciprocal on CUDA), flipping float8 roundings, and the
+    GEMMs then missed the CPU reference by 5x their tolerance (the Triton GEMM itself matched
+    it given the same quantized inputs)."""
+    from kernels.fp8_gemm import quantize_groups
+
+    x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3).bfloat16()
+    q, s = quantize_groups(x, *group)
+    q_cuda, s_cuda = quantize_groups(x.cuda(), *group)
+    assert torch.equal(s_cuda.cpu(), s)
+    assert torch.equal(q_cuda.cpu().view(torch.uint8), q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize(
     "n,k,group", [(4096, 2048, (1, 2048)), (2560, 2048, (128, 128)), (2048, 8192, (128, 128))]
