@@ -191,6 +191,9 @@ class EngineArgs:
     # names; engine/attention/hybrid_attn.py); None: attention_backend's choice
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
+    # KV splits of the Triton decode kernel (SGLang's flag); None: 8 on CUDA, 2 in the
+    # interpreter. More splits feed the GPU on few requests over long contexts.
+    triton_attention_num_kv_splits: int | None = None
     # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
     # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)
     flashinfer_decode_tensor_cores: str = "auto"
@@ -250,6 +253,9 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and value not in ATTENTION_BACKENDS:
                 raise ValueError(f"{name}: {value!r} not in {ATTENTION_BACKENDS}")
+        splits = self.triton_attention_num_kv_splits
+        if splits is not None and splits < 1:
+            raise ValueError(f"triton_attention_num_kv_splits: {splits} is not a positive count")
         if self.cpu_overlap_executor not in CPU_OVERLAP_EXECUTORS:
             raise ValueError(
                 f"cpu_overlap_executor: {self.cpu_overlap_executor!r} not in "

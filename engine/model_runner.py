@@ -145,6 +145,7 @@ class ModelRunner:
                 kv_pool=self.kv_pool,
                 page_size=self.page_size,
                 decode_tensor_cores=self.args.flashinfer_decode_tensor_cores,
+                num_kv_splits=self.args.triton_attention_num_kv_splits,
             )
 
         def make() -> AttentionBackend:

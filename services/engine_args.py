@@ -137,6 +137,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--attention-backend's (e.g. flashinfer prefill with triton decode)",
     )
     g.add_argument(
+        "--triton-attention-num-kv-splits",
+        type=int,
+        default=None,
+        help="KV splits of the Triton decode kernel (default 8 on CUDA): more help few "
+        "requests over long contexts",
+    )
+    g.add_argument(
         "--flashinfer-decode-tensor-cores",
         default="auto",
         choices=DECODE_TENSOR_CORES,

@@ -108,3 +108,7 @@ def test_engine_args_and_flags() -> None:
         ap.parse_args(["--model-path", "m", "--decode-attention-backend", "fa3"])
     with pytest.raises(ValueError, match="decode_attention_backend: 'fa3'"):
         EngineArgs.from_kwargs(model_path="m", decode_attention_backend="fa3")
+    splits = ap.parse_args(["--model-path", "m", "--triton-attention-num-kv-splits", "16"])
+    assert engine_args_from(splits).triton_attention_num_kv_splits == 16
+    with pytest.raises(ValueError, match="triton_attention_num_kv_splits: 0"):
+        EngineArgs.from_kwargs(model_path="m", triton_attention_num_kv_splits=0)

@@ -125,6 +125,8 @@ def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode)
     def spy(runner) -> None:
         hybrid = runner.attn_backend
         assert isinstance(hybrid, HybridAttnBackend)
+        triton = hybrid.decode if decode == "triton" else hybrid.prefill
+        assert triton.num_kv_splits == 3  # --triton-attention-num-kv-splits
         for phase in calls:
             backend = getattr(hybrid, phase)
             plan = backend.init_forward_metadata
@@ -136,7 +138,8 @@ def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode)
             backend.init_forward_metadata = spied
 
     got = _engine_logits(path, "torch_native", 16, spy, prefill_attention_backend=prefill,
-                         decode_attention_backend=decode)  # fmt: skip
+                         decode_attention_backend=decode,
+                         triton_attention_num_kv_splits=3)  # fmt: skip
     want = _engine_logits(path, "torch_native", page_size=16)
     assert set(calls["prefill"]) == {"EXTEND"} and set(calls["decode"]) == {"DECODE"}
     assert len(got) == len(want) == len(calls["prefill"]) + len(calls["decode"])
