@@ -172,14 +172,19 @@ class ModelRunner:
         On the H100 (benchmarks/results/gpu_decode_backends.json, Llama-3.2-1B shape, bf16)
         Triton's decode step took 0.84-0.91x flashinfer's from batch 8 at 8k tokens to batch
         256 at 512, 1.07x at batch 1 over 8k, and its graph replays plan nothing on the host;
-        prefill stays flashinfer's."""
+        prefill stays flashinfer's. Where Triton cannot read the cache (float8 e4m3 before
+        sm_89), decode stays flashinfer's."""
         name = self._attention_backend_name()
         decode = name
         if name == "flashinfer" and not self.args.attention_backend:
             from kernels.jit import HAS_TRITON, interpreting
 
             if HAS_TRITON and not interpreting():
-                decode = "triton"
+                from engine.attention.triton_backend import float8_loads
+
+                # (an e4m3 cache before sm_89 stays on flashinfer, which reads it)
+                if float8_loads(self.kv_pool.dtype, torch.device(self.device)):
+                    decode = "triton"
         args = self.args
         return args.prefill_attention_backend or name, args.decode_attention_backend or decode
 

@@ -175,12 +175,18 @@ class TritonAttnBackend(AttentionBackend):
         )  # fmt: skip
 
 
+def float8_loads(kv_dtype: object, device: torch.device) -> bool:
+    """Whether Triton's kernels can read a cache of `kv_dtype` on `device`: float8 e4m3 is
+    converted on sm_89 and later only (e5m2 everywhere)."""
+    if kv_dtype == torch.float8_e4m3fn and device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (8, 9)
+    return True
+
+
 def check_float8_loads(kv_pool: object, device: torch.device) -> None:
     """Triton converts float8 e4m3 on sm_89 and later only (e5m2 everywhere)."""
-    dtype = getattr(kv_pool, "dtype", None)
-    if dtype == torch.float8_e4m3fn and device.type == "cuda":
-        if torch.cuda.get_device_capability(device) < (8, 9):
-            raise ValueError(
-                "kv_cache_dtype fp8_e4m3 with attention_backend='triton' needs compute "
-                "capability 8.9 or later (Ada, Hopper); use fp8_e5m2 on this GPU"
-            )
+    if not float8_loads(getattr(kv_pool, "dtype", None), device):
+        raise ValueError(
+            "kv_cache_dtype fp8_e4m3 with attention_backend='triton' needs compute "
+            "capability 8.9 or later (Ada, Hopper); use fp8_e5m2 on this GPU"
+        )

@@ -52,14 +52,19 @@ def test_a_named_backend_and_cpu_are_left_alone(monkeypatch: pytest.MonkeyPatch)
     assert named == "flashinfer"  # asked for: its constructor explains why it cannot run
 
 
-def _phases(monkeypatch: pytest.MonkeyPatch, triton: bool = True, **args: object):
+def _phases(monkeypatch: pytest.MonkeyPatch, triton: bool = True,
+            kv_dtype: torch.dtype = torch.bfloat16, capability: tuple[int, int] = (9, 0),
+            **args: object):  # fmt: skip
     from kernels import jit
 
     monkeypatch.setattr(flashinfer_support, "flashinfer_available", lambda: True)
     monkeypatch.setattr(jit, "HAS_TRITON", triton)
     monkeypatch.setattr(jit, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     runner = ModelRunner.__new__(ModelRunner)
     runner.args = EngineArgs.from_kwargs(model_path="m", **args)
+    runner.device = args.get("device", "cpu")
+    runner.kv_pool = SimpleNamespace(dtype=kv_dtype)
     runner.model_config = SimpleNamespace(head_dim=64, sliding_window_sizes=set())
     runner.dtype = torch.bfloat16
     return runner._attention_backend_names()
@@ -76,3 +81,13 @@ def test_default_decode_is_tritons_where_flashinfer_is_chosen(monkeypatch):
     assert _phases(monkeypatch, device="cuda", attention_backend="triton",
                    prefill_attention_backend="flashinfer") == ("flashinfer", "triton")  # fmt: skip
     assert _phases(monkeypatch, device="cpu") == ("torch_native", "torch_native")
+
+
+def test_an_e4m3_cache_before_sm89_keeps_flashinfer_decode(monkeypatch):
+    e4m3 = torch.float8_e4m3fn
+    ampere = _phases(monkeypatch, kv_dtype=e4m3, capability=(8, 0), device="cuda")
+    assert ampere == ("flashinfer", "flashinfer")  # Triton cannot read it there
+    hopper = _phases(monkeypatch, kv_dtype=e4m3, capability=(9, 0), device="cuda")
+    assert hopper == ("flashinfer", "triton")
+    e5m2 = _phases(monkeypatch, kv_dtype=torch.float8_e5m2, capability=(8, 0), device="cuda")
+    assert e5m2 == ("flashinfer", "triton")
