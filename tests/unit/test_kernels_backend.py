@@ -111,8 +111,9 @@ def test_engine_logits_match_torch_native(arch):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("hybrid_swa", [False, True], ids=["one-pool", "hybrid-swa-memory"])
 @pytest.mark.parametrize("prefill,decode", [("torch_native", "triton"), ("triton", "torch_native")])
-def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode):
+def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode, hybrid_swa):
     """--prefill-attention-backend / --decode-attention-backend: each batch goes to its
     phase's backend over the shared pool (a request prefilled by one decodes with the other),
     and the logits are the single backend's."""
@@ -120,10 +121,15 @@ def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode)
     from tests.factories import tiny_model
 
     path = tiny_model("mistral", sliding_window=8)
+    memory = dict(hybrid_swa_memory=True, chunked_prefill_size=64, swa_full_tokens_ratio=0.5)
+    memory = memory if hybrid_swa else {}
     calls: dict[str, list[str]] = {"prefill": [], "decode": []}
 
     def spy(runner) -> None:
         hybrid = runner.attn_backend
+        if hybrid_swa:  # (every layer of the tiny Mistral is windowed: its swa backend)
+            assert hybrid.full is None
+            hybrid = hybrid.swa
         assert isinstance(hybrid, HybridAttnBackend)
         triton = hybrid.decode if decode == "triton" else hybrid.prefill
         assert triton.num_kv_splits == 3  # --triton-attention-num-kv-splits
@@ -138,9 +144,9 @@ def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode)
             backend.init_forward_metadata = spied
 
     got = _engine_logits(path, "torch_native", 16, spy, prefill_attention_backend=prefill,
-                         decode_attention_backend=decode,
-                         triton_attention_num_kv_splits=3)  # fmt: skip
-    want = _engine_logits(path, "torch_native", page_size=16)
+                         decode_attention_backend=decode, triton_attention_num_kv_splits=3,
+                         **memory)  # fmt: skip
+    want = _engine_logits(path, "torch_native", page_size=16, **memory)
     assert set(calls["prefill"]) == {"EXTEND"} and set(calls["decode"]) == {"DECODE"}
     assert len(got) == len(want) == len(calls["prefill"]) + len(calls["decode"])
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
