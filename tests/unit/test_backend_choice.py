@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.attention import flashinfer_support
+# triton_backend imported before a test patches kernels.jit: imported under the patch, it
+# would keep the patched `interpreting` for good (and the later Triton tests would fail)
+from engine.attention import flashinfer_support, triton_backend  # noqa: F401
 from engine.config import EngineArgs
 from engine.model_runner import ModelRunner
 
