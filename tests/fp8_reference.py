@@ -62,7 +62,18 @@ def hf_w8a8_logits(
     (--quantization fp8's arithmetic)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path).to(device, dtype).eval()
+    kwargs: dict[str, Any] = {}
+    with open(os.path.join(path, "config.json")) as f:
+        quant = json.load(f).get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        from transformers import FineGrainedFP8Config
+
+        # dequantized as it loads, as transformers does unasked on a machine without a GPU:
+        # with one, it keeps float8 weights and their scales apart, and `.to(dtype)` below
+        # would cast those weights to `dtype` without their scales (on the H100 the
+        # reference's logits were then garbage: agreement 0.004)
+        kwargs["quantization_config"] = FineGrainedFP8Config(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device, dtype).eval()
     assert all(p.dtype == dtype for p in model.parameters())
     names = quantized_linear_names(model, Fp8Config(checkpoint=True))
     # GPT-2's projections are Conv1D layers in transformers: weight [in, out]

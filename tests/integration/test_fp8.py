@@ -117,3 +117,27 @@ def test_unsupported_quantization_is_refused_at_start(tmp_path):
         json.dump(config, f)
     with pytest.raises(ValueError, match="quantized with 'awq'"):
         Engine(model_path=path, disable_overlap_schedule=True)
+
+
+def test_the_reference_is_dequantized_where_transformers_sees_a_gpu(monkeypatch):
+    """With a GPU present transformers keeps an FP8 checkpoint's float8 weights apart from
+    their scales, and the reference's cast to its dtype then dropped the scales (on the H100:
+    agreement 0.004 against it). `hf_w8a8_logits` asks for the dequantized weights, so the
+    reference is the same whether transformers sees a GPU or not."""
+    path = tiny_fp8_model("llama", 16)
+    seqs = cpu_sequences()[:2]
+    want = hf_w8a8_logits(path, seqs, group_cols=16)
+    import transformers.utils.import_utils as hf_imports
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args, **kwargs: (9, 0))
+    try:
+        got = hf_w8a8_logits(path, seqs, group_cols=16)
+    finally:  # transformers caches what it learnt of CUDA: forget the pretended GPU
+        for name in ("is_torch_cuda_available", "is_cuda_platform", "get_cuda_runtime_version"):
+            cached = getattr(hf_imports, name, None)
+            if hasattr(cached, "cache_clear"):
+                cached.cache_clear()
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
