@@ -48,14 +48,12 @@ class HybridAttnBackend(AttentionBackend):
         self.decode.init_cuda_graph_state(max_bs, max_context_len)
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        self.active = self.decode
         self.decode.init_forward_metadata_capture_cuda_graph(forward_batch)
-        self.metadata = self.decode.metadata
+        self.active, self.metadata = self.decode, self.decode.metadata
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        self.active = self.decode
         self.decode.init_forward_metadata_replay_cuda_graph(forward_batch)
-        self.metadata = self.decode.metadata
+        self.active, self.metadata = self.decode, self.decode.metadata
 
     def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
         self.decode.cuda_graph_prologue(forward_batch)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from engine.sampling.penalty_slots import PenaltyCounts
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from kernels.argmax import argmax_rows
 from kernels.jit import compiled_on
 
 if TYPE_CHECKING:
@@ -161,8 +162,6 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     CUDA (kernels/argmax.py; torch's one block per row took 27 us of a batch-1 decode step
     over a 128k vocabulary on the H100), torch's elsewhere."""
     if compiled_on(logits) and logits.dim() == 2 and logits.stride(1) == 1:
-        from kernels.argmax import argmax_rows
-
         return argmax_rows(logits)
     return torch.argmax(logits, dim=-1)
 
