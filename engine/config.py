@@ -140,6 +140,8 @@ def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
+GEMV_BACKENDS = ("torch", "triton")
+GEMV_MAX_ROWS = 16  # kernels.gemv.MAX_M
 DECODE_TENSOR_CORES = ("auto", "on", "off")
 CPU_OVERLAP_EXECUTORS = ("process", "thread")
 
@@ -194,6 +196,10 @@ class EngineArgs:
     # KV splits of the Triton decode kernel (SGLang's flag); None: 8 on CUDA, 2 in the
     # interpreter. More splits feed the GPU on few requests over long contexts.
     triton_attention_num_kv_splits: int | None = None
+    # "triton": inputs of 1..gemv_max_rows rows (decode at small batch) of the dense linear
+    # layers and the lm_head go to the Triton GEMV (kernels/gemv.py) instead of cuBLAS
+    gemv_backend: str = "torch"
+    gemv_max_rows: int = 4
     # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
     # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)
     flashinfer_decode_tensor_cores: str = "auto"
@@ -256,6 +262,10 @@ class EngineArgs:
         splits = self.triton_attention_num_kv_splits
         if splits is not None and splits < 1:
             raise ValueError(f"triton_attention_num_kv_splits: {splits} is not a positive count")
+        if self.gemv_backend not in GEMV_BACKENDS:
+            raise ValueError(f"gemv_backend: {self.gemv_backend!r} not in {GEMV_BACKENDS}")
+        if not 1 <= self.gemv_max_rows <= GEMV_MAX_ROWS:
+            raise ValueError(f"gemv_max_rows: {self.gemv_max_rows} not in 1..{GEMV_MAX_ROWS}")
         if self.cpu_overlap_executor not in CPU_OVERLAP_EXECUTORS:
             raise ValueError(
                 f"cpu_overlap_executor: {self.cpu_overlap_executor!r} not in "

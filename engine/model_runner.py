@@ -72,6 +72,8 @@ class ModelRunner:
             None if host_only
             else load_model(model_config, self.dtype, self.device, self.quantization)
         )  # fmt: skip
+        if self.model is not None and args.gemv_backend == "triton":
+            self._use_triton_gemv()
         self.weights_path = model_config.path  # the checkpoint the weights are from
         self.lora = (
             None if host_only else make_lora_manager(self.model, args, self.dtype, self.device)
@@ -133,6 +135,20 @@ class ModelRunner:
             logger.info("CUDA graphs off: LoRA adapters are applied eagerly")
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
+
+    def _use_triton_gemv(self) -> None:
+        from engine.layers.linear import use_triton_gemv
+        from kernels.jit import HAS_TRITON, interpreting
+
+        if not HAS_TRITON or (self.device.type != "cuda" and not interpreting()):
+            raise RuntimeError(
+                "gemv_backend='triton' runs on CUDA, or on CPU under TRITON_INTERPRET=1"
+            )
+        layers = use_triton_gemv(self.model, self.args.gemv_max_rows)
+        logger.info(
+            "Triton GEMV: %d linear layers and the lm_head, inputs of up to %d rows",
+            layers, self.args.gemv_max_rows,
+        )  # fmt: skip
 
     def _make_attention_backend(self, swa_layers: frozenset[int]) -> AttentionBackend:
         prefill, decode = self._attention_backend_names()

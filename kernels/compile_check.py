@@ -53,6 +53,7 @@ from kernels.fp8_gemm import fp8_gemm
 from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
+from kernels.gemv import gemv
 from kernels.jit import interpreting
 from kernels.kv_store import store_kv
 from kernels.page_table import page_ids
@@ -338,6 +339,18 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         yield {"dtype": name, "case": "argmax"}, functools.partial(argmax_rows, logits)
     yield from _page_table_cases()
     yield from _elementwise_cases()
+    yield from _gemv_cases()
+
+
+def _gemv_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
+    """The small-batch GEMV at Llama 3.2 1B's projections and lm_head: one row (reduction) and
+    four (dot), with gemv_config's tiles."""
+    for name, dtype in DTYPES.items():
+        for n, k in ((3072, 2048), (16384, 2048), (2048, 8192), (128256, 2048)):
+            for rows in (1, 4):
+                x, w = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
+                labels = {"dtype": name, "case": f"gemv M{rows} N{n} K{k}"}
+                yield labels, functools.partial(gemv, x, w)
 
 
 def _page_table_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:

@@ -12,6 +12,8 @@ from engine.config import (
     ATTENTION_BACKENDS,
     CPU_OVERLAP_EXECUTORS,
     DECODE_TENSOR_CORES,
+    GEMV_BACKENDS,
+    GEMV_MAX_ROWS,
     SCHEDULE_POLICIES,
     EngineArgs,
 )
@@ -142,6 +144,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="KV splits of the Triton decode kernel (default 8 on CUDA): more help few "
         "requests over long contexts",
+    )
+    g.add_argument(
+        "--gemv-backend",
+        default="torch",
+        choices=GEMV_BACKENDS,
+        help="triton: linear layers (and the lm_head) on inputs of up to --gemv-max-rows rows "
+        "(decode at small batch) use the Triton GEMV instead of cuBLAS",
+    )
+    g.add_argument(
+        "--gemv-max-rows",
+        type=int,
+        default=4,
+        help=f"the most rows the Triton GEMV takes (1-{GEMV_MAX_ROWS}; default 4)",
     )
     g.add_argument(
         "--flashinfer-decode-tensor-cores",

@@ -4,13 +4,19 @@
 each costs one matmul. Shard `s` occupies output rows `[offset_s, offset_s + size_s)` of the
 weight (and of the bias) in the order the shards were declared; the loader fills each from
 its own checkpoint tensor through `load_shard`.
+
+`use_triton_gemv` (`--gemv-backend triton`) sends the inputs of a few rows (decode at small
+batch) of every `nn.Linear` / `MergedLinear` of a model, and its lm_head matmul, to the Triton
+GEMV (`kernels/gemv.py`) instead of cuBLAS; larger inputs still take `F.linear`.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Hashable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -41,3 +47,39 @@ class MergedLinear(nn.Linear):
                 f"expected {tuple(target.shape)}"
             )
         target.copy_(loaded)
+
+
+def use_triton_gemv(model: nn.Module, max_rows: int) -> int:
+    """Route inputs of 1..max_rows rows of the model's plain linear layers (and of its
+    `LogitsProcessor`'s lm_head matmul) through `kernels.gemv.gemv`; returns how many linear
+    layers now do. Quantized layers (`Fp8Linear`) keep their own path."""
+    from engine.layers.logits import LogitsProcessor
+
+    count = 0
+    for module in model.modules():
+        if type(module) in (nn.Linear, MergedLinear):
+            module.gemv_max_rows = max_rows
+            module.forward = types.MethodType(_small_rows_forward, module)
+            count += 1
+        elif isinstance(module, LogitsProcessor):
+            module.gemv_max_rows = max_rows
+    return count
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
+    """Whether `kernels.gemv.gemv` takes x @ weight.T: 1..max_rows rows of weight's dtype."""
+    return (
+        x.dim() == 2
+        and 0 < x.shape[0] <= max_rows
+        and x.dtype == weight.dtype
+        and x.stride(-1) == 1
+        and weight.stride(-1) == 1
+    )
+
+
+def _small_rows_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if gemv_fits(x, self.weight, self.gemv_max_rows):
+        from kernels.gemv import gemv
+
+        return gemv(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)

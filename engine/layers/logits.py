@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import gemv_fits
 from engine.pooling import pool_hidden
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ class LogitsProcessor(nn.Module):
         super().__init__()
         self.vocab_size = vocab_size
         self.soft_cap = soft_cap
+        self.gemv_max_rows = 0  # engine.layers.linear.use_triton_gemv: the Triton GEMV's rows
 
     def forward(
         self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
@@ -53,7 +55,7 @@ class LogitsProcessor(nn.Module):
             if fb.prompt_logprob_rows is not None:
                 index = torch.cat([index, fb.prompt_logprob_rows])
             hidden_states = hidden_states.index_select(0, index)
-        logits = lm_head_matmul(hidden_states, lm_head_weight)
+        logits = lm_head_matmul(hidden_states, lm_head_weight, gemv_max_rows=self.gemv_max_rows)
         if self.soft_cap:  # in float32 at least (float64 models: float64), then float32
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
@@ -65,15 +67,21 @@ ROW_MULTIPLE = 64  # the output row length used where the vocabulary is not alig
 
 
 def lm_head_matmul(
-    hidden: torch.Tensor, weight: torch.Tensor, pad: bool | None = None
+    hidden: torch.Tensor, weight: torch.Tensor, pad: bool | None = None, gemv_max_rows: int = 0
 ) -> torch.Tensor:
     """hidden [N, H] @ weight[V, H].T. `pad` (default: on CUDA, 16-bit, V not a multiple of
-    ALIGN): into rows of ROW_MULTIPLE elements, returned as the [N, V] view (strided)."""
+    ALIGN): into rows of ROW_MULTIPLE elements, returned as the [N, V] view (strided).
+    N <= `gemv_max_rows` (`--gemv-backend triton`): by the Triton GEMV (kernels/gemv.py)."""
     vocab = weight.shape[0]
+    gemv = gemv_fits(hidden, weight, gemv_max_rows)
     if pad is None:
         pad = hidden.is_cuda and hidden.element_size() == 2 and vocab % ALIGN != 0
-    if not pad or hidden.dim() != 2:
+    if (not pad or hidden.dim() != 2) and not gemv:
         return F.linear(hidden, weight)
-    width = -(-vocab // ROW_MULTIPLE) * ROW_MULTIPLE
+    width = -(-vocab // ROW_MULTIPLE) * ROW_MULTIPLE if pad else vocab
     out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
+    if gemv:
+        from kernels.gemv import gemv as triton_gemv
+
+        return triton_gemv(hidden, weight, out=out[:, :vocab])
     return torch.mm(hidden, weight.t(), out=out[:, :vocab])

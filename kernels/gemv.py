@@ -1,0 +1,171 @@
+"""y = x @ w.T (+ bias) for a few rows of x: the linear layers of decode at small batch.
+
+At batch 1 a decode step is a chain of matrix-vector products that read every weight once, so
+its speed is the HBM bandwidth the GEMMs reach. On the H100 (benchmarks/gpu_session.md,
+third session) cuBLAS's kernels for Llama 3.2 1B's projections reached 1.3-2.6 TB/s of the
+3.35 peak (o_proj 6.3 us for 8 MB, gate_up 25.5 us for 67 MB), about 1.04 ms of a 1.36 ms
+step whose roofline is 0.74.
+
+Here a program owns BLOCK_N output columns (weight rows) for all M rows of x and walks K in
+BLOCK_K steps, so the grid (cdiv(N, BLOCK_N),) has no split-K and nothing to reduce across
+programs; a small BLOCK_N gives even the 2048-wide projections a few programs per SM.
+
+* M == 1: the weight tile times the broadcast x, accumulated elementwise in float32 and
+  summed over K once at the end (a reduction, not a dot: a dot would pad M to 16).
+* 1 < M <= MAX_M: `tl.dot(w, x.T)` with M padded to 16 (BLOCK_M), float32 accumulation
+  (IEEE for float32 weights).
+
+Weights [N, K] with the last axis contiguous; x [M, K] likewise; the output [M, N] may be a
+strided view (the lm_head's padded rows). `gemv_config` picks the tile; benchmarks/
+gpu_fused_kernels.py's `gemv` rows sweep the alternatives on a GPU. The engine uses this
+kernel with `--gemv-backend triton` (`engine.layers.linear.use_triton_gemv`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels.jit import (
+    HAS_TRITON,
+    cdiv,
+    dot_dtype,
+    dot_precision,
+    interpreting,
+    next_pow2,
+    tl,
+    triton,
+)
+
+MAX_M = 16  # rows of x the kernel takes; more go to torch's GEMM
+TILE = 8192  # most weight elements a one-row program multiplies per step
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_wn,
+        stride_om,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_n = offs_n < N
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        if BLOCK_M == 1:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                if EVEN_K:
+                    x = tl.load(x_ptr + k0 + offs_k)
+                else:
+                    x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+                if EVEN_N and EVEN_K:
+                    w = tl.load(w_ptrs + k0)
+                else:
+                    w_mask = mask_n[:, None] & (k0 + offs_k < K)[None, :]
+                    w = tl.load(w_ptrs + k0, mask=w_mask, other=0.0)
+                acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            y = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+        else:
+            offs_m = tl.arange(0, BLOCK_M)
+            mask_m = offs_m < M
+            x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                mask_k = k0 + offs_k < K
+                x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                if EVEN_N and EVEN_K:
+                    w = tl.load(w_ptrs + k0)
+                else:
+                    w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                acc = tl.dot(
+                    w.to(DOT_DTYPE), tl.trans(x.to(DOT_DTYPE)), acc, input_precision=PRECISION
+                )
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+            out_mask = mask_n[:, None] & mask_m[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:
+    """The tile for x [m, k] @ w[n, k].T: BLOCK_N, BLOCK_K, num_warps, num_stages.
+
+    BLOCK_N: the largest power of two (4-64 at M == 1, 16-64 for the dot) that still gives
+    about two programs per SM, so an N of 2048 runs 512 programs of 4 rows at M == 1; BLOCK_K:
+    for the reduction up to 1024 within TILE elements a step (4 x 1024 bf16 is 8 KB), 128 for
+    the dot. A first guess from the shapes alone, to be replaced by what the GPU sweep
+    measures."""
+    target = 2 * num_sms
+    lo = 4 if m == 1 else 16
+    block_n = lo
+    while block_n < 64 and cdiv(n, block_n * 2) >= target:
+        block_n *= 2
+    # M == 1 accumulates a float32 [BLOCK_N, BLOCK_K] tile: 8192 elements are 64 registers a
+    # thread at 4 warps (at 16384 ptxas for sm_90a spilled, kernels/compile_check.py)
+    block_k = min(next_pow2(k, 16), 1024, TILE // block_n) if m == 1 else min(next_pow2(k, 16), 128)
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [M, K] with M <= MAX_M (x, weight and bias of one
+    dtype; last axes contiguous). `out` [M, N] (its rows may be strided) receives the result;
+    `config` overrides `gemv_config` (the benchmark's sweep)."""
+    assert x.dim() == 2 and weight.dim() == 2, "gemv: x [M, K] and weight [N, K]"
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape[1] == k, f"gemv: x has {k} columns, weight {weight.shape[1]}"
+    assert 0 < m <= MAX_M, f"gemv: {m} rows (1 to {MAX_M})"
+    assert x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
+    assert x.stride(1) == 1 and weight.stride(1) == 1
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1
+    if config is None:
+        config = gemv_config(m, n, k, _num_sms(x.device))
+    block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
+    opts = {} if interpreting() else {
+        "num_warps": config["num_warps"], "num_stages": config["num_stages"]
+    }  # fmt: skip
+    block_m = 1 if m == 1 else max(16, next_pow2(m))
+    _gemv_kernel[(cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else x, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, DOT_DTYPE=dot_dtype(x.dtype),
+        PRECISION=dot_precision(x.dtype), **opts,
+    )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: the H100's count, so configs match the GPU's
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,137 @@
+"""`--gemv-backend triton` (engine.layers.linear.use_triton_gemv): which layers it routes, the
+row limit, its flags, and end to end through the Engine on tiny models (in the Triton
+interpreter on CPU, compiled on CUDA): the logits of every step equal the cuBLAS / torch run's,
+with the decode steps' projections and lm_head on the GEMV."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from kernels.testing import triton_test_device
+
+DEVICE, SKIP_REASON = triton_test_device()  # before anything imports triton
+if SKIP_REASON:
+    pytest.skip(SKIP_REASON, allow_module_level=True)
+
+import kernels.gemv  # noqa: E402
+from engine.config import EngineArgs  # noqa: E402
+from engine.layers.linear import MergedLinear, use_triton_gemv  # noqa: E402
+from engine.layers.logits import LogitsProcessor, lm_head_matmul  # noqa: E402
+from tests.unit.test_kernels_backend import _engine_logits  # noqa: E402
+
+
+@pytest.fixture
+def gemv_rows(monkeypatch) -> list[int]:
+    """The row count of every call of the Triton GEMV."""
+    rows: list[int] = []
+    real = kernels.gemv.gemv
+
+    def counted(x, *args, **kwargs):
+        rows.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(kernels.gemv, "gemv", counted)
+    return rows
+
+
+class _Fp8Like(nn.Linear):
+    """Stands for a quantized layer: a subclass of nn.Linear with its own forward."""
+
+
+def test_routes_plain_linears_up_to_max_rows(gemv_rows):
+    model = nn.ModuleDict({
+        "qkv": MergedLinear(32, [("q", 16), ("k", 8), ("v", 8)], bias=True),
+        "down": nn.Linear(32, 24, bias=False),
+        "quantized": _Fp8Like(32, 8),
+        "logits": LogitsProcessor(vocab_size=50),
+    }).to(DEVICE)  # fmt: skip
+    assert use_triton_gemv(model, max_rows=2) == 2
+    assert model["logits"].gemv_max_rows == 2
+    assert "forward" not in vars(model["quantized"])
+    for rows, on_gemv in ((1, True), (2, True), (3, False)):
+        gemv_rows.clear()
+        x = torch.randn(rows, 32, device=DEVICE)
+        for name in ("qkv", "down"):
+            layer = model[name]
+            want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+        assert gemv_rows == ([rows, rows] if on_gemv else [])
+    gemv_rows.clear()
+    half = model["down"].to(torch.bfloat16)
+    with pytest.raises(RuntimeError):  # x float32, weight bfloat16: as nn.Linear, refused
+        half(torch.randn(1, 32, device=DEVICE))
+    assert gemv_rows == []  # (by F.linear, not the GEMV's assertion)
+
+
+def test_lm_head_rows_go_to_the_gemv_padded_or_not(gemv_rows):
+    weight = torch.randn(50, 32, device=DEVICE)
+    hidden = torch.randn(2, 32, device=DEVICE)
+    want = hidden @ weight.T
+    for pad in (False, True):
+        got = lm_head_matmul(hidden, weight, pad=pad, gemv_max_rows=4)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert got.stride(0) == (64 if pad else 50)
+    assert gemv_rows == [2, 2]
+    lm_head_matmul(hidden, weight, gemv_max_rows=1)  # more rows than allowed: torch's
+    assert gemv_rows == [2, 2]
+
+
+def test_flags_and_validation():
+    from services.engine_args import add_engine_args, engine_args_from
+
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    ns = ap.parse_args(["--model-path", "m", "--gemv-backend", "triton", "--gemv-max-rows", "8"])
+    args = engine_args_from(ns)
+    assert (args.gemv_backend, args.gemv_max_rows) == ("triton", 8)
+    assert EngineArgs.from_kwargs(model_path="m").gemv_backend == "torch"
+    with pytest.raises(ValueError, match="gemv_backend: 'cublas'"):
+        EngineArgs.from_kwargs(model_path="m", gemv_backend="cublas")
+    with pytest.raises(ValueError, match="gemv_max_rows: 17 not in 1..16"):
+        EngineArgs.from_kwargs(model_path="m", gemv_max_rows=kernels.gemv.MAX_M + 1)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--model-path", "m", "--gemv-backend", "cutlass"])
+
+
+def test_refused_where_triton_cannot_run(monkeypatch):
+    """On CPU without the interpreter the engine says so at start, not at the first decode."""
+    from engine.model_runner import ModelRunner
+
+    import kernels.jit
+
+    monkeypatch.setattr(kernels.jit, "interpreting", lambda: False)
+    runner = types.SimpleNamespace(device=torch.device("cpu"), args=None, model=None)
+    with pytest.raises(RuntimeError, match="gemv_backend='triton' runs on CUDA"):
+        ModelRunner._use_triton_gemv(runner)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv projection's bias
+def test_engine_logits_match_torch(arch, gemv_rows):
+    from tests.factories import tiny_model
+
+    path = tiny_model(arch)
+
+    layers: list[int] = []
+
+    def on_gemv(runner) -> None:
+        assert "forward" in vars(runner.model.model.layers[0].mlp.gate_up_proj)
+        layers.append(len(runner.model.model.layers))
+
+    got = _engine_logits(path, "torch_native", 16, on_gemv, gemv_backend="triton",
+                         gemv_max_rows=2)  # fmt: skip
+    want = _engine_logits(path, "torch_native", page_size=16)
+    assert len(got) == len(want) > 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    # decode steps of two requests, then of one: every projection (qkv, o, gate_up, down) and
+    # the lm_head; the two prefills' many rows went to torch, their lm_head rows (one per
+    # request) to the GEMV
+    decode_steps = len(got) - 2
+    assert set(gemv_rows) == {1, 2}
+    assert len(gemv_rows) == decode_steps * (4 * layers[0] + 1) + 2

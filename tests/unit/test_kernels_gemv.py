@@ -1,0 +1,110 @@
+"""The small-batch GEMV (kernels/gemv.py) against a float64 matmul, in the Triton interpreter on
+CPU and compiled on CUDA: one row (the reduction path) and 2-16 rows (the dot path), float32 /
+bfloat16 / float16, with and without bias, N and K that are and are not multiples of the
+tile, strided x rows and a strided output (the lm_head's padded rows), and tile overrides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.testing import triton_test_device
+
+DEVICE, SKIP_REASON = triton_test_device()  # before anything below imports triton
+pytestmark = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
+
+from kernels.gemv import MAX_M, gemv, gemv_config  # noqa: E402
+
+MANTISSA = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within one unit in the last place of y's dtype (the interpreter truncates its float32
+    -> 16-bit casts where CUDA rounds to nearest) plus float32 accumulation error."""
+    want = x.double().cpu() @ w.double().cpu().T
+    if b is not None:
+        want += b.double().cpu()
+    magnitude = x.double().cpu().abs() @ w.double().cpu().abs().T
+    tol = want.abs() * 2.0 ** -MANTISSA[y.dtype] + magnitude * x.shape[1] * 2.0**-24 + 1e-30
+    err = (y.double().cpu() - want).abs()
+    assert y.dtype == x.dtype and y.shape == want.shape
+    assert (err <= tol).all(), f"max error {err.max():.3g}, tolerance there {tol[err.argmax()]}"
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(n, k, generator=gen).to(dtype).to(DEVICE)
+    b = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k,bias",
+    [
+        (1, 256, 512, False),  # every tile full
+        (1, 100, 70, True),  # ragged N and K
+        (2, 64, 256, True),
+        (3, 100, 70, False),
+        (5, 130, 600, True),
+        (MAX_M, 48, 96, False),
+    ],
+)
+def test_matches_float64_matmul(dtype, m, n, k, bias):
+    x, w, b = _inputs(m, n, k, dtype, bias, seed=m * n + k)
+    _check(gemv(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_strided_input_rows_and_padded_output_rows(m):
+    """x a column slice of a wider tensor; out the first n columns of rows 64 wide (what the
+    lm_head writes into): the padding stays untouched."""
+    n, k = 50, 96
+    wide = torch.randn(m, k + 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    x = wide[:, :k]
+    _, w, b = _inputs(m, n, k, torch.float32, True)
+    buf = torch.full((m, 64), 7.0, device=DEVICE)
+    y = gemv(x, w, b, out=buf[:, :n])
+    assert y.data_ptr() == buf.data_ptr()
+    _check(y, x, w, b)
+    assert (buf[:, n:] == 7.0).all()
+
+
+@pytest.mark.parametrize(
+    "m,config",
+    [
+        (1, {"BLOCK_N": 1, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1}),
+        (1, {"BLOCK_N": 64, "BLOCK_K": 1024, "num_warps": 8, "num_stages": 4}),
+        (6, {"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2}),
+    ],
+)
+def test_tile_overrides(m, config):
+    """The benchmark's sweep passes tiles other than gemv_config's: any of them is exact."""
+    x, w, b = _inputs(m, 200, 300, torch.bfloat16, True, seed=3)
+    _check(gemv(x, w, b, config=config), x, w, b)
+
+
+def test_config_gives_each_sm_programs():
+    """The Llama 3.2 1B projections on 132 SMs: at least two programs per SM where N allows,
+    tiles no wider than 64 rows."""
+    for m in (1, 8):
+        for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048)):
+            cfg = gemv_config(m, n, k, num_sms=132)
+            smallest = 4 if m == 1 else 16  # the dot's tiles are 16 rows at least
+            programs = -(-n // cfg["BLOCK_N"])
+            assert cfg["BLOCK_N"] <= 64 and programs >= min(2 * 132, -(-n // smallest))
+            assert cfg["BLOCK_K"] <= k
+    assert gemv_config(1, 2048, 2048)["BLOCK_N"] == 4
+    assert gemv_config(1, 16384, 2048)["BLOCK_N"] == 32
+    assert gemv_config(8, 2048, 2048)["BLOCK_N"] == 16  # the dot's smallest tile
+
+
+def test_rejects_what_it_cannot_compute():
+    x, w, _ = _inputs(1, 8, 16, torch.float32, False)
+    with pytest.raises(AssertionError, match="rows"):
+        gemv(torch.empty(MAX_M + 1, 16, device=DEVICE), w)
+    with pytest.raises(AssertionError, match="columns"):
+        gemv(torch.empty(1, 15, device=DEVICE), w)
+    with pytest.raises(AssertionError):
+        gemv(x.to(torch.bfloat16), w)  # mixed dtypes
