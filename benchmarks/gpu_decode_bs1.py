@@ -1,7 +1,7 @@
 """decode-bs1: ms per output token of one request on a Llama-3.2-1B shaped random model, CUDA
-graphs on and off (and on with flashinfer's CUDA-core decode kernel in place of the tensor-core
-one auto picks), against bytes per token / HBM bandwidth (datasheet and measured copy
-bandwidth; see gpu_bench.py)."""
+graphs on and off (and on with flashinfer's decode kernels in place of Triton's, and with the
+linear layers on the Triton GEMV, `gemv_backend="triton"`), against bytes per token / HBM
+bandwidth (datasheet and measured copy bandwidth; see gpu_bench.py)."""
 
 from __future__ import annotations
 
@@ -46,14 +46,16 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                          "datasheet_bandwidth_Bps": bw_sheet, "datasheet_bandwidth": bw_name}
     # (label, CUDA graphs, engine overrides): the default (flashinfer prefill, Triton decode
     # where Triton compiles), flashinfer's decode (auto: its tensor-core kernel for 32/8
-    # heads) and its CUDA-core decode kernel, and eager
+    # heads) and its CUDA-core decode kernel, the linear layers on the Triton GEMV, and eager
     fi_decode = {"decode_attention_backend": "flashinfer"}
     configs = [("cuda_graph", True, {}), ("cuda_graph_flashinfer_decode", True, fi_decode),
                ("cuda_graph_cuda_core_decode", True,
                 {**fi_decode, "flashinfer_decode_tensor_cores": "off"}),
+               ("cuda_graph_triton_gemv", True, {"gemv_backend": "triton"}),
                ("no_cuda_graph", False, {})]
     configs = [c for c in configs if c[0] in args.decode_configs
-               and (ctx.cuda or "decode_attention_backend" not in c[2])]  # (CPU: no flashinfer)
+               and (ctx.cuda or not {"decode_attention_backend", "gemv_backend"} & set(c[2]))]
+    # (CPU: no flashinfer; the GEMV would run in the interpreter, a second a token)
     assert configs and configs[0][0] == "cuda_graph", "the cuda_graph config is the result"
     for label, graphs, overrides in configs:
         with make_engine(ctx, path, disable_cuda_graph=not graphs, **overrides) as engine:
@@ -85,7 +87,8 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     summary = {"decode_bs1_ms_per_token": best["ms_per_token"],
                "decode_bs1_roofline_fraction": best["roofline_fraction"],
                "decode_bs1_roofline_fraction_measured_bw": best["roofline_fraction_measured_bw"]}
-    for label in ("cuda_graph_flashinfer_decode", "cuda_graph_cuda_core_decode"):
+    for label in ("cuda_graph_flashinfer_decode", "cuda_graph_cuda_core_decode",
+                  "cuda_graph_triton_gemv"):
         if label in results:  # (below 1: the default is faster)
             summary[f"decode_bs1_default_vs_{label.removeprefix('cuda_graph_')}"] = (
                 best["ms_per_token"] / results[label]["ms_per_token"])

@@ -42,6 +42,10 @@
 #   kv-fp8      tests/gpu/test_kv_fp8_gpu.py, then benchmarks/kv_fp8.py (Llama-3.2-1B shape,
 #               bf16, 256 x 1024-token prompts): the FP8 KV cache against bf16 on the same KV
 #               bytes, writing benchmarks/results/gpu_kv_fp8.json
+#   gemv        the Triton GEMV's tests (kernel and engine routing), benchmarks/gpu_gemv.py
+#               (against cuBLAS at Llama-3.2-1B's projections, M 1-16, with a tile sweep:
+#               gpu_gemv.json), then decode-bs1 default vs --gemv-backend triton
+#               (gpu_decode_bs1_gemv.json)
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
 #   parity-windows (the results first)
@@ -203,6 +207,12 @@ do_step() {
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
         decode-backends)
             run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;
+        gemv)
+            run_step gemv-tests 120 "${PYTEST[@]}" tests/unit/test_kernels_gemv.py \
+                tests/unit/test_gemv_engine.py
+            run_step gemv-ops 150 python3 benchmarks/gpu_gemv.py
+            run_step gemv-decode 120 "${BENCH[@]}" decode-bs1 --profile --tag gemv \
+                --decode-configs cuda_graph cuda_graph_triton_gemv ;;
         flashinfer-plan)
             run_step flashinfer-plan 60 python3 benchmarks/flashinfer_plan.py --device cuda ;;
         smoke)

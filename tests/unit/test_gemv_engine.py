@@ -81,9 +81,9 @@ def test_lm_head_rows_go_to_the_gemv_padded_or_not(gemv_rows):
 
 
 def test_flags_and_validation():
-    from services.engine_args import add_engine_args, engine_args_from
-
     import argparse
+
+    from services.engine_args import add_engine_args, engine_args_from
 
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
@@ -101,9 +101,8 @@ def test_flags_and_validation():
 
 def test_refused_where_triton_cannot_run(monkeypatch):
     """On CPU without the interpreter the engine says so at start, not at the first decode."""
-    from engine.model_runner import ModelRunner
-
     import kernels.jit
+    from engine.model_runner import ModelRunner
 
     monkeypatch.setattr(kernels.jit, "interpreting", lambda: False)
     runner = types.SimpleNamespace(device=torch.device("cpu"), args=None, model=None)

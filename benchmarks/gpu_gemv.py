@@ -1,0 +1,195 @@
+"""The Triton GEMV (kernels/gemv.py) against torch's matmul (cuBLAS) at decode's small batches,
+on Llama 3.2 1B's projections and lm_head: microseconds per call and the HBM bandwidth that is.
+
+Per shape (qkv 3072 x 2048, o 2048 x 2048, gate_up 16384 x 2048, down 2048 x 8192, lm_head
+128256 x 2048; bf16) and rows M (1, 2, 4, 8, 16): `F.linear`, `gemv` with `gemv_config`'s tile,
+and the fastest tile of a sweep (every tile checked against `F.linear` first). Each timing
+replays a CUDA graph of REPS calls cycling over enough copies of the weight to exceed 256 MB,
+so every call reads its weight from HBM as a decode step does (one weight of 8 MB would
+otherwise stay in the 50 MB L2). Bandwidth counts the weight, x and the output once.
+
+The summary estimates a Llama 3.2 1B decode step's GEMM time at M = 1 (16 layers of qkv, o,
+gate_up and down, and the lm_head) each way: what --gemv-backend triton could save of the
+1.36 ms step, whose roofline is 0.74 ms.
+
+    python benchmarks/gpu_gemv.py [--rows 1 2 4 8 16] [--no-sweep]
+    python benchmarks/gpu_gemv.py --quick --device cpu     # the interpreter: the code path only
+
+Results: results/gpu_gemv.json (`_quick` in quick mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+if "--quick" in sys.argv and "cuda" not in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+
+SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+          "down": (2048, 8192), "lm_head": (128256, 2048)}  # fmt: skip
+QUICK_SHAPES = {"qkv": (48, 256), "down": (32, 512)}
+LAYERS = 16  # Llama 3.2 1B
+PEAK_BW = 3.35e12  # H100 SXM5 HBM3, datasheet
+COPY_BYTES = 256 << 20
+REPS = 64
+
+
+def sweep_configs(rows: int) -> list[dict[str, int]]:
+    """Tiles for the one-row reduction (BLOCK_N x BLOCK_K <= 16384) or the dot."""
+    if rows == 1:
+        pairs = [(n, k) for n in (2, 4, 8, 16, 32) for k in (256, 512, 1024, 2048)
+                 if n * k <= 16384]  # fmt: skip
+        launch = itertools.product((2, 4, 8), (1, 2, 3))
+    else:
+        pairs = [(n, k) for n in (16, 32, 64) for k in (64, 128, 256)]
+        launch = itertools.product((4, 8), (2, 3, 4))
+    return [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+            for (n, k), (w, s) in itertools.product(pairs, list(launch))]  # fmt: skip
+
+
+def time_us(fn: Callable[[int], Any], copies: int, cuda: bool, reps: int = REPS) -> float:
+    """Microseconds per call of fn(i) (i: which weight copy), reps calls per CUDA graph replay,
+    median of 5 replays; on CPU wall time of a few calls."""
+    if not cuda:
+        t = time.perf_counter()
+        for i in range(2):
+            fn(i % copies)
+        return 1e6 * (time.perf_counter() - t) / 2
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(copies, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i % copies)
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / reps)
+    del graph
+    return statistics.median(times)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = want.float().abs().max().clamp(min=1.0)
+    return bool(((got.float() - want.float()).abs().max() / scale) < 2e-2)
+
+
+def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespace,
+              cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
+    from kernels.gemv import gemv, gemv_config
+    from kernels.jit import next_pow2
+
+    dt = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    nbytes = n * k * dt.itemsize
+    copies = max(1, -(-COPY_BYTES // nbytes)) if cuda else 1
+    weights = [torch.randn(n, k, dtype=dt, device=args.device, generator=gen) * 0.02
+               for _ in range(copies)]  # fmt: skip
+    out = []
+    for m in rows:
+        x = torch.randn(m, k, dtype=dt, device=args.device, generator=gen)
+        moved = nbytes + (m * k + m * n) * dt.itemsize
+
+        def on_gemv(cfg: dict[str, int], reps: int = REPS, x: torch.Tensor = x) -> float:
+            return time_us(lambda i: gemv(x, weights[i], config=cfg), copies, cuda, reps)
+
+        t_torch = time_us(lambda i, x=x: F.linear(x, weights[i]), copies, cuda)
+        config = gemv_config(m, n, k, _num_sms(args.device))
+        t_gemv = on_gemv(config)
+        row = {"shape": name, "n": n, "k": k, "rows": m, "torch_us": t_torch, "gemv_us": t_gemv,
+               "gemv_config": config, "speedup": t_torch / t_gemv,
+               "torch_TBps": moved / t_torch / 1e6, "gemv_TBps": moved / t_gemv / 1e6}
+        if not args.no_sweep:
+            want = F.linear(x, weights[0])
+            timed = []
+            configs = [c for c in sweep_configs(m) if c["BLOCK_K"] <= next_pow2(k)]
+            for cfg in configs if cuda else configs[:2]:  # (the interpreter: the path only)
+                if not _close(gemv(x, weights[0], config=cfg), want):
+                    continue  # (none should be: kept out of the timings, and counted)
+                timed.append((on_gemv(cfg, reps=max(copies, 16)), cfg))
+            best_us, best = min(timed, key=lambda t: t[0])
+            best_us = on_gemv(best)  # again, with as many calls as the others
+            row.update({"best_us": best_us, "best_config": best, "best_speedup": t_torch / best_us,
+                        "best_TBps": moved / best_us / 1e6, "swept": len(timed),
+                        "wrong": len(configs if cuda else configs[:2]) - len(timed)})  # fmt: skip
+        print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()},
+              flush=True)  # fmt: skip
+        out.append(row)
+    weights.clear()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def _num_sms(device: str) -> int:
+    if not device.startswith("cuda"):
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def step_estimate(rows: list[dict[str, Any]], key: str) -> float:
+    """A Llama 3.2 1B decode step's GEMM microseconds at M = 1 from the rows' `key` times."""
+    at1 = {r["shape"]: r[key] for r in rows if r["rows"] == 1}
+    layer = sum(at1.get(s, 0.0) for s in ("qkv", "o", "gate_up", "down"))
+    return LAYERS * layer + at1.get("lm_head", 0.0)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="small shapes (the interpreter on CPU)")
+    ap.add_argument("--rows", type=int, nargs="+", default=None)
+    ap.add_argument("--no-sweep", action="store_true", help="gemv_config's tiles only")
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    rows_list = args.rows or ([1, 4] if args.quick else [1, 2, 4, 8, 16])
+    rows: list[dict[str, Any]] = []
+    for name, (n, k) in shapes.items():
+        rows += run_shape(name, n, k, rows_list, args, cuda)
+    common.print_table(rows, ["shape", "rows", "torch_us", "gemv_us", "speedup", "torch_TBps",
+                              "gemv_TBps", *(() if args.no_sweep else ("best_us", "best_TBps"))])
+    summary: dict[str, Any] = {}
+    if not args.quick:
+        summary["gemv_llama1b_step_gemm_us_torch"] = step_estimate(rows, "torch_us")
+        summary["gemv_llama1b_step_gemm_us_triton"] = step_estimate(rows, "gemv_us")
+        if not args.no_sweep:
+            summary["gemv_llama1b_step_gemm_us_triton_best"] = step_estimate(rows, "best_us")
+    for r in rows:
+        summary[f"gemv_{r['shape']}_m{r['rows']}_speedup"] = r["speedup"]
+    name = "gpu_gemv" + ("_quick" if args.quick else "")
+    device = {"name": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"}
+    path = common.write_result(name, {"rows": rows, "copy_bytes": COPY_BYTES, "reps": REPS},
+                               summary, device=device,
+                               versions_extra=common.versions("triton"))  # fmt: skip
+    print("wrote", path)
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
