@@ -246,7 +246,7 @@ do_step() {
     esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,36p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,55p' "$0"; exit 2; }
 setup
 if [ "$1" = exec ]; then
     shift
