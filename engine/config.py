@@ -193,8 +193,9 @@ class EngineArgs:
     # names; engine/attention/hybrid_attn.py); None: attention_backend's choice
     prefill_attention_backend: str | None = None
     decode_attention_backend: str | None = None
-    # KV splits of the Triton decode kernel (SGLang's flag); None: 8 on CUDA, 2 in the
-    # interpreter. More splits feed the GPU on few requests over long contexts.
+    # KV splits of the Triton decode kernel (SGLang's flag); None: by batch size, 8-32 on
+    # CUDA (kernels.decode_attention.kv_splits_for), 1-4 in the interpreter. More splits feed
+    # the GPU on few requests over long contexts.
     triton_attention_num_kv_splits: int | None = None
     # "triton": inputs of 1..gemv_max_rows rows (decode at small batch) of the dense linear
     # layers and the lm_head go to the Triton GEMV (kernels/gemv.py) instead of cuBLAS

@@ -183,7 +183,8 @@ def offline_compiler(arch: int) -> Iterator[list[dict[str, Any]]]:
 
 def _launch(
     dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
-    logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None,
+    logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None, num_splits: int = 8,
+    extend: bool = True,
 ) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
     are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read.
@@ -202,7 +203,10 @@ def _launch(
     lens = torch.full((batch,), tokens // batch)
     prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
     decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale,
-                     window_left=window_left, logit_cap=logit_cap)  # fmt: skip
+                     num_splits=num_splits, window_left=window_left,
+                     logit_cap=logit_cap)  # fmt: skip
+    if not extend:
+        return
     extend_attention(
         q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale,
         window_left=window_left, logit_cap=logit_cap,
@@ -288,6 +292,11 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for hq, hk in HEAD_SHAPES:
                 labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk}
                 yield labels, functools.partial(_launch, dtype, hq, hk, head_dim, attention=True)
+                if (hq, hk) == (32, 8):  # the Triton backend's most splits (batch 1)
+                    yield {**labels, "case": "32 kv splits"}, functools.partial(
+                        _launch, dtype, hq, hk, head_dim, attention=True, num_splits=32,
+                        extend=False,
+                    )  # fmt: skip
             for hq, hk in WINDOW_HEAD_SHAPES:
                 labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk,
                           "case": f"window {WINDOW}"}  # fmt: skip

@@ -17,7 +17,8 @@ Stage 2, grid (B, Hq): merges the non-empty chunks of one (request, head) by the
 log-sum-exp weights into `out` [B, Hq, D].
 
 Scores use exp2 with log2(e) folded into the scale. The split count is fixed per call (not
-per request), so the launch shape depends on B only, as CUDA graphs need.
+per request), so the launch shape depends on B only, as CUDA graphs need; `kv_splits_for` is
+how the Triton backend picks it from the batch size.
 """
 
 from __future__ import annotations
@@ -151,6 +152,19 @@ def split_warps(dtype: torch.dtype, block_d: int) -> int:
     if dtype != torch.float32 or block_d <= 64:
         return 4
     return 8 if block_d <= 128 else 16
+
+
+def kv_splits_for(
+    batch_size: int, num_kv_heads: int, num_sms: int, lo: int = 8, hi: int = 32
+) -> int:
+    """Stage-1 splits for a batch of `batch_size` requests: the largest power of two that keeps
+    the grid (batch x KV heads x splits) within about two programs per SM, clamped to
+    [lo, hi]. Batch 1 of Llama 3.2 1B (8 KV heads) on the H100's 132 SMs gets 32, batch 2
+    16, batch 4 and more 8 (the fixed count before). A request's keys are cut into at most
+    cdiv(seq_len, BLOCK_N) non-empty chunks whatever the count, so short contexts do the same
+    work either way; long ones at small batch spread over more of the GPU."""
+    room = max(1, 2 * num_sms // max(1, batch_size * num_kv_heads))
+    return max(lo, min(hi, 1 << (room.bit_length() - 1)))
 
 
 def decode_scratch(

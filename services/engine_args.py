@@ -142,8 +142,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--triton-attention-num-kv-splits",
         type=int,
         default=None,
-        help="KV splits of the Triton decode kernel (default 8 on CUDA): more help few "
-        "requests over long contexts",
+        help="KV splits of the Triton decode kernel (default: by batch size, 32 at batch 1 "
+        "down to 8 from batch 4 for 8 KV heads on an H100): more help few requests over long "
+        "contexts",
     )
     g.add_argument(
         "--gemv-backend",

@@ -2,8 +2,11 @@
 
 Per batch, `init_forward_metadata` prepares what every layer shares:
 
-* DECODE: the stage-1 scratch of the split-K decode kernel, `mid_o` [B, Hq, splits, D] and
-  `mid_lse` [B, Hq, splits] (float32), allocated once and reused by all layers;
+* DECODE: the split count of the split-K decode kernel (`--triton-attention-num-kv-splits`,
+  else by batch size: `kernels.decode_attention.kv_splits_for`, 8-32 on CUDA, so that a few
+  requests over long contexts still fill the GPU) and its stage-1 scratch, `mid_o`
+  [B, Hq, splits, D] and `mid_lse` [B, Hq, splits] (float32), allocated once and reused by
+  all layers;
 * EXTEND: `prefix_lens` / `extend_lens` [B] int64 on the device and `max_extend_len` (which
   sizes the kernel grid), besides the batch's own `extend_start_loc`. The lengths come from
   the batch's device tensors, not from host lists: the CUDA overlap executor runs this on its
@@ -16,11 +19,11 @@ window to both kernels (`window_left`), which skip the key blocks before it; a s
 layer (Gemma 2) its cap (`logit_cap`). Without CUDA
 the kernels run only under `TRITON_INTERPRET=1`, which is how this backend is tested on CPU.
 
-CUDA graphs (decode): the kernels' launch shapes depend on the batch size only (the split
-count is fixed), and everything they read per batch is a tensor the graph runner keeps static
+CUDA graphs (decode): the kernels' launch shapes depend on the batch size only (so does the
+split count), and everything they read per batch is a tensor the graph runner keeps static
 (`req_pool_indices`, `seq_lens`, `out_cache_loc`, `req_to_token`) besides the scratch. So the
-graph state is one scratch of `max_bs` rows (a slice per captured size) and replay has nothing
-to refresh on the device.
+graph state is one scratch of `max_bs` rows and the most splits (a slice per captured size and
+its split count) and replay has nothing to refresh on the device.
 """
 
 from __future__ import annotations
@@ -37,15 +40,18 @@ from engine.attention.base import (
     window_left,
 )
 from engine.forward_batch import ForwardBatch
-from kernels.decode_attention import decode_attention, decode_scratch
+from kernels.decode_attention import decode_attention, decode_scratch, kv_splits_for
 from kernels.extend_attention import extend_attention
 from kernels.jit import interpreting
 from kernels.kv_store import store_kv
 
+MIN_KV_SPLITS, MAX_KV_SPLITS = 8, 32  # the decode kernel's split counts on CUDA
+
 
 @dataclass
 class _DecodeMetadata:
-    scratch: tuple[torch.Tensor, torch.Tensor] | None  # allocated by the first layer
+    scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # made by the first layer
+    num_splits: int | None = None  # chosen by the first layer (graphs: at capture)
 
 
 @dataclass
@@ -69,9 +75,16 @@ class TritonAttnBackend(AttentionBackend):
                 "attention_backend='triton' runs on CUDA, or on CPU under TRITON_INTERPRET=1"
             )
         check_float8_loads(kwargs.get("kv_pool"), self.device)
-        # More splits keep the GPU busy on small batches with long contexts; on CPU (the
-        # interpreter, tests only) every program is Python, so fewer is faster.
-        self.num_kv_splits = num_kv_splits or (8 if self.device.type == "cuda" else 2)
+        # None: by batch size (`kv_splits`). More splits keep the GPU busy on small batches
+        # with long contexts; on CPU (the interpreter, tests only) every program is Python, so
+        # few: 1-4, from a pretend GPU of 4 SMs (so tests see the count change with the size).
+        self.num_kv_splits = num_kv_splits
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._split_rule = (sms, MIN_KV_SPLITS, MAX_KV_SPLITS)
+        else:
+            self._split_rule = (4, 1, 4)
+        self.max_kv_splits = num_kv_splits or self._split_rule[2]
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
         self.model_config = kwargs.get("model_config")  # query heads and head_dim, for graphs
         self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -82,7 +95,7 @@ class TritonAttnBackend(AttentionBackend):
         if fb.batch_size == 0:
             self.metadata = None
         elif fb.forward_mode.is_decode():
-            self.metadata = _DecodeMetadata(scratch=None)
+            self.metadata = _DecodeMetadata()
         else:
             assert fb.extend_prefix_lens_cpu is not None and fb.extend_seq_lens_cpu is not None
             assert fb.extend_start_loc is not None
@@ -105,7 +118,7 @@ class TritonAttnBackend(AttentionBackend):
             raise RuntimeError("TritonAttnBackend: CUDA graphs need model_config (query heads)")
         heads, head_dim = mc.num_heads, mc.head_dim  # type: ignore[attr-defined]
         self._graph_scratch = decode_scratch(
-            max_bs, heads, head_dim, self.num_kv_splits, self.device
+            max_bs, heads, head_dim, self.max_kv_splits, self.device
         )
         self._graph_metadata = {}
 
@@ -113,8 +126,10 @@ class TritonAttnBackend(AttentionBackend):
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         assert self._graph_scratch is not None, "init_cuda_graph_state was not called"
         bs = forward_batch.batch_size
+        splits = self.kv_splits(bs, self.model_config.num_kv_heads)  # type: ignore[attr-defined]
         mid_o, mid_lse = self._graph_scratch
-        self._graph_metadata[bs] = _DecodeMetadata(scratch=(mid_o[:bs], mid_lse[:bs]))
+        scratch = (mid_o[:bs, :, :splits], mid_lse[:bs, :, :splits])
+        self._graph_metadata[bs] = _DecodeMetadata(scratch=scratch, num_splits=splits)
         self.metadata = self._graph_metadata[bs]
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
@@ -163,16 +178,24 @@ class TritonAttnBackend(AttentionBackend):
         fb: ForwardBatch,
         md: _DecodeMetadata,
     ) -> torch.Tensor:
+        if md.num_splits is None:
+            md.num_splits = self.kv_splits(fb.batch_size, k_buf.shape[1])
         if md.scratch is None:
             md.scratch = decode_scratch(
-                fb.batch_size, layer.num_heads, layer.head_dim, self.num_kv_splits, q.device
+                fb.batch_size, layer.num_heads, layer.head_dim, md.num_splits, q.device
             )
         return decode_attention(
             q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
             softmax_scale(layer, fb),
-            num_splits=self.num_kv_splits, scratch=md.scratch, window_left=window_left(layer),
+            num_splits=md.num_splits, scratch=md.scratch, window_left=window_left(layer),
             logit_cap=logit_cap(layer),
         )  # fmt: skip
+
+    def kv_splits(self, batch_size: int, num_kv_heads: int) -> int:
+        """The decode kernel's split count for a batch: the flag's, else by batch size."""
+        if self.num_kv_splits:
+            return self.num_kv_splits
+        return kv_splits_for(batch_size, num_kv_heads, *self._split_rule)
 
 
 def float8_loads(kv_dtype: object, device: torch.device) -> bool:

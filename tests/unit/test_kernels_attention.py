@@ -24,7 +24,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels.attention_common import soft_cap  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
+from kernels.decode_attention import decode_attention, decode_scratch, kv_splits_for  # noqa: E402
 from kernels.extend_attention import extend_attention  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -89,6 +89,29 @@ def test_decode_more_splits_than_blocks_and_reused_scratch():
     got2, _ = run_decode(case, num_splits=8, block_n=16, scratch=scratch, out=out)
     assert got2.data_ptr() == out.data_ptr()
     _close(got2, want)
+
+
+def test_decode_32_splits_into_a_slice_of_a_wider_scratch():
+    """What a CUDA graph of batch 1 runs (the Triton backend): 32 splits over a long context,
+    stage 1 writing into the first 32 splits of a graph scratch that has more rows and
+    splits (non-contiguous), stale values around."""
+    case = make_paged_case([700, 3], [1, 1], 4, 2, 64, device=DEVICE, seed=7)
+    mid_o, mid_lse = decode_scratch(4, 4, 64, 40, case.q.device)
+    mid_o.fill_(1e4)
+    mid_lse.fill_(1e4)
+    scratch = (mid_o[:2, :, :32], mid_lse[:2, :, :32])
+    assert not scratch[0].is_contiguous()
+    got, want = run_decode(case, num_splits=32, block_n=16, scratch=scratch)
+    _close(got, want)
+
+
+def test_split_count_by_batch_size():
+    """kv_splits_for on the H100's 132 SMs: about two programs per SM, 8 to 32 splits."""
+    llama_1b = [kv_splits_for(bs, 8, 132) for bs in (1, 2, 3, 4, 8, 64, 256)]
+    assert llama_1b == [32, 16, 8, 8, 8, 8, 8]
+    assert kv_splits_for(1, 12, 132) == 16  # GPT-2: 12 KV heads
+    assert [kv_splits_for(bs, 2, 132) for bs in (1, 4, 8, 16)] == [32, 32, 16, 8]
+    assert kv_splits_for(1, 2, 4, lo=1, hi=4) == 4 and kv_splits_for(9, 2, 4, lo=1, hi=4) == 1
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,dtype", SHAPES)

@@ -151,3 +151,18 @@ def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode,
     assert len(got) == len(want) == len(calls["prefill"]) + len(calls["decode"])
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+def test_split_count_flag_or_by_batch_size():
+    """--triton-attention-num-kv-splits fixes the count; without it the count follows the
+    batch size (on CPU from a pretend GPU of 4 SMs, 1-4 splits, so the graph tests see it
+    change between captured sizes), and the graph scratch holds the most."""
+    fixed = create_attention_backend("triton", device=DEVICE, num_kv_splits=3)
+    assert fixed.max_kv_splits == 3
+    assert {fixed.kv_splits(bs, 2) for bs in (1, 2, 64)} == {3}
+    auto = create_attention_backend("triton", device=DEVICE)
+    if DEVICE == "cpu":
+        assert auto.max_kv_splits == 4
+        assert [auto.kv_splits(bs, 2) for bs in (1, 2, 4, 8)] == [4, 2, 1, 1]
+    else:
+        assert auto.max_kv_splits == 32 and auto.kv_splits(64, 8) == 8
