@@ -27,8 +27,8 @@ MODEL_DIR = "/tmp/sluice-gpu-bench"
 LAYER_MODULES = ("engine.layers.layernorm", "engine.layers.activation", "engine.layers.rotary")
 
 
-def graph_us(fn: Callable[[], Any]) -> float:
-    """Microseconds per call of `fn`, REPS calls captured in one CUDA graph, median of 5."""
+def graph_us(fn: Callable[[], Any], reps: int = REPS) -> float:
+    """Microseconds per call of `fn`, `reps` calls captured in one CUDA graph, median of 5."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -37,7 +37,7 @@ def graph_us(fn: Callable[[], Any]) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPS):
+        for _ in range(reps):
             fn()
     graph.replay()
     times = []
@@ -47,7 +47,7 @@ def graph_us(fn: Callable[[], Any]) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / REPS)
+        times.append(1e3 * start.elapsed_time(end) / reps)
     return statistics.median(times)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -62,34 +61,17 @@ def sweep_configs(rows: int) -> list[dict[str, int]]:
 
 
 def time_us(fn: Callable[[int], Any], copies: int, cuda: bool, reps: int = REPS) -> float:
-    """Microseconds per call of fn(i) (i: which weight copy), reps calls per CUDA graph replay,
-    median of 5 replays; on CPU wall time of a few calls."""
+    """Microseconds per call of fn(i) (i: which weight copy, in turn), reps calls per CUDA
+    graph replay, median of 5 replays; on CPU wall time of a few calls."""
+    turn = itertools.cycle(range(copies))
     if not cuda:
         t = time.perf_counter()
-        for i in range(2):
-            fn(i % copies)
+        for _ in range(2):
+            fn(next(turn))
         return 1e6 * (time.perf_counter() - t) / 2
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(min(copies, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i % copies)
-    graph.replay()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / reps)
-    del graph
-    return statistics.median(times)
+    from benchmarks.gpu_fused_kernels import graph_us
+
+    return graph_us(lambda: fn(next(turn)), reps)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
