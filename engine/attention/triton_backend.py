@@ -22,7 +22,7 @@ the kernels run only under `TRITON_INTERPRET=1`, which is how this backend is te
 CUDA graphs (decode): the kernels' launch shapes depend on the batch size only (so does the
 split count), and everything they read per batch is a tensor the graph runner keeps static
 (`req_pool_indices`, `seq_lens`, `out_cache_loc`, `req_to_token`) besides the scratch. So the
-graph state is one scratch of `max_bs` rows and the most splits (a slice per captured size and
+graph state is one scratch that the largest captured size needs (a view per captured size and
 its split count) and replay has nothing to refresh on the device.
 """
 
@@ -84,7 +84,6 @@ class TritonAttnBackend(AttentionBackend):
             self._split_rule = (sms, MIN_KV_SPLITS, MAX_KV_SPLITS)
         else:
             self._split_rule = (4, 1, 4)
-        self.max_kv_splits = num_kv_splits or self._split_rule[2]
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
         self.model_config = kwargs.get("model_config")  # query heads and head_dim, for graphs
         self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -117,9 +116,12 @@ class TritonAttnBackend(AttentionBackend):
         if mc is None:
             raise RuntimeError("TritonAttnBackend: CUDA graphs need model_config (query heads)")
         heads, head_dim = mc.num_heads, mc.head_dim  # type: ignore[attr-defined]
-        self._graph_scratch = decode_scratch(
-            max_bs, heads, head_dim, self.max_kv_splits, self.device
-        )
+        # one flat buffer that holds the largest captured size's [bs, Hq, splits(bs), D]
+        # (fewer splits at larger sizes: at most max_bs x MIN_KV_SPLITS rows on CUDA, what
+        # the fixed count of 8 needed)
+        kv_heads = mc.num_kv_heads  # type: ignore[attr-defined]
+        rows = max(bs * self.kv_splits(bs, kv_heads) for bs in range(1, max_bs + 1))
+        self._graph_scratch = decode_scratch(rows, heads, head_dim, 1, self.device)
         self._graph_metadata = {}
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
@@ -128,7 +130,12 @@ class TritonAttnBackend(AttentionBackend):
         bs = forward_batch.batch_size
         splits = self.kv_splits(bs, self.model_config.num_kv_heads)  # type: ignore[attr-defined]
         mid_o, mid_lse = self._graph_scratch
-        scratch = (mid_o[:bs, :, :splits], mid_lse[:bs, :, :splits])
+        _, heads, _, head_dim = mid_o.shape
+        n = bs * heads * splits
+        scratch = (
+            mid_o.view(-1)[: n * head_dim].view(bs, heads, splits, head_dim),
+            mid_lse.view(-1)[:n].view(bs, heads, splits),
+        )
         self._graph_metadata[bs] = _DecodeMetadata(scratch=scratch, num_splits=splits)
         self.metadata = self._graph_metadata[bs]
 

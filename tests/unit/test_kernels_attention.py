@@ -92,9 +92,9 @@ def test_decode_more_splits_than_blocks_and_reused_scratch():
 
 
 def test_decode_32_splits_into_a_slice_of_a_wider_scratch():
-    """What a CUDA graph of batch 1 runs (the Triton backend): 32 splits over a long context,
-    stage 1 writing into the first 32 splits of a graph scratch that has more rows and
-    splits (non-contiguous), stale values around."""
+    """The Triton backend's count at batch 1 (32 splits) over a long context, stage 1 writing
+    into the first 32 splits of a scratch that has more rows and splits (a non-contiguous
+    view: the kernels take its strides), stale values around."""
     case = make_paged_case([700, 3], [1, 1], 4, 2, 64, device=DEVICE, seed=7)
     mid_o, mid_lse = decode_scratch(4, 4, 64, 40, case.q.device)
     mid_o.fill_(1e4)

@@ -156,13 +156,27 @@ def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode,
 def test_split_count_flag_or_by_batch_size():
     """--triton-attention-num-kv-splits fixes the count; without it the count follows the
     batch size (on CPU from a pretend GPU of 4 SMs, 1-4 splits, so the graph tests see it
-    change between captured sizes), and the graph scratch holds the most."""
+    change between captured sizes). Each captured size decodes into a contiguous view of one
+    graph scratch that holds the largest of them."""
+    import types
+
     fixed = create_attention_backend("triton", device=DEVICE, num_kv_splits=3)
-    assert fixed.max_kv_splits == 3
     assert {fixed.kv_splits(bs, 2) for bs in (1, 2, 64)} == {3}
-    auto = create_attention_backend("triton", device=DEVICE)
-    if DEVICE == "cpu":
-        assert auto.max_kv_splits == 4
-        assert [auto.kv_splits(bs, 2) for bs in (1, 2, 4, 8)] == [4, 2, 1, 1]
-    else:
-        assert auto.max_kv_splits == 32 and auto.kv_splits(64, 8) == 8
+    mc = types.SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)
+    auto = create_attention_backend("triton", device=DEVICE, model_config=mc)
+    if DEVICE != "cpu":
+        assert auto.kv_splits(1, 8) == 32 and auto.kv_splits(64, 8) == 8
+        return
+    assert [auto.kv_splits(bs, 2) for bs in (1, 2, 3, 4, 8)] == [4, 2, 1, 1, 1]
+    auto.init_cuda_graph_state(max_bs=8, max_context_len=64)
+    mid_o, mid_lse = auto._graph_scratch
+    assert mid_o.numel() == 8 * 4 * 16 and mid_lse.numel() == 8 * 4  # 8 x 1 > 1 x 4 = 2 x 2
+    for bs, splits in ((1, 4), (2, 2), (8, 1)):
+        auto.init_forward_metadata_capture_cuda_graph(
+            types.SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=bs)
+        )
+        md = auto.metadata
+        assert md.num_splits == splits
+        assert md.scratch[0].shape == (bs, 4, splits, 16) and md.scratch[0].is_contiguous()
+        assert md.scratch[1].shape == (bs, 4, splits)
+        assert md.scratch[0].data_ptr() == mid_o.data_ptr()
