@@ -46,7 +46,7 @@ def test_logits_processor_rows_are_the_plain_ones(monkeypatch) -> None:
     proc = mod.LogitsProcessor(101)
     plain = proc(hidden, weight, fb)
     real = mod.lm_head_matmul
-    monkeypatch.setattr(mod, "lm_head_matmul", lambda h, w: real(h, w, pad=True))
+    monkeypatch.setattr(mod, "lm_head_matmul", lambda h, w, **kw: real(h, w, pad=True, **kw))
     padded = proc(hidden, weight, fb)
     assert padded.dtype == torch.float32 and padded.is_contiguous()
     assert torch.equal(padded, plain)
