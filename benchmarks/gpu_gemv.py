@@ -81,7 +81,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespace,
               cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
-    from kernels.gemv import gemv, gemv_config
+    from kernels.gemv import gemv, gemv_config, num_sms
     from kernels.jit import next_pow2
 
     dt = torch.bfloat16 if cuda else torch.float32
@@ -99,7 +99,7 @@ def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespa
             return time_us(lambda i: gemv(x, weights[i], config=cfg), copies, cuda, reps)
 
         t_torch = time_us(lambda i, x=x: F.linear(x, weights[i]), copies, cuda)
-        config = gemv_config(m, n, k, _num_sms(args.device))
+        config = gemv_config(m, n, k, num_sms(torch.device(args.device)))
         t_gemv = on_gemv(config)
         row = {"shape": name, "n": n, "k": k, "rows": m, "torch_us": t_torch, "gemv_us": t_gemv,
                "gemv_config": config, "speedup": t_torch / t_gemv,
@@ -124,12 +124,6 @@ def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespa
     if cuda:
         torch.cuda.empty_cache()
     return out
-
-
-def _num_sms(device: str) -> int:
-    if not device.startswith("cuda"):
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def step_estimate(rows: list[dict[str, Any]], key: str) -> float:

@@ -138,9 +138,9 @@ class ModelRunner:
 
     def _use_triton_gemv(self) -> None:
         from engine.layers.linear import use_triton_gemv
-        from kernels.jit import HAS_TRITON, interpreting
+        from kernels.jit import triton_runs_on
 
-        if not HAS_TRITON or (self.device.type != "cuda" and not interpreting()):
+        if not triton_runs_on(self.device):
             raise RuntimeError(
                 "gemv_backend='triton' runs on CUDA, or on CPU under TRITON_INTERPRET=1"
             )

@@ -148,7 +148,7 @@ def gemv(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
     if config is None:
-        config = gemv_config(m, n, k, _num_sms(x.device))
+        config = gemv_config(m, n, k, num_sms(x.device))
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     opts = {} if interpreting() else {
         "num_warps": config["num_warps"], "num_stages": config["num_stages"]
@@ -165,7 +165,7 @@ def gemv(
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # the interpreter: the H100's count, so configs match the GPU's
     return torch.cuda.get_device_properties(device).multi_processor_count

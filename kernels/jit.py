@@ -43,6 +43,11 @@ def compiled_on(x: torch.Tensor) -> bool:
     return x.is_cuda and HAS_TRITON and not interpreting()
 
 
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether Triton kernels can run on `device`: CUDA, or CPU under the interpreter."""
+    return HAS_TRITON and (device.type == "cuda" or interpreting())
+
+
 def compute_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> torch.dtype:
     """The dtype attention computes in: the cache's, or q's over a float8 cache (whose values
     the kernels convert as they load them; the caller folds the scales in)."""

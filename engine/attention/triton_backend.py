@@ -42,7 +42,7 @@ from engine.attention.base import (
 from engine.forward_batch import ForwardBatch
 from kernels.decode_attention import decode_attention, decode_scratch, kv_splits_for
 from kernels.extend_attention import extend_attention
-from kernels.jit import interpreting
+from kernels.jit import triton_runs_on
 from kernels.kv_store import store_kv
 
 MIN_KV_SPLITS, MAX_KV_SPLITS = 8, 32  # the decode kernel's split counts on CUDA
@@ -70,7 +70,7 @@ class TritonAttnBackend(AttentionBackend):
         **kwargs: object,
     ) -> None:
         self.device = torch.device(device)
-        if self.device.type != "cuda" and not interpreting():
+        if not triton_runs_on(self.device):
             raise RuntimeError(
                 "attention_backend='triton' runs on CUDA, or on CPU under TRITON_INTERPRET=1"
             )

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels.gemv
+
 
 def shard_ranges(shards: Sequence[tuple[Hashable, int]]) -> dict[Hashable, tuple[int, int]]:
     """Each shard's (first output row, rows), stacked in the order given."""
@@ -79,7 +81,5 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor, max_rows: int) -> bool:
 
 def _small_rows_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if gemv_fits(x, self.weight, self.gemv_max_rows):
-        from kernels.gemv import gemv
-
-        return gemv(x, self.weight, self.bias)
+        return kernels.gemv.gemv(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import kernels.gemv
 from engine.layers.linear import gemv_fits
 from engine.pooling import pool_hidden
 
@@ -76,12 +77,10 @@ def lm_head_matmul(
     gemv = gemv_fits(hidden, weight, gemv_max_rows)
     if pad is None:
         pad = hidden.is_cuda and hidden.element_size() == 2 and vocab % ALIGN != 0
-    if (not pad or hidden.dim() != 2) and not gemv:
+    if hidden.dim() != 2 or not (pad or gemv):
         return F.linear(hidden, weight)
     width = -(-vocab // ROW_MULTIPLE) * ROW_MULTIPLE if pad else vocab
-    out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)[:, :vocab]
     if gemv:
-        from kernels.gemv import gemv as triton_gemv
-
-        return triton_gemv(hidden, weight, out=out[:, :vocab])
-    return torch.mm(hidden, weight.t(), out=out[:, :vocab])
+        return kernels.gemv.gemv(hidden, weight, out=out)
+    return torch.mm(hidden, weight.t(), out=out)
