@@ -12,6 +12,11 @@ The summary estimates a Llama 3.2 1B decode step's GEMM time at M = 1 (16 layers
 gate_up and down, and the lm_head) each way: what --gemv-backend triton could save of the
 1.36 ms step, whose roofline is 0.74 ms.
 
+Rows `down+silu`: the MLP's activation and down projection from the gate_up output [M, 16384]
+three ways: the activation kernel then `F.linear` (what `--gemv-backend torch` runs), the
+activation kernel then `gemv`, and `gemv(..., act="silu_mul")` (one kernel; what
+`--gemv-backend triton` runs).
+
     python benchmarks/gpu_gemv.py [--rows 1 2 4 8 16] [--no-sweep]
     python benchmarks/gpu_gemv.py --quick --device cpu     # the interpreter: the code path only
 
@@ -126,6 +131,43 @@ def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespa
     return out
 
 
+def run_down_silu(n: int, k: int, rows: list[int], args: argparse.Namespace,
+                  cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """The activation and the down projection from gate_up's output, unfused and fused."""
+    from kernels.activation import silu_and_mul
+    from kernels.gemv import gemv, gemv_config, num_sms
+
+    dt = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    nbytes = n * k * dt.itemsize
+    copies = max(1, -(-COPY_BYTES // nbytes)) if cuda else 1
+    weights = [torch.randn(n, k, dtype=dt, device=args.device, generator=gen) * 0.02
+               for _ in range(copies)]  # fmt: skip
+    out = []
+    for m in rows:
+        gate_up = torch.randn(m, 2 * k, dtype=dt, device=args.device, generator=gen)
+        fused = gemv(gate_up, weights[0], act="silu_mul")
+        tile = gemv_config(m, n, k, num_sms(torch.device(args.device)), dt.itemsize, "silu_mul")
+        unfused = gemv(silu_and_mul(gate_up), weights[0], config=tile)
+        assert torch.equal(fused, unfused), "the fused activation differs from the two kernels"
+        times = {
+            "torch_us": lambda i, x=gate_up: F.linear(silu_and_mul(x), weights[i]),
+            "gemv_us": lambda i, x=gate_up: gemv(silu_and_mul(x), weights[i]),
+            "fused_us": lambda i, x=gate_up: gemv(x, weights[i], act="silu_mul"),
+        }
+        row: dict[str, Any] = {"shape": "down+silu", "n": n, "k": k, "rows": m}
+        row.update({key: time_us(fn, copies, cuda) for key, fn in times.items()})
+        row["fused_vs_torch"] = row["torch_us"] / row["fused_us"]
+        row["fused_vs_gemv"] = row["gemv_us"] / row["fused_us"]
+        print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()},
+              flush=True)  # fmt: skip
+        out.append(row)
+    weights.clear()
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
 def step_estimate(rows: list[dict[str, Any]], key: str) -> float:
     """A Llama 3.2 1B decode step's GEMM microseconds at M = 1 from the rows' `key` times."""
     at1 = {r["shape"]: r[key] for r in rows if r["rows"] == 1}
@@ -146,8 +188,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for name, (n, k) in shapes.items():
         rows += run_shape(name, n, k, rows_list, args, cuda)
+    n, k = shapes["down"]
+    fused = run_down_silu(n, k, rows_list, args, cuda)
     common.print_table(rows, ["shape", "rows", "torch_us", "gemv_us", "speedup", "torch_TBps",
                               "gemv_TBps", *(() if args.no_sweep else ("best_us", "best_TBps"))])
+    common.print_table(fused, ["shape", "rows", "torch_us", "gemv_us", "fused_us",
+                               "fused_vs_torch", "fused_vs_gemv"])  # fmt: skip
     summary: dict[str, Any] = {}
     if not args.quick:
         summary["gemv_llama1b_step_gemm_us_torch"] = step_estimate(rows, "torch_us")
@@ -156,9 +202,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary["gemv_llama1b_step_gemm_us_triton_best"] = step_estimate(rows, "best_us")
     for r in rows:
         summary[f"gemv_{r['shape']}_m{r['rows']}_speedup"] = r["speedup"]
+    for r in fused:
+        summary[f"gemv_down_silu_m{r['rows']}_fused_vs_torch"] = r["fused_vs_torch"]
+        summary[f"gemv_down_silu_m{r['rows']}_fused_vs_gemv"] = r["fused_vs_gemv"]
     name = "gpu_gemv" + ("_quick" if args.quick else "")
     device = {"name": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"}
-    path = common.write_result(name, {"rows": rows, "copy_bytes": COPY_BYTES, "reps": REPS},
+    path = common.write_result(name, {"rows": rows, "down_silu": fused,
+                                      "copy_bytes": COPY_BYTES, "reps": REPS},
                                summary, device=device,
                                versions_extra=common.versions("triton"))  # fmt: skip
     print("wrote", path)

@@ -353,13 +353,17 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
 
 def _gemv_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
     """The small-batch GEMV at Llama 3.2 1B's projections and lm_head: one row (reduction) and
-    four (dot), with gemv_config's tiles."""
+    four (dot), with gemv_config's tiles; the down projection also with act="silu_mul"."""
     for name, dtype in DTYPES.items():
         for n, k in ((3072, 2048), (16384, 2048), (2048, 8192), (128256, 2048)):
             for rows in (1, 4):
                 x, w = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
                 labels = {"dtype": name, "case": f"gemv M{rows} N{n} K{k}"}
                 yield labels, functools.partial(gemv, x, w)
+        for rows in (1, 4):  # the down projection with the MLP's activation in its prologue
+            x, w = torch.zeros(rows, 16384, dtype=dtype), torch.zeros(2048, 8192, dtype=dtype)
+            labels = {"dtype": name, "case": f"gemv silu_mul M{rows} N2048 K8192"}
+            yield labels, functools.partial(gemv, x, w, act="silu_mul")
 
 
 def _page_table_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:

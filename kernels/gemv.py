@@ -15,9 +15,16 @@ programs; a small BLOCK_N gives even the 2048-wide projections a few programs pe
 * 1 < M <= MAX_M: `tl.dot(w, x.T)` with M padded to 16 (BLOCK_M), float32 accumulation
   (IEEE for float32 weights).
 
-Weights [N, K] with the last axis contiguous; x [M, K] likewise; the output [M, N] may be a
-strided view (the lm_head's padded rows). `gemv_config` picks the tile; benchmarks/
-gpu_fused_kernels.py's `gemv` rows sweep the alternatives on a GPU. The engine uses this
+`act="silu_mul"` folds Llama's MLP activation into the down projection: x is then the gate_up
+projection's output [M, 2K] and each program computes `silu(x[:, :K]) * x[:, K:]` for its K
+steps as it loads them (rounded as `kernels.activation.silu_and_mul` rounds, so the result is
+bit for bit `gemv(silu_and_mul(x), w)`), which saves that kernel and its [M, K] round trip. Every
+program recomputes the activation of the whole row: 2K loads from L2 and K exponentials against
+BLOCK_N * K weight loads from HBM.
+
+Weights [N, K] with the last axis contiguous; x [M, K] (or [M, 2K]) likewise; the output
+[M, N] may be a strided view (the lm_head's padded rows). `gemv_config` picks the tile;
+benchmarks/gpu_gemv.py sweeps the alternatives on a GPU. The engine uses this
 kernel with `--gemv-backend triton` (`engine.layers.linear.use_triton_gemv`).
 """
 
@@ -41,7 +48,27 @@ from kernels.jit import (
 MAX_M = 16  # rows of x the kernel takes; more go to torch's GEMM
 TILE = 8192  # most weight elements a one-row program multiplies per step
 
+ACTS = {None: 0, "silu_mul": 1}
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _load_input(ptrs, mask, up_offset, ACT: tl.constexpr):
+        """x at ptrs, or with ACT 1 silu(x at ptrs) * (x at ptrs + up_offset), each product
+        rounded to x's dtype as kernels.activation's `silu_and_mul` rounds it."""
+        if mask is None:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0)
+        if ACT == 1:
+            if mask is None:
+                up = tl.load(ptrs + up_offset)
+            else:
+                up = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+            gate = x.to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
+            x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        return x
 
     @triton.jit
     def _gemv_kernel(
@@ -63,6 +90,7 @@ if HAS_TRITON:
         EVEN_K: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
+        ACT: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -73,9 +101,9 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 if EVEN_K:
-                    x = tl.load(x_ptr + k0 + offs_k)
+                    x = _load_input(x_ptr + k0 + offs_k, None, K, ACT)
                 else:
-                    x = tl.load(x_ptr + k0 + offs_k, mask=k0 + offs_k < K, other=0.0)
+                    x = _load_input(x_ptr + k0 + offs_k, k0 + offs_k < K, K, ACT)
                 if EVEN_N and EVEN_K:
                     w = tl.load(w_ptrs + k0)
                 else:
@@ -93,7 +121,7 @@ if HAS_TRITON:
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 mask_k = k0 + offs_k < K
-                x = tl.load(x_ptrs + k0, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                x = _load_input(x_ptrs + k0, mask_m[:, None] & mask_k[None, :], K, ACT)
                 if EVEN_N and EVEN_K:
                     w = tl.load(w_ptrs + k0)
                 else:
@@ -108,14 +136,16 @@ if HAS_TRITON:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:
+def gemv_config(
+    m: int, n: int, k: int, num_sms: int = 132, itemsize: int = 2, act: str | None = None
+) -> dict[str, int]:
     """The tile for x [m, k] @ w[n, k].T: BLOCK_N, BLOCK_K, num_warps, num_stages.
 
     BLOCK_N: the largest power of two (4-64 at M == 1, 16-64 for the dot) that still gives
     about two programs per SM, so an N of 2048 runs 512 programs of 4 rows at M == 1; BLOCK_K:
     for the reduction up to 1024 within TILE elements a step (4 x 1024 bf16 is 8 KB), 128 for
-    the dot. A first guess from the shapes alone, to be replaced by what the GPU sweep
-    measures."""
+    the dot (64 for float32 inputs with the activation, whose gate and up tiles spilled at 128).
+    A first guess from the shapes alone, to be replaced by what the GPU sweep measures."""
     target = 2 * num_sms
     lo = 4 if m == 1 else 16
     block_n = lo
@@ -123,7 +153,10 @@ def gemv_config(m: int, n: int, k: int, num_sms: int = 132) -> dict[str, int]:
         block_n *= 2
     # M == 1 accumulates a float32 [BLOCK_N, BLOCK_K] tile: 8192 elements are 64 registers a
     # thread at 4 warps (at 16384 ptxas for sm_90a spilled, kernels/compile_check.py)
-    block_k = min(next_pow2(k, 16), 1024, TILE // block_n) if m == 1 else min(next_pow2(k, 16), 128)
+    if m == 1:
+        block_k = min(next_pow2(k, 16), 1024, TILE // block_n)
+    else:
+        block_k = min(next_pow2(k, 16), 64 if act and itemsize > 2 else 128)
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
 
 
@@ -133,14 +166,20 @@ def gemv(
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
+    act: str | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K] with M <= MAX_M (x, weight and bias of one
     dtype; last axes contiguous). `out` [M, N] (its rows may be strided) receives the result;
-    `config` overrides `gemv_config` (the benchmark's sweep)."""
+    `config` overrides `gemv_config` (the benchmark's sweep). `act="silu_mul"`:
+    `F.linear(silu_and_mul(x), weight, bias)` for x [M, 2K]."""
     assert x.dim() == 2 and weight.dim() == 2, "gemv: x [M, K] and weight [N, K]"
-    m, k = x.shape
-    n = weight.shape[0]
-    assert weight.shape[1] == k, f"gemv: x has {k} columns, weight {weight.shape[1]}"
+    assert act in ACTS, f"gemv: act {act!r} not in {sorted(ACTS, key=str)}"
+    n, k = weight.shape
+    m, x_cols = x.shape
+    want_cols = 2 * k if act else k
+    assert x_cols == want_cols, (
+        f"gemv: x has {x_cols} columns, the weight's K {k} needs {want_cols}"
+    )
     assert 0 < m <= MAX_M, f"gemv: {m} rows (1 to {MAX_M})"
     assert x.dtype == weight.dtype and (bias is None or bias.dtype == x.dtype)
     assert x.stride(1) == 1 and weight.stride(1) == 1
@@ -148,7 +187,7 @@ def gemv(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
     if config is None:
-        config = gemv_config(m, n, k, num_sms(x.device))
+        config = gemv_config(m, n, k, num_sms(x.device), x.element_size(), act)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     opts = {} if interpreting() else {
         "num_warps": config["num_warps"], "num_stages": config["num_stages"]
@@ -159,7 +198,7 @@ def gemv(
         x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, DOT_DTYPE=dot_dtype(x.dtype),
-        PRECISION=dot_precision(x.dtype), **opts,
+        PRECISION=dot_precision(x.dtype), ACT=ACTS[act], **opts,
     )  # fmt: skip
     return out
 

@@ -7,7 +7,10 @@ its own checkpoint tensor through `load_shard`.
 
 `use_triton_gemv` (`--gemv-backend triton`) sends the inputs of a few rows (decode at small
 batch) of every `nn.Linear` / `MergedLinear` of a model, and its lm_head matmul, to the Triton
-GEMV (`kernels/gemv.py`) instead of cuBLAS; larger inputs still take `F.linear`.
+GEMV (`kernels/gemv.py`) instead of cuBLAS; larger inputs still take `F.linear`. Modules that
+call the GEMV themselves (the lm_head's `LogitsProcessor`; Llama's MLP, whose down projection
+computes the SiLU-and-mul as it loads its input) say so with a `gemv_max_rows` attribute (0:
+off), which it sets.
 """
 
 from __future__ import annotations
@@ -52,18 +55,17 @@ class MergedLinear(nn.Linear):
 
 
 def use_triton_gemv(model: nn.Module, max_rows: int) -> int:
-    """Route inputs of 1..max_rows rows of the model's plain linear layers (and of its
-    `LogitsProcessor`'s lm_head matmul) through `kernels.gemv.gemv`; returns how many linear
-    layers now do. Quantized layers (`Fp8Linear`) keep their own path."""
-    from engine.layers.logits import LogitsProcessor
-
+    """Route inputs of 1..max_rows rows of the model's plain linear layers (and of the modules
+    with a `gemv_max_rows` attribute: the lm_head matmul, Llama's fused activation and down
+    projection) through `kernels.gemv.gemv`; returns how many linear layers now do. Quantized
+    layers (`Fp8Linear`) keep their own path."""
     count = 0
     for module in model.modules():
         if type(module) in (nn.Linear, MergedLinear):
             module.gemv_max_rows = max_rows
             module.forward = types.MethodType(_small_rows_forward, module)
             count += 1
-        elif isinstance(module, LogitsProcessor):
+        elif hasattr(module, "gemv_max_rows"):
             module.gemv_max_rows = max_rows
     return count
 

@@ -18,12 +18,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+import kernels.gemv
 from engine.forward_batch import ForwardBatch
 from engine.layer_windows import layer_sliding_windows
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import MergedLinear
+from engine.layers.linear import MergedLinear, gemv_fits
 from engine.layers.logits import LogitsProcessor
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.loader import load_named_weights
@@ -94,9 +95,19 @@ class LlamaMLP(nn.Module):
         )
         self.act = SiluAndMul()
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.gemv_max_rows = 0  # --gemv-backend triton (engine.layers.linear.use_triton_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        if (
+            self.gemv_max_rows
+            and type(down) is nn.Linear  # not quantized, not wrapped by a LoRA layer
+            and gemv_fits(gate_up, down.weight, self.gemv_max_rows)
+        ):
+            # the activation computed inside the down projection's GEMV, as it loads gate_up
+            return kernels.gemv.gemv(gate_up, down.weight, down.bias, act="silu_mul")
+        return down(self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -25,24 +25,25 @@ from tests.unit.test_kernels_backend import _engine_logits  # noqa: E402
 
 
 @pytest.fixture
-def gemv_rows(monkeypatch) -> list[int]:
-    """The row count of every call of the Triton GEMV."""
-    rows: list[int] = []
+def gemv_calls(monkeypatch) -> types.SimpleNamespace:
+    """The row count (`rows`) and the `act` argument (`acts`) of every Triton GEMV call."""
+    calls = types.SimpleNamespace(rows=[], acts=[])
     real = kernels.gemv.gemv
 
     def counted(x, *args, **kwargs):
-        rows.append(x.shape[0])
+        calls.rows.append(x.shape[0])
+        calls.acts.append(kwargs.get("act"))
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(kernels.gemv, "gemv", counted)
-    return rows
+    return calls
 
 
 class _Fp8Like(nn.Linear):
     """Stands for a quantized layer: a subclass of nn.Linear with its own forward."""
 
 
-def test_routes_plain_linears_up_to_max_rows(gemv_rows):
+def test_routes_plain_linears_up_to_max_rows(gemv_calls):
     model = nn.ModuleDict({
         "qkv": MergedLinear(32, [("q", 16), ("k", 8), ("v", 8)], bias=True),
         "down": nn.Linear(32, 24, bias=False),
@@ -53,21 +54,50 @@ def test_routes_plain_linears_up_to_max_rows(gemv_rows):
     assert model["logits"].gemv_max_rows == 2
     assert "forward" not in vars(model["quantized"])
     for rows, on_gemv in ((1, True), (2, True), (3, False)):
-        gemv_rows.clear()
+        gemv_calls.rows.clear()
         x = torch.randn(rows, 32, device=DEVICE)
         for name in ("qkv", "down"):
             layer = model[name]
             want = torch.nn.functional.linear(x, layer.weight, layer.bias)
             torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
-        assert gemv_rows == ([rows, rows] if on_gemv else [])
-    gemv_rows.clear()
+        assert gemv_calls.rows == ([rows, rows] if on_gemv else [])
+    gemv_calls.rows.clear()
     half = model["down"].to(torch.bfloat16)
     with pytest.raises(RuntimeError):  # x float32, weight bfloat16: as nn.Linear, refused
         half(torch.randn(1, 32, device=DEVICE))
-    assert gemv_rows == []  # (by F.linear, not the GEMV's assertion)
+    assert gemv_calls.rows == []  # (by F.linear, not the GEMV's assertion)
 
 
-def test_lm_head_rows_go_to_the_gemv_padded_or_not(gemv_rows):
+def test_llama_mlp_runs_its_activation_inside_the_down_projection(gemv_calls):
+    """With the row limit set, Llama's MLP sends gate_up's output to the down projection's
+    GEMV with act="silu_mul" (no activation kernel); more rows, or a down projection that is
+    not a plain nn.Linear (a LoRA wrapper, a quantized layer), take the unfused path."""
+    from engine.models.llama import LlamaMLP
+
+    config = types.SimpleNamespace(hidden_act="silu", hidden_size=32, intermediate_size=48)
+    mlp = LlamaMLP(config).to(DEVICE)
+    assert use_triton_gemv(mlp, max_rows=2) == 2 and mlp.gemv_max_rows == 2
+
+    def unfused(x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ mlp.gate_up_proj.weight.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T
+
+    for rows, fused in ((1, True), (2, True), (3, False)):
+        gemv_calls.rows.clear()
+        gemv_calls.acts.clear()
+        x = torch.randn(rows, 32, device=DEVICE)
+        torch.testing.assert_close(mlp(x), unfused(x), atol=1e-5, rtol=1e-5)
+        assert gemv_calls.acts == ([None, "silu_mul"] if fused else [])
+    base = mlp.down_proj
+    mlp.down_proj = _Fp8Like(48, 32, bias=False).to(DEVICE)  # stands for any other kind of layer
+    mlp.down_proj.load_state_dict(base.state_dict())
+    gemv_calls.acts.clear()
+    x = torch.randn(1, 32, device=DEVICE)
+    torch.testing.assert_close(mlp(x), unfused(x), atol=1e-5, rtol=1e-5)
+    assert gemv_calls.acts == [None]  # gate_up's GEMV only; the activation ran on its own
+
+
+def test_lm_head_rows_go_to_the_gemv_padded_or_not(gemv_calls):
     weight = torch.randn(50, 32, device=DEVICE)
     hidden = torch.randn(2, 32, device=DEVICE)
     want = hidden @ weight.T
@@ -75,9 +105,9 @@ def test_lm_head_rows_go_to_the_gemv_padded_or_not(gemv_rows):
         got = lm_head_matmul(hidden, weight, pad=pad, gemv_max_rows=4)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert got.stride(0) == (64 if pad else 50)
-    assert gemv_rows == [2, 2]
+    assert gemv_calls.rows == [2, 2]
     lm_head_matmul(hidden, weight, gemv_max_rows=1)  # more rows than allowed: torch's
-    assert gemv_rows == [2, 2]
+    assert gemv_calls.rows == [2, 2]
 
 
 def test_flags_and_validation():
@@ -111,7 +141,7 @@ def test_refused_where_triton_cannot_run(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: the qkv projection's bias
-def test_engine_logits_match_torch(arch, gemv_rows):
+def test_engine_logits_match_torch(arch, gemv_calls):
     from tests.factories import tiny_model
 
     path = tiny_model(arch)
@@ -128,9 +158,10 @@ def test_engine_logits_match_torch(arch, gemv_rows):
     assert len(got) == len(want) > 2
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
-    # decode steps of two requests, then of one: every projection (qkv, o, gate_up, down) and
-    # the lm_head; the two prefills' many rows went to torch, their lm_head rows (one per
-    # request) to the GEMV
+    # decode steps of two requests, then of one: every projection (qkv, o, gate_up, down with
+    # the MLP's activation inside it) and the lm_head; the two prefills' many rows went to
+    # torch, their lm_head rows (one per request) to the GEMV
     decode_steps = len(got) - 2
-    assert set(gemv_rows) == {1, 2}
-    assert len(gemv_rows) == decode_steps * (4 * layers[0] + 1) + 2
+    assert set(gemv_calls.rows) == {1, 2}
+    assert len(gemv_calls.rows) == decode_steps * (4 * layers[0] + 1) + 2
+    assert gemv_calls.acts.count("silu_mul") == decode_steps * layers[0]

@@ -1,5 +1,6 @@
 """benchmarks/gpu_gemv.py on CPU in quick mode (the kernel in the Triton interpreter): the
-torch / gemv_config / sweep rows are all there and the file is written, before GPU time is spent
+torch / gemv_config / sweep rows and the fused activation's rows are all there and the file
+is written, before GPU time is spent
 on it. The timings mean nothing here."""
 
 from __future__ import annotations
@@ -30,3 +31,8 @@ def test_quick_run_writes_every_row(tmp_path, monkeypatch):
         assert r["torch_us"] > 0 and r["gemv_us"] > 0 and r["best_us"] > 0
         assert r["swept"] == 2 and r["wrong"] == 0  # every tile tried agreed with F.linear
     assert summary["gemv_qkv_m1_speedup"] == rows[0]["speedup"]
+    fused = doc["results"]["down_silu"]
+    assert [(r["shape"], r["rows"]) for r in fused] == [("down+silu", 1), ("down+silu", 4)]
+    for r in fused:
+        assert r["torch_us"] > 0 and r["gemv_us"] > 0 and r["fused_us"] > 0
+    assert summary["gemv_down_silu_m4_fused_vs_gemv"] == fused[1]["fused_vs_gemv"]

@@ -98,6 +98,9 @@ def test_config_gives_each_sm_programs():
     assert gemv_config(1, 2048, 2048)["BLOCK_N"] == 4
     assert gemv_config(1, 16384, 2048)["BLOCK_N"] == 32
     assert gemv_config(8, 2048, 2048)["BLOCK_N"] == 16  # the dot's smallest tile
+    # float32 gate and up tiles of 128 spilled (kernels/compile_check.py): 64 there
+    assert gemv_config(4, 2048, 8192, itemsize=4, act="silu_mul")["BLOCK_K"] == 64
+    assert gemv_config(4, 2048, 8192, itemsize=2, act="silu_mul")["BLOCK_K"] == 128
 
 
 def test_rejects_what_it_cannot_compute():
@@ -108,3 +111,33 @@ def test_rejects_what_it_cannot_compute():
         gemv(torch.empty(1, 15, device=DEVICE), w)
     with pytest.raises(AssertionError):
         gemv(x.to(torch.bfloat16), w)  # mixed dtypes
+    with pytest.raises(AssertionError, match="act 'gelu'"):
+        gemv(x, w, act="gelu")
+    with pytest.raises(AssertionError, match="needs 32"):
+        gemv(x, w, act="silu_mul")  # silu_mul takes the gate_up output, 2K columns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k,bias",
+    [(1, 64, 256, False), (1, 50, 70, True), (3, 50, 70, False), (MAX_M, 64, 96, True)],
+)
+def test_silu_mul_prologue_is_the_activation_kernel_then_the_gemv(dtype, m, n, k, bias):
+    """act="silu_mul" on the gate_up output [M, 2K] gives bit for bit what the activation
+    kernel followed by the plain GEMV with the same tile gives (same rounding, same
+    accumulation order), and that
+    is the float64 product of the activation within the usual tolerance."""
+    from kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(m * 1000 + k)
+    # rows a column slice of wider rows (the kernel takes a row stride), gate values wide
+    # enough that silu's negative side and its saturation both show up
+    wide = (4 * torch.randn(m, 2 * k + 16, generator=gen)).to(dtype).to(DEVICE)
+    gate_up = wide[:, : 2 * k]
+    _, w, b = _inputs(m, n, k, dtype, bias, seed=k)
+    act = silu_and_mul(gate_up)
+    tile = gemv_config(m, n, k, itemsize=gate_up.element_size(), act="silu_mul")
+    want = gemv(act, w, b, config=tile)  # the same tile: the same accumulation order
+    got = gemv(gate_up, w, b, act="silu_mul")
+    assert torch.equal(got, want), f"max diff {(got - want).abs().max()}"
+    _check(got, act, w, b)
