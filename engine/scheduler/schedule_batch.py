@@ -70,6 +70,9 @@ class ModelWorkerBatch:
 class ScheduleBatch:
     def __init__(self, reqs: list[Req], pools: Any, forward_mode: ForwardMode) -> None:
         """`pools` bundles req_to_token_pool, allocator and tree_cache (see `MemoryPools`)."""
+        # the decode inputs on the device (ModelWorkerBatch.decode_rows), valid for the
+        # requests `prepare_for_decode` saw: setting `reqs` drops them
+        self._decode_rows: torch.Tensor | None = None
         self.reqs = reqs
         self.pools = pools
         self.forward_mode = forward_mode
@@ -82,11 +85,19 @@ class ScheduleBatch:
         self.decoding_reqs: frozenset[Req] = frozenset()
         # (rows, targets, counts) of prompt logprobs, see ModelWorkerBatch
         self._prompt_logprobs: tuple[list[int], list[int], list[int]] | None = None
-        # the decode inputs on the device (ModelWorkerBatch.decode_rows), until the
-        # membership changes
-        self._decode_rows: torch.Tensor | None = None
         # a verify step's drafts per request (engine/speculative/scheduling.py)
         self.spec_draft_lens: list[int] | None = None
+
+    @property
+    def reqs(self) -> list[Req]:
+        """The requests, in batch order. Replace the list to change them (never mutate it in
+        place): the setter drops the decode inputs built for the previous members."""
+        return self._reqs
+
+    @reqs.setter
+    def reqs(self, reqs: list[Req]) -> None:
+        self._reqs = reqs
+        self._decode_rows = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -238,7 +249,7 @@ class ScheduleBatch:
         self._prefix_lens = running._prefix_lens + self._prefix_lens
         self._seq_lens = running._seq_lens + self._seq_lens
         self.decoding_reqs = frozenset(running.reqs)
-        running._decode_rows = None
+        running._decode_rows = None  # its step runs in this batch
         if self._prompt_logprobs is not None:  # the running requests' tokens come first
             rows, targets, counts = self._prompt_logprobs
             n = len(running.reqs)
@@ -266,7 +277,6 @@ class ScheduleBatch:
             retracted.append(req)
         keep = sorted(order)
         self.reqs = [self.reqs[i] for i in keep]
-        self._decode_rows = None
         p.tree_cache.evict(len(self.reqs) * p.page_size)
         p.make_room(len(self.reqs) * p.page_size)
         return retracted
@@ -278,7 +288,6 @@ class ScheduleBatch:
         for req in reqs:
             self._give_back(req)
         self.reqs = [r for r in self.reqs if id(r) not in gone]
-        self._decode_rows = None
 
     def _give_back(self, req: Req) -> None:
         """One request's memory back to the pools; it starts over from waiting."""
@@ -295,11 +304,9 @@ class ScheduleBatch:
     def filter(self, exclude: Req | None = None) -> None:
         """Drop finished requests, and `exclude` (every step: attributes, not properties)."""
         self.reqs = [r for r in self.reqs if r.finished_reason is None and r is not exclude]
-        self._decode_rows = None
 
     def merge(self, other: ScheduleBatch) -> None:
-        self.reqs.extend(other.reqs)
-        self._decode_rows = None
+        self.reqs = self.reqs + other.reqs
 
     def running_need_tokens(self, new_token_ratio: float) -> float:
         return (
