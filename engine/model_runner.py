@@ -72,6 +72,8 @@ class ModelRunner:
             None if host_only
             else load_model(model_config, self.dtype, self.device, self.quantization)
         )  # fmt: skip
+        if self.model is not None:
+            self._pad_lm_head()
         if self.model is not None and args.gemv_backend == "triton":
             self._use_triton_gemv()
         self.weights_path = model_config.path  # the checkpoint the weights are from
@@ -135,6 +137,20 @@ class ModelRunner:
             logger.info("CUDA graphs off: LoRA adapters are applied eagerly")
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
+
+    def _pad_lm_head(self) -> None:
+        """The lm_head weight of a vocabulary that is not a multiple of 8 into a storage of a
+        multiple of 64 rows where the matmul pads (engine/layers/logits.py): on CUDA, 16-bit."""
+        from engine.layers.logits import pad_vocab_rows, padded_vocab, pads_vocab
+
+        weight = getattr(self.model, "lm_head_weight", None)
+        processor = getattr(self.model, "logits_processor", None)
+        if weight is None or processor is None or weight.shape[0] != processor.vocab_size:
+            return  # no lm_head (a classifier's score rows, an embedding model)
+        vocab = weight.shape[0]
+        if pads_vocab(weight, vocab) and pad_vocab_rows(weight):
+            torch.cuda.empty_cache()  # the unpadded copy's memory goes to the KV pool
+            logger.info("lm_head: a vocabulary of %d in %d rows", vocab, padded_vocab(vocab))
 
     def _use_triton_gemv(self) -> None:
         from engine.layers.linear import use_triton_gemv

@@ -14,10 +14,15 @@ A vocabulary that is not a multiple of 8 (GPT-2's 50257) leaves the lm_head's ou
 misaligned for 16-byte loads and stores, and cuBLAS then falls back to its slowest kernels: on
 the H100 a cutlass sm75 "align1" GEMM took 152 us per decode step at batch 64 (16 % of the GPU
 time; benchmarks/results/gpu_overlap_bs64_on_profile.txt). SGLang and vLLM pad the vocabulary
-to a multiple of 64. Here the weight stays as loaded: on CUDA, in 16-bit, the matmul writes
-into rows of a multiple of 64 (`torch.mm` into a view of a wider buffer: cuBLAS takes the
-row stride as its leading dimension) and the float32 cast that follows anyway makes the
-logits contiguous again.
+to a multiple of 64. Writing into rows of a multiple of 64 alone (`torch.mm` into a view of a
+wider buffer) was not enough: the third GPU session's profiles, with that in place, still show
+the align1 kernel (151 us a step at batch 64, 128 us in the seed shape), since the GEMM's own
+extent stayed 50257. So `pad_vocab_rows` (the model runner, at load) gives the weight a storage
+of a multiple of 64 rows (zeros after the vocabulary; the parameter is the view of its first
+rows, so a tied input embedding and weight reloads see the same tensor), and the matmul runs
+over all of them, into a buffer as wide, of which the logits are the first `vocab` columns. The
+float32 cast that follows anyway makes them contiguous again. A weight without that storage
+(a reload that replaced the tensor, say) still gets the wider output rows.
 """
 
 from __future__ import annotations
@@ -70,17 +75,57 @@ ROW_MULTIPLE = 64  # the output row length used where the vocabulary is not alig
 def lm_head_matmul(
     hidden: torch.Tensor, weight: torch.Tensor, pad: bool | None = None, gemv_max_rows: int = 0
 ) -> torch.Tensor:
-    """hidden [N, H] @ weight[V, H].T. `pad` (default: on CUDA, 16-bit, V not a multiple of
-    ALIGN): into rows of ROW_MULTIPLE elements, returned as the [N, V] view (strided).
-    N <= `gemv_max_rows` (`--gemv-backend triton`): by the Triton GEMV (kernels/gemv.py)."""
+    """hidden [N, H] @ weight[V, H].T. `pad` (default: `pads_vocab(hidden, V)`): into rows of
+    ROW_MULTIPLE elements, returned as the [N, V] view (strided); over the weight's padded
+    rows where its storage has them (`pad_vocab_rows`). N <= `gemv_max_rows`
+    (`--gemv-backend triton`): by the Triton GEMV (kernels/gemv.py)."""
     vocab = weight.shape[0]
     gemv = gemv_fits(hidden, weight, gemv_max_rows)
     if pad is None:
-        pad = hidden.is_cuda and hidden.element_size() == 2 and vocab % ALIGN != 0
+        pad = pads_vocab(hidden, vocab)
     if hidden.dim() != 2 or not (pad or gemv):
         return F.linear(hidden, weight)
-    width = -(-vocab // ROW_MULTIPLE) * ROW_MULTIPLE if pad else vocab
-    out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)[:, :vocab]
+    width = padded_vocab(vocab) if pad else vocab
+    out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
     if gemv:
-        return kernels.gemv.gemv(hidden, weight, out=out)
-    return torch.mm(hidden, weight.t(), out=out)
+        return kernels.gemv.gemv(hidden, weight, out=out[:, :vocab])
+    rows = padded_rows(weight, width)
+    if rows is not None:
+        return torch.mm(hidden, rows.t(), out=out)[:, :vocab]
+    return torch.mm(hidden, weight.t(), out=out[:, :vocab])
+
+
+def pads_vocab(hidden: torch.Tensor, vocab: int) -> bool:
+    """Whether the lm_head pads by default: on CUDA, 16-bit, vocab not a multiple of ALIGN."""
+    return hidden.is_cuda and hidden.element_size() == 2 and vocab % ALIGN != 0
+
+
+def padded_vocab(vocab: int) -> int:
+    return -(-vocab // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def padded_rows(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """weight [V, H] as the first V of `rows` rows of its storage ([rows, H]), or None where
+    it is not a contiguous tensor whose storage holds that many."""
+    if rows == weight.shape[0]:
+        return weight
+    if not weight.is_contiguous():
+        return None
+    end = (weight.storage_offset() + rows * weight.shape[1]) * weight.element_size()
+    if weight.untyped_storage().nbytes() < end:
+        return None
+    return weight.as_strided((rows, weight.shape[1]), weight.stride())
+
+
+def pad_vocab_rows(weight: torch.Tensor) -> bool:
+    """Give the lm_head weight [V, H] (a parameter, in place: its `.data`) a storage of
+    `padded_vocab(V)` rows, zeros after V, so that `lm_head_matmul` multiplies by all of them.
+    False where there is nothing to do."""
+    vocab, hidden = weight.shape
+    width = padded_vocab(vocab)
+    if padded_rows(weight, width) is not None:
+        return False
+    storage = torch.zeros(width, hidden, dtype=weight.dtype, device=weight.device)
+    storage[:vocab].copy_(weight.detach())
+    weight.data = storage[:vocab]
+    return True

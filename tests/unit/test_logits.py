@@ -50,3 +50,66 @@ def test_logits_processor_rows_are_the_plain_ones(monkeypatch) -> None:
     padded = proc(hidden, weight, fb)
     assert padded.dtype == torch.float32 and padded.is_contiguous()
     assert torch.equal(padded, plain)
+
+
+def test_pad_vocab_rows_keeps_the_parameter_and_its_values() -> None:
+    """The weight becomes the first 97 of 128 rows of a new storage (zeros after): the same
+    Parameter object, so a tied input embedding reads the same values; a second call finds
+    the rows there."""
+    torch.manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(97, 16, dtype=torch.bfloat16), requires_grad=False)
+    embed = torch.nn.Embedding(97, 16)
+    embed.weight = weight  # tied: the same Parameter
+    values = weight.detach().clone()
+    ids = torch.tensor([0, 5, 96])
+    assert mod.padded_rows(weight, 128) is None
+    assert mod.pad_vocab_rows(weight)
+    assert embed.weight is weight and torch.equal(weight, values)
+    assert torch.equal(embed(ids), values[ids])
+    rows = mod.padded_rows(weight, 128)
+    assert rows is not None and rows.shape == (128, 16) and rows.data_ptr() == weight.data_ptr()
+    assert (rows[97:] == 0).all()
+    assert not mod.pad_vocab_rows(weight)
+    weight.data.copy_(values * 2)  # a weight reload copies into the view: the rows follow
+    assert torch.equal(mod.padded_rows(weight, 128)[:97], values * 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_padded_matmul_runs_over_the_padded_rows(dtype: torch.dtype) -> None:
+    """With the padded storage the GEMM covers all 128 rows (the rows after the vocabulary
+    are set to NaN here: their columns, and only those, come out NaN); the logits are
+    F.linear's."""
+    torch.manual_seed(3)
+    hidden = torch.randn(5, 32, dtype=dtype)
+    weight = torch.randn(97, 32, dtype=dtype)
+    want = F.linear(hidden, weight)
+    assert mod.pad_vocab_rows(weight)
+    mod.padded_rows(weight, 128)[97:] = float("nan")
+    out = mod.lm_head_matmul(hidden, weight, pad=True)
+    assert out.shape == (5, 97) and out.stride(0) == 128
+    assert torch.equal(out, want)
+    whole = torch.as_strided(out, (5, 128), out.stride())
+    assert torch.isnan(whole[:, 97:]).all()
+
+
+def test_runner_pads_the_lm_head_only_where_the_matmul_pads(monkeypatch) -> None:
+    """ModelRunner._pad_lm_head: on CUDA in 16 bits (stood in for here by `pads_vocab`) the
+    lm_head weight gets its padded storage; on CPU, or where the head is not the vocabulary's
+    (a classifier's score rows), it is left alone."""
+    from engine.model_runner import ModelRunner
+
+    def runner(rows: int, vocab: int) -> SimpleNamespace:
+        weight = torch.nn.Parameter(torch.randn(rows, 16, dtype=torch.bfloat16))
+        model = SimpleNamespace(lm_head_weight=weight,
+                                logits_processor=SimpleNamespace(vocab_size=vocab))  # fmt: skip
+        return SimpleNamespace(model=model)
+
+    on_cpu = runner(97, 97)
+    ModelRunner._pad_lm_head(on_cpu)
+    assert mod.padded_rows(on_cpu.model.lm_head_weight, 128) is None
+    monkeypatch.setattr(mod, "pads_vocab", lambda hidden, vocab: vocab % mod.ALIGN != 0)
+    padded, classifier = runner(97, 97), runner(3, 97)
+    for r in (padded, classifier):
+        ModelRunner._pad_lm_head(r)
+    assert mod.padded_rows(padded.model.lm_head_weight, 128) is not None
+    assert mod.padded_rows(classifier.model.lm_head_weight, 64) is None
