@@ -19,7 +19,8 @@
 #               test_hicache_gpu.py (hierarchical cache == plain radix cache),
 #               test_kernels_page_table.py (flashinfer's page ids in one launch),
 #               test_allocator_gpu.py (the allocator on CUDA == on CPU, deferred checks),
-#               test_logits_gpu.py (GPT-2's lm_head into aligned rows: agrees, not slower)
+#               test_logits_gpu.py (GPT-2's lm_head over padded weight rows: agrees, not
+#               slower than F.linear, not cutlass's align1 kernel; prints the three timings)
 #   tests-overlap  tests/gpu/test_overlap_gpu.py (no launch of the CUDA overlap executor
 #               waits for a busy forward stream) and the GPU cases of
 #               tests/integration/test_overlap.py (CUDA executor == plain loop)
