@@ -51,7 +51,7 @@ from kernels.decode_attention import decode_attention
 from kernels.extend_attention import extend_attention
 from kernels.fp8_gemm import fp8_gemm
 from kernels.fused_moe import fused_experts_triton
-from kernels.fused_norm import fused_add_rms_norm, rms_norm
+from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.gemv import gemv
 from kernels.jit import interpreting
@@ -278,6 +278,13 @@ def _elementwise_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             )
         x = torch.empty(64, 3072, dtype=dtype)  # GPT-2's MLP width
         yield {"dtype": name, "case": "gelu_new"}, functools.partial(gelu_new, x)
+        for hidden in (768, 1024):  # GPT-2 / BERT-base, BERT-large: LayerNorm, the add fused
+            x, w = torch.empty(64, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype)
+            for res in (None, x):
+                case = f"{'add_' if res is not None else ''}layer_norm H{hidden}"
+                yield {"dtype": name, "case": case}, functools.partial(
+                    fused_add_layer_norm, x, res, w, w, 1e-5
+                )
         for head_dim in HEAD_DIMS:
             for hq, hk in HEAD_SHAPES:
                 labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq,

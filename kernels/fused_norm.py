@@ -1,10 +1,16 @@
-"""RMSNorm, optionally fused with the residual add before it, one row per program.
+"""RMSNorm and LayerNorm, optionally fused with the residual add before them, one row per
+program.
 
 Op order is that of `engine.layers.layernorm.rms_norm` (the reference): upcast to float32,
 mean of squares, `h * rsqrt(var + eps)`, round back to the input dtype, then multiply by the
 weight in the dtype torch promotes `weight * h` to. `fused_add_rms_norm` first forms
 `x + residual` rounded to its torch dtype (the new residual stream, also returned) and
 normalises that rounded sum, as `RMSNorm.forward(x, residual)` does.
+
+`layer_norm` / `fused_add_layer_norm` (GPT-2): `F.layer_norm`'s arithmetic, in float32 and
+rounded once: mean, variance of the centred row, `(h - mean) * rsqrt(var + eps) * w + b`
+(torch's CUDA kernel also computes in float32 from the rounded input and rounds once; its
+mean and variance come from a Welford pass, so the two can differ in the last bit).
 
 Layout: x [..., hidden] with a contiguous last axis. The leading dims are viewed as
 [A, B] (e.g. tokens x heads for a per-head q/k norm read straight out of a fused qkv), each
@@ -62,6 +68,46 @@ if HAS_TRITON:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * hidden + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _layer_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        b_ptr,
+        out_ptr,
+        res_out_ptr,
+        stride_xa,
+        stride_xb,
+        stride_ra,
+        stride_rb,
+        rows_b,
+        hidden,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        a = row // rows_b
+        b = row % rows_b
+        offs = tl.arange(0, BLOCK)
+        mask = offs < hidden
+        x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
+        in_ty = res_out_ptr.dtype.element_ty  # x_ptr itself without a residual
+        h = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + a * stride_ra + b * stride_rb + offs, mask=mask, other=0.0)
+            summed = (h + r.to(tl.float32)).to(in_ty)
+            tl.store(res_out_ptr + row * hidden + offs, summed, mask=mask)
+            h = summed.to(tl.float32)
+        mean = tl.sum(h, axis=0) / hidden
+        centred = tl.where(mask, h - mean, 0.0)
+        var = tl.sum(centred * centred, axis=0) / hidden
+        y = centred * tl.math.rsqrt(var + eps) * tl.load(w_ptr + offs, mask=mask).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs, mask=mask).to(tl.float32)
+        tl.store(out_ptr + row * hidden + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [A, B, hidden] with a contiguous last axis (a view where strides allow)."""
@@ -118,4 +164,40 @@ def fused_add_rms_norm(
     Reference: `engine.layers.layernorm.RMSNorm.forward(x, residual)`."""
     out, new_res = _launch(x, residual, weight, eps)
     assert new_res is not None
+    return out, new_res
+
+
+def fused_add_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(layer_norm(x + residual), x + residual) as new tensors (x, residual only read);
+    without a residual, (layer_norm(x), None). weight and bias [hidden] of x's dtype.
+    Reference: `engine.layers.layernorm.LayerNorm`'s torch path (`F.layer_norm`)."""
+    hidden = x.shape[-1]
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"layer_norm kernel supports hidden <= {MAX_HIDDEN}, got {hidden}")
+    assert weight.shape == (hidden,) and (bias is None or bias.shape == (hidden,))
+    assert weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    new_res = None if residual is None else torch.empty_like(out)
+    if x.numel() == 0:
+        return out, new_res
+    x3 = _rows(x)
+    r3 = x3 if residual is None else _rows(residual)
+    assert r3.shape == x3.shape, (tuple(residual.shape), tuple(x.shape))
+    block = next_pow2(hidden)
+    _layer_norm_kernel[(x3.shape[0] * x3.shape[1],)](
+        x3, r3, weight, weight if bias is None else bias, out,
+        x3 if new_res is None else new_res,
+        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        x3.shape[1], hidden, eps,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+        **launch_opts(_num_warps(block)),
+    )  # fmt: skip
     return out, new_res

@@ -5,6 +5,10 @@ squares, rsqrt, cast back, scale) so float32 outputs match the reference bit for
 It optionally fuses the residual add that precedes it, as SGLang's does:
 `norm(x, residual)` returns `(norm(x + residual), x + residual)`. On CUDA both forms run as
 one Triton kernel (kernels/fused_norm.py, same op order; torch elsewhere).
+
+`LayerNorm` (GPT-2) is `nn.LayerNorm` (same parameters) with the same optional residual add;
+on CUDA one Triton kernel as well, whose float32 arithmetic is `F.layer_norm`'s up to the
+last bit of the mean and variance.
 """
 
 from __future__ import annotations
@@ -45,6 +49,26 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if (
+            compiled_on(x)
+            and self.weight is not None
+            and self.weight.dtype == x.dtype
+            and x.shape[-1] <= fused_norm.MAX_HIDDEN
+        ):
+            out, summed = fused_norm.fused_add_layer_norm(
+                x, residual, self.weight, self.bias, self.eps
+            )
+            return out if summed is None else (out, summed)
+        if residual is None:
+            return super().forward(x)
+        x = x + residual
+        return super().forward(x), x
 
 
 class GemmaRMSNorm(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 from engine.forward_batch import ForwardBatch
 from engine.layers.activation import get_activation
 from engine.layers.attention import PagedAttention
+from engine.layers.layernorm import LayerNorm
 from engine.layers.logits import LogitsProcessor
 from engine.loader import load_named_weights
 
@@ -60,14 +61,19 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     def __init__(self, config, layer_id: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_1 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.attn = GPT2Attention(config, layer_id)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_2 = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.attn(self.ln_1(hidden), forward_batch)
-        return hidden + self.mlp(self.ln_2(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual stream before it): the residual adds happen inside the next
+        LayerNorm (one kernel on CUDA), with HF's sums and roundings."""
+        x, residual = self.ln_1(hidden, residual)
+        x, residual = self.ln_2(self.attn(x, forward_batch), residual)
+        return self.mlp(x), residual
 
 
 class GPT2Model(nn.Module):
@@ -76,15 +82,16 @@ class GPT2Model(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        hidden = self.wte(input_ids) + self.wpe(positions)
+        # the token and position embeddings are summed by the first LayerNorm, as HF sums them
+        hidden, residual = self.wte(input_ids), self.wpe(positions)
         for block in self.h:
-            hidden = block(hidden, forward_batch)
-        return self.ln_f(hidden)
+            hidden, residual = block(hidden, residual, forward_batch)
+        return self.ln_f(hidden, residual)[0]
 
 
 class GPT2LMHeadModel(nn.Module):

@@ -1,11 +1,12 @@
 """The fused elementwise kernels compiled on CUDA at real shapes, against the torch layer code.
 
 RMSNorm (hidden 2048 / 4096, with and without the residual add, and Qwen3's per-head q/k norm
-read from a fused qkv), SiLU-and-mul (Llama-3.2-1B's and Llama-3-8B's intermediate sizes),
-GPT-2's gelu_new, rotary of q and k stacked (head_dim 64 / 128, GQA heads), in float32 /
-float16 / bfloat16; and the layers themselves on CUDA take the kernels (their outputs differ
-from the torch path only by rounding). CUDA rounds to nearest, so where the kernel rounds
-where torch does (norm, silu) half precision agrees bit for bit but for rare last-bit ties.
+read from a fused qkv), GPT-2's LayerNorm with the residual add, SiLU-and-mul (Llama-3.2-1B's
+and Llama-3-8B's intermediate sizes), GPT-2's gelu_new, rotary of q and k stacked (head_dim
+64 / 128, GQA heads), in float32 / float16 / bfloat16; and the layers themselves on CUDA take
+the kernels (their outputs differ from the torch path only by rounding). CUDA rounds to
+nearest, so where the kernel rounds where torch does (norm, silu) half precision agrees bit
+for bit but for rare last-bit ties.
 """
 
 from __future__ import annotations
@@ -140,3 +141,29 @@ def test_layers_take_the_kernels_on_cuda():
     q = _randn(5, 4, 64, dtype=torch.float32, seed=15)
     pos = torch.arange(5, device="cuda")
     assert torch.equal(rope(pos, q), apply_rotary(pos, q, rope.cos_sin_cache, 64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 64, 4096])
+def test_layer_norm_against_torch_on_cuda(dtype, tokens):
+    """GPT-2's LayerNorm (hidden 768, BERT-base's too) with the residual add, against the
+    LayerNorm layer's torch path on CUDA (torch's own kernel, float32 inside, rounded once):
+    the same sum bit for bit, the normalised rows to the last bit of the mean / variance; and
+    the layer takes the kernel."""
+    from engine.layers.layernorm import LayerNorm
+
+    hidden = 768
+    norm = LayerNorm(hidden, eps=1e-5).to("cuda", dtype)
+    norm.weight.data.copy_(_randn(hidden, dtype=dtype, seed=30))
+    norm.bias.data.copy_(_randn(hidden, dtype=dtype, seed=31))
+    x = _randn(tokens, hidden, dtype=dtype, seed=32, scale=2.0) + 3.0
+    r = _randn(tokens, hidden, dtype=dtype, seed=33, scale=5.0)
+    got, got_res = fused_norm.fused_add_layer_norm(x, r, norm.weight, norm.bias, 1e-5)
+    want_res = x + r
+    assert torch.equal(got_res, want_res)
+    want = torch.nn.functional.layer_norm(want_res, (hidden,), norm.weight, norm.bias, 1e-5)
+    _close(got, want)
+    layer_out, layer_res = norm(x, r)
+    assert torch.equal(layer_out, got) and torch.equal(layer_res, got_res)
+    assert torch.equal(norm(x), fused_norm.fused_add_layer_norm(x, None, norm.weight,
+                                                                norm.bias, 1e-5)[0])  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels.testing import triton_test_device
 
@@ -92,6 +93,49 @@ def test_rms_norm_of_per_head_slices_of_a_fused_qkv():
     got = fused_norm.rms_norm(x, w, 1e-6)
     assert got.dtype == torch.float32 and got.shape == x.shape
     assert_close(got, rms_norm(x, w, 1e-6), ulps=2**16 * 2)  # ulps of bf16, h is rounded to it
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden,residual,bias", [(768, True, True), (80, False, True),
+                                                  (1000, True, False)])  # fmt: skip
+def test_layer_norm(dtype, hidden, residual, bias):
+    """GPT-2's LayerNorm with the residual add before it (x + residual rounded to the dtype,
+    as torch adds) against F.layer_norm of that sum; x rows strided (a column slice), values
+    off-centre (a mean far from zero shows a variance computed without centring)."""
+    wide = _randn(70, hidden + 24, dtype=dtype, seed=20, scale=2.0) + 5.0
+    x = wide[:, :hidden]
+    res = _randn(70, hidden, dtype=dtype, seed=21, scale=4.0) if residual else None
+    w = _randn(hidden, dtype=dtype, seed=22)
+    b = _randn(hidden, dtype=dtype, seed=23) if bias else None
+    x_before = x.clone()
+    got, got_res = fused_norm.fused_add_layer_norm(x, res, w, b, 1e-5)
+    assert torch.equal(x, x_before) and got.is_contiguous()
+    if res is None:
+        assert got_res is None
+        normed = x
+    else:  # one rounding of the sum (the interpreter truncates bf16 where CUDA rounds)
+        assert_close(got_res, x + res, ulps=0 if dtype != torch.bfloat16 else 1)
+        normed = got_res
+    # of that sum: float32 arithmetic rounded once, as torch's CUDA kernel
+    want = F.layer_norm(normed.float(), (hidden,), w.float(), None if b is None else b.float(),
+                        1e-5).to(dtype)  # fmt: skip
+    assert_close(got, want, ulps=2)
+
+
+def test_layer_norm_layer_off_cuda_is_torch_with_the_add_before():
+    """engine.layers.layernorm.LayerNorm on CPU: nn.LayerNorm's parameters and output, and with
+    a residual (norm(x + residual), x + residual), the GPT-2 block's sums."""
+    from engine.layers.layernorm import LayerNorm
+
+    norm = LayerNorm(48, eps=1e-5)
+    torch.nn.init.normal_(norm.weight)
+    torch.nn.init.normal_(norm.bias)
+    x, r = torch.randn(3, 48), torch.randn(3, 48)
+    assert set(norm.state_dict()) == {"weight", "bias"}
+    assert torch.equal(norm(x), F.layer_norm(x, (48,), norm.weight, norm.bias, 1e-5))
+    out, summed = norm(x, r)
+    assert torch.equal(summed, x + r)
+    assert torch.equal(out, F.layer_norm(x + r, (48,), norm.weight, norm.bias, 1e-5))
 
 
 def test_rms_norm_rejects_a_row_wider_than_the_kernel():
