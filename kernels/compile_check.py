@@ -57,7 +57,7 @@ from kernels.gemv import gemv
 from kernels.jit import interpreting
 from kernels.kv_store import store_kv
 from kernels.page_table import page_ids
-from kernels.rotary import apply_rotary
+from kernels.rotary import KVStore, apply_rotary
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 HEAD_DIMS = (64, 128)
@@ -254,13 +254,19 @@ def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:
         rms_norm(x, weight, 1e-6)
 
 
-def _launch_rotary(dtype: torch.dtype, hq: int, hk: int, head_dim: int) -> None:
-    """q and k stacked, a view of a fused qkv, as llama.py rotates them."""
+def _launch_rotary(dtype: torch.dtype, hq: int, hk: int, head_dim: int, store: bool) -> None:
+    """q and k stacked, a view of a fused qkv, as llama.py rotates them; with `store`, K and V
+    written into a pool by the same kernel (`rotate_and_store`)."""
     tokens = 64
     qkv = torch.empty(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
     qk = qkv[:, : (hq + hk) * head_dim].view(tokens, hq + hk, head_dim)
     cache = torch.empty(4096, head_dim, dtype=dtype)
-    apply_rotary(torch.zeros(tokens, dtype=torch.int64), qk, cache, head_dim)
+    kv_store = None
+    if store:
+        k_buf, v_buf = torch.empty(2, 1024, hk, head_dim, dtype=dtype)
+        loc = torch.zeros(tokens, dtype=torch.int64)
+        kv_store = KVStore(k_buf, v_buf, loc, qkv[:, (hq + hk) * head_dim :], hq)
+    apply_rotary(torch.zeros(tokens, dtype=torch.int64), qk, cache, head_dim, kv_store)
 
 
 def _elementwise_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
@@ -287,9 +293,12 @@ def _elementwise_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                 )
         for head_dim in HEAD_DIMS:
             for hq, hk in HEAD_SHAPES:
-                labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq,
-                          "num_kv_heads": hk, "case": "rotary"}  # fmt: skip
-                yield labels, functools.partial(_launch_rotary, dtype, hq, hk, head_dim)
+                for store in (False, True):
+                    case = "rotary store" if store else "rotary"
+                    labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq,
+                              "num_kv_heads": hk, "case": case}  # fmt: skip
+                    launch = functools.partial(_launch_rotary, dtype, hq, hk, head_dim, store)
+                    yield labels, launch
 
 
 def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:

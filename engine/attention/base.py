@@ -121,18 +121,33 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        """`kv_stored`: the new K/V are in the pool already, written where `kv_store_target`
+        said (by the rotary kernel); the store is skipped."""
         md = self.metadata
         assert md is not None, "init_forward_metadata was not called for this batch"
         pool = forward_batch.kv_pool
         if not pool.quantized:
-            self._store_kv(layer, forward_batch, k, v)
+            if not kv_stored:
+                self._store_kv(layer, forward_batch, k, v)
             return self._attend(q, k, v, layer, forward_batch, md)
+        assert not kv_stored, "a float8 pool's K/V are quantized and stored by the backend"
         k, v = pool.quantize(layer.layer_id, k, v)
         self._store_kv(layer, forward_batch, k, v)
         out = self._attend(q, k, v, layer, forward_batch, md)
         v_scale = pool.v_scales[layer.layer_id]
         return out if v_scale == 1.0 else out * v_scale
+
+    def kv_store_target(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where `forward` would store this layer's new K/V, for a kernel that writes them
+        while it produces K (the rotary kernel's `kv_store`, one launch instead of two):
+        (k_buffer, v_buffer, loc) of the Triton store's layout, or None where the backend
+        stores them itself (a float8 pool, no Triton store). After such a write, call
+        `forward` with `kv_stored=True`."""
+        return None
 
     def _store_kv(
         self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
@@ -151,6 +166,18 @@ class AttentionBackend(ABC):
         md: object,
     ) -> torch.Tensor:
         """Attention of this layer for the batch `md` was planned for (K/V already stored)."""
+
+
+def triton_store_target(
+    layer: AttentionLayer, forward_batch: ForwardBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`kv_store_target` of a backend whose store is `kernels.kv_store.store_kv`: the layer's
+    pool buffers and `out_cache_loc`, unless the pool is float8 (quantized before the store)."""
+    pool = forward_batch.kv_pool
+    if pool.quantized:
+        return None
+    k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+    return k_buf, v_buf, forward_batch.out_cache_loc
 
 
 _BACKENDS = {

@@ -59,6 +59,7 @@ from engine.attention.base import (
     AttentionLayer,
     logit_cap,
     softmax_scale,
+    triton_store_target,
     window_left,
 )
 from engine.attention.flashinfer_plan import DecodePlanner, PrefillPlanner
@@ -415,6 +416,11 @@ class FlashInferAttnBackend(AttentionBackend):
             return super()._store_kv(layer, forward_batch, k, v)
         k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)
+
+    def kv_store_target(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return None if store_kv is None else triton_store_target(layer, forward_batch)
 
     def _paged_kv(self, pool: KVPool, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         k_buf, v_buf = pool.get_kv_buffer(layer_id)

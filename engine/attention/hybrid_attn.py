@@ -65,11 +65,17 @@ class HybridAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         backend = self.active
         assert backend is not None, "init_forward_metadata was not called for this batch"
         assert backend is self._for(forward_batch), "the batch is not the one planned"
-        return backend.forward(q, k, v, layer, forward_batch)
+        return backend.forward(q, k, v, layer, forward_batch, kv_stored)
+
+    def kv_store_target(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return self._for(forward_batch).kv_store_target(layer, forward_batch)
 
     def _attend(self, *args: object) -> torch.Tensor:  # pragma: no cover - forward routes
         raise NotImplementedError

@@ -119,12 +119,23 @@ class HybridSWABackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if getattr(layer, "sliding_window", None) is None:
             assert self.full is not None, "a full-attention layer in an all-windowed model"
-            return self.full.forward(q, k, v, layer, forward_batch)
+            return self.full.forward(q, k, v, layer, forward_batch, kv_stored)
         assert self._swa_batch is not None, "init_forward_metadata was not called"
-        return self.swa.forward(q, k, v, layer, self._swa_batch)
+        return self.swa.forward(q, k, v, layer, self._swa_batch, kv_stored)
+
+    def kv_store_target(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The window layers' K/V go to the window pool at the batch's slots there."""
+        if getattr(layer, "sliding_window", None) is None:
+            assert self.full is not None, "a full-attention layer in an all-windowed model"
+            return self.full.kv_store_target(layer, forward_batch)
+        assert self._swa_batch is not None, "init_forward_metadata was not called"
+        return self.swa.kv_store_target(layer, self._swa_batch)
 
     def _attend(self, *args: object) -> torch.Tensor:  # pragma: no cover - forward routes
         raise NotImplementedError

@@ -37,6 +37,7 @@ from engine.attention.base import (
     AttentionLayer,
     logit_cap,
     softmax_scale,
+    triton_store_target,
     window_left,
 )
 from engine.forward_batch import ForwardBatch
@@ -151,6 +152,11 @@ class TritonAttnBackend(AttentionBackend):
     ) -> None:
         k_buf, v_buf = forward_batch.kv_pool.get_kv_buffer(layer.layer_id)
         store_kv(k_buf, v_buf, forward_batch.out_cache_loc, k, v)  # the Triton kernel
+
+    def kv_store_target(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return triton_store_target(layer, forward_batch)
 
     def _attend(
         self,

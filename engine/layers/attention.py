@@ -56,8 +56,16 @@ class PagedAttention(nn.Module):
         self.logit_cap = logit_cap
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
+        """`kv_stored`: k and v are in the pool already (`RotaryEmbedding.rotate_and_store`)."""
+        if kv_stored:
+            return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, True)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
 
     def extra_repr(self) -> str:

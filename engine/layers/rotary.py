@@ -9,18 +9,25 @@ meta device, so the table is (re)built by `init_buffers()` once parameters exist
 Rotation uses the "rotate half" (GPT-NeoX) layout of Llama-family checkpoints: the first and
 second halves of each head are the two coordinates of each rotated pair. On CUDA the rotation
 is one Triton kernel (kernels/rotary.py, float32 arithmetic rounded once); `rotate_torch`
-elsewhere.
+elsewhere. `rotate_and_store` also writes the layer's new K/V into the KV pool in that
+kernel where the attention backend lets it (`AttentionBackend.kv_store_target`): one launch a
+layer instead of the rotary's and the store's.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kernels.jit import compiled_on
-from kernels.rotary import apply_rotary
+from kernels.rotary import KVStore, apply_rotary
+
+if TYPE_CHECKING:
+    from engine.forward_batch import ForwardBatch
+    from engine.layers.attention import PagedAttention
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -98,6 +105,25 @@ class RotaryEmbedding(nn.Module):
         if compiled_on(x):
             return apply_rotary(positions, x, self.cos_sin_cache, self.head_dim)
         return rotate_torch(positions, x, self.cos_sin_cache, self.head_dim)
+
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,
+        qk: torch.Tensor,
+        v: torch.Tensor,
+        layer: PagedAttention,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, bool]:
+        """`forward(positions, qk)` for q and k stacked ([tokens, heads + kv_heads, head_dim]);
+        on CUDA, where the batch's attention backend has a `kv_store_target` for `layer`, the
+        same kernel writes the rotated K and `v` into the pool. Returns (rotated qk, whether
+        the K/V are stored: pass it to the attention as `kv_stored`)."""
+        if compiled_on(qk):
+            target = forward_batch.attn_backend.kv_store_target(layer, forward_batch)
+            if target is not None:
+                store = KVStore(*target, v=v, q_heads=layer.num_heads)
+                return apply_rotary(positions, qk, self.cos_sin_cache, self.head_dim, store), True
+        return self(positions, qk), False
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, {self.params}"

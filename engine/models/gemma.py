@@ -84,13 +84,16 @@ class GemmaAttention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(hidden)
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)  # q and k, read in place
+        v = qkv[:, qk_size:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        qk = self.rotary(positions, torch.cat((q, k), dim=1))
-        out = self.attn(qk[:, : self.num_heads], qk[:, self.num_heads :], v, forward_batch)
+            q, k = self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])
+            qk = torch.cat((q, k), dim=1)
+        qk, stored = self.rotary.rotate_and_store(positions, qk, v, self.attn, forward_batch)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        out = self.attn(q, k, v, forward_batch, kv_stored=stored)
         return self.o_proj(out)
 
 

@@ -77,9 +77,9 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qk[:, : self.num_heads])
             k = self.k_norm(qk[:, self.num_heads :])
             qk = torch.cat((q, k), dim=1)
-        qk = self.rotary(positions, qk)
+        qk, stored = self.rotary.rotate_and_store(positions, qk, v, self.attn, forward_batch)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        out = self.attn(q, k, v, forward_batch)
+        out = self.attn(q, k, v, forward_batch, kv_stored=stored)
         return self.o_proj(out)
 
 

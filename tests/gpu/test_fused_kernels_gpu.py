@@ -167,3 +167,28 @@ def test_layer_norm_against_torch_on_cuda(dtype, tokens):
     assert torch.equal(layer_out, got) and torch.equal(layer_res, got_res)
     assert torch.equal(norm(x), fused_norm.fused_add_layer_norm(x, None, norm.weight,
                                                                 norm.bias, 1e-5)[0])  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 32, 8), (128, 32, 8), (128, 8, 1)])
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_rotary_with_kv_store_on_cuda(dtype, head_dim, heads, kv_heads, tokens):
+    """The rotary kernel's K/V store (`RotaryEmbedding.rotate_and_store` on the Triton and
+    flashinfer backends) leaves the pool as the store kernel after the plain rotary does, bit
+    for bit, and returns the same q/k."""
+    from kernels.kv_store import store_kv
+    from kernels.rotary import KVStore
+
+    cache = _randn(4096, head_dim, dtype=dtype, seed=40)
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=41)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :]
+    pos = torch.randint(0, 4096, (tokens,), device="cuda")
+    loc = torch.randperm(4096, device="cuda")[:tokens] + 1
+    want_k = torch.zeros(4100, kv_heads, head_dim, dtype=dtype, device="cuda")
+    want_v, got_k, got_v = want_k.clone(), want_k.clone(), want_k.clone()
+    want = apply_rotary(pos, qk, cache, head_dim)
+    store_kv(want_k, want_v, loc, want[:, heads:], v)
+    got = apply_rotary(pos, qk, cache, head_dim, KVStore(got_k, got_v, loc, v, heads))
+    assert torch.equal(got, want)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)

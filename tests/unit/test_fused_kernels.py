@@ -211,3 +211,34 @@ def test_rotary_many_heads_split_over_programs():
     assert_close(
         apply_rotary(positions, x, cache, head_dim), rotate_torch(positions, x, cache, head_dim)
     )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "head_dim,heads,kv_heads", [(64, 32, 8), (80, 3, 3), (256, 12, 4)]  # 256: two head blocks
+)
+def test_rotary_with_kv_store_is_rotary_then_store(dtype, head_dim, heads, kv_heads):
+    """`kv_store`: the same rotated q/k, and the pool afterwards holds exactly what the store
+    kernel writes after the plain rotary (rotated K, V; other slots untouched), with q, k and v
+    read in place from one qkv row; a float32 pool under a half-precision model (the cast)."""
+    from kernels.kv_store import store_kv
+    from kernels.rotary import KVStore
+
+    tokens, slots = 9, 40
+    cache = _cos_sin_cache(head_dim, 512, dtype)
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=40, scale=2.0)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim :]
+    gen = torch.Generator().manual_seed(41)
+    positions = torch.randint(0, 512, (tokens,), generator=gen).to(DEVICE)
+    loc = torch.randperm(slots - 1, generator=gen)[:tokens].add(1).to(DEVICE)
+    for pool_dtype in {dtype, torch.float32}:
+        want_k = torch.full((slots, kv_heads, head_dim), 7.0, dtype=pool_dtype, device=DEVICE)
+        want_v, got_k, got_v = want_k.clone(), want_k.clone(), want_k.clone()
+        want = apply_rotary(positions, qk, cache, head_dim)
+        store_kv(want_k, want_v, loc, want[:, heads:], v)
+        store = KVStore(got_k, got_v, loc, v, heads)
+        got = apply_rotary(positions, qk, cache, head_dim, kv_store=store)
+        assert torch.equal(got, want)
+        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    assert (got_k[0] == 7.0).all()  # slot 0 (no token's) untouched

@@ -38,9 +38,12 @@ class _Recorder(AttentionBackend):
     def cuda_graph_prologue(self, fb) -> None:
         self.calls.append("prologue")
 
-    def forward(self, q, k, v, layer, fb) -> torch.Tensor:
-        self.calls.append("forward")
+    def forward(self, q, k, v, layer, fb, kv_stored=False) -> torch.Tensor:
+        self.calls.append("forward (stored)" if kv_stored else "forward")
         return q + (1 if self.name == "decode" else 2)
+
+    def kv_store_target(self, layer, fb):
+        return (self.name,)
 
     def _attend(self, *args):  # pragma: no cover
         raise NotImplementedError
@@ -63,7 +66,10 @@ def test_each_batch_goes_to_its_phase_backend() -> None:
         hybrid.init_forward_metadata(fb)
         assert hybrid.metadata == (want.name, mode)
         assert torch.equal(hybrid.forward(q, q, q, None, fb), q + add)
-    assert prefill.calls == ["plan", "forward"] and decode.calls == ["plan", "forward"]
+        assert hybrid.kv_store_target(None, fb) == (want.name,)  # the phase's store target
+        hybrid.forward(q, q, q, None, fb, kv_stored=True)
+    assert prefill.calls == ["plan", "forward", "forward (stored)"]
+    assert decode.calls == ["plan", "forward", "forward (stored)"]
 
 
 def test_a_batch_other_than_the_planned_one_is_refused() -> None:
@@ -112,3 +118,33 @@ def test_engine_args_and_flags() -> None:
     assert engine_args_from(splits).triton_attention_num_kv_splits == 16
     with pytest.raises(ValueError, match="triton_attention_num_kv_splits: 0"):
         EngineArgs.from_kwargs(model_path="m", triton_attention_num_kv_splits=0)
+
+
+def test_hybrid_swa_store_target_is_the_window_pools_slots() -> None:
+    """Over hybrid window memory a windowed layer's rotary-kernel store goes where its
+    attention reads: the swa backend's pool at the new tokens' slots translated through
+    `full_to_swa`; a full-attention layer's to the full backend's, untranslated."""
+    from engine.attention.base import triton_store_target
+    from engine.attention.hybrid_swa import HybridSWABackend
+    from engine.forward_batch import ForwardBatch
+
+    class Target(_Recorder):
+        def kv_store_target(self, layer, fb):
+            return triton_store_target(layer, fb)
+
+    full_pool = SimpleNamespace(quantized=False, get_kv_buffer=lambda i: ("full k", "full v"))
+    full_to_swa = torch.tensor([0, 7, 5, 9, 3, 2, 8, 6, 4, 1])  # not the identity
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=torch.tensor([1, 2]),
+        positions=torch.tensor([3, 4]), out_cache_loc=torch.tensor([4, 6]),
+        req_pool_indices=torch.tensor([0, 1]), seq_lens=torch.tensor([4, 5]),
+        seq_lens_cpu=[4, 5], req_to_token=torch.arange(20, dtype=torch.int32).view(2, 10) % 10,
+        kv_pool=full_pool, attn_backend=None,
+    )  # fmt: skip
+    full, swa = Target("full", False, 1), Target("swa", False, 1)
+    hybrid = HybridSWABackend(full, swa, SimpleNamespace(full_to_swa=full_to_swa))
+    hybrid.init_forward_metadata(fb)
+    windowed = SimpleNamespace(layer_id=1, sliding_window=4)
+    k_buf, v_buf, loc = hybrid.kv_store_target(windowed, fb)
+    assert torch.equal(loc, torch.tensor([3, 8]))  # full_to_swa[[4, 6]]
+    assert hybrid.kv_store_target(SimpleNamespace(layer_id=0), fb)[2] is fb.out_cache_loc

@@ -28,7 +28,10 @@ class _Layer:
 
 
 def _forward(
-    name: str, case: PagedCase, mode: ForwardMode, window: int | None = None,
+    name: str,
+    case: PagedCase,
+    mode: ForwardMode,
+    window: int | None = None,
     cap: float | None = None,
 ) -> tuple[torch.Tensor, KVPool]:
     layer = _Layer()
@@ -180,3 +183,35 @@ def test_split_count_flag_or_by_batch_size():
         assert md.scratch[0].shape == (bs, 4, splits, 16) and md.scratch[0].is_contiguous()
         assert md.scratch[1].shape == (bs, 4, splits)
         assert md.scratch[0].data_ptr() == mid_o.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "arch,memory",
+    [("llama", {}), ("gemma2", {}),
+     ("mistral", dict(hybrid_swa_memory=True, chunked_prefill_size=64, swa_full_tokens_ratio=0.5))],
+    ids=["llama", "gemma2", "mistral-hybrid-swa-memory"],
+)  # fmt: skip
+def test_rotary_kernel_stores_the_kv_for_the_triton_backend(monkeypatch, arch, memory):
+    """With the rotary on its kernel (as on CUDA; here the interpreter), every layer's K/V go
+    into the pool from the rotary kernel (`kv_store_target`, the window pool's slots for a
+    windowed layer over hybrid memory) and the backend's own store never runs; the logits are
+    torch_native's."""
+    import engine.attention.triton_backend as tb
+    import engine.layers.rotary as rotary
+    from tests.factories import tiny_model
+
+    path = tiny_model(arch, sliding_window=8) if arch != "llama" else tiny_model(arch)
+    want = _engine_logits(path, "torch_native", page_size=16, **memory)
+    fused, stores = [], []
+    real_rotary, real_store = rotary.apply_rotary, tb.store_kv
+    monkeypatch.setattr(rotary, "compiled_on", lambda x: True)
+    monkeypatch.setattr(
+        rotary, "apply_rotary", lambda *a: fused.append(len(a) == 5) or real_rotary(*a)
+    )
+    monkeypatch.setattr(tb, "store_kv", lambda *a: stores.append(1) or real_store(*a))
+    got = _engine_logits(path, "triton", page_size=16, **memory)
+    assert len(got) == len(want) > 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    assert fused and all(fused) and not stores
+    assert len(fused) == 2 * len(got)  # 2 layers, every forward step
