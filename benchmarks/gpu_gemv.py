@@ -84,17 +84,27 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got.float() - want.float()).abs().max() / scale) < 2e-2)
 
 
+Weights = tuple[torch.dtype, torch.Generator, list[torch.Tensor]]
+
+
+def _weight_copies(n: int, k: int, device: str, cuda: bool, seed: int) -> Weights:
+    """The dtype, a generator, and enough copies of a random [n, k] weight to exceed
+    COPY_BYTES on a GPU (one on CPU)."""
+    dt = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=device).manual_seed(seed)
+    copies = max(1, -(-COPY_BYTES // (n * k * dt.itemsize))) if cuda else 1
+    weights = [torch.randn(n, k, dtype=dt, device=device, generator=gen) * 0.02
+               for _ in range(copies)]  # fmt: skip
+    return dt, gen, weights
+
+
 def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespace,
               cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
     from kernels.gemv import gemv, gemv_config, num_sms
     from kernels.jit import next_pow2
 
-    dt = torch.bfloat16 if cuda else torch.float32
-    gen = torch.Generator(device=args.device).manual_seed(0)
-    nbytes = n * k * dt.itemsize
-    copies = max(1, -(-COPY_BYTES // nbytes)) if cuda else 1
-    weights = [torch.randn(n, k, dtype=dt, device=args.device, generator=gen) * 0.02
-               for _ in range(copies)]  # fmt: skip
+    dt, gen, weights = _weight_copies(n, k, args.device, cuda, seed=0)
+    nbytes, copies = n * k * dt.itemsize, len(weights)
     out = []
     for m in rows:
         x = torch.randn(m, k, dtype=dt, device=args.device, generator=gen)
@@ -137,12 +147,8 @@ def run_down_silu(n: int, k: int, rows: list[int], args: argparse.Namespace,
     from kernels.activation import silu_and_mul
     from kernels.gemv import gemv, gemv_config, num_sms
 
-    dt = torch.bfloat16 if cuda else torch.float32
-    gen = torch.Generator(device=args.device).manual_seed(1)
-    nbytes = n * k * dt.itemsize
-    copies = max(1, -(-COPY_BYTES // nbytes)) if cuda else 1
-    weights = [torch.randn(n, k, dtype=dt, device=args.device, generator=gen) * 0.02
-               for _ in range(copies)]  # fmt: skip
+    dt, gen, weights = _weight_copies(n, k, args.device, cuda, seed=1)
+    copies = len(weights)
     out = []
     for m in rows:
         gate_up = torch.randn(m, 2 * k, dtype=dt, device=args.device, generator=gen)

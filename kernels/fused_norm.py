@@ -33,10 +33,11 @@ MAX_HIDDEN = 16384
 if HAS_TRITON:
 
     @triton.jit
-    def _rms_norm_kernel(
+    def _norm_kernel(
         x_ptr,
         res_ptr,
         w_ptr,
+        b_ptr,
         out_ptr,
         res_out_ptr,
         stride_xa,
@@ -46,9 +47,12 @@ if HAS_TRITON:
         rows_b,
         hidden,
         eps,
+        LAYER_NORM: tl.constexpr,
         HAS_RESIDUAL: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """RMSNorm (LAYER_NORM False) or LayerNorm of one row, the residual add first."""
         row = tl.program_id(0).to(tl.int64)
         a = row // rows_b
         b = row % rows_b
@@ -63,49 +67,17 @@ if HAS_TRITON:
             summed = (h + r.to(tl.float32)).to(in_ty)
             tl.store(res_out_ptr + row * hidden + offs, summed, mask=mask)
             h = summed.to(tl.float32)
-        var = tl.sum(h * h, axis=0) / hidden
-        h = (h * tl.math.rsqrt(var + eps)).to(in_ty).to(tl.float32)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * hidden + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _layer_norm_kernel(
-        x_ptr,
-        res_ptr,
-        w_ptr,
-        b_ptr,
-        out_ptr,
-        res_out_ptr,
-        stride_xa,
-        stride_xb,
-        stride_ra,
-        stride_rb,
-        rows_b,
-        hidden,
-        eps,
-        HAS_RESIDUAL: tl.constexpr,
-        HAS_BIAS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)
-        a = row // rows_b
-        b = row % rows_b
-        offs = tl.arange(0, BLOCK)
-        mask = offs < hidden
-        x = tl.load(x_ptr + a * stride_xa + b * stride_xb + offs, mask=mask, other=0.0)
-        in_ty = res_out_ptr.dtype.element_ty  # x_ptr itself without a residual
-        h = x.to(tl.float32)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + a * stride_ra + b * stride_rb + offs, mask=mask, other=0.0)
-            summed = (h + r.to(tl.float32)).to(in_ty)
-            tl.store(res_out_ptr + row * hidden + offs, summed, mask=mask)
-            h = summed.to(tl.float32)
-        mean = tl.sum(h, axis=0) / hidden
-        centred = tl.where(mask, h - mean, 0.0)
-        var = tl.sum(centred * centred, axis=0) / hidden
-        y = centred * tl.math.rsqrt(var + eps) * tl.load(w_ptr + offs, mask=mask).to(tl.float32)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + offs, mask=mask).to(tl.float32)
+        if LAYER_NORM:
+            mean = tl.sum(h, axis=0) / hidden
+            centred = tl.where(mask, h - mean, 0.0)
+            var = tl.sum(centred * centred, axis=0) / hidden
+            y = centred * tl.math.rsqrt(var + eps) * w
+            if HAS_BIAS:
+                y += tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:  # Llama's order: normalise, round to the input dtype, then scale
+            var = tl.sum(h * h, axis=0) / hidden
+            y = w * (h * tl.math.rsqrt(var + eps)).to(in_ty).to(tl.float32)
         tl.store(out_ptr + row * hidden + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -125,12 +97,19 @@ def _num_warps(block: int) -> int:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    layer_norm: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = x.shape[-1]
     if hidden > MAX_HIDDEN:
-        raise ValueError(f"rms_norm kernel supports hidden <= {MAX_HIDDEN}, got {hidden}")
+        name = "layer_norm" if layer_norm else "rms_norm"
+        raise ValueError(f"{name} kernel supports hidden <= {MAX_HIDDEN}, got {hidden}")
     assert weight.shape == (hidden,), (tuple(weight.shape), hidden)
+    assert bias is None or bias.shape == (hidden,), tuple(bias.shape)
     in_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, in_dtype), device=x.device)
     new_res = None if residual is None else torch.empty(x.shape, dtype=in_dtype, device=x.device)
@@ -140,11 +119,14 @@ def _launch(
     r3 = x3 if residual is None else _rows(residual)
     assert r3.shape == x3.shape, (tuple(residual.shape), tuple(x.shape))
     block = next_pow2(hidden)
-    _rms_norm_kernel[(x3.shape[0] * x3.shape[1],)](
-        x3, r3, weight, out, x3 if new_res is None else new_res,
+    _norm_kernel[(x3.shape[0] * x3.shape[1],)](
+        x3, r3, weight, weight if bias is None else bias, out,
+        x3 if new_res is None else new_res,
         x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         x3.shape[1], hidden, eps,
+        LAYER_NORM=layer_norm,
         HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
         BLOCK=block,
         **launch_opts(_num_warps(block)),
     )  # fmt: skip
@@ -154,7 +136,7 @@ def _launch(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., hidden] over the last dim; weight [hidden]. A new contiguous tensor.
     Reference: `engine.layers.layernorm.rms_norm`."""
-    return _launch(x, None, weight, eps)[0]
+    return _launch(x, None, weight, None, eps, layer_norm=False)[0]
 
 
 def fused_add_rms_norm(
@@ -162,7 +144,7 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) as new tensors; x and residual are only read.
     Reference: `engine.layers.layernorm.RMSNorm.forward(x, residual)`."""
-    out, new_res = _launch(x, residual, weight, eps)
+    out, new_res = _launch(x, residual, weight, None, eps, layer_norm=False)
     assert new_res is not None
     return out, new_res
 
@@ -177,27 +159,5 @@ def fused_add_layer_norm(
     """(layer_norm(x + residual), x + residual) as new tensors (x, residual only read);
     without a residual, (layer_norm(x), None). weight and bias [hidden] of x's dtype.
     Reference: `engine.layers.layernorm.LayerNorm`'s torch path (`F.layer_norm`)."""
-    hidden = x.shape[-1]
-    if hidden > MAX_HIDDEN:
-        raise ValueError(f"layer_norm kernel supports hidden <= {MAX_HIDDEN}, got {hidden}")
-    assert weight.shape == (hidden,) and (bias is None or bias.shape == (hidden,))
     assert weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    new_res = None if residual is None else torch.empty_like(out)
-    if x.numel() == 0:
-        return out, new_res
-    x3 = _rows(x)
-    r3 = x3 if residual is None else _rows(residual)
-    assert r3.shape == x3.shape, (tuple(residual.shape), tuple(x.shape))
-    block = next_pow2(hidden)
-    _layer_norm_kernel[(x3.shape[0] * x3.shape[1],)](
-        x3, r3, weight, weight if bias is None else bias, out,
-        x3 if new_res is None else new_res,
-        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        x3.shape[1], hidden, eps,
-        HAS_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None,
-        BLOCK=block,
-        **launch_opts(_num_warps(block)),
-    )  # fmt: skip
-    return out, new_res
+    return _launch(x, residual, weight, bias, eps, layer_norm=True)

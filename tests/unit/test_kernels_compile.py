@@ -39,8 +39,15 @@ FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t i
 # an FP8 KV cache: bf16/fp16 queries over float8 pools (GQA shapes), store_kv of float8 rows
 FP8_KV_CASES = ("kv e4m3", "kv e5m2")
 # the elementwise kernels: RMSNorm (with the residual add or not) up to the widest row it takes,
-# SiLU-and-mul, gelu_new, rotary of q and k stacked
+# LayerNorm (GPT-2 / BERT widths), SiLU-and-mul, gelu_new, rotary of q and k stacked (and with
+# the K/V store)
 NORM_CASES = [f"{add}rms_norm H{h}" for h in (128, 2048, 4096, 8192, 16384) for add in ("", "add_")]
+NORM_CASES += [f"{add}layer_norm H{h}" for h in (768, 1024) for add in ("", "add_")]
+# the small-batch GEMV at Llama 3.2 1B's projections (one row and four), the down projection
+# with the MLP's activation in its prologue; greedy sampling's argmax over 128256 logits
+GEMV_CASES = [f"gemv M{m} N{n} K{k}" for n, k in ((3072, 2048), (16384, 2048), (2048, 8192),
+                                                (128256, 2048)) for m in (1, 4)]  # fmt: skip
+GEMV_CASES += [f"gemv silu_mul M{m} N2048 K8192" for m in (1, 4)]
 SILU_CASES = ("silu_and_mul I8192", "silu_and_mul I14336")
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
 
@@ -102,14 +109,21 @@ def expected_variants() -> list[tuple]:
         for prefix in ("", " prefix")
     ]
     for dtype in DTYPES:
-        rows += [("_rms_norm_kernel", dtype, None, None, None, case) for case in NORM_CASES]
+        rows += [("_norm_kernel", dtype, None, None, None, case) for case in NORM_CASES]
+        rows += [("_gemv_kernel", dtype, None, None, None, case) for case in GEMV_CASES]
         rows += [("_silu_and_mul_kernel", dtype, None, None, None, case) for case in SILU_CASES]
         rows += [("_gelu_new_kernel", dtype, None, None, None, "gelu_new")]
         rows += [
-            ("_rotary_kernel", dtype, head_dim, hq, hk, "rotary")
+            ("_rotary_kernel", dtype, head_dim, hq, hk, case)
             for head_dim in HEAD_DIMS
             for hq, hk in HEAD_SHAPES
+            for case in ("rotary", "rotary store")
         ]
+    rows += [
+        (kernel, dtype, None, None, None, "argmax")
+        for dtype in ("float32", "bfloat16")
+        for kernel in ("_argmax_chunks_kernel", "_argmax_rows_kernel")
+    ]
     return rows
 
 
