@@ -98,6 +98,16 @@ def _weight_copies(n: int, k: int, device: str, cuda: bool, seed: int) -> Weight
     return dt, gen, weights
 
 
+def _print_row(row: dict[str, Any]) -> None:
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+
+
+def _release(weights: list[torch.Tensor], cuda: bool) -> None:
+    weights.clear()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespace,
               cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
     from kernels.gemv import gemv, gemv_config, num_sms
@@ -132,12 +142,9 @@ def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespa
             row.update({"best_us": best_us, "best_config": best, "best_speedup": t_torch / best_us,
                         "best_TBps": moved / best_us / 1e6, "swept": len(timed),
                         "wrong": len(configs if cuda else configs[:2]) - len(timed)})  # fmt: skip
-        print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()},
-              flush=True)  # fmt: skip
+        _print_row(row)
         out.append(row)
-    weights.clear()
-    if cuda:
-        torch.cuda.empty_cache()
+    _release(weights, cuda)
     return out
 
 
@@ -165,12 +172,9 @@ def run_down_silu(n: int, k: int, rows: list[int], args: argparse.Namespace,
         row.update({key: time_us(fn, copies, cuda) for key, fn in times.items()})
         row["fused_vs_torch"] = row["torch_us"] / row["fused_us"]
         row["fused_vs_gemv"] = row["gemv_us"] / row["fused_us"]
-        print({k_: round(v, 3) if isinstance(v, float) else v for k_, v in row.items()},
-              flush=True)  # fmt: skip
+        _print_row(row)
         out.append(row)
-    weights.clear()
-    if cuda:
-        torch.cuda.empty_cache()
+    _release(weights, cuda)
     return out
 
 
