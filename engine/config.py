@@ -201,6 +201,9 @@ class EngineArgs:
     # layers and the lm_head go to the Triton GEMV (kernels/gemv.py) instead of cuBLAS
     gemv_backend: str = "torch"
     gemv_max_rows: int = 4
+    # the model layers' fused Triton kernels (norms with the residual add, SiLU-and-mul,
+    # gelu_new, rotary writing the K/V) off, their torch code instead: A/B runs on a GPU
+    disable_layer_kernels: bool = False
     # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
     # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)
     flashinfer_decode_tensor_cores: str = "auto"

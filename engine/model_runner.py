@@ -25,6 +25,7 @@ from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 from engine.speculative.verify import VerifyResult, verify
+from kernels.jit import use_layer_kernels
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,6 +68,7 @@ class ModelRunner:
         if self.device.type == "cpu" and args.dtype == "auto":
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
+        use_layer_kernels(not args.disable_layer_kernels)
         self.quantization = resolve_quantization(args.quantization, model_config.hf_config)
         self.model = (
             None if host_only

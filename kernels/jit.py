@@ -43,6 +43,21 @@ def compiled_on(x: torch.Tensor) -> bool:
     return x.is_cuda and HAS_TRITON and not interpreting()
 
 
+_LAYER_KERNELS = [True]  # (a list: set by `use_layer_kernels`)
+
+
+def use_layer_kernels(on: bool) -> None:
+    """`--disable-layer-kernels` off: the model layers' fused kernels (norms, activations,
+    rotary and its K/V store) give way to their torch code, in this process."""
+    _LAYER_KERNELS[0] = on
+
+
+def layer_kernel_on(x: torch.Tensor) -> bool:
+    """Whether a model layer runs its fused kernel on `x`: compiled there, and not turned
+    off by `use_layer_kernels(False)` (A/B runs, or a kernel to rule out)."""
+    return _LAYER_KERNELS[0] and compiled_on(x)
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether Triton kernels can run on `device`: CUDA, or CPU under the interpreter."""
     return HAS_TRITON and (device.type == "cuda" or interpreting())

@@ -160,6 +160,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"the most rows the Triton GEMV takes (1-{GEMV_MAX_ROWS}; default 4)",
     )
     g.add_argument(
+        "--disable-layer-kernels",
+        action="store_true",
+        help="the model layers' fused Triton kernels (RMSNorm / LayerNorm with the residual "
+        "add, SiLU-and-mul, gelu_new, rotary with the K/V store) give way to their torch code",
+    )
+    g.add_argument(
         "--flashinfer-decode-tensor-cores",
         default="auto",
         choices=DECODE_TENSOR_CORES,

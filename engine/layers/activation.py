@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import activation as fused
-from kernels.jit import compiled_on
+from kernels.jit import layer_kernel_on
 
 _GELU_NEW_COEF = math.sqrt(2.0 / math.pi)
 
 
 def gelu_new(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's tanh approximation of GELU: the fused kernel on CUDA, else `gelu_new_torch`."""
-    if compiled_on(x):
+    if layer_kernel_on(x):
         return fused.gelu_new(x)
     return gelu_new_torch(x)
 
@@ -54,7 +54,7 @@ class SiluAndMul(nn.Module):
     """`silu(gate) * up` for a fused [..., 2 * intermediate] gate_up projection output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if compiled_on(x):
+        if layer_kernel_on(x):
             return fused.silu_and_mul(x)
         return silu_and_mul_torch(x)
 

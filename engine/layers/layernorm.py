@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from kernels import fused_norm
-from kernels.jit import compiled_on
+from kernels.jit import layer_kernel_on
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if compiled_on(x):
+        if layer_kernel_on(x):
             if residual is None:
                 return fused_norm.rms_norm(x, self.weight, self.eps)
             return fused_norm.fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -56,7 +56,7 @@ class LayerNorm(nn.LayerNorm):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if (
-            compiled_on(x)
+            layer_kernel_on(x)
             and self.weight is not None
             and self.weight.dtype == x.dtype
             and x.shape[-1] <= fused_norm.MAX_HIDDEN

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels.jit import compiled_on
+from kernels.jit import layer_kernel_on
 from kernels.rotary import KVStore, apply_rotary
 
 if TYPE_CHECKING:
@@ -102,7 +102,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate x [num_tokens, num_heads, head_dim] (any number of heads, e.g. q and k
         stacked) at `positions` [num_tokens]; returns a new contiguous tensor."""
-        if compiled_on(x):
+        if layer_kernel_on(x):
             return apply_rotary(positions, x, self.cos_sin_cache, self.head_dim)
         return rotate_torch(positions, x, self.cos_sin_cache, self.head_dim)
 
@@ -118,7 +118,7 @@ class RotaryEmbedding(nn.Module):
         on CUDA, where the batch's attention backend has a `kv_store_target` for `layer`, the
         same kernel writes the rotated K and `v` into the pool. Returns (rotated qk, whether
         the K/V are stored: pass it to the attention as `kv_stored`)."""
-        if compiled_on(qk):
+        if layer_kernel_on(qk):
             target = forward_batch.attn_backend.kv_store_target(layer, forward_batch)
             if target is not None:
                 store = KVStore(*target, v=v, q_heads=layer.num_heads)

@@ -192,26 +192,49 @@ def test_split_count_flag_or_by_batch_size():
     ids=["llama", "gemma2", "mistral-hybrid-swa-memory"],
 )  # fmt: skip
 def test_rotary_kernel_stores_the_kv_for_the_triton_backend(monkeypatch, arch, memory):
-    """With the rotary on its kernel (as on CUDA; here the interpreter), every layer's K/V go
-    into the pool from the rotary kernel (`kv_store_target`, the window pool's slots for a
-    windowed layer over hybrid memory) and the backend's own store never runs; the logits are
-    torch_native's."""
+    """With the layers on their kernels (as on CUDA; here the interpreter), every layer's K/V
+    go into the pool from the rotary kernel (`kv_store_target`, the window pool's slots for a
+    windowed layer over hybrid memory) and the backend's own store never runs; with
+    --disable-layer-kernels the layers run their torch code and the backend stores. The
+    logits are torch_native's either way."""
     import engine.attention.triton_backend as tb
     import engine.layers.rotary as rotary
+    import kernels.jit
     from tests.factories import tiny_model
 
     path = tiny_model(arch, sliding_window=8) if arch != "llama" else tiny_model(arch)
     want = _engine_logits(path, "torch_native", page_size=16, **memory)
-    fused, stores = [], []
     real_rotary, real_store = rotary.apply_rotary, tb.store_kv
-    monkeypatch.setattr(rotary, "compiled_on", lambda x: True)
+    monkeypatch.setattr(kernels.jit, "compiled_on", lambda x: True)  # (what CUDA tensors get)
+    monkeypatch.setattr(kernels.jit, "_LAYER_KERNELS", [True])  # (the engines set it)
+    fused: list[bool] = []
+    stores: list[int] = []
     monkeypatch.setattr(
         rotary, "apply_rotary", lambda *a: fused.append(len(a) == 5) or real_rotary(*a)
     )
     monkeypatch.setattr(tb, "store_kv", lambda *a: stores.append(1) or real_store(*a))
-    got = _engine_logits(path, "triton", page_size=16, **memory)
-    assert len(got) == len(want) > 2
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
-    assert fused and all(fused) and not stores
-    assert len(fused) == 2 * len(got)  # 2 layers, every forward step
+    for disabled in (False, True):
+        fused.clear()
+        stores.clear()
+        got = _engine_logits(path, "triton", 16, disable_layer_kernels=disabled, **memory)
+        assert len(got) == len(want) > 2
+        for step, (g, w) in enumerate(zip(got, want, strict=True)):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+        if disabled:  # torch's rotary, the backend's store: 2 layers, every forward step
+            assert not fused and len(stores) == 2 * len(got)
+        else:
+            assert fused and all(fused) and not stores
+            assert len(fused) == 2 * len(got)
+
+
+def test_disable_layer_kernels_flag():
+    import argparse
+
+    from engine.config import EngineArgs
+    from services.engine_args import add_engine_args, engine_args_from
+
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    args = engine_args_from(ap.parse_args(["--model-path", "m", "--disable-layer-kernels"]))
+    assert args.disable_layer_kernels
+    assert not EngineArgs.from_kwargs(model_path="m").disable_layer_kernels
