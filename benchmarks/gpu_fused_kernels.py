@@ -6,7 +6,7 @@ torch code they replace, on a GPU.
    replayed `REPS` times in one CUDA graph, microseconds per op.
 2. Whole engine, decode at batch 1 on a random Llama-3.2-1B shaped model with CUDA graphs
    (as benchmarks/gpu_decode_bs1.py): ms per output token and the GPU's busy time per step,
-   with the fused kernels and with the layers forced onto their torch code.
+   with the fused kernels and with the layers on their torch code (--disable-layer-kernels).
 
     python -m benchmarks.gpu_fused_kernels [--attention-backend triton] [--json PATH]
 """
@@ -14,17 +14,15 @@ torch code they replace, on a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 REPS = 200
 MODEL_DIR = "/tmp/sluice-gpu-bench"
-LAYER_MODULES = ("engine.layers.layernorm", "engine.layers.activation", "engine.layers.rotary")
 
 
 def graph_us(fn: Callable[[], Any], reps: int = REPS) -> float:
@@ -91,22 +89,6 @@ def op_table() -> list[dict[str, Any]]:
     return rows
 
 
-@contextlib.contextmanager
-def torch_layers() -> Iterator[None]:
-    """The engine's layers take their torch code (as without Triton) while open."""
-    import importlib
-
-    modules = [importlib.import_module(m) for m in LAYER_MODULES]
-    saved = [m.compiled_on for m in modules]
-    for m in modules:
-        m.compiled_on = lambda x: False
-    try:
-        yield
-    finally:
-        for m, fn in zip(modules, saved):
-            m.compiled_on = fn
-
-
 def decode_rows(backend: str | None, new_tokens: int) -> list[dict[str, Any]]:
     from benchmarks.gpu_common import Ctx, build_model, make_engine, random_prompts, release
     from benchmarks.gpu_timeline import drive, timeline
@@ -115,8 +97,8 @@ def decode_rows(backend: str | None, new_tokens: int) -> list[dict[str, Any]]:
               attention_backend=backend, engine_args={}, model_dir=MODEL_DIR)  # fmt: skip
     path = build_model(ctx, "llama-3.2-1b")
     rows = []
-    for label, scope in (("fused", contextlib.nullcontext), ("torch", torch_layers)):
-        with scope(), make_engine(ctx, path) as engine:
+    for label, disabled in (("fused", False), ("torch", True)):
+        with make_engine(ctx, path, disable_layer_kernels=disabled) as engine:
             prompts = random_prompts(32000, 1, 128, 7)
             drive(engine, prompts, 8)  # warm-up, captures the graphs
             per_token = []
