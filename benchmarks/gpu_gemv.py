@@ -160,7 +160,7 @@ def run_down_silu(n: int, k: int, rows: list[int], args: argparse.Namespace,
     for m in rows:
         gate_up = torch.randn(m, 2 * k, dtype=dt, device=args.device, generator=gen)
         fused = gemv(gate_up, weights[0], act="silu_mul")
-        tile = gemv_config(m, n, k, num_sms(torch.device(args.device)), dt.itemsize, "silu_mul")
+        tile = gemv_config(m, n, k, num_sms(torch.device(args.device)), dt.itemsize, True)
         unfused = gemv(silu_and_mul(gate_up), weights[0], config=tile)
         assert torch.equal(fused, unfused), "the fused activation differs from the two kernels"
         times = {

@@ -53,7 +53,7 @@ from kernels.fp8_gemm import fp8_gemm
 from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
-from kernels.gemv import gemv
+from kernels.gemv import RMSNormInput, gemv
 from kernels.jit import interpreting
 from kernels.kv_store import store_kv
 from kernels.page_table import page_ids
@@ -380,6 +380,12 @@ def _gemv_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             x, w = torch.zeros(rows, 16384, dtype=dtype), torch.zeros(2048, 8192, dtype=dtype)
             labels = {"dtype": name, "case": f"gemv silu_mul M{rows} N2048 K8192"}
             yield labels, functools.partial(gemv, x, w, act="silu_mul")
+        for n in (3072, 16384):  # qkv and gate_up with the add + RMSNorm before them
+            for rows in (1, 4):
+                x, w = torch.zeros(rows, 2048, dtype=dtype), torch.zeros(n, 2048, dtype=dtype)
+                norm = RMSNormInput(torch.zeros(2048, dtype=dtype), 1e-5, x, torch.zeros_like(x))
+                labels = {"dtype": name, "case": f"gemv add_rms_norm M{rows} N{n} K2048"}
+                yield labels, functools.partial(gemv, x, w, norm=norm)
 
 
 def _page_table_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:

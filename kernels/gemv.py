@@ -31,6 +31,7 @@ kernel with `--gemv-backend triton` (`engine.layers.linear.use_triton_gemv`).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -53,9 +54,12 @@ ACTS = {None: 0, "silu_mul": 1}
 if HAS_TRITON:
 
     @triton.jit
-    def _load_input(ptrs, mask, up_offset, ACT: tl.constexpr):
+    def _load_input(ptrs, mask, up_offset, ACT: tl.constexpr, NORM: tl.constexpr, res_ptrs,
+                    nw_ptrs, rstd):  # fmt: skip
         """x at ptrs, or with ACT 1 silu(x at ptrs) * (x at ptrs + up_offset), each product
-        rounded to x's dtype as kernels.activation's `silu_and_mul` rounds it."""
+        rounded to x's dtype as kernels.activation's `silu_and_mul` rounds it; with NORM 1
+        RMSNorm of x (`rstd` its rows' 1 / rms), with NORM 2 of x + residual (at res_ptrs),
+        weighted by the norm's weight at nw_ptrs, rounded as kernels.fused_norm's."""
         if mask is None:
             x = tl.load(ptrs)
         else:
@@ -68,7 +72,25 @@ if HAS_TRITON:
             gate = x.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
+        if NORM > 0:
+            if NORM == 2:
+                x = _add_residual(x, res_ptrs, mask)
+            h = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
+            if mask is None:
+                nw = tl.load(nw_ptrs)
+            else:
+                nw = tl.load(nw_ptrs, mask=mask, other=0.0)
+            x = (nw.to(tl.float32) * h).to(x.dtype)
         return x
+
+    @triton.jit
+    def _add_residual(x, res_ptrs, mask):
+        """x + the residual at res_ptrs, rounded to x's dtype (the new residual stream)."""
+        if mask is None:
+            r = tl.load(res_ptrs)
+        else:
+            r = tl.load(res_ptrs, mask=mask, other=0.0)
+        return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
 
     @triton.jit
     def _gemv_kernel(
@@ -76,12 +98,17 @@ if HAS_TRITON:
         w_ptr,
         b_ptr,
         out_ptr,
+        res_ptr,
+        nw_ptr,
+        res_out_ptr,
         M,
         N,
         K,
         stride_xm,
         stride_wn,
         stride_om,
+        stride_rm,
+        eps,
         HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -91,6 +118,7 @@ if HAS_TRITON:
         DOT_DTYPE: tl.constexpr,
         PRECISION: tl.constexpr,
         ACT: tl.constexpr,
+        NORM: tl.constexpr,
     ):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,12 +126,27 @@ if HAS_TRITON:
         mask_n = offs_n < N
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
         if BLOCK_M == 1:
+            rstd = 1.0
+            if NORM > 0:  # a first pass over the row: its sum of squares (and the residual)
+                squares = tl.zeros([BLOCK_K], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    mask_k = k0 + offs_k < K
+                    h = tl.load(x_ptr + k0 + offs_k, mask=mask_k, other=0.0)
+                    if NORM == 2:
+                        h = _add_residual(h, res_ptr + k0 + offs_k, mask_k)
+                        if pid == 0:
+                            tl.store(res_out_ptr + k0 + offs_k, h, mask=mask_k)
+                    squares += h.to(tl.float32) * h.to(tl.float32)
+                rstd = tl.math.rsqrt(tl.sum(squares, axis=0) / K + eps)
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
+                at = k0 + offs_k
                 if EVEN_K:
-                    x = _load_input(x_ptr + k0 + offs_k, None, K, ACT)
+                    x = _load_input(x_ptr + at, None, K, ACT, NORM, res_ptr + at, nw_ptr + at,
+                                    rstd)  # fmt: skip
                 else:
-                    x = _load_input(x_ptr + k0 + offs_k, k0 + offs_k < K, K, ACT)
+                    x = _load_input(x_ptr + at, at < K, K, ACT, NORM, res_ptr + at,
+                                    nw_ptr + at, rstd)  # fmt: skip
                 if EVEN_N and EVEN_K:
                     w = tl.load(w_ptrs + k0)
                 else:
@@ -118,10 +161,26 @@ if HAS_TRITON:
             offs_m = tl.arange(0, BLOCK_M)
             mask_m = offs_m < M
             x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :]
+            res_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_k[None, :]
+            nw_ptrs = nw_ptr + offs_m[:, None] * 0 + offs_k[None, :]
+            rstd = tl.full([BLOCK_M, 1], 1.0, tl.float32)
+            if NORM > 0:
+                squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
+                    h = tl.load(x_ptrs + k0, mask=mask, other=0.0)
+                    if NORM == 2:
+                        h = _add_residual(h, res_ptrs + k0, mask)
+                        if pid == 0:
+                            res_out = res_out_ptr + offs_m[:, None] * K + k0 + offs_k[None, :]
+                            tl.store(res_out, h, mask=mask)
+                    squares += h.to(tl.float32) * h.to(tl.float32)
+                rstd = tl.math.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 mask_k = k0 + offs_k < K
-                x = _load_input(x_ptrs + k0, mask_m[:, None] & mask_k[None, :], K, ACT)
+                x = _load_input(x_ptrs + k0, mask_m[:, None] & mask_k[None, :], K, ACT, NORM,
+                                res_ptrs + k0, nw_ptrs + k0, rstd)  # fmt: skip
                 if EVEN_N and EVEN_K:
                     w = tl.load(w_ptrs + k0)
                 else:
@@ -137,15 +196,16 @@ if HAS_TRITON:
 
 
 def gemv_config(
-    m: int, n: int, k: int, num_sms: int = 132, itemsize: int = 2, act: str | None = None
+    m: int, n: int, k: int, num_sms: int = 132, itemsize: int = 2, prologue: bool = False
 ) -> dict[str, int]:
     """The tile for x [m, k] @ w[n, k].T: BLOCK_N, BLOCK_K, num_warps, num_stages.
 
     BLOCK_N: the largest power of two (4-64 at M == 1, 16-64 for the dot) that still gives
     about two programs per SM, so an N of 2048 runs 512 programs of 4 rows at M == 1; BLOCK_K:
     for the reduction up to 1024 within TILE elements a step (4 x 1024 bf16 is 8 KB), 128 for
-    the dot (64 for float32 inputs with the activation, whose gate and up tiles spilled at 128).
-    A first guess from the shapes alone, to be replaced by what the GPU sweep measures."""
+    the dot (64 for float32 inputs with a prologue, an activation or a norm, whose extra tiles
+    spilled at 128). A first guess from the shapes alone, to be replaced by what the GPU sweep
+    measures."""
     target = 2 * num_sms
     lo = 4 if m == 1 else 16
     block_n = lo
@@ -156,8 +216,19 @@ def gemv_config(
     if m == 1:
         block_k = min(next_pow2(k, 16), 1024, TILE // block_n)
     else:
-        block_k = min(next_pow2(k, 16), 64 if act and itemsize > 2 else 128)
+        block_k = min(next_pow2(k, 16), 64 if prologue and itemsize > 2 else 128)
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
+
+
+class RMSNormInput(NamedTuple):
+    """The GEMV's input is RMSNorm(x (+ residual)) with this weight [K] and eps: Llama's
+    norm before its qkv and gate_up projections. With `residual` [M, K], x + residual (the
+    new residual stream) is also written to `residual_out` [M, K] (contiguous)."""
+
+    weight: torch.Tensor
+    eps: float
+    residual: torch.Tensor | None = None
+    residual_out: torch.Tensor | None = None
 
 
 def gemv(
@@ -167,13 +238,16 @@ def gemv(
     out: torch.Tensor | None = None,
     config: dict[str, int] | None = None,
     act: str | None = None,
+    norm: RMSNormInput | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K] with M <= MAX_M (x, weight and bias of one
     dtype; last axes contiguous). `out` [M, N] (its rows may be strided) receives the result;
     `config` overrides `gemv_config` (the benchmark's sweep). `act="silu_mul"`:
-    `F.linear(silu_and_mul(x), weight, bias)` for x [M, 2K]."""
+    `F.linear(silu_and_mul(x), weight, bias)` for x [M, 2K]. `norm`: `F.linear` of the
+    RMSNorm of x (plus the residual), as `kernels.fused_norm` computes it."""
     assert x.dim() == 2 and weight.dim() == 2, "gemv: x [M, K] and weight [N, K]"
     assert act in ACTS, f"gemv: act {act!r} not in {sorted(ACTS, key=str)}"
+    assert act is None or norm is None, "gemv: an activation or a norm, not both"
     n, k = weight.shape
     m, x_cols = x.shape
     want_cols = 2 * k if act else k
@@ -186,19 +260,29 @@ def gemv(
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert out.shape == (m, n) and out.stride(1) == 1
+    res = res_out = norm_w = x
+    eps, norm_kind = 0.0, 0
+    if norm is not None:
+        norm_w, eps, norm_kind = norm.weight, norm.eps, 1
+        assert norm_w.shape == (k,) and norm_w.dtype == x.dtype, "gemv: the norm's weight"
+        if norm.residual is not None:
+            res, res_out, norm_kind = norm.residual, norm.residual_out, 2
+            assert res.shape == x.shape and res.dtype == x.dtype and res.stride(1) == 1
+            assert res_out is not None and res_out.shape == x.shape and res_out.is_contiguous()
     if config is None:
-        config = gemv_config(m, n, k, num_sms(x.device), x.element_size(), act)
+        prologue = act is not None or norm is not None
+        config = gemv_config(m, n, k, num_sms(x.device), x.element_size(), prologue)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     opts = {} if interpreting() else {
         "num_warps": config["num_warps"], "num_stages": config["num_stages"]
     }  # fmt: skip
     block_m = 1 if m == 1 else max(16, next_pow2(m))
     _gemv_kernel[(cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else x, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias if bias is not None else x, out, res, norm_w, res_out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, DOT_DTYPE=dot_dtype(x.dtype),
-        PRECISION=dot_precision(x.dtype), ACT=ACTS[act], **opts,
+        PRECISION=dot_precision(x.dtype), ACT=ACTS[act], NORM=norm_kind, **opts,
     )  # fmt: skip
     return out
 

@@ -44,10 +44,12 @@ FP8_KV_CASES = ("kv e4m3", "kv e5m2")
 NORM_CASES = [f"{add}rms_norm H{h}" for h in (128, 2048, 4096, 8192, 16384) for add in ("", "add_")]
 NORM_CASES += [f"{add}layer_norm H{h}" for h in (768, 1024) for add in ("", "add_")]
 # the small-batch GEMV at Llama 3.2 1B's projections (one row and four), the down projection
-# with the MLP's activation in its prologue; greedy sampling's argmax over 128256 logits
+# with the MLP's activation in its prologue, qkv and gate_up with the add + RMSNorm in theirs;
+# greedy sampling's argmax over 128256 logits
 GEMV_CASES = [f"gemv M{m} N{n} K{k}" for n, k in ((3072, 2048), (16384, 2048), (2048, 8192),
                                                 (128256, 2048)) for m in (1, 4)]  # fmt: skip
 GEMV_CASES += [f"gemv silu_mul M{m} N2048 K8192" for m in (1, 4)]
+GEMV_CASES += [f"gemv add_rms_norm M{m} N{n} K2048" for n in (3072, 16384) for m in (1, 4)]
 SILU_CASES = ("silu_and_mul I8192", "silu_and_mul I14336")
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
 

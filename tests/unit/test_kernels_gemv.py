@@ -99,8 +99,8 @@ def test_config_gives_each_sm_programs():
     assert gemv_config(1, 16384, 2048)["BLOCK_N"] == 32
     assert gemv_config(8, 2048, 2048)["BLOCK_N"] == 16  # the dot's smallest tile
     # float32 gate and up tiles of 128 spilled (kernels/compile_check.py): 64 there
-    assert gemv_config(4, 2048, 8192, itemsize=4, act="silu_mul")["BLOCK_K"] == 64
-    assert gemv_config(4, 2048, 8192, itemsize=2, act="silu_mul")["BLOCK_K"] == 128
+    assert gemv_config(4, 2048, 8192, itemsize=4, prologue=True)["BLOCK_K"] == 64
+    assert gemv_config(4, 2048, 8192, itemsize=2, prologue=True)["BLOCK_K"] == 128
 
 
 def test_rejects_what_it_cannot_compute():
@@ -136,8 +136,60 @@ def test_silu_mul_prologue_is_the_activation_kernel_then_the_gemv(dtype, m, n, k
     gate_up = wide[:, : 2 * k]
     _, w, b = _inputs(m, n, k, dtype, bias, seed=k)
     act = silu_and_mul(gate_up)
-    tile = gemv_config(m, n, k, itemsize=gate_up.element_size(), act="silu_mul")
+    tile = gemv_config(m, n, k, itemsize=gate_up.element_size(), prologue=True)
     want = gemv(act, w, b, config=tile)  # the same tile: the same accumulation order
     got = gemv(gate_up, w, b, act="silu_mul")
     assert torch.equal(got, want), f"max diff {(got - want).abs().max()}"
     _check(got, act, w, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m,n,k,residual",
+    [(1, 64, 256, True), (1, 50, 70, False), (1, 50, 70, True), (3, 50, 70, True),
+     (MAX_M, 64, 96, False)],
+)  # fmt: skip
+def test_rms_norm_prologue_is_the_norm_kernel_then_the_gemv(dtype, m, n, k, residual):
+    """`norm=RMSNormInput(...)`: the GEMV of RMSNorm(x + residual) with the new residual
+    stream written bit for bit as kernels.fused_norm writes it; the product is the plain GEMV's
+    of that norm's output but for its sum of squares, taken in another order (each normalised
+    input within an ulp or two of the norm kernel's), and agrees with float64 likewise."""
+    from kernels.fused_norm import fused_add_rms_norm, rms_norm
+    from kernels.gemv import RMSNormInput
+
+    gen = torch.Generator().manual_seed(m * 100 + k)
+    wide = (3 * torch.randn(m, k + 8, generator=gen)).to(dtype).to(DEVICE)
+    x = wide[:, :k]  # strided rows
+    r = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    nw = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE)
+    _, w, b = _inputs(m, n, k, dtype, True, seed=k + 1)
+    res_out = torch.full((m, k), 9.0, dtype=dtype, device=DEVICE)
+    if residual:
+        normed, summed = fused_add_rms_norm(x, r, nw, 1e-6)
+        norm = RMSNormInput(nw, 1e-6, r, res_out)
+    else:
+        normed, norm = rms_norm(x, nw, 1e-6), RMSNormInput(nw, 1e-6)
+    got = gemv(x, w, b, norm=norm)
+    if residual:
+        assert torch.equal(res_out, summed)
+    else:
+        assert (res_out == 9.0).all()
+    tile = gemv_config(m, n, k, itemsize=x.element_size(), prologue=True)
+    want = gemv(normed, w, b, config=tile)  # the same tile: the same accumulation order
+    magnitude = normed.double().cpu().abs() @ w.double().cpu().abs().T
+    ulps = 2.0 * 2.0 ** -MANTISSA[dtype] if dtype != torch.float32 else 2.0**-20
+    err = (got.double().cpu() - want.double().cpu()).abs()
+    assert (err <= magnitude * ulps + 1e-30).all(), f"max {err.max():.3g}"
+
+
+def test_rms_norm_prologue_refusals():
+    from kernels.gemv import RMSNormInput
+
+    x, w, _ = _inputs(2, 8, 16, torch.float32, False)
+    nw = torch.ones(16, device=DEVICE)
+    with pytest.raises(AssertionError, match="not both"):
+        gemv(torch.empty(2, 32, device=DEVICE), w, act="silu_mul", norm=RMSNormInput(nw, 1e-6))
+    with pytest.raises(AssertionError, match="norm's weight"):
+        gemv(x, w, norm=RMSNormInput(torch.ones(15, device=DEVICE), 1e-6))
+    with pytest.raises(AssertionError):  # a residual needs somewhere to write the sum
+        gemv(x, w, norm=RMSNormInput(nw, 1e-6, x.clone()))
