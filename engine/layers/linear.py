@@ -8,9 +8,10 @@ its own checkpoint tensor through `load_shard`.
 `use_triton_gemv` (`--gemv-backend triton`) sends the inputs of a few rows (decode at small
 batch) of every `nn.Linear` / `MergedLinear` of a model, and its lm_head matmul, to the Triton
 GEMV (`kernels/gemv.py`) instead of cuBLAS; larger inputs still take `F.linear`. Modules that
-call the GEMV themselves (the lm_head's `LogitsProcessor`; Llama's MLP, whose down projection
-computes the SiLU-and-mul as it loads its input) say so with a `gemv_max_rows` attribute (0:
-off), which it sets.
+call the GEMV themselves say so with a `gemv_max_rows` attribute (0: off), which it sets: the
+lm_head's `LogitsProcessor`; Llama's MLP, whose down projection computes the SiLU-and-mul as it
+loads its input; Llama's decoder layer, whose residual add and RMSNorm run in the prologue of
+the qkv and gate_up projections' GEMV (`norm_gemv`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels.gemv
+from engine.layers.layernorm import RMSNorm
+from kernels.gemv import RMSNormInput
 
 
 def shard_ranges(shards: Sequence[tuple[Hashable, int]]) -> dict[Hashable, tuple[int, int]]:
@@ -85,3 +88,18 @@ def _small_rows_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if gemv_fits(x, self.weight, self.gemv_max_rows):
         return kernels.gemv.gemv(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
+
+
+def norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Linear
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(x + residual)), x + residual) with the add and the RMSNorm (Llama's:
+    `norm`'s weight and eps) computed in the prologue of the linear layer's Triton GEMV; the first
+    layer has no residual: (linear(norm(x)), x). For inputs `gemv_fits` takes."""
+    weight, eps = norm.weight, norm.eps
+    if residual is None:
+        out = kernels.gemv.gemv(x, linear.weight, linear.bias, norm=RMSNormInput(weight, eps))
+        return out, x
+    summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    norm_in = RMSNormInput(weight, eps, residual, summed)
+    return kernels.gemv.gemv(x, linear.weight, linear.bias, norm=norm_in), summed

@@ -24,7 +24,7 @@ from engine.layer_windows import layer_sliding_windows
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import MergedLinear, gemv_fits
+from engine.layers.linear import MergedLinear, gemv_fits, norm_gemv
 from engine.layers.logits import LogitsProcessor
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.loader import load_named_weights
@@ -68,8 +68,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)
+        return self.attend(positions, self.qkv_proj(hidden), forward_batch)
+
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """The layer from the qkv projection's output on: rope, attention, o_proj."""
+        num_tokens = qkv.shape[0]
         qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
         qk = qkv[:, :qk_size].view(num_tokens, -1, self.head_dim)
         v = qkv[:, qk_size:]
@@ -98,7 +103,10 @@ class LlamaMLP(nn.Module):
         self.gemv_max_rows = 0  # --gemv-backend triton (engine.layers.linear.use_triton_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP from the gate_up projection's output on: SiLU-and-mul, down_proj."""
         down = self.down_proj
         if (
             self.gemv_max_rows
@@ -117,6 +125,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = variant.make_mlp(config, layer_id)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gemv_max_rows = 0  # --gemv-backend triton (engine.layers.linear.use_triton_gemv)
 
     def forward(
         self,
@@ -126,14 +135,24 @@ class LlamaDecoderLayer(nn.Module):
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (mlp output, residual stream before it); the caller adds them lazily."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
+        attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
+        # --gemv-backend triton, a few rows: each norm inside the next projection's GEMV where
+        # that projection is a plain one (not quantized, not under a LoRA adapter)
+        gemv = self.gemv_max_rows and gemv_fits(hidden, attn.qkv_proj.weight, self.gemv_max_rows)
+        if gemv and type(attn.qkv_proj) is MergedLinear:
+            qkv, residual = norm_gemv(hidden, residual, self.input_layernorm, attn.qkv_proj)
+            hidden = attn.attend(positions, qkv, forward_batch)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            if residual is None:
+                hidden, residual = self.input_layernorm(hidden), hidden
+            else:
+                hidden, residual = self.input_layernorm(hidden, residual)
+            hidden = attn(positions, hidden, forward_batch)
+        if gemv and type(getattr(mlp, "gate_up_proj", None)) is MergedLinear:
+            gate_up, residual = norm_gemv(hidden, residual, norm, mlp.gate_up_proj)
+            return mlp.down(gate_up), residual
+        hidden, residual = norm(hidden, residual)
+        return mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):

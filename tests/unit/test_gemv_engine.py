@@ -26,13 +26,16 @@ from tests.unit.test_kernels_backend import _engine_logits  # noqa: E402
 
 @pytest.fixture
 def gemv_calls(monkeypatch) -> types.SimpleNamespace:
-    """The row count (`rows`) and the `act` argument (`acts`) of every Triton GEMV call."""
-    calls = types.SimpleNamespace(rows=[], acts=[])
+    """The row count (`rows`), the `act` argument (`acts`) and whether a norm came with a
+    residual (`norms`: None without a norm) of every Triton GEMV call."""
+    calls = types.SimpleNamespace(rows=[], acts=[], norms=[])
     real = kernels.gemv.gemv
 
     def counted(x, *args, **kwargs):
         calls.rows.append(x.shape[0])
         calls.acts.append(kwargs.get("act"))
+        norm = kwargs.get("norm")
+        calls.norms.append(None if norm is None else norm.residual is not None)
         return real(x, *args, **kwargs)
 
     monkeypatch.setattr(kernels.gemv, "gemv", counted)
@@ -158,10 +161,31 @@ def test_engine_logits_match_torch(arch, gemv_calls):
     assert len(got) == len(want) > 2
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
-    # decode steps of two requests, then of one: every projection (qkv, o, gate_up, down with
-    # the MLP's activation inside it) and the lm_head; the two prefills' many rows went to
+    # decode steps of two requests, then of one: every projection (qkv and gate_up with the
+    # norm before them inside, o, down with the MLP's activation inside) and the lm_head; the two prefills' many rows went to
     # torch, their lm_head rows (one per request) to the GEMV
     decode_steps = len(got) - 2
     assert set(gemv_calls.rows) == {1, 2}
     assert len(gemv_calls.rows) == decode_steps * (4 * layers[0] + 1) + 2
     assert gemv_calls.acts.count("silu_mul") == decode_steps * layers[0]
+    # each layer's two norms inside the qkv and gate_up GEMVs, all with the residual add but
+    # the first layer's input norm
+    assert gemv_calls.norms.count(True) == decode_steps * (2 * layers[0] - 1)
+    assert gemv_calls.norms.count(False) == decode_steps
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_engine_logits_match_torch_with_qk_norms_and_experts(arch, gemv_calls):
+    """Qwen3's per-head q/k norms after the qkv GEMV with the input norm inside it; the MoE
+    block (no gate_up projection of its own) keeps its post-attention norm apart."""
+    from tests.factories import tiny_model
+
+    path = tiny_model(arch)
+    got = _engine_logits(path, "torch_native", 16, gemv_backend="triton", gemv_max_rows=2)
+    want = _engine_logits(path, "torch_native", page_size=16)
+    assert len(got) == len(want) > 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    normed = [n for n in gemv_calls.norms if n is not None]
+    steps = len(got) - 2
+    assert len(normed) == steps * (2 if arch == "qwen3" else 1) * 2  # (2 layers)
