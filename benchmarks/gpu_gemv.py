@@ -12,10 +12,10 @@ The summary estimates a Llama 3.2 1B decode step's GEMM time at M = 1 (16 layers
 gate_up and down, and the lm_head) each way: what --gemv-backend triton could save of the
 1.36 ms step, whose roofline is 0.74 ms.
 
-Rows `down+silu`: the MLP's activation and down projection from the gate_up output [M, 16384]
-three ways: the activation kernel then `F.linear` (what `--gemv-backend torch` runs), the
-activation kernel then `gemv`, and `gemv(..., act="silu_mul")` (one kernel; what
-`--gemv-backend triton` runs).
+Rows `down+silu`, `qkv+norm`, `gate_up+norm`: a projection with the kernel before it (the
+MLP's SiLU-and-mul of the gate_up output [M, 16384]; the residual add and RMSNorm) three ways:
+that kernel then `F.linear` (what `--gemv-backend torch` runs), that kernel then `gemv`, and
+`gemv` with it in its prologue (one kernel; what `--gemv-backend triton` runs).
 
     python benchmarks/gpu_gemv.py [--rows 1 2 4 8 16] [--no-sweep]
     python benchmarks/gpu_gemv.py --quick --device cpu     # the interpreter: the code path only
@@ -148,27 +148,52 @@ def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespa
     return out
 
 
-def run_down_silu(n: int, k: int, rows: list[int], args: argparse.Namespace,
-                  cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
-    """The activation and the down projection from gate_up's output, unfused and fused."""
+FUSED = {"down+silu": "down", "qkv+norm": "qkv", "gate_up+norm": "gate_up"}  # kind: shape
+
+
+def run_fused(kind: str, n: int, k: int, rows: list[int], args: argparse.Namespace,
+              cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """A projection with what comes before it, three ways: the separate kernel then
+    `F.linear` (--gemv-backend torch), the separate kernel then `gemv`, and `gemv` with it in
+    the prologue (--gemv-backend triton). `down+silu`: SiLU-and-mul of gate_up's output, then
+    down; `qkv+norm` / `gate_up+norm`: the residual add and RMSNorm, then the projection."""
     from kernels.activation import silu_and_mul
-    from kernels.gemv import gemv, gemv_config, num_sms
+    from kernels.fused_norm import fused_add_rms_norm
+    from kernels.gemv import RMSNormInput, gemv, gemv_config, num_sms
 
     dt, gen, weights = _weight_copies(n, k, args.device, cuda, seed=1)
     copies = len(weights)
     out = []
     for m in rows:
-        gate_up = torch.randn(m, 2 * k, dtype=dt, device=args.device, generator=gen)
-        fused = gemv(gate_up, weights[0], act="silu_mul")
+        if kind == "down+silu":
+            x = torch.randn(m, 2 * k, dtype=dt, device=args.device, generator=gen)
+
+            def before(x: torch.Tensor) -> torch.Tensor:
+                return silu_and_mul(x)
+
+            prologue: dict[str, Any] = {"act": "silu_mul"}
+        else:
+            x = torch.randn(m, k, dtype=dt, device=args.device, generator=gen)
+            res = torch.randn(m, k, dtype=dt, device=args.device, generator=gen)
+            nw = torch.randn(k, dtype=dt, device=args.device, generator=gen)
+
+            def before(x: torch.Tensor, res: torch.Tensor = res,
+                       nw: torch.Tensor = nw) -> torch.Tensor:  # fmt: skip
+                return fused_add_rms_norm(x, res, nw, 1e-5)[0]
+
+            prologue = {"norm": RMSNormInput(nw, 1e-5, res, torch.empty_like(x))}
         tile = gemv_config(m, n, k, num_sms(torch.device(args.device)), dt.itemsize, True)
-        unfused = gemv(silu_and_mul(gate_up), weights[0], config=tile)
-        assert torch.equal(fused, unfused), "the fused activation differs from the two kernels"
+        fused = gemv(x, weights[0], config=tile, **prologue)
+        unfused = gemv(before(x), weights[0], config=tile)
+        if kind == "down+silu":  # the same roundings (the norm's sum of squares may differ)
+            assert torch.equal(fused, unfused), f"{kind}: fused != the two kernels"
+        assert _close(fused, unfused), f"{kind}: fused != the two kernels"
         times = {
-            "torch_us": lambda i, x=gate_up: F.linear(silu_and_mul(x), weights[i]),
-            "gemv_us": lambda i, x=gate_up: gemv(silu_and_mul(x), weights[i]),
-            "fused_us": lambda i, x=gate_up: gemv(x, weights[i], act="silu_mul"),
+            "torch_us": lambda i, x=x, before=before: F.linear(before(x), weights[i]),
+            "gemv_us": lambda i, x=x, before=before: gemv(before(x), weights[i]),
+            "fused_us": lambda i, x=x, p=prologue: gemv(x, weights[i], **p),
         }
-        row: dict[str, Any] = {"shape": "down+silu", "n": n, "k": k, "rows": m}
+        row: dict[str, Any] = {"shape": kind, "n": n, "k": k, "rows": m}
         row.update({key: time_us(fn, copies, cuda) for key, fn in times.items()})
         row["fused_vs_torch"] = row["torch_us"] / row["fused_us"]
         row["fused_vs_gemv"] = row["gemv_us"] / row["fused_us"]
@@ -198,8 +223,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for name, (n, k) in shapes.items():
         rows += run_shape(name, n, k, rows_list, args, cuda)
-    n, k = shapes["down"]
-    fused = run_down_silu(n, k, rows_list, args, cuda)
+    fused: list[dict[str, Any]] = []
+    for kind, shape in FUSED.items():
+        if shape in shapes:
+            fused += run_fused(kind, *shapes[shape], rows_list, args, cuda)
     common.print_table(rows, ["shape", "rows", "torch_us", "gemv_us", "speedup", "torch_TBps",
                               "gemv_TBps", *(() if args.no_sweep else ("best_us", "best_TBps"))])
     common.print_table(fused, ["shape", "rows", "torch_us", "gemv_us", "fused_us",
@@ -213,11 +240,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:
         summary[f"gemv_{r['shape']}_m{r['rows']}_speedup"] = r["speedup"]
     for r in fused:
-        summary[f"gemv_down_silu_m{r['rows']}_fused_vs_torch"] = r["fused_vs_torch"]
-        summary[f"gemv_down_silu_m{r['rows']}_fused_vs_gemv"] = r["fused_vs_gemv"]
+        key = f"gemv_{r['shape'].replace('+', '_')}_m{r['rows']}_fused_vs"
+        summary[f"{key}_torch"], summary[f"{key}_gemv"] = r["fused_vs_torch"], r["fused_vs_gemv"]
     name = "gpu_gemv" + ("_quick" if args.quick else "")
     device = {"name": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"}
-    path = common.write_result(name, {"rows": rows, "down_silu": fused,
+    path = common.write_result(name, {"rows": rows, "fused": fused,
                                       "copy_bytes": COPY_BYTES, "reps": REPS},
                                summary, device=device,
                                versions_extra=common.versions("triton"))  # fmt: skip

@@ -31,8 +31,11 @@ def test_quick_run_writes_every_row(tmp_path, monkeypatch):
         assert r["torch_us"] > 0 and r["gemv_us"] > 0 and r["best_us"] > 0
         assert r["swept"] == 2 and r["wrong"] == 0  # every tile tried agreed with F.linear
     assert summary["gemv_qkv_m1_speedup"] == rows[0]["speedup"]
-    fused = doc["results"]["down_silu"]
-    assert [(r["shape"], r["rows"]) for r in fused] == [("down+silu", 1), ("down+silu", 4)]
+    fused = doc["results"]["fused"]
+    assert [(r["shape"], r["rows"]) for r in fused] == [
+        ("down+silu", 1), ("down+silu", 4), ("qkv+norm", 1), ("qkv+norm", 4)
+    ]  # (the quick shapes have no gate_up)
     for r in fused:
         assert r["torch_us"] > 0 and r["gemv_us"] > 0 and r["fused_us"] > 0
     assert summary["gemv_down_silu_m4_fused_vs_gemv"] == fused[1]["fused_vs_gemv"]
+    assert summary["gemv_qkv_norm_m1_fused_vs_torch"] == fused[2]["fused_vs_torch"]
