@@ -138,8 +138,7 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp, norm = self.self_attn, self.mlp, self.post_attention_layernorm
         # --gemv-backend triton, a few rows: each norm inside the next projection's GEMV where
         # that projection is a plain one (not quantized, not under a LoRA adapter)
-        gemv = self.gemv_max_rows and gemv_fits(hidden, attn.qkv_proj.weight, self.gemv_max_rows)
-        if gemv and type(attn.qkv_proj) is MergedLinear:
+        if self._norm_in_gemv(attn.qkv_proj, hidden):
             qkv, residual = norm_gemv(hidden, residual, self.input_layernorm, attn.qkv_proj)
             hidden = attn.attend(positions, qkv, forward_batch)
         else:
@@ -148,11 +147,18 @@ class LlamaDecoderLayer(nn.Module):
             else:
                 hidden, residual = self.input_layernorm(hidden, residual)
             hidden = attn(positions, hidden, forward_batch)
-        if gemv and type(getattr(mlp, "gate_up_proj", None)) is MergedLinear:
+        if self._norm_in_gemv(getattr(mlp, "gate_up_proj", None), hidden):
             gate_up, residual = norm_gemv(hidden, residual, norm, mlp.gate_up_proj)
             return mlp.down(gate_up), residual
         hidden, residual = norm(hidden, residual)
         return mlp(hidden), residual
+
+    def _norm_in_gemv(self, proj: nn.Module | None, hidden: torch.Tensor) -> bool:
+        return (
+            self.gemv_max_rows > 0
+            and type(proj) is MergedLinear
+            and gemv_fits(hidden, proj.weight, self.gemv_max_rows)
+        )
 
 
 class LlamaModel(nn.Module):

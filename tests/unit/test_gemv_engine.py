@@ -162,8 +162,8 @@ def test_engine_logits_match_torch(arch, gemv_calls):
     for step, (g, w) in enumerate(zip(got, want, strict=True)):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
     # decode steps of two requests, then of one: every projection (qkv and gate_up with the
-    # norm before them inside, o, down with the MLP's activation inside) and the lm_head; the two prefills' many rows went to
-    # torch, their lm_head rows (one per request) to the GEMV
+    # norm before them inside, o, down with the MLP's activation inside) and the lm_head; the
+    # two prefills' many rows went to torch, their lm_head rows (one per request) to the GEMV
     decode_steps = len(got) - 2
     assert set(gemv_calls.rows) == {1, 2}
     assert len(gemv_calls.rows) == decode_steps * (4 * layers[0] + 1) + 2
@@ -189,3 +189,27 @@ def test_engine_logits_match_torch_with_qk_norms_and_experts(arch, gemv_calls):
     normed = [n for n in gemv_calls.norms if n is not None]
     steps = len(got) - 2
     assert len(normed) == steps * (2 if arch == "qwen3" else 1) * 2  # (2 layers)
+
+
+def test_lora_adapters_keep_their_layers_off_the_fused_prologues():
+    """LoRA wraps qkv_proj / down_proj (no `weight` of its own): the decoder layer and the MLP
+    see a projection that is not a plain one and take the unfused path for it; the greedy
+    tokens of adapter and base requests equal those of the cuBLAS run."""
+    from engine.engine import Engine
+    from tests.factories import tiny_lora, tiny_model
+
+    path = tiny_model("llama")
+    lora = tiny_lora(path, 1, 8, targets=("q_proj", "v_proj", "down_proj"))
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22]]
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    outs = []
+    for backend in ("triton", "torch"):
+        engine = Engine(model_path=path, lora_paths=(f"a={lora}",), gemv_backend=backend,
+                        max_total_tokens=1024, disable_overlap_schedule=True,
+                        skip_tokenizer_init=True)  # fmt: skip
+        try:
+            got = engine.generate(input_ids=prompts, sampling_params=sp, lora_path=["a", None])
+        finally:
+            engine.shutdown()
+        outs.append([o["output_ids"] for o in got])
+    assert outs[0] == outs[1]
