@@ -201,12 +201,16 @@ TIE_EPS = 1e-3
 
 
 def assert_engine_clean(engine: Any) -> None:
-    """After a run: the prefix cache is consistent and, flushed, gives back every KV slot and
-    request row (nothing leaked by the requests that ran)."""
+    """After a run: the prefix cache is consistent and, flushed, gives back every KV slot (of
+    the window pool too, over hybrid sliding-window memory) and request row (nothing leaked by
+    the requests that ran)."""
     engine.scheduler.tree_cache.check_integrity()
     assert engine.flush_cache()
     allocator = engine.scheduler.model_runner.allocator
     assert allocator.available_size() == allocator.size, "KV slots leaked"
+    window = getattr(allocator, "swa", None)  # hybrid sliding-window memory's window pool
+    if window is not None:
+        assert window.available_size() == window.size, "window KV slots leaked"
     pool = engine.scheduler.model_runner.req_to_token_pool
     assert pool.available_size() == pool.size, "request rows leaked"
 

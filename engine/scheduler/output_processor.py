@@ -118,6 +118,7 @@ class OutputProcessor:
         logprobs, top = result.logprobs, result.top_logprobs
         num_new = num_finished = 0
         rejected = []  # KV slots of rejected drafts (freed at once)
+        live_from: list[int] = []  # per run: where its window KV starts (hybrid window memory)
         for i, req in enumerate(batch.reqs):
             if req.finished_reason is not None:
                 continue
@@ -131,9 +132,10 @@ class OutputProcessor:
                 req.check_finished(context_len, tokenizer)
                 if req.finished_reason is not None:
                     break
-            slots = trim_kv(pools, req, req.seqlen - 1)
-            if slots is not None:
-                rejected.append(slots)
+            trimmed = trim_kv(pools, req, req.seqlen - 1)
+            if trimmed is not None:
+                rejected.append(trimmed[0])
+                live_from.append(trimmed[1])
             reason = req.finished_reason
             if reason is not None:
                 req.fill_ids = req.all_ids()[: req.kv_allocated_len]
@@ -142,8 +144,8 @@ class OutputProcessor:
             new = output_ids[start:]
             num_new += len(new)
             self._events.append(StepEvent(req, new, start, reason))
-        if rejected:
-            pools.allocator.free_runs(rejected)  # (each from a page boundary: trim_kv)
+        if rejected:  # (each from a page boundary: trim_kv; nothing read from the device)
+            pools.allocator.free_runs(rejected, live_from)
         sched.stats.generation_tokens += num_new
         sched.stats.num_finished += num_finished
 

@@ -59,8 +59,6 @@ def check_speculative_args(args: Any) -> None:
             "speculative n-gram windows need 1 <= min <= max, got "
             f"min {lo}, max {hi}"
         )
-    if args.hybrid_swa_memory:
-        raise ValueError("speculative decoding does not run with hybrid_swa_memory yet")
     if not args.disable_overlap_schedule:
         logger.info("speculative decoding: the overlap scheduler is off")
         object.__setattr__(args, "disable_overlap_schedule", True)

@@ -114,10 +114,12 @@ def verify_tokens_needed(batch: ScheduleBatch, drafts: list[list[int]]) -> int:
     return pages * batch.pools.page_size
 
 
-def trim_kv(pools: MemoryPools, req: Req, length: int) -> torch.Tensor | None:
+def trim_kv(pools: MemoryPools, req: Req, length: int) -> tuple[torch.Tensor, int] | None:
     """Keep the request's KV for its first `length` positions; returns the slots of the
     whole pages after the page of position length - 1, for the caller to free (the rest of
-    that page stays the request's, and its next tokens fill it)."""
+    that page stays the request's, and its next tokens fill it), with the offset in that run
+    from which its pages hold window KV (hybrid sliding-window memory: the request's
+    `swa_released` account, as `free_own` reads it; 0, all of them, as drafts are recent)."""
     held = req.kv_allocated_len
     if length >= held:
         return None
@@ -126,4 +128,5 @@ def trim_kv(pools: MemoryPools, req: Req, length: int) -> torch.Tensor | None:
     first_free = -(-length // ps) * ps
     if first_free >= held:
         return None
-    return pools.req_to_token_pool.req_to_token[req.req_pool_idx, first_free:held]
+    live_from = min(held, max(first_free, getattr(req, "swa_released", 0))) - first_free
+    return pools.req_to_token_pool.req_to_token[req.req_pool_idx, first_free:held], live_from

@@ -147,7 +147,23 @@ def test_arguments_are_checked() -> None:
         ({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 0}, ">= 1"),
         ({"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 5,
           "speculative_ngram_max_match_window_size": 3}, "min <= max"),
-        ({"speculative_algorithm": "ngram", "hybrid_swa_memory": True}, "hybrid_swa_memory"),
     ]:  # fmt: skip
         with pytest.raises(ValueError, match=why):
             Engine(model_path=path, **bad)
+
+
+@pytest.mark.parametrize(("name", "page_size"), [("mistral-sliding", 4), ("gemma3_text", 1)])
+def test_hybrid_window_memory(name: str, page_size: int) -> None:
+    """Over hybrid sliding-window memory (a window pool a tenth of the full one) the drafts'
+    K/V go to both pools, the rejected drafts' pages come back from both (the request's
+    account says they hold window KV: nothing read from the device), and the tokens are
+    plain decoding's over the same memory."""
+    path = model_path(name)
+    prompts = _prompts(path)
+    memory = dict(hybrid_swa_memory=True, max_total_tokens=6400, chunked_prefill_size=128,
+                  swa_full_tokens_ratio=0.1, page_size=page_size)  # fmt: skip
+    params = {"temperature": 0.0, "max_new_tokens": 48, **LOOPY}
+    want, _ = _run(path, prompts, params, **PLAIN, **memory)
+    got, stats = _run(path, prompts, params, **SPEC, **memory)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    _drafts_used(stats)

@@ -86,12 +86,14 @@ def test_trim_gives_back_whole_pages_after_the_kept_length(page_size: int) -> No
     rows.req_to_token[req.req_pool_idx, :11] = slots.to(torch.int32)
     req.kv_allocated_len = 11
     free_before = allocator.available_size()
-    gone = trim_kv(pools, req, 6)
+    trimmed = trim_kv(pools, req, 6)
+    assert trimmed is not None and trimmed[1] == 0  # (no window released: all live)
+    gone = trimmed[0]
     assert req.kv_allocated_len == 6
     kept_pages = -(-6 // page_size)
     # the pages of positions 0..5 stay; the rest of the 11 positions' pages are returned
     want = -(-11 // page_size) - kept_pages
-    assert gone is not None and len(torch.unique(gone.long() // page_size)) == want
+    assert len(torch.unique(gone.long() // page_size)) == want
     allocator.free(gone.long())
     assert allocator.available_size() == free_before + want * page_size
     assert bool(allocator.is_allocated(slots[:6]).all())
