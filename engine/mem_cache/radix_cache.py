@@ -95,6 +95,11 @@ class RadixCache(PrefixCache):
         not hold. Returns how many leading tokens it already held (their `slots` stay the
         caller's to free; with a hierarchical cache, up to the first node the tree had only in
         host memory: from there on it takes the caller's slots)."""
+        return self._insert(key, slots)[0]
+
+    def _insert(self, key: list[int], slots: torch.Tensor) -> tuple[int, TreeNode | None]:
+        """`insert`, also returning the leaf it added for the key's tail (None if the tree
+        held the whole key)."""
         if len(key) % self.page_size or len(key) != slots.numel():
             raise ValueError(f"insert: key of {len(key)} tokens, {slots.numel()} slots")
         now = self._tick()
@@ -107,7 +112,7 @@ class RadixCache(PrefixCache):
                 child = node.children[child_key] = TreeNode(key[pos:], value, node, now)
                 self._evictable += len(key) - pos
                 self._on_new_node(child)
-                return pos if held is None else held
+                return (pos if held is None else held), child
             n = self._match_len(child.key, key, pos)
             if n < len(child.key):
                 child = self._split(child, n)
@@ -115,7 +120,7 @@ class RadixCache(PrefixCache):
             if self._on_reused(child, slots[pos : pos + n]) and held is None:
                 held = pos
             node, pos = child, pos + n
-        return pos if held is None else held
+        return (pos if held is None else held), None
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after n tokens; the new upper part inherits its lock and access time,
@@ -133,7 +138,8 @@ class RadixCache(PrefixCache):
         self._on_split(upper, child)
         return upper
 
-    # hooks of the hybrid sliding-window cache (engine/mem_cache/swa_radix_cache.py)
+    # hooks of the hybrid sliding-window and hierarchical caches (swa_radix_cache.py,
+    # hiradix_cache.py)
     def _on_new_node(self, node: TreeNode) -> None:
         pass
 

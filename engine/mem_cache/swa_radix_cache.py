@@ -53,8 +53,6 @@ class SWARadixCache(RadixCache):
         self.allocator: SWATokenToKVPoolAllocator = allocator
         self.sliding_window = sliding_window
         self._swa_evictable = 0
-        # the insert in progress: its key's length and where the caller's live swa pages start
-        self._inserting = (0, 0)
 
     def swa_lock_start(self, depth: int) -> int:
         """First position the window of a query at `depth` reads, rounded down to a page."""
@@ -72,13 +70,6 @@ class SWARadixCache(RadixCache):
         return live
 
     # -- hooks ----------------------------------------------------------------------------------
-    def _on_new_node(self, node: TreeNode) -> None:
-        # an insert's new node holds the caller's slots from position key_len - len(key) on
-        key_len, live_from = self._inserting
-        dead = min(len(node.key), max(0, live_from - (key_len - len(node.key))))
-        node.swa_live = len(node.key) - dead
-        self._swa_evictable += node.swa_live
-
     def _on_split(self, upper: TreeNode, lower: TreeNode) -> None:
         upper.swa_lock_ref = lower.swa_lock_ref
         live = lower.swa_live  # the suffix of the whole node: the lower part's end of it
@@ -129,8 +120,11 @@ class SWARadixCache(RadixCache):
         others are freed: none of its own slots before the returned count keeps a swa page."""
         ps = self.page_size
         src_from = -(-max(own_from, live_from) // ps) * ps
-        self._inserting = (len(key), src_from)
-        in_tree = super().insert(key, slots)
+        in_tree, leaf = self._insert(key, slots)
+        if leaf is not None:  # the caller's slots from the leaf's start on: live from src_from
+            dead = min(len(leaf.key), max(0, src_from - (len(key) - len(leaf.key))))
+            leaf.swa_live = len(leaf.key) - dead
+            self._swa_evictable += leaf.swa_live
         if in_tree > src_from:
             self._adopt_swa(self._walk(key[:in_tree]), slots, src_from)
         return in_tree
