@@ -3,7 +3,8 @@
 the input norm (with the residual add), the rotary kernel that also writes the K/V, the decode
 split and merge, the post-attention norm and the SiLU-and-mul (the GEMMs are torch's); with
 --gemv-backend triton, the norms and the activation go inside the GEMVs: qkv with its norm,
-rotary, split, merge, o, gate_up with its norm, down with the activation."""
+rotary, split, merge, o, gate_up with its norm, down with the activation. GPT-2's layer: its
+two LayerNorms with the residual adds, the store, split and merge, gelu_new."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from tests.unit.test_kernels_backend import _engine_logits  # noqa: E402
 ATTENTION = ["_rotary_kernel", "_decode_split_kernel", "_decode_merge_kernel"]
 
 
-def _decode_launches(monkeypatch, **engine_args) -> list[list[str]]:
+def _decode_launches(monkeypatch, arch: str = "llama", **engine_args) -> list[list[str]]:
     """The kernel names each decode step launched (one list per decode forward)."""
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -50,7 +51,7 @@ def _decode_launches(monkeypatch, **engine_args) -> list[list[str]]:
     monkeypatch.setattr(ModelRunner, "forward", per_step)
     monkeypatch.setattr(kernels.jit, "compiled_on", lambda x: True)  # (what CUDA tensors get)
     monkeypatch.setattr(kernels.jit, "_LAYER_KERNELS", [True])
-    _engine_logits(tiny_model("llama"), "triton", 16, **engine_args)
+    _engine_logits(tiny_model(arch), "triton", 16, **engine_args)
     assert steps
     return steps
 
@@ -70,3 +71,12 @@ def test_with_the_triton_gemv_a_decode_layer_is_seven_launches_in_all(monkeypatc
 def test_without_layer_kernels_only_attention_is_triton(monkeypatch):
     for step in _decode_launches(monkeypatch, disable_layer_kernels=True):
         assert step == ["_store_kv_kernel", *ATTENTION[1:]] * 2
+
+
+def test_gpt2_adds_its_residuals_inside_the_layernorms(monkeypatch):
+    """GPT-2: the embedding sum and every residual add inside a LayerNorm launch (no add
+    kernels); the backend stores K/V (no rotary)."""
+    layer = ["_norm_kernel", "_store_kv_kernel", *ATTENTION[1:], "_norm_kernel",
+             "_gelu_new_kernel"]  # fmt: skip
+    for step in _decode_launches(monkeypatch, "gpt2"):
+        assert step == layer * 2 + ["_norm_kernel"]
