@@ -232,6 +232,35 @@ def test_replay_matches_eager(runner, packed):
     assert sum(g.num_replays for g in graphs.graphs.values()) == len(cases)
 
 
+def test_replay_with_the_layers_on_their_kernels(runner, monkeypatch):
+    """The layers' kernels inside the graphs (as on CUDA; the interpreter here): the rotary
+    kernel writes each layer's K/V through the graph's static slots (padded rows to slot 0),
+    and the replays give the eager torch layers' logits and KV."""
+    import kernels.jit
+
+    cases = [([3, 0, 7], [40, 1, 130]), ([5], [77]), ([11, 0, 7, 2, 6], [5, 60, 129, 18, 2])]
+    wants = [_eager(runner, _decode_batch(runner, rows, lens, seed))
+             for seed, (rows, lens) in enumerate(cases)]  # fmt: skip
+    import engine.layers.rotary as rotary
+
+    monkeypatch.setattr(kernels.jit, "compiled_on", lambda x: True)
+    monkeypatch.setattr(kernels.jit, "_LAYER_KERNELS", [True])
+    stores: list[int] = []
+    real = rotary.apply_rotary
+    monkeypatch.setattr(rotary, "apply_rotary",
+                        lambda *a: stores.append(len(a) == 5) or real(*a))  # fmt: skip
+    graphs = _graphs(runner)
+    for seed, ((rows, lens), (want_logits, want_kv)) in enumerate(zip(cases, wants)):
+        fb = _decode_batch(runner, rows, lens, seed)
+        saved = _kv(runner)
+        stores.clear()
+        got = graphs.replay(fb)
+        assert stores == [True, True]  # each layer's rotary wrote its K/V
+        torch.testing.assert_close(got, want_logits, atol=1e-4, rtol=1e-4)
+        _assert_same_kv(_kv(runner), want_kv)
+        _restore(runner, saved)
+
+
 def test_padded_rows_do_not_change_real_rows(runner):
     """Three requests give the same logits from a graph of exactly 3 rows and from one of 8
     (5 padded rows)."""
