@@ -209,9 +209,9 @@ do_step() {
         decode-backends)
             run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;
         gemv)
-            run_step gemv-tests 120 "${PYTEST[@]}" tests/unit/test_kernels_gemv.py \
+            run_step gemv-tests 200 "${PYTEST[@]}" tests/unit/test_kernels_gemv.py \
                 tests/unit/test_gemv_engine.py
-            run_step gemv-ops 150 python3 benchmarks/gpu_gemv.py
+            run_step gemv-ops 180 python3 benchmarks/gpu_gemv.py
             run_step gemv-decode 120 "${BENCH[@]}" decode-bs1 --profile --tag gemv \
                 --decode-configs cuda_graph cuda_graph_triton_gemv ;;
         flashinfer-plan)
