@@ -19,7 +19,8 @@ kernels read K/V slot by slot through req_to_token, so the page size only change
 the table holds (batch size and sequence lengths are runtime values too).
 
 Run with TRITON_INTERPRET unset (Triton fixes interpreter mode at import):
-`python -m kernels.compile_check [--arch 90] [--json PATH]`; exit status 1 on any problem.
+`python -m kernels.compile_check [--arch 90] [--json PATH] [--jobs N]`; exit status 1 on any
+problem. `--jobs` (default: the cores, at most 8) splits the cases over child processes.
 """
 
 from __future__ import annotations
@@ -419,11 +420,20 @@ def _problems(v: dict[str, Any], arch: int) -> list[str]:
 
 def check(arch: int = 90) -> list[Variant]:
     """Compile every case's kernels for `arch`; one Variant per kernel launched per case."""
+    return [v for _, v in _check(arch, (0, 1))]
+
+
+def _check(arch: int, shard: tuple[int, int]) -> list[tuple[int, Variant]]:
+    """`check` of the cases whose index is k modulo n (`shard` (k, n): one of n processes),
+    each variant with its case's index."""
     if interpreting():
         raise RuntimeError("Triton is in interpreter mode: unset TRITON_INTERPRET")
     variants = []
+    k, n = shard
     with offline_compiler(arch) as compiled:
-        for labels, launch in cases():
+        for index, (labels, launch) in enumerate(cases()):
+            if index % n != k:
+                continue
             start = len(compiled)
             launch()
             counts: dict[str, int] = {}
@@ -432,7 +442,7 @@ def check(arch: int = 90) -> list[Variant]:
                 if "moe" in labels.get("case", ""):  # two GEMMs: one kernel compiled twice
                     counts[info["kernel"]] = counts.get(info["kernel"], 0) + 1
                     extra["case"] = f"{labels['case']} #{counts[info['kernel']]}"
-                variants.append(Variant(**{**labels, **info, **extra}))
+                variants.append((index, Variant(**{**labels, **info, **extra})))
     return variants
 
 
@@ -458,12 +468,47 @@ def _ptxas_version(arch: int) -> str:
     return f"{os.path.basename(path)}: {out.stdout.strip().splitlines()[-2]}"
 
 
+def check_in_processes(arch: int, jobs: int) -> list[Variant]:
+    """`check` split over `jobs` child processes (each compiles every jobs-th case; ptxas is
+    the cost), the variants in the order one process would list them."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for k in range(jobs):
+            cmd = [sys.executable, "-m", "kernels.compile_check", "--arch", str(arch),
+                   "--shard", f"{k}/{jobs}", "--json", os.path.join(tmp, f"{k}.json")]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
+        for proc in procs:
+            proc.wait()
+        variants = []
+        for k in range(jobs):
+            path = os.path.join(tmp, f"{k}.json")
+            if not os.path.exists(path):
+                raise RuntimeError(f"compile_check shard {k}/{jobs} failed (no report)")
+            with open(path) as f:
+                variants += [(v.pop("index"), Variant(**v)) for v in json.load(f)["variants"]]
+    return [v for _, v in sorted(variants, key=lambda iv: iv[0])]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90")
     parser.add_argument("--json", help="write the variants and versions here")
+    parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 8),
+                        help="processes compiling in parallel (default: the cores, at most 8)")
+    parser.add_argument("--shard", help=argparse.SUPPRESS)  # k/n: one of --jobs' processes
     args = parser.parse_args(argv)
-    variants = check(args.arch)
+    if args.shard:  # a child of check_in_processes: its cases' variants, indexed, as JSON
+        k, n = (int(x) for x in args.shard.split("/"))
+        found = _check(args.arch, (k, n))
+        with open(args.json, "w") as f:
+            json.dump({"variants": [{**asdict(v), "index": i} for i, v in found]}, f, default=str)
+        return 0
+    if args.jobs > 1:
+        variants = check_in_processes(args.arch, args.jobs)
+    else:
+        variants = check(args.arch)
     print(_table(variants))
     bad = [v for v in variants if v.problems]
     print(f"{len(variants)} variants, {len(bad)} with problems")
