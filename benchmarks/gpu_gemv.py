@@ -110,8 +110,8 @@ def _release(weights: list[torch.Tensor], cuda: bool) -> None:
 
 def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespace,
               cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
-    from kernels.gemv import gemv, gemv_config, num_sms
-    from kernels.jit import next_pow2
+    from kernels.gemv import gemv, gemv_config
+    from kernels.jit import next_pow2, num_sms
 
     dt, gen, weights = _weight_copies(n, k, args.device, cuda, seed=0)
     nbytes, copies = n * k * dt.itemsize, len(weights)
@@ -159,7 +159,8 @@ def run_fused(kind: str, n: int, k: int, rows: list[int], args: argparse.Namespa
     down; `qkv+norm` / `gate_up+norm`: the residual add and RMSNorm, then the projection."""
     from kernels.activation import silu_and_mul
     from kernels.fused_norm import fused_add_rms_norm
-    from kernels.gemv import RMSNormInput, gemv, gemv_config, num_sms
+    from kernels.gemv import RMSNormInput, gemv, gemv_config
+    from kernels.jit import num_sms
 
     dt, gen, weights = _weight_copies(n, k, args.device, cuda, seed=1)
     copies = len(weights)

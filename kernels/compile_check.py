@@ -18,6 +18,8 @@ The code depends on dtype, head_dim, the GQA group and num_warps, not on the pag
 kernels read K/V slot by slot through req_to_token, so the page size only changes which slots
 the table holds (batch size and sequence lengths are runtime values too).
 
+The cases (kernels at the engine's shapes and variants) are listed in kernels/compile_cases.py.
+
 Run with TRITON_INTERPRET unset (Triton fixes interpreter mode at import):
 `python -m kernels.compile_check [--arch 90] [--json PATH] [--jobs N]`; exit status 1 on any
 problem. `--jobs` (default: the cores, at most 8) splits the cases over child processes.
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import io
 import json
 import os
@@ -35,7 +36,7 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -46,41 +47,9 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 from triton.runtime import driver
 
-from kernels.activation import gelu_new, silu_and_mul
-from kernels.argmax import argmax_rows
-from kernels.decode_attention import decode_attention
-from kernels.extend_attention import extend_attention
-from kernels.fp8_gemm import fp8_gemm
-from kernels.fused_moe import fused_experts_triton
-from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
-from kernels.future_tokens import resolve_future_tokens_triton
-from kernels.gemv import RMSNormInput, gemv
+from kernels.compile_cases import cases
 from kernels.jit import interpreting
-from kernels.kv_store import store_kv
-from kernels.page_table import page_ids
-from kernels.rotary import KVStore, apply_rotary
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-HEAD_DIMS = (64, 128)
-HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))  # (Hq, Hk): GPT-2, Llama-3.2-1B, Qwen2 (group 7)
-# sliding-window attention (its own kernel variants): Mistral-7B-v0.1's window and heads, and
-# Qwen2's heads
-WINDOW = 4096
-WINDOW_HEAD_SHAPES = ((32, 8), (28, 4))
-# head_dim 256 (Gemma 2 and 3), (Hq, Hk, window, attention soft-cap): gemma-2-2b's full and
-# local layers (window 4096, scores capped at 50), gemma-3-1b's (window 512, no cap)
-GEMMA_HEAD_DIM = 256
-GEMMA_CASES = ((8, 4, None, 50.0), (8, 4, 4096, 50.0), (4, 1, None, None), (4, 1, 512, None))
-STORE_KV_HEADS = 8
-# an FP8 KV cache (bf16 / fp16 models): the attention kernels read float8, store_kv copies it
-FP8_KV_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-# (hidden, experts, top_k, expert intermediate): Qwen3-30B-A3B, Mixtral-8x7B
-MOE_SHAPES = ((2048, 128, 8, 768), (4096, 8, 2, 14336))
-# Largest shared memory one block may opt into, per compute capability.
-# the elementwise kernels: RMSNorm rows (a per-head q/k norm up to the widest hidden the
-# kernel takes), SiLU-and-mul of Llama-3.2-1B's and Mistral-7B's intermediate sizes
-NORM_HIDDEN = (128, 2048, 4096, 8192, 16384)
-SILU_INTER = (8192, 14336)
 # Largest shared memory one block may opt into, per compute capability.
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 REGISTERS_PER_SM = 65536
@@ -180,228 +149,6 @@ def offline_compiler(arch: int) -> Iterator[list[dict[str, Any]]]:
             driver._active = previous_driver
             for jit_fn in touched:  # their binders hold the stand-in target
                 jit_fn.device_caches.clear()
-
-
-def _launch(
-    dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
-    logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None, num_splits: int = 8,
-    extend: bool = True,
-) -> None:
-    """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
-    are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read.
-    `kv_dtype` (float8): an FP8 KV cache, whose new k/v arrive quantized ([N, Hk, D])."""
-    batch, tokens, slots = 4, 64, 4096
-    qkv = torch.empty(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
-    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
-    if kv_dtype is not None:
-        k, v = torch.empty(2, tokens, hk, head_dim, dtype=kv_dtype)
-    k_buf, v_buf = torch.empty(2, slots, hk, head_dim, dtype=kv_dtype or dtype)
-    if not attention:
-        store_kv(k_buf, v_buf, torch.arange(tokens), k, v)
-        return
-    q = q.reshape(tokens, hq, head_dim)
-    r2t, rows = torch.zeros(16, 4096, dtype=torch.int32), torch.arange(batch)
-    lens = torch.full((batch,), tokens // batch)
-    prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
-    decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale,
-                     num_splits=num_splits, window_left=window_left,
-                     logit_cap=logit_cap)  # fmt: skip
-    if not extend:
-        return
-    extend_attention(
-        q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale,
-        window_left=window_left, logit_cap=logit_cap,
-    )
-
-
-def gemma_case(window: int | None, cap: float | None) -> str:
-    return " ".join(
-        ["gemma"] + ([f"window {window}"] if window else []) + ([f"cap {cap:g}"] if cap else [])
-    )
-
-
-def moe_case(shape: tuple[int, int, int, int], tokens: int) -> str:
-    hidden, experts, top_k, inter = shape
-    return f"moe H{hidden} E{experts} k{top_k} I{inter} T{tokens}"
-
-
-def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: int) -> None:
-    """Both grouped GEMMs of the fused MoE at `tokens` tokens (decode or prefill blocks)."""
-    hidden, experts, top_k, inter = shape
-    x = torch.empty(tokens, hidden, dtype=dtype)
-    w13 = torch.empty(experts, 2 * inter, hidden, dtype=dtype)
-    w2 = torch.empty(experts, hidden, inter, dtype=dtype)
-    ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
-    fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
-
-
-def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int) -> None:
-    """The W8A8 GEMM of a 4096 x 4096 layer with `dtype` output."""
-    n = k = 4096
-    a = torch.empty(tokens, k, dtype=torch.float8_e4m3fn)
-    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    a_s = torch.empty(tokens, -(-k // group[1]))
-    w_s = torch.empty(-(-n // group[0]), -(-k // group[1]))
-    fp8_gemm(a, a_s, w, w_s, group, None, dtype)
-
-
-def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:
-    """RMSNorm of 64 rows, with the residual add or without."""
-    x, res = torch.empty(2, 64, hidden, dtype=dtype)
-    weight = torch.empty(hidden, dtype=dtype)
-    if residual:
-        fused_add_rms_norm(x, res, weight, 1e-6)
-    else:
-        rms_norm(x, weight, 1e-6)
-
-
-def _launch_rotary(dtype: torch.dtype, hq: int, hk: int, head_dim: int, store: bool) -> None:
-    """q and k stacked, a view of a fused qkv, as llama.py rotates them; with `store`, K and V
-    written into a pool by the same kernel (`rotate_and_store`)."""
-    tokens = 64
-    qkv = torch.empty(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
-    qk = qkv[:, : (hq + hk) * head_dim].view(tokens, hq + hk, head_dim)
-    cache = torch.empty(4096, head_dim, dtype=dtype)
-    kv_store = None
-    if store:
-        k_buf, v_buf = torch.empty(2, 1024, hk, head_dim, dtype=dtype)
-        loc = torch.zeros(tokens, dtype=torch.int64)
-        kv_store = KVStore(k_buf, v_buf, loc, qkv[:, (hq + hk) * head_dim :], hq)
-    apply_rotary(torch.zeros(tokens, dtype=torch.int64), qk, cache, head_dim, kv_store)
-
-
-def _elementwise_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
-    for name, dtype in DTYPES.items():
-        for hidden in NORM_HIDDEN:
-            for residual in (False, True):
-                case = f"{'add_' if residual else ''}rms_norm H{hidden}"
-                yield {"dtype": name, "case": case}, functools.partial(
-                    _launch_norm, dtype, hidden, residual
-                )
-        for inter in SILU_INTER:
-            x = torch.empty(64, 2 * inter, dtype=dtype)
-            yield {"dtype": name, "case": f"silu_and_mul I{inter}"}, functools.partial(
-                silu_and_mul, x
-            )
-        x = torch.empty(64, 3072, dtype=dtype)  # GPT-2's MLP width
-        yield {"dtype": name, "case": "gelu_new"}, functools.partial(gelu_new, x)
-        for hidden in (768, 1024):  # GPT-2 / BERT-base, BERT-large: LayerNorm, the add fused
-            x, w = torch.empty(64, hidden, dtype=dtype), torch.empty(hidden, dtype=dtype)
-            for res in (None, x):
-                case = f"{'add_' if res is not None else ''}layer_norm H{hidden}"
-                yield {"dtype": name, "case": case}, functools.partial(
-                    fused_add_layer_norm, x, res, w, w, 1e-5
-                )
-        for head_dim in HEAD_DIMS:
-            for hq, hk in HEAD_SHAPES:
-                for store in (False, True):
-                    case = "rotary store" if store else "rotary"
-                    labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq,
-                              "num_kv_heads": hk, "case": case}  # fmt: skip
-                    launch = functools.partial(_launch_rotary, dtype, hq, hk, head_dim, store)
-                    yield labels, launch
-
-
-def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
-    """(labels, launch) for every case the check covers."""
-    for name, dtype in DTYPES.items():
-        for head_dim in HEAD_DIMS:
-            for hq, hk in HEAD_SHAPES:
-                labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk}
-                yield labels, functools.partial(_launch, dtype, hq, hk, head_dim, attention=True)
-                if (hq, hk) == (32, 8):  # the Triton backend's most splits (batch 1)
-                    yield {**labels, "case": "32 kv splits"}, functools.partial(
-                        _launch, dtype, hq, hk, head_dim, attention=True, num_splits=32,
-                        extend=False,
-                    )  # fmt: skip
-            for hq, hk in WINDOW_HEAD_SHAPES:
-                labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk,
-                          "case": f"window {WINDOW}"}  # fmt: skip
-                yield labels, functools.partial(
-                    _launch, dtype, hq, hk, head_dim, attention=True, window_left=WINDOW - 1
-                )
-        for head_dim in (*HEAD_DIMS, GEMMA_HEAD_DIM):
-            kv = STORE_KV_HEADS  # store_kv's code depends on dtype and head_dim only
-            labels = {"dtype": name, "head_dim": head_dim, "num_kv_heads": kv}
-            yield labels, functools.partial(_launch, dtype, kv, kv, head_dim, attention=False)
-        for hq, hk, window, cap in GEMMA_CASES:
-            labels = {"dtype": name, "head_dim": GEMMA_HEAD_DIM, "num_heads": hq,
-                      "num_kv_heads": hk, "case": gemma_case(window, cap)}  # fmt: skip
-            yield labels, functools.partial(
-                _launch, dtype, hq, hk, GEMMA_HEAD_DIM, attention=True,
-                window_left=(window or 0) - 1, logit_cap=cap or 0.0,
-            )  # fmt: skip
-    for name, kv_dtype in FP8_KV_DTYPES.items():
-        for model_dtype in ("bfloat16", "float16"):
-            for head_dim in HEAD_DIMS:
-                for hq, hk in HEAD_SHAPES[1:]:
-                    labels = {"dtype": model_dtype, "head_dim": head_dim, "num_heads": hq,
-                              "num_kv_heads": hk, "case": f"kv {name}"}  # fmt: skip
-                    yield labels, functools.partial(
-                        _launch, DTYPES[model_dtype], hq, hk, head_dim, attention=True,
-                        kv_dtype=kv_dtype,
-                    )  # fmt: skip
-        for head_dim in (*HEAD_DIMS, GEMMA_HEAD_DIM):
-            kv = STORE_KV_HEADS  # float8 in, float8 stored
-            labels = {"dtype": "bfloat16", "head_dim": head_dim, "num_kv_heads": kv,
-                      "case": f"kv {name}"}  # fmt: skip
-            yield labels, functools.partial(
-                _launch, torch.bfloat16, kv, kv, head_dim, attention=False, kv_dtype=kv_dtype
-            )
-    for name, dtype in DTYPES.items():
-        for shape in MOE_SHAPES:
-            for tokens in (4, 1024):  # 16-row and 64-row blocks
-                labels = {"dtype": name, "case": moe_case(shape, tokens)}
-                yield labels, functools.partial(_launch_moe, dtype, shape, tokens)
-    for name, dtype in DTYPES.items():
-        for group in ((128, 128), (1, 4096)):  # a block-scaled checkpoint; per channel
-            for tokens in (4, 1024):  # 16-row and 64-row blocks
-                labels = {"dtype": name, "case": f"fp8 gemm group {group} T{tokens}"}
-                yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
-    ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
-    yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
-    for name in ("float32", "bfloat16"):  # greedy sampling's logits (float32 in the engine)
-        logits = torch.zeros(2, 128256, dtype=DTYPES[name])
-        yield {"dtype": name, "case": "argmax"}, functools.partial(argmax_rows, logits)
-    yield from _page_table_cases()
-    yield from _elementwise_cases()
-    yield from _gemv_cases()
-
-
-def _gemv_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
-    """The small-batch GEMV at Llama 3.2 1B's projections and lm_head: one row (reduction) and
-    four (dot), with gemv_config's tiles; the down projection also with act="silu_mul"."""
-    for name, dtype in DTYPES.items():
-        for n, k in ((3072, 2048), (16384, 2048), (2048, 8192), (128256, 2048)):
-            for rows in (1, 4):
-                x, w = torch.zeros(rows, k, dtype=dtype), torch.zeros(n, k, dtype=dtype)
-                labels = {"dtype": name, "case": f"gemv M{rows} N{n} K{k}"}
-                yield labels, functools.partial(gemv, x, w)
-        for rows in (1, 4):  # the down projection with the MLP's activation in its prologue
-            x, w = torch.zeros(rows, 16384, dtype=dtype), torch.zeros(2048, 8192, dtype=dtype)
-            labels = {"dtype": name, "case": f"gemv silu_mul M{rows} N2048 K8192"}
-            yield labels, functools.partial(gemv, x, w, act="silu_mul")
-        for n in (3072, 16384):  # qkv and gate_up with the add + RMSNorm before them
-            for rows in (1, 4):
-                x, w = torch.zeros(rows, 2048, dtype=dtype), torch.zeros(n, 2048, dtype=dtype)
-                norm = RMSNormInput(torch.zeros(2048, dtype=dtype), 1e-5, x, torch.zeros_like(x))
-                labels = {"dtype": name, "case": f"gemv add_rms_norm M{rows} N{n} K2048"}
-                yield labels, functools.partial(gemv, x, w, norm=norm)
-
-
-def _page_table_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
-    """flashinfer's page ids: page sizes 1 and 16, a small and a large batch (the block of
-    lengths each program sums), with and without the prefix subtraction."""
-    table = torch.zeros(260, 64, dtype=torch.int32)
-    for page in (1, 16):
-        for batch in (1, 256):
-            rows, lens = torch.arange(batch), torch.ones(batch, dtype=torch.int64)
-            out = torch.zeros(batch, dtype=torch.int32)
-            for sub in (None, lens):
-                case = f"page {page} bs{batch}{' prefix' if sub is not None else ''}"
-                yield {"dtype": "int32", "case": case}, functools.partial(
-                    page_ids, table, rows, lens, page, out, sub
-                )
 
 
 def _problems(v: dict[str, Any], arch: int) -> list[str]:

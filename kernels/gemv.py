@@ -30,7 +30,6 @@ kernel with `--gemv-backend triton` (`engine.layers.linear.use_triton_gemv`).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -42,6 +41,7 @@ from kernels.jit import (
     dot_precision,
     interpreting,
     next_pow2,
+    num_sms,
     tl,
     triton,
 )
@@ -60,15 +60,9 @@ if HAS_TRITON:
         rounded to x's dtype as kernels.activation's `silu_and_mul` rounds it; with NORM 1
         RMSNorm of x (`rstd` its rows' 1 / rms), with NORM 2 of x + residual (at res_ptrs),
         weighted by the norm's weight at nw_ptrs, rounded as kernels.fused_norm's."""
-        if mask is None:
-            x = tl.load(ptrs)
-        else:
-            x = tl.load(ptrs, mask=mask, other=0.0)
+        x = _load(ptrs, mask)
         if ACT == 1:
-            if mask is None:
-                up = tl.load(ptrs + up_offset)
-            else:
-                up = tl.load(ptrs + up_offset, mask=mask, other=0.0)
+            up = _load(ptrs + up_offset, mask)
             gate = x.to(tl.float32)
             act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype)
             x = (act.to(tl.float32) * up.to(tl.float32)).to(x.dtype)
@@ -76,20 +70,22 @@ if HAS_TRITON:
             if NORM == 2:
                 x = _add_residual(x, res_ptrs, mask)
             h = (x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)
-            if mask is None:
-                nw = tl.load(nw_ptrs)
-            else:
-                nw = tl.load(nw_ptrs, mask=mask, other=0.0)
-            x = (nw.to(tl.float32) * h).to(x.dtype)
+            x = (_load(nw_ptrs, mask).to(tl.float32) * h).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _load(ptrs, mask):
+        """tl.load, masked (zeros outside) unless `mask` is None (tiles known to be full)."""
+        if mask is None:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=mask, other=0.0)
         return x
 
     @triton.jit
     def _add_residual(x, res_ptrs, mask):
         """x + the residual at res_ptrs, rounded to x's dtype (the new residual stream)."""
-        if mask is None:
-            r = tl.load(res_ptrs)
-        else:
-            r = tl.load(res_ptrs, mask=mask, other=0.0)
+        r = _load(res_ptrs, mask)
         return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
 
     @triton.jit
@@ -285,10 +281,3 @@ def gemv(
         PRECISION=dot_precision(x.dtype), ACT=ACTS[act], NORM=norm_kind, **opts,
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # the interpreter: the H100's count, so configs match the GPU's
-    return torch.cuda.get_device_properties(device).multi_processor_count

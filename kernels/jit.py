@@ -58,6 +58,15 @@ def layer_kernel_on(x: torch.Tensor) -> bool:
     return _LAYER_KERNELS[0] and compiled_on(x)
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """The device's SM count; off CUDA (the interpreter) the H100's 132, so that the tiles and
+    split counts chosen from it match the GPU's."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def triton_runs_on(device: torch.device) -> bool:
     """Whether Triton kernels can run on `device`: CUDA, or CPU under the interpreter."""
     return HAS_TRITON and (device.type == "cuda" or interpreting())

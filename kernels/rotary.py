@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, tl, triton
+from kernels.reference import as_heads
 
 
 class KVStore(NamedTuple):
@@ -161,8 +162,8 @@ def apply_rotary(
         kv_heads = num_heads - q_heads
         assert 0 < kv_heads and k_buf.shape[1:] == (kv_heads, head_dim), tuple(k_buf.shape)
         assert k_buf.is_contiguous() and v_buf.is_contiguous() and v_buf.shape == k_buf.shape
-        v = v.view(num_tokens, kv_heads, head_dim) if v.dim() == 2 else v
-        assert v.shape == (num_tokens, kv_heads, head_dim) and v.stride(-1) == 1
+        v = as_heads(v, kv_heads, head_dim)
+        assert v.shape == (num_tokens, kv_heads, head_dim)
         assert loc.shape == (num_tokens,), (tuple(loc.shape), num_tokens)
     _rotary_kernel[grid](
         x, positions, cos_sin_cache, out,

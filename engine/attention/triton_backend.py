@@ -43,7 +43,7 @@ from engine.attention.base import (
 from engine.forward_batch import ForwardBatch
 from kernels.decode_attention import decode_attention, decode_scratch, kv_splits_for
 from kernels.extend_attention import extend_attention
-from kernels.jit import triton_runs_on
+from kernels.jit import num_sms, triton_runs_on
 from kernels.kv_store import store_kv
 
 MIN_KV_SPLITS, MAX_KV_SPLITS = 8, 32  # the decode kernel's split counts on CUDA
@@ -81,8 +81,7 @@ class TritonAttnBackend(AttentionBackend):
         # few: 1-4, from a pretend GPU of 4 SMs (so tests see the count change with the size).
         self.num_kv_splits = num_kv_splits
         if self.device.type == "cuda":
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            self._split_rule = (sms, MIN_KV_SPLITS, MAX_KV_SPLITS)
+            self._split_rule = (num_sms(self.device), MIN_KV_SPLITS, MAX_KV_SPLITS)
         else:
             self._split_rule = (4, 1, 4)
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
