@@ -4,8 +4,8 @@ Load with `pytest_plugins = ["tests.system.router_stack"]`. Redis, 1 tokenizer, 
 3 detokenizers and the router, on the tiny llama (its byte-fallback tokenizer makes
 CJK and emoji go through byte tokens), with two LoRA adapters (`STACK_LORAS`) that only
 requests naming them use. Starting it costs most of a minute on 2 cores, so
-every module that needs real HTTP shares it; a test that kills a service must leave at
-least one of each kind running.
+every module that needs real HTTP shares it (one stack a pytest-xdist worker that runs such a
+module); a test that kills a service must leave at least one of each kind running.
 """
 
 from __future__ import annotations
