@@ -202,7 +202,8 @@ class EngineArgs:
     gemv_backend: str = "torch"
     gemv_max_rows: int = 4
     # the model layers' fused Triton kernels (norms with the residual add, SiLU-and-mul,
-    # gelu_new, rotary writing the K/V) off, their torch code instead: A/B runs on a GPU
+    # gelu_new, rotary writing the K/V; GPT-2's GELU in its c_fc GEMM's epilogue) off, their
+    # torch code instead: A/B runs on a GPU
     disable_layer_kernels: bool = False
     # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
     # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)

@@ -32,6 +32,27 @@ def gelu_new_torch(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(_GELU_NEW_COEF * (x + 0.044715 * torch.pow(x, 3.0))))
 
 
+def linear_gelu_tanh(
+    x: torch.Tensor, linear: nn.Linear, act: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """`act(linear(x))` where `act` is GELU's tanh form (gelu_new, gelu_pytorch_tanh) and the
+    layer has a bias: on CUDA, with the layer kernels on, one cuBLASLt GEMM whose epilogue
+    adds the bias and applies the GELU to the float32 accumulator
+    (`torch._addmm_activation`; the activation kernel and its launch go), else the layer then
+    `act`. CUDA only: torch's CPU `_addmm_activation` applies the erf form, its CUDA one
+    (epilogue or fallback) the tanh form."""
+    if (
+        x.is_cuda
+        and x.dim() == 2
+        and type(linear) is nn.Linear
+        and linear.bias is not None
+        and x.dtype == linear.weight.dtype
+        and layer_kernel_on(x)
+    ):
+        return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
+    return act(linear(x))
+
+
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": gelu_new,
     "gelu": F.gelu,

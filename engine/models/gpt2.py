@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.forward_batch import ForwardBatch
-from engine.layers.activation import get_activation
+from engine.layers.activation import get_activation, linear_gelu_tanh
 from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import LayerNorm
 from engine.layers.logits import LogitsProcessor
@@ -52,9 +52,14 @@ class GPT2MLP(nn.Module):
         inner = config.n_inner or 4 * config.n_embd
         self.c_fc = nn.Linear(config.n_embd, inner)
         self.act = get_activation(config.activation_function)
+        # HF's gelu_new and gelu_pytorch_tanh are one function: on CUDA it runs in c_fc's
+        # GEMM epilogue
+        self.gelu_tanh = config.activation_function in ("gelu_new", "gelu_pytorch_tanh")
         self.c_proj = nn.Linear(inner, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gelu_tanh:
+            return self.c_proj(linear_gelu_tanh(x, self.c_fc, self.act))
         return self.c_proj(self.act(self.c_fc(x)))
 
 

@@ -124,6 +124,52 @@ def test_rotary(dtype, head_dim, heads, kv_heads, tokens):
         assert err <= 3 * torch.finfo(dtype).eps * qk.float().abs().amax().item(), err
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 64, 2048])
+def test_gpt2_fc_gelu_in_the_gemm_epilogue(dtype, tokens):
+    """GPT-2's c_fc + gelu_new on CUDA is one GEMM (cuBLASLt's bias-GELU epilogue, its tanh
+    form) with no activation kernel, and equals the float32 layer-then-gelu_new up to the
+    GEMM's own rounding; with the layer kernels off it is the plain two steps."""
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.layers.activation import gelu_new as gelu_new_layer
+    from engine.layers.activation import linear_gelu_tanh
+    from kernels.jit import use_layer_kernels
+
+    fc = nn.Linear(768, 3072).to("cuda", dtype)
+    with torch.no_grad():
+        fc.weight.copy_(_randn(3072, 768, dtype=dtype, seed=30, scale=0.05))
+        fc.bias.copy_(_randn(3072, dtype=dtype, seed=31, scale=0.5))
+    x = _randn(tokens, 768, dtype=dtype, seed=32)
+    with torch.no_grad():
+        got = linear_gelu_tanh(x, fc, gelu_new_layer)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            linear_gelu_tanh(x, fc, gelu_new_layer)
+            torch.cuda.synchronize()
+        want = gelu_new_torch(x.double() @ fc.weight.double().t() + fc.bias.double())
+        plain = gelu_new_layer(fc(x))
+        use_layer_kernels(False)
+        try:
+            off = linear_gelu_tanh(x, fc, gelu_new_layer)
+        finally:
+            use_layer_kernels(True)
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # neither the Triton gelu_new kernel nor torch's elementwise GELU (the CUDA fallback)
+    assert names and not any("_gelu_new_kernel" in n or "GeluCUDAKernel" in n for n in names), (
+        names
+    )
+    assert got.dtype == dtype and got.shape == (tokens, 3072)
+    eps = torch.finfo(dtype).eps
+    # one rounding of the float32 result (float32: the GEMM's own summation order)
+    tol = 4 * eps * want.abs() + (1e-4 if dtype == torch.float32 else 2 * eps)
+    assert ((got.double() - want).abs() <= tol).all()
+    if dtype != torch.float32:  # the two-step path rounds the GEMM output first
+        assert (got.double() - want).abs().mean() <= (plain.double() - want).abs().mean()
+    assert torch.equal(off, gelu_new_torch(fc(x)))
+
+
 def test_layers_take_the_kernels_on_cuda():
     """RMSNorm (both forms), SiluAndMul and RotaryEmbedding on CUDA tensors give the kernels'
     outputs exactly (the layers dispatch to them)."""

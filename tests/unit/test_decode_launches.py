@@ -4,7 +4,9 @@ the input norm (with the residual add), the rotary kernel that also writes the K
 split and merge, the post-attention norm and the SiLU-and-mul (the GEMMs are torch's); with
 --gemv-backend triton, the norms and the activation go inside the GEMVs: qkv with its norm,
 rotary, split, merge, o, gate_up with its norm, down with the activation. GPT-2's layer: its
-two LayerNorms with the residual adds, the store, split and merge, gelu_new."""
+two LayerNorms with the residual adds, the store, split and merge, gelu_new (on CUDA the GELU
+goes into c_fc's cuBLASLt epilogue instead, which the interpreter cannot run: CPU tensors keep
+the kernel, tests/gpu/test_fused_kernels_gpu.py checks the CUDA side)."""
 
 from __future__ import annotations
 

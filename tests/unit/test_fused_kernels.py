@@ -174,6 +174,25 @@ def test_gelu_new(dtype):
     assert (err <= 4 * torch.finfo(dtype).eps * x.float().abs() + 1e-6).all()
 
 
+def test_linear_gelu_off_cuda_is_the_layer_then_the_activation(monkeypatch):
+    """GPT-2's c_fc + GELU goes to cuBLASLt's GELU epilogue on CUDA only: torch's CPU
+    `_addmm_activation` applies GELU's erf form, not the tanh form GPT-2 uses, so off CUDA
+    (even where the layer kernels would run, as the interpreter tests arrange) it must stay
+    the layer then the activation, bit for bit."""
+    import kernels.jit
+    from engine.layers.activation import gelu_new as gelu_new_layer
+    from engine.layers.activation import linear_gelu_tanh
+
+    monkeypatch.setattr(kernels.jit, "compiled_on", lambda x: True)
+    torch.manual_seed(0)
+    fc = torch.nn.Linear(24, 40)
+    x = torch.randn(5, 24) * 3
+    got = linear_gelu_tanh(x, fc, gelu_new_layer)
+    assert torch.equal(got, gelu_new_layer(fc(x)))
+    erf = torch._addmm_activation(fc.bias, x, fc.weight.t(), use_gelu=True)
+    assert (got - erf).abs().max() > 1e-4  # what the CUDA path would give here: another GELU
+
+
 def _cos_sin_cache(head_dim: int, max_pos: int, dtype: torch.dtype) -> torch.Tensor:
     inv_freq = compute_inv_freq(head_dim, {"rope_type": "default", "rope_theta": 10000.0})
     freqs = torch.arange(max_pos).float()[:, None] * inv_freq[None, :]
