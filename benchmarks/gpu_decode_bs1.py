@@ -54,10 +54,12 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                 {**fi_decode, "flashinfer_decode_tensor_cores": "off"}),
                ("cuda_graph_triton_gemv", True, {"gemv_backend": "triton"}),
                ("cuda_graph_torch_layers", True, {"disable_layer_kernels": True}),
+               ("cuda_graph_merge_kernel", True, {"triton_decode_merge": "kernel"}),
                ("no_cuda_graph", False, {})]
     configs = [c for c in configs if c[0] in args.decode_configs
                and (ctx.cuda or not {"decode_attention_backend", "gemv_backend",
-                                     "disable_layer_kernels"} & set(c[2]))]
+                                     "disable_layer_kernels", "triton_decode_merge"}
+                    & set(c[2]))]
     # (CPU: no flashinfer; the GEMV would run in the interpreter, a second a token)
     assert configs and configs[0][0] == "cuda_graph", "the cuda_graph config is the result"
     for label, graphs, overrides in configs:
@@ -91,7 +93,8 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                "decode_bs1_roofline_fraction": best["roofline_fraction"],
                "decode_bs1_roofline_fraction_measured_bw": best["roofline_fraction_measured_bw"]}
     for label in ("cuda_graph_flashinfer_decode", "cuda_graph_cuda_core_decode",
-                  "cuda_graph_triton_gemv", "cuda_graph_torch_layers"):
+                  "cuda_graph_triton_gemv", "cuda_graph_torch_layers",
+                  "cuda_graph_merge_kernel"):
         if label in results:  # (below 1: the default is faster)
             summary[f"decode_bs1_default_vs_{label.removeprefix('cuda_graph_')}"] = (
                 best["ms_per_token"] / results[label]["ms_per_token"])

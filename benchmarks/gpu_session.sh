@@ -204,7 +204,7 @@ do_step() {
                 --config no_graph:disable_cuda_graph=True \
                 --config decode64:num_prompts=64,input_len=32,output_len=256 ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
-        decode-bs1) run_step decode-bs1 200 "${BENCH[@]}" decode-bs1 --profile ;;
+        decode-bs1) run_step decode-bs1 230 "${BENCH[@]}" decode-bs1 --profile ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
         decode-backends)
             run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;

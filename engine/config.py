@@ -143,6 +143,7 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 GEMV_BACKENDS = ("torch", "triton")
 GEMV_MAX_ROWS = 16  # kernels.gemv.MAX_M
 DECODE_TENSOR_CORES = ("auto", "on", "off")
+TRITON_DECODE_MERGES = ("fused", "kernel")
 CPU_OVERLAP_EXECUTORS = ("process", "thread")
 
 
@@ -197,6 +198,9 @@ class EngineArgs:
     # CUDA (kernels.decode_attention.kv_splits_for), 1-4 in the interpreter. More splits feed
     # the GPU on few requests over long contexts.
     triton_attention_num_kv_splits: int | None = None
+    # how the Triton decode kernel merges its splits: "fused" in the last split program of
+    # each (request, KV head), "kernel" a second launch (the earlier way; A/B on a GPU)
+    triton_decode_merge: str = "fused"
     # "triton": inputs of 1..gemv_max_rows rows (decode at small batch) of the dense linear
     # layers and the lm_head go to the Triton GEMV (kernels/gemv.py) instead of cuBLAS
     gemv_backend: str = "torch"
@@ -267,6 +271,10 @@ class EngineArgs:
         splits = self.triton_attention_num_kv_splits
         if splits is not None and splits < 1:
             raise ValueError(f"triton_attention_num_kv_splits: {splits} is not a positive count")
+        if self.triton_decode_merge not in TRITON_DECODE_MERGES:
+            raise ValueError(
+                f"triton_decode_merge: {self.triton_decode_merge!r} not in {TRITON_DECODE_MERGES}"
+            )
         if self.gemv_backend not in GEMV_BACKENDS:
             raise ValueError(f"gemv_backend: {self.gemv_backend!r} not in {GEMV_BACKENDS}")
         if not 1 <= self.gemv_max_rows <= GEMV_MAX_ROWS:

@@ -180,6 +180,7 @@ class ModelRunner:
                 page_size=self.page_size,
                 decode_tensor_cores=self.args.flashinfer_decode_tensor_cores,
                 num_kv_splits=self.args.triton_attention_num_kv_splits,
+                fused_merge=self.args.triton_decode_merge == "fused",
             )
 
         def make() -> AttentionBackend:

@@ -15,7 +15,7 @@ import torch
 
 from kernels.activation import gelu_new, silu_and_mul
 from kernels.argmax import argmax_rows
-from kernels.decode_attention import decode_attention
+from kernels.decode_attention import decode_attention, merge_counters
 from kernels.extend_attention import extend_attention
 from kernels.fp8_gemm import fp8_gemm
 from kernels.fused_moe import fused_experts_triton
@@ -51,7 +51,7 @@ SILU_INTER = (8192, 14336)
 def _launch(
     dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
     logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None, num_splits: int = 8,
-    extend: bool = True,
+    extend: bool = True, merge: str = "fused",
 ) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
     are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read.
@@ -69,9 +69,10 @@ def _launch(
     r2t, rows = torch.zeros(16, 4096, dtype=torch.int32), torch.arange(batch)
     lens = torch.full((batch,), tokens // batch)
     prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
+    counts = merge_counters(batch, hk, q.device) if merge == "fused" else None
     decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale,
                      num_splits=num_splits, window_left=window_left,
-                     logit_cap=logit_cap)  # fmt: skip
+                     logit_cap=logit_cap, merge_counter=counts)  # fmt: skip
     if not extend:
         return
     extend_attention(
@@ -179,6 +180,11 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                     yield {**labels, "case": "32 kv splits"}, functools.partial(
                         _launch, dtype, hq, hk, head_dim, attention=True, num_splits=32,
                         extend=False,
+                    )  # fmt: skip
+                    # --triton-decode-merge kernel: stage 1 without the merge, then stage 2
+                    yield {**labels, "case": "merge kernel"}, functools.partial(
+                        _launch, dtype, hq, hk, head_dim, attention=True, extend=False,
+                        merge="kernel",
                     )  # fmt: skip
             for hq, hk in WINDOW_HEAD_SHAPES:
                 labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk,

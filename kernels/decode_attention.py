@@ -14,7 +14,11 @@ log2-sum-exp `mid_lse` [B, Hq, num_splits] (float32). Chunks past seq_len (short
 write nothing.
 
 Stage 2, grid (B, Hq): merges the non-empty chunks of one (request, head) by their
-log-sum-exp weights into `out` [B, Hq, D].
+log-sum-exp weights into `out` [B, Hq, D]. Or, given `merge_counter`, inside stage 1: every
+program of a (request, KV head) adds one to its count (atomically, acquire-release, after a
+barrier that puts the program's stores first), and the one that completes it merges the
+group's heads from the other programs' chunks and zeroes the count: one launch a layer instead
+of two (the merge kernel cost ~2.6 us plus a launch gap a layer on the H100).
 
 Scores use exp2 with log2(e) folded into the scale. The split count is fixed per call (not
 per request), so the launch shape depends on B only, as CUDA graphs need; `kv_splits_for` is
@@ -50,6 +54,8 @@ def _decode_split_kernel(
     seq_lens_ptr,
     mid_o_ptr,
     mid_lse_ptr,
+    out_ptr,
+    counter_ptr,
     stride_qb,
     stride_qh,
     stride_buf_s,
@@ -60,15 +66,19 @@ def _decode_split_kernel(
     stride_mos,
     stride_lb,
     stride_lh,
+    stride_ob,
+    stride_oh,
     scale_log2,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
+    FUSE_MERGE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -103,6 +113,86 @@ def _decode_split_kernel(
         tl.store(mid_o_ptr + mid_row[:, None] + offs_d[None, :], acc / l_i[:, None], mask=out_mask)
         lse_off = req.to(tl.int64) * stride_lb + heads * stride_lh + split
         tl.store(mid_lse_ptr + lse_off, m_i + tl.log2(l_i), mask=mask_h)
+    if FUSE_MERGE:
+        # Every program of the (request, KV head) counts itself in, empty chunks included;
+        # the last one merges. The barrier puts all of this program's stores before the
+        # count's release (one thread performs a scalar atomic); acquire on the count, then
+        # loads that bypass L1, read the chunks other SMs wrote.
+        tl.debug_barrier()
+        count_ptr = counter_ptr + req * tl.num_programs(1) + kv_head
+        if tl.atomic_add(count_ptr, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            _merge_group(
+                mid_o_ptr, mid_lse_ptr, out_ptr, req.to(tl.int64), kv_head * GROUP, seq_len - lo,
+                split_len, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh, stride_ob,
+                stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_H, BLOCK_D, BLOCK_S,
+            )  # fmt: skip
+            tl.store(count_ptr, 0)  # zero again for the next launch (the next layer, a replay)
+
+
+@triton.jit
+def _merge_group(
+    mid_o_ptr,
+    mid_lse_ptr,
+    out_ptr,
+    req,
+    first_head,
+    span,
+    split_len,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Stage 2 for the GROUP heads of one KV head, inside the last stage-1 program: the
+    merge kernel's weights (chunk log-sum-exps against their maximum, empty chunks out),
+    summed one chunk at a time."""
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = first_head + offs_h
+    mask_h = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_s = tl.arange(0, BLOCK_S)
+    used = (offs_s < NUM_SPLITS) & (offs_s * split_len < span)
+    lse_row = req * stride_lb + heads * stride_lh
+    lse = tl.load(
+        mid_lse_ptr + lse_row[:, None] + offs_s[None, :],
+        mask=mask_h[:, None] & used[None, :],
+        other=float("-inf"),
+        cache_modifier=".cg",
+    )
+    top = tl.where(mask_h, tl.max(lse, 1), 0.0)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_H], tl.float32)
+    mid_row = req * stride_mob + heads * stride_moh
+    for s in range(0, NUM_SPLITS):
+        # (a vector compare: the interpreter cannot mask with a block & a scalar)
+        ok = mask_h & (tl.full([BLOCK_H], s, tl.int32) * split_len < span)
+        lse_s = tl.load(
+            mid_lse_ptr + lse_row + s, mask=ok, other=float("-inf"), cache_modifier=".cg"
+        )
+        weight = tl.exp2(lse_s - top)
+        part = tl.load(
+            mid_o_ptr + (mid_row + s * stride_mos)[:, None] + offs_d[None, :],
+            mask=ok[:, None] & mask_d[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        acc += weight[:, None] * part
+        den += weight
+    out_off = req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    out = acc / tl.where(den > 0, den, 1.0)[:, None]  # padded heads, empty requests: zeros
+    tl.store(
+        out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :]
+    )
 
 
 @triton.jit
@@ -176,6 +266,12 @@ def decode_scratch(
     return mid_o, mid_lse
 
 
+def merge_counters(batch_size: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The per-(request, KV head) counts of `decode_attention`'s fused merge: zeros, and
+    zeros again after every call, so one buffer serves every layer, step and graph replay."""
+    return torch.zeros(batch_size * num_kv_heads, dtype=torch.int32, device=device)
+
+
 def decode_attention(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -190,6 +286,7 @@ def decode_attention(
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    merge_counter: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> out [B, Hq, D] (q's dtype); a float8 pool's values are read as stored
     (`scale` includes its k_scale, the caller applies v_scale). `scratch` from
@@ -197,7 +294,10 @@ def decode_attention(
     `window_left` >= 0: a sliding-window layer, each query sees its last window_left + 1 keys
     (split among the chunks: the window, not the whole context, is what the splits cut).
     `logit_cap` > 0: scores s = scale * q.k become logit_cap * tanh(s / logit_cap) (one
-    compiled variant per cap)."""
+    compiled variant per cap).
+    `merge_counter`: int32 zeros, at least B x Hk of them (`merge_counters`), reusable by
+    every call: the last stage-1 program of each (request, KV head) merges its chunks and
+    zeroes its count again, one launch instead of two. None: the merge kernel."""
     batch_size, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     group = num_heads // num_kv_heads
@@ -212,23 +312,33 @@ def decode_attention(
     )
     block_d = next_pow2(head_dim, 16)
     dtype = compute_dtype(q.dtype, k_buffer.dtype)
+    fuse = merge_counter is not None
+    if fuse:
+        assert merge_counter.dtype == torch.int32 and merge_counter.is_contiguous()
+        assert merge_counter.numel() >= batch_size * num_kv_heads, "merge_counter too short"
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
+        merge_counter if fuse else seq_lens,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         scale * LOG2E,
         GROUP=group,
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
         WINDOW_LEFT=window_left,
         LOGIT_CAP=logit_cap * LOG2E,
+        FUSE_MERGE=fuse,
         BLOCK_H=next_pow2(group, 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        BLOCK_S=next_pow2(num_splits),
         DOT_DTYPE=dot_dtype(dtype),
         PRECISION=dot_precision(dtype),
         **launch_opts(num_warps=split_warps(dtype, block_d)),
     )  # fmt: skip
+    if fuse:
+        return out
     _decode_merge_kernel[(batch_size, num_heads)](
         mid_o, mid_lse, seq_lens, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),

@@ -15,6 +15,7 @@ from engine.config import (
     GEMV_BACKENDS,
     GEMV_MAX_ROWS,
     SCHEDULE_POLICIES,
+    TRITON_DECODE_MERGES,
     EngineArgs,
 )
 from engine.mem_cache.host_pool import HICACHE_WRITE_POLICIES
@@ -145,6 +146,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="KV splits of the Triton decode kernel (default: by batch size, 32 at batch 1 "
         "down to 8 from batch 4 for 8 KV heads on an H100): more help few requests over long "
         "contexts",
+    )
+    g.add_argument(
+        "--triton-decode-merge",
+        default="fused",
+        choices=TRITON_DECODE_MERGES,
+        help="how the Triton decode kernel merges its KV splits: fused (the last split program "
+        "of each request and KV head merges, one launch a layer) or kernel (a second launch)",
     )
     g.add_argument(
         "--gemv-backend",

@@ -6,7 +6,9 @@ Per batch, `init_forward_metadata` prepares what every layer shares:
   else by batch size: `kernels.decode_attention.kv_splits_for`, 8-32 on CUDA, so that a few
   requests over long contexts still fill the GPU) and its stage-1 scratch, `mid_o`
   [B, Hq, splits, D] and `mid_lse` [B, Hq, splits] (float32), allocated once and reused by
-  all layers;
+  all layers; the splits are merged inside the kernel's last split program of each
+  (request, KV head), whose int32 counts one buffer of the backend holds
+  (`--triton-decode-merge kernel`: a second launch merges instead);
 * EXTEND: `prefix_lens` / `extend_lens` [B] int64 on the device and `max_extend_len` (which
   sizes the kernel grid), besides the batch's own `extend_start_loc`. The lengths come from
   the batch's device tensors, not from host lists: the CUDA overlap executor runs this on its
@@ -41,7 +43,12 @@ from engine.attention.base import (
     window_left,
 )
 from engine.forward_batch import ForwardBatch
-from kernels.decode_attention import decode_attention, decode_scratch, kv_splits_for
+from kernels.decode_attention import (
+    decode_attention,
+    decode_scratch,
+    kv_splits_for,
+    merge_counters,
+)
 from kernels.extend_attention import extend_attention
 from kernels.jit import num_sms, triton_runs_on
 from kernels.kv_store import store_kv
@@ -68,6 +75,7 @@ class TritonAttnBackend(AttentionBackend):
         self,
         device: str | torch.device = "cuda",
         num_kv_splits: int | None = None,
+        fused_merge: bool = True,
         **kwargs: object,
     ) -> None:
         self.device = torch.device(device)
@@ -88,6 +96,12 @@ class TritonAttnBackend(AttentionBackend):
         self.model_config = kwargs.get("model_config")  # query heads and head_dim, for graphs
         self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_metadata: dict[int, _DecodeMetadata] = {}  # captured batch size -> its own
+        # the decode kernel's merge inside its last split program: the per-(request, KV head)
+        # counts, zero between launches, one buffer for every layer, batch and graph (grown
+        # outside capture only: `init_cuda_graph_state` sizes it for the largest graph)
+        self.fused_merge = fused_merge
+        self._merge_counts: torch.Tensor | None = None
+        self._retired_counts: list[torch.Tensor] = []  # captured graphs may still point there
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
@@ -123,6 +137,7 @@ class TritonAttnBackend(AttentionBackend):
         rows = max(bs * self.kv_splits(bs, kv_heads) for bs in range(1, max_bs + 1))
         self._graph_scratch = decode_scratch(rows, heads, head_dim, 1, self.device)
         self._graph_metadata = {}
+        self.merge_counts(max_bs * kv_heads)
 
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
@@ -196,12 +211,24 @@ class TritonAttnBackend(AttentionBackend):
             md.scratch = decode_scratch(
                 fb.batch_size, layer.num_heads, layer.head_dim, md.num_splits, q.device
             )
+        counts = self.merge_counts(fb.batch_size * k_buf.shape[1]) if self.fused_merge else None
         return decode_attention(
             q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
             softmax_scale(layer, fb),
             num_splits=md.num_splits, scratch=md.scratch, window_left=window_left(layer),
-            logit_cap=logit_cap(layer),
+            logit_cap=logit_cap(layer), merge_counter=counts,
         )  # fmt: skip
+
+    def merge_counts(self, n: int) -> torch.Tensor:
+        """The fused merge's counts for `n` (request, KV head) pairs: a prefix of one zeroed
+        buffer, replaced by a longer one when a batch needs more (never during a capture:
+        the graph state sizes it for the largest captured batch). A replaced buffer is kept,
+        as graphs captured over it replay into it."""
+        if self._merge_counts is None or self._merge_counts.numel() < n:
+            if self._merge_counts is not None:
+                self._retired_counts.append(self._merge_counts)
+            self._merge_counts = merge_counters(n, 1, self.device)
+        return self._merge_counts[:n]
 
     def kv_splits(self, batch_size: int, num_kv_heads: int) -> int:
         """The decode kernel's split count for a batch: the flag's, else by batch size."""

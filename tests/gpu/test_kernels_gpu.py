@@ -17,7 +17,11 @@ from tests.factories import require_compiled_cuda  # noqa: E402
 
 require_compiled_cuda()
 
-from kernels.decode_attention import decode_attention, decode_scratch  # noqa: E402
+from kernels.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_scratch,
+    merge_counters,
+)
 from kernels.extend_attention import extend_attention  # noqa: E402
 from kernels.future_tokens import resolve_future_tokens, resolve_future_tokens_torch  # noqa: E402
 from kernels.kv_store import store_kv  # noqa: E402
@@ -39,23 +43,59 @@ def _close(got: torch.Tensor, want: torch.Tensor, size: float = 1.0) -> None:
     assert err <= TOL[want.dtype] * size, f"max abs error {err} (outputs of size {size})"
 
 
-def _decode(case: PagedCase, **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode(
+    case: PagedCase, merge: str = "kernel", **kw: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge` "fused": the merge in the last split program (its counts zero again after)."""
     case.store_new_kv()
     args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    if merge == "fused":
+        kw["merge_counter"] = merge_counters(len(case.seq_lens), case.k_buffer.shape[1], "cuda")
     got = decode_attention(*args, case.seq_lens, case.scale, **kw)
+    if merge == "fused":
+        assert not kw["merge_counter"].any()
     return got, decode_attention_ref(*args, case.seq_lens, case.scale)
 
 
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", HEADS)
-def test_decode(heads, kv_heads, head_dim, page_size, dtype):
+def test_decode(heads, kv_heads, head_dim, page_size, dtype, merge):
     prefix = [1, 17, 255, 256, 1000, 3000, 4095, 63]
     case = make_paged_case(prefix, [1] * len(prefix), heads, kv_heads, head_dim, page_size,
                            dtype, "cuda", seed=head_dim + page_size)  # fmt: skip
-    got, want = _decode(case)
+    got, want = _decode(case, merge)
     _close(got, want)
+
+
+@pytest.mark.parametrize("batch,splits", [(1, 32), (2, 16), (64, 8), (256, 8)])
+def test_fused_merge_under_concurrency(batch, splits):
+    """The fused merge's ordering on the device (a barrier, an acquire-release count, loads
+    past L1): 200 launches at the Triton backend's split counts for Llama-3.2-1B's heads, each
+    equal to the merge kernel's result up to the order of the float32 sum, the counts zero
+    after every launch. A merge that ran before the last chunk landed reads the stale chunks
+    of the previous launch (another q, so another output)."""
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(1, 4096 if batch <= 64 else 1024, (batch,), generator=gen).tolist()
+    case = make_paged_case(lens, [1] * batch, 32, 8, 64, 16, torch.bfloat16, "cuda", seed=batch)
+    case.store_new_kv()
+    args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    counts = merge_counters(batch, 8, "cuda")
+    scratch = decode_scratch(batch, 32, 64, splits, torch.device("cuda"))
+    fused, kernel = torch.empty_like(case.q), torch.empty_like(case.q)
+    qs = [torch.randn_like(case.q) for _ in range(4)]
+    bad = 0
+    for i in range(200):
+        q = qs[i % 4]
+        decode_attention(q, *args[1:], case.seq_lens, case.scale, num_splits=splits, out=fused,
+                         scratch=scratch, merge_counter=counts)  # fmt: skip
+        decode_attention(q, *args[1:], case.seq_lens, case.scale, num_splits=splits, out=kernel)
+        # (bf16 outputs: the two sums may round a last bit apart)
+        bad += not torch.allclose(fused.float(), kernel.float(), rtol=2e-2, atol=2e-2)
+        assert not counts.any()
+    assert bad == 0, f"{bad} of 200 launches differ"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,6 +161,30 @@ def test_decode_replays_in_a_cuda_graph():
         want = decode_attention_ref(*args, case.seq_lens, case.scale)
         # the second replay's requests read poisoned slots (std 30): outputs up to ~30
         _close(out, want, size=max(1.0, want.abs().max().item()))
+
+
+def test_fused_merge_replays_in_a_cuda_graph():
+    """The fused merge's counts are zero again after each replay, so a captured launch keeps
+    merging at the right program, replay after replay."""
+    case = make_paged_case([100, 900, 33, 2000], [1] * 4, 32, 8, 128, 16, torch.float32, "cuda")
+    case.store_new_kv()
+    out = torch.empty_like(case.q)
+    scratch = decode_scratch(4, 32, 128, 16, torch.device("cuda"))
+    counts = merge_counters(4, 8, "cuda")
+    args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    kw = {"out": out, "scratch": scratch, "num_splits": 16, "merge_counter": counts}
+    decode_attention(*args, case.seq_lens, case.scale, **kw)  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(*args, case.seq_lens, case.scale, **kw)
+    for seq_lens in ([101, 901, 34, 2001], [1, 57, 2001, 640], [2001, 640, 1, 1]):
+        case.seq_lens.copy_(torch.tensor(seq_lens))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = decode_attention_ref(*args, case.seq_lens, case.scale)
+        _close(out, want, size=max(1.0, want.abs().max().item()))
+        assert not counts.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

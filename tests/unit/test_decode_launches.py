@@ -1,10 +1,11 @@
 """The Triton launches of one Llama decode step, by kernel, with the layers on their kernels
 (as on CUDA; here the interpreter, counting every launch): the fusions stay fused. A layer is
 the input norm (with the residual add), the rotary kernel that also writes the K/V, the decode
-split and merge, the post-attention norm and the SiLU-and-mul (the GEMMs are torch's); with
---gemv-backend triton, the norms and the activation go inside the GEMVs: qkv with its norm,
-rotary, split, merge, o, gate_up with its norm, down with the activation. GPT-2's layer: its
-two LayerNorms with the residual adds, the store, split and merge, gelu_new (on CUDA the GELU
+kernel (its last split program of each request and KV head merges the splits), the
+post-attention norm and the SiLU-and-mul (the GEMMs are torch's); with --gemv-backend triton,
+the norms and the activation go inside the GEMVs: qkv with its norm, rotary, decode, o,
+gate_up with its norm, down with the activation. GPT-2's layer: its two LayerNorms with the
+residual adds, the store, the decode kernel, gelu_new (on CUDA the GELU
 goes into c_fc's cuBLASLt epilogue instead, which the interpreter cannot run: CPU tensors keep
 the kernel, tests/gpu/test_fused_kernels_gpu.py checks the CUDA side)."""
 
@@ -20,7 +21,7 @@ if SKIP_REASON or DEVICE != "cpu":
 
 from tests.unit.test_kernels_backend import _engine_logits  # noqa: E402
 
-ATTENTION = ["_rotary_kernel", "_decode_split_kernel", "_decode_merge_kernel"]
+ATTENTION = ["_rotary_kernel", "_decode_split_kernel"]
 
 
 def _decode_launches(monkeypatch, arch: str = "llama", **engine_args) -> list[list[str]]:
@@ -58,16 +59,23 @@ def _decode_launches(monkeypatch, arch: str = "llama", **engine_args) -> list[li
     return steps
 
 
-def test_a_decode_layer_is_six_triton_launches_beside_the_gemms(monkeypatch):
+def test_a_decode_layer_is_five_triton_launches_beside_the_gemms(monkeypatch):
     layer = ["_norm_kernel", *ATTENTION, "_norm_kernel", "_silu_and_mul_kernel"]
     for step in _decode_launches(monkeypatch):
         assert step == layer * 2 + ["_norm_kernel"]  # 2 layers, the final norm
 
 
-def test_with_the_triton_gemv_a_decode_layer_is_seven_launches_in_all(monkeypatch):
+def test_with_the_triton_gemv_a_decode_layer_is_six_launches_in_all(monkeypatch):
     layer = ["_gemv_kernel", *ATTENTION, "_gemv_kernel", "_gemv_kernel", "_gemv_kernel"]
     for step in _decode_launches(monkeypatch, gemv_backend="triton", gemv_max_rows=2):
         assert step == layer * 2 + ["_norm_kernel", "_gemv_kernel"]  # final norm, lm_head
+
+
+def test_the_merge_kernel_flag_brings_back_the_second_attention_launch(monkeypatch):
+    layer = ["_norm_kernel", *ATTENTION, "_decode_merge_kernel", "_norm_kernel",
+             "_silu_and_mul_kernel"]  # fmt: skip
+    for step in _decode_launches(monkeypatch, triton_decode_merge="kernel"):
+        assert step == layer * 2 + ["_norm_kernel"]
 
 
 def test_without_layer_kernels_only_attention_is_triton(monkeypatch):

@@ -24,7 +24,12 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kernels.attention_common import soft_cap  # noqa: E402
-from kernels.decode_attention import decode_attention, decode_scratch, kv_splits_for  # noqa: E402
+from kernels.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_scratch,
+    kv_splits_for,
+    merge_counters,
+)
 from kernels.extend_attention import extend_attention  # noqa: E402
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -37,13 +42,27 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def run_decode(
-    case: PagedCase, window_left: int = -1, logit_cap: float = 0.0, **kw: object
+    case: PagedCase,
+    window_left: int = -1,
+    logit_cap: float = 0.0,
+    merge: str = "kernel",
+    **kw: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`merge`: "kernel" (stage 2 as its own launch) or "fused" (the last stage-1 program of
+    each (request, KV head) merges; its counts must be zero again afterwards)."""
     case.store_new_kv()
     args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
     args += (case.seq_lens, case.scale)
+    if merge == "fused":
+        kw["merge_counter"] = merge_counters(len(case.seq_lens) + 1, case.k_buffer.shape[1],
+                                             case.q.device)  # fmt: skip
     got = decode_attention(*args, window_left=window_left, logit_cap=logit_cap, **kw)
+    if merge == "fused":
+        assert not kw["merge_counter"].any(), "the fused merge left a count behind"
     return got, decode_attention_ref(*args, window_left, logit_cap)
+
+
+MERGES = ["kernel", "fused"]
 
 
 def run_extend(
@@ -66,32 +85,35 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("merge", MERGES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,dtype", SHAPES)
-def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype):
+def test_decode_matches_reference(heads, kv_heads, head_dim, page_size, dtype, merge):
     # lengths: one key, a split boundary, several blocks in several splits
     case = make_paged_case(
         [0, 15, 40, 57], [1] * 4, heads, kv_heads, head_dim, page_size, dtype, DEVICE, seed=heads
     )
-    got, want = run_decode(case, num_splits=3, block_n=16)
+    got, want = run_decode(case, merge=merge, num_splits=3, block_n=16)
     _close(got, want)
 
 
-def test_decode_more_splits_than_blocks_and_reused_scratch():
+@pytest.mark.parametrize("merge", MERGES)
+def test_decode_more_splits_than_blocks_and_reused_scratch(merge):
     """Requests too short to fill every split leave empty splits the merge must skip; the
     scratch buffers carry stale values from the previous layer's call."""
     case = make_paged_case([2, 0, 33], [1, 1, 1], 4, 2, 64, device=DEVICE, seed=5)
     scratch = decode_scratch(3, 4, 64, 8, case.q.device)
     scratch[0].fill_(1e4)
     scratch[1].fill_(1e4)
-    got, want = run_decode(case, num_splits=8, block_n=16, scratch=scratch)
+    got, want = run_decode(case, merge=merge, num_splits=8, block_n=16, scratch=scratch)
     _close(got, want)
     out = torch.empty_like(case.q)
-    got2, _ = run_decode(case, num_splits=8, block_n=16, scratch=scratch, out=out)
+    got2, _ = run_decode(case, merge=merge, num_splits=8, block_n=16, scratch=scratch, out=out)
     assert got2.data_ptr() == out.data_ptr()
     _close(got2, want)
 
 
-def test_decode_32_splits_into_a_slice_of_a_wider_scratch():
+@pytest.mark.parametrize("merge", MERGES)
+def test_decode_32_splits_into_a_slice_of_a_wider_scratch(merge):
     """The Triton backend's count at batch 1 (32 splits) over a long context, stage 1 writing
     into the first 32 splits of a scratch that has more rows and splits (a non-contiguous
     view: the kernels take its strides), stale values around."""
@@ -101,8 +123,55 @@ def test_decode_32_splits_into_a_slice_of_a_wider_scratch():
     mid_lse.fill_(1e4)
     scratch = (mid_o[:2, :, :32], mid_lse[:2, :, :32])
     assert not scratch[0].is_contiguous()
-    got, want = run_decode(case, num_splits=32, block_n=16, scratch=scratch)
+    got, want = run_decode(case, merge=merge, num_splits=32, block_n=16, scratch=scratch)
     _close(got, want)
+
+
+def test_fused_merge_is_the_merge_kernels_sum():
+    """The fused merge weighs the chunks as the merge kernel does (only the order of the float32
+    sum differs), GQA groups of 4 and 3 heads over 5 splits, an empty request included."""
+    for heads, kv_heads in ((8, 2), (6, 2)):
+        case = make_paged_case([70, 0, 9, 131], [1] * 4, heads, kv_heads, 64, device=DEVICE)
+        kernel, want = run_decode(case, num_splits=5, block_n=16)
+        fused, _ = run_decode(case, merge="fused", num_splits=5, block_n=16)
+        _close(fused, want)
+        torch.testing.assert_close(fused, kernel, rtol=1e-6, atol=1e-6)
+
+
+def test_the_count_decides_which_program_merges():
+    """The merge runs in the program whose count completes the (request, KV head), after every
+    chunk is written: a count that starts one short merges before the last chunk is in (stale
+    scratch shows), one that starts past it never merges (out keeps its poison), and the
+    counts of other (request, KV head) pairs are left alone."""
+    case = make_paged_case([40, 40], [1, 1], 4, 2, 64, device=DEVICE, seed=3)
+    case.store_new_kv()
+    args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    args += (case.seq_lens, case.scale)
+    want = decode_attention_ref(*args, -1, 0.0)
+    scratch = decode_scratch(2, 4, 64, 3, case.q.device)
+
+    def run(first_count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scratch[0].fill_(1e4)
+        scratch[1].fill_(1e4)
+        counts = merge_counters(2, 2, case.q.device)
+        counts[0] = first_count  # request 0, KV head 0 only
+        out = torch.full_like(case.q, -7.0)
+        decode_attention(*args, num_splits=3, block_n=16, out=out, scratch=scratch,
+                         merge_counter=counts)  # fmt: skip
+        return out, counts
+
+    out, counts = run(0)
+    _close(out, want)
+    assert not counts.any()
+    early, counts = run(1)  # the second program to arrive merges: the third chunk is stale
+    assert (early[0, :2] - want[0, :2]).abs().max() > 1.0
+    _close(early[0, 2:], want[0, 2:])
+    _close(early[1], want[1])
+    assert counts.tolist() == [1, 0, 0, 0]  # the third arrival counted after the reset
+    never, counts = run(3)
+    assert (never[0, :2] == -7.0).all()
+    _close(never[1], want[1])
+    assert counts.tolist() == [6, 0, 0, 0]
 
 
 def test_split_count_by_batch_size():

@@ -114,6 +114,40 @@ def test_engine_logits_match_torch_native(arch):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
+def test_engine_with_the_merge_kernel_matches_torch_native():
+    """--triton-decode-merge kernel (the split merge as a second launch) gives torch_native's
+    logits too, and the fused default leaves its counts at zero after every step."""
+    from tests.factories import tiny_model
+
+    path = tiny_model("llama")
+    backends = []
+    fused = _engine_logits(path, "triton", 16, check=lambda r: backends.append(r.attn_backend))
+    assert backends[0].fused_merge and not backends[0]._merge_counts.any()
+    kernel = _engine_logits(path, "triton", 16, triton_decode_merge="kernel")
+    want = _engine_logits(path, "torch_native", 16)
+    for step, (f, k, w) in enumerate(zip(fused, kernel, want, strict=True)):
+        torch.testing.assert_close(k, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+        torch.testing.assert_close(f, k, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+
+
+def test_fused_merge_counts_stay_where_graphs_captured_them():
+    """The counts' buffer is sized for the largest captured batch before any capture, so every
+    captured size uses the same one; a larger eager batch gets a new buffer and the old one is
+    kept alive (graphs replay into it)."""
+    import types
+
+    mc = types.SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=16)
+    backend = create_attention_backend("triton", device=DEVICE, model_config=mc)
+    backend.init_cuda_graph_state(max_bs=8, max_context_len=64)
+    captured = backend._merge_counts
+    assert captured.numel() == 8 * 2 and not captured.any()
+    for bs in (1, 2, 8):
+        assert backend.merge_counts(bs * 2).data_ptr() == captured.data_ptr()
+    bigger = backend.merge_counts(40 * 2)
+    assert bigger.numel() == 80 and bigger.data_ptr() != captured.data_ptr()
+    assert backend._retired_counts == [captured]
+
+
 @pytest.mark.parametrize("hybrid_swa", [False, True], ids=["one-pool", "hybrid-swa-memory"])
 @pytest.mark.parametrize("prefill,decode", [("torch_native", "triton"), ("triton", "torch_native")])
 def test_engine_with_one_backend_per_phase_matches_torch_native(prefill, decode, hybrid_swa):
