@@ -60,6 +60,7 @@ MIN_KV_SPLITS, MAX_KV_SPLITS = 8, 32  # the decode kernel's split counts on CUDA
 class _DecodeMetadata:
     scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # made by the first layer
     num_splits: int | None = None  # chosen by the first layer (graphs: at capture)
+    merge_counts: torch.Tensor | None = None  # the fused merge's, taken by the first layer
 
 
 @dataclass
@@ -211,12 +212,13 @@ class TritonAttnBackend(AttentionBackend):
             md.scratch = decode_scratch(
                 fb.batch_size, layer.num_heads, layer.head_dim, md.num_splits, q.device
             )
-        counts = self.merge_counts(fb.batch_size * k_buf.shape[1]) if self.fused_merge else None
+        if self.fused_merge and md.merge_counts is None:
+            md.merge_counts = self.merge_counts(fb.batch_size * k_buf.shape[1])
         return decode_attention(
             q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
             softmax_scale(layer, fb),
             num_splits=md.num_splits, scratch=md.scratch, window_left=window_left(layer),
-            logit_cap=logit_cap(layer), merge_counter=counts,
+            logit_cap=logit_cap(layer), merge_counter=md.merge_counts,
         )  # fmt: skip
 
     def merge_counts(self, n: int) -> torch.Tensor:
