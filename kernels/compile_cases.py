@@ -51,11 +51,12 @@ SILU_INTER = (8192, 14336)
 def _launch(
     dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
     logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None, num_splits: int = 8,
-    extend: bool = True, merge: str = "fused",
+    extend: bool = True, merge: str = "fused", store: bool = False,
 ) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
     are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read.
-    `kv_dtype` (float8): an FP8 KV cache, whose new k/v arrive quantized ([N, Hk, D])."""
+    `kv_dtype` (float8): an FP8 KV cache, whose new k/v arrive quantized ([N, Hk, D]).
+    `store`: the decode kernel writes the new K/V (16-bit pools where no rotary kernel did)."""
     batch, tokens, slots = 4, 64, 4096
     qkv = torch.empty(tokens, (hq + 2 * hk) * head_dim, dtype=dtype)
     q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=-1)
@@ -70,9 +71,10 @@ def _launch(
     lens = torch.full((batch,), tokens // batch)
     prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
     counts = merge_counters(batch, hk, q.device) if merge == "fused" else None
+    new_kv = (k[:batch], v[:batch], torch.arange(batch)) if store else None
     decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale,
                      num_splits=num_splits, window_left=window_left,
-                     logit_cap=logit_cap, merge_counter=counts)  # fmt: skip
+                     logit_cap=logit_cap, merge_counter=counts, new_kv=new_kv)  # fmt: skip
     if not extend:
         return
     extend_attention(
@@ -185,6 +187,11 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                     yield {**labels, "case": "merge kernel"}, functools.partial(
                         _launch, dtype, hq, hk, head_dim, attention=True, extend=False,
                         merge="kernel",
+                    )  # fmt: skip
+                if (hq, hk) == (12, 12):  # GPT-2: no rotary, the decode kernel stores K/V
+                    yield {**labels, "case": "store kv"}, functools.partial(
+                        _launch, dtype, hq, hk, head_dim, attention=True, extend=False,
+                        store=True,
                     )  # fmt: skip
             for hq, hk in WINDOW_HEAD_SHAPES:
                 labels = {"dtype": name, "head_dim": head_dim, "num_heads": hq, "num_kv_heads": hk,

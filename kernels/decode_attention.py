@@ -13,6 +13,10 @@ writes the chunk's normalised output `mid_o` [B, Hq, num_splits, D] (float32) an
 log2-sum-exp `mid_lse` [B, Hq, num_splits] (float32). Chunks past seq_len (short requests)
 write nothing.
 
+Given the new tokens' K/V (`new_kv`), the program whose chunk ends at seq_len writes its KV
+head's row of them into the pool first (a barrier, then it reads its keys, the new one
+included): no separate store launch.
+
 Stage 2, grid (B, Hq): merges the non-empty chunks of one (request, head) by their
 log-sum-exp weights into `out` [B, Hq, D]. Or, given `merge_counter`, inside stage 1: every
 program of a (request, KV head) adds one to its count (atomically, acquire-release, after a
@@ -33,6 +37,7 @@ import triton.language as tl
 
 from kernels.attention_common import attend_paged_keys
 from kernels.jit import LOG2E, compute_dtype, dot_dtype, dot_precision, launch_opts, next_pow2
+from kernels.reference import as_heads
 
 
 @triton.jit
@@ -56,8 +61,15 @@ def _decode_split_kernel(
     mid_lse_ptr,
     out_ptr,
     counter_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    loc_ptr,
     stride_qb,
     stride_qh,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
     stride_buf_s,
     stride_buf_h,
     stride_r2t,
@@ -75,6 +87,7 @@ def _decode_split_kernel(
     WINDOW_LEFT: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
+    STORE_KV: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -97,6 +110,18 @@ def _decode_split_kernel(
         heads = kv_head * GROUP + offs_h
         mask_h = offs_h < GROUP
         mask_d = offs_d < HEAD_DIM
+        if STORE_KV:
+            if end == seq_len:  # the chunk that holds the new token: its K/V into the pool
+                slot = tl.load(loc_ptr + req).to(tl.int64)
+                buf_off = slot * stride_buf_s + kv_head * stride_buf_h + offs_d
+                r = req.to(tl.int64)
+                new_k = tl.load(k_new_ptr + r * stride_knb + kv_head * stride_knh + offs_d,
+                                mask=mask_d)  # fmt: skip
+                new_v = tl.load(v_new_ptr + r * stride_vnb + kv_head * stride_vnh + offs_d,
+                                mask=mask_d)  # fmt: skip
+                tl.store(k_buf_ptr + buf_off, new_k.to(k_buf_ptr.dtype.element_ty), mask=mask_d)
+                tl.store(v_buf_ptr + buf_off, new_v.to(v_buf_ptr.dtype.element_ty), mask=mask_d)
+                tl.debug_barrier()  # the key blocks below read the slot back
         q_off = req.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptr + q_off, mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         q = q.to(DOT_DTYPE)
@@ -287,6 +312,7 @@ def decode_attention(
     window_left: int = -1,
     logit_cap: float = 0.0,
     merge_counter: torch.Tensor | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> out [B, Hq, D] (q's dtype); a float8 pool's values are read as stored
     (`scale` includes its k_scale, the caller applies v_scale). `scratch` from
@@ -297,7 +323,11 @@ def decode_attention(
     compiled variant per cap).
     `merge_counter`: int32 zeros, at least B x Hk of them (`merge_counters`), reusable by
     every call: the last stage-1 program of each (request, KV head) merges its chunks and
-    zeroes its count again, one launch instead of two. None: the merge kernel."""
+    zeroes its count again, one launch instead of two. None: the merge kernel.
+    `new_kv` (k, v, loc): the batch's new tokens' K/V ([B, Hk, D] or [B, Hk * D], any row
+    stride) not yet in the pool; the program whose chunk holds a request's last key writes
+    them at `loc` [B] (as `kernels.kv_store.store_kv` would, cast to the pool's dtype) before
+    it reads its keys, which saves the store's launch."""
     batch_size, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     group = num_heads // num_kv_heads
@@ -316,10 +346,20 @@ def decode_attention(
     if fuse:
         assert merge_counter.dtype == torch.int32 and merge_counter.is_contiguous()
         assert merge_counter.numel() >= batch_size * num_kv_heads, "merge_counter too short"
+    if new_kv is not None:
+        k_new, v_new, loc = new_kv
+        k_new = as_heads(k_new, num_kv_heads, head_dim)
+        v_new = as_heads(v_new, num_kv_heads, head_dim)
+        assert k_new.shape[0] == batch_size and k_new.stride(-1) == 1 and v_new.stride(-1) == 1
+    else:
+        k_new = v_new = k_buffer  # (unread)
+        loc = seq_lens
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
-        merge_counter if fuse else seq_lens,
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
+        merge_counter if fuse else seq_lens, k_new, v_new, loc,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         scale * LOG2E,
@@ -329,6 +369,7 @@ def decode_attention(
         WINDOW_LEFT=window_left,
         LOGIT_CAP=logit_cap * LOG2E,
         FUSE_MERGE=fuse,
+        STORE_KV=new_kv is not None,
         BLOCK_H=next_pow2(group, 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,

@@ -14,9 +14,11 @@ Per batch, `init_forward_metadata` prepares what every layer shares:
   the batch's device tensors, not from host lists: the CUDA overlap executor runs this on its
   forward stream, where a copy from pageable host memory may wait for the batch in flight.
 
-Per layer, `forward` stores the new K/V at `out_cache_loc` with the store kernel, then runs
-the decode kernel (every key read from the pool through `req_to_token`) or the extend kernel
-(prefix from the pool, the new tokens from k/v directly). A sliding-window layer passes its
+Per layer, `forward` runs the decode kernel (every key read from the pool through
+`req_to_token`; over a 16-bit pool it also writes the new K/V at `out_cache_loc`, before the
+program that holds them reads them) or stores the new K/V with the store kernel and runs the
+extend kernel (prefix from the pool, the new tokens from k/v directly). Where the rotary
+kernel has written them (`kv_store_target`), neither stores. A sliding-window layer passes its
 window to both kernels (`window_left`), which skip the key blocks before it; a soft-capped
 layer (Gemma 2) its cap (`logit_cap`). Without CUDA
 the kernels run only under `TRITON_INTERPRET=1`, which is how this backend is tested on CPU.
@@ -144,7 +146,8 @@ class TritonAttnBackend(AttentionBackend):
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         assert self._graph_scratch is not None, "init_cuda_graph_state was not called"
         bs = forward_batch.batch_size
-        splits = self.kv_splits(bs, self.model_config.num_kv_heads)  # type: ignore[attr-defined]
+        kv_heads = self.model_config.num_kv_heads  # type: ignore[attr-defined]
+        splits = self.kv_splits(bs, kv_heads)
         mid_o, mid_lse = self._graph_scratch
         _, heads, _, head_dim = mid_o.shape
         n = bs * heads * splits
@@ -152,7 +155,10 @@ class TritonAttnBackend(AttentionBackend):
             mid_o.view(-1)[: n * head_dim].view(bs, heads, splits, head_dim),
             mid_lse.view(-1)[:n].view(bs, heads, splits),
         )
-        self._graph_metadata[bs] = _DecodeMetadata(scratch=scratch, num_splits=splits)
+        counts = self.merge_counts(bs * kv_heads) if self.fused_merge else None
+        self._graph_metadata[bs] = _DecodeMetadata(
+            scratch=scratch, num_splits=splits, merge_counts=counts
+        )
         self.metadata = self._graph_metadata[bs]
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
@@ -161,6 +167,26 @@ class TritonAttnBackend(AttentionBackend):
         # for anything that runs the forward's Python after the replay (an eager test double).
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         self.metadata = self._graph_metadata[forward_batch.batch_size]
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
+        """A decode batch over a 16-bit pool whose new K/V are not stored yet: the decode
+        kernel writes them (the program that holds each request's last key, before reading
+        it), so the store needs no launch of its own. Otherwise `AttentionBackend.forward`."""
+        md, fb = self.metadata, forward_batch
+        if not isinstance(md, _DecodeMetadata) or kv_stored or fb.kv_pool.quantized:
+            return super().forward(q, k, v, layer, fb, kv_stored)
+        k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer.layer_id)
+        q = q.reshape(-1, layer.num_heads, layer.head_dim)
+        out = self._decode(q, k_buf, v_buf, layer, fb, md, new_kv=(k, v, fb.out_cache_loc))
+        return out.view(-1, layer.num_heads * layer.head_dim)
 
     def _store_kv(
         self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
@@ -205,6 +231,7 @@ class TritonAttnBackend(AttentionBackend):
         layer: AttentionLayer,
         fb: ForwardBatch,
         md: _DecodeMetadata,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if md.num_splits is None:
             md.num_splits = self.kv_splits(fb.batch_size, k_buf.shape[1])
@@ -218,7 +245,7 @@ class TritonAttnBackend(AttentionBackend):
             q, k_buf, v_buf, fb.req_to_token, fb.req_pool_indices, fb.seq_lens,
             softmax_scale(layer, fb),
             num_splits=md.num_splits, scratch=md.scratch, window_left=window_left(layer),
-            logit_cap=logit_cap(layer), merge_counter=md.merge_counts,
+            logit_cap=logit_cap(layer), merge_counter=md.merge_counts, new_kv=new_kv,
         )  # fmt: skip
 
     def merge_counts(self, n: int) -> torch.Tensor:

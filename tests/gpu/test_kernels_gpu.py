@@ -70,6 +70,33 @@ def test_decode(heads, kv_heads, head_dim, page_size, dtype, merge):
     _close(got, want)
 
 
+@pytest.mark.parametrize("merge", ["kernel", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(12, 12), (32, 8)])
+def test_decode_writes_the_new_kv_itself(heads, kv_heads, head_dim, dtype, merge):
+    """`new_kv`: the decode kernel stores the new tokens' K/V (column slices of a fused qkv)
+    as the store kernel does, then reads them back in the same program (a barrier between):
+    the pool equals the stored one bit for bit and the output the reference's."""
+    from kernels.kv_store import store_kv
+
+    prefix = [1, 17, 255, 256, 1000, 3000, 4095, 63]
+    case = make_paged_case(prefix, [1] * len(prefix), heads, kv_heads, head_dim, 16, dtype,
+                           "cuda", seed=head_dim + heads)  # fmt: skip
+    width = kv_heads * head_dim
+    qkv = torch.randn(len(prefix), heads * head_dim + 2 * width, device="cuda").to(dtype)
+    k, v = qkv[:, heads * head_dim : -width], qkv[:, -width:]
+    want_k, want_v = case.k_buffer.clone(), case.v_buffer.clone()
+    store_kv(want_k, want_v, case.out_cache_loc, k, v)
+    kw: dict = {"new_kv": (k, v, case.out_cache_loc)}
+    if merge == "fused":
+        kw["merge_counter"] = merge_counters(len(prefix), kv_heads, "cuda")
+    args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+    got = decode_attention(*args, case.seq_lens, case.scale, **kw)
+    assert torch.equal(case.k_buffer, want_k) and torch.equal(case.v_buffer, want_v)
+    _close(got, decode_attention_ref(*args, case.seq_lens, case.scale))
+
+
 @pytest.mark.parametrize("batch,splits", [(1, 32), (2, 16), (64, 8), (256, 8)])
 def test_fused_merge_under_concurrency(batch, splits):
     """The fused merge's ordering on the device (a barrier, an acquire-release count, loads

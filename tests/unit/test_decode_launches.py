@@ -5,9 +5,10 @@ kernel (its last split program of each request and KV head merges the splits), t
 post-attention norm and the SiLU-and-mul (the GEMMs are torch's); with --gemv-backend triton,
 the norms and the activation go inside the GEMVs: qkv with its norm, rotary, decode, o,
 gate_up with its norm, down with the activation. GPT-2's layer: its two LayerNorms with the
-residual adds, the store, the decode kernel, gelu_new (on CUDA the GELU
-goes into c_fc's cuBLASLt epilogue instead, which the interpreter cannot run: CPU tensors keep
-the kernel, tests/gpu/test_fused_kernels_gpu.py checks the CUDA side)."""
+residual adds, the decode kernel (which also writes the new K/V: no rotary kernel to do it),
+gelu_new (on CUDA the GELU goes into c_fc's cuBLASLt epilogue instead, which the interpreter
+cannot run: CPU tensors keep the kernel, tests/gpu/test_fused_kernels_gpu.py checks the CUDA
+side)."""
 
 from __future__ import annotations
 
@@ -79,14 +80,14 @@ def test_the_merge_kernel_flag_brings_back_the_second_attention_launch(monkeypat
 
 
 def test_without_layer_kernels_only_attention_is_triton(monkeypatch):
+    """(the decode kernel writes the new K/V the rotary kernel no longer writes)"""
     for step in _decode_launches(monkeypatch, disable_layer_kernels=True):
-        assert step == ["_store_kv_kernel", *ATTENTION[1:]] * 2
+        assert step == ATTENTION[1:] * 2
 
 
 def test_gpt2_adds_its_residuals_inside_the_layernorms(monkeypatch):
     """GPT-2: the embedding sum and every residual add inside a LayerNorm launch (no add
-    kernels); the backend stores K/V (no rotary)."""
-    layer = ["_norm_kernel", "_store_kv_kernel", *ATTENTION[1:], "_norm_kernel",
-             "_gelu_new_kernel"]  # fmt: skip
+    kernels); no rotary, so the decode kernel stores the new K/V (no store launch)."""
+    layer = ["_norm_kernel", *ATTENTION[1:], "_norm_kernel", "_gelu_new_kernel"]
     for step in _decode_launches(monkeypatch, "gpt2"):
         assert step == layer * 2 + ["_norm_kernel"]

@@ -127,6 +127,35 @@ def test_decode_32_splits_into_a_slice_of_a_wider_scratch(merge):
     _close(got, want)
 
 
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page_size,dtype", SHAPES)
+def test_decode_writes_the_new_kv_itself(heads, kv_heads, head_dim, page_size, dtype, merge):
+    """Given the new K/V (strided rows of a fused qkv, as the engine has them), the decode
+    kernel stores them as the store kernel would and attends as if they had been stored
+    first; the rest of the pool is untouched. With a window too (the new key is in every
+    window)."""
+    from kernels.reference import store_kv_ref
+
+    for window_left in (-1, 5):
+        case = make_paged_case([0, 15, 40, 57], [1] * 4, heads, kv_heads, head_dim, page_size,
+                               dtype, DEVICE, seed=heads + 1)  # fmt: skip
+        fused = torch.randn(4, (2 * kv_heads + 3) * head_dim, dtype=dtype, device=DEVICE)
+        width = kv_heads * head_dim
+        case.k.copy_(fused[:, :width].view_as(case.k))
+        case.v.copy_(fused[:, width : 2 * width].view_as(case.v))
+        k_rows, v_rows = fused[:, :width], fused[:, width : 2 * width]  # row stride > width
+        pool_k, pool_v = case.k_buffer.clone(), case.v_buffer.clone()
+        store_kv_ref(pool_k, pool_v, case.out_cache_loc, case.k, case.v)
+        args = (case.q, case.k_buffer, case.v_buffer, case.req_to_token, case.req_pool_indices)
+        args += (case.seq_lens, case.scale)
+        kw: dict = {"num_splits": 3, "block_n": 16, "window_left": window_left}
+        if merge == "fused":
+            kw["merge_counter"] = merge_counters(4, kv_heads, case.q.device)
+        got = decode_attention(*args, new_kv=(k_rows, v_rows, case.out_cache_loc), **kw)
+        assert torch.equal(case.k_buffer, pool_k) and torch.equal(case.v_buffer, pool_v)
+        _close(got, decode_attention_ref(*args, window_left, 0.0))
+
+
 def test_fused_merge_is_the_merge_kernels_sum():
     """The fused merge weighs the chunks as the merge kernel does (only the order of the float32
     sum differs), GQA groups of 4 and 3 heads over 5 splits, an empty request included."""

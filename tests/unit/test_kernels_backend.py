@@ -229,8 +229,9 @@ def test_rotary_kernel_stores_the_kv_for_the_triton_backend(monkeypatch, arch, m
     """With the layers on their kernels (as on CUDA; here the interpreter), every layer's K/V
     go into the pool from the rotary kernel (`kv_store_target`, the window pool's slots for a
     windowed layer over hybrid memory) and the backend's own store never runs; with
-    --disable-layer-kernels the layers run their torch code and the backend stores. The
-    logits are torch_native's either way."""
+    --disable-layer-kernels the layers run their torch code and the backend stores: the store
+    kernel in extend steps, the decode kernel itself in decode steps. The logits are
+    torch_native's either way."""
     import engine.attention.triton_backend as tb
     import engine.layers.rotary as rotary
     import kernels.jit
@@ -247,15 +248,23 @@ def test_rotary_kernel_stores_the_kv_for_the_triton_backend(monkeypatch, arch, m
         rotary, "apply_rotary", lambda *a: fused.append(len(a) == 5) or real_rotary(*a)
     )
     monkeypatch.setattr(tb, "store_kv", lambda *a: stores.append(1) or real_store(*a))
+    decodes: list[bool] = []  # per forward step (one Triton backend in every case here)
+    real_init = tb.TritonAttnBackend.init_forward_metadata
+    monkeypatch.setattr(
+        tb.TritonAttnBackend, "init_forward_metadata",
+        lambda self, fb: decodes.append(fb.forward_mode.is_decode()) or real_init(self, fb),
+    )  # fmt: skip
     for disabled in (False, True):
         fused.clear()
         stores.clear()
+        decodes.clear()
         got = _engine_logits(path, "triton", 16, disable_layer_kernels=disabled, **memory)
         assert len(got) == len(want) > 2
         for step, (g, w) in enumerate(zip(got, want, strict=True)):
             torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
-        if disabled:  # torch's rotary, the backend's store: 2 layers, every forward step
-            assert not fused and len(stores) == 2 * len(got)
+        if disabled:  # torch's rotary, the store kernel in the 2 layers of extend steps
+            assert len(decodes) == len(got) and 0 < sum(decodes) < len(got)
+            assert not fused and len(stores) == 2 * (len(got) - sum(decodes))
         else:
             assert fused and all(fused) and not stores
             assert len(fused) == 2 * len(got)

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ATTENTION_KERNELS = ("_decode_split_kernel", "_decode_merge_kernel", "_extend_kernel")
+# (the decode kernel merges its splits itself; the merge kernel is the "merge kernel" case's)
+ATTENTION_KERNELS = ("_decode_split_kernel", "_extend_kernel")
 DTYPES = ("float32", "float16", "bfloat16")
 HEAD_DIMS = (64, 128)
 HEAD_SHAPES = ((12, 12), (32, 8), (28, 4))
@@ -66,6 +67,17 @@ def expected_variants() -> list[tuple]:
     ]
     rows += [("_store_kv_kernel", dtype, d, None, 8) for dtype in DTYPES for d in (*HEAD_DIMS, 256)]
     rows = [(*row, None) for row in rows]
+    rows += [
+        (kernel, dtype, head_dim, 32, 8, "merge kernel")
+        for dtype in DTYPES
+        for head_dim in HEAD_DIMS
+        for kernel in ("_decode_split_kernel", "_decode_merge_kernel")
+    ]
+    rows += [
+        ("_decode_split_kernel", dtype, head_dim, 12, 12, "store kv")
+        for dtype in DTYPES
+        for head_dim in HEAD_DIMS
+    ]
     rows += [
         (kernel, dtype, 256, hq, hk, case)
         for dtype in DTYPES
