@@ -130,6 +130,9 @@ class AttentionBackend(ABC):
         pool = forward_batch.kv_pool
         if not pool.quantized:
             if not kv_stored:
+                out = self._attend_storing(q, k, v, layer, forward_batch, md)
+                if out is not None:
+                    return out
                 self._store_kv(layer, forward_batch, k, v)
             return self._attend(q, k, v, layer, forward_batch, md)
         assert not kv_stored, "a float8 pool's K/V are quantized and stored by the backend"
@@ -147,6 +150,14 @@ class AttentionBackend(ABC):
         (k_buffer, v_buffer, loc) of the Triton store's layout, or None where the backend
         stores them itself (a float8 pool, no Triton store). After such a write, call
         `forward` with `kv_stored=True`."""
+        return None
+
+    def _attend_storing(  # fmt: skip
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+        forward_batch: ForwardBatch, md: object,
+    ) -> torch.Tensor | None:
+        """`_attend` by a kernel that also stores the new K/V (a 16-bit pool), or None where
+        this backend stores them apart first (the default)."""
         return None
 
     def _store_kv(

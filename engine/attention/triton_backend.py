@@ -168,21 +168,15 @@ class TritonAttnBackend(AttentionBackend):
         assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         self.metadata = self._graph_metadata[forward_batch.batch_size]
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayer,
-        forward_batch: ForwardBatch,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:
-        """A decode batch over a 16-bit pool whose new K/V are not stored yet: the decode
-        kernel writes them (the program that holds each request's last key, before reading
-        it), so the store needs no launch of its own. Otherwise `AttentionBackend.forward`."""
-        md, fb = self.metadata, forward_batch
-        if not isinstance(md, _DecodeMetadata) or kv_stored or fb.kv_pool.quantized:
-            return super().forward(q, k, v, layer, fb, kv_stored)
+    def _attend_storing(  # fmt: skip
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,
+        forward_batch: ForwardBatch, md: object,
+    ) -> torch.Tensor | None:
+        """Decode: the decode kernel writes the new K/V (the program that holds each
+        request's last key, before reading it), so the store needs no launch of its own."""
+        if not isinstance(md, _DecodeMetadata):
+            return None
+        fb = forward_batch
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer.layer_id)
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         out = self._decode(q, k_buf, v_buf, layer, fb, md, new_kv=(k, v, fb.out_cache_loc))
