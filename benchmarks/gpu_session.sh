@@ -189,7 +189,7 @@ do_step() {
                 tests/gpu/test_flashinfer_gpu.py
             pack_aot ;;
         tests-kernels)
-            run_step tests-kernels 240 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
+            run_step tests-kernels 330 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
                 tests/gpu/test_encoders_gpu.py tests/gpu/test_hicache_gpu.py \
                 tests/gpu/test_fused_kernels_gpu.py tests/unit/test_fp8.py \
