@@ -176,11 +176,7 @@ class TritonAttnBackend(AttentionBackend):
         request's last key, before reading it), so the store needs no launch of its own."""
         if not isinstance(md, _DecodeMetadata):
             return None
-        fb = forward_batch
-        k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer.layer_id)
-        q = q.reshape(-1, layer.num_heads, layer.head_dim)
-        out = self._decode(q, k_buf, v_buf, layer, fb, md, new_kv=(k, v, fb.out_cache_loc))
-        return out.view(-1, layer.num_heads * layer.head_dim)
+        return self._attend(q, k, v, layer, forward_batch, md, store_new_kv=True)
 
     def _store_kv(
         self, layer: AttentionLayer, forward_batch: ForwardBatch, k: torch.Tensor, v: torch.Tensor
@@ -201,12 +197,15 @@ class TritonAttnBackend(AttentionBackend):
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
         md: _DecodeMetadata | _ExtendMetadata,
+        store_new_kv: bool = False,
     ) -> torch.Tensor:
+        """`store_new_kv` (decode only): the decode kernel writes k/v at `out_cache_loc`."""
         fb = forward_batch
         k_buf, v_buf = fb.kv_pool.get_kv_buffer(layer.layer_id)
         q = q.reshape(-1, layer.num_heads, layer.head_dim)
         if isinstance(md, _DecodeMetadata):
-            out = self._decode(q, k_buf, v_buf, layer, fb, md)
+            new_kv = (k, v, fb.out_cache_loc) if store_new_kv else None
+            out = self._decode(q, k_buf, v_buf, layer, fb, md, new_kv)
         else:
             out = extend_attention(
                 q, k, v, k_buf, v_buf,
