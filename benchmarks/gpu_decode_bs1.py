@@ -1,7 +1,8 @@
 """decode-bs1: ms per output token of one request on a Llama-3.2-1B shaped random model, CUDA
 graphs on and off (and on with flashinfer's decode kernels in place of Triton's, with the
 linear layers on the Triton GEMV, `gemv_backend="triton"`, and with the layers' fused kernels
-off, `disable_layer_kernels`), against bytes per token / HBM bandwidth (datasheet and measured
+off, `disable_layer_kernels`, and with programmatic dependent launches, `enable_pdl`, alone
+and with the GEMV), against bytes per token / HBM bandwidth (datasheet and measured
 copy bandwidth; see gpu_bench.py)."""
 
 from __future__ import annotations
@@ -55,10 +56,13 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                ("cuda_graph_triton_gemv", True, {"gemv_backend": "triton"}),
                ("cuda_graph_torch_layers", True, {"disable_layer_kernels": True}),
                ("cuda_graph_merge_kernel", True, {"triton_decode_merge": "kernel"}),
+               ("cuda_graph_pdl", True, {"enable_pdl": True}),
+               ("cuda_graph_triton_gemv_pdl", True, {"gemv_backend": "triton", "enable_pdl": True}),
                ("no_cuda_graph", False, {})]
     configs = [c for c in configs if c[0] in args.decode_configs
                and (ctx.cuda or not {"decode_attention_backend", "gemv_backend",
-                                     "disable_layer_kernels", "triton_decode_merge"}
+                                     "disable_layer_kernels", "triton_decode_merge",
+                                     "enable_pdl"}
                     & set(c[2]))]
     # (CPU: no flashinfer; the GEMV would run in the interpreter, a second a token)
     assert configs and configs[0][0] == "cuda_graph", "the cuda_graph config is the result"
@@ -94,7 +98,7 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                "decode_bs1_roofline_fraction_measured_bw": best["roofline_fraction_measured_bw"]}
     for label in ("cuda_graph_flashinfer_decode", "cuda_graph_cuda_core_decode",
                   "cuda_graph_triton_gemv", "cuda_graph_torch_layers",
-                  "cuda_graph_merge_kernel"):
+                  "cuda_graph_merge_kernel", "cuda_graph_pdl", "cuda_graph_triton_gemv_pdl"):
         if label in results:  # (below 1: the default is faster)
             summary[f"decode_bs1_default_vs_{label.removeprefix('cuda_graph_')}"] = (
                 best["ms_per_token"] / results[label]["ms_per_token"])

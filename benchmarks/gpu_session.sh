@@ -47,6 +47,9 @@
 #               (against cuBLAS at Llama-3.2-1B's projections, M 1-16, with a tile sweep:
 #               gpu_gemv.json), then decode-bs1 default vs --gemv-backend triton
 #               (gpu_decode_bs1_gemv.json)
+#   pdl         tests/gpu/test_pdl_gpu.py (--enable-pdl: the same greedy tokens as plain
+#               launches), decode-bs1 with and without PDL, alone and on the Triton GEMV
+#               (gpu_decode_bs1_pdl.json), overlap with PDL (gpu_overlap_pdl.json)
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
 #   parity-windows (the results first)
@@ -204,7 +207,14 @@ do_step() {
                 --config no_graph:disable_cuda_graph=True \
                 --config decode64:num_prompts=64,input_len=32,output_len=256 ;;
         seed-shape) run_step seed-shape 100 "${BENCH[@]}" seed-shape --profile ;;
-        decode-bs1) run_step decode-bs1 230 "${BENCH[@]}" decode-bs1 --profile ;;
+        decode-bs1) run_step decode-bs1 300 "${BENCH[@]}" decode-bs1 --profile ;;
+        pdl)
+            run_step pdl-tests 120 "${PYTEST[@]}" tests/gpu/test_pdl_gpu.py
+            run_step pdl-decode 150 "${BENCH[@]}" decode-bs1 --profile --tag pdl \
+                --decode-configs cuda_graph cuda_graph_pdl cuda_graph_triton_gemv \
+                cuda_graph_triton_gemv_pdl
+            run_step pdl-overlap 110 "${BENCH[@]}" overlap --profile --tag pdl \
+                --engine-arg enable_pdl=True ;;
         overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
         decode-backends)
             run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;

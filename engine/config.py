@@ -209,6 +209,10 @@ class EngineArgs:
     # gelu_new, rotary writing the K/V; GPT-2's GELU in its c_fc GEMM's epilogue) off, their
     # torch code instead: A/B runs on a GPU
     disable_layer_kernels: bool = False
+    # programmatic dependent launch of the Triton kernels (compute capability 9.0+; ignored,
+    # with a warning, elsewhere): each may start while the one before it ends, its programs
+    # waiting for it (kernels.jit.use_pdl); off until measured on the H100
+    enable_pdl: bool = False
     # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
     # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)
     flashinfer_decode_tensor_cores: str = "auto"

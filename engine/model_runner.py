@@ -25,7 +25,7 @@ from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 from engine.speculative.verify import VerifyResult, verify
-from kernels.jit import use_layer_kernels
+from kernels.jit import pdl_supported, use_layer_kernels, use_pdl
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -69,6 +69,7 @@ class ModelRunner:
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
         use_layer_kernels(not args.disable_layer_kernels)
+        use_pdl(self._pdl(args.enable_pdl))
         self.quantization = resolve_quantization(args.quantization, model_config.hf_config)
         self.model = (
             None if host_only
@@ -139,6 +140,19 @@ class ModelRunner:
             logger.info("CUDA graphs off: LoRA adapters are applied eagerly")
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
+
+    def _pdl(self, asked: bool) -> bool:
+        """`--enable-pdl` where it can work: compiled Triton kernels on a GPU of compute
+        capability 9.0 or later; elsewhere a warning, and ordinary launches."""
+        if not asked:
+            return False
+        if pdl_supported(self.device):
+            return True
+        logger.warning(
+            "--enable-pdl ignored: programmatic dependent launch needs compiled Triton kernels "
+            "on a CUDA device of compute capability 9.0 or later (device %s)", self.device
+        )
+        return False
 
     def _pad_lm_head(self) -> None:
         """The lm_head weight of a vocabulary that is not a multiple of 8 into a storage of a

@@ -20,14 +20,18 @@ import math
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, pdl_on, tl, triton
 
 GELU_TANH_COEF = math.sqrt(2.0 / math.pi)
 
 if HAS_TRITON:
+    from kernels.jit import pdl_prologue
 
     @triton.jit
-    def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(
+        x_ptr, out_ptr, stride_x, inter, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
+        pdl_prologue(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < inter
@@ -38,7 +42,8 @@ if HAS_TRITON:
         tl.store(out_ptr + row * inter + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _gelu_new_kernel(x_ptr, out_ptr, numel, coef, BLOCK: tl.constexpr):
+    def _gelu_new_kernel(x_ptr, out_ptr, numel, coef, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_prologue(PDL)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -60,10 +65,11 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         x = x.contiguous()
     rows = x.reshape(-1, x.shape[-1])  # a view unless the leading dims cannot be merged
     block = min(block, next_pow2(inter))
-    grid = (rows.shape[0], cdiv(inter, block))
+    grid, pdl = (rows.shape[0], cdiv(inter, block)), pdl_on()
     _silu_and_mul_kernel[grid](
-        rows, out, rows.stride(0), inter, BLOCK=block, **launch_opts(4 if block >= 512 else 1)
-    )
+        rows, out, rows.stride(0), inter, BLOCK=block, PDL=pdl,
+        **launch_opts(4 if block >= 512 else 1, pdl),
+    )  # fmt: skip
     return out
 
 
@@ -75,8 +81,9 @@ def gelu_new(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if numel == 0:
         return out
     block = min(block, next_pow2(numel))
-    grid = (cdiv(numel, block),)
+    grid, pdl = (cdiv(numel, block),), pdl_on()
     _gelu_new_kernel[grid](
-        x, out, numel, GELU_TANH_COEF, BLOCK=block, **launch_opts(4 if block >= 512 else 1)
-    )
+        x, out, numel, GELU_TANH_COEF, BLOCK=block, PDL=pdl,
+        **launch_opts(4 if block >= 512 else 1, pdl),
+    )  # fmt: skip
     return out

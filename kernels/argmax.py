@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, pdl_on, tl, triton
 
 BLOCK = 4096
 
 if HAS_TRITON:
+    from kernels.jit import pdl_prologue
 
     @triton.jit
     def _first_max(vals, idx, valid, BIG: tl.constexpr):
@@ -36,8 +37,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _argmax_chunks_kernel(
-        x_ptr, stride_x, n_cols, val_ptr, idx_ptr, n_chunks, BLOCK: tl.constexpr
-    ):
+        x_ptr, stride_x, n_cols, val_ptr, idx_ptr, n_chunks, BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):  # fmt: skip
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         chunk = tl.program_id(1)
         cols = chunk * BLOCK + tl.arange(0, BLOCK)
@@ -48,7 +51,10 @@ if HAS_TRITON:
         tl.store(idx_ptr + row * n_chunks + chunk, at)
 
     @triton.jit
-    def _argmax_rows_kernel(val_ptr, idx_ptr, n_chunks, out_ptr, CHUNKS: tl.constexpr):
+    def _argmax_rows_kernel(
+        val_ptr, idx_ptr, n_chunks, out_ptr, CHUNKS: tl.constexpr, PDL: tl.constexpr
+    ):
+        pdl_prologue(PDL)
         row = tl.program_id(0)
         offs = tl.arange(0, CHUNKS)
         valid = offs < n_chunks
@@ -72,10 +78,11 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     chunks = cdiv(cols, block)
     vals = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
+    pdl = pdl_on()
     _argmax_chunks_kernel[(rows, chunks)](
-        x, x.stride(0), cols, vals, idx, chunks, BLOCK=block, **launch_opts(8)
+        x, x.stride(0), cols, vals, idx, chunks, BLOCK=block, PDL=pdl, **launch_opts(8, pdl)
     )
     _argmax_rows_kernel[(rows,)](
-        vals, idx, chunks, out, CHUNKS=next_pow2(chunks, 2), **launch_opts(1)
+        vals, idx, chunks, out, CHUNKS=next_pow2(chunks, 2), PDL=pdl, **launch_opts(1, pdl)
     )
     return out

@@ -22,6 +22,7 @@ from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.gemv import RMSNormInput, gemv
+from kernels.jit import use_pdl
 from kernels.kv_store import store_kv
 from kernels.page_table import page_ids
 from kernels.rotary import KVStore, apply_rotary
@@ -245,6 +246,69 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
     yield from _page_table_cases()
     yield from _elementwise_cases()
     yield from _gemv_cases()
+    yield from _pdl_cases()
+
+
+def _with_pdl(launch: Callable[[], None]) -> Callable[[], None]:
+    """`launch` as under --enable-pdl (`kernels.jit.use_pdl`)."""
+
+    def run() -> None:
+        use_pdl(True)
+        try:
+            launch()
+        finally:
+            use_pdl(False)
+
+    return run
+
+
+def _pdl_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
+    """Every kernel once more as --enable-pdl launches it (bf16, the engine's decode shapes):
+    `compile_check.pdl_problems` reads the PTX for a memory access before the wait."""
+    bf16, part = torch.bfloat16, functools.partial
+    heads = {"dtype": "bfloat16", "head_dim": 128, "num_heads": 32, "num_kv_heads": 8}
+    gpt2 = {"dtype": "bfloat16", "head_dim": 64, "num_heads": 12, "num_kv_heads": 12}
+    store = {"dtype": "bfloat16", "head_dim": 128, "num_kv_heads": STORE_KV_HEADS, "case": "pdl"}
+    attention = [
+        ({**heads, "case": "pdl"}, part(_launch, bf16, 32, 8, 128, attention=True)),
+        ({**heads, "case": "pdl merge kernel"}, part(
+            _launch, bf16, 32, 8, 128, attention=True, extend=False, merge="kernel")),
+        ({**heads, "case": "pdl rotary store"}, part(_launch_rotary, bf16, 32, 8, 128, True)),
+        ({**gpt2, "case": "pdl store kv"}, part(
+            _launch, bf16, 12, 12, 64, attention=True, extend=False, store=True)),
+        (store, part(_launch, bf16, STORE_KV_HEADS, STORE_KV_HEADS, 128, attention=False)),
+    ]  # fmt: skip
+    for labels, launch in attention:
+        yield labels, _with_pdl(launch)
+    x, w = torch.empty(64, 768, dtype=bf16), torch.empty(768, dtype=bf16)
+    others = {
+        "add_rms_norm H2048": part(_launch_norm, bf16, 2048, True),
+        "add_layer_norm H768": part(fused_add_layer_norm, x, x, w, w, 1e-5),
+        "silu_and_mul I8192": part(silu_and_mul, torch.empty(1, 16384, dtype=bf16)),
+        "gelu_new": part(gelu_new, torch.empty(1, 3072, dtype=bf16)),
+        "argmax": part(argmax_rows, torch.zeros(1, 128256)),
+        "resolve": part(resolve_future_tokens_triton, *torch.zeros(2, 64, dtype=torch.int64)),
+        "page 16 bs256": part(
+            page_ids, torch.zeros(260, 64, dtype=torch.int32), torch.arange(256),
+            torch.ones(256, dtype=torch.int64), 16, torch.zeros(256, dtype=torch.int32), None,
+        ),
+        moe_case(MOE_SHAPES[0], 4): part(_launch_moe, bf16, MOE_SHAPES[0], 4),
+        "fp8 gemm group (128, 128) T4": part(_launch_fp8, bf16, (128, 128), 4),
+    }  # fmt: skip
+    x1 = torch.zeros(1, 2048, dtype=bf16)
+    norm = RMSNormInput(torch.zeros(2048, dtype=bf16), 1e-5, x1, torch.zeros_like(x1))
+    gemvs = {  # one row: the reduction (with each prologue), four: the dot
+        "gemv add_rms_norm M1 N3072 K2048": part(gemv, x1, torch.zeros(3072, 2048, dtype=bf16),
+                                                 norm=norm),
+        "gemv silu_mul M1 N2048 K8192": part(gemv, torch.zeros(1, 16384, dtype=bf16),
+                                             torch.zeros(2048, 8192, dtype=bf16), act="silu_mul"),
+        "gemv M4 N2048 K2048": part(gemv, torch.zeros(4, 2048, dtype=bf16),
+                                    torch.zeros(2048, 2048, dtype=bf16)),
+    }  # fmt: skip
+    for case, launch in {**others, **gemvs}.items():
+        dtype = "float32" if case == "argmax" else "int64" if case == "resolve" else "bfloat16"
+        dtype = "int32" if case.startswith("page") else dtype
+        yield {"dtype": dtype, "case": f"pdl {case}"}, _with_pdl(launch)
 
 
 def _gemv_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:

@@ -72,6 +72,7 @@ class Variant:
     spill_stores: int | None = None
     spill_loads: int | None = None
     shared: int | None = None
+    pdl: bool = False  # compiled with PDL (--enable-pdl): griddepcontrol in its prologue
     problems: list[str] = field(default_factory=list)
 
 
@@ -98,6 +99,7 @@ def _compile(target: GPUTarget, fn: Any, compile: dict[str, Any]) -> dict[str, A
     consts = {jit_fn.arg_names[path[0]]: v for path, v in compile["constants"].items()}
     info: dict[str, Any] = {"kernel": fn.name, "num_warps": compile["num_warps"]}
     info["blocks"] = {k: v for k, v in consts.items() if k.startswith("BLOCK")}
+    info["pdl"] = bool(consts.get("PDL", False))
     src = triton.compiler.ASTSource(
         jit_fn, compile["signature"], compile["constants"], compile["configs"][0]
     )
@@ -118,7 +120,35 @@ def _compile(target: GPUTarget, fn: Any, compile: dict[str, Any]) -> dict[str, A
     info["stack"], info["spill_stores"], info["spill_loads"] = map(int, props.groups())
     info["registers"] = int(regs.group(1))
     info["shared"] = compiled.metadata.shared
+    info["problems"] = pdl_problems(compiled.asm["ptx"], info["pdl"])
     return info
+
+
+# an instruction that may touch memory other kernels read or write (after an optional
+# predicate): global loads, stores, atomics and reductions, asynchronous copies, prefetches
+# (their state space after the opcode; param, shared, local and const are this kernel's own)
+_MEMORY_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?(ld|st|atom|red|cp\.async|prefetch)\b\.?(\S*)", re.M)
+_OWN_SPACES = ("param", "shared", "local", "const")
+
+
+def pdl_problems(ptx: str, pdl: bool) -> list[str]:
+    """What breaks `kernels.jit.pdl_prologue`'s rule in a kernel's PTX: with PDL, a memory
+    access before the first `griddepcontrol.wait` (the earlier kernel may still be writing),
+    or no wait, or `launch_dependents` before it; without, any griddepcontrol at all.
+    (Text order: the prologue is the kernel's entry block, which PTX lists first.)"""
+    wait = ptx.find("griddepcontrol.wait")
+    launch = ptx.find("griddepcontrol.launch_dependents")
+    if not pdl:
+        return ["griddepcontrol in a kernel compiled without PDL"] if max(wait, launch) >= 0 else []
+    if wait < 0 or launch < 0:
+        return ["PDL: griddepcontrol.wait or launch_dependents missing"]
+    if launch < wait:
+        return ["PDL: launch_dependents before griddepcontrol.wait"]
+    for m in _MEMORY_OP.finditer(ptx, 0, wait):
+        if m.group(1) in ("ld", "st") and m.group(2).split(".")[0] in _OWN_SPACES:
+            continue
+        return [f"PDL: memory access before griddepcontrol.wait: {m.group(0).strip()}"]
+    return []
 
 
 @contextlib.contextmanager

@@ -36,7 +36,16 @@ import triton
 import triton.language as tl
 
 from kernels.attention_common import attend_paged_keys
-from kernels.jit import LOG2E, compute_dtype, dot_dtype, dot_precision, launch_opts, next_pow2
+from kernels.jit import (
+    LOG2E,
+    compute_dtype,
+    dot_dtype,
+    dot_precision,
+    launch_opts,
+    next_pow2,
+    pdl_on,
+    pdl_prologue,
+)
 from kernels.reference import as_heads
 
 
@@ -94,7 +103,9 @@ def _decode_split_kernel(
     BLOCK_S: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -239,7 +250,9 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req).to(tl.int32)
@@ -354,6 +367,7 @@ def decode_attention(
     else:
         k_new = v_new = k_buffer  # (unread)
         loc = seq_lens
+    pdl = pdl_on()
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         merge_counter if fuse else seq_lens, k_new, v_new, loc,
@@ -376,7 +390,8 @@ def decode_attention(
         BLOCK_S=next_pow2(num_splits),
         DOT_DTYPE=dot_dtype(dtype),
         PRECISION=dot_precision(dtype),
-        **launch_opts(num_warps=split_warps(dtype, block_d)),
+        PDL=pdl,
+        **launch_opts(split_warps(dtype, block_d), pdl),
     )  # fmt: skip
     if fuse:
         return out
@@ -390,5 +405,7 @@ def decode_attention(
         BLOCK_S=next_pow2(num_splits),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        PDL=pdl,
+        **launch_opts(4, pdl),
     )  # fmt: skip
     return out

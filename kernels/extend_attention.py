@@ -31,6 +31,8 @@ from kernels.jit import (
     dot_precision,
     launch_opts,
     next_pow2,
+    pdl_on,
+    pdl_prologue,
 )
 from kernels.reference import as_heads
 
@@ -69,7 +71,9 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     m_start = tl.program_id(2) * BLOCK_M
@@ -206,7 +210,7 @@ def extend_attention(
     default_m, default_n, num_warps = launch_config(dtype, block_d)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n
-    grid = (batch_size, num_heads, cdiv(max_extend_len, block_m))
+    grid, pdl = (batch_size, num_heads, cdiv(max_extend_len, block_m)), pdl_on()
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
@@ -223,6 +227,7 @@ def extend_attention(
         BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype(dtype),
         PRECISION=dot_precision(dtype),
-        **launch_opts(num_warps=num_warps),
+        PDL=pdl,
+        **launch_opts(num_warps, pdl),
     )  # fmt: skip
     return out

@@ -17,7 +17,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.jit import HAS_TRITON, cdiv, interpreting, launch_opts, next_pow2, tl, triton
+from kernels.jit import (
+    HAS_TRITON,
+    cdiv,
+    interpreting,
+    launch_opts,
+    next_pow2,
+    pdl_on,
+    tl,
+    triton,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
@@ -86,6 +95,7 @@ def fp8_gemm_reference(
 
 
 if HAS_TRITON:
+    from kernels.jit import pdl_prologue
 
     @triton.jit
     def _fp8_gemm_kernel(
@@ -110,7 +120,9 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -177,7 +189,7 @@ def fp8_gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
     block_m = 16 if m <= 16 else 64
     block_n = 64 if m <= 16 else 128
-    grid = (cdiv(m, block_m), cdiv(n, block_n))
+    grid, pdl = (cdiv(m, block_m), cdiv(n, block_n)), pdl_on()
     _fp8_gemm_kernel[grid](
         a_q, a_s, w_q, w_s, bias if bias is not None else out, out,
         m, n, k, a_q.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
@@ -188,6 +200,7 @@ def fp8_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        **launch_opts(4),
+        PDL=pdl,
+        **launch_opts(4, pdl),
     )  # fmt: skip
     return out

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.jit import cdiv, dot_dtype, dot_precision, launch_opts
+from kernels.jit import cdiv, dot_dtype, dot_precision, launch_opts, pdl_on, pdl_prologue
 
 
 def moe_align(
@@ -72,7 +72,9 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(total_ptr):
@@ -113,7 +115,7 @@ def _grouped_gemm(a, w, c, routed_weight, align, num_pairs, rows_per_pair, block
     block_m, block_n, block_k = block_sizes
     num_experts, n, k = w.shape
     assert a.stride(1) == 1 and w.stride(2) == 1 and c.stride(1) == 1
-    grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
+    grid, pdl = (sorted_ids.numel() // block_m, cdiv(n, block_n)), pdl_on()
     _grouped_gemm_kernel[grid](
         a, w, c, routed_weight, sorted_ids, block_experts, total,
         num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
@@ -124,7 +126,8 @@ def _grouped_gemm(a, w, c, routed_weight, align, num_pairs, rows_per_pair, block
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        **launch_opts(4),
+        PDL=pdl,
+        **launch_opts(4, pdl),
     )  # fmt: skip
 
 

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels.jit import HAS_TRITON, launch_opts, next_pow2, tl, triton
+from kernels.jit import HAS_TRITON, launch_opts, next_pow2, pdl_on, tl, triton
 
 MAX_HIDDEN = 16384
 
 if HAS_TRITON:
+    from kernels.jit import pdl_prologue
 
     @triton.jit
     def _norm_kernel(
@@ -51,8 +52,10 @@ if HAS_TRITON:
         HAS_RESIDUAL: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """RMSNorm (LAYER_NORM False) or LayerNorm of one row, the residual add first."""
+        pdl_prologue(PDL)
         row = tl.program_id(0).to(tl.int64)
         a = row // rows_b
         b = row % rows_b
@@ -118,7 +121,7 @@ def _launch(
     x3 = _rows(x)
     r3 = x3 if residual is None else _rows(residual)
     assert r3.shape == x3.shape, (tuple(residual.shape), tuple(x.shape))
-    block = next_pow2(hidden)
+    block, pdl = next_pow2(hidden), pdl_on()
     _norm_kernel[(x3.shape[0] * x3.shape[1],)](
         x3, r3, weight, weight if bias is None else bias, out,
         x3 if new_res is None else new_res,
@@ -128,7 +131,8 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         BLOCK=block,
-        **launch_opts(_num_warps(block)),
+        PDL=pdl,
+        **launch_opts(_num_warps(block), pdl),
     )  # fmt: skip
     return out, new_res
 

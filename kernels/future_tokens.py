@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, pdl_on, tl, triton
 
 if HAS_TRITON:
+    from kernels.jit import pdl_prologue
 
     @triton.jit
-    def _resolve_kernel(ids_ptr, future_ptr, num_tokens, BLOCK: tl.constexpr):
+    def _resolve_kernel(ids_ptr, future_ptr, num_tokens, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl_prologue(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         in_range = offs < num_tokens
         ids = tl.load(ids_ptr + offs, mask=in_range, other=0)
@@ -43,8 +45,10 @@ def resolve_future_tokens_triton(
 ) -> torch.Tensor:
     num_tokens = input_ids.shape[0]
     if num_tokens:
-        grid = (cdiv(num_tokens, block),)
-        _resolve_kernel[grid](input_ids, future_buffer, num_tokens, BLOCK=block)
+        grid, pdl = (cdiv(num_tokens, block),), pdl_on()
+        _resolve_kernel[grid](
+            input_ids, future_buffer, num_tokens, BLOCK=block, PDL=pdl, **launch_opts(4, pdl)
+        )
     return input_ids
 
 

@@ -40,8 +40,10 @@ from kernels.jit import (
     dot_dtype,
     dot_precision,
     interpreting,
+    launch_opts,
     next_pow2,
     num_sms,
+    pdl_on,
     tl,
     triton,
 )
@@ -52,6 +54,7 @@ TILE = 8192  # most weight elements a one-row program multiplies per step
 ACTS = {None: 0, "silu_mul": 1}
 
 if HAS_TRITON:
+    from kernels.jit import pdl_prologue
 
     @triton.jit
     def _load_input(ptrs, mask, up_offset, ACT: tl.constexpr, NORM: tl.constexpr, res_ptrs,
@@ -115,7 +118,9 @@ if HAS_TRITON:
         PRECISION: tl.constexpr,
         ACT: tl.constexpr,
         NORM: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -269,15 +274,17 @@ def gemv(
         prologue = act is not None or norm is not None
         config = gemv_config(m, n, k, num_sms(x.device), x.element_size(), prologue)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
-    opts = {} if interpreting() else {
-        "num_warps": config["num_warps"], "num_stages": config["num_stages"]
-    }  # fmt: skip
+    pdl = pdl_on()
+    opts = launch_opts(config["num_warps"], pdl)
+    if not interpreting():
+        opts["num_stages"] = config["num_stages"]
     block_m = 1 if m == 1 else max(16, next_pow2(m))
     _gemv_kernel[(cdiv(n, block_n),)](
         x, weight, bias if bias is not None else x, out, res, norm_w, res_out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, DOT_DTYPE=dot_dtype(x.dtype),
-        PRECISION=dot_precision(x.dtype), ACT=ACTS[act], NORM=norm_kind, **opts,
+        PRECISION=dot_precision(x.dtype), ACT=ACTS[act], NORM=norm_kind, PDL=pdl,
+        **opts,
     )  # fmt: skip
     return out

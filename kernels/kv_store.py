@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import cdiv, next_pow2
+from kernels.jit import cdiv, launch_opts, next_pow2, pdl_on, pdl_prologue
 from kernels.reference import as_heads
 
 
@@ -33,7 +33,9 @@ def _store_kv_kernel(
     row_len,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_len
@@ -65,11 +67,13 @@ def store_kv(
     assert k_buffer.is_contiguous() and v_buffer.is_contiguous()
     row_len = num_heads * head_dim
     block = min(block, next_pow2(row_len))
-    grid = (num_tokens, cdiv(row_len, block))
+    grid, pdl = (num_tokens, cdiv(row_len, block)), pdl_on()
     _store_kv_kernel[grid](
         k, v, k_buffer, v_buffer, loc,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         row_len,
         HEAD_DIM=head_dim,
         BLOCK=block,
+        PDL=pdl,
+        **launch_opts(4, pdl),
     )  # fmt: skip

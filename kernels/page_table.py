@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import next_pow2
+from kernels.jit import launch_opts, next_pow2, pdl_on, pdl_prologue
 
 
 @triton.jit
@@ -35,7 +35,9 @@ def _page_ids_kernel(
     HAS_SUB: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     i = tl.program_id(0)
     reqs = tl.arange(0, BLOCK_B)
     lens = tl.load(kv_lens_ptr + reqs, mask=reqs < batch, other=0).to(tl.int64)
@@ -69,11 +71,12 @@ def page_ids(
     if batch == 0:
         return out
     assert req_to_token.stride(1) == 1 and out.dtype == torch.int32
+    pdl = pdl_on()
     _page_ids_kernel[(batch,)](
         req_to_token, req_to_token.stride(0), rows, kv_lens,
         kv_lens if sub_lens is None else sub_lens, out, batch,
         PAGE=page_size, HAS_SUB=sub_lens is not None, BLOCK_B=next_pow2(batch),
-        BLOCK_P=block_pages,
+        BLOCK_P=block_pages, PDL=pdl, **launch_opts(4, pdl),
     )  # fmt: skip
     return out
 

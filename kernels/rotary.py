@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, pdl_on, tl, triton
 from kernels.reference import as_heads
 
 
@@ -48,6 +48,7 @@ TILE = 2048  # elements of one half-tile: BLOCK_H * BLOCK_D
 _DROP_BITS = {torch.bfloat16: 16, torch.float16: 13}  # float32's mantissa bits they lack
 
 if HAS_TRITON:
+    from kernels.jit import pdl_prologue
 
     @triton.jit
     def _rotary_kernel(
@@ -72,7 +73,9 @@ if HAS_TRITON:
         DROP: tl.constexpr,
         MIN_NORMAL: tl.constexpr,
         STORE_KV: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_prologue(PDL)
         token = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
@@ -165,6 +168,7 @@ def apply_rotary(
         v = as_heads(v, kv_heads, head_dim)
         assert v.shape == (num_tokens, kv_heads, head_dim)
         assert loc.shape == (num_tokens,), (tuple(loc.shape), num_tokens)
+    pdl = pdl_on()
     _rotary_kernel[grid](
         x, positions, cos_sin_cache, out,
         x.stride(0), x.stride(1), cos_sin_cache.stride(0), num_heads,
@@ -175,6 +179,7 @@ def apply_rotary(
         DROP=_DROP_BITS.get(dtype, 0),
         MIN_NORMAL=2.0**-14 if dtype == torch.float16 else 0.0,
         STORE_KV=kv_store is not None,
-        **launch_opts(4),
+        PDL=pdl,
+        **launch_opts(4, pdl),
     )  # fmt: skip
     return out

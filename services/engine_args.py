@@ -174,6 +174,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "add, SiLU-and-mul, gelu_new, rotary with the K/V store) give way to their torch code",
     )
     g.add_argument(
+        "--enable-pdl",
+        action="store_true",
+        help="launch the Triton kernels as programmatic dependent launches (Hopper and later): "
+        "each may start while the one before it finishes, and waits for it in its first "
+        "instruction; ignored with a warning on older GPUs and on the CPU",
+    )
+    g.add_argument(
         "--flashinfer-decode-tensor-cores",
         default="auto",
         choices=DECODE_TENSOR_CORES,

@@ -4,7 +4,8 @@ Replays against the eager forward on the same KV state: float32 to 1e-4, bfloat1
 batches padded to a larger captured size; a change of batch membership between replays; the
 graph reading placeholders' tokens from the FutureMap at replay time; the default size list
 (35 graphs in one memory pool); and the engine's greedy tokens with graphs on and off, in the
-plain and the overlap loop.
+plain and the overlap loop. The bfloat16 runner also with --enable-pdl: graphs of
+programmatic dependent launches (tests/gpu/test_pdl_gpu.py: the engine's tokens with it).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ def _runner(dtype: str, **kwargs: object) -> ModelRunner:
     return runner
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-pdl"])
 def runner(request) -> ModelRunner:
-    return _runner(request.param)
+    """(bfloat16-pdl: --enable-pdl, graphs captured with programmatic dependent launches)"""
+    dtype, _, pdl = request.param.partition("-")
+    return _runner(dtype, enable_pdl=bool(pdl))
 
 
 _decode_batch, _kv, _restore = decode_batch, kv_snapshot, kv_restore
@@ -96,6 +99,9 @@ def _replay(runner: ModelRunner, fb: ForwardBatch) -> torch.Tensor:
 
 
 def test_graphs_are_captured_at_init(runner):
+    from kernels.jit import pdl_on
+
+    assert pdl_on() == runner.args.enable_pdl  # (the H100 supports it)
     graphs = runner.graph_runner
     assert graphs is not None and sorted(graphs.graphs) == list(SIZES)
     assert all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs.graphs.values())
@@ -201,3 +207,4 @@ def test_engine_greedy_tokens_with_and_without_graphs(overlap, monkeypatch):
     got = generate(graphs=True)
     assert replays and max(replays) <= 8
     assert got == want
+

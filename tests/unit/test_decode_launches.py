@@ -91,3 +91,92 @@ def test_gpt2_adds_its_residuals_inside_the_layernorms(monkeypatch):
     layer = ["_norm_kernel", *ATTENTION[1:], "_norm_kernel", "_gelu_new_kernel"]
     for step in _decode_launches(monkeypatch, "gpt2"):
         assert step == layer * 2 + ["_norm_kernel"]
+
+
+
+def _pdl_launches(
+    monkeypatch, arch: str, enable_pdl: bool = True, supported: bool = True, **engine_args
+) -> list[tuple[str, bool, list[str]]]:
+    """Every Triton launch of an engine run, with the device taken as `supported` for PDL (an
+    H100 by default): (kernel, its PDL constexpr, what its programs did in order: "program"
+    where one starts, "wait" and "launch" for griddepcontrol.wait / launch_dependents, "mem"
+    for a load, store or atomic)."""
+    from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
+
+    import engine.model_runner
+    import kernels.jit
+    from tests.factories import tiny_model
+
+    events: list[str] = []
+    launches: list[tuple[str, bool, list[str]]] = []
+    run = InterpretedFunction.run
+
+    def recorded(self, *args, **kwargs):
+        events.clear()
+        out = run(self, *args, **kwargs)
+        launches.append((self.__name__, kwargs.get("PDL"), list(events)))
+        return out
+
+    def note(event: str, method):  # noqa: ANN001, ANN202
+        def call(self, *args, **kwargs):
+            events.append(event)
+            return method(self, *args, **kwargs)
+
+        return call
+
+    # the interpreter has no grid dependency control: pdl_prologue's calls are noted instead
+    monkeypatch.setattr(kernels.jit, "gdc_wait", lambda: events.append("wait"))
+    monkeypatch.setattr(kernels.jit, "gdc_launch_dependents", lambda: events.append("launch"))
+    builder = InterpreterBuilder
+    monkeypatch.setattr(builder, "set_grid_idx", note("program", builder.set_grid_idx))
+    for name in dir(builder):
+        if name.startswith("create_") and any(op in name for op in ("load", "store", "atomic")):
+            monkeypatch.setattr(builder, name, note("mem", getattr(builder, name)))
+    monkeypatch.setattr(InterpretedFunction, "run", recorded)
+    monkeypatch.setattr(engine.model_runner, "pdl_supported", lambda device: supported)
+    monkeypatch.setattr(kernels.jit, "_PDL", [False])  # (restored after the test)
+    monkeypatch.setattr(kernels.jit, "compiled_on", lambda x: True)  # (what CUDA tensors get)
+    monkeypatch.setattr(kernels.jit, "_LAYER_KERNELS", [True])
+    _engine_logits(tiny_model(arch), "triton", 16, enable_pdl=enable_pdl, **engine_args)
+    assert launches
+    return launches
+
+
+GEMV = {"gemv_backend": "triton", "gemv_max_rows": 2}
+
+
+@pytest.mark.parametrize("arch, engine_args", [("llama", {}), ("llama", GEMV), ("gpt2", {})])
+def test_with_pdl_every_program_waits_before_it_touches_memory(monkeypatch, arch, engine_args):
+    """--enable-pdl: every Triton launch of the run (prefill and decode: the layers' kernels,
+    attention, the GEMV, argmax) carries PDL, and each of its programs starts with
+    griddepcontrol.wait, then launch_dependents, before any load, store or atomic: the rule
+    that makes a kernel that may start early safe (kernels.jit.pdl_prologue)."""
+    launches = _pdl_launches(monkeypatch, arch, **engine_args)
+    names = {name for name, _, _ in launches}
+    assert {"_decode_split_kernel", "_extend_kernel", "_norm_kernel"} <= names
+    assert ("_gemv_kernel" in names) == bool(engine_args)
+    for name, pdl, events in launches:
+        assert pdl is True, f"{name} launched without PDL"
+        programs = " ".join(events).split("program")[1:]
+        assert programs and all("mem" in p for p in programs), name  # (all recorded)
+        for i, program in enumerate(programs):
+            assert program.split()[:2] == ["wait", "launch"], (name, i, program.split()[:4])
+            assert program.split().count("wait") == 1, (name, i)
+
+
+@pytest.mark.parametrize("enable_pdl, supported", [(False, True), (True, False)])
+def test_no_pdl_when_off_or_where_it_cannot_run(monkeypatch, enable_pdl, supported):
+    """The flag off (the default), or on where PDL cannot run (the engine asks
+    `pdl_supported`: compiled Triton on compute capability 9.0+), no launch carries PDL and
+    no program executes griddepcontrol."""
+    launches = _pdl_launches(monkeypatch, "llama", enable_pdl, supported, **GEMV)
+    for name, pdl, events in launches:
+        assert pdl is False and "wait" not in events and "launch" not in events, name
+
+
+def test_pdl_is_not_supported_on_the_cpu():
+    import torch
+
+    from kernels.jit import pdl_supported
+
+    assert not pdl_supported(torch.device("cpu"))

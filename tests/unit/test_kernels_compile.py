@@ -53,6 +53,31 @@ GEMV_CASES += [f"gemv silu_mul M{m} N2048 K8192" for m in (1, 4)]
 GEMV_CASES += [f"gemv add_rms_norm M{m} N{n} K2048" for n in (3072, 16384) for m in (1, 4)]
 SILU_CASES = ("silu_and_mul I8192", "silu_and_mul I14336")
 SHARED_LIMIT_SM90 = 232448  # 227 KB, the most one block may opt into on an H100
+# every kernel once more as --enable-pdl compiles it (bf16 at the engine's decode shapes):
+# griddepcontrol.wait before any global memory access (kernels.jit.pdl_prologue)
+PDL_VARIANTS = [
+    ("_decode_split_kernel", "bfloat16", 128, 32, 8, "pdl"),
+    ("_extend_kernel", "bfloat16", 128, 32, 8, "pdl"),
+    ("_decode_split_kernel", "bfloat16", 128, 32, 8, "pdl merge kernel"),
+    ("_decode_merge_kernel", "bfloat16", 128, 32, 8, "pdl merge kernel"),
+    ("_rotary_kernel", "bfloat16", 128, 32, 8, "pdl rotary store"),
+    ("_decode_split_kernel", "bfloat16", 64, 12, 12, "pdl store kv"),
+    ("_store_kv_kernel", "bfloat16", 128, None, 8, "pdl"),
+    ("_norm_kernel", "bfloat16", None, None, None, "pdl add_rms_norm H2048"),
+    ("_norm_kernel", "bfloat16", None, None, None, "pdl add_layer_norm H768"),
+    ("_silu_and_mul_kernel", "bfloat16", None, None, None, "pdl silu_and_mul I8192"),
+    ("_gelu_new_kernel", "bfloat16", None, None, None, "pdl gelu_new"),
+    ("_argmax_chunks_kernel", "float32", None, None, None, "pdl argmax"),
+    ("_argmax_rows_kernel", "float32", None, None, None, "pdl argmax"),
+    ("_resolve_kernel", "int64", None, None, None, "pdl resolve"),
+    ("_page_ids_kernel", "int32", None, None, None, "pdl page 16 bs256"),
+    ("_grouped_gemm_kernel", "bfloat16", None, None, None, "pdl moe H2048 E128 k8 I768 T4 #1"),
+    ("_grouped_gemm_kernel", "bfloat16", None, None, None, "pdl moe H2048 E128 k8 I768 T4 #2"),
+    ("_fp8_gemm_kernel", "bfloat16", None, None, None, "pdl fp8 gemm group (128, 128) T4"),
+    ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv add_rms_norm M1 N3072 K2048"),
+    ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv silu_mul M1 N2048 K8192"),
+    ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv M4 N2048 K2048"),
+]
 
 
 def expected_variants() -> list[tuple]:
@@ -138,7 +163,7 @@ def expected_variants() -> list[tuple]:
         for dtype in ("float32", "bfloat16")
         for kernel in ("_argmax_chunks_kernel", "_argmax_rows_kernel")
     ]
-    return rows
+    return rows + PDL_VARIANTS
 
 
 def _key(variant: dict) -> tuple:
@@ -198,3 +223,20 @@ def test_no_register_spills(report: dict, key: tuple) -> None:
     v = variants_by_key(report).get(key)
     assert v is not None and v["registers"] is not None, f"{key} did not compile"
     assert (v["spill_stores"], v["spill_loads"]) == (0, 0), f"{key}: stack {v['stack']} B"
+
+
+@pytest.mark.slow
+def test_pdl_kernels_wait_before_they_touch_memory(report: dict) -> None:
+    """With --enable-pdl a kernel may start while the one before it still writes: its PTX
+    must have griddepcontrol.wait before any global load, store or atomic, and
+    launch_dependents after it (`compile_check.pdl_problems`); without PDL, no griddepcontrol
+    at all. A kernel missing from PDL_VARIANTS fails here too."""
+    found = variants_by_key(report)
+    kernels = {v["kernel"] for v in report["variants"]}
+    assert kernels == {key[0] for key in PDL_VARIANTS}, "a kernel without a PDL variant"
+    for key in PDL_VARIANTS:
+        assert key in found and found[key]["pdl"], f"{key}: not compiled with PDL"
+    for v in report["variants"]:
+        assert v["pdl"] == (v["case"] or "").startswith("pdl"), _key(v)
+        ordering = [p for p in v["problems"] if "griddepcontrol" in p or "PDL" in p]
+        assert not ordering, f"{_key(v)}: {ordering}"
