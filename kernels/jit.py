@@ -18,12 +18,16 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # kernels then fall back to their torch references where they have one
     triton = None
     tl = None
+try:  # grid dependency control (Triton 3.3+): programmatic dependent launch
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 HAS_TRITON = triton is not None
+HAS_GDC = gdc_wait is not None
 
 LOG2E = 1.4426950408889634  # kernels compute softmax with exp2 and fold log2(e) into the scale
 
@@ -133,12 +137,12 @@ def pdl_on() -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` can launch with PDL: compiled Triton (the interpreter has
     no grid dependency control) on a GPU of compute capability 9.0 (Hopper) or later."""
-    if not HAS_TRITON or interpreting() or device.type != "cuda":
+    if not HAS_GDC or interpreting() or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-if HAS_TRITON:
+if HAS_GDC:
 
     @triton.jit
     def pdl_prologue(PDL: tl.constexpr):
@@ -147,6 +151,13 @@ if HAS_TRITON:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
+
+elif HAS_TRITON:
+
+    @triton.jit
+    def pdl_prologue(PDL: tl.constexpr):
+        """(A Triton without grid dependency control: `pdl_supported` is False, PDL never on.)"""
+        pass
 
 
 def cdiv(a: int, b: int) -> int:

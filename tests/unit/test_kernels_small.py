@@ -70,3 +70,28 @@ def test_resolve_future_tokens_on_cpu():
     got = resolve_future_tokens(ids, future)
     assert got is ids and torch.equal(ids, want)
     assert torch.equal(resolve_future_tokens_torch(want.clone(), future), want)  # idempotent
+
+
+@needs_triton
+def test_a_triton_without_grid_dependency_control_still_runs_the_kernels():
+    """Triton before 3.3 has no `gdc_wait`: the kernels still import and run (their prologue
+    a no-op) and PDL is never supported, rather than Triton counting as missing."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, triton; sys.modules['triton.language.extra.cuda'] = None\n"
+        "import torch\n"
+        "import kernels.jit as j\n"
+        "assert j.HAS_TRITON and not j.HAS_GDC\n"
+        "assert not j.pdl_supported(torch.device('cuda'))\n"
+        "from kernels.fused_norm import rms_norm\n"
+        "x, w = torch.randn(3, 64), torch.rand(64)\n"
+        "want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))\n"
+        "torch.testing.assert_close(rms_norm(x, w, 1e-6), want)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
