@@ -169,7 +169,7 @@ def test_no_pdl_when_off_or_where_it_cannot_run(monkeypatch, enable_pdl, support
     """The flag off (the default), or on where PDL cannot run (the engine asks
     `pdl_supported`: compiled Triton on compute capability 9.0+), no launch carries PDL and
     no program executes griddepcontrol."""
-    launches = _pdl_launches(monkeypatch, "llama", enable_pdl, supported, **GEMV)
+    launches = _pdl_launches(monkeypatch, "llama", enable_pdl, supported)
     for name, pdl, events in launches:
         assert pdl is False and "wait" not in events and "launch" not in events, name
 
