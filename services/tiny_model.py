@@ -209,6 +209,7 @@ def make_tiny_model(
     dtype: str = "float32",
     num_labels: int | None = None,
     pooling: str = "cls",
+    qk_scale: float = QK_SCALE,
     **size_overrides: Any,
 ) -> str:
     """Write a random ``arch`` model of ``preset``'s shape, with its tokenizer, to ``out_dir``.
@@ -216,17 +217,20 @@ def make_tiny_model(
     ``arch`` defaults to the preset's own (llama for tiny / small); ``size_overrides`` are as
     for ``build_config``. The same arguments give the same weights (the torch seed is set
     first) and the same tokenizer (trained on a fixed corpus). Returns ``out_dir``.
-    ``pooling`` ("cls" or "mean") is for encoder embedding models only.
+    ``pooling`` ("cls" or "mean") is for encoder embedding models only. ``qk_scale``: the
+    factor on queries and keys (see `_shape_weights`; 1 leaves transformers' init).
     """
     if arch in tiny_encoder.ENCODER_ARCHS:
         tiny_encoder.check_encoder_options(dtype, size_overrides)
+        if qk_scale != QK_SCALE:
+            raise ValueError(f"--qk-scale is for decoder models, not {arch}")
         return tiny_encoder.make_tiny_encoder(out_dir, arch, preset, seed, num_labels, pooling)
     out_dir = os.fspath(out_dir)
     config = build_config(arch, preset, **size_overrides)
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype])
-        _shape_weights(model)
+        _shape_weights(model, qk_scale)
         if num_labels is not None:
             model = to_classifier(model, config, num_labels, LOGIT_SCALE)
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -243,14 +247,17 @@ def make_tiny_model(
     return out_dir
 
 
-def _shape_weights(model: torch.nn.Module) -> None:
+def _shape_weights(model: torch.nn.Module, qk_scale: float = QK_SCALE) -> None:
     """Make transformers' random init useful for tests (the values are measured, see tests).
 
     * Random norm weights and biases: transformers sets them to 1 and 0, so an engine that
       forgot them would still match it.
-    * Sharper attention (queries and keys x QK_SCALE) and small input embeddings: with diffuse
-      attention the hidden state barely changes from one position to the next and greedy
-      decoding repeats a token; the layers see the embeddings through a norm anyway.
+    * Sharper attention (queries and keys x `qk_scale`, default QK_SCALE) and small input
+      embeddings: with diffuse attention the hidden state barely changes from one position to
+      the next and greedy decoding repeats a token; the layers see the embeddings through a
+      norm anyway. Sharper attention also makes the model more sensitive to rounding: at the
+      bf16 parity shape transformers' own bf16 agrees with its float32 on 0.83 of positions
+      with 2, 0.96 with 1 (benchmarks/bf16_noise.py).
     * Logits with a standard deviation of about LOGIT_SCALE (final norm weight), so the top-1 /
       top-2 gap is wide and greedy tokens do not flip on float rounding.
     """
@@ -267,9 +274,9 @@ def _shape_weights(model: torch.nn.Module) -> None:
                 module.weight.sub_(_gain_offset(module))
         for name, module in model.named_modules():
             if name.endswith(("q_proj", "k_proj", "q_norm", "k_norm")):
-                _scale_gain(module, QK_SCALE)
+                _scale_gain(module, qk_scale)
             elif name.endswith("c_attn"):  # GPT-2's fused [q | k | v] columns
-                module.weight[:, : 2 * module.weight.shape[0]].mul_(QK_SCALE)
+                module.weight[:, : 2 * module.weight.shape[0]].mul_(qk_scale)
         for embedding in (model.get_input_embeddings(), getattr(decoder, "wpe", None)):
             if embedding is not None:
                 embedding.weight.mul_(EMBED_SCALE)
@@ -307,6 +314,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="a sequence classifier (cross-encoder) with this many labels")
     parser.add_argument("--pooling", choices=tiny_encoder.POOLING_MODES, default="cls",
                         help="an encoder embedding model's pooling (bert, xlm-roberta)")
+    parser.add_argument("--qk-scale", type=float, default=QK_SCALE,
+                        help=f"queries and keys times this (default {QK_SCALE}: sharper "
+                        "attention; 1: transformers' init, less sensitive to rounding)")
     for key in _SIZE_KEYS:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None)
     tiny_fp8.add_args(parser)
@@ -319,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = {key: getattr(args, key) for key in _SIZE_KEYS}
     path = make_tiny_model(
         args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
-        num_labels=args.num_labels, pooling=args.pooling, **sizes,
+        num_labels=args.num_labels, pooling=args.pooling, qk_scale=args.qk_scale, **sizes,
     )  # fmt: skip
     tiny_fp8.apply(args, path)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s")

@@ -6,6 +6,7 @@ on a CPU it runs with torch_native."""
 from __future__ import annotations
 
 import functools
+import os
 import random
 from typing import Any
 
@@ -18,6 +19,16 @@ CPU_PROMPT_LENS = [40, 7, 90, 1]
 CPU_DECODE = 12
 CLOSE = 1e-3  # |delta logit| of a position that computed the same (rounded) operands
 MIN_CLOSE_POSITIONS = 0.98
+# The bf16 parity models (tests/gpu/test_parity_gpu.py, benchmarks/bf16_noise.py): head_dim 64
+# (flashinfer's kernels take 64/128/256), teacher forced on four sequences. Queries and keys
+# at transformers' init (qk_scale 1): the tiny models' default 2 makes attention so sharp that
+# transformers' own bf16 agrees with its float32 on 0.83 of positions (Llama), a measure of
+# the random model's sensitivity to rounding rather than of either engine; with 1, 0.96.
+BF16_SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, intermediate_size=1024,
+                  vocab_size=4096)  # fmt: skip
+BF16_QK_SCALE = 1.0
+BF16_PROMPT_LENS = [200, 37, 513, 1]
+BF16_DECODE = 40
 
 
 def hf_logits(path: str, seqs: list[list[int]], device: str, dtype: torch.dtype) -> list:
@@ -131,6 +142,30 @@ def score_logits(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
     tokens = ours_all.argmax(-1)
     logprobs = torch.log_softmax(ours_all, -1).gather(1, tokens[:, None]).squeeze(1)
     return score(tokens, logprobs, torch.cat([r[: o.shape[0]] for o, r in zip(ours, ref)]))
+
+
+def bf16_parity_model(root: str, arch: str, qk_scale: float = BF16_QK_SCALE) -> str:
+    """The bf16 parity model of `arch` (or a name in tests.factories.WINDOWED_MODELS) under
+    `root`, built once."""
+    from services.tiny_model import make_tiny_model
+    from tests.factories import WINDOWED_MODELS
+
+    path = os.path.join(root, f"{arch}-bf16-qk{qk_scale:g}")
+    base, window = WINDOWED_MODELS.get(arch, (arch, None))
+    extra = {} if arch == "gpt2" else {"num_kv_heads": 4, "head_dim": 64}
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, arch=base, sliding_window=window, qk_scale=qk_scale, **BF16_SHAPE,
+                        **extra)  # fmt: skip
+    return path
+
+
+def bf16_sequences(seed: int) -> tuple[list[list[int]], list[int]]:
+    """Four random sequences of the parity models' vocabulary: BF16_PROMPT_LENS prompts, then
+    BF16_DECODE teacher-forced decode steps each."""
+    rng = random.Random(seed)
+    vocab = BF16_SHAPE["vocab_size"]
+    seqs = [[rng.randrange(8, vocab) for _ in range(p + BF16_DECODE)] for p in BF16_PROMPT_LENS]
+    return seqs, list(BF16_PROMPT_LENS)
 
 
 @functools.cache

@@ -9,7 +9,10 @@
   (overlap, CUDA graphs on and off): greedy generation with logprobs, then transformers on the
   engine's own sequences: its argmax at each generated position and the logprob of the
   engine's token. Both must agree on >= 99% of positions; max |delta logprob| of the chosen
-  token is printed and, with SLUICE_WRITE_RESULTS=1, written to
+  token is printed. The bf16 models keep transformers' query / key init (qk_scale 1, see
+  tests/teacher_forcing.py: on the default tiny models' sharper attention transformers' own
+  bf16 misses its float32 argmax on ~17% of positions); two runner cases on the sharper
+  models are recorded for comparison. Printed and, with SLUICE_WRITE_RESULTS=1, written to
   benchmarks/results/gpu_parity.json (and merged into gpu_summary.json); the sliding-window
   and Gemma 3 cases run as a later step of the runbook, into $SLUICE_PARITY_RESULTS
   (gpu_parity_windows.json).
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import os
-import random
 import tempfile
 from typing import Any
 
@@ -30,13 +32,21 @@ import pytest
 import torch
 
 from tests.factories import (
-    WINDOWED_MODELS,
     assert_greedy_match,
     hf_greedy,
     mixed_prompts,
     model_path,
 )
-from tests.teacher_forcing import hf_logits, runner_teacher_forced, score, score_logits
+from tests.teacher_forcing import (
+    BF16_QK_SCALE,
+    BF16_SHAPE,
+    bf16_parity_model,
+    bf16_sequences,
+    hf_logits,
+    runner_teacher_forced,
+    score,
+    score_logits,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -106,30 +116,10 @@ def test_fp32_greedy_matches_transformers(arch: str, backend: str, cuda_graph: b
     record["passed"] = True
 
 
-# -- bfloat16 teacher forcing ------------------------------------------------------------------
-BF16_SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, intermediate_size=1024,
-                  vocab_size=4096)
-
-
-@functools.cache
-def bf16_model(arch: str) -> str:
-    """A random model with head_dim 64 (flashinfer's kernels take 64/128/256)."""
-    from services.tiny_model import make_tiny_model
-
-    path = os.path.join(_ROOT, f"{arch}-bf16")
-    base, window = WINDOWED_MODELS.get(arch, (arch, None))
-    extra = {} if arch == "gpt2" else {"num_kv_heads": 4, "head_dim": 64}
-    if not os.path.exists(os.path.join(path, "config.json")):
-        make_tiny_model(path, arch=base, sliding_window=window, **BF16_SHAPE, **extra)
-    return path
-
-
-def _sequences(vocab: int, seed: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    prompt_lens = [200, 37, 513, 1]
-    decode = 40
-    seqs = [[rng.randrange(8, vocab) for _ in range(p + decode)] for p in prompt_lens]
-    return seqs, prompt_lens
+# -- bfloat16 teacher forcing ----------------------------------------------------------------
+def bf16_model(arch: str, qk_scale: float = BF16_QK_SCALE) -> str:
+    """A random model with head_dim 64 (tests.teacher_forcing.bf16_parity_model)."""
+    return bf16_parity_model(_ROOT, arch, qk_scale)
 
 
 def _check(stats: dict) -> None:
@@ -142,20 +132,40 @@ def _check(stats: dict) -> None:
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("arch", BF16_ARCHS)
 def test_bf16_flashinfer_teacher_forced_runner(arch: str, page_size: int) -> None:
-    path = bf16_model(arch)
-    seqs, prompt_lens = _sequences(BF16_SHAPE["vocab_size"], seed=BF16_ARCHS.index(arch))
+    stats = _runner_stats(arch, page_size, BF16_QK_SCALE)
+    RESULTS["bf16_runner"][f"{arch}/page{page_size}"] = stats
+    _check(stats)
+
+
+@needs_cuda
+@needs_flashinfer
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_bf16_sharp_attention_for_the_record(arch: str) -> None:
+    """The same on the tiny models' default, sharper attention (qk_scale 2, the bf16 models
+    of the first three GPU sessions): recorded beside the others, not held to the bar, since
+    there transformers' own bf16 misses its float32's argmax on ~17% of positions."""
+    from services.tiny_model import QK_SCALE
+
+    stats = _runner_stats(arch, 1, QK_SCALE)
+    RESULTS.setdefault("bf16_runner_sharp_attention", {})[f"{arch}/qk{QK_SCALE:g}"] = stats
+    assert stats["agreement"] >= 0.5, stats  # (only a gross bug lands here)
+
+
+def _runner_stats(arch: str, page_size: int, qk_scale: float) -> dict:
+    path = bf16_model(arch, qk_scale)
+    seqs, prompt_lens = bf16_sequences(seed=BF16_ARCHS.index(arch))
     ours = runner_teacher_forced(path, seqs, prompt_lens, "cuda", "flashinfer",
-                                 page_size=page_size)
+                                 page_size=page_size)  # fmt: skip
     ref = hf_logits(path, seqs, "cuda", torch.bfloat16)
     ref32 = hf_logits(path, seqs, "cuda", torch.float32)
     stats = score_logits(ours, ref)
     # context: how far bf16 itself is from float32 on these random models
     stats["vs_transformers_fp32"] = score_logits(ours, ref32)
     stats["transformers_bf16_vs_fp32"] = score_logits(ref, ref32)
-    RESULTS["bf16_runner"][f"{arch}/page{page_size}"] = stats
-    print(f"\n{arch} page {page_size}: {stats}")
+    stats["qk_scale"] = qk_scale
+    print(f"\n{arch} page {page_size} qk_scale {qk_scale:g}: {stats}")
     assert stats["positions"] == sum(len(s) for s in seqs)  # prefill rows + decode rows
-    _check(stats)
+    return stats
 
 
 @needs_cuda

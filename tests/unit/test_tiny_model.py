@@ -192,6 +192,30 @@ def test_build_is_reproducible(model_dirs: dict[str, str], tmp_path: Path) -> No
     assert (Path(again) / "tokenizer.json").read_bytes() == saved
 
 
+@pytest.mark.parametrize("arch, names", [
+    ("llama", ("self_attn.q_proj.weight", "self_attn.k_proj.weight")),
+    ("gpt2", ("attn.c_attn.weight",)),
+])  # fmt: skip
+def test_qk_scale_scales_queries_and_keys_only(tmp_path: Path, arch: str, names: tuple) -> None:
+    """--qk-scale 1 against the default 2: the query and key weights (GPT-2: the fused
+    c_attn's q and k columns) half as large, every other tensor the same."""
+    sharp = load_file(str(Path(make_tiny_model(tmp_path / "a", arch=arch)) / "model.safetensors"))
+    plain = load_file(str(Path(make_tiny_model(tmp_path / "b", arch=arch, qk_scale=1.0))
+                          / "model.safetensors"))  # fmt: skip
+    assert sharp.keys() == plain.keys()
+    for key, tensor in sharp.items():
+        if not any(key.endswith(n) for n in names):
+            assert torch.equal(tensor, plain[key]), key
+        elif arch == "gpt2":  # [hidden, 3 * hidden]: q and k, then v
+            qk = tensor.shape[0] * 2
+            torch.testing.assert_close(tensor[:, :qk], 2 * plain[key][:, :qk])
+            assert torch.equal(tensor[:, qk:], plain[key][:, qk:])
+        else:
+            torch.testing.assert_close(tensor, 2 * plain[key])
+    with pytest.raises(ValueError, match="decoder models"):
+        make_tiny_model(tmp_path / "c", arch="bert", qk_scale=1.0)
+
+
 def test_tiny_weights_carry_biases_and_norms(model_dirs: dict[str, str]) -> None:
     tensors = load_file(str(Path(model_dirs["qwen2"]) / "model.safetensors"))
     assert tensors["model.layers.0.self_attn.q_proj.bias"].abs().max() > 0.1
@@ -287,8 +311,9 @@ def test_command_line(tmp_path: Path) -> None:
     args = parser.parse_args(
         ["make-tiny-model", str(tmp_path), "--arch", "qwen3", "--num-layers", "1",
          "--hidden-size", "32", "--head-dim", "16", "--vocab-size", "700", "--dtype", "bfloat16",
-         "--sliding-window", "8"]
+         "--sliding-window", "8", "--qk-scale", "1.5"]
     )
+    assert args.qk_scale == 1.5
     assert args.func(args) == 0
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["head_dim"]) == (1, 32, 16)
