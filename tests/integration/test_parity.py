@@ -100,3 +100,26 @@ def test_greedy_matches_transformers(arch: str, config: str, loop: str) -> None:
         assert cached > 0, "the second wave should hit the prefix cache"
     if config == "retract":
         assert stats["num_retractions"] > 0, "the tiny KV pool should force retraction"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_bf16_teacher_forcing_harness_on_the_cpu(arch: str, tmp_path) -> None:
+    """The GPU parity test's bf16 case (its model, sequences and scoring) on the CPU with
+    torch_native, where both engines run much the same torch ops: every position agrees up to
+    a bf16 tie (gemma2's logits, soft-capped at 30, tie often at bf16's 0.125 steps there)."""
+    import torch
+
+    from tests.teacher_forcing import (
+        bf16_parity_model,
+        bf16_sequences,
+        hf_logits,
+        runner_teacher_forced,
+        score_logits,
+    )
+
+    path = bf16_parity_model(str(tmp_path), arch)
+    seqs, prompt_lens = bf16_sequences(seed=0)
+    ours = runner_teacher_forced(path, seqs, prompt_lens, "cpu", "torch_native")
+    stats = score_logits(ours, hf_logits(path, seqs, "cpu", torch.bfloat16))
+    assert stats["positions"] == sum(len(s) for s in seqs)
+    assert stats["agreement_tie_aware"] == 1.0 and stats["agreement"] >= 0.97, stats
