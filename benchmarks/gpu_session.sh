@@ -177,7 +177,7 @@ do_step() {
         setup) ;;
         parity)
             # its first flashinfer test waits for the JIT compile: longer timeout
-            run_step parity 240 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" --timeout 500 \
+            run_step parity 260 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" --timeout 500 \
                 tests/gpu/test_parity_gpu.py -k "not sliding and not gemma"
             pack_aot ;;
         parity-windows)
