@@ -8,7 +8,8 @@ gate_up with its norm, down with the activation. GPT-2's layer: its two LayerNor
 residual adds, the decode kernel (which also writes the new K/V: no rotary kernel to do it),
 gelu_new (on CUDA the GELU goes into c_fc's cuBLASLt epilogue instead, which the interpreter
 cannot run: CPU tensors keep the kernel, tests/gpu/test_fused_kernels_gpu.py checks the CUDA
-side)."""
+side). With --enable-pdl: every launch of a run carries PDL and each of its programs waits
+(griddepcontrol.wait, noted here since the interpreter has none) before it touches memory."""
 
 from __future__ import annotations
 
