@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, pdl_on, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, tl, triton
 
 GELU_TANH_COEF = math.sqrt(2.0 / math.pi)
 
@@ -65,10 +65,9 @@ def silu_and_mul(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
         x = x.contiguous()
     rows = x.reshape(-1, x.shape[-1])  # a view unless the leading dims cannot be merged
     block = min(block, next_pow2(inter))
-    grid, pdl = (rows.shape[0], cdiv(inter, block)), pdl_on()
+    grid = (rows.shape[0], cdiv(inter, block))
     _silu_and_mul_kernel[grid](
-        rows, out, rows.stride(0), inter, BLOCK=block, PDL=pdl,
-        **launch_opts(4 if block >= 512 else 1, pdl),
+        rows, out, rows.stride(0), inter, BLOCK=block, **launch_opts(4 if block >= 512 else 1),
     )  # fmt: skip
     return out
 
@@ -81,9 +80,8 @@ def gelu_new(x: torch.Tensor, block: int = 1024) -> torch.Tensor:
     if numel == 0:
         return out
     block = min(block, next_pow2(numel))
-    grid, pdl = (cdiv(numel, block),), pdl_on()
+    grid = (cdiv(numel, block),)
     _gelu_new_kernel[grid](
-        x, out, numel, GELU_TANH_COEF, BLOCK=block, PDL=pdl,
-        **launch_opts(4 if block >= 512 else 1, pdl),
+        x, out, numel, GELU_TANH_COEF, BLOCK=block, **launch_opts(4 if block >= 512 else 1),
     )  # fmt: skip
     return out

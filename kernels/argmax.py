@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, pdl_on, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, tl, triton
 
 BLOCK = 4096
 
@@ -78,11 +78,10 @@ def argmax_rows(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     chunks = cdiv(cols, block)
     vals = torch.empty((rows, chunks), dtype=torch.float32, device=x.device)
     idx = torch.empty((rows, chunks), dtype=torch.int32, device=x.device)
-    pdl = pdl_on()
     _argmax_chunks_kernel[(rows, chunks)](
-        x, x.stride(0), cols, vals, idx, chunks, BLOCK=block, PDL=pdl, **launch_opts(8, pdl)
+        x, x.stride(0), cols, vals, idx, chunks, BLOCK=block, **launch_opts(8)
     )
     _argmax_rows_kernel[(rows,)](
-        vals, idx, chunks, out, CHUNKS=next_pow2(chunks, 2), PDL=pdl, **launch_opts(1, pdl)
+        vals, idx, chunks, out, CHUNKS=next_pow2(chunks, 2), **launch_opts(1)
     )
     return out

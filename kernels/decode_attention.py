@@ -43,7 +43,6 @@ from kernels.jit import (
     dot_precision,
     launch_opts,
     next_pow2,
-    pdl_on,
     pdl_prologue,
 )
 from kernels.reference import as_heads
@@ -367,7 +366,6 @@ def decode_attention(
     else:
         k_new = v_new = k_buffer  # (unread)
         loc = seq_lens
-    pdl = pdl_on()
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         merge_counter if fuse else seq_lens, k_new, v_new, loc,
@@ -390,8 +388,7 @@ def decode_attention(
         BLOCK_S=next_pow2(num_splits),
         DOT_DTYPE=dot_dtype(dtype),
         PRECISION=dot_precision(dtype),
-        PDL=pdl,
-        **launch_opts(split_warps(dtype, block_d), pdl),
+        **launch_opts(split_warps(dtype, block_d)),
     )  # fmt: skip
     if fuse:
         return out
@@ -405,7 +402,6 @@ def decode_attention(
         BLOCK_S=next_pow2(num_splits),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
-        PDL=pdl,
-        **launch_opts(4, pdl),
+        **launch_opts(4),
     )  # fmt: skip
     return out

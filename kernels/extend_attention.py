@@ -31,7 +31,6 @@ from kernels.jit import (
     dot_precision,
     launch_opts,
     next_pow2,
-    pdl_on,
     pdl_prologue,
 )
 from kernels.reference import as_heads
@@ -210,7 +209,7 @@ def extend_attention(
     default_m, default_n, num_warps = launch_config(dtype, block_d)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n
-    grid, pdl = (batch_size, num_heads, cdiv(max_extend_len, block_m)), pdl_on()
+    grid = (batch_size, num_heads, cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
@@ -227,7 +226,6 @@ def extend_attention(
         BLOCK_D=block_d,
         DOT_DTYPE=dot_dtype(dtype),
         PRECISION=dot_precision(dtype),
-        PDL=pdl,
-        **launch_opts(num_warps, pdl),
+        **launch_opts(num_warps),
     )  # fmt: skip
     return out

@@ -23,7 +23,6 @@ from kernels.jit import (
     interpreting,
     launch_opts,
     next_pow2,
-    pdl_on,
     tl,
     triton,
 )
@@ -189,7 +188,7 @@ def fp8_gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
     block_m = 16 if m <= 16 else 64
     block_n = 64 if m <= 16 else 128
-    grid, pdl = (cdiv(m, block_m), cdiv(n, block_n)), pdl_on()
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
     _fp8_gemm_kernel[grid](
         a_q, a_s, w_q, w_s, bias if bias is not None else out, out,
         m, n, k, a_q.stride(0), a_s.stride(0), w_q.stride(0), w_s.stride(0), out.stride(0),
@@ -200,7 +199,6 @@ def fp8_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PDL=pdl,
-        **launch_opts(4, pdl),
+        **launch_opts(4),
     )  # fmt: skip
     return out

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.jit import cdiv, dot_dtype, dot_precision, launch_opts, pdl_on, pdl_prologue
+from kernels.jit import cdiv, dot_dtype, dot_precision, launch_opts, pdl_prologue
 
 
 def moe_align(
@@ -115,7 +115,7 @@ def _grouped_gemm(a, w, c, routed_weight, align, num_pairs, rows_per_pair, block
     block_m, block_n, block_k = block_sizes
     num_experts, n, k = w.shape
     assert a.stride(1) == 1 and w.stride(2) == 1 and c.stride(1) == 1
-    grid, pdl = (sorted_ids.numel() // block_m, cdiv(n, block_n)), pdl_on()
+    grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, routed_weight, sorted_ids, block_experts, total,
         num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
@@ -126,8 +126,7 @@ def _grouped_gemm(a, w, c, routed_weight, align, num_pairs, rows_per_pair, block
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        PDL=pdl,
-        **launch_opts(4, pdl),
+        **launch_opts(4),
     )  # fmt: skip
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.jit import HAS_TRITON, launch_opts, next_pow2, pdl_on, tl, triton
+from kernels.jit import HAS_TRITON, launch_opts, next_pow2, tl, triton
 
 MAX_HIDDEN = 16384
 
@@ -121,7 +121,7 @@ def _launch(
     x3 = _rows(x)
     r3 = x3 if residual is None else _rows(residual)
     assert r3.shape == x3.shape, (tuple(residual.shape), tuple(x.shape))
-    block, pdl = next_pow2(hidden), pdl_on()
+    block = next_pow2(hidden)
     _norm_kernel[(x3.shape[0] * x3.shape[1],)](
         x3, r3, weight, weight if bias is None else bias, out,
         x3 if new_res is None else new_res,
@@ -131,8 +131,7 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         BLOCK=block,
-        PDL=pdl,
-        **launch_opts(_num_warps(block), pdl),
+        **launch_opts(_num_warps(block)),
     )  # fmt: skip
     return out, new_res
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, launch_opts, pdl_on, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, tl, triton
 
 if HAS_TRITON:
     from kernels.jit import pdl_prologue
@@ -45,10 +45,8 @@ def resolve_future_tokens_triton(
 ) -> torch.Tensor:
     num_tokens = input_ids.shape[0]
     if num_tokens:
-        grid, pdl = (cdiv(num_tokens, block),), pdl_on()
-        _resolve_kernel[grid](
-            input_ids, future_buffer, num_tokens, BLOCK=block, PDL=pdl, **launch_opts(4, pdl)
-        )
+        grid = (cdiv(num_tokens, block),)
+        _resolve_kernel[grid](input_ids, future_buffer, num_tokens, BLOCK=block, **launch_opts(4))
     return input_ids
 
 

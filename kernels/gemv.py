@@ -43,7 +43,6 @@ from kernels.jit import (
     launch_opts,
     next_pow2,
     num_sms,
-    pdl_on,
     tl,
     triton,
 )
@@ -274,8 +273,7 @@ def gemv(
         prologue = act is not None or norm is not None
         config = gemv_config(m, n, k, num_sms(x.device), x.element_size(), prologue)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
-    pdl = pdl_on()
-    opts = launch_opts(config["num_warps"], pdl)
+    opts = launch_opts(config["num_warps"])
     if not interpreting():
         opts["num_stages"] = config["num_stages"]
     block_m = 1 if m == 1 else max(16, next_pow2(m))
@@ -284,7 +282,7 @@ def gemv(
         x.stride(0), weight.stride(0), out.stride(0), res.stride(0), eps,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, DOT_DTYPE=dot_dtype(x.dtype),
-        PRECISION=dot_precision(x.dtype), ACT=ACTS[act], NORM=norm_kind, PDL=pdl,
+        PRECISION=dot_precision(x.dtype), ACT=ACTS[act], NORM=norm_kind,
         **opts,
     )  # fmt: skip
     return out

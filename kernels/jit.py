@@ -96,14 +96,6 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def launch_opts(num_warps: int, pdl: bool = False) -> dict[str, Any]:
-    """Launch options for the GPU (the interpreter takes none); `pdl`: a programmatic
-    dependent launch (see `use_pdl`), for a kernel that starts with `pdl_prologue`."""
-    if interpreting():
-        return {}
-    return {"num_warps": num_warps, "launch_pdl": True} if pdl else {"num_warps": num_warps}
-
-
 # --- Programmatic dependent launch (Hopper and later) ----------------------------------------
 # A kernel launched with the PDL attribute may start while the kernel before it in the stream
 # is still running: its programs are scheduled once every program of that kernel has executed
@@ -132,6 +124,16 @@ def use_pdl(on: bool) -> None:
 def pdl_on() -> bool:
     """Whether the kernels' launchers launch with PDL now (`use_pdl`)."""
     return _PDL[0]
+
+
+def launch_opts(num_warps: int) -> dict[str, Any]:
+    """A launch's options: the kernel's `PDL` constexpr (every sluice kernel begins with
+    `pdl_prologue(PDL)`; true while `use_pdl` is on) and, compiled, its warps and with PDL the
+    launch attribute (the interpreter takes neither)."""
+    pdl = _PDL[0]
+    if interpreting():
+        return {"PDL": pdl}
+    return {"PDL": pdl, "num_warps": num_warps, **({"launch_pdl": True} if pdl else {})}
 
 
 def pdl_supported(device: torch.device) -> bool:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import cdiv, launch_opts, next_pow2, pdl_on, pdl_prologue
+from kernels.jit import cdiv, launch_opts, next_pow2, pdl_prologue
 from kernels.reference import as_heads
 
 
@@ -67,13 +67,12 @@ def store_kv(
     assert k_buffer.is_contiguous() and v_buffer.is_contiguous()
     row_len = num_heads * head_dim
     block = min(block, next_pow2(row_len))
-    grid, pdl = (num_tokens, cdiv(row_len, block)), pdl_on()
+    grid = (num_tokens, cdiv(row_len, block))
     _store_kv_kernel[grid](
         k, v, k_buffer, v_buffer, loc,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         row_len,
         HEAD_DIM=head_dim,
         BLOCK=block,
-        PDL=pdl,
-        **launch_opts(4, pdl),
+        **launch_opts(4),
     )  # fmt: skip

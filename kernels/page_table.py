@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import launch_opts, next_pow2, pdl_on, pdl_prologue
+from kernels.jit import launch_opts, next_pow2, pdl_prologue
 
 
 @triton.jit
@@ -71,12 +71,11 @@ def page_ids(
     if batch == 0:
         return out
     assert req_to_token.stride(1) == 1 and out.dtype == torch.int32
-    pdl = pdl_on()
     _page_ids_kernel[(batch,)](
         req_to_token, req_to_token.stride(0), rows, kv_lens,
         kv_lens if sub_lens is None else sub_lens, out, batch,
         PAGE=page_size, HAS_SUB=sub_lens is not None, BLOCK_B=next_pow2(batch),
-        BLOCK_P=block_pages, PDL=pdl, **launch_opts(4, pdl),
+        BLOCK_P=block_pages, **launch_opts(4),
     )  # fmt: skip
     return out
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, pdl_on, tl, triton
+from kernels.jit import HAS_TRITON, cdiv, launch_opts, next_pow2, tl, triton
 from kernels.reference import as_heads
 
 
@@ -168,7 +168,6 @@ def apply_rotary(
         v = as_heads(v, kv_heads, head_dim)
         assert v.shape == (num_tokens, kv_heads, head_dim)
         assert loc.shape == (num_tokens,), (tuple(loc.shape), num_tokens)
-    pdl = pdl_on()
     _rotary_kernel[grid](
         x, positions, cos_sin_cache, out,
         x.stride(0), x.stride(1), cos_sin_cache.stride(0), num_heads,
@@ -179,7 +178,6 @@ def apply_rotary(
         DROP=_DROP_BITS.get(dtype, 0),
         MIN_NORMAL=2.0**-14 if dtype == torch.float16 else 0.0,
         STORE_KV=kv_store is not None,
-        PDL=pdl,
-        **launch_opts(4, pdl),
+        **launch_opts(4),
     )  # fmt: skip
     return out
