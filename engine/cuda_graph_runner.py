@@ -17,12 +17,13 @@ same shapes, the same device addresses), hence the layout here:
   attending over `cuda_graph_seq_len_fill_value` keys of the model runner's padding row of
   `req_to_token` (a row no request owns; all its entries are slot 0). Rows never mix in a
   decode forward, so padding cannot change a real row's logits;
-* the logits are copied inside the graph into the static `logits`, and `replay` returns a
-  view of its first `n` rows, valid until the next replay. Device work is stream-ordered, so
-  anything enqueued before the next replay (sampling) reads this step's values. The copy
-  costs one pass over [bs, vocab] float32 per step and bounds the graphs' output memory to
-  one buffer: the graphs share one memory pool (captured largest first, so the smaller ones
-  reuse its blocks), and outputs left alive in the pool would add up to sum(sizes) x vocab.
+* the logits are written inside the graph into the static `logits` (the logits processor
+  converts them to float32 straight into it: `ForwardBatch.logits_out`), and `replay`
+  returns a view of its first `n` rows, valid until the next replay. Device work is
+  stream-ordered, so anything enqueued before the next replay (sampling) reads this step's
+  values. The one buffer bounds the graphs' output memory: the graphs share one memory pool
+  (captured largest first, so the smaller ones reuse its blocks), and outputs left alive in
+  the pool would add up to sum(sizes) x vocab.
 
 FutureMap: a runner is bound to at most one `FutureMap` for its lifetime (`future_map`, given
 at construction). When bound, every graph starts by resolving the placeholders of the static
@@ -171,13 +172,15 @@ class CudaGraphRunner:
     def _step(self, batch: ForwardBatch) -> Callable[[], None]:
         """What a graph of size `batch.batch_size` records."""
         future_map, bs = self.future_map, batch.batch_size
+        out = batch.logits_out = self.logits[:bs]  # the logits processor writes them here
 
         def step() -> None:
             if future_map is not None:
                 future_map.resolve_future(batch.input_ids)
             self.backend.cuda_graph_prologue(batch)
             logits = self.model(batch.input_ids, batch.positions, batch)
-            self.logits[:bs].copy_(logits)
+            if logits.data_ptr() != out.data_ptr():  # (a model that computes them otherwise)
+                out.copy_(logits)
 
         return step
 

@@ -76,6 +76,9 @@ class ForwardBatch:
     # DECODE built by the model runner: [4, B] int64, the tensor whose rows req_pool_indices,
     # seq_lens, input_ids and positions are (a graph replay loads them with one copy)
     decode_rows: torch.Tensor | None = None
+    # DECODE inside a CUDA graph: the graph's float32 [B, vocab] buffer, into which the logits
+    # processor writes the logits (its float32 conversion, with no copy after it)
+    logits_out: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,12 @@ Only the rows whose logits are needed go through the (large) lm_head matmul: the
 token of each request, then the rows of `forward_batch.prompt_logprob_rows` (prompt
 logprobs), or every token when `forward_batch.return_all_logits` is set.
 
+In a CUDA graph (`forward_batch.logits_out`, engine/cuda_graph_runner.py) the float32 logits
+are written into the graph's own buffer by the conversion itself: a 16-bit model's logits
+were converted into a fresh tensor and then copied into that buffer, two passes over
+[batch, vocab] float32 (at batch 256 with GPT-2's vocabulary, 51 MB each; on the H100 the
+copy was a 47 us kernel of a 1.8 ms step: gpu_overlap_bs256_on_profile_dectriton.txt).
+
 An embedding model's batch (`forward_batch.pooling` set) gets its pooled hidden states
 instead (engine/pooling.py): the lm_head is not applied.
 
@@ -65,6 +71,8 @@ class LogitsProcessor(nn.Module):
         if self.soft_cap:  # in float32 at least (float64 models: float64), then float32
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
+        if fb.logits_out is not None:  # (a CUDA graph's buffer: converted as it is written)
+            return fb.logits_out.copy_(logits)
         return logits.float()
 
 

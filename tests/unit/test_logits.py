@@ -37,12 +37,13 @@ def test_padding_is_the_default_only_on_cuda_in_16_bits(monkeypatch) -> None:
 
 
 def test_logits_processor_rows_are_the_plain_ones(monkeypatch) -> None:
-    """Through LogitsProcessor (decode: one row per request), padded or not: the same float32
-    logits."""
+    """Through LogitsProcessor (decode: one row per request), padded or not, into a fresh
+    tensor or into a CUDA graph's buffer (`logits_out`): the same float32 logits."""
     torch.manual_seed(1)
     hidden = torch.randn(4, 16, dtype=torch.bfloat16)
     weight = torch.randn(101, 16, dtype=torch.bfloat16)
-    fb = SimpleNamespace(pooling=None, return_all_logits=False, forward_mode=ForwardMode.DECODE)
+    fb = SimpleNamespace(pooling=None, return_all_logits=False, forward_mode=ForwardMode.DECODE,
+                         logits_out=None)  # fmt: skip
     proc = mod.LogitsProcessor(101)
     plain = proc(hidden, weight, fb)
     real = mod.lm_head_matmul
@@ -50,6 +51,9 @@ def test_logits_processor_rows_are_the_plain_ones(monkeypatch) -> None:
     padded = proc(hidden, weight, fb)
     assert padded.dtype == torch.float32 and padded.is_contiguous()
     assert torch.equal(padded, plain)
+    fb.logits_out = torch.full((4, 101), float("nan"))
+    written = proc(hidden, weight, fb)
+    assert written is fb.logits_out and torch.equal(written, plain)
 
 
 def test_pad_vocab_rows_keeps_the_parameter_and_its_values() -> None:
