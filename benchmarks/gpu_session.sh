@@ -38,8 +38,9 @@
 #   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
 #               engine against transformers, writing benchmarks/results/gpu_embeddings.json;
 #               then benchmarks/encoders.py (BERT-base shape, 1024 inputs): gpu_encoders.json
-#   fp8         tests/gpu/test_fp8_gpu.py, then benchmarks/fp8.py (Llama-3.2-1B shape, bf16):
-#               FP8 weights against bf16, writing benchmarks/results/gpu_fp8.json
+#   fp8         tests/gpu/test_fp8_gpu.py, benchmarks/fp8_noise.py (its teacher-forced
+#               agreements, float32 and bf16: gpu_fp8_noise.json), then benchmarks/fp8.py
+#               (Llama-3.2-1B shape, bf16): FP8 weights against bf16, writing gpu_fp8.json
 #   kv-fp8      tests/gpu/test_kv_fp8_gpu.py, then benchmarks/kv_fp8.py (Llama-3.2-1B shape,
 #               bf16, 256 x 1024-token prompts): the FP8 KV cache against bf16 on the same KV
 #               bytes, writing benchmarks/results/gpu_kv_fp8.json
@@ -239,7 +240,9 @@ do_step() {
             run_step encoders 90 python3 benchmarks/encoders.py --device cuda \
                 --dtype bfloat16 --shape base --inputs 1024 --hf-batch 64 --name gpu_encoders ;;
         fp8)
-            run_step fp8-tests 150 "${PYTEST[@]}" --timeout 400 tests/gpu/test_fp8_gpu.py
+            run_step fp8-tests 200 "${PYTEST[@]}" --timeout 400 tests/gpu/test_fp8_gpu.py
+            run_step fp8-noise 90 python3 benchmarks/fp8_noise.py --device cuda --qk-scales 1 \
+                --name gpu_fp8_noise
             run_step fp8-bench 150 python3 benchmarks/fp8.py --preset llama-3.2-1b --device cuda \
                 --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 --kv-tokens 65536 \
                 --name gpu_fp8 ;;

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 from typing import Any
 
@@ -96,3 +97,60 @@ def hf_w8a8_logits(
         linear.register_forward_pre_hook(fake_quant)
     with torch.inference_mode():
         return [model(torch.tensor([s], device=device)).logits[0].float().cpu() for s in seqs]
+
+
+# -- the W8A8 teacher-forcing comparison (tests/gpu/test_fp8_gpu.py, benchmarks/fp8_noise.py) --
+FP8_SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
+                 intermediate_size=1024, vocab_size=4096)  # fmt: skip
+FP8_BLOCK = 128  # the checkpoints' weight blocks (128 x 128, as Qwen3-*-FP8's)
+
+
+def fp8_models(root: str, arch: str, qk_scale: float) -> tuple[str, str]:
+    """(a float32 model of FP8_SHAPE, the same as a block FP8 checkpoint) under `root`, built
+    once. float32: transformers dequantizes an FP8 checkpoint into the checkpoint's dtype, so
+    from a bf16 one its float32 reference would carry bf16-rounded weights."""
+    from services.tiny_fp8 import quantize_checkpoint
+    from services.tiny_model import make_tiny_model
+
+    full = os.path.join(root, f"{arch}-qk{qk_scale:g}")
+    fp8 = full + "-fp8"
+    if not os.path.exists(os.path.join(fp8, "config.json")):
+        make_tiny_model(full, arch=arch, dtype="float32", qk_scale=qk_scale, **FP8_SHAPE)
+        shutil.copytree(full, fp8 + ".tmp")
+        quantize_checkpoint(fp8 + ".tmp", FP8_BLOCK)
+        os.replace(fp8 + ".tmp", fp8)
+    return full, fp8
+
+
+def fp8_sequences(seed: int) -> tuple[list[list[int]], list[int]]:
+    """Four sequences (prompts of 200, 37, 513 and 1 tokens, 24 more each) and their prompt
+    lengths."""
+    rng = random.Random(seed)
+    prompt_lens = [200, 37, 513, 1]
+    vocab = FP8_SHAPE["vocab_size"]
+    return [[rng.randrange(8, vocab) for _ in range(p + 24)] for p in prompt_lens], prompt_lens
+
+
+def w8a8_ours(models: tuple[str, str], kind: str, seed: int, device: str, backend: str,
+              dtype: str) -> list:  # fmt: skip
+    """sluice's teacher-forced logits: the FP8 checkpoint (`kind` "checkpoint") or the model
+    quantized as it loads (`--quantization fp8`, "online")."""
+    from tests.teacher_forcing import runner_teacher_forced
+
+    full, fp8 = models
+    seqs, prompt_lens = fp8_sequences(seed)
+    if kind == "checkpoint":
+        return runner_teacher_forced(fp8, seqs, prompt_lens, device, backend, dtype)
+    return runner_teacher_forced(full, seqs, prompt_lens, device, backend, dtype,
+                                 quantization="fp8")  # fmt: skip
+
+
+def w8a8_reference(models: tuple[str, str], kind: str, seed: int, device: str,
+                   dtype: str) -> list:  # fmt: skip
+    """transformers' W8A8 logits for `w8a8_ours`' sequences: the checkpoint's blocks, or
+    per-channel weights and per-token activations ("online")."""
+    full, fp8 = models
+    seqs, _ = fp8_sequences(seed)
+    if kind == "checkpoint":
+        return hf_w8a8_logits(fp8, seqs, FP8_BLOCK, device=device, dtype=getattr(torch, dtype))
+    return hf_w8a8_logits(full, seqs, None, True, device=device, dtype=getattr(torch, dtype))

@@ -3,47 +3,50 @@
 * the two CUDA paths of `fp8_linear`, `torch._scaled_mm` (per-channel, bfloat16) and the
   Triton block kernel, against the torch reference on the same float8 operands, at real
   layer shapes;
-* bfloat16 models with 128 x 128 block FP8 checkpoints and `--quantization fp8`, teacher-forced
-  through the model runner (flashinfer) against transformers computing the same W8A8
-  arithmetic in bfloat16 (tests/fp8_reference.py), scored as the bf16 parity test scores;
+* models with 128 x 128 block FP8 checkpoints and `--quantization fp8`, teacher-forced through
+  the model runner against transformers computing the same W8A8 arithmetic
+  (tests/fp8_reference.py): in float32 (the Triton FP8 GEMM, Triton attention) to the 0.99
+  bar of the bf16 parity test; in bfloat16 (`torch._scaled_mm` and the GEMM with bf16
+  outputs, flashinfer) against the float32 reference, no further from it than transformers'
+  own bfloat16 W8A8 is;
 * the engine with CUDA graphs against eager: the same greedy tokens.
+
+Why bfloat16 is not held to 0.99 against transformers' bfloat16: W8A8 rounds every
+projection's input to float8 (steps of 6-12%), so a bf16-sized difference between two correct
+engines flips roundings that compound over the layers. The third GPU session measured 0.51
+(online) and blamed neither side; the same comparison on the CPU (benchmarks/fp8_noise.py,
+fp8_noise.json), where sluice's FP8 layer is the reference's float32 arithmetic to the letter,
+gives the same: sluice's bf16 against transformers' bf16 0.48-0.50 (llama, qwen3; query / key
+scale 2) and 0.74-0.78 (scale 1), transformers' bf16 against its own float32 0.33-0.39 and
+0.68-0.72, while sluice's float32 agrees with transformers' float32 on 0.985-0.992 (tie-aware
+0.992-0.996). The models are float32 checkpoints with the parity models' query / key scale
+(tests/teacher_forcing.py `BF16_QK_SCALE`): transformers dequantizes a bf16 FP8 checkpoint into
+bf16, which in float32 left its reference 0.60 away.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import random
-import shutil
 import tempfile
 
 import pytest
 import torch
 
-from tests.fp8_reference import hf_w8a8_logits
-from tests.teacher_forcing import runner_teacher_forced, score_logits
+from tests.fp8_reference import fp8_models, fp8_sequences, w8a8_ours, w8a8_reference
+from tests.teacher_forcing import BF16_QK_SCALE, score_logits
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
-             intermediate_size=1024, vocab_size=4096)  # fmt: skip
 _ROOT = tempfile.mkdtemp(prefix="sluice-gpu-fp8-")
 
 
 @functools.cache
 def _models(arch: str) -> tuple[str, str]:
-    """(bf16 model, the same as a 128 x 128 block FP8 checkpoint)."""
-    from services.tiny_fp8 import quantize_checkpoint
-    from services.tiny_model import make_tiny_model
-
-    full = make_tiny_model(os.path.join(_ROOT, arch), arch=arch, dtype="bfloat16", **SHAPE)
-    fp8 = os.path.join(_ROOT, arch + "-fp8")
-    shutil.copytree(full, fp8)
-    quantize_checkpoint(fp8, 128)
-    return full, fp8
+    """(float32 model, the same as a 128 x 128 block FP8 checkpoint)."""
+    return fp8_models(_ROOT, arch, BF16_QK_SCALE)
 
 
 @pytest.mark.parametrize("rows,cols,group", [(7, 2048, (1, 2048)), (300, 2048, (1, 128)),
@@ -81,35 +84,51 @@ def test_cuda_paths_match_reference(m, n, k, group):
     torch.testing.assert_close(got, want, rtol=2**-8, atol=1e-3 * want.abs().max().item())
 
 
-def _sequences(seed: int) -> tuple[list[list[int]], list[int]]:
-    rng = random.Random(seed)
-    prompt_lens = [200, 37, 513, 1]
-    return [[rng.randrange(8, 4096) for _ in range(p + 24)] for p in prompt_lens], prompt_lens
+@functools.cache
+def _ours(arch: str, kind: str, dtype: str) -> list[torch.Tensor]:
+    backend = "triton" if dtype == "float32" else "flashinfer"
+    return w8a8_ours(_models(arch), kind, len(arch), "cuda", backend, dtype)
+
+
+@functools.cache
+def _reference(arch: str, kind: str, dtype: str) -> list[torch.Tensor]:
+    return w8a8_reference(_models(arch), kind, len(arch), "cuda", dtype)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("kind", ["checkpoint", "online"])
-def test_bf16_fp8_teacher_forced_against_transformers(arch, kind):
-    full, fp8 = _models(arch)
-    seqs, prompt_lens = _sequences(seed=len(arch))
-    if kind == "checkpoint":
-        ours = runner_teacher_forced(fp8, seqs, prompt_lens, "cuda", "flashinfer")
-        ref = hf_w8a8_logits(fp8, seqs, 128, device="cuda", dtype=torch.bfloat16)
-    else:
-        ours = runner_teacher_forced(full, seqs, prompt_lens, "cuda", "flashinfer",
-                                     quantization="fp8")  # fmt: skip
-        ref = hf_w8a8_logits(full, seqs, None, True, device="cuda", dtype=torch.bfloat16)
-    stats = score_logits(ours, ref)
-    print(f"\n{arch} {kind}: {stats}")
+def test_fp8_teacher_forced_against_transformers_in_float32(arch, kind):
+    """The same W8A8 arithmetic as transformers' to float32 rounding: wrong scales, shards
+    or block layouts would show here."""
+    stats = score_logits(_ours(arch, kind, "float32"), _reference(arch, kind, "float32"))
+    print(f"\n{arch} {kind} float32: {stats}")
     assert stats["agreement_tie_aware"] >= 0.99, stats
     assert stats["agreement"] >= 0.95, stats
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", ["checkpoint", "online"])
+def test_bf16_fp8_no_further_from_float32_than_transformers_bf16(arch, kind):
+    """sluice's bfloat16 W8A8 (`torch._scaled_mm` for the online per-channel weights, the
+    Triton GEMM for the blocks, flashinfer) agrees with the float32 reference on no fewer
+    positions than transformers' bfloat16 W8A8 does, less 0.05 (about three standard
+    deviations of the difference over these ~850 positions; on the CPU it was -0.018 to
+    +0.015: benchmarks/results/fp8_noise.json). Against transformers' bf16 it is recorded,
+    not held to a bar (see the module docstring)."""
+    ref32 = _reference(arch, kind, "float32")
+    ours = score_logits(_ours(arch, kind, "bfloat16"), ref32)
+    theirs = score_logits(_reference(arch, kind, "bfloat16"), ref32)
+    each_other = score_logits(_ours(arch, kind, "bfloat16"), _reference(arch, kind, "bfloat16"))
+    print(f"\n{arch} {kind} bf16 vs float32 reference: ours {ours}, transformers' {theirs}; "
+          f"ours vs transformers' bf16 {each_other}")  # fmt: skip
+    assert ours["agreement"] >= theirs["agreement"] - 0.05, (ours, theirs)
 
 
 def test_cuda_graphs_match_eager_with_fp8():
     from engine.engine import Engine
 
     _, fp8 = _models("llama")
-    seqs, _ = _sequences(seed=3)
+    seqs, _ = fp8_sequences(seed=3)
     prompts = [s[:40] for s in seqs]
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     outs = []

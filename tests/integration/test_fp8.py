@@ -141,3 +141,29 @@ def test_the_reference_is_dequantized_where_transformers_sees_a_gpu(monkeypatch)
     assert len(got) == len(want) == 2
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
+
+
+def test_the_gpu_comparison_in_float32_on_the_cpu(tmp_path):
+    """tests/gpu/test_fp8_gpu.py's float32 comparison (its models, sequences and runs), here on
+    the CPU: its checkpoint is float32 so that transformers' dequantized weights are exactly
+    sluice's (from a bf16 checkpoint it dequantizes into bf16, which left the float32
+    reference at 0.60 agreement), and the two agree as the GPU test requires."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    from kernels.fp8_gemm import dequantize_groups
+    from tests.fp8_reference import FP8_BLOCK, fp8_models, w8a8_ours, w8a8_reference
+    from tests.teacher_forcing import BF16_QK_SCALE, score_logits
+
+    models = fp8_models(str(tmp_path), "llama", BF16_QK_SCALE)
+    name = "model.layers.0.mlp.down_proj"
+    tensors = load_file(os.path.join(models[1], "model.safetensors"))
+    ours = dequantize_groups(tensors[name + ".weight"], tensors[name + ".weight_scale_inv"],
+                             (FP8_BLOCK, FP8_BLOCK))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(
+        models[1], quantization_config=FineGrainedFP8Config(dequantize=True)
+    )
+    assert torch.equal(hf.get_submodule(name).weight, ours)
+    stats = score_logits(w8a8_ours(models, "checkpoint", 5, "cpu", "torch_native", "float32"),
+                         w8a8_reference(models, "checkpoint", 5, "cpu", "float32"))  # fmt: skip
+    assert stats["agreement_tie_aware"] >= 0.99 and stats["agreement"] >= 0.95, stats
