@@ -1,5 +1,7 @@
 """overlap: decode at batch 64 and 256, the overlap scheduler on vs off: throughput of whole
-runs, host step time, and the GPU's idle time per decode step (see gpu_bench.py)."""
+runs, host step time, the GPU's idle time per decode step (see gpu_bench.py), and where the
+host's step goes (`gpu_timeline.host_split`: launching, the graph launch inside it, waiting
+for the previous batch, the rest)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from benchmarks.gpu_common import (
     release,
     vocab_size,
 )
-from benchmarks.gpu_timeline import Profiled, drive, timeline
+from benchmarks.gpu_timeline import Profiled, drive, host_split, timeline
 
 
 def overlap(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -51,6 +53,8 @@ def overlap(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
         f"bs{bs}": v["throughput_on_vs_off"] for bs, v in per_bs.items()}
     print_table(rows, ["batch", "overlap", "tok_s", "host_step_ms", "gpu_step_ms",
                        "gpu_busy_ms_per_step", "idle_fraction", "bubble_fraction"])
+    print_table(rows, ["batch", "overlap", "host_step_ms", "host_launch_forward_ms",
+                       "host_graph_launch_ms", "host_wait_ms", "host_other_ms"])
     return finish(ctx, "overlap", results, summary)
 
 
@@ -71,6 +75,8 @@ def _overlap_case(ctx: Ctx, engine: Any, vocab: int, bs: int, on: bool, prompt_l
            "idle_ms_per_step": tl.get("idle_ms_per_step"),
            "idle_fraction": tl.get("idle_fraction"), "bubble_fraction": tl.get("bubble_fraction"),
            "gpu_timeline": tl}
+    engine.flush_cache()
+    row.update(host_split(engine, prompts(ctx.seed + 400 + bs), new))
     if ctx.profile:
         engine.flush_cache()
         name = ctx.name(f"overlap_bs{bs}_{'on' if on else 'off'}_profile")

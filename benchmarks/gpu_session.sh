@@ -48,6 +48,9 @@
 #               (against cuBLAS at Llama-3.2-1B's projections, M 1-16, with a tile sweep:
 #               gpu_gemv.json), then decode-bs1 default vs --gemv-backend triton
 #               (gpu_decode_bs1_gemv.json)
+#   graph-launch  benchmarks/gpu_graph_launch.py: host time of a CUDA graph launch while the
+#               same graph still runs (the overlap loop's case), on an idle GPU, and
+#               alternating two captures (gpu_graph_launch.json)
 #   pdl         tests/gpu/test_pdl_gpu.py (--enable-pdl: the same greedy tokens as plain
 #               launches), decode-bs1 with and without PDL, alone and on the Triton GEMV
 #               (gpu_decode_bs1_pdl.json), overlap with PDL (gpu_overlap_pdl.json)
@@ -214,9 +217,10 @@ do_step() {
             run_step pdl-decode 150 "${BENCH[@]}" decode-bs1 --profile --tag pdl \
                 --decode-configs cuda_graph cuda_graph_pdl cuda_graph_triton_gemv \
                 cuda_graph_triton_gemv_pdl
-            run_step pdl-overlap 110 "${BENCH[@]}" overlap --profile --tag pdl \
+            run_step pdl-overlap 130 "${BENCH[@]}" overlap --profile --tag pdl \
                 --engine-arg enable_pdl=True ;;
-        overlap) run_step overlap 110 "${BENCH[@]}" overlap --profile ;;
+        overlap) run_step overlap 130 "${BENCH[@]}" overlap --profile ;;
+        graph-launch) run_step graph-launch 60 python3 benchmarks/gpu_graph_launch.py ;;
         decode-backends)
             run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;
         gemv)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -182,3 +183,74 @@ def timeline(ctx: Ctx, engine: Any, prompts: list[list[int]], max_new: int,
         out = drive(engine, prompts, max_new, Profiled(ctx, cpu_ops=True), window).timeline or {}
         out["recorded_cpu_ops"] = True
     return out
+
+
+# -- where a step's host time goes ------------------------------------------------------------
+HOST_PHASES = ("launch_forward", "graph_launch", "wait")
+
+
+def host_split(engine: Any, prompts: list[list[int]], max_new: int) -> dict[str, Any]:
+    """Median host time per steady decode step (ms) in each phase, over one more run:
+    `launch_forward` (the executor's launch: the batch's device inputs, the static rows, the
+    graph launch), `graph_launch` (inside it: `CUDAGraph.replay`, the driver's
+    cudaGraphLaunch), `wait` (the executor waiting for the previous batch's tokens: the
+    host ahead of the GPU) and `other` (the step less launch and wait: scheduling, sampling
+    launch, processing the previous batch's results). A host that launches a graph while
+    the same graph still runs and blocks in the driver shows here as a long `graph_launch`
+    and a short `wait`. Phases the engine has not (no graphs on a CPU; the plain loop has no
+    executor) read 0."""
+    sched = engine.scheduler
+    totals = dict.fromkeys(HOST_PHASES, 0.0)
+    undo: list[tuple[Any, str]] = []
+
+    def timed(obj: Any, name: str, phase: str) -> None:
+        inner = getattr(obj, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                totals[phase] += time.perf_counter() - t
+
+        setattr(obj, name, call)  # an instance attribute: shadows the method
+        undo.append((obj, name))
+
+    graphs = getattr(sched.model_runner, "graph_runner", None)
+    for graph in (graphs.graphs.values() if graphs is not None else ()):
+        timed(graph, "replay", "graph_launch")
+    executor = getattr(sched, "executor", None)
+    if executor is not None:
+        timed(executor, "launch_forward", "launch_forward")
+        timed(executor, "wait", "wait")
+    per_step: list[dict[str, float]] = []
+    step = sched.step
+
+    def recorded_step() -> Any:
+        for k in totals:
+            totals[k] = 0.0
+        t = time.perf_counter()
+        out = step()
+        wall = time.perf_counter() - t
+        last = sched.last_batch
+        if (last is not None and last.forward_mode.is_decode()
+                and len(sched.running_batch) == len(prompts)):
+            per_step.append({"step": wall, **totals})
+        return out
+
+    sched.step = recorded_step
+    try:
+        drive(engine, prompts, max_new)
+    finally:
+        del sched.step
+        for obj, name in undo:
+            delattr(obj, name)
+    if not per_step:
+        return {}
+    med = {k: 1e3 * statistics.median(s[k] for s in per_step) for k in HOST_PHASES}
+    other = statistics.median(s["step"] - s["launch_forward"] - s["wait"] for s in per_step)
+    return {f"host_{k}_ms": v for k, v in med.items()} | {
+        "host_other_ms": 1e3 * other,
+        "host_split_step_ms": 1e3 * statistics.median(s["step"] for s in per_step),
+        "host_split_steps": len(per_step),
+    }

@@ -78,6 +78,12 @@ def test_overlap_cases_generate_every_token(quick_all) -> None:
     for case in cases:
         assert case["tokens"] == case["batch"] * doc["results"]["new_tokens"]
         assert case["host_step_ms"] > 0
+        # the host split (no graphs on a CPU; only the overlap loop has an executor)
+        assert case["host_split_steps"] > 0 and case["host_graph_launch_ms"] == 0
+        launched = case["host_launch_forward_ms"] > 0 and case["host_wait_ms"] > 0
+        assert launched == case["overlap"], case
+        step = case["host_split_step_ms"]
+        assert 0 < case["host_other_ms"] <= step and case["host_wait_ms"] <= step, case
     assert set(summary["overlap_on_vs_off_throughput"]) == {"bs4", "bs8"}
 
 
