@@ -48,9 +48,6 @@
 #               (against cuBLAS at Llama-3.2-1B's projections, M 1-16, with a tile sweep:
 #               gpu_gemv.json), then decode-bs1 default vs --gemv-backend triton
 #               (gpu_decode_bs1_gemv.json)
-#   graph-launch  benchmarks/gpu_graph_launch.py: host time of a CUDA graph launch while the
-#               same graph still runs (the overlap loop's case), on an idle GPU, and
-#               alternating two captures (gpu_graph_launch.json)
 #   pdl         tests/gpu/test_pdl_gpu.py (--enable-pdl: the same greedy tokens as plain
 #               launches), decode-bs1 with and without PDL, alone and on the Triton GEMV
 #               (gpu_decode_bs1_pdl.json), overlap with PDL (gpu_overlap_pdl.json)
@@ -220,7 +217,6 @@ do_step() {
             run_step pdl-overlap 130 "${BENCH[@]}" overlap --profile --tag pdl \
                 --engine-arg enable_pdl=True ;;
         overlap) run_step overlap 130 "${BENCH[@]}" overlap --profile ;;
-        graph-launch) run_step graph-launch 60 python3 benchmarks/gpu_graph_launch.py ;;
         decode-backends)
             run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;
         gemv)
