@@ -115,6 +115,8 @@ class PinnedRing:
                         for _ in range(size)]  # fmt: skip
         self.events: list[torch.cuda.Event | None] = [None] * size
         self.device = device
+        index = torch.device(device).index  # (an int: torch.cuda's fast path, every stage)
+        self.index = torch.cuda.current_device() if index is None else index
         self.nbytes = nbytes
         self.next = 0
 
@@ -132,7 +134,7 @@ class PinnedRing:
             event.synchronize()
         yield self.buffers[i]
         self.events[i] = event = event or torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(torch.cuda.current_stream(self.index))
 
 
 @dataclass

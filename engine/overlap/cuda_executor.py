@@ -46,13 +46,18 @@ class CudaStreamExecutor(OverlapExecutor):
         self.device = torch.device(runner.device)
         self.forward_stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
+        self.index = self.forward_stream.device_index  # (an int: torch's fast path)
+        # the stream switches of every step (see `_OnStream`); torch's own context where the
+        # scheduler thread's current device is another one (it switches devices too)
+        same = torch.cuda.current_device() == self.index
+        self.on_stream = _OnStream if same else torch.cuda.stream
 
     def launch_forward(
         self, mwb: ModelWorkerBatch, slots: FutureSlots, info: SamplingBatchInfo | None
     ) -> Launch:
         fb = self.runner.build_forward_batch(mwb)  # index lists -> device, on S
-        self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.forward_stream), torch.inference_mode():
+        self.forward_stream.wait_stream(torch.cuda.current_stream(self.index))
+        with self.on_stream(self.forward_stream), torch.inference_mode():
             # the runner resolves the placeholders (inside the CUDA graph when it replays one)
             logits = self.runner.forward(fb, self.future_map)
         launch = Launch(mwb, slots, fb, logits=logits)
@@ -62,11 +67,11 @@ class CudaStreamExecutor(OverlapExecutor):
 
     def launch_sample(self, launch: Launch, info: SamplingBatchInfo) -> None:
         launch.info = info  # built on S, read on F: kept alive by the launch
-        self.forward_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.forward_stream), torch.inference_mode():
+        self.forward_stream.wait_stream(torch.cuda.current_stream(self.index))
+        with self.on_stream(self.forward_stream), torch.inference_mode():
             out = self._sample(launch)
         self.copy_stream.wait_stream(self.forward_stream)
-        with torch.cuda.stream(self.copy_stream):
+        with self.on_stream(self.copy_stream):
             ids = _to_pinned(out.next_token_ids)
             logprobs = _to_pinned(out.logprobs) if out.logprobs is not None else None
             done = torch.cuda.Event()
@@ -82,6 +87,26 @@ class CudaStreamExecutor(OverlapExecutor):
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)
+
+
+class _OnStream:
+    """`with torch.cuda.stream(stream)` for a stream of the scheduler thread's current device,
+    on the per-step path (three switches a step). torch's context looks the current device up
+    twice a use through `torch.cuda._utils` (an availability check and environment reads each
+    time: the second GPU session's host profile had ~10 such lookups a step); this reads the
+    current stream of the stream's own device index and sets streams by id."""
+
+    __slots__ = ("stream", "prev")
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        self.prev = torch.cuda.current_stream(self.stream.device_index)
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.prev)
 
 
 def _to_pinned(src: torch.Tensor) -> torch.Tensor:
