@@ -7,7 +7,8 @@
 #   setup       install the carried wheels (.whl/*.whl) into /tmp/site, restore carried
 #               flashinfer kernels (.whl/fi_aot.tgz*), `pip install -e .`; print the machine
 #   parity      tests/gpu/test_parity_gpu.py (fp32 greedy, bf16 flashinfer teacher forcing),
-#               writing benchmarks/results/gpu_parity.json
+#               writing benchmarks/results/gpu_parity.json; then benchmarks/bf16_noise.py on
+#               the same models (transformers' bf16 against its float32: gpu_bf16_noise.json)
 #   parity-windows  its sliding-window and Gemma 3 cases (Triton and flashinfer windowed
 #               kernels), writing benchmarks/results/gpu_parity_windows.json
 #   seed-shape | decode-bs1 | overlap    one benchmark of benchmarks/gpu_bench.py, --profile
@@ -180,6 +181,10 @@ do_step() {
             # its first flashinfer test waits for the JIT compile: longer timeout
             run_step parity 260 env SLUICE_WRITE_RESULTS=1 "${PYTEST[@]}" --timeout 500 \
                 tests/gpu/test_parity_gpu.py -k "not sliding and not gemma"
+            # the floor beside it: transformers' own bf16 against its float32, same models
+            run_step bf16-noise 60 python3 benchmarks/bf16_noise.py --device cuda \
+                --backend flashinfer --archs llama qwen3 gpt2 qwen3_moe --qk-scales 1 \
+                --name gpu_bf16_noise
             pack_aot ;;
         parity-windows)
             # flashinfer JIT-compiles its sliding-window and soft-cap variants first
