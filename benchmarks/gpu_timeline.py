@@ -133,6 +133,13 @@ class Run:
     timeline: dict[str, Any] | None = None
 
 
+def steady_decode(sched: Any, num_requests: int) -> bool:
+    """Whether the step just taken was a decode step of all `num_requests` requests."""
+    last = sched.last_batch
+    return (last is not None and last.forward_mode.is_decode()
+            and len(sched.running_batch) == num_requests)
+
+
 def drive(
     engine: Any, prompts: list[list[int]], max_new: int,
     profiler: Profiled | None = None, window: tuple[int, int] = (0, 0),
@@ -157,9 +164,7 @@ def drive(
         w = time.perf_counter()
         events = sched.step()
         now = time.perf_counter()
-        last = sched.last_batch
-        if (last is not None and last.forward_mode.is_decode()
-                and len(sched.running_batch) == len(prompts)):
+        if steady_decode(sched, len(prompts)):
             steps.append(now - w)
             if profiler is not None and window[1] and len(steps) == window[0] + window[1]:
                 tl = profiler.stop(window[1])
@@ -232,9 +237,7 @@ def host_split(engine: Any, prompts: list[list[int]], max_new: int) -> dict[str,
         t = time.perf_counter()
         out = step()
         wall = time.perf_counter() - t
-        last = sched.last_batch
-        if (last is not None and last.forward_mode.is_decode()
-                and len(sched.running_batch) == len(prompts)):
+        if steady_decode(sched, len(prompts)):
             per_step.append({"step": wall, **totals})
         return out
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 from engine.quantization import Fp8Config, quantized_linear_names
 from kernels.fp8_gemm import FP8_DTYPE, dequantize_groups, quantize_groups
+from tests.teacher_forcing import BF16_SHAPE, bf16_sequences, runner_teacher_forced
 
 
 def dequantized_copy(fp8_path: str) -> str:
@@ -100,8 +100,7 @@ def hf_w8a8_logits(
 
 
 # -- the W8A8 teacher-forcing comparison (tests/gpu/test_fp8_gpu.py, benchmarks/fp8_noise.py) --
-FP8_SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
-                 intermediate_size=1024, vocab_size=4096)  # fmt: skip
+FP8_SHAPE = {**BF16_SHAPE, "num_kv_heads": 4, "head_dim": 64}  # the bf16 parity shape, GQA
 FP8_BLOCK = 128  # the checkpoints' weight blocks (128 x 128, as Qwen3-*-FP8's)
 
 
@@ -123,20 +122,14 @@ def fp8_models(root: str, arch: str, qk_scale: float) -> tuple[str, str]:
 
 
 def fp8_sequences(seed: int) -> tuple[list[list[int]], list[int]]:
-    """Four sequences (prompts of 200, 37, 513 and 1 tokens, 24 more each) and their prompt
-    lengths."""
-    rng = random.Random(seed)
-    prompt_lens = [200, 37, 513, 1]
-    vocab = FP8_SHAPE["vocab_size"]
-    return [[rng.randrange(8, vocab) for _ in range(p + 24)] for p in prompt_lens], prompt_lens
+    """The bf16 parity test's sequences with 24 decode steps each, and their prompt lengths."""
+    return bf16_sequences(seed, decode=24)
 
 
 def w8a8_ours(models: tuple[str, str], kind: str, seed: int, device: str, backend: str,
               dtype: str) -> list:  # fmt: skip
     """sluice's teacher-forced logits: the FP8 checkpoint (`kind` "checkpoint") or the model
     quantized as it loads (`--quantization fp8`, "online")."""
-    from tests.teacher_forcing import runner_teacher_forced
-
     full, fp8 = models
     seqs, prompt_lens = fp8_sequences(seed)
     if kind == "checkpoint":

@@ -159,12 +159,12 @@ def bf16_parity_model(root: str, arch: str, qk_scale: float = BF16_QK_SCALE) -> 
     return path
 
 
-def bf16_sequences(seed: int) -> tuple[list[list[int]], list[int]]:
+def bf16_sequences(seed: int, decode: int = BF16_DECODE) -> tuple[list[list[int]], list[int]]:
     """Four random sequences of the parity models' vocabulary: BF16_PROMPT_LENS prompts, then
-    BF16_DECODE teacher-forced decode steps each."""
+    `decode` teacher-forced decode steps each."""
     rng = random.Random(seed)
     vocab = BF16_SHAPE["vocab_size"]
-    seqs = [[rng.randrange(8, vocab) for _ in range(p + BF16_DECODE)] for p in BF16_PROMPT_LENS]
+    seqs = [[rng.randrange(8, vocab) for _ in range(p + decode)] for p in BF16_PROMPT_LENS]
     return seqs, list(BF16_PROMPT_LENS)
 
 

@@ -114,7 +114,6 @@ class PinnedRing:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
                         for _ in range(size)]  # fmt: skip
         self.events: list[torch.cuda.Event | None] = [None] * size
-        self.device = device
         index = torch.device(device).index  # (an int: torch.cuda's fast path, every stage)
         self.index = torch.cuda.current_device() if index is None else index
         self.nbytes = nbytes
