@@ -7,7 +7,9 @@ same shapes, the same device addresses), hence the layout here:
 
 * static buffers of `max_bs` rows: `input_ids`, `positions`, `out_cache_loc`,
   `req_pool_indices`, `seq_lens` (int64; the rows of one tensor, `static_rows`, loaded with
-  two copies), and `logits` [max_bs, vocab] (float32). The graph of
+  two copies), and `logits` [max_bs, width] in the model's dtype (float32 with a soft cap
+  or for a float64 model: `LogitsProcessor.graph_logits_dtype`; a 16-bit model's rows are
+  ROW_MULTIPLE-padded where its lm_head pads, engine/layers/logits.py). The graph of
   size `bs` reads and writes their first `bs` rows; the model reads the KV pool and the pool's
   `req_to_token` (fixed tensors) and the attention backend's graph state
   (`AttentionBackend.init_cuda_graph_state`), part of which the graph may compute itself
@@ -17,9 +19,10 @@ same shapes, the same device addresses), hence the layout here:
   attending over `cuda_graph_seq_len_fill_value` keys of the model runner's padding row of
   `req_to_token` (a row no request owns; all its entries are slot 0). Rows never mix in a
   decode forward, so padding cannot change a real row's logits;
-* the logits are written inside the graph into the static `logits` (the logits processor
-  converts them to float32 straight into it: `ForwardBatch.logits_out`), and `replay`
-  returns a view of its first `n` rows, valid until the next replay. Device work is
+* the logits are written inside the graph into the static `logits` (the lm_head's matmul
+  writes them there: `ForwardBatch.logits_out`; no float32 copy is made), and `replay`
+  returns a view of its first `n` rows and `vocab` columns, valid until the next replay.
+  The sampler reads 16-bit rows as they are (greedy: their argmax) or converts them. Device work is
   stream-ordered, so anything enqueued before the next replay (sampling) reads this step's
   values. The one buffer bounds the graphs' output memory: the graphs share one memory pool
   (captured largest first, so the smaller ones reuse its blocks), and outputs left alive in
@@ -49,6 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.logits import ALIGN, padded_vocab
 
 if TYPE_CHECKING:
     from engine.overlap.future_map import FutureMap
@@ -157,7 +161,11 @@ class CudaGraphRunner:
             self.static_rows = self.padding.contiguous()
             (self.req_pool_indices, self.seq_lens, self.input_ids, self.positions,
              self.out_cache_loc) = self.static_rows.unbind(0)  # fmt: skip
-            self.logits = torch.zeros(self.max_bs, vocab_size, dtype=torch.float32, device=device)
+            self.vocab_size = vocab_size
+            self.logits = torch.zeros(
+                self.max_bs, _logits_width(model_runner, vocab_size),
+                dtype=_logits_dtype(model_runner), device=device,
+            )  # fmt: skip
 
     # -- capture --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -180,7 +188,7 @@ class CudaGraphRunner:
             self.backend.cuda_graph_prologue(batch)
             logits = self.model(batch.input_ids, batch.positions, batch)
             if logits.data_ptr() != out.data_ptr():  # (a model that computes them otherwise)
-                out.copy_(logits)
+                out[:, : self.vocab_size].copy_(logits)
 
         return step
 
@@ -206,14 +214,15 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits [n, vocab] float32 of a batch that `can_run`. Placeholders in its input
-        ids are resolved by the graph (from the bound FutureMap)."""
+        """Logits [n, vocab] of a batch that `can_run` (in `logits.dtype`; rows strided where
+        the buffer is wider). Placeholders in its input ids are resolved by the graph (from
+        the bound FutureMap)."""
         n = forward_batch.batch_size
         bs = self.padded_size(n)
         batch = self._load(forward_batch, bs)
         self.backend.init_forward_metadata_replay_cuda_graph(batch)
         self.graphs[bs].replay()
-        return self.logits[:n]
+        return self.logits[:n, : self.vocab_size]
 
     def _load(self, forward_batch: ForwardBatch, bs: int) -> ForwardBatch:
         """Copy the batch into the static rows and pad them to `bs`; the static batch."""
@@ -245,6 +254,20 @@ class CudaGraphRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.backend,
         )
+
+
+def _logits_dtype(model_runner: Any) -> torch.dtype:
+    processor = getattr(model_runner.model, "logits_processor", None)
+    if processor is None:
+        return torch.float32
+    return processor.graph_logits_dtype(model_runner.dtype)
+
+
+def _logits_width(model_runner: Any, vocab: int) -> int:
+    """The rows of the padded lm_head's output where it pads (16-bit; see `pads_vocab`)."""
+    if _logits_dtype(model_runner).itemsize == 2 and vocab % ALIGN:
+        return padded_vocab(vocab)
+    return vocab
 
 
 def _packed(fb: ForwardBatch) -> bool:

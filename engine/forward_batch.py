@@ -76,8 +76,9 @@ class ForwardBatch:
     # DECODE built by the model runner: [4, B] int64, the tensor whose rows req_pool_indices,
     # seq_lens, input_ids and positions are (a graph replay loads them with one copy)
     decode_rows: torch.Tensor | None = None
-    # DECODE inside a CUDA graph: the graph's float32 [B, vocab] buffer, into which the logits
-    # processor writes the logits (its float32 conversion, with no copy after it)
+    # DECODE inside a CUDA graph: the graph's [B, >= vocab] buffer, into which the logits
+    # processor writes the logits (the lm_head's output in the model's dtype; a float32
+    # buffer gets the float32 conversion): no copy after it
     logits_out: torch.Tensor | None = None
 
     @property

@@ -4,11 +4,14 @@ Only the rows whose logits are needed go through the (large) lm_head matmul: the
 token of each request, then the rows of `forward_batch.prompt_logprob_rows` (prompt
 logprobs), or every token when `forward_batch.return_all_logits` is set.
 
-In a CUDA graph (`forward_batch.logits_out`, engine/cuda_graph_runner.py) the float32 logits
-are written into the graph's own buffer by the conversion itself: a 16-bit model's logits
-were converted into a fresh tensor and then copied into that buffer, two passes over
-[batch, vocab] float32 (at batch 256 with GPT-2's vocabulary, 51 MB each; on the H100 the
-copy was a 47 us kernel of a 1.8 ms step: gpu_overlap_bs256_on_profile_dectriton.txt).
+In a CUDA graph (`forward_batch.logits_out`, engine/cuda_graph_runner.py) the lm_head writes
+the logits straight into the graph's own buffer, in the model's dtype (`graph_logits_dtype`):
+no float32 pass over [batch, vocab] at all. The third GPU session priced those passes, at
+batch 256 with GPT-2's vocabulary, at 45 us (the conversion into a fresh tensor) and 47 us
+(its copy into a float32 buffer) of a 1.8 ms step (gpu_overlap_bs256_on_profile_dectriton.txt);
+the sampler converts where it has to and otherwise reads the 16-bit rows, which are half the
+bytes (engine/sampling/sampler.py). With a soft cap (computed in float32) or a float64 model
+the buffer is float32 and the conversion writes into it.
 
 An embedding model's batch (`forward_batch.pooling` set) gets its pooled hidden states
 instead (engine/pooling.py): the lm_head is not applied.
@@ -67,13 +70,23 @@ class LogitsProcessor(nn.Module):
             if fb.prompt_logprob_rows is not None:
                 index = torch.cat([index, fb.prompt_logprob_rows])
             hidden_states = hidden_states.index_select(0, index)
-        logits = lm_head_matmul(hidden_states, lm_head_weight, gemv_max_rows=self.gemv_max_rows)
+        out = fb.logits_out  # (a CUDA graph's buffer, [batch, >= vocab])
+        direct = out is not None and out.dtype == hidden_states.dtype and not self.soft_cap
+        logits = lm_head_matmul(hidden_states, lm_head_weight, gemv_max_rows=self.gemv_max_rows,
+                                out=out if direct else None)  # fmt: skip
+        if direct:
+            return logits
         if self.soft_cap:  # in float32 at least (float64 models: float64), then float32
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap
-        if fb.logits_out is not None:  # (a CUDA graph's buffer: converted as it is written)
-            return fb.logits_out.copy_(logits)
+        if out is not None:  # (converted as it is written)
+            return out[:, : logits.shape[1]].copy_(logits)
         return logits.float()
+
+    def graph_logits_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of a CUDA graph's logits buffer for a model of `dtype`: the lm_head's
+        own, but float32 with a soft cap (computed in float32) or for a float64 model."""
+        return torch.float32 if self.soft_cap or dtype == torch.float64 else dtype
 
 
 ALIGN = 8  # elements: 16 bytes of a 16-bit dtype
@@ -81,25 +94,36 @@ ROW_MULTIPLE = 64  # the output row length used where the vocabulary is not alig
 
 
 def lm_head_matmul(
-    hidden: torch.Tensor, weight: torch.Tensor, pad: bool | None = None, gemv_max_rows: int = 0
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    pad: bool | None = None,
+    gemv_max_rows: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """hidden [N, H] @ weight[V, H].T. `pad` (default: `pads_vocab(hidden, V)`): into rows of
     ROW_MULTIPLE elements, returned as the [N, V] view (strided); over the weight's padded
     rows where its storage has them (`pad_vocab_rows`). N <= `gemv_max_rows`
-    (`--gemv-backend triton`): by the Triton GEMV (kernels/gemv.py)."""
+    (`--gemv-backend triton`): by the Triton GEMV (kernels/gemv.py). `out` [N, W >= V] (of
+    hidden's dtype, rows contiguous): written in place (its first V columns are returned; with
+    `pad`, over the weight's padded rows where W is their number)."""
     vocab = weight.shape[0]
     gemv = gemv_fits(hidden, weight, gemv_max_rows)
     if pad is None:
         pad = pads_vocab(hidden, vocab)
-    if hidden.dim() != 2 or not (pad or gemv):
+    if out is not None:
+        assert hidden.dim() == 2 and out.shape[0] == hidden.shape[0] and out.shape[1] >= vocab
+        assert out.dtype == hidden.dtype and out.stride(1) == 1
+        width = out.shape[1] if pad else vocab
+    elif hidden.dim() != 2 or not (pad or gemv):
         return F.linear(hidden, weight)
-    width = padded_vocab(vocab) if pad else vocab
-    out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
+    else:
+        width = padded_vocab(vocab) if pad else vocab
+        out = torch.empty(hidden.shape[0], width, dtype=hidden.dtype, device=hidden.device)
     if gemv:
         return kernels.gemv.gemv(hidden, weight, out=out[:, :vocab])
     rows = padded_rows(weight, width)
     if rows is not None:
-        return torch.mm(hidden, rows.t(), out=out)[:, :vocab]
+        return torch.mm(hidden, rows.t(), out=out[:, :width])[:, :vocab]
     return torch.mm(hidden, weight.t(), out=out[:, :vocab])
 
 

@@ -82,8 +82,13 @@ class Sampler:
         return_logprob: bool = False,
         top_logprobs_nums: Sequence[int] | None = None,
     ) -> SampleOutput:
-        """Sample from `logits` [B, V]; `logits` itself is left unchanged."""
-        logits = logits.float()
+        """Sample from `logits` [B, V]; `logits` itself is left unchanged. 16-bit logits (a
+        CUDA graph's, engine/cuda_graph_runner.py) are converted to float32 only where the
+        logits are changed before they are read (see `_changes_logits`): greedy rows take the
+        argmax of the 16-bit values (the same index: the conversion is exact), a temperature's
+        division and log_softmax convert as they read."""
+        if logits.element_size() != 2 or _changes_logits(info):
+            logits = logits.float()
         rows = info.history_rows  # the overlap scheduler's history on the device
         if rows is not None:
             self.penalty_counts.prepare(rows, logits.shape[1], logits.device)
@@ -105,7 +110,8 @@ class Sampler:
             self.penalty_counts.add(rows, next_ids)
         if not return_logprob:
             return SampleOutput(next_ids, None, None)
-        logprobs = F.log_softmax(scaled, dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+        logprobs = F.log_softmax(scaled, dim=-1, dtype=torch.float32)
+        logprobs.clamp_(min=torch.finfo(torch.float32).min)
         chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
         return SampleOutput(next_ids, chosen, _top_logprobs(logprobs, top_logprobs_nums))
 
@@ -155,6 +161,18 @@ class Sampler:
                 gen.manual_seed(self.seed)
             self._generators[device] = gen
         return gen
+
+
+def _changes_logits(info: SamplingBatchInfo) -> bool:
+    """Whether the batch's penalties, logit biases, bad words or masks change its logits
+    (in float32) before they are read."""
+    return (
+        info.penalties is not None
+        or info.bias_rows is not None
+        or info.bad_words is not None
+        or info.vocab_rows is not None
+        or info.allowed_rows is not None
+    )
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,9 @@ def test_padding_is_the_default_only_on_cuda_in_16_bits(monkeypatch) -> None:
 
 def test_logits_processor_rows_are_the_plain_ones(monkeypatch) -> None:
     """Through LogitsProcessor (decode: one row per request), padded or not, into a fresh
-    tensor or into a CUDA graph's buffer (`logits_out`): the same float32 logits."""
+    tensor or into a CUDA graph's buffer (`logits_out`): the same logits. A float32 buffer
+    gets the conversion; a buffer of the model's dtype the matmul's own output (in place,
+    over the weight's padded rows where it has them), not converted."""
     torch.manual_seed(1)
     hidden = torch.randn(4, 16, dtype=torch.bfloat16)
     weight = torch.randn(101, 16, dtype=torch.bfloat16)
@@ -53,7 +55,18 @@ def test_logits_processor_rows_are_the_plain_ones(monkeypatch) -> None:
     assert torch.equal(padded, plain)
     fb.logits_out = torch.full((4, 101), float("nan"))
     written = proc(hidden, weight, fb)
-    assert written is fb.logits_out and torch.equal(written, plain)
+    assert written.data_ptr() == fb.logits_out.data_ptr() and torch.equal(written, plain)
+    padded_weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    assert mod.pad_vocab_rows(padded_weight)
+    for w in (weight, padded_weight):
+        fb.logits_out = torch.full((4, 128), float("nan"), dtype=torch.bfloat16)
+        written = proc(hidden, w, fb)
+        assert written.dtype == torch.bfloat16 and written.shape == (4, 101)
+        assert written.data_ptr() == fb.logits_out.data_ptr()
+        assert torch.equal(written.float(), plain)
+        # the matmul ran over the 128 rows (zeros after the vocabulary) where there are 128
+        assert fb.logits_out[:, 101:].isnan().all() == (w is weight)
+        assert (fb.logits_out[:, 101:] == 0).all() == (w is padded_weight)
 
 
 def test_pad_vocab_rows_keeps_the_parameter_and_its_values() -> None:

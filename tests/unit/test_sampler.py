@@ -393,3 +393,56 @@ def test_prompt_logprob_ranks_count_the_tokens_at_least_as_likely(monkeypatch) -
         for (ids, _vals), r, rank in zip(top, rows, ranks, strict=True):
             if rank <= 2 and ref[r].eq(ref[r, targets[r]]).sum() == 1:
                 assert ids[rank - 1] == targets[r]  # ranked k: it is the k-th best
+
+
+class _Conversions(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that copy a tensor of `shape` (a float32 conversion is one)."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.shape, self.seen = torch.Size(shape), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name in ("_to_copy", "copy_", "clone") and any(
+            isinstance(a, torch.Tensor) and a.shape == self.shape for a in args
+        ):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+CASES_16BIT = {
+    "greedy": ([SP(temperature=0.0)] * 6, {}),
+    "temperature": ([SP(temperature=0.0), SP(temperature=0.8), SP(temperature=1.3, top_p=0.9),
+                     SP(temperature=1.0, sampling_seed=5), SP(top_k=3), SP(min_p=0.2)], {}),
+    "greedy_logprobs": ([SP(temperature=0.0)] * 6,
+                        {"return_logprob": True, "top_logprobs_nums": [2, 0, 0, 0, 0, 1]}),
+    "logprobs": ([SP(temperature=0.0)] * 3 + [SP(temperature=0.7)] * 3,
+                 {"return_logprob": True, "top_logprobs_nums": [0, 3, 0, 2, 0, 5]}),
+    "penalties": ([SP(temperature=0.0, frequency_penalty=0.9)] + [SP(temperature=0.0)] * 5,
+                  {"output_ids": [[1, 2]] * 6, "input_ids": [[4]] * 6}),
+    "logit_bias": ([SP(temperature=0.0, logit_bias={"7": 2.5})] + [SP(temperature=0.9)] * 5,
+                   {"return_logprob": True}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES_16BIT)
+def test_16bit_logits_sample_as_their_float32_values(case: str) -> None:
+    """A CUDA graph hands the sampler its 16-bit logits (rows strided where its buffer is
+    padded: engine/cuda_graph_runner.py). Every path gives what the same values in float32
+    give (the argmax, the draws, seeded or not, the logprobs: equal), and a batch whose
+    logits nothing changes is not converted (greedy: the argmax of the 16-bit rows; a
+    temperature's division converts as it reads)."""
+    params, kw = CASES_16BIT[case]
+    buffer = torch.zeros(6, 320, dtype=torch.bfloat16)
+    buffer[:, :300] = random_logits(6, 300, seed=8)
+    logits = buffer[:, :300]
+    want = sample(logits.float(), params, seed=1, **dict(kw))
+    with _Conversions((6, 300)) as log:
+        got = sample(logits, params, seed=1, **dict(kw))
+    assert torch.equal(got.next_token_ids, want.next_token_ids)
+    if kw.get("return_logprob"):
+        assert got.logprobs.dtype == torch.float32 and torch.equal(got.logprobs, want.logprobs)
+    assert got.top_logprobs == want.top_logprobs
+    if "logprobs" not in case:  # (where they are asked for, log_softmax converts: it must)
+        assert ("_to_copy" in log.seen) == (case in ("penalties", "logit_bias"))
