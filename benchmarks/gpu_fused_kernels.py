@@ -3,7 +3,10 @@ torch code they replace, on a GPU.
 
 1. Per op, Llama-3.2-1B decode shapes (one token, bf16, hidden 2048, intermediate 8192,
    32 + 8 heads of 64; greedy argmax over 128,256 float32 logits, batch 1 and 64): each op
-   replayed `REPS` times in one CUDA graph, microseconds per op.
+   replayed `REPS` times in one CUDA graph, microseconds per op. Rows `greedy_bf16_*`: a
+   decode graph's bf16 logits (GPT-2's 50,257 in rows of 50,304) to greedy tokens, as before
+   (float32 conversion, argmax) against now (the argmax of the bf16 rows; the sampler,
+   engine/sampling/sampler.py).
 2. Whole engine, decode at batch 1 on a random Llama-3.2-1B shaped model with CUDA graphs
    (as benchmarks/gpu_decode_bs1.py): ms per output token and the GPU's busy time per step,
    with the fused kernels and with the layers on their torch code (--disable-layer-kernels).
@@ -67,6 +70,7 @@ def op_table() -> list[dict[str, Any]]:
     rope = RotaryEmbedding(64, 8192, {"rope_type": "default", "rope_theta": 500000.0})
     cache, pos = rope.cos_sin_cache.to(dev, dt), torch.tensor([1000], device=dev)
     logits1, logits64 = (torch.randn(b, 128256, device=dev) for b in (1, 64))  # float32
+    gpt2 = {b: torch.randn(b, 50304, dtype=dt, device=dev)[:, :50257] for b in (64, 256)}
     ops = {
         "rms_norm": (lambda: rms_norm_torch(x, w, 1e-5), lambda: fused_norm.rms_norm(x, w, 1e-5)),
         "add_rms_norm": (
@@ -80,6 +84,13 @@ def op_table() -> list[dict[str, Any]]:
         ),
         "argmax_bs1": (lambda: torch.argmax(logits1, -1), lambda: argmax_rows(logits1)),
         "argmax_bs64": (lambda: torch.argmax(logits64, -1), lambda: argmax_rows(logits64)),
+        **{
+            f"greedy_bf16_bs{b}": (
+                lambda x=x: argmax_rows(x.float()),  # "torch_us": the float32 conversion first
+                lambda x=x: argmax_rows(x),
+            )
+            for b, x in gpt2.items()
+        },
     }
     rows = []
     for name, (torch_fn, fused_fn) in ops.items():

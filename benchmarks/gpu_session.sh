@@ -49,6 +49,9 @@
 #               (against cuBLAS at Llama-3.2-1B's projections, M 1-16, with a tile sweep:
 #               gpu_gemv.json), then decode-bs1 default vs --gemv-backend triton
 #               (gpu_decode_bs1_gemv.json)
+#   ops         benchmarks/gpu_fused_kernels.py --skip-decode: the fused elementwise kernels,
+#               the argmax, and greedy over bf16 logits against their float32 conversion
+#               (gpu_fused_kernels_ops.json)
 #   pdl         tests/gpu/test_pdl_gpu.py (--enable-pdl: the same greedy tokens as plain
 #               launches), decode-bs1 with and without PDL, alone and on the Triton GEMV
 #               (gpu_decode_bs1_pdl.json), overlap with PDL (gpu_overlap_pdl.json)
@@ -222,6 +225,8 @@ do_step() {
             run_step pdl-overlap 130 "${BENCH[@]}" overlap --profile --tag pdl \
                 --engine-arg enable_pdl=True ;;
         overlap) run_step overlap 130 "${BENCH[@]}" overlap --profile ;;
+        ops) run_step ops 60 python3 -m benchmarks.gpu_fused_kernels --skip-decode \
+                --json benchmarks/results/gpu_fused_kernels_ops.json ;;
         decode-backends)
             run_step decode-backends 200 python3 benchmarks/gpu_decode_backends.py ;;
         gemv)
@@ -265,7 +270,7 @@ do_step() {
     esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,55p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2; }
 setup
 if [ "$1" = exec ]; then
     shift
