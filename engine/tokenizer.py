@@ -18,7 +18,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+# (not AutoTokenizer here: its import reads transformers' model configs, which import torch,
+# 2-3 s more for every tokenizer and detokenizer process that never needs it)
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -33,6 +35,8 @@ def load_tokenizer(path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedTok
     kwargs.setdefault("padding_side", "left")
     if os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
         return PreTrainedTokenizerFast.from_pretrained(os.fspath(path), **kwargs)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(os.fspath(path), **kwargs)
 
 
