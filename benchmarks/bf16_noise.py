@@ -40,27 +40,28 @@ from tests.teacher_forcing import (  # noqa: E402
     bf16_sequences,
     hf_logits,
     runner_teacher_forced,
-    score_logits,
+    score_pairs,
 )
 
 ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe", "qwen2_moe-sliding", "gemma2", "gemma3_text")
 KEYS = ("agreement", "agreement_tie_aware", "mean_abs_dlogprob", "max_abs_dlogprob")
+PAIRS = {
+    "hf16_vs_hf32": ("hf16", "hf32"),
+    "ours16_vs_hf16": ("ours16", "hf16"),
+    "ours16_vs_hf32": ("ours16", "hf32"),
+}
 
 
 def measure(arch: str, qk_scale: float, seed: int, args: argparse.Namespace,
             root: str) -> dict[str, Any]:  # fmt: skip
     path = bf16_parity_model(root, arch, qk_scale)
     seqs, prompt_lens = bf16_sequences(seed)
-    hf32 = hf_logits(path, seqs, args.device, torch.float32)
-    hf16 = hf_logits(path, seqs, args.device, torch.bfloat16)
-    ours = runner_teacher_forced(path, seqs, prompt_lens, args.device, args.backend)
-    row: dict[str, Any] = {"arch": arch, "qk_scale": qk_scale}
-    for label, (a, b) in {"hf16_vs_hf32": (hf16, hf32), "ours16_vs_hf16": (ours, hf16),
-                          "ours16_vs_hf32": (ours, hf32)}.items():  # fmt: skip
-        stats = score_logits(a, b)
-        row["positions"] = stats["positions"]
-        row.update({f"{label}.{k}": stats[k] for k in KEYS})
-    return row
+    runs = {
+        "hf32": hf_logits(path, seqs, args.device, torch.float32),
+        "hf16": hf_logits(path, seqs, args.device, torch.bfloat16),
+        "ours16": runner_teacher_forced(path, seqs, prompt_lens, args.device, args.backend),
+    }
+    return {"arch": arch, "qk_scale": qk_scale, **score_pairs(runs, PAIRS, KEYS)}
 
 
 def main(argv: list[str] | None = None) -> int:

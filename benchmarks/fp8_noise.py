@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import print_table, write_result  # noqa: E402
 from tests.fp8_reference import fp8_models, w8a8_ours, w8a8_reference  # noqa: E402
-from tests.teacher_forcing import score_logits  # noqa: E402
+from tests.teacher_forcing import score_pairs  # noqa: E402
 
 PAIRS = {
     "ours32_vs_ref32": ("ours32", "ref32"),
@@ -58,12 +58,7 @@ def measure(arch: str, qk_scale: float, kind: str, device: str, root: str) -> di
         backend = "torch_native" if device == "cpu" else "triton" if tag == "32" else "flashinfer"
         runs["ours" + tag] = w8a8_ours(models, kind, seed, device, backend, dtype)
         runs["ref" + tag] = w8a8_reference(models, kind, seed, device, dtype)
-    row: dict[str, Any] = {"arch": arch, "qk_scale": qk_scale, "kind": kind}
-    for label, (a, b) in PAIRS.items():
-        stats = score_logits(runs[a], runs[b])
-        row["positions"] = stats["positions"]
-        row.update({f"{label}.{k}": stats[k] for k in KEYS})
-    return row
+    return {"arch": arch, "qk_scale": qk_scale, "kind": kind, **score_pairs(runs, PAIRS, KEYS)}
 
 
 def main(argv: list[str] | None = None) -> int:

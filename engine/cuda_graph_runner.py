@@ -162,10 +162,11 @@ class CudaGraphRunner:
             (self.req_pool_indices, self.seq_lens, self.input_ids, self.positions,
              self.out_cache_loc) = self.static_rows.unbind(0)  # fmt: skip
             self.vocab_size = vocab_size
-            self.logits = torch.zeros(
-                self.max_bs, _logits_width(model_runner, vocab_size),
-                dtype=_logits_dtype(model_runner), device=device,
-            )  # fmt: skip
+            dtype = _logits_dtype(model_runner)
+            # (a 16-bit lm_head over a misaligned vocabulary writes padded rows: see pads_vocab)
+            pads = dtype.itemsize == 2 and vocab_size % ALIGN != 0
+            width = padded_vocab(vocab_size) if pads else vocab_size
+            self.logits = torch.zeros(self.max_bs, width, dtype=dtype, device=device)
 
     # -- capture --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -261,13 +262,6 @@ def _logits_dtype(model_runner: Any) -> torch.dtype:
     if processor is None:
         return torch.float32
     return processor.graph_logits_dtype(model_runner.dtype)
-
-
-def _logits_width(model_runner: Any, vocab: int) -> int:
-    """The rows of the padded lm_head's output where it pads (16-bit; see `pads_vocab`)."""
-    if _logits_dtype(model_runner).itemsize == 2 and vocab % ALIGN:
-        return padded_vocab(vocab)
-    return vocab
 
 
 def _packed(fb: ForwardBatch) -> bool:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 import os
 import random
+import subprocess
+import sys
 import tempfile
 from typing import Any
 
@@ -267,3 +269,12 @@ SCHEDULER_LOOPS = pytest.mark.parametrize(
     ],
     ids=["no-overlap", "thread", "process"],
 )
+
+
+def run_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python ARGS` in a fresh interpreter that imports this checkout (its PYTHONPATH first),
+    output captured as text."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)  # fmt: skip

@@ -144,6 +144,19 @@ def score_logits(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
     return score(tokens, logprobs, torch.cat([r[: o.shape[0]] for o, r in zip(ours, ref)]))
 
 
+def score_pairs(
+    runs: dict[str, list[torch.Tensor]], pairs: dict[str, tuple[str, str]], keys: tuple[str, ...]
+) -> dict:
+    """`score_logits` of each pair of `runs` (label -> (ours, ref) run names), flat:
+    "label.key" for each of `keys`, and "positions" (benchmarks/bf16_noise.py, fp8_noise.py)."""
+    row = {}
+    for label, (ours, ref) in pairs.items():
+        stats = score_logits(runs[ours], runs[ref])
+        row["positions"] = stats["positions"]
+        row.update({f"{label}.{k}": stats[k] for k in keys})
+    return row
+
+
 def bf16_parity_model(root: str, arch: str, qk_scale: float = BF16_QK_SCALE) -> str:
     """The bf16 parity model of `arch` (or a name in tests.factories.WINDOWED_MODELS) under
     `root`, built once."""

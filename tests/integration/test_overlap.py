@@ -22,7 +22,7 @@ from engine.mem_cache.base import TreeNode
 from engine.overlap.scheduler import OverlapScheduler
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.scheduler import Scheduler
-from tests.factories import tiny_model
+from tests.factories import run_python, tiny_model
 
 VOCAB_LO = 8  # ids below are special tokens
 
@@ -512,12 +512,6 @@ def test_engine_in_a_script_without_main_guard(tmp_path) -> None:
     """The device process must not re-run the user's main script (multiprocessing's
     spawn/forkserver would, and a script without `if __name__ == "__main__"` would start
     engines recursively)."""
-    import os
-    import subprocess
-    import sys
-
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     script = tmp_path / "gen.py"
     script.write_text(
         "from engine.engine import Engine\n"
@@ -526,9 +520,7 @@ def test_engine_in_a_script_without_main_guard(tmp_path) -> None:
         "print('TOKENS', len(out['output_ids']))\n"
         "engine.shutdown()\n"
     )
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = run_python(str(script))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("TOKENS") == 1
 
@@ -539,9 +531,6 @@ def test_device_processes_find_transformers_config_modules_preloaded() -> None:
     Without it every device process spent 3-4 s (2.7 s of a tiny model's 2.8 s engine
     start) importing transformers again."""
     import json
-    import os
-    import subprocess
-    import sys
 
     paths = [tiny_model(arch) for arch in ("llama", "gpt2", "qwen3_moe", "gemma2")]
     code = (
@@ -557,10 +546,7 @@ def test_device_processes_find_transformers_config_modules_preloaded() -> None:
         "print(json.dumps(sorted(m for m in set(sys.modules) - before\n"
         "                        if m.startswith('transformers'))))\n"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=env)  # fmt: skip
+    proc = run_python("-c", code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     new = json.loads(proc.stdout.strip().splitlines()[-1])
     assert new, "the models' own config modules are imported on demand"

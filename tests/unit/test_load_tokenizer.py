@@ -7,13 +7,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 from engine.tokenizer import load_tokenizer
-from tests.factories import tiny_model
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.factories import run_python, tiny_model
 
 
 def test_a_folder_without_tokenizer_json_falls_back_to_auto_tokenizer(tmp_path) -> None:
@@ -44,8 +40,6 @@ def test_loading_and_using_a_tokenizer_does_not_import_torch() -> None:
         "assert ids and tok.decode(ids)\n"
         "print('torch' in sys.modules)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, env=env)  # fmt: skip
+    proc = run_python("-c", code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-1] == "False"
