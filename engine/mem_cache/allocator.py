@@ -132,11 +132,13 @@ class TokenToKVPoolAllocator:
         fewer than `alloc_extend`'s plan for the same one-token steps. Returns None,
         allocating nothing, if there are not enough free pages."""
         ps = self.page_size
+        if ps == 1:  # (a slot per request: a page each)
+            if len(prefix_lens) > self._pages_free():
+                return None
+            return self._take_pages(len(prefix_lens))
         need = [i for i, n in enumerate(prefix_lens) if n % ps == 0]
         if len(need) > self._pages_free():
             return None
-        if ps == 1:
-            return self._take_pages(len(need))
         assert last_locs is not None, "alloc_decode: paged decode needs the last slots"
         out = last_locs + 1
         if need:

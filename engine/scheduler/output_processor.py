@@ -89,7 +89,16 @@ class OutputProcessor:
             start = len(output_ids)
             if req.to_abort is None:
                 if logprobs is None and req.grammar is None:  # (most steps: the token alone)
-                    output_ids.append(next_ids[i])
+                    token = next_ids[i]
+                    output_ids.append(token)
+                    limit = req.quick_len if req.quick_len >= 0 else req.quick_limit(context_len)
+                    if start + 1 < limit and token not in req.finish_tokens:
+                        # `check_finished` would find nothing: the request goes on
+                        if cache_prompts and req not in decoding:
+                            tree_cache.cache_unfinished_req(req)
+                        num_new += 1
+                        events.append(StepEvent(req, [token], start, None))
+                        continue
                 else:
                     _take_token(req, next_ids[i], logprobs, top, i)
             req.check_finished(context_len, tokenizer)

@@ -75,6 +75,12 @@ class Req:
         # A stop string spans at most len(stop) tokens (each token decodes to >= 1 char, or
         # part of one); one more token covers a character split across tokens.
         self.stop_window = max(map(len, self.stop_strs), default=0) + 1
+        # `check_finished`'s quick test (every request, every step; see `quick_limit`): the
+        # tokens that end the request once it may stop, and the output length below which
+        # nothing else can (-1: not computed yet)
+        eos = frozenset() if sampling_params.ignore_eos else self.eos_token_ids
+        self.finish_tokens = self.stop_token_ids | eos
+        self.quick_len = -1
         self.arrival = arrival
         self.output_ids: list[int] = []
         # structured output: the matcher of `output_ids` (engine/sampling/grammar.py)
@@ -234,6 +240,17 @@ class Req:
                     return
         if len(self.origin_input_ids) + n >= context_len:
             self.finished_reason = FinishReason("length", length=context_len)
+
+    def quick_limit(self, context_len: int) -> int:
+        """The output length below which only a token of `finish_tokens` can end the request
+        (`check_finished` finds nothing else to do): its max_new_tokens or the context's
+        end, whichever comes first; 0 (no quick test) with stop strings, which only the full
+        check matches. A grammar or an abort is the caller's to test."""
+        if self.quick_len < 0:
+            room = context_len - len(self.origin_input_ids)
+            limit = min(self.sampling_params.max_new_tokens, room)
+            self.quick_len = 0 if self.stop_strs else max(limit, 0)
+        return self.quick_len
 
     def _match_stop_str(self, tokenizer: Any) -> str | None:
         tail = tokenizer.decode(self.output_ids[-self.stop_window :], skip_special_tokens=False)

@@ -10,6 +10,7 @@ ModelWorkerBatch the plain data one forward + sampling needs; built by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -18,6 +19,10 @@ from engine.forward_batch import ForwardMode
 from engine.host_tensors import int64_rows
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
+
+_RETURN_LOGPROB = attrgetter("return_logprob")
+_TOP_LOGPROBS_NUM = attrgetter("top_logprobs_num")
+_RETURN_PROMPT_RANKS = attrgetter("return_prompt_ranks")
 
 # After a retraction, keep enough memory for this many decode steps of what remains.
 RETRACT_DECODE_STEPS = 20
@@ -179,6 +184,8 @@ class ScheduleBatch:
         """KV tokens the next decode step must allocate (a new page where a request's last
         page is full)."""
         page = self.pools.page_size
+        if page == 1:  # (every request, every step)
+            return len(self.reqs)
         return sum(page for r in self.reqs if r.kv_allocated_len % page == 0)
 
     def check_decode_mem(self) -> bool:
@@ -326,24 +333,28 @@ class ScheduleBatch:
     def get_model_worker_batch(self) -> ModelWorkerBatch:
         verify = self.spec_draft_lens is not None  # a decode batch that runs as an extend
         extend = self.forward_mode.is_extend() or verify
+        reqs = self.reqs
+        params = [r.sampling_params for r in reqs]
+        lora_ids = [r.lora_id for r in reqs]
         return ModelWorkerBatch(
             forward_mode=ForwardMode.EXTEND if verify else self.forward_mode,
             input_ids=self.input_ids,
             positions=self.positions,
             out_cache_loc=self.out_cache_loc,
-            req_pool_indices=[r.req_pool_idx for r in self.reqs],
+            req_pool_indices=[r.req_pool_idx for r in reqs],
             seq_lens=self._seq_lens,
             extend_prefix_lens=self._prefix_lens if extend else None,
             extend_seq_lens=[s - p for s, p in zip(self._seq_lens, self._prefix_lens)]
             if extend
             else None,
-            sampling_params=[r.sampling_params for r in self.reqs],
-            output_ids=[r.output_ids for r in self.reqs],
-            prompt_ids=[r.origin_input_ids for r in self.reqs],
-            return_logprob=any(r.sampling_params.return_logprob for r in self.reqs),
-            top_logprobs_nums=[r.sampling_params.top_logprobs_num for r in self.reqs],
-            prompt_ranks=any(r.sampling_params.return_prompt_ranks for r in self.reqs),
-            lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id for r in self.reqs) else None,
+            sampling_params=params,
+            output_ids=[r.output_ids for r in reqs],
+            prompt_ids=[r.origin_input_ids for r in reqs],
+            # (every step: the flags' reads run in C)
+            return_logprob=any(map(_RETURN_LOGPROB, params)),
+            top_logprobs_nums=list(map(_TOP_LOGPROBS_NUM, params)),
+            prompt_ranks=any(map(_RETURN_PROMPT_RANKS, params)),
+            lora_ids=lora_ids if any(lora_ids) else None,
             spec_draft_lens=self.spec_draft_lens,
             token_type_ids=self.token_type_ids if extend else None,
             kv_transfers=self.pools.tree_cache.take_transfers(),

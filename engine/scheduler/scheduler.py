@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from engine.config import EngineArgs
@@ -31,6 +32,7 @@ from engine.scheduler.schedule_policy import SchedulePolicy
 from engine.speculative.scheduling import NgramDrafter
 
 logger = logging.getLogger(__name__)
+_FINISHED_REASON = attrgetter("finished_reason")  # (read of every running request, every step)
 
 
 @dataclass
@@ -297,7 +299,7 @@ class Scheduler(RequestIntake, ModelUpdates):
         s = self.stats
         # Requests of a prefill batch (with, in a mixed batch, the decoding ones) join the
         # running batch at the next step; finished ones stay until the next step filters them.
-        running = sum(1 for r in self.running_batch.reqs if r.finished_reason is None)
+        running = list(map(_FINISHED_REASON, self.running_batch.reqs)).count(None)
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
             chunked = self.chunked_req
