@@ -19,7 +19,9 @@ overlap loop's bookkeeping plus the GIL hand-offs with that thread) and "inline"
 scheduler with an executor that does the null forward and the sampling at launch, on the
 scheduler thread: the host path of the CUDA executor, which launches from the scheduler thread
 and has no second thread, without the kernel launches); also "process" (the CPU default: the
-device process, whose null forward answers over a pipe). Per case: the median step of each
+device process, whose null forward answers over a pipe) and "worker" (the plain loop plus
+what a served worker's scheduler thread adds to each step: the step's record for its I/O
+process, `step_records`, packed for the pipe). Per case: the median step of each
 child (over `--steps` steps after a warm-up), then the median over the repetitions; the ratio
 is this tree / baseline (< 1: less host time per step).
 """
@@ -44,22 +46,48 @@ def child(root: str, loop: str, bs: int, steps: int) -> float:
     torch.set_num_threads(1)
     from benchmarks.overlap import NULL_VOCAB, _close, _null_scheduler, _requests
 
-    kind = loop if loop in ("plain", "process") else "thread"
+    kind = loop if loop in ("plain", "process") else "plain" if loop == "worker" else "thread"
     scheduler = _null_scheduler(bs, kind, steps + 60)
     if loop == "inline":
         scheduler.executor.close()
         scheduler.executor = _inline_executor(scheduler)
+    record = _worker_record() if loop == "worker" else None
     for rid, ids, params in _requests(bs, NULL_VOCAB, steps + 60):
         scheduler.add_request(rid, ids, params)
     for _ in range(10):  # the prefill and the first decode steps
         scheduler.step()
     walls = []
-    for _ in range(steps):
+    for step in range(steps):
         t = time.perf_counter()
-        scheduler.step()
+        events = scheduler.step()
+        if record is not None:
+            record(step, events)
         walls.append(time.perf_counter() - t)
     _close(scheduler)
     return statistics.median(walls)
+
+
+def _worker_record() -> object:
+    """What the worker's scheduler thread adds to a step: the step's events as its record
+    for the I/O process, packed as the pipe's `write_record` packs it (this tree's code)."""
+    import msgpack
+
+    import services.worker_requests as wr
+
+    class Ours(dict):  # the worker's table of running requests: all of them
+        def __contains__(self, rid: object) -> bool:
+            return True
+
+    active = Ours()
+    if hasattr(wr, "step_records"):
+        def record(step: int, events: list) -> bytes:  # noqa: E306
+            rows, plain, _ = wr.step_records(events, active)
+            return msgpack.packb(["step", step, rows, plain])
+    else:  # a tree from before plain rows: the worker's loop then
+        def record(step: int, events: list) -> bytes:  # noqa: E306
+            rows = [wr.row_record(e) for e in events if e.rid in active]
+            return msgpack.packb(["step", step, rows])
+    return record
 
 
 def _inline_executor(scheduler: object) -> object:

@@ -48,12 +48,13 @@ class StepSink:
     def __init__(self, redis_url: str, prefix: str, others: set[int]) -> None:
         from services.worker_link import IoLink
         from services.worker_load import WorkerFacts
-        from services.worker_requests import ReqInfo
+        from services.worker_requests import ReqInfo, Windows
         from shared.bus import Bus
 
         self.bus = Bus.from_url(redis_url, prefix, maxlen=10_000)
         self.info = ReqInfo("router-probe", True, True, 64)
         self.infos: dict[str, Any] = {}
+        self.windows = Windows()
         self.stream = f"{prefix}:detok"
         self.outbox: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._drain, daemon=True)
@@ -80,26 +81,27 @@ class StepSink:
         self.infos[rid] = self.info
         self.link.start(rid, self.info)
 
-    def _message(self, step: int, records: list) -> Any:
+    def _message(self, step: int, records: list, plain: list) -> Any:
         from services.worker_requests import step_message
 
-        return step_message(records, self.infos, "probe", step)  # the I/O process's work
+        # the I/O process's work
+        return step_message(records, self.infos, "probe", step, plain, self.windows)
 
     def _drain(self) -> None:
         while True:
-            step, records = self.outbox.get()
-            self.bus.publish_many([(self.stream, self._message(step, records))])
+            step, records, plain = self.outbox.get()
+            self.bus.publish_many([(self.stream, self._message(step, records, plain))])
 
     def send(self, variant: str, step: int, events: list) -> None:
-        from services.worker_requests import row_record
+        from services.worker_requests import step_records
 
-        records = [row_record(ev) for ev in events]
+        records, plain, _ = step_records(events, self.infos)  # the worker's
         if variant == "thread":
-            self.outbox.put((step, records))
+            self.outbox.put((step, records, plain))
         elif variant == "inline":
-            self.bus.publish_many([(self.stream, self._message(step, records))])
+            self.bus.publish_many([(self.stream, self._message(step, records, plain))])
         else:
-            self.link.step(step, records)
+            self.link.step(step, records, plain)
 
     def close(self) -> None:
         self.link.close()

@@ -8,7 +8,7 @@ The scheduler's process runs one Python thread and never talks to Redis: a child
 does (see `services.worker_link` for why a process, with the measurements, and for the
 records on its pipes). The loop drains the requests and aborts that arrived between steps
 (blocking on them only when the scheduler has no work), and after each step writes one
-compact record with every request that got tokens or ended in it (`row_record`); the
+compact record with every request that got tokens or ended in it (`step_records`); the
 I/O process builds and sends the step message. A `GenerateReqMsg` becomes
 `scheduler.add_request` (a ValueError, or a grammar that fails to compile later, becomes an
 `ErrorMsg` to its router); an `AbortReqMsg` becomes `scheduler.abort_request`, or is
@@ -42,8 +42,8 @@ from services.worker_requests import (
     RequestTable,
     aborted_row,
     check_kind,
-    row_record,
     sampling_params,
+    step_records,
 )
 from shared.deployment import read_state
 from shared.keys import WORKER_KIND, detok_stream, router_out_stream, weights_key
@@ -160,15 +160,11 @@ class Worker:
         if self.trace is not None:
             self.trace.add(start, time.perf_counter(), self.scheduler.last_batch, len(events))
         self.num_steps += 1
-        active, rows = self.table.active, []
-        for event in events:
-            if event.rid not in active:  # not ours (cannot happen: all come through here)
-                continue
-            rows.append(row_record(event))
-            if event.finished_reason is not None:
-                self.table.end(event.rid)
-        if rows:
-            self.link.step(self.num_steps, rows)
+        rows, plain, ended = step_records(events, self.table.active)
+        for rid in ended:
+            self.table.end(rid)
+        if rows or plain[0]:
+            self.link.step(self.num_steps, rows, plain)
         for rid, why in self.scheduler.take_rejected():  # grammars that did not compile
             info = self.table.active.get(rid)
             if info is not None:

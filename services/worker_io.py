@@ -15,10 +15,10 @@ to them), so replaying old entries after a restart would only duplicate work. En
 the wrong type are dead-lettered.
 
 The main thread keeps each running request's `ReqInfo` (from its "start" record) and turns
-every "step" record into a `StepOutputMsg` (`step_message`), dropping a request's info
-with its final row (or a "forget" record). `Sender` publishes everything queued in one
-pipeline per round trip; if Redis is unreachable it keeps the messages and retries, so
-nothing is dropped by a blip.
+every "step" record into a `StepOutputMsg` (`step_message`; the windows of its plain rows
+are its own, `Windows`), dropping a request's info with its final row (or a "forget"
+record). `Sender` publishes everything queued in one pipeline per round trip; if Redis is
+unreachable it keeps the messages and retries, so nothing is dropped by a blip.
 
 The scheduler process closing its end (a clean stop, or its death) stops this process:
 it sends what is queued and deletes the heartbeat. SIGTERM does the same; SIGINT (a
@@ -40,7 +40,7 @@ import redis
 from services.group_consumer import exit_process
 from services.worker_link import RecordReader, write_record
 from services.worker_load import LoadFigures, LoadReporter, WorkerFacts
-from services.worker_requests import ReqInfo, step_message
+from services.worker_requests import ReqInfo, Windows, step_message
 from services.worker_routers import RouterWatch
 from shared.bus import Bus
 from shared.heartbeat import Heartbeat
@@ -186,6 +186,7 @@ class IoProcess:
         self.bus = Bus.from_url(hello["redis_url"], hello["prefix"], maxlen=hello["stream_maxlen"])
         self.out_fd = out_fd
         self.infos: dict[str, ReqInfo] = {}
+        self.windows = Windows()  # the plain rows' windows
         stream = worker_in_stream(self.bus.prefix, self.worker_id)
         routers = RouterWatch(self.bus, self.infos, hello["router_check_s"])
         self.receiver = Receiver(
@@ -227,12 +228,14 @@ class IoProcess:
 
     def _on_start(self, rid: str, *info: Any) -> None:
         self.infos[rid] = ReqInfo(*info)
+        self.windows.drop(rid)
 
     def _on_forget(self, rid: str) -> None:
         self.infos.pop(rid, None)
+        self.windows.drop(rid)
 
-    def _on_step(self, step: int, records: list[list[Any]]) -> None:
-        msg = step_message(records, self.infos, self.worker_id, step)
+    def _on_step(self, step: int, records: list[list[Any]], plain: list[list[Any]]) -> None:
+        msg = step_message(records, self.infos, self.worker_id, step, plain, self.windows)
         if msg is not None:
             self.sender.send(self.detok_stream, msg)
 

@@ -17,7 +17,7 @@ first item names the record:
                                 spaces_between_special_tokens, prompt_tokens,
                                 prompt_ids or None]                        a request starts
                       ["forget", rid]                    a started request ends without rows
-                      ["step", step, [row record, ...]]                    see `row_record`
+                      ["step", step, [row record, ...], plain rows]  see `step_records`
                       ["msg", stream, message bytes]                       publish as is
                       ["load", [figure, ...]]                              `LoadFigures`
                       ["facts", {field: value}]         `WorkerFacts` changed (beat now)
@@ -158,8 +158,8 @@ class IoLink:
         """A started request that ended without a step row (its grammar did not compile)."""
         self._send(["forget", rid])
 
-    def step(self, step: int, rows: list[tuple[Any, ...]]) -> None:
-        self._send(["step", step, rows])
+    def step(self, step: int, rows: list[tuple[Any, ...]], plain: list[list[Any]]) -> None:
+        self._send(["step", step, rows, plain])
 
     def publish(self, stream: str, msg: Message) -> None:
         self._send(["msg", stream, msg.to_msg()])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 from engine.pooling import embedding_bytes
@@ -206,6 +207,43 @@ def _prompt_fields(req: Any) -> tuple | None:
     return (start, list(ids), list(lps), top_ids, top_vals, ranks)
 
 
+# The plain rows of a step, as columns [rids, starts, tokens, cached_tokens]: one new token
+# each, the request goes on, no logprobs (most rows of most steps). Their windows are the I/O
+# process's (`step_message`): packing a window per row was most of a record's cost.
+PlainRows = list[list[Any]]
+
+
+def step_records(
+    events: list[StepEvent], active: Mapping[str, Any]
+) -> tuple[list[RowRecord], PlainRows, list[str]]:
+    """A step's events of the requests in `active`, for the I/O process (on the scheduler
+    thread, every step): the row records of the rows that are not plain, the plain rows,
+    and the ids of the requests that ended."""
+    rows: list[RowRecord] = []
+    ended: list[str] = []
+    rids: list[str] = []
+    starts: list[int] = []
+    tokens: list[int] = []
+    cached: list[int] = []
+    for event in events:
+        req = event.req
+        rid = req.rid
+        if rid not in active:  # not ours (cannot happen: all come through the worker)
+            continue
+        new = event.new_token_ids
+        if event.finished_reason is None:
+            if len(new) == 1 and not req.sampling_params.return_logprob:
+                rids.append(rid)
+                starts.append(event.start)
+                tokens.append(new[0])
+                cached.append(req.cached_tokens)
+                continue
+        else:
+            ended.append(rid)
+        rows.append(row_record(event))
+    return rows, [rids, starts, tokens, cached], ended
+
+
 def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
     """The step row of a row record (in the I/O process, from msgpack's lists)."""
     rid, start, new_ids, window_ids, finish, cached_tokens, logprobs, prompt, emb = record
@@ -231,13 +269,58 @@ def expand_row(record: RowRecord, info: ReqInfo) -> StepRow:
     )
 
 
+class Windows:
+    """The I/O process's copy of each running request's last DETOK_WINDOW_LEN output tokens
+    (the window of its next row), kept from the rows that pass: every output token of a
+    request is in exactly one of its rows, in order. Rows that carry their window (row
+    records) reset it; plain rows read and extend it."""
+
+    def __init__(self) -> None:
+        self._tails: dict[str, tuple[int, list[int]]] = {}  # rid -> (next start, window)
+
+    def __len__(self) -> int:
+        return len(self._tails)
+
+    def after(self, rid: str, start: int, window: list[int], new_ids: list[int]) -> None:
+        self._tails[rid] = (start + len(new_ids), (window + new_ids)[-DETOK_WINDOW_LEN:])
+
+    def plain(self, rid: str, start: int, token: int) -> list[int]:
+        """The window of a plain row (and the row's token appended to it)."""
+        end, window = self._tails.get(rid, (0, []))
+        if end != start:  # (a row lost on the way: cannot happen on a pipe)
+            logger.error("%s: a row at output %d after output %d: its window is off", rid,
+                         start, end)  # fmt: skip
+        self._tails[rid] = (start + 1, (window + [token])[-DETOK_WINDOW_LEN:])
+        return window
+
+    def drop(self, rid: str) -> None:
+        self._tails.pop(rid, None)
+
+
 def step_message(
-    records: list[RowRecord], infos: dict[str, ReqInfo], worker_id: str, step: int
+    records: list[RowRecord],
+    infos: dict[str, ReqInfo],
+    worker_id: str,
+    step: int,
+    plain: PlainRows | None = None,
+    windows: Windows | None = None,
 ) -> StepOutputMsg | None:
-    """The step message of one step's row records (None if none is usable). A request's info
-    is dropped with its final row; a record of a request that never started is logged and
-    skipped."""
+    """The step message of one step's row records and plain rows (None if none is usable).
+    A request's info (and window) is dropped with its final row; a row of a request that
+    never started is logged and skipped."""
+    windows = windows if windows is not None else Windows()
     rows = []
+    for rid, start, token, cached in zip(*plain) if plain else ():
+        info = infos.get(rid)
+        if info is None:
+            logger.error("a step row of %s, which never started: dropped", rid)
+            continue
+        rows.append(StepRow(
+            rid, info.router_id, start, [token], windows.plain(rid, start, token), None,
+            info.prompt_tokens, start + 1, cached, info.skip_special_tokens,
+            info.spaces_between_special_tokens,
+            prompt_ids=info.prompt_ids if start == 0 else None,
+        ))  # fmt: skip
     for record in records:
         info = infos.get(record[0])
         if info is None:
@@ -247,6 +330,9 @@ def step_message(
         rows.append(row)
         if row.finish_reason is not None:
             del infos[row.rid]
+            windows.drop(row.rid)
+        else:
+            windows.after(row.rid, row.start, row.window_ids, row.new_ids)
     return StepOutputMsg.from_rows(rows, worker_id=worker_id, step=step) if rows else None
 
 

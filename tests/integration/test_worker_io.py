@@ -109,19 +109,28 @@ def test_requests_reach_the_scheduler_and_step_records_become_step_messages(
     assert "unexpected ErrorMsg" in dead[0].reason
 
     link.start("r1", ReqInfo.of(got[0]))
-    link.step(1, [("r1", 0, [40, 41], [], None, 0, None, None, None)])
-    link.step(2, [("r1", 2, [42], [40, 41], ("length", None, None), 2, None, None, None)])
+    none: list[list] = [[], [], [], []]
+    link.step(1, [("r1", 0, [40, 41], [], None, 0, None, None, None)], none)
+    link.step(2, [], [["r1"], [2], [42], [2]])  # a plain row: the I/O process's window
+    link.step(3, [("r1", 3, [43], [40, 41, 42], ("length", None, None), 2, None, None, None)],
+              none)  # fmt: skip
     error = ErrorMsg("r2", "router-a", "invalid_request", "bad", 400, "worker:w0")
     link.publish(router_out_stream(key_prefix, "router-a"), error)
     detok = detok_stream(key_prefix)
-    entries = wait_for(lambda: (e := redis_client.xrange(detok)) and len(e) == 2 and e)
+    entries = wait_for(lambda: (e := redis_client.xrange(detok)) and len(e) == 3 and e)
     steps = [decode_message(fields[b"m"]) for _, fields in entries]
-    assert all(isinstance(m, StepOutputMsg) for m in steps) and [m.step for m in steps] == [1, 2]
-    first, last = steps[0].rows()[0], steps[1].rows()[0]
+    assert all(isinstance(m, StepOutputMsg) for m in steps)
+    assert [m.step for m in steps] == [1, 2, 3]
+    first, plain, last = (m.rows()[0] for m in steps)
     assert (first.rid, first.router_id, first.new_ids) == ("r1", "router-a", [40, 41])
     assert first.prompt_tokens == 3
     assert first.skip_special_tokens is False and first.finish_reason is None
-    assert (last.start, last.window_ids, last.completion_tokens) == (2, [40, 41], 3)
+    assert (plain.start, plain.new_ids, plain.window_ids, plain.completion_tokens) == (
+        2, [42], [40, 41], 3,
+    )  # fmt: skip
+    assert (plain.router_id, plain.prompt_tokens, plain.cached_tokens) == ("router-a", 3, 2)
+    assert plain.skip_special_tokens is False and plain.finish_reason is None
+    assert (last.start, last.window_ids, last.completion_tokens) == (3, [40, 41, 42], 4)
     assert last.cached_tokens == 2
     assert last.finish_reason.type == "length"
     out = wait_for(lambda: redis_client.xrange(router_out_stream(key_prefix, "router-a")))
@@ -152,7 +161,7 @@ def test_a_lost_io_process_is_an_error_for_the_scheduler(redis_url: str, key_pre
             lk.receive(timeout=0.05)
     with pytest.raises(RuntimeError, match="I/O process exited"):
         rows = [("r", 0, [1], [], None, 0, None, None, None)] * 20_000  # more than a pipe holds
-        lk.step(1, rows)
+        lk.step(1, rows, [[], [], [], []])
     lk.close()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgpack
 import pytest
 
@@ -11,12 +13,14 @@ from engine.scheduler.req import FinishReason as EngineFinish
 from engine.scheduler.req import Req
 from services.worker_requests import (
     RequestTable,
+    Windows,
     aborted_row,
     check_kind,
     expand_row,
     row_record,
     sampling_params,
     step_message,
+    step_records,
 )
 from shared.messages import DETOK_WINDOW_LEN, GenerateReqMsg, StepOutputMsg
 
@@ -187,3 +191,50 @@ def test_a_step_message_forgets_a_request_with_its_final_row_and_skips_strangers
     final = step_message([last], infos, "w0", 2)
     assert final.rows()[0].finish_reason.type == "length" and "r1" not in infos
     assert step_message([("ghost", 0, [1], [], None, 0, None, None, None)], infos, "w0", 3) is None
+
+
+def test_plain_rows_expand_to_the_rows_their_row_records_would() -> None:
+    """`step_records` sends most rows as columns, whose windows the I/O process keeps
+    (`Windows`); every row it expands equals the row of the event's full row record, over
+    random steps of plain rows, several tokens (speculative), logprobs, aborts and ends."""
+    rng = random.Random(7)
+    reqs, infos_a, infos_b, active = {}, {}, {}, {}
+    windows = Windows()
+    plain_rows = 0
+    for step in range(1, 60):
+        if len(reqs) < 12 and rng.random() < 0.5:  # a new request
+            rid = f"r{step}"
+            logprob = rng.random() < 0.2
+            params = SamplingParams(max_new_tokens=50, return_logprob=logprob)
+            req = reqs[rid] = Req(rid, [1, 2, 3], params)
+            info = RequestTable().start(gen(rid, return_prompt_ids=rng.random() < 0.5))
+            infos_a[rid] = infos_b[rid] = active[rid] = info
+        events = []
+        for rid, req in list(reqs.items()):
+            start = len(req.output_ids)
+            new = [rng.randrange(100) for _ in range(rng.choice([1, 1, 1, 1, 2, 3]))]
+            req.output_ids += new
+            req.logprobs += [-0.5] * len(new)
+            reason = None
+            if rng.random() < 0.08:
+                reason = EngineFinish(rng.choice(["length", "stop", "abort"]), matched=new[-1])
+                if reason.type == "abort":
+                    del req.output_ids[start:], req.logprobs[start:]
+                    new = []
+                del reqs[rid]
+            events.append(StepEvent(req, new, start, reason))
+        full = step_message([_through_the_pipe(row_record(e)) for e in events], infos_a, "w",
+                            step)  # fmt: skip
+        rows, plain, ended = step_records(events, active)
+        for rid in ended:
+            del active[rid]
+        plain_rows += len(plain[0])
+        got = step_message(_through_the_pipe(rows), infos_b, "w", step,
+                           _through_the_pipe(plain), windows)  # fmt: skip
+        assert ended == [e.req.rid for e in events if e.finished_reason is not None]
+        if full is None:
+            assert got is None
+            continue
+        assert sorted(got.rows()) == sorted(full.rows()), f"step {step}"
+    assert plain_rows > 100  # most rows went as columns
+    assert len(windows) == len(reqs) and set(infos_b) == set(reqs)  # the ended were dropped
