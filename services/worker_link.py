@@ -7,7 +7,9 @@ GIL, and every torch op of the forward releases and retakes it. Measured at batc
 core (`benchmarks/worker_io_probe.py`, two runs): a sender thread made each decode step
 0.7-0.9 ms longer (its own work is ~0.3 ms: the rest is GIL hand-offs), sending from the
 scheduler thread itself 0.7-0.8 ms, and this pipe 0.17-0.29 ms (building the row records
-included).
+included). Since then most rows go as columns (`step_records`): at batch 256 the record
+costs the scheduler thread ~75 us a step instead of ~250 (`benchmarks/host_overhead.py
+--loops worker`).
 
 Records are msgpack arrays written back to back and read with a streaming unpacker; the
 first item names the record:
