@@ -3,7 +3,8 @@ and SGLang APIs (vLLM's extras included) and their translation into SGLang's sam
 
 Structured outputs: the engine takes SGLang's sampling parameters `json_schema` (a JSON
 string; "$$ANY$$" for any JSON), `regex` and `ebnf` (engine/sampling/grammar.py). The OpenAI
-endpoints accept them as
+endpoints accept them as (json_object: a JSON object, the schema {"type": "object"}, as
+OpenAI's JSON mode, SGLang and vLLM)
 
     response_format  {"type": "text"} | {"type": "json_object"}
                      | {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
@@ -23,7 +24,7 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from engine.sampling.grammar_spec import ANY_JSON, structural_tag_json
+from engine.sampling.grammar_spec import ANY_JSON, JSON_OBJECT, structural_tag_json
 from engine.sampling.sampling_params import logit_bias_error
 
 MAX_N = 128
@@ -257,14 +258,14 @@ def grammar_params(request: Any) -> dict[str, str]:
     if kind == "json":
         return {"json_schema": value if isinstance(value, str) else json.dumps(value)}
     if kind == "json_object":
-        return {"json_schema": ANY_JSON}
+        return {"json_schema": JSON_OBJECT}
     return {"ebnf": _choice_grammar(value, name)}
 
 
 def _response_format_schema(fmt: dict[str, Any]) -> str:
     kind = fmt.get("type")
     if kind == "json_object":
-        return ANY_JSON
+        return JSON_OBJECT
     if kind != "json_schema":
         raise _invalid(
             "response_format type must be text, json_object, json_schema or structural_tag, "

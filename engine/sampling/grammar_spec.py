@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-# `json_schema` value meaning "any JSON" (SGLang's convention; OpenAI's json_object format)
+# `json_schema` value meaning "any JSON" (SGLang's convention)
 ANY_JSON = "$$ANY$$"
+# The schema OpenAI's JSON mode (`response_format: {"type": "json_object"}`, vLLM's
+# `structured_outputs.json_object`) is decoded with: a JSON object, as SGLang and vLLM do
+JSON_OBJECT = '{"type": "object"}'
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
+from engine.sampling.grammar_spec import JSON_OBJECT
 from engine.tokenizer import load_tokenizer
 from tests.factories import (
     TIE_EPS,
@@ -221,3 +222,7 @@ def test_grammar_errors_and_edges() -> None:
             "json_schema": "$$ANY$$", "max_new_tokens": MAX_NEW, "temperature": 0.0})
         text = out["text"]
         assert text.lstrip()[:1] in "{[", text
+        # a JSON object (OpenAI's json_object, as SGLang and vLLM decode it)
+        out = engine.generate(input_ids=prompts[1], sampling_params={
+            "json_schema": JSON_OBJECT, "max_new_tokens": MAX_NEW, "temperature": 0.0})
+        assert out["text"].lstrip()[:1] == "{", out["text"]
