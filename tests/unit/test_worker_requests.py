@@ -191,6 +191,12 @@ def test_a_step_message_forgets_a_request_with_its_final_row_and_skips_strangers
     final = step_message([last], infos, "w0", 2)
     assert final.rows()[0].finish_reason.type == "length" and "r1" not in infos
     assert step_message([("ghost", 0, [1], [], None, 0, None, None, None)], infos, "w0", 3) is None
+    # plain rows too: a stranger's is skipped, the others kept
+    infos["r2"] = info
+    plain = [["ghost", "r2", "ghost"], [0, 0, 4], [1, 8, 2], [0, 3, 0]]
+    msg = step_message([], infos, "w0", 4, plain, Windows())
+    assert [(r.rid, r.new_ids, r.cached_tokens) for r in msg.rows()] == [("r2", [8], 3)]
+    assert step_message([], infos, "w0", 5, [["ghost"], [0], [1], [0]], Windows()) is None
 
 
 def test_plain_rows_expand_to_the_rows_their_row_records_would() -> None:
