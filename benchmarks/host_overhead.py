@@ -21,7 +21,9 @@ scheduler thread: the host path of the CUDA executor, which launches from the sc
 and has no second thread, without the kernel launches); also "process" (the CPU default: the
 device process, whose null forward answers over a pipe) and "worker" (the plain loop plus
 what a served worker's scheduler thread adds to each step: the step's record for its I/O
-process, `step_records`, packed for the pipe). Per case: the median step of each
+process, `step_records`, packed for the pipe); and "io" (no scheduler: the worker's I/O
+process turning such a record into the detokenizers' packed `StepOutputMsg`, which it must
+do at the pace of the steps). Per case: the median step of each
 child (over `--steps` steps after a warm-up), then the median over the repetitions; the ratio
 is this tree / baseline (< 1: less host time per step).
 """
@@ -41,6 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def child(root: str, loop: str, bs: int, steps: int) -> float:
     """Median wall time (s) of a decode step of `bs` requests, importing from `root`."""
     sys.path.insert(0, root)
+    if loop == "io":
+        return _io_step(bs, steps)
     import torch
 
     torch.set_num_threads(1)
@@ -65,6 +69,29 @@ def child(root: str, loop: str, bs: int, steps: int) -> float:
         walls.append(time.perf_counter() - t)
     _close(scheduler)
     return statistics.median(walls)
+
+
+def _io_step(bs: int, steps: int) -> float:
+    """Median wall time (s) of the worker's I/O process turning a decode step's record of
+    `bs` requests (one token each) into the detokenizers' message, packed (this tree's code;
+    a tree from before plain rows gets the same rows as row records)."""
+    import services.worker_requests as wr
+
+    infos = {f"req-{i:032x}": wr.ReqInfo("router-0", True, True, 100) for i in range(bs)}
+    rids = list(infos)
+    windows = wr.Windows() if hasattr(wr, "Windows") else None
+    walls = []
+    for step in range(steps + 20):
+        if windows is not None:
+            args = ([], infos, "w0", step, [rids, [step] * bs, [7] * bs, [0] * bs], windows)
+        else:
+            window = list(range(max(0, step - 6), step))
+            args = ([(rid, step, [7], window, None, 0, None, None, None) for rid in rids],
+                    infos, "w0", step)  # fmt: skip
+        t = time.perf_counter()
+        wr.step_message(*args).to_msg()
+        walls.append(time.perf_counter() - t)
+    return statistics.median(walls[20:])
 
 
 def _worker_record() -> object:
