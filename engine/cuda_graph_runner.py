@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.layers.logits import ALIGN, padded_vocab
+from engine.layers.logits import logits_width
 
 if TYPE_CHECKING:
     from engine.overlap.future_map import FutureMap
@@ -163,9 +163,7 @@ class CudaGraphRunner:
              self.out_cache_loc) = self.static_rows.unbind(0)  # fmt: skip
             self.vocab_size = vocab_size
             dtype = _logits_dtype(model_runner)
-            # (a 16-bit lm_head over a misaligned vocabulary writes padded rows: see pads_vocab)
-            pads = dtype.itemsize == 2 and vocab_size % ALIGN != 0
-            width = padded_vocab(vocab_size) if pads else vocab_size
+            width = logits_width(dtype, vocab_size)  # (the lm_head's padded rows, if it pads)
             self.logits = torch.zeros(self.max_bs, width, dtype=dtype, device=device)
 
     # -- capture --------------------------------------------------------------------------------

@@ -129,7 +129,13 @@ def lm_head_matmul(
 
 def pads_vocab(hidden: torch.Tensor, vocab: int) -> bool:
     """Whether the lm_head pads by default: on CUDA, 16-bit, vocab not a multiple of ALIGN."""
-    return hidden.is_cuda and hidden.element_size() == 2 and vocab % ALIGN != 0
+    return hidden.is_cuda and logits_width(hidden.dtype, vocab) != vocab
+
+
+def logits_width(dtype: torch.dtype, vocab: int) -> int:
+    """The row length of the lm_head's output in `dtype` on CUDA: `padded_vocab` where a
+    16-bit vocabulary is not a multiple of ALIGN (see `pads_vocab`), else `vocab`."""
+    return padded_vocab(vocab) if dtype.itemsize == 2 and vocab % ALIGN != 0 else vocab
 
 
 def padded_vocab(vocab: int) -> int:
