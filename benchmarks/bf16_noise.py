@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import parse_noise_args, print_table, write_noise_result  # noqa: E402
 from tests.teacher_forcing import (  # noqa: E402
     bf16_parity_model,
     bf16_sequences,
@@ -66,15 +66,8 @@ def measure(arch: str, qk_scale: float, seed: int, args: argparse.Namespace,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--archs", nargs="+", default=list(ARCHS))
-    ap.add_argument("--qk-scales", type=float, nargs="+", default=[2.0, 1.0])
-    ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="torch_native")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    ap.add_argument("--name", default="bf16_noise")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_noise_args(ap, list(ARCHS), "bf16_noise", argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="sluice-bf16-noise-") as root:
         for arch in args.archs:
@@ -91,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("hf16_vs_hf32.agreement", "hf16_vs_hf32.agreement_tie_aware",
                     "ours16_vs_hf16.agreement"):  # fmt: skip
             summary[f"min_{key.replace('.', '_')}_qk{qk:g}"] = min(r[key] for r in mine)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    write_result(args.name, rows, summary, device=device, args=vars(args))
-    print(summary)
+    write_noise_result(args, rows, summary)
     return 0
 
 

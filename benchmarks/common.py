@@ -163,6 +163,32 @@ def parse_arm_args(ap: Any, name: str | None = None) -> Any:
     return args
 
 
+def parse_noise_args(ap: Any, archs: list[str], name: str, argv: list[str] | None) -> Any:
+    """Parse the flags of a numerical-noise benchmark (bf16_noise.py, fp8_noise.py), adding
+    the ones they share: --archs, --qk-scales, --device, --threads (torch's, set here) and
+    --name."""
+    ap.add_argument("--archs", nargs="+", default=archs)
+    ap.add_argument("--qk-scales", type=float, nargs="+", default=[2.0, 1.0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
+    ap.add_argument("--name", default=name)
+    args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return args
+
+
+def write_noise_result(args: Any, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """A noise benchmark's rows and summary, with the device it ran on."""
+    import torch
+
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    write_result(args.name, rows, summary, device=device, args=vars(args))
+    print(summary)
+
+
 def small_model(layers: int, seed: int = 0, num_labels: int | None = None) -> str:
     """A random Llama of the `small` preset's shape with `layers` layers (built once, in the
     temp folder): the model of the CPU benchmarks that compare engine arms; with `num_labels`,

@@ -35,9 +35,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
 
-from benchmarks.common import print_table, write_result  # noqa: E402
+from benchmarks.common import parse_noise_args, print_table, write_noise_result  # noqa: E402
 from tests.fp8_reference import fp8_models, w8a8_ours, w8a8_reference  # noqa: E402
 from tests.teacher_forcing import score_pairs  # noqa: E402
 
@@ -63,15 +62,8 @@ def measure(arch: str, qk_scale: float, kind: str, device: str, root: str) -> di
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--archs", nargs="+", default=["llama", "qwen3"])
-    ap.add_argument("--qk-scales", type=float, nargs="+", default=[2.0, 1.0])
     ap.add_argument("--kinds", nargs="+", default=["checkpoint", "online"])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (CPU)")
-    ap.add_argument("--name", default="fp8_noise")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_noise_args(ap, ["llama", "qwen3"], "fp8_noise", argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="sluice-fp8-noise-") as root:
         for arch in args.archs:
@@ -89,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"min_ours16_minus_ref16_vs_ref32_qk{qk:g}"] = min(
             r["ours16_vs_ref32.agreement"] - r["ref16_vs_ref32.agreement"] for r in mine
         )
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    write_result(args.name, rows, summary, device=device, args=vars(args))
-    print(summary)
+    write_noise_result(args, rows, summary)
     return 0
 
 
