@@ -278,3 +278,10 @@ def run_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True,
                           timeout=timeout, env=env)  # fmt: skip
+
+
+def python_output(*args: str, timeout: float = 300) -> str:
+    """`run_python(ARGS)`'s output, once it exited cleanly (its stderr's tail otherwise)."""
+    proc = run_python(*args, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

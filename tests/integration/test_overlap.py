@@ -22,7 +22,7 @@ from engine.mem_cache.base import TreeNode
 from engine.overlap.scheduler import OverlapScheduler
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.scheduler import Scheduler
-from tests.factories import run_python, tiny_model
+from tests.factories import python_output, tiny_model
 
 VOCAB_LO = 8  # ids below are special tokens
 
@@ -520,9 +520,7 @@ def test_engine_in_a_script_without_main_guard(tmp_path) -> None:
         "print('TOKENS', len(out['output_ids']))\n"
         "engine.shutdown()\n"
     )
-    proc = run_python(str(script))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("TOKENS") == 1
+    assert python_output(str(script)).count("TOKENS") == 1
 
 
 def test_device_processes_find_transformers_config_modules_preloaded() -> None:
@@ -546,8 +544,6 @@ def test_device_processes_find_transformers_config_modules_preloaded() -> None:
         "print(json.dumps(sorted(m for m in set(sys.modules) - before\n"
         "                        if m.startswith('transformers'))))\n"
     )
-    proc = run_python("-c", code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    new = json.loads(proc.stdout.strip().splitlines()[-1])
+    new = json.loads(python_output("-c", code).strip().splitlines()[-1])
     assert new, "the models' own config modules are imported on demand"
     assert all(m.startswith("transformers.models.") for m in new), new

@@ -9,7 +9,7 @@ import os
 import shutil
 
 from engine.tokenizer import load_tokenizer
-from tests.factories import run_python, tiny_model
+from tests.factories import python_output, tiny_model
 
 
 def test_a_folder_without_tokenizer_json_falls_back_to_auto_tokenizer(tmp_path) -> None:
@@ -40,6 +40,4 @@ def test_loading_and_using_a_tokenizer_does_not_import_torch() -> None:
         "assert ids and tok.decode(ids)\n"
         "print('torch' in sys.modules)\n"
     )
-    proc = run_python("-c", code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "False"
+    assert python_output("-c", code).split()[-1] == "False"
