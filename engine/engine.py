@@ -80,6 +80,7 @@ class Engine(PoolingCalls):
         top_logprobs_num: int | None = None,
         logprob_start_len: int | None = None,
         lora_path: str | list[str | None] | None = None,
+        extra_key: str | list[str | None] | None = None,
     ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
 
@@ -88,7 +89,9 @@ class Engine(PoolingCalls):
         `logprob_start_len` >= 0 adds the prompt's from that position (`input_token_logprobs`,
         `input_top_logprobs`; position 0 has none). `max_new_tokens` 0 runs the prompt only.
         `lora_path` (SGLang's name): the LoRA adapter of `lora_paths` to run with, by name,
-        one for all prompts or one each (None: the base model)."""
+        one for all prompts or one each (None: the base model). `extra_key` (SGLang's; vLLM's
+        `cache_salt`): a prompt reuses cached prefixes only of requests with the same key, one
+        for all prompts or one each (None: unsalted)."""
         if self.args.is_embedding:
             raise ValueError("generate: this engine serves an embedding model; use encode()")
         single, prompts_ids = self._input_ids(prompt, input_ids)
@@ -96,11 +99,10 @@ class Engine(PoolingCalls):
                         "logprob_start_len": logprob_start_len}  # fmt: skip
         params = self._params(sampling_params, len(prompts_ids), logprob_args)
         rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
-        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts_ids)
-        if len(loras) != len(prompts_ids):
-            raise ValueError(f"lora_path: {len(loras)} given for {len(prompts_ids)} prompts")
-        for rid, ids, p, lora in zip(rids, prompts_ids, params, loras):
-            self.scheduler.add_request(rid, ids, p, lora_name=lora)
+        loras = _per_prompt("lora_path", lora_path, len(prompts_ids))
+        salts = _per_prompt("extra_key", extra_key, len(prompts_ids))
+        for rid, ids, p, lora, salt in zip(rids, prompts_ids, params, loras, salts):
+            self.scheduler.add_request(rid, ids, p, lora_name=lora, cache_salt=salt)
         finished: dict[str, Req] = {}
         for event in self._run_until(set(rids)):
             if event.finished_reason is not None:
@@ -291,3 +293,11 @@ def _spec_stats(scheduler: Scheduler) -> dict[str, Any]:
         "spec_accept_length": s.accept_length,
         "spec_memory_skips": s.memory_skips,
     }
+
+
+def _per_prompt(name: str, value: Any, num_prompts: int) -> list[Any]:
+    """Argument `name` of each prompt: one value for all, or a list of one per prompt."""
+    values = value if isinstance(value, list) else [value] * num_prompts
+    if len(values) != num_prompts:
+        raise ValueError(f"{name}: {len(values)} given for {num_prompts} prompts")
+    return values

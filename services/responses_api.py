@@ -54,7 +54,7 @@ _CHAT_PARAMS = {
 _PASSED = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
            "frequency_penalty", "repetition_penalty", "logit_bias", "ignore_eos",
            "skip_special_tokens", "min_tokens", "rid", "priority", "chat_template_kwargs",
-           "separate_reasoning", "parallel_tool_calls")  # fmt: skip
+           "separate_reasoning", "parallel_tool_calls", "cache_salt", "extra_key")  # fmt: skip
 _STATEFUL = ("conversation", "prompt")
 LOGPROBS = "message.output_text.logprobs"
 INCLUDABLE = (LOGPROBS, "reasoning.encrypted_content", "file_search_call.results",

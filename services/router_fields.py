@@ -84,6 +84,14 @@ LogitBias = Annotated[dict[str, float], AfterValidator(_check_logit_bias)]
 TopK = Annotated[int | None, AfterValidator(_check_top_k)]
 TokenIds = list[Annotated[int, Field(ge=0)]]
 RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+def cache_salt(*parts: str | None) -> str | None:
+    """The salt of a request that gives vLLM's `cache_salt` and / or SGLang's `extra_key`:
+    joined as SGLang joins them (None: neither)."""
+    given = [p for p in parts if p is not None]
+    return "".join(given) if given else None
 
 
 class _Strict(BaseModel):
@@ -176,12 +184,17 @@ class SamplingFields(_SamplingCore):
     rid: RequestId | None = None  # SGLang's: the response's id, for /abort_request
     priority: int | None = Field(None, ge=-_INT64, lt=_INT64)  # SGLang's and vLLM's
     lora_path: str | None = None  # SGLang's: the LoRA adapter, when `model` names the base
+    # vLLM's and SGLang's: cached prefixes are reused only by requests of the same salt, so
+    # one tenant cannot tell from a fast first token that another sent the same prompt
+    cache_salt: CacheSalt | None = None
+    extra_key: CacheSalt | None = None  # SGLang's other name (with both: joined)
 
     def finish_subrequests(self, subs: list[Any]) -> list[Any]:
-        """`subs` with the request's id and priority, asking for vLLM's prompt logprobs if
-        it does."""
+        """`subs` with the request's id, priority and cache salt, asking for vLLM's prompt
+        logprobs if it does."""
+        salt = cache_salt(self.cache_salt, self.extra_key)
         for sub in subs:
-            sub.rid, sub.priority = self.rid, self.priority
+            sub.rid, sub.priority, sub.cache_salt = self.rid, self.priority, salt
             sub.return_token_ids = bool(self.return_token_ids)
         if self.truncate_prompt_tokens == 0:
             raise _invalid("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")

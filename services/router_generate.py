@@ -1,6 +1,7 @@
 """SGLang's `/generate` body: `text` or `input_ids`, one prompt or a batch, with its
-`sampling_params` (one for all prompts or one each), logprob options, `rid` and `priority`,
-validated and split into the router's sub-requests (services/router_protocol.py).
+`sampling_params` (one for all prompts or one each), logprob options, `rid`, `priority`,
+`lora_path` and `extra_key` (a cache salt), validated and split into the router's
+sub-requests (services/router_protocol.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from typing import Any
 from pydantic import ConfigDict, Field, field_validator
 
 from engine.sampling.grammar_spec import structural_tag_json
-from services.router_fields import _INT64, MAX_LOGPROBS, ApiError, RequestId, _SamplingCore, _Strict
+from services.router_fields import (
+    _INT64,
+    MAX_LOGPROBS,
+    ApiError,
+    CacheSalt,
+    RequestId,
+    _SamplingCore,
+    _Strict,
+)
 from services.router_protocol import SubRequest, _is_id_list, fan_out
 
 
@@ -49,6 +58,9 @@ class GenerateRequest(_Strict):
     priority: int | None = Field(None, ge=-_INT64, lt=_INT64)
     # SGLang's: the LoRA adapter (by name) of every prompt, or one each (None: the base model)
     lora_path: str | list[str | None] | None = None
+    # SGLang's cache salt: cached prefixes are reused only by requests with the same key;
+    # one for every prompt, or one each (None: unsalted)
+    extra_key: CacheSalt | list[CacheSalt | None] | None = None
 
     @field_validator("logprob_start_len")
     @classmethod
@@ -95,20 +107,25 @@ class GenerateRequest(_Strict):
             msg = f"{len(starts)} logprob_start_len for {len(prompts)} prompts"
             raise ApiError(400, msg, "logprob_start_len", "invalid_value")
         rids = self._rids(len(prompts))
-        loras = self.lora_path if isinstance(self.lora_path, list) else [self.lora_path] * len(
-            prompts
-        )
-        if len(loras) != len(prompts):
-            msg = f"{len(loras)} lora_path for {len(prompts)} prompts"
-            raise ApiError(400, msg, "lora_path", "invalid_value")
+        loras = self._per_prompt("lora_path", len(prompts))
+        salts = self._per_prompt("extra_key", len(prompts))
         subs: list[SubRequest] = []
         logprob, top = bool(self.return_logprob), self.top_logprobs_num or 0
         for i, (prompt, p, start) in enumerate(zip(prompts, sps, starts, strict=True)):
             for sub in fan_out([prompt], p.to_dict(), p.n, logprob, top, start):
                 sub.index, sub.prompt_index, sub.rid = len(subs), i, rids[i]
-                sub.priority, sub.lora_name = self.priority, loras[i]
+                sub.priority, sub.lora_name, sub.cache_salt = self.priority, loras[i], salts[i]
                 subs.append(sub)
         return subs
+
+    def _per_prompt(self, name: str, num_prompts: int) -> list[Any]:
+        """Field `name` of each prompt: one value for all, or a list of one per prompt."""
+        value = getattr(self, name)
+        values = value if isinstance(value, list) else [value] * num_prompts
+        if len(values) != num_prompts:
+            msg = f"{len(values)} {name} for {num_prompts} prompts"
+            raise ApiError(400, msg, name, "invalid_value")
+        return values
 
     def _rids(self, num_prompts: int) -> list[str | None]:
         """The client's rid of each prompt: a string for one prompt, a list for a batch."""

@@ -187,10 +187,14 @@ def routing_key(
     messages: Sequence[Any] | None = None,
     tools: Sequence[dict[str, Any]] | None = None,
     lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> str:
     """A request's prompt as one string for the prefix tree: two prompts that share a
-    beginning share a beginning here. The adapter comes first; token ids are characters."""
+    beginning share a beginning here. The adapter comes first, then the cache salt if any
+    (a worker shares cached prefixes only within a salt); token ids are characters."""
     head = f"{lora_name or ''}\x00"
+    if cache_salt is not None:  # ("s": never the start of an unsalted key's prompt)
+        head += f"s{cache_salt}\x00"
     if input_ids is not None:
         if input_ids and not 0 <= min(input_ids) <= max(input_ids) < 0x110000:
             input_ids = [t if 0 <= t < 0x110000 else 0xFFFD for t in input_ids]

@@ -67,6 +67,8 @@ class SubRequest:
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids in the response
     embed: bool = False  # /v1/embeddings: pooled by an embedding worker (no output tokens)
     text_pair: str | None = None  # with text: a cross-encoder's pair (/v1/score, /v1/rerank)
+    # vLLM's cache_salt (SGLang's extra_key): cached prefixes are shared only within a salt
+    cache_salt: str | None = None
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's

@@ -135,6 +135,7 @@ class Broker:
             key = routing_key(
                 text=sub.text, text_pair=sub.text_pair, input_ids=sub.input_ids,
                 messages=sub.messages, tools=sub.tools, lora_name=sub.lora_name,
+                cache_salt=sub.cache_salt,
             ) if self.workers.policy.uses_key else None  # fmt: skip
             kind = {"lora": sub.lora_name, "embedding": sub.embed, "key": key}
             worker = self.workers.choose(exclude=h.tried, **kind)
@@ -209,6 +210,7 @@ class Broker:
             return_prompt_ids=sub.return_token_ids,
             embed=sub.embed,
             text_pair=sub.text_pair,
+            cache_salt=sub.cache_salt,
         )
 
     def _dispatch(self, msg: object) -> None:

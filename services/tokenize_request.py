@@ -99,6 +99,7 @@ class RequestTokenizer:
             return_prompt_ids=msg.return_prompt_ids,
             embed=msg.embed,
             token_type_ids=types,
+            cache_salt=msg.cache_salt,
         )
 
     def answer(self, msg: TokenizeReqMsg) -> TokenizeRespMsg:

@@ -198,7 +198,7 @@ class Worker:
             params = sampling_params(msg, self.vocab_size)
             self.scheduler.add_request(
                 msg.rid, msg.input_ids, params, msg.priority, msg.lora_name,
-                token_type_ids=msg.token_type_ids,
+                token_type_ids=msg.token_type_ids, cache_salt=msg.cache_salt,
             )  # fmt: skip
         except ValueError as exc:
             self._reject(msg.rid, msg.router_id, str(exc))

@@ -12,6 +12,7 @@ must give them back exactly once (`cache_finished_req` does).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, NamedTuple, Protocol
@@ -68,9 +69,22 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
+def cache_namespace(lora_id: int, salt: str | None = None) -> int:
+    """A request's prefix-cache namespace: its LoRA adapter's id (0: the base model), and
+    with a cache salt (vLLM's `cache_salt`, SGLang's `extra_key`) a 128-bit digest of the
+    salt above it, so a request reuses cached K/V only of requests with its adapter and its
+    salt (or, without one, of unsalted ones): tenants who do not share a salt cannot learn
+    from a fast first token that someone sent their prompt. Adapter ids stay below 2**32."""
+    if salt is None:
+        return lora_id
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    return (((1 << 128) | int.from_bytes(digest, "big")) << 32) | lora_id
+
+
 def namespaced(key: list[int], namespace: int) -> list[int]:
-    """The cache key of token ids in a namespace (a LoRA adapter's id; 0: the base model):
-    each id with the namespace in its high bits, so no two namespaces share a prefix."""
+    """The cache key of token ids in a namespace (`cache_namespace`; 0: the base model,
+    unsalted): each id with the namespace in its high bits, so no two namespaces share a
+    prefix."""
     if not namespace:
         return key
     high = namespace << 32

@@ -156,8 +156,11 @@ class OverlapScheduler(Scheduler):
         priority: int | None = None,
         lora_name: str | None = None,
         token_type_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> Req:
-        req = super().add_request(rid, input_ids, params, priority, lora_name, token_type_ids)
+        req = super().add_request(
+            rid, input_ids, params, priority, lora_name, token_type_ids, cache_salt
+        )
         if params.needs_history:
             self._history.add(req)
         if params.has_device_history:

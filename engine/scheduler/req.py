@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine.mem_cache.base import namespaced
+from engine.mem_cache.base import cache_namespace, namespaced
 from engine.sampling.sampling_params import SamplingParams
 
 # SGLang clips a request's remaining max_new_tokens at this when estimating memory needs, so
@@ -63,10 +63,16 @@ class Req:
         arrival: int = 0,
         priority: int = 0,
         lora_id: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         self.rid = rid
         self.priority = priority  # with priority scheduling (EngineArgs)
         self.lora_id = lora_id  # the LoRA adapter it runs with (0: the base model)
+        self.cache_salt = cache_salt
+        # its prefix-cache namespace: K/V is shared only with requests of the same adapter
+        # (whose K/V differ from the base model's and other adapters' for the same tokens)
+        # and the same cache salt (mem_cache/base.py)
+        self.cache_namespace = cache_namespace(lora_id, cache_salt)
         self.origin_input_ids = origin_input_ids
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -153,12 +159,6 @@ class Req:
         rows = range(max(prefix_len, self.prompt_logprob_cursor), min(seq_len, self.prompt_len - 1))
         self.prompt_logprob_cursor = max(self.prompt_logprob_cursor, rows.stop)
         return rows
-
-    @property
-    def cache_namespace(self) -> int:
-        """Its prefix-cache namespace: its adapter's, whose K/V differ from the base model's
-        (and from other adapters') for the same tokens."""
-        return self.lora_id
 
     @property
     def prompt_len(self) -> int:

@@ -54,13 +54,17 @@ class RequestIntake:
         priority: int | None = None,
         lora_name: str | None = None,
         token_type_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> Req:
         """Queue a validated request. Raises ValueError if it cannot fit the context, its
         grammar is known not to compile, it has a priority without priority scheduling,
         names a LoRA adapter the engine does not serve, or asks an embedding model for new
         tokens or logprobs; one whose grammar fails later is
         rejected (`take_rejected`). `token_type_ids` (one per prompt token) go to an encoder
-        (a BERT pair's); a decoder has none, and ignores them."""
+        (a BERT pair's); a decoder has none, and ignores them. `cache_salt` (a non-empty
+        string): the request shares cached prefixes only with requests of the same salt."""
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         lora_id = self.lora_ids.get(lora_name, 0) if lora_name else 0
         if lora_name and not lora_id:
             served = sorted(self.lora_ids) or "none"
@@ -94,6 +98,7 @@ class RequestIntake:
             next(self._arrival),
             priority or 0,
             lora_id,
+            cache_salt,
         )
         req.token_type_ids = types
         compiling = params.has_grammar and not self.grammar_queue.submit(req)

@@ -53,7 +53,8 @@ class TokenizeReqMsg(Message):
     """
 
     TAG = "tokenize_req"
-    VERSION = 11  # 7: priority; 8: return_prompt_ids; 9: lora_name; 10: embed; 11: text_pair
+    # 7: priority; 8: return_prompt_ids; 9: lora_name; 10: embed; 11: text_pair; 12: cache_salt
+    VERSION = 12
 
     rid: str
     router_id: str
@@ -80,6 +81,8 @@ class TokenizeReqMsg(Message):
     lora_name: str | None = None  # the worker's LoRA adapter to run with (None: base model)
     embed: bool = False  # an embedding request (`/v1/embeddings`), for an embedding worker
     text_pair: str | None = None  # the second text of a pair (`/v1/score`, `/v1/rerank`)
+    # shares cached prefixes only with requests of the same salt (vLLM's cache_salt)
+    cache_salt: str | None = None
 
     def _check(self) -> None:
         given = [self.text is not None, self.messages is not None, self.input_ids is not None]
@@ -89,6 +92,8 @@ class TokenizeReqMsg(Message):
             )
         if self.text_pair is not None and self.text is None:
             raise MessageError(f"TokenizeReqMsg {self.rid}: text_pair needs text")
+        if self.cache_salt == "":
+            raise MessageError(f"TokenizeReqMsg {self.rid}: cache_salt is empty")
         if self.top_logprobs_num < 0:
             raise MessageError(f"TokenizeReqMsg {self.rid}: top_logprobs_num must be >= 0")
         if self.logprob_start_len < -1:

@@ -22,7 +22,9 @@ class GenerateReqMsg(Message):
     """
 
     TAG = "generate_req"
-    VERSION = 8  # 4: priority; 5: return_prompt_ids; 6: lora_name; 7: embed; 8: token_type_ids
+    # 4: priority; 5: return_prompt_ids; 6: lora_name; 7: embed; 8: token_type_ids;
+    # 9: cache_salt
+    VERSION = 9
 
     rid: str
     router_id: str
@@ -44,10 +46,14 @@ class GenerateReqMsg(Message):
     # a text pair's token types as its tokenizer gives them (BERT's second text: 1), one per
     # input id; None: all 0 (an encoder model reads them, a decoder ignores them)
     token_type_ids: list[int] | None = None
+    # shares cached prefixes only with requests of the same salt (vLLM's cache_salt)
+    cache_salt: str | None = None
 
     def _check(self) -> None:
         if not self.input_ids:
             raise MessageError(f"GenerateReqMsg {self.rid}: input_ids is empty")
+        if self.cache_salt == "":
+            raise MessageError(f"GenerateReqMsg {self.rid}: cache_salt is empty")
         if self.token_type_ids is not None and len(self.token_type_ids) != len(self.input_ids):
             raise MessageError(
                 f"GenerateReqMsg {self.rid}: token_type_ids and input_ids differ in length"

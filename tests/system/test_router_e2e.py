@@ -272,6 +272,37 @@ def test_a_priority_reaches_the_worker_which_refuses_it_without_priority_schedul
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
 
 
+def test_a_cache_salt_keeps_cached_prefixes_within_its_tenant(
+    http_stack: Stack, served_model: str
+) -> None:
+    """vLLM's `cache_salt` (SGLang's `extra_key`) reaches the worker's prefix cache: the
+    same prompt under another salt, or none, finds nothing cached; under its own, it does."""
+    base = http_stack.router_url
+    prompt = "Salted document: " + " ".join(f"item{i}" for i in range(40))
+    body = {"model": served_model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+
+    def cached(path: str = "/v1/completions", **extra: object) -> int:
+        resp = httpx.post(base + path, json={**body, **extra}, timeout=60)
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        if path == "/generate":
+            return out["meta_info"]["cached_tokens"]
+        return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    # (an unsalted prompt would find at least the BOS token of earlier tests' prompts)
+    assert cached(cache_salt="tenant-a") == 0
+    assert cached(cache_salt="tenant-b") == 0
+    assert cached() <= 1  # not tenant-a's or tenant-b's document: only a shared BOS
+    hit = cached(cache_salt="tenant-a")
+    assert hit > 40, hit
+    assert cached(extra_key="tenant-b") == hit  # SGLang's name: the same salt
+    generate = {"text": prompt, "sampling_params": {"max_new_tokens": 2}, "extra_key": "tenant-a"}
+    assert cached("/generate", **generate) == hit
+    assert cached("/generate", **{**generate, "extra_key": "tenant-c"}) == 0
+    resp = httpx.post(base + "/v1/completions", json={**body, "cache_salt": ""}, timeout=60)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt"
+
+
 def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
     http_stack: Stack, served_model: str
 ) -> None:

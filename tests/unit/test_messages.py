@@ -123,6 +123,8 @@ SAMPLES: list[Message] = [
     AbortNamedMsg("ask-1", "router-a", "job-1", "aborted by /abort_request"),
     AbortNamedMsg("ask-2", "router-a", None, "aborted by /abort_request"),
     AbortNamedRespMsg("ask-1", "router-b", 2),
+    TokenizeReqMsg("r6", "router-a", "w0", text="x", lora_name="sql", cache_salt="tenant-7"),
+    GenerateReqMsg("r6", "router-a", [1, 2], lora_name="sql", cache_salt="tenant-7 ✓"),
 ]  # fmt: skip
 
 
@@ -226,7 +228,7 @@ def test_wrong_types_inside_columns() -> None:
     [
         (lambda b: b.update(extra=1), "unknown field(s) 'extra'"),
         (lambda b: b.pop("router_id"), "missing field(s) router_id"),
-        (lambda b: b.update(v=12), "tokenize_req: unsupported schema version 12 (speaks 11)"),
+        (lambda b: b.update(v=11), "tokenize_req: unsupported schema version 11 (speaks 12)"),
         (lambda b: b.pop("v"), "tokenize_req: unsupported schema version None"),
         (lambda b: b.update(v="2"), "unsupported schema version '2'"),
         (lambda b: b.update(t="summon_demon"), "unknown message tag 'summon_demon'"),
@@ -237,12 +239,19 @@ def test_wrong_types_inside_columns() -> None:
         (lambda b: b.update(reply="summon"), "unknown reply 'summon'"),
         (lambda b: b.update(input_ids=None, text="t", reply="detokenize"),
          "detokenize needs input_ids"),
+        (lambda b: b.update(cache_salt=""), "cache_salt is empty"),
+        (lambda b: b.update(cache_salt=7), "cache_salt"),
     ],
 )
 def test_schema_violations(mutate, expected: str) -> None:
     body = wire(SAMPLES[2])
     mutate(body)
     assert expected in reason_of(pack(body))
+
+
+def test_a_generate_request_with_an_empty_cache_salt_is_refused() -> None:
+    body = wire(SAMPLES[4]) | {"cache_salt": ""}
+    assert "GenerateReqMsg r1: cache_salt is empty" in reason_of(pack(body))
 
 
 def test_cross_field_checks_of_columnar_messages() -> None:

@@ -201,6 +201,12 @@ def test_routing_keys_keep_prompt_prefixes_as_string_prefixes() -> None:
     assert routing_key(text="abc", lora_name="sql") != routing_key(text="abc")
     assert not routing_key(text="abc", lora_name="sql").startswith(routing_key(text="ab"))
     assert not routing_key(text="abc").startswith(routing_key(input_ids=[97]))
+    # a cache salt: its own prefixes (a worker shares cached K/V only within a salt)
+    salted = routing_key(text="abc", cache_salt="t1")
+    assert salted != routing_key(text="abc") and salted != routing_key(text="abc", cache_salt="t")
+    assert routing_key(text="abcd", cache_salt="t1").startswith(salted)
+    assert not routing_key(text="tabc").startswith(routing_key(text="", cache_salt="t"))
+    assert not salted.startswith(routing_key(text="", lora_name="sql"))
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert routing_key(messages=turn1, tools=tools) != k1
 

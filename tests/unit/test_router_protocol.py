@@ -91,6 +91,14 @@ COMP = {"model": "m", "prompt": "hi"}
          "invalid_value"),
         (GenerateRequest, {"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params",
          "invalid_value"),
+        # cache salts: non-empty strings (vLLM: "must be a non-empty string if provided")
+        (CompletionRequest, {**COMP, "cache_salt": ""}, "cache_salt", "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "cache_salt": 5}, "cache_salt", "invalid_value"),
+        (ChatCompletionRequest, {**CHAT, "extra_key": ["a"]}, "extra_key", "invalid_value"),
+        (CompletionRequest, {**COMP, "cache_salt": "x" * 4097}, "cache_salt", "invalid_value"),
+        (GenerateRequest, {"text": ["a", "b"], "extra_key": ["k"]}, "extra_key",
+         "invalid_value"),
+        (GenerateRequest, {"text": "a", "extra_key": ""}, "extra_key", "invalid_value"),
         # integers the messages cannot carry (64 bits), in unbounded fields and free dicts
         (CompletionRequest, {**COMP, "min_tokens": 2**64}, "min_tokens", "invalid_value"),
         (CompletionRequest, {**COMP, "truncate_prompt_tokens": 2**63}, "truncate_prompt_tokens",
@@ -278,3 +286,26 @@ def test_a_responses_reasoning_effort_is_the_chats() -> None:
     with pytest.raises(ApiError) as info:
         chat_of(reasoning={"effort": "extreme"})
     assert (info.value.status, info.value.param) == (400, "reasoning.effort")
+
+
+def test_cache_salts_reach_every_subrequest() -> None:
+    """vLLM's `cache_salt` and SGLang's `extra_key` (joined as SGLang joins them, when both
+    are given) on every sub-request of the OpenAI endpoints (n, prompt batches), the
+    Responses API's chat and `/generate` (one key for all prompts or one each)."""
+    from services.responses_api import ResponsesRequest
+
+    subs = subs_of(CompletionRequest, {**COMP, "prompt": ["a", "b"], "n": 2, "cache_salt": "t1"})
+    assert [s.cache_salt for s in subs] == ["t1"] * 4
+    (sub,) = subs_of(ChatCompletionRequest, {**CHAT, "extra_key": "k"})
+    assert sub.cache_salt == "k"
+    (sub,) = subs_of(ChatCompletionRequest, {**CHAT, "cache_salt": "s", "extra_key": "k"})
+    assert sub.cache_salt == "sk"
+    (sub,) = subs_of(ChatCompletionRequest, CHAT)
+    assert sub.cache_salt is None
+    raw = json.dumps({"model": "m", "input": "hi", "cache_salt": "t2"}).encode()
+    (sub,) = ResponsesRequest.parse(raw).to_chat().to_subrequests()
+    assert sub.cache_salt == "t2"
+    subs = subs_of(GenerateRequest, {"text": ["a", "b", "c"], "extra_key": ["x", None, "y"]})
+    assert [s.cache_salt for s in subs] == ["x", None, "y"]
+    subs = subs_of(GenerateRequest, {"text": ["a", "b"], "extra_key": "z"})
+    assert [s.cache_salt for s in subs] == ["z", "z"]
