@@ -65,7 +65,7 @@ def run_sluice(engine: Any, prompts: list[list[int]], way: str) -> tuple[float, 
     assert engine.flush_cache()  # the next rep's prompts find nothing cached
     if not score:
         return seconds, []
-    return seconds, [[lp for lp, _ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
+    return seconds, [[lp for lp, *_ in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
 
 
 @torch.inference_mode()

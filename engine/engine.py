@@ -85,7 +85,8 @@ class Engine(PoolingCalls):
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
 
         With `return_logprob`, `meta_info` has SGLang's `output_token_logprobs` ([logprob,
-        token id] per output token) and, with `top_logprobs_num`, `output_top_logprobs`;
+        token id, None] per output token: SGLang's entries, whose text is None unless asked
+        for) and, with `top_logprobs_num`, `output_top_logprobs`;
         `logprob_start_len` >= 0 adds the prompt's from that position (`input_token_logprobs`,
         `input_top_logprobs`; position 0 has none). `max_new_tokens` 0 runs the prompt only.
         `lora_path` (SGLang's name): the LoRA adapter of `lora_paths` to run with, by name,
@@ -256,10 +257,11 @@ class Engine(PoolingCalls):
 
 
 def _logprob_meta(req: Req) -> dict[str, Any]:
-    """SGLang's logprob fields of `meta_info` ([logprob, token id] pairs, best first)."""
+    """SGLang's logprob fields of `meta_info` ([logprob, token id, None] entries, as SGLang
+    gives them without `return_text_in_logprobs`; top ones best first)."""
     top = req.sampling_params.top_logprobs_num > 0
     meta: dict[str, Any] = {
-        "output_token_logprobs": [list(p) for p in zip(req.logprobs, req.output_ids)]
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
     }
     if top:
         meta["output_top_logprobs"] = [_pairs(t) for t in req.top_logprobs]
@@ -270,14 +272,14 @@ def _logprob_meta(req: Req) -> dict[str, Any]:
     lps = first + req.prompt_token_logprobs
     ids = req.origin_input_ids[start:]
     if len(lps) == len(ids):  # (not when it ended before its prompt's were computed)
-        meta["input_token_logprobs"] = [list(p) for p in zip(lps, ids, strict=True)]
+        meta["input_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
         if top:
             meta["input_top_logprobs"] = first + [_pairs(t) for t in req.prompt_top_logprobs]
     return meta
 
 
 def _pairs(top: tuple[list[int], list[float]]) -> list[list]:
-    return [[v, t] for t, v in zip(*top)]
+    return [[v, t, None] for t, v in zip(*top)]
 
 
 def _spec_stats(scheduler: Scheduler) -> dict[str, Any]:

@@ -51,6 +51,8 @@ class GenerateRequest(_Strict):
     stream: bool | None = False
     return_logprob: bool | None = False
     top_logprobs_num: int | None = Field(0, ge=0, le=MAX_LOGPROBS)
+    # each logprob entry [logprob, token id, text] with the token's text (else None there)
+    return_text_in_logprobs: bool | None = False
     # with return_logprob, the prompt's logprobs from this position (-1: none); one per
     # prompt, or one for all
     logprob_start_len: int | list[int] | None = -1
@@ -115,6 +117,7 @@ class GenerateRequest(_Strict):
             for sub in fan_out([prompt], p.to_dict(), p.n, logprob, top, start):
                 sub.index, sub.prompt_index, sub.rid = len(subs), i, rids[i]
                 sub.priority, sub.lora_name, sub.cache_salt = self.priority, loras[i], salts[i]
+                sub.return_text_in_logprobs = bool(self.return_text_in_logprobs)
                 subs.append(sub)
         return subs
 

@@ -56,14 +56,22 @@ class TokenNames:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def input_logprobs(prompt: PromptLogprobs, top: bool) -> dict[str, Any]:
+def sglang_entry(logprob: float | None, token_id: int, names: TokenNames | None) -> list:
+    """One entry of SGLang's logprob lists: `[logprob, token id, text]`, the text None unless
+    the request asked for it (`return_text_in_logprobs`: `names` given)."""
+    return [logprob, token_id, None if names is None else names(token_id)]
+
+
+def input_logprobs(
+    prompt: PromptLogprobs, top: bool, names: TokenNames | None = None
+) -> dict[str, Any]:
     """SGLang's `input_token_logprobs` (and `input_top_logprobs`) of `meta_info`."""
     pairs = zip(prompt.token_logprobs(), prompt.ids, strict=True)
-    out: dict[str, Any] = {"input_token_logprobs": [[lp, t] for lp, t in pairs]}
+    out: dict[str, Any] = {"input_token_logprobs": [sglang_entry(lp, t, names) for lp, t in pairs]}
     tops = prompt.top_pairs()
     if top and tops is not None:
         out["input_top_logprobs"] = [
-            None if row is None else [[v, t] for t, v in row] for row in tops
+            None if row is None else [sglang_entry(v, t, names) for t, v in row] for row in tops
         ]
     return out
 
@@ -127,10 +135,17 @@ def openai_logprobs(
 
 
 def generate_obj(
-    c: Choice, text: str, start: int, want_logprobs: bool, top_n: int
+    c: Choice,
+    text: str,
+    start: int,
+    want_logprobs: bool,
+    top_n: int,
+    names: TokenNames | None = None,
 ) -> dict[str, Any]:
     """`/generate`'s object for `c`'s output tokens from `start` on (`text` is theirs):
-    ids and logprobs are sliced there, counts and the finish reason are the whole output's."""
+    ids and logprobs are sliced there, counts and the finish reason are the whole output's.
+    Logprob entries are SGLang's `[logprob, token id, text]`, the text None without `names`
+    (SGLang's `return_text_in_logprobs`)."""
     reason, num_ids = c.finish_reason, len(c.output_ids)
     ids = c.output_ids[start:]
     meta: dict[str, Any] = {
@@ -142,10 +157,12 @@ def generate_obj(
     }
     if want_logprobs:
         pairs = zip(c.token_logprobs[start:], ids, strict=False)
-        meta["output_token_logprobs"] = [[lp, t] for lp, t in pairs]
+        meta["output_token_logprobs"] = [sglang_entry(lp, t, names) for lp, t in pairs]
         if top_n:
             tops = c.top_logprobs[start:]
-            meta["output_top_logprobs"] = [[[v, t] for t, v in top] for top in tops]
+            meta["output_top_logprobs"] = [
+                [sglang_entry(v, t, names) for t, v in top] for top in tops
+            ]
         if c.prompt is not None and start == 0:
-            meta.update(input_logprobs(c.prompt, top_n > 0))
+            meta.update(input_logprobs(c.prompt, top_n > 0, names))
     return {"text": text, "output_ids": ids, "meta_info": meta}

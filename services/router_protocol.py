@@ -69,6 +69,7 @@ class SubRequest:
     text_pair: str | None = None  # with text: a cross-encoder's pair (/v1/score, /v1/rerank)
     # vLLM's cache_salt (SGLang's extra_key): cached prefixes are shared only within a salt
     cache_salt: str | None = None
+    return_text_in_logprobs: bool = False  # /generate (SGLang's): token texts in logprobs
 
 
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's

@@ -8,7 +8,8 @@
   `incremental` (SGLang's `--incremental-streaming-output`) only the new ones, and the
   logprobs of only the new tokens; `meta_info`'s counts are the whole output's either way.
   With `logprob_start_len`, the prompt's logprobs as `input_token_logprobs` (and
-  `input_top_logprobs`): `[logprob, token id]`, None for the prompt's first token.
+  `input_top_logprobs`). Every logprob entry is SGLang's `[logprob, token id, text]`, the
+  text None unless `return_text_in_logprobs`; the prompt's first token's logprob is None.
 * `echo` (`/v1/completions`): the prompt's text goes before the output's, in the response or
   the first chunk of each choice, and with `logprobs` so do the prompt tokens' logprobs. On
   chat (vLLM's), the last message's text goes before the content if it is the assistant's
@@ -78,6 +79,8 @@ class Formatter:
         self.want_logprobs = handles[0].sub.return_logprob
         self.token_ids = handles[0].sub.return_token_ids  # vLLM's return_token_ids
         self.top_n = handles[0].sub.top_logprobs_num
+        # SGLang's return_text_in_logprobs: /generate's logprob entries carry token texts
+        self.logprob_names = names if handles[0].sub.return_text_in_logprobs else None
         self.echo = kind == "completion" and handles[0].sub.echo
         self.chat_echo = _chat_echo(handles[0].sub) if kind == "chat" else ""
         self.subs = {h.sub.index: h.sub for h in handles}
@@ -89,7 +92,8 @@ class Formatter:
     async def response(self) -> Any:
         choices = await collect(self.handles)
         if self.kind == "generate":
-            outs = [generate_obj(c, c.text, 0, self.want_logprobs, self.top_n) for c in choices]
+            want, names = self.want_logprobs, self.logprob_names
+            outs = [generate_obj(c, c.text, 0, want, self.top_n, names) for c in choices]
             return outs if self.batch else outs[0]
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
         body["choices"] = []
@@ -175,11 +179,10 @@ class Formatter:
         """The SSE chunk of delta `d`, whose text is `part` (all content if not given)."""
         part = Part(d.text) if part is None else part
         if self.kind == "generate":
-            if self.incremental:
-                start = len(c.output_ids) - len(d.output_ids)
-                obj = generate_obj(c, d.text, start, self.want_logprobs, self.top_n)
-            else:
-                obj = generate_obj(c, c.text, 0, self.want_logprobs, self.top_n)
+            # (incremental: the new tokens alone; else everything so far)
+            start = len(c.output_ids) - len(d.output_ids) if self.incremental else 0
+            text = d.text if self.incremental else c.text
+            obj = generate_obj(c, text, start, self.want_logprobs, self.top_n, self.logprob_names)
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)

@@ -114,7 +114,7 @@ def assert_equal_or_tied(got: list[dict], want: list[dict], tie: float = BF16_TI
         if j is None:
             assert len(ta) == len(tb), f"request {i}: {len(ta)} tokens vs {len(tb)}"
             continue
-        (lp0, t0), (lp1, t1) = b["meta_info"]["output_top_logprobs"][j][:2]
+        (lp0, t0, _), (lp1, t1, _) = b["meta_info"]["output_top_logprobs"][j][:2]
         assert {t0, t1} == {ta[j], tb[j]} and lp0 - lp1 <= tie, (
             f"request {i}: first divergence at token {j} ({ta[j]} vs {tb[j]}) is not a "
             f"near-tie of the reference (top two: {t0} at {lp0:.3f}, {t1} at {lp1:.3f})"

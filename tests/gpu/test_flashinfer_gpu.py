@@ -294,7 +294,7 @@ def test_engine_greedy_agrees_with_triton(decode):
                                     "triton", page_size=16)  # fmt: skip
         rows += [r[len(p) - 1 : len(p) - 1 + MAX_NEW] for p, r in zip(prompts[part], ref)]
     tokens = [torch.tensor(o["output_ids"]) for o in outs]
-    logprobs = [torch.tensor([lp for lp, _ in o["meta_info"]["output_token_logprobs"]])
+    logprobs = [torch.tensor([lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
                 for o in outs]  # fmt: skip
     per_request = [score(*args) for args in zip(tokens, logprobs, rows, strict=True)]
     stats = score(torch.cat(tokens), torch.cat(logprobs), torch.cat(rows))

@@ -187,7 +187,7 @@ def test_bf16_flashinfer_engine_logprobs(arch: str, cuda_graph: bool) -> None:
                     torch.bfloat16)
     tokens = torch.tensor([t for o in outs for t in o["output_ids"]])
     logprobs = torch.tensor(
-        [lp for o in outs for lp, _ in o["meta_info"]["output_token_logprobs"]])
+        [lp for o in outs for lp, *_ in o["meta_info"]["output_token_logprobs"]])
     rows = torch.cat([r[len(p) - 1 : len(p) - 1 + len(o["output_ids"])]
                       for p, o, r in zip(prompts, outs, ref)])
     stats = score(tokens, logprobs, rows)

@@ -51,7 +51,8 @@ def _check(path: str, prompt: list[int], start: int, meta: dict) -> None:
         assert "input_token_logprobs" not in meta
         return
     got = meta["input_token_logprobs"]
-    assert [t for _, t in got] == prompt[start:]
+    assert [t for _, t, _ in got] == prompt[start:]
+    assert all(text is None for *_, text in got)  # SGLang's entries: no text unless asked
     if start == 0:
         assert got[0][0] is None and meta["input_top_logprobs"][0] is None
     first = max(start, 1)
@@ -60,16 +61,16 @@ def _check(path: str, prompt: list[int], start: int, meta: dict) -> None:
         return
     ref = _hf_logprobs(path, prompt)[first - 1 :]
     want = ref.gather(1, torch.tensor(prompt[first:]).unsqueeze(1)).squeeze(1)
-    values = torch.tensor([lp for lp, _ in got[first - start :]], dtype=torch.float64)
+    values = torch.tensor([lp for lp, *_ in got[first - start :]], dtype=torch.float64)
     torch.testing.assert_close(values, want, atol=ATOL, rtol=0)
     tops = meta["input_top_logprobs"][first - start :]
     want_top = ref.topk(TOP, dim=-1)
     for row, (top, ids, vals) in enumerate(zip(tops, want_top.indices, want_top.values)):
         assert len(top) == TOP
-        got_vals = torch.tensor([v for v, _ in top], dtype=torch.float64)
+        got_vals = torch.tensor([v for v, *_ in top], dtype=torch.float64)
         torch.testing.assert_close(got_vals, vals, atol=ATOL, rtol=0)
         # ids agree except where two candidates tie within the tolerance
-        for (v, t), want_id in zip(top, ids.tolist()):
+        for (v, t, _), want_id in zip(top, ids.tolist()):
             assert t == want_id or abs(ref[row, t].item() - v) < ATOL, (row, t, want_id)
 
 

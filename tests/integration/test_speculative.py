@@ -73,10 +73,10 @@ def test_seeded_sampling_penalties_and_logprobs_equal_plain(page_size: int) -> N
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"]
         gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
-        assert [t for _, t in gl] == [t for _, t in wl]
+        assert [e[1] for e in gl] == [e[1] for e in wl]
         assert max(abs(a[0] - b[0]) for a, b in zip(gl, wl)) < 1e-4
         gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
-        assert [[t for _, t in x] for x in gt] == [[t for _, t in x] for x in wt]
+        assert [[e[1] for e in x] for x in gt] == [[e[1] for e in x] for x in wt]
 
 
 def test_finish_conditions_cut_a_steps_tokens() -> None:

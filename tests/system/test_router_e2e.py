@@ -303,6 +303,30 @@ def test_a_cache_salt_keeps_cached_prefixes_within_its_tenant(
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "cache_salt"
 
 
+def test_generate_logprob_entries_are_sglangs_triples(http_stack: Stack) -> None:
+    """`/generate`'s logprobs as SGLang gives them: `[logprob, token id, text]`, the text None
+    unless `return_text_in_logprobs`, then the token's own text, in the output's entries, the
+    top candidates and the prompt's (`logprob_start_len`)."""
+    base = http_stack.router_url
+    tokenizer = load_tokenizer(http_stack.model)
+    body = {"text": "The sky is", "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 0}  # fmt: skip
+    plain = httpx.post(base + "/generate", json=body, timeout=60).json()["meta_info"]
+    named = httpx.post(base + "/generate", json={**body, "return_text_in_logprobs": True},
+                       timeout=60).json()["meta_info"]  # fmt: skip
+    keys = ("output_token_logprobs", "input_token_logprobs")
+    for key in keys:
+        assert all(len(e) == 3 and e[2] is None for e in plain[key]), plain[key]
+        assert [e[:2] for e in named[key]] == [e[:2] for e in plain[key]]
+        assert [e[2] for e in named[key]] == [tokenizer.decode([e[1]]) for e in named[key]]
+    assert plain["input_token_logprobs"][0][0] is None  # the prompt's first token has none
+    for row in named["output_top_logprobs"]:
+        assert [e[2] for e in row] == [tokenizer.decode([e[1]]) for e in row]
+    bad = httpx.post(base + "/generate", json={**body, "return_text_in_logprobs": "yes"},
+                     timeout=60)  # fmt: skip
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_text_in_logprobs"
+
+
 def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
     http_stack: Stack, served_model: str
 ) -> None:

@@ -309,3 +309,11 @@ def test_cache_salts_reach_every_subrequest() -> None:
     assert [s.cache_salt for s in subs] == ["x", None, "y"]
     subs = subs_of(GenerateRequest, {"text": ["a", "b"], "extra_key": "z"})
     assert [s.cache_salt for s in subs] == ["z", "z"]
+
+
+def test_return_text_in_logprobs_reaches_every_generate_subrequest() -> None:
+    subs = subs_of(GenerateRequest, {"text": ["a", "b"], "return_logprob": True,
+                                     "return_text_in_logprobs": True})  # fmt: skip
+    assert [s.return_text_in_logprobs for s in subs] == [True, True]
+    (sub,) = subs_of(GenerateRequest, {"text": "a", "return_logprob": True})
+    assert sub.return_text_in_logprobs is False

@@ -23,9 +23,11 @@ def formatter(
     n: int = 1,
     outputs: list[list[Delta]] | None = None,
     echo: bool = False,
+    texts: bool = False,
     **options: bool,
 ) -> Formatter:
-    """A Formatter over `n` fake handles; handle i yields the deltas `outputs[i]`."""
+    """A Formatter over `n` fake handles; handle i yields the deltas `outputs[i]` (`texts`:
+    SGLang's return_text_in_logprobs)."""
 
     def handle(i: int) -> SimpleNamespace:
         async def deltas() -> AsyncIterator[Delta]:
@@ -33,9 +35,8 @@ def formatter(
                 yield d
 
         top = 2 if logprobs else 0
-        sub = SubRequest(
-            i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=top, echo=echo
-        )
+        sub = SubRequest(i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=top,
+                         echo=echo, return_text_in_logprobs=texts)  # fmt: skip
         return SimpleNamespace(public_rid=f"r{i}", sub=sub, deltas=deltas, close=lambda: None)
 
     handles = [handle(i) for i in range(n)]
@@ -246,24 +247,33 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(logprobs: bool)
     assert last["token_logprobs"] == [-0.5]
 
 
+@pytest.mark.parametrize("texts", [False, True], ids=["ids", "texts"])
 @pytest.mark.parametrize("incremental", [False, True])
-def test_generate_reports_the_prompt_logprobs(incremental: bool) -> None:
-    """SGLang's `input_token_logprobs` / `input_top_logprobs`: [logprob, id] from the start
-    position (None for the prompt's first token); in every cumulative chunk, in the first
-    incremental one."""
+def test_generate_reports_the_prompt_logprobs(incremental: bool, texts: bool) -> None:
+    """SGLang's `input_token_logprobs` / `input_top_logprobs`: [logprob, id, text] from the
+    start position (None for the prompt's first token; the text None unless
+    `return_text_in_logprobs`, as SGLang gives them); in every cumulative chunk, in the
+    first incremental one. The output's entries have the same shape."""
+
+    def make() -> Formatter:
+        options = {"incremental": True} if incremental else {}
+        return formatter("generate", True, 1, [echo_outputs()], texts=texts, **options)
 
     async def run() -> tuple[dict, list[dict]]:
-        options = {"incremental": True} if incremental else {}
-        whole = await formatter("generate", True, 1, [echo_outputs()], **options).response()
-        f = formatter("generate", True, 1, [echo_outputs()], **options)
-        return whole, [json.loads(c[6:]) for c in [c async for c in f.chunks()][:-1]]
+        whole = await make().response()
+        return whole, [json.loads(c[6:]) for c in [c async for c in make().chunks()][:-1]]
 
     whole, chunks = asyncio.run(run())
+    name = "token_id:{}".format if texts else lambda t: None  # (no tokenizer.json here)
     want = {
-        "input_token_logprobs": [[None, 1], [-1.0, 2], [-2.0, 3]],
-        "input_top_logprobs": [None, [[-0.5, 7], [-0.9, 8]], [[-0.1, 9], [-3.0, 8]]],
-    }
+        "input_token_logprobs": [[None, 1, name(1)], [-1.0, 2, name(2)], [-2.0, 3, name(3)]],
+        "input_top_logprobs": [None, [[-0.5, 7, name(7)], [-0.9, 8, name(8)]],
+                               [[-0.1, 9, name(9)], [-3.0, 8, name(8)]]],
+    }  # fmt: skip
     assert {k: whole["meta_info"][k] for k in want} == want
+    out = whole["meta_info"]["output_token_logprobs"]
+    assert [e[1:] for e in out] == [[t, name(t)] for t in whole["output_ids"]]
+    assert all(len(row[0]) == 3 for row in whole["meta_info"]["output_top_logprobs"])
     has = ["input_token_logprobs" in c["meta_info"] for c in chunks]
     assert has == ([True, False] if incremental else [True, True])
     assert {k: chunks[0]["meta_info"][k] for k in want} == want
