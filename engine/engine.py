@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,13 +103,14 @@ class Engine(PoolingCalls):
         rids = [f"offline-{next(self._rids)}" for _ in prompts_ids]
         loras = _per_prompt("lora_path", lora_path, len(prompts_ids))
         salts = _per_prompt("extra_key", extra_key, len(prompts_ids))
+        start = time.perf_counter()
         for rid, ids, p, lora, salt in zip(rids, prompts_ids, params, loras, salts):
             self.scheduler.add_request(rid, ids, p, lora_name=lora, cache_salt=salt)
-        finished: dict[str, Req] = {}
+        finished: dict[str, tuple[Req, float]] = {}  # rid -> (request, seconds to its end)
         for event in self._run_until(set(rids)):
             if event.finished_reason is not None:
-                finished[event.rid] = event.req
-        outs = [self._format(finished[rid]) for rid in rids]
+                finished[event.rid] = event.req, time.perf_counter() - start
+        outs = [self._format(*finished[rid]) for rid in rids]
         return outs[0] if single else outs
 
     def _run_until(self, rids: set[str]) -> Iterator[StepEvent]:
@@ -176,7 +178,7 @@ class Engine(PoolingCalls):
             out.append(p)
         return out
 
-    def _format(self, req: Req) -> dict:
+    def _format(self, req: Req, e2e_latency: float) -> dict:
         params = req.sampling_params
         reason = req.finished_reason
         text = ""
@@ -197,6 +199,7 @@ class Engine(PoolingCalls):
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
             "finish_reason": reason.to_dict() if reason else None,
+            "e2e_latency": e2e_latency,  # SGLang's: seconds from the call to the request's end
         }
         if params.return_logprob:
             meta.update(_logprob_meta(req))

@@ -155,6 +155,8 @@ def generate_obj(
         "completion_tokens": c.usage.completion_tokens if c.usage else num_ids,
         "cached_tokens": c.usage.cached_tokens if c.usage else None,
     }
+    if c.e2e_latency is not None:  # SGLang's, once the request has ended
+        meta["e2e_latency"] = c.e2e_latency
     if want_logprobs:
         pairs = zip(c.token_logprobs[start:], ids, strict=False)
         meta["output_token_logprobs"] = [sglang_entry(lp, t, names) for lp, t in pairs]

@@ -45,7 +45,7 @@ def sse(obj: Any) -> bytes:
 
 
 async def collect(handles: list[RequestHandle]) -> list[Choice]:
-    choices = {h.sub.index: Choice(h.sub.index) for h in handles}
+    choices = {h.sub.index: Choice(h.sub.index, arrived=h.arrived) for h in handles}
     async for index, delta in merged(handles):
         choices[index].add(delta)
     for h in handles:
@@ -125,7 +125,8 @@ class Formatter:
 
     # -- streams --------------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[bytes]:
-        choices = {h.sub.index: Choice(h.sub.index, rid=h.public_rid) for h in self.handles}
+        choices = {h.sub.index: Choice(h.sub.index, rid=h.public_rid, arrived=h.arrived)
+                   for h in self.handles}  # fmt: skip
         for choice in choices.values():
             choice.split = self._new_split()
         handles = {h.sub.index: h for h in self.handles}

@@ -15,6 +15,7 @@ tail that could still become a stop string, which is held back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -218,6 +219,8 @@ class Choice:
     split: ChatSplit | None = None  # chat with tools or reasoning: what its text is
     prompt_tokens: int = 0
     prompt_ids: list[int] | None = None
+    arrived: float | None = None  # the request's arrival (time.perf_counter), if known
+    e2e_latency: float | None = None  # seconds from arrival to the end (SGLang's meta_info)
 
     def add(self, delta: Delta) -> None:
         self.pieces.append(delta.text)
@@ -232,6 +235,8 @@ class Choice:
             self.prompt_ids = delta.prompt_ids
         if delta.finished:
             self.finish_reason, self.usage = delta.finish_reason, delta.usage
+            if self.arrived is not None:
+                self.e2e_latency = time.perf_counter() - self.arrived
 
     @property
     def text(self) -> str:

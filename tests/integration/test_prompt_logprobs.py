@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import random
+import time
 
 import pytest
 import torch
@@ -86,9 +87,11 @@ def test_prompt_logprobs_match_transformers(config: str) -> None:
         # the first wave fills the prefix cache with every prompt: the second wave hits it
         warm = {"max_new_tokens": 2, "temperature": 0.0}
         engine.generate(input_ids=prompts, sampling_params=warm)
+        start_s = time.perf_counter()
         outs = engine.generate(
             input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=TOP
         )
+        call_s = time.perf_counter() - start_s
         stats = engine.get_stats()
         assert_engine_clean(engine)
     for i, (prompt, start, out) in enumerate(zip(prompts, starts, outs)):
@@ -98,6 +101,7 @@ def test_prompt_logprobs_match_transformers(config: str) -> None:
         assert len(out["output_ids"]) == want_new == meta["completion_tokens"]
         assert len(meta["output_token_logprobs"]) == want_new
         assert meta["finish_reason"] == {"type": "length", "length": want_new}
+        assert 0 < meta["e2e_latency"] <= call_s  # SGLang's: the call's start to this end
     # the prefix cache stops where prompt logprobs need logits, and is used elsewhere
     for out, start, prompt in zip(outs, starts, prompts):
         if start < len(prompt):

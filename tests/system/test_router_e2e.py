@@ -320,6 +320,7 @@ def test_generate_logprob_entries_are_sglangs_triples(http_stack: Stack) -> None
         assert [e[:2] for e in named[key]] == [e[:2] for e in plain[key]]
         assert [e[2] for e in named[key]] == [tokenizer.decode([e[1]]) for e in named[key]]
     assert plain["input_token_logprobs"][0][0] is None  # the prompt's first token has none
+    assert 0 < plain["e2e_latency"] < 60  # SGLang's: arrival to end, in seconds
     for row in named["output_top_logprobs"]:
         assert [e[2] for e in row] == [tokenizer.decode([e[1]]) for e in row]
     bad = httpx.post(base + "/generate", json={**body, "return_text_in_logprobs": "yes"},

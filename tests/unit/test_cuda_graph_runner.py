@@ -469,7 +469,8 @@ def _generate(
     replays = _num_replays(runner) if graphs else 0
     engine.shutdown()
     if logprobs:
-        return [(o["output_ids"], o["meta_info"]) for o in outs], replays
+        metas = [{k: v for k, v in o["meta_info"].items() if k != "e2e_latency"} for o in outs]
+        return [(o["output_ids"], m) for o, m in zip(outs, metas, strict=True)], replays
     return [o["output_ids"] for o in outs], replays
 
 

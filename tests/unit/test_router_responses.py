@@ -24,10 +24,12 @@ def formatter(
     outputs: list[list[Delta]] | None = None,
     echo: bool = False,
     texts: bool = False,
+    arrived: float | None = None,
     **options: bool,
 ) -> Formatter:
     """A Formatter over `n` fake handles; handle i yields the deltas `outputs[i]` (`texts`:
-    SGLang's return_text_in_logprobs)."""
+    SGLang's return_text_in_logprobs; `arrived`: the request's arrival, None: unknown, so
+    that responses carry no latency and compare equal)."""
 
     def handle(i: int) -> SimpleNamespace:
         async def deltas() -> AsyncIterator[Delta]:
@@ -37,7 +39,8 @@ def formatter(
         top = 2 if logprobs else 0
         sub = SubRequest(i, 0, {}, text="x", return_logprob=logprobs, top_logprobs_num=top,
                          echo=echo, return_text_in_logprobs=texts)  # fmt: skip
-        return SimpleNamespace(public_rid=f"r{i}", sub=sub, deltas=deltas, close=lambda: None)
+        return SimpleNamespace(public_rid=f"r{i}", sub=sub, deltas=deltas, close=lambda: None,
+                               arrived=arrived)  # fmt: skip
 
     handles = [handle(i) for i in range(n)]
     return Formatter(kind, "cmpl-1", 7, "m", TokenNames(), handles, **options)  # type: ignore[arg-type]
@@ -308,3 +311,20 @@ def test_vllm_prompt_logprobs_rank_the_prompt_tokens_with_their_best_candidates(
     assert body["choices"][0]["logprobs"] is None
     f = formatter(kind, False, 1, outputs)
     assert "prompt_logprobs" not in json.dumps(asyncio.run(f.response()))  # not asked for
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_reports_sglangs_e2e_latency_once_ended(stream: bool) -> None:
+    """SGLang's `meta_info.e2e_latency`: seconds from the request's arrival to its end, in
+    the response (the last chunk when streamed; none before it)."""
+    import time
+
+    async def run() -> list[dict]:
+        f = formatter("generate", False, 1, [generate_outputs(0)], arrived=time.perf_counter() - 2)
+        if not stream:
+            return [await f.response()]
+        return [json.loads(c[6:]) for c in [c async for c in f.chunks()][:-1]]
+
+    objs = asyncio.run(run())
+    assert ["e2e_latency" in o["meta_info"] for o in objs] == [False] * (len(objs) - 1) + [True]
+    assert 2 <= objs[-1]["meta_info"]["e2e_latency"] < 60
