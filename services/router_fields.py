@@ -87,7 +87,7 @@ RequestId = Annotated[str, Field(min_length=1, max_length=256)]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=4096)]
 
 
-def cache_salt(*parts: str | None) -> str | None:
+def joined_salt(*parts: str | None) -> str | None:
     """The salt of a request that gives vLLM's `cache_salt` and / or SGLang's `extra_key`:
     joined as SGLang joins them (None: neither)."""
     given = [p for p in parts if p is not None]
@@ -192,7 +192,7 @@ class SamplingFields(_SamplingCore):
     def finish_subrequests(self, subs: list[Any]) -> list[Any]:
         """`subs` with the request's id, priority and cache salt, asking for vLLM's prompt
         logprobs if it does."""
-        salt = cache_salt(self.cache_salt, self.extra_key)
+        salt = joined_salt(self.cache_salt, self.extra_key)
         for sub in subs:
             sub.rid, sub.priority, sub.cache_salt = self.rid, self.priority, salt
             sub.return_token_ids = bool(self.return_token_ids)

@@ -68,7 +68,6 @@ class Req:
         self.rid = rid
         self.priority = priority  # with priority scheduling (EngineArgs)
         self.lora_id = lora_id  # the LoRA adapter it runs with (0: the base model)
-        self.cache_salt = cache_salt
         # its prefix-cache namespace: K/V is shared only with requests of the same adapter
         # (whose K/V differ from the base model's and other adapters' for the same tokens)
         # and the same cache salt (mem_cache/base.py)
