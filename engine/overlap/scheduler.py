@@ -84,8 +84,8 @@ class _Record:
 class OverlapScheduler(Scheduler):
     """Drop-in for `Scheduler`: `step`, `add_request`, `abort_request`, `has_work` and
     `close` are all called from one thread (the scheduler's), between steps; only device work
-    runs elsewhere (the executor's forward thread or streams). `has_work()` stays true while
-    a batch is in flight; `close()` stops the executor."""
+    runs elsewhere (the executor's forward thread or streams). `has_work()` and `holds_kv()`
+    stay true while a batch is in flight; `close()` stops the executor."""
 
     def __init__(
         self,
@@ -137,8 +137,15 @@ class OverlapScheduler(Scheduler):
         self._update_stats()
         return self.output.take_events()
 
-    def has_work(self) -> bool:
-        return bool(self._in_flight) or super().has_work()
+    def holds_kv(self) -> bool:
+        return bool(self._in_flight) or super().holds_kv()
+
+    def settle(self) -> None:
+        """The batch in flight is processed first (its tokens are the output's events)."""
+        self._pending = None
+        while self._in_flight:
+            self._process(self._in_flight.popleft())
+        super().settle()
 
     def _on_device(self, method: str, *args: Any) -> Any:
         """Through the executor: after the forwards in flight, before the next."""

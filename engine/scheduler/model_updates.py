@@ -32,7 +32,7 @@ class ModelUpdates:
     tree_cache: Any
     weights_path: str  # the checkpoint the model's weights are from now
     _in_flight_reqs: Any
-    has_work: Any
+    holds_kv: Any
 
     def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
         """Serve the PEFT adapter in `path` as `name` from the next step on; `replace`: a
@@ -62,11 +62,12 @@ class ModelUpdates:
     def update_weights_from_disk(self, path: str) -> None:
         """The weights of the checkpoint in `path` (the same model's) from the next step on;
         the prefix cache is emptied (its K/V are the old weights'). Only with no request
-        running or waiting (ValueError otherwise: the worker holds new requests back and lets
-        the running ones finish first). ValueError with the reason, nothing changed, if the
+        holding K/V (ValueError otherwise: the worker holds new requests back and lets the
+        running ones finish first, or a paused one has sent them back to waiting); waiting
+        requests run on the new weights. ValueError with the reason, nothing changed, if the
         checkpoint does not fit the model."""
-        if self.has_work():
-            raise ValueError("requests are running or waiting: update the weights when idle")
+        if self.holds_kv():
+            raise ValueError("requests are running: update the weights when none holds K/V")
         self._on_device("update_weights_from_disk", path)
         self.tree_cache.reset()
         self.weights_path = path

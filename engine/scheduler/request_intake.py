@@ -45,6 +45,7 @@ class RequestIntake:
     _rejected: list[tuple[str, str]]
     _arrival: itertools.count
     lora_ids: dict[str, int]  # LoRA adapter name -> id (engine/lora)
+    holds_kv: Any  # (Pausing's)
 
     def add_request(
         self,
@@ -167,14 +168,13 @@ class RequestIntake:
         return reqs
 
     def has_work(self) -> bool:
-        if self.waiting_queue or self.chunked_req is not None or len(self.grammar_queue):
-            return True
-        batches = [self.running_batch] + ([self.last_batch] if self.last_batch else [])
-        return any(not r.finished for b in batches for r in b.reqs)
+        return bool(self.waiting_queue) or len(self.grammar_queue) > 0 or self.holds_kv()
 
-    def flush_cache(self) -> bool:
-        """Empty the prefix cache; refused (False) while any request runs or waits."""
-        if self.has_work():
+    def flush_cache(self, keep_waiting: bool = False) -> bool:
+        """Empty the prefix cache; refused (False) while any request runs or, unless
+        `keep_waiting` (a paused worker's), waits: a waiting request holds no K/V and matches
+        the cache again when admitted (a flush that frees slots moves its epoch on)."""
+        if self.holds_kv() or (self.has_work() and not keep_waiting):
             return False
         self.tree_cache.reset()
         return True

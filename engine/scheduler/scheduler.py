@@ -5,7 +5,8 @@ admitted, else the running decode batch), run it on the model runner, process it
 (append tokens, check finish conditions, update the cache). The overlap scheduler reorders
 the last two parts; everything else is shared. What arrives and leaves between steps
 (new requests, aborts, cache flushes, grammar masks) is `RequestIntake`'s
-(engine/scheduler/request_intake.py).
+(engine/scheduler/request_intake.py); what a paused worker does to the requests between
+steps is `Pausing`'s (engine/scheduler/pausing.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.lora.registry import LoRARegistry
 from engine.scheduler.grammar_queue import GrammarQueue
 from engine.scheduler.model_updates import ModelUpdates
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
+from engine.scheduler.pausing import Pausing
 from engine.scheduler.pools import MemoryPools
 from engine.scheduler.prefill_adder import AddResult, PrefillAdder
 from engine.scheduler.req import Req
@@ -49,7 +51,7 @@ class SchedulerStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Scheduler(RequestIntake, ModelUpdates):
+class Scheduler(RequestIntake, ModelUpdates, Pausing):
     def __init__(
         self,
         args: EngineArgs,
@@ -132,6 +134,14 @@ class Scheduler(RequestIntake, ModelUpdates):
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         if len(self.grammar_queue):
             self._admit_compiled()
+        self._fold_last_batch()
+        prefill = self.get_new_batch_prefill()
+        if prefill is not None:
+            return prefill
+        return self.update_running_batch()
+
+    def _fold_last_batch(self) -> None:
+        """A prefill batch just run joins the running batch (its chunked request apart)."""
         last = self.last_batch
         if last is not None and last.forward_mode.is_extend():
             if self.chunked_req is not None:
@@ -139,10 +149,6 @@ class Scheduler(RequestIntake, ModelUpdates):
             last.filter()
             if not last.is_empty():
                 self.running_batch.merge(last)
-        prefill = self.get_new_batch_prefill()
-        if prefill is not None:
-            return prefill
-        return self.update_running_batch()
 
     def _finish_chunk(self, last: ScheduleBatch) -> None:
         """The chunk just run leaves the request partly prefilled: share what is computed with
