@@ -33,6 +33,7 @@ from services.router_embeddings import add_routes as add_embedding_routes
 from services.router_lora import add_routes as add_lora_routes
 from services.router_metrics import CONTENT_TYPE
 from services.router_named import AbortBody
+from services.router_pause import add_routes as add_pause_routes
 from services.router_profile import add_routes as add_profile_routes
 from services.router_protocol import ApiError, parse_body
 from services.router_tokens import DetokenizeBody, TokenizeBody
@@ -136,6 +137,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     add_embedding_routes(app, state)  # POST /v1/embeddings
     add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /load_lora_adapter, unloads
     add_weights_routes(app, state)  # POST /update_weights_from_disk
+    add_pause_routes(app, state)  # POST /pause_generation, /continue_generation, /pause, ...
 
     def model_card(router: Router, name: str) -> dict[str, Any]:
         return {

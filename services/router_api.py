@@ -18,6 +18,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
+import redis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -30,6 +31,7 @@ from services.router_generate import GenerateRequest
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
 from services.router_models import check_adapters, check_model, request_adapter, resolve_model
+from services.router_pause import paused_mode
 from services.router_policy import make_policy
 from services.router_protocol import (
     ApiError,
@@ -207,8 +209,16 @@ class Router:
 
     async def health_generate(self) -> Response:
         """One token generated through the tokenizer, a worker and a detokenizer (SGLang's
-        /health_generate; an embedding-only deployment embeds it); out of the metrics."""
+        /health_generate; an embedding-only deployment embeds it); out of the metrics. While
+        generation is paused (services/router_pause.py), `{"status": "paused"}` at once: a
+        probe must not fail a server paused on purpose."""
         start = time.perf_counter()
+        try:
+            mode = await paused_mode(self)
+        except redis.RedisError:
+            mode = None  # (the generation below fails with the reason)
+        if mode is not None:
+            return JSONResponse({"status": "paused", "mode": mode})
         subs = _HEALTH_REQUEST.to_subrequests()
         if self.broker.workers.embedding_only:
             subs[0].embed, subs[0].sampling_params = True, {"max_new_tokens": 0}

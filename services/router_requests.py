@@ -56,6 +56,7 @@ from shared.messages import (
     ErrorMsg,
     FlushCacheRespMsg,
     LoraRespMsg,
+    PauseRespMsg,
     ProfileRespMsg,
     TokenizeReqMsg,
     TokenizeRespMsg,
@@ -66,7 +67,9 @@ from shared.messages import (
 logger = logging.getLogger(__name__)
 
 # the workers' answers to the router's questions (services/router_control.py)
-_WORKER_ANSWERS = (FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg, UpdateWeightsRespMsg)
+_WORKER_ANSWERS = (
+    FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg, UpdateWeightsRespMsg, PauseRespMsg,
+)  # fmt: skip
 
 
 class Broker:

@@ -17,9 +17,12 @@ nothing runs or waits, and is answered either way; a `ProfileReqMsg` starts or s
 profiler around the steps (services/worker_profile.py); a `LoraReqMsg` loads or unloads a LoRA
 adapter (engine/scheduler/model_updates.py) and is answered with the adapters served then; an
 `UpdateWeightsReqMsg` holds new requests back until the running ones end, then updates the
-weights and admits them. The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`)
-at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the I/O process deletes the
-heartbeat.
+weights and admits them; a `PauseReqMsg` stops the stepping (its requests aborted, kept,
+retracted, or, mode "wait", run to their end first; new ones wait in the queue) or starts it
+again, and a paused worker's aborts, cache flushes and weights updates act at once (the
+scheduler at rest: engine/scheduler/pausing.py). The load figures go to the I/O process's
+heartbeat (`WorkerLoadMsg`) at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the
+I/O process deletes the heartbeat.
 
     sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
 """
@@ -56,6 +59,8 @@ from shared.messages import (
     GenerateReqMsg,
     LoraReqMsg,
     LoraRespMsg,
+    PauseReqMsg,
+    PauseRespMsg,
     ProfileReqMsg,
     ProfileRespMsg,
     StepOutputMsg,
@@ -73,7 +78,13 @@ IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the pipe before checking fo
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, scheduler: Scheduler, model: str) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        scheduler: Scheduler,
+        model: str,
+        paused: str | None = None,
+    ) -> None:
         self.settings = settings
         self.scheduler = scheduler
         self.model = model
@@ -97,11 +108,17 @@ class Worker:
             ProfileReqMsg: self._on_profile,
             LoraReqMsg: self._on_lora,
             UpdateWeightsReqMsg: self._on_update_weights,
+            PauseReqMsg: self._on_pause,
         }
         # a weights update waiting for the running requests to end, and the requests that
         # arrived meanwhile (admitted after it)
         self._update: UpdateWeightsReqMsg | None = None
         self._held: list[GenerateReqMsg] = []
+        # generation paused: the mode it was paused in (None: running; `paused` a worker
+        # starting in a paused deployment), and a pause in mode "wait" until the requests it
+        # waits for have ended (new ones are held back meanwhile)
+        self._paused: str | None = paused
+        self._pausing: PauseReqMsg | None = None
         self.link = IoLink(self.hello())  # starts the I/O process; ready when this returns
 
     def hello(self) -> dict:
@@ -127,14 +144,19 @@ class Worker:
         try:
             while not self.stop.is_set():
                 self._send_load()
-                idle = not self.scheduler.has_work()
+                idle = not self._runnable()
                 if idle and self.trace is not None:
                     self.trace.flush()
-                self._drain(block=idle and self._update is None)
-                if self.scheduler.has_work() or self._events_waiting:
+                self._drain(block=idle and self._update is None and self._pausing is None)
+                if self._runnable() or (self._events_waiting and self._paused is None):
                     self._step()
-                elif self._update is not None:
+                elif self._events_waiting:  # paused: no batch runs, its events go out
+                    self._events_waiting = False
+                    self._publish(self.scheduler.output.take_events())
+                if self._update is not None and self._update_ready():
                     self._update_weights()
+                if self._pausing is not None and not self.scheduler.has_work():
+                    self._paused_after_wait()
         finally:
             if self.trace is not None:
                 self.trace.flush()
@@ -160,6 +182,11 @@ class Worker:
         if self.trace is not None:
             self.trace.add(start, time.perf_counter(), self.scheduler.last_batch, len(events))
         self.num_steps += 1
+        self._publish(events)
+
+    def _publish(self, events: list) -> None:
+        """A step's events (or, paused, those of aborts and of a batch brought to rest) to
+        the I/O process; grammars that failed to compile to their routers."""
         rows, plain, ended = step_records(events, self.table.active)
         for rid in ended:
             self.table.end(rid)
@@ -180,8 +207,11 @@ class Worker:
             self.link.load(figures._replace(reqs_by_router=self.table.by_router()))
 
     # -- dispatch ---------------------------------------------------------------------------
+    def _runnable(self) -> bool:
+        return self._paused is None and self.scheduler.has_work()
+
     def _on_generate(self, msg: GenerateReqMsg) -> None:
-        if self._update is not None:  # after the weights update
+        if self._update is not None or self._pausing is not None:  # (after either)
             self._held.append(msg)
             return
         admission = self.table.admit(msg)
@@ -212,12 +242,18 @@ class Worker:
         self.link.publish(router_out_stream(self.prefix, router_id), error)
 
     def _on_abort(self, msg: AbortReqMsg) -> None:
-        if self.table.abort(msg.rid):
-            self.scheduler.abort_request(msg.rid, msg.reason or "aborted by request")
-            self._events_waiting = True  # even if the scheduler is left without work
+        if self._abort(msg.rid, msg.reason or "aborted by request") and self._paused:
+            self.scheduler.end_aborted()  # (a paused scheduler steps no more)
+
+    def _abort(self, rid: str, why: str) -> bool:
+        if not self.table.abort(rid):
+            return False
+        self.scheduler.abort_request(rid, why)
+        self._events_waiting = True  # even if the scheduler is left without work
+        return True
 
     def _on_flush(self, msg: FlushCacheReqMsg) -> None:
-        flushed = self.scheduler.flush_cache()
+        flushed = self.scheduler.flush_cache(keep_waiting=self._paused is not None)
         if flushed:
             logger.info("prefix cache flushed")
         note = "" if flushed else "not flushed: requests are running or waiting"
@@ -258,25 +294,123 @@ class Worker:
             why = f"an update of the weights (to {self._update.model_path}) is in progress"
             self._reply_update(msg, False, why, 0)
             return
-        self._update = msg
         logger.info("weights update to %s: waiting for %d running request(s)%s",
                     msg.model_path, len(self.table.active),
                     " (aborting them)" if msg.abort_all_requests else "")  # fmt: skip
         if msg.abort_all_requests:
-            for rid in list(self.table.active):
-                self._on_abort(AbortReqMsg(rid, "aborted: the weights are being updated"))
+            self._abort_all("aborted: the weights are being updated")
+        if self._paused is not None and self.scheduler.holds_kv():
+            self._reply_update(msg, False, self._kept_in_place(), 0)
+            return
+        self._update = msg
+
+    def _update_ready(self) -> bool:
+        """Whether the update waiting may go on: idle, or paused with no request holding the
+        current weights' K/V (waiting ones then run on the new weights)."""
+        if self._paused is not None:
+            return not self.scheduler.holds_kv()
+        return not self.scheduler.has_work()
+
+    def _kept_in_place(self) -> str:
+        return (f"generation is paused in place (mode {self._paused}) with requests holding "
+                "the current weights' K/V: pause in mode abort, retract or wait to update the "
+                "weights, or resume first")  # fmt: skip
+
+    def _abort_all(self, why: str) -> int:
+        rids = list(self.table.active)
+        for rid in rids:
+            self._abort(rid, why)
+        if self._paused:
+            self.scheduler.end_aborted()
+        return len(rids)
 
     def _update_weights(self) -> None:
         msg, self._update = self._update, None
-        held, self._held = self._held, []
         assert msg is not None
         ok, note = _attempt(self.scheduler.update_weights_from_disk, msg.model_path)
         if ok:
             path = self.scheduler.weights_path
             self.link.facts(weights_path=other_checkpoint(path, self.model))
-        self._reply_update(msg, ok, note, len(held))
-        for request in held:
-            self._on_generate(request)
+        self._reply_update(msg, ok, note, len(self._held))
+        self._admit_held()
+
+    def _admit_held(self) -> None:
+        """The requests held back by a weights update or a pause in mode "wait", once
+        neither holds them back (into the waiting queue, paused or not)."""
+        if self._update is None and self._pausing is None:
+            held, self._held = self._held, []
+            for request in held:
+                self._on_generate(request)
+
+    # -- pausing ------------------------------------------------------------------------------
+    def _on_pause(self, msg: PauseReqMsg) -> None:
+        if msg.action == "resume":
+            self._resume(msg)
+        elif msg.mode == "wait" and self._paused is None:
+            if self._pausing is not None:
+                why = "a pause in mode wait is waiting for its requests already"
+                self._reply_pause(msg, False, why)
+                return
+            logger.info("pausing: waiting for %d request(s) to end", len(self.table.active))
+            self._pausing = msg
+        else:
+            self._reply_pause(msg, True, "", self._pause_now(msg))
+
+    def _pause_now(self, msg: PauseReqMsg) -> int:
+        """Pause in `msg.mode` at once (paused already, a "wait" has nothing to wait for);
+        the requests acted on."""
+        sched, mode = self.scheduler, msg.mode
+        if mode == "abort":
+            count = self._abort_all("aborted: generation paused")
+        sched.settle()
+        if mode == "abort":
+            sched.end_aborted()
+        elif mode == "retract":
+            count = sched.retract_all()
+        else:
+            count = len(self.table.active)
+        self._events_waiting = True  # (the tokens of the batch brought to rest, the aborts)
+        if self._pausing is not None:  # a pause waiting for its requests is done with
+            self._reply_pause(self._pausing, True, f"paused by a pause in mode {mode}")
+            self._pausing = None
+        self._paused = "keep" if mode == "wait" else mode  # (a "wait" when paused already)
+        self._after_pause(msg)
+        logger.info("generation paused (mode %s): %d request(s)", mode, count)
+        return count
+
+    def _paused_after_wait(self) -> None:
+        msg, self._pausing = self._pausing, None
+        assert msg is not None
+        self._paused = "wait"
+        self._after_pause(msg)
+        logger.info("generation paused (mode wait)")
+        self._reply_pause(msg, True, "")
+
+    def _after_pause(self, msg: PauseReqMsg) -> None:
+        """A pause is in force: the cache flush it asked for, a weights update that cannot
+        happen now refused, the requests held back meanwhile into the (paused) queue."""
+        sched = self.scheduler
+        if msg.clear_cache and sched.flush_cache(keep_waiting=True):
+            logger.info("prefix cache flushed")
+        update = self._update
+        if update is not None and sched.holds_kv():
+            self._update = None
+            self._reply_update(update, False, self._kept_in_place(), 0)
+        self._admit_held()
+
+    def _resume(self, msg: PauseReqMsg) -> None:
+        if self._pausing is not None:
+            self._reply_pause(self._pausing, False, "resumed before its requests ended")
+            self._pausing = None
+        was, self._paused = self._paused, None
+        if was is not None:
+            logger.info("generation resumed (paused in mode %s)", was)
+        self._admit_held()
+        self._reply_pause(msg, True, "", len(self.table.active))
+
+    def _reply_pause(self, msg: PauseReqMsg, ok: bool, note: str, count: int = 0) -> None:
+        reply = PauseRespMsg(msg.request_id, msg.router_id, self.worker_id, ok, note, count)
+        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
     def _reply_update(self, msg: UpdateWeightsReqMsg, ok: bool, note: str, paused: int) -> None:
         reply = UpdateWeightsRespMsg(
@@ -298,12 +432,13 @@ def _attempt(change: Any, *args: Any) -> tuple[bool, str]:
     return True, ""
 
 
-def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> None:
+def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> str | None:
     """Make what the deployment's other workers serve since run-time changes (a weights
     update, LoRA adapters loaded or unloaded; shared/deployment.py) this worker's too, before
-    it announces itself. Weights it cannot load stop it: serving other weights than the rest
-    of the deployment would be worse. An adapter it cannot load is left out (the router sends
-    requests naming an adapter only to workers that serve it)."""
+    it announces itself; returns the mode of the pause in force, if generation is paused.
+    Weights it cannot load stop it: serving other weights than the rest of the deployment
+    would be worse. An adapter it cannot load is left out (the router sends requests naming
+    an adapter only to workers that serve it)."""
     import redis
 
     client = redis.Redis.from_url(settings.common.require_redis_url())
@@ -322,12 +457,14 @@ def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> None:
                 f"this worker cannot load: {exc}. To start workers from --model again: DEL "
                 f"{weights_key(settings.common.prefix)}"
             ) from exc
+    if state.paused is not None:
+        logger.info("generation is paused (mode %s): starting paused", state.paused)
     loras = scheduler.loras
     changes = sorted(state.lora_adapters.items())
     if changes and not loras.enabled:
         logger.info("LoRA adapters were loaded at run time, but this worker serves none "
                     "(start it with --enable-lora)")  # fmt: skip
-        return
+        return state.paused
     for name, path in changes:
         try:
             if not path and name in loras.ids:
@@ -337,6 +474,7 @@ def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> None:
         except Exception as exc:  # noqa: BLE001 - the others still serve it
             logger.warning("LoRA adapter %r (from %s, loaded at run time) left out: %s",
                            name, path, exc)  # fmt: skip
+    return state.paused
 
 
 def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
@@ -352,9 +490,9 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
         ns.model_path = settings.model
     args = engine_args_from(ns)
     scheduler = build_scheduler(args, load_tokenizer(args.model_path))
-    catch_up(scheduler, settings)
+    paused = catch_up(scheduler, settings)
     scheduler.grammar_queue.warm_up()  # in the background
-    worker = Worker(settings, scheduler, args.model_path)
+    worker = Worker(settings, scheduler, args.model_path, paused)
     stop_on_signals(worker.stop)
     worker.run()
 

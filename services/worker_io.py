@@ -51,6 +51,7 @@ from shared.messages import (
     FlushCacheReqMsg,
     GenerateReqMsg,
     LoraReqMsg,
+    PauseReqMsg,
     ProfileReqMsg,
     UpdateWeightsReqMsg,
 )
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 _RETRY_S = 0.5
 _TO_SCHEDULER = (
     GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg, LoraReqMsg, UpdateWeightsReqMsg,
+    PauseReqMsg,
 )  # fmt: skip
 
 

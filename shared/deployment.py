@@ -1,11 +1,14 @@
 """What a running deployment was changed to, kept in Redis so that a worker starting later (a
 new one, or one restarted after a crash) serves what the others serve: the checkpoint of the
-last `/update_weights_from_disk`, and the LoRA adapters loaded (or unloaded) at run time.
+last `/update_weights_from_disk`, the LoRA adapters loaded (or unloaded) at run time, and
+whether generation is paused (`/pause_generation`, `/pause`: a worker starting then starts
+paused, and every router's `/is_paused` reads it).
 
 The router records a change once every worker asked has made it; a worker reads the record
 as it starts, before it announces itself (services/worker.py). The start flags (`--model`,
 `--lora-paths`) are the base the record is applied over. `DEL {p}:weights {p}:lora-adapters`
-makes workers start from their flags alone again.
+makes workers start from their flags alone again; `DEL {p}:paused` unpauses the workers that
+start later (`/continue_generation` the running ones).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 import redis
 import redis.asyncio as aioredis
 
-from shared.keys import lora_adapters_key, weights_key
+from shared.keys import lora_adapters_key, paused_key, weights_key
 
 
 @dataclass
@@ -23,14 +26,17 @@ class DeploymentState:
     weights: str | None = None  # None: each worker's own --model
     # name -> folder; "" for an adapter unloaded at run time (also one of --lora-paths)
     lora_adapters: dict[str, str] = field(default_factory=dict)
+    paused: str | None = None  # the mode of the pause in force (None: generating)
 
 
 def read_state(client: redis.Redis, prefix: str) -> DeploymentState:
     weights = client.get(weights_key(prefix))
     adapters = client.hgetall(lora_adapters_key(prefix))
+    paused = client.get(paused_key(prefix))
     return DeploymentState(
         weights.decode() if weights else None,
         {k.decode(): v.decode() for k, v in adapters.items()},
+        paused.decode() if paused else None,
     )
 
 
@@ -41,3 +47,16 @@ async def record_weights(client: aioredis.Redis, prefix: str, path: str) -> None
 async def record_lora(client: aioredis.Redis, prefix: str, name: str, path: str | None) -> None:
     """`name` loaded from `path`, or unloaded (None)."""
     await client.hset(lora_adapters_key(prefix), name, path or "")
+
+
+async def record_pause(client: aioredis.Redis, prefix: str, mode: str | None) -> None:
+    """Generation paused in `mode`, or resumed (None)."""
+    if mode is None:
+        await client.delete(paused_key(prefix))
+    else:
+        await client.set(paused_key(prefix), mode)
+
+
+async def read_pause(client: aioredis.Redis, prefix: str) -> str | None:
+    mode = await client.get(paused_key(prefix))
+    return mode.decode() if mode else None

@@ -124,3 +124,8 @@ def weights_key(prefix: str) -> str:
 def lora_adapters_key(prefix: str) -> str:
     """Hash: the LoRA adapters loaded ("name" -> folder) or unloaded (-> "") at run time."""
     return f"{prefix}:lora-adapters"
+
+
+def paused_key(prefix: str) -> str:
+    """The pause in force (its mode) while generation is paused (shared/deployment.py)."""
+    return f"{prefix}:paused"

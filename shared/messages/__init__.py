@@ -5,12 +5,13 @@
 | `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
 | `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, |
 |               |                        | ProfileReqMsg, LoraReqMsg,            |
-|               |                        | UpdateWeightsReqMsg                   |
+|               |                        | UpdateWeightsReqMsg, PauseReqMsg      |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
 |               |                        | TokenizeRespMsg, AbortNamedMsg,       |
 |               |                        | AbortNamedRespMsg, ProfileRespMsg,    |
-|               |                        | LoraRespMsg, UpdateWeightsRespMsg     |
+|               |                        | LoraRespMsg, UpdateWeightsRespMsg,    |
+|               |                        | PauseRespMsg                          |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -28,6 +29,7 @@ from shared.messages.router import (
     ErrorMsg,
     FlushCacheRespMsg,
     LoraRespMsg,
+    PauseRespMsg,
     ProfileRespMsg,
     TokenizeRespMsg,
     UpdateWeightsRespMsg,
@@ -40,6 +42,7 @@ from shared.messages.worker import (
     FlushCacheReqMsg,
     GenerateReqMsg,
     LoraReqMsg,
+    PauseReqMsg,
     ProfileReqMsg,
     UpdateWeightsReqMsg,
 )
@@ -61,6 +64,8 @@ __all__ = [
     "LoraRespMsg",
     "Message",
     "MessageError",
+    "PauseReqMsg",
+    "PauseRespMsg",
     "ProfileReqMsg",
     "ProfileRespMsg",
     "PromptLogprobs",

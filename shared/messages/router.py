@@ -218,3 +218,20 @@ class AbortNamedRespMsg(Message):
     request_id: str
     router_id: str
     num_aborted: int
+
+
+@dataclass(frozen=True, slots=True)
+class PauseRespMsg(Message):
+    """worker → router `router_id`: the answer to a `PauseReqMsg`; `num_requests`: the
+    requests the call acted on (a pause's aborted, retracted or kept ones; the waiting ones
+    a resume let run)."""
+
+    TAG = "pause_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    worker_id: str
+    success: bool
+    message: str = ""
+    num_requests: int = 0

@@ -165,3 +165,37 @@ class UpdateWeightsReqMsg(Message):
     router_id: str
     model_path: str
     abort_all_requests: bool = False
+
+
+# How a PauseReqMsg pauses: "abort" (SGLang's and vLLM's default) ends every request now;
+# "wait" (vLLM's) lets the running and waiting ones finish first, holding new ones back;
+# "keep" (vLLM's; SGLang's "in_place") leaves the running ones where they are, with their
+# K/V; "retract" (SGLang's) sends them back to waiting, their K/V into the prefix cache.
+PAUSE_MODES = ("abort", "wait", "keep", "retract")
+
+
+@dataclass(frozen=True, slots=True)
+class PauseReqMsg(Message):
+    """router → worker: stop stepping, or step again (SGLang's `POST /pause_generation` and
+    `/continue_generation`, vLLM's `POST /pause` and `/resume`; services/worker.py).
+
+    `action` is "pause" or "resume"; a pause's `mode` is one of `PAUSE_MODES`, and
+    `clear_cache` empties the prefix cache once no request holds K/V (not in mode "keep").
+    A paused worker takes new requests into its waiting queue and runs none until resumed;
+    it answers with a `PauseRespMsg` carrying `request_id` (for mode "wait", once its
+    requests have ended)."""
+
+    TAG = "pause_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    action: str
+    mode: str = "abort"
+    clear_cache: bool = False
+
+    def _check(self) -> None:
+        if self.action not in ("pause", "resume"):
+            raise MessageError(f"PauseReqMsg: unknown action {self.action!r}")
+        if self.mode not in PAUSE_MODES:
+            raise MessageError(f"PauseReqMsg: unknown mode {self.mode!r}")

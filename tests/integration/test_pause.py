@@ -42,9 +42,9 @@ class Run:
         self.eng, self.sched = eng, eng.scheduler
         self.tokens: dict[str, list[int]] = defaultdict(list)
         self.finish: dict[str, str] = {}
-        params = eng._params(GREEDY, 1, {})[0]
+        self.params = eng._params(GREEDY, 1, {})[0]
         for i, prompt in enumerate(prompts):
-            self.sched.add_request(f"r{i}", prompt, params)
+            self.sched.add_request(f"r{i}", prompt, self.params)
 
     def take(self, events: list) -> None:
         for ev in events:
@@ -73,6 +73,12 @@ class Run:
 def decoding(s: Scheduler) -> bool:
     """Every request runs, some with tokens (and, in the overlap loop, a batch in flight)."""
     return not s.waiting_queue and s.chunked_req is None and s.stats.generation_tokens >= 8
+
+
+def three_each(s: Scheduler) -> bool:
+    """Every request runs with three tokens or more."""
+    reqs = s.running_batch.reqs
+    return not s.waiting_queue and bool(reqs) and all(len(r.output_ids) >= 3 for r in reqs)
 
 
 def chunking(s: Scheduler) -> bool:
@@ -130,7 +136,9 @@ def test_aborts_at_rest_end_at_once(kw: dict) -> None:
 def test_retracting_all_keeps_the_computed_kv_in_the_cache(kw: dict) -> None:
     eng = engine(kw)
     try:
-        run = Run(eng, [*PROMPTS, LONG])
+        run = Run(eng, PROMPTS)
+        run.step_until(three_each)
+        run.sched.add_request("r4", LONG, run.params)
         run.step_until(chunking)
         run.at_rest()
         sched = run.sched
@@ -144,8 +152,8 @@ def test_retracting_all_keeps_the_computed_kv_in_the_cache(kw: dict) -> None:
         run.take(sched.step())  # their re-prefill: a cache hit of all but the last token
         batch = sched.last_batch
         assert batch is not None and batch.forward_mode.is_extend()
-        decoded = [r for r in batch.reqs if partial[r.rid] > 0]
-        assert decoded and all(r.extend_input_len == 1 for r in decoded)
+        decoded = [r for r in batch.reqs if partial[r.rid] >= 3]
+        assert len(decoded) == len(PROMPTS) and all(r.extend_input_len == 1 for r in decoded)
         run.to_end()
         assert_engine_clean(eng)
     finally:

@@ -1,13 +1,15 @@
 """A worker that starts after the deployment was changed at run time (a weights update, LoRA
-adapters loaded and unloaded through the router) serves what the others serve: the router
-records each change in Redis (shared/deployment.py) and the worker applies them before it
-announces itself. A recorded checkpoint it cannot load stops it with the reason."""
+adapters loaded and unloaded through the router, generation paused) serves what the others
+serve: the router records each change in Redis (shared/deployment.py) and the worker applies
+them before it announces itself (a paused one runs nothing until the resume). A recorded
+checkpoint it cannot load stops it with the reason."""
 
 from __future__ import annotations
 
 import time
 
 import httpx2 as httpx
+import pytest
 
 from shared.deployment import read_state
 from shared.heartbeat import list_live
@@ -45,10 +47,11 @@ def test_a_late_worker_catches_up_with_the_deployment(http_stack: Stack, tmp_pat
     post(stack, "/update_weights_from_disk", model_path=OTHER)
     post(stack, "/v1/load_lora_adapter", lora_name="extra", lora_path=extra)
     post(stack, "/v1/unload_lora_adapter", lora_name="chat")
+    post(stack, "/pause_generation", mode="keep")
     late = None
     try:
         state = read_state(stack.client, stack.prefix)
-        assert state.weights == OTHER
+        assert state.weights == OTHER and state.paused == "keep"
         assert state.lora_adapters["extra"] == extra and state.lora_adapters["chat"] == ""
 
         late = start_late_worker(stack, "late", tmp_path)
@@ -57,13 +60,18 @@ def test_a_late_worker_catches_up_with_the_deployment(http_stack: Stack, tmp_pat
         assert beat.weights_path == OTHER
         assert sorted(beat.lora_adapters) == ["extra", "sql"]  # chat was unloaded
         assert "the deployment's weights were updated" in late.log()
+        assert "starting paused" in late.log()
 
         client = StreamClient(stack.bus, "late")
         greedy = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
         rid = client.request(input_ids=PROMPT, sampling_params=greedy)
+        with pytest.raises(AssertionError, match="1 requests unfinished"):
+            client.wait([rid], timeout_s=2)  # (paused: it waits)
+        post(stack, "/continue_generation")
         result = client.wait([rid], timeout_s=120)[rid]
         assert result.output_ids == hf_greedy(OTHER, PROMPT, NEW)
     finally:
+        post(stack, "/continue_generation")
         if late is not None:
             late.stop()
         post(stack, "/update_weights_from_disk", model_path=stack.model)

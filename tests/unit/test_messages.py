@@ -24,6 +24,8 @@ from shared.messages import (
     LoraRespMsg,
     Message,
     MessageError,
+    PauseReqMsg,
+    PauseRespMsg,
     ProfileReqMsg,
     ProfileRespMsg,
     PromptLogprobs,
@@ -125,6 +127,9 @@ SAMPLES: list[Message] = [
     AbortNamedRespMsg("ask-1", "router-b", 2),
     TokenizeReqMsg("r6", "router-a", "w0", text="x", lora_name="sql", cache_salt="tenant-7"),
     GenerateReqMsg("r6", "router-a", [1, 2], lora_name="sql", cache_salt="tenant-7 ✓"),
+    PauseReqMsg("pause-1", "router-a", "pause", "retract"),
+    PauseReqMsg("pause-2", "router-a", "resume"),
+    PauseRespMsg("pause-1", "router-a", "w0", True, "", 3),
 ]  # fmt: skip
 
 
@@ -252,6 +257,12 @@ def test_schema_violations(mutate, expected: str) -> None:
 def test_a_generate_request_with_an_empty_cache_salt_is_refused() -> None:
     body = wire(SAMPLES[4]) | {"cache_salt": ""}
     assert "GenerateReqMsg r1: cache_salt is empty" in reason_of(pack(body))
+
+
+@pytest.mark.parametrize("field,value", [("action", "stop"), ("mode", "in_place")])
+def test_a_pause_of_an_unknown_action_or_mode_is_refused(field: str, value: str) -> None:
+    body = wire(PauseReqMsg("pause-1", "router-a", "pause", "keep")) | {field: value}
+    assert f"PauseReqMsg: unknown {field} {value!r}" in reason_of(pack(body))
 
 
 def test_cross_field_checks_of_columnar_messages() -> None:
