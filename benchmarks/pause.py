@@ -12,8 +12,8 @@ a paused worker runs it between steps, and then the steps of the resume:
 * keep: the requests are brought to rest (`settle`) and stay with their K/V;
 * retract: `retract_all` (sluice's: what each computed goes into the prefix cache first);
 * retract_released: the same with each request's K/V given back instead (as a retraction for
-  memory does; SGLang's pause does that), the side-by-side peer of `retract`: its resume
-  recomputes the generated tokens the prompt's cache entry does not hold;
+  memory does), the side-by-side peer of `retract`: its resume recomputes the generated
+  tokens the prompt's cache entry does not hold;
 * retract_flushed: `retract_all`, then the prefix cache emptied, as a weights update empties
   it: the resume computes prompt and output again;
 * abort: every request aborted and ended at once (`end_aborted`): the pause's work only.
