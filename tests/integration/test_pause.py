@@ -62,7 +62,15 @@ class Run:
         raise AssertionError("the condition never came")
 
     def to_end(self) -> None:
+        """Every request ended; nothing of them left in memory."""
         self.step_until(lambda s: not s.has_work())
+        assert_engine_clean(self.eng)
+
+    def assert_greedy(self, prompts: list[list[int]], skip: set[str] = frozenset()) -> None:
+        """Request i's tokens are transformers' greedy ones for `prompts[i]`."""
+        for i, prompt in enumerate(prompts):
+            if f"r{i}" not in skip:
+                assert self.tokens[f"r{i}"] == hf_greedy(A, prompt, NEW), i
 
     def at_rest(self) -> None:
         self.sched.settle()
@@ -95,11 +103,9 @@ def test_settling_mid_run_changes_no_token(kw: dict) -> None:
         assert run.sched.holds_kv() and run.sched.chunked_req is not None
         run.at_rest()  # (idempotent)
         run.to_end()
-        assert_engine_clean(eng)
     finally:
         eng.shutdown()
-    for i, prompt in enumerate([*PROMPTS, LONG]):
-        assert run.tokens[f"r{i}"] == hf_greedy(A, prompt, NEW), i
+    run.assert_greedy([*PROMPTS, LONG])
     assert set(run.finish.values()) == {"length"}
 
 
@@ -122,13 +128,9 @@ def test_aborts_at_rest_end_at_once(kw: dict) -> None:
         assert running[-1] not in [r.rid for r in run.sched.running_batch.reqs]
         assert run.sched.end_aborted() == 0
         run.to_end()
-        assert_engine_clean(eng)
     finally:
         eng.shutdown()
-    prompts = [*PROMPTS, LONG]
-    for i, prompt in enumerate(prompts):
-        if f"r{i}" not in aborted:
-            assert run.tokens[f"r{i}"] == hf_greedy(A, prompt, NEW), i
+    run.assert_greedy([*PROMPTS, LONG], skip=aborted)
     assert len(run.tokens[running[-1]]) < NEW and len(run.tokens[chunked]) == 0
 
 
@@ -155,11 +157,9 @@ def test_retracting_all_keeps_the_computed_kv_in_the_cache(kw: dict) -> None:
         decoded = [r for r in batch.reqs if partial[r.rid] >= 3]
         assert len(decoded) == len(PROMPTS) and all(r.extend_input_len == 1 for r in decoded)
         run.to_end()
-        assert_engine_clean(eng)
     finally:
         eng.shutdown()
-    for i, prompt in enumerate([*PROMPTS, LONG]):
-        assert run.tokens[f"r{i}"] == hf_greedy(A, prompt, NEW), i
+    run.assert_greedy([*PROMPTS, LONG])
 
 
 @SCHEDULER_LOOPS
@@ -179,7 +179,6 @@ def test_a_weights_update_goes_on_with_retracted_requests_waiting(kw: dict) -> N
         assert sched.tree_cache.evictable_size() == 0  # (the old weights' K/V are gone)
         assert sched.flush_cache(keep_waiting=True)
         run.to_end()
-        assert_engine_clean(eng)
     finally:
         eng.shutdown()
     for i, prompt in enumerate(PROMPTS):
