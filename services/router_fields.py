@@ -169,6 +169,9 @@ class SamplingFields(_SamplingCore):
     allowed_token_ids: TokenIds | None = Field(None, min_length=1)  # vLLM's: sample only these
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # vLLM's: never these
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids
+    # vLLM's: the logprobs' tokens spelled "token_id:N", not decoded (a token that is not
+    # text on its own, such as part of a UTF-8 character, stays unambiguous)
+    return_tokens_as_token_ids: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     # structured output besides regex and ebnf: OpenAI's and vLLM's forms
@@ -196,6 +199,7 @@ class SamplingFields(_SamplingCore):
         for sub in subs:
             sub.rid, sub.priority, sub.cache_salt = self.rid, self.priority, salt
             sub.return_token_ids = bool(self.return_token_ids)
+            sub.return_tokens_as_token_ids = bool(self.return_tokens_as_token_ids)
         if self.truncate_prompt_tokens == 0:
             raise _invalid("truncate_prompt_tokens must be -1 or >= 1", "truncate_prompt_tokens")
         if self.prompt_logprobs is None:

@@ -56,6 +56,9 @@ class TokenNames:
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
+AS_TOKEN_IDS = TokenNames()  # never loads a tokenizer: every token is `token_id:N`
+
+
 def sglang_entry(logprob: float | None, token_id: int, names: TokenNames | None) -> list:
     """One entry of SGLang's logprob lists: `[logprob, token id, text]`, the text None unless
     the request asked for it (`return_text_in_logprobs`: `names` given)."""

@@ -65,6 +65,7 @@ class SubRequest:
     add_generation_prompt: bool = True  # chat: open the assistant's turn after the messages
     continue_final_message: bool = False  # chat: or continue the last message
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's ids in the response
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens spelled token_id:N
     embed: bool = False  # /v1/embeddings: pooled by an embedding worker (no output tokens)
     text_pair: str | None = None  # with text: a cross-encoder's pair (/v1/score, /v1/rerank)
     # vLLM's cache_salt (SGLang's extra_key): cached prefixes are shared only within a salt

@@ -29,7 +29,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from services.router_handle import RequestHandle, merged
-from services.router_logprobs import TokenNames, generate_obj, openai_logprobs, ranked_prompt
+from services.router_logprobs import (
+    AS_TOKEN_IDS,
+    TokenNames,
+    generate_obj,
+    openai_logprobs,
+    ranked_prompt,
+)
 from services.router_protocol import ApiError
 from services.router_stream import Choice, Delta, usage
 from services.router_tools import ChatSplit, Part, ToolMode
@@ -79,6 +85,8 @@ class Formatter:
         self.want_logprobs = handles[0].sub.return_logprob
         self.token_ids = handles[0].sub.return_token_ids  # vLLM's return_token_ids
         self.top_n = handles[0].sub.top_logprobs_num
+        # the OpenAI logprobs' tokens: decoded, or vLLM's return_tokens_as_token_ids
+        self.openai_names = AS_TOKEN_IDS if handles[0].sub.return_tokens_as_token_ids else names
         # SGLang's return_text_in_logprobs: /generate's logprob entries carry token texts
         self.logprob_names = names if handles[0].sub.return_text_in_logprobs else None
         self.echo = kind == "completion" and handles[0].sub.echo
@@ -277,7 +285,8 @@ class Formatter:
         out["logprobs"] = None
         if self.want_logprobs:
             chat = self.kind == "chat"
-            out["logprobs"] = openai_logprobs(self.names, chat, self.top_n, ids, lps, tops)
+            out["logprobs"] = openai_logprobs(self.openai_names, chat, self.top_n, ids, lps,
+                                              tops)  # fmt: skip
         out["finish_reason"] = c.finish_type if final else None
         out["matched_stop"] = c.matched if final else None
         return out

@@ -328,6 +328,47 @@ def test_generate_logprob_entries_are_sglangs_triples(http_stack: Stack) -> None
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_text_in_logprobs"
 
 
+def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(
+    http_stack: Stack, served_model: str
+) -> None:
+    """vLLM's `return_tokens_as_token_ids`: the logprobs' tokens (and top candidates) are
+    `token_id:N` instead of their decoded text, on completions (streamed too) and chat; the
+    text itself is unchanged."""
+    base = http_stack.router_url
+    tokenizer = load_tokenizer(http_stack.model)
+    body = {"model": served_model, "prompt": "The sky is", "max_tokens": 5, "temperature": 0,
+            "logprobs": 2, "return_token_ids": True}  # fmt: skip
+    plain = httpx.post(base + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    by_id = httpx.post(base + "/v1/completions", json={**body, "return_tokens_as_token_ids":
+                       True}, timeout=60).json()["choices"][0]  # fmt: skip
+    ids = plain["token_ids"]
+    assert plain["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert by_id["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert by_id["text"] == plain["text"]
+    assert by_id["logprobs"]["token_logprobs"] == pytest.approx(
+        plain["logprobs"]["token_logprobs"], abs=1e-4
+    )  # (a second run: its prompt from the prefix cache)
+    assert all(k.startswith("token_id:") for top in by_id["logprobs"]["top_logprobs"]
+               for k in top)  # fmt: skip
+    streamed = []
+    with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+            **body, "stream": True, "return_tokens_as_token_ids": True}) as r:  # fmt: skip
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                lp = json.loads(line[len("data: "):])["choices"][0]["logprobs"]
+                streamed += lp["tokens"] if lp else []
+    assert streamed == by_id["logprobs"]["tokens"]
+    chat = {"model": served_model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 1,
+            "return_tokens_as_token_ids": True, "return_token_ids": True}  # fmt: skip
+    out = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()
+    content = out["choices"][0]["logprobs"]["content"]
+    ids = out["choices"][0]["token_ids"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
+    assert [e["bytes"] for e in content] == [list(f"token_id:{t}".encode()) for t in ids]
+    assert all(c["token"].startswith("token_id:") for e in content for c in e["top_logprobs"])
+
+
 def test_kill_9_of_one_of_three_detokenizers_while_100_streams_run(
     http_stack: Stack, served_model: str
 ) -> None:
