@@ -68,6 +68,7 @@ class Engine(PoolingCalls):
 
             self.tokenizer = load_tokenizer(self.args.model_path)
         self.scheduler = build_scheduler(self.args, self.tokenizer)
+        self.weight_version = "default"  # SGLang's label of the weights, in every meta_info
         self.args = self.scheduler.args  # (a classifier's: a pooling model's)
         self._rids = itertools.count()
 
@@ -200,6 +201,7 @@ class Engine(PoolingCalls):
             "cached_tokens": req.cached_tokens,
             "finish_reason": reason.to_dict() if reason else None,
             "e2e_latency": e2e_latency,  # SGLang's: seconds from the call to the request's end
+            "weight_version": self.weight_version,
         }
         if params.return_logprob:
             meta.update(_logprob_meta(req))
@@ -232,11 +234,14 @@ class Engine(PoolingCalls):
     def unload_lora_adapter(self, lora_name: str) -> None:
         self.scheduler.unload_lora_adapter(lora_name)
 
-    def update_weights_from_disk(self, model_path: str) -> None:
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
         """Serve the weights of the checkpoint in `model_path` (the same model's: the same
-        architecture and tensor shapes) from now on (SGLang's Engine call); the prefix cache
-        is emptied. ValueError, the old weights kept, if the checkpoint does not fit."""
+        architecture and tensor shapes) from now on (SGLang's Engine call), labelled
+        `weight_version` if given; the prefix cache is emptied. ValueError, the old weights
+        (and label) kept, if the checkpoint does not fit."""
         self.scheduler.update_weights_from_disk(model_path)
+        if weight_version is not None:
+            self.weight_version = weight_version
 
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served now: name -> folder."""

@@ -38,6 +38,7 @@ from services.router_profile import add_routes as add_profile_routes
 from services.router_protocol import ApiError, parse_body
 from services.router_tokens import DetokenizeBody, TokenizeBody
 from services.router_weights import add_routes as add_weights_routes
+from services.router_weights import weight_version
 from shared.async_bus import AsyncBus
 from shared.heartbeat import Heartbeat, list_live_async
 from shared.keys import DETOKENIZER_KIND, ROUTER_KIND, TOKENIZER_KIND, WORKER_KIND, heartbeat_key
@@ -251,6 +252,7 @@ def create_app(config: RouterConfig) -> FastAPI:
             "is_generation": not router.broker.workers.embedding_only,
             "served_model_name": router.model_name,
             "max_context_length": router.broker.workers.context_len,
+            "weight_version": await weight_version(router),
         }
 
     @app.get("/health")

@@ -200,6 +200,7 @@ class Router:
             batch=kind == "generate" and (body.is_batch or len(subs) > 1),
             incremental=self.config.router.incremental_streaming_output,
             tool_mode=tool_mode,
+            weight_version=lambda: self.broker.weight_version,
             reasoning_parser=(
                 self.config.router.reasoning_parser
                 if getattr(body, "separate_reasoning", True) is not False

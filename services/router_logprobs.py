@@ -144,11 +144,12 @@ def generate_obj(
     want_logprobs: bool,
     top_n: int,
     names: TokenNames | None = None,
+    weight_version: str | None = None,
 ) -> dict[str, Any]:
     """`/generate`'s object for `c`'s output tokens from `start` on (`text` is theirs):
     ids and logprobs are sliced there, counts and the finish reason are the whole output's.
     Logprob entries are SGLang's `[logprob, token id, text]`, the text None without `names`
-    (SGLang's `return_text_in_logprobs`)."""
+    (SGLang's `return_text_in_logprobs`); `weight_version`: the deployment's now (SGLang's)."""
     reason, num_ids = c.finish_reason, len(c.output_ids)
     ids = c.output_ids[start:]
     meta: dict[str, Any] = {
@@ -160,6 +161,8 @@ def generate_obj(
     }
     if c.e2e_latency is not None:  # SGLang's, once the request has ended
         meta["e2e_latency"] = c.e2e_latency
+    if weight_version is not None:
+        meta["weight_version"] = weight_version
     if want_logprobs:
         pairs = zip(c.token_logprobs[start:], ids, strict=False)
         meta["output_token_logprobs"] = [sglang_entry(lp, t, names) for lp, t in pairs]

@@ -40,6 +40,7 @@ from services.router_protocol import ApiError, SubRequest
 from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
+from shared.deployment import DEFAULT_WEIGHT_VERSION, read_weight_version
 from shared.heartbeat import list_live_async
 from shared.keys import (
     ROUTER_OUT_TTL_MS,
@@ -92,6 +93,8 @@ class Broker:
         self.to_workers = WorkerQuestions(bus, router_id, self.workers)
         self.queries = TokenQueries(bus, router_id)
         self.named = NamedRequests(self)
+        # the deployment's weight version (SGLang's), as of the last refresh
+        self.weight_version = DEFAULT_WEIGHT_VERSION
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -181,8 +184,10 @@ class Broker:
         self.spawn(self.bus.publish(stream, AbortReqMsg(handle.rid, reason)))
 
     async def refresh_workers(self) -> None:
+        """The worker table from the heartbeats; the weight version from Redis."""
         live = await list_live_async(self.bus.redis, self.bus.prefix, WORKER_KIND)
         self.workers.update({k: v for k, v in live.items() if isinstance(v, WorkerLoadMsg)})
+        self.weight_version = await read_weight_version(self.bus.redis, self.bus.prefix)
 
     def _tokenize_msg(self, h: RequestHandle) -> TokenizeReqMsg:
         sub = h.sub

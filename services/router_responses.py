@@ -25,7 +25,7 @@ sent as an SSE event `{"error": ...}` followed by `[DONE]`.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from services.router_handle import RequestHandle, merged
@@ -76,8 +76,12 @@ class Formatter:
         incremental: bool = False,
         tool_mode: ToolMode | None = None,
         reasoning_parser: str | None = None,
+        weight_version: Callable[[], str] | None = None,
     ) -> None:
         self.kind, self.rid, self.created, self.model = kind, rid, created, model
+        # /generate's meta_info.weight_version (SGLang's): the deployment's, as each output
+        # goes out
+        self.weight_version: Callable[[], str | None] = weight_version or (lambda: None)
         self.names, self.handles = names, handles
         self.include_usage, self.batch, self.incremental = include_usage, batch, incremental
         self.continuous_usage = continuous_usage  # vLLM's: every chunk says its choice's usage
@@ -101,7 +105,9 @@ class Formatter:
         choices = await collect(self.handles)
         if self.kind == "generate":
             want, names = self.want_logprobs, self.logprob_names
-            outs = [generate_obj(c, c.text, 0, want, self.top_n, names) for c in choices]
+            version = self.weight_version()
+            outs = [generate_obj(c, c.text, 0, want, self.top_n, names, version)
+                    for c in choices]  # fmt: skip
             return outs if self.batch else outs[0]
         body = self._envelope("chat.completion" if self.kind == "chat" else "text_completion")
         body["choices"] = []
@@ -191,7 +197,8 @@ class Formatter:
             # (incremental: the new tokens alone; else everything so far)
             start = len(c.output_ids) - len(d.output_ids) if self.incremental else 0
             text = d.text if self.incremental else c.text
-            obj = generate_obj(c, text, start, self.want_logprobs, self.top_n, self.logprob_names)
+            obj = generate_obj(c, text, start, self.want_logprobs, self.top_n, self.logprob_names,
+                               self.weight_version())  # fmt: skip
             if self.batch:
                 obj["index"] = c.index
             return sse(obj)

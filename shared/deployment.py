@@ -2,7 +2,9 @@
 new one, or one restarted after a crash) serves what the others serve: the checkpoint of the
 last `/update_weights_from_disk`, the LoRA adapters loaded (or unloaded) at run time, and
 whether generation is paused (`/pause_generation`, `/pause`: a worker starting then starts
-paused, and every router's `/is_paused` reads it).
+paused, and every router's `/is_paused` reads it). Besides, the weight version (SGLang's
+`weight_version`: a label a client gives the weights, reported with every output), which
+only routers read.
 
 The router records a change once every worker asked has made it; a worker reads the record
 as it starts, before it announces itself (services/worker.py). The start flags (`--model`,
@@ -18,7 +20,9 @@ from dataclasses import dataclass, field
 import redis
 import redis.asyncio as aioredis
 
-from shared.keys import lora_adapters_key, paused_key, weights_key
+from shared.keys import lora_adapters_key, paused_key, weight_version_key, weights_key
+
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
 
 
 @dataclass
@@ -60,3 +64,12 @@ async def record_pause(client: aioredis.Redis, prefix: str, mode: str | None) ->
 async def read_pause(client: aioredis.Redis, prefix: str) -> str | None:
     mode = await client.get(paused_key(prefix))
     return mode.decode() if mode else None
+
+
+async def record_weight_version(client: aioredis.Redis, prefix: str, version: str) -> None:
+    await client.set(weight_version_key(prefix), version)
+
+
+async def read_weight_version(client: aioredis.Redis, prefix: str) -> str:
+    version = await client.get(weight_version_key(prefix))
+    return version.decode() if version else DEFAULT_WEIGHT_VERSION

@@ -129,3 +129,9 @@ def lora_adapters_key(prefix: str) -> str:
 def paused_key(prefix: str) -> str:
     """The pause in force (its mode) while generation is paused (shared/deployment.py)."""
     return f"{prefix}:paused"
+
+
+def weight_version_key(prefix: str) -> str:
+    """The deployment's weight version, a client's label of its weights (SGLang's
+    `weight_version`; shared/deployment.py)."""
+    return f"{prefix}:weight-version"

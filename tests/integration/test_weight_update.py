@@ -42,9 +42,11 @@ def test_updated_weights_match_transformers(kw: dict) -> None:
     try:
         before = greedy(eng)
         assert greedy(eng)["meta_info"]["cached_tokens"] >= len(PROMPT) - 1
-        eng.update_weights_from_disk(B)
+        assert before["meta_info"]["weight_version"] == "default"
+        eng.update_weights_from_disk(B, weight_version="b-1")
         after = greedy(eng)
         assert after["meta_info"]["cached_tokens"] == 0  # the old weights' K/V are gone
+        assert after["meta_info"]["weight_version"] == "b-1"
         eng.update_weights_from_disk(A)
         back = greedy(eng)
         assert eng.scheduler.weights_path == A

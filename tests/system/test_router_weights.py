@@ -3,8 +3,9 @@ another checkpoint of the same model, with transformers' greedy tokens for it, a
 `/get_model_info` names it; a request running when the update comes finishes on the old
 weights, one arriving meanwhile waits and runs on the new ones (counted as paused);
 `abort_all_requests` ends the running ones instead; a checkpoint of another model and
-unsupported options are a 400 with the reason. The stack's weights are restored after each
-test."""
+unsupported options are a 400 with the reason. SGLang's weight version: set by the update or
+`/update_weight_version`, read at its three addresses, `/get_model_info` and every output's
+meta_info. The stack's weights (and version) are restored after each test."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def model_path(stack: Stack) -> str:
 def stack(http_stack: Stack):
     original = model_path(http_stack)
     yield http_stack
-    r = post(http_stack, "/update_weights_from_disk", model_path=http_stack.model)
+    r = post(http_stack, "/update_weights_from_disk", model_path=http_stack.model,
+             weight_version="default")  # fmt: skip
     assert r.status_code == 200, r.text
     assert model_path(http_stack) == original
 
@@ -138,3 +140,40 @@ def test_refusals(stack: Stack, body: dict, why: str) -> None:
     assert r.status_code == 400, r.text
     assert r.json()["success"] is False and why in r.json()["message"], r.text
     assert tokens(stack) == hf_greedy(stack.model, PROMPT, NEW)
+
+
+def test_weight_versions(stack: Stack) -> None:
+    base = stack.router_url
+
+    def versions() -> set[str]:
+        paths = ("/get_weight_version", "/weight_version", "/weight_info", "/get_model_info")
+        return {httpx.get(base + p, timeout=10).json()["weight_version"] for p in paths}
+
+    def generated_version(**body: object) -> str:
+        r = post(stack, "/generate", input_ids=PROMPT, sampling_params=GREEDY, **body)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["weight_version"]
+
+    assert versions() == {"default"} and generated_version() == "default"
+    r = post(stack, "/update_weights_from_disk", model_path=OTHER, weight_version="step-1")
+    assert r.status_code == 200, r.text
+    assert versions() == {"step-1"} and generated_version() == "step-1"
+    r = post(stack, "/update_weight_version", new_version="step-2")
+    assert r.json() == {"success": True, "message": "Weight version updated to step-2",
+                        "new_version": "step-2"}  # fmt: skip
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY | {"max_new_tokens": 1500},
+            "stream": True}  # fmt: skip
+    reader, events = stream_in_background(stack, body)
+    r = post(stack, "/update_weight_version", new_version="step-3", abort_all_requests=True)
+    assert r.status_code == 200, r.text
+    reader.join(120)
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert events[0]["meta_info"]["weight_version"] == "step-2"
+    assert events[-1]["meta_info"]["weight_version"] == "step-3"
+    assert versions() == {"step-3"}
+    for bad in ({"new_version": ""}, {}, {"new_version": 3}):
+        r = post(stack, "/update_weight_version", **bad)
+        assert r.status_code == 400 and "new_version" in r.text, r.text
+    r = post(stack, "/update_weights_from_disk", model_path=OTHER, weight_version=" ")
+    assert r.status_code == 400 and "weight_version must not be empty" in r.text
+    assert versions() == {"step-3"}
