@@ -17,7 +17,7 @@ a label, "default" until set, by `weight_version` in the update's body or by `PO
 `GET /get_weight_version` and `/weight_version` (SGLang's), `/weight_info` (vLLM's),
 `/get_model_info`, and in every `/generate` output's `meta_info.weight_version`. It is the
 deployment's, kept in Redis (shared/deployment.py): every router reports it (another router
-than the one that set it, from its next worker-table refresh, within `check_s`).
+than the one that set it, from its next worker-table refresh, within `--worker-check-s`).
 """
 
 from __future__ import annotations
