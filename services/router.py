@@ -230,12 +230,36 @@ def create_app(config: RouterConfig) -> FastAPI:
         return await tokens.detokenize(router.broker.queries, body)
 
     @app.get("/get_server_info")
+    @app.get("/server_info")  # (SGLang's newer name)
     async def get_server_info(request: Request) -> dict[str, Any]:
         router = state["router"]
         router.authorize(request)
         return await router.server_info()
 
+    @app.get("/get_load")
+    async def get_load(request: Request) -> list[dict[str, Any]]:
+        """SGLang's (what load-balancing routers in front of it poll): one entry per live
+        worker, as SGLang gives one per data-parallel rank: its running and waiting
+        requests and the KV tokens its running requests hold, from its last heartbeat."""
+        router = state["router"]
+        router.authorize(request)
+        await router.broker.refresh_workers()
+        loads = sorted(router.broker.workers.live.values(), key=lambda w: w.worker_id)
+        return [{"dp_rank": rank, "worker_id": w.worker_id,
+                 "num_reqs": w.num_running_reqs + w.num_waiting_reqs,
+                 "num_waiting_reqs": w.num_waiting_reqs, "num_tokens": w.num_used_tokens}
+                for rank, w in enumerate(loads)]  # fmt: skip
+
+    @app.get("/load")
+    async def load(request: Request) -> dict[str, int]:
+        """vLLM's: the requests this router has in flight (`server_load`; one per prompt and
+        choice, as it sends them to workers)."""
+        router = state["router"]
+        router.authorize(request)
+        return {"server_load": len(router.broker.handles)}
+
     @app.get("/get_model_info")
+    @app.get("/model_info")  # (SGLang's newer name)
     async def get_model_info(request: Request) -> dict[str, Any]:
         """SGLang's model card: the served name, the model folder (when known), generation."""
         router = state["router"]

@@ -14,6 +14,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx2 as httpx
 import pytest
@@ -326,6 +327,37 @@ def test_generate_logprob_entries_are_sglangs_triples(http_stack: Stack) -> None
     bad = httpx.post(base + "/generate", json={**body, "return_text_in_logprobs": "yes"},
                      timeout=60)  # fmt: skip
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "return_text_in_logprobs"
+
+
+def test_loads_and_the_newer_info_names(http_stack: Stack, served_model: str) -> None:
+    """SGLang's `/get_load` (one entry per worker) and vLLM's `/load` count a request while
+    it runs; SGLang's newer `/model_info` and `/server_info` answer as the older names."""
+    base = http_stack.router_url
+
+    def get(path: str) -> Any:
+        r = httpx.get(base + path, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert get("/model_info") == get("/get_model_info")
+    assert get("/server_info")["router_id"] == get("/get_server_info")["router_id"]
+    body = {"model": served_model, "prompt": "load", "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    seen: list[tuple[list, dict]] = []
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if len(seen) < 40 and line.startswith("data: {"):
+                seen.append((get("/get_load"), get("/load")))
+                if seen[-1][0][0]["num_reqs"] >= 1:
+                    break
+    loads, load = seen[-1]
+    assert [e["worker_id"] for e in loads] == [http_stack.worker_id] and loads[0]["dp_rank"] == 0
+    assert loads[0]["num_reqs"] >= 1 and loads[0]["num_tokens"] > 0, seen
+    assert load["server_load"] >= 1
+    deadline = time.monotonic() + 30  # (the stream closed: the router aborts it)
+    while get("/load")["server_load"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert get("/load") == {"server_load": 0}
 
 
 def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(
