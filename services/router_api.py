@@ -27,6 +27,7 @@ from services.responses_background import BackgroundResponses
 from services.responses_store import ResponseStore, input_items
 from services.responses_stream import ResponseShaper
 from services.router_chat import ParserChoice
+from services.router_fields import MAX_REQUEST_ID_LEN
 from services.router_generate import GenerateRequest
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
@@ -124,10 +125,14 @@ class Router:
         self.authorize(request)
         model_cls, max_param = _APIS[kind]
         body = parse_body(model_cls, await request.body())
+        headers = None
+        if kind != "generate":  # vLLM's request id: the header's, else the body's, else new
+            body.request_id = _request_id_header(request) or body.request_id or uuid.uuid4().hex
+            headers = {"X-Request-Id": body.request_id}
         fmt = await self._start(kind, body, max_param)
         if body.stream:
-            return await _sse_response(request, fmt.chunks())
-        return JSONResponse(await unless_disconnected(request, fmt.response()))
+            return await _sse_response(request, fmt.chunks(), headers)
+        return JSONResponse(await unless_disconnected(request, fmt.response()), headers=headers)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API, as the chat request it means (services/responses_api.py)."""
@@ -190,7 +195,8 @@ class Router:
         prefix = {"chat": "chatcmpl-", "completion": "cmpl-"}.get(kind, "")
         return Formatter(
             kind,
-            subs[0].rid or prefix + uuid.uuid4().hex,  # SGLang's: the client's rid as the id
+            # SGLang's: the client's rid as the id; vLLM's: its request_id after the prefix
+            subs[0].rid or prefix + (getattr(body, "request_id", None) or uuid.uuid4().hex),
             int(time.time()),
             getattr(body, "model", self.model_name),
             self.token_names,
@@ -290,7 +296,18 @@ def without_credentials(url: str | None) -> str | None:
     return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
-async def _sse_response(request: Request, chunks: AsyncIterator[bytes]) -> Response:
+def _request_id_header(request: Request) -> str | None:
+    """vLLM's `X-Request-Id` request header (it wins over the body's `request_id`)."""
+    value = request.headers.get("x-request-id")
+    if value is not None and not 0 < len(value) <= MAX_REQUEST_ID_LEN:
+        raise ApiError(400, f"X-Request-Id must have 1 to {MAX_REQUEST_ID_LEN} characters",
+                       "X-Request-Id", "invalid_value")  # fmt: skip
+    return value
+
+
+async def _sse_response(
+    request: Request, chunks: AsyncIterator[bytes], headers: dict[str, str] | None = None
+) -> Response:
     """Wait for the first chunk, so that an error before any output is a plain HTTP error."""
     try:
         first = await unless_disconnected(request, chunks.__anext__())
@@ -305,7 +322,7 @@ async def _sse_response(request: Request, chunks: AsyncIterator[bytes]) -> Respo
         finally:
             await chunks.aclose()  # closes the handles: aborts at the worker if unfinished
 
-    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)
 
 

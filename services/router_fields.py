@@ -83,7 +83,8 @@ StopStrings = Annotated[Any, AfterValidator(_stop_list)]
 LogitBias = Annotated[dict[str, float], AfterValidator(_check_logit_bias)]
 TopK = Annotated[int | None, AfterValidator(_check_top_k)]
 TokenIds = list[Annotated[int, Field(ge=0)]]
-RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+MAX_REQUEST_ID_LEN = 256
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
 CacheSalt = Annotated[str, Field(min_length=1, max_length=4096)]
 
 
@@ -185,6 +186,9 @@ class SamplingFields(_SamplingCore):
     # streaming, as in vLLM)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     rid: RequestId | None = None  # SGLang's: the response's id, for /abort_request
+    # vLLM's: the response's id after its prefix (`chatcmpl-`, `cmpl-`), echoed in the
+    # X-Request-Id header; an X-Request-Id request header wins over it
+    request_id: RequestId | None = None
     priority: int | None = Field(None, ge=-_INT64, lt=_INT64)  # SGLang's and vLLM's
     lora_path: str | None = None  # SGLang's: the LoRA adapter, when `model` names the base
     # vLLM's and SGLang's: cached prefixes are reused only by requests of the same salt, so

@@ -360,6 +360,40 @@ def test_loads_and_the_newer_info_names(http_stack: Stack, served_model: str) ->
     assert get("/load") == {"server_load": 0}
 
 
+def test_request_ids_as_vllm_takes_them(http_stack: Stack, served_model: str) -> None:
+    """vLLM's request id: the body's `request_id`, or the `X-Request-Id` header (which wins),
+    is the response's id after its prefix and comes back in the `X-Request-Id` header
+    (a new one when neither is given); streamed, every chunk has that id."""
+    base = http_stack.router_url
+    comp = {"model": served_model, "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    chat = {"model": served_model, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2, "temperature": 0}  # fmt: skip
+
+    def post(path: str, body: dict, **headers: str) -> httpx.Response:
+        r = httpx.post(base + path, json=body, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        return r
+
+    r = post("/v1/completions", {**comp, "request_id": "abc"})
+    assert r.json()["id"] == "cmpl-abc" and r.headers["x-request-id"] == "abc"
+    r = post("/v1/chat/completions", {**chat, "request_id": "body"}, **{"X-Request-Id": "hdr"})
+    assert r.json()["id"] == "chatcmpl-hdr" and r.headers["x-request-id"] == "hdr"
+    r = post("/v1/completions", comp)
+    new = r.headers["x-request-id"]
+    assert len(new) == 32 and r.json()["id"] == f"cmpl-{new}"
+    with httpx.stream("POST", base + "/v1/chat/completions", json={**chat, "stream": True},
+                      headers={"X-Request-Id": "s-1"}, timeout=60) as r:  # fmt: skip
+        assert r.headers["x-request-id"] == "s-1"
+        ids = {json.loads(line[6:])["id"] for line in r.iter_lines()
+               if line.startswith("data: {")}  # fmt: skip
+    assert ids == {"chatcmpl-s-1"}
+    r = httpx.post(base + "/v1/completions", json=comp, headers={"X-Request-Id": "x" * 300},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", json={**comp, "request_id": ""}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+
+
 def test_return_tokens_as_token_ids_spells_logprob_tokens_by_id(
     http_stack: Stack, served_model: str
 ) -> None:
