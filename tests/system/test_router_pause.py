@@ -4,14 +4,16 @@ SGLang's `/pause_generation` and `/continue_generation`, vLLM's `/pause`, `/resu
 then runs, with transformers' tokens); keep freezes a request, which goes on to the same
 tokens as if never paused, and refuses a weights update meanwhile; retract, a weights update,
 then the resume: the request continues on the new weights exactly as transformers continues
-its text on them; wait answers once the running request has ended. Bad modes and flags are a
-400. Every test leaves the stack generating, on its own weights."""
+its text on them; wait answers once the running request has ended; a batch of concurrent
+requests retracted mid-run all end with the tokens they would have had. Bad modes and flags
+are a 400. Every test leaves the stack generating, on its own weights."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import httpx2 as httpx
 import pytest
@@ -88,6 +90,18 @@ class Streamed:
         assert not self.thread.is_alive()
 
 
+def load_becomes(stack: Stack, check: Callable[[int, int], bool]) -> bool:
+    """Whether the worker's running and waiting requests, as its heartbeats say them,
+    pass `check` within 30 s."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        load = httpx.get(f"{stack.router_url}/get_load", timeout=10).json()[0]
+        if check(load["num_reqs"] - load["num_waiting_reqs"], load["num_waiting_reqs"]):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def generate_in_background(stack: Stack, new: int) -> tuple[threading.Thread, list]:
     out: list[httpx.Response] = []
     body = {"input_ids": PROMPT, "sampling_params": GREEDY | {"max_new_tokens": new}}
@@ -157,6 +171,21 @@ def test_wait_answers_once_the_running_request_has_ended(stack: Stack) -> None:
     assert stack.client.get(paused_key(stack.prefix)) == b"wait"
     running.join(timeout_s=10)  # (ended before the answer: its last rows are on their way)
     assert running.finish()["type"] == "length" and len(running.tokens()) == 200
+
+
+def test_a_retracted_batch_ends_with_the_tokens_it_would_have_had(stack: Stack) -> None:
+    new, n = 300, 12
+    requests = [generate_in_background(stack, new) for _ in range(n)]
+    assert load_becomes(stack, lambda running, waiting: running == n)
+    r = post(stack, "/pause_generation", {"mode": "retract"})
+    assert r.status_code == 200, r.text
+    assert load_becomes(stack, lambda running, waiting: (running, waiting) == (0, n))
+    assert post(stack, "/continue_generation", {}).status_code == 200
+    want = hf_greedy(stack.model, PROMPT, new)
+    for thread, answer in requests:
+        thread.join(120)
+        assert answer and answer[0].status_code == 200, answer
+        assert answer[0].json()["output_ids"] == want
 
 
 @pytest.mark.parametrize(
