@@ -17,8 +17,9 @@ Every live worker stops stepping (services/worker.py), its requests handled by t
   flush emptied it: they are then computed again, on the new weights).
 
 While paused, new requests are taken (a bad one still gets its 400) and wait in the workers'
-queues until the resume (or the router's request timeout); aborts, `/flush_cache` and
-`/update_weights_from_disk` act at once. `clear_cache` empties the prefix cache once no
+queues until the resume (the time paused does not count against the router's request
+timeout: each router stops the clocks from its next worker refresh); aborts, `/flush_cache`
+and `/update_weights_from_disk` act at once. `clear_cache` empties the prefix cache once no
 request holds K/V (not in mode keep). The pause is recorded in Redis (shared/deployment.py)
 before the workers are told, so that a worker starting meanwhile starts paused and every
 router's `/is_paused` agrees; a resume deletes the record first. `/health_generate` answers
@@ -70,6 +71,7 @@ async def pause(router: Any, mode: str, clear_cache: bool) -> None:
     not answer."""
     broker = router.broker
     await record_pause(broker.bus.redis, broker.bus.prefix, mode)
+    broker.paused = mode  # (its requests' deadlines stop; other routers' at their refresh)
 
     def question(request_id: str) -> PauseReqMsg:
         return PauseReqMsg(request_id, broker.router_id, "pause", mode, clear_cache)
@@ -83,6 +85,7 @@ async def pause(router: Any, mode: str, clear_cache: bool) -> None:
 async def resume(router: Any) -> None:
     broker = router.broker
     await record_pause(broker.bus.redis, broker.bus.prefix, None)
+    broker.paused = None
 
     def question(request_id: str) -> PauseReqMsg:
         return PauseReqMsg(request_id, broker.router_id, "resume")

@@ -40,7 +40,7 @@ from services.router_protocol import ApiError, SubRequest
 from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
-from shared.deployment import DEFAULT_WEIGHT_VERSION, read_weight_version
+from shared.deployment import DEFAULT_WEIGHT_VERSION, read_version_and_pause
 from shared.heartbeat import list_live_async
 from shared.keys import (
     ROUTER_OUT_TTL_MS,
@@ -93,8 +93,10 @@ class Broker:
         self.to_workers = WorkerQuestions(bus, router_id, self.workers)
         self.queries = TokenQueries(bus, router_id)
         self.named = NamedRequests(self)
-        # the deployment's weight version (SGLang's), as of the last refresh
+        # the deployment's weight version (SGLang's) and whether generation is paused (its
+        # mode), as of the last refresh
         self.weight_version = DEFAULT_WEIGHT_VERSION
+        self.paused: str | None = None
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -184,10 +186,13 @@ class Broker:
         self.spawn(self.bus.publish(stream, AbortReqMsg(handle.rid, reason)))
 
     async def refresh_workers(self) -> None:
-        """The worker table from the heartbeats; the weight version from Redis."""
+        """The worker table from the heartbeats; the weight version and the pause from
+        Redis."""
         live = await list_live_async(self.bus.redis, self.bus.prefix, WORKER_KIND)
         self.workers.update({k: v for k, v in live.items() if isinstance(v, WorkerLoadMsg)})
-        self.weight_version = await read_weight_version(self.bus.redis, self.bus.prefix)
+        self.weight_version, self.paused = await read_version_and_pause(
+            self.bus.redis, self.bus.prefix
+        )
 
     def _tokenize_msg(self, h: RequestHandle) -> TokenizeReqMsg:
         sub = h.sub
@@ -259,7 +264,9 @@ class Broker:
 
     async def _watch_loop(self) -> None:
         """Every `check_s`: refresh the worker table, renew the TTL of this router's stream,
-        then look after waiting requests."""
+        then look after waiting requests. Time generation spends paused (on purpose:
+        services/router_pause.py) does not count against a request's deadline."""
+        last = time.perf_counter()
         while True:
             await asyncio.sleep(self.check_s)
             try:
@@ -269,6 +276,10 @@ class Broker:
                 logger.warning("refreshing workers: %s", exc)
                 continue
             now = time.perf_counter()
+            if self.paused is not None:
+                for handle in self.handles.values():
+                    handle.deadline += now - last
+            last = now
             for handle in list(self.handles.values()):
                 if now >= handle.deadline:
                     handle.deliver(

@@ -73,3 +73,10 @@ async def record_weight_version(client: aioredis.Redis, prefix: str, version: st
 async def read_weight_version(client: aioredis.Redis, prefix: str) -> str:
     version = await client.get(weight_version_key(prefix))
     return version.decode() if version else DEFAULT_WEIGHT_VERSION
+
+
+async def read_version_and_pause(client: aioredis.Redis, prefix: str) -> tuple[str, str | None]:
+    """The weight version and the pause's mode (None: generating), in one round trip."""
+    version, paused = await client.mget(weight_version_key(prefix), paused_key(prefix))
+    return (version.decode() if version else DEFAULT_WEIGHT_VERSION,
+            paused.decode() if paused else None)  # fmt: skip
