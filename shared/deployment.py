@@ -6,7 +6,8 @@ paused, and every router's `/is_paused` reads it). Besides, the weight version (
 `weight_version`: a label a client gives the weights, reported with every output), which
 only routers read.
 
-The router records a change once every worker asked has made it; a worker reads the record
+The router records a change once every worker asked has made it (a pause before it asks
+them, so that a worker starting meanwhile starts paused); a worker reads the record
 as it starts, before it announces itself (services/worker.py). The start flags (`--model`,
 `--lora-paths`) are the base the record is applied over. `DEL {p}:weights {p}:lora-adapters`
 makes workers start from their flags alone again; `DEL {p}:paused` unpauses the workers that
