@@ -174,11 +174,12 @@ def test_wait_answers_once_the_running_request_has_ended(stack: Stack) -> None:
 
 
 def test_a_retracted_batch_ends_with_the_tokens_it_would_have_had(stack: Stack) -> None:
-    new, n = 300, 12
+    new, n = 1200, 12  # (long enough to be running still after a heartbeat or two)
     requests = [generate_in_background(stack, new) for _ in range(n)]
     assert load_becomes(stack, lambda running, waiting: running == n)
     r = post(stack, "/pause_generation", {"mode": "retract"})
     assert r.status_code == 200, r.text
+    assert not any(answer for _, answer in requests), "ended before the pause"
     assert load_becomes(stack, lambda running, waiting: (running, waiting) == (0, n))
     assert post(stack, "/continue_generation", {}).status_code == 200
     want = hf_greedy(stack.model, PROMPT, new)
