@@ -18,7 +18,6 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -32,7 +31,6 @@ from services.router_generate import GenerateRequest
 from services.router_logprobs import TokenNames
 from services.router_metrics import RouterMetrics
 from services.router_models import check_adapters, check_model, request_adapter, resolve_model
-from services.router_pause import paused_mode
 from services.router_policy import make_policy
 from services.router_protocol import (
     ApiError,
@@ -220,10 +218,7 @@ class Router:
         generation is paused (services/router_pause.py), `{"status": "paused"}` at once: a
         probe must not fail a server paused on purpose."""
         start = time.perf_counter()
-        try:
-            mode = await paused_mode(self)
-        except redis.RedisError:
-            mode = None  # (the generation below fails with the reason)
+        mode = self.broker.paused  # (as of the last worker refresh: no read of its own)
         if mode is not None:
             return JSONResponse({"status": "paused", "mode": mode})
         subs = _HEALTH_REQUEST.to_subrequests()

@@ -99,6 +99,21 @@ class Outcome:
         return ApiError(503, msg, None, "worker_unavailable")
 
 
+async def ask_all_workers(
+    broker: Any, question: Callable[[str], Message], timeout_s: float, failure: str, code: str
+) -> dict[str, Any]:
+    """`question` to every live worker (the table refreshed first); their answers, by worker.
+    A refusal is a 400 (`failure`, the reasons, `code`), a worker silent past `timeout_s` a
+    503; no live worker a 503 `no_worker`."""
+    await broker.refresh_workers()
+    outcome = Outcome(await broker.to_workers.ask(question, timeout_s))
+    if outcome.refused:
+        raise ApiError(400, f"{failure} ({outcome.detail()})", None, code)
+    if outcome.silent:
+        raise outcome.no_answer(failure, timeout_s)
+    return outcome.answers
+
+
 class WorkerQuestions:
     def __init__(self, bus: AsyncBus, router_id: str, workers: WorkerTable) -> None:
         self.bus, self.router_id, self.workers = bus, router_id, workers

@@ -37,11 +37,11 @@ from typing import Any
 
 from fastapi import Request
 
-from services.router_control import Outcome
+from services.router_control import ask_all_workers
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
-from shared.deployment import read_pause, record_pause
-from shared.messages import PauseReqMsg, PauseRespMsg
+from shared.deployment import record_pause
+from shared.messages import PauseReqMsg
 
 # each name a client may give -> the worker's mode (shared/messages/worker.py PAUSE_MODES)
 MODES = {"abort": "abort", "wait": "wait", "keep": "keep", "in_place": "keep",
@@ -94,25 +94,18 @@ async def resume(router: Any) -> None:
 
 
 async def paused_mode(router: Any) -> str | None:
-    """The mode of the pause in force (None: generating)."""
-    return await read_pause(router.broker.bus.redis, router.broker.bus.prefix)
+    """The mode of the pause in force (None: generating), read now."""
+    await router.broker.read_deployment()
+    return router.broker.paused
 
 
 async def _tell(router: Any, question: Any, timeout_s: float, what: str) -> None:
-    await router.broker.refresh_workers()
+    failure = f"generation not {what}"
     try:
-        replies: dict[str, PauseRespMsg | None] = await router.broker.to_workers.ask(
-            question, timeout_s
-        )
+        await ask_all_workers(router.broker, question, timeout_s, failure, f"not_{what}")
     except ApiError as exc:
-        if exc.code == "no_worker":
-            return  # (the record is what workers starting later read)
-        raise
-    outcome = Outcome(replies)
-    if outcome.refused:
-        raise ApiError(400, f"generation not {what}: {outcome.detail()}", None, f"not_{what}")
-    if outcome.silent:
-        raise outcome.no_answer(f"generation not {what}", timeout_s)
+        if exc.code != "no_worker":
+            raise  # (none live: the record is what workers starting later read)
 
 
 def _query_flag(request: Request, name: str, default: bool) -> bool:

@@ -17,10 +17,10 @@ from typing import Annotated, Any
 from fastapi import Request
 from pydantic import BeforeValidator, Field
 
-from services.router_control import Outcome
+from services.router_control import ask_all_workers
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
-from shared.messages import ProfileReqMsg, ProfileRespMsg
+from shared.messages import ProfileReqMsg
 from shared.messages.worker import PROFILE_ACTIVITIES
 
 START_TIMEOUT_S = 10.0
@@ -55,17 +55,8 @@ class ProfileBody(_Strict):
 
 
 async def _ask(router: Any, question: Any, timeout_s: float, what: str) -> dict[str, Any]:
-    await router.broker.refresh_workers()
-    replies: dict[str, ProfileRespMsg | None] = await router.broker.to_workers.ask(
-        question, timeout_s
-    )
-    outcome = Outcome(replies)
-    if outcome.refused:
-        msg = f"profiling not {what} ({outcome.detail()})"
-        raise ApiError(400, msg, None, f"profile_not_{what}")
-    if outcome.silent:
-        raise outcome.no_answer(f"profiling not {what}", timeout_s)
-    return outcome.answers
+    failure, code = f"profiling not {what}", f"profile_not_{what}"
+    return await ask_all_workers(router.broker, question, timeout_s, failure, code)
 
 
 def add_routes(app: Any, state: dict[str, Any]) -> None:

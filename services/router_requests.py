@@ -190,6 +190,10 @@ class Broker:
         Redis."""
         live = await list_live_async(self.bus.redis, self.bus.prefix, WORKER_KIND)
         self.workers.update({k: v for k, v in live.items() if isinstance(v, WorkerLoadMsg)})
+        await self.read_deployment()
+
+    async def read_deployment(self) -> None:
+        """The deployment's weight version and pause, read now (one round trip)."""
         self.weight_version, self.paused = await read_version_and_pause(
             self.bus.redis, self.bus.prefix
         )

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 from services.router_control import Outcome
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
-from shared.deployment import read_weight_version, record_weight_version, record_weights
+from shared.deployment import record_weight_version, record_weights
 from shared.messages import UpdateWeightsReqMsg, UpdateWeightsRespMsg
 
 # a worker first lets its running requests finish: as long as the longest of them may take
@@ -61,9 +61,8 @@ async def set_weight_version(router: Any, version: str) -> None:
 
 async def weight_version(router: Any) -> str:
     """The deployment's weight version, read now."""
-    broker = router.broker
-    broker.weight_version = await read_weight_version(broker.bus.redis, broker.bus.prefix)
-    return broker.weight_version
+    await router.broker.read_deployment()
+    return router.broker.weight_version
 
 
 async def update_weights(router: Any, body: UpdateWeightsBody) -> int:

@@ -40,6 +40,7 @@ from engine.scheduler.step_trace import StepTrace
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_link import IoLink
 from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures, other_checkpoint
+from services.worker_pause import PauseHandling
 from services.worker_profile import StepProfiler
 from services.worker_requests import (
     RequestTable,
@@ -60,7 +61,6 @@ from shared.messages import (
     LoraReqMsg,
     LoraRespMsg,
     PauseReqMsg,
-    PauseRespMsg,
     ProfileReqMsg,
     ProfileRespMsg,
     StepOutputMsg,
@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the pipe before checking for stop
 
 
-class Worker:
+class Worker(PauseHandling):
     def __init__(
         self,
         settings: WorkerSettings,
@@ -311,11 +311,6 @@ class Worker:
             return not self.scheduler.holds_kv()
         return not self.scheduler.has_work()
 
-    def _kept_in_place(self) -> str:
-        return (f"generation is paused in place (mode {self._paused}) with requests holding "
-                "the current weights' K/V: pause in mode abort, retract or wait to update the "
-                "weights, or resume first")  # fmt: skip
-
     def _abort_all(self, why: str) -> int:
         rids = list(self.table.active)
         for rid in rids:
@@ -341,76 +336,6 @@ class Worker:
             held, self._held = self._held, []
             for request in held:
                 self._on_generate(request)
-
-    # -- pausing ------------------------------------------------------------------------------
-    def _on_pause(self, msg: PauseReqMsg) -> None:
-        if msg.action == "resume":
-            self._resume(msg)
-        elif msg.mode == "wait" and self._paused is None:
-            if self._pausing is not None:
-                why = "a pause in mode wait is waiting for its requests already"
-                self._reply_pause(msg, False, why)
-                return
-            logger.info("pausing: waiting for %d request(s) to end", len(self.table.active))
-            self._pausing = msg
-        else:
-            self._reply_pause(msg, True, "", self._pause_now(msg))
-
-    def _pause_now(self, msg: PauseReqMsg) -> int:
-        """Pause in `msg.mode` at once (paused already, a "wait" has nothing to wait for);
-        the requests acted on."""
-        sched, mode = self.scheduler, msg.mode
-        if mode == "abort":
-            count = self._abort_all("aborted: generation paused")
-        sched.settle()
-        if mode == "abort":
-            sched.end_aborted()
-        elif mode == "retract":
-            count = sched.retract_all()
-        else:
-            count = len(self.table.active)
-        self._events_waiting = True  # (the tokens of the batch brought to rest, the aborts)
-        if self._pausing is not None:  # a pause waiting for its requests is done with
-            self._reply_pause(self._pausing, True, f"paused by a pause in mode {mode}")
-            self._pausing = None
-        self._paused = "keep" if mode == "wait" else mode  # (a "wait" when paused already)
-        self._after_pause(msg)
-        logger.info("generation paused (mode %s): %d request(s)", mode, count)
-        return count
-
-    def _paused_after_wait(self) -> None:
-        msg, self._pausing = self._pausing, None
-        assert msg is not None
-        self._paused = "wait"
-        self._after_pause(msg)
-        logger.info("generation paused (mode wait)")
-        self._reply_pause(msg, True, "")
-
-    def _after_pause(self, msg: PauseReqMsg) -> None:
-        """A pause is in force: the cache flush it asked for, a weights update that cannot
-        happen now refused, the requests held back meanwhile into the (paused) queue."""
-        sched = self.scheduler
-        if msg.clear_cache and sched.flush_cache(keep_waiting=True):
-            logger.info("prefix cache flushed")
-        update = self._update
-        if update is not None and sched.holds_kv():
-            self._update = None
-            self._reply_update(update, False, self._kept_in_place(), 0)
-        self._admit_held()
-
-    def _resume(self, msg: PauseReqMsg) -> None:
-        if self._pausing is not None:
-            self._reply_pause(self._pausing, False, "resumed before its requests ended")
-            self._pausing = None
-        was, self._paused = self._paused, None
-        if was is not None:
-            logger.info("generation resumed (paused in mode %s)", was)
-        self._admit_held()
-        self._reply_pause(msg, True, "", len(self.table.active))
-
-    def _reply_pause(self, msg: PauseReqMsg, ok: bool, note: str, count: int = 0) -> None:
-        reply = PauseRespMsg(msg.request_id, msg.router_id, self.worker_id, ok, note, count)
-        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
     def _reply_update(self, msg: UpdateWeightsReqMsg, ok: bool, note: str, paused: int) -> None:
         reply = UpdateWeightsRespMsg(

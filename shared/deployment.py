@@ -62,18 +62,8 @@ async def record_pause(client: aioredis.Redis, prefix: str, mode: str | None) ->
         await client.set(paused_key(prefix), mode)
 
 
-async def read_pause(client: aioredis.Redis, prefix: str) -> str | None:
-    mode = await client.get(paused_key(prefix))
-    return mode.decode() if mode else None
-
-
 async def record_weight_version(client: aioredis.Redis, prefix: str, version: str) -> None:
     await client.set(weight_version_key(prefix), version)
-
-
-async def read_weight_version(client: aioredis.Redis, prefix: str) -> str:
-    version = await client.get(weight_version_key(prefix))
-    return version.decode() if version else DEFAULT_WEIGHT_VERSION
 
 
 async def read_version_and_pause(client: aioredis.Redis, prefix: str) -> tuple[str, str | None]:
