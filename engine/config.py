@@ -222,6 +222,10 @@ class EngineArgs:
     new_token_ratio_decay_steps: int = 600
     skip_tokenizer_init: bool = False
     disable_cuda_graph: bool = False
+    # SGLang's: weights released while idle (release_memory_occupation) are copied to host
+    # memory first; without it they are discarded and read from the checkpoint again when
+    # next needed (engine/memory_occupation.py; vLLM's sleep levels say it per call)
+    enable_weights_cpu_backup: bool = False
     cuda_graph_max_bs: int | None = None
     cuda_graph_bs: tuple[int, ...] | None = None
     # Threads compiling structured-output grammars beside the scheduler (0: on its thread,

@@ -135,6 +135,9 @@ class Engine(PoolingCalls):
             raise error
 
     def _input_ids(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
+        if self.scheduler.asleep:  # (the first thing generate and encode do)
+            raise RuntimeError("the engine's memory is released (release_memory_occupation, "
+                               "sleep): resume it first")  # fmt: skip
         if (prompt is None) == (input_ids is None):
             raise ValueError("generate: pass exactly one of prompt= or input_ids=")
         if prompt is not None:
@@ -242,6 +245,35 @@ class Engine(PoolingCalls):
         self.scheduler.update_weights_from_disk(model_path)
         if weight_version is not None:
             self.weight_version = weight_version
+
+    # -- device memory given back while idle (engine/memory_occupation.py) ---------------------
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Give back the device memory of `tags` ("weights", "kv_cache", "cuda_graph"; None:
+        all) until `resume_memory_occupation` (SGLang's Engine call; RL trainers train on
+        the GPU meanwhile). The weights are copied to host memory with
+        `enable_weights_cpu_backup`, else discarded: read from the checkpoint again before
+        the next forward, unless `update_weights_from_disk` fills them first; the K/V are
+        forgotten (the prefix cache is emptied). ValueError while a request holds K/V."""
+        self.scheduler.release_memory_occupation(tags, self.args.enable_weights_cpu_backup)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Take the memory of `tags` (None: all released) again."""
+        self.scheduler.resume_memory_occupation(tags)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's `LLM.sleep`: level 1 copies the weights to host memory and discards the
+        K/V; level 2 discards both (the weights are read again at the first forward after
+        `wake_up`, or come from `update_weights_from_disk`)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level}: use 1 (weights kept in host memory) or 2")
+        self.scheduler.release_memory_occupation(("weights", "kv_cache"), level == 1)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's `LLM.wake_up`: the memory of `tags` ("weights", "kv_cache"; None: all)."""
+        self.scheduler.resume_memory_occupation(tags)
+
+    def is_sleeping(self) -> bool:
+        return bool(self.scheduler.released_memory)
 
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served now: name -> folder."""

@@ -76,6 +76,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--priority-scheduling-preemption-threshold", type=int, default=10)
     g.add_argument("--disable-radix-cache", action="store_true")
     g.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="weights released while idle (/release_memory_occupation) are copied to host "
+        "memory first and back at the resume; without it they are discarded and read from "
+        "the checkpoint again (vLLM's /sleep says it per call: level 1 or 2)",
+    )
+    g.add_argument(
+        "--enable-memory-saver",
+        "--enable-sleep-mode",
+        dest="enable_memory_saver",
+        action="store_true",
+        help="accepted for SGLang's and vLLM's command lines: releasing memory while idle "
+        "needs nothing set up at start here",
+    )
+    g.add_argument(
         "--enable-hierarchical-cache",
         action="store_true",
         help="keep prefixes evicted from the device's KV pool in a host-memory pool, and load "

@@ -33,6 +33,7 @@ class ModelUpdates:
     weights_path: str  # the checkpoint the model's weights are from now
     _in_flight_reqs: Any
     holds_kv: Any
+    released_memory: frozenset[str]
 
     def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
         """Serve the PEFT adapter in `path` as `name` from the next step on; `replace`: a
@@ -64,13 +65,15 @@ class ModelUpdates:
         the prefix cache is emptied (its K/V are the old weights'). Only with no request
         holding K/V (ValueError otherwise: the worker holds new requests back and lets the
         running ones finish first, or a paused one has sent them back to waiting); waiting
-        requests run on the new weights. ValueError with the reason, nothing changed, if the
-        checkpoint does not fit the model."""
+        requests run on the new weights. Released weights (engine/memory_occupation.py) are
+        taken back for it. ValueError with the reason, nothing changed, if the checkpoint
+        does not fit the model."""
         if self.holds_kv():
             raise ValueError("requests are running: update the weights when none holds K/V")
         self._on_device("update_weights_from_disk", path)
         self.tree_cache.reset()
         self.weights_path = path
+        self.released_memory -= {"weights"}  # (taken back for the update, if released)
 
     def _lora_ids_in_use(self) -> set[int]:
         reqs = itertools.chain(

@@ -6,7 +6,8 @@ admitted, else the running decode batch), run it on the model runner, process it
 the last two parts; everything else is shared. What arrives and leaves between steps
 (new requests, aborts, cache flushes, grammar masks) is `RequestIntake`'s
 (engine/scheduler/request_intake.py); what a paused worker does to the requests between
-steps is `Pausing`'s (engine/scheduler/pausing.py).
+steps is `Pausing`'s (engine/scheduler/pausing.py), and the device memory it gives back
+while idle `MemoryRelease`'s (engine/scheduler/memory_release.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.forward_batch import ForwardMode
 from engine.lora import lora_rank, read_adapter_specs
 from engine.lora.registry import LoRARegistry
 from engine.scheduler.grammar_queue import GrammarQueue
+from engine.scheduler.memory_release import MemoryRelease
 from engine.scheduler.model_updates import ModelUpdates
 from engine.scheduler.output_processor import OutputProcessor, StepEvent
 from engine.scheduler.pausing import Pausing
@@ -51,7 +53,7 @@ class SchedulerStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Scheduler(RequestIntake, ModelUpdates, Pausing):
+class Scheduler(RequestIntake, ModelUpdates, Pausing, MemoryRelease):
     def __init__(
         self,
         args: EngineArgs,
@@ -76,6 +78,7 @@ class Scheduler(RequestIntake, ModelUpdates, Pausing):
         self.loras = LoRARegistry(specs, args.lora_enabled, rank)
         self.lora_ids = self.loras.ids  # name -> id of the adapters served now (the same dict)
         self.weights_path = getattr(model_runner, "weights_path", "")  # (the checkpoint)
+        self.released_memory: frozenset[str] = frozenset()  # (engine/memory_occupation.py)
         sign = (1 if args.schedule_low_priority_values_first else -1) * (
             args.enable_priority_scheduling
         )
