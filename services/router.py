@@ -31,6 +31,7 @@ from services.responses_store import add_routes as add_response_routes
 from services.router_api import VERSION, Router
 from services.router_embeddings import add_routes as add_embedding_routes
 from services.router_lora import add_routes as add_lora_routes
+from services.router_memory import add_routes as add_memory_routes
 from services.router_metrics import CONTENT_TYPE
 from services.router_named import AbortBody
 from services.router_pause import add_routes as add_pause_routes
@@ -139,6 +140,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /load_lora_adapter, unloads
     add_weights_routes(app, state)  # POST /update_weights_from_disk
     add_pause_routes(app, state)  # POST /pause_generation, /continue_generation, /pause, ...
+    add_memory_routes(app, state)  # POST /release_memory_occupation, /sleep, /wake_up, ...
 
     def model_card(router: Router, name: str) -> dict[str, Any]:
         return {

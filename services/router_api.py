@@ -215,12 +215,15 @@ class Router:
     async def health_generate(self) -> Response:
         """One token generated through the tokenizer, a worker and a detokenizer (SGLang's
         /health_generate; an embedding-only deployment embeds it); out of the metrics. While
-        generation is paused (services/router_pause.py), `{"status": "paused"}` at once: a
+        generation is paused (services/router_pause.py), `{"status": "paused"}` at once, and
+        `{"status": "sleeping"}` while the memory is released (services/router_memory.py): a
         probe must not fail a server paused on purpose."""
         start = time.perf_counter()
         mode = self.broker.paused  # (as of the last worker refresh: no read of its own)
         if mode is not None:
             return JSONResponse({"status": "paused", "mode": mode})
+        if self.broker.asleep:  # (services/router_memory.py)
+            return JSONResponse({"status": "sleeping", "released": list(self.broker.released)})
         subs = _HEALTH_REQUEST.to_subrequests()
         if self.broker.workers.embedding_only:
             subs[0].embed, subs[0].sampling_params = True, {"max_new_tokens": 0}

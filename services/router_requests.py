@@ -40,7 +40,7 @@ from services.router_protocol import ApiError, SubRequest
 from services.router_tokens import TokenQueries
 from services.router_workers import WorkerTable
 from shared.async_bus import AsyncBus
-from shared.deployment import DEFAULT_WEIGHT_VERSION, read_version_and_pause
+from shared.deployment import DEFAULT_WEIGHT_VERSION, read_version_pause_released
 from shared.heartbeat import list_live_async
 from shared.keys import (
     ROUTER_OUT_TTL_MS,
@@ -57,6 +57,7 @@ from shared.messages import (
     ErrorMsg,
     FlushCacheRespMsg,
     LoraRespMsg,
+    MemoryRespMsg,
     PauseRespMsg,
     ProfileRespMsg,
     TokenizeReqMsg,
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 # the workers' answers to the router's questions (services/router_control.py)
 _WORKER_ANSWERS = (
     FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg, UpdateWeightsRespMsg, PauseRespMsg,
+    MemoryRespMsg,
 )  # fmt: skip
 
 
@@ -97,6 +99,7 @@ class Broker:
         # mode), as of the last refresh
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.paused: str | None = None
+        self.released: tuple[str, ...] = ()  # memory tags released (router_memory.py)
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -186,15 +189,21 @@ class Broker:
         self.spawn(self.bus.publish(stream, AbortReqMsg(handle.rid, reason)))
 
     async def refresh_workers(self) -> None:
-        """The worker table from the heartbeats; the weight version and the pause from
-        Redis."""
+        """The worker table from the heartbeats; the weight version, the pause and the
+        memory released from Redis."""
         live = await list_live_async(self.bus.redis, self.bus.prefix, WORKER_KIND)
         self.workers.update({k: v for k, v in live.items() if isinstance(v, WorkerLoadMsg)})
         await self.read_deployment()
 
+    @property
+    def asleep(self) -> bool:
+        """Whether the workers' weights or K/V are released (nothing generates)."""
+        return bool({"weights", "kv_cache"} & set(self.released))
+
     async def read_deployment(self) -> None:
-        """The deployment's weight version and pause, read now (one round trip)."""
-        self.weight_version, self.paused = await read_version_and_pause(
+        """The deployment's weight version, pause and memory released, read now (one round
+        trip)."""
+        self.weight_version, self.paused, self.released = await read_version_pause_released(
             self.bus.redis, self.bus.prefix
         )
 
@@ -268,8 +277,9 @@ class Broker:
 
     async def _watch_loop(self) -> None:
         """Every `check_s`: refresh the worker table, renew the TTL of this router's stream,
-        then look after waiting requests. Time generation spends paused (on purpose:
-        services/router_pause.py) does not count against a request's deadline."""
+        then look after waiting requests. Time generation spends paused or with the memory
+        released (on purpose: services/router_pause.py, services/router_memory.py) does not
+        count against a request's deadline."""
         last = time.perf_counter()
         while True:
             await asyncio.sleep(self.check_s)
@@ -280,7 +290,7 @@ class Broker:
                 logger.warning("refreshing workers: %s", exc)
                 continue
             now = time.perf_counter()
-            if self.paused is not None:
+            if self.paused is not None or self.asleep:
                 for handle in self.handles.values():
                     handle.deadline += now - last
             last = now

@@ -20,7 +20,9 @@ adapter (engine/scheduler/model_updates.py) and is answered with the adapters se
 weights and admits them; a `PauseReqMsg` stops the stepping (its requests aborted, kept,
 retracted, or, mode "wait", run to their end first; new ones wait in the queue) or starts it
 again, and a paused worker's aborts, cache flushes and weights updates act at once (the
-scheduler at rest: engine/scheduler/pausing.py). The load figures go to the I/O process's
+scheduler at rest: engine/scheduler/pausing.py); a `MemoryReqMsg` releases the device memory
+while no request holds K/V, or takes it back (services/worker_memory.py; nothing steps while
+weights or K/V are released, as if paused). The load figures go to the I/O process's
 heartbeat (`WorkerLoadMsg`) at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the
 I/O process deletes the heartbeat.
 
@@ -40,6 +42,7 @@ from engine.scheduler.step_trace import StepTrace
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_link import IoLink
 from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures, other_checkpoint
+from services.worker_memory import MemoryHandling
 from services.worker_pause import PauseHandling
 from services.worker_profile import StepProfiler
 from services.worker_requests import (
@@ -60,6 +63,7 @@ from shared.messages import (
     GenerateReqMsg,
     LoraReqMsg,
     LoraRespMsg,
+    MemoryReqMsg,
     PauseReqMsg,
     ProfileReqMsg,
     ProfileRespMsg,
@@ -77,7 +81,7 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the pipe before checking for stop
 
 
-class Worker(PauseHandling):
+class Worker(PauseHandling, MemoryHandling):
     def __init__(
         self,
         settings: WorkerSettings,
@@ -109,6 +113,7 @@ class Worker(PauseHandling):
             LoraReqMsg: self._on_lora,
             UpdateWeightsReqMsg: self._on_update_weights,
             PauseReqMsg: self._on_pause,
+            MemoryReqMsg: self._on_memory,
         }
         # a weights update waiting for the running requests to end, and the requests that
         # arrived meanwhile (admitted after it)
@@ -148,7 +153,7 @@ class Worker(PauseHandling):
                 if idle and self.trace is not None:
                     self.trace.flush()
                 self._drain(block=idle and self._update is None and self._pausing is None)
-                if self._runnable() or (self._events_waiting and self._paused is None):
+                if self._runnable() or (self._events_waiting and self._stepping()):
                     self._step()
                 elif self._events_waiting:  # paused: no batch runs, its events go out
                     self._events_waiting = False
@@ -203,12 +208,18 @@ class Worker(PauseHandling):
         now = time.monotonic()
         if now >= self._next_load:
             self._next_load = now + REFRESH_EVERY_S
+            if not self._stepping():  # (no step updates the figures: requests admitted since)
+                self.scheduler.settle()
             figures = load_figures(self.scheduler)
             self.link.load(figures._replace(reqs_by_router=self.table.by_router()))
 
     # -- dispatch ---------------------------------------------------------------------------
+    def _stepping(self) -> bool:
+        """Neither paused nor with weights or K/V released (services/worker_memory.py)."""
+        return self._paused is None and not self.scheduler.asleep
+
     def _runnable(self) -> bool:
-        return self._paused is None and self.scheduler.has_work()
+        return self._stepping() and self.scheduler.has_work()
 
     def _on_generate(self, msg: GenerateReqMsg) -> None:
         if self._update is not None or self._pausing is not None:  # (after either)
@@ -253,7 +264,7 @@ class Worker(PauseHandling):
         return True
 
     def _on_flush(self, msg: FlushCacheReqMsg) -> None:
-        flushed = self.scheduler.flush_cache(keep_waiting=self._paused is not None)
+        flushed = self.scheduler.flush_cache(keep_waiting=not self._stepping())
         if flushed:
             logger.info("prefix cache flushed")
         note = "" if flushed else "not flushed: requests are running or waiting"
@@ -305,9 +316,10 @@ class Worker(PauseHandling):
         self._update = msg
 
     def _update_ready(self) -> bool:
-        """Whether the update waiting may go on: idle, or paused with no request holding the
-        current weights' K/V (waiting ones then run on the new weights)."""
-        if self._paused is not None:
+        """Whether the update waiting may go on: idle, or paused (or with memory released)
+        with no request holding the current weights' K/V (waiting ones then run on the new
+        weights)."""
+        if not self._stepping():
             return not self.scheduler.holds_kv()
         return not self.scheduler.has_work()
 
@@ -359,8 +371,9 @@ def _attempt(change: Any, *args: Any) -> tuple[bool, str]:
 
 def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> str | None:
     """Make what the deployment's other workers serve since run-time changes (a weights
-    update, LoRA adapters loaded or unloaded; shared/deployment.py) this worker's too, before
-    it announces itself; returns the mode of the pause in force, if generation is paused.
+    update, LoRA adapters loaded or unloaded, memory released while idle; shared/deployment.py)
+    this worker's too, before it announces itself; returns the mode of the pause in force, if
+    generation is paused.
     Weights it cannot load stop it: serving other weights than the rest of the deployment
     would be worse. An adapter it cannot load is left out (the router sends requests naming
     an adapter only to workers that serve it)."""
@@ -384,12 +397,26 @@ def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> str | None:
             ) from exc
     if state.paused is not None:
         logger.info("generation is paused (mode %s): starting paused", state.paused)
+    _catch_up_loras(scheduler, state.lora_adapters)
+    if state.released:  # (last: the rest reads the weights)
+        logger.info("the deployment's memory is released (%s): releasing it",
+                    ", ".join(state.released))  # fmt: skip
+        try:
+            scheduler.release_memory_occupation(
+                state.released, scheduler.args.enable_weights_cpu_backup
+            )
+        except ValueError as exc:  # (a record written by hand: started with its memory)
+            logger.warning("memory not released: %s", exc)
+    return state.paused
+
+
+def _catch_up_loras(scheduler: Scheduler, adapters: dict[str, str]) -> None:
     loras = scheduler.loras
-    changes = sorted(state.lora_adapters.items())
+    changes = sorted(adapters.items())
     if changes and not loras.enabled:
         logger.info("LoRA adapters were loaded at run time, but this worker serves none "
                     "(start it with --enable-lora)")  # fmt: skip
-        return state.paused
+        return
     for name, path in changes:
         try:
             if not path and name in loras.ids:
@@ -399,7 +426,6 @@ def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> str | None:
         except Exception as exc:  # noqa: BLE001 - the others still serve it
             logger.warning("LoRA adapter %r (from %s, loaded at run time) left out: %s",
                            name, path, exc)  # fmt: skip
-    return state.paused
 
 
 def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:

@@ -51,6 +51,7 @@ from shared.messages import (
     FlushCacheReqMsg,
     GenerateReqMsg,
     LoraReqMsg,
+    MemoryReqMsg,
     PauseReqMsg,
     ProfileReqMsg,
     UpdateWeightsReqMsg,
@@ -61,7 +62,7 @@ logger = logging.getLogger(__name__)
 _RETRY_S = 0.5
 _TO_SCHEDULER = (
     GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg, LoraReqMsg, UpdateWeightsReqMsg,
-    PauseReqMsg,
+    PauseReqMsg, MemoryReqMsg,
 )  # fmt: skip
 
 

@@ -131,6 +131,12 @@ def paused_key(prefix: str) -> str:
     return f"{prefix}:paused"
 
 
+def memory_released_key(prefix: str) -> str:
+    """The device memory the workers have released while idle (its tags, comma-separated:
+    `/release_memory_occupation`, `/sleep`; shared/deployment.py)."""
+    return f"{prefix}:memory-released"
+
+
 def weight_version_key(prefix: str) -> str:
     """The deployment's weight version, a client's label of its weights (SGLang's
     `weight_version`; shared/deployment.py)."""

@@ -5,13 +5,14 @@
 | `tokenizer`   | `{p}:tokenize`         | TokenizeReqMsg (ChatMessage)          |
 | `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, |
 |               |                        | ProfileReqMsg, LoraReqMsg,            |
-|               |                        | UpdateWeightsReqMsg, PauseReqMsg      |
+|               |                        | UpdateWeightsReqMsg, PauseReqMsg,     |
+|               |                        | MemoryReqMsg                          |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
 |               |                        | TokenizeRespMsg, AbortNamedMsg,       |
 |               |                        | AbortNamedRespMsg, ProfileRespMsg,    |
 |               |                        | LoraRespMsg, UpdateWeightsRespMsg,    |
-|               |                        | PauseRespMsg                          |
+|               |                        | PauseRespMsg, MemoryRespMsg           |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -29,6 +30,7 @@ from shared.messages.router import (
     ErrorMsg,
     FlushCacheRespMsg,
     LoraRespMsg,
+    MemoryRespMsg,
     PauseRespMsg,
     ProfileRespMsg,
     TokenizeRespMsg,
@@ -42,6 +44,7 @@ from shared.messages.worker import (
     FlushCacheReqMsg,
     GenerateReqMsg,
     LoraReqMsg,
+    MemoryReqMsg,
     PauseReqMsg,
     ProfileReqMsg,
     UpdateWeightsReqMsg,
@@ -66,6 +69,8 @@ __all__ = [
     "MessageError",
     "PauseReqMsg",
     "PauseRespMsg",
+    "MemoryReqMsg",
+    "MemoryRespMsg",
     "ProfileReqMsg",
     "ProfileRespMsg",
     "PromptLogprobs",

@@ -235,3 +235,20 @@ class PauseRespMsg(Message):
     success: bool
     message: str = ""
     num_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryRespMsg(Message):
+    """worker → router `router_id`: the answer to a `MemoryReqMsg`; `released`: the tags
+    released after it, `num_bytes` the bytes it gave back or took."""
+
+    TAG = "memory_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    worker_id: str
+    success: bool
+    message: str = ""
+    released: list[str] = field(default_factory=list)
+    num_bytes: int = 0

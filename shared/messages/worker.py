@@ -199,3 +199,37 @@ class PauseReqMsg(Message):
             raise MessageError(f"PauseReqMsg: unknown action {self.action!r}")
         if self.mode not in PAUSE_MODES:
             raise MessageError(f"PauseReqMsg: unknown mode {self.mode!r}")
+
+
+# What a MemoryReqMsg releases (engine/memory_occupation.py's MEMORY_TAGS, which the engine
+# keeps without importing this package)
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReqMsg(Message):
+    """router → worker: give back the device memory of `tags` while idle, or take it again
+    (SGLang's `POST /release_memory_occupation` and `/resume_memory_occupation`, vLLM's
+    `POST /sleep` and `/wake_up`; engine/memory_occupation.py).
+
+    `action` is "release" or "resume"; `tags` are of `MEMORY_TAGS` (empty: all). A release's
+    `backup_weights` copies the weights to host memory first (None: the worker's
+    `--enable-weights-cpu-backup`); it is refused while a request holds K/V. A worker with
+    weights or K/V released takes new requests into its waiting queue and runs none until
+    they are back; it answers with a `MemoryRespMsg` carrying `request_id`."""
+
+    TAG = "memory_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    action: str
+    tags: list[str] = field(default_factory=list)
+    backup_weights: bool | None = None
+
+    def _check(self) -> None:
+        if self.action not in ("release", "resume"):
+            raise MessageError(f"MemoryReqMsg: unknown action {self.action!r}")
+        for tag in self.tags:
+            if tag not in MEMORY_TAGS:
+                raise MessageError(f"MemoryReqMsg: unknown tag {tag!r}")

@@ -1,8 +1,9 @@
 """A worker that starts after the deployment was changed at run time (a weights update, LoRA
-adapters loaded and unloaded through the router, generation paused) serves what the others
-serve: the router records each change in Redis (shared/deployment.py) and the worker applies
-them before it announces itself (a paused one runs nothing until the resume). A recorded
-checkpoint it cannot load stops it with the reason."""
+adapters loaded and unloaded through the router, generation paused, the memory released)
+serves what the others serve: the router records each change in Redis (shared/deployment.py)
+and the worker applies them before it announces itself (a paused one runs nothing until the
+resume, one with its memory released nothing until the wake-up, then on the recorded
+weights, read again). A recorded checkpoint it cannot load stops it with the reason."""
 
 from __future__ import annotations
 
@@ -48,10 +49,12 @@ def test_a_late_worker_catches_up_with_the_deployment(http_stack: Stack, tmp_pat
     post(stack, "/v1/load_lora_adapter", lora_name="extra", lora_path=extra)
     post(stack, "/v1/unload_lora_adapter", lora_name="chat")
     post(stack, "/pause_generation", mode="keep")
+    assert httpx.post(f"{stack.router_url}/sleep?level=2", timeout=120).status_code == 200
     late = None
     try:
         state = read_state(stack.client, stack.prefix)
         assert state.weights == OTHER and state.paused == "keep"
+        assert state.released == ("kv_cache", "weights")
         assert state.lora_adapters["extra"] == extra and state.lora_adapters["chat"] == ""
 
         late = start_late_worker(stack, "late", tmp_path)
@@ -61,6 +64,7 @@ def test_a_late_worker_catches_up_with_the_deployment(http_stack: Stack, tmp_pat
         assert sorted(beat.lora_adapters) == ["extra", "sql"]  # chat was unloaded
         assert "the deployment's weights were updated" in late.log()
         assert "starting paused" in late.log()
+        assert "the deployment's memory is released (kv_cache, weights)" in late.log()
 
         client = StreamClient(stack.bus, "late")
         greedy = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
@@ -68,10 +72,14 @@ def test_a_late_worker_catches_up_with_the_deployment(http_stack: Stack, tmp_pat
         with pytest.raises(AssertionError, match="1 requests unfinished"):
             client.wait([rid], timeout_s=2)  # (paused: it waits)
         post(stack, "/continue_generation")
+        with pytest.raises(AssertionError, match="1 requests unfinished"):
+            client.wait([rid], timeout_s=2)  # (its memory released: it waits)
+        post(stack, "/wake_up")
         result = client.wait([rid], timeout_s=120)[rid]
         assert result.output_ids == hf_greedy(OTHER, PROMPT, NEW)
     finally:
         post(stack, "/continue_generation")
+        post(stack, "/wake_up")
         if late is not None:
             late.stop()
         post(stack, "/update_weights_from_disk", model_path=stack.model)

@@ -22,6 +22,8 @@ from shared.messages import (
     GenerateReqMsg,
     LoraReqMsg,
     LoraRespMsg,
+    MemoryReqMsg,
+    MemoryRespMsg,
     Message,
     MessageError,
     PauseReqMsg,
@@ -130,6 +132,9 @@ SAMPLES: list[Message] = [
     PauseReqMsg("pause-1", "router-a", "pause", "retract"),
     PauseReqMsg("pause-2", "router-a", "resume"),
     PauseRespMsg("pause-1", "router-a", "w0", True, "", 3),
+    MemoryReqMsg("mem-1", "router-a", "release", ["weights", "kv_cache"], True),
+    MemoryReqMsg("mem-2", "router-a", "resume"),
+    MemoryRespMsg("mem-1", "router-a", "w0", True, "", ["kv_cache", "weights"], 1 << 20),
 ]  # fmt: skip
 
 
@@ -263,6 +268,20 @@ def test_a_generate_request_with_an_empty_cache_salt_is_refused() -> None:
 def test_a_pause_of_an_unknown_action_or_mode_is_refused(field: str, value: str) -> None:
     body = wire(PauseReqMsg("pause-1", "router-a", "pause", "keep")) | {field: value}
     assert f"PauseReqMsg: unknown {field} {value!r}" in reason_of(pack(body))
+
+
+@pytest.mark.parametrize("field,value", [("action", "sleep"), ("tags", ["weights", "gpu"])])
+def test_a_memory_request_of_an_unknown_action_or_tag_is_refused(field: str, value) -> None:
+    body = wire(MemoryReqMsg("mem-1", "router-a", "release")) | {field: value}
+    shown = value if field == "action" else "gpu"
+    assert f"MemoryReqMsg: unknown {field.rstrip('s')} {shown!r}" in reason_of(pack(body))
+
+
+def test_the_memory_tags_are_the_engines() -> None:
+    from engine.memory_occupation import MEMORY_TAGS as ENGINE_TAGS
+    from shared.messages.worker import MEMORY_TAGS
+
+    assert MEMORY_TAGS == ENGINE_TAGS
 
 
 def test_cross_field_checks_of_columnar_messages() -> None:
