@@ -55,6 +55,10 @@
 #   pdl         tests/gpu/test_pdl_gpu.py (--enable-pdl: the same greedy tokens as plain
 #               launches), decode-bs1 with and without PDL, alone and on the Triton GEMV
 #               (gpu_decode_bs1_pdl.json), overlap with PDL (gpu_overlap_pdl.json)
+#   memory      tests/gpu/test_memory_release_gpu.py (sleep levels 1 and 2 free the weights,
+#               the KV pool and the graphs, the same tokens after the wake-up), then
+#               benchmarks/memory_release.py on CUDA (bf16, 16 layers): the wake-up against
+#               restarting, writing benchmarks/results/gpu_memory_release.json
 #   bench = seed-shape decode-bs1 overlap;  tests = parity tests-overlap tests-fi
 #   tests-kernels parity-windows;  all = parity bench tests-overlap tests-fi tests-kernels
 #   parity-windows (the results first)
@@ -256,6 +260,11 @@ do_step() {
             run_step fp8-bench 150 python3 benchmarks/fp8.py --preset llama-3.2-1b --device cuda \
                 --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 --kv-tokens 65536 \
                 --name gpu_fp8 ;;
+        memory)
+            run_step memory-tests 120 "${PYTEST[@]}" --timeout 300 \
+                tests/gpu/test_memory_release_gpu.py
+            run_step memory-bench 120 python3 benchmarks/memory_release.py --device cuda \
+                --dtype bfloat16 --layers 16 --kv-tokens 262144 --name gpu_memory_release ;;
         kv-fp8)
             run_step kv-fp8-tests 150 "${PYTEST[@]}" --timeout 400 tests/gpu/test_kv_fp8_gpu.py
             run_step kv-fp8-bench 150 python3 benchmarks/kv_fp8.py --preset llama-3.2-1b \

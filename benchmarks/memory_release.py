@@ -4,11 +4,12 @@ engine/memory_occupation.py), against the way without it: shutting the engine do
 starting it again.
 
     OMP_NUM_THREADS=1 python benchmarks/memory_release.py [--layers 8] [--kv-tokens 16384] \
-        [--prompt 512] [--reps 3]
+        [--prompt 32] [--reps 3] [--device cuda --dtype bfloat16 --name gpu_memory_release]
 
-One engine (the small preset's Llama with `--layers` layers, float32, a `--kv-tokens` KV pool;
-the plain loop, so that the model is in this process and its resident memory can be read),
-each rep and case after a `--prompt`-token request has run:
+One engine (the small preset's Llama with `--layers` layers, a `--kv-tokens` KV pool; on the
+CPU float32 and the plain loop, so that the model is in this process and its resident memory
+can be read; on CUDA the defaults, graphs and the overlap loop), each rep and case after a
+`--prompt`-token request has run:
 
 * level1: `sleep(1)` (weights copied to host memory, K/V discarded), `wake_up()`;
 * level2: `sleep(2)` (both discarded), `wake_up()`: the weights are read from the checkpoint
@@ -22,21 +23,23 @@ each rep and case after a `--prompt`-token request has run:
   Redis set-up).
 
 Columns: `release_ms` (the sleep, or the shutdown), `released_mb` (the bytes the runner gave
-back; the shutdown's: the weights and pool it dropped), `rss_drop_mb` (this process's resident
-memory before and after: what the OS got back; K/V pages never written were not resident),
-`wake_ms` (the wake-up calls, the update included, or the new engine's construction),
-`back_ms` (from their start to the first token of the same request: the weights read again
-included) and its ratios to the two restarts'; `same` tells whether that token is the one before the release. On a CPU the "device" memory is host
-memory: level 1's host copy takes what the release gave back (its resident memory does not
-drop), and a copy back costs what a read of the checkpoint from the page cache costs; the
-GPU's case (a PCIe copy back against a reload and CUDA graph capture) is not measured here.
-Medians over reps; absolute times on a shared CPU are noise, the ratios are the result.
+back; the shutdown's: the weights and pool it dropped), `os_got_mb` (what the process held
+before less after: on CUDA the device memory in use as the driver says it, on the CPU the
+resident memory, where K/V pages never written were not resident), `wake_ms` (the wake-up
+calls, the update included, or the new engine's construction), `back_ms` (from their start
+to the first token of the same request: weights read again at the first forward included)
+and its ratios to the two restarts'; `same` tells whether that token is the one before the
+release. On the CPU the "device" memory is host memory: level 1's host copy takes what the
+release gave back, and a copy back costs what a read of the checkpoint from the page cache
+costs. Medians over reps; absolute times on a shared CPU are noise, the ratios are the
+result.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import statistics
@@ -51,21 +54,28 @@ from benchmarks.common import print_table, small_model, write_result  # noqa: E4
 
 CASES = ("level1", "level2", "level2_update", "restart", "restart_process")
 _CHILD = """
-import sys, torch
+import json, sys, torch
 torch.set_num_threads(1)
 from engine.engine import Engine
-e = Engine(model_path=sys.argv[1], max_total_tokens=int(sys.argv[2]),
-           disable_overlap_schedule=True)
+e = Engine(model_path=sys.argv[1], **json.loads(sys.argv[2]))
 prompt = [int(t) for t in sys.argv[3].split(",")]
 out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
 print(out["output_ids"][0], flush=True)
 """
 
 
-def rss_mb() -> float:
-    import psutil
+def held_mb(device: str) -> float:
+    """What the process holds: on CUDA, the device memory in use (total less free, as the
+    driver says it); on the CPU, the resident memory."""
+    import torch
 
     gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return (total - free) / 2**20
+    import psutil
+
     return psutil.Process().memory_info().rss / 2**20
 
 
@@ -75,12 +85,12 @@ def first_token(engine: Any, prompt: list[int]) -> int:
     return out["output_ids"][0]
 
 
-def in_a_new_process(model: str, kv_tokens: int, prompt: list[int]) -> int:
+def in_a_new_process(model: str, kwargs: dict, prompt: list[int]) -> int:
     """The first token of `prompt` from an engine built in a fresh interpreter."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, model, str(kv_tokens), ",".join(map(str, prompt))],
+        [sys.executable, "-c", _CHILD, model, json.dumps(kwargs), ",".join(map(str, prompt))],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return int(out.stdout.split()[-1])
@@ -92,7 +102,8 @@ def one_case(engine: Any, make: Any, case: str, prompt: list[int]) -> tuple[Any,
     engine.flush_cache()
     path = engine.scheduler.weights_path
     held = sum(engine.scheduler.memory_occupied().values())
-    before = rss_mb()
+    device = make.kwargs["device"]
+    before = held_mb(device)
     t = time.perf_counter()
     if case.startswith("restart"):
         engine.shutdown()
@@ -102,10 +113,10 @@ def one_case(engine: Any, make: Any, case: str, prompt: list[int]) -> tuple[Any,
         engine.sleep(1 if case == "level1" else 2)
         released = held - sum(engine.scheduler.memory_occupied().values())
     release_s = time.perf_counter() - t
-    drop = before - rss_mb()
+    drop = before - held_mb(device)
     t = time.perf_counter()
     if case == "restart_process":
-        token = in_a_new_process(path, make.kv_tokens, prompt)
+        token = in_a_new_process(path, make.kwargs, prompt)
         wake_s = float("nan")  # (not told apart from the first token)
     else:
         if case == "restart":
@@ -123,7 +134,7 @@ def one_case(engine: Any, make: Any, case: str, prompt: list[int]) -> tuple[Any,
         engine = make()
         first_token(engine, prompt)  # (warm again for the next case)
     return engine, {"release_ms": 1e3 * release_s, "released_mb": released / 2**20,
-                    "rss_drop_mb": drop, "wake_ms": 1e3 * wake_s, "back_ms": 1e3 * back_s,
+                    "os_got_mb": drop, "wake_ms": 1e3 * wake_s, "back_ms": 1e3 * back_s,
                     "same": token == want}  # fmt: skip
 
 
@@ -131,7 +142,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--kv-tokens", type=int, default=16384)
-    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--name", default="memory_release")
     args = ap.parse_args()
@@ -142,11 +155,14 @@ def main() -> None:
     torch.set_num_threads(1)
     model = small_model(args.layers)
 
-    def make() -> Any:
-        return Engine(model_path=model, max_total_tokens=args.kv_tokens,
-                      disable_overlap_schedule=True)  # fmt: skip
+    # on the CPU, the plain loop: the model in this process, whose memory is read
+    kwargs = {"max_total_tokens": args.kv_tokens, "device": args.device, "dtype": args.dtype,
+              "disable_overlap_schedule": args.device == "cpu"}  # fmt: skip
 
-    make.kv_tokens = args.kv_tokens  # type: ignore[attr-defined]
+    def make() -> Any:
+        return Engine(model_path=model, **kwargs)
+
+    make.kwargs = kwargs  # type: ignore[attr-defined]
 
     engine = make()
     vocab = engine.scheduler.model_runner.model_config.vocab_size
@@ -166,13 +182,13 @@ def main() -> None:
     rows = []
     for case in CASES:
         row: dict[str, Any] = {"case": case}
-        for col in ("release_ms", "released_mb", "rss_drop_mb", "wake_ms", "back_ms"):
+        for col in ("release_ms", "released_mb", "os_got_mb", "wake_ms", "back_ms"):
             row[col] = statistics.median(r[case][col] for r in reps)
         row["back_vs_restart"] = row["back_ms"] / restart_back
         row["back_vs_process"] = row["back_ms"] / process_back
         row["same"] = f"{sum(r[case]['same'] for r in reps)}/{len(reps)}"
         rows.append(row)
-    print_table(rows, ["case", "release_ms", "released_mb", "rss_drop_mb", "wake_ms", "back_ms",
+    print_table(rows, ["case", "release_ms", "released_mb", "os_got_mb", "wake_ms", "back_ms",
                        "back_vs_restart", "back_vs_process", "same"])  # fmt: skip
     med = {row["case"]: row for row in rows}
     summary = {
