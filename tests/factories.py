@@ -202,6 +202,21 @@ def top2_gap(path: str, ids: list[int]) -> float:
 TIE_EPS = 1e-3
 
 
+def count_graph_replays(monkeypatch: Any) -> list[int]:
+    """The batch size of every CUDA graph replay from now on (the test's monkeypatch)."""
+    from engine.cuda_graph_runner import CudaGraphRunner
+
+    replays: list[int] = []
+    replay = CudaGraphRunner.replay
+
+    def counting_replay(self, fb):
+        replays.append(fb.batch_size)
+        return replay(self, fb)
+
+    monkeypatch.setattr(CudaGraphRunner, "replay", counting_replay)
+    return replays
+
+
 def assert_engine_clean(engine: Any) -> None:
     """After a run: the prefix cache is consistent and, flushed, gives back every KV slot (of
     the window pool too, over hybrid sliding-window memory) and request row (nothing leaked by

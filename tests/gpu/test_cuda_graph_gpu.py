@@ -22,11 +22,10 @@ from tests.factories import require_compiled_cuda  # noqa: E402
 require_compiled_cuda()
 
 from engine.config import EngineArgs, ModelConfig  # noqa: E402
-from engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from engine.forward_batch import ForwardBatch  # noqa: E402
 from engine.model_runner import ModelRunner  # noqa: E402
 from engine.overlap.future_map import FutureMap  # noqa: E402
-from tests.factories import mixed_prompts, tiny_model  # noqa: E402
+from tests.factories import count_graph_replays, mixed_prompts, tiny_model  # noqa: E402
 from tests.runner_batches import (  # noqa: E402
     decode_batch,
     eager_forward,
@@ -172,14 +171,7 @@ def test_default_sizes_share_one_pool():
 def test_engine_greedy_tokens_with_and_without_graphs(overlap, monkeypatch):
     from engine.engine import Engine
 
-    replays = []
-    replay = CudaGraphRunner.replay
-
-    def counting_replay(self, fb):
-        replays.append(fb.batch_size)
-        return replay(self, fb)
-
-    monkeypatch.setattr(CudaGraphRunner, "replay", counting_replay)
+    replays = count_graph_replays(monkeypatch)
     path = tiny_model("llama")
     prompts = mixed_prompts(ModelConfig.from_pretrained(path).vocab_size, n=12, max_len=120)
     # the decode batch shrinks from 12 rows (eager, above 8) to 1 as requests finish

@@ -17,9 +17,8 @@ from tests.factories import require_compiled_cuda  # noqa: E402
 
 require_compiled_cuda()
 
-from engine.cuda_graph_runner import CudaGraphRunner  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from tests.factories import mixed_prompts, tiny_model  # noqa: E402
+from tests.factories import count_graph_replays, mixed_prompts, tiny_model  # noqa: E402
 
 
 def free_bytes() -> int:
@@ -33,14 +32,7 @@ def free_bytes() -> int:
 def test_sleep_gives_the_memory_back_and_wakes_to_the_same_tokens(
     overlap: bool, level: int, monkeypatch
 ) -> None:
-    replays = []
-    replay = CudaGraphRunner.replay
-
-    def counting_replay(self, fb):
-        replays.append(fb.batch_size)
-        return replay(self, fb)
-
-    monkeypatch.setattr(CudaGraphRunner, "replay", counting_replay)
+    replays = count_graph_replays(monkeypatch)
     path = tiny_model("llama", preset="small")
     engine = Engine(
         model_path=path, device="cuda", dtype="bfloat16", max_total_tokens=65536,
