@@ -138,6 +138,10 @@ class Engine(PoolingCalls):
         if self.scheduler.asleep:  # (the first thing generate and encode do)
             raise RuntimeError("the engine's memory is released (release_memory_occupation, "
                                "sleep): resume it first")  # fmt: skip
+        if self.scheduler.weights_missing:
+            raise RuntimeError(f"{self.scheduler.weights_missing} weights were discarded at a "
+                               "release and not sent again (update_weights_from_tensor), or "
+                               "use update_weights_from_disk")  # fmt: skip
         if (prompt is None) == (input_ids is None):
             raise ValueError("generate: pass exactly one of prompt= or input_ids=")
         if prompt is not None:
@@ -274,6 +278,25 @@ class Engine(PoolingCalls):
 
     def is_sleeping(self) -> bool:
         return bool(self.scheduler.released_memory)
+
+    def update_weights_from_tensor(
+        self,
+        named_tensors: list[tuple[str, Any]],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+    ) -> None:
+        """The tensors `named_tensors` ((checkpoint name, tensor) pairs, any part of the
+        model: an RL trainer's new weights, a bucket at a time) into the served weights
+        (SGLang's Engine call); the prefix cache is emptied with `flush_cache`. ValueError,
+        nothing changed, if a name is not the model's or a tensor does not fit, or while a
+        request holds K/V. Released weights are taken back for it; after a release that
+        discarded weights updated this way (no copy on disk), every tensor of the checkpoint
+        must be sent again before the engine generates."""
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r}: only the default (None) is "
+                             "supported")  # fmt: skip
+        named = [(str(name), tensor) for name, tensor in named_tensors]
+        self.scheduler.update_weights_from_tensor(named, flush_cache)
 
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served now: name -> folder."""

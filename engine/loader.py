@@ -78,14 +78,17 @@ def fill_model(
     weights: Iterable[tuple[str, torch.Tensor]],
     path: str,
     quantization: Fp8Config | None = None,
+    partial: bool = False,
 ) -> dict[int, tuple[float, float]]:
-    """Copy a checkpoint's tensors into `model` (ValueError if one does not fit or any
-    parameter is left without one); its KV-cache scales, by layer."""
+    """Copy a checkpoint's tensors into `model` (ValueError if one does not fit or, unless
+    `partial`, any parameter is left without one); its KV-cache scales, by layer."""
     kv_cache_scales: dict[int, tuple[float, float]] = {}
     weights = take_kv_scales(weights, kv_cache_scales)
     if quantization is not None and quantization.checkpoint:
         weights = pair_fp8_scales(weights, quantization.block)
     loaded = model.load_weights(weights)
+    if partial:
+        return kv_cache_scales
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))
     if missing:
         raise ValueError(

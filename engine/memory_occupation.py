@@ -19,13 +19,14 @@ resume (SGLang keeps its graphs: torch_memory_saver maps the same virtual addres
   CUDA) and copied back at the resume; without, discarded: they come back zeroed and are
   read from the checkpoint served (`weights_path`) before the next forward, unless
   `update_weights_from_disk` fills them first (the RL loop's way: the old weights are never
-  read again). A model quantized to FP8 as it loaded cannot be read again: only a backup
-  releases its weights.
+  read again); weights updated from tensors are on no disk: all must be sent again
+  (engine/runner_weights.py). A model quantized to FP8 as it loaded cannot be read again:
+  only a backup releases its weights.
 * "cuda_graph": the decode graphs (their memory pool); captured again when next needed.
 
-The state is the runner's (`ModelRunner.memory`); the scheduler makes sure no request holds
-K/V before a release and runs nothing while weights or K/V are released
-(engine/scheduler/model_updates.py).
+The state is the runner's (`ModelRunner.memory`; its calls are engine/runner_weights.py);
+the scheduler makes sure no request holds K/V before a release and runs nothing while
+weights or K/V are released (engine/scheduler/memory_release.py).
 """
 
 from __future__ import annotations
@@ -100,7 +101,6 @@ class MemoryOccupation:
         if self.weights is not None:
             return 0
         self.weights = _Released(_storages(model.parameters()), backup, device.type == "cuda")
-        self.stale_weights = False
         return self.weights.nbytes
 
     def release_kv(self, buffers: list[torch.Tensor]) -> int:
@@ -110,12 +110,13 @@ class MemoryOccupation:
         return self.kv_cache.nbytes
 
     def resume_weights(self) -> int:
-        """The weights' storages back; True in `stale_weights` if they were discarded."""
+        """The weights' storages back; `stale_weights` set if they were discarded (a backup
+        brings back what was there, stale or not)."""
         released, self.weights = self.weights, None
         if released is None:
             return 0
         released.restore()
-        self.stale_weights = released.backups is None
+        self.stale_weights = self.stale_weights or released.backups is None
         return released.nbytes
 
     def resume_kv(self) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import logging
 import time
@@ -19,9 +18,10 @@ from engine.host_tensors import int64_rows
 from engine.loader import load_model
 from engine.mem_cache.kv_memory import plan_kv_memory
 from engine.mem_cache.memory_pool import ReqToTokenPool
-from engine.memory_occupation import MemoryOccupation, occupied_bytes
+from engine.memory_occupation import MemoryOccupation
 from engine.pooling import EmbeddingBatchResult
 from engine.quantization import resolve_quantization
+from engine.runner_weights import RunnerWeights
 from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
@@ -45,7 +45,7 @@ class GenerationBatchResult:
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # per request, see the sampler
 
 
-class ModelRunner:
+class ModelRunner(RunnerWeights):
     """The model, its KV pool and attention backend, the sampler, and the scheduler's host
     bookkeeping of device memory (request rows, KV slot allocator).
 
@@ -105,6 +105,9 @@ class ModelRunner:
         self.graph_runner: CudaGraphRunner | None = None
         self._graphs_stale = False  # recapture before the next replay (new KV-cache scales)
         self.memory = MemoryOccupation()  # memory given back while idle, if any
+        self.weights_on_disk = True  # the weights are the checkpoint's in `weights_path`
+        # after weights not on disk were discarded: the checkpoint tensors not sent since
+        self.unsent: set[str] | None = None
         self.sampling_cache = SamplingInfoCache()
         if host_only:
             self.kv_pool = self.attn_backend = self.sampler = None
@@ -322,7 +325,7 @@ class ModelRunner:
         before the model reads them (inside the graph, or first thing in the eager path).
         """
         if self.memory.stale_weights:  # (discarded while released: read them now)
-            self.update_weights_from_disk(self.weights_path)
+            self.read_stale_weights()
         if forward_batch.kv_transfers:
             assert self.host_kv_pool is not None, "K/V transfers without a host pool"
             self.host_kv_pool.apply(forward_batch.kv_transfers)
@@ -345,100 +348,6 @@ class ModelRunner:
     def remove_lora_adapter(self, adapter_id: int) -> None:
         assert self.lora is not None, "LoRA is not enabled on this runner"
         self.lora.remove(adapter_id)
-
-    # -- weights from another checkpoint (engine/weight_update.py) -----------------------------
-    def update_weights_from_disk(self, path: str) -> None:
-        """The checkpoint in `path` into the model, in place (between forwards; the caller
-        flushes the prefix cache). ValueError, nothing changed, if it is not one of this
-        model; a failure while copying reloads the previous checkpoint and raises. Weights
-        released (engine/memory_occupation.py) are taken back for it; a failed update
-        leaves them released as they were."""
-        released = self.memory.weights
-        if released is None:
-            self._read_weights(path)
-            return
-        backup = released.backups is not None
-        self.memory.resume_weights()
-        try:
-            self._read_weights(path)
-        except Exception:
-            self.memory.release_weights(self.model, backup, self.device)
-            raise
-
-    def _read_weights(self, path: str) -> None:
-        from engine.weight_update import reload_weights
-
-        assert self.model is not None, "a host-only runner has no weights"
-        unwrapped = self.lora.unwrapped() if self.lora is not None else contextlib.nullcontext()
-        with unwrapped:
-            try:
-                scales = reload_weights(
-                    self.model, self.model_config, path, self.dtype, self.quantization
-                )
-            except ValueError:
-                raise
-            except Exception as exc:
-                logger.exception("loading the weights of %s; reloading %s", path,
-                                 self.weights_path)  # fmt: skip
-                reload_weights(self.model, self.model_config, self.weights_path, self.dtype,
-                               self.quantization)  # fmt: skip
-                raise RuntimeError(f"reading {path} failed ({exc}); the previous weights "
-                                   "were reloaded") from exc  # fmt: skip
-        self.weights_path = path
-        self.memory.stale_weights = False
-        pool = self.kv_pool
-        if getattr(pool, "quantized", False):
-            before = (list(pool.k_scales), list(pool.v_scales))
-            pool.set_scales(scales)
-            self._graphs_stale = before != (list(pool.k_scales), list(pool.v_scales))
-        logger.info("weights updated from %s", path)
-
-    # -- device memory given back while idle (engine/memory_occupation.py) ---------------------
-    def release_memory_occupation(self, tags: tuple[str, ...], backup_weights: bool) -> int:
-        """Give back the memory of `tags` (`check_tags`'; released ones are left as they
-        are), the weights copied to host memory first with `backup_weights`; the bytes freed.
-        Between forwards, with no K/V in use. ValueError, nothing released, if weights that
-        cannot be read again would be discarded."""
-        assert self.model is not None and self.kv_pool is not None, "a host-only runner"
-        memory = self.memory
-        if "weights" in tags and memory.weights is None and not backup_weights:
-            if self.quantization is not None and not self.quantization.checkpoint:
-                raise ValueError("the weights were quantized to FP8 as they loaded and "
-                                 "cannot be read again: release them with a host backup "
-                                 "(vLLM's sleep level 1, SGLang's "
-                                 "--enable-weights-cpu-backup)")  # fmt: skip
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # (no forward in flight reads them)
-        freed = 0
-        if "kv_cache" in tags:
-            freed += memory.release_kv(self.kv_pool.k_buffer + self.kv_pool.v_buffer)
-        if "weights" in tags:
-            freed += memory.release_weights(self.model, backup_weights, self.device)
-        if "cuda_graph" in tags or freed:  # (graphs hold the old addresses)
-            self.graph_runner = None
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        logger.info("released %s: %.1f MB", ", ".join(tags), freed / 2**20)
-        return freed
-
-    def resume_memory_occupation(self, tags: tuple[str, ...]) -> int:
-        """Take the memory of `tags` again (see engine/memory_occupation.py); the bytes."""
-        taken = 0
-        if "weights" in tags:
-            taken += self.memory.resume_weights()
-        if "kv_cache" in tags:
-            taken += self.memory.resume_kv()
-        logger.info("resumed %s: %.1f MB", ", ".join(tags), taken / 2**20)
-        return taken
-
-    def memory_occupied(self) -> dict[str, int]:
-        """The bytes the weights and the K/V buffers hold now."""
-        assert self.model is not None and self.kv_pool is not None, "a host-only runner"
-        return {
-            "weights": occupied_bytes(self.model.parameters()),
-            "kv_cache": occupied_bytes(self.kv_pool.k_buffer + self.kv_pool.v_buffer),
-        }
 
     def release_memory(self) -> None:
         """Drop the weights, the KV pools and the graphs (`Engine.shutdown`): a process that

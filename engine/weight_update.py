@@ -49,9 +49,7 @@ def reload_weights(
 ) -> dict[int, tuple[float, float]]:
     """Copy the checkpoint in `path` into `model` (built from `model_config`); its KV-cache
     scales. ValueError, with nothing changed, if it is not a checkpoint of this model."""
-    if quantization is not None and not quantization.checkpoint:
-        raise ValueError("the model was quantized to FP8 as it loaded (--quantization fp8); "
-                         "updating its weights from disk is not supported")  # fmt: skip
+    _refuse_quantized_on_load(quantization)
     check_config(model_config, path)
     dry = build_model(model_config, dtype, "meta", quantization)
     try:
@@ -59,6 +57,51 @@ def reload_weights(
     except (ValueError, RuntimeError) as exc:
         raise ValueError(f"{path} does not fit the served model: {exc}") from None
     return fill_model(model, iter_safetensors(path), path, quantization)
+
+
+def load_tensors(
+    model: nn.Module,
+    model_config: ModelConfig,
+    named: list[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    quantization: Fp8Config | None,
+) -> dict[int, tuple[float, float]]:
+    """Copy `named` (checkpoint names and shapes: any part of a checkpoint of this model, as
+    SGLang's `update_weights_from_tensor` sends it) into `model`; the KV-cache scales among
+    them. ValueError, with nothing changed, if a name is not the model's or a tensor does not
+    fit (checked first on a meta copy of the model)."""
+    _refuse_quantized_on_load(quantization)
+    if not named:
+        raise ValueError("no tensors given")
+    dry = build_model(model_config, dtype, "meta", quantization)
+    try:
+        fill_model(dry, ((n, _shape_of(t)) for n, t in named), "the tensors", quantization,
+                   partial=True)  # fmt: skip
+    except (ValueError, RuntimeError) as exc:
+        raise ValueError(f"the tensors do not fit the served model: {exc}") from None
+    return fill_model(model, iter(named), "the tensors", quantization, partial=True)
+
+
+def checkpoint_names(path: str) -> set[str]:
+    """The tensor names of the checkpoint in `path` (no data read)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    return names
+
+
+def _shape_of(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of `t`'s shape and dtype, or `t` if tiny (a scale is read by value)."""
+    return t if t.numel() < _READ_BELOW else torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def _refuse_quantized_on_load(quantization: Fp8Config | None) -> None:
+    if quantization is not None and not quantization.checkpoint:
+        raise ValueError("the model was quantized to FP8 as it loaded (--quantization fp8); "
+                         "updating its weights is not supported")  # fmt: skip
 
 
 def check_config(model_config: ModelConfig, path: str) -> None:

@@ -25,6 +25,7 @@ class MemoryRelease:
     holds_kv: Any
     _on_device: Any
     released_memory: frozenset[str]
+    weights_missing: int
 
     @property
     def asleep(self) -> bool:
@@ -55,6 +56,8 @@ class MemoryRelease:
         tags = tuple(t for t in check_tags(tags) if t in self.released_memory)
         taken = self._on_device("resume_memory_occupation", tags) if tags else 0
         self.released_memory -= set(tags)
+        if "weights" in tags:
+            self.weights_missing = len(self._on_device("missing_weights"))
         return taken
 
     def memory_occupied(self) -> dict[str, int]:

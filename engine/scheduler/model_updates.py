@@ -34,6 +34,7 @@ class ModelUpdates:
     _in_flight_reqs: Any
     holds_kv: Any
     released_memory: frozenset[str]
+    weights_missing: int
 
     def load_lora_adapter(self, name: str, path: str, replace: bool = False) -> None:
         """Serve the PEFT adapter in `path` as `name` from the next step on; `replace`: a
@@ -74,6 +75,22 @@ class ModelUpdates:
         self.tree_cache.reset()
         self.weights_path = path
         self.released_memory -= {"weights"}  # (taken back for the update, if released)
+        self.weights_missing = 0
+
+    def update_weights_from_tensor(
+        self, named: list[tuple[str, Any]], flush_cache: bool = True
+    ) -> None:
+        """`named` (checkpoint names and shapes: any part of the model) into the weights from
+        the next step on (SGLang's `update_weights_from_tensor`); the prefix cache emptied
+        with `flush_cache` (its K/V are the old weights'). Only with no request holding K/V
+        (ValueError otherwise); ValueError with the reason, nothing changed, if a tensor is
+        not the model's or does not fit. Released weights are taken back for it."""
+        if self.holds_kv():
+            raise ValueError("requests are running: update the weights when none holds K/V")
+        self.weights_missing = self._on_device("update_weights_from_tensor", named)
+        if flush_cache:
+            self.tree_cache.reset()
+        self.released_memory -= {"weights"}
 
     def _lora_ids_in_use(self) -> set[int]:
         reqs = itertools.chain(

@@ -79,6 +79,8 @@ class Scheduler(RequestIntake, ModelUpdates, Pausing, MemoryRelease):
         self.lora_ids = self.loras.ids  # name -> id of the adapters served now (the same dict)
         self.weights_path = getattr(model_runner, "weights_path", "")  # (the checkpoint)
         self.released_memory: frozenset[str] = frozenset()  # (engine/memory_occupation.py)
+        # checkpoint tensors discarded and not sent again (engine/runner_weights.py)
+        self.weights_missing = 0
         sign = (1 if args.schedule_low_priority_values_first else -1) * (
             args.enable_priority_scheduling
         )

@@ -1,0 +1,206 @@
+"""The model runner's weights changed while serving (a mixin of `ModelRunner`,
+engine/model_runner.py): another checkpoint's from disk (SGLang's `update_weights_from_disk`),
+tensors handed over in memory (SGLang's `update_weights_from_tensor`: an RL trainer's new
+weights, any part at a time; engine/weight_update.py), and the device memory given back while
+idle and taken again (engine/memory_occupation.py).
+
+Weights discarded at a release are read again before the next forward: from the checkpoint
+served when they are its (`weights_on_disk`); after tensor updates they are on no disk, and
+every tensor of the checkpoint must be sent again (`unsent` holds the names still to come;
+`missing_weights`), as SGLang and vLLM expect of their callers: sluice refuses to run on
+weights that were not (engine/engine.py) where they would run on garbage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from typing import Any
+
+import torch
+
+from engine.memory_occupation import MemoryOccupation, occupied_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class RunnerWeights:
+    model: Any
+    model_config: Any
+    dtype: torch.dtype
+    device: torch.device
+    quantization: Any
+    lora: Any
+    kv_pool: Any
+    graph_runner: Any
+    weights_path: str
+    weights_on_disk: bool
+    unsent: set[str] | None
+    memory: MemoryOccupation
+    _graphs_stale: bool
+
+    # -- weights from another checkpoint, or from tensors --------------------------------------
+    def update_weights_from_disk(self, path: str) -> None:
+        """The checkpoint in `path` into the model, in place (between forwards; the caller
+        flushes the prefix cache). ValueError, nothing changed, if it is not one of this
+        model; a failure while copying reloads the previous checkpoint and raises. Weights
+        released are taken back for it; a failed update leaves them released as they were."""
+        self._with_weights_back(lambda: self._read_weights(path))
+
+    def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        """`named` (checkpoint names and shapes, any part of the model) into the weights, in
+        place (between forwards; the caller flushes the prefix cache, or not); the number of
+        checkpoint tensors still to be sent (`missing_weights`). ValueError, nothing changed,
+        if a name is not the model's or a tensor does not fit. Weights released are taken
+        back for it; discarded ones that are the checkpoint's on disk are read first (the
+        tensors may be a part only)."""
+
+        def load() -> None:
+            if self.memory.stale_weights and self.unsent is None:
+                self._read_weights(self.weights_path)
+            self._load_tensors(named)
+
+        self._with_weights_back(load)
+        return len(self.missing_weights())
+
+    def missing_weights(self) -> list[str]:
+        """The checkpoint tensors discarded (weights not on disk) and not sent again."""
+        return sorted(self.unsent or ())
+
+    def read_stale_weights(self) -> None:
+        """Weights discarded at a release, before a forward: from the checkpoint served."""
+        if self.unsent:
+            raise RuntimeError(f"{len(self.unsent)} weights were discarded and not sent "
+                               f"again, e.g. {self.missing_weights()[:3]}")  # fmt: skip
+        self.update_weights_from_disk(self.weights_path)
+
+    def _with_weights_back(self, change: Any) -> None:
+        """`change()` on the weights, taken back first if released (and released again, as
+        they were, if it fails)."""
+        released = self.memory.weights
+        if released is None:
+            change()
+            return
+        backup = released.backups is not None
+        self.memory.resume_weights()
+        try:
+            change()
+        except Exception:
+            self.memory.release_weights(self.model, backup, self.device)
+            raise
+
+    def _read_weights(self, path: str) -> None:
+        from engine.weight_update import reload_weights
+
+        assert self.model is not None, "a host-only runner has no weights"
+        with self._unwrapped():
+            try:
+                scales = reload_weights(
+                    self.model, self.model_config, path, self.dtype, self.quantization
+                )
+            except ValueError:
+                raise
+            except Exception as exc:
+                logger.exception("loading the weights of %s; reloading %s", path,
+                                 self.weights_path)  # fmt: skip
+                reload_weights(self.model, self.model_config, self.weights_path, self.dtype,
+                               self.quantization)  # fmt: skip
+                self._on_disk()
+                why = (f"reading {path} failed ({exc}); the previous weights were reloaded "
+                       f"(from {self.weights_path})")  # fmt: skip
+                raise RuntimeError(why) from exc
+        self.weights_path = path
+        self._on_disk()
+        self._set_kv_scales(scales, replace=True)
+        logger.info("weights updated from %s", path)
+
+    def _load_tensors(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        from engine.weight_update import load_tensors
+
+        assert self.model is not None, "a host-only runner has no weights"
+        with self._unwrapped():
+            scales = load_tensors(self.model, self.model_config, named, self.dtype,
+                                  self.quantization)  # fmt: skip
+        self.weights_on_disk = False
+        if self.unsent is not None:
+            self.unsent.difference_update(name for name, _ in named)
+            if not self.unsent:
+                self.unsent = None
+                self.memory.stale_weights = False
+        self._set_kv_scales(scales, replace=False)
+        logger.info("weights updated from %d tensor(s)", len(named))
+
+    def _on_disk(self) -> None:
+        self.weights_on_disk = True
+        self.unsent = None
+        self.memory.stale_weights = False
+
+    def _unwrapped(self) -> Any:
+        """The model with its own layers where LoRA wraps them (checkpoint names)."""
+        return self.lora.unwrapped() if self.lora is not None else contextlib.nullcontext()
+
+    def _set_kv_scales(self, scales: dict[int, tuple[float, float]], replace: bool) -> None:
+        """An FP8 KV cache's scales from the weights loaded: all of them (`replace`: layers
+        not given get 1.0), or the layers given."""
+        pool = self.kv_pool
+        if not getattr(pool, "quantized", False) or not (scales or replace):
+            return
+        before = (list(pool.k_scales), list(pool.v_scales))
+        if not replace:
+            kept = {i: (k, v) for i, (k, v) in enumerate(zip(pool.k_scales, pool.v_scales))}
+            scales = kept | scales
+        pool.set_scales(scales)
+        self._graphs_stale = before != (list(pool.k_scales), list(pool.v_scales))
+
+    # -- device memory given back while idle (engine/memory_occupation.py) ---------------------
+    def release_memory_occupation(self, tags: tuple[str, ...], backup_weights: bool) -> int:
+        """Give back the memory of `tags` (`check_tags`'; released ones are left as they
+        are), the weights copied to host memory first with `backup_weights`; the bytes freed.
+        Between forwards, with no K/V in use. ValueError, nothing released, if weights that
+        cannot be read again would be discarded. Weights not on disk (tensor updates) may be
+        discarded: every checkpoint tensor must then be sent again."""
+        assert self.model is not None and self.kv_pool is not None, "a host-only runner"
+        memory = self.memory
+        discard = "weights" in tags and memory.weights is None and not backup_weights
+        if discard and self.quantization is not None and not self.quantization.checkpoint:
+            raise ValueError("the weights were quantized to FP8 as they loaded and "
+                             "cannot be read again: release them with a host backup "
+                             "(vLLM's sleep level 1, SGLang's "
+                             "--enable-weights-cpu-backup)")  # fmt: skip
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # (no forward in flight reads them)
+        freed = 0
+        if "kv_cache" in tags:
+            freed += memory.release_kv(self.kv_pool.k_buffer + self.kv_pool.v_buffer)
+        if "weights" in tags:
+            freed += memory.release_weights(self.model, backup_weights, self.device)
+            if discard and not self.weights_on_disk:
+                from engine.weight_update import checkpoint_names
+
+                self.unsent = checkpoint_names(self.weights_path)
+        if "cuda_graph" in tags or freed:  # (graphs hold the old addresses)
+            self.graph_runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.info("released %s: %.1f MB", ", ".join(tags), freed / 2**20)
+        return freed
+
+    def resume_memory_occupation(self, tags: tuple[str, ...]) -> int:
+        """Take the memory of `tags` again (see engine/memory_occupation.py); the bytes."""
+        taken = 0
+        if "weights" in tags:
+            taken += self.memory.resume_weights()
+        if "kv_cache" in tags:
+            taken += self.memory.resume_kv()
+        logger.info("resumed %s: %.1f MB", ", ".join(tags), taken / 2**20)
+        return taken
+
+    def memory_occupied(self) -> dict[str, int]:
+        """The bytes the weights and the K/V buffers hold now."""
+        assert self.model is not None and self.kv_pool is not None, "a host-only runner"
+        return {
+            "weights": occupied_bytes(self.model.parameters()),
+            "kv_cache": occupied_bytes(self.kv_pool.k_buffer + self.kv_pool.v_buffer),
+        }
