@@ -10,6 +10,9 @@ its device process):
 
 * update: `Engine.update_weights_from_disk` to the other checkpoint (the dry run on the meta
   device, then the tensors copied in place, the prefix cache emptied), then one request;
+* tensors: `Engine.update_weights_from_tensor` with the other checkpoint's tensors, already in
+  memory (as a trainer holds them), in 4 buckets, then one request (on CPU the device
+  process gets them pickled through its pipe);
 * dry run: the check alone (`engine.weight_update.check_config` + the meta-device load);
 * restart: the engine shut down and a new one built on the other checkpoint (process, model
   load, KV pool), then one request.
@@ -42,7 +45,7 @@ def main() -> None:
     args = parse_arm_args(ap)
     from engine.config import ModelConfig
     from engine.engine import Engine
-    from engine.loader import build_model, fill_model
+    from engine.loader import build_model, fill_model, iter_safetensors
     from engine.weight_update import check_config, meta_safetensors
 
     paths = [small_model(args.layers, seed) for seed in (0, 1)]
@@ -51,8 +54,9 @@ def main() -> None:
         if f.endswith(".safetensors")
     ) / 2**20  # fmt: skip
     kw = dict(skip_tokenizer_init=True, max_total_tokens=4096)
-    times: dict[str, list[float]] = {"update": [], "dry run": [], "restart": []}
-    outs: dict[str, list] = {"update": [], "restart": []}
+    times: dict[str, list[float]] = {"update": [], "tensors": [], "dry run": [], "restart": []}
+    outs: dict[str, list] = {"update": [], "tensors": [], "restart": []}
+    in_memory = [[(n, t.clone()) for n, t in sorted(iter_safetensors(p))] for p in paths]
     engine = Engine(model_path=paths[0], **kw)
     current = 0
     try:
@@ -64,6 +68,14 @@ def main() -> None:
             out = engine.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
             times["update"].append(time.perf_counter() - t0)
             outs["update"].append((target, out))
+
+            engine.update_weights_from_disk(paths[current])  # (back, then by tensors)
+            t0 = time.perf_counter()
+            for k in range(4):
+                engine.update_weights_from_tensor(in_memory[target][k::4])
+            out = engine.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
+            times["tensors"].append(time.perf_counter() - t0)
+            outs["tensors"].append((target, out))
 
             config = ModelConfig.from_pretrained(paths[target])
             t0 = time.perf_counter()
@@ -83,7 +95,8 @@ def main() -> None:
                   flush=True)  # fmt: skip
     finally:
         engine.shutdown()
-    same = outs["update"] == outs["restart"]  # round by round, the same checkpoint
+    # round by round, the same checkpoint
+    same = outs["update"] == outs["restart"] == outs["tensors"]
     checked = {ckpt for ckpt, _ in outs["update"]}
     rows = [{"arm": k, "best_s": min(v), "median_s": sorted(v)[len(v) // 2]}
             for k, v in times.items()]  # fmt: skip
@@ -91,9 +104,12 @@ def main() -> None:
     summary = {
         "checkpoint_mb": size_mb,
         "update_s": rows[0]["best_s"],
-        "dry_run_s": rows[1]["best_s"],
-        "restart_s": rows[2]["best_s"],
-        "restart_vs_update": rows[2]["best_s"] / rows[0]["best_s"],
+        "tensors_s": rows[1]["best_s"],
+        "dry_run_s": rows[2]["best_s"],
+        "restart_s": rows[3]["best_s"],
+        "restart_vs_update": rows[3]["best_s"] / rows[0]["best_s"],
+        "restart_vs_tensors": rows[3]["best_s"] / rows[1]["best_s"],
+        "tensors_vs_update": rows[1]["best_s"] / rows[0]["best_s"],
         "update_tokens_equal_fresh_engine": same,
         "checkpoints_compared": sorted(checked),
     }

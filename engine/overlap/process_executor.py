@@ -49,9 +49,11 @@ import multiprocessing as mp
 import pickle
 import sys
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
+import torch.multiprocessing  # noqa: F401 - the tensors' ForkingPickler reductions
 
 from engine.model_runner import GenerationBatchResult
 from engine.overlap import device_process
@@ -172,7 +174,7 @@ class ProcessExecutor(OverlapExecutor):
         """In the device process, after the launches sent before it; waits for its answer
         (reading those of earlier launches on the way). A ValueError there is raised here
         with its message; any other error as a RuntimeError."""
-        self._send(("call", -1, method, args))
+        self._send(("call", -1, method, args), shared=True)
         self._called = None
         while self._called is None:
             if self._read_answer() == "gone":
@@ -221,11 +223,17 @@ class ProcessExecutor(OverlapExecutor):
         self._conn.close()
 
     # -- plumbing -------------------------------------------------------------------------------
-    def _send(self, msg: tuple) -> None:
+    def _send(self, msg: tuple, shared: bool = False) -> None:
+        """`msg` to the device process; `shared`: its tensors' data in shared memory, only
+        their handles through the pipe (a call's weights: hundreds of MB)."""
         if self._closed:
             raise RuntimeError("overlap executor: closed")
+        if shared:  # (torch.multiprocessing registers the tensors' reductions)
+            data = ForkingPickler.dumps(msg, pickle.HIGHEST_PROTOCOL)
+        else:
+            data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self._conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+            self._conn.send_bytes(data)
         except OSError as exc:
             raise RuntimeError("overlap executor: the device process is gone") from exc
 
