@@ -57,8 +57,8 @@ _CHILD = """
 import json, sys, torch
 torch.set_num_threads(1)
 from engine.engine import Engine
-e = Engine(model_path=sys.argv[1], **json.loads(sys.argv[2]))
-prompt = [int(t) for t in sys.argv[3].split(",")]
+e = Engine(**json.loads(sys.argv[1]))
+prompt = [int(t) for t in sys.argv[2].split(",")]
 out = e.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0.0})
 print(out["output_ids"][0], flush=True)
 """
@@ -85,24 +85,27 @@ def first_token(engine: Any, prompt: list[int]) -> int:
     return out["output_ids"][0]
 
 
-def in_a_new_process(model: str, kwargs: dict, prompt: list[int]) -> int:
+def in_a_new_process(spec: dict, prompt: list[int]) -> int:
     """The first token of `prompt` from an engine built in a fresh interpreter."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, model, json.dumps(kwargs), ",".join(map(str, prompt))],
+        [sys.executable, "-c", _CHILD, json.dumps(spec), ",".join(map(str, prompt))],
         env=env, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return int(out.stdout.split()[-1])
 
 
-def one_case(engine: Any, make: Any, case: str, prompt: list[int]) -> tuple[Any, dict]:
-    """Run `case` on `engine` (idle, warm); the engine to go on with and the measures."""
+def one_case(engine: Any, spec: dict, case: str, prompt: list[int]) -> tuple[Any, dict]:
+    """Run `case` on `engine` (idle, warm; built as `Engine(**spec)`); the engine to go on
+    with and the measures."""
+    from engine.engine import Engine
+
     want = first_token(engine, prompt)
     engine.flush_cache()
     path = engine.scheduler.weights_path
     held = sum(engine.scheduler.memory_occupied().values())
-    device = make.kwargs["device"]
+    device = spec["device"]
     before = held_mb(device)
     t = time.perf_counter()
     if case.startswith("restart"):
@@ -116,11 +119,11 @@ def one_case(engine: Any, make: Any, case: str, prompt: list[int]) -> tuple[Any,
     drop = before - held_mb(device)
     t = time.perf_counter()
     if case == "restart_process":
-        token = in_a_new_process(path, make.kwargs, prompt)
+        token = in_a_new_process(spec, prompt)
         wake_s = float("nan")  # (not told apart from the first token)
     else:
         if case == "restart":
-            engine = make()
+            engine = Engine(**spec)
         elif case == "level2_update":
             engine.wake_up(["weights"])
             engine.update_weights_from_disk(path)
@@ -131,7 +134,7 @@ def one_case(engine: Any, make: Any, case: str, prompt: list[int]) -> tuple[Any,
         token = first_token(engine, prompt)
     back_s = time.perf_counter() - t
     if engine is None:
-        engine = make()
+        engine = Engine(**spec)
         first_token(engine, prompt)  # (warm again for the next case)
     return engine, {"release_ms": 1e3 * release_s, "released_mb": released / 2**20,
                     "os_got_mb": drop, "wake_ms": 1e3 * wake_s, "back_ms": 1e3 * back_s,
@@ -153,18 +156,11 @@ def main() -> None:
     from engine.engine import Engine
 
     torch.set_num_threads(1)
-    model = small_model(args.layers)
-
     # on the CPU, the plain loop: the model in this process, whose memory is read
-    kwargs = {"max_total_tokens": args.kv_tokens, "device": args.device, "dtype": args.dtype,
-              "disable_overlap_schedule": args.device == "cpu"}  # fmt: skip
-
-    def make() -> Any:
-        return Engine(model_path=model, **kwargs)
-
-    make.kwargs = kwargs  # type: ignore[attr-defined]
-
-    engine = make()
+    spec = {"model_path": small_model(args.layers), "max_total_tokens": args.kv_tokens,
+            "device": args.device, "dtype": args.dtype,
+            "disable_overlap_schedule": args.device == "cpu"}  # fmt: skip
+    engine = Engine(**spec)
     vocab = engine.scheduler.model_runner.model_config.vocab_size
     rng = random.Random(0)
     prompt = [rng.randrange(10, vocab) for _ in range(args.prompt)]
@@ -174,7 +170,7 @@ def main() -> None:
     for _ in range(args.reps):
         rep = {}
         for case in CASES:
-            engine, rep[case] = one_case(engine, make, case, prompt)
+            engine, rep[case] = one_case(engine, spec, case, prompt)
         reps.append(rep)
     engine.shutdown()
     restart_back = statistics.median(r["restart"]["back_ms"] for r in reps)

@@ -93,10 +93,6 @@ class MemoryOccupation:
         self.kv_cache: _Released | None = None
         self.stale_weights = False  # allocated again without their values: read before use
 
-    @property
-    def released(self) -> tuple[str, ...]:
-        return tuple(t for t in ("weights", "kv_cache") if getattr(self, t) is not None)
-
     def release_weights(self, model: torch.nn.Module, backup: bool, device: torch.device) -> int:
         if self.weights is not None:
             return 0

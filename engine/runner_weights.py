@@ -62,17 +62,18 @@ class RunnerWeights:
             self._load_tensors(named)
 
         self._with_weights_back(load)
-        return len(self.missing_weights())
+        return self.missing_weights()
 
-    def missing_weights(self) -> list[str]:
-        """The checkpoint tensors discarded (weights not on disk) and not sent again."""
-        return sorted(self.unsent or ())
+    def missing_weights(self) -> int:
+        """How many checkpoint tensors were discarded (weights not on disk) and not sent
+        again."""
+        return len(self.unsent or ())
 
     def read_stale_weights(self) -> None:
         """Weights discarded at a release, before a forward: from the checkpoint served."""
         if self.unsent:
             raise RuntimeError(f"{len(self.unsent)} weights were discarded and not sent "
-                               f"again, e.g. {self.missing_weights()[:3]}")  # fmt: skip
+                               f"again, e.g. {sorted(self.unsent)[:3]}")  # fmt: skip
         self.update_weights_from_disk(self.weights_path)
 
     def _with_weights_back(self, change: Any) -> None:

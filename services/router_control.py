@@ -100,13 +100,25 @@ class Outcome:
 
 
 async def ask_all_workers(
-    broker: Any, question: Callable[[str], Message], timeout_s: float, failure: str, code: str
+    broker: Any,
+    question: Callable[[str], Message],
+    timeout_s: float,
+    failure: str,
+    code: str,
+    none_live_ok: bool = False,
 ) -> dict[str, Any]:
     """`question` to every live worker (the table refreshed first); their answers, by worker.
     A refusal is a 400 (`failure`, the reasons, `code`), a worker silent past `timeout_s` a
-    503; no live worker a 503 `no_worker`."""
+    503; no live worker a 503 `no_worker`, or, `none_live_ok` (a change recorded in Redis,
+    which workers starting later read), no answers."""
     await broker.refresh_workers()
-    outcome = Outcome(await broker.to_workers.ask(question, timeout_s))
+    try:
+        replies = await broker.to_workers.ask(question, timeout_s)
+    except ApiError as exc:
+        if none_live_ok and exc.code == "no_worker":
+            return {}
+        raise
+    outcome = Outcome(replies)
     if outcome.refused:
         raise ApiError(400, f"{failure} ({outcome.detail()})", None, code)
     if outcome.silent:

@@ -92,13 +92,8 @@ async def released_tags(router: Any) -> tuple[str, ...]:
 
 
 async def _tell(router: Any, question: Any, failure: str) -> dict[str, Any]:
-    try:
-        return await ask_all_workers(router.broker, question, ANSWER_TIMEOUT_S, failure,
-                                     failure.replace(" ", "_"))  # fmt: skip
-    except ApiError as exc:
-        if exc.code != "no_worker":
-            raise
-        return {}  # (none live: the record is what workers starting later read)
+    return await ask_all_workers(router.broker, question, ANSWER_TIMEOUT_S, failure,
+                                 failure.replace(" ", "_"), none_live_ok=True)  # fmt: skip
 
 
 def _summary(answers: dict[str, Any], released: tuple[str, ...]) -> dict[str, Any]:

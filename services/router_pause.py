@@ -100,12 +100,8 @@ async def paused_mode(router: Any) -> str | None:
 
 
 async def _tell(router: Any, question: Any, timeout_s: float, what: str) -> None:
-    failure = f"generation not {what}"
-    try:
-        await ask_all_workers(router.broker, question, timeout_s, failure, f"not_{what}")
-    except ApiError as exc:
-        if exc.code != "no_worker":
-            raise  # (none live: the record is what workers starting later read)
+    await ask_all_workers(router.broker, question, timeout_s, f"generation not {what}",
+                          f"not_{what}", none_live_ok=True)  # fmt: skip
 
 
 def _query_flag(request: Request, name: str, default: bool) -> bool:

@@ -57,7 +57,7 @@ class MemoryRelease:
         taken = self._on_device("resume_memory_occupation", tags) if tags else 0
         self.released_memory -= set(tags)
         if "weights" in tags:
-            self.weights_missing = len(self._on_device("missing_weights"))
+            self.weights_missing = self._on_device("missing_weights")
         return taken
 
     def memory_occupied(self) -> dict[str, int]:
