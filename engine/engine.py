@@ -20,6 +20,7 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.output_processor import StepEvent
 from engine.scheduler.req import Req
 from engine.scheduler.scheduler import Scheduler
+from engine.weight_groups import JOIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +298,56 @@ class Engine(PoolingCalls):
                              "supported")  # fmt: skip
         named = [(str(name), tensor) for name, tensor in named_tensors]
         self.scheduler.update_weights_from_tensor(named, flush_cache)
+
+    # -- weights broadcast by an RL trainer (engine/weight_groups.py) ---------------------------
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        timeout_s: float = JOIN_TIMEOUT_S,
+    ) -> None:
+        """Join the trainer's process group (SGLang's Engine call): the trainer is rank 0
+        and serves the rendezvous at `master_address:master_port`; this engine is rank
+        `rank_offset`. Blocks until every rank has joined (the trainer joins from another
+        process or thread meanwhile). ValueError for a bad rank or backend ("nccl" needs
+        CUDA; "gloo" works on any device) or a name in use; RuntimeError if the rendezvous
+        fails within `timeout_s`."""
+        self.scheduler.init_weights_update_group(master_address, master_port, rank_offset,
+                                                 world_size, group_name, backend,
+                                                 timeout_s)  # fmt: skip
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+    ) -> None:
+        """Receive the tensors the trainer broadcasts (`torch.distributed.broadcast(t,
+        src=0, group=...)`, one per name, in this order; `dtypes` as "bfloat16" or
+        "torch.bfloat16") and load them as `update_weights_from_tensor` does. The bucket is
+        received in full even when refused (ValueError, nothing changed: a name or shape
+        that does not fit the model, a request holding K/V), so the trainer never waits on
+        a refusal."""
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r}: only the default (None) is "
+                             "supported")  # fmt: skip
+        self.scheduler.update_weights_from_distributed(
+            list(names), list(dtypes), [list(s) for s in shapes], group_name, flush_cache
+        )
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Leave the trainer's group (ValueError if not joined)."""
+        self.scheduler.destroy_weights_update_group(group_name)
 
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served now: name -> folder."""

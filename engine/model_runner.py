@@ -26,6 +26,7 @@ from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 from engine.speculative.verify import VerifyResult, verify
+from engine.weight_groups import WeightGroups
 from kernels.jit import pdl_supported, use_layer_kernels, use_pdl
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class ModelRunner(RunnerWeights):
         self.graph_runner: CudaGraphRunner | None = None
         self._graphs_stale = False  # recapture before the next replay (new KV-cache scales)
         self.memory = MemoryOccupation()  # memory given back while idle, if any
+        self.weight_groups = WeightGroups(self.device)  # trainers' groups that send weights
         self.weights_on_disk = True  # the weights are the checkpoint's in `weights_path`
         # after weights not on disk were discarded: the checkpoint tensors not sent since
         self.unsent: set[str] | None = None

@@ -1,8 +1,9 @@
 """The model runner's weights changed while serving (a mixin of `ModelRunner`,
 engine/model_runner.py): another checkpoint's from disk (SGLang's `update_weights_from_disk`),
 tensors handed over in memory (SGLang's `update_weights_from_tensor`: an RL trainer's new
-weights, any part at a time; engine/weight_update.py), and the device memory given back while
-idle and taken again (engine/memory_occupation.py).
+weights, any part at a time; engine/weight_update.py) or broadcast through a trainer's process
+group (SGLang's `update_weights_from_distributed`; engine/weight_groups.py), and the device
+memory given back while idle and taken again (engine/memory_occupation.py).
 
 Weights discarded at a release are read again before the next forward: from the checkpoint
 served when they are its (`weights_on_disk`); after tensor updates they are on no disk, and
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from engine.memory_occupation import MemoryOccupation, occupied_bytes
+from engine.weight_groups import WeightGroups
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class RunnerWeights:
     weights_on_disk: bool
     unsent: set[str] | None
     memory: MemoryOccupation
+    weight_groups: WeightGroups
     _graphs_stale: bool
 
     # -- weights from another checkpoint, or from tensors --------------------------------------
@@ -63,6 +66,32 @@ class RunnerWeights:
 
         self._with_weights_back(load)
         return self.missing_weights()
+
+    # -- weights broadcast by a trainer (engine/weight_groups.py) -------------------------------
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int,
+        group_name: str, backend: str, timeout_s: float,
+    ) -> None:  # fmt: skip
+        self.weight_groups.init(master_address, master_port, rank, world_size, group_name,
+                                backend, timeout_s)  # fmt: skip
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self.weight_groups.destroy(group_name)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> int:
+        """The tensors the trainer broadcasts in group `group_name` into the weights (as
+        `update_weights_from_tensor`); the checkpoint tensors still to be sent."""
+        named = self.weight_groups.receive(group_name, names, dtypes, shapes)
+        return self.update_weights_from_tensor(named)
+
+    def discard_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> None:
+        """Receive a bucket the trainer broadcasts and drop it (an update refused: the
+        trainer's broadcast ends either way)."""
+        self.weight_groups.receive(group_name, names, dtypes, shapes)
 
     def missing_weights(self) -> int:
         """How many checkpoint tensors were discarded (weights not on disk) and not sent

@@ -29,8 +29,9 @@ class MemoryRelease:
 
     @property
     def asleep(self) -> bool:
-        """Whether weights or K/V are released (nothing may run)."""
-        return bool(self.released_memory & {"weights", "kv_cache"})
+        """Whether weights or K/V are released, or weights discarded at a release were not
+        all sent again (nothing may run)."""
+        return bool(self.released_memory & {"weights", "kv_cache"}) or self.weights_missing > 0
 
     def release_memory_occupation(
         self, tags: Iterable[str] | None = None, backup_weights: bool = False

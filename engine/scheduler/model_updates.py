@@ -1,7 +1,9 @@
 """Changing the model of a running scheduler: loading and unloading LoRA adapters (vLLM's
 `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, SGLang's `/load_lora_adapter` and
 `/unload_lora_adapter`), and replacing the weights with another checkpoint's (SGLang's
-`update_weights_from_disk`, engine/weight_update.py).
+`update_weights_from_disk`, engine/weight_update.py), from tensors handed over in memory, or
+from tensors an RL trainer broadcasts through a process group the runner joined (SGLang's
+`init_weights_update_group` / `update_weights_from_distributed`; engine/weight_groups.py).
 
 Called between steps, on the scheduler's thread. The work on the model goes to the model
 runner through `_on_device`: directly without overlap, and in launch order through the overlap
@@ -19,6 +21,7 @@ from typing import Any
 
 from engine.lora.registry import LoRARegistry
 from engine.scheduler.req import Req
+from engine.weight_groups import JOIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,50 @@ class ModelUpdates:
         if flush_cache:
             self.tree_cache.reset()
         self.released_memory -= {"weights"}
+
+    def init_weights_update_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int,
+        group_name: str = "weight_update_group", backend: str = "nccl",
+        timeout_s: float = JOIN_TIMEOUT_S,
+    ) -> None:  # fmt: skip
+        """Join the trainer's process group `group_name` as `rank` (blocks until all ranks
+        have joined). ValueError for a bad rank, backend or a name in use; RuntimeError if
+        the rendezvous fails."""
+        self._on_device("init_weights_update_group", master_address, master_port, rank,
+                        world_size, group_name, backend, timeout_s)  # fmt: skip
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        self._on_device("destroy_weights_update_group", group_name)
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+        group_name: str = "weight_update_group", flush_cache: bool = True,
+    ) -> None:  # fmt: skip
+        """The tensors the trainer broadcasts in `group_name` (checkpoint names, in the order
+        of `names`) into the weights from the next step on, as `update_weights_from_tensor`.
+        The bucket is received even when refused (requests holding K/V, tensors that do not
+        fit: ValueError, nothing changed), so that the trainer's broadcast ends."""
+        if self.holds_kv():
+            self.discard_distributed(names, dtypes, shapes, group_name)
+            raise ValueError("requests are running: update the weights when none holds K/V "
+                             "(the tensors sent were received and dropped)")  # fmt: skip
+        self.weights_missing = self._on_device(
+            "update_weights_from_distributed", names, dtypes, shapes, group_name
+        )
+        if flush_cache:
+            self.tree_cache.reset()
+        self.released_memory -= {"weights"}
+
+    def discard_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
+    ) -> None:
+        """Receive a bucket the trainer broadcasts and drop it (an update refused: the
+        trainer's broadcast must end). Nothing if the group is unknown or the lists do not
+        match (ValueError swallowed: nothing can be received then)."""
+        try:
+            self._on_device("discard_distributed", names, dtypes, shapes, group_name)
+        except ValueError as exc:
+            logger.warning("tensors of group %r not received: %s", group_name, exc)
 
     def _lora_ids_in_use(self) -> set[int]:
         reqs = itertools.chain(
