@@ -1,5 +1,6 @@
-"""Updating a running engine's weights from disk against restarting it on the new checkpoint
-(what one would do without `update_weights_from_disk`), side by side in one run.
+"""Updating a running engine's weights (from disk, from tensors in memory, broadcast by a
+trainer process) against restarting it on the new checkpoint (what one would do without
+`update_weights_from_disk`), side by side in one run.
 
     python benchmarks/weight_update.py [--layers 4] [--threads 2] [--repeat 3]
 
@@ -13,6 +14,10 @@ its device process):
 * tensors: `Engine.update_weights_from_tensor` with the other checkpoint's tensors, already in
   memory (as a trainer holds them), in 4 buckets, then one request (on CPU the device
   process gets them pickled through its pipe);
+* broadcast: `Engine.update_weights_from_distributed`, the other checkpoint's tensors
+  broadcast in 4 buckets by a trainer process (tests/rl_trainer.py, rank 0 of a gloo group
+  built as RL trainers build theirs; it has them in memory before the clock starts, and the
+  group is joined before it), then one request (on CPU the device process receives them);
 * dry run: the check alone (`engine.weight_update.check_config` + the meta-device load);
 * restart: the engine shut down and a new one built on the other checkpoint (process, model
   load, KV pool), then one request.
@@ -39,6 +44,22 @@ PROMPT = list(range(100, 164))
 PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
+def join_trainer(engine, path: str, tensors: list) -> tuple:
+    """A trainer process holding `path`'s tensors, in a gloo group with `engine`; the specs
+    of its 4 buckets (its order: the tensors sorted by name, bucket k every 4th from k)."""
+    from shared.redis_server import free_port
+    from tests.rl_trainer import Trainer
+
+    port = free_port()
+    trainer = Trainer("--port", str(port), "--checkpoint", path, "--buckets", "4", "--order",
+                      "0,1,2,3")  # fmt: skip
+    engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo")
+    specs = [{"names": [n for n, _ in tensors[k::4]],
+              "dtypes": [str(t.dtype) for _, t in tensors[k::4]],
+              "shapes": [list(t.shape) for _, t in tensors[k::4]]} for k in range(4)]  # fmt: skip
+    return trainer, specs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=4)
@@ -54,8 +75,9 @@ def main() -> None:
         if f.endswith(".safetensors")
     ) / 2**20  # fmt: skip
     kw = dict(skip_tokenizer_init=True, max_total_tokens=4096)
-    times: dict[str, list[float]] = {"update": [], "tensors": [], "dry run": [], "restart": []}
-    outs: dict[str, list] = {"update": [], "tensors": [], "restart": []}
+    times: dict[str, list[float]] = {"update": [], "tensors": [], "broadcast": [], "dry run": [],
+                                     "restart": []}  # fmt: skip
+    outs: dict[str, list] = {"update": [], "tensors": [], "broadcast": [], "restart": []}
     in_memory = [[(n, t.clone()) for n, t in sorted(iter_safetensors(p))] for p in paths]
     engine = Engine(model_path=paths[0], **kw)
     current = 0
@@ -77,6 +99,17 @@ def main() -> None:
             times["tensors"].append(time.perf_counter() - t0)
             outs["tensors"].append((target, out))
 
+            engine.update_weights_from_disk(paths[current])  # (back, then by broadcast)
+            trainer, specs = join_trainer(engine, paths[target], in_memory[target])
+            t0 = time.perf_counter()
+            for spec in specs:
+                engine.update_weights_from_distributed(**spec)
+            out = engine.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
+            times["broadcast"].append(time.perf_counter() - t0)
+            outs["broadcast"].append((target, out))
+            trainer.answers()
+            engine.destroy_weights_update_group()
+
             config = ModelConfig.from_pretrained(paths[target])
             t0 = time.perf_counter()
             check_config(config, paths[target])
@@ -96,7 +129,7 @@ def main() -> None:
     finally:
         engine.shutdown()
     # round by round, the same checkpoint
-    same = outs["update"] == outs["restart"] == outs["tensors"]
+    same = outs["update"] == outs["restart"] == outs["tensors"] == outs["broadcast"]
     checked = {ckpt for ckpt, _ in outs["update"]}
     rows = [{"arm": k, "best_s": min(v), "median_s": sorted(v)[len(v) // 2]}
             for k, v in times.items()]  # fmt: skip
@@ -105,11 +138,14 @@ def main() -> None:
         "checkpoint_mb": size_mb,
         "update_s": rows[0]["best_s"],
         "tensors_s": rows[1]["best_s"],
-        "dry_run_s": rows[2]["best_s"],
-        "restart_s": rows[3]["best_s"],
-        "restart_vs_update": rows[3]["best_s"] / rows[0]["best_s"],
-        "restart_vs_tensors": rows[3]["best_s"] / rows[1]["best_s"],
+        "broadcast_s": rows[2]["best_s"],
+        "dry_run_s": rows[3]["best_s"],
+        "restart_s": rows[4]["best_s"],
+        "restart_vs_update": rows[4]["best_s"] / rows[0]["best_s"],
+        "restart_vs_tensors": rows[4]["best_s"] / rows[1]["best_s"],
+        "restart_vs_broadcast": rows[4]["best_s"] / rows[2]["best_s"],
         "tensors_vs_update": rows[1]["best_s"] / rows[0]["best_s"],
+        "broadcast_vs_update": rows[2]["best_s"] / rows[0]["best_s"],
         "update_tokens_equal_fresh_engine": same,
         "checkpoints_compared": sorted(checked),
     }

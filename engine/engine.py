@@ -136,13 +136,13 @@ class Engine(PoolingCalls):
             raise error
 
     def _input_ids(self, prompt: Any, input_ids: Any) -> tuple[bool, list[list[int]]]:
-        if self.scheduler.asleep:  # (the first thing generate and encode do)
+        if self.scheduler.weights_missing:  # (the first thing generate and encode do)
+            raise RuntimeError(f"{self.scheduler.weights_missing} weights were discarded at a "
+                               "release and not sent again (update_weights_from_tensor or "
+                               "_from_distributed), or use update_weights_from_disk")  # fmt: skip
+        if self.scheduler.asleep:
             raise RuntimeError("the engine's memory is released (release_memory_occupation, "
                                "sleep): resume it first")  # fmt: skip
-        if self.scheduler.weights_missing:
-            raise RuntimeError(f"{self.scheduler.weights_missing} weights were discarded at a "
-                               "release and not sent again (update_weights_from_tensor), or "
-                               "use update_weights_from_disk")  # fmt: skip
         if (prompt is None) == (input_ids is None):
             raise ValueError("generate: pass exactly one of prompt= or input_ids=")
         if prompt is not None:

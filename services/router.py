@@ -38,6 +38,7 @@ from services.router_pause import add_routes as add_pause_routes
 from services.router_profile import add_routes as add_profile_routes
 from services.router_protocol import ApiError, parse_body
 from services.router_tokens import DetokenizeBody, TokenizeBody
+from services.router_weight_sync import add_routes as add_weight_sync_routes
 from services.router_weights import add_routes as add_weights_routes
 from services.router_weights import weight_version
 from shared.async_bus import AsyncBus
@@ -139,6 +140,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     add_embedding_routes(app, state)  # POST /v1/embeddings
     add_lora_routes(app, state)  # POST /v1/load_lora_adapter, /load_lora_adapter, unloads
     add_weights_routes(app, state)  # POST /update_weights_from_disk
+    add_weight_sync_routes(app, state)  # POST /init_weights_update_group, ..._from_distributed
     add_pause_routes(app, state)  # POST /pause_generation, /continue_generation, /pause, ...
     add_memory_routes(app, state)  # POST /release_memory_occupation, /sleep, /wake_up, ...
 

@@ -22,6 +22,7 @@ than the one that set it, from its next worker-table refresh, within `--worker-c
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -107,21 +108,33 @@ async def update_weights(router: Any, body: UpdateWeightsBody) -> int:
     return sum(r.num_paused_requests for r in outcome.answers.values())
 
 
+async def weights_answer(
+    state: dict[str, Any], request: Request, work: Callable[[Any], Awaitable[dict[str, Any]]]
+) -> JSONResponse:
+    """SGLang's answer to a weights call: `{"success": true, **work(router)}`, or, for an
+    ApiError (other than 401/403), `{"success": false, "message"}` with its status."""
+    router = state["router"]
+    router.authorize(request)
+    try:
+        done = await work(router)
+    except ApiError as exc:
+        if exc.status in (401, 403):
+            raise
+        return JSONResponse({"success": False, "message": exc.message,
+                             "num_paused_requests": 0}, status_code=exc.status)  # fmt: skip
+    return JSONResponse({"success": True, **done})
+
+
 def add_routes(app: Any, state: dict[str, Any]) -> None:
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
-        router = state["router"]
-        router.authorize(request)
-        try:
-            body = parse_body(UpdateWeightsBody, await request.body())
-            paused = await update_weights(router, body)
-        except ApiError as exc:
-            if exc.status in (401, 403):
-                raise
-            return JSONResponse({"success": False, "message": exc.message,
-                                 "num_paused_requests": 0}, status_code=exc.status)  # fmt: skip
-        return JSONResponse({"success": True, "message": "Succeeded to update model weights.",
-                             "num_paused_requests": paused})  # fmt: skip
+        async def work(router: Any) -> dict[str, Any]:
+            paused = await update_weights(router, parse_body(UpdateWeightsBody,
+                                                             await request.body()))
+            return {"message": "Succeeded to update model weights.",
+                    "num_paused_requests": paused}  # fmt: skip
+
+        return await weights_answer(state, request, work)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> dict[str, Any]:

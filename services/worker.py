@@ -16,15 +16,16 @@ remembered when it overtook its request; a `FlushCacheReqMsg` empties the prefix
 nothing runs or waits, and is answered either way; a `ProfileReqMsg` starts or stops the torch
 profiler around the steps (services/worker_profile.py); a `LoraReqMsg` loads or unloads a LoRA
 adapter (engine/scheduler/model_updates.py) and is answered with the adapters served then; an
-`UpdateWeightsReqMsg` holds new requests back until the running ones end, then updates the
-weights and admits them; a `PauseReqMsg` stops the stepping (its requests aborted, kept,
-retracted, or, mode "wait", run to their end first; new ones wait in the queue) or starts it
-again, and a paused worker's aborts, cache flushes and weights updates act at once (the
-scheduler at rest: engine/scheduler/pausing.py); a `MemoryReqMsg` releases the device memory
-while no request holds K/V, or takes it back (services/worker_memory.py; nothing steps while
-weights or K/V are released, as if paused). The load figures go to the I/O process's
-heartbeat (`WorkerLoadMsg`) at most every 0.25 s; SIGTERM / SIGINT stop the loop, and the
-I/O process deletes the heartbeat.
+`UpdateWeightsReqMsg` (a `DistributedWeightsReqMsg`: tensors an RL trainer broadcasts, in a
+group a `WeightsGroupReqMsg` joined) holds new requests back until the running ones end, then
+updates the weights and admits them (services/worker_weights.py); a `PauseReqMsg` stops the
+stepping (its requests aborted, kept, retracted, or, mode "wait", run to their end first; new
+ones wait in the queue) or starts it again, and a paused worker's aborts, cache flushes and
+weights updates act at once (the scheduler at rest: engine/scheduler/pausing.py); a
+`MemoryReqMsg` releases the device memory while no request holds K/V, or takes it back
+(services/worker_memory.py; nothing steps while weights or K/V are released, as if paused).
+The load figures go to the I/O process's heartbeat (`WorkerLoadMsg`) at most every 0.25 s;
+SIGTERM / SIGINT stop the loop, and the I/O process deletes the heartbeat.
 
     sluice worker --redis-url redis://127.0.0.1:6379/0 --worker-id 0 --model /models/m
 """
@@ -36,12 +37,12 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.scheduler.step_trace import StepTrace
 from services.group_consumer import exit_process, stop_on_signals
 from services.worker_link import IoLink
-from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures, other_checkpoint
+from services.worker_load import REFRESH_EVERY_S, WorkerFacts, load_figures
 from services.worker_memory import MemoryHandling
 from services.worker_pause import PauseHandling
 from services.worker_profile import StepProfiler
@@ -52,11 +53,13 @@ from services.worker_requests import (
     sampling_params,
     step_records,
 )
-from shared.deployment import read_state
+from services.worker_weights import WeightsHandling, WeightsUpdate, attempt
+from shared.deployment import BROADCAST_WEIGHTS, read_state
 from shared.keys import WORKER_KIND, detok_stream, router_out_stream, weights_key
 from shared.logging import setup_logging
 from shared.messages import (
     AbortReqMsg,
+    DistributedWeightsReqMsg,
     ErrorMsg,
     FlushCacheReqMsg,
     FlushCacheRespMsg,
@@ -69,7 +72,7 @@ from shared.messages import (
     ProfileRespMsg,
     StepOutputMsg,
     UpdateWeightsReqMsg,
-    UpdateWeightsRespMsg,
+    WeightsGroupReqMsg,
 )
 from shared.settings import WorkerSettings, add_settings_args, settings_from_args
 
@@ -81,7 +84,7 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5  # how long an idle loop blocks on the pipe before checking for stop
 
 
-class Worker(PauseHandling, MemoryHandling):
+class Worker(PauseHandling, MemoryHandling, WeightsHandling):
     def __init__(
         self,
         settings: WorkerSettings,
@@ -114,10 +117,12 @@ class Worker(PauseHandling, MemoryHandling):
             UpdateWeightsReqMsg: self._on_update_weights,
             PauseReqMsg: self._on_pause,
             MemoryReqMsg: self._on_memory,
+            DistributedWeightsReqMsg: self._on_update_weights,
+            WeightsGroupReqMsg: self._on_weights_group,
         }
         # a weights update waiting for the running requests to end, and the requests that
         # arrived meanwhile (admitted after it)
-        self._update: UpdateWeightsReqMsg | None = None
+        self._update: WeightsUpdate | None = None
         self._held: list[GenerateReqMsg] = []
         # generation paused: the mode it was paused in (None: running; `paused` a worker
         # starting in a paused deployment), and a pause in mode "wait" until the requests it
@@ -285,9 +290,9 @@ class Worker(PauseHandling, MemoryHandling):
     def _on_lora(self, msg: LoraReqMsg) -> None:
         loras, sched = self.scheduler.loras, self.scheduler
         if msg.action == "load":
-            ok, note = _attempt(sched.load_lora_adapter, msg.lora_name, msg.lora_path, msg.replace)
+            ok, note = attempt(sched.load_lora_adapter, msg.lora_name, msg.lora_path, msg.replace)
         elif msg.action == "unload":
-            ok, note = _attempt(sched.unload_lora_adapter, msg.lora_name)
+            ok, note = attempt(sched.unload_lora_adapter, msg.lora_name)
         else:
             ok, note = False, f"unknown LoRA action {msg.action!r}"
         if ok:
@@ -298,31 +303,6 @@ class Worker(PauseHandling, MemoryHandling):
         )  # fmt: skip
         self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
-    def _on_update_weights(self, msg: UpdateWeightsReqMsg) -> None:
-        """Hold new requests back until the running ones have ended (aborted with
-        `abort_all_requests`); the update itself is `_update_weights`, once idle."""
-        if self._update is not None:
-            why = f"an update of the weights (to {self._update.model_path}) is in progress"
-            self._reply_update(msg, False, why, 0)
-            return
-        logger.info("weights update to %s: waiting for %d running request(s)%s",
-                    msg.model_path, len(self.table.active),
-                    " (aborting them)" if msg.abort_all_requests else "")  # fmt: skip
-        if msg.abort_all_requests:
-            self._abort_all("aborted: the weights are being updated")
-        if self._paused is not None and self.scheduler.holds_kv():
-            self._reply_update(msg, False, self._kept_in_place(), 0)
-            return
-        self._update = msg
-
-    def _update_ready(self) -> bool:
-        """Whether the update waiting may go on: idle, or paused (or with memory released)
-        with no request holding the current weights' K/V (waiting ones then run on the new
-        weights)."""
-        if not self._stepping():
-            return not self.scheduler.holds_kv()
-        return not self.scheduler.has_work()
-
     def _abort_all(self, why: str) -> int:
         rids = list(self.table.active)
         for rid in rids:
@@ -331,16 +311,6 @@ class Worker(PauseHandling, MemoryHandling):
             self.scheduler.end_aborted()
         return len(rids)
 
-    def _update_weights(self) -> None:
-        msg, self._update = self._update, None
-        assert msg is not None
-        ok, note = _attempt(self.scheduler.update_weights_from_disk, msg.model_path)
-        if ok:
-            path = self.scheduler.weights_path
-            self.link.facts(weights_path=other_checkpoint(path, self.model))
-        self._reply_update(msg, ok, note, len(self._held))
-        self._admit_held()
-
     def _admit_held(self) -> None:
         """The requests held back by a weights update or a pause in mode "wait", once
         neither holds them back (into the waiting queue, paused or not)."""
@@ -348,26 +318,6 @@ class Worker(PauseHandling, MemoryHandling):
             held, self._held = self._held, []
             for request in held:
                 self._on_generate(request)
-
-    def _reply_update(self, msg: UpdateWeightsReqMsg, ok: bool, note: str, paused: int) -> None:
-        reply = UpdateWeightsRespMsg(
-            msg.request_id, msg.router_id, self.worker_id, ok, note, paused,
-            self.scheduler.weights_path,
-        )  # fmt: skip
-        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
-
-
-def _attempt(change: Any, *args: Any) -> tuple[bool, str]:
-    """Run a change to the model (a LoRA load, a weights update): (True, "") or (False, why).
-    A ValueError is a refusal; anything else is logged too; the worker goes on either way."""
-    try:
-        change(*args)
-    except Exception as exc:  # noqa: BLE001 - answered with the reason
-        if not isinstance(exc, ValueError):
-            logger.exception("%s%r", change.__name__, args)
-        return False, str(exc)
-    return True, ""
-
 
 def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> str | None:
     """Make what the deployment's other workers serve since run-time changes (a weights
@@ -385,6 +335,13 @@ def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> str | None:
     finally:
         client.close()
     weights = state.weights
+    if weights == BROADCAST_WEIGHTS:
+        raise SystemExit(
+            "the deployment serves weights an RL trainer broadcast (/update_weights_from_"
+            "distributed), which are on no disk: this worker cannot serve the same. Save them "
+            "as a checkpoint and POST /update_weights_from_disk, or, to start workers from "
+            f"--model again: DEL {weights_key(settings.common.prefix)}"
+        )
     if weights and os.path.realpath(weights) != os.path.realpath(scheduler.weights_path):
         logger.info("the deployment's weights were updated to %s: loading them", weights)
         try:

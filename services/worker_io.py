@@ -48,6 +48,7 @@ from shared.keys import WORKER_GROUP, WORKER_KIND, detok_stream, heartbeat_key, 
 from shared.logging import setup_logging
 from shared.messages import (
     AbortReqMsg,
+    DistributedWeightsReqMsg,
     FlushCacheReqMsg,
     GenerateReqMsg,
     LoraReqMsg,
@@ -55,6 +56,7 @@ from shared.messages import (
     PauseReqMsg,
     ProfileReqMsg,
     UpdateWeightsReqMsg,
+    WeightsGroupReqMsg,
 )
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ logger = logging.getLogger(__name__)
 _RETRY_S = 0.5
 _TO_SCHEDULER = (
     GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg, LoraReqMsg, UpdateWeightsReqMsg,
-    PauseReqMsg, MemoryReqMsg,
+    PauseReqMsg, MemoryReqMsg, DistributedWeightsReqMsg, WeightsGroupReqMsg,
 )  # fmt: skip
 
 

@@ -12,7 +12,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from shared.keys import router_out_stream
-from shared.messages import PauseReqMsg, PauseRespMsg, UpdateWeightsReqMsg
+from shared.messages import PauseReqMsg, PauseRespMsg
 
 if TYPE_CHECKING:
     from engine.scheduler.scheduler import Scheduler
@@ -28,11 +28,11 @@ class PauseHandling:
     worker_id: str
     _paused: str | None
     _pausing: PauseReqMsg | None
-    _update: UpdateWeightsReqMsg | None
+    _update: Any  # a weights update waiting (services/worker_weights.py)
     _events_waiting: bool
     _abort_all: Any
     _admit_held: Any
-    _reply_update: Any
+    _refuse_update: Any
 
     def _on_pause(self, msg: PauseReqMsg) -> None:
         if msg.action == "resume":
@@ -86,7 +86,7 @@ class PauseHandling:
         update = self._update
         if update is not None and sched.holds_kv():
             self._update = None
-            self._reply_update(update, False, self._kept_in_place(), 0)
+            self._refuse_update(update, self._kept_in_place())
         self._admit_held()
 
     def _resume(self, msg: PauseReqMsg) -> None:

@@ -1,6 +1,8 @@
 """What a running deployment was changed to, kept in Redis so that a worker starting later (a
 new one, or one restarted after a crash) serves what the others serve: the checkpoint of the
-last `/update_weights_from_disk`, the LoRA adapters loaded (or unloaded) at run time, and
+last `/update_weights_from_disk` (or `BROADCAST_WEIGHTS` after weights a trainer broadcast with
+`/update_weights_from_distributed`, which no worker starting later can get: it refuses to
+start), the LoRA adapters loaded (or unloaded) at run time, and
 whether generation is paused (`/pause_generation`, `/pause`: a worker starting then starts
 paused, and every router's `/is_paused` reads it), and the device memory released while idle
 (`/release_memory_occupation`, `/sleep`: a worker starting then releases the same, and every
@@ -34,6 +36,8 @@ from shared.keys import (
 )
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's --weight-version default
+# the weights record after tensors broadcast by a trainer (on no disk); not a folder's name
+BROADCAST_WEIGHTS = "<broadcast by a trainer>"
 
 
 @dataclass

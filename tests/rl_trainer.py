@@ -11,7 +11,8 @@ tensors, sorted by name, are split into N buckets (i::N); `--order` says which a
 turn. With `--router`, the trainer also makes the HTTP calls (SGLang's
 `/init_weights_update_group`, `/update_weights_from_distributed` with each bucket's names,
 dtypes and shapes, `/destroy_weights_update_group`), each beside its side of the collective,
-and prints each answer as a JSON line; without, the engine's side is the caller's.
+and prints each answer as a JSON line (`--rename-first` misnames a tensor of the first bucket
+sent); without, the engine's side is the caller's.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--router")
     ap.add_argument("--rank-offset", type=int, default=1)
     ap.add_argument("--weight-version")
+    ap.add_argument("--rename-first", help="a wrong name for the first tensor of the first "
+                    "bucket sent, in the HTTP body only (a bucket the engine refuses)")
     args = ap.parse_args(argv)
     parts = buckets(args.checkpoint, args.buckets)
     pool = ThreadPoolExecutor(1)
@@ -119,11 +122,14 @@ def main(argv: list[str]) -> None:
     group = trainer_group(args.port, args.world_size, GROUP)
     if init is not None:
         print(json.dumps({"call": "init", **init.result()}), flush=True)
-    for index in (int(i) for i in args.order.split(",")):
+    for turn, index in enumerate(int(i) for i in args.order.split(",")):
         bucket = parts[index]
         sent = None
         if args.router:
-            body = {"names": [n for n, _ in bucket],
+            names = [n for n, _ in bucket]
+            if turn == 0 and args.rename_first:
+                names[0] = args.rename_first
+            body = {"names": names,
                     "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": GROUP}  # fmt: skip
             if args.weight_version:

@@ -6,7 +6,8 @@
 | `worker`      | `{p}:worker:{w}:in`    | GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, |
 |               |                        | ProfileReqMsg, LoraReqMsg,            |
 |               |                        | UpdateWeightsReqMsg, PauseReqMsg,     |
-|               |                        | MemoryReqMsg                          |
+|               |                        | MemoryReqMsg, WeightsGroupReqMsg,     |
+|               |                        | DistributedWeightsReqMsg              |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
 |               |                        | TokenizeRespMsg, AbortNamedMsg,       |
@@ -41,6 +42,7 @@ from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
 from shared.messages.tokenizer import ChatMessage, TokenizeReqMsg
 from shared.messages.worker import (
     AbortReqMsg,
+    DistributedWeightsReqMsg,
     FlushCacheReqMsg,
     GenerateReqMsg,
     LoraReqMsg,
@@ -48,6 +50,7 @@ from shared.messages.worker import (
     PauseReqMsg,
     ProfileReqMsg,
     UpdateWeightsReqMsg,
+    WeightsGroupReqMsg,
 )
 
 __all__ = [
@@ -55,6 +58,7 @@ __all__ = [
     "AbortNamedMsg",
     "AbortNamedRespMsg",
     "AbortReqMsg",
+    "DistributedWeightsReqMsg",
     "ChatMessage",
     "DetokOutputMsg",
     "DetokRow",
@@ -81,6 +85,7 @@ __all__ = [
     "StepRow",
     "TokenizeReqMsg",
     "UpdateWeightsReqMsg",
+    "WeightsGroupReqMsg",
     "UpdateWeightsRespMsg",
     "WorkerLoadMsg",
     "decode_message",

@@ -233,3 +233,71 @@ class MemoryReqMsg(Message):
         for tag in self.tags:
             if tag not in MEMORY_TAGS:
                 raise MessageError(f"MemoryReqMsg: unknown tag {tag!r}")
+
+
+# dtype names of the weights a trainer broadcasts (engine/weight_groups.py's WEIGHT_DTYPES,
+# which the engine keeps without importing this package); "torch." before one is accepted
+WEIGHT_DTYPES = (
+    "float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2", "int8",
+    "uint8", "int16", "int32", "int64", "bool",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsGroupReqMsg(Message):
+    """router → worker: join an RL trainer's process group (`action` "init"; SGLang's `POST
+    /init_weights_update_group`: the trainer is rank 0 and serves the rendezvous at
+    `master_address:master_port`, this worker is rank `ranks[worker_id]` of `world_size`,
+    over `backend`, within `timeout_s`) or leave it ("destroy"; engine/weight_groups.py).
+    Answered with an `UpdateWeightsRespMsg` carrying `request_id`."""
+
+    TAG = "weights_group_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    action: str
+    group_name: str
+    master_address: str = ""
+    master_port: int = 0
+    ranks: dict[str, int] = field(default_factory=dict)
+    world_size: int = 0
+    backend: str = "nccl"
+    timeout_s: float = 300.0
+
+    def _check(self) -> None:
+        if self.action not in ("init", "destroy"):
+            raise MessageError(f"WeightsGroupReqMsg: unknown action {self.action!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DistributedWeightsReqMsg(Message):
+    """router → worker: receive the tensors the trainer broadcasts in group `group_name`
+    (one per name, in order, of `dtypes` and `shapes`) into the weights (SGLang's `POST
+    /update_weights_from_distributed`). Like an `UpdateWeightsReqMsg`, the worker holds new
+    requests back and lets the running ones finish first (or aborts them with
+    `abort_all_requests`); a refused bucket is received all the same (the trainer's broadcast
+    must end). Answered with an `UpdateWeightsRespMsg` carrying `request_id`."""
+
+    TAG = "distributed_weights_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+    def _check(self) -> None:
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise MessageError(f"DistributedWeightsReqMsg: {len(self.names)} names, "
+                               f"{len(self.dtypes)} dtypes, {len(self.shapes)} shapes")  # fmt: skip
+        for dtype in self.dtypes:
+            if dtype.removeprefix("torch.") not in WEIGHT_DTYPES:
+                raise MessageError(f"DistributedWeightsReqMsg: unknown dtype {dtype!r}")
+        for shape in self.shapes:
+            if any(not isinstance(d, int) or d < 0 for d in shape):
+                raise MessageError(f"DistributedWeightsReqMsg: bad shape {shape!r}")

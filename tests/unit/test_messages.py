@@ -15,6 +15,7 @@ from shared.messages import (
     ChatMessage,
     DetokOutputMsg,
     DetokRow,
+    DistributedWeightsReqMsg,
     ErrorMsg,
     FinishReason,
     FlushCacheReqMsg,
@@ -38,6 +39,7 @@ from shared.messages import (
     TokenizeRespMsg,
     UpdateWeightsReqMsg,
     UpdateWeightsRespMsg,
+    WeightsGroupReqMsg,
     WorkerLoadMsg,
     decode_message,
     message_types,
@@ -135,6 +137,11 @@ SAMPLES: list[Message] = [
     MemoryReqMsg("mem-1", "router-a", "release", ["weights", "kv_cache"], True),
     MemoryReqMsg("mem-2", "router-a", "resume"),
     MemoryRespMsg("mem-1", "router-a", "w0", True, "", ["kv_cache", "weights"], 1 << 20),
+    WeightsGroupReqMsg("grp-1", "router-a", "init", "weight_update_group", "10.0.0.2", 29500,
+                       {"w0": 1, "w1": 2}, 3, "nccl", 60.0),
+    WeightsGroupReqMsg("grp-2", "router-a", "destroy", "weight_update_group"),
+    DistributedWeightsReqMsg("upd-1", "router-a", ["model.norm.weight", "lm_head.weight"],
+                             ["bfloat16", "torch.float32"], [[64], [512, 64]], "g", False, True),
 ]  # fmt: skip
 
 
@@ -275,6 +282,29 @@ def test_a_memory_request_of_an_unknown_action_or_tag_is_refused(field: str, val
     body = wire(MemoryReqMsg("mem-1", "router-a", "release")) | {field: value}
     shown = value if field == "action" else "gpu"
     assert f"MemoryReqMsg: unknown {field.rstrip('s')} {shown!r}" in reason_of(pack(body))
+
+
+@pytest.mark.parametrize("field,value,reason", [
+    ("dtypes", ["float32", "complex64"], "unknown dtype 'complex64'"),
+    ("shapes", [[64], [-1, 64]], "bad shape [-1, 64]"),
+    ("names", ["x"], "1 names, 2 dtypes, 2 shapes"),
+])  # fmt: skip
+def test_a_distributed_update_with_bad_tensors_is_refused(field: str, value, reason) -> None:
+    msg = DistributedWeightsReqMsg("u", "r", ["a", "b"], ["float32"] * 2, [[64], [2, 64]], "g")
+    body = wire(msg) | {field: value}
+    assert f"DistributedWeightsReqMsg: {reason}" in reason_of(pack(body))
+
+
+def test_a_weights_group_request_of_an_unknown_action_is_refused() -> None:
+    body = wire(WeightsGroupReqMsg("g-1", "router-a", "destroy", "g")) | {"action": "join"}
+    assert "WeightsGroupReqMsg: unknown action 'join'" in reason_of(pack(body))
+
+
+def test_the_weight_dtypes_are_the_engines() -> None:
+    from engine.weight_groups import WEIGHT_DTYPES as ENGINE_DTYPES
+    from shared.messages.worker import WEIGHT_DTYPES
+
+    assert WEIGHT_DTYPES == ENGINE_DTYPES
 
 
 def test_the_memory_tags_are_the_engines() -> None:
