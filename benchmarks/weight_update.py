@@ -16,8 +16,10 @@ its device process):
   process gets them pickled through its pipe);
 * broadcast: `Engine.update_weights_from_distributed`, the other checkpoint's tensors
   broadcast in 4 buckets by a trainer process (tests/rl_trainer.py, rank 0 of a gloo group
-  built as RL trainers build theirs; it has them in memory before the clock starts, and the
-  group is joined before it), then one request (on CPU the device process receives them);
+  built as RL trainers build theirs, over loopback TCP; it holds both checkpoints in memory),
+  then one request; a second engine, in the group for the whole run as in an RL loop (on
+  CPU its device process receives them). Its first update after joining (the same
+  weights, untimed in the arm) opens the group's connections and is reported apart;
 * dry run: the check alone (`engine.weight_update.check_config` + the meta-device load);
 * restart: the engine shut down and a new one built on the other checkpoint (process, model
   load, KV pool), then one request.
@@ -32,6 +34,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -44,20 +47,28 @@ PROMPT = list(range(100, 164))
 PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 
-def join_trainer(engine, path: str, tensors: list) -> tuple:
-    """A trainer process holding `path`'s tensors, in a gloo group with `engine`; the specs
-    of its 4 buckets (its order: the tensors sorted by name, bucket k every 4th from k)."""
+def join_trainer(engine, paths: list[str], order: str) -> Any:
+    """A trainer process holding the checkpoints `paths` (4 buckets each: its tensors sorted
+    by name, bucket k every 4th from k), sending the buckets of `order` ("c:k"), in a gloo
+    group with `engine`."""
     from shared.redis_server import free_port
     from tests.rl_trainer import Trainer
 
     port = free_port()
-    trainer = Trainer("--port", str(port), "--checkpoint", path, "--buckets", "4", "--order",
-                      "0,1,2,3")  # fmt: skip
+    places = [a for path in paths for a in ("--checkpoint", path)]
+    trainer = Trainer("--port", str(port), *places, "--buckets", "4", "--order", order)
     engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo")
-    specs = [{"names": [n for n, _ in tensors[k::4]],
-              "dtypes": [str(t.dtype) for _, t in tensors[k::4]],
-              "shapes": [list(t.shape) for _, t in tensors[k::4]]} for k in range(4)]  # fmt: skip
-    return trainer, specs
+    return trainer
+
+
+def broadcast(engine, tensors: list) -> None:
+    """The 4 buckets of `tensors` (sorted by name), as the trainer broadcasts them."""
+    for k in range(4):
+        bucket = tensors[k::4]
+        engine.update_weights_from_distributed(
+            [n for n, _ in bucket], [str(t.dtype) for _, t in bucket],
+            [list(t.shape) for _, t in bucket],
+        )  # fmt: skip
 
 
 def main() -> None:
@@ -80,9 +91,22 @@ def main() -> None:
     outs: dict[str, list] = {"update": [], "tensors": [], "broadcast": [], "restart": []}
     in_memory = [[(n, t.clone()) for n, t in sorted(iter_safetensors(p))] for p in paths]
     engine = Engine(model_path=paths[0], **kw)
+    # the broadcast arm's engine: in the trainer's group for the whole run, as in an RL loop
+    # (the restarts would leave it); its first update (the same weights, untimed but
+    # reported) opens the group's connections
+    receiver = Engine(model_path=paths[0], **kw)
+    order, target = ["0:0", "0:1", "0:2", "0:3"], 0
+    for _ in range(args.repeat):
+        target = 1 - target
+        order += [f"{target}:{k}" for k in range(4)]
+    trainer = join_trainer(receiver, paths, ",".join(order))
     current = 0
     try:
         engine.generate(input_ids=PROMPT, sampling_params=PARAMS)  # warm-up
+        receiver.generate(input_ids=PROMPT, sampling_params=PARAMS)
+        t0 = time.perf_counter()
+        broadcast(receiver, in_memory[0])
+        first_broadcast_s = time.perf_counter() - t0
         for i in range(args.repeat):
             target = 1 - current
             t0 = time.perf_counter()
@@ -99,16 +123,11 @@ def main() -> None:
             times["tensors"].append(time.perf_counter() - t0)
             outs["tensors"].append((target, out))
 
-            engine.update_weights_from_disk(paths[current])  # (back, then by broadcast)
-            trainer, specs = join_trainer(engine, paths[target], in_memory[target])
             t0 = time.perf_counter()
-            for spec in specs:
-                engine.update_weights_from_distributed(**spec)
-            out = engine.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
+            broadcast(receiver, in_memory[target])
+            out = receiver.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
             times["broadcast"].append(time.perf_counter() - t0)
             outs["broadcast"].append((target, out))
-            trainer.answers()
-            engine.destroy_weights_update_group()
 
             config = ModelConfig.from_pretrained(paths[target])
             t0 = time.perf_counter()
@@ -126,8 +145,12 @@ def main() -> None:
             current = target
             print(f"round {i + 1}: " + " ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
                   flush=True)  # fmt: skip
+        trainer.answers()
+        receiver.destroy_weights_update_group()
     finally:
         engine.shutdown()
+        receiver.shutdown()
+        trainer.kill()
     # round by round, the same checkpoint
     same = outs["update"] == outs["restart"] == outs["tensors"] == outs["broadcast"]
     checked = {ckpt for ckpt, _ in outs["update"]}
@@ -139,6 +162,7 @@ def main() -> None:
         "update_s": rows[0]["best_s"],
         "tensors_s": rows[1]["best_s"],
         "broadcast_s": rows[2]["best_s"],
+        "first_broadcast_after_join_s": first_broadcast_s,
         "dry_run_s": rows[3]["best_s"],
         "restart_s": rows[4]["best_s"],
         "restart_vs_update": rows[4]["best_s"] / rows[0]["best_s"],

@@ -8,7 +8,8 @@ without the engine's code (engine/weight_groups.py is the other side, under test
 Run as a process: `python -m tests.rl_trainer --port P --world-size W --checkpoint DIR
 --buckets N --order 0,1,2 [--router URL --rank-offset R --weight-version V]`. The checkpoint's
 tensors, sorted by name, are split into N buckets (i::N); `--order` says which are sent, in
-turn. With `--router`, the trainer also makes the HTTP calls (SGLang's
+turn: "k" is bucket k of the (first) checkpoint, "c:k" bucket k of the c-th `--checkpoint`
+given. With `--router`, the trainer also makes the HTTP calls (SGLang's
 `/init_weights_update_group`, `/update_weights_from_distributed` with each bucket's names,
 dtypes and shapes, `/destroy_weights_update_group`), each beside its side of the collective,
 and prints each answer as a JSON line (`--rename-first` misnames a tensor of the first bucket
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--checkpoint", action="append", required=True)
     ap.add_argument("--buckets", type=int, default=1)
     ap.add_argument("--order", default="0")
     ap.add_argument("--router")
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--rename-first", help="a wrong name for the first tensor of the first "
                     "bucket sent, in the HTTP body only (a bucket the engine refuses)")
     args = ap.parse_args(argv)
-    parts = buckets(args.checkpoint, args.buckets)
+    parts = [buckets(path, args.buckets) for path in args.checkpoint]
     pool = ThreadPoolExecutor(1)
     init = None
     if args.router:
@@ -122,8 +123,9 @@ def main(argv: list[str]) -> None:
     group = trainer_group(args.port, args.world_size, GROUP)
     if init is not None:
         print(json.dumps({"call": "init", **init.result()}), flush=True)
-    for turn, index in enumerate(int(i) for i in args.order.split(",")):
-        bucket = parts[index]
+    for turn, item in enumerate(args.order.split(",")):
+        checkpoint, _, index = item.rpartition(":")
+        bucket = parts[int(checkpoint or 0)][int(index)]
         sent = None
         if args.router:
             names = [n for n, _ in bucket]
