@@ -261,8 +261,8 @@ do_step() {
                 --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 --kv-tokens 65536 \
                 --name gpu_fp8 ;;
         memory)
-            run_step memory-tests 120 "${PYTEST[@]}" --timeout 300 \
-                tests/gpu/test_memory_release_gpu.py
+            run_step memory-tests 150 "${PYTEST[@]}" --timeout 300 \
+                tests/gpu/test_memory_release_gpu.py tests/gpu/test_weight_distributed_gpu.py
             run_step memory-bench 120 python3 benchmarks/memory_release.py --device cuda \
                 --dtype bfloat16 --layers 16 --kv-tokens 262144 --name gpu_memory_release ;;
         kv-fp8)

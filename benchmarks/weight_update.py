@@ -51,8 +51,7 @@ def join_trainer(engine, paths: list[str], order: str) -> Any:
     """A trainer process holding the checkpoints `paths` (4 buckets each: its tensors sorted
     by name, bucket k every 4th from k), sending the buckets of `order` ("c:k"), in a gloo
     group with `engine`."""
-    from shared.redis_server import free_port
-    from tests.rl_trainer import Trainer
+    from tests.rl_trainer import Trainer, free_port
 
     port = free_port()
     places = [a for path in paths for a in ("--checkpoint", path)]

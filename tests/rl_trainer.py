@@ -22,6 +22,7 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -40,6 +41,13 @@ from torch.distributed.distributed_c10d import (
 )
 
 GROUP = "weight_update_group"
+
+
+def free_port() -> int:
+    """A free loopback TCP port for the rendezvous (this module needs no Redis package)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def trainer_group(port: int, world_size: int, name: str) -> Any:
