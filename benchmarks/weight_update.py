@@ -20,6 +20,8 @@ its device process):
   then one request; a second engine, in the group for the whole run as in an RL loop (on
   CPU its device process receives them). Its first update after joining (the same
   weights, untimed in the arm) opens the group's connections and is reported apart;
+* broadcast flat: the same with each bucket flattened into one uint8 tensor (SGLang's
+  load_format "flattened_bucket": one collective per bucket, not per tensor);
 * dry run: the check alone (`engine.weight_update.check_config` + the meta-device load);
 * restart: the engine shut down and a new one built on the other checkpoint (process, model
   load, KV pool), then one request.
@@ -60,13 +62,15 @@ def join_trainer(engine, paths: list[str], order: str) -> Any:
     return trainer
 
 
-def broadcast(engine, tensors: list) -> None:
-    """The 4 buckets of `tensors` (sorted by name), as the trainer broadcasts them."""
+def broadcast(engine, tensors: list, flattened: bool = False) -> None:
+    """The 4 buckets of `tensors` (sorted by name), as the trainer broadcasts them (each
+    bucket as one uint8 tensor with `flattened`)."""
     for k in range(4):
         bucket = tensors[k::4]
         engine.update_weights_from_distributed(
             [n for n, _ in bucket], [str(t.dtype) for _, t in bucket],
             [list(t.shape) for _, t in bucket],
+            load_format="flattened_bucket" if flattened else None,
         )  # fmt: skip
 
 
@@ -85,9 +89,11 @@ def main() -> None:
         if f.endswith(".safetensors")
     ) / 2**20  # fmt: skip
     kw = dict(skip_tokenizer_init=True, max_total_tokens=4096)
-    times: dict[str, list[float]] = {"update": [], "tensors": [], "broadcast": [], "dry run": [],
+    times: dict[str, list[float]] = {"update": [], "tensors": [], "broadcast": [],
+                                     "broadcast flat": [], "dry run": [],
                                      "restart": []}  # fmt: skip
-    outs: dict[str, list] = {"update": [], "tensors": [], "broadcast": [], "restart": []}
+    outs: dict[str, list] = {"update": [], "tensors": [], "broadcast": [], "broadcast flat": [],
+                             "restart": []}  # fmt: skip
     in_memory = [[(n, t.clone()) for n, t in sorted(iter_safetensors(p))] for p in paths]
     engine = Engine(model_path=paths[0], **kw)
     # the broadcast arm's engine: in the trainer's group for the whole run, as in an RL loop
@@ -95,9 +101,10 @@ def main() -> None:
     # reported) opens the group's connections
     receiver = Engine(model_path=paths[0], **kw)
     order, target = ["0:0", "0:1", "0:2", "0:3"], 0
-    for _ in range(args.repeat):
+    for _ in range(args.repeat):  # (flattened there, plain back, plain there)
         target = 1 - target
-        order += [f"{target}:{k}" for k in range(4)]
+        order += [f"{c}:{k}{f}" for c, f in ((target, "f"), (1 - target, ""), (target, ""))
+                  for k in range(4)]  # fmt: skip
     trainer = join_trainer(receiver, paths, ",".join(order))
     current = 0
     try:
@@ -122,6 +129,12 @@ def main() -> None:
             times["tensors"].append(time.perf_counter() - t0)
             outs["tensors"].append((target, out))
 
+            t0 = time.perf_counter()
+            broadcast(receiver, in_memory[target], flattened=True)
+            out = receiver.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
+            times["broadcast flat"].append(time.perf_counter() - t0)
+            outs["broadcast flat"].append((target, out))
+            broadcast(receiver, in_memory[current])  # (back, then one tensor at a time)
             t0 = time.perf_counter()
             broadcast(receiver, in_memory[target])
             out = receiver.generate(input_ids=PROMPT, sampling_params=PARAMS)["output_ids"]
@@ -151,7 +164,7 @@ def main() -> None:
         receiver.shutdown()
         trainer.kill()
     # round by round, the same checkpoint
-    same = outs["update"] == outs["restart"] == outs["tensors"] == outs["broadcast"]
+    same = all(v == outs["restart"] for v in outs.values())
     checked = {ckpt for ckpt, _ in outs["update"]}
     rows = [{"arm": k, "best_s": min(v), "median_s": sorted(v)[len(v) // 2]}
             for k, v in times.items()]  # fmt: skip
@@ -161,14 +174,16 @@ def main() -> None:
         "update_s": rows[0]["best_s"],
         "tensors_s": rows[1]["best_s"],
         "broadcast_s": rows[2]["best_s"],
+        "broadcast_flattened_s": rows[3]["best_s"],
         "first_broadcast_after_join_s": first_broadcast_s,
-        "dry_run_s": rows[3]["best_s"],
-        "restart_s": rows[4]["best_s"],
-        "restart_vs_update": rows[4]["best_s"] / rows[0]["best_s"],
-        "restart_vs_tensors": rows[4]["best_s"] / rows[1]["best_s"],
-        "restart_vs_broadcast": rows[4]["best_s"] / rows[2]["best_s"],
+        "dry_run_s": rows[4]["best_s"],
+        "restart_s": rows[5]["best_s"],
+        "restart_vs_update": rows[5]["best_s"] / rows[0]["best_s"],
+        "restart_vs_tensors": rows[5]["best_s"] / rows[1]["best_s"],
+        "restart_vs_broadcast": rows[5]["best_s"] / rows[2]["best_s"],
         "tensors_vs_update": rows[1]["best_s"] / rows[0]["best_s"],
         "broadcast_vs_update": rows[2]["best_s"] / rows[0]["best_s"],
+        "broadcast_vs_flattened": rows[2]["best_s"] / rows[3]["best_s"],
         "update_tokens_equal_fresh_engine": same,
         "checkpoints_compared": sorted(checked),
     }

@@ -332,16 +332,17 @@ class Engine(PoolingCalls):
     ) -> None:
         """Receive the tensors the trainer broadcasts (`torch.distributed.broadcast(t,
         src=0, group=...)`, one per name, in this order; `dtypes` as "bfloat16" or
-        "torch.bfloat16") and load them as `update_weights_from_tensor` does. The bucket is
+        "torch.bfloat16"; with `load_format` "flattened_bucket", SGLang's, one uint8 tensor of
+        their bytes end to end) and load them as `update_weights_from_tensor` does. The bucket is
         received in full even when refused (ValueError, nothing changed: a name or shape
         that does not fit the model, a request holding K/V), so the trainer never waits on
         a refusal."""
-        if load_format is not None:
-            raise ValueError(f"load_format {load_format!r}: only the default (None) is "
-                             "supported")  # fmt: skip
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format {load_format!r}: use None or 'flattened_bucket'")
         self.scheduler.update_weights_from_distributed(
-            list(names), list(dtypes), [list(s) for s in shapes], group_name, flush_cache
-        )
+            list(names), list(dtypes), [list(s) for s in shapes], group_name, flush_cache,
+            load_format == "flattened_bucket",
+        )  # fmt: skip
         if weight_version is not None:
             self.weight_version = weight_version
 

@@ -79,19 +79,22 @@ class RunnerWeights:
         self.weight_groups.destroy(group_name)
 
     def update_weights_from_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
-    ) -> int:
-        """The tensors the trainer broadcasts in group `group_name` into the weights (as
-        `update_weights_from_tensor`); the checkpoint tensors still to be sent."""
-        named = self.weight_groups.receive(group_name, names, dtypes, shapes)
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        flattened: bool = False,
+    ) -> int:  # fmt: skip
+        """The tensors the trainer broadcasts in group `group_name` (one by one, or
+        `flattened` into one buffer) into the weights (as `update_weights_from_tensor`); the
+        checkpoint tensors still to be sent."""
+        named = self.weight_groups.receive(group_name, names, dtypes, shapes, flattened)
         return self.update_weights_from_tensor(named)
 
     def discard_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
-    ) -> None:
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        flattened: bool = False,
+    ) -> None:  # fmt: skip
         """Receive a bucket the trainer broadcasts and drop it (an update refused: the
         trainer's broadcast ends either way)."""
-        self.weight_groups.receive(group_name, names, dtypes, shapes)
+        self.weight_groups.receive(group_name, names, dtypes, shapes, flattened)
 
     def missing_weights(self) -> int:
         """How many checkpoint tensors were discarded (weights not on disk) and not sent

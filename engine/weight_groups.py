@@ -12,6 +12,9 @@ src=0, group=...)` for each tensor of a bucket, in the order of the `names` it s
 the update request; the engine receives them in that order into fresh tensors of the
 declared dtypes and shapes, and loads them as `update_weights_from_tensor` does
 (engine/weight_update.py: checked on a meta copy first; nothing changed if they do not fit).
+With SGLang's load_format "flattened_bucket" the trainer broadcasts a bucket as one uint8
+tensor, each tensor's bytes after the previous one's (`FlattenedTensorBucket`): one
+collective per bucket instead of one per tensor.
 
 A bucket is always received in full, even when it is then refused (a name the model lacks, a
 shape that does not fit, requests still running): the trainer's broadcast would otherwise
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 from collections.abc import Sequence
 
 import torch
@@ -75,6 +79,28 @@ def join_group(
     # trainer's
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def unflatten(
+    flat: torch.Tensor,
+    names: Sequence[str],
+    kinds: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors whose bytes `flat` (uint8) holds end to end, in order (views where the
+    offset suits the dtype, copies where it does not)."""
+    named, offset = [], 0
+    for name, kind, shape in zip(names, kinds, shapes):
+        size = math.prod(shape) * kind.itemsize
+        piece = flat[offset:offset + size]
+        if offset % kind.itemsize:
+            piece = piece.clone()
+        named.append((str(name), piece.view(kind).view(tuple(shape))))
+        offset += size
+    if offset != flat.numel():
+        raise ValueError(f"the flattened bucket has {flat.numel()} bytes; the tensors named "
+                         f"take {offset}")  # fmt: skip
+    return named
 
 
 class WeightGroups:
@@ -131,15 +157,22 @@ class WeightGroups:
         names: Sequence[str],
         dtypes: Sequence[str],
         shapes: Sequence[Sequence[int]],
+        flattened: bool = False,
     ) -> list[tuple[str, torch.Tensor]]:
         """The tensors the trainer broadcasts, in the order of `names` (all of them are
-        received before anything else is checked). ValueError for an unknown group or
-        mismatched lists, before any is received."""
+        received before anything else is checked): one broadcast each, or, `flattened`
+        (SGLang's load_format "flattened_bucket"), one uint8 tensor of their bytes end to
+        end. ValueError for an unknown group or mismatched lists, before any is received."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes and {len(shapes)} "
                              "shapes: one of each per tensor")  # fmt: skip
         kinds = [weight_dtype(d) for d in dtypes]
         group = self.groups[self._known(group_name)]
+        if flattened:
+            nbytes = sum(math.prod(s) * k.itemsize for k, s in zip(kinds, shapes))
+            flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            torch.distributed.broadcast(flat, src=0, group=group)
+            return unflatten(flat, names, kinds, shapes)
         named = [(str(n), torch.empty(tuple(s), dtype=k, device=self.device))
                  for n, k, s in zip(names, kinds, shapes)]  # fmt: skip
         works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True)

@@ -12,7 +12,9 @@ it to trainers on other GPUs or machines (slime, verl, OpenRLHF, AReaL):
   "flush_cache": true, "abort_all_requests": false, "weight_version"}`): each worker receives
   the tensors the trainer broadcasts next (`torch.distributed.broadcast(t, src=0,
   group=...)`, in the order of `names`; dtypes as "bfloat16") and loads them, as
-  `/update_weights_from_disk` does: new requests are held back and the running ones finish
+  `/update_weights_from_disk` does (`load_format: "flattened_bucket"`, SGLang's: one uint8
+  tensor per bucket, the tensors' bytes end to end): new requests are held back and the
+  running ones finish
   first (or are aborted), and `{"success", "message", "num_paused_requests"}` comes back. A
   bucket refused (a name the model lacks, a shape that does not fit) is received all the
   same, so the trainer's broadcast ends: the answer is a 400 with each worker's reason.
@@ -103,9 +105,10 @@ def check_tensors(body: DistributedBody) -> None:
     for shape in body.shapes:
         if any(d < 0 for d in shape):
             raise _bad(f"shape {shape} has a negative size", "shapes")
-    if body.load_format is not None:
-        raise ApiError(400, f"load_format {body.load_format!r}: only the default (none) is "
-                            "supported", "load_format", "unsupported_parameter")  # fmt: skip
+    if body.load_format not in (None, "flattened_bucket"):
+        raise ApiError(400, f"load_format {body.load_format!r}: use none (a broadcast per "
+                            "tensor) or \"flattened_bucket\" (one per bucket)", "load_format",
+                       "unsupported_parameter")  # fmt: skip
     if body.weight_version is not None and not body.weight_version.strip():
         raise _bad("weight_version must not be empty", "weight_version")
 
@@ -144,7 +147,7 @@ async def update_distributed(router: Any, body: DistributedBody) -> int:
     def question(request_id: str) -> DistributedWeightsReqMsg:
         return DistributedWeightsReqMsg(
             request_id, broker.router_id, body.names, body.dtypes, body.shapes,
-            body.group_name, body.flush_cache, body.abort_all_requests,
+            body.group_name, body.flush_cache, body.abort_all_requests, body.load_format or "",
         )  # fmt: skip
 
     answers = await ask_all_workers(broker, question, UPDATE_TIMEOUT_S, "weights not updated",

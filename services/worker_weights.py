@@ -80,7 +80,8 @@ class WeightsHandling:
         sched = self.scheduler
         if isinstance(msg, DistributedWeightsReqMsg):
             ok, note = attempt(sched.update_weights_from_distributed, msg.names, msg.dtypes,
-                                msg.shapes, msg.group_name, msg.flush_cache)  # fmt: skip
+                               msg.shapes, msg.group_name, msg.flush_cache,
+                               msg.load_format == "flattened_bucket")  # fmt: skip
         else:
             ok, note = attempt(sched.update_weights_from_disk, msg.model_path)
             if ok:
@@ -91,7 +92,8 @@ class WeightsHandling:
     def _refuse_update(self, msg: WeightsUpdate, why: str) -> None:
         """Answer `msg` with a refusal; broadcast tensors are received first (and dropped)."""
         if isinstance(msg, DistributedWeightsReqMsg):
-            self.scheduler.discard_distributed(msg.names, msg.dtypes, msg.shapes, msg.group_name)
+            self.scheduler.discard_distributed(msg.names, msg.dtypes, msg.shapes, msg.group_name,
+                                               msg.load_format == "flattened_bucket")  # fmt: skip
         self._reply_update(msg, False, why, 0)
 
     def _reply_update(

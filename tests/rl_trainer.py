@@ -9,11 +9,12 @@ Run as a process: `python -m tests.rl_trainer --port P --world-size W --checkpoi
 --buckets N --order 0,1,2 [--router URL --rank-offset R --weight-version V]`. The checkpoint's
 tensors, sorted by name, are split into N buckets (i::N); `--order` says which are sent, in
 turn: "k" is bucket k of the (first) checkpoint, "c:k" bucket k of the c-th `--checkpoint`
-given. With `--router`, the trainer also makes the HTTP calls (SGLang's
-`/init_weights_update_group`, `/update_weights_from_distributed` with each bucket's names,
-dtypes and shapes, `/destroy_weights_update_group`), each beside its side of the collective,
-and prints each answer as a JSON line (`--rename-first` misnames a tensor of the first bucket
-sent); without, the engine's side is the caller's.
+given; an "f" after one sends it flattened (SGLang's load_format "flattened_bucket": one
+uint8 tensor, each tensor's bytes in turn). With `--router`, the trainer also makes the HTTP
+calls (SGLang's `/init_weights_update_group`, `/update_weights_from_distributed` with each
+bucket's names, dtypes and shapes, `/destroy_weights_update_group`), each beside its side of
+the collective, and prints each answer as a JSON line (`--rename-first` misnames a tensor of
+the first bucket sent); without, the engine's side is the caller's.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def main(argv: list[str]) -> None:
     if init is not None:
         print(json.dumps({"call": "init", **init.result()}), flush=True)
     for turn, item in enumerate(args.order.split(",")):
-        checkpoint, _, index = item.rpartition(":")
+        flattened = item.endswith("f")
+        checkpoint, _, index = item.removesuffix("f").rpartition(":")
         bucket = parts[int(checkpoint or 0)][int(index)]
         sent = None
         if args.router:
@@ -144,8 +146,13 @@ def main(argv: list[str]) -> None:
                     "shapes": [list(t.shape) for _, t in bucket], "group_name": GROUP}  # fmt: skip
             if args.weight_version:
                 body["weight_version"] = args.weight_version
+            if flattened:
+                body["load_format"] = "flattened_bucket"
             sent = pool.submit(post, args.router, "/update_weights_from_distributed", body)
-        for _, tensor in bucket:
+        if flattened:  # (SGLang's FlattenedTensorBucket: each tensor's bytes in turn)
+            flat = torch.cat([t.flatten().view(torch.uint8) for _, t in bucket])
+            dist.broadcast(flat, src=0, group=group)
+        for _, tensor in [] if flattened else bucket:
             dist.broadcast(tensor, src=0, group=group)
         if sent is not None:
             print(json.dumps({"call": "update", **sent.result()}), flush=True)

@@ -112,30 +112,33 @@ class ModelUpdates:
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]],
         group_name: str = "weight_update_group", flush_cache: bool = True,
+        flattened: bool = False,
     ) -> None:  # fmt: skip
         """The tensors the trainer broadcasts in `group_name` (checkpoint names, in the order
-        of `names`) into the weights from the next step on, as `update_weights_from_tensor`.
+        of `names`; `flattened`: one uint8 buffer of their bytes) into the weights from the
+        next step on, as `update_weights_from_tensor`.
         The bucket is received even when refused (requests holding K/V, tensors that do not
         fit: ValueError, nothing changed), so that the trainer's broadcast ends."""
         if self.holds_kv():
-            self.discard_distributed(names, dtypes, shapes, group_name)
+            self.discard_distributed(names, dtypes, shapes, group_name, flattened)
             raise ValueError("requests are running: update the weights when none holds K/V "
                              "(the tensors sent were received and dropped)")  # fmt: skip
         self.weights_missing = self._on_device(
-            "update_weights_from_distributed", names, dtypes, shapes, group_name
+            "update_weights_from_distributed", names, dtypes, shapes, group_name, flattened
         )
         if flush_cache:
             self.tree_cache.reset()
         self.released_memory -= {"weights"}
 
     def discard_distributed(
-        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str
-    ) -> None:
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        flattened: bool = False,
+    ) -> None:  # fmt: skip
         """Receive a bucket the trainer broadcasts and drop it (an update refused: the
         trainer's broadcast must end). Nothing if the group is unknown or the lists do not
         match (ValueError swallowed: nothing can be received then)."""
         try:
-            self._on_device("discard_distributed", names, dtypes, shapes, group_name)
+            self._on_device("discard_distributed", names, dtypes, shapes, group_name, flattened)
         except ValueError as exc:
             logger.warning("tensors of group %r not received: %s", group_name, exc)
 

@@ -277,7 +277,9 @@ class DistributedWeightsReqMsg(Message):
     /update_weights_from_distributed`). Like an `UpdateWeightsReqMsg`, the worker holds new
     requests back and lets the running ones finish first (or aborts them with
     `abort_all_requests`); a refused bucket is received all the same (the trainer's broadcast
-    must end). Answered with an `UpdateWeightsRespMsg` carrying `request_id`."""
+    must end). `load_format` "flattened_bucket" (SGLang's): the bucket comes as one uint8
+    tensor of the tensors' bytes end to end. Answered with an `UpdateWeightsRespMsg` carrying
+    `request_id`."""
 
     TAG = "distributed_weights_req"
     VERSION = 1
@@ -290,8 +292,12 @@ class DistributedWeightsReqMsg(Message):
     group_name: str
     flush_cache: bool = True
     abort_all_requests: bool = False
+    load_format: str = ""
 
     def _check(self) -> None:
+        if self.load_format not in ("", "flattened_bucket"):
+            raise MessageError(f"DistributedWeightsReqMsg: unknown load_format "
+                               f"{self.load_format!r}")  # fmt: skip
         if not len(self.names) == len(self.dtypes) == len(self.shapes):
             raise MessageError(f"DistributedWeightsReqMsg: {len(self.names)} names, "
                                f"{len(self.dtypes)} dtypes, {len(self.shapes)} shapes")  # fmt: skip

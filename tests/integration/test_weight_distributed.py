@@ -2,11 +2,12 @@
 `Engine.init_weights_update_group` / `update_weights_from_distributed` /
 `destroy_weights_update_group`; engine/weight_groups.py), against transformers, with the
 trainer a separate process that builds its group the trainers' way (tests/rl_trainer.py, gloo
-on this CPU): another checkpoint's tensors, broadcast in three buckets, give its greedy tokens
-in every loop (the device process joins the group itself); a bucket refused (a name the model
-lacks) is still received, so the trainer goes on and the next buckets land; the RL loop's
-order with the weights discarded (sleep level 2) gets the new weights; bad groups, ranks and
-backends are refused before anything blocks, and a trainer that never comes is a timeout."""
+on this CPU): another checkpoint's tensors, broadcast in three buckets (two of them flattened
+into one uint8 tensor, SGLang's "flattened_bucket"), give its greedy tokens in every loop (the
+device process joins the group itself); a bucket refused (a name the model lacks) is still
+received, so the trainer goes on and the next buckets land; the RL loop's order with the
+weights discarded (sleep level 2) gets the new weights; bad groups, ranks and backends are
+refused before anything blocks, and a trainer that never comes is a timeout."""
 
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ def joined(eng: Engine, order: str) -> Trainer:
 def test_another_checkpoint_broadcast_in_buckets_gives_its_tokens(kw: dict) -> None:
     with Engine(model_path=A, **kw) as eng:
         assert tokens(eng) == hf_greedy(A, PROMPT, NEW)
-        trainer = joined(eng, "0,1,2")
-        for bucket in BUCKETS:
-            eng.update_weights_from_distributed(**spec(bucket), weight_version="step-1")
+        trainer = joined(eng, "0f,1,2f")  # (buckets 0 and 2 flattened: one uint8 tensor)
+        for k, bucket in enumerate(BUCKETS):
+            fmt = "flattened_bucket" if k != 1 else None
+            eng.update_weights_from_distributed(**spec(bucket), weight_version="step-1",
+                                                load_format=fmt)  # fmt: skip
         assert trainer.answers()[-1] == {"call": "done"}
         eng.destroy_weights_update_group()
         assert tokens(eng) == hf_greedy(B, PROMPT, NEW)

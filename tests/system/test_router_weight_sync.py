@@ -1,14 +1,13 @@
-"""Weights an RL trainer broadcasts over the shared stack (SGLang's
-`/init_weights_update_group`, `/update_weights_from_distributed`,
-`/destroy_weights_update_group`; services/router_weight_sync.py), the trainer a separate
-process making the HTTP calls and its side of the collectives as slime and verl do
-(tests/rl_trainer.py, gloo): another checkpoint sent in three buckets gives transformers'
-tokens for it, with the weight version it named; a misnamed bucket is a 400 with the reason,
-received all the same, so the trainer goes on and the next buckets land; an update refused
-because a paused request holds K/V is received too; with a second worker, each joins as its
-own rank and both serve the new weights, and a worker starting after such an update refuses
-to (its weights would differ). Bad bodies are 400s. The stack's weights are restored after
-each test."""
+"""Weights an RL trainer broadcasts over the shared stack (SGLang's `/init_weights_update_group`,
+`/update_weights_from_distributed`, `/destroy_weights_update_group`;
+services/router_weight_sync.py), the trainer a separate process making the HTTP calls and its
+side of the collectives as slime and verl do (tests/rl_trainer.py, gloo): another checkpoint
+sent in three buckets (one flattened) gives transformers' tokens for it, with the weight
+version it named; a misnamed bucket is a 400 with the reason, received all the same, so the
+trainer goes on and the next buckets land; an update refused because a paused request holds K/V
+is received too; with a second worker, each joins as its own rank and both serve the new
+weights, and a worker starting after such an update refuses to (its weights would differ). Bad
+bodies are 400s. The stack's weights are restored after each test."""
 
 from __future__ import annotations
 
@@ -62,7 +61,7 @@ def stack(http_stack: Stack):
 
 def test_a_trainer_broadcasts_another_checkpoint(stack: Stack) -> None:
     assert tokens(stack) == hf_greedy(stack.model, PROMPT, NEW)
-    answers = trainer(stack, "--order", "0,1,2", "--weight-version", "step-7").answers()
+    answers = trainer(stack, "--order", "0,1f,2", "--weight-version", "step-7").answers()
     init, *updates, destroy, done = answers
     assert init == {"call": "init", "status": 200, "success": True, "message":
                     "Succeeded to initialize custom process group.",
@@ -154,8 +153,8 @@ def test_two_workers_take_their_ranks_and_a_late_one_refuses(stack: Stack, tmp_p
     ("/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": []},
      "names must not be empty"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"],
-                                          "shapes": [[2]], "load_format": "flattened_bucket"},
-     "load_format 'flattened_bucket'"),
+                                          "shapes": [[2]], "load_format": "jit"},
+     "load_format 'jit'"),
     ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["bfloat16"],
                                           "shapes": [[2]]},
      "no weights update group named 'weight_update_group'"),  # (the worker's refusal)

@@ -141,7 +141,8 @@ SAMPLES: list[Message] = [
                        {"w0": 1, "w1": 2}, 3, "nccl", 60.0),
     WeightsGroupReqMsg("grp-2", "router-a", "destroy", "weight_update_group"),
     DistributedWeightsReqMsg("upd-1", "router-a", ["model.norm.weight", "lm_head.weight"],
-                             ["bfloat16", "torch.float32"], [[64], [512, 64]], "g", False, True),
+                             ["bfloat16", "torch.float32"], [[64], [512, 64]], "g", False, True,
+                             "flattened_bucket"),
 ]  # fmt: skip
 
 
@@ -288,6 +289,7 @@ def test_a_memory_request_of_an_unknown_action_or_tag_is_refused(field: str, val
     ("dtypes", ["float32", "complex64"], "unknown dtype 'complex64'"),
     ("shapes", [[64], [-1, 64]], "bad shape [-1, 64]"),
     ("names", ["x"], "1 names, 2 dtypes, 2 shapes"),
+    ("load_format", "jit", "unknown load_format 'jit'"),
 ])  # fmt: skip
 def test_a_distributed_update_with_bad_tensors_is_refused(field: str, value, reason) -> None:
     msg = DistributedWeightsReqMsg("u", "r", ["a", "b"], ["float32"] * 2, [[64], [2, 64]], "g")
