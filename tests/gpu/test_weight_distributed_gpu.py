@@ -1,9 +1,10 @@
-"""Weights an RL trainer broadcasts to an engine on a GPU (engine/weight_groups.py): the
-trainer a separate process (tests/rl_trainer.py, CPU tensors, gloo: NCCL cannot put two
-ranks on the one GPU these sessions have), the engine receiving into CUDA tensors; after
-another checkpoint's buckets its greedy tokens (CUDA graphs replayed: the weights were copied
-in place) are those of an engine started on that checkpoint, in the plain and the CUDA overlap
-loop; "nccl" is accepted on CUDA (its rendezvous then times out: no trainer)."""
+"""Weights an RL trainer broadcasts to an engine on a GPU (engine/weight_groups.py): the trainer a
+separate process (tests/rl_trainer.py, CPU tensors, gloo: NCCL cannot put two ranks on the one
+GPU these sessions have), the engine receiving into CUDA tensors; after another checkpoint's
+buckets (the first flattened into one uint8 tensor) its greedy tokens (CUDA graphs replayed:
+the weights were copied in place) are those of an engine started on that checkpoint, in the
+plain and the CUDA overlap loop; "nccl" is accepted on CUDA (its rendezvous then times out: no
+trainer)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,13 @@ def test_broadcast_weights_give_the_checkpoints_tokens(overlap: bool, monkeypatc
         assert outputs(engine, prompts) != want
         port = free_port()
         trainer = Trainer("--port", str(port), "--checkpoint", b, "--buckets", "3", "--order",
-                          "0,1,2")  # fmt: skip
+                          "0f,1,2")  # fmt: skip
         engine.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo")
-        for bucket in buckets(b, 3):
+        for k, bucket in enumerate(buckets(b, 3)):
             engine.update_weights_from_distributed(
                 [n for n, _ in bucket], [str(t.dtype) for _, t in bucket],
                 [list(t.shape) for _, t in bucket],
+                load_format="flattened_bucket" if k == 0 else None,
             )  # fmt: skip
         assert trainer.answers()[-1] == {"call": "done"}
         engine.destroy_weights_update_group()
