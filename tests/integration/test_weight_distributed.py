@@ -7,7 +7,8 @@ into one uint8 tensor, SGLang's "flattened_bucket"), give its greedy tokens in e
 device process joins the group itself); a bucket refused (a name the model lacks) is still
 received, so the trainer goes on and the next buckets land; the RL loop's order with the
 weights discarded (sleep level 2) gets the new weights; bad groups, ranks and backends are
-refused before anything blocks, and a trainer that never comes is a timeout."""
+refused before anything blocks, and a trainer that never comes is a timeout; one that dies
+fails the next update at once."""
 
 from __future__ import annotations
 
@@ -137,3 +138,16 @@ def test_a_group_name_in_use_is_refused_and_a_left_group_can_be_joined_again() -
         trainer.answers()
         eng.destroy_weights_update_group()
         assert tokens(eng) == hf_greedy(B, PROMPT, NEW)
+
+
+def test_a_trainer_gone_fails_the_next_update_at_once_and_the_engine_serves_on() -> None:
+    with Engine(model_path=A, disable_overlap_schedule=True) as eng:
+        trainer = joined(eng, "0")  # (sends bucket 0, then exits)
+        eng.update_weights_from_distributed(**spec(BUCKETS[0]))
+        assert trainer.answers()[-1] == {"call": "done"}
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="Connection closed by peer"):
+            eng.update_weights_from_distributed(**spec(BUCKETS[1]))
+        assert time.monotonic() - start < 10  # (gloo sees the closed socket; NCCL would wait)
+        assert len(tokens(eng)) == NEW
+        eng.destroy_weights_update_group()
