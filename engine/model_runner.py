@@ -354,7 +354,9 @@ class ModelRunner(RunnerWeights):
     def release_memory(self) -> None:
         """Drop the weights, the KV pools and the graphs (`Engine.shutdown`): a process that
         makes engines one after another gets the device memory back at once, not when the
-        garbage collector finds the runner."""
+        garbage collector finds the runner. Trainers' groups still joined are left (their
+        names free for the next engine's)."""
+        self.weight_groups.close()
         self.graph_runner = None
         self.model = self.kv_pool = self.attn_backend = self.host_kv_pool = None
         gc.collect()

@@ -151,3 +151,15 @@ def test_a_trainer_gone_fails_the_next_update_at_once_and_the_engine_serves_on()
         assert time.monotonic() - start < 10  # (gloo sees the closed socket; NCCL would wait)
         assert len(tokens(eng)) == NEW
         eng.destroy_weights_update_group()
+
+
+def test_a_shut_down_engine_leaves_its_group_for_the_next_one() -> None:
+    with Engine(model_path=A, disable_overlap_schedule=True) as eng:
+        trainer = joined(eng, "0")
+        eng.update_weights_from_distributed(**spec(BUCKETS[0]))
+        trainer.answers()
+    with Engine(model_path=A, disable_overlap_schedule=True) as eng:  # (the same group name)
+        trainer = joined(eng, "1")
+        eng.update_weights_from_distributed(**spec(BUCKETS[1]))
+        assert trainer.answers()[-1] == {"call": "done"}
+        eng.destroy_weights_update_group()
