@@ -19,30 +19,15 @@ import pytest
 from shared.deployment import BROADCAST_WEIGHTS, read_state
 from shared.keys import WORKER_KIND
 from shared.redis_server import free_port
-from tests.factories import hf_greedy, tiny_model
+from tests.factories import hf_greedy
 from tests.rl_trainer import Trainer
 from tests.system.procs import Stack, wait_until
 from tests.system.stream_client import StreamClient
 from tests.system.test_late_worker import start_late_worker
 from tests.system.test_router_pause import Streamed
+from tests.system.test_router_weights import GREEDY, NEW, OTHER, PROMPT, post, tokens
 
 pytest_plugins = ["tests.system.router_stack"]
-
-NEW = 12
-PROMPT = [40, 91, 7, 300, 52, 18, 77, 64, 9, 120]
-GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
-OTHER = tiny_model("llama", seed=1)  # the stack's model's shape, other weights
-
-
-def post(stack: Stack, path: str, **body: object) -> httpx.Response:
-    return httpx.post(f"{stack.router_url}{path}", json=body, timeout=120)
-
-
-def tokens(stack: Stack) -> list[int]:
-    r = post(stack, "/generate", input_ids=PROMPT, sampling_params=GREEDY)
-    assert r.status_code == 200, r.text
-    return r.json()["output_ids"]
-
 
 def trainer(stack: Stack, *args: str, world_size: int = 2) -> Trainer:
     return Trainer("--port", str(free_port()), "--world-size", str(world_size), "--checkpoint",
