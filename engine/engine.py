@@ -350,6 +350,16 @@ class Engine(PoolingCalls):
         """Leave the trainer's group (ValueError if not joined)."""
         self.scheduler.destroy_weights_update_group(group_name)
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` served values of the checkpoint tensor `name` (a row
+        range of a fused projection, a transposed Conv1D weight: as the checkpoint has it)
+        or of the model parameter `name`, flattened (SGLang's Engine call: how a trainer
+        checks the weights it sent). ValueError if there is none, if the loader computes the
+        served weight from it (FP8 quantized while loading), or while weights are released."""
+        if truncate_size < 0:
+            raise ValueError("truncate_size must be >= 0")
+        return self.scheduler.get_weights_by_name(name, truncate_size)
+
     def lora_adapters(self) -> dict[str, str]:
         """The adapters served now: name -> folder."""
         return dict(self.scheduler.loras.paths)

@@ -96,6 +96,21 @@ class RunnerWeights:
         trainer's broadcast ends either way)."""
         self.weight_groups.receive(group_name, names, dtypes, shapes, flattened)
 
+    def get_weights_by_name(self, name: str, truncate_size: int) -> list[float]:
+        """The first `truncate_size` values of the served checkpoint tensor (or parameter)
+        `name`, flattened (engine/weight_read.py). ValueError if there is none, if it cannot
+        be read back, or while the weights are released."""
+        from engine.weight_read import read_weight
+
+        assert self.model is not None, "a host-only runner has no weights"
+        if self.memory.weights is not None or self.memory.stale_weights:
+            raise ValueError("the weights are released (or were discarded and are not read "
+                             "again yet): resume them and generate first")  # fmt: skip
+        with self._unwrapped():
+            value = read_weight(self.model, self.model_config, self.weights_path, self.dtype,
+                                self.quantization, name)  # fmt: skip
+        return value.flatten()[:truncate_size].float().tolist()
+
     def missing_weights(self) -> int:
         """How many checkpoint tensors were discarded (weights not on disk) and not sent
         again."""

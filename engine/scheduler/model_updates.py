@@ -142,6 +142,11 @@ class ModelUpdates:
         except ValueError as exc:
             logger.warning("tensors of group %r not received: %s", group_name, exc)
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        """The first `truncate_size` served values of checkpoint tensor (or parameter)
+        `name`, flattened (SGLang's call; engine/weight_read.py)."""
+        return self._on_device("get_weights_by_name", name, truncate_size)
+
     def _lora_ids_in_use(self) -> set[int]:
         reqs = itertools.chain(
             self.waiting_queue,

@@ -1,0 +1,97 @@
+"""A served weight read back by its checkpoint name (SGLang's `get_weights_by_name`: how an
+RL trainer checks that the weights it sent landed).
+
+A checkpoint tensor is often not a parameter of its own: q, k and v are rows of one fused
+projection, an expert's weights a slice of a stacked tensor, GPT-2's Conv1D weights are stored
+transposed. Rather than a second, inverse copy of every model's name mapping, the loader
+itself says where a tensor goes: a meta-device copy of the model loads a meta tensor of the
+checkpoint tensor's shape (no memory, no data) while a dispatch mode records every `copy_`
+(the destination, a view of a meta parameter; the source, a view of the probe). The same
+views of the served parameter, copied back through the source's view, give the checkpoint
+tensor as the model holds it. A tensor the loader computes from (an FP8 weight quantized as
+it loads) cannot be read back this way, and one it skips (a head tied to the embedding) is
+not a weight of its own: both are refused with the reason. A name that is not the
+checkpoint's but a model parameter's reads that parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from engine.config import ModelConfig
+from engine.loader import build_model, fill_model, safetensors_files
+from engine.quantization import Fp8Config
+
+
+class _Copies(TorchDispatchMode):
+    """Every `copy_` dispatched meanwhile: (destination, source)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func is torch.ops.aten.copy_.default:
+            self.seen.append((args[0], args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def read_weight(
+    model: nn.Module,
+    model_config: ModelConfig,
+    checkpoint: str,
+    dtype: torch.dtype,
+    quantization: Fp8Config | None,
+    name: str,
+) -> torch.Tensor:
+    """The served value of the checkpoint tensor `name` (of the checkpoint in `checkpoint`,
+    which gives its shape), or of the parameter `name`, on the host. ValueError if there is
+    neither, or if it cannot be read back."""
+    params = dict(model.named_parameters())
+    spec = _checkpoint_spec(checkpoint, name)  # (a checkpoint name first: GPT-2's Conv1D
+    if spec is None:  # weights are parameters of the same name, transposed)
+        if name in params:
+            return params[name].detach().to("cpu")
+        raise ValueError(f"no weight named {name!r} in the model or its checkpoint")
+    probe = torch.empty(spec[0], dtype=spec[1], device="meta")
+    dry = build_model(model_config, dtype, "meta", quantization)
+    owners = {p.untyped_storage()._cdata: (n, p) for n, p in dry.named_parameters()}
+    copies = _Copies()
+    with copies:
+        fill_model(dry, [(name, probe)], checkpoint, quantization, partial=True)
+    if not copies.seen:
+        raise ValueError(f"{name!r} is not a weight of its own in the served model (tied to "
+                         "another, or derived)")  # fmt: skip
+    out: torch.Tensor | None = None
+    for dst, src in copies.seen:
+        owner, loaded = owners.get(dst.untyped_storage()._cdata, (None, None))
+        served = params[owner].detach() if owner in params else None
+        if (
+            served is None
+            or src.untyped_storage()._cdata != probe.untyped_storage()._cdata
+            or (served.dtype, served.shape) != (loaded.dtype, loaded.shape)
+        ):  # (a tensor computed from it, or a parameter made anew after loading: FP8)
+            raise ValueError(f"{name!r} cannot be read back: the served weight is computed "
+                             "from it")  # fmt: skip
+        values = served.as_strided(dst.size(), dst.stride(), dst.storage_offset())
+        if out is None:
+            out = torch.empty(spec[0], dtype=served.dtype)
+        out.as_strided(src.size(), src.stride(), src.storage_offset()).copy_(values)
+    assert out is not None
+    return out
+
+
+def _checkpoint_spec(checkpoint: str, name: str) -> tuple[list[int], torch.dtype] | None:
+    """The shape and dtype of tensor `name` in the checkpoint (no data read); None if absent."""
+    from safetensors import safe_open
+
+    from engine.weight_update import _DTYPES
+
+    for file in safetensors_files(checkpoint):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            if name in f.keys():
+                piece = f.get_slice(name)
+                return list(piece.get_shape()), _DTYPES.get(piece.get_dtype(), torch.float32)
+    return None
