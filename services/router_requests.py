@@ -63,6 +63,7 @@ from shared.messages import (
     TokenizeReqMsg,
     TokenizeRespMsg,
     UpdateWeightsRespMsg,
+    WeightsReadRespMsg,
     WorkerLoadMsg,
 )
 
@@ -71,7 +72,7 @@ logger = logging.getLogger(__name__)
 # the workers' answers to the router's questions (services/router_control.py)
 _WORKER_ANSWERS = (
     FlushCacheRespMsg, ProfileRespMsg, LoraRespMsg, UpdateWeightsRespMsg, PauseRespMsg,
-    MemoryRespMsg,
+    MemoryRespMsg, WeightsReadRespMsg,
 )  # fmt: skip
 
 

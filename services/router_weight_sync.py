@@ -19,6 +19,10 @@ it to trainers on other GPUs or machines (slime, verl, OpenRLHF, AReaL):
   bucket refused (a name the model lacks, a shape that does not fit) is received all the
   same, so the trainer's broadcast ends: the answer is a 400 with each worker's reason.
 * `POST /destroy_weights_update_group` (`{"group_name"}`): every worker leaves the group.
+* `GET|POST /get_weights_by_name` (`{"name", "truncate_size": 100}`, or query parameters):
+  the first `truncate_size` served values of a checkpoint tensor (as the checkpoint has it:
+  q_proj's rows of the fused projection), flattened, a JSON list, from the first live worker
+  (engine/weight_read.py): how a trainer checks what it sent.
 
 After such an update the deployment's weights are on no disk: it is recorded
 (shared/deployment.py), and a worker starting later refuses to start rather than serve
@@ -30,22 +34,25 @@ update_weights_from_tensor` serves colocated trainers offline.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from pydantic import Field
 
 from services.router_control import ask_all_workers
 from services.router_fields import _Strict
 from services.router_protocol import ApiError, parse_body
 from services.router_weights import UPDATE_TIMEOUT_S, set_weight_version, weights_answer
 from shared.deployment import BROADCAST_WEIGHTS, record_weights
-from shared.messages import DistributedWeightsReqMsg, WeightsGroupReqMsg
+from shared.messages import DistributedWeightsReqMsg, WeightsGroupReqMsg, WeightsReadReqMsg
 from shared.messages.worker import WEIGHT_DTYPES
 
 GROUP = "weight_update_group"
 BACKENDS = ("nccl", "gloo")
 MAX_JOIN_S = 3600.0
+MAX_READ = 1 << 20  # values /get_weights_by_name returns at most
 
 
 class InitGroupBody(_Strict):
@@ -71,6 +78,11 @@ class DistributedBody(_Strict):
 
 class GroupBody(_Strict):
     group_name: str = GROUP
+
+
+class ReadBody(_Strict):
+    name: str
+    truncate_size: int = Field(100, ge=0, le=MAX_READ)
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -169,6 +181,18 @@ async def destroy_group(router: Any, body: GroupBody) -> None:
     await ask_all_workers(broker, question, 60.0, "group not destroyed", "group_not_destroyed")
 
 
+async def read_weight(router: Any, body: ReadBody) -> list[float]:
+    """The first live worker's (in worker-id order) served values of weight `body.name`;
+    ApiError 400 with its reason if it cannot read it."""
+    broker = router.broker
+
+    def question(request_id: str) -> WeightsReadReqMsg:
+        return WeightsReadReqMsg(request_id, broker.router_id, body.name, body.truncate_size)
+
+    answers = await ask_all_workers(broker, question, 60.0, "weight not read", "read_refused")
+    return next(iter(answers.values())).values
+
+
 def add_routes(app: Any, state: dict[str, Any]) -> None:
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> JSONResponse:
@@ -196,6 +220,18 @@ def add_routes(app: Any, state: dict[str, Any]) -> None:
             return {"message": "Succeeded to destroy custom process group."}
 
         return await weights_answer(state, request, work)
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> JSONResponse:
+        router = state["router"]
+        router.authorize(request)
+        raw = (await request.body()).strip()
+        if not raw and request.method == "GET":  # (or as query parameters)
+            query: dict[str, Any] = dict(request.query_params)
+            if query.get("truncate_size", "").isdigit():
+                query["truncate_size"] = int(query["truncate_size"])
+            raw = json.dumps(query).encode()
+        return JSONResponse(await read_weight(router, parse_body(ReadBody, raw)))
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> JSONResponse:

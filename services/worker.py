@@ -73,6 +73,7 @@ from shared.messages import (
     StepOutputMsg,
     UpdateWeightsReqMsg,
     WeightsGroupReqMsg,
+    WeightsReadReqMsg,
 )
 from shared.settings import WorkerSettings, add_settings_args, settings_from_args
 
@@ -119,6 +120,7 @@ class Worker(PauseHandling, MemoryHandling, WeightsHandling):
             MemoryReqMsg: self._on_memory,
             DistributedWeightsReqMsg: self._on_update_weights,
             WeightsGroupReqMsg: self._on_weights_group,
+            WeightsReadReqMsg: self._on_weights_read,
         }
         # a weights update waiting for the running requests to end, and the requests that
         # arrived meanwhile (admitted after it)

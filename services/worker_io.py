@@ -57,6 +57,7 @@ from shared.messages import (
     ProfileReqMsg,
     UpdateWeightsReqMsg,
     WeightsGroupReqMsg,
+    WeightsReadReqMsg,
 )
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ logger = logging.getLogger(__name__)
 _RETRY_S = 0.5
 _TO_SCHEDULER = (
     GenerateReqMsg, AbortReqMsg, FlushCacheReqMsg, ProfileReqMsg, LoraReqMsg, UpdateWeightsReqMsg,
-    PauseReqMsg, MemoryReqMsg, DistributedWeightsReqMsg, WeightsGroupReqMsg,
+    PauseReqMsg, MemoryReqMsg, DistributedWeightsReqMsg, WeightsGroupReqMsg, WeightsReadReqMsg,
 )  # fmt: skip
 
 

@@ -24,6 +24,8 @@ from shared.messages import (
     UpdateWeightsReqMsg,
     UpdateWeightsRespMsg,
     WeightsGroupReqMsg,
+    WeightsReadReqMsg,
+    WeightsReadRespMsg,
 )
 
 if TYPE_CHECKING:
@@ -122,6 +124,21 @@ class WeightsHandling:
                                 msg.master_port, rank, msg.world_size, msg.group_name,
                                 msg.backend, msg.timeout_s)  # fmt: skip
         self._reply_update(msg, ok, note, 0)
+
+
+    def _on_weights_read(self, msg: WeightsReadReqMsg) -> None:
+        """The served values of a weight, read back (between steps, where the model is)."""
+        values: list[float] = []
+        try:
+            values = self.scheduler.get_weights_by_name(msg.name, msg.truncate_size)
+            ok, note = True, ""
+        except Exception as exc:  # noqa: BLE001 - answered with the reason
+            if not isinstance(exc, ValueError):
+                logger.exception("get_weights_by_name %r", msg.name)
+            ok, note = False, str(exc)
+        reply = WeightsReadRespMsg(msg.request_id, msg.router_id, self.worker_id, ok, note,
+                                   values)  # fmt: skip
+        self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
 
 def _what(msg: WeightsUpdate) -> str:

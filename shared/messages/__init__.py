@@ -7,13 +7,15 @@
 |               |                        | ProfileReqMsg, LoraReqMsg,            |
 |               |                        | UpdateWeightsReqMsg, PauseReqMsg,     |
 |               |                        | MemoryReqMsg, WeightsGroupReqMsg,     |
-|               |                        | DistributedWeightsReqMsg              |
+|               |                        | DistributedWeightsReqMsg,             |
+|               |                        | WeightsReadReqMsg                     |
 | `detokenizer` | `{p}:detok`            | StepOutputMsg (StepRow)               |
 | `router`      | `{p}:router:{r}:out`   | DetokOutputMsg (DetokRow), ErrorMsg, FlushCacheRespMsg, |
 |               |                        | TokenizeRespMsg, AbortNamedMsg,       |
 |               |                        | AbortNamedRespMsg, ProfileRespMsg,    |
 |               |                        | LoraRespMsg, UpdateWeightsRespMsg,    |
-|               |                        | PauseRespMsg, MemoryRespMsg           |
+|               |                        | PauseRespMsg, MemoryRespMsg,          |
+|               |                        | WeightsReadRespMsg                    |
 | `status`      | heartbeat keys         | WorkerLoadMsg, ServiceStatusMsg       |
 
 `msg.to_msg()` encodes; `decode_message(data)` decodes any type, `Cls.from_msg(data)` one
@@ -36,6 +38,7 @@ from shared.messages.router import (
     ProfileRespMsg,
     TokenizeRespMsg,
     UpdateWeightsRespMsg,
+    WeightsReadRespMsg,
 )
 from shared.messages.schema import MessageError
 from shared.messages.status import ServiceStatusMsg, WorkerLoadMsg
@@ -51,6 +54,7 @@ from shared.messages.worker import (
     ProfileReqMsg,
     UpdateWeightsReqMsg,
     WeightsGroupReqMsg,
+    WeightsReadReqMsg,
 )
 
 __all__ = [
@@ -86,6 +90,8 @@ __all__ = [
     "TokenizeReqMsg",
     "UpdateWeightsReqMsg",
     "WeightsGroupReqMsg",
+    "WeightsReadReqMsg",
+    "WeightsReadRespMsg",
     "UpdateWeightsRespMsg",
     "WorkerLoadMsg",
     "decode_message",

@@ -252,3 +252,19 @@ class MemoryRespMsg(Message):
     message: str = ""
     released: list[str] = field(default_factory=list)
     num_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsReadRespMsg(Message):
+    """worker → router `router_id`: the answer to a `WeightsReadReqMsg`: the values read, or
+    why not (`success` false)."""
+
+    TAG = "weights_read_resp"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    worker_id: str
+    success: bool
+    message: str = ""
+    values: list[float] = field(default_factory=list)

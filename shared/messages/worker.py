@@ -307,3 +307,22 @@ class DistributedWeightsReqMsg(Message):
         for shape in self.shapes:
             if any(not isinstance(d, int) or d < 0 for d in shape):
                 raise MessageError(f"DistributedWeightsReqMsg: bad shape {shape!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsReadReqMsg(Message):
+    """router → worker: the first `truncate_size` served values of the checkpoint tensor (or
+    parameter) `name`, flattened (SGLang's `/get_weights_by_name`; engine/weight_read.py).
+    Answered with a `WeightsReadRespMsg` carrying `request_id`."""
+
+    TAG = "weights_read_req"
+    VERSION = 1
+
+    request_id: str
+    router_id: str
+    name: str
+    truncate_size: int = 100
+
+    def _check(self) -> None:
+        if self.truncate_size < 0:
+            raise MessageError(f"WeightsReadReqMsg: truncate_size {self.truncate_size} < 0")

@@ -15,6 +15,8 @@ import time
 
 import httpx2 as httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from shared.deployment import BROADCAST_WEIGHTS, read_state
 from shared.keys import WORKER_KIND
@@ -58,6 +60,27 @@ def test_a_trainer_broadcasts_another_checkpoint(stack: Stack) -> None:
     version = httpx.get(f"{stack.router_url}/get_weight_version", timeout=10).json()
     assert version == {"weight_version": "step-7"}
     assert read_state(stack.client, stack.prefix).weights == BROADCAST_WEIGHTS
+
+
+def read(stack: Stack, name: str, n: int = 10**6) -> torch.Tensor:
+    r = post(stack, "/get_weights_by_name", name=name, truncate_size=n)
+    assert r.status_code == 200, r.text
+    return torch.tensor(r.json())
+
+
+def test_get_weights_by_name_reads_what_the_trainer_sent(stack: Stack) -> None:
+    q = "model.layers.0.self_attn.q_proj.weight"
+    old = load_file(f"{stack.model}/model.safetensors")
+    new = load_file(f"{OTHER}/model.safetensors")
+    assert torch.equal(read(stack, q), old[q].flatten().float())
+    got = httpx.get(f"{stack.router_url}/get_weights_by_name",
+                    params={"name": q, "truncate_size": "5"}, timeout=60)  # fmt: skip
+    assert got.status_code == 200 and got.json() == old[q].flatten()[:5].tolist()
+    trainer(stack, "--order", "0,1,2").answers()
+    for name in (q, "model.layers.1.mlp.up_proj.weight", "model.norm.weight"):
+        assert torch.equal(read(stack, name), new[name].flatten().float()), name
+    bad = post(stack, "/get_weights_by_name", name="model.nothing")
+    assert bad.status_code == 400 and "no weight named 'model.nothing'" in bad.text
 
 
 def test_a_refused_bucket_is_a_400_and_the_trainer_goes_on(stack: Stack) -> None:

@@ -40,6 +40,8 @@ from shared.messages import (
     UpdateWeightsReqMsg,
     UpdateWeightsRespMsg,
     WeightsGroupReqMsg,
+    WeightsReadReqMsg,
+    WeightsReadRespMsg,
     WorkerLoadMsg,
     decode_message,
     message_types,
@@ -143,6 +145,9 @@ SAMPLES: list[Message] = [
     DistributedWeightsReqMsg("upd-1", "router-a", ["model.norm.weight", "lm_head.weight"],
                              ["bfloat16", "torch.float32"], [[64], [512, 64]], "g", False, True,
                              "flattened_bucket"),
+    WeightsReadReqMsg("read-1", "router-a", "model.norm.weight", 8),
+    WeightsReadRespMsg("read-1", "router-a", "w0", True, "", [0.5, -1.25]),
+    WeightsReadRespMsg("read-2", "router-a", "w0", False, "no weight named 'x'"),
 ]  # fmt: skip
 
 
