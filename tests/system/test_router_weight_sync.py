@@ -3,11 +3,12 @@
 services/router_weight_sync.py), the trainer a separate process making the HTTP calls and its
 side of the collectives as slime and verl do (tests/rl_trainer.py, gloo): another checkpoint
 sent in three buckets (one flattened) gives transformers' tokens for it, with the weight
-version it named; a misnamed bucket is a 400 with the reason, received all the same, so the
-trainer goes on and the next buckets land; an update refused because a paused request holds K/V
-is received too; with a second worker, each joins as its own rank and both serve the new
-weights, and a worker starting after such an update refuses to (its weights would differ). Bad
-bodies are 400s. The stack's weights are restored after each test."""
+version it named, and `/get_weights_by_name` reads back what it sent; a misnamed bucket is a
+400 with the reason, received all the same, so the trainer goes on and the next buckets land;
+an update refused because a paused request holds K/V is received too; with a second worker,
+each joins as its own rank and both serve the new weights, and a worker starting after such an
+update refuses to (its weights would differ). Bad bodies are 400s. The stack's weights are
+restored after each test."""
 
 from __future__ import annotations
 
