@@ -21,8 +21,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import ModelConfig
-from engine.loader import build_model, fill_model, safetensors_files
+from engine.loader import build_model, fill_model
 from engine.quantization import Fp8Config
+from engine.weight_update import checkpoint_spec
 
 
 class _Copies(TorchDispatchMode):
@@ -50,7 +51,7 @@ def read_weight(
     which gives its shape), or of the parameter `name`, on the host. ValueError if there is
     neither, or if it cannot be read back."""
     params = dict(model.named_parameters())
-    spec = _checkpoint_spec(checkpoint, name)  # (a checkpoint name first: GPT-2's Conv1D
+    spec = checkpoint_spec(checkpoint, name)  # (a checkpoint name first: GPT-2's Conv1D
     if spec is None:  # weights are parameters of the same name, transposed)
         if name in params:
             return params[name].detach().to("cpu")
@@ -82,16 +83,3 @@ def read_weight(
     assert out is not None
     return out
 
-
-def _checkpoint_spec(checkpoint: str, name: str) -> tuple[list[int], torch.dtype] | None:
-    """The shape and dtype of tensor `name` in the checkpoint (no data read); None if absent."""
-    from safetensors import safe_open
-
-    from engine.weight_update import _DTYPES
-
-    for file in safetensors_files(checkpoint):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            if name in f.keys():
-                piece = f.get_slice(name)
-                return list(piece.get_shape()), _DTYPES.get(piece.get_dtype(), torch.float32)
-    return None

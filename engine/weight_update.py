@@ -93,6 +93,19 @@ def checkpoint_names(path: str) -> set[str]:
     return names
 
 
+def checkpoint_spec(path: str, name: str) -> tuple[list[int], torch.dtype] | None:
+    """The shape and dtype of tensor `name` in the checkpoint in `path` (no data read); None
+    if it has none."""
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            if name in f.keys():
+                piece = f.get_slice(name)
+                return list(piece.get_shape()), _DTYPES.get(piece.get_dtype(), torch.float32)
+    return None
+
+
 def _shape_of(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor of `t`'s shape and dtype, or `t` if tiny (a scale is read by value)."""
     return t if t.numel() < _READ_BELOW else torch.empty(t.shape, dtype=t.dtype, device="meta")

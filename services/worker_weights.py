@@ -128,16 +128,10 @@ class WeightsHandling:
 
     def _on_weights_read(self, msg: WeightsReadReqMsg) -> None:
         """The served values of a weight, read back (between steps, where the model is)."""
-        values: list[float] = []
-        try:
-            values = self.scheduler.get_weights_by_name(msg.name, msg.truncate_size)
-            ok, note = True, ""
-        except Exception as exc:  # noqa: BLE001 - answered with the reason
-            if not isinstance(exc, ValueError):
-                logger.exception("get_weights_by_name %r", msg.name)
-            ok, note = False, str(exc)
+        ok, note, values = attempt_value(self.scheduler.get_weights_by_name, msg.name,
+                                         msg.truncate_size)  # fmt: skip
         reply = WeightsReadRespMsg(msg.request_id, msg.router_id, self.worker_id, ok, note,
-                                   values)  # fmt: skip
+                                   values or [])  # fmt: skip
         self.link.publish(router_out_stream(self.prefix, msg.router_id), reply)
 
 
@@ -150,10 +144,15 @@ def _what(msg: WeightsUpdate) -> str:
 def attempt(change: Any, *args: Any) -> tuple[bool, str]:
     """Run a change to the model (a LoRA load, a weights update): (True, "") or (False, why).
     A ValueError is a refusal; anything else is logged too; the worker goes on either way."""
+    return attempt_value(change, *args)[:2]
+
+
+def attempt_value(call: Any, *args: Any) -> tuple[bool, str, Any]:
+    """`attempt`, with `call`'s result (None if it failed)."""
     try:
-        change(*args)
+        result = call(*args)
     except Exception as exc:  # noqa: BLE001 - answered with the reason
         if not isinstance(exc, ValueError):
-            logger.exception("%s%r", change.__name__, args)
-        return False, str(exc)
-    return True, ""
+            logger.exception("%s%r", call.__name__, args)
+        return False, str(exc), None
+    return True, "", result

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import glob
 import json
 import os
 import socket
@@ -66,8 +67,6 @@ def trainer_group(port: int, world_size: int, name: str) -> Any:
 
 def buckets(checkpoint: str, n: int) -> list[list[tuple[str, torch.Tensor]]]:
     tensors: dict[str, torch.Tensor] = {}
-    import glob
-
     for file in sorted(glob.glob(f"{checkpoint}/*.safetensors")):
         tensors.update(load_file(file))
     named = sorted(tensors.items())
