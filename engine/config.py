@@ -258,6 +258,10 @@ class EngineArgs:
     quantization: str | None = None
     # "fp8" / "fp8_e4m3" / "fp8_e5m2": K/V stored in float8 (engine/mem_cache/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # Tensor parallelism (SGLang's --tp-size, vLLM's --tensor-parallel-size): the model split
+    # over this many devices (`device` and the ones after it), rank 0 scheduling for all
+    # (engine/tensor_parallel.py)
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -313,6 +317,7 @@ class EngineArgs:
         if self.max_total_tokens is not None and self.max_total_tokens < 2 * self.page_size:
             raise ValueError("max_total_tokens is too small for one page")
         self._check_cuda_graph_args()
+        self._check_tp_args()
         check_embedding_args(self)
         check_speculative_args(self)
 
@@ -332,6 +337,22 @@ class EngineArgs:
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("enable_hierarchical_cache needs the radix cache (not with "
                              "disable_radix_cache)")  # fmt: skip
+
+    def _check_tp_args(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size == 1:
+            return
+        taken = [flag for flag, on in (
+            ("LoRA adapters", self.lora_enabled),
+            ("speculative decoding", self.speculative_algorithm is not None),
+            ("the hierarchical cache", self.enable_hierarchical_cache),
+            ("hybrid sliding-window memory", self.hybrid_swa_memory),
+            ("FP8 quantization", self.quantization is not None),
+        ) if on]  # fmt: skip
+        if taken:
+            raise ValueError(f"tensor parallelism (tp_size {self.tp_size}) does not support "
+                             f"{', '.join(taken)} yet")  # fmt: skip
 
     def _check_cuda_graph_args(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:
@@ -396,7 +417,8 @@ class EngineArgs:
         """The overlap loop on CPU with a device process: the model, KV pool and sampler
         then live in that process, and the scheduler's model runner is host-only."""
         overlap_on_cpu = self.device.split(":")[0] == "cpu" and not self.disable_overlap_schedule
-        return overlap_on_cpu and self.cpu_overlap_executor == "process"
+        # (with tensor parallelism rank 0 starts the other ranks itself: the forward thread)
+        return overlap_on_cpu and self.cpu_overlap_executor == "process" and self.tp_size == 1
 
     @property
     def min_new_token_ratio(self) -> float:

@@ -20,10 +20,14 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.distributed import SINGLE, TensorParallel, building_with
 from engine.layers.fp8 import Fp8Linear, QuantizedWeight
 from engine.mem_cache.kv_quant import take_kv_scales
 from engine.models.registry import get_model_class
 from engine.quantization import Fp8Config, pair_fp8_scales, swap_in_fp8
+
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                    "Qwen3ForCausalLM")  # fmt: skip
 
 # (name, tensor), (name, tensor, shard id) for a shard of a stacked parameter, or None to skip.
 WeightTransform = Callable[
@@ -36,15 +40,18 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     quantization: Fp8Config | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """The model of `model_config.path` with its checkpoint weights, in eval mode, no grads;
     its blocks' linear layers in FP8 with `quantization` (engine/quantization.py).
 
     Call it as `model(input_ids, positions, forward_batch) -> float32 logits`. The
     checkpoint's KV-cache scales, if any, are left in `model.kv_cache_scales`
-    ({layer: (k_scale, v_scale)}, engine/mem_cache/kv_quant.py) for an FP8 KV cache.
+    ({layer: (k_scale, v_scale)}, engine/mem_cache/kv_quant.py) for an FP8 KV cache. With a
+    tensor-parallel group `tp`, the part of every weight that rank `tp.rank` holds
+    (engine/layers/parallel.py).
     """
-    model = build_model(model_config, dtype, device, quantization)
+    model = build_model(model_config, dtype, device, quantization, tp)
     kv_cache_scales = fill_model(model, iter_safetensors(model_config.path), model_config.path,
                                  quantization)  # fmt: skip
     for module in model.modules():
@@ -62,11 +69,17 @@ def build_model(
     dtype: torch.dtype,
     device: str | torch.device,
     quantization: Fp8Config | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
-    """The model's class built on the meta device, then (unless `device` is "meta")
-    materialised there, uninitialised."""
+    """The model's class built on the meta device (rank `tp.rank`'s part of it), then (unless
+    `device` is "meta") materialised there, uninitialised."""
     cls = get_model_class(model_config.architecture)
-    with torch.device("meta"), _default_dtype(dtype):
+    if tp.size > 1 and not getattr(cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"tensor parallelism (tp_size {tp.size}) is not supported for "
+            f"{model_config.architecture} yet; it is for {', '.join(TP_ARCHITECTURES)}"
+        )
+    with torch.device("meta"), _default_dtype(dtype), building_with(tp):
         model = cls(model_config.hf_config, max_position=model_config.context_len)
         if quantization is not None and quantization.checkpoint:
             swap_in_fp8(model, quantization)
@@ -153,7 +166,13 @@ def load_named_weights(
         module = model.get_submodule(name.rsplit(".", 1)[0])
         if isinstance(tensor, QuantizedWeight) and not isinstance(module, Fp8Linear):
             tensor = tensor.dequantize(param.dtype)  # an FP8 checkpoint's weight we keep 16-bit
-        if shard is not None:
+        if shard is None and hasattr(module, "load_weight"):  # a tensor-parallel layer's part
+            try:
+                module.load_weight(param, tensor)
+            except ValueError as exc:
+                raise ValueError(f"weight {ckpt_name!r} ({name!r}): {exc}") from None
+            loaded.add(name)
+        elif shard is not None:
             module.load_shard(param, tensor, shard_id)
             shards_seen[name].add(shard_id)
         elif isinstance(module, Fp8Linear):

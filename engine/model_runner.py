@@ -13,9 +13,10 @@ import torch
 from engine.attention.base import AttentionBackend, create_attention_backend
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.cuda_graph_runner import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
+from engine.distributed import SINGLE, TensorParallel
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.host_tensors import int64_rows
-from engine.loader import load_model
+from engine.loader import build_model, load_model
 from engine.mem_cache.kv_memory import plan_kv_memory
 from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.memory_occupation import MemoryOccupation
@@ -26,6 +27,15 @@ from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 from engine.speculative.verify import VerifyResult, verify
+from engine.tensor_parallel import (
+    TPLink,
+    join,
+    rank_device,
+    rank_model_config,
+    rank_threads,
+    start_followers,
+    stop_followers,
+)
 from engine.weight_groups import WeightGroups
 from kernels.jit import pdl_supported, use_layer_kernels, use_pdl
 
@@ -57,11 +67,22 @@ class ModelRunner(RunnerWeights):
     """
 
     def __init__(
-        self, model_config: ModelConfig, args: EngineArgs, host_only: bool = False
+        self,
+        model_config: ModelConfig,
+        args: EngineArgs,
+        host_only: bool = False,
+        tp_rank: int = 0,
+        tp_port: int | None = None,
     ) -> None:
-        self.model_config = model_config
         self.args = args
-        self.device = torch.device(args.device)
+        self.device = torch.device(rank_device(args.device, tp_rank))
+        # tensor parallelism (engine/tensor_parallel.py): rank 0 starts the other ranks, which
+        # come here with their rank and the group's port; the runner's model config is then
+        # this rank's view (its attention and K/V heads)
+        self.tp, self.tp_followers, self.tp_link = SINGLE, [], None
+        if args.tp_size > 1 and not host_only:
+            self._join_tensor_parallel(model_config, tp_rank, tp_port)
+        self.model_config = model_config = rank_model_config(model_config, self.tp)
         # `dtype` first: transformers 5 warns on every read of its old name, `torch_dtype`
         config_dtype = getattr(model_config.hf_config, "dtype", None) or getattr(
             model_config.hf_config, "torch_dtype", None
@@ -75,7 +96,7 @@ class ModelRunner(RunnerWeights):
         self.quantization = resolve_quantization(args.quantization, model_config.hf_config)
         self.model = (
             None if host_only
-            else load_model(model_config, self.dtype, self.device, self.quantization)
+            else load_model(model_config, self.dtype, self.device, self.quantization, self.tp)
         )  # fmt: skip
         if self.model is not None:
             self._pad_lm_head()
@@ -90,6 +111,7 @@ class ModelRunner(RunnerWeights):
         self.pooling = args.pooling_type if args.is_embedding else None
         assert self.pooling or not args.is_embedding, "resolve_model_kind resolves the pooling"
         memory = plan_kv_memory(model_config, args, self.dtype, self.device)
+        memory.tokens = self.tp.min_int(memory.tokens)  # (every rank holds as many slots)
         self.max_total_tokens = memory.tokens
         # hybrid sliding-window memory: the longest window (None without it)
         self.swa_window = memory.swa_window
@@ -145,8 +167,34 @@ class ModelRunner(RunnerWeights):
         if self.use_cuda_graph and self.lora is not None:
             self.use_cuda_graph = False
             logger.info("CUDA graphs off: LoRA adapters are applied eagerly")
+        if self.use_cuda_graph and self.tp.size > 1:
+            self.use_cuda_graph = False
+            logger.info("CUDA graphs off: not captured with tensor parallelism yet")
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
+
+    def _join_tensor_parallel(
+        self, model_config: ModelConfig, rank: int, port: int | None
+    ) -> None:
+        """Rank 0: check the model splits (before any process starts), start the followers
+        and meet them; a follower: meet rank 0. CPU ranks share the cores."""
+        size = self.args.tp_size
+        self._threads = torch.get_num_threads()  # (restored when rank 0 stops the others)
+        if self.device.type == "cpu":
+            torch.set_num_threads(rank_threads(size))
+        if rank == 0:
+            if resolve_quantization(self.args.quantization, model_config.hf_config) is not None:
+                raise ValueError(f"tensor parallelism (tp_size {size}) does not support FP8 "
+                                 "quantization yet")  # fmt: skip
+            dtype = resolve_dtype(self.args.dtype, "float32")
+            build_model(model_config, dtype, "meta", None, TensorParallel(0, size))
+            self.tp, self.tp_followers = start_followers(self.args)
+            logger.info("tensor parallelism: %d ranks met (%s)", size, ", ".join(
+                rank_device(self.args.device, r) for r in range(size)))  # fmt: skip
+        else:
+            assert port is not None, "a follower rank needs rank 0's port"
+            self.tp = join(rank, size, port, str(self.device))
+        self.tp_link = TPLink(self.tp, self.device, self.tp_followers)
 
     def _pdl(self, asked: bool) -> bool:
         """`--enable-pdl` where it can work: compiled Triton kernels on a GPU of compute
@@ -339,6 +387,8 @@ class ModelRunner(RunnerWeights):
             future_map.resolve_future(forward_batch.input_ids)
         if self.lora is not None:
             self.lora.prepare(forward_batch)
+        if self.tp_link is not None:  # the other ranks run the same forward
+            self.tp_link.send(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
@@ -357,11 +407,22 @@ class ModelRunner(RunnerWeights):
         garbage collector finds the runner. Trainers' groups still joined are left (their
         names free for the next engine's)."""
         self.weight_groups.close()
+        self.stop_tensor_parallel()
         self.graph_runner = None
         self.model = self.kv_pool = self.attn_backend = self.host_kv_pool = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def stop_tensor_parallel(self) -> None:
+        """(Rank 0) stop the follower ranks and leave the group."""
+        if self.tp_link is None or self.tp.rank != 0:
+            return
+        self.tp_link.stop()
+        stop_followers(self.tp_followers)
+        self.tp.destroy()
+        self.tp_link, self.tp_followers = None, []
+        torch.set_num_threads(self._threads)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:

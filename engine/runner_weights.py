@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engine.distributed import TensorParallel
 from engine.memory_occupation import MemoryOccupation, occupied_bytes
 from engine.weight_groups import WeightGroups
 
@@ -41,7 +42,15 @@ class RunnerWeights:
     unsent: set[str] | None
     memory: MemoryOccupation
     weight_groups: WeightGroups
+    tp: TensorParallel
     _graphs_stale: bool
+
+    def _one_rank(self, what: str) -> None:
+        """ValueError for `what` on a model split over several ranks (not supported yet: each
+        rank's part of the weights would have to change together)."""
+        if self.tp.size > 1:
+            raise ValueError(f"{what} is not supported with tensor parallelism yet "
+                             f"(tp_size {self.tp.size})")  # fmt: skip
 
     # -- weights from another checkpoint, or from tensors --------------------------------------
     def update_weights_from_disk(self, path: str) -> None:
@@ -49,6 +58,7 @@ class RunnerWeights:
         flushes the prefix cache). ValueError, nothing changed, if it is not one of this
         model; a failure while copying reloads the previous checkpoint and raises. Weights
         released are taken back for it; a failed update leaves them released as they were."""
+        self._one_rank("update_weights_from_disk")
         self._with_weights_back(lambda: self._read_weights(path))
 
     def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -58,6 +68,7 @@ class RunnerWeights:
         if a name is not the model's or a tensor does not fit. Weights released are taken
         back for it; discarded ones that are the checkpoint's on disk are read first (the
         tensors may be a part only)."""
+        self._one_rank("update_weights_from_tensor")
 
         def load() -> None:
             if self.memory.stale_weights and self.unsent is None:
@@ -72,6 +83,7 @@ class RunnerWeights:
         self, master_address: str, master_port: int, rank: int, world_size: int,
         group_name: str, backend: str, timeout_s: float,
     ) -> None:  # fmt: skip
+        self._one_rank("init_weights_update_group")
         self.weight_groups.init(master_address, master_port, rank, world_size, group_name,
                                 backend, timeout_s)  # fmt: skip
 
@@ -103,6 +115,7 @@ class RunnerWeights:
         from engine.weight_read import read_weight
 
         assert self.model is not None, "a host-only runner has no weights"
+        self._one_rank("get_weights_by_name")
         if self.memory.weights is not None or self.memory.stale_weights:
             raise ValueError("the weights are released (or were discarded and are not read "
                              "again yet): resume them and generate first")  # fmt: skip
@@ -209,6 +222,7 @@ class RunnerWeights:
         cannot be read again would be discarded. Weights not on disk (tensor updates) may be
         discarded: every checkpoint tensor must then be sent again."""
         assert self.model is not None and self.kv_pool is not None, "a host-only runner"
+        self._one_rank("release_memory_occupation")
         memory = self.memory
         discard = "weights" in tags and memory.weights is None and not backup_weights
         if discard and self.quantization is not None and not self.quantization.checkpoint:

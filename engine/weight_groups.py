@@ -23,12 +23,13 @@ wait until its own timeout. "nccl" needs the model on a CUDA device; "gloo" work
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 from collections.abc import Sequence
 
 import torch
+
+from engine.distributed import COLLECTIVE_TIMEOUT_S, group_on, rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,6 @@ WEIGHT_DTYPES = (
     "uint8", "int16", "int32", "int64", "bool",
 )  # fmt: skip
 JOIN_TIMEOUT_S = 300.0  # the trainer's side of the rendezvous must come within this
-COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default: a broadcast waits this long for the other side
 
 
 def weight_dtype(name: str) -> torch.dtype:
@@ -62,23 +62,9 @@ def join_group(
     timeout_s: float = JOIN_TIMEOUT_S,
 ) -> torch.distributed.ProcessGroup:
     """This process as `rank` of the trainer's group `group_name` (blocks until every rank
-    has joined; RuntimeError after `timeout_s`)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    join = datetime.timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=join)
-    )
-    store.set_timeout(join)
-    store = c10d.PrefixStore(group_name, store)
-    group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], backend, store, group_name=group_name,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )  # fmt: skip
-    # ranks of the group are its own (no default group maps them): broadcast's src=0 is the
-    # trainer's
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
+    has joined; RuntimeError after `timeout_s`); broadcast's src=0 is the trainer's."""
+    store = rendezvous(master_address, master_port, rank, world_size, timeout_s)
+    return group_on(store, rank, world_size, group_name, backend, COLLECTIVE_TIMEOUT_S)
 
 
 def unflatten(

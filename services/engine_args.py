@@ -54,6 +54,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(self_attn.k_scale / v_scale), else 1.0",
     )
     g.add_argument("--device", default="cpu")
+    g.add_argument(
+        "--tp-size",
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="split the model over this many devices (--device and the ones after it: "
+        "cuda:0 with --tp-size 2 takes cuda:0 and cuda:1); rank 0 schedules for all. Llama, "
+        "Mistral, Qwen2 and Qwen3 models",
+    )
     g.add_argument("--page-size", type=int, default=1)
     g.add_argument("--chunked-prefill-size", type=int, default=8192)
     g.add_argument("--max-prefill-tokens", type=int, default=16384)

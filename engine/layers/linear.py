@@ -38,16 +38,33 @@ def shard_ranges(shards: Sequence[tuple[Hashable, int]]) -> dict[Hashable, tuple
 
 
 class MergedLinear(nn.Linear):
+    """`sources` (tensor parallelism: a column-parallel layer, engine/layers/parallel.py): per
+    shard, the (first row, rows, all rows) of its checkpoint tensor that this rank holds;
+    default all of it."""
+
     def __init__(
-        self, in_features: int, shards: Sequence[tuple[Hashable, int]], bias: bool = False
+        self,
+        in_features: int,
+        shards: Sequence[tuple[Hashable, int]],
+        bias: bool = False,
+        sources: dict[Hashable, tuple[int, int, int]] | None = None,
     ) -> None:
         super().__init__(in_features, sum(size for _, size in shards), bias=bias)
         self.shard_ranges = shard_ranges(shards)
         self.output_sizes = [size for _, size in shards]
+        self.sources = sources or {}
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable) -> None:
         """Copy one checkpoint tensor (weight or bias of shard `shard_id`) into its rows."""
         offset, size = self.shard_ranges[shard_id]
+        if shard_id in self.sources:
+            start, rows, total = self.sources[shard_id]
+            if loaded.shape[0] != total:
+                raise ValueError(
+                    f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does not have "
+                    f"the {total} rows expected"
+                )
+            loaded = loaded.narrow(0, start, rows)
         target = param.data.narrow(0, offset, size)
         if target.shape != loaded.shape:
             raise ValueError(

@@ -13,6 +13,9 @@ the sampler converts where it has to and otherwise reads the 16-bit rows, which 
 bytes (engine/sampling/sampler.py). With a soft cap (computed in float32) or a float64 model
 the buffer is float32 and the conversion writes into it.
 
+With tensor parallelism the lm_head holds one rank's part of the vocabulary and the logits of
+every part are gathered (engine/layers/parallel.py) before anything else.
+
 An embedding model's batch (`forward_batch.pooling` set) gets its pooled hidden states
 instead (engine/pooling.py): the lm_head is not applied.
 
@@ -43,7 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels.gemv
+from engine.distributed import SINGLE, TensorParallel
 from engine.layers.linear import gemv_fits
+from engine.layers.parallel import gather_vocab
 from engine.pooling import pool_hidden
 
 if TYPE_CHECKING:
@@ -51,10 +56,13 @@ if TYPE_CHECKING:
 
 
 class LogitsProcessor(nn.Module):
-    def __init__(self, vocab_size: int, soft_cap: float | None = None) -> None:
+    def __init__(
+        self, vocab_size: int, soft_cap: float | None = None, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.soft_cap = soft_cap
+        self.tp = tp  # tensor parallelism: the lm_head holds this rank's part of the vocabulary
         self.gemv_max_rows = 0  # engine.layers.linear.use_triton_gemv: the Triton GEMV's rows
 
     def forward(
@@ -76,6 +84,7 @@ class LogitsProcessor(nn.Module):
                                 out=out if direct else None)  # fmt: skip
         if direct:
             return logits
+        logits = gather_vocab(logits, self.vocab_size, self.tp)
         if self.soft_cap:  # in float32 at least (float64 models: float64), then float32
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import kernels.gemv
+from engine.distributed import current_tp
 from engine.forward_batch import ForwardBatch
 from engine.layer_windows import layer_sliding_windows
 from engine.layers.activation import SiluAndMul
@@ -26,6 +27,12 @@ from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedLinear, gemv_fits, norm_gemv
 from engine.layers.logits import LogitsProcessor
+from engine.layers.parallel import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    kv_heads_per_rank,
+)
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.loader import load_named_weights
 
@@ -39,18 +46,29 @@ STACKED_WEIGHTS = (
 
 
 class LlamaAttention(nn.Module):
+    """With tensor parallelism (`current_tp()` while built): this rank's query heads and K/V
+    heads (engine/layers/parallel.py); `num_heads` and `num_kv_heads` are the rank's."""
+
     def __init__(self, config, layer_id: int, rotary: RotaryEmbedding, variant: type) -> None:
         super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or hidden // self.num_heads
+        hidden, tp = config.hidden_size, current_tp()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = d = getattr(config, "head_dim", None) or hidden // heads
+        q_start, self.num_heads = tp.shard(heads, "attention heads")
+        kv_start, self.num_kv_heads = kv_heads_per_rank(kv_heads, tp)
         qkv_bias, o_bias = variant.attention_biases(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        kv_rows = (kv_start * d, kv_size, kv_heads * d)
+        sources = {"q": (q_start * d, q_size, heads * d), "k": kv_rows, "v": kv_rows}
         self.qkv_proj = MergedLinear(
-            hidden, [("q", q_size), ("k", kv_size), ("v", kv_size)], bias=qkv_bias
-        )
-        self.o_proj = nn.Linear(q_size, hidden, bias=o_bias)
+            hidden, [("q", q_size), ("k", kv_size), ("v", kv_size)], bias=qkv_bias,
+            sources=sources if tp.size > 1 else None,
+        )  # fmt: skip
+        self.o_proj = (
+            RowParallelLinear(heads * d, hidden, o_bias, tp) if tp.size > 1
+            else nn.Linear(q_size, hidden, bias=o_bias)
+        )  # fmt: skip
         self.qk_norm = variant.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -93,13 +111,19 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        inter = intermediate_size or config.intermediate_size
-        bias = bool(getattr(config, "mlp_bias", False))
+        full = intermediate_size or config.intermediate_size
+        bias, tp = bool(getattr(config, "mlp_bias", False)), current_tp()
+        start, inter = tp.shard(full, "intermediate features")  # (all of them with one rank)
+        rows = (start, inter, full)
         self.gate_up_proj = MergedLinear(
-            config.hidden_size, [("gate", inter), ("up", inter)], bias=bias
-        )
+            config.hidden_size, [("gate", inter), ("up", inter)], bias=bias,
+            sources={"gate": rows, "up": rows} if tp.size > 1 else None,
+        )  # fmt: skip
         self.act = SiluAndMul()
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = (
+            RowParallelLinear(full, config.hidden_size, bias, tp) if tp.size > 1
+            else nn.Linear(inter, config.hidden_size, bias=bias)
+        )  # fmt: skip
         self.gemv_max_rows = 0  # --gemv-backend triton (engine.layers.linear.use_triton_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +191,11 @@ class LlamaModel(nn.Module):
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        tp = current_tp()
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if tp.size > 1
+            else nn.Embedding(config.vocab_size, config.hidden_size)
+        )  # fmt: skip
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, rotary, variant) for i in range(config.num_hidden_layers)
         )
@@ -191,6 +219,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qk_norm = False
+    supports_tensor_parallel = True  # (engine/layers/parallel.py; not its MoE subclasses yet)
     stacked_weights = STACKED_WEIGHTS  # (fused, PEFT/HF name, shard): for LoRA too
 
     @staticmethod
@@ -210,9 +239,14 @@ class LlamaForCausalLM(nn.Module):
         max_position = max(max_position or 0, config.max_position_embeddings)
         self.model = LlamaModel(config, max_position, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
+        tp = current_tp()
+        if self.tie_word_embeddings:
+            pass  # the embedding's rows (with tensor parallelism, this rank's part of them)
+        elif tp.size > 1:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+        else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size, tp=tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

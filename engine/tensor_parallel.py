@@ -1,0 +1,251 @@
+"""Tensor parallelism: one engine over `tp_size` devices, rank 0 scheduling for all.
+
+Rank 0 is the engine's model runner: it schedules, holds the KV-slot bookkeeping and samples.
+Ranks 1..N-1 are follower processes (started by rank 0's runner, `start_followers`), each
+holding its part of every weight (engine/layers/parallel.py) and a KV pool of its own heads
+with as many slots as rank 0's (the smallest any rank can hold: `TensorParallel.min_int`).
+They only run forwards: for each one, rank 0 sends what its layers and attention read
+(`TPLink.send`, just before rank 0's own forward, after the overlap scheduler's placeholders
+are resolved), and every rank runs the same forward, meeting in the collectives of the
+row-parallel layers and the logits' gather. The followers' logits are dropped. vLLM's
+multiprocessing executor works the same way (the driver sends the scheduler's output); SGLang
+runs a scheduler on every rank and broadcasts the requests instead, which needs every rank to
+make the same decisions (timing-free), which this engine's schedulers do not promise.
+
+Per forward: a small object over the gloo group (the batch's shape and its host lists), then
+one int64 tensor over the device group (NCCL on CUDA): the input ids, positions, KV slots,
+sequence lengths and, cut to the longest sequence, the batch's rows of the request-to-token
+table (the followers have no table of their own: they attend through these rows). On CUDA
+the tensor stays on the device: no host synchronisation on rank 0.
+
+Devices: rank r takes the device `r` past rank 0's (`cuda:1`, `cuda:2`, ... for `cuda:0`);
+on CPU every rank is a process on the same cores, each given its share of the threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.distributed import TensorParallel, free_port, group_on, rendezvous
+from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.layers.parallel import kv_heads_per_rank
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 600.0  # loading a large model on each rank takes a while
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank `rank`'s device: the one `rank` past `device`'s index on CUDA; CPU for CPU."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return str(dev)
+    return f"cuda:{(dev.index or 0) + rank}"
+
+
+def rank_model_config(mc: ModelConfig, tp: TensorParallel) -> ModelConfig:
+    """`mc` as one rank sees it: its attention heads and K/V heads (its KV pool's shape)."""
+    if tp.size == 1:
+        return mc
+    _, kv_heads = kv_heads_per_rank(mc.num_kv_heads, tp)
+    return dataclasses.replace(mc, num_heads=mc.num_heads // tp.size, num_kv_heads=kv_heads)
+
+
+def rank_threads(size: int) -> int:
+    """Each CPU rank's torch threads: the cores split between the ranks."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def join(rank: int, size: int, port: int, device: str) -> TensorParallel:
+    """This process as `rank` of the engine's group at 127.0.0.1:`port`."""
+    store = rendezvous("127.0.0.1", port, rank, size, JOIN_TIMEOUT_S)
+    cuda = torch.device(device).type == "cuda"
+    name = f"sluice-tp-{port}"
+    device_group = group_on(store, rank, size, name, "nccl" if cuda else "gloo")
+    cpu_group = group_on(store, rank, size, f"{name}-cpu", "gloo") if cuda else device_group
+    return TensorParallel(rank, size, device_group, cpu_group)
+
+
+def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
+    """Start ranks 1..tp_size-1 and join them as rank 0: (the group, the processes). A
+    follower that fails before joining fails this too (with its exit code), rather than waiting
+    out the join's timeout."""
+    from engine.overlap.process_executor import _mp_context, _start
+
+    ctx, port = _mp_context(), free_port()
+    procs = []
+    for rank in range(1, args.tp_size):
+        proc = ctx.Process(target=follower_main, args=(args, rank, port),
+                           name=f"sluice-tp{rank}", daemon=True)  # fmt: skip
+        _start(proc)
+        procs.append(proc)
+    joined: dict[str, Any] = {}
+
+    def join_rank0() -> None:
+        try:
+            joined["tp"] = join(0, args.tp_size, port, args.device)
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+            joined["error"] = exc
+
+    thread = threading.Thread(target=join_rank0, name="sluice-tp-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead and thread.is_alive():
+            stop_followers(procs)
+            raise RuntimeError(
+                f"tensor parallelism: rank process {dead[0].name} exited with code "
+                f"{dead[0].exitcode} before joining (its log says why)"
+            )
+    if "error" in joined:
+        stop_followers(procs)
+        raise RuntimeError(f"tensor parallelism: the ranks did not meet: {joined['error']}")
+    return joined["tp"], procs
+
+
+def stop_followers(procs: list[Any], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+
+
+def follower_main(args: EngineArgs, rank: int, port: int) -> None:
+    """A follower rank: its part of the model, then forwards as rank 0 sends them."""
+    from engine.config import ModelConfig
+    from engine.model_runner import ModelRunner
+
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s: %(message)s")
+    torch.set_num_threads(rank_threads(args.tp_size))
+    runner = ModelRunner(ModelConfig.from_args(args), args, tp_rank=rank, tp_port=port)
+    link = runner.tp_link
+    assert link is not None
+    try:
+        with torch.inference_mode():
+            while (fb := link.receive(runner)) is not None:
+                runner.attn_backend.init_forward_metadata(fb)
+                runner.model(fb.input_ids, fb.positions, fb)
+    finally:
+        link.tp.destroy()
+
+
+@dataclass
+class _Shape:
+    """What a follower needs to rebuild rank 0's ForwardBatch, besides the tensor."""
+
+    mode: int
+    batch_size: int
+    num_tokens: int
+    width: int  # the longest sequence: the request rows' length
+    seq_lens: list[int]
+    extend_prefix_lens: list[int] | None
+    extend_seq_lens: list[int] | None
+    prompt_rows: int  # prompt-logprob rows (-1: none)
+    return_all_logits: bool
+    pooling: str | None
+
+
+class TPLink:
+    """Rank 0's sending side and the followers' receiving side of the per-forward message."""
+
+    def __init__(self, tp: TensorParallel, device: torch.device, procs: list[Any]) -> None:
+        self.tp = tp
+        self.device = device
+        self.procs = procs  # (rank 0) the followers' processes, to say which one is gone
+        self.broken: str | None = None  # why the ranks are out of step (no more forwards)
+
+    def send(self, fb: ForwardBatch) -> None:
+        """(Rank 0) the forward `fb` to every follower."""
+        if self.broken:
+            raise RuntimeError(f"tensor-parallel ranks out of step ({self.broken}): restart "
+                               "the worker")  # fmt: skip
+        extend = fb.forward_mode.is_extend()
+        rows = fb.prompt_logprob_rows
+        shape = _Shape(
+            int(fb.forward_mode), fb.batch_size, fb.num_tokens, max(fb.seq_lens_cpu),
+            list(fb.seq_lens_cpu),
+            list(fb.extend_prefix_lens_cpu) if extend else None,
+            list(fb.extend_seq_lens_cpu) if extend else None,
+            -1 if rows is None else int(rows.shape[0]), fb.return_all_logits, fb.pooling,
+        )  # fmt: skip
+        parts = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
+        if rows is not None:
+            parts.append(rows)
+        table = fb.req_to_token[fb.req_pool_indices, : shape.width]
+        parts.append(table.reshape(-1))
+        payload = torch.cat([p.to(torch.int64) for p in parts])
+        try:
+            torch.distributed.broadcast_object_list([shape], src=0, group=self.tp.cpu_group)
+            torch.distributed.broadcast(payload, src=0, group=self.tp.device_group)
+        except Exception as exc:
+            dead = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in self.procs
+                             if p.exitcode is not None)  # fmt: skip
+            self.broken = dead or f"sending a forward failed: {exc}"
+            raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
+
+    def stop(self) -> None:
+        """(Rank 0) tell the followers to exit."""
+        if self.broken:
+            return
+        self.broken = "stopped"
+        try:
+            torch.distributed.broadcast_object_list([None], src=0, group=self.tp.cpu_group)
+        except Exception:  # noqa: BLE001 - the followers are gone already
+            logger.debug("tensor parallelism: followers gone before the stop", exc_info=True)
+
+    def receive(self, runner: Any) -> ForwardBatch | None:
+        """(A follower) the next forward, over `runner`'s KV pool and attention backend; None
+        when rank 0 stops."""
+        box: list[Any] = [None]
+        torch.distributed.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
+        shape: _Shape | None = box[0]
+        if shape is None:
+            return None
+        bs, n, width = shape.batch_size, shape.num_tokens, shape.width
+        prompt_rows = max(shape.prompt_rows, 0)
+        payload = torch.empty(3 * n + 2 * bs + prompt_rows + bs * width, dtype=torch.int64,
+                              device=self.device)  # fmt: skip
+        torch.distributed.broadcast(payload, src=0, group=self.tp.device_group)
+        input_ids, positions, out_cache_loc, pool_rows, seq_lens, prompt, table = payload.split(
+            [n, n, n, bs, bs, prompt_rows, bs * width]
+        )
+        mode = ForwardMode(shape.mode)
+        start_loc = lens = None
+        if mode.is_extend():
+            lens = torch.tensor(shape.extend_seq_lens, dtype=torch.int64, device=self.device)
+            start_loc = torch.cumsum(lens, 0) - lens
+        del pool_rows  # (the followers index their copy of the rows by batch position)
+        return ForwardBatch(
+            forward_mode=mode,
+            batch_size=bs,
+            input_ids=input_ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=torch.arange(bs, device=self.device),
+            seq_lens=seq_lens,
+            seq_lens_cpu=shape.seq_lens,
+            req_to_token=table.view(bs, width).to(torch.int32),
+            kv_pool=runner.kv_pool,
+            attn_backend=runner.attn_backend,
+            extend_prefix_lens_cpu=shape.extend_prefix_lens,
+            extend_seq_lens_cpu=shape.extend_seq_lens,
+            extend_start_loc=start_loc,
+            extend_seq_lens=lens,
+            return_all_logits=shape.return_all_logits,
+            prompt_logprob_rows=prompt if shape.prompt_rows >= 0 else None,
+            pooling=shape.pooling,
+        )

@@ -1,0 +1,136 @@
+"""Tensor parallelism on CPU (gloo; engine/tensor_parallel.py): a model split over 2 or 4
+rank processes generates transformers' greedy tokens for the Llama family (Llama's own
+lm_head, Qwen2's q/k/v biases and tied embedding, Qwen3's q/k norms and head_dim, Mistral),
+in every scheduler loop, over prefix-cache hits and chunked prefills; with more ranks than
+K/V heads (each head held by several ranks) and a vocabulary the ranks do not divide; the
+logprobs are one rank's; what is not supported is refused with the reason before any process
+starts; the ranks stop with the engine, and a rank that dies fails the next forward with its
+name instead of hanging."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+
+from engine.engine import Engine
+from engine.overlap.executor import ThreadExecutor
+from tests.factories import assert_greedy_match, hf_greedy, mixed_prompts, tiny_model
+
+NEW = 10
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+PROMPTS = mixed_prompts(1500, n=5, max_len=60, seed=3)  # (three share a prefix; one is 1 token)
+
+
+def check_greedy(eng: Engine, path: str, prompts: list[list[int]] = PROMPTS) -> None:
+    outs = eng.generate(input_ids=prompts, sampling_params=[GREEDY] * len(prompts))
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_match(path, prompt, out["output_ids"], hf_greedy(path, prompt, NEW))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_two_ranks_give_transformers_greedy_tokens(arch: str) -> None:
+    path = tiny_model(arch)
+    with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:
+        runner = eng.scheduler.model_runner
+        assert runner.tp.size == 2 and len(runner.tp_followers) == 1
+        assert runner.model_config.num_heads == 2  # (this rank's: 4 heads over 2 ranks)
+        check_greedy(eng, path)
+        check_greedy(eng, path)  # (again: every prompt a cache hit)
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_overlap_loop_with_two_ranks(executor: str) -> None:
+    """The overlap loop sends each forward after its placeholders are resolved; the device
+    process executor gives way to the forward thread (rank 0 starts the ranks itself)."""
+    path = tiny_model("llama")
+    with Engine(model_path=path, tp_size=2, cpu_overlap_executor=executor) as eng:
+        assert isinstance(eng.scheduler.executor, ThreadExecutor)
+        check_greedy(eng, path)
+
+
+def test_more_ranks_than_kv_heads_and_an_uneven_vocabulary(tmp_path) -> None:
+    """One K/V head held by all 4 ranks, a vocabulary of 1534 in parts of 384 (the last one
+    2 rows short), prefills in chunks of 16 tokens."""
+    from services.tiny_model import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", arch="llama", vocab_size=1534, num_key_value_heads=1)
+    with Engine(model_path=str(path), tp_size=4, chunked_prefill_size=16,
+                disable_overlap_schedule=True) as eng:  # fmt: skip
+        runner = eng.scheduler.model_runner
+        assert (runner.model_config.num_heads, runner.model_config.num_kv_heads) == (1, 1)
+        assert runner.model.lm_head.weight.shape[0] == 384
+        check_greedy(eng, str(path))
+
+
+def test_logprobs_are_one_ranks() -> None:
+    path = tiny_model("qwen3")
+    ask = dict(input_ids=PROMPTS[:3], sampling_params=[GREEDY] * 3, return_logprob=True,
+               top_logprobs_num=3)  # fmt: skip
+    with Engine(model_path=path, disable_overlap_schedule=True) as eng:
+        want = eng.generate(**ask)
+    with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:
+        got = eng.generate(**ask)
+    for g, w in zip(got, want):
+        assert g["output_ids"] == w["output_ids"]
+        for a, b in zip(g["meta_info"]["output_token_logprobs"],
+                        w["meta_info"]["output_token_logprobs"]):  # fmt: skip
+            assert a[1] == b[1] and abs(a[0] - b[0]) < 1e-4
+        def top_ids(out: dict) -> list[list[int]]:
+            return [[t[1] for t in step] for step in out["meta_info"]["output_top_logprobs"]]
+
+        assert top_ids(g) == top_ids(w)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(model_path=tiny_model("llama"), tp_size=3),
+         "4 attention heads do not split into 3 equal parts"),
+        (dict(model_path=tiny_model("gpt2"), tp_size=2),
+         "not supported for GPT2LMHeadModel yet; it is for LlamaForCausalLM"),
+        (dict(model_path=tiny_model("mixtral"), tp_size=2), "not supported for Mixtral"),
+        (dict(model_path=tiny_model("llama"), tp_size=2, enable_lora=True),
+         "does not support LoRA adapters"),
+        (dict(model_path=tiny_model("llama"), tp_size=2, quantization="fp8"),
+         "does not support FP8 quantization"),
+        (dict(model_path=tiny_model("llama"), tp_size=0), "tp_size must be >= 1"),
+    ],
+    ids=["heads", "gpt2", "moe", "lora", "fp8", "zero"],
+)
+def test_refused_before_any_rank_starts(kw: dict, match: str) -> None:
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match=match):
+        Engine(disable_overlap_schedule=True, **kw)
+    assert len(multiprocessing.active_children()) == before
+
+
+def test_weight_changes_refused_ranks_stop_with_the_engine() -> None:
+    path = tiny_model("llama")
+    with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:
+        procs = list(eng.scheduler.model_runner.tp_followers)
+        for call in (lambda: eng.update_weights_from_disk(path),
+                     lambda: eng.get_weights_by_name("model.norm.weight"),
+                     lambda: eng.release_memory_occupation()):  # fmt: skip
+            with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+                call()
+        check_greedy(eng, path, PROMPTS[:2])  # (still serving)
+    assert procs and not any(p.is_alive() for p in procs)
+
+
+def test_a_rank_that_dies_fails_the_next_forward_with_its_name() -> None:
+    path = tiny_model("llama")
+    with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:
+        proc = eng.scheduler.model_runner.tp_followers[0]
+        eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(5)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="sluice-tp1 exited with code -9"):
+            eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
+        with pytest.raises(RuntimeError, match="ranks out of step .* restart the worker"):
+            eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
+        assert time.monotonic() - start < 30
