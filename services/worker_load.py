@@ -47,6 +47,7 @@ class WorkerFacts(NamedTuple):
     matryoshka_dimensions: list[int] | None = None  # (engine/pooling.py)
     labels: list[str] | None = None  # a sequence classifier's
     weights_path: str = ""  # where not `model`: the checkpoint of an update_weights_from_disk
+    tp_size: int = 1  # the devices the model is split over
 
     @classmethod
     def of(cls, scheduler: Any, worker_id: str, model: str) -> WorkerFacts:
@@ -64,6 +65,7 @@ class WorkerFacts(NamedTuple):
             matryoshka_dimensions(config.hf_config) if embedding and not config.labels else None,
             list(config.labels) if config.labels else None,
             other_checkpoint(getattr(scheduler, "weights_path", ""), model),
+            scheduler.args.tp_size,
         )
 
 
@@ -135,4 +137,5 @@ class LoadReporter:
             host_cache_tokens=f.host_cache_tokens,
             host_cache_used_tokens=f.host_cache_used_tokens,
             host_cache_hit_tokens=f.host_cache_hit_tokens,
+            tp_size=facts.tp_size,
         )

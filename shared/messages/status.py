@@ -29,12 +29,12 @@ class WorkerLoadMsg(Message):
     others' from here). With the hierarchical cache: `host_cache_tokens`, the host pool's
     slots (0 without it), `host_cache_used_tokens` of them holding K/V, and
     `host_cache_hit_tokens`, prompt tokens loaded back from it instead of computed since
-    the worker started.
+    the worker started. `tp_size`: the devices its model is split over (tensor parallelism).
     """
 
     TAG = "worker_load"
-    VERSION = 9  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
-    # 7: weights_path; 8: reqs_by_router; 9: host_cache_*
+    VERSION = 10  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
+    # 7: weights_path; 8: reqs_by_router; 9: host_cache_*; 10: tp_size
 
     worker_id: str
     model: str
@@ -61,6 +61,7 @@ class WorkerLoadMsg(Message):
     host_cache_tokens: int = 0
     host_cache_used_tokens: int = 0
     host_cache_hit_tokens: int = 0
+    tp_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)
