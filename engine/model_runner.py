@@ -182,6 +182,8 @@ class ModelRunner(RunnerWeights):
         self._threads = torch.get_num_threads()  # (restored when rank 0 stops the others)
         if self.device.type == "cpu":
             torch.set_num_threads(rank_threads(size))
+        elif self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # (NCCL's communicator is the current device's)
         if rank == 0:
             if resolve_quantization(self.args.quantization, model_config.hf_config) is not None:
                 raise ValueError(f"tensor parallelism (tp_size {size}) does not support FP8 "

@@ -208,16 +208,31 @@ class Launcher:
         flags = self.worker_flags
         return flags[flags.index("--device") + 1] if "--device" in flags else "cpu"
 
+    @property
+    def tp_size(self) -> int:
+        """The workers' `--tp-size` (or its other spellings), 1 without it."""
+        flags, size = self.worker_flags, 1
+        for i, flag in enumerate(flags):
+            name, eq, value = flag.partition("=")
+            if name in ("--tp-size", "--tp", "--tensor-parallel-size"):
+                size = int(value if eq else flags[i + 1])
+        return size
+
     def _worker_gpus(self) -> list[str]:
-        """Each worker's GPU, when several run on CUDA: the visible devices in turn."""
-        n = self.settings.dp_size
+        """Each worker's GPUs (comma-separated: `--tp-size` of them), when several workers run
+        on CUDA: the visible devices in turn."""
+        n, tp = self.settings.dp_size, self.tp_size
         if n < 2 or not self.device.startswith("cuda"):
             return []
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = [g for g in visible.split(",") if g.strip()] if visible else list(map(str, range(n)))
-        if len(gpus) < n:
-            raise SystemExit(f"--dp-size {n} needs {n} GPUs; CUDA_VISIBLE_DEVICES has {visible}")
-        return gpus[:n]
+        gpus = (
+            [g.strip() for g in visible.split(",") if g.strip()] if visible
+            else list(map(str, range(n * tp)))
+        )  # fmt: skip
+        if len(gpus) < n * tp:
+            raise SystemExit(f"--dp-size {n} x --tp-size {tp} needs {n * tp} GPUs; "
+                             f"CUDA_VISIBLE_DEVICES has {visible}")  # fmt: skip
+        return [",".join(gpus[i * tp:(i + 1) * tp]) for i in range(n)]
 
     def _wait_ready(self, url: str) -> bool:
         s = self.settings

@@ -1,6 +1,7 @@
 """A worker started with `--tp-size 2` (its model over two rank processes, gloo on CPU) behind
 the router, a tokenizer and a detokenizer: its greedy completions are one rank's (the offline
-engine's, unsplit), streamed or not, and the server reports its size (each worker's `tp_size` in `internal_states`)."""
+engine's, unsplit), streamed or not, and the server reports its size (each worker's `tp_size`
+in `internal_states`)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def test_split_worker_serves_one_ranks_greedy_tokens(redis_url: str, tmp_path) -
         choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
         assert [c["text"] for c in choices] == want
         streamed = ""
-        with httpx.stream("POST", url + "/v1/completions", timeout=60,
-                          json={**body, "prompt": PROMPTS[0], "stream": True}) as events:  # fmt: skip
+        one = {**body, "prompt": PROMPTS[0], "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=one, timeout=60) as events:
             for line in events.iter_lines():
                 if line.startswith("data: {"):
                     streamed += json.loads(line[6:])["choices"][0]["text"]

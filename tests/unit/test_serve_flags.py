@@ -54,6 +54,18 @@ def test_dp_workers_get_one_gpu_each(monkeypatch) -> None:
         _launcher(4, "--device", "cuda")._worker_gpus()
 
 
+def test_dp_workers_of_tp_ranks_get_that_many_gpus_each(monkeypatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _launcher(2, "--device", "cuda", "--tp-size", "2")._worker_gpus() == ["0,1", "2,3"]
+    assert _launcher(2, "--device", "cuda", "--tp=2")._worker_gpus() == ["0,1", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 5,6,7,8")
+    launcher = _launcher(2, "--device", "cuda", "--tensor-parallel-size", "2")
+    assert launcher._worker_gpus() == ["4,5", "6,7"]
+    with pytest.raises(SystemExit, match="--dp-size 2 x --tp-size 3 needs 6 GPUs"):
+        _launcher(2, "--device", "cuda", "--tp-size", "3")._worker_gpus()
+    assert "--tp-size" in engine_flags(parse("--tp", "2"))  # (what serve hands its workers)
+
+
 def test_serve_passes_the_routing_policy_to_its_router() -> None:
     parser = argparse.ArgumentParser()
     add_router_args(parser)
