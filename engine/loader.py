@@ -27,7 +27,8 @@ from engine.models.registry import get_model_class
 from engine.quantization import Fp8Config, pair_fp8_scales, swap_in_fp8
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                    "Qwen3ForCausalLM")  # fmt: skip
+                    "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                    "Qwen3MoeForCausalLM")  # fmt: skip
 
 # (name, tensor), (name, tensor, shard id) for a shard of a stacked parameter, or None to skip.
 WeightTransform = Callable[

@@ -22,12 +22,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import current_tp
+
 
 class ExpertWeights(nn.Module):
-    """`weight[e]` = expert e's [out, in] matrix, whose output rows are the named shards."""
+    """`weight[e]` = expert e's [out, in] matrix, whose output rows are the named shards.
 
-    def __init__(self, num_experts: int, in_features: int, shards: Sequence[tuple[str, int]]):
+    `split` (tensor parallelism): (dim, start, length, full) — this rank holds `length` of the
+    `full` rows (dim 0) or columns (dim 1) of every checkpoint matrix, from `start`."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        shards: Sequence[tuple[str, int]],
+        split: tuple[int, int, int, int] | None = None,
+    ):
         super().__init__()
+        self.split = split
         out_features = sum(size for _, size in shards)
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
         self.shard_ranges: dict[tuple[int, str], tuple[int, int]] = {}
@@ -44,6 +56,12 @@ class ExpertWeights(nn.Module):
             raise ValueError(f"no expert shard {shard_id!r} (experts: {self.weight.shape[0]})")
         offset, size = self.shard_ranges[shard_id]
         target = param.data[shard_id[0]].narrow(0, offset, size)
+        if self.split is not None:
+            dim, start, length, full = self.split
+            if loaded.dim() != 2 or loaded.shape[dim] != full:
+                raise ValueError(f"expert shard {shard_id!r}: checkpoint shape "
+                                 f"{tuple(loaded.shape)} has not {full} in dim {dim}")  # fmt: skip
+            loaded = loaded.narrow(dim, start, length)
         if target.shape != loaded.shape:
             raise ValueError(
                 f"expert shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does not "
@@ -121,20 +139,32 @@ def fused_experts_torch(
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: `forward(x, topk_weights, topk_ids)`."""
+    """The routed experts of one layer: `forward(x, topk_weights, topk_ids)`.
+
+    With tensor parallelism (`current_tp()` while built) every expert is split as a dense MLP
+    is (engine/layers/parallel.py): each rank holds its part of every expert's intermediate
+    features (w13's rows, w2's columns), every rank computes every token's experts over its
+    part, and one all-reduce sums the parts (SGLang's and vLLM's default for MoE models under
+    tensor parallelism, without expert parallelism)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.tp = tp = current_tp()
+        start, inter = tp.shard(intermediate_size, "expert intermediate features")
+        split = tp.size > 1
         self.w13 = ExpertWeights(
-            num_experts, hidden_size, [("gate", intermediate_size), ("up", intermediate_size)]
-        )
-        self.w2 = ExpertWeights(num_experts, intermediate_size, [("down", hidden_size)])
+            num_experts, hidden_size, [("gate", inter), ("up", inter)],
+            split=(0, start, inter, intermediate_size) if split else None,
+        )  # fmt: skip
+        self.w2 = ExpertWeights(num_experts, inter, [("down", hidden_size)],
+                                split=(1, start, inter, intermediate_size) if split else None)
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        return fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+        out = fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+        return self.tp.all_reduce(out)
 
 
 class SparseMoeBlock(nn.Module):

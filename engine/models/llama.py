@@ -219,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
     """
 
     qk_norm = False
-    supports_tensor_parallel = True  # (engine/layers/parallel.py; not its MoE subclasses yet)
+    supports_tensor_parallel = True  # (engine/layers/parallel.py; its MoE subclasses too)
     stacked_weights = STACKED_WEIGHTS  # (fused, PEFT/HF name, shard): for LoRA too
 
     @staticmethod

@@ -37,8 +37,6 @@ _EXPERT_SHARDS = {
 class _MoeWeights:
     """Maps per-expert checkpoint matrices onto the stacked `w13` / `w2` (mixin)."""
 
-    supports_tensor_parallel = False  # the experts are not split over ranks yet
-
     def _map_weight(self, name: str, tensor: torch.Tensor):
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
         match = _EXPERT.match(name)

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo; engine/tensor_parallel.py): a model split over 2 or 4
 rank processes generates transformers' greedy tokens for the Llama family (Llama's own
-lm_head, Qwen2's q/k/v biases and tied embedding, Qwen3's q/k norms and head_dim, Mistral),
+lm_head, Qwen2's q/k/v biases and tied embedding, Qwen3's q/k norms and head_dim, Mistral) and
+its mixture-of-experts models (every expert split; Qwen2-MoE's shared expert and dense layers),
 in every scheduler loop, over prefix-cache hits and chunked prefills; with more ranks than
 K/V heads (each head held by several ranks) and a vocabulary the ranks do not divide; the
 logprobs are one rank's; what is not supported is refused with the reason before any process
@@ -16,6 +17,7 @@ import time
 
 import pytest
 
+from engine.config import ModelConfig
 from engine.engine import Engine
 from engine.overlap.executor import ThreadExecutor
 from tests.factories import assert_greedy_match, hf_greedy, mixed_prompts, tiny_model
@@ -31,13 +33,15 @@ def check_greedy(eng: Engine, path: str, prompts: list[list[int]] = PROMPTS) -> 
         assert_greedy_match(path, prompt, out["output_ids"], hf_greedy(path, prompt, NEW))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe",
+                                  "qwen3_moe"])
 def test_two_ranks_give_transformers_greedy_tokens(arch: str) -> None:
     path = tiny_model(arch)
     with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:
         runner = eng.scheduler.model_runner
         assert runner.tp.size == 2 and len(runner.tp_followers) == 1
-        assert runner.model_config.num_heads == 2  # (this rank's: 4 heads over 2 ranks)
+        heads = ModelConfig.from_pretrained(path).num_heads
+        assert runner.model_config.num_heads == heads // 2  # (this rank's)
         check_greedy(eng, path)
         check_greedy(eng, path)  # (again: every prompt a cache hit)
 
@@ -92,14 +96,13 @@ def test_logprobs_are_one_ranks() -> None:
          "4 attention heads do not split into 3 equal parts"),
         (dict(model_path=tiny_model("gpt2"), tp_size=2),
          "not supported for GPT2LMHeadModel yet; it is for LlamaForCausalLM"),
-        (dict(model_path=tiny_model("mixtral"), tp_size=2), "not supported for Mixtral"),
         (dict(model_path=tiny_model("llama"), tp_size=2, enable_lora=True),
          "does not support LoRA adapters"),
         (dict(model_path=tiny_model("llama"), tp_size=2, quantization="fp8"),
          "does not support FP8 quantization"),
         (dict(model_path=tiny_model("llama"), tp_size=0), "tp_size must be >= 1"),
     ],
-    ids=["heads", "gpt2", "moe", "lora", "fp8", "zero"],
+    ids=["heads", "gpt2", "lora", "fp8", "zero"],
 )
 def test_refused_before_any_rank_starts(kw: dict, match: str) -> None:
     before = len(multiprocessing.active_children())
