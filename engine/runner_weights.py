@@ -43,7 +43,15 @@ class RunnerWeights:
     memory: MemoryOccupation
     weight_groups: WeightGroups
     tp: TensorParallel
+    tp_link: Any
     _graphs_stale: bool
+
+    def _every_rank(self, method: str, *args: Any) -> Any:
+        """`self.method(*args)`, on every rank of a tensor-parallel group (rank 0's result)."""
+        link = self.tp_link
+        if link is None or self.tp.rank != 0:
+            return getattr(self, method)(*args)
+        return link.on_every_rank(self, method, *args)
 
     def _one_rank(self, what: str) -> None:
         """ValueError for `what` on a model split over several ranks (not supported yet: each
@@ -57,8 +65,11 @@ class RunnerWeights:
         """The checkpoint in `path` into the model, in place (between forwards; the caller
         flushes the prefix cache). ValueError, nothing changed, if it is not one of this
         model; a failure while copying reloads the previous checkpoint and raises. Weights
-        released are taken back for it; a failed update leaves them released as they were."""
-        self._one_rank("update_weights_from_disk")
+        released are taken back for it; a failed update leaves them released as they were.
+        With tensor parallelism every rank reads its part."""
+        self._every_rank("_update_weights_from_disk", path)
+
+    def _update_weights_from_disk(self, path: str) -> None:
         self._with_weights_back(lambda: self._read_weights(path))
 
     def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
@@ -67,9 +78,13 @@ class RunnerWeights:
         checkpoint tensors still to be sent (`missing_weights`). ValueError, nothing changed,
         if a name is not the model's or a tensor does not fit. Weights released are taken
         back for it; discarded ones that are the checkpoint's on disk are read first (the
-        tensors may be a part only)."""
-        self._one_rank("update_weights_from_tensor")
+        tensors may be a part only). With tensor parallelism every rank gets the tensors (over
+        gloo, from host memory) and takes its part."""
+        if self.tp.size > 1:
+            named = [(name, t.detach().cpu()) for name, t in named]
+        return self._every_rank("_update_weights_from_tensor", named)
 
+    def _update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
         def load() -> None:
             if self.memory.stale_weights and self.unsent is None:
                 self._read_weights(self.weights_path)
@@ -221,8 +236,10 @@ class RunnerWeights:
         Between forwards, with no K/V in use. ValueError, nothing released, if weights that
         cannot be read again would be discarded. Weights not on disk (tensor updates) may be
         discarded: every checkpoint tensor must then be sent again."""
+        return self._every_rank("_release_memory_occupation", tags, backup_weights)
+
+    def _release_memory_occupation(self, tags: tuple[str, ...], backup_weights: bool) -> int:
         assert self.model is not None and self.kv_pool is not None, "a host-only runner"
-        self._one_rank("release_memory_occupation")
         memory = self.memory
         discard = "weights" in tags and memory.weights is None and not backup_weights
         if discard and self.quantization is not None and not self.quantization.checkpoint:
@@ -250,7 +267,11 @@ class RunnerWeights:
         return freed
 
     def resume_memory_occupation(self, tags: tuple[str, ...]) -> int:
-        """Take the memory of `tags` again (see engine/memory_occupation.py); the bytes."""
+        """Take the memory of `tags` again (see engine/memory_occupation.py); the bytes (rank
+        0's, with tensor parallelism; every rank takes its own back)."""
+        return self._every_rank("_resume_memory_occupation", tags)
+
+    def _resume_memory_occupation(self, tags: tuple[str, ...]) -> int:
         taken = 0
         if "weights" in tags:
             taken += self.memory.resume_weights()

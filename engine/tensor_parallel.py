@@ -144,6 +144,14 @@ def follower_main(args: EngineArgs, rank: int, port: int) -> None:
 
 
 @dataclass
+class _Call:
+    """A runner method every rank runs, between forwards (a weights update, a release)."""
+
+    method: str
+    args: tuple
+
+
+@dataclass
 class _Shape:
     """What a follower needs to rebuild rank 0's ForwardBatch, besides the tensor."""
 
@@ -197,6 +205,32 @@ class TPLink:
             self.broken = dead or f"sending a forward failed: {exc}"
             raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
 
+    def on_every_rank(self, runner: Any, method: str, *args: Any) -> Any:
+        """(Rank 0) `runner.method(*args)` on every rank, the followers' at the same time as
+        rank 0's; rank 0's result. Raises rank 0's exception, or a follower's where only it
+        failed (the ranks then hold different weights: no more forwards)."""
+        if self.broken:
+            raise RuntimeError(f"tensor-parallel ranks out of step ({self.broken}): restart "
+                               "the worker")  # fmt: skip
+        torch.distributed.broadcast_object_list([_Call(method, args)], src=0,
+                                                group=self.tp.cpu_group)  # fmt: skip
+        error: BaseException | None = None
+        try:
+            result = getattr(runner, method)(*args)
+        except Exception as exc:  # noqa: BLE001 - raised below, once the ranks reported
+            error, result = exc, None
+        outcomes: list[Any] = [None] * self.tp.size
+        torch.distributed.all_gather_object(outcomes, None if error is None else repr(error),
+                                            group=self.tp.cpu_group)  # fmt: skip
+        failed = [(rank, why) for rank, why in enumerate(outcomes) if why is not None]
+        if failed and len(failed) < self.tp.size:
+            self.broken = f"{method} failed on rank {failed[0][0]} only: {failed[0][1]}"
+            if error is None:
+                raise RuntimeError(f"tensor parallelism: {self.broken}")
+        if error is not None:
+            raise error
+        return result
+
     def stop(self) -> None:
         """(Rank 0) tell the followers to exit."""
         if self.broken:
@@ -209,9 +243,13 @@ class TPLink:
 
     def receive(self, runner: Any) -> ForwardBatch | None:
         """(A follower) the next forward, over `runner`'s KV pool and attention backend; None
-        when rank 0 stops."""
-        box: list[Any] = [None]
-        torch.distributed.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
+        when rank 0 stops. Calls that every rank runs (`on_every_rank`) run here first."""
+        while True:
+            box: list[Any] = [None]
+            torch.distributed.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
+            if not isinstance(box[0], _Call):
+                break
+            self._run_call(runner, box[0])
         shape: _Shape | None = box[0]
         if shape is None:
             return None
@@ -249,3 +287,13 @@ class TPLink:
             prompt_logprob_rows=prompt if shape.prompt_rows >= 0 else None,
             pooling=shape.pooling,
         )
+
+    def _run_call(self, runner: Any, call: _Call) -> None:
+        why = None
+        try:
+            getattr(runner, call.method)(*call.args)
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
+            logger.exception("tensor parallelism: %s on this rank", call.method)
+            why = repr(exc)
+        outcomes: list[Any] = [None] * self.tp.size
+        torch.distributed.all_gather_object(outcomes, why, group=self.tp.cpu_group)

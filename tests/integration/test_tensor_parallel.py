@@ -4,9 +4,10 @@ lm_head, Qwen2's q/k/v biases and tied embedding, Qwen3's q/k norms and head_dim
 its mixture-of-experts models (every expert split; Qwen2-MoE's shared expert and dense layers),
 in every scheduler loop, over prefix-cache hits and chunked prefills; with more ranks than
 K/V heads (each head held by several ranks) and a vocabulary the ranks do not divide; the
-logprobs are one rank's; what is not supported is refused with the reason before any process
-starts; the ranks stop with the engine, and a rank that dies fails the next forward with its
-name instead of hanging."""
+logprobs are one rank's; weights updated from disk or from tensors, and memory released and
+resumed, on every rank; what is not supported is refused with the reason (before any process
+starts, where it is a flag); the ranks stop with the engine, and a rank that dies fails the
+next forward with its name instead of hanging."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from engine.config import ModelConfig
 from engine.engine import Engine
+from engine.loader import iter_safetensors
 from engine.overlap.executor import ThreadExecutor
 from tests.factories import assert_greedy_match, hf_greedy, mixed_prompts, tiny_model
 
@@ -111,17 +113,44 @@ def test_refused_before_any_rank_starts(kw: dict, match: str) -> None:
     assert len(multiprocessing.active_children()) == before
 
 
-def test_weight_changes_refused_ranks_stop_with_the_engine() -> None:
+@pytest.mark.parametrize("executor", ["no-overlap", "thread"])
+def test_weights_updated_released_and_resumed_on_every_rank(executor: str) -> None:
+    """Every rank takes its part of another checkpoint (from disk, or as tensors sent in
+    buckets), gives its memory back and takes it again; reading a weight back is refused; the
+    ranks stop with the engine."""
+    a, b = tiny_model("llama"), tiny_model("llama", seed=1)
+    kw = dict(disable_overlap_schedule=True) if executor == "no-overlap" else {}
+    prompts = PROMPTS[:2]
+    with Engine(model_path=a, tp_size=2, **kw) as eng:
+        procs = list(eng.scheduler.model_runner.tp_followers)
+        check_greedy(eng, a, prompts)
+        eng.update_weights_from_disk(b)
+        check_greedy(eng, b, prompts)
+        tensors = sorted(iter_safetensors(a))
+        for bucket in (tensors[0::2], tensors[1::2]):  # (q, k, v of a layer in both)
+            eng.update_weights_from_tensor(bucket)
+        check_greedy(eng, a, prompts)
+        eng.update_weights_from_disk(b)
+        eng.release_memory_occupation()  # (the weights discarded: B is on disk)
+        eng.resume_memory_occupation()
+        check_greedy(eng, b, prompts)
+        with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+            eng.get_weights_by_name("model.norm.weight")
+        with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+            eng.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "gloo")
+    assert procs and not any(p.is_alive() for p in procs)
+
+
+def test_an_update_that_does_not_fit_is_refused_on_every_rank() -> None:
     path = tiny_model("llama")
     with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:
-        procs = list(eng.scheduler.model_runner.tp_followers)
-        for call in (lambda: eng.update_weights_from_disk(path),
-                     lambda: eng.get_weights_by_name("model.norm.weight"),
-                     lambda: eng.release_memory_occupation()):  # fmt: skip
-            with pytest.raises(ValueError, match="not supported with tensor parallelism"):
-                call()
-        check_greedy(eng, path, PROMPTS[:2])  # (still serving)
-    assert procs and not any(p.is_alive() for p in procs)
+        with pytest.raises(ValueError, match="is a .* checkpoint; the served model is"):
+            eng.update_weights_from_disk(tiny_model("qwen3"))
+        name = "model.layers.0.self_attn.q_proj.weight"
+        weight = dict(iter_safetensors(path))[name]
+        with pytest.raises(ValueError, match="does not match"):
+            eng.update_weights_from_tensor([(name, weight[:, :-1])])
+        check_greedy(eng, path, PROMPTS[:2])  # (nothing changed, the ranks in step)
 
 
 def test_a_rank_that_dies_fails_the_next_forward_with_its_name() -> None:
