@@ -13,10 +13,10 @@ import torch
 from engine.attention.base import AttentionBackend, create_attention_backend
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
 from engine.cuda_graph_runner import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
-from engine.distributed import SINGLE, TensorParallel
+from engine.distributed import SINGLE
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.host_tensors import int64_rows
-from engine.loader import build_model, load_model
+from engine.loader import load_model
 from engine.mem_cache.kv_memory import plan_kv_memory
 from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.memory_occupation import MemoryOccupation
@@ -29,11 +29,9 @@ from engine.scheduler.schedule_batch import ModelWorkerBatch
 from engine.speculative.verify import VerifyResult, verify
 from engine.tensor_parallel import (
     TPLink,
-    join,
+    join_ranks,
     rank_device,
     rank_model_config,
-    rank_threads,
-    start_followers,
     stop_followers,
 )
 from engine.weight_groups import WeightGroups
@@ -81,7 +79,10 @@ class ModelRunner(RunnerWeights):
         # this rank's view (its attention and K/V heads)
         self.tp, self.tp_followers, self.tp_link = SINGLE, [], None
         if args.tp_size > 1 and not host_only:
-            self._join_tensor_parallel(model_config, tp_rank, tp_port)
+            self.tp, self.tp_followers, self._threads = join_ranks(
+                args, model_config, tp_rank, tp_port, self.device
+            )
+            self.tp_link = TPLink(self.tp, self.device, self.tp_followers)
         self.model_config = model_config = rank_model_config(model_config, self.tp)
         # `dtype` first: transformers 5 warns on every read of its old name, `torch_dtype`
         config_dtype = getattr(model_config.hf_config, "dtype", None) or getattr(
@@ -172,31 +173,6 @@ class ModelRunner(RunnerWeights):
             logger.info("CUDA graphs off: not captured with tensor parallelism yet")
         if self.use_cuda_graph and args.disable_overlap_schedule:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
-
-    def _join_tensor_parallel(
-        self, model_config: ModelConfig, rank: int, port: int | None
-    ) -> None:
-        """Rank 0: check the model splits (before any process starts), start the followers
-        and meet them; a follower: meet rank 0. CPU ranks share the cores."""
-        size = self.args.tp_size
-        self._threads = torch.get_num_threads()  # (restored when rank 0 stops the others)
-        if self.device.type == "cpu":
-            torch.set_num_threads(rank_threads(size))
-        elif self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # (NCCL's communicator is the current device's)
-        if rank == 0:
-            if resolve_quantization(self.args.quantization, model_config.hf_config) is not None:
-                raise ValueError(f"tensor parallelism (tp_size {size}) does not support FP8 "
-                                 "quantization yet")  # fmt: skip
-            dtype = resolve_dtype(self.args.dtype, "float32")
-            build_model(model_config, dtype, "meta", None, TensorParallel(0, size))
-            self.tp, self.tp_followers = start_followers(self.args)
-            logger.info("tensor parallelism: %d ranks met (%s)", size, ", ".join(
-                rank_device(self.args.device, r) for r in range(size)))  # fmt: skip
-        else:
-            assert port is not None, "a follower rank needs rank 0's port"
-            self.tp = join(rank, size, port, str(self.device))
-        self.tp_link = TPLink(self.tp, self.device, self.tp_followers)
 
     def _pdl(self, asked: bool) -> bool:
         """`--enable-pdl` where it can work: compiled Triton kernels on a GPU of compute
@@ -424,7 +400,7 @@ class ModelRunner(RunnerWeights):
         stop_followers(self.tp_followers)
         self.tp.destroy()
         self.tp_link, self.tp_followers = None, []
-        torch.set_num_threads(self._threads)
+        torch.set_num_threads(self._threads)  # (as before the ranks started)
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:

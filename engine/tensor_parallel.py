@@ -77,6 +77,38 @@ def join(rank: int, size: int, port: int, device: str) -> TensorParallel:
     return TensorParallel(rank, size, device_group, cpu_group)
 
 
+def join_ranks(
+    args: EngineArgs, model_config: ModelConfig, rank: int, port: int | None,
+    device: torch.device,
+) -> tuple[TensorParallel, list[Any], int]:  # fmt: skip
+    """This model runner's place in the group: rank 0 checks that the model splits (before
+    any process starts), starts the followers and meets them; a follower meets rank 0. CPU
+    ranks share the cores. (The group, the followers' processes, the torch threads before.)"""
+    from engine.config import resolve_dtype
+    from engine.loader import build_model
+    from engine.quantization import resolve_quantization
+
+    size = args.tp_size
+    if rank == 0:
+        if resolve_quantization(args.quantization, model_config.hf_config) is not None:
+            raise ValueError(f"tensor parallelism (tp_size {size}) does not support FP8 "
+                             "quantization yet")  # fmt: skip
+        dtype = resolve_dtype(args.dtype, "float32")
+        build_model(model_config, dtype, "meta", None, TensorParallel(0, size))
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(rank_threads(size))
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)  # (NCCL's communicator is the current device's)
+    if rank != 0:
+        assert port is not None, "a follower rank needs rank 0's port"
+        return join(rank, size, port, str(device)), [], threads
+    tp, procs = start_followers(args)
+    logger.info("tensor parallelism: %d ranks met (%s)", size,
+                ", ".join(rank_device(args.device, r) for r in range(size)))  # fmt: skip
+    return tp, procs, threads
+
+
 def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
     """Start ranks 1..tp_size-1 and join them as rank 0: (the group, the processes). A
     follower that fails before joining fails this too (with its exit code), rather than waiting
