@@ -91,6 +91,24 @@ def test_logprobs_are_one_ranks() -> None:
         assert top_ids(g) == top_ids(w)
 
 
+def test_speculative_decoding_over_two_ranks() -> None:
+    """The n-gram drafts' verify forward (every position's logits) runs on every rank: the
+    tokens are plain decoding's on one rank, with drafts accepted and rejected."""
+    path = tiny_model("qwen3")
+    loopy = {"temperature": 0.0, "max_new_tokens": 40, "allowed_token_ids": [11, 12, 13],
+             "ignore_eos": True}  # (few tokens: the output repeats, drafts are found)
+    prompts = PROMPTS[:4]
+    with Engine(model_path=path, disable_overlap_schedule=True) as eng:
+        want = [o["output_ids"] for o in eng.generate(input_ids=prompts,
+                                                      sampling_params=loopy)]  # fmt: skip
+    with Engine(model_path=path, tp_size=2, speculative_algorithm="ngram",
+                speculative_num_draft_tokens=4) as eng:  # fmt: skip
+        got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=loopy)]
+        stats = eng.get_stats()
+    assert got == want
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
