@@ -94,15 +94,31 @@ class RunnerWeights:
         return self.missing_weights()
 
     # -- weights broadcast by a trainer (engine/weight_groups.py) -------------------------------
+    # With tensor parallelism every rank is a rank of the trainer's group, rank r of this
+    # engine as `rank + r` (SGLang's rank_offset + tp_rank): each receives every broadcast and
+    # keeps its part, so nothing is sent twice between the ranks.
     def init_weights_update_group(
         self, master_address: str, master_port: int, rank: int, world_size: int,
         group_name: str, backend: str, timeout_s: float,
     ) -> None:  # fmt: skip
-        self._one_rank("init_weights_update_group")
-        self.weight_groups.init(master_address, master_port, rank, world_size, group_name,
-                                backend, timeout_s)  # fmt: skip
+        if self.tp.size > 1 and rank + self.tp.size > world_size:
+            raise ValueError(f"the engine's {self.tp.size} tensor-parallel ranks join as ranks "
+                             f"{rank}..{rank + self.tp.size - 1}: world_size {world_size} is too "
+                             "small")  # fmt: skip
+        self._every_rank("_init_weights_update_group", master_address, master_port, rank,
+                         world_size, group_name, backend, timeout_s)  # fmt: skip
+
+    def _init_weights_update_group(
+        self, master_address: str, master_port: int, rank: int, world_size: int,
+        group_name: str, backend: str, timeout_s: float,
+    ) -> None:  # fmt: skip
+        self.weight_groups.init(master_address, master_port, rank + self.tp.rank, world_size,
+                                group_name, backend, timeout_s)  # fmt: skip
 
     def destroy_weights_update_group(self, group_name: str) -> None:
+        self._every_rank("_destroy_weights_update_group", group_name)
+
+    def _destroy_weights_update_group(self, group_name: str) -> None:
         self.weight_groups.destroy(group_name)
 
     def update_weights_from_distributed(
@@ -112,8 +128,15 @@ class RunnerWeights:
         """The tensors the trainer broadcasts in group `group_name` (one by one, or
         `flattened` into one buffer) into the weights (as `update_weights_from_tensor`); the
         checkpoint tensors still to be sent."""
+        return self._every_rank("_update_weights_from_distributed", names, dtypes, shapes,
+                                group_name, flattened)  # fmt: skip
+
+    def _update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        flattened: bool,
+    ) -> int:  # fmt: skip
         named = self.weight_groups.receive(group_name, names, dtypes, shapes, flattened)
-        return self.update_weights_from_tensor(named)
+        return self._update_weights_from_tensor(named)
 
     def discard_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
@@ -121,6 +144,12 @@ class RunnerWeights:
     ) -> None:  # fmt: skip
         """Receive a bucket the trainer broadcasts and drop it (an update refused: the
         trainer's broadcast ends either way)."""
+        self._every_rank("_discard_distributed", names, dtypes, shapes, group_name, flattened)
+
+    def _discard_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        flattened: bool,
+    ) -> None:  # fmt: skip
         self.weight_groups.receive(group_name, names, dtypes, shapes, flattened)
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> list[float]:

@@ -4,7 +4,9 @@ it to trainers on other GPUs or machines (slime, verl, OpenRLHF, AReaL):
 * `POST /init_weights_update_group` (`{"master_address", "master_port", "rank_offset",
   "world_size", "group_name": "weight_update_group", "backend": "nccl"}`): every live worker
   joins the trainer's group, worker i (in worker-id order) as rank `rank_offset + i`, so
-  `rank_offset + workers <= world_size`; the trainer (rank 0, serving the rendezvous at
+  `rank_offset + workers <= world_size` (a worker of `--tp-size T` takes T ranks, its rank r
+  as the worker's rank + r, and the next worker's come after them: SGLang's layout); the
+  trainer (rank 0, serving the rendezvous at
   `master_address:master_port`) joins its side at the same time, and the call answers once
   all have (or `timeout_s`, sluice's field, default 300, has passed). The answer names each
   worker's rank. "nccl" needs the workers on CUDA; "gloo" works anywhere (this CPU's tests).
@@ -126,18 +128,21 @@ def check_tensors(body: DistributedBody) -> None:
 
 
 async def init_group(router: Any, body: InitGroupBody) -> dict[str, int]:
-    """Every live worker into the trainer's group; each one's rank."""
+    """Every live worker into the trainer's group; each one's (first) rank."""
     check_init(body)
     broker = router.broker
     await broker.refresh_workers()
     ids = sorted(broker.workers.live)
     if not ids:
         raise ApiError(503, "no live worker to join the group", None, "no_worker")
-    ranks = {w: body.rank_offset + i for i, w in enumerate(ids)}
-    if body.rank_offset + len(ids) > body.world_size:
-        raise _bad(f"{len(ids)} worker(s) need ranks {body.rank_offset}.."
-                   f"{body.rank_offset + len(ids) - 1}: world_size {body.world_size} is too "
-                   "small", "world_size")  # fmt: skip
+    # a worker of T tensor-parallel ranks takes T ranks of the group, from its own on
+    sizes = [max(1, broker.workers.live[w].tp_size) for w in ids]
+    firsts = [body.rank_offset + sum(sizes[:i]) for i in range(len(ids))]
+    ranks = dict(zip(ids, firsts))
+    if body.rank_offset + sum(sizes) > body.world_size:
+        raise _bad(f"{len(ids)} worker(s) of {sum(sizes)} rank(s) need ranks "
+                   f"{body.rank_offset}..{body.rank_offset + sum(sizes) - 1}: world_size "
+                   f"{body.world_size} is too small", "world_size")  # fmt: skip
 
     def question(request_id: str) -> WeightsGroupReqMsg:
         return WeightsGroupReqMsg(

@@ -19,10 +19,12 @@ import time
 import pytest
 
 from engine.config import ModelConfig
+from engine.distributed import free_port
 from engine.engine import Engine
 from engine.loader import iter_safetensors
 from engine.overlap.executor import ThreadExecutor
 from tests.factories import assert_greedy_match, hf_greedy, mixed_prompts, tiny_model
+from tests.rl_trainer import Trainer, buckets
 
 NEW = 10
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
@@ -154,9 +156,45 @@ def test_weights_updated_released_and_resumed_on_every_rank(executor: str) -> No
         check_greedy(eng, b, prompts)
         with pytest.raises(ValueError, match="not supported with tensor parallelism"):
             eng.get_weights_by_name("model.norm.weight")
-        with pytest.raises(ValueError, match="not supported with tensor parallelism"):
-            eng.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", "gloo")
     assert procs and not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("executor", ["no-overlap", "thread"])
+def test_every_rank_joins_the_trainers_group_and_takes_its_part(executor: str) -> None:
+    """SGLang's layout: rank r of the engine is rank `rank_offset + r` of the trainer's group
+    (the trainer a separate process, tests/rl_trainer.py); every rank receives each broadcast
+    (one tensor at a time, or flattened) and keeps its part; a refused bucket is still received
+    by every rank, so the ones after it land."""
+    a, b = tiny_model("llama"), tiny_model("llama", seed=1)
+    kw = dict(disable_overlap_schedule=True) if executor == "no-overlap" else {}
+    bucket_list = buckets(b, 3)
+    with Engine(model_path=a, tp_size=2, **kw) as eng:
+        with pytest.raises(ValueError, match="join as ranks 1..2: world_size 2 is too small"):
+            eng.init_weights_update_group("127.0.0.1", free_port(), 1, 2, backend="gloo")
+        port = free_port()
+        trainer = Trainer("--port", str(port), "--world-size", "3", "--checkpoint", b,
+                          "--buckets", "3", "--order", "0,0f,1,2f")  # fmt: skip
+        try:
+            eng.init_weights_update_group("127.0.0.1", port, 1, 3, backend="gloo", timeout_s=60)
+        except BaseException:
+            trainer.kill()
+            raise
+        wrong = bucket_spec(bucket_list[0])
+        wrong["names"][0] = "model.extra.weight"
+        with pytest.raises(ValueError, match="unexpected weight 'model.extra.weight'"):
+            eng.update_weights_from_distributed(**wrong)
+        check_greedy(eng, a, PROMPTS[:2])  # (nothing changed)
+        for k, bucket in enumerate(bucket_list):
+            fmt = "flattened_bucket" if k != 1 else None
+            eng.update_weights_from_distributed(**bucket_spec(bucket), load_format=fmt)
+        assert trainer.answers()[-1] == {"call": "done"}
+        eng.destroy_weights_update_group()
+        check_greedy(eng, b, PROMPTS[:2])
+
+
+def bucket_spec(bucket: list) -> dict:
+    return {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket]}  # fmt: skip
 
 
 def test_an_update_that_does_not_fit_is_refused_on_every_rank() -> None:

@@ -118,7 +118,7 @@ def test_two_workers_take_their_ranks_and_a_late_one_refuses(stack: Stack, tmp_p
         small = post(stack, "/init_weights_update_group", master_address="127.0.0.1",
                      master_port=free_port(), rank_offset=1, world_size=2, backend="gloo")
         assert small.status_code == 400
-        assert "2 worker(s) need ranks 1..2: world_size 2 is too small" in small.text
+        assert "2 worker(s) of 2 rank(s) need ranks 1..2: world_size 2 is too small" in small.text
         init, *updates, destroy, done = trainer(stack, "--order", "0,1,2",
                                                 world_size=3).answers()  # fmt: skip
         assert init["ranks"] == dict(zip(sorted([stack.worker_id, "second"]), [1, 2]))
