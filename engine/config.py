@@ -345,7 +345,6 @@ class EngineArgs:
             return
         taken = [flag for flag, on in (
             ("LoRA adapters", self.lora_enabled),
-            ("the hierarchical cache", self.enable_hierarchical_cache),
             ("hybrid sliding-window memory", self.hybrid_swa_memory),
             ("FP8 quantization", self.quantization is not None),
         ) if on]  # fmt: skip

@@ -354,9 +354,10 @@ class ModelRunner(RunnerWeights):
         """
         if self.memory.stale_weights:  # (discarded while released: read them now)
             self.read_stale_weights()
-        if forward_batch.kv_transfers:
+        transfers = forward_batch.kv_transfers
+        if transfers:
             assert self.host_kv_pool is not None, "K/V transfers without a host pool"
-            self.host_kv_pool.apply(forward_batch.kv_transfers)
+            self.host_kv_pool.apply(transfers)
             forward_batch.kv_transfers = None
         graphs = self._graphs_for(future_map)
         if graphs is not None and graphs.can_run(forward_batch, future_map):
@@ -365,8 +366,8 @@ class ModelRunner(RunnerWeights):
             future_map.resolve_future(forward_batch.input_ids)
         if self.lora is not None:
             self.lora.prepare(forward_batch)
-        if self.tp_link is not None:  # the other ranks run the same forward
-            self.tp_link.send(forward_batch)
+        if self.tp_link is not None:  # the other ranks run the same forward (and copies)
+            self.tp_link.send(forward_batch, transfers)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -197,6 +197,9 @@ class _Shape:
     prompt_rows: int  # prompt-logprob rows (-1: none)
     return_all_logits: bool
     pooling: str | None
+    # the hierarchical cache's copies between the KV pool and host memory before the forward
+    # (every rank's pools hold its heads at the same slots): (kind, source, destination slots)
+    transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
 
 
 class TPLink:
@@ -208,8 +211,9 @@ class TPLink:
         self.procs = procs  # (rank 0) the followers' processes, to say which one is gone
         self.broken: str | None = None  # why the ranks are out of step (no more forwards)
 
-    def send(self, fb: ForwardBatch) -> None:
-        """(Rank 0) the forward `fb` to every follower."""
+    def send(self, fb: ForwardBatch, transfers: list | None = None) -> None:
+        """(Rank 0) the forward `fb` to every follower, with the hierarchical cache's copies
+        that rank 0 ran before it (`transfers`)."""
         if self.broken:
             raise RuntimeError(f"tensor-parallel ranks out of step ({self.broken}): restart "
                                "the worker")  # fmt: skip
@@ -221,6 +225,8 @@ class TPLink:
             list(fb.extend_prefix_lens_cpu) if extend else None,
             list(fb.extend_seq_lens_cpu) if extend else None,
             -1 if rows is None else int(rows.shape[0]), fb.return_all_logits, fb.pooling,
+            [(kind, src.cpu(), dst.cpu()) for kind, src, dst in transfers] if transfers
+            else None,
         )  # fmt: skip
         parts = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
         if rows is not None:
@@ -285,6 +291,8 @@ class TPLink:
         shape: _Shape | None = box[0]
         if shape is None:
             return None
+        if shape.transfers:
+            runner.host_kv_pool.apply(shape.transfers)
         bs, n, width = shape.batch_size, shape.num_tokens, shape.width
         prompt_rows = max(shape.prompt_rows, 0)
         payload = torch.empty(3 * n + 2 * bs + prompt_rows + bs * width, dtype=torch.int64,

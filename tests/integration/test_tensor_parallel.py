@@ -111,6 +111,22 @@ def test_speculative_decoding_over_two_ranks() -> None:
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
 
 
+@pytest.mark.parametrize("executor", ["no-overlap", "thread"])
+def test_hierarchical_cache_copies_run_on_every_rank(executor: str) -> None:
+    """Documents evicted from a small device pool come back from host memory on both ranks
+    (each rank's host pool holds its heads): the tokens are one rank's with a plain cache, and
+    the second round's prompts are served from the cache."""
+    from tests.integration.test_hicache import DOC_LEN, rounds
+
+    path = tiny_model("llama")
+    kw = dict(disable_overlap_schedule=True) if executor == "no-overlap" else {}
+    plain, _ = rounds(path, hicache=False, **kw)
+    hier, stats = rounds(path, hicache=True, tp_size=2, **kw)
+    assert [o["output_ids"] for o in hier] == [o["output_ids"] for o in plain]
+    assert min(o["meta_info"]["cached_tokens"] for o in hier[6:]) >= DOC_LEN - 1
+    assert stats["hicache_host_hit_tokens"] >= 5 * (DOC_LEN - 1)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
