@@ -46,19 +46,14 @@ class RunnerWeights:
     tp_link: Any
     _graphs_stale: bool
 
-    def _every_rank(self, method: str, *args: Any) -> Any:
-        """`self.method(*args)`, on every rank of a tensor-parallel group (rank 0's result)."""
+    def _every_rank(self, method: str, *args: Any, every_result: bool = False) -> Any:
+        """`self.method(*args)`, on every rank of a tensor-parallel group: rank 0's result, or
+        with `every_result` every rank's, in rank order."""
         link = self.tp_link
         if link is None or self.tp.rank != 0:
-            return getattr(self, method)(*args)
-        return link.on_every_rank(self, method, *args)
-
-    def _one_rank(self, what: str) -> None:
-        """ValueError for `what` on a model split over several ranks (not supported yet: each
-        rank's part of the weights would have to change together)."""
-        if self.tp.size > 1:
-            raise ValueError(f"{what} is not supported with tensor parallelism yet "
-                             f"(tp_size {self.tp.size})")  # fmt: skip
+            result = getattr(self, method)(*args)
+            return [result] if every_result else result
+        return link.on_every_rank(self, method, *args, every_result=every_result)
 
     # -- weights from another checkpoint, or from tensors --------------------------------------
     def update_weights_from_disk(self, path: str) -> None:
@@ -156,17 +151,32 @@ class RunnerWeights:
         """The first `truncate_size` values of the served checkpoint tensor (or parameter)
         `name`, flattened (engine/weight_read.py). ValueError if there is none, if it cannot
         be read back, or while the weights are released."""
-        from engine.weight_read import read_weight
+        if self.tp.size == 1:
+            return self._weight_part(name, truncate_size)[0].float().tolist()
+        # (tensor parallelism: each rank's part, put together; a parameter's own name is rank
+        # 0's part of it)
+        parts = self._every_rank("_weight_part", name, truncate_size, every_result=True)
+        values, filled = parts[0]
+        for part, where in parts[1:]:
+            values = torch.where(where & ~filled, part, values)
+            filled = filled | where
+        assert bool(filled.all()), f"{name!r}: the ranks' parts do not cover it"
+        return values.float().tolist()
+
+    def _weight_part(self, name: str, truncate_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's first `truncate_size` values of `name` and where it has them."""
+        from engine.weight_read import read_weight_part
 
         assert self.model is not None, "a host-only runner has no weights"
-        self._one_rank("get_weights_by_name")
         if self.memory.weights is not None or self.memory.stale_weights:
             raise ValueError("the weights are released (or were discarded and are not read "
                              "again yet): resume them and generate first")  # fmt: skip
         with self._unwrapped():
-            value = read_weight(self.model, self.model_config, self.weights_path, self.dtype,
-                                self.quantization, name)  # fmt: skip
-        return value.flatten()[:truncate_size].float().tolist()
+            value, filled = read_weight_part(
+                self.model, self.model_config, self.weights_path, self.dtype, self.quantization,
+                name, self.tp,
+            )  # fmt: skip
+        return value.flatten()[:truncate_size], filled.flatten()[:truncate_size]
 
     def missing_weights(self) -> int:
         """How many checkpoint tensors were discarded (weights not on disk) and not sent

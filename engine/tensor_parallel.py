@@ -181,6 +181,7 @@ class _Call:
 
     method: str
     args: tuple
+    every_result: bool = False  # (the followers send their results too)
 
 
 @dataclass
@@ -243,14 +244,17 @@ class TPLink:
             self.broken = dead or f"sending a forward failed: {exc}"
             raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
 
-    def on_every_rank(self, runner: Any, method: str, *args: Any) -> Any:
+    def on_every_rank(
+        self, runner: Any, method: str, *args: Any, every_result: bool = False
+    ) -> Any:
         """(Rank 0) `runner.method(*args)` on every rank, the followers' at the same time as
-        rank 0's; rank 0's result. Raises rank 0's exception, or a follower's where only it
-        failed (the ranks then hold different weights: no more forwards)."""
+        rank 0's; rank 0's result (with `every_result`, every rank's, in rank order). Raises
+        rank 0's exception, or a follower's where only it failed (the ranks then hold
+        different weights: no more forwards)."""
         if self.broken:
             raise RuntimeError(f"tensor-parallel ranks out of step ({self.broken}): restart "
                                "the worker")  # fmt: skip
-        torch.distributed.broadcast_object_list([_Call(method, args)], src=0,
+        torch.distributed.broadcast_object_list([_Call(method, args, every_result)], src=0,
                                                 group=self.tp.cpu_group)  # fmt: skip
         error: BaseException | None = None
         try:
@@ -258,15 +262,18 @@ class TPLink:
         except Exception as exc:  # noqa: BLE001 - raised below, once the ranks reported
             error, result = exc, None
         outcomes: list[Any] = [None] * self.tp.size
-        torch.distributed.all_gather_object(outcomes, None if error is None else repr(error),
-                                            group=self.tp.cpu_group)  # fmt: skip
-        failed = [(rank, why) for rank, why in enumerate(outcomes) if why is not None]
+        torch.distributed.all_gather_object(
+            outcomes, (None if error is None else repr(error), None), group=self.tp.cpu_group
+        )
+        failed = [(rank, why) for rank, (why, _) in enumerate(outcomes) if why is not None]
         if failed and len(failed) < self.tp.size:
             self.broken = f"{method} failed on rank {failed[0][0]} only: {failed[0][1]}"
             if error is None:
                 raise RuntimeError(f"tensor parallelism: {self.broken}")
         if error is not None:
             raise error
+        if every_result:
+            return [result] + [value for _, value in outcomes[1:]]
         return result
 
     def stop(self) -> None:
@@ -329,11 +336,13 @@ class TPLink:
         )
 
     def _run_call(self, runner: Any, call: _Call) -> None:
-        why = None
+        why = result = None
         try:
-            getattr(runner, call.method)(*call.args)
+            result = getattr(runner, call.method)(*call.args)
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises it
             logger.exception("tensor parallelism: %s on this rank", call.method)
             why = repr(exc)
         outcomes: list[Any] = [None] * self.tp.size
-        torch.distributed.all_gather_object(outcomes, why, group=self.tp.cpu_group)
+        torch.distributed.all_gather_object(
+            outcomes, (why, result if call.every_result else None), group=self.tp.cpu_group
+        )

@@ -11,7 +11,9 @@ views of the served parameter, copied back through the source's view, give the c
 tensor as the model holds it. A tensor the loader computes from (an FP8 weight quantized as
 it loads) cannot be read back this way, and one it skips (a head tied to the embedding) is
 not a weight of its own: both are refused with the reason. A name that is not the
-checkpoint's but a model parameter's reads that parameter.
+checkpoint's but a model parameter's reads that parameter. With tensor parallelism each rank
+reads its part the same way (the meta copy is built as that rank's part, so the loader's own
+narrowing says where the part sits) and rank 0 puts the parts together.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.config import ModelConfig
+from engine.distributed import SINGLE, TensorParallel
 from engine.loader import build_model, fill_model
 from engine.quantization import Fp8Config
 from engine.weight_update import checkpoint_spec
@@ -50,14 +53,30 @@ def read_weight(
     """The served value of the checkpoint tensor `name` (of the checkpoint in `checkpoint`,
     which gives its shape), or of the parameter `name`, on the host. ValueError if there is
     neither, or if it cannot be read back."""
+    return read_weight_part(model, model_config, checkpoint, dtype, quantization, name)[0]
+
+
+def read_weight_part(
+    model: nn.Module,
+    model_config: ModelConfig,
+    checkpoint: str,
+    dtype: torch.dtype,
+    quantization: Fp8Config | None,
+    name: str,
+    tp: TensorParallel = SINGLE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`read_weight` on rank `tp.rank` of a model split over `tp.size` ranks: the checkpoint
+    tensor with this rank's part of it filled, and where (a bool tensor of its shape; all true
+    for a parameter's own name, whose value is this rank's)."""
     params = dict(model.named_parameters())
     spec = checkpoint_spec(checkpoint, name)  # (a checkpoint name first: GPT-2's Conv1D
     if spec is None:  # weights are parameters of the same name, transposed)
         if name in params:
-            return params[name].detach().to("cpu")
+            value = params[name].detach().to("cpu")
+            return value, torch.ones(value.shape, dtype=torch.bool)
         raise ValueError(f"no weight named {name!r} in the model or its checkpoint")
     probe = torch.empty(spec[0], dtype=spec[1], device="meta")
-    dry = build_model(model_config, dtype, "meta", quantization)
+    dry = build_model(model_config, dtype, "meta", quantization, TensorParallel(tp.rank, tp.size))
     owners = {p.untyped_storage()._cdata: (n, p) for n, p in dry.named_parameters()}
     copies = _Copies()
     with copies:
@@ -78,8 +97,10 @@ def read_weight(
                              "from it")  # fmt: skip
         values = served.as_strided(dst.size(), dst.stride(), dst.storage_offset())
         if out is None:
-            out = torch.empty(spec[0], dtype=served.dtype)
+            out = torch.zeros(spec[0], dtype=served.dtype)
+            filled = torch.zeros(spec[0], dtype=torch.bool)
         out.as_strided(src.size(), src.stride(), src.storage_offset()).copy_(values)
+        filled.as_strided(src.size(), src.stride(), src.storage_offset()).fill_(True)
     assert out is not None
-    return out
+    return out, filled
 
