@@ -6,13 +6,18 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.attention.base import AttentionBackend, create_attention_backend
 from engine.config import EngineArgs, ModelConfig, resolve_dtype
-from engine.cuda_graph_runner import CudaGraphCapturer, CudaGraphRunner, GraphCapturer
+from engine.cuda_graph_runner import (
+    CudaGraphCapturer,
+    CudaGraphRunner,
+    EagerGraphCapturer,
+    GraphCapturer,
+)
 from engine.distributed import SINGLE
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.host_tensors import int64_rows
@@ -168,10 +173,7 @@ class ModelRunner(RunnerWeights):
         if self.use_cuda_graph and self.lora is not None:
             self.use_cuda_graph = False
             logger.info("CUDA graphs off: LoRA adapters are applied eagerly")
-        if self.use_cuda_graph and self.tp.size > 1:
-            self.use_cuda_graph = False
-            logger.info("CUDA graphs off: not captured with tensor parallelism yet")
-        if self.use_cuda_graph and args.disable_overlap_schedule:
+        if self.use_cuda_graph and args.disable_overlap_schedule and self.tp.rank == 0:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
 
     def _pdl(self, asked: bool) -> bool:
@@ -360,14 +362,17 @@ class ModelRunner(RunnerWeights):
             self.host_kv_pool.apply(transfers)
             forward_batch.kv_transfers = None
         graphs = self._graphs_for(future_map)
-        if graphs is not None and graphs.can_run(forward_batch, future_map):
+        replay = graphs is not None and graphs.can_run(forward_batch, future_map)
+        if replay and self.tp_link is None:
             return graphs.replay(forward_batch)
-        if future_map is not None:
-            future_map.resolve_future(forward_batch.input_ids)
+        if future_map is not None:  # (with tensor parallelism before a replay too: the ids
+            future_map.resolve_future(forward_batch.input_ids)  # go to the other ranks)
+        if self.tp_link is not None:  # the other ranks run the same forward (and copies)
+            self.tp_link.send(forward_batch, transfers, replay)
+            if replay:
+                return graphs.replay(forward_batch)
         if self.lora is not None:
             self.lora.prepare(forward_batch)
-        if self.tp_link is not None:  # the other ranks run the same forward (and copies)
-            self.tp_link.send(forward_batch, transfers)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
@@ -406,16 +411,29 @@ class ModelRunner(RunnerWeights):
     # -- CUDA graphs ----------------------------------------------------------------------------
     def capture_cuda_graphs(self, future_map: FutureMap | None = None) -> None:
         """(Re)capture the decode graphs of every size in `args.resolved_cuda_graph_bs`,
-        resolving placeholders from `future_map` when given (see engine/cuda_graph_runner.py)."""
+        resolving placeholders from `future_map` when given (see engine/cuda_graph_runner.py).
+        With tensor parallelism every rank captures its graphs at the same time (their
+        collectives meet), the way rank 0 does (`eager`: the CPU tests' double)."""
+        capturer = self.graph_capturer_factory(self.device)
+        if self.tp_link is None or self.tp.rank != 0:
+            self._capture_graphs(False, future_map, capturer)
+            return
+        eager = isinstance(capturer, EagerGraphCapturer)
+        self.tp_link.on_every_rank(self, "_capture_graphs", eager,
+                                   local=lambda: self._capture_graphs(eager, future_map, capturer))
+
+    def _capture_graphs(
+        self, eager: bool, future_map: FutureMap | None = None, capturer: Any = None
+    ) -> None:
         if self.graph_runner is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no replay of the old graphs in flight
             self.graph_runner = None  # free the old graphs before recording new ones
+        if capturer is None:  # (a follower rank: as rank 0 captures)
+            capturer = EagerGraphCapturer() if eager else CudaGraphCapturer(self.device)
         sizes = self.args.resolved_cuda_graph_bs
         start = time.perf_counter()
-        runner = CudaGraphRunner(
-            self, sizes, future_map, capturer=self.graph_capturer_factory(self.device)
-        )
+        runner = CudaGraphRunner(self, sizes, future_map, capturer=capturer)
         runner.capture()
         self.graph_runner = runner
         logger.info(

@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -168,11 +169,23 @@ def follower_main(args: EngineArgs, rank: int, port: int) -> None:
     assert link is not None
     try:
         with torch.inference_mode():
-            while (fb := link.receive(runner)) is not None:
-                runner.attn_backend.init_forward_metadata(fb)
-                runner.model(fb.input_ids, fb.positions, fb)
+            while (received := link.receive(runner)) is not None:
+                follower_forward(runner, *received)
     finally:
         link.tp.destroy()
+
+
+def follower_forward(runner: Any, fb: ForwardBatch, replay: bool) -> None:
+    """A follower's part of rank 0's forward: its graph of the same size where rank 0 replays
+    one (`replay`), else eagerly (its logits are dropped)."""
+    if replay:
+        graphs = runner.graph_runner
+        if graphs is None or not graphs.can_run(fb):
+            raise RuntimeError("rank 0 replays a graph this rank has not captured")
+        graphs.replay(fb)
+        return
+    runner.attn_backend.init_forward_metadata(fb)
+    runner.model(fb.input_ids, fb.positions, fb)
 
 
 @dataclass
@@ -201,6 +214,7 @@ class _Shape:
     # the hierarchical cache's copies between the KV pool and host memory before the forward
     # (every rank's pools hold its heads at the same slots): (kind, source, destination slots)
     transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
+    graph: bool = False  # rank 0 replays a decode graph: so do the followers
 
 
 class TPLink:
@@ -212,9 +226,10 @@ class TPLink:
         self.procs = procs  # (rank 0) the followers' processes, to say which one is gone
         self.broken: str | None = None  # why the ranks are out of step (no more forwards)
 
-    def send(self, fb: ForwardBatch, transfers: list | None = None) -> None:
+    def send(self, fb: ForwardBatch, transfers: list | None = None, graph: bool = False) -> None:
         """(Rank 0) the forward `fb` to every follower, with the hierarchical cache's copies
-        that rank 0 ran before it (`transfers`)."""
+        that rank 0 ran before it (`transfers`); `graph`: rank 0 replays a CUDA graph for it
+        (the followers replay theirs of the same size: their collectives meet)."""
         if self.broken:
             raise RuntimeError(f"tensor-parallel ranks out of step ({self.broken}): restart "
                                "the worker")  # fmt: skip
@@ -227,7 +242,7 @@ class TPLink:
             list(fb.extend_seq_lens_cpu) if extend else None,
             -1 if rows is None else int(rows.shape[0]), fb.return_all_logits, fb.pooling,
             [(kind, src.cpu(), dst.cpu()) for kind, src, dst in transfers] if transfers
-            else None,
+            else None, graph,
         )  # fmt: skip
         parts = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
         if rows is not None:
@@ -245,12 +260,14 @@ class TPLink:
             raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
 
     def on_every_rank(
-        self, runner: Any, method: str, *args: Any, every_result: bool = False
-    ) -> Any:
+        self, runner: Any, method: str, *args: Any, every_result: bool = False,
+        local: Callable[[], Any] | None = None,
+    ) -> Any:  # fmt: skip
         """(Rank 0) `runner.method(*args)` on every rank, the followers' at the same time as
-        rank 0's; rank 0's result (with `every_result`, every rank's, in rank order). Raises
-        rank 0's exception, or a follower's where only it failed (the ranks then hold
-        different weights: no more forwards)."""
+        rank 0's (`local()` instead on rank 0, when given); rank 0's result (with
+        `every_result`, every rank's, in rank order). Raises rank 0's exception, or a
+        follower's where only it failed (the ranks then hold different weights: no more
+        forwards)."""
         if self.broken:
             raise RuntimeError(f"tensor-parallel ranks out of step ({self.broken}): restart "
                                "the worker")  # fmt: skip
@@ -258,7 +275,7 @@ class TPLink:
                                                 group=self.tp.cpu_group)  # fmt: skip
         error: BaseException | None = None
         try:
-            result = getattr(runner, method)(*args)
+            result = local() if local is not None else getattr(runner, method)(*args)
         except Exception as exc:  # noqa: BLE001 - raised below, once the ranks reported
             error, result = exc, None
         outcomes: list[Any] = [None] * self.tp.size
@@ -286,9 +303,10 @@ class TPLink:
         except Exception:  # noqa: BLE001 - the followers are gone already
             logger.debug("tensor parallelism: followers gone before the stop", exc_info=True)
 
-    def receive(self, runner: Any) -> ForwardBatch | None:
-        """(A follower) the next forward, over `runner`'s KV pool and attention backend; None
-        when rank 0 stops. Calls that every rank runs (`on_every_rank`) run here first."""
+    def receive(self, runner: Any) -> tuple[ForwardBatch, bool] | None:
+        """(A follower) the next forward, over `runner`'s KV pool and attention backend, and
+        whether rank 0 replays a graph for it; None when rank 0 stops. Calls that every rank
+        runs (`on_every_rank`) run here first."""
         while True:
             box: list[Any] = [None]
             torch.distributed.broadcast_object_list(box, src=0, group=self.tp.cpu_group)
@@ -313,17 +331,22 @@ class TPLink:
         if mode.is_extend():
             lens = torch.tensor(shape.extend_seq_lens, dtype=torch.int64, device=self.device)
             start_loc = torch.cumsum(lens, 0) - lens
-        del pool_rows  # (the followers index their copy of the rows by batch position)
-        return ForwardBatch(
+        rows = table.view(bs, width).to(torch.int32)
+        if shape.graph:  # (a graph reads the pool's own table: the rows go there)
+            runner.req_to_token_pool.req_to_token[pool_rows, :width] = rows
+            rows = runner.req_to_token_pool.req_to_token
+        else:  # (the followers index their copy of the rows by batch position)
+            pool_rows = torch.arange(bs, device=self.device)
+        fb = ForwardBatch(
             forward_mode=mode,
             batch_size=bs,
             input_ids=input_ids,
             positions=positions,
             out_cache_loc=out_cache_loc,
-            req_pool_indices=torch.arange(bs, device=self.device),
+            req_pool_indices=pool_rows,
             seq_lens=seq_lens,
             seq_lens_cpu=shape.seq_lens,
-            req_to_token=table.view(bs, width).to(torch.int32),
+            req_to_token=rows,
             kv_pool=runner.kv_pool,
             attn_backend=runner.attn_backend,
             extend_prefix_lens_cpu=shape.extend_prefix_lens,
@@ -334,6 +357,7 @@ class TPLink:
             prompt_logprob_rows=prompt if shape.prompt_rows >= 0 else None,
             pooling=shape.pooling,
         )
+        return fb, shape.graph
 
     def _run_call(self, runner: Any, call: _Call) -> None:
         why = result = None

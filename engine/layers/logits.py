@@ -79,7 +79,9 @@ class LogitsProcessor(nn.Module):
                 index = torch.cat([index, fb.prompt_logprob_rows])
             hidden_states = hidden_states.index_select(0, index)
         out = fb.logits_out  # (a CUDA graph's buffer, [batch, >= vocab])
-        direct = out is not None and out.dtype == hidden_states.dtype and not self.soft_cap
+        # (with tensor parallelism the lm_head's output is this rank's columns: gathered first)
+        direct = (out is not None and out.dtype == hidden_states.dtype and not self.soft_cap
+                  and self.tp.size == 1)  # fmt: skip
         logits = lm_head_matmul(hidden_states, lm_head_weight, gemv_max_rows=self.gemv_max_rows,
                                 out=out if direct else None)  # fmt: skip
         if direct:

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
+from engine.cuda_graph_runner import EagerGraphCapturer
 from engine.distributed import free_port
 from engine.engine import Engine
 from engine.loader import iter_safetensors
@@ -126,6 +127,24 @@ def test_hierarchical_cache_copies_run_on_every_rank(executor: str) -> None:
     assert [o["output_ids"] for o in hier] == [o["output_ids"] for o in plain]
     assert min(o["meta_info"]["cached_tokens"] for o in hier[6:]) >= DOC_LEN - 1
     assert stats["hicache_host_hit_tokens"] >= 5 * (DOC_LEN - 1)
+
+
+def test_decode_graphs_replay_on_every_rank() -> None:
+    """CUDA graphs under tensor parallelism, on CPU with the eager graph double: every rank
+    captures at the same time as rank 0 (the capture's collectives meet), and where rank 0
+    replays its graph of the padded size (3 requests in the graph of 4) the followers replay
+    theirs (an eager follower's collectives would not match the padded rows')."""
+    path = tiny_model("llama")
+    prompts = PROMPTS[:3]
+    with Engine(model_path=path, tp_size=2, attention_backend="triton", cuda_graph_bs=(1, 2, 4),
+                disable_overlap_schedule=True) as eng:  # fmt: skip
+        runner = eng.scheduler.model_runner
+        runner.use_cuda_graph = True
+        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+        runner.capture_cuda_graphs()
+        check_greedy(eng, path, prompts)
+        replays = {bs: g.num_replays for bs, g in runner.graph_runner.graphs.items()}
+        assert replays == {1: 0, 2: 0, 4: NEW - 1}  # (every decode step, 3 rows padded to 4)
 
 
 @pytest.mark.parametrize(
