@@ -125,7 +125,7 @@ class ModelRunner(RunnerWeights):
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 2, mc.context_len + 8, self.device
         )
-        self.padding_req_row = _reserve_last_row(self.req_to_token_pool)
+        self.padding_req_row = self.req_to_token_pool.reserve_last_row()
         self.allocator = memory.make_allocator(self.page_size, self.device)
         # hierarchical cache: the host pool's tokens (its allocator is the tree's, its buffer
         # is made below, beside the KV pool)
@@ -495,14 +495,3 @@ def make_lora_manager(model, args: EngineArgs, dtype: torch.dtype, device: torch
         model, specs, args.max_loras_per_batch, lora_rank(args, specs), dtype, device
     )
 
-
-def _reserve_last_row(pool: ReqToTokenPool) -> int:
-    """Take the pool's last row out of circulation and return its index.
-
-    Padded rows of captured decode batches point there: no request ever owns the row, so its
-    entries stay 0 (KV slot 0, never handed out). The pool then counts one row fewer (`size`,
-    free rows, leak checks), as if the row were not there.
-    """
-    pool.size -= 1
-    pool.clear()
-    return pool.size

@@ -44,6 +44,17 @@ class ReqToTokenPool:
             self._is_free[row] = True
         self._free_rows.extend(rows)
 
+    def reserve_last_row(self) -> int:
+        """Take the last row out of circulation and return its index.
+
+        Padded rows of captured decode batches point there: no request ever owns the row, so
+        its entries stay 0 (KV slot 0, never handed out). The pool then counts one row fewer
+        (`size`, free rows, leak checks), as if the row were not there.
+        """
+        self.size -= 1
+        self.clear()
+        return self.size
+
     def clear(self) -> None:
         self._free_rows: list[int] = list(range(self.size))
         self._is_free: list[bool] = [True] * self.size
