@@ -346,7 +346,6 @@ class EngineArgs:
         taken = [flag for flag, on in (
             ("LoRA adapters", self.lora_enabled),
             ("hybrid sliding-window memory", self.hybrid_swa_memory),
-            ("FP8 quantization", self.quantization is not None),
         ) if on]  # fmt: skip
         if taken:
             raise ValueError(f"tensor parallelism (tp_size {self.tp_size}) does not support "

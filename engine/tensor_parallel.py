@@ -91,11 +91,9 @@ def join_ranks(
 
     size = args.tp_size
     if rank == 0:
-        if resolve_quantization(args.quantization, model_config.hf_config) is not None:
-            raise ValueError(f"tensor parallelism (tp_size {size}) does not support FP8 "
-                             "quantization yet")  # fmt: skip
         dtype = resolve_dtype(args.dtype, "float32")
-        build_model(model_config, dtype, "meta", None, TensorParallel(0, size))
+        quantization = resolve_quantization(args.quantization, model_config.hf_config)
+        build_model(model_config, dtype, "meta", quantization, TensorParallel(0, size))
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(rank_threads(size))

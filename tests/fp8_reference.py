@@ -56,11 +56,14 @@ def hf_w8a8_logits(
     quantize_weights: bool = False,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    split: int = 1,
 ) -> list:
     """transformers' logits (float32, on the CPU) at every position of `seqs` with the
     blocks' projections fed float8-rounded inputs (`group_cols` columns per scale; None: per
     token) and, with `quantize_weights`, their weights rounded per output channel too
-    (--quantization fp8's arithmetic)."""
+    (--quantization fp8's arithmetic). `split` (tensor parallelism over that many ranks): the
+    row-parallel projections (o_proj, down_proj) see their input in `split` column parts,
+    each its own per-token scale (and, with `quantize_weights`, weight scale per row)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {}
@@ -82,12 +85,13 @@ def hf_w8a8_logits(
     for name in names:
         linear = model.get_submodule(name)
         transposed = type(linear).__name__ == "Conv1D"
-        cols = group_cols or linear.weight.shape[0 if transposed else 1]
+        parts = split if name.rsplit(".", 1)[-1] in ("o_proj", "down_proj") else 1
+        cols = group_cols or linear.weight.shape[0 if transposed else 1] // parts
         if quantize_weights:
             with torch.no_grad():
                 w = linear.weight.T if transposed else linear.weight
-                q, s = quantize_groups(w, 1, w.shape[1])
-                w.copy_(dequantize_groups(q, s))
+                q, s = quantize_groups(w, 1, w.shape[1] // parts)
+                w.copy_(dequantize_groups(q, s, (1, w.shape[1] // parts)))
 
         def fake_quant(module, args, cols=cols):
             x = args[0].reshape(-1, args[0].shape[-1])

@@ -104,12 +104,15 @@ def runner_teacher_forced(
 
     num_decode = {len(s) - p for s, p in zip(seqs, prompt_lens)}
     assert len(num_decode) == 1, "every sequence decodes the same number of tokens"
-    prefill = forward(ForwardMode.EXTEND, [0] * n, prompt_lens, True)
-    out = list(torch.split(prefill, prompt_lens))
-    for step in range(num_decode.pop()):
-        lens = [p + step for p in prompt_lens]
-        logits = forward(ForwardMode.DECODE, lens, [1] * n, False)
-        out = [torch.cat([o, logits[i : i + 1]]) for i, o in enumerate(out)]
+    try:
+        prefill = forward(ForwardMode.EXTEND, [0] * n, prompt_lens, True)
+        out = list(torch.split(prefill, prompt_lens))
+        for step in range(num_decode.pop()):
+            lens = [p + step for p in prompt_lens]
+            logits = forward(ForwardMode.DECODE, lens, [1] * n, False)
+            out = [torch.cat([o, logits[i : i + 1]]) for i, o in enumerate(out)]
+    finally:
+        runner.stop_tensor_parallel()  # (the other ranks' processes, with tp_size > 1)
     return out
 
 

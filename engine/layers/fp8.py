@@ -22,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.distributed import TensorParallel
 from engine.layers.linear import shard_ranges
+from engine.layers.parallel import RowParallelLinear
 from kernels.fp8_gemm import (
     FP8_DTYPE,
     dequantize_groups,
@@ -76,23 +78,48 @@ class Fp8Linear(nn.Module):
         self.output_sizes = [size for _, size in self.shard_ranges.values()]
         self.merged = shards is not None
 
+    # tensor parallelism (engine/layers/parallel.py), taken from the layer replaced: the rows
+    # of each shard's checkpoint tensor this rank holds (a column-parallel layer's `sources`),
+    # or the columns (a row-parallel layer: its `column_part`, and the group whose all-reduce
+    # sums the ranks' outputs before the bias)
+    sources: dict[Hashable, tuple[int, int, int]] | None = None
+    column_part: tuple[int, int, int] | None = None
+    tp: TensorParallel | None = None
+
     @classmethod
     def like(cls, linear: nn.Linear, group: tuple[int, int] | None = None) -> Fp8Linear:
-        """An empty layer of `linear`'s shape (and shards), on its device."""
+        """An empty layer of `linear`'s shape (and shards, and part of a split layer), on its
+        device."""
         shards = getattr(linear, "shard_ranges", None)
         with torch.device(linear.weight.device):
-            return cls(
+            layer = cls(
                 linear.in_features,
                 linear.out_features,
                 linear.bias is not None,
                 group,
                 [(s, size) for s, (_, size) in shards.items()] if shards else None,
             )
+        layer.sources = getattr(linear, "sources", None) or None
+        if isinstance(linear, RowParallelLinear):
+            layer.column_part = (linear.in_start, linear.in_features, linear.full_in)
+            layer.tp = linear.tp
+        if layer.sources:  # (split: checked as the model is built, before anything loads)
+            for shard_id, (offset, size) in layer.shard_ranges.items():
+                layer._check_blocks(shard_id, offset, size)
+        return layer
+
+    def _check_blocks(self, shard_id: Hashable, offset: int, size: int) -> None:
+        gn = self.group[0]
+        if offset % gn or (size % gn and offset + size != self.out_features):
+            split = " (this rank's part of it: choose a tp_size whose parts are)" if (
+                self.sources) else ""  # fmt: skip
+            raise ValueError(f"shard {shard_id!r}: rows {offset}..{offset + size} are not whole "
+                             f"{self.group} scale blocks{split}")  # fmt: skip
 
     @classmethod
     def quantize(cls, linear: nn.Linear, group: tuple[int, int] | None = None) -> Fp8Linear:
         """`linear` quantized (`--quantization fp8` on a 16-bit checkpoint)."""
-        layer = cls.like(linear, group)
+        layer = cls.like(linear, group)  # (of a split layer: its part, quantized as it is)
         layer.weight.data, layer.weight_scale = quantize_groups(linear.weight.data, *layer.group)
         if linear.bias is not None:
             layer.bias.data = linear.bias.data
@@ -107,8 +134,13 @@ class Fp8Linear(nn.Module):
     ) -> None:
         """Fill shard `shard_id`'s rows of the weight (and their scales) or of the bias from a
         checkpoint tensor: float8 with its scale, requantized to this layer's blocks where
-        the two differ, or a 16/32-bit tensor, quantized here."""
+        the two differ, or a 16/32-bit tensor, quantized here. Of a split layer, this rank's
+        rows or columns of it."""
         offset, size = self.shard_ranges[shard_id if self.merged else None]
+        if self.sources and shard_id in self.sources:
+            loaded = _part(loaded, 0, *self.sources[shard_id])
+        if self.column_part is not None and param is self.weight:
+            loaded = _part(loaded, 1, *self.column_part)
         if loaded.shape[0] != size or (
             param is self.weight and loaded.shape[1] != self.in_features
         ):
@@ -121,11 +153,7 @@ class Fp8Linear(nn.Module):
             param.data.narrow(0, offset, size).copy_(loaded)
             return
         gn = self.group[0]
-        if offset % gn or (size % gn and offset + size != self.out_features):
-            raise ValueError(
-                f"shard {shard_id!r}: rows {offset}..{offset + size} are not whole "
-                f"{self.group} scale blocks"
-            )
+        self._check_blocks(shard_id, offset, size)
         if isinstance(loaded, QuantizedWeight) and self._same_blocks(loaded):
             q, scale = loaded.data, loaded.scale.float()
             if loaded.block is None:  # the tensor's one scale, for each of its rows
@@ -146,10 +174,36 @@ class Fp8Linear(nn.Module):
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = fp8_linear(
-            x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.group, self.bias
-        )
+        if self.tp is not None:  # (row-parallel: the ranks' partial sums, then the bias)
+            y = self.tp.all_reduce(
+                fp8_linear(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.group)
+            )
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = fp8_linear(
+                x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.group, self.bias
+            )
         return y.view(*shape[:-1], self.out_features)
+
+
+def _part(
+    loaded: torch.Tensor | QuantizedWeight, dim: int, start: int, length: int, full: int
+) -> torch.Tensor | QuantizedWeight:
+    """`length` rows (dim 0) or columns (dim 1) of a checkpoint tensor from `start`, of the
+    `full` it must have. A float8 weight keeps its scales where the part is whole scale blocks;
+    otherwise it is dequantized (and quantized again by the layer)."""
+    if loaded.shape[dim] != full:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} has not {full} in dim {dim}")
+    if not isinstance(loaded, QuantizedWeight):
+        return loaded.narrow(dim, start, length)
+    data = loaded.data.narrow(dim, start, length)
+    if loaded.block is None:  # (one scale for the tensor)
+        return QuantizedWeight(data, loaded.scale, None)
+    block = loaded.block[dim]
+    if start % block == 0 and (length % block == 0 or start + length == full):
+        scale = loaded.scale.narrow(dim, start // block, cdiv(length, block))
+        return QuantizedWeight(data, scale, loaded.block)
+    return loaded.dequantize(torch.float32).narrow(dim, start, length)
 
 
 def fp8_linear(

@@ -25,7 +25,13 @@ from engine.distributed import free_port
 from engine.engine import Engine
 from engine.loader import iter_safetensors
 from engine.overlap.executor import ThreadExecutor
-from tests.factories import assert_greedy_match, hf_greedy, mixed_prompts, tiny_model
+from tests.factories import (
+    assert_greedy_match,
+    hf_greedy,
+    mixed_prompts,
+    tiny_fp8_model,
+    tiny_model,
+)
 from tests.rl_trainer import Trainer, buckets
 
 NEW = 10
@@ -147,6 +153,40 @@ def test_decode_graphs_replay_on_every_rank() -> None:
         assert replays == {1: 0, 2: 0, 4: NEW - 1}  # (every decode step, 3 rows padded to 4)
 
 
+@pytest.mark.parametrize("kind", ["block", "tensor", "online"])
+def test_fp8_over_two_ranks_computes_the_split_w8a8(kind: str) -> None:
+    """FP8 weights split over 2 ranks against transformers computing the same W8A8 arithmetic
+    (tests/test_fp8.py's comparison): a block-scaled checkpoint (8 x 8 blocks: each rank's rows
+    and columns are whole blocks, so it is the unsplit arithmetic), per-tensor scales and
+    `--quantization fp8` (the row-parallel projections quantize their input per token over
+    their own half of the columns, and --quantization fp8 their weights per row of their
+    half, as a split layer must)."""
+    from tests.fp8_reference import dequantized_copy, hf_w8a8_logits
+    from tests.teacher_forcing import assert_same_arithmetic, cpu_sequences, cpu_teacher_forced
+
+    seqs = cpu_sequences()
+    if kind == "block":
+        path = tiny_fp8_model("qwen3", 8)
+        ours = cpu_teacher_forced(path, tp_size=2)
+        ref = hf_w8a8_logits(path, seqs, group_cols=8)
+    elif kind == "tensor":
+        path = tiny_fp8_model("llama", 0)
+        ours = cpu_teacher_forced(path, tp_size=2)
+        ref = hf_w8a8_logits(dequantized_copy(path), seqs, None, split=2)
+    else:
+        path = tiny_model("llama")
+        ours = cpu_teacher_forced(path, tp_size=2, quantization="fp8")
+        ref = hf_w8a8_logits(path, seqs, None, quantize_weights=True, split=2)
+    assert_same_arithmetic(ours, ref)
+
+
+def test_fp8_blocks_a_rank_would_cut_are_refused_before_any_rank_starts() -> None:
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="not whole .* scale blocks .*choose a tp_size"):
+        Engine(model_path=tiny_fp8_model("qwen3", 16), tp_size=2)  # (176 / 2 = 88 rows)
+    assert len(multiprocessing.active_children()) == before
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -156,11 +196,9 @@ def test_decode_graphs_replay_on_every_rank() -> None:
          "not supported for GPT2LMHeadModel yet; it is for LlamaForCausalLM"),
         (dict(model_path=tiny_model("llama"), tp_size=2, enable_lora=True),
          "does not support LoRA adapters"),
-        (dict(model_path=tiny_model("llama"), tp_size=2, quantization="fp8"),
-         "does not support FP8 quantization"),
         (dict(model_path=tiny_model("llama"), tp_size=0), "tp_size must be >= 1"),
     ],
-    ids=["heads", "gpt2", "lora", "fp8", "zero"],
+    ids=["heads", "gpt2", "lora", "zero"],
 )
 def test_refused_before_any_rank_starts(kw: dict, match: str) -> None:
     before = len(multiprocessing.active_children())
