@@ -344,7 +344,6 @@ class EngineArgs:
         if self.tp_size == 1:
             return
         taken = [flag for flag, on in (
-            ("LoRA adapters", self.lora_enabled),
             ("hybrid sliding-window memory", self.hybrid_swa_memory),
         ) if on]  # fmt: skip
         if taken:

@@ -367,21 +367,27 @@ class ModelRunner(RunnerWeights):
             return graphs.replay(forward_batch)
         if future_map is not None:  # (with tensor parallelism before a replay too: the ids
             future_map.resolve_future(forward_batch.input_ids)  # go to the other ranks)
+        if self.lora is not None:  # (before the other ranks are sent a forward it may refuse)
+            self.lora.prepare(forward_batch)
         if self.tp_link is not None:  # the other ranks run the same forward (and copies)
             self.tp_link.send(forward_batch, transfers, replay)
             if replay:
                 return graphs.replay(forward_batch)
-        if self.lora is not None:
-            self.lora.prepare(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     # -- LoRA adapters loaded and unloaded while running (engine/scheduler/model_updates.py) --
     def add_lora_adapter(self, spec: AdapterSpec) -> None:
+        self._every_rank("_add_lora_adapter", spec)  # (each rank takes its part of it)
+
+    def _add_lora_adapter(self, spec: AdapterSpec) -> None:
         assert self.lora is not None, "LoRA is not enabled on this runner"
         self.lora.add(spec)
 
     def remove_lora_adapter(self, adapter_id: int) -> None:
+        self._every_rank("_remove_lora_adapter", adapter_id)
+
+    def _remove_lora_adapter(self, adapter_id: int) -> None:
         assert self.lora is not None, "LoRA is not enabled on this runner"
         self.lora.remove(adapter_id)
 

@@ -182,6 +182,8 @@ def follower_forward(runner: Any, fb: ForwardBatch, replay: bool) -> None:
             raise RuntimeError("rank 0 replays a graph this rank has not captured")
         graphs.replay(fb)
         return
+    if runner.lora is not None:  # (the same slots as rank 0's: the same calls, in order)
+        runner.lora.prepare(fb)
     runner.attn_backend.init_forward_metadata(fb)
     runner.model(fb.input_ids, fb.positions, fb)
 
@@ -213,6 +215,7 @@ class _Shape:
     # (every rank's pools hold its heads at the same slots): (kind, source, destination slots)
     transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
     graph: bool = False  # rank 0 replays a decode graph: so do the followers
+    lora_ids: list[int] | None = None  # each request's LoRA adapter (0: none)
 
 
 class TPLink:
@@ -240,7 +243,7 @@ class TPLink:
             list(fb.extend_seq_lens_cpu) if extend else None,
             -1 if rows is None else int(rows.shape[0]), fb.return_all_logits, fb.pooling,
             [(kind, src.cpu(), dst.cpu()) for kind, src, dst in transfers] if transfers
-            else None, graph,
+            else None, graph, fb.lora_ids,
         )  # fmt: skip
         parts = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
         if rows is not None:
@@ -354,6 +357,7 @@ class TPLink:
             return_all_logits=shape.return_all_logits,
             prompt_logprob_rows=prompt if shape.prompt_rows >= 0 else None,
             pooling=shape.pooling,
+            lora_ids=shape.lora_ids,
         )
         return fb, shape.graph
 

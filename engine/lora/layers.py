@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.layers.parallel import RowParallelLinear
+
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
 
@@ -44,6 +46,29 @@ class LoRALinear(nn.Module):
             torch.zeros(size, slots * rank, dtype=dtype, device=device)
             for _, size in self.shard_ranges
         ]
+        # tensor parallelism (engine/layers/parallel.py): a column-parallel base holds its
+        # rows of each shard (B's rows: `sources`); a row-parallel one its columns of the input
+        # (A's columns: `column_part`), so x @ A.T is a partial sum, all-reduced over `tp`
+        self.sources = getattr(base, "sources", None) or None
+        self.column_part, self.tp = getattr(base, "column_part", None), getattr(base, "tp", None)
+        if isinstance(base, RowParallelLinear):
+            self.column_part = (base.in_start, base.in_features, base.full_in)
+
+    def part(
+        self, shard_id: Hashable, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of an adapter's (A [r, in], B [out, r]) for shard `shard_id` of a
+        split base (as they are where it is not split, or where they do not have the base's
+        full shape: the caller's check names that)."""
+        if self.column_part is not None:
+            start, length, full = self.column_part
+            if a.shape[1] == full:
+                a = a[:, start : start + length]
+        if self.sources and shard_id in self.sources:
+            start, rows, total = self.sources[shard_id]
+            if b.shape[0] == total:
+                b = b[start : start + rows]
+        return a, b
 
     @property
     def output_sizes(self) -> list[int]:
@@ -81,7 +106,10 @@ class LoRALinear(nn.Module):
         lo, hi = self.manager.slot_range
         rank, shards, n = self.manager.max_rank, len(self.shard_ids), x.shape[0]
         a = self.lora_a[lo * shards * rank : (hi + 1) * shards * rank]
-        h = (x @ a.T).view(n, hi + 1 - lo, shards, rank) * mask.view(n, hi + 1 - lo, 1, rank)
+        h = x @ a.T
+        if self.tp is not None:  # (a row-parallel base: this rank's columns' partial sums)
+            h = self.tp.all_reduce(h)
+        h = h.view(n, hi + 1 - lo, shards, rank) * mask.view(n, hi + 1 - lo, 1, rank)
         for index, (offset, size) in enumerate(self.shard_ranges):
             b = self.lora_b[index][:, lo * rank : (hi + 1) * rank]
             y[:, offset : offset + size] += h[:, :, index].reshape(n, -1) @ b.T

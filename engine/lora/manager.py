@@ -109,6 +109,7 @@ class LoRAManager:
                 _, size = layer.shard_of(shard)
             except KeyError as e:
                 raise ValueError(f"LoRA adapter {spec.name!r}: {path}: {e}") from None
+            a, b = layer.part(shard, a, b)  # (tensor parallelism: this rank's part)
             if a.shape[1] != layer.base.in_features or b.shape[0] != size:
                 raise ValueError(
                     f"LoRA adapter {spec.name!r}: {path} has A {tuple(a.shape)}, B "

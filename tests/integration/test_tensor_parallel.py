@@ -28,8 +28,10 @@ from engine.overlap.executor import ThreadExecutor
 from tests.factories import (
     assert_greedy_match,
     hf_greedy,
+    lora_greedy,
     mixed_prompts,
     tiny_fp8_model,
+    tiny_lora,
     tiny_model,
 )
 from tests.rl_trainer import Trainer, buckets
@@ -187,6 +189,27 @@ def test_fp8_blocks_a_rank_would_cut_are_refused_before_any_rank_starts() -> Non
     assert len(multiprocessing.active_children()) == before
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lora_adapters_over_two_ranks(arch: str) -> None:
+    """LoRA with the base split: each rank holds its rows of B over a column-parallel layer
+    (q/k/v, gate/up) and its columns of A over a row-parallel one (o, down: x @ A.T
+    all-reduced); an adapter given at start and one loaded while running (on every rank), in
+    one batch with the base model: PEFT's greedy tokens for each."""
+    path = tiny_model(arch)
+    sql, chat = tiny_lora(path, 1), tiny_lora(path, 2)
+    prompt = PROMPTS[0]
+    with Engine(model_path=path, tp_size=2, lora_paths=(f"sql={sql}",), max_loras_per_batch=2,
+                disable_overlap_schedule=True) as eng:  # fmt: skip
+        eng.load_lora_adapter("chat", chat)
+        outs = eng.generate(input_ids=[prompt] * 3, sampling_params=GREEDY,
+                            lora_path=["sql", None, "chat"])  # fmt: skip
+        for out, adapter in zip(outs, (sql, None, chat)):
+            assert out["output_ids"] == lora_greedy(path, adapter, prompt, NEW), adapter
+        eng.unload_lora_adapter("chat")
+        out = eng.generate(input_ids=prompt, sampling_params=GREEDY, lora_path="sql")
+        assert out["output_ids"] == lora_greedy(path, sql, prompt, NEW)
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -194,11 +217,11 @@ def test_fp8_blocks_a_rank_would_cut_are_refused_before_any_rank_starts() -> Non
          "4 attention heads do not split into 3 equal parts"),
         (dict(model_path=tiny_model("gpt2"), tp_size=2),
          "not supported for GPT2LMHeadModel yet; it is for LlamaForCausalLM"),
-        (dict(model_path=tiny_model("llama"), tp_size=2, enable_lora=True),
-         "does not support LoRA adapters"),
+        (dict(model_path=tiny_model("llama"), tp_size=2, hybrid_swa_memory=True),
+         "does not support hybrid sliding-window memory"),
         (dict(model_path=tiny_model("llama"), tp_size=0), "tp_size must be >= 1"),
     ],
-    ids=["heads", "gpt2", "lora", "zero"],
+    ids=["heads", "gpt2", "swa", "zero"],
 )
 def test_refused_before_any_rank_starts(kw: dict, match: str) -> None:
     before = len(multiprocessing.active_children())
