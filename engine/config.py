@@ -341,14 +341,6 @@ class EngineArgs:
     def _check_tp_args(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.tp_size == 1:
-            return
-        taken = [flag for flag, on in (
-            ("hybrid sliding-window memory", self.hybrid_swa_memory),
-        ) if on]  # fmt: skip
-        if taken:
-            raise ValueError(f"tensor parallelism (tp_size {self.tp_size}) does not support "
-                             f"{', '.join(taken)} yet")  # fmt: skip
 
     def _check_cuda_graph_args(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

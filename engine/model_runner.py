@@ -117,7 +117,10 @@ class ModelRunner(RunnerWeights):
         self.pooling = args.pooling_type if args.is_embedding else None
         assert self.pooling or not args.is_embedding, "resolve_model_kind resolves the pooling"
         memory = plan_kv_memory(model_config, args, self.dtype, self.device)
-        memory.tokens = self.tp.min_int(memory.tokens)  # (every rank holds as many slots)
+        # (every rank holds as many slots: each rank's free memory gives its own number)
+        memory.tokens, memory.swa_tokens, memory.host_tokens = (
+            self.tp.min_int(n) for n in (memory.tokens, memory.swa_tokens, memory.host_tokens)
+        )
         self.max_total_tokens = memory.tokens
         # hybrid sliding-window memory: the longest window (None without it)
         self.swa_window = memory.swa_window
@@ -127,6 +130,8 @@ class ModelRunner(RunnerWeights):
         )
         self.padding_req_row = self.req_to_token_pool.reserve_last_row()
         self.allocator = memory.make_allocator(self.page_size, self.device)
+        if self.tp_link is not None and self.swa_window is not None:
+            self.tp_link.swa_allocator = self.allocator
         # hierarchical cache: the host pool's tokens (its allocator is the tree's, its buffer
         # is made below, beside the KV pool)
         self.host_kv_tokens = memory.host_tokens

@@ -225,6 +225,9 @@ class TPLink:
         self.tp = tp
         self.device = device
         self.procs = procs  # (rank 0) the followers' processes, to say which one is gone
+        # hybrid sliding-window memory: the allocator whose full-to-window slot map rank 0
+        # sends for the batch's slots (its own on a follower, where the sent values go)
+        self.swa_allocator: Any = None
         self.broken: str | None = None  # why the ranks are out of step (no more forwards)
 
     def send(self, fb: ForwardBatch, transfers: list | None = None, graph: bool = False) -> None:
@@ -250,6 +253,9 @@ class TPLink:
             parts.append(rows)
         table = fb.req_to_token[fb.req_pool_indices, : shape.width]
         parts.append(table.reshape(-1))
+        if self.swa_allocator is not None:  # (the window slots of the same slots)
+            full_to_swa = self.swa_allocator.full_to_swa
+            parts += [full_to_swa[table.reshape(-1).long()], full_to_swa[fb.out_cache_loc]]
         payload = torch.cat([p.to(torch.int64) for p in parts])
         try:
             torch.distributed.broadcast_object_list([shape], src=0, group=self.tp.cpu_group)
@@ -321,12 +327,18 @@ class TPLink:
             runner.host_kv_pool.apply(shape.transfers)
         bs, n, width = shape.batch_size, shape.num_tokens, shape.width
         prompt_rows = max(shape.prompt_rows, 0)
-        payload = torch.empty(3 * n + 2 * bs + prompt_rows + bs * width, dtype=torch.int64,
-                              device=self.device)  # fmt: skip
+        sizes = [n, n, n, bs, bs, prompt_rows, bs * width]
+        if self.swa_allocator is not None:
+            sizes += [bs * width, n]
+        payload = torch.empty(sum(sizes), dtype=torch.int64, device=self.device)
         torch.distributed.broadcast(payload, src=0, group=self.tp.device_group)
-        input_ids, positions, out_cache_loc, pool_rows, seq_lens, prompt, table = payload.split(
-            [n, n, n, bs, bs, prompt_rows, bs * width]
+        input_ids, positions, out_cache_loc, pool_rows, seq_lens, prompt, table, *swa = (
+            payload.split(sizes)
         )
+        if swa:  # (the follower's map, for the slots this batch reads and writes)
+            full_to_swa = self.swa_allocator.full_to_swa
+            full_to_swa[table] = swa[0].to(full_to_swa.dtype)
+            full_to_swa[out_cache_loc] = swa[1].to(full_to_swa.dtype)
         mode = ForwardMode(shape.mode)
         start_loc = lens = None
         if mode.is_extend():
