@@ -103,8 +103,9 @@ def join_ranks(
         assert port is not None, "a follower rank needs rank 0's port"
         return join(rank, size, port, str(device)), [], threads
     tp, procs = start_followers(args)
-    logger.info("tensor parallelism: %d ranks met (%s)", size,
-                ", ".join(rank_device(args.device, r) for r in range(size)))  # fmt: skip
+    logger.info("tensor parallelism: %d ranks met (%s; the others' pids %s)", size,
+                ", ".join(rank_device(args.device, r) for r in range(size)),
+                " ".join(str(p.pid) for p in procs))  # fmt: skip
     return tp, procs, threads
 
 

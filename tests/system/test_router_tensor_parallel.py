@@ -2,12 +2,17 @@
 the router, a tokenizer and a detokenizer: its greedy completions are one rank's (the offline
 engine's, unsplit), streamed or not; the server reports its size (each worker's `tp_size` in
 `internal_states`); a trainer's broadcast through the router reaches both ranks (ranks 1 and 2
-of its group) and the completions are then the new checkpoint's."""
+of its group) and the completions are then the new checkpoint's; a rank killed stops the worker
+with the rank's name in its log."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import signal
+import time
 
 import httpx2 as httpx
 
@@ -63,3 +68,14 @@ def test_split_worker_serves_one_ranks_greedy_tokens(redis_url: str, tmp_path) -
         choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
         new = offline(other)
         assert new != want and [c["text"] for c in choices] == new
+        # a rank that dies stops the worker, with its name (compose restarts it; SGLang's
+        # server exits the same way), rather than failing every request from then on
+        pid = int(re.search(r"the others' pids (\d+)", stack.worker.log()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(httpx.HTTPError):
+            httpx.post(url + "/v1/completions", json=body, timeout=10)
+        deadline = time.monotonic() + 30
+        while stack.worker.alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not stack.worker.alive()
+        assert "sluice-tp1 exited with code -9" in stack.worker.log(), stack.worker.log()
