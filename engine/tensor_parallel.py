@@ -12,11 +12,19 @@ multiprocessing executor works the same way (the driver sends the scheduler's ou
 runs a scheduler on every rank and broadcasts the requests instead, which needs every rank to
 make the same decisions (timing-free), which this engine's schedulers do not promise.
 
-Per forward: a small object over the gloo group (the batch's shape and its host lists), then
-one int64 tensor over the device group (NCCL on CUDA): the input ids, positions, KV slots,
-sequence lengths and, cut to the longest sequence, the batch's rows of the request-to-token
-table (the followers have no table of their own: they attend through these rows). On CUDA
-the tensor stays on the device: no host synchronisation on rank 0.
+Per forward: a small object over the gloo group (the batch's shape, its host lists, the
+hierarchical cache's copies to run first, the requests' LoRA adapters, whether rank 0 replays a
+decode graph), then one int64 tensor over the device group (NCCL on CUDA): the input ids,
+positions, KV slots, sequence lengths, cut to the longest sequence the batch's rows of the
+request-to-token table and, with hybrid window memory, the window slots of those slots. On
+CUDA the tensor stays on the device: no host synchronisation on rank 0. An eager follower
+attends through the rows it was sent; where rank 0 replays a graph, the follower writes them
+into its own table (which its graphs read) and replays its graph of the same padded size.
+
+Between forwards rank 0 has every rank run the same runner method (`TPLink.on_every_rank`):
+weight updates, memory release, LoRA adapters, graph capture, reading a weight back, joining a
+trainer's group. A rank that dies fails the next forward with its name; after a failure on
+some ranks only, the link refuses every forward (the ranks' states may differ).
 
 Devices: rank r takes the device `r` past rank 0's (`cuda:1`, `cuda:2`, ... for `cuda:0`);
 on CPU every rank is a process on the same cores, each given its share of the threads.
@@ -113,14 +121,14 @@ def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
     """Start ranks 1..tp_size-1 and join them as rank 0: (the group, the processes). A
     follower that fails before joining fails this too (with its exit code), rather than waiting
     out the join's timeout."""
-    from engine.overlap.process_executor import _mp_context, _start
+    from engine.overlap.process_executor import mp_context, start_process
 
-    ctx, port = _mp_context(), free_port()
+    ctx, port = mp_context(), free_port()
     procs = []
     for rank in range(1, args.tp_size):
         proc = ctx.Process(target=follower_main, args=(args, rank, port),
                            name=f"sluice-tp{rank}", daemon=True)  # fmt: skip
-        _start(proc)
+        start_process(proc)
         procs.append(proc)
     joined: dict[str, Any] = {}
 

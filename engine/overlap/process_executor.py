@@ -72,12 +72,12 @@ from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 
 START_TIMEOUT_S = 600.0  # loading a large model on CPU takes a while
-CONFIG_PRELOAD = ("transformers.models.llama.configuration_llama",)  # (see `_mp_context`)
+CONFIG_PRELOAD = ("transformers.models.llama.configuration_llama",)  # (see `mp_context`)
 
 _context: Any = None
 
 
-def _mp_context() -> Any:
+def mp_context() -> Any:
     global _context
     if _context is None:
         ctx = mp.get_context("forkserver")
@@ -90,7 +90,7 @@ def _mp_context() -> Any:
     return _context
 
 
-def _start(proc: Any) -> None:
+def start_process(proc: Any) -> None:
     """Start `proc` without multiprocessing's "main module" fix-up: a forkserver child
     normally re-imports the parent's main script, which re-runs a script that builds an
     Engine at top level without an `if __name__ == "__main__":` guard (a new engine, a new
@@ -118,7 +118,7 @@ class ProcessExecutor(OverlapExecutor):
         `make_runner`: builds the device's runner (default: the engine's, from `runner.args`)."""
         super().__init__(runner, future_map)
         make_runner = make_runner or functools.partial(engine_device_runner, runner.args)
-        ctx = _mp_context()
+        ctx = mp_context()
         self._conn, child = ctx.Pipe()
         threads = num_threads or torch.get_num_threads()
         rows = runner.req_to_token_pool.req_to_token.share_memory_()  # in place
@@ -132,7 +132,7 @@ class ProcessExecutor(OverlapExecutor):
             name="sluice-device",
             daemon=True,
         )
-        _start(self._proc)
+        start_process(self._proc)
         child.close()
         self._ids = itertools.count()
         self._waiting: dict[int, Launch] = {}  # launched, answer not read yet
