@@ -30,7 +30,7 @@ def kv_heads_per_rank(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     """(first K/V head, K/V heads) of this rank: an equal part, or the one head its query heads
     share when there are fewer heads than ranks."""
     if num_kv_heads >= tp.size:
-        return tp.shard(num_kv_heads)
+        return tp.shard(num_kv_heads, "key/value heads")
     if tp.size % num_kv_heads:
         raise ValueError(
             f"tensor parallelism: {num_kv_heads} key/value heads do not split over {tp.size} "
