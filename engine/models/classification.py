@@ -58,8 +58,6 @@ def sequence_classifier(base: type[nn.Module]) -> type[nn.Module]:
     """The sequence classifier class over the causal model class `base`."""
 
     class SequenceClassifier(base):  # type: ignore[misc, valid-type]
-        supports_tensor_parallel = False  # (not tested with a split model yet)
-
         def __init__(self, config, max_position: int | None = None) -> None:
             super().__init__(config, max_position)
             if hasattr(self, "lm_head"):

@@ -229,6 +229,34 @@ def test_hybrid_window_memory_over_two_ranks(executor: str) -> None:
     assert scheduler.stats.num_retractions == 0
 
 
+def test_prompt_logprobs_embeddings_and_a_classifier_over_two_ranks() -> None:
+    """The prompt's logprobs (extra logit rows the forward computes), an embedding model's
+    pooled states and a sequence classifier's scores (pooled before any vocabulary gather):
+    one rank's."""
+    path = tiny_model("qwen3")
+    ask = dict(input_ids=PROMPTS[:3], sampling_params=[{**GREEDY, "max_new_tokens": 2}] * 3,
+               return_logprob=True, logprob_start_len=0)  # fmt: skip
+
+    def prompt_lps(out: list[dict]) -> list[float]:
+        return [lp for o in out for lp, _, _ in o["meta_info"]["input_token_logprobs"][1:]]
+
+    def vectors(**kw: object) -> torch.Tensor:
+        with Engine(model_path=kw.pop("path"), is_embedding=True, **kw) as eng:
+            return torch.tensor([o["embedding"] for o in eng.encode(input_ids=PROMPTS[:3])])
+
+    outs = {}
+    for tp in (1, 2):
+        with Engine(model_path=path, tp_size=tp, disable_overlap_schedule=True) as eng:
+            outs[tp] = prompt_lps(eng.generate(**ask))
+    assert len(outs[1]) > 50
+    torch.testing.assert_close(torch.tensor(outs[2]), torch.tensor(outs[1]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(vectors(path=path, tp_size=2), vectors(path=path), atol=1e-5,
+                               rtol=0)  # fmt: skip
+    classifier = tiny_model("qwen3", num_labels=3)
+    torch.testing.assert_close(vectors(path=classifier, tp_size=2), vectors(path=classifier),
+                               atol=1e-5, rtol=0)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
