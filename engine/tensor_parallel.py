@@ -110,6 +110,9 @@ def join_ranks(
     if rank != 0:
         assert port is not None, "a follower rank needs rank 0's port"
         return join(rank, size, port, str(device)), [], threads
+    if device.type == "cpu" and not args.disable_overlap_schedule:
+        logger.info("tensor parallelism: the overlap loop's forward thread plays the device "
+                    "(not a device process: rank 0 starts the other ranks itself)")  # fmt: skip
     tp, procs = start_followers(args)
     logger.info("tensor parallelism: %d ranks met (%s; the others' pids %s)", size,
                 ", ".join(rank_device(args.device, r) for r in range(size)),
