@@ -45,9 +45,9 @@ def run_arm(path: str, tp: int, overlap: bool, prompts: list[list[int]], args: A
     sends: list[float] = []
     original = TPLink.send
 
-    def timed_send(self: TPLink, fb: Any) -> None:
+    def timed_send(self: TPLink, *args: Any) -> None:
         start = time.perf_counter()
-        original(self, fb)
+        original(self, *args)
         sends.append(time.perf_counter() - start)
 
     TPLink.send = timed_send  # type: ignore[method-assign]
