@@ -27,6 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services import router_tokens as tokens
+from services.batch_files import add_routes as add_file_routes
+from services.batches import add_routes as add_batch_routes
 from services.responses_store import add_routes as add_response_routes
 from services.router_api import VERSION, Router
 from services.router_embeddings import add_routes as add_embedding_routes
@@ -69,6 +71,12 @@ class RouterConfig:
         "how often to re-read worker heartbeats and check requests waiting on a worker",
         env="SLUICE_ROUTER_WORKER_CHECK_S",
     )
+    batch_lease_s: float = setting(
+        10.0,
+        "a router that stops renewing its lease on a batch this long (it died) leaves the "
+        "batch to another router",
+        env="SLUICE_BATCH_LEASE_S",
+    )
     health_generate_timeout_s: float = setting(
         20.0,
         "/health_generate answers 503 if its one-token request takes longer",
@@ -103,6 +111,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         )
         router = state["router"] = Router(config, bus)
         await router.broker.start()
+        router.start_batches(app)
         key = heartbeat_key(common.prefix, ROUTER_KIND, config.router_id)
         beat = Heartbeat(redis.Redis.from_url(url), key, common.heartbeat_ttl_s, router.status)
         beat.start()
@@ -112,6 +121,7 @@ def create_app(config: RouterConfig) -> FastAPI:
         try:
             yield
         finally:
+            await router.batches.stop()
             await router.background.stop()
             await router.broker.stop()
             beat.stop()
@@ -142,6 +152,8 @@ def create_app(config: RouterConfig) -> FastAPI:
     add_weights_routes(app, state)  # POST /update_weights_from_disk
     add_weight_sync_routes(app, state)  # POST /init_weights_update_group, ..._from_distributed
     add_pause_routes(app, state)  # POST /pause_generation, /continue_generation, /pause, ...
+    add_file_routes(app, state)  # POST /v1/files, GET /v1/files/{id}/content, ...
+    add_batch_routes(app, state)  # POST /v1/batches, GET /v1/batches/{id}, .../cancel
     add_memory_routes(app, state)  # POST /release_memory_occupation, /sleep, /wake_up, ...
 
     def model_card(router: Router, name: str) -> dict[str, Any]:

@@ -21,6 +21,9 @@ from urllib.parse import urlsplit, urlunsplit
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.batch_files import FileStore
+from services.batch_lines import call_app
+from services.batches import BatchRunner
 from services.responses_api import ResponsesRequest
 from services.responses_background import BackgroundResponses
 from services.responses_store import ResponseStore, input_items
@@ -89,12 +92,24 @@ class Router:
         self.tool_parser = ParserChoice(r.tool_call_parser)
         self.responses_store = ResponseStore(bus.redis, bus.prefix, r.responses_store_ttl_s)
         self.background = BackgroundResponses(self.responses_store, self.broker.router_id)
+        self.files = FileStore(bus.redis, bus.prefix, r.files_ttl_s, r.files_max_bytes)
+        self.batches = BatchRunner(
+            bus.redis, bus.prefix, self.broker.router_id, self.files, r.batch_concurrency,
+            r.batch_max_requests, poll_s=min(0.5, config.batch_lease_s / 4),
+            lease_s=config.batch_lease_s, keep_s=r.files_ttl_s,
+        )  # fmt: skip
         self.num_handled = 0
         self.started_at = time.time()
 
     @property
     def model_name(self) -> str:
         return self.config.model_name(self.broker.workers.model_names())
+
+    def start_batches(self, app: Any) -> None:
+        """Run batches (services/batches.py), each line through `app`, the router's own."""
+        key = self.config.api_key
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        self.batches.start(lambda path, body: call_app(app, path, body, headers))
 
     def authorize(self, request: Request) -> None:
         key = self.config.api_key

@@ -141,3 +141,43 @@ def weight_version_key(prefix: str) -> str:
     """The deployment's weight version, a client's label of its weights (SGLang's
     `weight_version`; shared/deployment.py)."""
     return f"{prefix}:weight-version"
+
+
+def file_key(prefix: str, file_id: str) -> str:
+    """Hash: a stored file's object (`meta`) and bytes (`content`) (services/batch_files.py)."""
+    return f"{prefix}:file:{file_id}"
+
+
+def files_index_key(prefix: str) -> str:
+    """Sorted set: the stored files' ids by creation time."""
+    return f"{prefix}:files"
+
+
+def batch_key(prefix: str, batch_id: str) -> str:
+    """A batch's record: its batch object and the router running it (services/batches.py)."""
+    return f"{prefix}:batch:{batch_id}"
+
+
+def batches_index_key(prefix: str) -> str:
+    """Sorted set: the batches' ids by creation time."""
+    return f"{prefix}:batches"
+
+
+def batches_running_key(prefix: str) -> str:
+    """Set: the ids of the batches that have not ended."""
+    return f"{prefix}:batches-running"
+
+
+def batch_results_key(prefix: str, batch_id: str) -> str:
+    """Hash: a running batch's output lines so far, by input line number."""
+    return f"{prefix}:batch-results:{batch_id}"
+
+
+def batch_lease_key(prefix: str, batch_id: str) -> str:
+    """The router running a batch, until the lease expires unless it renews it."""
+    return f"{prefix}:batch-lease:{batch_id}"
+
+
+def batch_cancel_key(prefix: str, batch_id: str) -> str:
+    """A running batch's cancel mark: the time it was asked to cancel."""
+    return f"{prefix}:batch-cancel:{batch_id}"

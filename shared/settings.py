@@ -187,6 +187,18 @@ class RouterSettings:
         "keep Responses API responses (store: true) in Redis this long, for "
         "previous_response_id and GET /v1/responses/{id}; 0 stores none",
     )
+    files_ttl_s: float = setting(
+        2_592_000.0,
+        "keep files (/v1/files: batch inputs and outputs) this long unless a file says "
+        "expires_after (default 30 days, OpenAI's for batch files); 0 keeps them until deleted",
+    )
+    files_max_bytes: int = setting(
+        200_000_000, "largest file /v1/files takes (OpenAI's batch input limit)"
+    )
+    batch_concurrency: int = setting(
+        256, "requests of batches (/v1/batches) this router has in flight at once, at most"
+    )
+    batch_max_requests: int = setting(50_000, "most requests one batch's input file may hold")
     incremental_streaming_output: bool = setting(
         False, "streamed /generate chunks carry only the new text and ids (SGLang's flag)"
     )
