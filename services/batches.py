@@ -11,9 +11,10 @@ through Redis.
 * `in_progress`: each line is served by the router's own HTTP app, in process
   (batch_lines.call_app), so it is answered as the same request over HTTP would be; at most
   `--batch-concurrency` lines at once over all the batches a router runs, which keeps the
-  workers' batches full while the rest of a large file waits in the router. A line answered
-  502/503/504 (no live worker, the bus or a worker gone) is sent again after 1, 2, 4 ... 30 s
-  until the batch ends, so a batch outlives a worker's restart. `request_counts` and `usage`
+  workers' batches full while the rest of a large file waits in the router. While the router
+  sees no live worker, lines wait; a line answered 502/503/504 (the bus or a worker gone) is
+  sent again after 1, 2, 4 ... 30 s until the batch ends, so a batch outlives a worker's
+  restart. `request_counts` and `usage`
   (token counts summed) are stored every `poll_s`.
 * Then `finalizing` and `completed`: the 2xx answers go to the output file, the others (with
   their status and error body) to the error file, in input order; `output_file_id` /
@@ -141,6 +142,7 @@ class BatchRunner:
         self.max_requests, self.poll_s, self.lease_s, self.keep_s = (
             max_requests, poll_s, lease_s, keep_s)  # fmt: skip
         self.invoke: Invoke | None = None
+        self.ready: Callable[[], bool] = lambda: True
         self.tasks: dict[str, asyncio.Task] = {}
         self._supervisor: asyncio.Task | None = None
 
@@ -243,8 +245,12 @@ class BatchRunner:
 
     # -- running them -------------------------------------------------------------------
 
-    def start(self, invoke: Invoke) -> None:
+    def start(self, invoke: Invoke, ready: Callable[[], bool] | None = None) -> None:
+        """Run batches, each line through `invoke`; a line waits while `ready()` is false (no
+        live worker: the model is not even known)."""
         self.invoke = invoke
+        if ready is not None:
+            self.ready = ready
         self._supervisor = asyncio.ensure_future(self._supervise())
 
     async def stop(self) -> None:
@@ -393,6 +399,8 @@ class BatchRunner:
             out = refused(line)
             wait_s = 1.0
             while out is None:
+                while not self.ready():
+                    await asyncio.sleep(self.poll_s)
                 assert self.invoke is not None
                 answer = await self.invoke(run.batch["endpoint"], json.dumps(line.body).encode())
                 if answer.status in RETRIED and not run.stopping:

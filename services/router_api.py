@@ -109,7 +109,8 @@ class Router:
         """Run batches (services/batches.py), each line through `app`, the router's own."""
         key = self.config.api_key
         headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
-        self.batches.start(lambda path, body: call_app(app, path, body, headers))
+        self.batches.start(lambda path, body: call_app(app, path, body, headers),
+                           lambda: bool(self.broker.workers.live))  # fmt: skip
 
     def authorize(self, request: Request) -> None:
         key = self.config.api_key
