@@ -3,6 +3,8 @@ streamed, usage, logprobs, n with seeds, model listing, and errors as its except
 
 from __future__ import annotations
 
+import io
+import json
 import re
 import time
 
@@ -873,3 +875,30 @@ def test_a_background_response_as_the_client_polls_streams_and_cancels_it(
     )
     with pytest.raises(openai.BadRequestError, match=f"already {done.status}"):
         client.responses.cancel(queued.id)
+
+
+def test_a_batch_answers_as_the_api_does(client: openai.OpenAI, served_model: str) -> None:
+    """The Batch API on the real model: greedy chat and completion answers in the output file
+    are the ones the same requests get over HTTP (services/batches.py)."""
+    bodies = [{"model": served_model, "messages": [{"role": "user", "content": f"Count to {i}"}],
+               "max_tokens": 12, "temperature": 0, "ignore_eos": True} for i in range(6)]
+    lines = [{"custom_id": f"n{i}", "method": "POST", "url": "/v1/chat/completions", "body": b}
+             for i, b in enumerate(bodies)]  # fmt: skip
+    content = "\n".join(json.dumps(x) for x in lines).encode()
+    uploaded = client.files.create(file=("chat.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h")  # fmt: skip
+    deadline = time.monotonic() + 120
+    while (batch := client.batches.retrieve(batch.id)).status != "completed":
+        assert batch.status in ("validating", "in_progress", "finalizing"), batch
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (6, 0)
+    assert batch.error_file_id is None and batch.usage.output_tokens == 6 * 12
+    out = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    assert [x["custom_id"] for x in out] == [f"n{i}" for i in range(6)]
+    for body, line in zip(bodies, out, strict=True):
+        extra = {"ignore_eos": body.pop("ignore_eos")}
+        direct = client.chat.completions.create(**body, extra_body=extra)
+        answered = line["response"]["body"]["choices"][0]["message"]["content"]
+        assert answered == direct.choices[0].message.content and answered

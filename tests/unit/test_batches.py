@@ -127,7 +127,8 @@ def test_a_batch_answers_every_line_in_order_with_usage(redis_url: str) -> None:
         assert [x["custom_id"] for x in good] == [f"id{i}" for i in range(30) if i not in (7, 9)]
         assert [x["response"]["body"]["echo"] for x in good[:3]] == ["m0", "m1", "m2"]
         assert all(x["response"]["status_code"] == 200 and x["error"] is None for x in good)
-        assert good[0]["response"]["request_id"] == "rid-" and good[0]["id"].startswith("batch_req_")
+        assert good[0]["response"]["request_id"] == "rid-"
+        assert good[0]["id"].startswith("batch_req_")
         bad = await output(files, done["error_file_id"])
         assert [(x["custom_id"], x["response"]["status_code"]) for x in bad] == [
             ("id7", 400), ("id9", 400)]  # fmt: skip
