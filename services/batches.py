@@ -121,6 +121,13 @@ class _Run:
     usage: Usage = field(default_factory=Usage)
     stopping: bool = False
     inflight: set[asyncio.Task] = field(default_factory=set)
+    fed: bool = False  # every line not answered before was sent
+    drained: asyncio.Event = field(default_factory=asyncio.Event)  # ... and answered
+
+    def landed(self, task: asyncio.Task) -> None:
+        self.inflight.discard(task)
+        if self.fed and not self.inflight:
+            self.drained.set()
 
     def count(self, index: int, ok: bool, line: dict[str, Any]) -> None:
         self.answered.add(index)
@@ -262,6 +269,8 @@ class BatchRunner:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _start(self, batch_id: str) -> None:
+        if batch_id in self.tasks:  # (one task a batch)
+            return
         task = asyncio.ensure_future(self._drive(batch_id))
         self.tasks[batch_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(batch_id, None))
@@ -282,10 +291,11 @@ class BatchRunner:
             await asyncio.sleep(self.poll_s)
 
     async def _claim(self, batch_id: str) -> bool:
+        """Take the batch's lease if it is free. (Not when it names this router: that may be
+        the lease `create` has just taken; a killed router that comes back under its id waits
+        for its old lease to lapse.)"""
         key, ms = batch_lease_key(self.prefix, batch_id), int(self.lease_s * 1000)
-        if await self.redis.set(key, self.router_id, px=ms, nx=True):
-            return True
-        return bool(await self.redis.eval(_RENEW, 1, key, self.router_id, ms))  # ours, earlier
+        return bool(await self.redis.set(key, self.router_id, px=ms, nx=True))
 
     async def _save(self, batch: dict[str, Any]) -> None:
         await self.redis.set(batch_key(self.prefix, batch["id"]), json.dumps(batch))
@@ -344,21 +354,24 @@ class BatchRunner:
         if ending != "completed":
             return ending
         feeder = asyncio.ensure_future(self._feed(run, results))
+        drained = asyncio.ensure_future(run.drained.wait())
+        waiting = {feeder, drained}
         try:
-            while True:
-                done, _ = await asyncio.wait({feeder}, timeout=self.poll_s)
-                if done and not run.inflight:
-                    feeder.result()
-                    break
-                ending = await self._check(run)
-                if ending != "completed":
-                    break
+            while not drained.done():
+                await asyncio.wait(waiting, timeout=self.poll_s,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if feeder in waiting and feeder.done():
+                    feeder.result()  # (raises what stopped it)
+                    waiting.discard(feeder)
+                if not drained.done():
+                    ending = await self._check(run)
+                    if ending != "completed":
+                        break
         finally:
             run.stopping = True
-            feeder.cancel()
-            for task in list(run.inflight):
+            for task in (feeder, drained, *run.inflight):
                 task.cancel()
-            await asyncio.gather(feeder, *run.inflight, return_exceptions=True)
+            await asyncio.gather(feeder, drained, *run.inflight, return_exceptions=True)
         return ending
 
     async def _check(self, run: _Run) -> str:
@@ -392,7 +405,10 @@ class BatchRunner:
                 return
             task = asyncio.ensure_future(self._answer(run, results, index, line))
             run.inflight.add(task)
-            task.add_done_callback(run.inflight.discard)
+            task.add_done_callback(run.landed)
+        run.fed = True
+        if not run.inflight:
+            run.drained.set()
 
     async def _answer(self, run: _Run, results: str, index: int, line: Line) -> None:
         try:
