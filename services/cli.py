@@ -71,10 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_parser(sub)
     detokenizer.add_parser(sub)
     serve.add_parser(sub)
+    # (dispatched in main before parsing: every flag it does not know goes to serve)
+    sub.add_parser("run-batch", help="run an OpenAI batch file through a deployment started "
+                   "for it (vLLM's run-batch); see `sluice run-batch -h`", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["run-batch"]:
+        from services import run_batch
+
+        return run_batch.main(args[1:])
     parser = build_parser()
     ns = parser.parse_args(argv)
     level = getattr(ns, "log_level", "warning")
