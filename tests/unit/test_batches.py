@@ -82,6 +82,15 @@ async def create(batches: BatchRunner, files: FileStore, lines: list[str]) -> di
     return await batches.create(json.dumps(body).encode())
 
 
+async def started(client: Any, files: FileStore, n: int, after_s: float) -> tuple:
+    """A runner sending the lines of an n-line batch, two at a time, for `after_s` already."""
+    batches = runner(client, files, echo(0.05), concurrency=2)
+    batch = await create(batches, files, [line(f"id{i}", f"m{i}") for i in range(n)])
+    await until(batches, batch["id"], "in_progress")
+    await asyncio.sleep(after_s)
+    return batches, batch
+
+
 async def output(files: FileStore, file_id: str | None) -> list[dict[str, Any]]:
     if file_id is None:
         return []
@@ -214,10 +223,7 @@ def test_concurrency_is_bounded_and_503s_are_sent_again(redis_url: str) -> None:
 
 def test_cancelled_lines_go_to_the_error_file(redis_url: str) -> None:
     async def test(client: Any, files: FileStore) -> None:
-        batches = runner(client, files, echo(0.05), concurrency=2)
-        batch = await create(batches, files, [line(f"id{i}", f"m{i}") for i in range(40)])
-        await until(batches, batch["id"], "in_progress")
-        await asyncio.sleep(0.2)
+        batches, batch = await started(client, files, 40, 0.2)
         cancelling = await batches.cancel(batch["id"])
         assert cancelling["status"] == "cancelling" and cancelling["cancelling_at"]
         done = await until(batches, batch["id"], "cancelled")
@@ -237,10 +243,7 @@ def test_cancelled_lines_go_to_the_error_file(redis_url: str) -> None:
 
 def test_an_expired_batch_ends_expired(redis_url: str) -> None:
     async def test(client: Any, files: FileStore) -> None:
-        batches = runner(client, files, echo(0.05), concurrency=2)
-        batch = await create(batches, files, [line(f"id{i}", f"m{i}") for i in range(20)])
-        await until(batches, batch["id"], "in_progress")
-        await asyncio.sleep(0.1)
+        batches, batch = await started(client, files, 20, 0.1)
         raw = json.loads(await client.get(batch_key("bt", batch["id"])))
         await batches.stop()  # (its expiry moved to the past while no router runs it)
         raw["expires_at"] = time.time() - 1
