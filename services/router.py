@@ -24,6 +24,7 @@ import redis
 import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from services import router_tokens as tokens
@@ -132,6 +133,15 @@ def create_app(config: RouterConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_query(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """A query parameter of the wrong type (`?limit=abc`): a 400 in the API's error shape,
+        not FastAPI's 422."""
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"][1:]) or None
+        api = ApiError(400, f"{param or 'request'}: {err['msg']}", param, "invalid_value")
+        return JSONResponse(api.body(), status_code=400)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:

@@ -163,6 +163,8 @@ def test_refusals(routers) -> None:
         (httpx.get(one + "/v1/batches/batch_nope", timeout=5), 404, "batch_id"),
         (httpx.post(one + "/v1/batches/batch_nope/cancel", timeout=5), 404, "batch_id"),
         (httpx.get(one + "/v1/batches", params={"limit": 0}, timeout=5), 400, "limit"),
+        (httpx.get(one + "/v1/batches", params={"limit": "many"}, timeout=5), 400, "limit"),
+        (httpx.get(one + "/v1/files", params={"limit": "1.5"}, timeout=5), 400, "limit"),
     ]  # fmt: skip
     for resp, status, param in cases:
         assert resp.status_code == status, (resp.request.url, resp.text)
