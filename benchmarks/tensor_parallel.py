@@ -2,6 +2,11 @@
 side by side on the same model and requests.
 
     python benchmarks/tensor_parallel.py [--layers 8] [--batch 8] [--input 128] [--output 64]
+    python benchmarks/tensor_parallel.py --moe --layers 4 --name expert_parallel
+
+`--moe`: a Mixtral of the `small` shape (8 experts, top 2) instead, and the arms `tp1`, `tp2`
+(every expert's features split over the ranks) and `tp2-ep2` (`--ep-size 2`: each rank holds
+4 experts whole and computes only their share of each token), overlap loop on.
 
 Arms: `tp1` (one process, every core's threads) and `tp2` (two rank processes, half the
 threads each; gloo over loopback), each with the overlap loop (the CPU default) and without
@@ -33,7 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import print_table, small_model, write_result  # noqa: E402
 
 
-def run_arm(path: str, tp: int, overlap: bool, prompts: list[list[int]], args: Any) -> dict:
+def run_arm(
+    path: str, tp: int, overlap: bool, prompts: list[list[int]], args: Any, ep: int = 1
+) -> dict:
     import torch
 
     from engine.config import ModelConfig
@@ -56,7 +63,7 @@ def run_arm(path: str, tp: int, overlap: bool, prompts: list[list[int]], args: A
     prefill, total, outs = [], [], None
     try:
         tokens = args.batch * (args.input + args.output) * 2
-        with Engine(model_path=path, tp_size=tp, disable_overlap_schedule=not overlap,
+        with Engine(model_path=path, tp_size=tp, ep_size=ep, disable_overlap_schedule=not overlap,
                     max_total_tokens=tokens) as eng:  # fmt: skip
             eng.generate(input_ids=prompts[0], sampling_params=one)  # warm-up
             for _ in range(args.repeat):
@@ -76,12 +83,13 @@ def run_arm(path: str, tp: int, overlap: bool, prompts: list[list[int]], args: A
         TPLink.send = original  # type: ignore[method-assign]
     p, t = min(prefill), min(total)
     rank0 = build_model(ModelConfig.from_pretrained(path), torch.float32, "meta", None,
-                        TensorParallel(0, tp))  # (rank 0's part, built on the meta device)
+                        TensorParallel(0, tp, ep_size=ep))  # (rank 0's part, on the meta device)
     weight_bytes = sum(w.numel() * w.element_size() for w in rank0.parameters())
     decode_tokens = args.batch * (args.output - 1)
     return {
-        "arm": f"tp{tp}" + ("" if overlap else "-no-overlap"),
+        "arm": f"tp{tp}" + (f"-ep{ep}" if ep > 1 else "") + ("" if overlap else "-no-overlap"),
         "tp_size": tp,
+        "ep_size": ep,
         "overlap": overlap,
         "prefill_tok_s": args.batch * args.input / p,
         "decode_tok_s": decode_tokens / max(t - p, 1e-9),
@@ -100,11 +108,15 @@ def main() -> None:
     ap.add_argument("--input", type=int, default=128)
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--moe", action="store_true", help="a Mixtral; arms tp1, tp2, tp2-ep2")
     ap.add_argument("--name", default="tensor_parallel")
     args = ap.parse_args()
-    path = small_model(args.layers)
+    path = small_moe(args.layers) if args.moe else small_model(args.layers)
     rng = random.Random(0)
     prompts = [[rng.randrange(8, 32000) for _ in range(args.input)] for _ in range(args.batch)]
+    if args.moe:
+        moe_main(path, prompts, args)
+        return
     rows = [run_arm(path, tp, overlap, prompts, args)
             for overlap in (True, False) for tp in (1, 2)]  # fmt: skip
     for row in rows[1:]:
@@ -121,6 +133,40 @@ def main() -> None:
         / by["tp1-no-overlap"]["decode_tok_s"],
         "send_us_median_tp2": by["tp2"]["send_us_median"],
         "rank0_weight_fraction_tp2": by["tp2"]["rank0_weight_MB"] / by["tp1"]["rank0_weight_MB"],
+        "same_greedy_tokens": True,
+    }
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
+    print("wrote", write_result(args.name, rows, summary, args=vars(args)))
+
+
+def small_moe(layers: int) -> str:
+    """A random Mixtral of the `small` shape with `layers` layers (built once, in the temp
+    folder)."""
+    import tempfile
+
+    from services.tiny_model import make_tiny_model
+
+    path = os.path.join(tempfile.gettempdir(), f"sluice-bench-small-mixtral-{layers}l")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, preset="small", arch="mixtral", num_layers=layers)
+    return path
+
+
+def moe_main(path: str, prompts: list[list[int]], args: Any) -> None:
+    rows = [run_arm(path, tp, True, prompts, args, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))]
+    for row in rows[1:]:
+        assert row["outputs"] == rows[0]["outputs"], f"{row['arm']}: other tokens than tp1"
+    for row in rows:
+        row.pop("outputs")
+    print_table(rows, ["arm", "prefill_tok_s", "decode_tok_s", "total_s", "forwards",
+                       "send_us_median", "rank0_weight_MB"])  # fmt: skip
+    tp1, tp2, ep2 = rows
+    summary = {
+        "decode_ep2_vs_tp2": ep2["decode_tok_s"] / tp2["decode_tok_s"],
+        "prefill_ep2_vs_tp2": ep2["prefill_tok_s"] / tp2["prefill_tok_s"],
+        "decode_ep2_vs_tp1": ep2["decode_tok_s"] / tp1["decode_tok_s"],
+        "decode_tp2_vs_tp1": tp2["decode_tok_s"] / tp1["decode_tok_s"],
+        "rank0_weight_fraction_ep2": ep2["rank0_weight_MB"] / tp1["rank0_weight_MB"],
         "same_greedy_tokens": True,
     }
     print({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})

@@ -262,6 +262,10 @@ class EngineArgs:
     # over this many devices (`device` and the ones after it), rank 0 scheduling for all
     # (engine/tensor_parallel.py)
     tp_size: int = 1
+    # Expert parallelism (SGLang's --ep-size): a mixture-of-experts layer's experts split into
+    # this many groups of the tp_size ranks (which it divides), each group holding its share
+    # of the experts whole or split tp_size / ep_size ways (engine/layers/moe.py)
+    ep_size: int = 1
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -341,6 +345,10 @@ class EngineArgs:
     def _check_tp_args(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.ep_size < 1 or self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size must be >= 1 and divide tp_size {self.tp_size} (the "
+                             f"experts are split over the tensor-parallel ranks), got "
+                             f"{self.ep_size}")  # fmt: skip
 
     def _check_cuda_graph_args(self) -> None:
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 1:

@@ -78,6 +78,27 @@ class TensorParallel:
     size: int = 1
     device_group: Any = None
     cpu_group: Any = None
+    ep_size: int = 1  # expert parallelism: the experts split into this many groups of ranks
+
+    def experts(self, total: int) -> tuple[int, int]:
+        """(first, count) of the experts this rank's expert group holds: with `ep_size` E the
+        ranks form E groups of size / E consecutive ranks, group g holding experts
+        [g * total / E, (g + 1) * total / E) (ValueError if E does not divide `total`)."""
+        if total % self.ep_size:
+            raise ValueError(f"expert parallelism: {total} experts do not split into "
+                             f"{self.ep_size} equal groups (--ep-size)")  # fmt: skip
+        count = total // self.ep_size
+        return (self.rank // (self.size // self.ep_size)) * count, count
+
+    def expert_part(self, total: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's part of each of its experts' `total` `what`: the
+        size / ep_size ranks of an expert group split every expert of it as tensor
+        parallelism splits a dense MLP."""
+        parts = self.size // self.ep_size
+        if total % parts:
+            raise ValueError(f"tensor parallelism: {total} {what} do not split into {parts} "
+                             "equal parts")  # fmt: skip
+        return (self.rank % parts) * (total // parts), total // parts
 
     def shard(self, total: int, what: str = "rows") -> tuple[int, int]:
         """(start, length) of this rank's equal part of `total` `what` (which `size` divides;

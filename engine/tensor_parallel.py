@@ -83,14 +83,14 @@ def rank_threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def join(rank: int, size: int, port: int, device: str) -> TensorParallel:
+def join(rank: int, size: int, port: int, device: str, ep_size: int = 1) -> TensorParallel:
     """This process as `rank` of the engine's group at 127.0.0.1:`port`."""
     store = rendezvous("127.0.0.1", port, rank, size, JOIN_TIMEOUT_S)
     cuda = torch.device(device).type == "cuda"
     name = f"sluice-tp-{port}"
     device_group = group_on(store, rank, size, name, "nccl" if cuda else "gloo")
     cpu_group = group_on(store, rank, size, f"{name}-cpu", "gloo") if cuda else device_group
-    return TensorParallel(rank, size, device_group, cpu_group)
+    return TensorParallel(rank, size, device_group, cpu_group, ep_size)
 
 
 def join_ranks(
@@ -108,7 +108,8 @@ def join_ranks(
     if rank == 0:
         dtype = resolve_dtype(args.dtype, "float32")
         quantization = resolve_quantization(args.quantization, model_config.hf_config)
-        build_model(model_config, dtype, "meta", quantization, TensorParallel(0, size))
+        build_model(model_config, dtype, "meta", quantization,
+                    TensorParallel(0, size, ep_size=args.ep_size))  # fmt: skip
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(rank_threads(size))
@@ -116,7 +117,7 @@ def join_ranks(
         torch.cuda.set_device(device)  # (NCCL's communicator is the current device's)
     if rank != 0:
         assert port is not None, "a follower rank needs rank 0's port"
-        return join(rank, size, port, str(device)), [], threads
+        return join(rank, size, port, str(device), args.ep_size), [], threads
     if device.type == "cpu" and not args.disable_overlap_schedule:
         logger.info("tensor parallelism: the overlap loop's forward thread plays the device "
                     "(not a device process: rank 0 starts the other ranks itself)")  # fmt: skip
@@ -144,7 +145,7 @@ def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
 
     def join_rank0() -> None:
         try:
-            joined["tp"] = join(0, args.tp_size, port, args.device)
+            joined["tp"] = join(0, args.tp_size, port, args.device, args.ep_size)
         except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
             joined["error"] = exc
 

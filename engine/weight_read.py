@@ -76,11 +76,14 @@ def read_weight_part(
             return value, torch.ones(value.shape, dtype=torch.bool)
         raise ValueError(f"no weight named {name!r} in the model or its checkpoint")
     probe = torch.empty(spec[0], dtype=spec[1], device="meta")
-    dry = build_model(model_config, dtype, "meta", quantization, TensorParallel(tp.rank, tp.size))
+    dry = build_model(model_config, dtype, "meta", quantization,
+                      TensorParallel(tp.rank, tp.size, ep_size=tp.ep_size))  # fmt: skip
     owners = {p.untyped_storage()._cdata: (n, p) for n, p in dry.named_parameters()}
     copies = _Copies()
     with copies:
         fill_model(dry, [(name, probe)], checkpoint, quantization, partial=True)
+    if not copies.seen and _other_groups_expert(dry):
+        return torch.zeros(spec[0], dtype=dtype), torch.zeros(spec[0], dtype=torch.bool)
     if not copies.seen:
         raise ValueError(f"{name!r} is not a weight of its own in the served model (tied to "
                          "another, or derived)")  # fmt: skip
@@ -104,3 +107,10 @@ def read_weight_part(
     assert out is not None
     return out, filled
 
+
+def _other_groups_expert(model: nn.Module) -> bool:
+    """Whether the weight just loaded into `model` was an expert another expert group holds
+    (expert parallelism: this rank has no part of it)."""
+    from engine.layers.moe import ExpertWeights
+
+    return any(isinstance(m, ExpertWeights) and m.skipped for m in model.modules())

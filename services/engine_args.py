@@ -65,6 +65,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "cuda:0 with --tp-size 2 takes cuda:0 and cuda:1); rank 0 schedules for all. Llama, "
         "Mistral, Qwen2 and Qwen3 models",
     )
+    g.add_argument(
+        "--ep-size",
+        "--ep",
+        "--expert-parallel-size",
+        dest="ep_size",
+        type=int,
+        default=1,
+        help="mixture-of-experts layers: split the experts into this many groups of the "
+        "--tp-size ranks (which it divides), each group holding its share of the experts "
+        "(whole when it equals --tp-size) instead of every rank a slice of every expert",
+    )
+    g.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="vLLM's flag: --ep-size equal to --tp-size",
+    )
     g.add_argument("--page-size", type=int, default=1)
     g.add_argument("--chunked-prefill-size", type=int, default=8192)
     g.add_argument("--max-prefill-tokens", type=int, default=16384)
@@ -358,4 +374,6 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     kwargs = {k: v for k, v in vars(ns).items() if k in names}
     kwargs["model_path"] = ensure_model(kwargs.get("model_path"))
+    if getattr(ns, "enable_expert_parallel", False):
+        kwargs["ep_size"] = kwargs.get("tp_size", 1)
     return EngineArgs.from_kwargs(**kwargs)

@@ -29,7 +29,9 @@ class ExpertWeights(nn.Module):
     """`weight[e]` = expert e's [out, in] matrix, whose output rows are the named shards.
 
     `split` (tensor parallelism): (dim, start, length, full) — this rank holds `length` of the
-    `full` rows (dim 0) or columns (dim 1) of every checkpoint matrix, from `start`."""
+    `full` rows (dim 0) or columns (dim 1) of every checkpoint matrix, from `start`.
+    `experts` (expert parallelism): (first, total) — `weight[i]` is expert first + i of the
+    layer's `total`; the checkpoint's other experts are skipped (`skipped`: the last one was)."""
 
     def __init__(
         self,
@@ -37,13 +39,16 @@ class ExpertWeights(nn.Module):
         in_features: int,
         shards: Sequence[tuple[str, int]],
         split: tuple[int, int, int, int] | None = None,
+        experts: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.split = split
+        self.first, self.total = experts or (0, num_experts)
+        self.skipped = False
         out_features = sum(size for _, size in shards)
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
         self.shard_ranges: dict[tuple[int, str], tuple[int, int]] = {}
-        for expert in range(num_experts):
+        for expert in range(self.first, self.first + num_experts):
             offset = 0
             for name, size in shards:
                 self.shard_ranges[(expert, name)] = (offset, size)
@@ -52,10 +57,14 @@ class ExpertWeights(nn.Module):
     def load_shard(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]
     ) -> None:
+        self.skipped = False
         if shard_id not in self.shard_ranges:
-            raise ValueError(f"no expert shard {shard_id!r} (experts: {self.weight.shape[0]})")
+            if 0 <= shard_id[0] < self.total and (self.first, shard_id[1]) in self.shard_ranges:
+                self.skipped = True  # another expert group's
+                return
+            raise ValueError(f"no expert shard {shard_id!r} (experts: {self.total})")
         offset, size = self.shard_ranges[shard_id]
-        target = param.data[shard_id[0]].narrow(0, offset, size)
+        target = param.data[shard_id[0] - self.first].narrow(0, offset, size)
         if self.split is not None:
             dim, start, length, full = self.split
             if loaded.dim() != 2 or loaded.shape[dim] != full:
@@ -124,7 +133,8 @@ def fused_experts_torch(
     order = torch.argsort(flat_ids, stable=True)
     tokens = order // top_k
     weights = topk_weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    # (an id of num_experts: a choice of an expert another rank holds, sorted last, skipped)
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(counts):
@@ -151,18 +161,29 @@ class FusedMoE(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.tp = tp = current_tp()
-        start, inter = tp.shard(intermediate_size, "expert intermediate features")
-        split = tp.size > 1
+        self.first, local = tp.experts(num_experts)
+        start, inter = tp.expert_part(intermediate_size, "expert intermediate features")
+        split = inter < intermediate_size
+        experts = (self.first, num_experts) if local < num_experts else None
         self.w13 = ExpertWeights(
-            num_experts, hidden_size, [("gate", inter), ("up", inter)],
-            split=(0, start, inter, intermediate_size) if split else None,
+            local, hidden_size, [("gate", inter), ("up", inter)],
+            split=(0, start, inter, intermediate_size) if split else None, experts=experts,
         )  # fmt: skip
-        self.w2 = ExpertWeights(num_experts, inter, [("down", hidden_size)],
-                                split=(1, start, inter, intermediate_size) if split else None)
+        self.w2 = ExpertWeights(local, inter, [("down", hidden_size)],
+                                split=(1, start, inter, intermediate_size) if split else None,
+                                experts=experts)  # fmt: skip
 
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
+        local = self.w13.weight.shape[0]
+        if local < self.num_experts:  # expert parallelism: this rank's experts' share only
+            ids = topk_ids - self.first
+            mine = (ids >= 0) & (ids < local)
+            if x.is_cuda:  # (the kernels take no "none" id: a zero weight on expert 0)
+                topk_ids, topk_weights = torch.where(mine, ids, 0), topk_weights * mine
+            else:
+                topk_ids = torch.where(mine, ids, local)
         out = fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
         return self.tp.all_reduce(out)
 

@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo; engine/tensor_parallel.py): a model split over 2 or 4
 rank processes generates transformers' greedy tokens for the Llama family (Llama's own
 lm_head, Qwen2's q/k/v biases and tied embedding, Qwen3's q/k norms and head_dim, Mistral) and
-its mixture-of-experts models (every expert split; Qwen2-MoE's shared expert and dense layers),
+its mixture-of-experts models (every expert split; Qwen2-MoE's shared expert and dense layers;
+or the experts split into groups of ranks, `ep_size`),
 in every scheduler loop, over prefix-cache hits and chunked prefills; with more ranks than
 K/V heads (each head held by several ranks) and a vocabulary the ranks do not divide; the
 logprobs are one rank's; weights updated from disk or from tensors, and memory released and
@@ -59,6 +60,32 @@ def test_two_ranks_give_transformers_greedy_tokens(arch: str) -> None:
         assert runner.model_config.num_heads == heads // 2  # (this rank's)
         check_greedy(eng, path)
         check_greedy(eng, path)  # (again: every prompt a cache hit)
+
+
+@pytest.mark.parametrize("arch, tp, ep", [("mixtral", 2, 2), ("qwen3_moe", 2, 2),
+                                          ("qwen2_moe", 4, 2)])  # fmt: skip
+def test_expert_parallelism_gives_transformers_greedy_tokens(arch: str, tp: int, ep: int) -> None:
+    """--ep-size: each expert group holds its share of the experts (whole with ep == tp, else
+    split over the group's ranks); a rank computes its experts' share of each token, one
+    all-reduce over all the ranks sums them."""
+    path = tiny_model(arch)
+    config = ModelConfig.from_pretrained(path).hf_config
+    experts = getattr(config, "num_local_experts", None) or config.num_experts
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    with Engine(model_path=path, tp_size=tp, ep_size=ep, disable_overlap_schedule=True) as eng:
+        w13 = eng.scheduler.model_runner.model.model.layers[0].mlp.experts.w13.weight
+        assert tuple(w13.shape) == (experts // ep, 2 * inter // (tp // ep), config.hidden_size)
+        check_greedy(eng, path)
+
+
+def test_experts_that_do_not_split_are_refused_before_any_rank_starts(tmp_path) -> None:
+    from services.tiny_model import make_tiny_model
+
+    path = str(make_tiny_model(tmp_path / "m", arch="mixtral", num_experts=6))
+    before = len(multiprocessing.active_children())
+    with pytest.raises(ValueError, match="6 experts do not split into 4 equal groups"):
+        Engine(model_path=path, tp_size=4, ep_size=4, disable_overlap_schedule=True)
+    assert len(multiprocessing.active_children()) == before
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
@@ -265,8 +292,10 @@ def test_prompt_logprobs_embeddings_and_a_classifier_over_two_ranks() -> None:
         (dict(model_path=tiny_model("gpt2"), tp_size=2),
          "not supported for GPT2LMHeadModel yet; it is for LlamaForCausalLM"),
         (dict(model_path=tiny_model("llama"), tp_size=0), "tp_size must be >= 1"),
+        (dict(model_path=tiny_model("mixtral"), tp_size=2, ep_size=4),
+         "ep_size must be >= 1 and divide tp_size 2"),
     ],
-    ids=["heads", "gpt2", "zero"],
+    ids=["heads", "gpt2", "zero", "ep"],
 )
 def test_refused_before_any_rank_starts(kw: dict, match: str) -> None:
     before = len(multiprocessing.active_children())
@@ -337,11 +366,15 @@ def bucket_spec(bucket: list) -> dict:
             "shapes": [list(t.shape) for _, t in bucket]}  # fmt: skip
 
 
-@pytest.mark.parametrize("arch, tp", [("llama", 2), ("qwen2_moe", 2), ("llama-kv1", 4)])
-def test_weights_read_back_whole_from_the_ranks_parts(arch: str, tp: int, tmp_path) -> None:
+@pytest.mark.parametrize("arch, tp, ep", [("llama", 2, 1), ("qwen2_moe", 2, 1),
+                                          ("qwen2_moe", 4, 2), ("llama-kv1", 4, 1)])  # fmt: skip
+def test_weights_read_back_whole_from_the_ranks_parts(
+    arch: str, tp: int, ep: int, tmp_path
+) -> None:
     """`get_weights_by_name`: every rank reads its part (its heads' rows, its columns of a
-    row-parallel weight, its part of the vocabulary or of an expert) and rank 0 puts them
-    together: the checkpoint's tensors, exactly."""
+    row-parallel weight, its part of the vocabulary or of an expert; nothing of another
+    expert group's expert) and rank 0 puts them together: the checkpoint's tensors,
+    exactly."""
     if arch == "llama-kv1":  # (one K/V head held by every rank; a vocabulary 4 does not divide)
         from services.tiny_model import make_tiny_model
 
@@ -351,7 +384,7 @@ def test_weights_read_back_whole_from_the_ranks_parts(arch: str, tp: int, tmp_pa
         path = tiny_model(arch)
     want = dict(iter_safetensors(path))
     names = [n for n in want if ".layers.1." in n or ".layers." not in n]  # (one layer's)
-    with Engine(model_path=path, tp_size=tp, disable_overlap_schedule=True) as eng:
+    with Engine(model_path=path, tp_size=tp, ep_size=ep, disable_overlap_schedule=True) as eng:
         for name in names:
             got = eng.get_weights_by_name(name, truncate_size=want[name].numel())
             assert torch.equal(torch.tensor(got), want[name].flatten().float()), name

@@ -66,6 +66,22 @@ def test_dp_workers_of_tp_ranks_get_that_many_gpus_each(monkeypatch) -> None:
     assert "--tp-size" in engine_flags(parse("--tp", "2"))  # (what serve hands its workers)
 
 
+def test_expert_parallel_flags() -> None:
+    """SGLang's --ep-size (and its aliases), vLLM's --enable-expert-parallel (ep = tp); serve
+    hands either to its workers."""
+    from tests.factories import tiny_model
+
+    model = ("--model", tiny_model("mixtral"))
+    assert engine_args_from(parse(*model, "--tp", "4", "--ep", "2")).ep_size == 2
+    assert engine_args_from(parse(*model, "--tp", "4", "--expert-parallel-size", "4")).ep_size == 4
+    assert engine_args_from(parse(*model, "--tp", "2", "--enable-expert-parallel")).ep_size == 2
+    assert engine_args_from(parse(*model, "--tp", "2")).ep_size == 1
+    with pytest.raises(ValueError, match="ep_size must be >= 1 and divide tp_size 2"):
+        engine_args_from(parse(*model, "--tp", "2", "--ep-size", "3"))
+    assert engine_flags(parse("--tp", "2", "--enable-expert-parallel")) == [
+        "--tp-size", "2", "--enable-expert-parallel"]  # fmt: skip
+
+
 def test_serve_passes_the_routing_policy_to_its_router() -> None:
     parser = argparse.ArgumentParser()
     add_router_args(parser)
