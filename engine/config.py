@@ -266,6 +266,12 @@ class EngineArgs:
     # this many groups of the tp_size ranks (which it divides), each group holding its share
     # of the experts whole or split tp_size / ep_size ways (engine/layers/moe.py)
     ep_size: int = 1
+    # Several machines (SGLang's --nnodes / --node-rank / --dist-init-addr): node n runs ranks
+    # n * tp_size / nnodes ... of the group, which meets at dist_init_addr (HOST:PORT, where
+    # node 0's rank 0 listens); node 0 schedules, the others only run forwards
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -342,9 +348,34 @@ class EngineArgs:
             raise ValueError("enable_hierarchical_cache needs the radix cache (not with "
                              "disable_radix_cache)")  # fmt: skip
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def dist_init_address(self) -> tuple[str, int] | None:
+        """(host, port) of `dist_init_addr`, None without one."""
+        if self.dist_init_addr is None:
+            return None
+        host, _, port = self.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"dist_init_addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        return host.strip("[]"), int(port)
+
     def _check_tp_args(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"nnodes must be >= 1 and divide tp_size {self.tp_size} (each node "
+                             f"runs as many ranks), got {self.nnodes}")  # fmt: skip
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes {self.nnodes}), got "
+                             f"{self.node_rank}")  # fmt: skip
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("nnodes > 1 needs dist_init_addr: HOST:PORT where node 0's rank 0 "
+                             "listens, the same on every node")  # fmt: skip
+        if self.dist_init_addr is not None:
+            _ = self.dist_init_address  # (a ValueError if it is not HOST:PORT)
         if self.ep_size < 1 or self.tp_size % self.ep_size:
             raise ValueError(f"ep_size must be >= 1 and divide tp_size {self.tp_size} (the "
                              f"experts are split over the tensor-parallel ranks), got "

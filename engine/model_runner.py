@@ -78,7 +78,7 @@ class ModelRunner(RunnerWeights):
         tp_port: int | None = None,
     ) -> None:
         self.args = args
-        self.device = torch.device(rank_device(args.device, tp_rank))
+        self.device = torch.device(rank_device(args.device, tp_rank % args.ranks_per_node))
         # tensor parallelism (engine/tensor_parallel.py): rank 0 starts the other ranks, which
         # come here with their rank and the group's port; the runner's model config is then
         # this rank's view (its attention and K/V heads)

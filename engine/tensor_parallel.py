@@ -28,7 +28,10 @@ trainer's group. A rank that dies fails the next forward with its name; after a 
 some ranks only, the link refuses every forward (the ranks' states may differ).
 
 Devices: rank r takes the device `r` past rank 0's (`cuda:1`, `cuda:2`, ... for `cuda:0`);
-on CPU every rank is a process on the same cores, each given its share of the threads.
+on CPU every rank is a process on the same cores, each given its share of the threads. Over
+several machines (`nnodes`), node n runs ranks n*k .. n*k+k-1 (k = tp_size / nnodes) on its
+devices from `device` on (`run_node`: followers only, no scheduler); the group meets at
+`dist_init_addr`, and every rank checks that all run with the same engine arguments.
 """
 
 from __future__ import annotations
@@ -83,9 +86,17 @@ def rank_threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def join(rank: int, size: int, port: int, device: str, ep_size: int = 1) -> TensorParallel:
-    """This process as `rank` of the engine's group at 127.0.0.1:`port`."""
-    store = rendezvous("127.0.0.1", port, rank, size, JOIN_TIMEOUT_S)
+def group_host(args: EngineArgs) -> str:
+    """Where the group meets: `dist_init_addr`'s host, else this machine's loopback."""
+    address = args.dist_init_address
+    return address[0] if address else "127.0.0.1"
+
+
+def join(
+    rank: int, size: int, port: int, device: str, ep_size: int = 1, host: str = "127.0.0.1"
+) -> TensorParallel:
+    """This process as `rank` of the engine's group at `host`:`port`."""
+    store = rendezvous(host, port, rank, size, JOIN_TIMEOUT_S)
     cuda = torch.device(device).type == "cuda"
     name = f"sluice-tp-{port}"
     device_group = group_on(store, rank, size, name, "nccl" if cuda else "gloo")
@@ -104,7 +115,7 @@ def join_ranks(
     from engine.loader import build_model
     from engine.quantization import resolve_quantization
 
-    size = args.tp_size
+    size, local = args.tp_size, args.ranks_per_node
     if rank == 0:
         dtype = resolve_dtype(args.dtype, "float32")
         quantization = resolve_quantization(args.quantization, model_config.hf_config)
@@ -112,20 +123,47 @@ def join_ranks(
                     TensorParallel(0, size, ep_size=args.ep_size))  # fmt: skip
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(rank_threads(size))
+        torch.set_num_threads(rank_threads(local))
     elif device.type == "cuda":
         torch.cuda.set_device(device)  # (NCCL's communicator is the current device's)
     if rank != 0:
         assert port is not None, "a follower rank needs rank 0's port"
-        return join(rank, size, port, str(device), args.ep_size), [], threads
+        tp = join(rank, size, port, str(device), args.ep_size, group_host(args))
+        check_same_args(tp, args)
+        return tp, [], threads
     if device.type == "cpu" and not args.disable_overlap_schedule:
         logger.info("tensor parallelism: the overlap loop's forward thread plays the device "
                     "(not a device process: rank 0 starts the other ranks itself)")  # fmt: skip
     tp, procs = start_followers(args)
-    logger.info("tensor parallelism: %d ranks met (%s; the others' pids %s)", size,
-                ", ".join(rank_device(args.device, r) for r in range(size)),
-                " ".join(str(p.pid) for p in procs))  # fmt: skip
+    check_same_args(tp, args)
+    logger.info("tensor parallelism: %d ranks met (here %s; the others' pids %s%s)", size,
+                ", ".join(rank_device(args.device, r) for r in range(local)),
+                " ".join(str(p.pid) for p in procs) or "-",
+                f"; {args.nnodes - 1} other nodes" if args.nnodes > 1 else "")  # fmt: skip
     return tp, procs, threads
+
+
+# what may differ between the nodes' engine arguments (each node is given its own)
+_NODE_OWN = ("model_path", "tokenizer_path", "node_rank")
+
+
+def check_same_args(tp: TensorParallel, args: EngineArgs) -> None:
+    """ValueError on every rank unless every rank runs with the same engine arguments (a node
+    started with other flags would build another model or KV pool and hang or garble the
+    collectives)."""
+    mine = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+            if f.name not in _NODE_OWN}  # fmt: skip
+    every: list[Any] = [None] * tp.size
+    torch.distributed.all_gather_object(every, mine, group=tp.cpu_group)
+    for rank, theirs in enumerate(every):
+        diff = sorted(k for k in mine if mine[k] != theirs.get(k))
+        if diff:
+            k = diff[0]
+            tp.destroy()
+            raise ValueError(f"tensor parallelism: rank {rank} runs with other engine arguments "
+                             f"than rank {tp.rank}: {k} = {theirs.get(k)!r}, not {mine[k]!r} "
+                             f"(and {len(diff) - 1} more); start every node with the same "
+                             "flags")  # fmt: skip
 
 
 def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
@@ -134,9 +172,11 @@ def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
     out the join's timeout."""
     from engine.overlap.process_executor import mp_context, start_process
 
-    ctx, port = mp_context(), free_port()
+    ctx = mp_context()
+    address = args.dist_init_address
+    port = address[1] if address else free_port()
     procs = []
-    for rank in range(1, args.tp_size):
+    for rank in range(1, args.ranks_per_node):
         proc = ctx.Process(target=follower_main, args=(args, rank, port),
                            name=f"sluice-tp{rank}", daemon=True)  # fmt: skip
         start_process(proc)
@@ -145,7 +185,8 @@ def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
 
     def join_rank0() -> None:
         try:
-            joined["tp"] = join(0, args.tp_size, port, args.device, args.ep_size)
+            joined["tp"] = join(0, args.tp_size, port, args.device, args.ep_size,
+                                group_host(args))  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
             joined["error"] = exc
 
@@ -166,6 +207,41 @@ def start_followers(args: EngineArgs) -> tuple[TensorParallel, list[Any]]:
     return joined["tp"], procs
 
 
+def run_node(args: EngineArgs) -> int:
+    """Node `args.node_rank` > 0 of a group over several machines: its ranks' processes, until
+    rank 0 (on node 0) stops them or a signal does; the worst exit code of its ranks."""
+    import signal
+
+    from engine.config import ModelConfig
+    from engine.overlap.process_executor import mp_context, start_process
+    from engine.pooling import resolve_model_kind
+
+    args = resolve_model_kind(args, ModelConfig.from_args(args))  # (as node 0's scheduler)
+    address = args.dist_init_address
+    assert args.node_rank > 0 and address is not None
+    ctx, first = mp_context(), args.node_rank * args.ranks_per_node
+    procs = []
+    for rank in range(first, first + args.ranks_per_node):
+        proc = ctx.Process(target=follower_main, args=(args, rank, address[1]),
+                           name=f"sluice-tp{rank}", daemon=True)  # fmt: skip
+        start_process(proc)
+        procs.append(proc)
+    logger.info("node %d of %d: ranks %d..%d (pids %s) meet rank 0 at %s:%d", args.node_rank,
+                args.nnodes, first, first + len(procs) - 1,
+                " ".join(str(p.pid) for p in procs), *address)  # fmt: skip
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5) and any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            break  # (a rank failed: the others cannot go on)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    stop_followers(procs)
+    return max((abs(p.exitcode or 0) for p in procs), default=0)
+
+
 def stop_followers(procs: list[Any], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     for proc in procs:
@@ -181,7 +257,7 @@ def follower_main(args: EngineArgs, rank: int, port: int) -> None:
     from engine.model_runner import ModelRunner
 
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp{rank} %(name)s: %(message)s")
-    torch.set_num_threads(rank_threads(args.tp_size))
+    torch.set_num_threads(rank_threads(args.ranks_per_node))
     runner = ModelRunner(ModelConfig.from_args(args), args, tp_rank=rank, tp_port=port)
     link = runner.tp_link
     assert link is not None

@@ -77,6 +77,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(whole when it equals --tp-size) instead of every rank a slice of every expert",
     )
     g.add_argument(
+        "--nnodes",
+        type=int,
+        default=1,
+        help="machines the --tp-size ranks span (each runs tp-size / nnodes of them); node 0 "
+        "runs the worker, the others `sluice worker --node-rank N` with the same flags",
+    )
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's node (0 schedules)")
+    g.add_argument(
+        "--dist-init-addr",
+        default=None,
+        help="HOST:PORT where node 0's rank 0 listens for the others (with --nnodes > 1)",
+    )
+    g.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="vLLM's flag: --ep-size equal to --tp-size",

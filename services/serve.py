@@ -279,6 +279,10 @@ class Launcher:
 def run(settings: ServeSettings, ns: argparse.Namespace) -> int:
     from services.engine_args import ensure_model
 
+    if getattr(ns, "node_rank", 0) > 0:
+        raise SystemExit("sluice serve runs node 0 (Redis, the router, the services); on node "
+                         f"{ns.node_rank} run `sluice worker --node-rank {ns.node_rank}` with the "
+                         "same engine flags")  # fmt: skip
     logging.getLogger().handlers.clear()  # this process logs through setup_logging only
     setup_logging("serve", None, settings.common.log_level)
     model = ensure_model(ns.model_path or settings.model)

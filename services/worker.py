@@ -393,6 +393,13 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
     from services.engine_args import engine_args_from
 
     common = settings.common
+    if getattr(ns, "node_rank", 0) > 0:  # another machine's ranks of node 0's worker
+        from engine.tensor_parallel import run_node
+
+        logging.getLogger().handlers.clear()
+        setup_logging(WORKER_KIND, f"{settings.worker_id}-node{ns.node_rank}", common.log_level)
+        ns.model_path = ns.model_path or settings.model
+        exit_process(run_node(engine_args_from(ns)))
     common.require_redis_url()  # fail before the slow part
     logging.getLogger().handlers.clear()  # this process logs through setup_logging only
     setup_logging(WORKER_KIND, settings.worker_id, common.log_level)

@@ -15,7 +15,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +41,7 @@ from tests.factories import (
 )
 from tests.rl_trainer import Trainer, buckets
 
+REPO = str(Path(__file__).resolve().parents[2])
 NEW = 10
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 PROMPTS = mixed_prompts(1500, n=5, max_len=60, seed=3)  # (three share a prefix; one is 1 token)
@@ -86,6 +90,49 @@ def test_experts_that_do_not_split_are_refused_before_any_rank_starts(tmp_path) 
     with pytest.raises(ValueError, match="6 experts do not split into 4 equal groups"):
         Engine(model_path=path, tp_size=4, ep_size=4, disable_overlap_schedule=True)
     assert len(multiprocessing.active_children()) == before
+
+
+def start_node(path: str, tp: int, port: int, *flags: str) -> subprocess.Popen:
+    """`sluice worker --node-rank 1` of a group over 2 "machines" (both this one, over
+    loopback): its tp / 2 ranks only, no Redis."""
+    cmd = [sys.executable, "-m", "services.cli", "worker", "--model", path, "--tp-size", str(tp),
+           "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{port}",
+           "--disable-overlap-schedule", *flags]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_ranks_over_two_nodes(tp: int) -> None:
+    """--nnodes 2: node 0's engine runs ranks 0..tp/2-1, `sluice worker --node-rank 1` the
+    others, meeting at --dist-init-addr; transformers' greedy tokens; node 1's ranks end with
+    the engine and its worker exits 0."""
+    path, port = tiny_model("llama"), free_port()
+    node = start_node(path, tp, port)
+    try:
+        with Engine(model_path=path, tp_size=tp, nnodes=2, dist_init_addr=f"127.0.0.1:{port}",
+                    disable_overlap_schedule=True) as eng:  # fmt: skip
+            runner = eng.scheduler.model_runner
+            assert runner.tp.size == tp and len(runner.tp_followers) == tp // 2 - 1
+            check_greedy(eng, path)
+        assert node.wait(60) == 0, node.stderr.read()[-3000:]
+    finally:
+        node.kill()
+
+
+def test_a_node_started_with_other_flags_is_refused() -> None:
+    path, port = tiny_model("llama"), free_port()
+    node = start_node(path, 2, port, "--max-total-tokens", "4096")
+    try:
+        match = ("rank 1 runs with other engine arguments than rank 0: max_total_tokens = "
+                 "4096, not None")  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            Engine(model_path=path, tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{port}",
+                   disable_overlap_schedule=True)  # fmt: skip
+        assert node.wait(60) != 0
+        assert "runs with other engine arguments than rank 1" in node.stderr.read()
+    finally:
+        node.kill()
 
 
 @pytest.mark.parametrize("executor", ["thread", "process"])
@@ -294,8 +341,16 @@ def test_prompt_logprobs_embeddings_and_a_classifier_over_two_ranks() -> None:
         (dict(model_path=tiny_model("llama"), tp_size=0), "tp_size must be >= 1"),
         (dict(model_path=tiny_model("mixtral"), tp_size=2, ep_size=4),
          "ep_size must be >= 1 and divide tp_size 2"),
+        (dict(model_path=tiny_model("llama"), tp_size=2, nnodes=2), "nnodes > 1 needs "
+         "dist_init_addr"),
+        (dict(model_path=tiny_model("llama"), tp_size=2, nnodes=2, dist_init_addr="host"),
+         "dist_init_addr must be HOST:PORT, got 'host'"),
+        (dict(model_path=tiny_model("llama"), tp_size=2, nnodes=3), "nnodes must be >= 1 and "
+         "divide tp_size 2"),
+        (dict(model_path=tiny_model("llama"), tp_size=2, nnodes=2, node_rank=2,
+              dist_init_addr="h:1"), r"node_rank must be in \[0, nnodes 2\)"),
     ],
-    ids=["heads", "gpt2", "zero", "ep"],
+    ids=["heads", "gpt2", "zero", "ep", "nodes-addr", "nodes-bad-addr", "nodes", "node-rank"],
 )
 def test_refused_before_any_rank_starts(kw: dict, match: str) -> None:
     before = len(multiprocessing.active_children())

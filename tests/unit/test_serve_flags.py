@@ -82,6 +82,16 @@ def test_expert_parallel_flags() -> None:
         "--tp-size", "2", "--enable-expert-parallel"]  # fmt: skip
 
 
+def test_serve_runs_node_0_only() -> None:
+    from services.serve import run
+
+    ns = parse("--tp", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:5000")
+    with pytest.raises(SystemExit, match="on node 1 run `sluice worker --node-rank 1`"):
+        run(ServeSettings(), ns)
+    assert engine_flags(ns) == ["--tp-size", "2", "--nnodes", "2", "--node-rank", "1",
+                                "--dist-init-addr", "h:5000"]  # fmt: skip
+
+
 def test_serve_passes_the_routing_policy_to_its_router() -> None:
     parser = argparse.ArgumentParser()
     add_router_args(parser)
