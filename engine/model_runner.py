@@ -32,13 +32,8 @@ from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 from engine.speculative.verify import VerifyResult, verify
-from engine.tensor_parallel import (
-    TPLink,
-    join_ranks,
-    rank_device,
-    rank_model_config,
-    stop_followers,
-)
+from engine.tensor_parallel import TPLink, rank_model_config
+from engine.tp_ranks import join_ranks, rank_device, stop_followers
 from engine.weight_groups import WeightGroups
 from kernels.jit import pdl_supported, use_layer_kernels, use_pdl
 

@@ -394,7 +394,7 @@ def run(settings: WorkerSettings, ns: argparse.Namespace) -> None:
 
     common = settings.common
     if getattr(ns, "node_rank", 0) > 0:  # another machine's ranks of node 0's worker
-        from engine.tensor_parallel import run_node
+        from engine.tp_ranks import run_node
 
         logging.getLogger().handlers.clear()
         setup_logging(WORKER_KIND, f"{settings.worker_id}-node{ns.node_rank}", common.log_level)
