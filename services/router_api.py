@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.batch_files import FileStore
 from services.batch_lines import call_app
-from services.batches import BatchRunner
+from services.batch_run import BatchRunner
 from services.responses_api import ResponsesRequest
 from services.responses_background import BackgroundResponses
 from services.responses_store import ResponseStore, input_items

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 
 from services.batch_files import FileStore
 from services.batch_lines import Answer, parse_input
-from services.batches import BatchRunner
+from services.batch_run import BatchRunner
 from services.router_fields import ApiError
 from shared.keys import batch_key, batch_lease_key, batch_results_key, batches_running_key
 
