@@ -1,7 +1,8 @@
 """Tensor parallelism on GPUs (engine/tensor_parallel.py): two ranks on cuda:0 and cuda:1,
 NCCL between them, decode CUDA graphs with the all-reduces inside, flashinfer / Triton
 attention over each rank's heads. Needs two GPUs (NCCL cannot put two ranks on one), so it is
-skipped on the one-GPU machines of the development sessions: it has not run yet.
+skipped on the one-GPU machines of the development sessions: it has not run yet. Expert
+parallelism (`ep_size`) too.
 
 float32 with the Triton backend: transformers' greedy tokens (the tie rule of the CPU tests),
 in the plain and the CUDA overlap loop, the graphs replayed. bfloat16 with the default
@@ -59,3 +60,17 @@ def test_bfloat16_first_tokens_are_one_ranks() -> None:
             got[tp] = [o["output_ids"][0] for o in outs]
     same = sum(a == b for a, b in zip(got[1], got[2]))
     assert same >= len(prompts) - 1, got
+
+
+def test_expert_parallelism_on_two_gpus_gives_transformers_greedy_tokens(monkeypatch) -> None:
+    """--ep-size 2: each GPU holds half the experts whole; the Triton MoE kernels run the
+    other GPU's choices with zero weight (engine/layers/moe.py); graphs replayed."""
+    path = tiny_model("mixtral", preset="small")
+    prompts = mixed_prompts(32000, n=6, max_len=100, seed=2)
+    replays = count_graph_replays(monkeypatch)
+    with Engine(model_path=path, tp_size=2, ep_size=2, dtype="float32",
+                attention_backend="triton", **KW) as engine:  # fmt: skip
+        outs = engine.generate(input_ids=prompts, sampling_params=PARAMS)
+    assert replays, "no decode step replayed a graph"
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_match(path, prompt, out["output_ids"], hf_greedy(path, prompt, NEW))
