@@ -67,3 +67,24 @@ def test_fused_experts_triton_matches_torch(num_tokens, num_experts, top_k, hidd
     want = fused_experts_torch(x.float(), w13.float(), w2.float(), weights, ids)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+@needs_triton
+def test_expert_groups_shares_add_up_to_every_experts_output() -> None:
+    """Expert parallelism (engine/layers/moe.py): each group of experts computes its share of
+    every token, the choices of other groups' experts skipped (torch: an id past its experts)
+    or, for the Triton kernels, run on expert 0 with zero weight; the shares sum to the whole."""
+    from kernels.fused_moe import fused_experts_triton
+
+    x, w13, w2, weights, ids = _case(24, 8, 2, 64, 32, torch.float32)
+    whole = fused_experts_torch(x, w13, w2, weights, ids)
+    torch_sum = triton_sum = torch.zeros_like(whole)
+    for first in (0, 4):
+        local, mine = ids - first, (ids >= first) & (ids < first + 4)
+        part = slice(first, first + 4)
+        torch_sum = torch_sum + fused_experts_torch(x, w13[part], w2[part], weights,
+                                                    torch.where(mine, local, 4))  # fmt: skip
+        triton_sum = triton_sum + fused_experts_triton(x, w13[part], w2[part], weights * mine,
+                                                       torch.where(mine, local, 0))  # fmt: skip
+    torch.testing.assert_close(torch_sum, whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(triton_sum, whole, atol=1e-4, rtol=1e-4)
