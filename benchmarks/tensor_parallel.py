@@ -119,12 +119,7 @@ def main() -> None:
         return
     rows = [run_arm(path, tp, overlap, prompts, args)
             for overlap in (True, False) for tp in (1, 2)]  # fmt: skip
-    for row in rows[1:]:
-        assert row["outputs"] == rows[0]["outputs"], f"{row['arm']}: other tokens than tp1"
-    for row in rows:
-        row.pop("outputs")
-    print_table(rows, ["arm", "prefill_tok_s", "decode_tok_s", "total_s", "forwards",
-                       "send_us_median", "rank0_weight_MB"])  # fmt: skip
+    same_tokens_then_table(rows)
     by = {r["arm"]: r for r in rows}
     summary = {
         "decode_tp2_vs_tp1": by["tp2"]["decode_tok_s"] / by["tp1"]["decode_tok_s"],
@@ -137,6 +132,16 @@ def main() -> None:
     }
     print({k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
     print("wrote", write_result(args.name, rows, summary, args=vars(args)))
+
+
+def same_tokens_then_table(rows: list[dict]) -> None:
+    """Check that every arm's greedy tokens are the first's; print the table without them."""
+    for row in rows[1:]:
+        assert row["outputs"] == rows[0]["outputs"], f"{row['arm']}: other tokens than tp1"
+    for row in rows:
+        row.pop("outputs")
+    print_table(rows, ["arm", "prefill_tok_s", "decode_tok_s", "total_s", "forwards",
+                       "send_us_median", "rank0_weight_MB"])  # fmt: skip
 
 
 def small_moe(layers: int) -> str:
@@ -154,12 +159,7 @@ def small_moe(layers: int) -> str:
 
 def moe_main(path: str, prompts: list[list[int]], args: Any) -> None:
     rows = [run_arm(path, tp, True, prompts, args, ep) for tp, ep in ((1, 1), (2, 1), (2, 2))]
-    for row in rows[1:]:
-        assert row["outputs"] == rows[0]["outputs"], f"{row['arm']}: other tokens than tp1"
-    for row in rows:
-        row.pop("outputs")
-    print_table(rows, ["arm", "prefill_tok_s", "decode_tok_s", "total_s", "forwards",
-                       "send_us_median", "rank0_weight_MB"])  # fmt: skip
+    same_tokens_then_table(rows)
     tp1, tp2, ep2 = rows
     summary = {
         "decode_ep2_vs_tp2": ep2["decode_tok_s"] / tp2["decode_tok_s"],
