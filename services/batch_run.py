@@ -40,6 +40,7 @@ from shared.keys import (
 logger = logging.getLogger(__name__)
 
 RETRIED = (502, 503, 504)
+PRIORITY_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 _RENEW = """if redis.call('get', KEYS[1]) == ARGV[1] then
   return redis.call('pexpire', KEYS[1], ARGV[2]) else return 0 end"""
 _RELEASE = """if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -81,15 +82,17 @@ class BatchRunner(Batches):
     def __init__(
         self, redis: Any, prefix: str, router_id: str, files: FileStore, concurrency: int = 256,
         max_requests: int = 50_000, poll_s: float = 0.5, lease_s: float = 10.0,
-        keep_s: float = 0.0,
+        keep_s: float = 0.0, priority: int | None = None,
     ) -> None:  # fmt: skip
         super().__init__(redis, prefix, router_id, files, max_requests, keep_s)
+        self.priority = priority
         self.slots = asyncio.Semaphore(concurrency)
         self.poll_s, self.lease_s = poll_s, lease_s
         self.invoke: Invoke | None = None
         self.ready: Callable[[], bool] = lambda: True
         self.tasks: dict[str, asyncio.Task] = {}
         self._supervisor: asyncio.Task | None = None
+        self.stopping = False  # (a cancel that a Redis call swallows stops the batch anyway)
 
     def start(self, invoke: Invoke, ready: Callable[[], bool] | None = None) -> None:
         """Run batches, each line through `invoke`; a line waits while `ready()` is false (no
@@ -102,13 +105,14 @@ class BatchRunner(Batches):
     async def stop(self) -> None:
         """Stop running batches (their requests in flight are aborted) and give their leases
         back, so that another router goes on with them at once."""
+        self.stopping = True
         tasks = [t for t in (self._supervisor, *self.tasks.values()) if t is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _start(self, batch_id: str) -> None:
-        if batch_id in self.tasks:  # (one task a batch)
+        if batch_id in self.tasks or self.stopping:  # (one task a batch)
             return
         task = asyncio.ensure_future(self._drive(batch_id))
         self.tasks[batch_id] = task
@@ -116,7 +120,7 @@ class BatchRunner(Batches):
 
     async def _supervise(self) -> None:
         """Take the batches no router runs."""
-        while True:
+        while not self.stopping:
             try:
                 for raw in await self.redis.smembers(batches_running_key(self.prefix)):
                     batch_id = raw.decode()
@@ -208,10 +212,14 @@ class BatchRunner(Batches):
             for task in (feeder, drained, *run.inflight):
                 task.cancel()
             await asyncio.gather(feeder, drained, *run.inflight, return_exceptions=True)
+        if self.stopping:  # (not finished by a router that stops: another goes on with it)
+            raise asyncio.CancelledError
         return ending
 
     async def _check(self, run: _Run) -> str:
         """Renew the lease, store the progress; whether the batch must end now."""
+        if self.stopping:
+            raise asyncio.CancelledError
         batch_id = run.batch["id"]
         ms = int(self.lease_s * 1000)
         if not await self.redis.eval(_RENEW, 1, batch_lease_key(self.prefix, batch_id),
@@ -236,7 +244,7 @@ class BatchRunner(Batches):
             if index in run.answered:
                 continue
             await self.slots.acquire()
-            if run.stopping:
+            if run.stopping or self.stopping:
                 self.slots.release()
                 return
             task = asyncio.ensure_future(self._answer(run, results, index, line))
@@ -246,6 +254,15 @@ class BatchRunner(Batches):
         if not run.inflight:
             run.drained.set()
 
+    def _body(self, run: _Run, line: Line) -> bytes:
+        """A line's request body; with `priority` set, a generation request that names none
+        gets it (behind interactive requests, where the workers schedule by priority)."""
+        body = line.body
+        if self.priority is not None and "priority" not in body and \
+                run.batch["endpoint"] in PRIORITY_ENDPOINTS:  # fmt: skip
+            body = {**body, "priority": self.priority}
+        return json.dumps(body).encode()
+
     async def _answer(self, run: _Run, results: str, index: int, line: Line) -> None:
         try:
             out = refused(line)
@@ -254,7 +271,7 @@ class BatchRunner(Batches):
                 while not self.ready():
                     await asyncio.sleep(self.poll_s)
                 assert self.invoke is not None
-                answer = await self.invoke(run.batch["endpoint"], json.dumps(line.body).encode())
+                answer = await self.invoke(run.batch["endpoint"], self._body(run, line))
                 if answer.status in RETRIED and not run.stopping:
                     logger.info("batch %s line %s: %s; again in %g s", run.batch["id"],
                                 line.custom_id, answer.status, wait_s)  # fmt: skip

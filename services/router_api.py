@@ -96,7 +96,7 @@ class Router:
         self.batches = BatchRunner(
             bus.redis, bus.prefix, self.broker.router_id, self.files, r.batch_concurrency,
             r.batch_max_requests, poll_s=min(0.5, config.batch_lease_s / 4),
-            lease_s=config.batch_lease_s, keep_s=r.files_ttl_s,
+            lease_s=config.batch_lease_s, keep_s=r.files_ttl_s, priority=r.batch_priority,
         )  # fmt: skip
         self.num_handled = 0
         self.started_at = time.time()

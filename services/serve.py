@@ -48,7 +48,7 @@ STOP_GRACE_S = 10.0
 ROUTER_FLAGS = ("incremental_streaming_output", "tool_call_parser", "reasoning_parser",
                 "responses_store_ttl_s", "policy", "cache_threshold", "balance_abs_threshold",
                 "balance_rel_threshold", "max_tree_size", "files_ttl_s", "files_max_bytes",
-                "batch_concurrency", "batch_max_requests")  # fmt: skip
+                "batch_concurrency", "batch_max_requests", "batch_priority")  # fmt: skip
 
 
 def _die_with_parent() -> None:

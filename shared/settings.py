@@ -199,6 +199,12 @@ class RouterSettings:
         256, "requests of batches (/v1/batches) this router has in flight at once, at most"
     )
     batch_max_requests: int = setting(50_000, "most requests one batch's input file may hold")
+    batch_priority: int | None = setting(
+        None,
+        "the priority of a batch's generation requests that name none, with the workers' "
+        "--enable-priority-scheduling (larger first: -1 puts batches behind interactive "
+        "requests, whose priority is 0)",
+    )
     incremental_streaming_output: bool = setting(
         False, "streamed /generate chunks carry only the new text and ids (SGLang's flag)"
     )

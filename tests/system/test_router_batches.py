@@ -36,7 +36,7 @@ def _plan(msg: TokenizeReqMsg) -> Plan:
 def routers(redis_url: str) -> Iterator[tuple[str, str, FakeWorker]]:
     with start_router(redis_url, PREFIX) as one, \
             start_router(redis_url, PREFIX, "--router-id", "r2", "--files-max-bytes",
-                         "4096") as two:  # fmt: skip
+                         "4096", "--batch-priority", "-1") as two:  # fmt: skip
         fake = FakeWorker(redis_url, PREFIX, "w-batch", plan=_plan, step_s=0.02)
         with running(fake, one):
             wait_for(lambda: "w-batch" in router_workers(two))
@@ -133,6 +133,14 @@ def test_completions_in_a_batch(routers) -> None:
     texts = [x["response"]["body"]["choices"][0]["text"] for x in lines_of(one,
                                                                            done["output_file_id"])]
     assert texts == ["0cba", "1cba", "2cba"]
+
+
+def test_a_routers_batch_priority_reaches_the_worker(routers) -> None:
+    _, two, fake = routers
+    lines = [chat_line("p0", "prioritised"), chat_line("p1", "own priority", priority=5)]
+    until(two, create(two, lines)["id"], "completed")
+    got = {m.messages[-1].content: m.priority for m in fake.received if m.messages}
+    assert got["prioritised"] == -1 and got["own priority"] == 5
 
 
 def test_refusals(routers) -> None:

@@ -82,12 +82,20 @@ async def create(batches: BatchRunner, files: FileStore, lines: list[str]) -> di
     return await batches.create(json.dumps(body).encode())
 
 
-async def started(client: Any, files: FileStore, n: int, after_s: float) -> tuple:
-    """A runner sending the lines of an n-line batch, two at a time, for `after_s` already."""
+async def answered(client: Any, batch_id: str, k: int, timeout_s: float = 10.0) -> int:
+    """Wait until `k` answers of the batch are stored; how many are."""
+    deadline = time.monotonic() + timeout_s
+    while (n := await client.hlen(batch_results_key("bt", batch_id))) < k:
+        assert time.monotonic() < deadline, n
+        await asyncio.sleep(0.01)
+    return n
+
+
+async def started(client: Any, files: FileStore, n: int, k: int) -> tuple:
+    """A runner sending the lines of an n-line batch, two at a time, `k` answered already."""
     batches = runner(client, files, echo(0.05), concurrency=2)
     batch = await create(batches, files, [line(f"id{i}", f"m{i}") for i in range(n)])
-    await until(batches, batch["id"], "in_progress")
-    await asyncio.sleep(after_s)
+    await answered(client, batch["id"], k)
     return batches, batch
 
 
@@ -223,7 +231,7 @@ def test_concurrency_is_bounded_and_503s_are_sent_again(redis_url: str) -> None:
 
 def test_cancelled_lines_go_to_the_error_file(redis_url: str) -> None:
     async def test(client: Any, files: FileStore) -> None:
-        batches, batch = await started(client, files, 40, 0.2)
+        batches, batch = await started(client, files, 40, 4)
         cancelling = await batches.cancel(batch["id"])
         assert cancelling["status"] == "cancelling" and cancelling["cancelling_at"]
         done = await until(batches, batch["id"], "cancelled")
@@ -243,7 +251,7 @@ def test_cancelled_lines_go_to_the_error_file(redis_url: str) -> None:
 
 def test_an_expired_batch_ends_expired(redis_url: str) -> None:
     async def test(client: Any, files: FileStore) -> None:
-        batches, batch = await started(client, files, 20, 0.1)
+        batches, batch = await started(client, files, 20, 2)
         raw = json.loads(await client.get(batch_key("bt", batch["id"])))
         await batches.stop()  # (its expiry moved to the past while no router runs it)
         raw["expires_at"] = time.time() - 1
@@ -273,8 +281,7 @@ def test_a_second_runner_goes_on_from_the_stored_answers(redis_url: str) -> None
         first = runner(client, files, call, concurrency=2)
         batch = await create(batches=first, files=files,
                              lines=[line(f"id{i}", f"m{i}") for i in range(30)])  # fmt: skip
-        await until(first, batch["id"], "in_progress")
-        await asyncio.sleep(0.15)
+        await answered(client, batch["id"], 6)
         await first.stop()
         assert not await client.exists(batch_lease_key("bt", batch["id"]))
         stored = await client.hlen(batch_results_key("bt", batch["id"]))
@@ -304,11 +311,39 @@ def test_a_runner_that_loses_its_lease_stops_sending(redis_url: str) -> None:
         batch = await create(batches, files, [line(f"id{i}", f"m{i}") for i in range(50)])
         await until(batches, batch["id"], "in_progress")
         await client.set(batch_lease_key("bt", batch["id"]), "someone-else", px=60_000)
-        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while batch["id"] in batches.tasks:  # (it notices at its next renewal)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
         sent = len(calls)
         await asyncio.sleep(0.2)
-        assert len(calls) == sent < 50 and batch["id"] not in batches.tasks
+        assert len(calls) == sent < 50
         assert (await batches.retrieve(batch["id"]))["status"] == "in_progress"
+        await batches.stop()
+
+    run(redis_url, test)
+
+
+def test_a_batch_priority_goes_to_generation_requests_that_name_none(redis_url: str) -> None:
+    async def test(client: Any, files: FileStore) -> None:
+        bodies: dict[str, dict] = {}
+        inner = echo()
+
+        async def call(path: str, raw: bytes) -> Answer:
+            body = json.loads(raw)
+            bodies[body["messages"][0]["content"]] = body
+            return await inner(path, raw)
+
+        batches = runner(client, files, call, priority=-3)
+        batch = await create(batches, files, [line("a", "plain"), line("b", "own", priority=7)])
+        await until(batches, batch["id"], "completed")
+        assert bodies["plain"]["priority"] == -3 and bodies["own"]["priority"] == 7
+        await batches.stop()
+        bodies.clear()
+        batches = runner(client, files, call)  # (none set: the bodies as they are)
+        batch = await create(batches, files, [line("a", "plain")])
+        await until(batches, batch["id"], "completed")
+        assert "priority" not in bodies["plain"]
         await batches.stop()
 
     run(redis_url, test)
