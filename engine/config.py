@@ -69,6 +69,9 @@ class ModelConfig:
     # bidirectional attention (BERT, RoBERTa: engine/models/bert.py): served as a pooling
     # model, each prompt in one piece, no prefix cache
     is_encoder: bool = False
+    # multi-head latent attention (DeepSeek, engine/models/deepseek.py): one cached K/V head
+    # (`head_dim`: the latent) read as both key and value, so the pool keeps one buffer
+    kv_shared: bool = False
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> ModelConfig:
@@ -93,6 +96,9 @@ class ModelConfig:
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
         head_dim = getattr(hf, "head_dim", None) or hidden // num_heads
         num_layers = getattr(hf, "num_hidden_layers", None) or hf.n_layer
+        mla = hf.model_type in MLA_MODEL_TYPES
+        if mla:  # the cache holds each token's latent as one head
+            num_kv_heads, head_dim = 1, hf.kv_lora_rank + hf.qk_rope_head_dim
         max_pos = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", 2048)
         max_pos = position_limit(hf.model_type, max_pos, getattr(hf, "pad_token_id", None))
         return cls(
@@ -113,6 +119,7 @@ class ModelConfig:
             attn_logit_cap=attn_logit_cap(hf),
             labels=classifier_labels(arch, hf),
             is_encoder=arch in ENCODER_ARCHITECTURES,
+            kv_shared=mla,
         )
 
     @property
@@ -121,9 +128,15 @@ class ModelConfig:
         return {w for w in self.sliding_windows if w is not None}
 
 
+# model types with multi-head latent attention (engine/models/deepseek.py)
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
 # Multimodal architectures whose checkpoints are served as their text model (the vision
 # tower is not loaded; the router refuses image inputs).
-TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration",)
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration")
+
+
 def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:
     """EOS ids from generation_config.json when present (it may list several), else config."""
     ids: object = None

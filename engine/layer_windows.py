@@ -9,6 +9,7 @@ from __future__ import annotations
 # and GPT-2's ignore it).
 _SLIDING_WINDOW_TYPES = (
     "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text",
+    "phi3", "ministral3", "smollm3", "olmo3",
 )  # fmt: skip
 # Architectures whose transformers implementation soft-caps attention scores by
 # `config.attn_logit_softcapping`.
@@ -20,7 +21,7 @@ def layer_sliding_windows(hf: object, num_layers: int) -> tuple[int | None, ...]
     query's own included; 0 or None is no window), on the layers that `layer_types` marks
     "sliding_attention" where the config has that list (Qwen2 and Qwen3 derive it from
     `use_sliding_window` and `max_window_layers`, Gemma 3 alternates five windowed layers and
-    a full one), else on every layer (Mistral, Mixtral, Qwen3-MoE)."""
+    a full one), else on every layer (Mistral, Mixtral, Qwen3-MoE, Phi-3)."""
     window = getattr(hf, "sliding_window", None)
     if getattr(hf, "model_type", None) not in _SLIDING_WINDOW_TYPES or not window:
         return (None,) * num_layers

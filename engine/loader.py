@@ -26,9 +26,11 @@ from engine.mem_cache.kv_quant import take_kv_scales
 from engine.models.registry import get_model_class
 from engine.quantization import Fp8Config, pair_fp8_scales, swap_in_fp8
 
-TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                    "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                    "Qwen3MoeForCausalLM")  # fmt: skip
+TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM",
+                    "Mistral3ForConditionalGeneration", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                    "Phi3ForCausalLM", "GraniteForCausalLM", "SmolLM3ForCausalLM",
+                    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # fmt: skip
 
 # (name, tensor), (name, tensor, shard id) for a shard of a stacked parameter, or None to skip.
 WeightTransform = Callable[

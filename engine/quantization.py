@@ -78,7 +78,7 @@ def quantized_linear_names(model: nn.Module, config: Fp8Config) -> list[str]:
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not _IN_BLOCK.search(name):
             continue
-        if name.rsplit(".", 1)[-1] in _ROUTERS:
+        if name.rsplit(".", 1)[-1] in _ROUTERS + getattr(model, "unquantized_linears", ()):
             continue
         if any(
             name == s or name.startswith(s + ".") or name.endswith("." + s) for s in config.skip

@@ -290,7 +290,7 @@ class RunnerWeights:
             torch.cuda.synchronize(self.device)  # (no forward in flight reads them)
         freed = 0
         if "kv_cache" in tags:
-            freed += memory.release_kv(self.kv_pool.k_buffer + self.kv_pool.v_buffer)
+            freed += memory.release_kv(self.kv_pool.buffers())
         if "weights" in tags:
             freed += memory.release_weights(self.model, backup_weights, self.device)
             if discard and not self.weights_on_disk:
@@ -324,5 +324,5 @@ class RunnerWeights:
         assert self.model is not None and self.kv_pool is not None, "a host-only runner"
         return {
             "weights": occupied_bytes(self.model.parameters()),
-            "kv_cache": occupied_bytes(self.kv_pool.k_buffer + self.kv_pool.v_buffer),
+            "kv_cache": occupied_bytes(self.kv_pool.buffers()),
         }

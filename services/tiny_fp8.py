@@ -25,7 +25,8 @@ import torch
 from engine.loader import iter_safetensors, safetensors_files
 from kernels.fp8_gemm import FP8_MAX, quantize_groups
 
-_QUANTIZED = re.compile(r"\.(layers|h)\.\d+\..*_proj\.weight$")
+# the blocks' projections (DeepSeek's kv_a_proj_with_mqa too)
+_QUANTIZED = re.compile(r"\.(layers|h)\.\d+\..*_proj(_with_mqa)?\.weight$")
 
 
 def quantize_checkpoint(path: str, block_size: int = 16) -> int:

@@ -16,6 +16,8 @@ import os
 import torch
 
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's checkpoint fuses q/k/v and gate/up, and its PEFT adapters target the fused modules
+PHI3_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def make_tiny_lora(
@@ -23,7 +25,7 @@ def make_tiny_lora(
     out_dir: str,
     rank: int = 8,
     alpha: float | None = None,
-    targets: tuple[str, ...] = LLAMA_TARGETS,
+    targets: tuple[str, ...] = LLAMA_TARGETS + PHI3_TARGETS,
     seed: int = 0,
     strength: float = 0.5,
     use_rslora: bool = False,
@@ -93,7 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("out_dir", metavar="DIR")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=None, help="default: 2 x rank")
-    parser.add_argument("--targets", nargs="+", default=list(LLAMA_TARGETS))
+    parser.add_argument("--targets", nargs="+", default=list(LLAMA_TARGETS + PHI3_TARGETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--strength", type=float, default=0.5)
     parser.add_argument("--use-rslora", action="store_true")

@@ -26,11 +26,18 @@ from services import tiny_encoder, tiny_fp8
 from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 GEMMA_ARCHS = ("gemma2", "gemma3_text")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", *GEMMA_ARCHS, *MOE_ARCHS)
+ARCHS = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "gpt2",
+    *GEMMA_ARCHS, *MOE_ARCHS,
+)  # fmt: skip
 
 # --- Model ----------------------------------------------------------------------------------------
+
+# architectures without a sliding window setting here (SmolLM3's applies to its NoPE layers
+# only, with `use_sliding_window`)
+_UNWINDOWED = ("llama", "granite", "gpt2", "deepseek_v2", "deepseek_v3", "olmo2", "smollm3")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGIT_SCALE = 8.0  # standard deviation of the logits
@@ -39,6 +46,7 @@ NORM_JITTER = 0.2  # norm weights are uniform in 1 +- NORM_JITTER
 QK_SCALE = 2.0  # queries and keys are scaled by this: sharper attention
 # the local window of gemma-2-2b and of gemma-3-1b (the tiny preset uses 32)
 GEMMA_WINDOWS = {"gemma2": 4096, "gemma3_text": 512}
+GRANITE_LOGITS_SCALING = 16.0  # granite-3.3-8b's (the logits are divided by it)
 QK_BIAS_STD = 0.5  # query / key projection biases (qwen2)
 BIAS_STD = 0.02  # other biases: they add the same vector at every position, so keep them small
 _LLAMA3_ROPE = {
@@ -93,6 +101,11 @@ _TINY_TWEAKS: dict[str, dict[str, Any]] = {
     "qwen2": {"tie_word_embeddings": True},
     "qwen3": {"tie_word_embeddings": True, "head_dim": 32},
     "qwen3_moe": {"head_dim": 32},
+    # Phi-4-mini's: 3/4 of each head rotated, tied embeddings (fused qkv / gate_up tensors
+    # are Phi-3's checkpoint layout)
+    "phi3": {"partial_rotary_factor": 0.75, "tie_word_embeddings": True},
+    # SmolLM3-3B leaves rope out of every fourth layer; of the second here (two layers)
+    "smollm3": {"no_rope_layer_interval": 2},
     # Gemma 2 and 3 always window their local layers (gemma-3-1b: 512 keys)
     "gemma2": {"sliding_window": 32},
     "gemma3_text": {"sliding_window": 32},
@@ -127,11 +140,13 @@ def build_config(
         pad_token_id=special.id_of(special.pad),
     )
     arch_fields = _gpt2_fields(shape, explicit) if arch == "gpt2" else _rope_fields(arch, shape)
+    if arch == "granite":
+        arch_fields.update(_granite_fields(shape))
     if arch in MOE_ARCHS:
         arch_fields.update(_moe_fields(arch, shape))
     elif _MOE_KEYS & explicit.keys():
         raise ValueError(f"{arch} has no experts; the expert sizes are for {MOE_ARCHS}")
-    if shape.sliding_window is not None and arch in ("llama", "gpt2"):
+    if shape.sliding_window is not None and arch in _UNWINDOWED:
         raise ValueError(f"{arch} has no sliding window attention")
     # an explicit config field (e.g. Gemma's `layer_types`) wins over the arch's default
     arch_fields = {k: v for k, v in arch_fields.items() if k not in fields}
@@ -148,8 +163,10 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
         "max_position_embeddings": shape.max_position_embeddings,
         "head_dim": shape.head_dim or shape.hidden_size // shape.num_heads,
     }
-    if arch != "llama":
+    if arch not in _UNWINDOWED:
         fields["sliding_window"] = shape.sliding_window
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        fields.update(_mla_fields(shape, query_lora=arch == "deepseek_v3"))
     if arch in GEMMA_ARCHS:
         # local (windowed) and global layers alternate, so that a 2-layer model has both
         # (Gemma 2 alternates too, Gemma 3 has five local layers per global one); always a
@@ -167,6 +184,37 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
     return fields
 
 
+def _granite_fields(shape: ModelShape) -> dict[str, Any]:
+    """granite-3.3-8b's multipliers (its attention's is 1 / head_dim, 1/128 there) and tied
+    embeddings."""
+    head_dim = shape.head_dim or shape.hidden_size // shape.num_heads
+    return {
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "attention_multiplier": 1.0 / head_dim,
+        "logits_scaling": GRANITE_LOGITS_SCALING,
+        "tie_word_embeddings": True,
+    }
+
+
+def _mla_fields(shape: ModelShape, query_lora: bool) -> dict[str, Any]:
+    """DeepSeek-V3's attention at a small scale: a query LoRA, a latent of half the hidden
+    size, rope on head_dim features of each query head and twice that without rope, values
+    of twice head_dim (at the small preset, head_dim 64: V3's 512 latent, 64 + 128 query
+    features and 128 value ones), every head reading the one latent. Without `query_lora`
+    (DeepSeek-V2-Lite's layout) the query is one projection."""
+    head = shape.head_dim or shape.hidden_size // shape.num_heads
+    return {
+        "num_key_value_heads": shape.num_heads,
+        "head_dim": head,
+        "q_lora_rank": shape.hidden_size * 3 // 4 if query_lora else None,
+        "kv_lora_rank": shape.hidden_size // 2,
+        "qk_rope_head_dim": head,
+        "qk_nope_head_dim": head * 2,
+        "v_head_dim": head * 2,
+    }
+
+
 def _moe_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
     """Every layer sparse; Qwen3-MoE renormalises its top-k weights (as Qwen3-30B-A3B does),
     Qwen2-MoE does not and adds a shared expert of intermediate_size (as Qwen1.5-MoE)."""
@@ -174,6 +222,31 @@ def _moe_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
         return {
             "num_local_experts": shape.num_experts,
             "num_experts_per_tok": shape.num_experts_per_tok,
+        }
+    # (a multiple of 16, as V3's 2048 is of its 128-row FP8 blocks)
+    deepseek_moe_size = shape.moe_intermediate_size or -(-shape.intermediate_size // 64) * 16
+    if arch == "deepseek_v2":  # V2-Lite's routing: softmax top-k, two shared experts
+        return {
+            "n_routed_experts": shape.num_experts,
+            "num_experts_per_tok": shape.num_experts_per_tok,
+            "moe_intermediate_size": deepseek_moe_size,
+            "n_shared_experts": 2,
+            "topk_method": "greedy",
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 1.0,
+        }
+    if arch == "deepseek_v3":  # V3's routing: 4 groups (8 there), the best 2 (4 there)
+        groups = 4 if shape.num_experts % 4 == 0 else 1
+        return {
+            "n_routed_experts": shape.num_experts,
+            "num_experts_per_tok": shape.num_experts_per_tok,
+            "moe_intermediate_size": deepseek_moe_size,
+            "n_shared_experts": 1,
+            "n_group": groups,
+            "topk_group": max(groups // 2, 1),
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
         }
     fields = {
         "num_experts": shape.num_experts,
@@ -268,21 +341,56 @@ def _shape_weights(model: torch.nn.Module, qk_scale: float = QK_SCALE) -> None:
                 param.normal_(0.0, QK_BIAS_STD)
             elif name.endswith(".bias"):
                 param.normal_(0.0, BIAS_STD)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's, for the choice)
+                buffer.normal_(0.0, 0.1)
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm) or type(module).__name__.endswith("RMSNorm"):
                 module.weight.uniform_(1.0 - NORM_JITTER, 1.0 + NORM_JITTER)
                 module.weight.sub_(_gain_offset(module))
+        latent_keys = model.config.model_type in ("deepseek_v2", "deepseek_v3")
         for name, module in model.named_modules():
-            if name.endswith(("q_proj", "k_proj", "q_norm", "k_norm")):
+            if latent_keys and name.endswith(("q_proj", "q_b_proj")):
+                module.weight.mul_(qk_scale**2)  # DeepSeek's query (its keys are latents)
+            elif name.endswith(("q_proj", "k_proj", "q_norm", "k_norm")):
                 _scale_gain(module, qk_scale)
             elif name.endswith("c_attn"):  # GPT-2's fused [q | k | v] columns
                 module.weight[:, : 2 * module.weight.shape[0]].mul_(qk_scale)
+            elif name.endswith("qkv_proj"):  # Phi-3's fused [q; k; v] rows
+                module.weight[: _qk_rows(model.config)].mul_(qk_scale)
         for embedding in (model.get_input_embeddings(), getattr(decoder, "wpe", None)):
             if embedding is not None:
                 embedding.weight.mul_(EMBED_SCALE)
+        _undo_multipliers(model)
         row_norm = model.get_output_embeddings().weight.float().norm(dim=1).mean().item()
         final_norm = decoder.ln_f if hasattr(decoder, "ln_f") else decoder.norm
-        _scale_gain(final_norm, LOGIT_SCALE / row_norm)
+        divisor = getattr(model.config, "logits_scaling", 1.0)  # (Granite's)
+        _scale_gain(final_norm, LOGIT_SCALE * divisor / row_norm)
+
+
+def _undo_multipliers(model: torch.nn.Module) -> None:
+    """Granite's: the weights divided by the multipliers its forward applies, so that the
+    random model computes what the Llama one would (its embeddings times 12 and layer outputs
+    times 0.22 left random weights repeating one token), the forward still applying them all.
+    (A tied output embedding shrinks with the input one; the final norm's gain, set after
+    this, sizes the logits.)"""
+    config = model.config
+    embedding_multiplier = getattr(config, "embedding_multiplier", 1.0)
+    residual_multiplier = getattr(config, "residual_multiplier", 1.0)
+    if embedding_multiplier != 1.0:
+        model.get_input_embeddings().weight.div_(embedding_multiplier)
+    if residual_multiplier != 1.0:
+        for name, module in model.named_modules():
+            if name.endswith(("o_proj", "down_proj")):
+                module.weight.div_(residual_multiplier)
+
+
+def _qk_rows(config: PretrainedConfig) -> int:
+    """The query and key rows of a fused [q; k; v] projection."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return (heads + kv_heads) * head_dim
 
 
 def _gain_offset(module: torch.nn.Module) -> float:

@@ -41,7 +41,7 @@ from transformers import PreTrainedTokenizerFast
 
 from services.tiny_corpus import synthetic_corpus
 
-BYTE_FALLBACK_ARCHS = ("llama", "mistral", "mixtral", "gemma2", "gemma3_text")
+BYTE_FALLBACK_ARCHS = ("llama", "mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
 
 # --- Tokenizer ------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine.config import MLA_MODEL_TYPES
 from engine.quantization import Fp8Config, quantized_linear_names
 from kernels.fp8_gemm import FP8_DTYPE, dequantize_groups, quantize_groups
 from tests.teacher_forcing import BF16_SHAPE, bf16_sequences, runner_teacher_forced
@@ -79,6 +80,8 @@ def hf_w8a8_logits(
         kwargs["quantization_config"] = FineGrainedFP8Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device, dtype).eval()
     assert all(p.dtype == dtype for p in model.parameters())
+    if model.config.model_type in MLA_MODEL_TYPES:  # (as the engine's DeepSeek models)
+        model.unquantized_linears = ("kv_b_proj",)
     names = quantized_linear_names(model, Fp8Config(checkpoint=True))
     # GPT-2's projections are Conv1D layers in transformers: weight [in, out]
     names += [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]

@@ -20,7 +20,9 @@ An embedding model's batch (`forward_batch.pooling` set) gets its pooled hidden 
 instead (engine/pooling.py): the lm_head is not applied.
 
 `soft_cap` c (Gemma 2's `final_logit_softcapping`): logits l become c * tanh(l / c), computed
-in float32 (or in float64 for a float64 model, as the float64 tests compare).
+in float32 (or in float64 for a float64 model, as the float64 tests compare). `divisor`
+(Granite's `logits_scaling`): logits divided by it in the lm_head's dtype, as transformers
+does.
 
 A vocabulary that is not a multiple of 8 (GPT-2's 50257) leaves the lm_head's output rows
 misaligned for 16-byte loads and stores, and cuBLAS then falls back to its slowest kernels: on
@@ -57,11 +59,16 @@ if TYPE_CHECKING:
 
 class LogitsProcessor(nn.Module):
     def __init__(
-        self, vocab_size: int, soft_cap: float | None = None, tp: TensorParallel = SINGLE
+        self,
+        vocab_size: int,
+        soft_cap: float | None = None,
+        tp: TensorParallel = SINGLE,
+        divisor: float | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.soft_cap = soft_cap
+        self.divisor = None if divisor in (None, 1.0) else divisor
         self.tp = tp  # tensor parallelism: the lm_head holds this rank's part of the vocabulary
         self.gemv_max_rows = 0  # engine.layers.linear.use_triton_gemv: the Triton GEMV's rows
 
@@ -81,12 +88,14 @@ class LogitsProcessor(nn.Module):
         out = fb.logits_out  # (a CUDA graph's buffer, [batch, >= vocab])
         # (with tensor parallelism the lm_head's output is this rank's columns: gathered first)
         direct = (out is not None and out.dtype == hidden_states.dtype and not self.soft_cap
-                  and self.tp.size == 1)  # fmt: skip
+                  and self.tp.size == 1 and self.divisor is None)  # fmt: skip
         logits = lm_head_matmul(hidden_states, lm_head_weight, gemv_max_rows=self.gemv_max_rows,
                                 out=out if direct else None)  # fmt: skip
         if direct:
             return logits
         logits = gather_vocab(logits, self.vocab_size, self.tp)
+        if self.divisor is not None:  # (Granite's `logits_scaling`, in the lm_head's dtype)
+            logits = logits / self.divisor
         if self.soft_cap:  # in float32 at least (float64 models: float64), then float32
             logits = logits if logits.dtype == torch.float64 else logits.float()
             logits = torch.tanh(logits / self.soft_cap) * self.soft_cap

@@ -92,7 +92,7 @@ class LoRAManager:
         module in a `LoRALinear` the first time an adapter names it."""
         stacked = getattr(model, "stacked_weights", ())
         placed: dict[str, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for path, (a, b) in sorted(tensors.items()):
+        for path, (a, b) in sorted(_unfused(model, spec, tensors).items()):
             leaf = path.rsplit(".", 1)[-1]
             if leaf not in TARGET_MODULES:
                 raise ValueError(
@@ -192,3 +192,29 @@ class LoRAManager:
         for path, layer in self.layers.items():
             layer.set_slot(slot, modules.get(path, {}), spec.scaling)
         self.slot_of[adapter_id] = slot
+
+
+def _unfused(
+    model: nn.Module, spec: AdapterSpec, tensors: dict[str, tuple[torch.Tensor, ...]]
+) -> dict[str, tuple[torch.Tensor, ...]]:
+    """An adapter of a module the checkpoint fuses (Phi-3's `qkv_proj`, `gate_up_proj`) as
+    adapters of its pieces (q/k/v_proj, gate/up_proj): each piece takes the same A and its
+    rows of B, since B @ A @ x stacks the pieces' B_i @ A @ x."""
+    parts = model.fused_parts() if hasattr(model, "fused_parts") else {}
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    for path, (a, b) in tensors.items():
+        fused = next((key for key in parts if key in path + "."), None)
+        if fused is None:
+            out[path] = (a, b)
+            continue
+        rows = sum(size for _, size in parts[fused])
+        if b.shape[0] != rows:
+            raise ValueError(
+                f"LoRA adapter {spec.name!r}: {path} has B {tuple(b.shape)}; the model's "
+                f"{fused.strip('.')} has {rows} outputs (is it an adapter of another base model?)"
+            )
+        start = 0
+        for piece, size in parts[fused]:
+            out[(path + ".").replace(fused, piece).rstrip(".")] = (a, b[start : start + size])
+            start += size
+    return out

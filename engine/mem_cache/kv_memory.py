@@ -66,6 +66,7 @@ class KVMemory:
             swa_layers=self.swa_layers,
             swa_num_slots=self.swa_tokens + page_size,
             kv_cache_dtype=self.kv_dtype,
+            shared=mc.kv_shared,
         )
         if pool.quantized and kv_scales:
             pool.set_scales(kv_scales)
@@ -86,9 +87,11 @@ def plan_kv_memory(
     num_swa = len(swa_layers) if hybrid else 0
     kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     per_token = KVPool.bytes_per_token(
-        mc.num_layers - num_swa, mc.num_kv_heads, mc.head_dim, kv_dtype
+        mc.num_layers - num_swa, mc.num_kv_heads, mc.head_dim, kv_dtype, mc.kv_shared
     )
-    per_token += ratio * KVPool.bytes_per_token(num_swa, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    per_token += ratio * KVPool.bytes_per_token(
+        num_swa, mc.num_kv_heads, mc.head_dim, kv_dtype, mc.kv_shared
+    )
     ps = args.page_size
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens

@@ -36,8 +36,11 @@ class KVPool:
         swa_layers: frozenset[int] = frozenset(),
         swa_num_slots: int = 0,
         kv_cache_dtype: torch.dtype | None = None,
+        shared: bool = False,
     ) -> None:
-        """`dtype`: the model's; `kv_cache_dtype`: the buffers' when it differs (float8)."""
+        """`dtype`: the model's; `kv_cache_dtype`: the buffers' when it differs (float8);
+        `shared`: the V buffers are the K buffers (multi-head latent attention caches one
+        latent per token, read as both; what is stored as V is what was stored as K)."""
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_layers = num_layers
@@ -55,8 +58,9 @@ class KVPool:
             n = swa_num_slots if layer in swa_layers else num_slots
             return torch.zeros((n, num_kv_heads, head_dim), dtype=self.dtype, device=device)
 
+        self.shared = shared
         self.k_buffer = [buffer(i) for i in range(num_layers)]
-        self.v_buffer = [buffer(i) for i in range(num_layers)]
+        self.v_buffer = self.k_buffer if shared else [buffer(i) for i in range(num_layers)]
 
     def set_scales(self, scales: dict[int, tuple[float, float]]) -> None:
         """Per layer (k_scale, v_scale) of a quantized cache; layers not named get 1.0."""
@@ -66,10 +70,19 @@ class KVPool:
                 raise ValueError(
                     f"KV cache scales for layer {layer}: the model has {self.num_layers} layers"
                 )
+        if self.shared and any(k != v for k, v in scales.values()):
+            raise ValueError(
+                "KV cache scales: a latent cache stores K and V as one tensor, so each layer's "
+                "k_scale and v_scale must be equal"
+            )
         self.k_scales[:] = [1.0] * self.num_layers
         self.v_scales[:] = [1.0] * self.num_layers
         for layer, (k_scale, v_scale) in scales.items():
             self.k_scales[layer], self.v_scales[layer] = float(k_scale), float(v_scale)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every buffer once (a shared pool's V buffers are its K buffers)."""
+        return list(self.k_buffer) if self.shared else self.k_buffer + self.v_buffer
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
@@ -101,8 +114,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_token(
-        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, shared: bool = False
     ) -> int:
-        return (
-            2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-        )
+        size = num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return size if shared else 2 * size

@@ -1,10 +1,15 @@
-"""One implementation for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+"""One implementation for the Llama family: Llama, Mistral, Ministral 3, Qwen2, Qwen3,
+Granite and SmolLM3.
 
 The variants differ only in small switches, held as class attributes:
 * Qwen2 puts a bias on q/k/v (not on o_proj);
 * Qwen3 applies a per-head RMSNorm to q and k before rope, and its `head_dim` may differ
   from hidden_size / num_heads;
-* Llama and Qwen3 take `attention_bias` (q/k/v/o) and Llama `mlp_bias` from the config.
+* Llama and Qwen3 take `attention_bias` (q/k/v/o) and Llama `mlp_bias` from the config;
+* SmolLM3 leaves rope out of the layers `no_rope_layers` marks 0; Ministral 3 scales its
+  queries by a temperature past its original context;
+* Granite scales the input embeddings, each attention and MLP output (before its residual
+  add), the attention scores and the logits by numbers from its config.
 
 Fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` = [gate; up] (see
 `engine.layers.linear.MergedLinear`), one matmul each; rope rotates q and k together as one
@@ -26,15 +31,13 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.attention import PagedAttention
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedLinear, gemv_fits, norm_gemv
-from engine.layers.logits import LogitsProcessor
 from engine.layers.parallel import (
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     kv_heads_per_rank,
 )
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
-from engine.loader import load_named_weights
+from engine.models.causal_lm import DecoderForCausalLM
 
 STACKED_WEIGHTS = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -73,13 +76,17 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.rotary = rotary
+        self.rotary = rotary if variant.uses_rope(config, layer_id) else None  # (SmolLM3's NoPE)
+        # Ministral 3's query temperature (Llama 4's): q times 1 + beta * log(1 + floor(p / L))
+        params = rotary.params
+        self.query_beta = params.get("llama_4_scaling_beta")
+        self.query_period = params.get("original_max_position_embeddings")
         self.attn = PagedAttention(
             layer_id,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            variant.attention_scale(config, self.head_dim),
             sliding_window=layer_sliding_windows(config, config.num_hidden_layers)[layer_id],
         )
 
@@ -100,10 +107,23 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qk[:, : self.num_heads])
             k = self.k_norm(qk[:, self.num_heads :])
             qk = torch.cat((q, k), dim=1)
-        qk, stored = self.rotary.rotate_and_store(positions, qk, v, self.attn, forward_batch)
+        stored = False
+        if self.rotary is not None:
+            qk, stored = self.rotary.rotate_and_store(positions, qk, v, self.attn, forward_batch)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.query_beta:
+            q = q * query_temperature(positions, self.query_beta, self.query_period, q.dtype)
         out = self.attn(q, k, v, forward_batch, kv_stored=stored)
         return self.o_proj(out)
+
+
+def query_temperature(
+    positions: torch.Tensor, beta: float, period: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """[tokens, 1, 1]: 1 + beta * log(1 + floor(position / period)), as transformers computes
+    it (float32, then the model's dtype): 1 below `period`, growing with each period after."""
+    periods = torch.floor(positions.to(torch.float32) / period)
+    return (1 + beta * torch.log1p(periods)).to(dtype)[:, None, None]
 
 
 class LlamaMLP(nn.Module):
@@ -150,6 +170,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gemv_max_rows = 0  # --gemv-backend triton (engine.layers.linear.use_triton_gemv)
+        # (Granite: the attention's and the MLP's outputs times this before each residual add)
+        self.residual_multiplier = variant.multipliers(config)[1]
 
     def forward(
         self,
@@ -164,18 +186,21 @@ class LlamaDecoderLayer(nn.Module):
         # that projection is a plain one (not quantized, not under a LoRA adapter)
         if self._norm_in_gemv(attn.qkv_proj, hidden):
             qkv, residual = norm_gemv(hidden, residual, self.input_layernorm, attn.qkv_proj)
-            hidden = attn.attend(positions, qkv, forward_batch)
+            hidden = self._scaled(attn.attend(positions, qkv, forward_batch))
         else:
             if residual is None:
                 hidden, residual = self.input_layernorm(hidden), hidden
             else:
                 hidden, residual = self.input_layernorm(hidden, residual)
-            hidden = attn(positions, hidden, forward_batch)
+            hidden = self._scaled(attn(positions, hidden, forward_batch))
         if self._norm_in_gemv(getattr(mlp, "gate_up_proj", None), hidden):
             gate_up, residual = norm_gemv(hidden, residual, norm, mlp.gate_up_proj)
-            return mlp.down(gate_up), residual
+            return self._scaled(mlp.down(gate_up)), residual
         hidden, residual = norm(hidden, residual)
-        return mlp(hidden), residual
+        return self._scaled(mlp(hidden)), residual
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def _norm_in_gemv(self, proj: nn.Module | None, hidden: torch.Tensor) -> bool:
         return (
@@ -186,11 +211,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, max_position: int, variant: type) -> None:
+    def __init__(
+        self, config, max_position: int, variant: type, context_len: int | None = None
+    ) -> None:
         super().__init__()
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        rotary = RotaryEmbedding(head_dim, max_position, rope_parameters(config))
+        rotary = RotaryEmbedding(
+            head_dim, max_position, rope_parameters(config), context_len=context_len
+        )
         tp = current_tp()
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp) if tp.size > 1
@@ -200,11 +229,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, rotary, variant) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embedding_multiplier = variant.multipliers(config)[0]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
@@ -212,11 +244,13 @@ class LlamaModel(nn.Module):
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderForCausalLM):
     """`forward(input_ids, positions, forward_batch)` -> float32 logits (see LogitsProcessor).
 
     The backend's `init_forward_metadata(forward_batch)` must have run for this batch.
     """
+
+    load_stacked = STACKED_WEIGHTS
 
     qk_norm = False
     supports_tensor_parallel = True  # (engine/layers/parallel.py; its MoE subclasses too)
@@ -229,6 +263,22 @@ class LlamaForCausalLM(nn.Module):
         return bias, bias
 
     @staticmethod
+    def attention_scale(config, head_dim: int) -> float:
+        """The factor on the attention scores (Granite: its config's `attention_multiplier`)."""
+        return head_dim**-0.5
+
+    @staticmethod
+    def uses_rope(config, layer_id: int) -> bool:
+        """Whether layer `layer_id` rotates q and k (SmolLM3 leaves every fourth alone)."""
+        return True
+
+    @staticmethod
+    def multipliers(config) -> tuple[float, float, float | None]:
+        """(on the input embeddings, on each attention / MLP output before its residual add,
+        dividing the logits or None): Granite's; 1, 1, None for the others."""
+        return 1.0, 1.0, None
+
+    @staticmethod
     def make_mlp(config, layer_id: int) -> nn.Module:
         """Layer `layer_id`'s feed-forward block (mixture-of-experts models override it)."""
         return LlamaMLP(config)
@@ -236,45 +286,60 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
+        context_len = max_position or config.max_position_embeddings
         max_position = max(max_position or 0, config.max_position_embeddings)
-        self.model = LlamaModel(config, max_position, type(self))
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        tp = current_tp()
-        if self.tie_word_embeddings:
-            pass  # the embedding's rows (with tensor parallelism, this rank's part of them)
-        elif tp.size > 1:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-        else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.logits_processor = LogitsProcessor(config.vocab_size, tp=tp)
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        if self.tie_word_embeddings:
-            return self.model.embed_tokens.weight
-        return self.lm_head.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        hidden = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden, self.lm_head_weight, forward_batch)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(
-            self, weights, stacked=STACKED_WEIGHTS, transform=self._map_weight
-        )
-
-    def _map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        if "rotary_emb.inv_freq" in name:
-            return None  # derived, stored by old checkpoints
-        if self.tie_word_embeddings and name.startswith("lm_head."):
-            return None  # tied: the embedding is the head
-        return name, tensor
+        self.model = LlamaModel(config, max_position, type(self), context_len)
+        self.init_head(config, divisor=type(self).multipliers(config)[2])
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama with no rope on the layers `no_rope_layers` marks 0 (NoPE)."""
+
+    @staticmethod
+    def uses_rope(config, layer_id: int) -> bool:
+        return bool(config.no_rope_layers[layer_id])
+
+
+class Ministral3ForCausalLM(MistralForCausalLM):
+    """Ministral 3: Mistral with YaRN and a query temperature past the original context."""
+
+
+class Mistral3ForConditionalGeneration(MistralForCausalLM):
+    """A Mistral 3 checkpoint (Mistral Small 3.1 / 3.2, Ministral 3, Magistral, Devstral)
+    served for text: its language model (Mistral's or Ministral 3's layers, from
+    `config.text_config`), without the vision tower and projector."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(weights)
+        if not self.tie_word_embeddings and "lm_head.weight" not in loaded:
+            # a checkpoint saved with the outer config's `tie_word_embeddings` (the text
+            # config's says nothing of it): no lm_head of its own, the embedding serves
+            self.lm_head.weight = self.model.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        return loaded
+
+    def _map_weight(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        for prefix, ours in _MISTRAL3_TEXT_PREFIXES:
+            if name.startswith(prefix):
+                return super()._map_weight(ours + name.removeprefix(prefix), tensor)
+        if name.startswith(_MISTRAL3_SKIPPED):
+            return None
+        return super()._map_weight(name, tensor)  # (lm_head; anything else is reported)
+
+
+# (checkpoints saved by transformers 4 / by 5) -> ours
+_MISTRAL3_TEXT_PREFIXES = (
+    ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+    ("model.language_model.", "model."),
+)  # fmt: skip
+_MISTRAL3_SKIPPED = (
+    "vision_tower.", "multi_modal_projector.",
+    "model.vision_tower.", "model.multi_modal_projector.",
+)  # fmt: skip
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -285,3 +350,16 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3.x: the Llama layer with four scalars from its config (muP-style)."""
+
+    @staticmethod
+    def attention_scale(config, head_dim: int) -> float:
+        return float(config.attention_multiplier)
+
+    @staticmethod
+    def multipliers(config) -> tuple[float, float, float | None]:
+        divisor = float(config.logits_scaling)
+        return float(config.embedding_multiplier), float(config.residual_multiplier), divisor

@@ -24,16 +24,25 @@ ENCODER_ARCHITECTURES = frozenset(_ENCODERS)
 _MODELS = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:MistralForCausalLM",
+    "Ministral3ForCausalLM": "engine.models.llama:Ministral3ForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "engine.models.llama:Qwen3ForCausalLM",
+    "GraniteForCausalLM": "engine.models.llama:GraniteForCausalLM",
+    "SmolLM3ForCausalLM": "engine.models.llama:SmolLM3ForCausalLM",
+    "Olmo2ForCausalLM": "engine.models.olmo:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "engine.models.olmo:Olmo3ForCausalLM",
     "MixtralForCausalLM": "engine.models.llama_moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "engine.models.llama_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "engine.models.llama_moe:Qwen3MoeForCausalLM",
+    "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
+    "DeepseekV2ForCausalLM": "engine.models.deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "engine.models.deepseek:DeepseekV3ForCausalLM",
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
     "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
     # served as its text model (engine.config.TEXT_OF_MULTIMODAL)
     "Gemma3ForConditionalGeneration": "engine.models.gemma:Gemma3ForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "engine.models.llama:Mistral3ForConditionalGeneration",
     **{arch: f"engine.models.bert:{cls}" for arch, cls in _ENCODERS.items()},
 }
 

@@ -173,6 +173,8 @@ def test_gpt2_fc_gelu_in_the_gemm_epilogue(dtype, tokens):
 def test_layers_take_the_kernels_on_cuda():
     """RMSNorm (both forms), SiluAndMul and RotaryEmbedding on CUDA tensors give the kernels'
     outputs exactly (the layers dispatch to them)."""
+    from kernels.jit import use_layer_kernels
+
     dtype, hidden = torch.bfloat16, 2048
     norm = RMSNorm(hidden, 1e-5).to("cuda", dtype)
     norm.weight.data.copy_(_randn(hidden, dtype=dtype, seed=11))
@@ -187,6 +189,22 @@ def test_layers_take_the_kernels_on_cuda():
     q = _randn(5, 4, 64, dtype=torch.float32, seed=15)
     pos = torch.arange(5, device="cuda")
     assert torch.equal(rope(pos, q), apply_rotary(pos, q, rope.cos_sin_cache, 64))
+    # Phi-4-mini: 96 of 128 features rotated (LongRoPE, long factors), the rest passed through
+    params = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+              "short_factor": [1.0] * 48, "long_factor": [1.0 + i / 8 for i in range(48)],
+              "original_max_position_embeddings": 64, "max_position_embeddings": 128}  # fmt: skip
+    rope = RotaryEmbedding(128, 128, params, context_len=128).to("cuda", dtype)
+    qk = _randn(5, 6, 128, dtype=dtype, seed=16)
+    got = rope(pos, qk)
+    assert torch.equal(got[..., 96:], qk[..., 96:])
+    assert torch.equal(got[..., :96], apply_rotary(pos, qk[..., :96], rope.cos_sin_cache, 96))
+    use_layer_kernels(False)
+    try:
+        torch_code = rope(pos, qk)
+    finally:
+        use_layer_kernels(True)
+    err = (got.float() - torch_code.float()).abs().max().item()
+    assert err <= 3 * torch.finfo(dtype).eps * qk.float().abs().amax().item(), err
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

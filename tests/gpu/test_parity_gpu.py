@@ -52,8 +52,10 @@ pytestmark = pytest.mark.gpu
 
 MAX_NEW = 24
 # the MoE: the Triton fused MoE; "-sliding": WINDOWED_MODELS (every layer windowed with Triton,
-# full and windowed layers with flashinfer)
-FP32_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe", "mistral-sliding")
+# full and windowed layers with flashinfer); phi3: the partial rotary on the layer kernels;
+# deepseek_v3: the absorbed MLA (one latent head of 48, so triton even where flashinfer is
+# the default)
+FP32_ARCHS = ("llama", "qwen3", "gpt2", "qwen3_moe", "mistral-sliding", "phi3", "deepseek_v3")
 # gemma2: windowed and full layers, all soft-capped (flashinfer's logits_soft_cap variants)
 BF16_ARCHS = (
     "llama", "qwen3", "gpt2", "qwen3_moe", "qwen2_moe-sliding", "gemma2", "gemma3_text",

@@ -64,12 +64,15 @@ NAMES = [None, "a", "b", "a", None, "c", "b", "c", "a"]
         ("qwen2", dict(page_size=4, cpu_overlap_executor="process")),
         ("qwen3", dict(cpu_overlap_executor="thread", chunked_prefill_size=32)),
         ("gemma2", dict(disable_overlap_schedule=True, page_size=2)),
+        # PEFT adapters of Phi-3's fused qkv_proj / gate_up_proj modules
+        ("phi3", dict(disable_overlap_schedule=True)),
     ],
 )
 def test_each_request_gets_its_adapter(arch: str, kw: dict) -> None:
+    qv = ("qkv_proj",) if arch == "phi3" else ("q_proj", "v_proj")
     adapters = {
         "a": adapter(arch, 1),
-        "b": adapter(arch, 2, rank=4, targets=("q_proj", "v_proj", "down_proj")),
+        "b": adapter(arch, 2, rank=4, targets=(*qv, "down_proj")),
         "c": adapter(arch, 3, rank=16, use_rslora=True),
     }
     engine = check_against_peft(arch, adapters, NAMES, **kw)

@@ -3,6 +3,9 @@ every architecture, under every scheduler/memory configuration that changes the 
 with the overlap scheduler (the default) and the plain loop; and the two loops agree exactly.
 Mixture-of-experts models differ from their dense siblings only in the feed-forward block, so
 they run the configurations that change what a batch holds (MOE_CONFIGS), not all of them.
+Phi-3 (the Llama layer with another checkpoint layout, fused q/k/v and gate/up tensors, and a
+partial rotary dimension), Granite (the Llama layer with four multipliers), SmolLM3 (a layer
+without rope) and OLMo 2 (norms after the blocks) run those too.
 So do the sliding-window models (`WINDOWED_MODELS`: every layer, or every other one, sees its
 last 32 keys of prompts up to 300 tokens), plus page16: pages and chunks that straddle a
 window's edge."""
@@ -38,11 +41,12 @@ CONFIGS = {
 }
 
 MOE_CONFIGS = ("default", "chunked", "retract")
+LAYOUT_ARCHS = ("phi3", "granite", "smollm3", "olmo2")
 WINDOWED_CONFIGS = ("default", "chunked", "page16", "retract")
 LOOPS = {"overlap": {}, "plain": {"disable_overlap_schedule": True}}
 CASES = (
     [(arch, config) for arch in DENSE_ARCHS for config in CONFIGS]
-    + [(arch, config) for arch in MOE_ARCHS for config in MOE_CONFIGS]
+    + [(arch, config) for arch in MOE_ARCHS + LAYOUT_ARCHS for config in MOE_CONFIGS]
     + [(name, config) for name in WINDOWED_MODELS for config in WINDOWED_CONFIGS]
 )
 

@@ -54,7 +54,7 @@ def check_greedy(eng: Engine, path: str, prompts: list[list[int]] = PROMPTS) -> 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe",
-                                  "qwen3_moe"])
+                                  "qwen3_moe", "phi3", "granite", "deepseek_v3"])
 def test_two_ranks_give_transformers_greedy_tokens(arch: str) -> None:
     path = tiny_model(arch)
     with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:
@@ -67,7 +67,7 @@ def test_two_ranks_give_transformers_greedy_tokens(arch: str) -> None:
 
 
 @pytest.mark.parametrize("arch, tp, ep", [("mixtral", 2, 2), ("qwen3_moe", 2, 2),
-                                          ("qwen2_moe", 4, 2)])  # fmt: skip
+                                          ("qwen2_moe", 4, 2), ("deepseek_v3", 4, 4)])  # fmt: skip
 def test_expert_parallelism_gives_transformers_greedy_tokens(arch: str, tp: int, ep: int) -> None:
     """--ep-size: each expert group holds its share of the experts (whole with ep == tp, else
     split over the group's ranks); a rank computes its experts' share of each token, one
@@ -77,7 +77,7 @@ def test_expert_parallelism_gives_transformers_greedy_tokens(arch: str, tp: int,
     experts = getattr(config, "num_local_experts", None) or config.num_experts
     inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     with Engine(model_path=path, tp_size=tp, ep_size=ep, disable_overlap_schedule=True) as eng:
-        w13 = eng.scheduler.model_runner.model.model.layers[0].mlp.experts.w13.weight
+        w13 = eng.scheduler.model_runner.model.model.layers[-1].mlp.experts.w13.weight
         assert tuple(w13.shape) == (experts // ep, 2 * inter // (tp // ep), config.hidden_size)
         check_greedy(eng, path)
 

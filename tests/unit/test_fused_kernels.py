@@ -220,6 +220,30 @@ def test_rotary_on_a_slice_of_a_fused_qkv(dtype, head_dim, heads, kv_heads):
         assert torch.equal(got, want), (got != want).sum().item()
 
 
+@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 96), (16, 12), (64, 32)])
+def test_partial_rotary_from_the_layer(head_dim, rotary_dim):
+    """A partial rotary dimension (Phi-4-mini: 96 of 128): the layer hands the kernel the
+    first `rotary_dim` features of each head, in place in the fused qkv row, and passes the
+    rest through; the kernel's half-tile is then not a power of two (6, 48)."""
+    from engine.layers.rotary import RotaryEmbedding
+
+    tokens, heads, kv_heads = 7, 5, 1
+    params = {"rope_type": "default", "rope_theta": 10000.0,
+              "partial_rotary_factor": rotary_dim / head_dim}  # fmt: skip
+    rope = RotaryEmbedding(head_dim, 256, params)
+    assert rope.rotary_dim == rotary_dim and rope.cos_sin_cache.shape == (256, rotary_dim)
+    cache = rope.cos_sin_cache.to(DEVICE)
+    qkv = _randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.float32, seed=13)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim)
+    positions = torch.tensor([0, 1, 5, 77, 200, 254, 255], device=DEVICE)
+    got = apply_rotary(positions, qk[..., :rotary_dim], cache, rotary_dim)
+    assert_close(got, rotate_torch(positions, qk[..., :rotary_dim], cache, rotary_dim))
+    layer = rope.to(DEVICE)(positions, qk)  # (the torch code off CUDA)
+    assert torch.equal(layer[..., rotary_dim:], qk[..., rotary_dim:])
+    assert_close(layer[..., :rotary_dim], got)
+    assert not torch.equal(layer[1:, :, :rotary_dim], qk[1:, :, :rotary_dim])
+
+
 def test_rotary_many_heads_split_over_programs():
     """More heads than one program's tile (block_h < heads), a partial last block; heads
     padded apart in memory (head stride != head_dim)."""

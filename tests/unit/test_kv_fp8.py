@@ -114,7 +114,7 @@ def test_a_model_dtype_pool_is_unchanged():
 def _model(layers: int = 32, kv_heads: int = 8, head_dim: int = 128) -> SimpleNamespace:
     return SimpleNamespace(
         num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, sliding_windows=None,
-        context_len=4096, sliding_window_sizes=(),
+        context_len=4096, sliding_window_sizes=(), kv_shared=False,
     )  # fmt: skip
 
 

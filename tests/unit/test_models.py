@@ -34,6 +34,8 @@ LLAMA_SHAPE = dict(
     max_position_embeddings=256,
     initializer_range=0.3,
 )
+# (Phi3Config's and DeepSeek's default special ids are past this vocabulary)
+PHI3_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 ARCH_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**LLAMA_SHAPE),
     "llama-rope-llama3": lambda: transformers.LlamaConfig(
@@ -112,6 +114,119 @@ ARCH_CONFIGS = {
         attn_logit_softcapping=4.0,
         final_logit_softcapping=6.0,
     ),
+    # Phi-4-mini's layout: fused qkv_proj / gate_up_proj tensors, 3/4 of each head rotated,
+    # tied embeddings
+    "phi3": lambda: transformers.Phi3Config(
+        **LLAMA_SHAPE, **PHI3_IDS, partial_rotary_factor=0.75, tie_word_embeddings=True
+    ),
+    # LongRoPE, short factors (the context, 64, is not past the original 64 positions) and
+    # the attention factor of an explicit `factor` 4
+    "phi3-longrope-short": lambda: transformers.Phi3Config(
+        **{**LLAMA_SHAPE, "max_position_embeddings": 64}, **PHI3_IDS,
+        original_max_position_embeddings=64,
+        rope_scaling=dict(
+            rope_type="longrope", factor=4.0,
+            short_factor=[1.0 + 0.3 * i for i in range(8)],
+            long_factor=[2.0 + 2.5 * i for i in range(8)],
+        ),
+    ),  # fmt: skip
+    # LongRoPE, long factors (every sequence is past the original 8 positions, so
+    # transformers takes them too), half of each head rotated, every layer windowed at 5
+    "phi3-longrope-long": lambda: transformers.Phi3Config(
+        **LLAMA_SHAPE,
+        **PHI3_IDS,
+        original_max_position_embeddings=8,
+        partial_rotary_factor=0.5,
+        sliding_window=5,
+        rope_scaling=dict(
+            rope_type="longrope",
+            short_factor=[1.0 + 0.3 * i for i in range(4)],
+            long_factor=[2.0 + 2.5 * i for i in range(4)],
+        ),
+    ),
+    # Granite 3.x: its four multipliers (granite-3.3-8b's, attention's 1 / head_dim)
+    "granite": lambda: transformers.GraniteConfig(
+        **LLAMA_SHAPE, embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=1 / 16, logits_scaling=4.0, tie_word_embeddings=True,
+    ),  # fmt: skip
+    # Qwen3 with YaRN over 4x its original 32 positions
+    "qwen3-yarn": lambda: transformers.Qwen3Config(
+        **LLAMA_SHAPE, head_dim=24,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32),
+    ),  # fmt: skip
+    # DeepSeek-V3 (MLA with a query LoRA; rope interleaved; YaRN with mscale on the scores;
+    # a dense first layer, then 8 experts in 4 groups, 2 groups and 2 experts chosen by
+    # sigmoid + correction bias, one shared expert)
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**LLAMA_SHAPE, "num_hidden_layers": 3, "num_key_value_heads": 4},
+        moe_intermediate_size=32,
+        n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=12, routed_scaling_factor=2.5,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64,
+                          mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1),
+        **PHI3_IDS,
+    ),  # fmt: skip
+    # ... with rope on its halves, not interleaved pairs (`rope_interleave` false: no reorder)
+    "deepseek_v3-halves": lambda: transformers.DeepseekV3Config(
+        **{**ARCH_CONFIGS["deepseek_v3"]().to_dict(), "rope_interleave": False}
+    ),
+    # DeepSeek-V2-Lite's layout: no query LoRA, softmax top-k over all experts, 2 shared
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **{**LLAMA_SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=32,
+        n_shared_experts=2, n_routed_experts=6, num_experts_per_tok=2, first_k_dense_replace=1,
+        kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, topk_method="greedy",
+        **PHI3_IDS,
+    ),  # fmt: skip
+    # DeepSeek-V2's group-limited routing (3 groups of 2 experts, the best 2 groups)
+    "deepseek_v2-groups": lambda: transformers.DeepseekV2Config(
+        **{**LLAMA_SHAPE, "num_key_value_heads": 4}, moe_intermediate_size=32,
+        n_shared_experts=1, n_routed_experts=6, num_experts_per_tok=2, first_k_dense_replace=0,
+        kv_lora_rank=32, q_lora_rank=40,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        topk_method="group_limited_greedy", n_group=3, topk_group=2,
+        routed_scaling_factor=16.0, **PHI3_IDS,
+    ),  # fmt: skip
+    # OLMo 2: norms after each block, q/k normalised over the whole projection
+    "olmo2": lambda: transformers.Olmo2Config(**LLAMA_SHAPE, **PHI3_IDS),
+    # OLMo 3: layer 0 windowed at 5, layer 1 full
+    "olmo3": lambda: transformers.Olmo3Config(
+        **LLAMA_SHAPE, **PHI3_IDS, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+    ),  # fmt: skip
+    # SmolLM3: no rope on layer 1 of 2 (every second here, every fourth in SmolLM3-3B)
+    "smollm3": lambda: transformers.SmolLM3Config(
+        **LLAMA_SHAPE, no_rope_layer_interval=2, **PHI3_IDS
+    ),
+    # ... with a window of 5 on its NoPE layer (`use_sliding_window`)
+    "smollm3-sliding": lambda: transformers.SmolLM3Config(
+        **LLAMA_SHAPE, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5,
+        **PHI3_IDS,
+    ),  # fmt: skip
+    # Ministral 3: YaRN, and the query temperature from position 8 (its original 16384)
+    "ministral3": lambda: transformers.Ministral3Config(
+        **LLAMA_SHAPE, sliding_window=None,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1e6, factor=16.0,
+                             original_max_position_embeddings=8, llama_4_scaling_beta=0.1,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        **PHI3_IDS,
+    ),  # fmt: skip
+    # a Mistral 3 checkpoint (Mistral Small 3.1) served as its text model: the Pixtral tower
+    # and the projector are saved beside it and skipped by the loader
+    "mistral3-multimodal": lambda: transformers.Mistral3Config(
+        text_config=transformers.MistralConfig(**LLAMA_SHAPE, sliding_window=None).to_dict(),
+        vision_config=transformers.PixtralVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14,
+        ).to_dict(),
+        image_token_index=VOCAB - 1, tie_word_embeddings=False,
+    ),  # fmt: skip
+    # ... saved tied by the outer config (no lm_head in the checkpoint; the text config says
+    # nothing of it)
+    "mistral3-multimodal-tied": lambda: transformers.Mistral3Config(
+        **{**ARCH_CONFIGS["mistral3-multimodal"]().to_dict(), "tie_word_embeddings": True}
+    ),
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64,
         n_layer=2,
@@ -127,7 +242,7 @@ ARCH_CONFIGS = {
 
 def save_random_model(arch: str, path: str, **save_kwargs: object) -> None:
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(ARCH_CONFIGS[arch]())
+    model = _auto_class(ARCH_CONFIGS[arch]()).from_config(ARCH_CONFIGS[arch]())
     with torch.no_grad():  # norms start at exactly 1/0; randomise them so they are tested
         for param in model.parameters():
             if param.ndim == 1:
@@ -144,7 +259,7 @@ class PagedHarness:
         num_pages, rows, max_ctx = 64, 4, 128
         self.kv_pool = KVPool(
             num_pages * page_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
-            page_size=page_size,
+            page_size=page_size, shared=cfg.kv_shared,
         )  # fmt: skip
         self.req_to_token = torch.zeros(rows, max_ctx, dtype=torch.int32)
         self.free_pages = list(range(1, num_pages))  # page 0 holds the padding slot
@@ -225,10 +340,17 @@ def case(request, tmp_path_factory) -> ArchCase:
 
 def _hf_model(path: str, dtype: torch.dtype):
     # eager experts: transformers' default grouped_mm has no float64
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
+    hf = _auto_class(transformers.AutoConfig.from_pretrained(path)).from_pretrained(
         path, dtype=dtype, experts_implementation="eager"
     )
     return hf.eval()
+
+
+def _auto_class(config):
+    """AutoModelForCausalLM, or the image-text one for Mistral 3 (not in the causal map)."""
+    if config.model_type == "mistral3":
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def _random_ids(lens: list[int], seed: int) -> list[list[int]]:
@@ -238,8 +360,40 @@ def _random_ids(lens: list[int], seed: int) -> list[list[int]]:
 
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
     eager = hf.config._attn_implementation == "eager"
-    with torch.no_grad(), _float64_softmax() if eager else contextlib.nullcontext():
+    with (
+        torch.no_grad(),
+        _float64_softmax() if eager else contextlib.nullcontext(),
+        _float64_deepseek_v2_rope() if hf.config.model_type == "deepseek_v2" else (
+            contextlib.nullcontext()),
+    ):  # fmt: skip
         return hf(torch.tensor([ids])).logits[0]
+
+
+@contextlib.contextmanager
+def _float64_deepseek_v2_rope():
+    """transformers' DeepSeek-V2 rotates q and k as complex64 whatever the model's dtype
+    (`xq.float()`), and takes cos/sin from `torch.polar`, an ulp off float32's cos and sin in
+    places: 2e-6 of noise in the float64 oracle. For the duration, the same complex product
+    in the inputs' precision, with float32's cos and sin (those of the model's table: that
+    rounding is the model's, the engine's too)."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as module
+
+    original, polar = module.apply_rotary_emb, torch.polar
+
+    def rotate(xq, xk, freqs_cis):
+        out = []
+        for x in (xq, xk):
+            pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2).contiguous())
+            turned = pairs * freqs_cis.unsqueeze(1).to(pairs.dtype)
+            out.append(torch.view_as_real(turned).flatten(3).type_as(x))
+        return tuple(out)
+
+    module.apply_rotary_emb = rotate
+    torch.polar = lambda length, angle: torch.complex(length * angle.cos(), length * angle.sin())
+    try:
+        yield
+    finally:
+        module.apply_rotary_emb, torch.polar = original, polar
 
 
 @contextlib.contextmanager

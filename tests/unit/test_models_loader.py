@@ -4,6 +4,8 @@ older checkpoint layouts, unsupported architectures and rope types."""
 from __future__ import annotations
 
 import json
+import math
+import types
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardMode
-from engine.layers.rotary import compute_inv_freq, rope_parameters
+from engine.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from engine.loader import load_model
 from engine.models import get_model_class, supported_architectures
 from tests.unit.test_models import LLAMA_SHAPE, VOCAB, PagedHarness, save_random_model
@@ -111,11 +113,52 @@ def test_unknown_architecture_lists_supported():
 
 def test_unsupported_rope_type_fails_at_load(llama_dir, tmp_path):
     config = json.loads(open(f"{llama_dir}/config.json").read())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    config["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     _rewrite(llama_dir, tmp_path, lambda t: None)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotImplementedError, match="yarn"):
+    with pytest.raises(NotImplementedError, match="dynamic"):
         load_model(ModelConfig.from_pretrained(str(tmp_path)), torch.float32)
+
+
+def _phi35_rope(context_len: int | None) -> RotaryEmbedding:
+    """Phi-3.5-mini's rope (its config's numbers, factors shortened to a 16-feature head)."""
+    config = transformers.Phi3Config(
+        hidden_size=64, num_attention_heads=4, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, rope_theta=10000.0,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+                      "long_factor": [1.1, 1.5, 2.5, 5.0, 12.0, 30.0, 50.0, 60.0]},
+    )  # fmt: skip
+    return RotaryEmbedding(16, 8192, rope_parameters(config), context_len=context_len)
+
+
+def test_longrope_takes_its_factor_set_from_the_context_length():
+    """The long factors once the served context is past the original 4096 positions (the
+    default, the model's 131072), the short ones at 4096 or less; both scaled by
+    sqrt(1 + ln(32) / ln(4096)) (transformers' attention factor for 131072 / 4096)."""
+    long, short, unset = _phi35_rope(131072), _phi35_rope(4096), _phi35_rope(None)
+    scale = math.sqrt(1 + math.log(32) / math.log(4096))
+    for rope, factors in ((long, [1.1, 1.5]), (short, [1.0, 1.1]), (unset, [1.0, 1.1])):
+        cos_at_1 = rope.cos_sin_cache[1, :2].double() / scale
+        want = torch.tensor([1 / (f * 10000.0 ** (2 * i / 16)) for i, f in enumerate(factors)])
+        torch.testing.assert_close(cos_at_1, want.double().cos(), atol=1e-6, rtol=0)
+    # Phi-3's first configs named it "su", with the original length beside the dict
+    legacy = types.SimpleNamespace(
+        rope_scaling={"type": "su", "short_factor": [1.0], "long_factor": [2.0]},
+        original_max_position_embeddings=4096, max_position_embeddings=131072,
+    )  # fmt: skip
+    params = rope_parameters(legacy)
+    assert params["rope_type"] == "longrope" and params["rope_theta"] == 10000.0
+    assert params["original_max_position_embeddings"] == 4096
+
+
+def test_rope_factors_of_another_size_are_refused():
+    params = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 3,
+              "long_factor": [1.0] * 4, "original_max_position_embeddings": 8}  # fmt: skip
+    with pytest.raises(ValueError, match="short_factor has 3 values; the rotary dimension 8"):
+        RotaryEmbedding(8, 32, params)
+    with pytest.raises(ValueError, match="even rotary dimension"):
+        RotaryEmbedding(16, 32, {"rope_type": "default", "rope_theta": 1e4,
+                                 "partial_rotary_factor": 0.35})  # fmt: skip
 
 
 def test_legacy_rope_scaling_fields_are_read():

@@ -195,10 +195,12 @@ def test_build_is_reproducible(model_dirs: dict[str, str], tmp_path: Path) -> No
 @pytest.mark.parametrize("arch, names", [
     ("llama", ("self_attn.q_proj.weight", "self_attn.k_proj.weight")),
     ("gpt2", ("attn.c_attn.weight",)),
+    ("phi3", ("self_attn.qkv_proj.weight",)),
 ])  # fmt: skip
 def test_qk_scale_scales_queries_and_keys_only(tmp_path: Path, arch: str, names: tuple) -> None:
     """--qk-scale 1 against the default 2: the query and key weights (GPT-2: the fused
-    c_attn's q and k columns) half as large, every other tensor the same."""
+    c_attn's q and k columns; Phi-3: the fused qkv_proj's q and k rows) half as large, every
+    other tensor the same."""
     sharp = load_file(str(Path(make_tiny_model(tmp_path / "a", arch=arch)) / "model.safetensors"))
     plain = load_file(str(Path(make_tiny_model(tmp_path / "b", arch=arch, qk_scale=1.0))
                           / "model.safetensors"))  # fmt: skip
@@ -210,6 +212,9 @@ def test_qk_scale_scales_queries_and_keys_only(tmp_path: Path, arch: str, names:
             qk = tensor.shape[0] * 2
             torch.testing.assert_close(tensor[:, :qk], 2 * plain[key][:, :qk])
             assert torch.equal(tensor[:, qk:], plain[key][:, qk:])
+        elif arch == "phi3":  # [q; k; v] rows: 4 query heads and 2 K/V heads of 16
+            torch.testing.assert_close(tensor[:96], 2 * plain[key][:96])
+            assert torch.equal(tensor[96:], plain[key][96:])
         else:
             torch.testing.assert_close(tensor, 2 * plain[key])
     with pytest.raises(ValueError, match="decoder models"):
