@@ -23,6 +23,7 @@ import redis
 from shared.heartbeat import list_live
 from shared.keys import DETOKENIZER_KIND, detok_stream, router_out_stream
 from shared.messages import FinishReason, StepOutputMsg, StepRow
+from shared.redis_clients import connect
 from shared.redis_server import EmbeddedRedis
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,7 @@ def detok_throughput(
     core of its own)."""
     prefix = "bench"
     with EmbeddedRedis() as server:
-        client = redis.Redis.from_url(server.url)
+        client = connect(server.url)
         cmd = [
             sys.executable,
             "-m",

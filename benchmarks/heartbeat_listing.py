@@ -26,6 +26,7 @@ from benchmarks.common import print_table, write_result  # noqa: E402
 from shared.heartbeat import Heartbeat, list_live  # noqa: E402
 from shared.keys import heartbeat_key  # noqa: E402
 from shared.messages import ServiceStatusMsg, decode_message  # noqa: E402
+from shared.redis_clients import connect  # noqa: E402
 from shared.redis_server import EmbeddedRedis  # noqa: E402
 
 PREFIX = "bench-hb"
@@ -55,7 +56,7 @@ def main() -> None:
     server = EmbeddedRedis().start()
     rows = []
     try:
-        client = redis.Redis.from_url(server.url)
+        client = connect(server.url)
         for i in range(4):
             msg = ServiceStatusMsg("worker", f"w{i}", "host", i, 0.0, 0.0)
             Heartbeat(client, heartbeat_key(PREFIX, "worker", f"w{i}"), 600, lambda m=msg: m).beat()

@@ -33,8 +33,6 @@ import sys
 import time
 from collections.abc import AsyncIterator
 
-import redis.asyncio as aioredis
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import print_table, write_result  # noqa: E402
@@ -42,6 +40,7 @@ from services.responses_api import ResponsesRequest  # noqa: E402
 from services.responses_background import BackgroundResponses  # noqa: E402
 from services.responses_store import ResponseStore  # noqa: E402
 from services.responses_stream import ResponseShaper  # noqa: E402
+from shared.redis_clients import connect_async  # noqa: E402
 from shared.redis_server import EmbeddedRedis  # noqa: E402
 
 COLUMNS = ["pace", "way", "tokens", "events", "cpu_us_per_event", "wall_us_per_event",
@@ -110,7 +109,7 @@ async def _resumed(bg: BackgroundResponses, response_id: str) -> tuple:
 
 
 async def measure(url: str, tokens: int, reps: int, gap_s: float) -> list[dict]:
-    client = aioredis.Redis.from_url(url)
+    client = connect_async(url)
     store = ResponseStore(client, "bench", 600.0)
     bg = BackgroundResponses(store, "bench")
     cpu: dict[str, list[float]] = {"streamed": [], "background": [], "resumed": []}

@@ -20,8 +20,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,6 +46,7 @@ from shared.async_bus import AsyncBus
 from shared.heartbeat import Heartbeat, list_live_async
 from shared.keys import DETOKENIZER_KIND, ROUTER_KIND, TOKENIZER_KIND, WORKER_KIND, heartbeat_key
 from shared.logging import setup_logging
+from shared.redis_clients import connect, connect_async
 from shared.settings import (
     RouterSettings,
     add_settings_args,
@@ -106,15 +105,12 @@ def create_app(config: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         common = config.router.common
         # Requests beyond the pool wait for a connection instead of failing.
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=64, timeout=30)
-        bus = AsyncBus(
-            aioredis.Redis(connection_pool=pool), common.prefix, maxlen=common.stream_maxlen
-        )
+        bus = AsyncBus(connect_async(url, 64), common.prefix, maxlen=common.stream_maxlen)
         router = state["router"] = Router(config, bus)
         await router.broker.start()
         router.start_batches(app)
         key = heartbeat_key(common.prefix, ROUTER_KIND, config.router_id)
-        beat = Heartbeat(redis.Redis.from_url(url), key, common.heartbeat_ttl_s, router.status)
+        beat = Heartbeat(connect(url), key, common.heartbeat_ttl_s, router.status)
         beat.start()
         logger.info(
             "router %s ready; workers: %s", config.router_id, sorted(router.broker.workers.live)

@@ -68,6 +68,7 @@ from shared.messages import (
 )
 
 logger = logging.getLogger(__name__)
+LOOP_STOP_S = 3.0  # the longest stop() waits for its loops (a read blocks for 1 s)
 
 # the workers' answers to the router's questions (services/router_control.py)
 _WORKER_ANSWERS = (
@@ -104,6 +105,7 @@ class Broker:
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
+        self._stopping = False
         self._ids = itertools.count()
         self._rid_base = uuid.uuid4().hex[:12]
 
@@ -115,6 +117,7 @@ class Broker:
         """Abort what is in flight (waiting briefly for the aborts to go out), stop the loops,
         delete this router's stream: first (a stop cut short, e.g. killed after its grace
         period, leaves none behind) and last (what was written to it meanwhile)."""
+        self._stopping = True
         await self._delete_stream()
         for handle in list(self.handles.values()):
             handle.close()
@@ -122,7 +125,13 @@ class Broker:
             await asyncio.wait(list(self._tasks), timeout=1.0)
         for task in self._loops:
             task.cancel()
-        await asyncio.gather(*self._loops, return_exceptions=True)
+        # Bounded: a loop whose cancellation a library swallowed ends at its next check of
+        # `_stopping` (within a read's block), and a stop must end whatever happens.
+        running: set[asyncio.Task] = set()
+        if self._loops:
+            _, running = await asyncio.wait(self._loops, timeout=LOOP_STOP_S)
+        for task in running:
+            logger.warning("router loop %s did not stop within %g s", task.get_coro(), LOOP_STOP_S)
         await self._delete_stream()
 
     async def _delete_stream(self) -> None:
@@ -264,7 +273,7 @@ class Broker:
 
     async def _read_loop(self) -> None:
         last_id = "0"  # the stream is this router's own: whatever is there is ours or stale
-        while True:
+        while not self._stopping:
             try:
                 last_id, entries = await self.bus.read_plain(
                     self.out_stream, last_id, count=512, block_ms=1000
@@ -282,7 +291,7 @@ class Broker:
         released (on purpose: services/router_pause.py, services/router_memory.py) does not
         count against a request's deadline."""
         last = time.perf_counter()
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.check_s)
             try:
                 await self.refresh_workers()

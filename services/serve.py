@@ -37,6 +37,7 @@ import redis
 from shared.heartbeat import list_live
 from shared.keys import DETOKENIZER_KIND, TOKENIZER_KIND, WORKER_KIND
 from shared.logging import setup_logging
+from shared.redis_clients import connect
 from shared.redis_server import EmbeddedRedis
 from shared.settings import RouterSettings, ServeSettings, add_settings_args, settings_from_args
 
@@ -240,7 +241,7 @@ class Launcher:
         want = {
             WORKER_KIND: s.dp_size, TOKENIZER_KIND: s.tokenizers, DETOKENIZER_KIND: s.detokenizers
         }  # fmt: skip
-        client = redis.Redis.from_url(url)
+        client = connect(url)
         deadline = time.monotonic() + READY_TIMEOUT_S
         try:
             while not self.stop.wait(0.25):

@@ -329,9 +329,9 @@ def catch_up(scheduler: Scheduler, settings: WorkerSettings) -> str | None:
     Weights it cannot load stop it: serving other weights than the rest of the deployment
     would be worse. An adapter it cannot load is left out (the router sends requests naming
     an adapter only to workers that serve it)."""
-    import redis
+    from shared.redis_clients import connect
 
-    client = redis.Redis.from_url(settings.common.require_redis_url())
+    client = connect(settings.common.require_redis_url())
     try:
         state = read_state(client, settings.common.prefix)
     finally:

@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import redis
-import redis.asyncio as aioredis
 
 from shared.keys import DEFAULT_PREFIX, MSG_FIELD, is_router_out_stream
 from shared.messages import Message
+from shared.redis_clients import connect_async
 from shared.stream_entries import (
     BadEntry,
     BusConfig,
@@ -33,7 +33,7 @@ class AsyncBus(BusConfig):
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kwargs: int) -> AsyncBus:
-        return cls(aioredis.Redis.from_url(url), prefix, **kwargs)
+        return cls(connect_async(url), prefix, **kwargs)
 
     async def aclose(self) -> None:
         await self.redis.aclose()

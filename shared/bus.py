@@ -21,6 +21,7 @@ import redis
 
 from shared.keys import DEFAULT_PREFIX, MSG_FIELD, is_router_out_stream
 from shared.messages import Message
+from shared.redis_clients import connect
 from shared.stream_entries import (
     BadEntry,
     BusConfig,
@@ -43,7 +44,7 @@ class Bus(BusConfig):
 
     @classmethod
     def from_url(cls, url: str, prefix: str = DEFAULT_PREFIX, **kwargs: int) -> Bus:
-        return cls(redis.Redis.from_url(url), prefix, **kwargs)
+        return cls(connect(url), prefix, **kwargs)
 
     def ensure_group(self, stream: str, group: str, start_id: str = "0") -> bool:
         """Create `group` on `stream` (and the stream); False if it already existed.
