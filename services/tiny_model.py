@@ -26,10 +26,10 @@ from services import tiny_encoder, tiny_fp8
 from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 GEMMA_ARCHS = ("gemma2", "gemma3_text")
 ARCHS = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "gpt2",
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "glm4", "gpt2",
     *GEMMA_ARCHS, *MOE_ARCHS,
 )  # fmt: skip
 
@@ -37,7 +37,10 @@ ARCHS = (
 
 # architectures without a sliding window setting here (SmolLM3's applies to its NoPE layers
 # only, with `use_sliding_window`)
-_UNWINDOWED = ("llama", "granite", "gpt2", "deepseek_v2", "deepseek_v3", "olmo2", "smollm3")
+_UNWINDOWED = (
+    "llama", "granite", "gpt2", "deepseek_v2", "deepseek_v3", "glm4", "glm4_moe", "olmo2",
+    "smollm3",
+)  # fmt: skip
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOGIT_SCALE = 8.0  # standard deviation of the logits
@@ -106,6 +109,10 @@ _TINY_TWEAKS: dict[str, dict[str, Any]] = {
     "phi3": {"partial_rotary_factor": 0.75, "tie_word_embeddings": True},
     # SmolLM3-3B leaves rope out of every fourth layer; of the second here (two layers)
     "smollm3": {"no_rope_layer_interval": 2},
+    # GLM-4's and GLM-4.5's attention: q/k/v bias, rope on half of each head (GLM-4's over
+    # interleaved pairs)
+    "glm4": {"attention_bias": True, "partial_rotary_factor": 0.5},
+    "glm4_moe": {"attention_bias": True, "partial_rotary_factor": 0.5},
     # Gemma 2 and 3 always window their local layers (gemma-3-1b: 512 keys)
     "gemma2": {"sliding_window": 32},
     "gemma3_text": {"sliding_window": 32},
@@ -234,6 +241,18 @@ def _moe_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
             "topk_method": "greedy",
             "first_k_dense_replace": 1,
             "routed_scaling_factor": 1.0,
+        }
+    if arch == "glm4_moe":  # GLM-4.5's: V3's routing in one group, a shared expert
+        return {
+            "n_routed_experts": shape.num_experts,
+            "num_experts_per_tok": shape.num_experts_per_tok,
+            "moe_intermediate_size": deepseek_moe_size,
+            "n_shared_experts": 1,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
         }
     if arch == "deepseek_v3":  # V3's routing: 4 groups (8 there), the best 2 (4 there)
         groups = 4 if shape.num_experts % 4 == 0 else 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 DENSE_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma2", "gemma3_text")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 ARCHS = DENSE_ARCHS + MOE_ARCHS
 # test model name -> (arch, sliding window): Mistral windows every layer, Qwen2-MoE's config
 # every other one (a model of full and windowed layers)

@@ -51,9 +51,14 @@ class DecoderForCausalLM(nn.Module):
         return self.logits_processor(hidden, self.lm_head_weight, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(
-            self, weights, stacked=self.load_stacked, transform=self._map_weight
-        )
+        config = getattr(self, "config", None)
+
+        def transform(name: str, tensor: torch.Tensor):
+            if is_mtp_weight(config, name):
+                return None  # a multi-token-prediction layer's: not served (SGLang's default)
+            return self._map_weight(name, tensor)
+
+        return load_named_weights(self, weights, stacked=self.load_stacked, transform=transform)
 
     def _map_weight(self, name: str, tensor: torch.Tensor):
         if "rotary_emb.inv_freq" in name:
@@ -61,3 +66,16 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings and name.startswith("lm_head."):
             return None  # tied: the embedding is the head
         return name, tensor
+
+
+def is_mtp_weight(config, name: str) -> bool:
+    """Whether checkpoint tensor `name` is one of the multi-token-prediction layers that
+    DeepSeek-V3 and GLM-4.5 checkpoints store after the decoder's (`model.layers.{i}` for
+    `num_hidden_layers <= i < num_hidden_layers + num_nextn_predict_layers`)."""
+    extra = getattr(config, "num_nextn_predict_layers", None) or 0
+    if not extra or not name.startswith("model.layers."):
+        return False
+    index = name.split(".", 3)[2]
+    first = config.num_hidden_layers
+    return index.isdigit() and first <= int(index) < first + extra
+

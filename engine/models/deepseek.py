@@ -44,13 +44,13 @@ from torch import nn
 from engine.distributed import TensorParallel, current_tp
 from engine.forward_batch import ForwardBatch
 from engine.layers.attention import PagedAttention
-from engine.layers.fp8 import QuantizedWeight
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedLinear
 from engine.layers.moe import FusedMoE
 from engine.layers.parallel import RowParallelLinear, VocabParallelEmbedding
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, scale_factor, yarn_mscale
 from engine.models.causal_lm import DecoderForCausalLM
+from engine.models.interleaved_rope import deinterleave
 from engine.models.llama import STACKED_WEIGHTS, LlamaMLP
 from engine.models.llama_moe import _MoeWeights
 
@@ -297,7 +297,7 @@ class DeepseekV2ForCausalLM(_MoeWeights, DecoderForCausalLM):
         rows = self._rope_rows or {}
         part = next((key for key in rows if key in name), None)
         if part is not None and name.endswith((".weight", ".bias")):
-            tensor = _deinterleave(tensor, name, *rows[part])
+            tensor = deinterleave(tensor, name, *rows[part])
         mapped = super()._map_weight(name, tensor)
         if mapped is not None and len(mapped) == 2 and self.split_heads:
             if mapped[0].rsplit(".", 1)[0].endswith(_HEAD_PROJECTIONS):
@@ -310,30 +310,3 @@ _HEAD_PROJECTIONS = (".q_proj", ".q_b_proj", ".kv_b_proj")
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     version = 3
-
-
-def _deinterleave(tensor: object, name: str, block: int, start: int, size: int) -> object:
-    """`_deinterleave_rows` of a tensor, or of an FP8 checkpoint's weight, whose block scales
-    stay valid where each head's rope rows lie in one block of rows (DeepSeek-V3's: 64 rows
-    at 128 of each 192, in 128-row blocks)."""
-    if not isinstance(tensor, QuantizedWeight):
-        return _deinterleave_rows(tensor, block, start, size)
-    if tensor.scale.numel() > 1:
-        rows = tensor.block[0] if tensor.block else 1
-        for first in range(start, tensor.data.shape[0], block):
-            if first // rows != (first + size - 1) // rows:
-                raise ValueError(
-                    f"weight {name!r}: the rope rows {first}..{first + size - 1} cross its "
-                    f"{rows}-row scale blocks, so they cannot be reordered"
-                )
-    data = _deinterleave_rows(tensor.data, block, start, size)
-    return QuantizedWeight(data, tensor.scale, tensor.block)
-
-
-def _deinterleave_rows(tensor: torch.Tensor, block: int, start: int, size: int) -> torch.Tensor:
-    """In each block of `block` rows, rows start .. start + size reordered from interleaved
-    pairs (0, 1), (2, 3), ... to the evens then the odds."""
-    blocks = tensor.reshape(-1, block, *tensor.shape[1:]).clone()
-    part = blocks[:, start : start + size]
-    blocks[:, start : start + size] = torch.cat((part[:, 0::2], part[:, 1::2]), dim=1)
-    return blocks.reshape(tensor.shape)

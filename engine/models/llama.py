@@ -1,5 +1,5 @@
 """One implementation for the Llama family: Llama, Mistral, Ministral 3, Qwen2, Qwen3,
-Granite and SmolLM3.
+Granite, SmolLM3, Seed-OSS and ERNIE 4.5 (GLM-4's layer too, engine/models/glm4.py).
 
 The variants differ only in small switches, held as class attributes:
 * Qwen2 puts a bias on q/k/v (not on o_proj);
@@ -9,7 +9,10 @@ The variants differ only in small switches, held as class attributes:
 * SmolLM3 leaves rope out of the layers `no_rope_layers` marks 0; Ministral 3 scales its
   queries by a temperature past its original context;
 * Granite scales the input embeddings, each attention and MLP output (before its residual
-  add), the attention scores and the logits by numbers from its config.
+  add), the attention scores and the logits by numbers from its config;
+* GLM-4 normalises each attention and MLP output before its residual add (sandwich norms);
+  GLM-4 and ERNIE 4.5 rotate interleaved pairs (their q/k rows reordered at load, see
+  engine/models/interleaved_rope.py).
 
 Fused projections: `qkv_proj` = [q; k; v] and `gate_up_proj` = [gate; up] (see
 `engine.layers.linear.MergedLinear`), one matmul each; rope rotates q and k together as one
@@ -36,8 +39,9 @@ from engine.layers.parallel import (
     VocabParallelEmbedding,
     kv_heads_per_rank,
 )
-from engine.layers.rotary import RotaryEmbedding, rope_parameters
+from engine.layers.rotary import RotaryEmbedding, rope_parameters, rotary_dim
 from engine.models.causal_lm import DecoderForCausalLM
+from engine.models.interleaved_rope import deinterleave
 
 STACKED_WEIGHTS = (
     (".qkv_proj.", ".q_proj.", "q"),
@@ -72,7 +76,7 @@ class LlamaAttention(nn.Module):
             RowParallelLinear(heads * d, hidden, o_bias, tp) if tp.size > 1
             else nn.Linear(q_size, hidden, bias=o_bias)
         )  # fmt: skip
-        self.qk_norm = variant.qk_norm
+        self.qk_norm = variant.has_qk_norm(config)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -127,12 +131,16 @@ def query_temperature(
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, intermediate_size: int | None = None) -> None:
+    def __init__(
+        self, config, intermediate_size: int | None = None, bias: bool | None = None
+    ) -> None:
         super().__init__()
         if config.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         full = intermediate_size or config.intermediate_size
-        bias, tp = bool(getattr(config, "mlp_bias", False)), current_tp()
+        if bias is None:
+            bias = bool(getattr(config, "mlp_bias", False))
+        tp = current_tp()
         start, inter = tp.shard(full, "intermediate features")  # (all of them with one rank)
         rows = (start, inter, full)
         self.gate_up_proj = MergedLinear(
@@ -172,6 +180,11 @@ class LlamaDecoderLayer(nn.Module):
         self.gemv_max_rows = 0  # --gemv-backend triton (engine.layers.linear.use_triton_gemv)
         # (Granite: the attention's and the MLP's outputs times this before each residual add)
         self.residual_multiplier = variant.multipliers(config)[1]
+        # (GLM-4: the attention's and the MLP's outputs normalised before each residual add)
+        self.sandwich = variant.sandwich_norms(config)
+        if self.sandwich:
+            self.post_self_attn_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
@@ -186,20 +199,25 @@ class LlamaDecoderLayer(nn.Module):
         # that projection is a plain one (not quantized, not under a LoRA adapter)
         if self._norm_in_gemv(attn.qkv_proj, hidden):
             qkv, residual = norm_gemv(hidden, residual, self.input_layernorm, attn.qkv_proj)
-            hidden = self._scaled(attn.attend(positions, qkv, forward_batch))
+            hidden = self._output(attn.attend(positions, qkv, forward_batch), "attn")
         else:
             if residual is None:
                 hidden, residual = self.input_layernorm(hidden), hidden
             else:
                 hidden, residual = self.input_layernorm(hidden, residual)
-            hidden = self._scaled(attn(positions, hidden, forward_batch))
+            hidden = self._output(attn(positions, hidden, forward_batch), "attn")
         if self._norm_in_gemv(getattr(mlp, "gate_up_proj", None), hidden):
             gate_up, residual = norm_gemv(hidden, residual, norm, mlp.gate_up_proj)
-            return self._scaled(mlp.down(gate_up)), residual
+            return self._output(mlp.down(gate_up), "mlp"), residual
         hidden, residual = norm(hidden, residual)
-        return self._scaled(mlp(hidden)), residual
+        return self._output(mlp(hidden), "mlp"), residual
 
-    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+    def _output(self, out: torch.Tensor, block: str) -> torch.Tensor:
+        """A block's output as its residual add takes it: GLM-4's post norm, Granite's
+        multiplier."""
+        if self.sandwich:
+            norm = self.post_self_attn_layernorm if block == "attn" else self.post_mlp_layernorm
+            out = norm(out)
         return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def _norm_in_gemv(self, proj: nn.Module | None, hidden: torch.Tensor) -> bool:
@@ -256,6 +274,12 @@ class LlamaForCausalLM(DecoderForCausalLM):
     supports_tensor_parallel = True  # (engine/layers/parallel.py; its MoE subclasses too)
     stacked_weights = STACKED_WEIGHTS  # (fused, PEFT/HF name, shard): for LoRA too
 
+    @classmethod
+    def has_qk_norm(cls, config) -> bool:
+        """Whether q and k take a per-head RMSNorm before rope (Qwen3's; GLM-4.5's where its
+        config's `use_qk_norm` says)."""
+        return cls.qk_norm
+
     @staticmethod
     def attention_biases(config) -> tuple[bool, bool]:
         """(bias on q/k/v, bias on o_proj)."""
@@ -283,6 +307,14 @@ class LlamaForCausalLM(DecoderForCausalLM):
         """Layer `layer_id`'s feed-forward block (mixture-of-experts models override it)."""
         return LlamaMLP(config)
 
+    @staticmethod
+    def sandwich_norms(config) -> bool:
+        """Whether each attention and MLP output is normalised before its residual add
+        (GLM-4's `post_self_attn_layernorm` / `post_mlp_layernorm`)."""
+        return False
+
+    interleaved_rope = False  # rope over pairs (x0, x1), (x2, x3)...: GLM-4's, ERNIE 4.5's
+
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()
         self.config = config
@@ -290,6 +322,26 @@ class LlamaForCausalLM(DecoderForCausalLM):
         max_position = max(max_position or 0, config.max_position_embeddings)
         self.model = LlamaModel(config, max_position, type(self), context_len)
         self.init_head(config, divisor=type(self).multipliers(config)[2])
+        # (rows per head, rotated rows) of q/k whose order is changed at load
+        self._rope_rows = None
+        if self.interleaved_rope:
+            head_dim = self.model.layers[0].self_attn.head_dim
+            self._rope_rows = head_dim, rotary_dim(head_dim, rope_parameters(config))
+
+    def _map_weight(self, name: str, tensor: torch.Tensor):
+        """Interleaved rope (`engine/models/interleaved_rope.py`): each head's rotated rows
+        of q_proj / k_proj (and a q/k norm's weight) reordered to the halves the kernels
+        rotate."""
+        if self._rope_rows is not None and name.endswith(_ROPE_ROWS_OF):
+            head_dim, rotated = self._rope_rows
+            tensor = deinterleave(tensor, name, head_dim, 0, rotated)
+        return super()._map_weight(name, tensor)
+
+
+_ROPE_ROWS_OF = tuple(
+    f".{proj}.{part}" for proj in ("q_proj", "k_proj", "q_norm", "k_norm")
+    for part in ("weight", "bias")
+)  # fmt: skip
 
 
 class MistralForCausalLM(LlamaForCausalLM):
@@ -363,3 +415,28 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def multipliers(config) -> tuple[float, float, float | None]:
         divisor = float(config.logits_scaling)
         return float(config.embedding_multiplier), float(config.residual_multiplier), divisor
+
+
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """ByteDance Seed-OSS: Llama with its own switches for the q/k/v and o_proj biases."""
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        return bool(config.attention_bias), bool(getattr(config, "attention_out_bias", False))
+
+
+class Ernie4_5ForCausalLM(LlamaForCausalLM):  # noqa: N801 - the checkpoints' class name
+    """Baidu ERNIE 4.5 dense (ERNIE-4.5-0.3B): Llama with rope over interleaved pairs and one
+    `use_bias` switch for every projection."""
+
+    interleaved_rope = True
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        bias = bool(getattr(config, "use_bias", False))
+        return bias, bias
+
+    @staticmethod
+    def make_mlp(config, layer_id: int) -> nn.Module:
+        return LlamaMLP(config, bias=bool(getattr(config, "use_bias", False)))
+

@@ -34,7 +34,7 @@ from tests.teacher_forcing import (
 )
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "glm4", "glm4_moe"])
 def test_block_fp8_checkpoint_matches_transformers(arch):
     """Block scales (16 x 16 here, 128 x 128 in Qwen3-*-FP8); transformers reads the
     checkpoint with its own FP8 loader (dequantizing on a CPU), so the format is theirs.
@@ -77,7 +77,7 @@ def test_deepseek_fp8_checkpoint_loads_as_stored(block):
     crossing at position 41 of the 102-token sequence left 13 % of positions over 1e-3.)"""
     from engine.config import ModelConfig
     from engine.loader import iter_safetensors, load_model
-    from engine.models.deepseek import _deinterleave_rows
+    from engine.models.interleaved_rope import deinterleave_rows
     from engine.quantization import resolve_quantization
     from kernels.fp8_gemm import dequantize_groups
 
@@ -99,7 +99,7 @@ def test_deepseek_fp8_checkpoint_loads_as_stored(block):
         want = dequantize_groups(weight, scale, groups, torch.float32)
         leaf = name.rsplit(".", 1)[-1]
         if leaf in rope_rows:
-            want = _deinterleave_rows(want, *rope_rows[leaf], cfg.qk_rope_head_dim)
+            want = deinterleave_rows(want, *rope_rows[leaf], cfg.qk_rope_head_dim)
         if leaf == "kv_b_proj":
             assert isinstance(module, torch.nn.Linear) and module.weight.dtype == torch.float32
             got = module.weight

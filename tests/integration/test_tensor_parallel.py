@@ -54,7 +54,8 @@ def check_greedy(eng: Engine, path: str, prompts: list[list[int]] = PROMPTS) -> 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe",
-                                  "qwen3_moe", "phi3", "granite", "deepseek_v3"])
+                                  "qwen3_moe", "phi3", "granite", "deepseek_v3", "glm4",
+                                  "glm4_moe"])
 def test_two_ranks_give_transformers_greedy_tokens(arch: str) -> None:
     path = tiny_model(arch)
     with Engine(model_path=path, tp_size=2, disable_overlap_schedule=True) as eng:

@@ -188,6 +188,32 @@ ARCH_CONFIGS = {
         topk_method="group_limited_greedy", n_group=3, topk_group=2,
         routed_scaling_factor=16.0, **PHI3_IDS,
     ),  # fmt: skip
+    # GLM-4.5: q/k/v bias, rope on half of each head; a dense first layer, then DeepSeek-V3's
+    # routing (8 experts in 2 groups, the best group, 2 experts; a shared one); MTP layer
+    # declared (its weights are skipped at load)
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **{**LLAMA_SHAPE, "num_hidden_layers": 3}, head_dim=24, attention_bias=True,
+        moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        num_nextn_predict_layers=1, **PHI3_IDS,
+    ),  # fmt: skip
+    # ... GLM-4.5's q/k norms (`use_qk_norm`) and rope on a third of each head
+    "glm4_moe-qk-norm": lambda: transformers.Glm4MoeConfig(
+        **{**ARCH_CONFIGS["glm4_moe"]().to_dict(), "use_qk_norm": True,
+           "rope_parameters": dict(rope_type="default", rope_theta=1e4,
+                                   partial_rotary_factor=1 / 3)}
+    ),  # fmt: skip
+    # GLM-4 dense: interleaved rope on half of each head, sandwich norms, q/k/v bias, gate
+    # and up fused in the checkpoint
+    "glm4": lambda: transformers.Glm4Config(
+        **LLAMA_SHAPE, head_dim=24, attention_bias=True, **PHI3_IDS
+    ),
+    # ERNIE 4.5: interleaved rope over the whole head; a bias on every projection (`use_bias`)
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**LLAMA_SHAPE, use_bias=True, **PHI3_IDS),
+    # Seed-OSS: q/k/v bias, none on o_proj (`attention_out_bias`)
+    "seed_oss": lambda: transformers.SeedOssConfig(
+        **LLAMA_SHAPE, head_dim=24, attention_bias=True, attention_out_bias=False, **PHI3_IDS
+    ),
     # OLMo 2: norms after each block, q/k normalised over the whole projection
     "olmo2": lambda: transformers.Olmo2Config(**LLAMA_SHAPE, **PHI3_IDS),
     # OLMo 3: layer 0 windowed at 5, layer 1 full
@@ -247,6 +273,9 @@ def save_random_model(arch: str, path: str, **save_kwargs: object) -> None:
         for param in model.parameters():
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.2)
+        for name, buffer in model.named_buffers():  # (DeepSeek-V3's and GLM-4.5's, saved)
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
 
 
@@ -365,8 +394,35 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         _float64_softmax() if eager else contextlib.nullcontext(),
         _float64_deepseek_v2_rope() if hf.config.model_type == "deepseek_v2" else (
             contextlib.nullcontext()),
+        _float64_ernie_rope() if hf.config.model_type == "ernie4_5" else (
+            contextlib.nullcontext()),
     ):  # fmt: skip
         return hf(torch.tensor([ids])).logits[0]
+
+
+@contextlib.contextmanager
+def _float64_ernie_rope():
+    """transformers' ERNIE 4.5 rotates q and k in float32 whatever the model's dtype
+    (`q.float() * cos`): 2e-6 of noise in the float64 oracle. For the duration, the same
+    rotation in the inputs' precision with float32's cos and sin (the model's table)."""
+    from transformers.models.ernie4_5 import modeling_ernie4_5 as module
+
+    original = module.apply_rotary_pos_emb
+
+    def rotate(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = (
+            t.unsqueeze(unsqueeze_dim)[..., : t.shape[-1] // 2].repeat_interleave(2, dim=-1)
+            for t in (cos, sin)
+        )
+        return tuple(
+            x * cos.to(x.dtype) + module.rotate_half(x) * sin.to(x.dtype) for x in (q, k)
+        )
+
+    module.apply_rotary_pos_emb = rotate
+    try:
+        yield
+    finally:
+        module.apply_rotary_pos_emb = original
 
 
 @contextlib.contextmanager

@@ -53,6 +53,41 @@ def test_unexpected_weight_is_named(llama_dir, tmp_path):
         load_model(ModelConfig.from_pretrained(path), torch.float32)
 
 
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v3"])
+def test_multi_token_prediction_layers_are_skipped(arch, tmp_path):
+    """DeepSeek-V3 and GLM-4.5 checkpoints store `num_nextn_predict_layers` MTP layers after
+    the decoder's (`model.layers.{num_hidden_layers}`: eh_proj, enorm, hnorm, its own
+    attention and experts): left out, the same weights load; a layer past them is still an
+    error."""
+    source = tmp_path / "source"
+    save_random_model(arch, str(source))
+    config = json.loads((source / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (source / "config.json").write_text(json.dumps(config))
+    first = config["num_hidden_layers"]
+    plain = load_model(ModelConfig.from_pretrained(str(source)), torch.float32).state_dict()
+
+    def mtp(index: int):
+        def add(t):
+            for name in [n for n in t if n.startswith(f"model.layers.{first - 1}.")]:
+                t[name.replace(f"layers.{first - 1}.", f"layers.{index}.")] = t[name].clone()
+            hidden = config["hidden_size"]
+            t[f"model.layers.{index}.eh_proj.weight"] = torch.ones(hidden, 2 * hidden)
+            t[f"model.layers.{index}.enorm.weight"] = torch.ones(hidden)
+
+        return add
+
+    (tmp_path / "mtp").mkdir()
+    (tmp_path / "beyond").mkdir()
+    path = _rewrite(str(source), tmp_path / "mtp", mtp(first))
+    loaded = load_model(ModelConfig.from_pretrained(path), torch.float32).state_dict()
+    assert loaded.keys() == plain.keys()
+    assert all(torch.equal(loaded[name], plain[name]) for name in plain)
+    path = _rewrite(str(source), tmp_path / "beyond", mtp(first + 1))
+    with pytest.raises(ValueError, match=rf"unexpected weight 'model\.layers\.{first + 1}\."):
+        load_model(ModelConfig.from_pretrained(path), torch.float32)
+
+
 def test_wrong_shape_is_reported(llama_dir, tmp_path):
     def shrink(t):
         t["model.norm.weight"] = t["model.norm.weight"][:-1].clone()
