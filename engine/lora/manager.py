@@ -26,6 +26,7 @@ from engine.forward_batch import ForwardBatch
 from engine.layers.fp8 import Fp8Linear
 from engine.lora.adapter import AdapterSpec, load_adapter_weights
 from engine.lora.layers import LoRALinear
+from engine.models.interleaved_rope import deinterleave_rows
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
+        why = getattr(model, "lora_unsupported", None)
+        if why:
+            raise ValueError(f"LoRA adapters cannot be served on {type(model).__name__}: {why}")
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.device = device
@@ -91,6 +95,8 @@ class LoRAManager:
         """Map the adapter's PEFT module paths to the model's (fused) modules, wrapping each
         module in a `LoRALinear` the first time an adapter names it."""
         stacked = getattr(model, "stacked_weights", ())
+        # interleaved rope (GLM-4, ERNIE 4.5): q/k rows reordered at load, B's rows alike
+        interleaved = getattr(model, "interleaved_rows", None)
         placed: dict[str, dict[Hashable, tuple[torch.Tensor, torch.Tensor]]] = {}
         for path, (a, b) in sorted(_unfused(model, spec, tensors).items()):
             leaf = path.rsplit(".", 1)[-1]
@@ -99,6 +105,14 @@ class LoRAManager:
                     f"LoRA adapter {spec.name!r} adapts {path}; only {list(TARGET_MODULES)} "
                     "can be adapted"
                 )
+            if interleaved is not None and leaf in ("q_proj", "k_proj"):
+                head_dim, rotated = interleaved
+                if b.shape[0] % head_dim:
+                    raise ValueError(
+                        f"LoRA adapter {spec.name!r}: {path} has B {tuple(b.shape)}, not whole "
+                        f"heads of {head_dim} (is it an adapter of another base model?)"
+                    )
+                b = deinterleave_rows(b, head_dim, 0, rotated)
             ours, shard = path, None
             for fused, theirs, shard_id in stacked:
                 if theirs in path + ".":

@@ -268,6 +268,9 @@ class DeepseekV2ForCausalLM(_MoeWeights, DecoderForCausalLM):
     load_stacked = MLP_STACKED
     # (`--quantization fp8`: kv_b_proj's weight is read as a matrix by the absorbed attention)
     unquantized_linears = ("kv_b_proj",)
+    # (an adapter of q_proj would add to rows reordered at load; kv_b_proj is read as a
+    # matrix by the absorbed attention; the experts are fused)
+    lora_unsupported = "multi-head latent attention has no LoRA support yet"
 
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()

@@ -27,6 +27,10 @@ class Glm4ForCausalLM(LlamaForCausalLM):
         return True
 
     def load_weights(self, weights: Weights) -> set[str]:
+        return super().load_weights(split_fused_weights(weights, self.fused_parts()))
+
+    def fused_parts(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """Checkpoint name part -> (Llama name part, rows) of each piece (PEFT adapters of
+        `gate_up_proj` are split the same way: engine/lora/manager.py)."""
         inter = self.config.intermediate_size
-        parts = {".gate_up_proj.": ((".gate_proj.", inter), (".up_proj.", inter))}
-        return super().load_weights(split_fused_weights(weights, parts))
+        return {".gate_up_proj.": ((".gate_proj.", inter), (".up_proj.", inter))}

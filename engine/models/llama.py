@@ -322,18 +322,19 @@ class LlamaForCausalLM(DecoderForCausalLM):
         max_position = max(max_position or 0, config.max_position_embeddings)
         self.model = LlamaModel(config, max_position, type(self), context_len)
         self.init_head(config, divisor=type(self).multipliers(config)[2])
-        # (rows per head, rotated rows) of q/k whose order is changed at load
-        self._rope_rows = None
+        # (rows per head, rotated rows) of q/k whose order is changed at load (a LoRA
+        # adapter's B rows of q_proj / k_proj too: engine/lora/manager.py)
+        self.interleaved_rows: tuple[int, int] | None = None
         if self.interleaved_rope:
             head_dim = self.model.layers[0].self_attn.head_dim
-            self._rope_rows = head_dim, rotary_dim(head_dim, rope_parameters(config))
+            self.interleaved_rows = head_dim, rotary_dim(head_dim, rope_parameters(config))
 
     def _map_weight(self, name: str, tensor: torch.Tensor):
         """Interleaved rope (`engine/models/interleaved_rope.py`): each head's rotated rows
         of q_proj / k_proj (and a q/k norm's weight) reordered to the halves the kernels
         rotate."""
-        if self._rope_rows is not None and name.endswith(_ROPE_ROWS_OF):
-            head_dim, rotated = self._rope_rows
+        if self.interleaved_rows is not None and name.endswith(_ROPE_ROWS_OF):
+            head_dim, rotated = self.interleaved_rows
             tensor = deinterleave(tensor, name, head_dim, 0, rotated)
         return super()._map_weight(name, tensor)
 

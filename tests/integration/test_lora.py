@@ -66,6 +66,9 @@ NAMES = [None, "a", "b", "a", None, "c", "b", "c", "a"]
         ("gemma2", dict(disable_overlap_schedule=True, page_size=2)),
         # PEFT adapters of Phi-3's fused qkv_proj / gate_up_proj modules
         ("phi3", dict(disable_overlap_schedule=True)),
+        # GLM-4: q_proj / k_proj adapters over interleaved rope (their B rows reordered as the
+        # weights' are), the fused gate_up_proj's split
+        ("glm4", dict(disable_overlap_schedule=True)),
     ],
 )
 def test_each_request_gets_its_adapter(arch: str, kw: dict) -> None:
@@ -160,3 +163,10 @@ def test_unservable_adapters_are_refused_at_start(make, why: str) -> None:
 def test_rank_above_max_lora_rank_is_refused() -> None:
     with pytest.raises(ValueError, match="rank 8 > max_lora_rank 4"):
         serve("llama", {"a": adapter("llama", 1)}, max_lora_rank=4, disable_overlap_schedule=True)
+
+
+def test_lora_on_a_deepseek_model_is_refused_with_the_reason() -> None:
+    """MLA's q_proj rows are reordered at load and kv_b_proj is read as a matrix: an adapter
+    would be applied wrongly, so LoRA is refused (at start) rather than served."""
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM: multi-head latent attention"):
+        serve("deepseek_v2", {"a": adapter("deepseek_v2", 1)}, disable_overlap_schedule=True)
