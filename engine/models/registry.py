@@ -41,6 +41,7 @@ _MODELS = {
     "Glm4MoeForCausalLM": "engine.models.glm4_moe:Glm4MoeForCausalLM",
     "SeedOssForCausalLM": "engine.models.llama:SeedOssForCausalLM",
     "Ernie4_5ForCausalLM": "engine.models.llama:Ernie4_5ForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "engine.models.llama_moe:Ernie4_5_MoeForCausalLM",
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
     "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",

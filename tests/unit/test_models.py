@@ -210,6 +210,12 @@ ARCH_CONFIGS = {
     ),
     # ERNIE 4.5: interleaved rope over the whole head; a bias on every projection (`use_bias`)
     "ernie4_5": lambda: transformers.Ernie4_5Config(**LLAMA_SHAPE, use_bias=True, **PHI3_IDS),
+    # ERNIE 4.5 MoE: a dense first layer, then 6 experts (2 chosen by softmax + correction
+    # bias, renormalised) and a shared expert on every layer from 1
+    "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
+        **{**LLAMA_SHAPE, "num_hidden_layers": 3}, moe_intermediate_size=32, moe_num_experts=6,
+        moe_k=2, moe_num_shared_experts=1, moe_layer_start_index=1, **PHI3_IDS,
+    ),  # fmt: skip
     # Seed-OSS: q/k/v bias, none on o_proj (`attention_out_bias`)
     "seed_oss": lambda: transformers.SeedOssConfig(
         **LLAMA_SHAPE, head_dim=24, attention_bias=True, attention_out_bias=False, **PHI3_IDS
@@ -273,9 +279,9 @@ def save_random_model(arch: str, path: str, **save_kwargs: object) -> None:
         for param in model.parameters():
             if param.ndim == 1:
                 param.add_(torch.randn_like(param) * 0.2)
-        for name, buffer in model.named_buffers():  # (DeepSeek-V3's and GLM-4.5's, saved)
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.1)
+        for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's, GLM-4.5's, ERNIE's)
+                tensor.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
 
 
@@ -394,18 +400,20 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
         _float64_softmax() if eager else contextlib.nullcontext(),
         _float64_deepseek_v2_rope() if hf.config.model_type == "deepseek_v2" else (
             contextlib.nullcontext()),
-        _float64_ernie_rope() if hf.config.model_type == "ernie4_5" else (
+        _float64_ernie_rope(hf.config.model_type) if hf.config.model_type.startswith("ernie") else (
             contextlib.nullcontext()),
     ):  # fmt: skip
         return hf(torch.tensor([ids])).logits[0]
 
 
 @contextlib.contextmanager
-def _float64_ernie_rope():
+def _float64_ernie_rope(model_type: str):
     """transformers' ERNIE 4.5 rotates q and k in float32 whatever the model's dtype
     (`q.float() * cos`): 2e-6 of noise in the float64 oracle. For the duration, the same
     rotation in the inputs' precision with float32's cos and sin (the model's table)."""
-    from transformers.models.ernie4_5 import modeling_ernie4_5 as module
+    import importlib
+
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
 
     original = module.apply_rotary_pos_emb
 

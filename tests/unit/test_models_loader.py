@@ -88,6 +88,25 @@ def test_multi_token_prediction_layers_are_skipped(arch, tmp_path):
         load_model(ModelConfig.from_pretrained(path), torch.float32)
 
 
+def test_ernie_moe_mtp_block_is_skipped(tmp_path):
+    """ERNIE-4.5-21B-A3B's checkpoint stores its MTP block as `model.mtp_*` tensors."""
+    source = tmp_path / "source"
+    save_random_model("ernie4_5_moe", str(source))
+    plain = load_model(ModelConfig.from_pretrained(str(source)), torch.float32).state_dict()
+
+    def add(t):
+        hidden = LLAMA_SHAPE["hidden_size"]
+        t["model.mtp_linear_proj.0.weight"] = torch.ones(hidden, 2 * hidden)
+        t["model.mtp_emb_norm.0.weight"] = torch.ones(hidden)
+        t["model.mtp_block.0.self_attn.q_proj.weight"] = torch.ones(hidden, hidden)
+
+    (tmp_path / "mtp").mkdir()
+    path = _rewrite(str(source), tmp_path / "mtp", add)
+    loaded = load_model(ModelConfig.from_pretrained(path), torch.float32).state_dict()
+    assert loaded.keys() == plain.keys()
+    assert all(torch.equal(loaded[name], plain[name]) for name in plain)
+
+
 def test_wrong_shape_is_reported(llama_dir, tmp_path):
     def shrink(t):
         t["model.norm.weight"] = t["model.norm.weight"][:-1].clone()
