@@ -69,13 +69,15 @@ class DecoderForCausalLM(nn.Module):
 
 
 def is_mtp_weight(config, name: str) -> bool:
-    """Whether checkpoint tensor `name` is one of the multi-token-prediction layers that
-    DeepSeek-V3 and GLM-4.5 checkpoints store after the decoder's (`model.layers.{i}` for
-    `num_hidden_layers <= i < num_hidden_layers + num_nextn_predict_layers`)."""
+    """Whether checkpoint tensor `name` is a multi-token-prediction weight: ERNIE 4.5's
+    `model.mtp_*` block, or one of the layers DeepSeek-V3 and GLM-4.5 checkpoints store after
+    the decoder's (`model.layers.{i}` for `num_hidden_layers <= i < num_hidden_layers +
+    num_nextn_predict_layers`)."""
+    if name.startswith("model.mtp_"):
+        return True
     extra = getattr(config, "num_nextn_predict_layers", None) or 0
     if not extra or not name.startswith("model.layers."):
         return False
     index = name.split(".", 3)[2]
     first = config.num_hidden_layers
     return index.isdigit() and first <= int(index) < first + extra
-

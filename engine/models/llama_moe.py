@@ -16,7 +16,7 @@ feed-forward block of a sparse layer is `engine.layers.moe.SparseMoeBlock`:
   ones; routed by softmax (float32, a float32 router as transformers keeps it), chosen by the
   probabilities plus `moe_statics.e_score_correction_bias`, the chosen probabilities
   renormalised (their sum clamped at `moe_norm_min`). Its checkpoints' MTP block
-  (`model.mtp_*`) is skipped.
+  (`model.mtp_*`) is skipped at load (engine/models/causal_lm.py).
 """
 
 from __future__ import annotations
@@ -169,9 +169,3 @@ class Ernie4_5_MoeForCausalLM(_MoeWeights, Ernie4_5ForCausalLM):  # noqa: N801 -
         if sparse:
             return ErnieMoE(config)
         return LlamaMLP(config, bias=bool(getattr(config, "use_bias", False)))
-
-    def _map_weight(self, name: str, tensor: torch.Tensor):
-        if name.startswith("model.mtp_"):
-            return None  # the multi-token-prediction block: not served
-        return super()._map_weight(name, tensor)
-
