@@ -422,4 +422,3 @@ def make_lora_manager(model, args: EngineArgs, dtype: torch.dtype, device: torch
     return LoRAManager(
         model, specs, args.max_loras_per_batch, lora_rank(args, specs), dtype, device
     )
-

@@ -440,4 +440,3 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):  # noqa: N801 - the checkpoints' cl
     @staticmethod
     def make_mlp(config, layer_id: int) -> nn.Module:
         return LlamaMLP(config, bias=bool(getattr(config, "use_bias", False)))
-
