@@ -205,13 +205,16 @@ do_step() {
                 tests/gpu/test_flashinfer_gpu.py
             pack_aot ;;
         tests-kernels)
-            run_step tests-kernels 330 "${PYTEST[@]}" tests/gpu/test_kernels_gpu.py \
+            # 4 workers (Triton compiles on the host's 16 cores, flashinfer JITs once, locked);
+            # the logits test times kernels, so it runs alone afterwards
+            run_step tests-kernels 220 "${PYTEST[@]}" -n 4 --dist load \
+                tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
                 tests/gpu/test_encoders_gpu.py tests/gpu/test_hicache_gpu.py \
                 tests/gpu/test_fused_kernels_gpu.py tests/unit/test_fp8.py \
                 tests/unit/test_kernels_page_table.py tests/unit/test_kernels_argmax.py \
-                tests/gpu/test_allocator_gpu.py \
-                tests/gpu/test_logits_gpu.py ;;
+                tests/gpu/test_allocator_gpu.py
+            run_step tests-logits 40 "${PYTEST[@]}" tests/gpu/test_logits_gpu.py ;;
         tests-overlap) run_step tests-overlap 90 "${PYTEST[@]}" tests/gpu/test_overlap_gpu.py \
                 tests/integration/test_overlap.py -m gpu ;;
         host-profile)
