@@ -17,7 +17,11 @@ checked elsewhere (test_cuda_graph_gpu, test_parity_gpu); this is about where th
 
 from __future__ import annotations
 
+import gc
+import sys
+import threading
 import time
+import traceback
 
 import pytest
 import torch
@@ -91,20 +95,49 @@ def test_launch_does_not_wait_for_the_device(backend, dtype, page_size, graphs, 
     executor = scheduler.executor
     assert isinstance(executor, CudaStreamExecutor)
     launches: list[tuple[ForwardMode, float]] = []
+    where: list[str] = []  # what a slow launch was doing: its stack, garbage collections
     launch_forward = executor.launch_forward
+    gc_s = [0.0, 0.0]  # collection time so far, start of the running collection
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_s[1] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - gc_s[1]
+
+    main = threading.get_ident()
+
+    def snapshot() -> None:  # the launch still runs after half the bar: where is it?
+        frame = sys._current_frames().get(main)
+        if frame is not None:
+            where.append("".join(traceback.format_stack(frame)[-12:]))
 
     def timed(*a: object) -> object:
-        start = time.perf_counter()
-        out = launch_forward(*a)
-        launches.append((a[0].forward_mode, time.perf_counter() - start))  # type: ignore[attr-defined]
+        watch = threading.Timer(WAITED_S / 2, snapshot)
+        gc_before, cpu, start = gc_s[0], time.thread_time(), time.perf_counter()
+        watch.start()
+        try:
+            out = launch_forward(*a)
+        finally:
+            watch.cancel()
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        launches.append((a[0].forward_mode, seconds))  # type: ignore[attr-defined]
+        if seconds > WAITED_S:
+            # the thread's CPU time tells a spinning wait in the driver (about the wall time)
+            # from a thread the host did not run (far below it)
+            where.append(f"^ {a[0].forward_mode.name} {seconds * 1e3:.1f} ms, this thread's "  # type: ignore[attr-defined]
+                         f"CPU {cpu * 1e3:.1f} ms, garbage collection "
+                         f"{(gc_s[0] - gc_before) * 1e3:.1f} ms")
         return out
 
     executor.launch_forward = timed  # type: ignore[method-assign]
     vocab = ModelConfig.from_pretrained(path).vocab_size
     cycles = _sleep_cycles(SLEEP_MS)
+    gc.callbacks.append(on_gc)
     try:
         for rnd in range(2):  # round 0 compiles and warms up every path
             launches.clear()
+            where.clear()
             assert scheduler.flush_cache()
             for i, ids in enumerate(mixed_prompts(vocab, n=4, seed=0, max_len=60)):
                 scheduler.add_request(f"r{rnd}-{i}", ids, _params(12, penalized))
@@ -122,6 +155,10 @@ def test_launch_does_not_wait_for_the_device(backend, dtype, page_size, graphs, 
         modes = {mode for mode, _ in launches}
         assert {ForwardMode.DECODE, ForwardMode.EXTEND} <= modes, modes
         waited = [(mode.name, round(s * 1e3, 1)) for mode, s in launches if s > WAITED_S]
-        assert not waited, f"launches that waited for the device (mode, ms): {waited}"
+        assert not waited, (
+            f"launches that waited for the device (mode, ms): {waited}; where they were "
+            "after half the bar:\n" + "\n".join(where)
+        )
     finally:
+        gc.callbacks.remove(on_gc)
         scheduler.close()
