@@ -82,10 +82,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--num-prompts", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--decode-configs", nargs="+",
-                    default=["cuda_graph", "cuda_graph_flashinfer_decode",
+                    default=["cuda_graph", "cuda_graph_cublas", "cuda_graph_flashinfer_decode",
                              "cuda_graph_cuda_core_decode", "cuda_graph_triton_gemv",
                              "cuda_graph_torch_layers", "cuda_graph_merge_kernel",
-                             "cuda_graph_pdl", "cuda_graph_triton_gemv_pdl", "no_cuda_graph"],
+                             "cuda_graph_cublas_pdl", "no_cuda_graph"],
                     help="decode-bs1's configurations (cuda_graph, the result, always first)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--overlap-preset", default="gpt2-124m",

@@ -1,9 +1,10 @@
 """decode-bs1: ms per output token of one request on a Llama-3.2-1B shaped random model, CUDA
 graphs on and off (and on with flashinfer's decode kernels in place of Triton's, with the
-linear layers on the Triton GEMV, `gemv_backend="triton"`, and with the layers' fused kernels
-off, `disable_layer_kernels`, and with programmatic dependent launches, `enable_pdl`, alone
-and with the GEMV), against bytes per token / HBM bandwidth (datasheet and measured
-copy bandwidth; see gpu_bench.py)."""
+linear layers on cuBLAS, `gemv_backend="torch"`, with and without programmatic dependent
+launches, on the Triton GEMV without them, and with the layers' fused kernels off,
+`disable_layer_kernels`), against bytes per token / HBM bandwidth (datasheet and measured
+copy bandwidth; see gpu_bench.py). The default on CUDA: the Triton GEMV at one row, with
+PDL on Hopper."""
 
 from __future__ import annotations
 
@@ -47,17 +48,20 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                          "copy_bandwidth_measured_Bps": bw_measured,
                          "datasheet_bandwidth_Bps": bw_sheet, "datasheet_bandwidth": bw_name}
     # (label, CUDA graphs, engine overrides): the default (flashinfer prefill, Triton decode
-    # where Triton compiles), flashinfer's decode (auto: its tensor-core kernel for 32/8
-    # heads) and its CUDA-core decode kernel, the linear layers on the Triton GEMV, and eager
+    # where Triton compiles; the Triton GEMV with PDL on Hopper), the linear layers on cuBLAS
+    # (the default before the fourth GPU session) with and without PDL, the GEMV without
+    # PDL, flashinfer's decode (auto: its tensor-core kernel for 32/8 heads) and its
+    # CUDA-core decode kernel, and eager
     fi_decode = {"decode_attention_backend": "flashinfer"}
-    configs = [("cuda_graph", True, {}), ("cuda_graph_flashinfer_decode", True, fi_decode),
+    configs = [("cuda_graph", True, {}),
+               ("cuda_graph_cublas", True, {"gemv_backend": "torch"}),
+               ("cuda_graph_flashinfer_decode", True, fi_decode),
                ("cuda_graph_cuda_core_decode", True,
                 {**fi_decode, "flashinfer_decode_tensor_cores": "off"}),
-               ("cuda_graph_triton_gemv", True, {"gemv_backend": "triton"}),
+               ("cuda_graph_triton_gemv", True, {"gemv_backend": "triton", "enable_pdl": False}),
                ("cuda_graph_torch_layers", True, {"disable_layer_kernels": True}),
                ("cuda_graph_merge_kernel", True, {"triton_decode_merge": "kernel"}),
-               ("cuda_graph_pdl", True, {"enable_pdl": True}),
-               ("cuda_graph_triton_gemv_pdl", True, {"gemv_backend": "triton", "enable_pdl": True}),
+               ("cuda_graph_cublas_pdl", True, {"gemv_backend": "torch", "enable_pdl": True}),
                ("no_cuda_graph", False, {})]
     configs = [c for c in configs if c[0] in args.decode_configs
                and (ctx.cuda or not {"decode_attention_backend", "gemv_backend",
@@ -96,9 +100,9 @@ def decode_bs1(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
     summary = {"decode_bs1_ms_per_token": best["ms_per_token"],
                "decode_bs1_roofline_fraction": best["roofline_fraction"],
                "decode_bs1_roofline_fraction_measured_bw": best["roofline_fraction_measured_bw"]}
-    for label in ("cuda_graph_flashinfer_decode", "cuda_graph_cuda_core_decode",
-                  "cuda_graph_triton_gemv", "cuda_graph_torch_layers",
-                  "cuda_graph_merge_kernel", "cuda_graph_pdl", "cuda_graph_triton_gemv_pdl"):
+    for label in ("cuda_graph_cublas", "cuda_graph_flashinfer_decode",
+                  "cuda_graph_cuda_core_decode", "cuda_graph_triton_gemv",
+                  "cuda_graph_torch_layers", "cuda_graph_merge_kernel", "cuda_graph_cublas_pdl"):
         if label in results:  # (below 1: the default is faster)
             summary[f"decode_bs1_default_vs_{label.removeprefix('cuda_graph_')}"] = (
                 best["ms_per_token"] / results[label]["ms_per_token"])

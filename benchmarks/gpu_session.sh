@@ -52,8 +52,9 @@
 #   ops         benchmarks/gpu_fused_kernels.py --skip-decode: the fused elementwise kernels,
 #               the argmax, and greedy over bf16 logits against their float32 conversion
 #               (gpu_fused_kernels_ops.json)
-#   pdl         tests/gpu/test_pdl_gpu.py (--enable-pdl: the same greedy tokens as plain
-#               launches), decode-bs1 with and without PDL, alone and on the Triton GEMV
+#   pdl         tests/gpu/test_pdl_gpu.py (PDL: the same greedy tokens as plain launches;
+#               on by default with the Triton GEMV), decode-bs1 of the default (GEMV + PDL)
+#               against cuBLAS with and without PDL and the GEMV without it
 #               (gpu_decode_bs1_pdl.json), overlap with PDL (gpu_overlap_pdl.json)
 #   memory      tests/gpu/test_memory_release_gpu.py (sleep levels 1 and 2 free the weights,
 #               the KV pool and the graphs, the same tokens after the wake-up), then
@@ -227,8 +228,8 @@ do_step() {
         pdl)
             run_step pdl-tests 120 "${PYTEST[@]}" tests/gpu/test_pdl_gpu.py
             run_step pdl-decode 150 "${BENCH[@]}" decode-bs1 --profile --tag pdl \
-                --decode-configs cuda_graph cuda_graph_pdl cuda_graph_triton_gemv \
-                cuda_graph_triton_gemv_pdl
+                --decode-configs cuda_graph cuda_graph_cublas cuda_graph_cublas_pdl \
+                cuda_graph_triton_gemv
             run_step pdl-overlap 130 "${BENCH[@]}" overlap --profile --tag pdl \
                 --engine-arg enable_pdl=True ;;
         overlap) run_step overlap 130 "${BENCH[@]}" overlap --profile ;;
@@ -241,7 +242,7 @@ do_step() {
                 tests/unit/test_gemv_engine.py
             run_step gemv-ops 180 python3 benchmarks/gpu_gemv.py
             run_step gemv-decode 120 "${BENCH[@]}" decode-bs1 --profile --tag gemv \
-                --decode-configs cuda_graph cuda_graph_triton_gemv ;;
+                --decode-configs cuda_graph cuda_graph_cublas ;;
         flashinfer-plan)
             run_step flashinfer-plan 60 python3 benchmarks/flashinfer_plan.py --device cuda ;;
         smoke)

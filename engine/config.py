@@ -153,7 +153,7 @@ def _eos_token_ids(path: str, hf: object) -> tuple[int, ...]:
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight", "random")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
-GEMV_BACKENDS = ("torch", "triton")
+GEMV_BACKENDS = ("auto", "torch", "triton")
 GEMV_MAX_ROWS = 16  # kernels.gemv.MAX_M
 DECODE_TENSOR_CORES = ("auto", "on", "off")
 TRITON_DECODE_MERGES = ("fused", "kernel")
@@ -215,17 +215,24 @@ class EngineArgs:
     # each (request, KV head), "kernel" a second launch (the earlier way; A/B on a GPU)
     triton_decode_merge: str = "fused"
     # "triton": inputs of 1..gemv_max_rows rows (decode at small batch) of the dense linear
-    # layers and the lm_head go to the Triton GEMV (kernels/gemv.py) instead of cuBLAS
-    gemv_backend: str = "torch"
-    gemv_max_rows: int = 4
+    # layers and the lm_head go to the Triton GEMV (kernels/gemv.py) instead of cuBLAS;
+    # "auto": triton for 16-bit models on CUDA, torch elsewhere
+    # (engine.layers.linear.resolve_gemv_backend). One row: on the H100 the GEMV beat cuBLAS
+    # at one row on every Llama-3.2-1B projection (1.01-1.33x) and lost at 2-16 on three of
+    # them (0.60-0.78x; benchmarks/results/gpu_gemv.json)
+    gemv_backend: str = "auto"
+    gemv_max_rows: int = 1
     # the model layers' fused Triton kernels (norms with the residual add, SiLU-and-mul,
     # gelu_new, rotary writing the K/V; GPT-2's GELU in its c_fc GEMM's epilogue) off, their
     # torch code instead: A/B runs on a GPU
     disable_layer_kernels: bool = False
-    # programmatic dependent launch of the Triton kernels (compute capability 9.0+; ignored,
-    # with a warning, elsewhere): each may start while the one before it ends, its programs
-    # waiting for it (kernels.jit.use_pdl); off until measured on the H100
-    enable_pdl: bool = False
+    # programmatic dependent launch of the Triton kernels (compute capability 9.0+; asked
+    # for elsewhere, ignored with a warning): each may start while the one before it ends,
+    # its programs waiting for it (kernels.jit.use_pdl). None: on where the Triton GEMV runs
+    # on such a GPU (a decode layer is then Triton kernels but for attention's; on the H100
+    # it made batch-1 decode on the GEMV 1.02-1.04x faster, where beside cuBLAS's GEMMs it
+    # gave 0.90x and 1.02x in two runs: gpu_decode_bs1_pdl.json, gpu_decode_bs1_ab2.json)
+    enable_pdl: bool | None = None
     # flashinfer's decode kernel: "on" the tensor-core (prefill) kernel, "off" the CUDA-core
     # one, "auto" tensor cores from 4 query heads per KV head on (SGLang's rule)
     flashinfer_decode_tensor_cores: str = "auto"

@@ -20,6 +20,7 @@ from engine.cuda_graph_runner import (
 from engine.distributed import SINGLE
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.host_tensors import int64_rows
+from engine.layers.linear import resolve_gemv_backend
 from engine.loader import load_model
 from engine.mem_cache.kv_memory import plan_kv_memory
 from engine.mem_cache.memory_pool import ReqToTokenPool
@@ -93,6 +94,7 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             self.dtype = torch.float32
         torch.manual_seed(args.random_seed)
         use_layer_kernels(not args.disable_layer_kernels)
+        self.gemv_backend = resolve_gemv_backend(args.gemv_backend, self.device, self.dtype)
         use_pdl(self._pdl(args.enable_pdl))
         self.quantization = resolve_quantization(args.quantization, model_config.hf_config)
         self.model = (
@@ -101,7 +103,7 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         )  # fmt: skip
         if self.model is not None:
             self._pad_lm_head()
-        if self.model is not None and args.gemv_backend == "triton":
+        if self.model is not None and self.gemv_backend == "triton":
             self._use_triton_gemv()
         self.weights_path = model_config.path  # the checkpoint the weights are from
         self.lora = (
@@ -176,9 +178,12 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         if self.use_cuda_graph and args.disable_overlap_schedule and self.tp.rank == 0:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
 
-    def _pdl(self, asked: bool) -> bool:
+    def _pdl(self, asked: bool | None) -> bool:
         """`--enable-pdl` where it can work: compiled Triton kernels on a GPU of compute
-        capability 9.0 or later; elsewhere a warning, and ordinary launches."""
+        capability 9.0 or later; elsewhere a warning, and ordinary launches. Not asked either
+        way (None): on where it can work and the linear layers run on the Triton GEMV."""
+        if asked is None:
+            return self.gemv_backend == "triton" and pdl_supported(self.device)
         if not asked:
             return False
         if pdl_supported(self.device):

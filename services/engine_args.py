@@ -211,16 +211,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--gemv-backend",
-        default="torch",
+        default="auto",
         choices=GEMV_BACKENDS,
         help="triton: linear layers (and the lm_head) on inputs of up to --gemv-max-rows rows "
-        "(decode at small batch) use the Triton GEMV instead of cuBLAS",
+        "(decode at small batch) use the Triton GEMV instead of cuBLAS; torch: cuBLAS; auto "
+        "(default): triton for 16-bit models on CUDA, torch elsewhere",
     )
     g.add_argument(
         "--gemv-max-rows",
         type=int,
-        default=4,
-        help=f"the most rows the Triton GEMV takes (1-{GEMV_MAX_ROWS}; default 4)",
+        default=1,
+        help=f"the most rows the Triton GEMV takes (1-{GEMV_MAX_ROWS}; default 1: on the H100 "
+        "it lost to cuBLAS from 2 rows on for most projections)",
     )
     g.add_argument(
         "--disable-layer-kernels",
@@ -230,10 +232,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--enable-pdl",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=None,
         help="launch the Triton kernels as programmatic dependent launches (Hopper and later): "
         "each may start while the one before it finishes, and waits for it in its first "
-        "instruction; ignored with a warning on older GPUs and on the CPU",
+        "instruction; ignored with a warning on older GPUs and on the CPU. By default on "
+        "where the Triton GEMV runs on such a GPU",
+    )
+    g.add_argument(
+        "--disable-pdl",
+        dest="enable_pdl",
+        action="store_const",
+        const=False,
+        help="no programmatic dependent launches, also where the default would use them",
     )
     g.add_argument(
         "--flashinfer-decode-tensor-cores",

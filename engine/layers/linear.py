@@ -74,6 +74,21 @@ class MergedLinear(nn.Linear):
         target.copy_(loaded)
 
 
+def resolve_gemv_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`gemv_backend` "auto": the Triton GEMV for a 16-bit model on CUDA where Triton
+    compiles, "torch" (cuBLAS) elsewhere: on the CPU the GEMV would run in the interpreter,
+    and only 16-bit weights were measured (benchmarks/results/gpu_gemv.json,
+    gpu_decode_bs1_ab2.json: Llama-3.2-1B's batch-1 decode 1.07x faster on it on the H100).
+    A named backend is kept."""
+    if name != "auto":
+        return name
+    from kernels.jit import HAS_TRITON, interpreting
+
+    sixteen_bit = dtype in (torch.float16, torch.bfloat16)
+    on_gpu = device.type == "cuda" and HAS_TRITON and not interpreting()
+    return "triton" if on_gpu and sixteen_bit else "torch"
+
+
 def use_triton_gemv(model: nn.Module, max_rows: int) -> int:
     """Route inputs of 1..max_rows rows of the model's plain linear layers (and of the modules
     with a `gemv_max_rows` attribute: the lm_head matmul, Llama's fused activation and down

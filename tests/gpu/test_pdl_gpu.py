@@ -30,8 +30,22 @@ def test_the_device_supports_pdl():
     assert pdl_supported(torch.device("cuda")) == (major >= 9), (major, minor)
 
 
+@pytest.mark.parametrize("dtype, want", [("bfloat16", True), ("float32", False)])
+def test_by_default_with_the_gemv_on_16_bit_models(dtype, want):
+    """No flag: a 16-bit model on CUDA decodes on the Triton GEMV (gemv_backend auto) and,
+    on Hopper, with PDL; a float32 one on cuBLAS without PDL."""
+    from engine.engine import Engine
+
+    engine = Engine(model_path=tiny_model("llama"), device="cuda", dtype=dtype,
+                    max_total_tokens=4096, disable_cuda_graph=True, skip_tokenizer_init=True)
+    try:
+        assert pdl_on() == (want and pdl_supported(torch.device("cuda")))
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("arch, extra", [
-    ("llama", {}), ("llama", {"gemv_backend": "triton"}), ("gpt2", {}),
+    ("llama", {"gemv_backend": "torch"}), ("llama", {}), ("gpt2", {}),
 ])  # fmt: skip
 def test_engine_greedy_tokens_with_and_without_pdl(arch, extra):
     """16 requests of 16 to 61 tokens, the batch shrinking from 16 rows to 1 as they finish

@@ -96,7 +96,8 @@ def test_gpt2_adds_its_residuals_inside_the_layernorms(monkeypatch):
 
 
 def _pdl_launches(
-    monkeypatch, arch: str, enable_pdl: bool = True, supported: bool = True, **engine_args
+    monkeypatch, arch: str, enable_pdl: bool | None = True, supported: bool = True,
+    **engine_args,
 ) -> list[tuple[str, bool, list[str]]]:
     """Every Triton launch of an engine run, with the device taken as `supported` for PDL (an
     H100 by default): (kernel, its PDL constexpr, what its programs did in order: "program"
@@ -169,12 +170,25 @@ def test_with_pdl_every_program_waits_before_it_touches_memory(monkeypatch, arch
 
 @pytest.mark.parametrize("enable_pdl, supported", [(False, True), (True, False)])
 def test_no_pdl_when_off_or_where_it_cannot_run(monkeypatch, enable_pdl, supported):
-    """The flag off (the default), or on where PDL cannot run (the engine asks
+    """The flag off, or on where PDL cannot run (the engine asks
     `pdl_supported`: compiled Triton on compute capability 9.0+), no launch carries PDL and
     no program executes griddepcontrol."""
     launches = _pdl_launches(monkeypatch, "llama", enable_pdl, supported)
     for name, pdl, events in launches:
         assert pdl is False and "wait" not in events and "launch" not in events, name
+
+
+@pytest.mark.parametrize("gemv", ["triton", "torch"])
+def test_pdl_by_default_where_the_triton_gemv_runs(monkeypatch, gemv):
+    """Neither flag (enable_pdl None): PDL where the device supports it and the linear layers
+    run on the Triton GEMV (the configuration the H100 measured faster with it), not beside
+    cuBLAS's GEMMs."""
+    launches = _pdl_launches(monkeypatch, "llama", None, True, gemv_backend=gemv,
+                             gemv_max_rows=2)  # fmt: skip
+    assert ("_gemv_kernel" in {name for name, _, _ in launches}) == (gemv == "triton")
+    for name, pdl, events in launches:
+        assert pdl is (gemv == "triton"), name
+        assert ("wait" in events) == (gemv == "triton"), name
 
 
 def test_pdl_is_not_supported_on_the_cpu():

@@ -123,13 +123,37 @@ def test_flags_and_validation():
     ns = ap.parse_args(["--model-path", "m", "--gemv-backend", "triton", "--gemv-max-rows", "8"])
     args = engine_args_from(ns)
     assert (args.gemv_backend, args.gemv_max_rows) == ("triton", 8)
-    assert EngineArgs.from_kwargs(model_path="m").gemv_backend == "torch"
+    default = engine_args_from(ap.parse_args(["--model-path", "m"]))
+    assert (default.gemv_backend, default.gemv_max_rows, default.enable_pdl) == ("auto", 1, None)
+    kwargs = EngineArgs.from_kwargs(model_path="m")
+    assert (kwargs.gemv_backend, kwargs.gemv_max_rows, kwargs.enable_pdl) == ("auto", 1, None)
+    for flag, want in (("--enable-pdl", True), ("--disable-pdl", False)):
+        assert engine_args_from(ap.parse_args(["--model-path", "m", flag])).enable_pdl is want
     with pytest.raises(ValueError, match="gemv_backend: 'cublas'"):
         EngineArgs.from_kwargs(model_path="m", gemv_backend="cublas")
     with pytest.raises(ValueError, match="gemv_max_rows: 17 not in 1..16"):
         EngineArgs.from_kwargs(model_path="m", gemv_max_rows=kernels.gemv.MAX_M + 1)
     with pytest.raises(SystemExit):
         ap.parse_args(["--model-path", "m", "--gemv-backend", "cutlass"])
+
+
+@pytest.mark.parametrize("device, dtype, interpreting, want", [
+    ("cuda", torch.bfloat16, False, "triton"),
+    ("cuda", torch.float16, False, "triton"),
+    ("cuda", torch.float32, False, "torch"),  # (measured in 16 bits only)
+    ("cpu", torch.bfloat16, False, "torch"),
+    ("cpu", torch.float32, True, "torch"),  # (the interpreter: a second a token)
+])  # fmt: skip
+def test_auto_is_the_gemv_for_16_bit_models_on_cuda(monkeypatch, device, dtype, interpreting,
+                                                    want):  # fmt: skip
+    import kernels.jit
+    from engine.layers.linear import resolve_gemv_backend
+
+    monkeypatch.setattr(kernels.jit, "interpreting", lambda: interpreting)
+    monkeypatch.setattr(kernels.jit, "HAS_TRITON", True)
+    assert resolve_gemv_backend("auto", torch.device(device), dtype) == want
+    for named in ("torch", "triton"):  # a named backend is kept
+        assert resolve_gemv_backend(named, torch.device(device), dtype) == named
 
 
 def test_refused_where_triton_cannot_run(monkeypatch):
@@ -205,7 +229,7 @@ def test_lora_adapters_keep_their_layers_off_the_fused_prologues():
     outs = []
     for backend in ("triton", "torch"):
         engine = Engine(model_path=path, lora_paths=(f"a={lora}",), gemv_backend=backend,
-                        max_total_tokens=1024, disable_overlap_schedule=True,
+                        device=DEVICE, max_total_tokens=1024, disable_overlap_schedule=True,
                         skip_tokenizer_init=True)  # fmt: skip
         try:
             got = engine.generate(input_ids=prompts, sampling_params=sp, lora_path=["a", None])
