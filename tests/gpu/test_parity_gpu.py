@@ -8,8 +8,10 @@
   tokens) against transformers' full-sequence logits in bfloat16. (b) The whole engine
   (overlap, CUDA graphs on and off): greedy generation with logprobs, then transformers on the
   engine's own sequences: its argmax at each generated position and the logprob of the
-  engine's token. Both must agree on >= 99% of positions; max |delta logprob| of the chosen
-  token is printed. The bf16 models keep transformers' query / key init (qk_scale 1, see
+  engine's token. Both must agree on >= 99% of positions (a model on which transformers'
+  own bf16 misses its float32 more often, the random MoE: sluice's bf16 as close to
+  transformers' float32 as transformers' bf16, see NOISE_MARGIN); max |delta logprob| of
+  the chosen token is printed. The bf16 models keep transformers' query / key init (qk_scale 1, see
   tests/teacher_forcing.py: on the default tiny models' sharper attention transformers' own
   bf16 misses its float32 argmax on ~17% of positions); two runner cases on the sharper
   models are recorded for comparison. Printed and, with SLUICE_WRITE_RESULTS=1, written to
@@ -66,6 +68,11 @@ BF16_ARCHS = (
 )  # fmt: skip
 MIN_AGREEMENT = 0.99  # the issue's bar, on the tie-aware count (see `score`)
 RAW_FLOOR = 0.95  # plain argmax agreement; a real bug (mask, rope, KV slot) lands far below
+# Where transformers' own bf16 agrees with its float32 on fewer than MIN_AGREEMENT of the
+# positions (the random MoE: a bf16 rounding flips expert choices; on the H100 0.887, tie-aware
+# 0.929), two bf16 engines cannot agree to 0.99 either; such a model's bar is instead that
+# sluice's bf16 be as close to transformers' float32 as transformers' bf16 is, within this
+NOISE_MARGIN = 0.02
 # A small KV pool (the default takes 85% of free memory) and few graphs to capture.
 LIMITS = dict(max_total_tokens=1 << 16, max_running_requests=32)
 _ROOT = tempfile.mkdtemp(prefix="sluice-gpu-parity-")
@@ -129,6 +136,12 @@ def bf16_model(arch: str, qk_scale: float = BF16_QK_SCALE) -> str:
 
 
 def _check(stats: dict) -> None:
+    floor = stats.get("transformers_bf16_vs_fp32")
+    if floor is not None and floor["agreement_tie_aware"] < MIN_AGREEMENT:
+        ours = stats["vs_transformers_fp32"]
+        for key in ("agreement_tie_aware", "agreement"):
+            assert ours[key] >= floor[key] - NOISE_MARGIN, (key, ours, floor)
+        return
     assert stats["agreement_tie_aware"] >= MIN_AGREEMENT, stats
     assert stats["agreement"] >= RAW_FLOOR, stats
 
