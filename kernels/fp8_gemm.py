@@ -8,8 +8,9 @@ and vLLM's `w8a8_block_fp8_matmul` compute it for DeepSeek-style FP8 checkpoints
 
 Per-channel weights with per-token activations are the same with group_n = 1, group_k = K.
 The kernel walks K in BLOCK_K steps that never straddle a group, multiplies the float8 tiles
-(tensor cores on the GPU, fp32 accumulation) and adds each partial product times its row's
-activation scale and its column's weight scale. `fp8_gemm_reference` is the same in torch.
+(tensor cores on the GPU for 16-bit outputs, in float32 for float32 ones: `upcast`) and adds
+each partial product times its row's activation scale and its column's weight scale.
+`fp8_gemm_reference` is the same in torch.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ if HAS_TRITON:
         GROUP_N: tl.constexpr,
         GROUP_K: tl.constexpr,
         HAS_BIAS: tl.constexpr,
-        UPCAST: tl.constexpr,  # multiply in float32 (the interpreter; K steps under 32)
+        UPCAST: tl.constexpr,  # multiply in float32 (`upcast`)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -152,6 +153,17 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def upcast(out_dtype: torch.dtype, block_k: int) -> bool:
+    """Whether the kernel multiplies its float8 tiles in float32 (IEEE) rather than on the
+    float8 tensor cores: in the interpreter, for K steps under 32 (the MMAs take steps of 32),
+    and for float32 outputs, the exactness path (as attention's float32 dots). On the H100 a
+    float32 model's FP8 layers on the float8 MMAs missed transformers' float32 W8A8 by a mean
+    |delta logprob| of 0.22 (0.014 on the CPU, whose interpreter multiplies in float32):
+    Hopper's float8 MMAs are known to accumulate with fewer bits than float32 (DeepSeek-V3's
+    report: about 14), and every next layer's float8 rounding of its input magnifies that."""
+    return interpreting() or block_k < 32 or out_dtype == torch.float32
 
 
 def block_k_for(group_k: int, k: int) -> int | None:
@@ -195,7 +207,7 @@ def fp8_gemm(
         GROUP_N=group_n,
         GROUP_K=group_k if group_k < k else k + block_k,  # one group: every step is group 0
         HAS_BIAS=bias is not None,
-        UPCAST=interpreting() or block_k < 32,  # float8 MMAs take K steps of 32
+        UPCAST=upcast(out_dtype, block_k),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -64,7 +64,8 @@ def test_a_zero_block_gets_a_finite_scale():
     ids=["per-channel", "per-channel-ragged", "block16", "block32-ragged"],
 )
 @pytest.mark.parametrize("bias", [False, True])
-def test_triton_gemm_matches_reference(m, n, k, group, bias):
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_triton_gemm_matches_reference(m, n, k, group, bias, out_dtype):
     from kernels.fp8_gemm import fp8_gemm
 
     x, w = _randn(m, k, seed=1), _randn(n, k, seed=2) * 0.1
@@ -73,20 +74,38 @@ def test_triton_gemm_matches_reference(m, n, k, group, bias):
     w_q, w_s = quantize_groups(w, *group)
     args = [t.to(DEVICE) if t is not None else None for t in (x_q, x_s, w_q, w_s)]
     bias_dev = b.to(DEVICE) if b is not None else None
-    got = fp8_gemm(*args, group, bias_dev, torch.float32).cpu()
+    got = fp8_gemm(*args, group, bias_dev, out_dtype).float().cpu()
     want = fp8_gemm_reference(x_q, x_s, w_q, w_s, group, b, torch.float32)
-    if DEVICE == "cpu" or m <= 16 or k < 32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a bf16 ulp: the GPU rounds to nearest (half an ulp), the interpreter truncates
+    rounding = 2.0**-7 * want.abs() if out_dtype == torch.bfloat16 else 0
+    if out_dtype == torch.float32 or DEVICE == "cpu" or m <= 16 or k < 32:
+        # float32 outputs multiply in float32 on the GPU too (`upcast`): the float32
+        # arithmetic to its rounding
+        assert ((got - want).abs() <= rounding + 1e-5 + 1e-5 * want.abs()).all()
     else:
-        # Compiled with M > 16 (64-row tiles: Hopper's wgmma) the float8 MMA accumulates
-        # with about 14 mantissa bits within a K step (DeepSeek-V3 report, 3.3.2), not in
-        # float32: bounded relative to the sum of the products' magnitudes
+        # A 16-bit output compiled with M > 16 (64-row tiles: Hopper's wgmma): the float8 MMA
+        # accumulates with about 14 mantissa bits within a K step (DeepSeek-V3 report,
+        # 3.3.2), not in float32: bounded relative to the sum of the products' magnitudes
         size = dequantize_groups(x_q, x_s, (1, group[1])).abs()
         size = size @ dequantize_groups(w_q, w_s, group).abs().T
-        assert ((got - want).abs() <= 2.0**-11 * size + 1e-5).all()
+        assert ((got - want).abs() <= 2.0**-11 * size + rounding + 1e-5).all()
     # and the arithmetic is the quantized operands', close to the full-precision product
     exact = x @ w.T + (b if b is not None else 0)
     assert (got - exact).norm() / exact.norm() < 0.06
+
+
+def test_float32_outputs_multiply_in_float32():
+    """The float8 tensor cores only for 16-bit outputs, and K steps of 32 or more; the
+    interpreter always multiplies in float32."""
+    from kernels import fp8_gemm
+
+    for interp in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(fp8_gemm, "interpreting", lambda interp=interp: interp)
+            assert fp8_gemm.upcast(torch.float32, 128)
+            assert fp8_gemm.upcast(torch.bfloat16, 16)
+            assert fp8_gemm.upcast(torch.bfloat16, 128) == interp
+            assert fp8_gemm.upcast(torch.float16, 64) == interp
 
 
 @pytest.mark.parametrize("group", [None, (16, 16)])
