@@ -200,6 +200,9 @@ def fp8_gemm(
     out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
     block_m = 16 if m <= 16 else 64
     block_n = 64 if m <= 16 else 128
+    slow = upcast(out_dtype, block_k)
+    if slow and not interpreting():  # float32 tiles in registers: smaller ones (no spills)
+        block_m, block_n, block_k = min(block_m, 32), 64, min(block_k, 32)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
     _fp8_gemm_kernel[grid](
         a_q, a_s, w_q, w_s, bias if bias is not None else out, out,
@@ -207,7 +210,7 @@ def fp8_gemm(
         GROUP_N=group_n,
         GROUP_K=group_k if group_k < k else k + block_k,  # one group: every step is group 0
         HAS_BIAS=bias is not None,
-        UPCAST=upcast(out_dtype, block_k),
+        UPCAST=slow,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
