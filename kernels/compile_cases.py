@@ -17,7 +17,7 @@ from kernels.activation import gelu_new, silu_and_mul
 from kernels.argmax import argmax_rows
 from kernels.decode_attention import decode_attention, merge_counters
 from kernels.extend_attention import extend_attention
-from kernels.fp8_gemm import fp8_gemm
+from kernels.fp8_gemm import fp8_gemm, quantize_rows
 from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
@@ -238,6 +238,10 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for tokens in (4, 1024):  # 16-row and 64-row blocks
                 labels = {"dtype": name, "case": f"fp8 gemm group {group} T{tokens}"}
                 yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
+        for k, group_cols in ((4096, 4096), (8192, 128)):  # per token; a block checkpoint's
+            labels = {"dtype": name, "case": f"fp8 quantize K{k} group {group_cols}"}
+            yield labels, functools.partial(quantize_rows, torch.empty(4, k, dtype=dtype),
+                                            group_cols)  # fmt: skip
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
     for name in ("float32", "bfloat16"):  # greedy sampling's logits (float32 in the engine)
@@ -294,6 +298,7 @@ def _pdl_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         ),
         moe_case(MOE_SHAPES[0], 4): part(_launch_moe, bf16, MOE_SHAPES[0], 4),
         "fp8 gemm group (128, 128) T4": part(_launch_fp8, bf16, (128, 128), 4),
+        "fp8 quantize K2048": part(quantize_rows, torch.empty(1, 2048, dtype=bf16), 2048),
     }  # fmt: skip
     x1 = torch.zeros(1, 2048, dtype=bf16)
     norm = RMSNormInput(torch.zeros(2048, dtype=bf16), 1e-5, x1, torch.zeros_like(x1))

@@ -217,3 +217,83 @@ def fp8_gemm(
         **launch_opts(4),
     )  # fmt: skip
     return out
+
+
+# -- activations quantized in one launch (the GPU's per-forward `quantize_groups(x, 1, gc)`) --
+QUANT_BLOCK = 1024  # columns a step: two passes over a group (its largest magnitude, then q)
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _round_to_e4m3(v):
+        """float32 v (|v| <= 448) rounded to the nearest float8 e4m3fn value, ties to even
+        (torch's conversion), still in float32: the cast after it is then exact whatever
+        rounding the cast has (the interpreter's truncates). Normal values keep 3 of their 23
+        mantissa bits (integer rounding of the bit pattern); below 2^-6 the subnormals are
+        multiples of 2^-9 (adding and taking away 1.5 * 2^23 rounds to an integer, to even);
+        zeros keep their sign."""
+        bits = v.to(tl.int32, bitcast=True)
+        lsb = (bits >> 20) & 1
+        normal = (((bits + 0x7FFFF + lsb) >> 20) << 20).to(tl.float32, bitcast=True)
+        subnormal = ((tl.abs(v) * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        subnormal = tl.where(bits < 0, -subnormal, subnormal)  # the sign, of zero too
+        return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
+
+    @triton.jit
+    def _quantize_rows_kernel(
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        K,
+        stride_xm,
+        stride_qm,
+        stride_sm,
+        GROUP: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """One program per (row, group of GROUP columns): quantize_groups' arithmetic to the
+        bit (IEEE divisions, round-to-nearest-even float8 of the clamped quotient)."""
+        pdl_prologue(PDL)
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        x_row = x_ptr + row.to(tl.int64) * stride_xm
+        q_row = q_ptr + row.to(tl.int64) * stride_qm
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c in range(0, GROUP, BLOCK):
+            cols = group * GROUP + c + offs
+            mask = (c + offs < GROUP) & (cols < K)
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        top = tl.maximum(tl.max(amax, axis=0), 1e-12)  # (_MIN_SCALE)
+        scale = tl.math.div_rn(top, 448.0)  # (FP8_MAX) IEEE, as torch's division
+        tl.store(s_ptr + row.to(tl.int64) * stride_sm + group, scale)
+        for c in range(0, GROUP, BLOCK):
+            cols = group * GROUP + c + offs
+            mask = (c + offs < GROUP) & (cols < K)
+            x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+            tl.store(q_row + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor, group_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_groups(x, 1, group_cols)` in one Triton launch, bit for bit: per row and
+    group of `group_cols` columns, float8 values and float32 scales. On the GPU the torch
+    version is about ten kernels (the conversion, abs, amax, clamp, two divisions, the
+    float8 cast...) per linear layer and forward: a thousand a decode step of an FP8
+    Llama-3.2-1B, which the H100 measured at 0.55-0.58x of bf16's decode speed."""
+    rows, cols = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    gc = min(group_cols, cols)
+    groups = cdiv(cols, gc)
+    q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    if rows == 0:
+        return q, scale
+    _quantize_rows_kernel[(rows, groups)](
+        x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0),
+        GROUP=gc, BLOCK=min(QUANT_BLOCK, next_pow2(gc, 16)), **launch_opts(4),
+    )  # fmt: skip
+    return q, scale

@@ -70,6 +70,22 @@ def test_quantization_is_the_same_on_cuda_and_cpu(rows, cols, group):
     assert torch.equal(q_cuda.cpu().view(torch.uint8), q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("rows,cols,group_cols", [(1, 2048, 2048), (7, 8192, 128),
+                                                   (300, 2048, 128), (64, 3000, 3000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_one_launch_quantization_is_the_cpus_to_the_bit(rows, cols, group_cols, dtype):
+    """`quantize_rows` (fp8_linear's activations on CUDA, one Triton launch) against the
+    CPU's torch `quantize_groups`: the same float32 scales and float8 bits."""
+    from kernels.fp8_gemm import quantize_groups, quantize_rows
+
+    g = torch.Generator().manual_seed(rows + cols)
+    x = (torch.randn(rows, cols, generator=g) * 3).to(dtype)
+    q, s = quantize_groups(x, 1, group_cols)
+    q_cuda, s_cuda = quantize_rows(x.cuda(), group_cols)
+    assert torch.equal(s_cuda.cpu(), s)
+    assert torch.equal(q_cuda.cpu().view(torch.uint8), q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("m", [1, 7, 64, 300])
 @pytest.mark.parametrize(
     "n,k,group", [(4096, 2048, (1, 2048)), (2560, 2048, (128, 128)), (2048, 8192, (128, 128))]

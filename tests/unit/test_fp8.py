@@ -94,6 +94,55 @@ def test_triton_gemm_matches_reference(m, n, k, group, bias, out_dtype):
     assert (got - exact).norm() / exact.norm() < 0.06
 
 
+@needs_triton
+@pytest.mark.parametrize("rows,cols,group_cols", [
+    (1, 64, 64), (5, 100, 100), (7, 256, 128), (3, 300, 128), (2, 2500, 2500), (4, 96, 4096),
+])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_quantize_rows_is_quantize_groups_to_the_bit(rows, cols, group_cols, dtype):
+    """The one-launch activation quantization (fp8_linear's on the GPU) against the torch
+    one: the same scales and float8 bits, ragged last groups and groups longer than a
+    kernel step included; values spread over 2^-20..2^8 so that float8 subnormals and ties
+    of the rounding occur."""
+    from kernels.fp8_gemm import quantize_rows
+
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-20, 8, (rows, cols),
+                                                                        generator=g).float())
+    if rows:
+        x[0, : min(cols, 7)] = torch.tensor([0.0, 448.0, -3.0, 2.5, -0.0, 1e-30, 7.0])[:cols]
+    x = x.to(dtype)
+    want_q, want_s = quantize_groups(x, 1, group_cols)
+    q, s = quantize_rows(x.to(DEVICE), group_cols)
+    assert q.dtype == FP8_DTYPE and s.dtype == torch.float32
+    assert torch.equal(s.cpu(), want_s)
+    assert torch.equal(q.cpu().view(torch.uint8), want_q.view(torch.uint8))
+    if dtype == torch.float32:  # no rows (quantize_groups divides by the row count)
+        q, s = quantize_rows(x[:0].to(DEVICE), group_cols)
+        assert q.shape == (0, cols) and s.shape == (0, -(-cols // min(group_cols, cols)))
+
+
+@needs_triton
+def test_quantize_rows_rounds_every_float8_tie_to_even():
+    """With a row whose largest magnitude is 448 (scale exactly 1) the kernel's float8 values
+    are its rounding of the inputs: every value of e4m3fn, every midpoint between two
+    neighbours (the ties, normal and subnormal) and the floats just either side of each,
+    both signs, against torch's conversion."""
+    from kernels.fp8_gemm import quantize_rows
+
+    codes = torch.arange(0, 0x7F, dtype=torch.uint8)  # 0x7F is NaN
+    values = codes.view(FP8_DTYPE).float()  # 0 .. 448, increasing
+    mids = (values[:-1] + values[1:]) / 2  # exact in float32
+    near = torch.cat([torch.nextafter(mids, torch.zeros_like(mids)),
+                      torch.nextafter(mids, torch.full_like(mids, 1e9))])  # fmt: skip
+    row = torch.cat([values, mids, near])
+    row = torch.cat([torch.tensor([448.0]), row, -row])[None, :]
+    q, scale = quantize_rows(row.to(DEVICE), row.shape[1])
+    assert scale.item() == 1.0
+    want = row.to(FP8_DTYPE)
+    assert torch.equal(q.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
 def test_float32_outputs_multiply_in_float32():
     """The float8 tensor cores only for 16-bit outputs, and K steps of 32 or more; the
     interpreter always multiplies in float32."""
