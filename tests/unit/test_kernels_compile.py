@@ -37,6 +37,8 @@ MOE_CASES = [
 ]
 # the FP8 W8A8 GEMM of a 4096 x 4096 layer: 128 x 128 block scales and per-channel ones
 FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
+# its activations' quantization: per token (K 4096) and in 128-column groups (K 8192)
+FP8_QUANT_CASES = ("fp8 quantize K4096 group 4096", "fp8 quantize K8192 group 128")
 # an FP8 KV cache: bf16/fp16 queries over float8 pools (GQA shapes), store_kv of float8 rows
 FP8_KV_CASES = ("kv e4m3", "kv e5m2")
 # the elementwise kernels: RMSNorm (with the residual add or not) up to the widest row it takes,
@@ -74,6 +76,7 @@ PDL_VARIANTS = [
     ("_grouped_gemm_kernel", "bfloat16", None, None, None, "pdl moe H2048 E128 k8 I768 T4 #1"),
     ("_grouped_gemm_kernel", "bfloat16", None, None, None, "pdl moe H2048 E128 k8 I768 T4 #2"),
     ("_fp8_gemm_kernel", "bfloat16", None, None, None, "pdl fp8 gemm group (128, 128) T4"),
+    ("_quantize_rows_kernel", "bfloat16", None, None, None, "pdl fp8 quantize K2048"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv add_rms_norm M1 N3072 K2048"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv silu_mul M1 N2048 K8192"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv M4 N2048 K2048"),
@@ -126,6 +129,11 @@ def expected_variants() -> list[tuple]:
         ("_fp8_gemm_kernel", dtype, None, None, None, case)
         for dtype in DTYPES
         for case in FP8_CASES
+    ]
+    rows += [
+        ("_quantize_rows_kernel", dtype, None, None, None, case)
+        for dtype in DTYPES
+        for case in FP8_QUANT_CASES
     ]
     rows += [
         (kernel, dtype, head_dim, hq, hk, case)
