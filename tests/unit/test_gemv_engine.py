@@ -215,6 +215,25 @@ def test_engine_logits_match_torch_with_qk_norms_and_experts(arch, gemv_calls):
     assert len(normed) == steps * (2 if arch == "qwen3" else 1) * 2  # (2 layers)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["phi3", "glm4", "granite", "olmo2", "gemma2", "gpt2",
+                                  "deepseek_v3"])  # fmt: skip
+def test_every_family_decodes_alike_on_the_gemv(arch, gemv_calls):
+    """The GEMV is the default for 16-bit models on CUDA, so every architecture's one-row
+    decode steps take it: partial rotary (Phi-3), sandwich norms (GLM-4), multipliers
+    (Granite), post norms (OLMo 2), Gemma's norms and GELU MLP, GPT-2, DeepSeek's MLA
+    projections. The logits of every step equal the cuBLAS / torch run's."""
+    from tests.factories import tiny_model
+
+    path = tiny_model(arch)
+    got = _engine_logits(path, "torch_native", 16, gemv_backend="triton", gemv_max_rows=1)
+    want = _engine_logits(path, "torch_native", 16, gemv_backend="torch")
+    assert len(got) == len(want) > 2
+    assert 1 in gemv_calls.rows  # the decode steps of one request went to the GEMV
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"{arch} step {step}")
+
+
 def test_lora_adapters_keep_their_layers_off_the_fused_prologues():
     """LoRA wraps qkv_proj / down_proj (no `weight` of its own): the decoder layer and the MLP
     see a projection that is not a plain one and take the unfused path for it; the greedy
