@@ -9,7 +9,7 @@ from __future__ import annotations
 # and GPT-2's ignore it).
 _SLIDING_WINDOW_TYPES = (
     "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3_text",
-    "phi3", "ministral3", "smollm3", "olmo3",
+    "phi3", "ministral3", "smollm3", "olmo3", "gpt_oss",
 )  # fmt: skip
 # Architectures whose transformers implementation soft-caps attention scores by
 # `config.attn_logit_softcapping`.

@@ -65,7 +65,20 @@ class RunnerAttention:
         Triton's decode step took 0.84-0.91x flashinfer's from batch 8 at 8k tokens to batch
         256 at 512, 1.07x at batch 1 over 8k, and its graph replays plan nothing on the host;
         prefill stays flashinfer's. Where Triton cannot read the cache (float8 e4m3 before
-        sm_89), decode stays flashinfer's."""
+        sm_89), decode stays flashinfer's. A model with attention sinks (gpt-oss) runs on
+        torch_native, the one backend that computes them; naming another is an error."""
+        if self._has_attention_sinks():
+            args = self.args
+            named = {args.attention_backend, args.prefill_attention_backend,
+                     args.decode_attention_backend} - {None, "torch_native"}  # fmt: skip
+            if named:
+                raise ValueError(
+                    f"this model's attention has sinks (gpt-oss), which only the torch_native "
+                    f"backend computes so far; asked for {sorted(named)}"
+                )
+            if torch.device(self.device).type == "cuda":
+                logger.warning("attention sinks: the torch_native backend, no CUDA graphs")
+            return "torch_native", "torch_native"
         name = self._attention_backend_name()
         decode = name
         if name == "flashinfer" and not self.args.attention_backend:
@@ -79,6 +92,12 @@ class RunnerAttention:
                     decode = "triton"
         args = self.args
         return args.prefill_attention_backend or name, args.decode_attention_backend or decode
+
+    def _has_attention_sinks(self) -> bool:
+        model = getattr(self, "model", None)
+        if model is None:  # (a host-only runner: the config says it)
+            return getattr(self.model_config.hf_config, "model_type", None) == "gpt_oss"
+        return any(getattr(m, "sinks", None) is not None for m in model.modules())
 
     def _attention_backend_name(self) -> str:
         """`attention_backend` when given; by default flashinfer on CUDA where it can run this

@@ -243,6 +243,16 @@ ARCH_CONFIGS = {
     "mistral3-multimodal-tied": lambda: transformers.Mistral3Config(
         **{**ARCH_CONFIGS["mistral3-multimodal"]().to_dict(), "tie_word_embeddings": True}
     ),
+    # gpt-oss: attention sinks, q/k/v/o biases, layer 0 windowed (5 keys) and layer 1 full,
+    # YaRN past 16 positions (not truncated), 4 experts (top 2) with clamped SwiGLU and biases
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **{**LLAMA_SHAPE, "num_hidden_layers": 2}, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
+                             beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+        **PHI3_IDS,
+    ),  # fmt: skip
     "gpt2": lambda: transformers.GPT2Config(
         n_embd=64,
         n_layer=2,

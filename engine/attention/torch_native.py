@@ -118,7 +118,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         """keys/values [B, kv_heads, L, D]; query heads of one KV group become query rows."""
         group = layer.num_heads // layer.num_kv_heads
         q = q.reshape(batch_size, layer.num_kv_heads, group, layer.head_dim)
-        out = sdpa(q, keys, values, mask, False, layer, scale)
+        sinks = getattr(layer, "sinks", None)
+        if sinks is not None:  # (query heads as [kv head, group] rows, as q)
+            sinks = sinks.view(layer.num_kv_heads, group, 1)
+        out = sdpa(q, keys, values, mask, False, layer, scale, sinks)
         return out.reshape(batch_size, layer.num_heads * layer.head_dim)
 
     @staticmethod
@@ -140,6 +143,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if group > 1:
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-        out = sdpa(q, keys, values, mask, causal, layer, scale)
+        sinks = getattr(layer, "sinks", None)
+        if sinks is not None:  # (one per query head: [heads, Q, L] scores)
+            sinks = sinks.view(layer.num_heads, 1, 1)
+        out = sdpa(q, keys, values, mask, causal, layer, scale, sinks)
         out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
         return out.index_select(0, md.out_index)

@@ -21,24 +21,33 @@ def sdpa(
     causal: bool,
     layer: AttentionLayer,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`scaled_dot_product_attention` at `scale` (default: the layer's), its scores soft-capped
     if the layer says so. q [..., Q, D], keys/values [..., L, D]; `mask` bool, broadcast to
-    [..., Q, L]; `causal`: the top-left causal mask instead (Q == L)."""
+    [..., Q, L]; `causal`: the top-left causal mask instead (Q == L). `sinks` (the layer's,
+    shaped to broadcast to the scores' [..., Q, 1]): one more logit in each softmax, whose
+    weight goes to no value (gpt-oss's attention sinks)."""
     cap = logit_cap(layer)
     scale = layer.scaling if scale is None else scale
-    if not cap:
+    if not cap and sinks is None:
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=causal, scale=scale
         )
     scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap:
+        scores = torch.tanh(scores / cap) * cap
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
-    return torch.matmul(probs, values)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    if sinks is not None:
+        column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, column), dim=-1).softmax(-1, dtype=dtype)[..., :-1]
+    else:
+        probs = scores.softmax(-1, dtype=dtype)
+    return torch.matmul(probs.to(q.dtype), values)
 
 
 def subset_batch(fb: ForwardBatch, rows: list[int]) -> tuple[SimpleNamespace, torch.Tensor]:

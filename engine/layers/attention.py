@@ -26,6 +26,10 @@ class PagedAttention(nn.Module):
     `logit_cap` c (None: none): each score s = scaling * q.k becomes c * tanh(s / c) before
     the mask and the softmax (Gemma 2's `attn_logit_softcapping`).
 
+    `sinks` (gpt-oss's): a learned logit per query head, `self.sinks` [num_heads], that joins
+    each softmax as one more key with no value: the weights of the real keys sum to less than
+    one. Only the torch_native backend computes it (engine/model_runner's backend choice).
+
     q: [num_tokens, num_heads * head_dim] (or [num_tokens, num_heads, head_dim]);
     k, v: [num_tokens, num_kv_heads * head_dim]; returns [num_tokens, num_heads * head_dim].
     """
@@ -39,6 +43,7 @@ class PagedAttention(nn.Module):
         scaling: float,
         sliding_window: int | None = None,
         logit_cap: float | None = None,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
@@ -54,6 +59,7 @@ class PagedAttention(nn.Module):
         if logit_cap is not None and not logit_cap > 0:
             raise ValueError(f"logit_cap must be positive (got {logit_cap})")
         self.logit_cap = logit_cap
+        self.sinks = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if sinks else None
 
     def forward(
         self,
@@ -74,4 +80,5 @@ class PagedAttention(nn.Module):
             f"head_dim={self.head_dim}, scaling={self.scaling:.4g}"
             + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")
             + (f", logit_cap={self.logit_cap}" if self.logit_cap else "")
+            + (", sinks" if self.sinks is not None else "")
         )

@@ -1,5 +1,6 @@
 """One implementation for the Llama family: Llama, Mistral, Ministral 3, Qwen2, Qwen3,
-Granite, SmolLM3, Seed-OSS and ERNIE 4.5 (GLM-4's layer too, engine/models/glm4.py).
+Granite, SmolLM3, Seed-OSS and ERNIE 4.5 (GLM-4's layer too, engine/models/glm4.py, and
+gpt-oss's, engine/models/gpt_oss.py).
 
 The variants differ only in small switches, held as class attributes:
 * Qwen2 puts a bias on q/k/v (not on o_proj);
@@ -92,6 +93,7 @@ class LlamaAttention(nn.Module):
             self.head_dim,
             variant.attention_scale(config, self.head_dim),
             sliding_window=layer_sliding_windows(config, config.num_hidden_layers)[layer_id],
+            sinks=variant.attention_sinks,
         )
 
     def forward(
@@ -314,6 +316,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         return False
 
     interleaved_rope = False  # rope over pairs (x0, x1), (x2, x3)...: GLM-4's, ERNIE 4.5's
+    attention_sinks = False  # a learned logit per head in each softmax: gpt-oss's
 
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__()

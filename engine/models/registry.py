@@ -42,6 +42,7 @@ _MODELS = {
     "SeedOssForCausalLM": "engine.models.llama:SeedOssForCausalLM",
     "Ernie4_5ForCausalLM": "engine.models.llama:Ernie4_5ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "engine.models.llama_moe:Ernie4_5_MoeForCausalLM",
+    "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
     "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",

@@ -36,6 +36,8 @@ def save_random_model(arch: str, path: str, **save_kwargs: object) -> None:
         for name, tensor in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's, GLM-4.5's, ERNIE's)
                 tensor.normal_(0.0, 0.1)
+            if name.endswith("_proj_bias"):  # (gpt-oss's experts': zeros at init)
+                tensor.normal_(0.0, 0.2)
     model.save_pretrained(path, safe_serialization=True, **save_kwargs)
 
 

@@ -1,0 +1,85 @@
+"""gpt-oss (`GptOssForCausalLM`, OpenAI's open-weight models: gpt-oss-20b, gpt-oss-120b).
+
+Llama's layer (engine/models/llama.py) with:
+* biases on q, k, v and o_proj, every other layer windowed (`layer_types`, a window of 128),
+  YaRN rope;
+* attention sinks: a learned logit per query head joins each softmax as a key without a
+  value (`PagedAttention.sinks`), so the real keys' weights sum to less than one. Only the
+  torch_native backend computes them so far (engine/runner_attention.py chooses it);
+* a mixture of experts in every layer: a router with a bias picks the top k experts, whose
+  weights are the softmax of those k logits; each expert is a clamped SwiGLU with biases,
+  `(up + 1) * gate * sigmoid(alpha * gate)` with gate clamped from above and up from both
+  sides at `swiglu_limit`, its gate and up columns interleaved in `gate_up_proj`.
+
+The experts keep the checkpoint's layout ([experts, in, out] for both projections) and run
+as one matmul per expert the batch routes to. Checkpoints in MXFP4 (the published ones) are
+refused with the reason (engine/quantization.py); their bf16 conversions load. Tensor
+parallelism is refused too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+
+
+class GptOssExperts(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        experts, hidden, inter = (
+            config.num_local_experts, config.hidden_size, config.intermediate_size
+        )  # fmt: skip
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * inter))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * inter))
+        self.down_proj = nn.Parameter(torch.empty(experts, inter, hidden))
+        self.down_proj_bias = nn.Parameter(torch.empty(experts, hidden))
+        self.alpha = float(getattr(config, "swiglu_alpha", 1.702))
+        self.limit = float(config.swiglu_limit)
+
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H]; experts and weights [T, k]: each token's experts and their weights."""
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            token, slot = torch.where(experts == e)
+            gate_up = x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+            gate = gate_up[:, ::2].clamp(max=self.limit)
+            up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+            y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ self.down_proj[e]
+            y = (y + self.down_proj_bias[e]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(x.dtype))
+        return out
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
+        self.experts = GptOssExperts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, experts = torch.topk(self.router(x), self.top_k, dim=-1)
+        return self.experts(x, experts, torch.softmax(top, dim=-1, dtype=top.dtype))
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    attention_sinks = True
+    supports_tensor_parallel = False
+
+    @staticmethod
+    def attention_biases(config) -> tuple[bool, bool]:
+        bias = bool(getattr(config, "attention_bias", True))
+        return bias, bias
+
+    @staticmethod
+    def make_mlp(config, layer_id: int) -> nn.Module:
+        return GptOssMoE(config)
+
+    def _map_weight(self, name: str, tensor: torch.Tensor):
+        if name.endswith(".self_attn.sinks"):  # the attention layer's, in PagedAttention
+            name = name.removesuffix("sinks") + "attn.sinks"
+        return super()._map_weight(name, tensor)

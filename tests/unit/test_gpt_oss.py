@@ -1,0 +1,63 @@
+"""gpt-oss through the whole engine (the float64 layer-by-layer parity is in test_models.py):
+greedy generation against transformers' with the prefix cache, chunked prefill and a batch
+whose requests cross the sliding window; the attention backend it must run on; MXFP4
+checkpoints refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.factories import assert_greedy_match, hf_greedy
+from tests.unit.test_models import save_random_model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("gpt_oss"))
+    save_random_model("gpt_oss", path)
+    return path
+
+
+def _engine(path: str, **kwargs: object):
+    from engine.engine import Engine
+
+    return Engine(model_path=path, max_total_tokens=2048, skip_tokenizer_init=True,
+                  **kwargs)  # fmt: skip
+
+
+def test_greedy_matches_transformers(gpt_oss):
+    prompts = [list(range(3, 20)), [7, 8, 9], list(range(30, 42)) * 2]
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    engine = _engine(gpt_oss, chunked_prefill_size=16)
+    try:
+        first = engine.generate(input_ids=prompts, sampling_params=sp)
+        again = engine.generate(input_ids=prompts[:1], sampling_params=sp)  # cached prefix
+    finally:
+        engine.shutdown()
+    assert again[0]["meta_info"]["cached_tokens"] > 0
+    assert again[0]["output_ids"] == first[0]["output_ids"]
+    for prompt, out in zip(prompts, first, strict=True):
+        want = hf_greedy(gpt_oss, prompt, 12)
+        assert_greedy_match(gpt_oss, prompt, out["output_ids"], want)
+
+
+@pytest.mark.parametrize("flags", [{"attention_backend": "triton"},
+                                   {"decode_attention_backend": "flashinfer"}])
+def test_backends_without_sinks_are_refused(gpt_oss, flags):
+    # (a RuntimeError where the runner starts in the CPU's device process, with the reason)
+    with pytest.raises((ValueError, RuntimeError), match="only the torch_native backend"):
+        _engine(gpt_oss, **flags)
+
+
+def test_mxfp4_checkpoints_are_refused_with_the_reason(gpt_oss, tmp_path):
+    for name in os.listdir(gpt_oss):
+        os.symlink(os.path.join(gpt_oss, name), tmp_path / name)
+    config = json.load(open(os.path.join(gpt_oss, "config.json")))
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    os.unlink(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized with 'mxfp4', which sluice does not run"):
+        _engine(str(tmp_path))
