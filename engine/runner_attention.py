@@ -66,19 +66,20 @@ class RunnerAttention:
         256 at 512, 1.07x at batch 1 over 8k, and its graph replays plan nothing on the host;
         prefill stays flashinfer's. Where Triton cannot read the cache (float8 e4m3 before
         sm_89), decode stays flashinfer's. A model with attention sinks (gpt-oss) runs on
-        torch_native, the one backend that computes them; naming another is an error."""
+        Triton where no backend is named (torch_native on CPU), and flashinfer is refused:
+        those two and torch_native compute the sinks."""
         if self._has_attention_sinks():
             args = self.args
             named = {args.attention_backend, args.prefill_attention_backend,
-                     args.decode_attention_backend} - {None, "torch_native"}  # fmt: skip
-            if named:
+                     args.decode_attention_backend}  # fmt: skip
+            if "flashinfer" in named:
                 raise ValueError(
-                    f"this model's attention has sinks (gpt-oss), which only the torch_native "
-                    f"backend computes so far; asked for {sorted(named)}"
+                    "this model's attention has sinks (gpt-oss), which the triton and "
+                    "torch_native backends compute, not flashinfer"
                 )
-            if torch.device(self.device).type == "cuda":
-                logger.warning("attention sinks: the torch_native backend, no CUDA graphs")
-            return "torch_native", "torch_native"
+            name = args.resolved_attention_backend
+            name = "triton" if name == "flashinfer" else name
+            return args.prefill_attention_backend or name, args.decode_attention_backend or name
         name = self._attention_backend_name()
         decode = name
         if name == "flashinfer" and not self.args.attention_backend:

@@ -38,6 +38,9 @@ WINDOW_HEAD_SHAPES = ((32, 8), (28, 4))
 # local layers (window 4096, scores capped at 50), gemma-3-1b's (window 512, no cap)
 GEMMA_HEAD_DIM = 256
 GEMMA_CASES = ((8, 4, None, 50.0), (8, 4, 4096, 50.0), (4, 1, None, None), (4, 1, 512, None))
+# attention sinks (gpt-oss-20b's heads: 64 over 8 KV heads of 64; every other layer windowed
+# at 128 keys)
+SINK_CASES = ((64, 8, None), (64, 8, 128))
 STORE_KV_HEADS = 8
 # an FP8 KV cache (bf16 / fp16 models): the attention kernels read float8, store_kv copies it
 FP8_KV_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -52,7 +55,7 @@ SILU_INTER = (8192, 14336)
 def _launch(
     dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
     logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None, num_splits: int = 8,
-    extend: bool = True, merge: str = "fused", store: bool = False,
+    extend: bool = True, merge: str = "fused", store: bool = False, sinks: bool = False,
 ) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
     are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read.
@@ -73,14 +76,15 @@ def _launch(
     prefix_lens, start_loc, scale = lens + 100, torch.cumsum(lens, 0) - lens, head_dim**-0.5
     counts = merge_counters(batch, hk, q.device) if merge == "fused" else None
     new_kv = (k[:batch], v[:batch], torch.arange(batch)) if store else None
+    head_sinks = torch.zeros(hq, dtype=dtype) if sinks else None
     decode_attention(q[:batch], k_buf, v_buf, r2t, rows, prefix_lens + 1, scale,
-                     num_splits=num_splits, window_left=window_left,
-                     logit_cap=logit_cap, merge_counter=counts, new_kv=new_kv)  # fmt: skip
+                     num_splits=num_splits, window_left=window_left, logit_cap=logit_cap,
+                     merge_counter=counts, new_kv=new_kv, sinks=head_sinks)  # fmt: skip
     if not extend:
         return
     extend_attention(
         q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale,
-        window_left=window_left, logit_cap=logit_cap,
+        window_left=window_left, logit_cap=logit_cap, sinks=head_sinks,
     )
 
 
@@ -210,6 +214,13 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             yield labels, functools.partial(
                 _launch, dtype, hq, hk, GEMMA_HEAD_DIM, attention=True,
                 window_left=(window or 0) - 1, logit_cap=cap or 0.0,
+            )  # fmt: skip
+        for hq, hk, window in SINK_CASES:
+            labels = {"dtype": name, "head_dim": 64, "num_heads": hq, "num_kv_heads": hk,
+                      "case": "sinks" + (f" window {window}" if window else "")}  # fmt: skip
+            yield labels, functools.partial(
+                _launch, dtype, hq, hk, 64, attention=True, window_left=(window or 0) - 1,
+                sinks=True,
             )  # fmt: skip
     for name, kv_dtype in FP8_KV_DTYPES.items():
         for model_dtype in ("bfloat16", "float16"):

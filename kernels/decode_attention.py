@@ -72,6 +72,7 @@ def _decode_split_kernel(
     k_new_ptr,
     v_new_ptr,
     loc_ptr,
+    sinks_ptr,
     stride_qb,
     stride_qh,
     stride_knb,
@@ -96,6 +97,7 @@ def _decode_split_kernel(
     LOGIT_CAP: tl.constexpr,
     FUSE_MERGE: tl.constexpr,
     STORE_KV: tl.constexpr,
+    SINKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -157,11 +159,18 @@ def _decode_split_kernel(
         count_ptr = counter_ptr + req * tl.num_programs(1) + kv_head
         if tl.atomic_add(count_ptr, 1, sem="acq_rel") == NUM_SPLITS - 1:
             _merge_group(
-                mid_o_ptr, mid_lse_ptr, out_ptr, req.to(tl.int64), kv_head * GROUP, seq_len - lo,
-                split_len, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh, stride_ob,
-                stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, BLOCK_H, BLOCK_D, BLOCK_S,
+                mid_o_ptr, mid_lse_ptr, out_ptr, sinks_ptr, req.to(tl.int64), kv_head * GROUP,
+                seq_len - lo, split_len, stride_mob, stride_moh, stride_mos, stride_lb, stride_lh,
+                stride_ob, stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, SINKS, BLOCK_H, BLOCK_D,
+                BLOCK_S,
             )  # fmt: skip
             tl.store(count_ptr, 0)  # zero again for the next launch (the next layer, a replay)
+
+
+@triton.jit
+def _sink_log2(sinks_ptr, heads, mask):
+    """The heads' attention sinks (natural-log logits) in the kernels' log2 units."""
+    return tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
 
 
 @triton.jit
@@ -169,6 +178,7 @@ def _merge_group(
     mid_o_ptr,
     mid_lse_ptr,
     out_ptr,
+    sinks_ptr,
     req,
     first_head,
     span,
@@ -183,13 +193,14 @@ def _merge_group(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    SINKS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """Stage 2 for the GROUP heads of one KV head, inside the last stage-1 program: the
     merge kernel's weights (chunk log-sum-exps against their maximum, empty chunks out),
-    summed one chunk at a time."""
+    summed one chunk at a time; with SINKS each head's sink joins the denominator."""
     offs_h = tl.arange(0, BLOCK_H)
     heads = first_head + offs_h
     mask_h = offs_h < GROUP
@@ -223,6 +234,8 @@ def _merge_group(
         )
         acc += weight[:, None] * part
         den += weight
+    if SINKS:
+        den += tl.exp2(_sink_log2(sinks_ptr, heads, mask_h) - top)
     out_off = req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     out = acc / tl.where(den > 0, den, 1.0)[:, None]  # padded heads, empty requests: zeros
     tl.store(
@@ -236,6 +249,7 @@ def _decode_merge_kernel(
     mid_lse_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     stride_mob,
     stride_moh,
     stride_mos,
@@ -246,6 +260,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     WINDOW_LEFT: tl.constexpr,
+    SINKS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -262,11 +277,15 @@ def _decode_merge_kernel(
     used = (offs_s < NUM_SPLITS) & (offs_s * split_len < span)
     lse_off = req * stride_lb + head * stride_lh + offs_s
     lse = tl.load(mid_lse_ptr + lse_off, mask=used, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - top)
     mid_off = req * stride_mob + head * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :]
     mid_mask = used[:, None] & (offs_d < HEAD_DIM)[None, :]
     part = tl.load(mid_o_ptr + mid_off, mask=mid_mask, other=0.0)
-    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    den = tl.sum(weight, 0)
+    if SINKS:
+        den += tl.exp2(_sink_log2(sinks_ptr, head, True) - top)
+    out = tl.sum(weight[:, None] * part, 0) / den
     out_off = req * stride_ob + head * stride_oh + offs_d
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
@@ -325,6 +344,7 @@ def decode_attention(
     logit_cap: float = 0.0,
     merge_counter: torch.Tensor | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] -> out [B, Hq, D] (q's dtype); a float8 pool's values are read as stored
     (`scale` includes its k_scale, the caller applies v_scale). `scratch` from
@@ -339,7 +359,9 @@ def decode_attention(
     `new_kv` (k, v, loc): the batch's new tokens' K/V ([B, Hk, D] or [B, Hk * D], any row
     stride) not yet in the pool; the program whose chunk holds a request's last key writes
     them at `loc` [B] (as `kernels.kv_store.store_kv` would, cast to the pool's dtype) before
-    it reads its keys, which saves the store's launch."""
+    it reads its keys, which saves the store's launch.
+    `sinks` [Hq] (gpt-oss's attention sinks): each head's logit joins its softmax's
+    denominator, applied once, where the splits are merged."""
     batch_size, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     group = num_heads // num_kv_heads
@@ -369,6 +391,7 @@ def decode_attention(
     _decode_split_kernel[(batch_size, num_kv_heads, num_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
         merge_counter if fuse else seq_lens, k_new, v_new, loc,
+        sinks if sinks is not None else seq_lens,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), req_to_token.stride(0),
@@ -382,6 +405,7 @@ def decode_attention(
         LOGIT_CAP=logit_cap * LOG2E,
         FUSE_MERGE=fuse,
         STORE_KV=new_kv is not None,
+        SINKS=sinks is not None,
         BLOCK_H=next_pow2(group, 16),
         BLOCK_N=block_n,
         BLOCK_D=block_d,
@@ -393,12 +417,13 @@ def decode_attention(
     if fuse:
         return out
     _decode_merge_kernel[(batch_size, num_heads)](
-        mid_o, mid_lse, seq_lens, out,
+        mid_o, mid_lse, seq_lens, out, sinks if sinks is not None else seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
         WINDOW_LEFT=window_left,
+        SINKS=sinks is not None,
         BLOCK_S=next_pow2(num_splits),
         BLOCK_N=block_n,
         BLOCK_D=block_d,

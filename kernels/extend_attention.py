@@ -49,6 +49,7 @@ def _extend_kernel(
     prefix_lens_ptr,
     extend_lens_ptr,
     start_loc_ptr,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -65,6 +66,7 @@ def _extend_kernel(
     HEAD_DIM: tl.constexpr,
     WINDOW_LEFT: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
+    SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -133,6 +135,9 @@ def _extend_kernel(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        if SINKS:  # the head's sink: one more term of the softmax's denominator
+            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # (log2 units)
+            l_i += tl.exp2(sink - m_i)
         if WINDOW_LEFT >= 0:  # a padded row (past extend_len) may see no key in a window
             l_i = tl.where(mask_m, l_i, 1.0)
         out = acc / l_i[:, None]
@@ -186,13 +191,15 @@ def extend_attention(
     out: torch.Tensor | None = None,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype; a
     float8 cache's are read as stored, like its prefix: `scale` includes its k_scale);
     per-request tensors [B] on q's device; returns out [N, Hq, D] in q's dtype. Block sizes
     left at None come from `launch_config`. `window_left` >= 0: a sliding-window layer, the
     query at position p sees keys p - window_left .. p (blocks wholly before a row block's
-    window are skipped). `logit_cap` > 0: scores s become logit_cap * tanh(s / logit_cap)."""
+    window are skipped). `logit_cap` > 0: scores s become logit_cap * tanh(s / logit_cap).
+    `sinks` [Hq] (gpt-oss's): each head's logit joins its softmax as a key without a value."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     k = as_heads(k, num_kv_heads, head_dim)
@@ -213,6 +220,7 @@ def extend_attention(
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+        sinks if sinks is not None else extend_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         req_to_token.stride(0),
@@ -221,6 +229,7 @@ def extend_attention(
         HEAD_DIM=head_dim,
         WINDOW_LEFT=window_left,
         LOGIT_CAP=logit_cap * LOG2E,
+        SINKS=sinks is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,

@@ -22,10 +22,12 @@ def _attend(
     causal_from: int,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ):
     """q [M, Hq, D], k/v [L, Hk, D] -> [M, Hq, D]; query m (at position causal_from + m) sees
     keys j <= causal_from + m, and (window_left >= 0) j >= causal_from + m - window_left.
-    logit_cap > 0: scores s are soft-capped to logit_cap * tanh(s / logit_cap) first."""
+    logit_cap > 0: scores s are soft-capped to logit_cap * tanh(s / logit_cap) first.
+    sinks [Hq]: one more logit per head in the softmax, whose weight goes to no value."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
@@ -38,7 +40,11 @@ def _attend(
     if window_left >= 0:
         hidden |= j < causal_from + m - window_left
     scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.einsum("hml,lhd->mhd", scores.softmax(-1), v).to(q.dtype)
+    if sinks is None:
+        return torch.einsum("hml,lhd->mhd", scores.softmax(-1), v).to(q.dtype)
+    column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.cat((scores, column), -1).softmax(-1)[..., :-1]
+    return torch.einsum("hml,lhd->mhd", probs, v).to(q.dtype)
 
 
 def decode_attention_ref(
@@ -51,16 +57,18 @@ def decode_attention_ref(
     scale: float,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, D] (the last token of each request) -> [B, Hq, D] over all seq_lens[i] keys
     (the last window_left + 1 of them when window_left >= 0; scores soft-capped when
-    logit_cap > 0)."""
+    logit_cap > 0; `sinks` as `_attend`'s)."""
     out = torch.empty_like(q)
     for i in range(q.shape[0]):
         n = int(seq_lens[i])
         slots = req_to_token[req_pool_indices[i], :n].long()
         keys, values = k_buffer[slots], v_buffer[slots]
-        out[i] = _attend(q[i : i + 1], keys, values, scale, n - 1, window_left, logit_cap)[0]
+        out[i] = _attend(q[i : i + 1], keys, values, scale, n - 1, window_left, logit_cap,
+                         sinks)[0]  # fmt: skip
     return out
 
 
@@ -78,6 +86,7 @@ def extend_attention_ref(
     scale: float,
     window_left: int = -1,
     logit_cap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Packed new tokens: request i owns rows extend_start_loc[i] .. + extend_lens[i] of
     q [N, Hq, D] and k_extend/v_extend [N, Hk, D]. Each new token sees the request's
@@ -91,7 +100,7 @@ def extend_attention_ref(
         keys = torch.cat([k_buffer[slots], k_extend[start : start + n].to(k_buffer.dtype)])
         values = torch.cat([v_buffer[slots], v_extend[start : start + n].to(v_buffer.dtype)])
         out[start : start + n] = _attend(
-            q[start : start + n], keys, values, scale, p, window_left, logit_cap
+            q[start : start + n], keys, values, scale, p, window_left, logit_cap, sinks
         )
     return out
 

@@ -23,7 +23,7 @@ class AttentionLayer(Protocol):
     scaling: float
     sliding_window: int | None  # keys seen, the query's own included; None: all
     logit_cap: float | None  # scores soft-capped to c * tanh(s / c); None: not capped
-    sinks: torch.Tensor | None  # [num_heads] logits of a key with no value (torch_native only)
+    sinks: torch.Tensor | None  # [num_heads] logits of a key with no value (not flashinfer)
 
 
 def window_left(layer: AttentionLayer) -> int:

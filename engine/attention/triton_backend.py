@@ -212,7 +212,7 @@ class TritonAttnBackend(AttentionBackend):
                 fb.req_to_token, fb.req_pool_indices,
                 md.prefix_lens, md.extend_lens, md.extend_start_loc, md.max_extend_len,
                 softmax_scale(layer, fb), window_left=window_left(layer),
-                logit_cap=logit_cap(layer),
+                logit_cap=logit_cap(layer), sinks=getattr(layer, "sinks", None),
             )  # fmt: skip
         return out.view(-1, layer.num_heads * layer.head_dim)
 
@@ -239,6 +239,7 @@ class TritonAttnBackend(AttentionBackend):
             softmax_scale(layer, fb),
             num_splits=md.num_splits, scratch=md.scratch, window_left=window_left(layer),
             logit_cap=logit_cap(layer), merge_counter=md.merge_counts, new_kv=new_kv,
+            sinks=getattr(layer, "sinks", None),
         )  # fmt: skip
 
     def merge_counts(self, n: int) -> torch.Tensor:

@@ -28,7 +28,8 @@ class PagedAttention(nn.Module):
 
     `sinks` (gpt-oss's): a learned logit per query head, `self.sinks` [num_heads], that joins
     each softmax as one more key with no value: the weights of the real keys sum to less than
-    one. Only the torch_native backend computes it (engine/model_runner's backend choice).
+    one. The Triton and torch_native backends compute it (engine/runner_attention.py keeps
+    such a model off flashinfer).
 
     q: [num_tokens, num_heads * head_dim] (or [num_tokens, num_heads, head_dim]);
     k, v: [num_tokens, num_kv_heads * head_dim]; returns [num_tokens, num_heads * head_dim].

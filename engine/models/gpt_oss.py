@@ -4,8 +4,9 @@ Llama's layer (engine/models/llama.py) with:
 * biases on q, k, v and o_proj, every other layer windowed (`layer_types`, a window of 128),
   YaRN rope;
 * attention sinks: a learned logit per query head joins each softmax as a key without a
-  value (`PagedAttention.sinks`), so the real keys' weights sum to less than one. Only the
-  torch_native backend computes them so far (engine/runner_attention.py chooses it);
+  value (`PagedAttention.sinks`), so the real keys' weights sum to less than one. The Triton
+  and torch_native backends compute them (Triton by default on CUDA; flashinfer is refused:
+  engine/runner_attention.py);
 * a mixture of experts in every layer: a router with a bias picks the top k experts, whose
   weights are the softmax of those k logits; each expert is a clamped SwiGLU with biases,
   `(up + 1) * gate * sigmoid(alpha * gate)` with gate clamped from above and up from both

@@ -1,7 +1,7 @@
 """gpt-oss through the whole engine (the float64 layer-by-layer parity is in test_models.py):
 greedy generation against transformers' with the prefix cache, chunked prefill and a batch
-whose requests cross the sliding window; the attention backend it must run on; MXFP4
-checkpoints refused with the reason."""
+whose requests cross the sliding window; the Triton backend's sinks against torch_native's,
+flashinfer refused; MXFP4 checkpoints refused with the reason."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from tests.factories import assert_greedy_match, hf_greedy
 from tests.unit.test_models import save_random_model
@@ -44,11 +45,23 @@ def test_greedy_matches_transformers(gpt_oss):
         assert_greedy_match(gpt_oss, prompt, out["output_ids"], want)
 
 
-@pytest.mark.parametrize("flags", [{"attention_backend": "triton"},
+def test_triton_backend_computes_the_sinks(gpt_oss):
+    """The Triton kernels (interpreted here) against torch_native: every forward step's
+    logits, prefill with a cached prefix and decode, the windowed layer crossing its window."""
+    from tests.unit.test_kernels_backend import _engine_logits
+
+    got = _engine_logits(gpt_oss, "triton", 16)
+    want = _engine_logits(gpt_oss, "torch_native", 16)
+    assert len(got) == len(want) > 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("flags", [{"attention_backend": "flashinfer"},
                                    {"decode_attention_backend": "flashinfer"}])
-def test_backends_without_sinks_are_refused(gpt_oss, flags):
+def test_flashinfer_is_refused(gpt_oss, flags):
     # (a RuntimeError where the runner starts in the CPU's device process, with the reason)
-    with pytest.raises((ValueError, RuntimeError), match="only the torch_native backend"):
+    with pytest.raises((ValueError, RuntimeError), match="not flashinfer"):
         _engine(gpt_oss, **flags)
 
 

@@ -59,7 +59,7 @@ def run_decode(
     got = decode_attention(*args, window_left=window_left, logit_cap=logit_cap, **kw)
     if merge == "fused":
         assert not kw["merge_counter"].any(), "the fused merge left a count behind"
-    return got, decode_attention_ref(*args, window_left, logit_cap)
+    return got, decode_attention_ref(*args, window_left, logit_cap, kw.get("sinks"))
 
 
 MERGES = ["kernel", "fused"]
@@ -73,7 +73,7 @@ def run_extend(
     got = extend_attention(
         *args, case.max_extend_len, case.scale, window_left=window_left, logit_cap=logit_cap, **kw
     )
-    return got, extend_attention_ref(*args, case.scale, window_left, logit_cap)
+    return got, extend_attention_ref(*args, case.scale, window_left, logit_cap, kw.get("sinks"))
 
 
 # (num_heads, num_kv_heads, head_dim, page_size, dtype)
@@ -323,6 +323,33 @@ def test_extend_soft_cap_matches_reference(logit_cap, window_left, dtype):
     got, want = run_extend(case, window_left, logit_cap, block_m=16, block_n=16)
     _close(got, want)
     _cap_matters(case, run_extend, window_left, logit_cap, block_m=16, block_n=16)
+
+
+# gpt-oss's attention sinks: a logit per query head joins each softmax as a key with no value.
+# Sinks around the scores' size (a few units) take a visible share; with a window (gpt-oss
+# windows every other layer), several splits (the sink is added once, where they merge)
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("window_left", [-1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_sinks_match_reference(merge, window_left, dtype):
+    case = make_paged_case([0, 15, 40, 57], [1] * 4, 4, 2, 64, 4, dtype, DEVICE, seed=10)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE)
+    got, want = run_decode(case, window_left, merge=merge, num_splits=3, block_n=16,
+                           sinks=sinks)  # fmt: skip
+    _close(got, want)
+    _, plain = run_decode(case, window_left, num_splits=3, block_n=16)
+    assert (plain.float() - want.float()).abs().max().item() > 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("window_left", [-1, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_sinks_match_reference(window_left, dtype):
+    case = make_paged_case([0, 20, 37], [9, 1, 35], 4, 2, 64, 4, dtype, DEVICE, seed=11)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], device=DEVICE)
+    got, want = run_extend(case, window_left, block_m=16, block_n=16, sinks=sinks)
+    _close(got, want)
+    _, plain = run_extend(case, window_left, block_m=16, block_n=16)
+    assert (plain.float() - want.float()).abs().max().item() > 10 * TOL[dtype]
 
 
 def test_a_cap_far_above_every_score_changes_nothing():

@@ -29,6 +29,8 @@ GEMMA_CASES = (
     (8, 4, "gemma cap 50"), (8, 4, "gemma window 4096 cap 50"), (4, 1, "gemma"),
     (4, 1, "gemma window 512"),
 )  # fmt: skip
+# attention sinks at gpt-oss-20b's heads (64 over 8, head_dim 64), full and windowed at 128
+SINK_CASES = ("sinks", "sinks window 128")
 # the fused MoE at Qwen3-30B-A3B's and Mixtral-8x7B's shapes, decode and prefill row blocks
 MOE_CASES = [
     f"moe {shape} T{tokens}"
@@ -110,6 +112,12 @@ def expected_variants() -> list[tuple]:
         (kernel, dtype, 256, hq, hk, case)
         for dtype in DTYPES
         for hq, hk, case in GEMMA_CASES
+        for kernel in ATTENTION_KERNELS
+    ]
+    rows += [
+        (kernel, dtype, 64, 64, 8, case)
+        for dtype in DTYPES
+        for case in SINK_CASES
         for kernel in ATTENTION_KERNELS
     ]
     rows += [
