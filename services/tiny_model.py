@@ -26,7 +26,9 @@ from services import tiny_encoder, tiny_fp8
 from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+MOE_ARCHS = (
+    "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
+)  # fmt: skip
 GEMMA_ARCHS = ("gemma2", "gemma3_text")
 ARCHS = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "olmo2", "glm4", "gpt2",
@@ -115,6 +117,7 @@ _TINY_TWEAKS: dict[str, dict[str, Any]] = {
     "glm4_moe": {"attention_bias": True, "partial_rotary_factor": 0.5},
     # Gemma 2 and 3 always window their local layers (gemma-3-1b: 512 keys)
     "gemma2": {"sliding_window": 32},
+    "gpt_oss": {"sliding_window": 32},
     "gemma3_text": {"sliding_window": 32},
 }
 
@@ -183,6 +186,11 @@ def _rope_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
             "full_attention" if i % 2 else "sliding_attention" for i in range(shape.num_layers)
         ]
         fields["query_pre_attn_scalar"] = fields["head_dim"]
+    if arch == "gpt_oss":  # windowed and full layers alternate (gpt-oss's window: 128)
+        fields["sliding_window"] = shape.sliding_window or 128
+        fields["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(shape.num_layers)
+        ]
     if shape.sliding_window is not None and arch.startswith("qwen"):
         # Qwen configs window the layers from max_window_layers on (Qwen2-MoE: the even ones
         # below it)
@@ -229,6 +237,12 @@ def _moe_fields(arch: str, shape: ModelShape) -> dict[str, Any]:
         return {
             "num_local_experts": shape.num_experts,
             "num_experts_per_tok": shape.num_experts_per_tok,
+        }
+    if arch == "gpt_oss":  # its experts' size is `intermediate_size`
+        return {
+            "num_local_experts": shape.num_experts,
+            "num_experts_per_tok": shape.num_experts_per_tok,
+            "intermediate_size": shape.moe_intermediate_size or shape.intermediate_size,
         }
     # (a multiple of 16, as V3's 2048 is of its 128-row FP8 blocks)
     deepseek_moe_size = shape.moe_intermediate_size or -(-shape.intermediate_size // 64) * 16
@@ -358,7 +372,7 @@ def _shape_weights(model: torch.nn.Module, qk_scale: float = QK_SCALE) -> None:
         for name, param in model.named_parameters():
             if name.endswith(("q_proj.bias", "k_proj.bias")):
                 param.normal_(0.0, QK_BIAS_STD)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_proj_bias")):  # (gpt-oss's experts': *_proj_bias)
                 param.normal_(0.0, BIAS_STD)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # (DeepSeek-V3's, for the choice)

@@ -57,10 +57,11 @@ MAX_NEW = 24
 # full and windowed layers with flashinfer); phi3: the partial rotary on the layer kernels;
 # deepseek_v3: the absorbed MLA (one latent head of 48, so triton even where flashinfer is
 # the default); glm4 / glm4_moe: half-head rotary (interleaved pairs reordered at load for
-# glm4), sandwich norms, DeepSeek-V3 routing over a GQA model
+# glm4), sandwich norms, DeepSeek-V3 routing over a GQA model; gpt_oss: attention sinks in the
+# Triton kernels (and torch_native), windowed and full layers
 FP32_ARCHS = (
     "llama", "qwen3", "gpt2", "qwen3_moe", "mistral-sliding", "phi3", "deepseek_v3", "glm4",
-    "glm4_moe",
+    "glm4_moe", "gpt_oss",
 )  # fmt: skip
 # gemma2: windowed and full layers, all soft-capped (flashinfer's logits_soft_cap variants)
 BF16_ARCHS = (

@@ -41,7 +41,7 @@ CONFIGS = {
 }
 
 MOE_CONFIGS = ("default", "chunked", "retract")
-LAYOUT_ARCHS = ("phi3", "granite", "smollm3", "olmo2", "glm4")
+LAYOUT_ARCHS = ("phi3", "granite", "smollm3", "olmo2", "glm4", "gpt_oss")
 WINDOWED_CONFIGS = ("default", "chunked", "page16", "retract")
 LOOPS = {"overlap": {}, "plain": {"disable_overlap_schedule": True}}
 CASES = (

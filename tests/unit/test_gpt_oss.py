@@ -74,3 +74,27 @@ def test_mxfp4_checkpoints_are_refused_with_the_reason(gpt_oss, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="quantized with 'mxfp4', which sluice does not run"):
         _engine(str(tmp_path))
+
+
+def test_make_tiny_model_builds_a_servable_gpt_oss():
+    """`sluice make-tiny-model --arch gpt_oss`: random sinks and expert biases (transformers
+    starts the biases at zero), windowed and full layers; served greedy past the window
+    equals transformers'."""
+    from safetensors.torch import load_file
+
+    from tests.factories import tiny_model
+
+    path = tiny_model("gpt_oss")
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    for name in ("self_attn.sinks", "mlp.experts.gate_up_proj_bias", "mlp.router.bias"):
+        assert weights[f"model.layers.0.{name}"].abs().max() > 0, name
+    config = json.load(open(os.path.join(path, "config.json")))
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    prompt = list(range(40, 80))  # longer than the window of 32
+    engine = _engine(path)
+    try:
+        out = engine.generate(input_ids=[prompt], sampling_params={
+            "max_new_tokens": 10, "temperature": 0, "ignore_eos": True})[0]  # fmt: skip
+    finally:
+        engine.shutdown()
+    assert_greedy_match(path, prompt, out["output_ids"], hf_greedy(path, prompt, 10))
