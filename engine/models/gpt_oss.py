@@ -12,10 +12,12 @@ Llama's layer (engine/models/llama.py) with:
   `(up + 1) * gate * sigmoid(alpha * gate)` with gate clamped from above and up from both
   sides at `swiglu_limit`, its gate and up columns interleaved in `gate_up_proj`.
 
-The experts keep the checkpoint's layout ([experts, in, out] for both projections) and run
-as one matmul per expert the batch routes to. Checkpoints in MXFP4 (the published ones) are
-refused with the reason (engine/quantization.py); their bf16 conversions load. Tensor
-parallelism is refused too.
+The experts keep the checkpoint's layout ([experts, in, out] for both projections). A batch
+of many rows runs one matmul per expert it routes to (which ones: a host read); a few rows
+(decode), and any batch a CUDA graph captures, run every expert on every row and weight the
+results by a dense routing matrix, with no host read (`GptOssExperts.DENSE_ROWS`).
+Checkpoints in MXFP4 (the published ones) are refused with the reason (engine/quantization.py);
+their bf16 conversions load. Tensor parallelism is refused too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from engine.models.llama import LlamaForCausalLM
 
 
 class GptOssExperts(nn.Module):
+    DENSE_ROWS = 32  # at most this many rows: every expert on every row, no host read
+
     def __init__(self, config) -> None:
         super().__init__()
         experts, hidden, inter = (
@@ -43,16 +47,33 @@ class GptOssExperts(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H]; experts and weights [T, k]: each token's experts and their weights."""
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if x.shape[0] <= self.DENSE_ROWS or capturing:
+            return self.dense(x, experts, weights)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             token, slot = torch.where(experts == e)
             gate_up = x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
-            gate = gate_up[:, ::2].clamp(max=self.limit)
-            up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-            y = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ self.down_proj[e]
-            y = (y + self.down_proj_bias[e]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(x.dtype))
+            y = self._glu(gate_up) @ self.down_proj[e] + self.down_proj_bias[e]
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
         return out
+
+    def dense(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert on every row ([E, T, .] batched matmuls), the results summed with the
+        routing weights scattered into a [T, E] matrix (zeros for the experts not chosen)."""
+        gate_up = torch.matmul(x, self.gate_up_proj) + self.gate_up_proj_bias[:, None, :]
+        y = torch.bmm(self._glu(gate_up), self.down_proj) + self.down_proj_bias[:, None, :]
+        routing = torch.zeros(x.shape[0], y.shape[0], dtype=weights.dtype, device=x.device)
+        routing.scatter_(1, experts, weights)
+        return torch.einsum("eth,te->th", y, routing.to(y.dtype)).to(x.dtype)
+
+    def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of interleaved [gate, up] columns."""
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
 
 
 class GptOssMoE(nn.Module):

@@ -98,3 +98,25 @@ def test_make_tiny_model_builds_a_servable_gpt_oss():
     finally:
         engine.shutdown()
     assert_greedy_match(path, prompt, out["output_ids"], hf_greedy(path, prompt, 10))
+
+
+def test_dense_experts_equal_the_routed_loop():
+    """The graph-safe path (every expert on every row, a dense routing matrix) computes what
+    the per-expert loop does, in float64."""
+    import transformers
+
+    from engine.models.gpt_oss import GptOssMoE
+
+    config = transformers.GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=6,
+                                       num_experts_per_tok=2, swiglu_limit=1.0)  # fmt: skip
+    torch.manual_seed(0)
+    moe = GptOssMoE(config).double()
+    for p in moe.parameters():
+        p.data.normal_(0.0, 0.5)
+    x = torch.randn(40, 32, dtype=torch.float64)
+    top, experts = torch.topk(moe.router(x), 2, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    routed = moe.experts(x, experts, weights)  # 40 rows: the loop
+    assert x.shape[0] > moe.experts.DENSE_ROWS
+    torch.testing.assert_close(moe.experts.dense(x, experts, weights), routed)
+    torch.testing.assert_close(moe(x[:3]), routed[:3])  # 3 rows: the dense path
