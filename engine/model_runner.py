@@ -298,8 +298,16 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             self.lora.prepare(forward_batch)
         if self.tp_link is not None:  # the other ranks run the same forward (and copies)
             self.tp_link.send(forward_batch, transfers, replay)
-            if replay:
-                return graphs.replay(forward_batch)
+            try:
+                if replay:
+                    return graphs.replay(forward_batch)
+                return self._eager_forward(forward_batch)
+            except Exception as exc:  # a collective whose peer is gone: name the dead rank
+                self.tp_link.forward_failed(exc)
+                raise
+        return self._eager_forward(forward_batch)
+
+    def _eager_forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -151,6 +152,19 @@ class TPLink:
                              if p.exitcode is not None)  # fmt: skip
             self.broken = dead or f"sending a forward failed: {exc}"
             raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
+
+    def forward_failed(self, exc: BaseException) -> None:
+        """Rank 0's part of a forward raised `exc`: where a rank process has exited (killed:
+        its collective's peer is gone), raise an error that names it, as `send` does. A
+        rank that just died is reaped within a second."""
+        for _ in range(10):
+            dead = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in self.procs
+                             if p.exitcode is not None)  # fmt: skip
+            if dead:
+                self.broken = dead
+                raise RuntimeError(f"tensor parallelism: {dead}") from exc
+            time.sleep(0.1)
+        # (no rank has exited: the forward's own error stands)
 
     def on_every_rank(
         self, runner: Any, method: str, *args: Any, every_result: bool = False,

@@ -473,3 +473,23 @@ def test_a_rank_that_dies_fails_the_next_forward_with_its_name() -> None:
         with pytest.raises(RuntimeError, match="ranks out of step .* restart the worker"):
             eng.generate(input_ids=PROMPTS[1], sampling_params=GREEDY)
         assert time.monotonic() - start < 30
+
+
+def test_a_forward_that_fails_names_the_rank_that_died():
+    """Rank 0's forward raised (its collective's peer was killed mid-forward, before any
+    watcher noticed): the error names the rank process that exited, as a failed send does;
+    with every rank alive the forward's own error stands."""
+    import types
+
+    from engine.tensor_parallel import TPLink
+
+    alive = types.SimpleNamespace(name="sluice-tp2", exitcode=None)
+    killed = types.SimpleNamespace(name="sluice-tp1", exitcode=-signal.SIGKILL)
+    link = types.SimpleNamespace(procs=[killed, alive], broken=None)
+    cause = RuntimeError("gloo: Connection reset by peer")
+    with pytest.raises(RuntimeError, match="sluice-tp1 exited with code -9") as info:
+        TPLink.forward_failed(link, cause)
+    assert info.value.__cause__ is cause and link.broken == "sluice-tp1 exited with code -9"
+    link = types.SimpleNamespace(procs=[alive], broken=None)
+    TPLink.forward_failed(link, cause)  # returns: the caller re-raises the forward's error
+    assert link.broken is None
