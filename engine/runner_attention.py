@@ -97,7 +97,8 @@ class RunnerAttention:
     def _has_attention_sinks(self) -> bool:
         model = getattr(self, "model", None)
         if model is None:  # (a host-only runner: the config says it)
-            return getattr(self.model_config.hf_config, "model_type", None) == "gpt_oss"
+            hf_config = getattr(self.model_config, "hf_config", None)
+            return getattr(hf_config, "model_type", None) == "gpt_oss"
         return any(getattr(m, "sinks", None) is not None for m in model.modules())
 
     def _attention_backend_name(self) -> str:

@@ -56,7 +56,7 @@ def test_a_named_backend_and_cpu_are_left_alone(monkeypatch: pytest.MonkeyPatch)
 
 def _phases(monkeypatch: pytest.MonkeyPatch, triton: bool = True,
             kv_dtype: torch.dtype = torch.bfloat16, capability: tuple[int, int] = (9, 0),
-            **args: object):  # fmt: skip
+            model_type: str = "llama", **args: object):  # fmt: skip
     from kernels import jit
 
     monkeypatch.setattr(flashinfer_support, "flashinfer_available", lambda: True)
@@ -67,9 +67,26 @@ def _phases(monkeypatch: pytest.MonkeyPatch, triton: bool = True,
     runner.args = EngineArgs.from_kwargs(model_path="m", **args)
     runner.device = args.get("device", "cpu")
     runner.kv_pool = SimpleNamespace(dtype=kv_dtype)
-    runner.model_config = SimpleNamespace(head_dim=64, sliding_window_sizes=set())
+    runner.model_config = SimpleNamespace(head_dim=64, sliding_window_sizes=set(),
+                                          hf_config=SimpleNamespace(model_type=model_type))
     runner.dtype = torch.bfloat16
     return runner._attention_backend_names()
+
+
+def test_attention_sinks_run_on_triton_or_torch_native():
+    """gpt-oss (attention sinks): Triton for both phases where flashinfer would be the
+    default, torch_native on the CPU, a named Triton / torch_native phase kept, flashinfer
+    refused with the reason."""
+    with pytest.MonkeyPatch.context() as mp:
+        assert _phases(mp, model_type="gpt_oss", device="cuda") == ("triton", "triton")
+        assert _phases(mp, model_type="gpt_oss") == ("torch_native", "torch_native")
+        named = _phases(mp, model_type="gpt_oss", device="cuda",
+                        decode_attention_backend="torch_native")  # fmt: skip
+        assert named == ("triton", "torch_native")
+        for flags in ({"attention_backend": "flashinfer"},
+                      {"prefill_attention_backend": "flashinfer"}):  # fmt: skip
+            with pytest.raises(ValueError, match="not flashinfer"):
+                _phases(mp, model_type="gpt_oss", device="cuda", **flags)
 
 
 def test_default_decode_is_tritons_where_flashinfer_is_chosen(monkeypatch):
