@@ -89,6 +89,8 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    """Llama's layers with gpt-oss's switches (see the module's docstring)."""
+
     attention_sinks = True
     supports_tensor_parallel = False
 
