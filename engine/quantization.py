@@ -56,6 +56,12 @@ def resolve_quantization(requested: str | None, hf_config: object) -> Fp8Config 
     if not qc:
         return Fp8Config(checkpoint=False) if requested == "fp8" else None
     method = qc.get("quant_method")
+    if method == "mxfp4" and getattr(hf_config, "model_type", None) == "gpt_oss":
+        # gpt-oss's published experts: dequantized as they load (GptOssForCausalLM), run
+        # in the model's dtype
+        if requested is not None:
+            raise ValueError(f"--quantization {requested} on an MXFP4 checkpoint")
+        return None
     if method != "fp8":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which sluice does not run "

@@ -16,8 +16,9 @@ The experts keep the checkpoint's layout ([experts, in, out] for both projection
 of many rows runs one matmul per expert it routes to (which ones: a host read); a few rows
 (decode), and any batch a CUDA graph captures, run every expert on every row and weight the
 results by a dense routing matrix, with no host read (`GptOssExperts.DENSE_ROWS`).
-Checkpoints in MXFP4 (the published ones) are refused with the reason (engine/quantization.py);
-their bf16 conversions load. Tensor parallelism is refused too.
+The published checkpoints' experts are MXFP4 (`*_blocks`: two 4-bit e2m1 values a byte, 32 a
+group; `*_scales`: a power-of-two exponent a group): they are dequantized to the model's dtype
+as they load (`dequantize_mxfp4`), and run as bf16 experts. Tensor parallelism is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,25 @@ import torch
 from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # the code's low 3 bits; bit 3 the sign
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """An MXFP4 expert tensor as the experts hold it: blocks [E, N, G, 16] uint8 (in each byte
+    the lower nibble is the earlier value), scales [E, N, G] uint8 (2^(s - 127) for the group
+    of 32) -> [E, G * 32, N] in `dtype` (the projection's [experts, in, out])."""
+    if blocks.shape[:-1] != scales.shape or blocks.shape[-1] != 16:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales "
+                         f"{tuple(scales.shape)} do not pair")  # fmt: skip
+    lut = torch.tensor(FP4_E2M1 + tuple(-v for v in FP4_E2M1), device=blocks.device)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # [E, N, G, 16, 2]
+    values = lut[codes].flatten(-2)  # [E, N, G, 32]
+    exponents = scales.to(torch.int32) - 127
+    values = torch.ldexp(values, exponents[..., None].to(values.dtype))
+    return values.flatten(-2).transpose(1, 2).to(dtype).contiguous()
 
 
 class GptOssExperts(nn.Module):
@@ -103,7 +123,24 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def make_mlp(config, layer_id: int) -> nn.Module:
         return GptOssMoE(config)
 
+    def load_weights(self, weights):
+        self._mxfp4: dict[tuple[str, str], torch.Tensor] = {}  # a half read, its pair not yet
+        loaded = super().load_weights(weights)
+        if self._mxfp4:
+            halves = sorted(f"{base}_{part}" for base, part in self._mxfp4)
+            raise ValueError(f"MXFP4 tensors without their blocks or scales: {halves}")
+        return loaded
+
     def _map_weight(self, name: str, tensor: torch.Tensor):
+        if name.endswith(("_blocks", "_scales")):  # MXFP4 experts: dequantized once paired
+            base, part = name.rsplit("_", 1)
+            other = self._mxfp4.pop((base, "scales" if part == "blocks" else "blocks"), None)
+            if other is None:
+                self._mxfp4[base, part] = tensor
+                return None
+            blocks, scales = (tensor, other) if part == "blocks" else (other, tensor)
+            dtype = self.lm_head_weight.dtype
+            return super()._map_weight(base, dequantize_mxfp4(blocks, scales, dtype))
         if name.endswith(".self_attn.sinks"):  # the attention layer's, in PagedAttention
             name = name.removesuffix("sinks") + "attn.sinks"
         return super()._map_weight(name, tensor)

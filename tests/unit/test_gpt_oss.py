@@ -1,7 +1,7 @@
 """gpt-oss through the whole engine (the float64 layer-by-layer parity is in test_models.py):
 greedy generation against transformers' with the prefix cache, chunked prefill and a batch
 whose requests cross the sliding window; the Triton backend's sinks against torch_native's,
-flashinfer refused; MXFP4 checkpoints refused with the reason."""
+flashinfer refused; MXFP4 experts (the published checkpoints) dequantized as they load."""
 
 from __future__ import annotations
 
@@ -65,15 +65,21 @@ def test_flashinfer_is_refused(gpt_oss, flags):
         _engine(gpt_oss, **flags)
 
 
-def test_mxfp4_checkpoints_are_refused_with_the_reason(gpt_oss, tmp_path):
-    for name in os.listdir(gpt_oss):
-        os.symlink(os.path.join(gpt_oss, name), tmp_path / name)
-    config = json.load(open(os.path.join(gpt_oss, "config.json")))
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    os.unlink(tmp_path / "config.json")
-    (tmp_path / "config.json").write_text(json.dumps(config))
+def test_mxfp4_only_for_gpt_oss_and_not_requantized():
+    """MXFP4 is gpt-oss's experts' format (dequantized as they load): on another model it is
+    still refused with the reason, and `--quantization fp8` on top of it too."""
+    from types import SimpleNamespace
+
+    from engine.quantization import resolve_quantization
+
+    mxfp4 = {"quant_method": "mxfp4"}
+    assert resolve_quantization(None, SimpleNamespace(model_type="gpt_oss",
+                                                      quantization_config=mxfp4)) is None
     with pytest.raises(ValueError, match="quantized with 'mxfp4', which sluice does not run"):
-        _engine(str(tmp_path))
+        resolve_quantization(None, SimpleNamespace(model_type="llama", quantization_config=mxfp4))
+    with pytest.raises(ValueError, match="--quantization fp8 on an MXFP4 checkpoint"):
+        resolve_quantization("fp8", SimpleNamespace(model_type="gpt_oss",
+                                                    quantization_config=mxfp4))
 
 
 def test_make_tiny_model_builds_a_servable_gpt_oss():
@@ -120,3 +126,80 @@ def test_dense_experts_equal_the_routed_loop():
     assert x.shape[0] > moe.experts.DENSE_ROWS
     torch.testing.assert_close(moe.experts.dense(x, experts, weights), routed)
     torch.testing.assert_close(moe(x[:3]), routed[:3])  # 3 rows: the dense path
+
+
+def test_mxfp4_dequantization_is_transformers():
+    """`dequantize_mxfp4` against transformers' own conversion of the published format."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from engine.models.gpt_oss import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(118, 136, (3, 8, 2), generator=g, dtype=torch.uint8)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    got = dequantize_mxfp4(blocks, scales, torch.float32)
+    assert got.shape == (3, 64, 8)
+    assert torch.equal(got, want)
+
+
+def _to_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, in, out] -> MXFP4 (blocks [E, out, in / 32, 16], scales [E, out, in / 32]): each
+    group of 32 scaled by a power of two into e2m1's range, each value to its nearest code."""
+    from engine.models.gpt_oss import FP4_E2M1
+
+    w = weight.transpose(1, 2).float()
+    groups = w.reshape(*w.shape[:2], -1, 32)
+    top = groups.abs().amax(-1).clamp(min=2.0**-100)
+    exponent = torch.ceil(torch.log2(top / 6.0))
+    scaled = groups / torch.exp2(exponent)[..., None]
+    magnitudes = torch.tensor(FP4_E2M1)
+    index = (scaled.abs()[..., None] - magnitudes).abs().argmin(-1)
+    codes = (index | ((scaled < 0).long() << 3)).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks, (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_checkpoints_load_dequantized(gpt_oss, tmp_path):
+    """A gpt-oss checkpoint with MXFP4 experts (the published format, its config's
+    quantization_config) serves exactly as the float32 checkpoint of the same values."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.unit.test_kernels_backend import _engine_logits
+
+    weights = load_file(os.path.join(gpt_oss, "model.safetensors"))
+    packed, plain = dict(weights), dict(weights)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = _to_mxfp4(weights[name])
+        del packed[name]
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    config = json.load(open(os.path.join(gpt_oss, "config.json")))
+    folders = {}
+    for kind, tensors in (("mxfp4", packed), ("plain", plain)):
+        folder = tmp_path / kind
+        folder.mkdir()
+        for name in os.listdir(gpt_oss):
+            if name not in ("model.safetensors", "config.json"):
+                os.symlink(os.path.join(gpt_oss, name), folder / name)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        quant = {"quant_method": "mxfp4"} if kind == "mxfp4" else None
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}
+                                                       if quant else config))  # fmt: skip
+        folders[kind] = str(folder)
+    got = _engine_logits(folders["mxfp4"], "torch_native", 16)
+    want = _engine_logits(folders["plain"], "torch_native", 16)
+    assert len(got) == len(want) > 2
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    broken = tmp_path / "broken"  # a blocks tensor without its scales: refused with the names
+    broken.mkdir()
+    for name in os.listdir(folders["mxfp4"]):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(folders["mxfp4"], name), broken / name)
+    gone = "layers.0.mlp.experts.down_proj_scales"
+    half = {n: t for n, t in packed.items() if not n.endswith(gone)}
+    save_file(half, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises((ValueError, RuntimeError), match="down_proj_blocks"):
+        _engine(str(broken))
