@@ -101,6 +101,12 @@ class _Shape:
     payload: Any = None  # on CPU the batch's int64 tensor itself (numpy), in the same message
 
 
+def dead_ranks(procs: list[Any]) -> str:
+    """The rank processes of `procs` that have exited, with their exit codes ("" if none)."""
+    return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in procs
+                     if p.exitcode is not None)  # fmt: skip
+
+
 class TPLink:
     """Rank 0's sending side and the followers' receiving side of the per-forward message."""
 
@@ -148,8 +154,7 @@ class TPLink:
             if not on_cpu:
                 torch.distributed.broadcast(payload, src=0, group=self.tp.device_group)
         except Exception as exc:
-            dead = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in self.procs
-                             if p.exitcode is not None)  # fmt: skip
+            dead = dead_ranks(self.procs)
             self.broken = dead or f"sending a forward failed: {exc}"
             raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
 
@@ -158,8 +163,7 @@ class TPLink:
         its collective's peer is gone), raise an error that names it, as `send` does. A
         rank that just died is reaped within a second."""
         for _ in range(10):
-            dead = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in self.procs
-                             if p.exitcode is not None)  # fmt: skip
+            dead = dead_ranks(self.procs)
             if dead:
                 self.broken = dead
                 raise RuntimeError(f"tensor parallelism: {dead}") from exc

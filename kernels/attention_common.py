@@ -12,6 +12,14 @@ import triton.language as tl
 from kernels.jit import LOG2E
 
 _TWO_LOG2E = tl.constexpr(2.0 * LOG2E)
+_LOG2E = tl.constexpr(LOG2E)
+
+
+@triton.jit
+def sink_log2(sinks_ptr, heads, mask):
+    """The heads' attention sinks (gpt-oss's logits, natural-log units) in the kernels' log2
+    units, as one more term of the softmax's denominator takes them: exp2(sink - max)."""
+    return tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * _LOG2E
 
 
 @triton.jit

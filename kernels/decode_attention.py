@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_common import attend_paged_keys
+from kernels.attention_common import attend_paged_keys, sink_log2
 from kernels.jit import (
     LOG2E,
     compute_dtype,
@@ -168,12 +168,6 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _sink_log2(sinks_ptr, heads, mask):
-    """The heads' attention sinks (natural-log logits) in the kernels' log2 units."""
-    return tl.load(sinks_ptr + heads, mask=mask, other=0.0).to(tl.float32) * 1.4426950408889634
-
-
-@triton.jit
 def _merge_group(
     mid_o_ptr,
     mid_lse_ptr,
@@ -235,7 +229,7 @@ def _merge_group(
         acc += weight[:, None] * part
         den += weight
     if SINKS:
-        den += tl.exp2(_sink_log2(sinks_ptr, heads, mask_h) - top)
+        den += tl.exp2(sink_log2(sinks_ptr, heads, mask_h) - top)
     out_off = req * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     out = acc / tl.where(den > 0, den, 1.0)[:, None]  # padded heads, empty requests: zeros
     tl.store(
@@ -284,7 +278,7 @@ def _decode_merge_kernel(
     part = tl.load(mid_o_ptr + mid_off, mask=mid_mask, other=0.0)
     den = tl.sum(weight, 0)
     if SINKS:
-        den += tl.exp2(_sink_log2(sinks_ptr, head, True) - top)
+        den += tl.exp2(sink_log2(sinks_ptr, head, True) - top)
     out = tl.sum(weight[:, None] * part, 0) / den
     out_off = req * stride_ob + head * stride_oh + offs_d
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

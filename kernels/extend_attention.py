@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_common import attend_paged_keys, soft_cap
+from kernels.attention_common import attend_paged_keys, sink_log2, soft_cap
 from kernels.jit import (
     LOG2E,
     cdiv,
@@ -136,8 +136,7 @@ def _extend_kernel(
             m_i = m_new
 
         if SINKS:  # the head's sink: one more term of the softmax's denominator
-            sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # (log2 units)
-            l_i += tl.exp2(sink - m_i)
+            l_i += tl.exp2(sink_log2(sinks_ptr, head, True) - m_i)
         if WINDOW_LEFT >= 0:  # a padded row (past extend_len) may see no key in a window
             l_i = tl.where(mask_m, l_i, 1.0)
         out = acc / l_i[:, None]

@@ -223,6 +223,7 @@ def fp8_gemm(
 QUANT_BLOCK = 1024  # columns a step: two passes over a group (its largest magnitude, then q)
 
 if HAS_TRITON:
+    _FP8_MAX_C, _MIN_SCALE_C = tl.constexpr(FP8_MAX), tl.constexpr(_MIN_SCALE)
 
     @triton.jit
     def _round_to_e4m3(v):
@@ -266,14 +267,14 @@ if HAS_TRITON:
             mask = (c + offs < GROUP) & (cols < K)
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        top = tl.maximum(tl.max(amax, axis=0), 1e-12)  # (_MIN_SCALE)
-        scale = tl.math.div_rn(top, 448.0)  # (FP8_MAX) IEEE, as torch's division
+        top = tl.maximum(tl.max(amax, axis=0), _MIN_SCALE_C)
+        scale = tl.math.div_rn(top, _FP8_MAX_C)  # IEEE, as torch's division
         tl.store(s_ptr + row.to(tl.int64) * stride_sm + group, scale)
         for c in range(0, GROUP, BLOCK):
             cols = group * GROUP + c + offs
             mask = (c + offs < GROUP) & (cols < K)
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX_C), _FP8_MAX_C)
             tl.store(q_row + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
 
 
