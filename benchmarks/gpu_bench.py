@@ -19,12 +19,14 @@ and the overlap scheduler on vs off with the GPU's idle time per decode step.
   lm_head) plus the KV cache read. Bandwidth: the device's datasheet figure (named in the
   JSON; H100 SXM 3.35 TB/s) and the copy bandwidth measured in the same run.
 * overlap: decode at batch 64 and 256 (GPT-2 shape by default), overlap on vs off: throughput
-  of whole runs, host step time, and GPU idle time per decode step. Idle is read off the
-  kernel timeline (torch.profiler, CUDA activity only, so the host is not slowed by recording
-  its ops; with CPU ops too if that records no kernel): over a window of steady decode
-  steps, idle = window - union of kernel intervals, all streams. Every gap counts, the ~2 us
-  between kernels of a graph included; gaps of 20 us or more ("bubbles", the host stalls
-  overlap exists to hide) are reported apart.
+  of whole runs, host step time, and GPU idle time per decode step: 1 - busy / period over a
+  window of steady decode steps. Busy is read off the kernel timeline (torch.profiler, CUDA
+  activity only; with CPU ops too if that records no kernel): the union of kernel intervals,
+  all streams, per step. The period is measured without a profiler, from CUDA events on the
+  forward stream at each launch (`gpu_timeline.StepEvents`): the trace slows a host-bound
+  loop's host (0.74 ms a step unprofiled, 1.17 ms traced, at batch 64 in the fourth GPU
+  session), so the trace's own idle fraction overstates it; it is reported beside
+  (`idle_fraction_profiled`, with its "bubbles": gaps of 20 us or more).
 
 `--profile` also writes a torch profiler table (CPU ops and kernels) per benchmark to
 results/gpu_<name>_profile.txt and a kernel-timeline summary into the JSON: where a goal is

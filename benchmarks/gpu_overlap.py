@@ -19,7 +19,14 @@ from benchmarks.gpu_common import (
     release,
     vocab_size,
 )
-from benchmarks.gpu_timeline import Profiled, drive, host_split, timeline
+from benchmarks.gpu_timeline import (
+    Profiled,
+    StepEvents,
+    drive,
+    event_idle_fraction,
+    host_split,
+    timeline,
+)
 
 
 def overlap(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
@@ -45,14 +52,16 @@ def overlap(ctx: Ctx, args: argparse.Namespace) -> dict[str, Any]:
                            for o in (True, False))
         per_bs[bs] = {"throughput_on_vs_off": on_row["tok_s"] / off_row["tok_s"],
                       "idle_fraction_on": on_row["idle_fraction"],
-                      "idle_fraction_off": off_row["idle_fraction"]}
+                      "idle_fraction_off": off_row["idle_fraction"],
+                      "idle_fraction_on_profiled": on_row["idle_fraction_profiled"]}
     results["on_vs_off"] = per_bs
     idle = [v["idle_fraction_on"] for v in per_bs.values() if v["idle_fraction_on"] is not None]
     summary["gpu_idle_fraction_overlap"] = max(idle) if idle else None
     summary["overlap_on_vs_off_throughput"] = {
         f"bs{bs}": v["throughput_on_vs_off"] for bs, v in per_bs.items()}
     print_table(rows, ["batch", "overlap", "tok_s", "host_step_ms", "gpu_step_ms",
-                       "gpu_busy_ms_per_step", "idle_fraction", "bubble_fraction"])
+                       "gpu_busy_ms_per_step", "idle_fraction", "gap_ms_per_step",
+                       "profiled_step_ms", "idle_fraction_profiled"])
     print_table(rows, ["batch", "overlap", "host_step_ms", "host_launch_forward_ms",
                        "host_graph_launch_ms", "host_wait_ms", "host_other_ms"])
     return finish(ctx, "overlap", results, summary)
@@ -68,13 +77,22 @@ def _overlap_case(ctx: Ctx, engine: Any, vocab: int, bs: int, on: bool, prompt_l
     run = drive(engine, prompts(ctx.seed + bs), new)
     engine.flush_cache()
     tl = timeline(ctx, engine, prompts(ctx.seed + 200 + bs), new, window)
+    engine.flush_cache()
+    events = drive(engine, prompts(ctx.seed + 500 + bs), new, StepEvents(ctx, engine),
+                   window).timeline or {}
+    busy = tl.get("busy_ms_per_step")
     row = {"batch": bs, "overlap": on, "tokens": run.num_tokens,
            "tok_s": run.num_tokens / run.seconds,
            "seconds": run.seconds, "host_step_ms": 1e3 * statistics.median(run.decode_step_s),
-           "gpu_step_ms": tl.get("step_ms"), "gpu_busy_ms_per_step": tl.get("busy_ms_per_step"),
-           "idle_ms_per_step": tl.get("idle_ms_per_step"),
-           "idle_fraction": tl.get("idle_fraction"), "bubble_fraction": tl.get("bubble_fraction"),
-           "gpu_timeline": tl}
+           "gpu_step_ms": events.get("period_ms"), "gpu_busy_ms_per_step": busy,
+           # the unprofiled step: busy (the profiled run's kernels) over the events' period
+           "idle_fraction": event_idle_fraction(busy, events.get("period_ms")),
+           "gap_ms_per_step": events.get("gap_ms_per_step"),
+           # inside the kernel-only trace, whose host is slower (`StepEvents`)
+           "profiled_step_ms": tl.get("step_ms"),
+           "idle_fraction_profiled": tl.get("idle_fraction"),
+           "bubble_fraction_profiled": tl.get("bubble_fraction"),
+           "gpu_timeline": tl, "step_events": events}
     engine.flush_cache()
     row.update(host_split(engine, prompts(ctx.seed + 400 + bs), new))
     if ctx.profile:

@@ -123,6 +123,107 @@ def _key_table(prof: Any, cuda: bool) -> str:
     return avg.table(row_limit=40)
 
 
+# -- the GPU's step period from CUDA events --------------------------------------------------
+class StepEvents:
+    """The GPU's period per decode step, from events on the stream that runs the forwards,
+    with no profiler attached (the `drive` protocol of `Profiled`: `start()`, `stop(steps)`).
+
+    Why: a CUPTI trace slows the host. In the fourth GPU session the overlap loop at batch 64
+    took 0.74 ms of host time per step unprofiled but 1.17 ms per step inside the
+    kernel-only trace, whose idle fraction (0.43) was then mostly the profiler's. A
+    host-bound loop's step period is the host's; events cost a few microseconds a step.
+
+    Per launched batch, a mark on the forward stream before the launch (before its inputs
+    are copied) and one after it (after sampling; after a deferred `launch_sample` too).
+    `stop` reports `period_ms` (the mean time between consecutive launch marks: the device's
+    step period; busy / period is the fraction of the step the GPU computes, with busy from
+    a profiled run's kernels, `timeline`), and `gap_ms_per_step` (the mean time the stream
+    ran dry between one batch's last mark and the next batch's first mark: idle the GPU
+    certainly had; idle inside a step, between the batch's copies and its graph, is not in
+    it). On a CPU the marks are host times (the device is synchronous there)."""
+
+    def __init__(self, ctx: Ctx, engine: Any) -> None:
+        self.ctx, self.sched = ctx, engine.scheduler
+        self.started = False
+        self.marks: list[tuple[str, Any]] = []  # ("launch" | "done", mark), in host order
+        self._undo: list[tuple[Any, str]] = []
+
+    def _mark(self, stream: Any) -> Any:
+        if not self.ctx.cuda:
+            return time.perf_counter()
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream if stream is not None else torch.cuda.current_stream())
+        return event
+
+    def _wrap(self, obj: Any, name: str, stream: Any, launches: bool) -> None:
+        inner = getattr(obj, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if launches:
+                self.marks.append(("launch", self._mark(stream)))
+            out = inner(*args, **kwargs)
+            self.marks.append(("done", self._mark(stream)))
+            return out
+
+        setattr(obj, name, call)  # an instance attribute: shadows the method
+        self._undo.append((obj, name))
+
+    def start(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        sync(self.ctx)
+        executor = getattr(self.sched, "executor", None)
+        if executor is not None:  # the overlap loop: its forward stream on a GPU
+            stream = getattr(executor, "forward_stream", None)
+            self._wrap(executor, "launch_forward", stream, launches=True)
+            self._wrap(executor, "launch_sample", stream, launches=False)
+        else:  # the plain loop: the current stream
+            self._wrap(self.sched.model_runner, "forward_batch_generation", None, launches=True)
+
+    def stop(self, num_steps: int) -> dict[str, Any] | None:
+        if not self.started:
+            return None
+        for obj, name in self._undo:
+            delattr(obj, name)
+        self._undo.clear()
+        sync(self.ctx)
+        return step_periods(self.marks, self._elapsed_ms)
+
+    def _elapsed_ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.ctx.cuda else 1e3 * (b - a)
+
+
+def step_periods(marks: list[tuple[str, Any]], elapsed_ms: Any) -> dict[str, Any]:
+    """`StepEvents`' arithmetic over its marks in host order (`elapsed_ms(a, b)`: b - a)."""
+    launches = [i for i, (kind, _) in enumerate(marks) if kind == "launch"]
+    if len(launches) < 2:
+        return {"steps": len(launches), "period_ms": None, "gap_ms_per_step": None}
+    first, last = marks[launches[0]][1], marks[launches[-1]][1]
+    steps = len(launches) - 1  # whole periods between the first and the last launch
+    gaps = []
+    for prev, nxt in zip(launches, launches[1:]):
+        done = [m for kind, m in marks[prev:nxt] if kind == "done"]
+        if done:
+            gaps.append(max(0.0, elapsed_ms(done[-1], marks[nxt][1])))
+    return {
+        "steps": steps,
+        "period_ms": elapsed_ms(first, last) / steps,
+        "gap_ms_per_step": sum(gaps) / steps,
+        "max_gap_ms": max(gaps, default=0.0),
+    }
+
+
+def event_idle_fraction(busy_ms_per_step: float | None, period_ms: float | None) -> float | None:
+    """The GPU's idle fraction of an unprofiled step: 1 - busy / period (busy from a
+    profiled run's kernels, the period from `StepEvents`)."""
+    if not busy_ms_per_step or not period_ms:
+        return None
+    return max(0.0, 1.0 - busy_ms_per_step / period_ms)
+
+
 # -- driving the scheduler --------------------------------------------------------------------
 @dataclasses.dataclass
 class Run:

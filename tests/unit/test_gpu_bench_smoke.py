@@ -84,6 +84,12 @@ def test_overlap_cases_generate_every_token(quick_all) -> None:
         assert launched == case["overlap"], case
         step = case["host_split_step_ms"]
         assert 0 < case["host_other_ms"] <= step and case["host_wait_ms"] <= step, case
+        # the period from launch marks, every launch of the window's 12 steps (host times on
+        # a CPU; no kernels there, so no busy time and no idle fraction)
+        events = case["step_events"]
+        assert events["steps"] == 11 and case["gpu_step_ms"] == events["period_ms"] > 0, case
+        assert 0 <= events["gap_ms_per_step"] <= events["period_ms"], case
+        assert case["idle_fraction"] is None, case
     assert set(summary["overlap_on_vs_off_throughput"]) == {"bs4", "bs8"}
 
 
@@ -132,3 +138,22 @@ def test_engine_arg_values_are_python_literals() -> None:
     assert gpu_bench._engine_args(["cuda_graph_max_bs=160", "schedule_policy=lpm",
                                    "disable_radix_cache=True"]) == {
         "cuda_graph_max_bs": 160, "schedule_policy": "lpm", "disable_radix_cache": True}
+
+
+def test_step_periods_are_launch_to_launch_and_gaps_end_at_the_last_mark() -> None:
+    # launches at 0, 10, 25 (host order); the first batch's work ends at 6, the second's
+    # forward at 18 and its deferred sampling at 22: gaps 4 and 3, period (25 - 0) / 2
+    marks = [("launch", 0.0), ("done", 6.0), ("launch", 10.0), ("done", 18.0), ("done", 22.0),
+             ("launch", 25.0), ("done", 31.0)]
+    out = gpu_timeline.step_periods(marks, lambda a, b: b - a)
+    assert out == {"steps": 2, "period_ms": 12.5, "gap_ms_per_step": 3.5, "max_gap_ms": 4.0}
+    # a stream still busy at the next launch (its mark after the launch's): no gap
+    busy = [("launch", 0.0), ("done", 12.0), ("launch", 10.0)]
+    assert gpu_timeline.step_periods(busy, lambda a, b: b - a)["gap_ms_per_step"] == 0.0
+    assert gpu_timeline.step_periods([("launch", 0.0)], lambda a, b: b - a)["period_ms"] is None
+
+
+def test_event_idle_fraction_is_busy_over_the_unprofiled_period() -> None:
+    assert gpu_timeline.event_idle_fraction(0.668, 0.741) == pytest.approx(0.0985, abs=1e-4)
+    assert gpu_timeline.event_idle_fraction(0.8, 0.7) == 0.0  # a GPU-bound loop
+    assert gpu_timeline.event_idle_fraction(None, 0.7) is None
