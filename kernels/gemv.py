@@ -48,7 +48,7 @@ from kernels.jit import (
 )
 
 MAX_M = 16  # rows of x the kernel takes; more go to torch's GEMM
-TILE = 8192  # most weight elements a one-row program multiplies per step
+TILE = 8192  # most weight elements a one-row program of 4 warps multiplies per step
 
 ACTS = {None: 0, "silu_mul": 1}
 
@@ -200,24 +200,32 @@ def gemv_config(
 ) -> dict[str, int]:
     """The tile for x [m, k] @ w[n, k].T: BLOCK_N, BLOCK_K, num_warps, num_stages.
 
-    BLOCK_N: the largest power of two (4-64 at M == 1, 16-64 for the dot) that still gives
-    about two programs per SM, so an N of 2048 runs 512 programs of 4 rows at M == 1; BLOCK_K:
-    for the reduction up to 1024 within TILE elements a step (4 x 1024 bf16 is 8 KB), 128 for
-    the dot (64 for float32 inputs with a prologue, an activation or a norm, whose extra tiles
-    spilled at 128). A first guess from the shapes alone, to be replaced by what the GPU sweep
-    measures."""
-    target = 2 * num_sms
-    lo = 4 if m == 1 else 16
-    block_n = lo
-    while block_n < 64 and cdiv(n, block_n * 2) >= target:
-        block_n *= 2
-    # M == 1 accumulates a float32 [BLOCK_N, BLOCK_K] tile: 8192 elements are 64 registers a
-    # thread at 4 warps (at 16384 ptxas for sm_90a spilled, kernels/compile_check.py)
+    The H100 sweep of `benchmarks/gpu_gemv.py` (results/gpu_gemv.json, fourth GPU session) at
+    Llama 3.2 1B's projections chose these; where its best tile differs, by how much it beat
+    this one is in brackets.
+    * One row: 4 weight rows a program (16 with 8 warps for a vocabulary-wide N: the lm_head),
+      1024 columns a step, or 2048 from K = 8192 (the down projection), 4 warps, 2 stages
+      (qkv's best had 2 warps and 1 stage, [1-9 %] of 6.3 us). The float32 accumulator tile
+      stays at 64 registers a thread (BLOCK_N x BLOCK_K <= 2048 x warps: more spilled for
+      sm_90a, kernels/compile_check.py). `num_sms` is not needed by these: 3072 rows of 4 are
+      768 programs.
+    * The dot (2 to MAX_M rows): 64 x 256 tiles, 4 warps, 4 stages, the best at every shape
+      but gate_up (64 x 128, [1-2 %]); 128 columns with a prologue (an activation or a norm
+      computed per tile); for float32 inputs with one, 16 x 64 tiles (their extra tiles spilled
+      at 64 x 64 and at 16 x 128)."""
+    del num_sms
     if m == 1:
-        block_k = min(next_pow2(k, 16), 1024, TILE // block_n)
+        wide = n >= 32768
+        block_n, warps = (16, 8) if wide else (4, 4)
+        cap = 2048 if k >= 8192 else 1024
+        block_k = min(next_pow2(k, 16), cap, TILE * warps // (4 * block_n))
+        return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": 2}
+    if prologue and itemsize > 2:  # (not swept; 64 x 64 spilled for sm_90a)
+        block_n, block_k = 16, 64
     else:
-        block_k = min(next_pow2(k, 16), 64 if prologue and itemsize > 2 else 128)
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
+        block_n, block_k = 64, 128 if prologue else 256
+    block_n, block_k = min(next_pow2(n, 16), block_n), min(next_pow2(k, 16), block_k)
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
 
 
 class RMSNormInput(NamedTuple):
