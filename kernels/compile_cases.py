@@ -17,7 +17,7 @@ from kernels.activation import gelu_new, silu_and_mul
 from kernels.argmax import argmax_rows
 from kernels.decode_attention import decode_attention, merge_counters
 from kernels.extend_attention import extend_attention
-from kernels.fp8_gemm import fp8_gemm, quantize_rows
+from kernels.fp8_gemm import fp8_gemm, fp8_gemv, quantize_rows
 from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
@@ -109,14 +109,14 @@ def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: in
     fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
 
 
-def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int) -> None:
-    """The W8A8 GEMM of a 4096 x 4096 layer with `dtype` output."""
-    n = k = 4096
+def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int, k: int = 4096) -> None:
+    """The W8A8 GEMM of a 4096 x `k` layer with `dtype` output (one token: the GEMV)."""
+    n = 4096
     a = torch.empty(tokens, k, dtype=torch.float8_e4m3fn)
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     a_s = torch.empty(tokens, -(-k // group[1]))
     w_s = torch.empty(-(-n // group[0]), -(-k // group[1]))
-    fp8_gemm(a, a_s, w, w_s, group, None, dtype)
+    (fp8_gemv if tokens == 1 else fp8_gemm)(a, a_s, w, w_s, group, None, dtype)
 
 
 def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:
@@ -249,6 +249,10 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for tokens in (4, 1024):  # 16-row and 64-row blocks
                 labels = {"dtype": name, "case": f"fp8 gemm group {group} T{tokens}"}
                 yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
+        for k in (4096, 8192):  # one token: the GEMV (K steps of 1024; of 2048 from 8192)
+            for group in ((128, 128), (1, k)):
+                labels = {"dtype": name, "case": f"fp8 gemv group {group[0]} K{k}"}
+                yield labels, functools.partial(_launch_fp8, dtype, group, 1, k)
         for k, group_cols in ((4096, 4096), (8192, 128)):  # per token; a block checkpoint's
             labels = {"dtype": name, "case": f"fp8 quantize K{k} group {group_cols}"}
             yield labels, functools.partial(quantize_rows, torch.empty(4, k, dtype=dtype),
@@ -310,6 +314,7 @@ def _pdl_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         moe_case(MOE_SHAPES[0], 4): part(_launch_moe, bf16, MOE_SHAPES[0], 4),
         "fp8 gemm group (128, 128) T4": part(_launch_fp8, bf16, (128, 128), 4),
         "fp8 quantize K2048": part(quantize_rows, torch.empty(1, 2048, dtype=bf16), 2048),
+        "fp8 gemv group 128 K4096": part(_launch_fp8, bf16, (128, 128), 1),
     }  # fmt: skip
     x1 = torch.zeros(1, 2048, dtype=bf16)
     norm = RMSNormInput(torch.zeros(2048, dtype=bf16), 1e-5, x1, torch.zeros_like(x1))

@@ -10,7 +10,8 @@ Per-channel weights with per-token activations are the same with group_n = 1, gr
 The kernel walks K in BLOCK_K steps that never straddle a group, multiplies the float8 tiles
 (tensor cores on the GPU for 16-bit outputs, in float32 for float32 ones: `upcast`) and adds
 each partial product times its row's activation scale and its column's weight scale.
-`fp8_gemm_reference` is the same in torch.
+`fp8_gemm_reference` is the same in torch. `fp8_gemv` takes one row: batch-1 decode, where
+the GEMM's tiles leave most SMs idle.
 """
 
 from __future__ import annotations
@@ -215,6 +216,94 @@ def fp8_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         **launch_opts(4),
+    )  # fmt: skip
+    return out
+
+
+# -- one row: the GEMV's reduction over float8 weights ----------------------------------------
+if HAS_TRITON:
+
+    @triton.jit
+    def _fp8_gemv_kernel(
+        a_ptr,
+        a_s_ptr,
+        w_ptr,
+        w_s_ptr,
+        bias_ptr,
+        c_ptr,
+        N,
+        K,
+        stride_wn,
+        stride_wsn,
+        GROUP_N: tl.constexpr,
+        GROUP_K: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        """One program per BLOCK_N weight rows; a [BLOCK_N, BLOCK_K] float32 tile of products
+        walks K and is summed once at the end (kernels/gemv.py's one-row reduction). Each
+        product carries its activation group's and its weight block's scales, gathered per
+        column, so a step may span scale groups."""
+        pdl_prologue(PDL)
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        n_mask = offs_n < N
+        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+        w_s_rows = w_s_ptr + (offs_n // GROUP_N)[:, None] * stride_wsn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + offs_k
+            k_mask = cols < K
+            group = cols // GROUP_K
+            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+            a_s = tl.load(a_s_ptr + group, mask=k_mask, other=0.0)
+            mask = n_mask[:, None] & k_mask[None, :]
+            w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            w_s = tl.load(w_s_rows + group[None, :], mask=mask, other=0.0)
+            acc += (w * w_s) * (a * a_s)[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_mask)
+
+
+def fp8_gemv(
+    a_q: torch.Tensor,
+    a_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    group: tuple[int, int],
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """`fp8_gemm` of one row (a_q [1, K]) as a GEMV: 4-row programs (768 for an N of 3072)
+    where the GEMM's 64-column tiles gave 48 programs to 132 SMs, and no MMA padded to 16
+    rows. Tiles: `kernels.gemv.gemv_config`'s one-row ones (the H100 sweep's, for 16-bit
+    weights). Products in float32, as the reference's."""
+    from kernels.gemv import gemv_config
+
+    m, k = a_q.shape
+    n = w_q.shape[0]
+    assert m == 1, f"fp8_gemv: one row, not {m}"
+    assert a_q.stride(1) == 1 and w_q.stride(1) == 1
+    group_n, group_k = min(group[0], n), min(group[1], k)
+    if a_s.shape[1] != w_s.shape[1] or w_s.shape[0] != cdiv(n, group_n):
+        raise ValueError(f"fp8_gemv: scales {tuple(a_s.shape)} / {tuple(w_s.shape)} do not "
+                         f"match groups {group} of a [{n}, {k}] weight")  # fmt: skip
+    a_s, w_s = a_s.float().contiguous(), w_s.float().contiguous()
+    out = torch.empty(1, n, dtype=out_dtype, device=a_q.device)
+    cfg = gemv_config(1, n, k)
+    opts = launch_opts(cfg["num_warps"])
+    if not interpreting():
+        opts["num_stages"] = cfg["num_stages"]
+    _fp8_gemv_kernel[(cdiv(n, cfg["BLOCK_N"]),)](
+        a_q, a_s, w_q, w_s, bias if bias is not None else out, out, n, k,
+        w_q.stride(0), w_s.stride(0),
+        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **opts,
     )  # fmt: skip
     return out
 

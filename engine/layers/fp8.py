@@ -9,8 +9,10 @@ token and 128 columns), or (1, in_features), one scale per output channel (what
 q, k and v with their own scales are stacked in one layer; activations then scaled per token).
 
 The matmul: on CUDA, `torch._scaled_mm` (per-channel, bfloat16 output) or the Triton block
-kernel (kernels/fp8_gemm.py); elsewhere the same arithmetic in torch, activations quantized
-to float8 and back, so a CPU run computes what the GPU does up to summation order.
+kernel (kernels/fp8_gemm.py), and one row (batch-1 decode) on the Triton float8 GEMV where
+the model's GEMV backend is Triton (`gemv_max_rows`, the default for 16-bit models on CUDA);
+elsewhere the same arithmetic in torch, activations quantized to float8 and back, so a CPU
+run computes what the GPU does up to summation order.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kernels.fp8_gemm import (
     dequantize_groups,
     fp8_gemm,
     fp8_gemm_reference,
+    fp8_gemv,
     quantize_groups,
     quantize_rows,
 )
@@ -173,17 +176,21 @@ class Fp8Linear(nn.Module):
         return tuple(loaded.block) == self.group
 
     # -- forward ------------------------------------------------------------------------------
+    # Set by `engine.layers.linear.use_triton_gemv` (the model's `gemv_backend` is Triton):
+    # inputs of one row go to the float8 GEMV when this is at least 1.
+    gemv_max_rows = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        gemv = self.gemv_max_rows > 0
         if self.tp is not None:  # (row-parallel: the ranks' partial sums, then the bias)
             y = self.tp.all_reduce(
-                fp8_linear(x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.group)
+                fp8_linear(x, self.weight, self.weight_scale, self.group, gemv=gemv)
             )
             y = y if self.bias is None else y + self.bias
         else:
-            y = fp8_linear(
-                x.reshape(-1, shape[-1]), self.weight, self.weight_scale, self.group, self.bias
-            )
+            y = fp8_linear(x, self.weight, self.weight_scale, self.group, self.bias, gemv)
         return y.view(*shape[:-1], self.out_features)
 
 
@@ -213,14 +220,17 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     group: tuple[int, int],
     bias: torch.Tensor | None = None,
+    gemv: bool = False,
 ) -> torch.Tensor:
     """x [M, K] in bf16/fp16/fp32 -> [M, N] in x's dtype; activations quantized per row and
-    `group[1]` columns."""
+    `group[1]` columns. `gemv`: one row goes to the Triton GEMV (`kernels.fp8_gemm.fp8_gemv`)."""
     n, k = weight.shape
     if x.is_cuda and HAS_TRITON:  # one launch, bit for bit quantize_groups' (ten on CUDA)
         x_q, x_s = quantize_rows(x, group[1])
     else:
         x_q, x_s = quantize_groups(x, 1, group[1])
+    if gemv and x.shape[0] == 1:
+        return fp8_gemv(x_q, x_s, weight, weight_scale, group, bias, x.dtype)
     if x.is_cuda:
         if _scaled_mm_fits(x, group, n, k):
             return torch._scaled_mm(

@@ -93,7 +93,7 @@ def use_triton_gemv(model: nn.Module, max_rows: int) -> int:
     """Route inputs of 1..max_rows rows of the model's plain linear layers (and of the modules
     with a `gemv_max_rows` attribute: the lm_head matmul, Llama's fused activation and down
     projection) through `kernels.gemv.gemv`; returns how many linear layers now do. Quantized
-    layers (`Fp8Linear`) keep their own path."""
+    layers (`Fp8Linear`) keep their own kernels: one row on their float8 GEMV."""
     count = 0
     for module in model.modules():
         if type(module) in (nn.Linear, MergedLinear):

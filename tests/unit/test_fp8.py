@@ -157,6 +157,65 @@ def test_float32_outputs_multiply_in_float32():
             assert fp8_gemm.upcast(torch.float16, 64) == interp
 
 
+@needs_triton
+@pytest.mark.parametrize(
+    "n,k,group",
+    [(48, 64, (1, 64)), (130, 300, (1, 300)), (64, 300, (16, 128)), (90, 2100, (32, 128)),
+     (70, 2100, (128, 128))],
+    ids=["per-channel", "per-channel-ragged", "block-in-one-step", "blocks-3-steps",
+         "block128-ragged-rows"],
+)  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_one_row_gemv_matches_reference(n, k, group, bias, out_dtype):
+    """The float8 GEMV (one row; K steps of up to 1024 columns that span several scale groups,
+    weight rows in 4s across blocks of 16-128) computes the reference's W8A8 arithmetic: in
+    float32, to its rounding."""
+    from kernels.fp8_gemm import fp8_gemv
+
+    x, w = _randn(1, k, seed=4), _randn(n, k, seed=5) * 0.1
+    w = w * torch.linspace(0.05, 3.0, k)  # column groups of different sizes, so scales differ
+    b = _randn(n, seed=6) if bias else None
+    x_q, x_s = quantize_groups(x, 1, group[1])
+    w_q, w_s = quantize_groups(w, *group)
+    args = [t.to(DEVICE) for t in (x_q, x_s, w_q, w_s)]
+    got = fp8_gemv(*args, group, b.to(DEVICE) if b is not None else None, out_dtype)
+    assert got.shape == (1, n) and got.dtype == out_dtype
+    want = fp8_gemm_reference(x_q, x_s, w_q, w_s, group, b, torch.float32)
+    size = dequantize_groups(x_q, x_s, (1, group[1])).abs()
+    size = size @ dequantize_groups(w_q, w_s, group).abs().T  # the sum's own rounding scale
+    rounding = 2.0**-7 * want.abs() if out_dtype == torch.bfloat16 else 0
+    assert ((got.float().cpu() - want).abs() <= rounding + 1e-6 * size + 1e-6).all()
+
+
+@needs_triton
+def test_fp8_layer_takes_the_gemv_for_one_row_only():
+    """`gemv_max_rows` (set by use_triton_gemv): one row through the float8 GEMV, equal to the
+    GEMM's result; more rows keep the GEMM."""
+    from engine.layers.linear import use_triton_gemv
+    from kernels import fp8_gemm
+
+    linear = torch.nn.Linear(256, 72, bias=True)
+    model = torch.nn.Sequential(Fp8Linear.quantize(linear, (8, 128))).to(DEVICE)
+    layer = model[0]
+    x = _randn(3, 256, seed=7).to(DEVICE)
+    with torch.no_grad():
+        off = layer(x)
+        use_triton_gemv(model, 1)
+        assert layer.gemv_max_rows == 1
+        calls = []
+        real = fp8_gemm.fp8_gemv
+        with pytest.MonkeyPatch.context() as mp:
+            import engine.layers.fp8 as fp8_layer
+
+            mp.setattr(fp8_layer, "fp8_gemv", lambda *a: calls.append(a) or real(*a))
+            rows = [layer(x[i : i + 1]) for i in range(3)]
+            three = layer(x)
+    assert len(calls) == 3  # the rows of one, not the batch of three
+    torch.testing.assert_close(torch.cat(rows), off, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(three, off, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("group", [None, (16, 16)])
 def test_fp8_linear_quantize_is_close_to_the_linear(group):
     linear = torch.nn.Linear(64, 96, bias=True)

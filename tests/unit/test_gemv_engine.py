@@ -256,3 +256,28 @@ def test_lora_adapters_keep_their_layers_off_the_fused_prologues():
             engine.shutdown()
         outs.append([o["output_ids"] for o in got])
     assert outs[0] == outs[1]
+
+
+def test_fp8_engine_decodes_one_row_on_the_float8_gemv(monkeypatch):
+    """`--quantization fp8` with the Triton GEMV: decode steps of one request run every
+    projection on `fp8_gemv` (the lm_head, not quantized, on the 16-bit GEMV), with the
+    logits of the engine without it; batches of two rows keep the float8 GEMM."""
+    import engine.layers.fp8 as fp8_layer
+    from tests.factories import tiny_model
+
+    path = tiny_model("llama")
+    rows: list[int] = []
+    real = fp8_layer.fp8_gemv
+    monkeypatch.setattr(fp8_layer, "fp8_gemv", lambda a_q, *a: rows.append(a_q.shape[0])
+                        or real(a_q, *a))  # fmt: skip
+    layers: list[int] = []
+    got = _engine_logits(path, "torch_native", 16, lambda r: layers.append(
+        len(r.model.model.layers)), quantization="fp8", gemv_backend="triton")  # fmt: skip
+    want = _engine_logits(path, "torch_native", 16, quantization="fp8", gemv_backend="torch")
+    assert len(got) == len(want) > 2
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+    # round one decodes two requests (3 steps of 2 rows, then none of one row: both finish
+    # together), round two one request (3 steps of 1 row): 4 quantized projections a layer
+    assert rows and set(rows) == {1}
+    assert len(rows) == 3 * 4 * layers[0]

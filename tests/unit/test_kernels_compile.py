@@ -39,6 +39,8 @@ MOE_CASES = [
 ]
 # the FP8 W8A8 GEMM of a 4096 x 4096 layer: 128 x 128 block scales and per-channel ones
 FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
+# one token: the float8 GEMV (a block checkpoint's and per channel; K steps of 1024 and 2048)
+FP8_GEMV_CASES = [f"fp8 gemv group {g} K{k}" for k in (4096, 8192) for g in (128, 1)]
 # its activations' quantization: per token (K 4096) and in 128-column groups (K 8192)
 FP8_QUANT_CASES = ("fp8 quantize K4096 group 4096", "fp8 quantize K8192 group 128")
 # an FP8 KV cache: bf16/fp16 queries over float8 pools (GQA shapes), store_kv of float8 rows
@@ -79,6 +81,7 @@ PDL_VARIANTS = [
     ("_grouped_gemm_kernel", "bfloat16", None, None, None, "pdl moe H2048 E128 k8 I768 T4 #2"),
     ("_fp8_gemm_kernel", "bfloat16", None, None, None, "pdl fp8 gemm group (128, 128) T4"),
     ("_quantize_rows_kernel", "bfloat16", None, None, None, "pdl fp8 quantize K2048"),
+    ("_fp8_gemv_kernel", "bfloat16", None, None, None, "pdl fp8 gemv group 128 K4096"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv add_rms_norm M1 N3072 K2048"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv silu_mul M1 N2048 K8192"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv M4 N2048 K2048"),
@@ -137,6 +140,11 @@ def expected_variants() -> list[tuple]:
         ("_fp8_gemm_kernel", dtype, None, None, None, case)
         for dtype in DTYPES
         for case in FP8_CASES
+    ]
+    rows += [
+        ("_fp8_gemv_kernel", dtype, None, None, None, case)
+        for dtype in DTYPES
+        for case in FP8_GEMV_CASES
     ]
     rows += [
         ("_quantize_rows_kernel", dtype, None, None, None, case)
