@@ -109,6 +109,19 @@ def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: in
     fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
 
 
+def _launch_moe_gpt_oss(dtype: torch.dtype, tokens: int) -> None:
+    """gpt-oss-20b's experts (32, top 4, 2880 wide): weights stored [E, in, out] (transposed
+    views for the kernels), biases, an activation of interleaved gate and up columns."""
+    hidden = inter = 2880
+    x = torch.empty(tokens, hidden, dtype=dtype)
+    w13 = torch.empty(32, hidden, 2 * inter, dtype=dtype).transpose(1, 2)
+    w2 = torch.empty(32, inter, hidden, dtype=dtype).transpose(1, 2)
+    b13, b2 = torch.empty(32, 2 * inter, dtype=dtype), torch.empty(32, hidden, dtype=dtype)
+    ids = torch.arange(tokens * 4).remainder(32).view(tokens, 4)
+    fused_experts_triton(x, w13, w2, torch.full(ids.shape, 0.25), ids, b13, b2,
+                         lambda gate_up: gate_up[:, ::2] * gate_up[:, 1::2])  # fmt: skip
+
+
 def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int, k: int = 4096) -> None:
     """The W8A8 GEMM of a 4096 x `k` layer with `dtype` output (one token: the GEMV)."""
     n = 4096
@@ -244,6 +257,9 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for tokens in (4, 1024):  # 16-row and 64-row blocks
                 labels = {"dtype": name, "case": moe_case(shape, tokens)}
                 yield labels, functools.partial(_launch_moe, dtype, shape, tokens)
+        for tokens in (4, 1024):
+            labels = {"dtype": name, "case": f"moe gpt-oss T{tokens}"}
+            yield labels, functools.partial(_launch_moe_gpt_oss, dtype, tokens)
     for name, dtype in DTYPES.items():
         for group in ((128, 128), (1, 4096)):  # a block-scaled checkpoint; per channel
             for tokens in (4, 1024):  # 16-row and 64-row blocks

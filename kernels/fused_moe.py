@@ -10,10 +10,15 @@
    its BLOCK_M pair ids, gathers their A rows (token = pair // k for the first GEMM, the pair's
    own row for the second) and multiplies them by that expert's [N, K] weight; the second
    GEMM scales each row by its routing weight. Rows are written per pair: [T * k, N].
-3. SiLU-and-mul between the two, and the sum over each token's k rows after, in torch.
+3. SiLU-and-mul between the two (or the model's activation: gpt-oss's clamped SwiGLU), and
+   the sum over each token's k rows after, in torch.
+
+Weights may be any strided [E, N, K] view, and each expert may have a bias (gpt-oss).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +59,7 @@ def _grouped_gemm_kernel(
     a_ptr,
     w_ptr,
     c_ptr,
+    bias_ptr,
     routed_weight_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
@@ -64,8 +70,11 @@ def _grouped_gemm_kernel(
     stride_am,
     stride_we,
     stride_wn,
+    stride_wk,
+    stride_be,
     stride_cm,
     A_ROWS_PER_PAIR: tl.constexpr,  # top_k for the first GEMM (rows of x), 1 for the second
+    HAS_BIAS: tl.constexpr,  # the expert's bias [N], added before the routing weight
     MUL_ROUTED_WEIGHT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -87,7 +96,8 @@ def _grouped_gemm_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    w_ptrs += offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
@@ -95,7 +105,10 @@ def _grouped_gemm_kernel(
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(routed_weight_ptr + pairs, mask=pair_mask, other=0.0)
         acc = acc * weight[:, None]
@@ -110,16 +123,21 @@ def _block_sizes(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[
     return block_m, 64, 32 if dtype == torch.float32 else 64
 
 
-def _grouped_gemm(a, w, c, routed_weight, align, num_pairs, rows_per_pair, block_sizes):
+def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair, block_sizes):
+    """c = a @ w[e].T (+ bias[e]) (x routed weight) per pair: w [E, N, K] of any strides (a
+    transposed view too: gpt-oss stores its experts [E, K, N])."""
     sorted_ids, block_experts, total = align
     block_m, block_n, block_k = block_sizes
     num_experts, n, k = w.shape
-    assert a.stride(1) == 1 and w.stride(2) == 1 and c.stride(1) == 1
+    assert a.stride(1) == 1 and c.stride(1) == 1
+    assert bias is None or (bias.shape == (num_experts, n) and bias.stride(1) == 1)
     grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, w, c, routed_weight, sorted_ids, block_experts, total,
-        num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
+        a, w, c, bias if bias is not None else c, routed_weight, sorted_ids, block_experts,
+        total, num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2),
+        bias.stride(0) if bias is not None else 0, c.stride(0),
         A_ROWS_PER_PAIR=rows_per_pair,
+        HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=routed_weight is not None,
         DOT_DTYPE=dot_dtype(a.dtype),
         PRECISION=dot_precision(a.dtype),
@@ -136,9 +154,14 @@ def fused_experts_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    act: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """As `engine.layers.moe.fused_experts`: x [T, H], w13 [E, 2I, H], w2 [E, H, I],
-    topk_weights [T, k] (float32), topk_ids [T, k] -> [T, H] in x's dtype."""
+    topk_weights [T, k] (float32), topk_ids [T, k] -> [T, H] in x's dtype. gpt-oss: the
+    experts' biases w13_bias [E, 2I] and w2_bias [E, H] (the second added before the routing
+    weight), and `act` [pairs, 2I] -> [pairs, I] in place of SiLU(first half) * second half."""
     num_tokens, top_k = topk_ids.shape
     num_experts, inter2, hidden = w13.shape
     num_pairs = num_tokens * top_k
@@ -146,10 +169,13 @@ def fused_experts_triton(
     block_sizes = _block_sizes(num_pairs, num_experts, x.dtype)
     align = moe_align(topk_ids, num_experts, block_sizes[0])
     gate_up = torch.empty(num_pairs, inter2, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, None, align, num_pairs, top_k, block_sizes)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate) * up
+    _grouped_gemm(x, w13, gate_up, w13_bias, None, align, num_pairs, top_k, block_sizes)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        inner = F.silu(gate) * up
+    else:
+        inner = act(gate_up).to(x.dtype).contiguous()
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _grouped_gemm(act, w2, down, weights, align, num_pairs, 1, block_sizes)
+    _grouped_gemm(inner, w2, down, w2_bias, weights, align, num_pairs, 1, block_sizes)
     return down.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -12,10 +12,12 @@ Llama's layer (engine/models/llama.py) with:
   `(up + 1) * gate * sigmoid(alpha * gate)` with gate clamped from above and up from both
   sides at `swiglu_limit`, its gate and up columns interleaved in `gate_up_proj`.
 
-The experts keep the checkpoint's layout ([experts, in, out] for both projections). A batch
-of many rows runs one matmul per expert it routes to (which ones: a host read); a few rows
-(decode), and any batch a CUDA graph captures, run every expert on every row and weight the
-results by a dense routing matrix, with no host read (`GptOssExperts.DENSE_ROWS`).
+The experts keep the checkpoint's layout ([experts, in, out] for both projections). On CUDA
+they run on the Triton grouped GEMMs (kernels/fused_moe.py, with the experts' biases and the
+clamped SwiGLU between them; transposed views of the weights; no host read, so CUDA graphs
+capture it). Elsewhere a batch of many rows runs one matmul per expert it routes to (which
+ones: a host read); a few rows run every expert on every row and weight the results by a
+dense routing matrix (`GptOssExperts.DENSE_ROWS`).
 The published checkpoints' experts are MXFP4 (`*_blocks`: two 4-bit e2m1 values a byte, 32 a
 group; `*_scales`: a power-of-two exponent a group): they are dequantized to the model's dtype
 as they load (`dequantize_mxfp4`), and run as bf16 experts. Tensor parallelism is refused.
@@ -67,6 +69,8 @@ class GptOssExperts(nn.Module):
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H]; experts and weights [T, k]: each token's experts and their weights."""
+        if x.is_cuda and _has_triton():
+            return self.fused(x, experts, weights)
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if x.shape[0] <= self.DENSE_ROWS or capturing:
             return self.dense(x, experts, weights)
@@ -88,6 +92,18 @@ class GptOssExperts(nn.Module):
         routing = torch.zeros(x.shape[0], y.shape[0], dtype=weights.dtype, device=x.device)
         routing.scatter_(1, experts, weights)
         return torch.einsum("eth,te->th", y, routing.to(y.dtype)).to(x.dtype)
+
+    def fused(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The Triton grouped GEMMs (kernels/fused_moe.py; the GPU's path): only the chosen
+        experts' weights are read, with no host read (CUDA graphs capture it)."""
+        from kernels.fused_moe import fused_experts_triton
+
+        return fused_experts_triton(
+            x, self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2), weights,
+            experts, self.gate_up_proj_bias, self.down_proj_bias, self._glu,
+        )  # fmt: skip
 
     def _glu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of interleaved [gate, up] columns."""
@@ -144,3 +160,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if name.endswith(".self_attn.sinks"):  # the attention layer's, in PagedAttention
             name = name.removesuffix("sinks") + "attn.sinks"
         return super()._map_weight(name, tensor)
+
+
+def _has_triton() -> bool:
+    from kernels.jit import HAS_TRITON
+
+    return HAS_TRITON

@@ -128,6 +128,37 @@ def test_dense_experts_equal_the_routed_loop():
     torch.testing.assert_close(moe(x[:3]), routed[:3])  # 3 rows: the dense path
 
 
+@pytest.mark.parametrize("rows", [3, 40])  # 16-row blocks (decode), 64-row blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_experts_equal_the_routed_loop(rows, dtype):
+    """The GPU's path (the Triton grouped GEMMs with the experts' biases, the clamped SwiGLU
+    between them, and the transposed [E, in, out] weights; the interpreter on CPU) computes
+    what the per-expert loop does."""
+    import transformers
+
+    from engine.models.gpt_oss import GptOssMoE
+    from kernels.testing import triton_test_device
+
+    device, skip = triton_test_device()
+    if skip:
+        pytest.skip(skip)
+    config = transformers.GptOssConfig(hidden_size=32, intermediate_size=24, num_local_experts=6,
+                                       num_experts_per_tok=2, swiglu_limit=1.0)  # fmt: skip
+    torch.manual_seed(1)
+    moe = GptOssMoE(config)
+    for p in moe.parameters():
+        p.data.normal_(0.0, 0.5)
+    x = torch.randn(rows, 32)
+    top, experts = torch.topk(moe.router(x), 2, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    want = moe.double().experts.dense(x.double(), experts, weights.double())
+    moe = moe.to(device, dtype)
+    got = moe.experts.fused(x.to(device, dtype), experts.to(device), weights.to(device, dtype))
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(got.double().cpu(), want, atol=tol, rtol=tol)
+
+
 def test_mxfp4_dequantization_is_transformers():
     """`dequantize_mxfp4` against transformers' own conversion of the published format."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors

@@ -37,6 +37,7 @@ MOE_CASES = [
     for shape in ("H2048 E128 k8 I768", "H4096 E8 k2 I14336")
     for tokens in (4, 1024)
 ]
+MOE_CASES += [f"moe gpt-oss T{tokens}" for tokens in (4, 1024)]  # biases, [E, in, out] weights
 # the FP8 W8A8 GEMM of a 4096 x 4096 layer: 128 x 128 block scales and per-channel ones
 FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
 # one token: the float8 GEMV (a block checkpoint's and per channel; K steps of 1024 and 2048)
