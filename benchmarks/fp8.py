@@ -81,7 +81,8 @@ def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[in
     dtype = arm if arm in ("float32", "bfloat16") else args.dtype
     with Engine(
         model_path=path, device=args.device, dtype=dtype, skip_tokenizer_init=True,
-        disable_overlap_schedule=args.device == "cpu", max_total_tokens=args.kv_tokens, **kwargs,
+        disable_overlap_schedule=args.device == "cpu", max_total_tokens=args.kv_tokens,
+        gemv_backend=args.gemv_backend, **kwargs,
     ) as engine:  # fmt: skip
         out: dict[str, Any] = {"arm": arm, **weight_bytes(engine), **score_prompts(engine, prompts)}
         if arm not in ARMS:
@@ -116,6 +117,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-tokens", type=int, default=16384)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--gemv-backend", default="auto",
+                   help="every arm's: auto (on CUDA the Triton GEMVs at batch 1, the float8 one "
+                        "for the FP8 arms) or torch (cuBLAS; the float8 GEMM)")  # fmt: skip
     p.add_argument("--name", default="fp8")
     args = p.parse_args()
     if args.threads:

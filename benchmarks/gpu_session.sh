@@ -263,7 +263,11 @@ do_step() {
                 --name gpu_fp8_noise
             run_step fp8-bench 150 python3 benchmarks/fp8.py --preset llama-3.2-1b --device cuda \
                 --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 --kv-tokens 65536 \
-                --name gpu_fp8 ;;
+                --name gpu_fp8
+            # every arm on cuBLAS and the float8 GEMM: what the batch-1 GEMVs change
+            run_step fp8-bench-gemm 150 python3 benchmarks/fp8.py --preset llama-3.2-1b \
+                --device cuda --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 \
+                --kv-tokens 65536 --gemv-backend torch --name gpu_fp8_gemm ;;
         memory)
             run_step memory-tests 150 "${PYTEST[@]}" --timeout 300 \
                 tests/gpu/test_memory_release_gpu.py tests/gpu/test_weight_distributed_gpu.py
