@@ -211,8 +211,9 @@ def gemv_config(
       768 programs.
     * The dot (2 to MAX_M rows): 64 x 256 tiles, 4 warps, 4 stages, the best at every shape
       but gate_up (64 x 128, [1-2 %]); 128 columns with a prologue (an activation or a norm
-      computed per tile); for float32 inputs with one, 16 x 64 tiles (their extra tiles spilled
-      at 64 x 64 and at 16 x 128)."""
+      computed per tile). float32 inputs keep 16 x 128 tiles in 3 stages (16 x 64 with a
+      prologue): the 16-bit tiles spilled there, or took 240 KB of shared memory of the
+      H100's 227."""
     del num_sms
     if m == 1:
         wide = n >= 32768
@@ -220,12 +221,13 @@ def gemv_config(
         cap = 2048 if k >= 8192 else 1024
         block_k = min(next_pow2(k, 16), cap, TILE * warps // (4 * block_n))
         return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": 2}
-    if prologue and itemsize > 2:  # (not swept; 64 x 64 spilled for sm_90a)
-        block_n, block_k = 16, 64
+    stages = 4
+    if itemsize > 2:  # float32: not swept; the 16-bit tiles overflow its registers or shared
+        block_n, block_k, stages = 16, 64 if prologue else 128, 3  # memory (sm_90a)
     else:
         block_n, block_k = 64, 128 if prologue else 256
     block_n, block_k = min(next_pow2(n, 16), block_n), min(next_pow2(k, 16), block_k)
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": stages}
 
 
 class RMSNormInput(NamedTuple):
