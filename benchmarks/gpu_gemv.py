@@ -111,7 +111,7 @@ def _release(weights: list[torch.Tensor], cuda: bool) -> None:
 def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespace,
               cuda: bool) -> list[dict[str, Any]]:  # fmt: skip
     from kernels.gemv import gemv, gemv_config
-    from kernels.jit import next_pow2, num_sms
+    from kernels.jit import next_pow2
 
     dt, gen, weights = _weight_copies(n, k, args.device, cuda, seed=0)
     nbytes, copies = n * k * dt.itemsize, len(weights)
@@ -124,7 +124,7 @@ def run_shape(name: str, n: int, k: int, rows: list[int], args: argparse.Namespa
             return time_us(lambda i: gemv(x, weights[i], config=cfg), copies, cuda, reps)
 
         t_torch = time_us(lambda i, x=x: F.linear(x, weights[i]), copies, cuda)
-        config = gemv_config(m, n, k, num_sms(torch.device(args.device)))
+        config = gemv_config(m, n, k)
         t_gemv = on_gemv(config)
         row = {"shape": name, "n": n, "k": k, "rows": m, "torch_us": t_torch, "gemv_us": t_gemv,
                "gemv_config": config, "speedup": t_torch / t_gemv,
@@ -160,7 +160,6 @@ def run_fused(kind: str, n: int, k: int, rows: list[int], args: argparse.Namespa
     from kernels.activation import silu_and_mul
     from kernels.fused_norm import fused_add_rms_norm
     from kernels.gemv import RMSNormInput, gemv, gemv_config
-    from kernels.jit import num_sms
 
     dt, gen, weights = _weight_copies(n, k, args.device, cuda, seed=1)
     copies = len(weights)
@@ -183,7 +182,7 @@ def run_fused(kind: str, n: int, k: int, rows: list[int], args: argparse.Namespa
                 return fused_add_rms_norm(x, res, nw, 1e-5)[0]
 
             prologue = {"norm": RMSNormInput(nw, 1e-5, res, torch.empty_like(x))}
-        tile = gemv_config(m, n, k, num_sms(torch.device(args.device)), dt.itemsize, True)
+        tile = gemv_config(m, n, k, dt.itemsize, True)
         fused = gemv(x, weights[0], config=tile, **prologue)
         unfused = gemv(before(x), weights[0], config=tile)
         if kind == "down+silu":  # the same roundings (the norm's sum of squares may differ)

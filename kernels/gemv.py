@@ -42,7 +42,6 @@ from kernels.jit import (
     interpreting,
     launch_opts,
     next_pow2,
-    num_sms,
     tl,
     triton,
 )
@@ -196,7 +195,7 @@ if HAS_TRITON:
 
 
 def gemv_config(
-    m: int, n: int, k: int, num_sms: int = 132, itemsize: int = 2, prologue: bool = False
+    m: int, n: int, k: int, itemsize: int = 2, prologue: bool = False
 ) -> dict[str, int]:
     """The tile for x [m, k] @ w[n, k].T: BLOCK_N, BLOCK_K, num_warps, num_stages.
 
@@ -207,14 +206,13 @@ def gemv_config(
       1024 columns a step, or 2048 from K = 8192 (the down projection), 4 warps, 2 stages
       (qkv's best had 2 warps and 1 stage, [1-9 %] of 6.3 us). The float32 accumulator tile
       stays at 64 registers a thread (BLOCK_N x BLOCK_K <= 2048 x warps: more spilled for
-      sm_90a, kernels/compile_check.py). `num_sms` is not needed by these: 3072 rows of 4 are
-      768 programs.
+      sm_90a, kernels/compile_check.py). No SM count is needed: 3072 rows of 4 are 768
+      programs.
     * The dot (2 to MAX_M rows): 64 x 256 tiles, 4 warps, 4 stages, the best at every shape
       but gate_up (64 x 128, [1-2 %]); 128 columns with a prologue (an activation or a norm
       computed per tile). float32 inputs keep 16 x 128 tiles in 3 stages (16 x 64 with a
       prologue): the 16-bit tiles spilled there, or took 240 KB of shared memory of the
       H100's 227."""
-    del num_sms
     if m == 1:
         wide = n >= 32768
         block_n, warps = (16, 8) if wide else (4, 4)
@@ -281,7 +279,7 @@ def gemv(
             assert res_out is not None and res_out.shape == x.shape and res_out.is_contiguous()
     if config is None:
         prologue = act is not None or norm is not None
-        config = gemv_config(m, n, k, num_sms(x.device), x.element_size(), prologue)
+        config = gemv_config(m, n, k, x.element_size(), prologue)
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
     opts = launch_opts(config["num_warps"])
     if not interpreting():
