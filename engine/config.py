@@ -259,8 +259,11 @@ class EngineArgs:
     max_lora_rank: int | None = None
     enable_lora: bool = False
     # Speculative decoding (SGLang's flags): "ngram" drafts up to num_draft_tokens tokens a
-    # step from the request's own text, matching its last min..max tokens (engine/speculative/).
+    # step from the request's own text, matching its last min..max tokens; "standalone" has
+    # the model at speculative_draft_model_path (same vocabulary) draft them greedily
+    # (engine/speculative/).
     speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int = 4
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4

@@ -22,7 +22,7 @@ from engine.mem_cache.host_pool import HICACHE_WRITE_POLICIES
 from engine.mem_cache.kv_quant import KV_CACHE_DTYPES
 from engine.pooling import POOLING_TYPES
 from engine.quantization import QUANTIZATION_METHODS
-from engine.speculative import SPECULATIVE_ALGORITHMS, from_vllm_config
+from engine.speculative import SPECULATIVE_ALGORITHM_NAMES, from_vllm_config
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sluice", "tiny-llama")
 
@@ -351,10 +351,19 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--speculative-algorithm",
         type=str.lower,
-        choices=SPECULATIVE_ALGORITHMS,
+        choices=SPECULATIVE_ALGORITHM_NAMES,
         default=None,
         help="speculative decoding: ngram drafts each request's next tokens from its own "
-        "text (prompt and output), verified by the model in one forward (turns overlap off)",
+        "text (prompt and output); standalone (or draft_model) has a smaller model of the "
+        "same vocabulary draft them greedily (--speculative-draft-model-path); the drafts are "
+        "verified by the model in one forward (turns overlap off)",
+    )
+    g.add_argument(
+        "--speculative-draft-model-path",
+        type=str,
+        default=None,
+        help="with --speculative-algorithm standalone: the draft model's folder (a Hugging "
+        "Face folder of a supported architecture, the same tokenizer as the model)",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",

@@ -460,6 +460,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "attention; 1: transformers' init, less sensitive to rounding)")
     for key in _SIZE_KEYS:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--draft-of", metavar="MODEL_DIR", default=None,
+                        help="instead of a random model: a draft model for speculative decoding "
+                        "derived from MODEL_DIR (its first --num-layers layers, its weights "
+                        "plus --draft-noise x their std of noise; services/tiny_draft.py)")
+    parser.add_argument("--draft-noise", type=float, default=0.0)
     tiny_fp8.add_args(parser)
     parser.set_defaults(func=run)
     return parser
@@ -467,6 +472,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    if args.draft_of is not None:
+        from services.tiny_draft import make_draft_model
+
+        path = make_draft_model(
+            args.draft_of, args.out_dir, args.num_layers, args.draft_noise, args.seed
+        )
+        print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
+        return 0
     sizes = {key: getattr(args, key) for key in _SIZE_KEYS}
     path = make_tiny_model(
         args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,

@@ -98,7 +98,16 @@ def plan_kv_memory(
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         usable = free - total * (1 - args.mem_fraction_static)
-        tokens = int(max(usable, 0) // per_token)
+        draft_per_token = 0
+        if args.speculative_draft_model_path is not None:
+            # the draft model's weights and its pool (as many tokens, and the last drafts of
+            # each running request: engine/speculative/draft_model.py) come out of the budget
+            from engine.speculative.draft_model import draft_memory
+
+            weights, draft_per_token = draft_memory(args, dtype)
+            extra = args.max_running_requests * args.speculative_num_draft_tokens
+            usable -= weights + extra * draft_per_token
+        tokens = int(max(usable, 0) // (per_token + draft_per_token))
     else:
         tokens = min(int(DEFAULT_CPU_KV_BYTES // per_token), DEFAULT_CPU_KV_TOKENS)
     tokens = tokens // ps * ps

@@ -73,6 +73,7 @@ class OutputProcessor:
         tree_cache = self.scheduler.tree_cache
         context_len = self.scheduler.context_len
         stats = self.scheduler.stats
+        drafter = getattr(self.scheduler, "drafter", None)  # (its requests' draft K/V)
         tokenizer = self.tokenizer
         # Prompts go into the prefix cache after an extend step, unless the overlap loop has
         # done so already; a mixed batch's decoding requests are no prompts.
@@ -107,6 +108,8 @@ class OutputProcessor:
                 req.fill_ids = req.all_ids()[: req.kv_allocated_len]
                 tree_cache.cache_finished_req(req)
                 num_finished += 1
+                if drafter is not None:
+                    drafter.forget(req)
             elif cache_prompts and req not in decoding:
                 tree_cache.cache_unfinished_req(req)
             new = output_ids[start:]
@@ -121,7 +124,8 @@ class OutputProcessor:
         back the KV of what was not kept: every request holds KV for all its tokens but the
         last, as after a decode step."""
         sched = self.scheduler
-        sched.drafter.count(result.num_drafts, result.accepted)
+        drafter = sched.drafter
+        drafter.count(result.num_drafts, result.accepted)
         tree_cache, pools, context_len = sched.tree_cache, sched.pools, sched.context_len
         tokenizer = self.tokenizer
         logprobs, top = result.logprobs, result.top_logprobs
@@ -150,6 +154,8 @@ class OutputProcessor:
                 req.fill_ids = req.all_ids()[: req.kv_allocated_len]
                 tree_cache.cache_finished_req(req)
                 num_finished += 1
+                if drafter is not None:
+                    drafter.forget(req)
             new = output_ids[start:]
             num_new += len(new)
             self._events.append(StepEvent(req, new, start, reason))

@@ -33,7 +33,7 @@ from engine.scheduler.req import Req
 from engine.scheduler.request_intake import RequestIntake
 from engine.scheduler.schedule_batch import ScheduleBatch
 from engine.scheduler.schedule_policy import SchedulePolicy
-from engine.speculative.scheduling import NgramDrafter
+from engine.speculative.scheduling import make_drafter
 
 logger = logging.getLogger(__name__)
 _FINISHED_REASON = attrgetter("finished_reason")  # (read of every running request, every step)
@@ -100,9 +100,7 @@ class Scheduler(RequestIntake, ModelUpdates, Pausing, MemoryRelease):
         self._arrival = itertools.count()
         chunk = args.chunked_prefill_size
         self.chunked_prefill_size = None if chunk is None or chunk < 0 else chunk
-        self.drafter = (
-            NgramDrafter(args, self.context_len) if args.speculative_algorithm else None
-        )
+        self.drafter = make_drafter(args, model_runner, self.context_len)
         self.max_running_requests = min(
             args.max_running_requests, self.pools.req_to_token_pool.size - 1
         )
@@ -123,6 +121,8 @@ class Scheduler(RequestIntake, ModelUpdates, Pausing, MemoryRelease):
 
     def close(self) -> None:
         self.grammar_queue.close()
+        if self.drafter is not None:
+            self.drafter.close()
 
     def idle(self) -> None:
         """Nothing to run: read the allocator's deferred checks (the device has no batch to

@@ -1,5 +1,6 @@
-"""Speculative decoding: n-gram drafts verified by the model in one forward (see
-scheduling.py for the scheduler's side, verify.py for the model runner's)."""
+"""Speculative decoding: drafts (n-gram lookups, or a smaller draft model's greedy tokens)
+verified by the model in one forward (see scheduling.py for the scheduler's side,
+draft_model.py for the draft model, verify.py for the model runner's side)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,15 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_ALGORITHMS = ("ngram",)
+# "standalone" (SGLang's name; vLLM's method "draft_model"): a separate, smaller model of the
+# same vocabulary drafts greedily (engine/speculative/draft_model.py)
+SPECULATIVE_ALGORITHMS = ("ngram", "standalone")
+_ALIASES = {"draft_model": "standalone"}
+SPECULATIVE_ALGORITHM_NAMES = SPECULATIVE_ALGORITHMS + tuple(_ALIASES)  # (what flags accept)
 # vLLM's --speculative-config keys -> EngineArgs fields
 _VLLM_KEYS = {
     "method": "speculative_algorithm",
+    "model": "speculative_draft_model_path",
     "num_speculative_tokens": "speculative_num_draft_tokens",
     "prompt_lookup_min": "speculative_ngram_min_match_window_size",
     "prompt_lookup_max": "speculative_ngram_max_match_window_size",
@@ -20,20 +26,27 @@ _VLLM_KEYS = {
 
 def from_vllm_config(config: dict[str, Any]) -> dict[str, Any]:
     """EngineArgs fields from vLLM's `speculative_config` ({"method": "ngram",
-    "num_speculative_tokens": 5, "prompt_lookup_max": 4, ...}); ValueError for keys or
-    methods not served here. As in vLLM, a missing prompt_lookup_min is prompt_lookup_max."""
+    "num_speculative_tokens": 5, "prompt_lookup_max": 4, ...}, or {"model": DIR,
+    "num_speculative_tokens": 4} for a draft model); ValueError for keys or methods not
+    served here. As in vLLM, a missing prompt_lookup_min is prompt_lookup_max, and a config
+    with a `model` but no `method` is a draft model's."""
     if not isinstance(config, dict):
         raise ValueError("speculative config must be a JSON object")
     unknown = sorted(set(config) - set(_VLLM_KEYS))
     if unknown:
         raise ValueError(f"speculative config: unsupported keys {unknown} (known: "
                          f"{sorted(_VLLM_KEYS)})")  # fmt: skip
-    method = config.get("method")
+    method = config.get("method", "draft_model" if "model" in config else None)
+    if isinstance(method, str) and method.lower() in _ALIASES:
+        method = _ALIASES[method.lower()]
     if not isinstance(method, str) or method.lower() not in SPECULATIVE_ALGORITHMS:
         raise ValueError(
             f"speculative config: method {method!r} not served (one of: "
-            f"{', '.join(SPECULATIVE_ALGORITHMS)})"
+            f"{', '.join(SPECULATIVE_ALGORITHMS)}, draft_model)"
         )
+    if "model" in config and method.lower() != "standalone":
+        raise ValueError(f"speculative config: method {method!r} takes no draft 'model'")
+    config = {**config, "method": method}
     if "prompt_lookup_max" in config and "prompt_lookup_min" not in config:
         config = {**config, "prompt_lookup_min": config["prompt_lookup_max"]}
     return {_VLLM_KEYS[k]: v for k, v in config.items()}
@@ -44,12 +57,23 @@ def check_speculative_args(args: Any) -> None:
     needs the accepted tokens before the next batch is planned: the overlap scheduler is
     turned off (as SGLang's first speculative versions did)."""
     algo = args.speculative_algorithm
+    draft = args.speculative_draft_model_path
     if algo is None:
+        if draft is not None:
+            raise ValueError(
+                "speculative_draft_model_path needs speculative_algorithm='standalone'"
+            )
         return
-    algo = algo.lower()
+    algo = _ALIASES.get(algo.lower(), algo.lower())
     if algo not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"speculative_algorithm: {algo!r} not in {SPECULATIVE_ALGORITHMS}")
     object.__setattr__(args, "speculative_algorithm", algo)
+    if (algo == "standalone") != (draft is not None):
+        raise ValueError(
+            "speculative_algorithm 'standalone' needs speculative_draft_model_path (the draft "
+            "model's folder)" if draft is None
+            else f"speculative_draft_model_path is for 'standalone', not {algo!r}"
+        )
     lo = args.speculative_ngram_min_match_window_size
     hi = args.speculative_ngram_max_match_window_size
     if args.speculative_num_draft_tokens < 1:

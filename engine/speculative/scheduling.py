@@ -15,7 +15,7 @@ request's drafts, the step decodes one token each, as without speculation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -45,24 +45,25 @@ class SpecStats:
         return 1.0 + self.accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-class NgramDrafter:
+class Drafter:
+    """What the scheduler asks of a drafter: `prepare` a decode batch as a verify step (or
+    not), `count` what a verify step accepted, `forget` a request that finished. Subclasses
+    `propose` each request's drafts."""
+
     def __init__(self, args: EngineArgs, context_len: int) -> None:
         self.k = args.speculative_num_draft_tokens
-        self.min_n = args.speculative_ngram_min_match_window_size
-        self.max_n = args.speculative_ngram_max_match_window_size
         self.context_len = context_len
         self.stats = SpecStats()
 
+    def room(self, r: Req) -> int:
+        """How many drafts request `r` may get this step (0: none)."""
+        if r.grammar is not None or r.to_abort is not None:
+            return 0
+        return max(0, min(self.k, r.remaining_new_tokens() - 1, self.context_len - r.seqlen - 1))
+
     def propose(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafts (maybe none)."""
-        drafts = []
-        for r in reqs:
-            room = min(self.k, r.remaining_new_tokens() - 1, self.context_len - r.seqlen - 1)
-            if room <= 0 or r.grammar is not None or r.to_abort is not None:
-                drafts.append([])
-            else:
-                drafts.append(propose_ngram(_token_array(r), room, self.min_n, self.max_n))
-        return drafts
+        raise NotImplementedError
 
     def prepare(self, batch: ScheduleBatch) -> bool:
         """Set `batch` up as a verify step if some request has drafts and the memory for all
@@ -84,8 +85,41 @@ class NgramDrafter:
                 s.draft_tokens += n
                 s.accepted_tokens += a
 
+    def forget(self, req: Req) -> None:
+        """`req` finished: drop what the drafter keeps for it."""
 
-def _token_array(req: Req) -> np.ndarray:
+    def close(self) -> None:
+        """The engine shuts down."""
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, args: EngineArgs, context_len: int) -> None:
+        super().__init__(args, context_len)
+        self.min_n = args.speculative_ngram_min_match_window_size
+        self.max_n = args.speculative_ngram_max_match_window_size
+
+    def propose(self, reqs: list[Req]) -> list[list[int]]:
+        drafts = []
+        for r in reqs:
+            room = self.room(r)
+            drafts.append(
+                propose_ngram(token_array(r), room, self.min_n, self.max_n) if room else []
+            )
+        return drafts
+
+
+def make_drafter(args: EngineArgs, runner: Any, context_len: int) -> Drafter | None:
+    """The drafter `args.speculative_algorithm` names (None without speculation)."""
+    if args.speculative_algorithm is None:
+        return None
+    if args.speculative_algorithm == "standalone":
+        from engine.speculative.draft_model import DraftModelDrafter
+
+        return DraftModelDrafter(args, runner, context_len)
+    return NgramDrafter(args, context_len)
+
+
+def token_array(req: Req) -> np.ndarray:
     """The request's tokens (prompt + output) as an int64 array, kept on the request and
     extended by the new output tokens only (a long prompt is not converted every step)."""
     buf, n = req.spec_tokens

@@ -50,10 +50,20 @@ def test_vllm_config() -> None:
         "speculative_ngram_max_match_window_size": 4,
         "speculative_ngram_min_match_window_size": 4,
     }
+    # a draft model: "draft_model" is the method where only the model is given
+    for config in ({"model": "/m", "num_speculative_tokens": 3},
+                   {"method": "draft_model", "model": "/m", "num_speculative_tokens": 3}):
+        assert from_vllm_config(config) == {  # fmt: skip
+            "speculative_algorithm": "standalone",
+            "speculative_draft_model_path": "/m",
+            "speculative_num_draft_tokens": 3,
+        }
     for bad, why in [
         ({"method": "eagle"}, "not served"),
         ({"num_speculative_tokens": 3}, "not served"),
-        ({"method": "ngram", "model": "x"}, "unsupported keys"),
+        ({"method": "ngram", "model": "x"}, "takes no draft 'model'"),
+        ({"method": "eagle", "model": "x"}, "not served"),
+        ({"model": "x", "draft_tensor_parallel_size": 1}, "unsupported keys"),
         ([1], "JSON object"),
     ]:
         with pytest.raises(ValueError, match=why):
@@ -73,6 +83,13 @@ def test_cli_flags() -> None:
                                 "--speculative-ngram-min-match-window-size", "1"]  # fmt: skip
     with pytest.raises(SystemExit):
         parser.parse_args(["--speculative-config", "{not json"])
+    ns = parser.parse_args(["--speculative-config", '{"model": "/d", "num_speculative_tokens": 2}'])
+    assert engine_flags(ns) == ["--speculative-algorithm", "standalone",
+                                "--speculative-draft-model-path", "/d",
+                                "--speculative-num-draft-tokens", "2"]  # fmt: skip
+    ns = parser.parse_args(["--speculative-algorithm", "DRAFT_MODEL",
+                            "--speculative-draft-model-path", "/d"])  # fmt: skip
+    assert ns.speculative_algorithm == "draft_model" and ns.speculative_draft_model_path == "/d"
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -101,10 +118,10 @@ def test_trim_gives_back_whole_pages_after_the_kept_length(page_size: int) -> No
 
 
 def test_the_drafters_token_copy_follows_the_output() -> None:
-    from engine.speculative.scheduling import _token_array
+    from engine.speculative.scheduling import token_array
 
     req = Req("r", list(range(100, 150)), SamplingParams())
-    assert _token_array(req).tolist() == req.all_ids()
+    assert token_array(req).tolist() == req.all_ids()
     for step in range(40):  # grows past its first capacity (2 x 50)
         req.output_ids.extend([step] * (1 + step % 3))
-        assert _token_array(req).tolist() == req.all_ids()
+        assert token_array(req).tolist() == req.all_ids()

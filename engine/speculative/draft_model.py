@@ -1,0 +1,343 @@
+"""Drafts from a smaller model of the same vocabulary (SGLang's STANDALONE speculative
+algorithm, vLLM's `draft_model` method).
+
+The draft model runs on its own `ModelRunner` (engine/model_runner.py: the same loader,
+attention backends and CUDA graphs as the model), with its own KV pool of page size 1 and a
+row of its own `req_to_token` per request that has drafts. Each decode step of the scheduler:
+
+1. **Catch up.** The draft's K/V of a request covers the positions it has seen: its tokens up
+   to the previous step, then the drafts it made then (`_Draft`). The drafts the model
+   accepted are the request's tokens now, so the draft's K/V is kept up to the first
+   position where the request's tokens and what the draft saw differ, and the rest is given
+   back. One extend forward (a prompt longer than a prefill chunk: several) runs every
+   request's tokens from there to its last, whose logits give its first draft.
+2. **Draft.** Decode forwards feed each request's previous draft; the greedy argmax of each
+   is the next draft, until the request has `room` drafts (`Drafter.room`, at most
+   `speculative_num_draft_tokens`).
+
+The model then verifies every request's drafts in one forward (engine/speculative/verify.py);
+sampling at each position and accepting while the draft equals the sampled token keeps
+outputs distributed as without drafts, whatever the draft model is (greedy and seeded
+requests give the same tokens). So a draft model that agrees with the model pays: accept
+lengths near k + 1 for k + 1 small forwards of the draft and one of the model.
+
+Memory: the draft's pool holds as many tokens as the model's, plus `k` per running request
+(its last drafts); on a GPU the model's KV budget (`mem_fraction_static`) leaves room for the
+draft's weights and that pool (`draft_memory`). A request whose draft K/V does not fit gets no
+drafts that step, and its draft K/V is given back (it catches up later, when there is room).
+Requests that leave the batch (finished, retracted) give theirs back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine.forward_batch import ForwardMode
+from engine.speculative.scheduling import Drafter, token_array
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs, ModelConfig
+    from engine.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAFT_CHUNK = 8192  # tokens per catch-up forward without a prefill chunk size
+
+
+@dataclass
+class _Draft:
+    """The draft model's K/V of one request: positions 0 .. `length` - 1 in row `row` of its
+    `req_to_token`; the first `confirmed` are the request's own tokens, the rest (`tail`) the
+    tokens the draft fed after them (its last drafts), which the model may have rejected."""
+
+    rid: str
+    row: int
+    length: int = 0
+    confirmed: int = 0
+    tail: list[int] = field(default_factory=list)
+
+
+class DraftModelDrafter(Drafter):
+    def __init__(self, args: EngineArgs, runner: Any, context_len: int) -> None:
+        super().__init__(args, context_len)
+        self.runner = make_draft_runner(args, runner)
+        draft, target = self.runner.model_config, runner.model_config
+        if draft.vocab_size != target.vocab_size:
+            logger.warning(
+                "draft model: vocabulary of %d, the model's %d: drafts come from the first %d",
+                draft.vocab_size, target.vocab_size, min(draft.vocab_size, target.vocab_size),
+            )  # fmt: skip
+        self.vocab = min(draft.vocab_size, target.vocab_size)
+        self.draft_context = draft.context_len
+        chunk = args.chunked_prefill_size
+        self.chunk = chunk if chunk is not None and chunk > 0 else DEFAULT_DRAFT_CHUNK
+        self.drafts: dict[str, _Draft] = {}
+        self.memory_drops = 0  # requests that got no drafts: their draft K/V did not fit
+        self.forwards = 0  # the draft model's forwards (catch-up extends and draft decodes)
+
+    # -- the scheduler's calls ------------------------------------------------------------------
+    def room(self, r: Req) -> int:
+        # the draft feeds its drafts but the last at positions seqlen .. seqlen + room - 2
+        return max(0, min(super().room(r), self.draft_context - r.seqlen + 1))
+
+    def propose(self, reqs: list[Req]) -> list[list[int]]:
+        live = {r.rid for r in reqs}
+        for rid in [rid for rid in self.drafts if rid not in live]:  # finished, retracted
+            self._drop(rid)
+        todo = []  # (batch index, request's tokens, room, its draft state)
+        for i, r in enumerate(reqs):
+            room = self.room(r)
+            if room:
+                state = self._sync(r)
+                if state is not None:
+                    todo.append((i, token_array(r), room, state))
+        todo = self._allocate(todo)
+        drafts: list[list[int]] = [[] for _ in reqs]
+        if not todo:
+            return drafts
+        first = self._catch_up(todo)
+        for (i, _, _, _), token in zip(todo, first, strict=True):
+            drafts[i].append(token)
+        self._decode(todo, drafts)
+        for i, tokens, room, state in todo:
+            state.confirmed = len(tokens)
+            state.tail = drafts[i][: room - 1]
+            state.length = state.confirmed + len(state.tail)
+        return drafts
+
+    def forget(self, req: Req) -> None:
+        if req.rid in self.drafts:
+            self._drop(req.rid)
+
+    def close(self) -> None:
+        for rid in list(self.drafts):
+            self._drop(rid)
+        self.runner.release_memory()
+
+    # -- the draft's K/V ------------------------------------------------------------------------
+    def _sync(self, r: Req) -> _Draft | None:
+        """The request's draft state, its K/V kept up to where it still holds the request's
+        tokens (never its last token, whose logits give the first draft); None without a
+        free row."""
+        state = self.drafts.get(r.rid)
+        if state is None:
+            rows = self.runner.req_to_token_pool.alloc(1)
+            if rows is None:
+                return None
+            state = self.drafts[r.rid] = _Draft(r.rid, rows[0])
+        tokens = token_array(r)
+        keep = state.confirmed + _common_prefix(state.tail, tokens[state.confirmed :])
+        self._trim(state, min(keep, len(tokens) - 1))
+        return state
+
+    def _trim(self, state: _Draft, keep: int) -> None:
+        if keep < state.length:
+            row = self.runner.req_to_token_pool.req_to_token[state.row, keep : state.length]
+            self.runner.allocator.free_runs([row])  # (page size 1: any run is page aligned)
+        state.length = state.confirmed = keep
+        state.tail = []
+
+    def _drop(self, rid: str) -> None:
+        state = self.drafts.pop(rid)
+        self._trim(state, 0)
+        self.runner.req_to_token_pool.free(state.row)
+
+    def _allocate(self, todo: list) -> list:
+        """Slots for each request's positions state.length .. len(tokens) + room - 2 (its
+        unseen tokens and all its drafts but the last), written into its row; the requests
+        that got them (one that did not has its draft K/V dropped: no drafts this step)."""
+        allocator = self.runner.allocator
+        needs = [len(tokens) + room - 1 - state.length for _, tokens, room, state in todo]
+        if sum(needs) > allocator.available_size():
+            kept, needs_kept = [], []
+            for item, need in zip(todo, needs, strict=True):
+                if need <= allocator.available_size() - sum(needs_kept):
+                    kept.append(item)
+                    needs_kept.append(need)
+                else:
+                    self.memory_drops += 1
+                    self._drop(item[3].rid)
+            todo, needs = kept, needs_kept
+        if not todo:
+            return todo
+        starts = [state.length for _, _, _, state in todo]
+        slots = allocator.alloc_extend(starts, [s + n for s, n in zip(starts, needs)], None)
+        assert slots is not None, "draft allocator: room was checked"
+        rows, cols = _positions([state.row for _, _, _, state in todo], starts, needs)
+        req_to_token = self.runner.req_to_token_pool.req_to_token
+        req_to_token[rows.to(req_to_token.device), cols.to(req_to_token.device)] = slots.to(
+            req_to_token.dtype
+        )
+        for (_, _, _, state), start, need in zip(todo, starts, needs, strict=True):
+            state.length = start + need  # (what the slots are for; `confirmed` is `start`)
+        return todo
+
+    # -- forwards -------------------------------------------------------------------------------
+    def _catch_up(self, todo: list) -> list[int]:
+        """Extend forwards over each request's tokens from `confirmed` to its last (in pieces
+        of at most `chunk` tokens a forward); each request's first draft."""
+        pending = [(state.row, tokens, state.confirmed) for _, tokens, _, state in todo]
+        first: list[int | None] = [None] * len(todo)
+        while any(start < len(tokens) for _, tokens, start in pending):
+            budget, group, members = self.chunk, [], []
+            for j, (row, tokens, start) in enumerate(pending):
+                n = min(len(tokens) - start, budget)
+                if n <= 0:
+                    continue
+                group.append((row, tokens, start, start + n))
+                members.append(j)
+                pending[j] = (row, tokens, start + n)
+                budget -= n
+                if not budget:
+                    break
+            greedy = self._forward(ForwardMode.EXTEND, group)
+            for j, (_, tokens, _, end), token in zip(members, group, greedy, strict=True):
+                if end == len(tokens):
+                    first[j] = token
+        assert all(t is not None for t in first)
+        return first  # type: ignore[return-value]
+
+    def _decode(self, todo: list, drafts: list[list[int]]) -> None:
+        """Decode forwards feeding each request's last draft until it has `room` drafts."""
+        while True:
+            group, members = [], []
+            for i, tokens, room, state in todo:
+                made = len(drafts[i])
+                if made < room:
+                    pos = len(tokens) + made - 1  # the position of the draft fed
+                    group.append((state.row, drafts[i][-1:], pos, pos + 1))
+                    members.append(i)
+            if not group:
+                return
+            for i, token in zip(members, self._forward(ForwardMode.DECODE, group), strict=True):
+                drafts[i].append(token)
+
+    def _forward(self, mode: ForwardMode, group: list[tuple[int, Any, int, int]]) -> list[int]:
+        """One forward of the draft model over (row, tokens, start, end) per request (the
+        tokens of positions start .. end - 1: `tokens[start:end]` for an extend, the one
+        token for a decode); each request's greedy token after its last position."""
+        from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+        runner = self.runner
+        extend = mode == ForwardMode.EXTEND
+        ids: list[int] = []
+        for _, tokens, start, end in group:
+            ids.extend(tokens[start:end].tolist() if extend else tokens)
+        rows = [row for row, _, _, _ in group]
+        starts = [start for _, _, start, _ in group]
+        ends = [end for _, _, _, end in group]
+        lens = [e - s for s, e in zip(starts, ends)]
+        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).tolist()
+        r, c = _positions(rows, starts, lens)
+        req_to_token = runner.req_to_token_pool.req_to_token
+        out_cache_loc = req_to_token[r.to(req_to_token.device), c.to(req_to_token.device)]
+        mwb = ModelWorkerBatch(
+            forward_mode=mode,
+            input_ids=ids,
+            positions=positions,
+            out_cache_loc=out_cache_loc,
+            req_pool_indices=rows,
+            seq_lens=ends,
+            extend_prefix_lens=starts if extend else None,
+            extend_seq_lens=lens if extend else None,
+            sampling_params=[],
+            output_ids=[],
+            prompt_ids=[],
+        )
+        logits = runner.forward(runner.build_forward_batch(mwb))
+        self.forwards += 1
+        return logits[:, : self.vocab].argmax(-1).tolist()
+
+
+def _common_prefix(a: list[int], b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def _positions(rows: list[int], starts: list[int], lens: list[int]) -> tuple:
+    """(row, column) index tensors of positions starts[i] .. starts[i] + lens[i] - 1 of row
+    rows[i], concatenated."""
+    lens_a = np.asarray(lens, dtype=np.int64)
+    r = np.repeat(np.asarray(rows, dtype=np.int64), lens_a)
+    offsets = np.arange(int(lens_a.sum()), dtype=np.int64) - np.repeat(
+        np.cumsum(lens_a) - lens_a, lens_a
+    )
+    c = np.repeat(np.asarray(starts, dtype=np.int64), lens_a) + offsets
+    return torch.from_numpy(r), torch.from_numpy(c)
+
+
+# -- the draft's runner and memory -------------------------------------------------------------
+def draft_args(args: EngineArgs, max_total_tokens: int | None, dtype: str) -> EngineArgs:
+    """The draft model's engine arguments: the model's, less what is the model's alone
+    (speculation, LoRA, quantization flags, overrides, tensor parallelism, cache tiers)."""
+    return dataclasses.replace(
+        args,
+        model_path=args.speculative_draft_model_path,
+        dtype=dtype,
+        page_size=1,
+        max_total_tokens=max_total_tokens,
+        context_length=None,
+        hf_overrides=None,
+        quantization=None,
+        kv_cache_dtype="auto",
+        enable_hierarchical_cache=False,
+        hybrid_swa_memory=False,
+        lora_paths=(),
+        enable_lora=False,
+        is_embedding=False,
+        pooling_type=None,
+        speculative_algorithm=None,
+        speculative_draft_model_path=None,
+        tp_size=1,
+        ep_size=1,
+        nnodes=1,
+        node_rank=0,
+        dist_init_addr=None,
+    )
+
+
+def draft_pool_tokens(target_tokens: int, args: EngineArgs) -> int:
+    """The draft pool's tokens: the model's, plus the last drafts of every running request."""
+    return target_tokens + args.max_running_requests * args.speculative_num_draft_tokens
+
+
+def make_draft_runner(args: EngineArgs, runner: Any) -> Any:
+    from engine.config import ModelConfig
+    from engine.model_runner import ModelRunner
+
+    path = args.speculative_draft_model_path
+    config = ModelConfig.from_pretrained(path)
+    dtype = str(runner.dtype).replace("torch.", "")
+    tokens = draft_pool_tokens(runner.max_total_tokens, args)
+    draft = ModelRunner(config, draft_args(args, tokens, dtype))
+    logger.info(
+        "draft model %s: %d layers, KV pool of %d tokens", path, config.num_layers, tokens
+    )
+    return draft
+
+
+def draft_memory(args: EngineArgs, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the draft's weights, bytes of its K/V per token in `dtype`) for the model's
+    KV budget on a GPU. The weights are counted as the checkpoint's size: an upper bound
+    where it is stored wider than the dtype it runs in."""
+    from engine.config import ModelConfig
+    from engine.mem_cache.kv_pool import KVPool
+
+    path = args.speculative_draft_model_path
+    mc: ModelConfig = ModelConfig.from_pretrained(path)
+    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+    per_token = KVPool.bytes_per_token(
+        mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mc.kv_shared
+    )
+    return weights, per_token

@@ -1,0 +1,224 @@
+"""Speculative decoding with a draft model (`speculative_algorithm="standalone"`): the tokens
+are plain decoding's whatever the draft model is (the model itself, a perturbed copy that
+agrees on part of the tokens, an unrelated model); a draft model equal to the model has every
+draft accepted (its K/V caught up exactly: prompts in chunks, the accepted drafts, the token
+after them); the draft's K/V comes back when requests finish, are retracted, or do not fit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from engine.engine import Engine
+from tests.factories import assert_engine_clean, mixed_prompts, model_path, tiny_model
+
+PLAIN = {"disable_overlap_schedule": True}
+K = 4
+
+
+def _spec(draft: str, k: int = K) -> dict:
+    return {"speculative_algorithm": "standalone", "speculative_draft_model_path": draft,
+            "speculative_num_draft_tokens": k}  # fmt: skip
+
+
+def noisy_draft(path: str, noise: float = 0.02, num_layers: int | None = None) -> str:
+    """The model at `path` with relative weight noise (and maybe fewer layers), built once:
+    a draft that agrees with it on part of the tokens (about half at 0.02 on tiny llama)."""
+    from services.tiny_draft import make_draft_model
+
+    out = f"{path}-draft-n{noise}-l{num_layers}"
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_draft_model(path, out, num_layers, noise)
+    return out
+
+
+def _run(path: str, prompts, params, **kw):
+    with Engine(model_path=path, **kw) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        stats = engine.get_stats()
+        assert_engine_clean(engine)
+        drafter = engine.scheduler.drafter
+        if drafter is not None:  # every request finished: the draft's K/V and rows are back
+            runner = drafter.runner
+            assert not drafter.drafts
+            assert runner.allocator.available_size() == runner.allocator.size
+            assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+            stats["draft_memory_drops"] = drafter.memory_drops
+    return outs, stats
+
+
+def _prompts(path: str, n: int = 8, seed: int = 0) -> list[list[int]]:
+    from engine.config import ModelConfig
+
+    return mixed_prompts(ModelConfig.from_pretrained(path).vocab_size, n=n, seed=seed, max_len=120)
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o["output_ids"] for o in outs]
+
+
+@pytest.mark.parametrize(("page_size", "chunk"), [(1, 8192), (4, 32)])
+def test_greedy_tokens_equal_plain_whatever_the_draft(page_size: int, chunk: int) -> None:
+    path = tiny_model("llama")
+    prompts = _prompts(path)
+    params = {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True}
+    kw = {"page_size": page_size, "chunked_prefill_size": chunk}
+    want, _ = _run(path, prompts, params, **PLAIN, **kw)
+    # the model as its own draft: every draft is right (30 tokens in about 30 / 5 steps)
+    got, stats = _run(path, prompts, params, **_spec(path), **kw)
+    assert _ids(got) == _ids(want)
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
+    assert stats["spec_accept_length"] > K, stats
+    # a perturbed copy: some drafts accepted, some rejected
+    got, stats = _run(path, prompts, params, **_spec(noisy_draft(path)), **kw)
+    assert _ids(got) == _ids(want)
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    # an unrelated model of the same vocabulary: still plain decoding's tokens
+    got, _ = _run(path, prompts[:4], params, **_spec(tiny_model("llama", seed=1)), **kw)
+    assert _ids(got) == _ids(want[:4])
+
+
+def test_seeded_sampling_penalties_and_logprobs_equal_plain() -> None:
+    path = tiny_model("llama")
+    prompts = _prompts(path, seed=1)
+    params = [
+        {"temperature": 0.7, "sampling_seed": 7 + i, "max_new_tokens": 32, "return_logprob": True,
+         "top_logprobs_num": 2, "frequency_penalty": 0.3 * (i % 2), "top_p": 0.9,
+         "min_new_tokens": 20 if i == 3 else 0, "ignore_eos": i != 5}
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    params[6]["temperature"] = 0.0
+    want, _ = _run(path, prompts, params, **PLAIN)
+    got, stats = _run(path, prompts, params, **_spec(noisy_draft(path), k=3))
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
+        assert max(abs(a[0] - b[0]) for a, b in zip(gl, wl)) < 1e-4
+        gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
+        assert [[e[1] for e in x] for x in gt] == [[e[1] for e in x] for x in wt]
+
+
+def test_finish_conditions_and_a_smaller_draft() -> None:
+    """A two-layer model drafted by its first layer (perturbed): max_new_tokens, a stop string
+    found in plain decoding's output and EOS end the output where plain decoding does."""
+    path = tiny_model("llama")
+    draft = noisy_draft(path, noise=0.01, num_layers=1)
+    prompts = _prompts(path, n=6, seed=3)
+    base = {"temperature": 0.0, "ignore_eos": True}
+    want, _ = _run(path, prompts, {**base, "max_new_tokens": 40}, **PLAIN)
+    with Engine(model_path=path, **PLAIN) as engine:
+        stops = [engine.tokenizer.decode(w["output_ids"][9:11]) for w in want]
+    params = [{**base, "max_new_tokens": 7 + i} for i in range(3)]
+    params += [{**base, "max_new_tokens": 40, "stop": [s]} for s in stops[3:5]]
+    params += [{"temperature": 0.0, "max_new_tokens": 40}]  # (EOS, if it comes)
+    plain, _ = _run(path, prompts, params, **PLAIN)
+    got, stats = _run(path, prompts, params, **_spec(draft))
+    assert _ids(got) == _ids(plain)
+    assert [g["meta_info"]["finish_reason"] for g in got] == [
+        p["meta_info"]["finish_reason"] for p in plain
+    ]
+    assert [len(g["output_ids"]) for g in got[:3]] == [7, 8, 9]
+    assert stats["spec_accepted_tokens"] > 0
+
+
+def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft pool too small for every request (some get no drafts, their draft K/V given
+    back), a model pool that retracts running requests, a grammar request (no drafts) and
+    mixed chunks: the tokens are still plain decoding's, and nothing leaks."""
+    from engine.speculative import draft_model
+
+    monkeypatch.setattr(draft_model, "draft_pool_tokens", lambda tokens, args: 200)
+    path = tiny_model("llama")
+    prompts = _prompts(path, n=8, seed=2)
+    params = [{"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True} for _ in prompts]
+    params[2] = {"temperature": 0.0, "max_new_tokens": 40, "regex": "(ab|cd){3,9}"}
+    kw = {"max_total_tokens": 400, "init_new_token_ratio": 0.05, "chunked_prefill_size": 64,
+          "enable_mixed_chunk": True}  # fmt: skip
+    want, _ = _run(path, prompts, params, **PLAIN, **kw)
+    got, stats = _run(path, prompts, params, **_spec(path), **kw)
+    assert _ids(got) == _ids(want)
+    assert stats["num_retractions"] > 0 and stats["draft_memory_drops"] > 0, stats
+    assert stats["spec_accepted_tokens"] > 0
+    text = got[2]["text"]
+    assert len(text) >= 6 and set(text) <= set("abcd"), text
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "qwen3"])
+def test_other_architectures_draft_themselves(name: str) -> None:
+    """Sliding-window attention (over hybrid window memory for the model; the draft keeps
+    full K/V) and Qwen3's q/k norms: the model as its own draft accepts every draft."""
+    path = model_path(name)
+    prompts = _prompts(path, n=6)
+    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    kw = {"hybrid_swa_memory": True} if name == "mistral-sliding" else {}
+    want, _ = _run(path, prompts, params, **PLAIN, **kw)
+    got, stats = _run(path, prompts, params, **_spec(path), **kw)
+    assert _ids(got) == _ids(want)
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
+
+
+def test_arguments_are_checked() -> None:
+    path = tiny_model("llama")
+    for bad, why in [
+        ({"speculative_algorithm": "standalone"}, "needs speculative_draft_model_path"),
+        ({"speculative_draft_model_path": path}, "needs speculative_algorithm"),
+        ({"speculative_algorithm": "ngram", "speculative_draft_model_path": path},
+         "is for 'standalone'"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError, match=why):
+            Engine(model_path=path, **bad)
+    # vLLM's name for it
+    with Engine(model_path=path, speculative_algorithm="draft_model",
+                speculative_draft_model_path=path) as engine:  # fmt: skip
+        assert engine.args.speculative_algorithm == "standalone"
+
+
+def test_draft_state_follows_the_requests_tokens() -> None:
+    """Whatever the request's tokens became since the last drafts (some drafts accepted, or
+    tokens that differ from the drafts from the first on), the draft's K/V of every position
+    is then that of a draft model that never saw the request (recomputed from scratch), and
+    so are the next drafts."""
+    import torch
+
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.scheduler.req import Req
+
+    path = tiny_model("llama")
+    prompt = _prompts(path, n=1, seed=4)[0]
+    with Engine(model_path=path, **_spec(noisy_draft(path))) as engine:
+        drafter = engine.scheduler.drafter
+        runner = drafter.runner
+
+        def keys(req: Req) -> torch.Tensor:
+            """The draft's keys of the request's positions, every layer."""
+            state = drafter.drafts[req.rid]
+            assert state.confirmed == req.seqlen
+            slots = runner.req_to_token_pool.req_to_token[state.row, : req.seqlen].long()
+            return torch.stack([k[slots] for k in runner.kv_pool.k_buffer])
+
+        req = Req("a", list(prompt), SamplingParams(max_new_tokens=100))
+        drafts = drafter.propose([req])[0]
+        assert len(drafts) == K and drafter.drafts["a"].length == len(prompt) + K - 1
+        other = (drafts[0] + 1) % 1000
+        forward, extends = drafter._forward, []
+
+        def recording(mode, group):  # the positions each catch-up extend computes
+            if mode.is_extend():
+                extends.append([(start, end) for _, _, start, end in group])
+            return forward(mode, group)
+
+        drafter._forward = recording
+        # (K/V computed again from: the first rejected draft, the first token, the last)
+        for new, redo in (([*drafts[:2], other], 2), ([other, *drafts[1:3]], 0), ([other], 0)):
+            start = req.seqlen
+            req.output_ids.extend(new)
+            extends.clear()
+            drafts, kept = drafter.propose([req])[0], keys(req)
+            assert extends == [[(start + redo, req.seqlen)]], (new, extends)
+            drafter.forget(req)
+            assert drafter.propose([req])[0] == drafts, new
+            torch.testing.assert_close(keys(req), kept, rtol=0, atol=1e-4)  # (float32 rounding)
+        drafter.forget(req)
+        assert runner.allocator.available_size() == runner.allocator.size
