@@ -12,8 +12,8 @@ row of its own `req_to_token` per request that has drafts. Each decode step of t
    back. One extend forward (a prompt longer than a prefill chunk: several) runs every
    request's tokens from there to its last, whose logits give its first draft.
 2. **Draft.** Decode forwards feed each request's previous draft; the greedy argmax of each
-   is the next draft, until the request has `room` drafts (`Drafter.room`, at most
-   `speculative_num_draft_tokens`).
+   (within the request's allowed_token_ids, after its logit_bias) is the next draft, until
+   the request has `room` drafts (`Drafter.room`, at most `speculative_num_draft_tokens`).
 
 The model then verifies every request's drafts in one forward (engine/speculative/verify.py);
 sampling at each position and accepting while the draft equals the sampled token keeps
@@ -63,6 +63,9 @@ class _Draft:
     length: int = 0
     confirmed: int = 0
     tail: list[int] = field(default_factory=list)
+    # the request's fixed constraints on its tokens as an additive bias [vocab] (its
+    # allowed_token_ids, its logit_bias; None without): its drafts obey them too
+    bias: torch.Tensor | None = None
 
 
 class DraftModelDrafter(Drafter):
@@ -132,11 +135,27 @@ class DraftModelDrafter(Drafter):
             rows = self.runner.req_to_token_pool.alloc(1)
             if rows is None:
                 return None
-            state = self.drafts[r.rid] = _Draft(r.rid, rows[0])
+            state = self.drafts[r.rid] = _Draft(r.rid, rows[0], bias=self._bias(r))
         tokens = token_array(r)
         keep = state.confirmed + _common_prefix(state.tail, tokens[state.confirmed :])
         self._trim(state, min(keep, len(tokens) - 1))
         return state
+
+    def _bias(self, r: Req) -> torch.Tensor | None:
+        """The request's allowed_token_ids and logit_bias as a bias on the draft's logits
+        (penalties, which change with every token, are left to the model's sampling)."""
+        params = r.sampling_params
+        allowed, bias = params.allowed_token_ids, params.logit_bias_ids()
+        if not allowed and not bias:
+            return None
+        out = torch.zeros(self.vocab, dtype=torch.float32)
+        if allowed:
+            out.fill_(float("-inf"))
+            out[[t for t in allowed if t < self.vocab]] = 0.0
+        for token, value in zip(bias, (params.logit_bias or {}).values(), strict=True):
+            if token < self.vocab:
+                out[token] += float(value)
+        return out.to(self.runner.device)
 
     def _trim(self, state: _Draft, keep: int) -> None:
         if keep < state.length:
@@ -184,17 +203,17 @@ class DraftModelDrafter(Drafter):
     def _catch_up(self, todo: list) -> list[int]:
         """Extend forwards over each request's tokens from `confirmed` to its last (in pieces
         of at most `chunk` tokens a forward); each request's first draft."""
-        pending = [(state.row, tokens, state.confirmed) for _, tokens, _, state in todo]
+        pending = [(state, tokens, state.confirmed) for _, tokens, _, state in todo]
         first: list[int | None] = [None] * len(todo)
         while any(start < len(tokens) for _, tokens, start in pending):
             budget, group, members = self.chunk, [], []
-            for j, (row, tokens, start) in enumerate(pending):
+            for j, (state, tokens, start) in enumerate(pending):
                 n = min(len(tokens) - start, budget)
                 if n <= 0:
                     continue
-                group.append((row, tokens, start, start + n))
+                group.append((state, tokens, start, start + n))
                 members.append(j)
-                pending[j] = (row, tokens, start + n)
+                pending[j] = (state, tokens, start + n)
                 budget -= n
                 if not budget:
                     break
@@ -213,17 +232,20 @@ class DraftModelDrafter(Drafter):
                 made = len(drafts[i])
                 if made < room:
                     pos = len(tokens) + made - 1  # the position of the draft fed
-                    group.append((state.row, drafts[i][-1:], pos, pos + 1))
+                    group.append((state, drafts[i][-1:], pos, pos + 1))
                     members.append(i)
             if not group:
                 return
             for i, token in zip(members, self._forward(ForwardMode.DECODE, group), strict=True):
                 drafts[i].append(token)
 
-    def _forward(self, mode: ForwardMode, group: list[tuple[int, Any, int, int]]) -> list[int]:
-        """One forward of the draft model over (row, tokens, start, end) per request (the
+    def _forward(
+        self, mode: ForwardMode, group: list[tuple[_Draft, Any, int, int]]
+    ) -> list[int]:
+        """One forward of the draft model over (state, tokens, start, end) per request (the
         tokens of positions start .. end - 1: `tokens[start:end]` for an extend, the one
-        token for a decode); each request's greedy token after its last position."""
+        token for a decode); each request's greedy token after its last position (within
+        its allowed tokens, after its logit_bias)."""
         from engine.scheduler.schedule_batch import ModelWorkerBatch
 
         runner = self.runner
@@ -231,7 +253,7 @@ class DraftModelDrafter(Drafter):
         ids: list[int] = []
         for _, tokens, start, end in group:
             ids.extend(tokens[start:end].tolist() if extend else tokens)
-        rows = [row for row, _, _, _ in group]
+        rows = [state.row for state, _, _, _ in group]
         starts = [start for _, _, start, _ in group]
         ends = [end for _, _, _, end in group]
         lens = [e - s for s, e in zip(starts, ends)]
@@ -252,9 +274,13 @@ class DraftModelDrafter(Drafter):
             output_ids=[],
             prompt_ids=[],
         )
-        logits = runner.forward(runner.build_forward_batch(mwb))
+        logits = runner.forward(runner.build_forward_batch(mwb))[:, : self.vocab]
         self.forwards += 1
-        return logits[:, : self.vocab].argmax(-1).tolist()
+        biases = [state.bias for state, _, _, _ in group]
+        if any(b is not None for b in biases):
+            zero = torch.zeros(self.vocab, dtype=torch.float32, device=logits.device)
+            logits = logits.float() + torch.stack([zero if b is None else b for b in biases])
+        return logits.argmax(-1).tolist()
 
 
 def _common_prefix(a: list[int], b: np.ndarray) -> int:

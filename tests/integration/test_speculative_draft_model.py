@@ -123,6 +123,23 @@ def test_finish_conditions_and_a_smaller_draft() -> None:
     assert stats["spec_accepted_tokens"] > 0
 
 
+def test_drafts_obey_allowed_tokens_and_logit_bias() -> None:
+    """The draft's greedy choice takes each request's allowed_token_ids and logit_bias (its
+    fixed constraints), so the model as its own draft still has every draft accepted."""
+    path = tiny_model("llama")
+    prompts = _prompts(path, n=4, seed=5)
+    base = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    params = [{**base, "allowed_token_ids": [11, 12, 13]},
+              {**base, "logit_bias": {"500": 100.0}},
+              {**base, "allowed_token_ids": [20, 21], "logit_bias": {"21": -3.0}},
+              base]  # fmt: skip
+    want, _ = _run(path, prompts, params, **PLAIN)
+    got, stats = _run(path, prompts, params, **_spec(path))
+    assert _ids(got) == _ids(want)
+    assert set(got[0]["output_ids"]) <= {11, 12, 13} and set(got[2]["output_ids"]) <= {20, 21}
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
+
+
 def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
     """A draft pool too small for every request (some get no drafts, their draft K/V given
     back), a model pool that retracts running requests, a grammar request (no drafts) and

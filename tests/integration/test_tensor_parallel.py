@@ -195,6 +195,14 @@ def test_speculative_decoding_over_two_ranks() -> None:
         stats = eng.get_stats()
     assert got == want
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    # a draft model (itself) on rank 0's device, one rank: every draft is right
+    draft = {"speculative_algorithm": "standalone", "speculative_draft_model_path": path}
+    with Engine(model_path=path, tp_size=2, speculative_num_draft_tokens=4, **draft) as eng:
+        got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=loopy)]
+        stats = eng.get_stats()
+        assert eng.scheduler.drafter.runner.tp.size == 1
+    assert got == want
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
 
 
 @pytest.mark.parametrize("executor", ["no-overlap", "thread"])

@@ -1,0 +1,147 @@
+"""Speculative decoding with a draft model against plain decoding, side by side in one run.
+
+    python benchmarks/speculative_draft.py [--layers 8] [--draft-layers 1] [--vocab 8000]
+        [--residual-scale 0.05] [--draft-tokens 3] [--batch 1 8] [--threads 2]
+        [--device cuda --dtype bfloat16 --name gpu_speculative_draft]   (the GPU session's)
+
+No trained draft/target pair can be downloaded, and a random draft agrees with a random model
+on nothing, so the pair is built to agree on part of the tokens, as a distilled draft does:
+
+* the model: a random Llama of the `small` preset's width (hidden 1024, GQA 16/4,
+  intermediate 2816) with `--layers` layers and a `--vocab` vocabulary (8000 by default, so
+  that the lm_head weighs about what it does beside a real model's layers), whose layers
+  after the first `--draft-layers` add `--residual-scale` times their attention and MLP
+  outputs to the residual stream (their o_proj and down_proj weights scaled): the first
+  layers decide most of its tokens, the others change some;
+* the draft: those first `--draft-layers` layers, embeddings, final norm and lm_head
+  (`services/tiny_draft.py`), a model about `draft_cost` of the model's weights;
+* a floor: a draft of the same size from another random model (`unrelated`), whose drafts
+  are almost never right: what drafting costs when it buys nothing.
+
+How often the drafts are right is a property of the pair (the residual scale here), so every
+row reports the accept length it got (tokens per request and verify step) beside its speed.
+Arms (engines kept open, overlap off in all, as speculative decoding turns it off): plain
+decoding, the draft, the unrelated draft; their timed runs interleave, `--repeat` rounds (the
+fastest run counts). Prompts of `--context` random tokens, `--output` greedy tokens each
+(`ignore_eos`), `--batch` requests at once. Reported per batch: output tokens/s of each arm,
+the speedups against plain, accept lengths, and the fraction of requests whose tokens equal
+plain decoding's (on CPU in float32 the run fails unless all do).
+
+On this 2-core CPU a verify step of k + 1 tokens costs more than a decode step (its GEMMs are
+compute-bound), and the draft's forwards run one after another; on a GPU both are
+memory-bound and cost about one weight read each, where a draft model pays more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import parse_arm_args, print_table, write_result  # noqa: E402
+from benchmarks.speculative import Arm  # noqa: E402
+
+
+def make_pair(args: Any, seed: int) -> tuple[str, str]:
+    """(model folder, draft folder) for `args`' shape, built once each in the temp folder."""
+    from safetensors.torch import load_file, save_file
+
+    from services.tiny_draft import make_draft_model
+    from services.tiny_model import make_tiny_model
+
+    name = f"sluice-bench-spec-{args.layers}l-v{args.vocab}-r{args.residual_scale}-s{seed}"
+    path = os.path.join(tempfile.gettempdir(), name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_tiny_model(path, preset="small", seed=seed, num_layers=args.layers,
+                        vocab_size=args.vocab)  # fmt: skip
+        file = os.path.join(path, "model.safetensors")
+        weights = load_file(file)
+        for key, w in weights.items():
+            layer = int(key.split(".")[2]) if key.startswith("model.layers.") else -1
+            if layer >= args.draft_layers and key.endswith(("o_proj.weight", "down_proj.weight")):
+                weights[key] = (w.float() * args.residual_scale).to(w.dtype)
+        save_file({k: v.contiguous() for k, v in weights.items()}, file,
+                  metadata={"format": "pt"})  # fmt: skip
+    draft = f"{path}-draft{args.draft_layers}"
+    if not os.path.exists(os.path.join(draft, "config.json")):
+        make_draft_model(path, draft, args.draft_layers)
+    return path, draft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--residual-scale", type=float, default=0.05)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--draft-tokens", type=int, default=3)
+    args = parse_arm_args(ap, "speculative_draft")
+    path, draft = make_pair(args, args.seed)
+    _, unrelated = make_pair(args, args.seed + 1)
+    rng = random.Random(args.seed)
+    prompts = [
+        [rng.randrange(3, args.vocab - 3) for _ in range(args.context)]
+        for _ in range(max(args.batch))
+    ]
+    spec = {"speculative_algorithm": "standalone",
+            "speculative_num_draft_tokens": args.draft_tokens}  # fmt: skip
+    arms = {
+        "plain": Arm(path, args),
+        "draft": Arm(path, args, speculative_draft_model_path=draft, **spec),
+        "unrelated": Arm(path, args, speculative_draft_model_path=unrelated, **spec),
+    }
+    params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True}
+    rows = []
+    for bs in args.batch:
+        batch = prompts[:bs]
+        for arm in arms.values():  # warm-up
+            arm.run(batch, params)
+        best: dict[str, Any] = {}
+        for _ in range(args.repeat):
+            for label, arm in arms.items():
+                wall, out, stats = arm.run(batch, params)
+                if label not in best or wall < best[label][0]:
+                    best[label] = (wall, out, stats)
+        pw, pout, _ = best["plain"]
+        tokens = sum(map(len, pout))
+        row: dict[str, Any] = {"batch": bs, "plain_tok_s": tokens / pw}
+        for label in ("draft", "unrelated"):
+            wall, out, stats = best[label]
+            same = sum(p == q for p, q in zip(pout, out)) / bs
+            if same < 1 and args.device == "cpu":  # (bf16 kernels may break near-ties apart)
+                raise SystemExit(f"{label}, batch {bs}: speculative tokens differ from plain")
+            row[f"{label}_tok_s"] = tokens / wall
+            row[f"{label}_speedup"] = pw / wall
+            row[f"{label}_accept_length"] = stats["spec_accept_length"]
+            row[f"{label}_same_tokens"] = same
+        print(row, flush=True)
+        rows.append(row)
+    draft_cost = _weights(draft) / _weights(path)
+    for arm in arms.values():
+        arm.engine.shutdown()
+    cols = ["batch", "plain_tok_s", "draft_tok_s", "draft_speedup", "draft_accept_length",
+            "unrelated_tok_s", "unrelated_speedup", "unrelated_accept_length"]  # fmt: skip
+    print_table(rows, cols)
+    summary: dict[str, Any] = {"draft_cost": round(draft_cost, 3)}
+    for r in rows:
+        summary[f"bs{r['batch']}_speedup"] = round(r["draft_speedup"], 3)
+        summary[f"bs{r['batch']}_accept_length"] = round(r["draft_accept_length"], 3)
+        summary[f"bs{r['batch']}_unrelated_speedup"] = round(r["unrelated_speedup"], 3)
+    print(summary)
+    print("wrote", write_result(args.name, rows, summary, config=vars(args)))
+
+
+def _weights(path: str) -> int:
+    return os.path.getsize(os.path.join(path, "model.safetensors"))
+
+
+if __name__ == "__main__":
+    main()
