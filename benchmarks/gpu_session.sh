@@ -35,7 +35,9 @@
 #               planners), writing benchmarks/results/gpu_flashinfer_plan.json
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
 #   speculative benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
-#               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json
+#               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json;
+#               then benchmarks/speculative_draft.py (bf16, 16 layers, a first-layer draft):
+#               a draft model's, writing benchmarks/results/gpu_speculative_draft.json
 #   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
 #               engine against transformers, writing benchmarks/results/gpu_embeddings.json;
 #               then benchmarks/encoders.py (BERT-base shape, 1024 inputs): gpu_encoders.json
@@ -250,7 +252,9 @@ do_step() {
                 --results-dir /tmp/sluice-gpu-smoke ;;
         speculative)
             run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
-                --dtype bfloat16 --layers 8 --name gpu_speculative ;;
+                --dtype bfloat16 --layers 8 --name gpu_speculative
+            run_step speculative-draft 150 python3 benchmarks/speculative_draft.py --device cuda \
+                --dtype bfloat16 --layers 16 --name gpu_speculative_draft ;;
         embeddings)
             run_step embeddings 120 python3 benchmarks/embeddings.py --device cuda \
                 --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --profile \

@@ -239,3 +239,32 @@ def test_draft_state_follows_the_requests_tokens() -> None:
             torch.testing.assert_close(keys(req), kept, rtol=0, atol=1e-4)  # (float32 rounding)
         drafter.forget(req)
         assert runner.allocator.available_size() == runner.allocator.size
+
+
+def test_gpu_kv_budget_leaves_room_for_the_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the model's KV pool is sized from free memory x mem_fraction_static less the
+    draft's weights (its checkpoint's size) and its pool (as many tokens, plus k per running
+    request), so both fit where the model alone would have taken it all."""
+    import torch
+
+    from engine.config import EngineArgs, ModelConfig
+    from engine.mem_cache.kv_memory import plan_kv_memory
+    from engine.mem_cache.kv_pool import KVPool
+
+    path, draft = tiny_model("llama"), noisy_draft(tiny_model("llama"), 0.02, num_layers=1)
+    free, total = 3 << 30, 4 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    mc = ModelConfig.from_pretrained(path)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    alone = plan_kv_memory(mc, EngineArgs(model_path=path), dtype, dev).tokens
+    args = EngineArgs(model_path=path, **_spec(draft), max_running_requests=64)
+    tokens = plan_kv_memory(mc, args, dtype, dev).tokens
+    usable = free - total * (1 - args.mem_fraction_static)
+    per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    dmc = ModelConfig.from_pretrained(draft)
+    draft_per_token = KVPool.bytes_per_token(dmc.num_layers, dmc.num_kv_heads, dmc.head_dim, dtype)
+    weights = os.path.getsize(os.path.join(draft, "model.safetensors"))
+    assert alone == int(usable // per_token)
+    extra = 64 * K * draft_per_token
+    assert tokens == int((usable - weights - extra) // (per_token + draft_per_token))
+    assert tokens * per_token + weights + (tokens * draft_per_token + extra) <= usable
