@@ -9,6 +9,8 @@ runs (`asleep`: the worker does not step; `Engine.generate` refuses); requests m
 added, and wait. A weights update meanwhile takes the weights back (its checkpoint in them).
 A mixin of `Scheduler` (engine/scheduler/scheduler.py); the runner's calls go through
 `_on_device`, which reaches the device process or the overlap executor's thread in order.
+A draft model's runner (speculative decoding, engine/speculative/draft_model.py) releases and
+takes back the same tags.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class MemoryRelease:
     settle: Any
     holds_kv: Any
     _on_device: Any
+    drafter: Any
     released_memory: frozenset[str]
     weights_missing: int
 
@@ -46,6 +49,8 @@ class MemoryRelease:
                              "end)")  # fmt: skip
         new = tuple(t for t in tags if t not in self.released_memory)
         freed = self._on_device("release_memory_occupation", new, backup_weights) if new else 0
+        if new and self.drafter is not None:  # a draft model's memory goes too
+            freed += self.drafter.release_memory_occupation(new, backup_weights)
         if "kv_cache" in new:
             self.tree_cache.reset()  # (its K/V are forgotten)
         self.released_memory |= set(new)
@@ -56,6 +61,8 @@ class MemoryRelease:
         tag; one not released is left as it is."""
         tags = tuple(t for t in check_tags(tags) if t in self.released_memory)
         taken = self._on_device("resume_memory_occupation", tags) if tags else 0
+        if tags and self.drafter is not None:
+            taken += self.drafter.resume_memory_occupation(tags)
         self.released_memory -= set(tags)
         if "weights" in tags:
             self.weights_missing = self._on_device("missing_weights")

@@ -25,7 +25,8 @@ Memory: the draft's pool holds as many tokens as the model's, plus `k` per runni
 (its last drafts); on a GPU the model's KV budget (`mem_fraction_static`) leaves room for the
 draft's weights and that pool (`draft_memory`). A request whose draft K/V does not fit gets no
 drafts that step, and its draft K/V is given back (it catches up later, when there is room).
-Requests that leave the batch (finished, retracted) give theirs back.
+Requests that leave the batch (finished, retracted) give theirs back. When the scheduler
+gives its memory back while idle (`/release_memory_occupation`), the draft's goes too.
 """
 
 from __future__ import annotations
@@ -121,9 +122,20 @@ class DraftModelDrafter(Drafter):
             self._drop(req.rid)
 
     def close(self) -> None:
+        self._drop_all()
+        self.runner.release_memory()
+
+    def release_memory_occupation(self, tags: tuple[str, ...], backup_weights: bool) -> int:
+        if "kv_cache" in tags:  # (requests retracted meanwhile may still hold draft K/V)
+            self._drop_all()
+        return self.runner.release_memory_occupation(tags, backup_weights)
+
+    def resume_memory_occupation(self, tags: tuple[str, ...]) -> int:
+        return self.runner.resume_memory_occupation(tags)
+
+    def _drop_all(self) -> None:
         for rid in list(self.drafts):
             self._drop(rid)
-        self.runner.release_memory()
 
     # -- the draft's K/V ------------------------------------------------------------------------
     def _sync(self, r: Req) -> _Draft | None:

@@ -91,6 +91,14 @@ class Drafter:
     def close(self) -> None:
         """The engine shuts down."""
 
+    def release_memory_occupation(self, tags: tuple[str, ...], backup_weights: bool) -> int:
+        """The scheduler gives back the memory of `tags` (no request holds K/V); the bytes
+        this drafter frees with it."""
+        return 0
+
+    def resume_memory_occupation(self, tags: tuple[str, ...]) -> int:
+        return 0
+
 
 class NgramDrafter(Drafter):
     def __init__(self, args: EngineArgs, context_len: int) -> None:

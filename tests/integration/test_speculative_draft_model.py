@@ -268,3 +268,35 @@ def test_gpu_kv_budget_leaves_room_for_the_draft(monkeypatch: pytest.MonkeyPatch
     extra = 64 * K * draft_per_token
     assert tokens == int((usable - weights - extra) // (per_token + draft_per_token))
     assert tokens * per_token + weights + (tokens * draft_per_token + extra) <= usable
+
+
+@pytest.mark.parametrize("backup", [True, False], ids=["backup", "discard"])
+def test_memory_released_with_the_model_and_taken_back(backup: bool) -> None:
+    """Requests retracted mid-run (their draft K/V still held), the memory released: the
+    draft's weights and K/V go too and its requests' draft K/V is forgotten; resumed, the
+    requests end with plain decoding's tokens, the model as its own draft right every time
+    (the draft's weights read again where they were discarded, its K/V recomputed)."""
+    from tests.integration.test_pause import GREEDY, Run, three_each
+
+    path = tiny_model("llama")
+    prompts = _prompts(path, n=4, seed=6)
+    want, _ = _run(path, prompts, GREEDY, **PLAIN)
+    eng = Engine(model_path=path, enable_weights_cpu_backup=backup, **_spec(path))
+    try:
+        run, sched = Run(eng, prompts), eng.scheduler
+        draft = sched.drafter.runner
+        held = draft.memory_occupied()
+        run.step_until(three_each)
+        assert sched.drafter.drafts and sched.drafter.stats.num_drafts > 0
+        assert sched.retract_all() == len(prompts)
+        sched.release_memory_occupation()
+        assert not sched.drafter.drafts
+        assert draft.memory_occupied() == {"weights": 0, "kv_cache": 0}
+        sched.resume_memory_occupation()
+        assert draft.memory_occupied() == held
+        run.to_end()
+        stats = eng.get_stats()
+    finally:
+        eng.shutdown()
+    assert [run.tokens[f"r{i}"] for i in range(len(prompts))] == _ids(want)
+    assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
