@@ -269,14 +269,13 @@ class DraftModelDrafter(Drafter):
         starts = [start for _, _, start, _ in group]
         ends = [end for _, _, _, end in group]
         lens = [e - s for s, e in zip(starts, ends)]
-        positions = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]).tolist()
-        r, c = _positions(rows, starts, lens)
+        r, c = _positions(rows, starts, lens)  # (c: the tokens' positions)
         req_to_token = runner.req_to_token_pool.req_to_token
         out_cache_loc = req_to_token[r.to(req_to_token.device), c.to(req_to_token.device)]
         mwb = ModelWorkerBatch(
             forward_mode=mode,
             input_ids=ids,
-            positions=positions,
+            positions=c.tolist(),
             out_cache_loc=out_cache_loc,
             req_pool_indices=rows,
             seq_lens=ends,
