@@ -1,8 +1,10 @@
-"""A worker started with `--speculative-algorithm ngram` serves through the streams: the
-tokens of plain decoding, streamed several per step when drafts are accepted, and its
-heartbeat reports the accept length."""
+"""A worker started with `--speculative-algorithm ngram` (or `standalone` with a draft model)
+serves through the streams: the tokens of plain decoding, streamed several per step when
+drafts are accepted, and its heartbeat reports the accept length."""
 
 from __future__ import annotations
+
+import pytest
 
 from engine.engine import Engine
 from shared.messages import WorkerLoadMsg
@@ -20,11 +22,21 @@ PARAMS = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
           "allowed_token_ids": [11, 12, 13]}  # fmt: skip
 
 
-def test_speculative_worker_streams_plain_decodings_tokens(redis_url: str, tmp_path) -> None:
+@pytest.mark.parametrize("algorithm", ["ngram", "standalone"])
+def test_speculative_worker_streams_plain_decodings_tokens(
+    redis_url: str, tmp_path, algorithm: str
+) -> None:
     model = tiny_model("llama")
+    args = SPEC_ARGS
+    if algorithm == "standalone":  # a perturbed copy of the model drafts (part of it right)
+        from tests.integration.test_speculative_draft_model import noisy_draft
+
+        args = (*WORKER_TEST_ARGS, "--speculative-algorithm", "standalone",
+                "--speculative-draft-model-path", noisy_draft(model),
+                "--speculative-num-draft-tokens", "4")  # fmt: skip
     with Engine(model_path=model, disable_overlap_schedule=True) as engine:
         want = [o["output_ids"] for o in engine.generate(prompt=PROMPTS, sampling_params=PARAMS)]
-    with start_stack(redis_url, model, str(tmp_path), worker_args=SPEC_ARGS, router=False) as st:
+    with start_stack(redis_url, model, str(tmp_path), worker_args=args, router=False) as st:
         st.wait_ready()
         client = StreamClient(st.bus, st.worker_id)
         rids = [client.request(text=p, sampling_params=PARAMS) for p in PROMPTS]
