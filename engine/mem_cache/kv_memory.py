@@ -104,9 +104,8 @@ def plan_kv_memory(
             # each running request: engine/speculative/draft_model.py) come out of the budget
             from engine.speculative.draft_model import draft_memory
 
-            weights, draft_per_token = draft_memory(args, dtype)
-            extra = args.max_running_requests * args.speculative_num_draft_tokens
-            usable -= weights + extra * draft_per_token
+            fixed, draft_per_token = draft_memory(args, dtype)
+            usable -= fixed
         tokens = int(max(usable, 0) // (per_token + draft_per_token))
     else:
         tokens = min(int(DEFAULT_CPU_KV_BYTES // per_token), DEFAULT_CPU_KV_TOKENS)

@@ -19,7 +19,8 @@ The model then verifies every request's drafts in one forward (engine/speculativ
 sampling at each position and accepting while the draft equals the sampled token keeps
 outputs distributed as without drafts, whatever the draft model is (greedy and seeded
 requests give the same tokens). So a draft model that agrees with the model pays: accept
-lengths near k + 1 for k + 1 small forwards of the draft and one of the model.
+lengths near k + 1 for k small forwards of the draft (one extend, k - 1 decodes) and one
+of the model.
 
 Memory: the draft's pool holds as many tokens as the model's, plus `k` per running request
 (its last drafts); on a GPU the model's KV budget (`mem_fraction_static`) leaves room for the
@@ -85,7 +86,6 @@ class DraftModelDrafter(Drafter):
         self.chunk = chunk if chunk is not None and chunk > 0 else DEFAULT_DRAFT_CHUNK
         self.drafts: dict[str, _Draft] = {}
         self.memory_drops = 0  # requests that got no drafts: their draft K/V did not fit
-        self.forwards = 0  # the draft model's forwards (catch-up extends and draft decodes)
 
     # -- the scheduler's calls ------------------------------------------------------------------
     def room(self, r: Req) -> int:
@@ -100,9 +100,10 @@ class DraftModelDrafter(Drafter):
         for i, r in enumerate(reqs):
             room = self.room(r)
             if room:
-                state = self._sync(r)
+                tokens = token_array(r)
+                state = self._sync(r, tokens)
                 if state is not None:
-                    todo.append((i, token_array(r), room, state))
+                    todo.append((i, tokens, room, state))
         todo = self._allocate(todo)
         drafts: list[list[int]] = [[] for _ in reqs]
         if not todo:
@@ -138,9 +139,9 @@ class DraftModelDrafter(Drafter):
             self._drop(rid)
 
     # -- the draft's K/V ------------------------------------------------------------------------
-    def _sync(self, r: Req) -> _Draft | None:
+    def _sync(self, r: Req, tokens: np.ndarray) -> _Draft | None:
         """The request's draft state, its K/V kept up to where it still holds the request's
-        tokens (never its last token, whose logits give the first draft); None without a
+        `tokens` (never its last token, whose logits give the first draft); None without a
         free row."""
         state = self.drafts.get(r.rid)
         if state is None:
@@ -148,7 +149,6 @@ class DraftModelDrafter(Drafter):
             if rows is None:
                 return None
             state = self.drafts[r.rid] = _Draft(r.rid, rows[0], bias=self._bias(r))
-        tokens = token_array(r)
         keep = state.confirmed + _common_prefix(state.tail, tokens[state.confirmed :])
         self._trim(state, min(keep, len(tokens) - 1))
         return state
@@ -188,11 +188,12 @@ class DraftModelDrafter(Drafter):
         allocator = self.runner.allocator
         needs = [len(tokens) + room - 1 - state.length for _, tokens, room, state in todo]
         if sum(needs) > allocator.available_size():
-            kept, needs_kept = [], []
+            kept, needs_kept, taken = [], [], 0
             for item, need in zip(todo, needs, strict=True):
-                if need <= allocator.available_size() - sum(needs_kept):
+                if taken + need <= allocator.available_size():  # (grows as others drop)
                     kept.append(item)
                     needs_kept.append(need)
+                    taken += need
                 else:
                     self.memory_drops += 1
                     self._drop(item[3].rid)
@@ -286,7 +287,6 @@ class DraftModelDrafter(Drafter):
             prompt_ids=[],
         )
         logits = runner.forward(runner.build_forward_batch(mwb))[:, : self.vocab]
-        self.forwards += 1
         biases = [state.bias for state, _, _, _ in group]
         if any(b is not None for b in biases):
             zero = torch.zeros(self.vocab, dtype=torch.float32, device=logits.device)
@@ -365,9 +365,10 @@ def make_draft_runner(args: EngineArgs, runner: Any) -> Any:
 
 
 def draft_memory(args: EngineArgs, dtype: torch.dtype) -> tuple[int, int]:
-    """(bytes of the draft's weights, bytes of its K/V per token in `dtype`) for the model's
-    KV budget on a GPU. The weights are counted as the checkpoint's size: an upper bound
-    where it is stored wider than the dtype it runs in."""
+    """(bytes the draft takes whatever the model's pool, bytes of its K/V per token of the
+    model's pool) in `dtype`, for the model's KV budget on a GPU: its weights (counted as
+    the checkpoint's size: an upper bound where it is stored wider than the dtype it runs
+    in) and its pool's tokens beyond the model's (`draft_pool_tokens`)."""
     from engine.config import ModelConfig
     from engine.mem_cache.kv_pool import KVPool
 
@@ -377,4 +378,4 @@ def draft_memory(args: EngineArgs, dtype: torch.dtype) -> tuple[int, int]:
     per_token = KVPool.bytes_per_token(
         mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mc.kv_shared
     )
-    return weights, per_token
+    return weights + draft_pool_tokens(0, args) * per_token, per_token
