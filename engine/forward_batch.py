@@ -80,6 +80,9 @@ class ForwardBatch:
     # processor writes the logits (the lm_head's output in the model's dtype; a float32
     # buffer gets the float32 conversion): no copy after it
     logits_out: torch.Tensor | None = None
+    # a speculative verify step (EXTEND, every position's logits): each request's number of
+    # drafts, its tokens being its last token and those drafts (engine/speculative/verify.py)
+    spec_draft_lens: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,7 @@ from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
 from engine.speculative.verify import VerifyResult, verify
+from engine.speculative.verify_graphs import VerifyGraphRunner, verify_graph_sizes
 from engine.tensor_parallel import TPLink, rank_model_config
 from engine.tp_ranks import join_ranks, rank_device, stop_followers
 from engine.weight_groups import WeightGroups
@@ -134,6 +135,9 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         self.host_kv_tokens = memory.host_tokens
         self.host_kv_pool = None
         self.graph_runner: CudaGraphRunner | None = None
+        # speculative verify steps' graphs (engine/speculative/verify_graphs.py), captured
+        # with the decode graphs
+        self.verify_graph_runner: VerifyGraphRunner | None = None
         self._graphs_stale = False  # recapture before the next replay (new KV-cache scales)
         self.memory = MemoryOccupation()  # memory given back while idle, if any
         self.weight_groups = WeightGroups(self.device)  # trainers' groups that send weights
@@ -270,6 +274,7 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             else torch.tensor(mwb.token_type_ids, dtype=torch.int64).to(dev),
             kv_transfers=mwb.kv_transfers,
             decode_rows=None if extend else rows,
+            spec_draft_lens=mwb.spec_draft_lens,
         )
 
     @torch.inference_mode()
@@ -289,6 +294,10 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             self.host_kv_pool.apply(transfers)
             forward_batch.kv_transfers = None
         graphs = self._graphs_for(future_map)
+        verify_graphs = self.verify_graph_runner
+        if (forward_batch.spec_draft_lens is not None and verify_graphs is not None
+                and verify_graphs.can_run(forward_batch)):  # fmt: skip
+            return verify_graphs.replay(forward_batch)  # (never with tensor parallelism)
         replay = graphs is not None and graphs.can_run(forward_batch, future_map)
         if replay and self.tp_link is None:
             return graphs.replay(forward_batch)
@@ -333,7 +342,7 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         names free for the next engine's)."""
         self.weight_groups.close()
         self.stop_tensor_parallel()
-        self.graph_runner = None
+        self.graph_runner = self.verify_graph_runner = None
         self.model = self.kv_pool = self.attn_backend = self.host_kv_pool = None
         gc.collect()
         if self.device.type == "cuda":
@@ -370,6 +379,7 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # no replay of the old graphs in flight
             self.graph_runner = None  # free the old graphs before recording new ones
+        self.verify_graph_runner = None
         if capturer is None:  # (a follower rank: as rank 0 captures)
             capturer = EagerGraphCapturer() if eager else CudaGraphCapturer(self.device)
         sizes = self.args.resolved_cuda_graph_bs
@@ -382,6 +392,26 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             list(sizes),
             time.perf_counter() - start,
             " (resolving FutureMap placeholders)" if future_map is not None else "",
+        )
+        if self._wants_verify_graphs():
+            start = time.perf_counter()
+            width = self.args.speculative_num_draft_tokens + 1
+            verify = VerifyGraphRunner(self, verify_graph_sizes(sizes), width, capturer)
+            verify.capture()
+            self.verify_graph_runner = verify
+            logger.info(
+                "CUDA graphs: captured speculative verify steps of %d tokens a request, batch "
+                "sizes %s, in %.1f s", verify.width, verify.batch_sizes,
+                time.perf_counter() - start,
+            )  # fmt: skip
+
+    def _wants_verify_graphs(self) -> bool:
+        """Verify graphs are captured for speculative decoding on one rank, over a backend
+        that can capture them (tensor parallelism runs its verify steps eagerly)."""
+        return (
+            self.args.speculative_algorithm is not None
+            and self.tp.size == 1
+            and self.attn_backend.supports_verify_cuda_graph
         )
 
     def _graphs_for(self, future_map: FutureMap | None) -> CudaGraphRunner | None:

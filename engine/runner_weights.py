@@ -37,6 +37,7 @@ class RunnerWeights:
     lora: Any
     kv_pool: Any
     graph_runner: Any
+    verify_graph_runner: Any
     weights_path: str
     weights_on_disk: bool
     unsent: set[str] | None
@@ -298,7 +299,7 @@ class RunnerWeights:
 
                 self.unsent = checkpoint_names(self.weights_path)
         if "cuda_graph" in tags or freed:  # (graphs hold the old addresses)
-            self.graph_runner = None
+            self.graph_runner = self.verify_graph_runner = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

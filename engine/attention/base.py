@@ -105,6 +105,24 @@ class AttentionBackend(ABC):
         """
         raise NotImplementedError
 
+    # -- CUDA graphs of speculative verify steps (engine/speculative/verify_graphs.py) ---------
+    # A verify batch is an EXTEND of `width` tokens per request (the last token and up to
+    # width - 1 drafts, padded), causal within them, over each request's cached context.
+    supports_verify_cuda_graph: bool = False
+
+    def init_verify_cuda_graph_state(self, max_bs: int, width: int, max_context_len: int) -> None:
+        """Like `init_cuda_graph_state`, for verify graphs of up to `max_bs` requests of
+        `width` tokens each (called after it, before any verify capture)."""
+        raise NotImplementedError
+
+    # `init_forward_metadata_capture_cuda_graph` and `..._replay_cuda_graph` then also take
+    # such an EXTEND batch: `batch_size` requests, `extend_seq_lens` (and its host list) all
+    # `width`, `extend_start_loc` i * width, `seq_lens` each request's prefix + width (a padded
+    # request's: `width`, over the padding row), and on the host `seq_lens_cpu` and
+    # `extend_prefix_lens_cpu` (the capture's: every request padded). As for decode, a device
+    # tensor the layers read must be static state or computed in the graph (the prefix
+    # lengths, `seq_lens - extend_seq_lens`: in `cuda_graph_prologue`).
+
     def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
         """Device work a captured graph runs first, before the layers, on the static batch
         (recorded at capture; every replay runs it again on the refreshed buffers): metadata

@@ -28,6 +28,11 @@ split count), and everything they read per batch is a tensor the graph runner ke
 (`req_pool_indices`, `seq_lens`, `out_cache_loc`, `req_to_token`) besides the scratch. So the
 graph state is one scratch that the largest captured size needs (a view per captured size and
 its split count) and replay has nothing to refresh on the device.
+
+CUDA graphs of speculative verify steps (engine/speculative/verify_graphs.py): the extend
+kernel over requests of one width, whose grid depends on the batch size and that width only;
+its per-request lengths are the runner's static buffers, and the prefix lengths are computed
+in the graph (`cuda_graph_prologue`) into a buffer of each captured size.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class TritonAttnBackend(AttentionBackend):
         self.model_config = kwargs.get("model_config")  # query heads and head_dim, for graphs
         self._graph_scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self._graph_metadata: dict[int, _DecodeMetadata] = {}  # captured batch size -> its own
+        self._verify_metadata: dict[int, _ExtendMetadata] = {}  # the same, of verify graphs
         # the decode kernel's merge inside its last split program: the per-(request, KV head)
         # counts, zero between launches, one buffer for every layer, batch and graph (grown
         # outside capture only: `init_cuda_graph_state` sizes it for the largest graph)
@@ -142,8 +148,24 @@ class TritonAttnBackend(AttentionBackend):
         self._graph_metadata = {}
         self.merge_counts(max_bs * kv_heads)
 
+    supports_verify_cuda_graph = True
+
+    def init_verify_cuda_graph_state(self, max_bs: int, width: int, max_context_len: int) -> None:
+        # each captured size's metadata holds its own prefix lengths (made at its capture)
+        self._verify_metadata: dict[int, _ExtendMetadata] = {}
+
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
+        fb = forward_batch
+        if fb.forward_mode.is_extend():  # a verify graph: the extend kernel over static rows
+            assert fb.extend_seq_lens is not None and fb.extend_start_loc is not None
+            assert fb.extend_seq_lens_cpu is not None
+            self.metadata = self._verify_metadata[fb.batch_size] = _ExtendMetadata(
+                prefix_lens=torch.zeros_like(fb.seq_lens),  # (written by the prologue)
+                extend_lens=fb.extend_seq_lens,
+                extend_start_loc=fb.extend_start_loc,
+                max_extend_len=max(fb.extend_seq_lens_cpu),  # the width: fixed per graph
+            )
+            return
         assert self._graph_scratch is not None, "init_cuda_graph_state was not called"
         bs = forward_batch.batch_size
         kv_heads = self.model_config.num_kv_heads  # type: ignore[attr-defined]
@@ -165,8 +187,16 @@ class TritonAttnBackend(AttentionBackend):
         # Nothing on the device to refresh (see the module docstring); what a replay computes
         # is what the capture recorded with this size's metadata, which `metadata` names again
         # for anything that runs the forward's Python after the replay (an eager test double).
-        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
-        self.metadata = self._graph_metadata[forward_batch.batch_size]
+        fb = forward_batch
+        graphs = self._verify_metadata if fb.forward_mode.is_extend() else self._graph_metadata
+        self.metadata = graphs[fb.batch_size]
+
+    def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
+        """In a verify graph: the prefix lengths, from the static lengths."""
+        fb = forward_batch
+        if fb.forward_mode.is_extend():
+            md = self._verify_metadata[fb.batch_size]
+            torch.sub(fb.seq_lens, md.extend_lens, out=md.prefix_lens)
 
     def _attend_storing(  # fmt: skip
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer,

@@ -14,8 +14,6 @@ import argparse
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 
 from kernels.testing import triton_test_device
 
@@ -32,6 +30,8 @@ from engine.overlap.future_map import FutureMap  # noqa: E402
 from services.engine_args import add_engine_args, engine_args_from  # noqa: E402
 from tests.factories import tiny_model  # noqa: E402
 from tests.runner_batches import (  # noqa: E402
+    OpLog,
+    StrictEagerCapturer,
     decode_batch,
     eager_forward,
     kv_restore,
@@ -101,50 +101,6 @@ def runner() -> ModelRunner:
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
     return runner
-
-
-class _OpLog(TorchDispatchMode):
-    """The torch ops run under it, each with its arguments' shapes, dtypes and scalars."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[tuple] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self.ops.append((func, tree_map(_signature, args), tree_map(_signature, kwargs)))
-        return func(*args, **kwargs)
-
-
-def _signature(x: object) -> object:
-    if isinstance(x, torch.Tensor):
-        return x.shape, x.dtype
-    if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device)):
-        return x
-    return type(x).__name__  # e.g. the storages the Triton interpreter copies through
-
-
-class StrictEagerCapturer:
-    """The eager double, plus a rule of real graphs that an eager replay would not enforce:
-    every replay runs the captured ops with the captured shapes and scalar arguments, whatever
-    the host values (`seq_lens_cpu`, ...) of the new batch. (Triton launches are not torch
-    ops; their grids depend on the batch size only.)"""
-
-    def capture(self, step):
-        with _OpLog() as log:
-            step()
-        return _CheckedGraph(step, log.ops)
-
-
-class _CheckedGraph:
-    def __init__(self, step, ops: list[tuple]) -> None:
-        self.step, self.ops, self.num_replays = step, ops, 0
-
-    def replay(self) -> None:
-        self.num_replays += 1
-        with _OpLog() as log:
-            self.step()
-        assert log.ops == self.ops, "a replay ran other ops than the capture"
 
 
 def test_strict_double_rejects_host_dependent_steps():
@@ -277,7 +233,7 @@ def test_logits_written_once_into_the_graph_buffer(dtype):
     assert graphs.logits.dtype == runner.dtype
     fb = _decode_batch(runner, [3, 0, 2], [40, 1, 13], seed=5)
     want, _ = _eager(runner, fb)
-    with _OpLog() as log:
+    with OpLog() as log:
         got = graphs.replay(fb)
     names = [str(func.overloadpacket.__name__) for func, _, _ in log.ops]
     copies = [
