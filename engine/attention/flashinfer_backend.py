@@ -148,6 +148,15 @@ class _ExtendMetadata:
 
 
 @dataclass
+class _VerifyMetadata:
+    """A verify graph's: paged prefill wrappers over each request's whole context, causal (the
+    new tokens' K/V stored first), planned for this batch."""
+
+    wrapper: Any  # full layers
+    window_wrapper: Any = None  # sliding-window layers
+
+
+@dataclass
 class _GraphBuffers:
     """What captured decode graphs read, sliced per captured batch size."""
 
@@ -213,6 +222,10 @@ class FlashInferAttnBackend(AttentionBackend):
         self.graph_page_ids = False
         # captured batch size -> its decode wrappers (full, windowed)
         self.graph_wrappers: dict[int, tuple[Any, Any]] = {}
+        # verify graphs: qo_indptr, kv indptr and last page lengths (the page ids are the
+        # decode graphs' buffer), and each captured size's prefill wrappers (full, windowed)
+        self.verify_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.verify_wrappers: dict[int, tuple[Any, Any]] = {}
 
     # -- planning ---------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -250,6 +263,37 @@ class FlashInferAttnBackend(AttentionBackend):
                             **self._plan_scalars(),
                         )  # fmt: skip
         return _DecodeMetadata(full, windowed)
+
+    def _plan_verify(
+        self,
+        wrappers: tuple[Any, Any],
+        fb: ForwardBatch,
+        indices_out: torch.Tensor | None = None,
+        ids_in_graph: bool = False,
+    ) -> _VerifyMetadata:
+        """Plans a verify graph's prefill wrappers (full, windowed: those the model has) for
+        `width` queries a request, causal, over each request's whole context (its page ids
+        written into `indices_out` when given; with `ids_in_graph`, left to the graph)."""
+        assert fb.extend_seq_lens_cpu is not None
+        bs = fb.batch_size
+        with self._host_ints(fb, 3 * bs + 2) as host:
+            qo_host, table_host = (None, None) if host is None else (host[: bs + 1], host[bs + 1 :])
+            qo_indptr = build_qo_indptr(fb.extend_seq_lens_cpu, qo_host)
+            if ids_in_graph:
+                assert indices_out is not None
+                table = host_page_table(fb.seq_lens_cpu, self.page_size, indices_out, table_host)
+            else:
+                table = self._context_table(fb, table_host, indices_out)
+            full, windowed = wrappers
+            for wrapper, left in ((full, -1), (windowed, self.window_left)):
+                if wrapper is not None:
+                    with self._staged(wrapper):
+                        self.prefill_planner.plan(
+                            wrapper, qo_indptr, table, fb.extend_seq_lens_cpu, self.num_heads,
+                            self.num_kv_heads, self.head_dim, self.page_size, causal=True,
+                            window_left=left, **self._plan_scalars(),
+                        )  # fmt: skip
+        return _VerifyMetadata(full, windowed)
 
     def _context_table(
         self, fb: ForwardBatch, host: torch.Tensor | None, indices_out: torch.Tensor | None = None
@@ -362,14 +406,19 @@ class FlashInferAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: AttentionLayer,
         forward_batch: ForwardBatch,
-        md: _DecodeMetadata | _ExtendMetadata,
+        md: _DecodeMetadata | _ExtendMetadata | _VerifyMetadata,
     ) -> torch.Tensor:
         pool = forward_batch.kv_pool
         q = q.reshape(-1, layer.num_heads, layer.head_dim).contiguous()
         left, cap = window_left(layer), logit_cap(layer)
         assert cap == self.logit_cap, f"layer logit cap {cap} was not planned"
         scalars = dict(sm_scale=softmax_scale(layer, forward_batch), logits_soft_cap=cap)
-        if left >= 0:
+        if isinstance(md, _VerifyMetadata):  # (the new tokens' K/V are in the pool)
+            assert left < 0 or left == self.window_left, f"layer window {left + 1} not planned"
+            wrapper = md.wrapper if left < 0 else md.window_wrapper
+            out = wrapper.forward(q, self._paged_kv(pool, layer.layer_id), causal=True,
+                                  window_left=left, **scalars)  # fmt: skip
+        elif left >= 0:
             # the windowed wrappers read the new tokens' K/V from the pool, stored first
             assert left == self.window_left, f"layer window {left + 1} was not planned"
             paged_kv = self._paged_kv(pool, layer.layer_id)
@@ -440,14 +489,39 @@ class FlashInferAttnBackend(AttentionBackend):
         self.graph_wrappers = {}
         self.graph_page_ids = page_ids is not None and compiled_on(self.graph_buffers.indices)
 
+    supports_verify_cuda_graph = True
+
+    def init_verify_cuda_graph_state(self, max_bs: int, width: int, max_context_len: int) -> None:
+        buffers = self.graph_buffers
+        max_pages = -(-max_context_len // self.page_size)
+        if buffers is None or buffers.indices.numel() < max_bs * max_pages:
+            raise RuntimeError("verify graphs are captured after the decode graphs of as many "
+                               "requests (init_cuda_graph_state)")  # fmt: skip
+        with torch.inference_mode(False):
+            self.verify_buffers = (
+                torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+                torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+                torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            )
+        self.verify_wrappers = {}
+
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
         bs = forward_batch.batch_size
+        if forward_batch.forward_mode.is_extend():  # a verify graph
+            self.verify_wrappers[bs] = self._verify_wrappers(bs)
+            self.metadata = self._plan_verify(self.verify_wrappers[bs], forward_batch)
+            return
         self.graph_wrappers[bs] = self._decode_wrappers(graph_bs=bs)
         self.metadata = self._plan_decode(self.graph_wrappers[bs], forward_batch)
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        assert forward_batch.forward_mode.is_decode(), "only decode batches are captured"
+        assert self.graph_buffers is not None
+        if forward_batch.forward_mode.is_extend():
+            self.metadata = self._plan_verify(
+                self.verify_wrappers[forward_batch.batch_size], forward_batch,
+                self.graph_buffers.indices, self.graph_page_ids,
+            )  # fmt: skip
+            return
         wrappers = self.graph_wrappers[forward_batch.batch_size]
         assert self.graph_buffers is not None
         # writes into the captured buffers (the page ids straight from the kernel, here or in
@@ -464,6 +538,25 @@ class FlashInferAttnBackend(AttentionBackend):
             assert self.graph_buffers is not None and page_ids is not None
             page_ids(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, self.page_size,
                      self.graph_buffers.indices)  # fmt: skip
+
+    def _verify_wrappers(self, bs: int) -> tuple[Any, Any]:
+        """(full, windowed) paged prefill wrappers a verify graph of `bs` requests captures,
+        None for the attention the model lacks."""
+        assert self.verify_buffers is not None and self.graph_buffers is not None, (
+            "init_verify_cuda_graph_state was not called"
+        )
+        qo_indptr, indptr, last_page_len = self.verify_buffers
+        with torch.inference_mode(False):
+            make = functools.partial(
+                self.fi.BatchPrefillWithPagedKVCacheWrapper, self.workspace, "NHD",
+                use_cuda_graph=True, qo_indptr_buf=qo_indptr[: bs + 1],
+                paged_kv_indptr_buf=indptr[: bs + 1],
+                paged_kv_indices_buf=self.graph_buffers.indices,
+                paged_kv_last_page_len_buf=last_page_len[:bs], backend=KERNEL_BACKEND,
+            )  # fmt: skip
+            return (make() if self.full_layers else None), (
+                make() if self.window_left >= 0 else None
+            )
 
     def _decode_wrappers(self, graph_bs: int | None = None) -> tuple[Any, Any]:
         """(full, windowed) decode wrappers, None for the attention the model lacks: eager ones,

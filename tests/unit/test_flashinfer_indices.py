@@ -190,6 +190,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
 
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     @_recorded
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False,
+                 qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf=None,
+                 paged_kv_last_page_len_buf=None, backend="auto"):  # fmt: skip
+        assert kv_layout == "NHD"
+        self.planned = None
+        self.graph = use_cuda_graph
+        self.buffers = (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf,
+                        paged_kv_last_page_len_buf)  # fmt: skip
+        self.max_rows = None
+
+    @_recorded
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=False, window_left=-1,
              logits_soft_cap=None, sm_scale=None, q_data_type="float16",
@@ -197,8 +208,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         qo_lens = (qo_indptr[1:] - qo_indptr[:-1]).tolist()
         assert max_token_per_sequence in (None, max(qo_lens)), "flashinfer would trust it"
         table = (paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        qo = qo_indptr
+        if self.graph:  # what flashinfer does: copy into the buffers the graph will read
+            qo_buf, indptr_buf, indices_buf, last_buf = self.buffers
+            assert len(qo_indptr) == len(qo_buf), "graph batch size is fixed"
+            rows = int(qo_indptr[-1])
+            self.max_rows = rows if self.max_rows is None else self.max_rows
+            assert rows <= self.max_rows, "no more rows than at the first plan"
+            assert len(paged_kv_indices) <= len(indices_buf)
+            qo_buf.copy_(qo_indptr)
+            indptr_buf.copy_(paged_kv_indptr)
+            last_buf.copy_(paged_kv_last_page_len)
+            indices_buf[: len(paged_kv_indices)].copy_(paged_kv_indices)
+            qo, table = qo_buf, (indptr_buf, indices_buf, last_buf)
         self.planned = dict(
-            qo=qo_indptr.tolist(), table=table, causal=causal, dtypes=(q_data_type, kv_data_type),
+            qo=qo, table=table, causal=causal, dtypes=(q_data_type, kv_data_type),
             window_left=window_left, cap=logits_soft_cap,
         )  # fmt: skip
 
@@ -214,7 +238,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                            logits_soft_cap=None, sm_scale=None):  # fmt: skip
         k_cache, v_cache = paged_kv_cache
         self._check(q, k_cache, causal, window_left, logits_soft_cap)
-        qo, table = self.planned["qo"], self.planned["table"]
+        qo, table = self.planned["qo"].tolist(), self.planned["table"]
         parts = [
             _attend(q[qo[i] : qo[i + 1]], _paged_keys(k_cache, *table, i),
                     _paged_keys(v_cache, *table, i), sm_scale, causal, window_left,
@@ -507,6 +531,96 @@ def test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, heads, kv_head
         torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)
 
 
+def _verify_graph_batch(case: PagedCase, pool, backend, bs: int, width: int, pad_row: int):
+    """Static buffers as the verify graph runner holds them: every request padded (`width`
+    tokens over the padding row, slot 0)."""
+    m = bs * width
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=bs,
+        input_ids=torch.zeros(m, dtype=torch.int64),
+        positions=torch.zeros(m, dtype=torch.int64),
+        out_cache_loc=torch.zeros(m, dtype=torch.int64),
+        req_pool_indices=torch.full((bs,), pad_row, dtype=torch.int64),
+        seq_lens=torch.full((bs,), width, dtype=torch.int64),
+        seq_lens_cpu=[width] * bs,
+        req_to_token=case.req_to_token,
+        kv_pool=pool,
+        attn_backend=backend,
+        extend_prefix_lens_cpu=[0] * bs,
+        extend_seq_lens_cpu=[width] * bs,
+        extend_start_loc=torch.arange(0, m, width),
+        extend_seq_lens=torch.full((bs,), width, dtype=torch.int64),
+        return_all_logits=True,
+    )
+
+
+@pytest.mark.parametrize("heads,kv_heads", HEADS)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("in_graph", [False, True], ids=["ids-at-replay", "ids-in-graph"])
+@pytest.mark.parametrize("window", [None, 40])
+def test_verify_graph_replay_matches_torch_native(
+    fake_flashinfer, heads, kv_heads, page_size, in_graph, window
+):
+    """A speculative verify graph (engine/speculative/verify_graphs.py) over the stand-in:
+    captured over padding, replayed for batches whose requests have 1..width tokens (padded
+    to width, their padding tokens' K/V to slot 0, the padded keys past each request's real
+    length pointing at poisoned slots); every real token's output equals torch_native's over
+    the unpadded extend; a sliding-window model's through its windowed wrappers."""
+    width, bs = 4, 4
+    prefix, extend = [100, 37, 250, 3, 16, 64], [4, 1, 3, 2, 4, 1]
+    case = make_paged_case(prefix, extend, heads, kv_heads, 64, page_size, dtype=torch.bfloat16,
+                           seed=5)  # fmt: skip
+    layer = _layer(heads, kv_heads, 64, window)
+    want, _ = _run("torch_native", case, layer, ForwardMode.EXTEND, page_size)
+    rows_table = case.req_to_token
+    # room for each request's padded length, the new columns pointing anywhere; a padding row
+    gen = torch.Generator().manual_seed(1)
+    extra = torch.randint(0, case.k_buffer.shape[0], (rows_table.shape[0], width),
+                          dtype=torch.int32, generator=gen)  # fmt: skip
+    case.req_to_token = torch.cat([rows_table, extra], 1)
+    pad_row = case.req_to_token.shape[0]
+    case.req_to_token = torch.cat([case.req_to_token, torch.zeros_like(case.req_to_token[:1])])
+    pool = _pool(case, layer, torch.bfloat16, page_size)
+    backend = _flashinfer(layer, pool, page_size)
+    cols = case.req_to_token.shape[1]
+    backend.init_cuda_graph_state(max_bs=8, max_context_len=cols)
+    graph_page_ids(backend, in_graph)
+    backend.init_verify_cuda_graph_state(max_bs=8, width=width, max_context_len=cols)
+    fb = _verify_graph_batch(case, pool, backend, bs, width, pad_row)
+    backend.init_forward_metadata_capture_cuda_graph(fb)
+    static = [torch.zeros(bs * width, x.shape[1] * x.shape[2], dtype=torch.bfloat16)
+              for x in (case.q, case.k, case.v)]  # fmt: skip
+    backend.cuda_graph_prologue(fb)  # what the capture records
+    backend.forward(*static, layer, fb)
+    captured = backend.metadata
+    assert (captured.wrapper is None) == (window is not None)
+    starts = case.extend_start_loc.tolist()
+    for rows in ([0, 1, 2], [5, 3, 4, 2]):
+        places, tokens = [], []
+        for x in static:
+            x.zero_()
+        fb.out_cache_loc.zero_()
+        fb.req_pool_indices.fill_(pad_row)
+        fb.seq_lens.fill_(width)
+        for i, r in enumerate(rows):
+            e, p = extend[r], prefix[r]
+            mine = list(range(starts[r], starts[r] + e))
+            places += range(i * width, i * width + e)
+            tokens += mine
+            for x, src in zip(static, (case.q, case.k, case.v)):
+                x[i * width : i * width + e] = src[mine].flatten(1)
+            fb.out_cache_loc[i * width : i * width + e] = case.out_cache_loc[mine]
+            fb.req_pool_indices[i] = case.req_pool_indices[r]
+            fb.seq_lens[i] = p + width
+        fb.seq_lens_cpu = fb.seq_lens.tolist()
+        fb.extend_prefix_lens_cpu = [n - width for n in fb.seq_lens_cpu]
+        replay_page_ids(backend, fb, in_graph)
+        assert backend.metadata == captured
+        got = backend.forward(*static, layer, fb).float()  # "replay"
+        torch.testing.assert_close(got[places], want[tokens], atol=2e-2, rtol=1e-2)
+
+
 def test_unsupported_setups_fail_at_construction(fake_flashinfer):
     layer = _layer(4, 4, 64)
     case = make_paged_case([3], [1], 4, 4, 64)
@@ -547,13 +661,15 @@ def test_no_cuda_fails_at_construction():
 
 def test_calls_bind_to_the_real_flashinfer_signatures(fake_flashinfer):
     """Where flashinfer is installed (not needed on CPU): every call the backend made in a
-    decode, an extend with a prefix and a graph capture/replay fits the real signatures."""
+    decode, an extend with a prefix, a decode and a verify graph's capture/replay fits the real
+    signatures."""
     real = pytest.importorskip("flashinfer")
     test_backend_matches_torch_native(fake_flashinfer, 8, 2, [16, 0], [5, 3],
                                       ForwardMode.EXTEND, 16)  # fmt: skip
     test_backend_matches_torch_native(fake_flashinfer, 4, 4, [16, 0], [1, 1],
                                       ForwardMode.DECODE, 16)  # fmt: skip
     test_graph_replay_reads_the_refreshed_tables(fake_flashinfer, 8, 2, True)  # (a GPU's way)
+    test_verify_graph_replay_matches_torch_native(fake_flashinfer, 8, 2, 16, True, None)
     methods = {(cls, name) for cls, name, _, _ in fake_flashinfer}
     assert len(methods) >= 9, methods
     for cls, name, args, kwargs in fake_flashinfer:
