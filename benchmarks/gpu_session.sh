@@ -34,7 +34,9 @@
 #               decode batch, the backend's fast re-plan against flashinfer's plan (real
 #               planners), writing benchmarks/results/gpu_flashinfer_plan.json
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
-#   speculative benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
+#   speculative tests/gpu/test_verify_graphs_gpu.py (verify steps replayed from CUDA graphs ==
+#               eager, Triton and flashinfer; speculative tokens == plain decoding's), then
+#               benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
 #               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json;
 #               then benchmarks/speculative_draft.py (bf16, 16 layers, a first-layer draft):
 #               a draft model's, writing benchmarks/results/gpu_speculative_draft.json
@@ -251,6 +253,7 @@ do_step() {
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
                 --results-dir /tmp/sluice-gpu-smoke ;;
         speculative)
+            run_step tests-verify-graphs 150 "${PYTEST[@]}" tests/gpu/test_verify_graphs_gpu.py
             run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative
             run_step speculative-draft 150 python3 benchmarks/speculative_draft.py --device cuda \

@@ -22,6 +22,10 @@ request and verify step), the mean time of a plain decode step and of the specul
 decode steps (verify steps, and plain ones where no request had drafts), and the fraction of
 requests whose tokens are the same in both arms: on CPU (float32) the run fails unless all
 are; in bf16 on a GPU the two kernels' roundings may break a near-tie differently.
+
+On a GPU the speculative arm's verify steps replay CUDA graphs (engine/speculative/
+verify_graphs.py), and a third arm runs them eagerly (`spec_eager`): `graph_verify_gain` is
+its time over the speculative arm's, `eager_spec_step_ms` its mean decode / verify step.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ WORKLOADS = {
 class Arm:
     """One engine, kept open; times its runs and its decode / verify steps."""
 
-    def __init__(self, path: str, args: Any, **kw: Any) -> None:
+    def __init__(self, path: str, args: Any, verify_graphs: bool = True, **kw: Any) -> None:
+        """`verify_graphs=False`: the verify steps run eagerly (the engine's graphs of them
+        dropped and never captured again), for the side-by-side on a GPU."""
         from engine.engine import Engine
 
         self.engine = Engine(
@@ -57,6 +63,10 @@ class Arm:
             max_total_tokens=max(args.batch) * (args.context + args.output) + 512,
             device=args.device, dtype=args.dtype, **kw,
         )  # fmt: skip
+        if not verify_graphs:
+            runner = self.engine.scheduler.model_runner
+            runner.verify_graph_runner = None
+            runner._wants_verify_graphs = lambda: False
         self.step_s: list[float] = []
         run_batch = self.engine.scheduler.run_batch
 
@@ -102,18 +112,20 @@ def main() -> None:
         [rng.randrange(3, 30000) for _ in range(args.context)] for _ in range(max(args.batch))
     ]
     plain = Arm(path, args)
-    spec = Arm(path, args, speculative_algorithm="ngram",
-               speculative_num_draft_tokens=args.draft_tokens)  # fmt: skip
+    ngram = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens}
+    arms = {"plain": plain, "spec": Arm(path, args, **ngram)}
+    if args.device.startswith("cuda"):  # the verify steps eager: what their graphs save
+        arms["spec_eager"] = Arm(path, args, verify_graphs=False, **ngram)
     rows = []
     for name, extra in WORKLOADS.items():
         params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True, **extra}
         for bs in args.batch:
             batch = prompts[:bs]
-            for arm in (plain, spec):  # warm-up
+            for arm in arms.values():  # warm-up
                 arm.run(batch, params)
             best: dict[str, Any] = {}
             for _ in range(args.repeat):
-                for label, arm in (("plain", plain), ("spec", spec)):
+                for label, arm in arms.items():
                     wall, out, stats = arm.run(batch, params)
                     if label not in best or wall < best[label][0]:
                         best[label] = (wall, out, stats)
@@ -130,14 +142,22 @@ def main() -> None:
                 "decode_step_ms": pstats["mean_step_ms"], "spec_step_ms": sstats["mean_step_ms"],
                 "same_tokens": same,
             }  # fmt: skip
+            if "spec_eager" in best:
+                ew, _, estats = best["spec_eager"]
+                row.update(eager_verify_tok_s=tokens / ew, graph_verify_gain=ew / sw,
+                           eager_spec_step_ms=estats["mean_step_ms"])  # fmt: skip
             print(row, flush=True)
             rows.append(row)
-    for arm in (plain, spec):
+    for arm in arms.values():
         arm.engine.shutdown()
     cols = ["workload", "batch", "plain_tok_s", "spec_tok_s", "speedup", "accept_length",
             "drafted_steps", "decode_step_ms", "spec_step_ms", "same_tokens"]  # fmt: skip
+    if "spec_eager" in arms:
+        cols += ["eager_verify_tok_s", "eager_spec_step_ms", "graph_verify_gain"]
     print_table(rows, cols)
     summary = {f"{r['workload']} bs{r['batch']}": round(r["speedup"], 3) for r in rows}
+    summary.update({f"{r['workload']} bs{r['batch']} graph_verify_gain":
+                    round(r["graph_verify_gain"], 3) for r in rows if "graph_verify_gain" in r})
     print(summary)
     print("wrote", write_result(args.name, rows, summary, config=vars(args)))
 

@@ -202,18 +202,21 @@ def top2_gap(path: str, ids: list[int]) -> float:
 TIE_EPS = 1e-3
 
 
-def count_graph_replays(monkeypatch: Any) -> list[int]:
-    """The batch size of every CUDA graph replay from now on (the test's monkeypatch)."""
+def count_graph_replays(monkeypatch: Any, verify: bool = False) -> list[int]:
+    """The batch size of every CUDA graph replay from now on (the test's monkeypatch): of
+    decode graphs, or (`verify`) of speculative verify graphs."""
     from engine.cuda_graph_runner import CudaGraphRunner
+    from engine.speculative.verify_graphs import VerifyGraphRunner
 
+    runner_class = VerifyGraphRunner if verify else CudaGraphRunner
     replays: list[int] = []
-    replay = CudaGraphRunner.replay
+    replay = runner_class.replay
 
     def counting_replay(self, fb):
         replays.append(fb.batch_size)
         return replay(self, fb)
 
-    monkeypatch.setattr(CudaGraphRunner, "replay", counting_replay)
+    monkeypatch.setattr(runner_class, "replay", counting_replay)
     return replays
 
 
