@@ -14,6 +14,8 @@ row of its own `req_to_token` per request that has drafts. Each decode step of t
 2. **Draft.** Decode forwards feed each request's previous draft; the greedy argmax of each
    (within the request's allowed_token_ids, after its logit_bias) is the next draft, until
    the request has `room` drafts (`Drafter.room`, at most `speculative_num_draft_tokens`).
+   The drafts stay on the device from one forward to the next and are read once, after the
+   last (`_decode`): the host prepares the next forward while the device runs this one.
 
 The model then verifies every request's drafts in one forward (engine/speculative/verify.py);
 sampling at each position and accepting while the draft equals the sampled token keeps
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.forward_batch import ForwardMode
+from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.speculative.scheduling import Drafter, token_array
 
 if TYPE_CHECKING:
@@ -230,7 +232,7 @@ class DraftModelDrafter(Drafter):
                 budget -= n
                 if not budget:
                     break
-            greedy = self._forward(ForwardMode.EXTEND, group)
+            greedy = self._extend(group)
             for j, (_, tokens, _, end), token in zip(members, group, greedy, strict=True):
                 if end == len(tokens):
                     first[j] = token
@@ -238,34 +240,78 @@ class DraftModelDrafter(Drafter):
         return first  # type: ignore[return-value]
 
     def _decode(self, todo: list, drafts: list[list[int]]) -> None:
-        """Decode forwards feeding each request's last draft until it has `room` drafts."""
-        while True:
-            group, members = [], []
-            for i, tokens, room, state in todo:
-                made = len(drafts[i])
-                if made < room:
-                    pos = len(tokens) + made - 1  # the position of the draft fed
-                    group.append((state, drafts[i][-1:], pos, pos + 1))
-                    members.append(i)
-            if not group:
-                return
-            for i, token in zip(members, self._forward(ForwardMode.DECODE, group), strict=True):
-                drafts[i].append(token)
+        """Decode forwards feeding each request's last draft until it has `room` drafts,
+        without a host read between them: every forward runs the same requests (those with
+        room for two drafts or more) and each one's positions, lengths and slots are known
+        beforehand, so they go to the device in one copy; a forward's input ids are the
+        previous one's greedy tokens, on the device; the drafts are read once, after the
+        last forward. A request with fewer drafts to make than others repeats its last
+        position in the forwards after it is done, writing its K/V to slot 0 (never handed
+        out), and those tokens are dropped."""
+        members = [j for j, (_, _, room, _) in enumerate(todo) if room > 1]
+        if not members:
+            return
+        steps = max(todo[j][2] for j in members) - 1
+        n = len(members)
+        states = [todo[j][3] for j in members]
+        # per forward s (draft s + 1 made) and request: its position, and whether it is real
+        made = np.arange(1, steps + 1)[:, None]  # [steps, 1]
+        rooms = np.asarray([todo[j][2] for j in members], dtype=np.int64)[None, :]
+        base = np.asarray([len(todo[j][1]) - 1 for j in members], dtype=np.int64)[None, :]
+        real = made < rooms  # [steps, n]
+        pos = base + np.minimum(made, rooms - 1)
+        rows = np.broadcast_to(np.asarray([st.row for st in states], dtype=np.int64), pos.shape)
+        first = np.asarray([drafts[todo[j][0]][-1] for j in members], dtype=np.int64)
+        runner = self.runner
+        req_to_token = runner.req_to_token_pool.req_to_token
+        host = torch.from_numpy(np.concatenate([rows.ravel(), pos.ravel(), real.ravel(), first]))
+        dev = host.to(req_to_token.device)
+        m = steps * n
+        dev_rows, dev_pos = dev[:m].view(steps, n), dev[m : 2 * m].view(steps, n)
+        loc = req_to_token[dev_rows, dev_pos].to(torch.int64) * dev[2 * m : 3 * m].view(steps, n)
+        bias = self._stacked_bias(states, dev)
+        tokens = dev[3 * m :]
+        out = []
+        for s in range(steps):
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.DECODE, batch_size=n, input_ids=tokens,
+                positions=dev_pos[s], out_cache_loc=loc[s], req_pool_indices=dev_rows[s],
+                seq_lens=dev_pos[s] + 1, seq_lens_cpu=(pos[s] + 1).tolist(),
+                req_to_token=req_to_token, kv_pool=runner.kv_pool,
+                attn_backend=runner.attn_backend,
+            )  # fmt: skip
+            tokens = self._greedy(runner.forward(fb), bias)
+            out.append(tokens)
+        made_tokens = torch.stack(out).tolist()  # [steps, n]: the one host read
+        for k, j in enumerate(members):
+            i, room = todo[j][0], todo[j][2]
+            drafts[i].extend(made_tokens[s][k] for s in range(room - 1))
 
-    def _forward(
-        self, mode: ForwardMode, group: list[tuple[_Draft, Any, int, int]]
-    ) -> list[int]:
-        """One forward of the draft model over (state, tokens, start, end) per request (the
-        tokens of positions start .. end - 1: `tokens[start:end]` for an extend, the one
-        token for a decode); each request's greedy token after its last position (within
-        its allowed tokens, after its logit_bias)."""
+    def _stacked_bias(self, states: list[_Draft], like: torch.Tensor) -> torch.Tensor | None:
+        """The requests' biases as one [n, vocab] tensor (None: no request has one)."""
+        biases = [state.bias for state in states]
+        if all(b is None for b in biases):
+            return None
+        zero = torch.zeros(self.vocab, dtype=torch.float32, device=like.device)
+        return torch.stack([zero if b is None else b for b in biases])
+
+    def _greedy(self, logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Each row's greedy token over the shared vocabulary, after its bias (on the device)."""
+        logits = logits[:, : self.vocab]
+        if bias is not None:
+            logits = logits.float() + bias
+        return logits.argmax(-1)
+
+    def _extend(self, group: list[tuple[_Draft, Any, int, int]]) -> list[int]:
+        """One extend forward of the draft model over (state, tokens, start, end) per request
+        (its tokens of positions start .. end - 1); each request's greedy token after its last
+        position (within its allowed tokens, after its logit_bias)."""
         from engine.scheduler.schedule_batch import ModelWorkerBatch
 
         runner = self.runner
-        extend = mode == ForwardMode.EXTEND
         ids: list[int] = []
         for _, tokens, start, end in group:
-            ids.extend(tokens[start:end].tolist() if extend else tokens)
+            ids.extend(tokens[start:end].tolist())
         rows = [state.row for state, _, _, _ in group]
         starts = [start for _, _, start, _ in group]
         ends = [end for _, _, _, end in group]
@@ -274,24 +320,21 @@ class DraftModelDrafter(Drafter):
         req_to_token = runner.req_to_token_pool.req_to_token
         out_cache_loc = req_to_token[r.to(req_to_token.device), c.to(req_to_token.device)]
         mwb = ModelWorkerBatch(
-            forward_mode=mode,
+            forward_mode=ForwardMode.EXTEND,
             input_ids=ids,
             positions=c.tolist(),
             out_cache_loc=out_cache_loc,
             req_pool_indices=rows,
             seq_lens=ends,
-            extend_prefix_lens=starts if extend else None,
-            extend_seq_lens=lens if extend else None,
+            extend_prefix_lens=starts,
+            extend_seq_lens=lens,
             sampling_params=[],
             output_ids=[],
             prompt_ids=[],
         )
-        logits = runner.forward(runner.build_forward_batch(mwb))[:, : self.vocab]
-        biases = [state.bias for state, _, _, _ in group]
-        if any(b is not None for b in biases):
-            zero = torch.zeros(self.vocab, dtype=torch.float32, device=logits.device)
-            logits = logits.float() + torch.stack([zero if b is None else b for b in biases])
-        return logits.argmax(-1).tolist()
+        logits = runner.forward(runner.build_forward_batch(mwb))
+        bias = self._stacked_bias([state for state, _, _, _ in group], logits)
+        return self._greedy(logits, bias).tolist()
 
 
 def _common_prefix(a: list[int], b: np.ndarray) -> int:

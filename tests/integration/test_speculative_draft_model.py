@@ -219,14 +219,13 @@ def test_draft_state_follows_the_requests_tokens() -> None:
         drafts = drafter.propose([req])[0]
         assert len(drafts) == K and drafter.drafts["a"].length == len(prompt) + K - 1
         other = (drafts[0] + 1) % 1000
-        forward, extends = drafter._forward, []
+        extend, extends = drafter._extend, []
 
-        def recording(mode, group):  # the positions each catch-up extend computes
-            if mode.is_extend():
-                extends.append([(start, end) for _, _, start, end in group])
-            return forward(mode, group)
+        def recording(group):  # the positions each catch-up extend computes
+            extends.append([(start, end) for _, _, start, end in group])
+            return extend(group)
 
-        drafter._forward = recording
+        drafter._extend = recording
         # (K/V computed again from: the first rejected draft, the first token, the last)
         for new, redo in (([*drafts[:2], other], 2), ([other, *drafts[1:3]], 0), ([other], 0)):
             start = req.seqlen
@@ -238,6 +237,44 @@ def test_draft_state_follows_the_requests_tokens() -> None:
             assert drafter.propose([req])[0] == drafts, new
             torch.testing.assert_close(keys(req), kept, rtol=0, atol=1e-4)  # (float32 rounding)
         drafter.forget(req)
+        assert runner.allocator.available_size() == runner.allocator.size
+
+
+def test_requests_with_fewer_drafts_keep_their_draft_kv() -> None:
+    """Drafted in one batch with a request that makes more drafts, a request with room for
+    two only (near its max_new_tokens) sits out the last decode forwards without touching
+    its K/V: once its drafts are accepted and it goes on, the draft's K/V of its positions is
+    a from-scratch recompute's, and so are its next drafts."""
+    import torch
+
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.scheduler.req import Req
+
+    path = tiny_model("llama")
+    short_prompt, long_prompt = _prompts(path, n=2, seed=6)
+    with Engine(model_path=path, **_spec(noisy_draft(path))) as engine:
+        drafter = engine.scheduler.drafter
+        runner = drafter.runner
+        short = Req("s", list(short_prompt), SamplingParams(max_new_tokens=4))
+        short.output_ids.append(7)  # one token made, three to go: room for two drafts
+        other = Req("o", list(long_prompt), SamplingParams(max_new_tokens=100))
+        assert [drafter.room(short), drafter.room(other)] == [2, K]
+        drafts = drafter.propose([short, other])
+        assert [len(d) for d in drafts] == [2, K]
+        short.output_ids.extend(drafts[0])  # every draft accepted, and the request goes on
+        short.sampling_params.max_new_tokens = 100
+        next_drafts = drafter.propose([short])[0]
+        state = drafter.drafts["s"]
+        slots = runner.req_to_token_pool.req_to_token[state.row, : short.seqlen].long()
+        kept = torch.stack([k[slots] for k in runner.kv_pool.k_buffer])
+        drafter.forget(short)
+        assert drafter.propose([short])[0] == next_drafts
+        state = drafter.drafts["s"]
+        slots = runner.req_to_token_pool.req_to_token[state.row, : short.seqlen].long()
+        fresh = torch.stack([k[slots] for k in runner.kv_pool.k_buffer])
+        torch.testing.assert_close(kept, fresh, rtol=0, atol=1e-4)
+        drafter.forget(short)
+        drafter.forget(other)
         assert runner.allocator.available_size() == runner.allocator.size
 
 
