@@ -178,18 +178,7 @@ class CudaGraphRunner:
 
     def _step(self, batch: ForwardBatch) -> Callable[[], None]:
         """What a graph of size `batch.batch_size` records."""
-        future_map, bs = self.future_map, batch.batch_size
-        out = batch.logits_out = self.logits[:bs]  # the logits processor writes them here
-
-        def step() -> None:
-            if future_map is not None:
-                future_map.resolve_future(batch.input_ids)
-            self.backend.cuda_graph_prologue(batch)
-            logits = self.model(batch.input_ids, batch.positions, batch)
-            if logits.data_ptr() != out.data_ptr():  # (a model that computes them otherwise)
-                out[:, : self.vocab_size].copy_(logits)
-
-        return step
+        return graph_step(self, batch, self.future_map)
 
     # -- replay ---------------------------------------------------------------------------------
     def can_run(self, forward_batch: ForwardBatch, future_map: FutureMap | None = None) -> bool:
@@ -240,19 +229,49 @@ class CudaGraphRunner:
         return self._static_batch(bs, list(fb.seq_lens_cpu) + padding)
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
-        return ForwardBatch(
-            forward_mode=ForwardMode.DECODE,
-            batch_size=bs,
-            input_ids=self.input_ids[:bs],
-            positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs],
-            req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=seq_lens_cpu,
-            req_to_token=self.req_to_token,
-            kv_pool=self.kv_pool,
-            attn_backend=self.backend,
-        )
+        return static_batch(self, ForwardMode.DECODE, bs, bs, seq_lens_cpu)
+
+
+def static_batch(
+    graphs: Any, mode: ForwardMode, bs: int, num_tokens: int, seq_lens_cpu: list[int],
+    **extra: Any,
+) -> ForwardBatch:
+    """The static buffers of a graph runner (decode or verify: its `input_ids`, `positions`,
+    `out_cache_loc` per token, `req_pool_indices`, `seq_lens` per request) cut to `bs`
+    requests of `num_tokens` tokens, as a batch over its model runner's pools and backend."""
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=bs,
+        input_ids=graphs.input_ids[:num_tokens],
+        positions=graphs.positions[:num_tokens],
+        out_cache_loc=graphs.out_cache_loc[:num_tokens],
+        req_pool_indices=graphs.req_pool_indices[:bs],
+        seq_lens=graphs.seq_lens[:bs],
+        seq_lens_cpu=seq_lens_cpu,
+        req_to_token=graphs.req_to_token,
+        kv_pool=graphs.kv_pool,
+        attn_backend=graphs.backend,
+        **extra,
+    )
+
+
+def graph_step(
+    graphs: Any, batch: ForwardBatch, future_map: FutureMap | None = None
+) -> Callable[[], None]:
+    """What a graph runner's graph of `batch` (its static batch of one size) records: the
+    placeholders resolved (with `future_map`), the backend's prologue, the model, whose
+    logits the logits processor writes into the runner's `logits` rows of the batch."""
+    out = batch.logits_out = graphs.logits[: batch.num_tokens]
+
+    def step() -> None:
+        if future_map is not None:
+            future_map.resolve_future(batch.input_ids)
+        graphs.backend.cuda_graph_prologue(batch)
+        logits = graphs.model(batch.input_ids, batch.positions, batch)
+        if logits.data_ptr() != out.data_ptr():  # (a model that computes them otherwise)
+            out[:, : graphs.vocab_size].copy_(logits)
+
+    return step
 
 
 def _logits_dtype(model_runner: Any) -> torch.dtype:

@@ -42,7 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.cuda_graph_runner import CudaGraphCapturer, Graph, GraphCapturer, _logits_dtype
+from engine.cuda_graph_runner import (
+    CudaGraphCapturer,
+    Graph,
+    GraphCapturer,
+    _logits_dtype,
+    graph_step,
+    static_batch,
+)
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.logits import logits_width
 
@@ -118,16 +125,7 @@ class VerifyGraphRunner:
             self.graphs[bs] = self.capturer.capture(self._step(batch))
 
     def _step(self, batch: ForwardBatch) -> Callable[[], None]:
-        out = batch.logits_out
-        assert out is not None
-
-        def step() -> None:
-            self.backend.cuda_graph_prologue(batch)
-            logits = self.model(batch.input_ids, batch.positions, batch)
-            if logits.data_ptr() != out.data_ptr():  # (a model that computes them otherwise)
-                out[:, : self.vocab_size].copy_(logits)
-
-        return step
+        return graph_step(self, batch)
 
     # -- replay ---------------------------------------------------------------------------------
     def can_run(self, forward_batch: ForwardBatch) -> bool:
@@ -209,23 +207,10 @@ class VerifyGraphRunner:
         return self._static_batch(bs, seq_cpu), rows
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
-        w, m = self.width, bs * self.width
-        return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND,
-            batch_size=bs,
-            input_ids=self.input_ids[:m],
-            positions=self.positions[:m],
-            out_cache_loc=self.out_cache_loc[:m],
-            req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs],
-            seq_lens_cpu=seq_lens_cpu,
-            req_to_token=self.req_to_token,
-            kv_pool=self.kv_pool,
-            attn_backend=self.backend,
-            extend_prefix_lens_cpu=[s - w for s in seq_lens_cpu],
-            extend_seq_lens_cpu=[w] * bs,
-            extend_start_loc=self.start_loc[:bs],
-            extend_seq_lens=self.extend_lens[:bs],
+        w = self.width
+        return static_batch(
+            self, ForwardMode.EXTEND, bs, bs * w, seq_lens_cpu,
+            extend_prefix_lens_cpu=[s - w for s in seq_lens_cpu], extend_seq_lens_cpu=[w] * bs,
+            extend_start_loc=self.start_loc[:bs], extend_seq_lens=self.extend_lens[:bs],
             return_all_logits=True,
-            logits_out=self.logits[:m],
-        )
+        )  # fmt: skip
