@@ -190,10 +190,7 @@ class CudaGraphRunner:
             and 0 < fb.batch_size <= self.max_bs
             and not fb.return_all_logits
             and (future_map is None or future_map is self.future_map)
-            # the graphs read these very tensors (not, e.g., a private copy of the rows)
-            and fb.req_to_token is self.req_to_token
-            and fb.kv_pool is self.kv_pool
-            and fb.attn_backend is self.backend
+            and reads_graph_state(self, fb)
         )
 
     def padded_size(self, batch_size: int) -> int:
@@ -230,6 +227,16 @@ class CudaGraphRunner:
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         return static_batch(self, ForwardMode.DECODE, bs, bs, seq_lens_cpu)
+
+
+def reads_graph_state(graphs: Any, fb: ForwardBatch) -> bool:
+    """Whether the batch is over the very tensors a graph runner's graphs read (its model
+    runner's `req_to_token`, KV pool and backend; not, e.g., a private copy of the rows)."""
+    return (
+        fb.req_to_token is graphs.req_to_token
+        and fb.kv_pool is graphs.kv_pool
+        and fb.attn_backend is graphs.backend
+    )
 
 
 def static_batch(

@@ -35,7 +35,6 @@ graphs (its ranks run verify steps eagerly), nor does a backend without
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,10 +43,12 @@ import torch
 
 from engine.cuda_graph_runner import (
     CudaGraphCapturer,
+    CudaGraphRunner,
     Graph,
     GraphCapturer,
     _logits_dtype,
     graph_step,
+    reads_graph_state,
     static_batch,
 )
 from engine.forward_batch import ForwardBatch, ForwardMode
@@ -144,13 +145,10 @@ class VerifyGraphRunner:
             and fb.pooling is None
             and max(lens) < self.width
             and all(n - k <= room for n, k in zip(fb.seq_lens_cpu, lens, strict=True))
-            and fb.req_to_token is self.req_to_token
-            and fb.kv_pool is self.kv_pool
-            and fb.attn_backend is self.backend
+            and reads_graph_state(self, fb)
         )
 
-    def padded_size(self, batch_size: int) -> int:
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch_size)]
+    padded_size = CudaGraphRunner.padded_size
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
