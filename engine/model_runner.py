@@ -293,12 +293,12 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             assert self.host_kv_pool is not None, "K/V transfers without a host pool"
             self.host_kv_pool.apply(transfers)
             forward_batch.kv_transfers = None
-        graphs = self._graphs_for(future_map)
-        verify_graphs = self.verify_graph_runner
-        if (forward_batch.spec_draft_lens is not None and verify_graphs is not None
-                and verify_graphs.can_run(forward_batch)):  # fmt: skip
-            return verify_graphs.replay(forward_batch)  # (never with tensor parallelism)
-        replay = graphs is not None and graphs.can_run(forward_batch, future_map)
+        graphs: CudaGraphRunner | VerifyGraphRunner | None = self._graphs_for(future_map)
+        if forward_batch.spec_draft_lens is not None:  # a verify step: its own graphs
+            graphs = self.verify_graph_runner
+            replay = graphs is not None and graphs.can_run(forward_batch)
+        else:
+            replay = graphs is not None and graphs.can_run(forward_batch, future_map)
         if replay and self.tp_link is None:
             return graphs.replay(forward_batch)
         if future_map is not None:  # (with tensor parallelism before a replay too: the ids
@@ -406,11 +406,10 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             )  # fmt: skip
 
     def _wants_verify_graphs(self) -> bool:
-        """Verify graphs are captured for speculative decoding on one rank, over a backend
-        that can capture them (tensor parallelism runs its verify steps eagerly)."""
+        """Verify graphs are captured for speculative decoding over a backend that can
+        capture them (every rank of a tensor-parallel group captures them, as rank 0 does)."""
         return (
             self.args.speculative_algorithm is not None
-            and self.tp.size == 1
             and self.attn_backend.supports_verify_cuda_graph
         )
 

@@ -96,8 +96,9 @@ class _Shape:
     # the hierarchical cache's copies between the KV pool and host memory before the forward
     # (every rank's pools hold its heads at the same slots): (kind, source, destination slots)
     transfers: list[tuple[str, torch.Tensor, torch.Tensor]] | None = None
-    graph: bool = False  # rank 0 replays a decode graph: so do the followers
+    graph: bool = False  # rank 0 replays a graph (decode, verify): so do the followers
     lora_ids: list[int] | None = None  # each request's LoRA adapter (0: none)
+    spec_draft_lens: list[int] | None = None  # a speculative verify step's drafts a request
     payload: Any = None  # on CPU the batch's int64 tensor itself (numpy), in the same message
 
 
@@ -135,7 +136,7 @@ class TPLink:
             list(fb.extend_seq_lens_cpu) if extend else None,
             -1 if rows is None else int(rows.shape[0]), fb.return_all_logits, fb.pooling,
             [(kind, src.cpu(), dst.cpu()) for kind, src, dst in transfers] if transfers
-            else None, graph, fb.lora_ids,
+            else None, graph, fb.lora_ids, fb.spec_draft_lens,
         )  # fmt: skip
         parts = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
         if rows is not None:
@@ -272,6 +273,7 @@ class TPLink:
             prompt_logprob_rows=prompt if shape.prompt_rows >= 0 else None,
             pooling=shape.pooling,
             lora_ids=shape.lora_ids,
+            spec_draft_lens=shape.spec_draft_lens,
         )
         return fb, shape.graph
 

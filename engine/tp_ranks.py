@@ -231,7 +231,8 @@ def follower_forward(runner: Any, fb: ForwardBatch, replay: bool) -> None:
     """A follower's part of rank 0's forward: its graph of the same size where rank 0 replays
     one (`replay`), else eagerly (its logits are dropped)."""
     if replay:
-        graphs = runner.graph_runner
+        verify = fb.spec_draft_lens is not None
+        graphs = runner.verify_graph_runner if verify else runner.graph_runner
         if graphs is None or not graphs.can_run(fb):
             raise RuntimeError("rank 0 replays a graph this rank has not captured")
         graphs.replay(fb)

@@ -28,9 +28,10 @@ padded, else one gather), so verify.py samples them as eager logits.
 
 Each replay copies the batch into the static buffers: one host-to-device copy of the padded
 positions, the real tokens' places and the lengths (numpy on the host), then scatters the
-batch's device tensors (ids, KV slots) into their places. Tensor parallelism replays no verify
-graphs (its ranks run verify steps eagerly), nor does a backend without
-`supports_verify_cuda_graph` (the triton and flashinfer backends have it).
+batch's device tensors (ids, KV slots) into their places. Under tensor parallelism every rank
+captures the same verify graphs, and where rank 0 replays one its followers replay theirs
+(engine/tp_ranks.py). A backend without `supports_verify_cuda_graph` (the hybrid ones; the
+triton and flashinfer backends have it) runs verify steps eagerly.
 """
 
 from __future__ import annotations

@@ -501,3 +501,27 @@ def test_a_forward_that_fails_names_the_rank_that_died():
     link = types.SimpleNamespace(procs=[alive], broken=None)
     TPLink.forward_failed(link, cause)  # returns: the caller re-raises the forward's error
     assert link.broken is None
+
+
+def test_verify_graphs_replay_on_every_rank() -> None:
+    """Speculative verify steps in CUDA graphs under tensor parallelism (the eager graph
+    double): every rank captures them with its decode graphs, and where rank 0 replays one
+    (requests padded to the graph's width and size) the followers replay theirs; the tokens
+    are plain decoding's on one rank."""
+    path = tiny_model("llama")
+    prompts = PROMPTS[:3]
+    loopy = {"temperature": 0.0, "max_new_tokens": 16, "allowed_token_ids": [11, 12, 13],
+             "ignore_eos": True}  # fmt: skip
+    with Engine(model_path=path, disable_overlap_schedule=True) as eng:
+        want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=loopy)]
+    with Engine(model_path=path, tp_size=2, attention_backend="triton", cuda_graph_bs=(1, 2, 4),
+                speculative_algorithm="ngram", speculative_num_draft_tokens=3) as eng:  # fmt: skip
+        runner = eng.scheduler.model_runner
+        runner.use_cuda_graph = True
+        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+        runner.capture_cuda_graphs()
+        got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=loopy)]
+        stats = eng.get_stats()
+        replays = sum(g.num_replays for g in runner.verify_graph_runner.graphs.values())
+    assert got == want
+    assert stats["spec_num_drafts"] > 0 and replays > 0, (stats, replays)
