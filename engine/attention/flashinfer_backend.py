@@ -492,11 +492,14 @@ class FlashInferAttnBackend(AttentionBackend):
     supports_verify_cuda_graph = True
 
     def init_verify_cuda_graph_state(self, max_bs: int, width: int, max_context_len: int) -> None:
-        buffers = self.graph_buffers
+        # the page ids go to the decode graphs' buffer (one large buffer for both); a backend
+        # that captures no decode graphs (a hybrid's prefill backend) makes it here
+        if self.graph_buffers is None:
+            self.init_cuda_graph_state(max_bs, max_context_len)
+        assert self.graph_buffers is not None
         max_pages = -(-max_context_len // self.page_size)
-        if buffers is None or buffers.indices.numel() < max_bs * max_pages:
-            raise RuntimeError("verify graphs are captured after the decode graphs of as many "
-                               "requests (init_cuda_graph_state)")  # fmt: skip
+        if self.graph_buffers.indices.numel() < max_bs * max_pages:
+            raise RuntimeError("verify graphs of more requests than the decode graphs")
         with torch.inference_mode(False):
             self.verify_buffers = (
                 torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),

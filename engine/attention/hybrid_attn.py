@@ -4,10 +4,9 @@ SGLang's `--prefill-attention-backend` / `--decode-attention-backend`. The two s
 pool (every backend reads and writes it through `req_to_token` and `out_cache_loc`), so a
 request prefilled by one decodes with the other. Each batch goes to one of them:
 
-* DECODE batches, and everything about CUDA graphs (only decode batches are captured), to
-  `decode`;
+* DECODE batches, and the CUDA graphs of decode steps, to `decode`;
 * EXTEND batches (prefill and its chunks, mixed chunks, speculative verify steps) to
-  `prefill`.
+  `prefill`, and so the CUDA graphs of verify steps (engine/speculative/verify_graphs.py).
 
 Why: the best kernel differs by phase. On the H100, flashinfer's paged prefill is the
 faster prefill, while at batch 1 Triton's split-K decode kernel took 5.5 us per layer
@@ -32,6 +31,7 @@ class HybridAttnBackend(AttentionBackend):
         self.prefill = prefill
         self.decode = decode
         self.supports_cuda_graph = decode.supports_cuda_graph
+        self.supports_verify_cuda_graph = prefill.supports_verify_cuda_graph
         self.cuda_graph_seq_len_fill_value = decode.cuda_graph_seq_len_fill_value
         self.active: AttentionBackend | None = None  # the one planned for the current batch
 
@@ -43,20 +43,25 @@ class HybridAttnBackend(AttentionBackend):
         self.active.init_forward_metadata(forward_batch)
         self.metadata = self.active.metadata
 
-    # -- CUDA graphs (decode only) ----------------------------------------------------------------
+    # -- CUDA graphs (decode steps: `decode`'s; verify steps: `prefill`'s) ---------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         self.decode.init_cuda_graph_state(max_bs, max_context_len)
 
+    def init_verify_cuda_graph_state(self, max_bs: int, width: int, max_context_len: int) -> None:
+        self.prefill.init_verify_cuda_graph_state(max_bs, width, max_context_len)
+
     def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        self.decode.init_forward_metadata_capture_cuda_graph(forward_batch)
-        self.active, self.metadata = self.decode, self.decode.metadata
+        backend = self._for(forward_batch)
+        backend.init_forward_metadata_capture_cuda_graph(forward_batch)
+        self.active, self.metadata = backend, backend.metadata
 
     def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        self.decode.init_forward_metadata_replay_cuda_graph(forward_batch)
-        self.active, self.metadata = self.decode, self.decode.metadata
+        backend = self._for(forward_batch)
+        backend.init_forward_metadata_replay_cuda_graph(forward_batch)
+        self.active, self.metadata = backend, backend.metadata
 
     def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
-        self.decode.cuda_graph_prologue(forward_batch)
+        self._for(forward_batch).cuda_graph_prologue(forward_batch)
 
     def forward(
         self,

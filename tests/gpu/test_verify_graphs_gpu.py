@@ -1,5 +1,6 @@
 """Speculative verify steps captured in CUDA graphs and replayed on a GPU (tiny Llama; Triton
-attention in float32 and bfloat16, flashinfer in bfloat16), against the eager forward on the
+attention in float32 and bfloat16, flashinfer in bfloat16, and the default flashinfer prefill
+with Triton decode, whose verify graphs are flashinfer's), against the eager forward on the
 same KV state: requests padded to the graph's width and batches to a larger captured size; and
 the engine's greedy tokens with n-gram and draft-model speculation, verify steps replayed,
 against plain decoding (float32, Triton)."""
@@ -25,13 +26,19 @@ SIZES = (1, 2, 4, 8)
 DRAFTS = 3
 
 
-@pytest.fixture(scope="module", params=["triton-float32", "triton-bfloat16", "flashinfer-bfloat16"])
+@pytest.fixture(
+    scope="module",
+    params=["triton-float32", "triton-bfloat16", "flashinfer-bfloat16", "default-bfloat16"],
+)
 def runner(request) -> ModelRunner:
+    """(default: no backend named, flashinfer prefill and Triton decode, the GPU's default:
+    verify graphs are the prefill backend's)"""
     backend, dtype = request.param.split("-")
     # (flashinfer's kernels take head_dim 64, 128 or 256; the tiny preset's is 16)
-    path = tiny_model("llama", head_dim=64 if backend == "flashinfer" else None)
+    path = tiny_model("llama", head_dim=None if backend == "triton" else 64)
     args = EngineArgs(
-        model_path=path, device="cuda", dtype=dtype, attention_backend=backend,
+        model_path=path, device="cuda", dtype=dtype,
+        attention_backend=None if backend == "default" else backend,
         max_total_tokens=8192, max_running_requests=16, cuda_graph_bs=SIZES,
         speculative_algorithm="ngram", speculative_num_draft_tokens=DRAFTS,
     )  # fmt: skip

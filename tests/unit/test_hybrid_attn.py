@@ -35,6 +35,9 @@ class _Recorder(AttentionBackend):
         self.calls.append("replay")
         self.metadata = (self.name, "replay")
 
+    def init_verify_cuda_graph_state(self, max_bs: int, width: int, max_context_len: int) -> None:
+        self.calls.append(("verify state", max_bs, width, max_context_len))
+
     def cuda_graph_prologue(self, fb) -> None:
         self.calls.append("prologue")
 
@@ -98,6 +101,29 @@ def test_cuda_graphs_are_the_decode_backends() -> None:
     assert prefill.calls == ["plan"]
     no_graphs = HybridAttnBackend(decode, prefill)  # decode on a backend without graphs
     assert not no_graphs.supports_cuda_graph
+
+
+def test_verify_graphs_are_the_prefill_backends() -> None:
+    """Speculative verify steps are EXTEND batches: their graphs (engine/speculative/
+    verify_graphs.py) are the prefill backend's, beside the decode backend's decode graphs."""
+    prefill, decode, hybrid = _pair()
+    assert not hybrid.supports_verify_cuda_graph  # (the recorder's default: none)
+    prefill.supports_verify_cuda_graph = True
+    hybrid = HybridAttnBackend(prefill, decode)
+    assert hybrid.supports_verify_cuda_graph
+    verify, step = _batch(ForwardMode.EXTEND), _batch(ForwardMode.DECODE)
+    hybrid.init_cuda_graph_state(8, 64)
+    hybrid.init_verify_cuda_graph_state(4, 5, 64)
+    hybrid.init_forward_metadata_capture_cuda_graph(verify)
+    hybrid.cuda_graph_prologue(verify)
+    assert hybrid.metadata == ("prefill", "capture")
+    hybrid.forward(torch.zeros(1), None, None, None, verify)
+    hybrid.init_forward_metadata_replay_cuda_graph(step)  # a decode replay in between
+    hybrid.init_forward_metadata_replay_cuda_graph(verify)
+    assert hybrid.metadata == ("prefill", "replay")
+    assert prefill.calls == [("verify state", 4, 5, 64), "capture", "prologue", "forward",
+                             "replay"]  # fmt: skip
+    assert decode.calls == [("state", 8, 64), "replay"]
 
 
 def test_engine_args_and_flags() -> None:
