@@ -22,9 +22,11 @@ only what that `plan` would do:
   from the batch (numpy) instead of from the page table, and store its plan.
 
 `PrefillPlanner` does the same for the paged prefill wrapper of extend batches (every batch
-with a cached prefix, a later prefill chunk or decode rows mixed in; eager, never in a graph),
-whose `plan` finds the longest context with the same Python `max`: 384 us at batch 256 on
-this machine, though the backend passes the longest query run (`max_token_per_sequence`).
+with a cached prefix, a later prefill chunk or decode rows mixed in), whose `plan` finds the
+longest context with the same Python `max`: 384 us at batch 256 on this machine, though the
+backend passes the longest query run (`max_token_per_sequence`); and for the prefill wrappers
+of speculative verify graphs (engine/speculative/verify_graphs.py), re-planned before every
+replay, into their buffers as for a decode graph.
 
 That reproduces private details of flashinfer's wrapper, so it runs only on the flashinfer
 versions it has been checked against (`VALIDATED_VERSIONS`):
@@ -186,7 +188,7 @@ class PrefillPlanner(_Replanner):
         longest = max(qo_lens)
         config = (num_qo_heads, num_kv_heads, head_dim, page_size, causal, window_left,
                   tuple(sorted(scalars.items())))  # fmt: skip
-        if self._fast(wrapper, config) and not wrapper.is_cuda_graph_enabled:
+        if self._fast(wrapper, config):
             self._replan(wrapper, qo_indptr, table, longest, config)
             return
         wrapper.plan(
@@ -208,6 +210,16 @@ class PrefillPlanner(_Replanner):
             (np.maximum(pages - 1, 0) * page_size + last.numpy()).astype(np.int32)
         )
         rows = int(qo_indptr[-1])
+        graph = wrapper.is_cuda_graph_enabled
+        if graph:  # (flashinfer's checks of a graph's wrapper, before it changes anything)
+            if rows > wrapper._max_total_num_rows:
+                raise ValueError(f"a graph's prefill wrapper plans at most "
+                                 f"{wrapper._max_total_num_rows} queries, not {rows}")  # fmt: skip
+            if batch != wrapper._fixed_batch_size:
+                raise ValueError(f"a graph's prefill wrapper plans {wrapper._fixed_batch_size} "
+                                 f"requests, not {batch}")  # fmt: skip
+            if len(table.indices) > len(wrapper._paged_kv_indices_buf):
+                raise ValueError("the page ids do not fit in the graph's buffer")
         wrapper._batch_size = batch
         wrapper._qo_indptr_last = rows
         wrapper._max_q_len = longest
@@ -215,9 +227,19 @@ class PrefillPlanner(_Replanner):
             wrapper._kv_lens_buffer = torch.empty(batch, dtype=torch.int32, device=wrapper.device)
         wrapper._kv_lens_buffer[:batch].copy_(kv_lens, non_blocking=True)
         wrapper._max_kv_len = int(kv_lens.max())
-        _tables_to_device(wrapper, qo_indptr, table)
+        if graph:  # into the buffers the graph reads (the page ids: unless already there)
+            wrapper._qo_indptr_buf.copy_(qo_indptr, non_blocking=True)
+            wrapper._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
+            wrapper._paged_kv_last_page_len_buf.copy_(last, non_blocking=True)
+            indices = table.indices
+            if indices.data_ptr() != wrapper._paged_kv_indices_buf.data_ptr():
+                wrapper._paged_kv_indices_buf[: len(indices)].copy_(
+                    indices, non_blocking=indices.device == wrapper.device
+                )
+        else:
+            _tables_to_device(wrapper, qo_indptr, table)
         _plan_fa2_prefill(wrapper, qo_indptr, indptr, kv_lens, wrapper._max_total_num_rows or rows,
-                          num_qo_heads, num_kv_heads, page_size, head_dim, False, causal,
+                          num_qo_heads, num_kv_heads, page_size, head_dim, graph, causal,
                           window_left)  # fmt: skip
         self.fast_plans += 1
 

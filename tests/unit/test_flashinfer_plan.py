@@ -189,10 +189,22 @@ def test_replans_of_other_configurations_match_flashinfer(recorder, tensor_cores
 # -- paged prefill (extend batches) ------------------------------------------------------------
 
 
-def _prefill_pair():
+def _prefill_pair(graph_bs=None, max_pages=4096):
     workspace = torch.zeros(1 << 20, dtype=torch.uint8)
+
+    def graph_kwargs():
+        if graph_bs is None:
+            return {}
+        return dict(
+            use_cuda_graph=True, qo_indptr_buf=torch.zeros(graph_bs + 1, dtype=torch.int32),
+            paged_kv_indptr_buf=torch.zeros(graph_bs + 1, dtype=torch.int32),
+            paged_kv_indices_buf=torch.zeros(max_pages, dtype=torch.int32),
+            paged_kv_last_page_len_buf=torch.zeros(graph_bs, dtype=torch.int32),
+        )  # fmt: skip
+
     with unpinned():
-        ours, theirs = (fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        ours, theirs = (fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2",
+                                                               **graph_kwargs())
                         for _ in range(2))  # fmt: skip
     ours._int_workspace_buffer = theirs._int_workspace_buffer
     ours._pin_memory_int_workspace_buffer = theirs._pin_memory_int_workspace_buffer
@@ -201,9 +213,13 @@ def _prefill_pair():
 
 def _plan_prefill_both(planner, ours, theirs, recorder, qo_lens, kv_lens, page_size,
                        causal=False, window_left=-1, scalars=SCALARS):  # fmt: skip
-    table = _table(kv_lens, page_size)
+    table = theirs_table = _table(kv_lens, page_size)
+    if ours.is_cuda_graph_enabled:
+        table = _in_buffer(table, ours._paged_kv_indices_buf)
+        theirs_table = _in_buffer(table, theirs._paged_kv_indices_buf)
     qo_indptr = torch.tensor(np.concatenate([[0], np.cumsum(qo_lens)]), dtype=torch.int32)
-    theirs.plan(qo_indptr, table.indptr, table.indices, table.last_page_len, *HEADS.values(),
+    theirs.plan(qo_indptr, theirs_table.indptr, theirs_table.indices,
+                theirs_table.last_page_len, *HEADS.values(),
                 page_size, causal=causal, window_left=window_left,
                 max_token_per_sequence=max(qo_lens), **scalars)  # fmt: skip
     expected = recorder.calls[-1]
@@ -230,6 +246,30 @@ def test_prefill_replans_match_flashinfer(recorder, page_size, causal, window_le
         _plan_prefill_both(planner, ours, theirs, recorder, qo_lens, kv_lens, page_size,
                            causal, window_left)  # fmt: skip
         assert planner.fast_plans == i
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window_left", [-1, 40])
+def test_verify_graph_prefill_replans_match_flashinfer(recorder, page_size, window_left):
+    """A verify graph's wrapper (engine/speculative/verify_graphs.py): a fixed number of
+    requests of `width` queries each over changing contexts (padding requests: `width` keys),
+    its tables copied into its buffers, the page ids already in place."""
+    bs, width = 8, 4
+    ours, theirs = _prefill_pair(graph_bs=bs)
+    planner = PrefillPlanner(fi)
+    rng = np.random.default_rng(page_size + window_left + 1)
+    for i in range(5):
+        real = [1, 3, 8, 5, 8][i]
+        kv_lens = [int(x) + width for x in rng.integers(0, 500, real)] + [width] * (bs - real)
+        # (a verify graph's queries are always `width` a request; any fewer fit the wrapper)
+        qo_lens = [width] * bs if i % 2 == 0 else [int(x) for x in rng.integers(1, width, bs)]
+        _plan_prefill_both(planner, ours, theirs, recorder, qo_lens, kv_lens, page_size,
+                           True, window_left)  # fmt: skip
+        assert planner.fast_plans == i
+    with pytest.raises(ValueError, match="plans 8 requests"):
+        planner.plan(ours, torch.arange(0, 20, width, dtype=torch.int32),
+                     _table([30] * 4, page_size), [width] * 4, *HEADS.values(), page_size,
+                     causal=True, window_left=window_left, **SCALARS)  # fmt: skip
 
 
 def test_a_new_prefill_configuration_is_planned_by_flashinfer(recorder):
