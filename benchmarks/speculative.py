@@ -65,8 +65,7 @@ class Arm:
         )  # fmt: skip
         if not verify_graphs:
             runner = self.engine.scheduler.model_runner
-            runner.verify_graph_runner = None
-            runner._wants_verify_graphs = lambda: False
+            runner.verify_graph_runner = runner.verify_graph_width = None
         self.step_s: list[float] = []
         run_batch = self.engine.scheduler.run_batch
 

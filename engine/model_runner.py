@@ -73,8 +73,15 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         host_only: bool = False,
         tp_rank: int = 0,
         tp_port: int | None = None,
+        verify_graph_width: int | None = None,
     ) -> None:
         self.args = args
+        # tokens a request of the speculative verify steps captured in CUDA graphs (the
+        # drafts + 1; engine/speculative/verify_graphs.py): speculation's, or a draft model's
+        # catch-up extends (given); None: no verify graphs
+        if verify_graph_width is None and args.speculative_algorithm is not None:
+            verify_graph_width = args.speculative_num_draft_tokens + 1
+        self.verify_graph_width = verify_graph_width
         self.device = torch.device(rank_device(args.device, tp_rank % args.ranks_per_node))
         # tensor parallelism (engine/tensor_parallel.py): rank 0 starts the other ranks, which
         # come here with their rank and the group's port; the runner's model config is then
@@ -393,9 +400,9 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             time.perf_counter() - start,
             " (resolving FutureMap placeholders)" if future_map is not None else "",
         )
-        if self._wants_verify_graphs():
+        width = self.verify_graph_width
+        if width is not None and self.attn_backend.supports_verify_cuda_graph:
             start = time.perf_counter()
-            width = self.args.speculative_num_draft_tokens + 1
             verify = VerifyGraphRunner(self, verify_graph_sizes(sizes), width, capturer)
             verify.capture()
             self.verify_graph_runner = verify
@@ -404,14 +411,6 @@ class ModelRunner(RunnerWeights, RunnerAttention):
                 "sizes %s, in %.1f s", verify.width, verify.batch_sizes,
                 time.perf_counter() - start,
             )  # fmt: skip
-
-    def _wants_verify_graphs(self) -> bool:
-        """Verify graphs are captured for speculative decoding over a backend that can
-        capture them (every rank of a tensor-parallel group captures them, as rank 0 does)."""
-        return (
-            self.args.speculative_algorithm is not None
-            and self.attn_backend.supports_verify_cuda_graph
-        )
 
     def _graphs_for(self, future_map: FutureMap | None) -> CudaGraphRunner | None:
         """The graph runner for a forward with `future_map`, capturing first if there is none

@@ -17,6 +17,11 @@ row of its own `req_to_token` per request that has drafts. Each decode step of t
    The drafts stay on the device from one forward to the next and are read once, after the
    last (`_decode`): the host prepares the next forward while the device runs this one.
 
+With CUDA graphs the draft's decode forwards replay its decode graphs, and its catch-up
+extends of at most k + 1 tokens a request (every one after a request's first) replay its
+verify graphs of that width (engine/speculative/verify_graphs.py; every position's logits,
+of which each request's last is read).
+
 The model then verifies every request's drafts in one forward (engine/speculative/verify.py);
 sampling at each position and accepting while the draft equals the sampled token keeps
 outputs distributed as without drafts, whatever the draft model is (greedy and seeded
@@ -312,6 +317,12 @@ class DraftModelDrafter(Drafter):
         ids: list[int] = []
         for _, tokens, start, end in group:
             ids.extend(tokens[start:end].tolist())
+        graphs = runner.verify_graph_runner
+        # (after a request's first catch-up, its next ones are the tokens of one verify step:
+        # at most k + 1, the shape of the runner's verify graphs, which replay it)
+        short = graphs is not None and all(
+            end - start <= graphs.width for _, _, start, end in group
+        )
         rows = [state.row for state, _, _, _ in group]
         starts = [start for _, _, start, _ in group]
         ends = [end for _, _, _, end in group]
@@ -331,8 +342,14 @@ class DraftModelDrafter(Drafter):
             sampling_params=[],
             output_ids=[],
             prompt_ids=[],
+            # a short catch-up runs as a verify step (its graphs: every position's logits)
+            spec_draft_lens=[n - 1 for n in lens] if short else None,
         )
-        logits = runner.forward(runner.build_forward_batch(mwb))
+        fb = runner.build_forward_batch(mwb)
+        fb.return_all_logits = short
+        logits = runner.forward(fb)
+        if short:  # each request's last token's
+            logits = logits.index_select(0, fb.last_token_indices)
         bias = self._stacked_bias([state for state, _, _, _ in group], logits)
         return self._greedy(logits, bias).tolist()
 
@@ -400,7 +417,10 @@ def make_draft_runner(args: EngineArgs, runner: Any) -> Any:
     config = ModelConfig.from_pretrained(path)
     dtype = str(runner.dtype).replace("torch.", "")
     tokens = draft_pool_tokens(runner.max_total_tokens, args)
-    draft = ModelRunner(config, draft_args(args, tokens, dtype))
+    # (its catch-up extends, of at most k + 1 tokens a request after the first, replay the
+    # verify graphs of that width: DraftModelDrafter._extend)
+    width = args.speculative_num_draft_tokens + 1
+    draft = ModelRunner(config, draft_args(args, tokens, dtype), verify_graph_width=width)
     logger.info(
         "draft model %s: %d layers, KV pool of %d tokens", path, config.num_layers, tokens
     )

@@ -159,18 +159,16 @@ def test_can_run(runner, graphs):
 
 def test_model_runner_routes_verify_steps_to_their_graphs(runner):
     """With graphs on, `ModelRunner.forward` replays a verify step from the verify graphs
-    (captured with the decode graphs when speculation is on) and a plain extend eagerly."""
-    import dataclasses
-
-    saved_args = runner.args
-    runner.args = dataclasses.replace(saved_args, speculative_algorithm="ngram")
+    (captured with the decode graphs when the runner has a verify width: speculation's, or a
+    draft model's) and a plain extend eagerly."""
+    assert runner.verify_graph_width is None  # (no speculation)
+    runner.verify_graph_width = 5
     runner.use_cuda_graph = True
     runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
     try:
         runner.capture_cuda_graphs()
         verify_graphs = runner.verify_graph_runner
-        assert verify_graphs is not None
-        assert verify_graphs.width == saved_args.speculative_num_draft_tokens + 1
+        assert verify_graphs is not None and verify_graphs.width == 5
         fb = verify_batch(runner, [1, 2, 3], [9, 21, 4], [2, 4, 0], seed=11)
         want, _ = eager_forward(runner, fb)
         saved = kv_snapshot(runner)
@@ -183,7 +181,7 @@ def test_model_runner_routes_verify_steps_to_their_graphs(runner):
         kv_restore(runner, saved)
         assert verify_graphs.graphs[4].num_replays == 1
     finally:
-        runner.args = saved_args
+        runner.verify_graph_width = None
         runner.use_cuda_graph = False
         runner.graph_runner = runner.verify_graph_runner = None
 
@@ -198,10 +196,13 @@ def _generate(path: str, graphs: bool, **kw: object) -> tuple[list, dict, int]:
         disable_cuda_graph=True, **kw,  # (on a GPU too: no real graphs are captured)
     )  # fmt: skip
     runner = engine.scheduler.model_runner
-    if graphs:
-        runner.use_cuda_graph = True
-        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
-        runner.capture_cuda_graphs()
+    drafter = engine.scheduler.drafter
+    draft = getattr(drafter, "runner", None)  # a draft model's runner: its graphs too
+    for r in (runner, draft) if graphs else ():
+        if r is not None:
+            r.use_cuda_graph = True
+            r.graph_capturer_factory = lambda device: EagerGraphCapturer()
+            r.capture_cuda_graphs()
     prompts = [[5, 6, 7, 8] * 6, list(range(20, 41)), [9, 10, 11] * 5, [300, 301] * 4, [12] * 7]
     params = [{"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
               for n in (9, 14, 6, 12, 3)]  # fmt: skip
@@ -209,8 +210,12 @@ def _generate(path: str, graphs: bool, **kw: object) -> tuple[list, dict, int]:
         p["allowed_token_ids"] = [11, 12, 13]
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     stats = engine.get_stats()
-    verify = runner.verify_graph_runner
-    replays = sum(g.num_replays for g in verify.graphs.values()) if verify is not None else 0
+    replays = {}
+    for name, r in (("model", runner), ("draft", draft)):
+        for kind in ("graph_runner", "verify_graph_runner"):
+            graphs = getattr(r, kind, None)
+            if graphs is not None:
+                replays[f"{name} {kind}"] = sum(g.num_replays for g in graphs.graphs.values())
     engine.shutdown()
     return [o["output_ids"] for o in outs], stats, replays
 
@@ -219,7 +224,9 @@ def _generate(path: str, graphs: bool, **kw: object) -> tuple[list, dict, int]:
 def test_speculative_engine_replays_its_verify_steps(algorithm):
     """Greedy speculative decoding whose verify steps replay (the eager graph double) gives
     plain decoding's tokens; n-gram drafts of every length pad tokens and requests, the model
-    as its own draft fills the width but near each request's end."""
+    as its own draft fills the width but near each request's end. A draft model's decode
+    forwards replay its decode graphs and its catch-up extends its verify graphs, with the
+    eager run's drafts (the same accepted counts)."""
     path = tiny_model("llama")
     want, _, _ = _generate(path, False)
     spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
@@ -227,7 +234,9 @@ def test_speculative_engine_replays_its_verify_steps(algorithm):
         spec["speculative_draft_model_path"] = path
     got, stats, replays = _generate(path, True, **spec)
     assert got == want
-    assert stats["spec_draft_tokens"] > 0 and replays > 0, (stats, replays)
+    assert stats["spec_draft_tokens"] > 0 and replays["model verify_graph_runner"] > 0, replays
+    if algorithm == "standalone":
+        assert replays["draft graph_runner"] > 0 and replays["draft verify_graph_runner"] > 0
     eager, eager_stats, none = _generate(path, False, **spec)
-    assert eager == want and none == 0
+    assert eager == want and not none
     assert eager_stats["spec_accepted_tokens"] == stats["spec_accepted_tokens"]
