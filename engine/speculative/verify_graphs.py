@@ -30,8 +30,9 @@ Each replay copies the batch into the static buffers: one host-to-device copy of
 positions, the real tokens' places and the lengths (numpy on the host), then scatters the
 batch's device tensors (ids, KV slots) into their places. Under tensor parallelism every rank
 captures the same verify graphs, and where rank 0 replays one its followers replay theirs
-(engine/tp_ranks.py). A backend without `supports_verify_cuda_graph` (the hybrid ones; the
-triton and flashinfer backends have it) runs verify steps eagerly.
+(engine/tp_ranks.py). The triton and flashinfer backends capture them, and so the hybrid
+prefill/decode backend (its prefill backend's); a backend without `supports_verify_cuda_graph`
+(the hybrid sliding-window one, torch_native) runs verify steps eagerly.
 """
 
 from __future__ import annotations
