@@ -21,8 +21,9 @@ on nothing, so the pair is built to agree on part of the tokens, as a distilled 
 How often the drafts are right is a property of the pair (the residual scale here), so every
 row reports the accept length it got (tokens per request and verify step) beside its speed.
 Arms (engines kept open, overlap off in all, as speculative decoding turns it off): plain
-decoding, the draft, the unrelated draft; their timed runs interleave, `--repeat` rounds (the
-fastest run counts). Prompts of `--context` random tokens, `--output` greedy tokens each
+decoding, the draft, the unrelated draft, and on a GPU the draft with the model's verify
+steps eager (`draft_eager_verify`: its verify graphs dropped, what they save); their timed
+runs interleave, `--repeat` rounds (the fastest run counts). Prompts of `--context` random tokens, `--output` greedy tokens each
 (`ignore_eos`), `--batch` requests at once. Reported per batch: output tokens/s of each arm,
 the speedups against plain, accept lengths, and the fraction of requests whose tokens equal
 plain decoding's (on CPU in float32 the run fails unless all do).
@@ -98,6 +99,9 @@ def main() -> None:
         "draft": Arm(path, args, speculative_draft_model_path=draft, **spec),
         "unrelated": Arm(path, args, speculative_draft_model_path=unrelated, **spec),
     }
+    if args.device.startswith("cuda"):  # the model's verify steps eager: what graphs save
+        arms["draft_eager_verify"] = Arm(path, args, verify_graphs=False,
+                                         speculative_draft_model_path=draft, **spec)  # fmt: skip
     params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True}
     rows = []
     for bs in args.batch:
@@ -113,7 +117,7 @@ def main() -> None:
         pw, pout, _ = best["plain"]
         tokens = sum(map(len, pout))
         row: dict[str, Any] = {"batch": bs, "plain_tok_s": tokens / pw}
-        for label in ("draft", "unrelated"):
+        for label in [a for a in arms if a != "plain"]:
             wall, out, stats = best[label]
             same = sum(p == q for p, q in zip(pout, out)) / bs
             if same < 1 and args.device == "cpu":  # (bf16 kernels may break near-ties apart)
@@ -129,12 +133,18 @@ def main() -> None:
         arm.engine.shutdown()
     cols = ["batch", "plain_tok_s", "draft_tok_s", "draft_speedup", "draft_accept_length",
             "unrelated_tok_s", "unrelated_speedup", "unrelated_accept_length"]  # fmt: skip
+    if "draft_eager_verify" in arms:
+        cols += ["draft_eager_verify_tok_s", "draft_eager_verify_speedup"]
     print_table(rows, cols)
     summary: dict[str, Any] = {"draft_cost": round(draft_cost, 3)}
     for r in rows:
         summary[f"bs{r['batch']}_speedup"] = round(r["draft_speedup"], 3)
         summary[f"bs{r['batch']}_accept_length"] = round(r["draft_accept_length"], 3)
         summary[f"bs{r['batch']}_unrelated_speedup"] = round(r["unrelated_speedup"], 3)
+        if "draft_eager_verify_speedup" in r:
+            summary[f"bs{r['batch']}_eager_verify_speedup"] = round(
+                r["draft_eager_verify_speedup"], 3
+            )
     print(summary)
     print("wrote", write_result(args.name, rows, summary, config=vars(args)))
 
