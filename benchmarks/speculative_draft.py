@@ -23,10 +23,11 @@ row reports the accept length it got (tokens per request and verify step) beside
 Arms (engines kept open, overlap off in all, as speculative decoding turns it off): plain
 decoding, the draft, the unrelated draft, and on a GPU the draft with the model's verify
 steps eager (`draft_eager_verify`: its verify graphs dropped, what they save); their timed
-runs interleave, `--repeat` rounds (the fastest run counts). Prompts of `--context` random tokens, `--output` greedy tokens each
-(`ignore_eos`), `--batch` requests at once. Reported per batch: output tokens/s of each arm,
-the speedups against plain, accept lengths, and the fraction of requests whose tokens equal
-plain decoding's (on CPU in float32 the run fails unless all do).
+runs interleave, `--repeat` rounds (the fastest run counts). Prompts of `--context` random
+tokens, `--output` greedy tokens each (`ignore_eos`), `--batch` requests at once. Reported
+per batch: output tokens/s of each arm, the speedups against plain, accept lengths, and the
+fraction of requests whose tokens equal plain decoding's (on CPU in float32 the run fails
+unless all do).
 
 On this 2-core CPU a verify step of k + 1 tokens costs more than a decode step (its GEMMs are
 compute-bound), and the draft's forwards run one after another; on a GPU both are
