@@ -73,6 +73,17 @@ _WORKER_GAUGES = (
         "Prompt tokens loaded back from host memory instead of computed (since it started).",
         "host_cache_hit_tokens",
     ),
+    (
+        "spec_accept_length",
+        "Speculative decoding: tokens per request and verify step, 1 + accepted drafts (since "
+        "it started; 0 without speculation).",
+        "spec_accept_length",
+    ),
+    (
+        "spec_accept_rate",
+        "Speculative decoding: drafts accepted per draft proposed (since it started).",
+        "spec_accept_rate",
+    ),
 )
 
 # vLLM's names of the per-worker series (name, type, help, WorkerLoadMsg attribute)
@@ -81,7 +92,12 @@ _VLLM_GAUGES = (
     ("num_requests_waiting", "gauge", "Requests waiting to be processed.", "num_waiting_reqs"),
     ("kv_cache_usage_perc", "gauge", "KV-cache usage (1 means 100 percent).", "token_usage"),
     ("num_preemptions", "counter", "Cumulative number of preemptions.", "num_retracted_reqs"),
-)
+    ("spec_decode_num_drafts", "counter", "Requests of verify steps that had drafts.",
+     "spec_num_drafts"),
+    ("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed.", "spec_draft_tokens"),
+    ("spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
+     "spec_accepted_tokens"),
+)  # fmt: skip
 
 
 def _labels(labels: Mapping[str, str]) -> str:

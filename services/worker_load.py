@@ -30,6 +30,9 @@ class LoadFigures(NamedTuple):
     host_cache_tokens: int = 0  # the hierarchical cache's host pool (engine/mem_cache/)
     host_cache_used_tokens: int = 0
     host_cache_hit_tokens: int = 0
+    spec_num_drafts: int = 0  # speculative decoding's counts (engine/speculative/)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class WorkerFacts(NamedTuple):
@@ -82,6 +85,7 @@ def load_figures(scheduler: Any) -> LoadFigures:
     cached = pools.tree_cache.evictable_size()
     used = pools.allocator.size - pools.allocator.available_size() - cached
     host = pools.tree_cache.host_stats()
+    spec = drafter.stats if drafter is not None else None
     return LoadFigures(
         stats.num_running,
         stats.num_waiting,
@@ -90,10 +94,13 @@ def load_figures(scheduler: Any) -> LoadFigures:
         stats.token_usage,
         stats.generation_tokens,
         stats.num_retractions,
-        drafter.stats.accept_length if drafter is not None else 0.0,
+        spec.accept_length if spec is not None else 0.0,
         host_cache_tokens=host.get("hicache_host_tokens", 0),
         host_cache_used_tokens=host.get("hicache_host_used_tokens", 0),
         host_cache_hit_tokens=host.get("hicache_host_hit_tokens", 0),
+        spec_num_drafts=spec.num_drafts if spec is not None else 0,
+        spec_draft_tokens=spec.draft_tokens if spec is not None else 0,
+        spec_accepted_tokens=spec.accepted_tokens if spec is not None else 0,
     )
 
 
@@ -138,4 +145,7 @@ class LoadReporter:
             host_cache_used_tokens=f.host_cache_used_tokens,
             host_cache_hit_tokens=f.host_cache_hit_tokens,
             tp_size=facts.tp_size,
+            spec_num_drafts=f.spec_num_drafts,
+            spec_draft_tokens=f.spec_draft_tokens,
+            spec_accepted_tokens=f.spec_accepted_tokens,
         )

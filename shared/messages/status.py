@@ -30,11 +30,14 @@ class WorkerLoadMsg(Message):
     slots (0 without it), `host_cache_used_tokens` of them holding K/V, and
     `host_cache_hit_tokens`, prompt tokens loaded back from it instead of computed since
     the worker started. `tp_size`: the devices its model is split over (tensor parallelism).
+    With speculative decoding, since the worker started: `spec_num_drafts`, requests of
+    verify steps that had drafts; `spec_draft_tokens`, drafts proposed; and
+    `spec_accepted_tokens`, drafts accepted (vLLM's spec_decode counters).
     """
 
     TAG = "worker_load"
-    VERSION = 10  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
-    # 7: weights_path; 8: reqs_by_router; 9: host_cache_*; 10: tp_size
+    VERSION = 11  # 3: lora_adapters; 4: spec_accept_length; 5: is_embedding; 6: labels;
+    # 7: weights_path; 8: reqs_by_router; 9: host_cache_*; 10: tp_size; 11: spec_* counts
 
     worker_id: str
     model: str
@@ -62,6 +65,14 @@ class WorkerLoadMsg(Message):
     host_cache_used_tokens: int = 0
     host_cache_hit_tokens: int = 0
     tp_size: int = 1
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """Drafts accepted per draft proposed (0 without drafts)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -167,3 +167,38 @@ def test_hybrid_window_memory(name: str, page_size: int) -> None:
     got, stats = _run(path, prompts, params, **SPEC, **memory)
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     _drafts_used(stats)
+
+
+def test_speculative_counts_reach_metrics_through_the_heartbeat() -> None:
+    """The worker's heartbeat carries the drafter's counts since it started; the router's
+    /metrics exports the accept length and rate per worker (SGLang's gauges) and the counts
+    (vLLM's spec_decode counters), equal to the engine's."""
+    from services.router_metrics import RouterMetrics
+    from services.worker_load import LoadReporter, WorkerFacts, load_figures
+    from shared.messages import WorkerLoadMsg
+    from tests.unit.test_router_workers_metrics import _samples
+
+    path = model_path("llama")
+    params = {"temperature": 0.0, "max_new_tokens": 24, **LOOPY}
+    with Engine(model_path=path, **SPEC) as engine:
+        engine.generate(input_ids=_prompts(path, n=3), sampling_params=params)
+        stats = engine.get_stats()
+        reporter = LoadReporter(WorkerFacts.of(engine.scheduler, "w0", "tiny"))
+        reporter.figures = load_figures(engine.scheduler)
+        beat = WorkerLoadMsg.from_msg(reporter.payload().to_msg())  # (through the wire format)
+    _drafts_used(stats)
+    assert (beat.spec_num_drafts, beat.spec_draft_tokens, beat.spec_accepted_tokens) == (
+        stats["spec_num_drafts"], stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+    )
+    samples = _samples(RouterMetrics("tiny").render({"w0": beat}))
+    worker = '{model_name="tiny",worker_id="w0"}'
+    for prefix in ("sluice", "sglang"):
+        assert samples[f"{prefix}:spec_accept_length{worker}"] == pytest.approx(
+            stats["spec_accept_length"]
+        )
+        rate = stats["spec_accepted_tokens"] / stats["spec_draft_tokens"]
+        assert samples[f"{prefix}:spec_accept_rate{worker}"] == pytest.approx(rate)
+    assert samples[f"vllm:spec_decode_num_drafts_total{worker}"] == stats["spec_num_drafts"]
+    assert samples[f"vllm:spec_decode_num_draft_tokens_total{worker}"] == stats["spec_draft_tokens"]
+    assert (samples[f"vllm:spec_decode_num_accepted_tokens_total{worker}"]
+            == stats["spec_accepted_tokens"])  # fmt: skip
