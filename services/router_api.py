@@ -264,7 +264,9 @@ class Router:
 
     async def server_info(self) -> dict[str, Any]:
         """SGLang's /get_server_info: the router's settings (credentials left out) and, as
-        `internal_states`, each live worker's load and capacity."""
+        `internal_states`, each live worker's load and capacity (its heartbeat's fields, and
+        under SGLang's names the ones its tools read: `avg_spec_accept_length`,
+        `last_gen_throughput`)."""
         await self.broker.refresh_workers()
         r = self.config.router
         info: dict[str, Any] = {
@@ -282,7 +284,11 @@ class Router:
             "version": VERSION,
         }
         loads = sorted(self.broker.workers.live.values(), key=lambda w: w.worker_id)
-        info["internal_states"] = [dataclasses.asdict(load) for load in loads]
+        info["internal_states"] = [
+            {**dataclasses.asdict(load), "avg_spec_accept_length": load.spec_accept_length,
+             "last_gen_throughput": load.gen_throughput}
+            for load in loads
+        ]  # fmt: skip
         return info
 
     def _model_dirs(self) -> list[str | None]:

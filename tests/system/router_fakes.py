@@ -155,10 +155,11 @@ class FakeWorker:
             max_running_requests=64,
             context_len=CONTEXT_LEN,
             token_usage=0.0,
-            gen_throughput=0.0,
+            gen_throughput=123.5,
             host="test",
             pid=os.getpid(),
             updated_at=time.time(),
+            spec_accept_length=2.25,
         )
 
     def _loop(self) -> None:

@@ -129,6 +129,9 @@ def test_server_info_has_the_settings_and_each_workers_capacity(
     assert info["redis_url"] == redis_url and info["version"]
     (state,) = [s for s in info["internal_states"] if s["worker_id"] == "w-info"]
     assert state["context_len"] == CONTEXT_LEN and state["max_total_num_tokens"] == 10_000
+    # (under SGLang's names too, as its benchmarks read them)
+    assert state["avg_spec_accept_length"] == state["spec_accept_length"] == 2.25
+    assert state["last_gen_throughput"] == state["gen_throughput"] == 123.5
 
 
 def test_health_generate_runs_one_token_through_the_pipeline(redis_url: str, base: str) -> None:
