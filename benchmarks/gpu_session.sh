@@ -253,7 +253,7 @@ do_step() {
             run_step smoke 60 "${BENCH[@]}" all --device cpu --quick \
                 --results-dir /tmp/sluice-gpu-smoke ;;
         speculative)
-            run_step tests-verify-graphs 150 "${PYTEST[@]}" tests/gpu/test_verify_graphs_gpu.py
+            run_step tests-verify-graphs 200 "${PYTEST[@]}" tests/gpu/test_verify_graphs_gpu.py
             run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative
             run_step speculative-draft 150 python3 benchmarks/speculative_draft.py --device cuda \
