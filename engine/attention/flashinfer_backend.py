@@ -36,12 +36,16 @@ Each layer passes its own softmax scale (GPT-2 can scale per layer) to `forward(
 as SGLang does. All wrappers use the FA2 kernels: one JIT-compiled module per dtype and head_dim
 serves them all (FA3 on Hopper would be a second, slow compile).
 
-CUDA graphs (decode only): each captured batch size has its own decode wrapper with
+CUDA graphs: each captured batch size has its own decode wrapper with
 `use_cuda_graph=True` over slices of static page-table buffers (`init_cuda_graph_state`);
 replay re-plans it, which rewrites those buffers and the wrapper's scheduling workspace, all
 that the captured kernels read. Where the page-table kernel runs compiled (a GPU), the graph
 itself writes the page ids, first thing (`cuda_graph_prologue`: the kernel reads the static
 rows and lengths): a replay's plan is then numpy and flashinfer's planner, with no launch.
+Speculative verify graphs (engine/speculative/verify_graphs.py: `width` queries a request)
+capture paged prefill wrappers the same way, causal over each request's whole context (the
+new tokens' K/V stored first, as the windowed path does), over the same page-id buffer and
+buffers of their own for the query offsets, key offsets and last page lengths.
 """
 
 from __future__ import annotations
