@@ -66,7 +66,7 @@ class AttentionBackend(ABC):
     and implements the three `*cuda_graph*` hooks below; the others keep the defaults.
     """
 
-    # -- CUDA graphs (decode only; see engine/cuda_graph_runner.py) --------------------------
+    # -- CUDA graphs of decode steps (engine/cuda_graph_runner.py) ---------------------------
     supports_cuda_graph: bool = False
     # seq_len given to the padded rows of a captured batch (their req_to_token row points at
     # KV slot 0, and their new token is written to slot 0, which is never handed out)
