@@ -261,6 +261,14 @@ class RouterMetrics:
         ]
         lines += _family("vllm:request_success", "counter", "Finished requests.", by_reason,
                          suffix="_total")  # fmt: skip
+        per_pos = [
+            ({**base, "worker_id": w, "position": str(j)}, n)
+            for w, load in sorted(workers.items())
+            for j, n in enumerate(load.spec_accepted_per_pos)
+        ]
+        lines += _family("vllm:spec_decode_num_accepted_tokens_per_pos", "counter",
+                         "Draft tokens accepted at each position of a step's drafts.", per_pos,
+                         suffix="_total")  # fmt: skip
         return lines
 
 

@@ -33,6 +33,7 @@ class LoadFigures(NamedTuple):
     spec_num_drafts: int = 0  # speculative decoding's counts (engine/speculative/)
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []  # noqa: RUF012 (a NamedTuple default, never mutated)
 
 
 class WorkerFacts(NamedTuple):
@@ -101,6 +102,7 @@ def load_figures(scheduler: Any) -> LoadFigures:
         spec_num_drafts=spec.num_drafts if spec is not None else 0,
         spec_draft_tokens=spec.draft_tokens if spec is not None else 0,
         spec_accepted_tokens=spec.accepted_tokens if spec is not None else 0,
+        spec_accepted_per_pos=list(spec.accepted_per_pos) if spec is not None else [],
     )
 
 
@@ -148,4 +150,5 @@ class LoadReporter:
             spec_num_drafts=f.spec_num_drafts,
             spec_draft_tokens=f.spec_draft_tokens,
             spec_accepted_tokens=f.spec_accepted_tokens,
+            spec_accepted_per_pos=list(f.spec_accepted_per_pos),
         )

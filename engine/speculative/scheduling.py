@@ -14,7 +14,7 @@ request's drafts, the step decodes one token each, as without speculation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -38,6 +38,9 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     memory_skips: int = 0  # steps whose drafts did not fit in the KV pool
+    # drafts accepted at each position j (the (j + 1)-th draft of a step; vLLM's
+    # num_accepted_tokens_per_pos), as long as the longest draft run seen
+    accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def accept_length(self) -> float:
@@ -84,6 +87,10 @@ class Drafter:
                 s.num_drafts += 1
                 s.draft_tokens += n
                 s.accepted_tokens += a
+                if len(s.accepted_per_pos) < n:
+                    s.accepted_per_pos.extend([0] * (n - len(s.accepted_per_pos)))
+                for j in range(a):
+                    s.accepted_per_pos[j] += 1
 
     def forget(self, req: Req) -> None:
         """`req` finished: drop what the drafter keeps for it."""

@@ -32,7 +32,8 @@ class WorkerLoadMsg(Message):
     the worker started. `tp_size`: the devices its model is split over (tensor parallelism).
     With speculative decoding, since the worker started: `spec_num_drafts`, requests of
     verify steps that had drafts; `spec_draft_tokens`, drafts proposed; and
-    `spec_accepted_tokens`, drafts accepted (vLLM's spec_decode counters).
+    `spec_accepted_tokens`, drafts accepted (vLLM's spec_decode counters); and
+    `spec_accepted_per_pos`, drafts accepted at each position of a step's drafts.
     """
 
     TAG = "worker_load"
@@ -68,6 +69,7 @@ class WorkerLoadMsg(Message):
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = field(default_factory=list)
 
     @property
     def spec_accept_rate(self) -> float:

@@ -202,3 +202,10 @@ def test_speculative_counts_reach_metrics_through_the_heartbeat() -> None:
     assert samples[f"vllm:spec_decode_num_draft_tokens_total{worker}"] == stats["spec_draft_tokens"]
     assert (samples[f"vllm:spec_decode_num_accepted_tokens_total{worker}"]
             == stats["spec_accepted_tokens"])  # fmt: skip
+    # per position of a step's drafts: none accepted after a rejected one
+    per_pos = beat.spec_accepted_per_pos
+    assert sum(per_pos) == stats["spec_accepted_tokens"] and 0 < len(per_pos) <= 4
+    assert per_pos == sorted(per_pos, reverse=True)
+    for j, n in enumerate(per_pos):
+        labels = f'{{model_name="tiny",worker_id="w0",position="{j}"}}'
+        assert samples[f"vllm:spec_decode_num_accepted_tokens_per_pos_total{labels}"] == n

@@ -42,6 +42,21 @@ def test_a_loop_is_continued_past_the_end() -> None:
     assert propose_ngram([9, 9, 9], 4, min_n=1, max_n=4) == [9, 9, 9, 9]
 
 
+def test_counts_per_draft_position() -> None:
+    """A step's accepted drafts are its first ones: each counts at its position (vLLM's
+    num_accepted_tokens_per_pos); requests without drafts count nowhere."""
+    from engine.config import EngineArgs
+    from engine.speculative.scheduling import Drafter
+
+    drafter = Drafter(EngineArgs("m", speculative_algorithm="ngram"), 100)
+    drafter.count([3, 0, 2], [2, 0, 0])
+    drafter.count([4, 1], [4, 1])
+    s = drafter.stats
+    assert (s.num_drafts, s.draft_tokens, s.accepted_tokens) == (4, 10, 7)
+    assert s.accepted_per_pos == [3, 2, 1, 1]
+    assert s.accept_length == 1 + 7 / 4
+
+
 def test_vllm_config() -> None:
     assert from_vllm_config({"method": "ngram", "num_speculative_tokens": 5,
                              "prompt_lookup_max": 4}) == {  # fmt: skip
