@@ -97,6 +97,20 @@ class Arm:
         return wall, [o["output_ids"] for o in outs], stats
 
 
+def best_runs(arms: dict[str, Arm], batch: list, params: dict, repeat: int) -> dict[str, Any]:
+    """Each arm's fastest (wall seconds, output ids, stats) over `repeat` rounds, the arms'
+    runs interleaved, after one warm-up run each."""
+    for arm in arms.values():
+        arm.run(batch, params)
+    best: dict[str, Any] = {}
+    for _ in range(repeat):
+        for label, arm in arms.items():
+            wall, out, stats = arm.run(batch, params)
+            if label not in best or wall < best[label][0]:
+                best[label] = (wall, out, stats)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=4)
@@ -120,14 +134,7 @@ def main() -> None:
         params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True, **extra}
         for bs in args.batch:
             batch = prompts[:bs]
-            for arm in arms.values():  # warm-up
-                arm.run(batch, params)
-            best: dict[str, Any] = {}
-            for _ in range(args.repeat):
-                for label, arm in arms.items():
-                    wall, out, stats = arm.run(batch, params)
-                    if label not in best or wall < best[label][0]:
-                        best[label] = (wall, out, stats)
+            best = best_runs(arms, batch, params, args.repeat)
             (pw, pout, pstats), (sw, sout, sstats) = best["plain"], best["spec"]
             same = sum(p == q for p, q in zip(pout, sout)) / bs
             if same < 1 and args.device == "cpu":  # (bf16 kernels may break near-ties apart)

@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import parse_arm_args, print_table, write_result  # noqa: E402
-from benchmarks.speculative import Arm  # noqa: E402
+from benchmarks.speculative import Arm, best_runs  # noqa: E402
 
 
 def make_pair(args: Any, seed: int) -> tuple[str, str]:
@@ -106,15 +106,7 @@ def main() -> None:
     params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True}
     rows = []
     for bs in args.batch:
-        batch = prompts[:bs]
-        for arm in arms.values():  # warm-up
-            arm.run(batch, params)
-        best: dict[str, Any] = {}
-        for _ in range(args.repeat):
-            for label, arm in arms.items():
-                wall, out, stats = arm.run(batch, params)
-                if label not in best or wall < best[label][0]:
-                    best[label] = (wall, out, stats)
+        best = best_runs(arms, prompts[:bs], params, args.repeat)
         pw, pout, _ = best["plain"]
         tokens = sum(map(len, pout))
         row: dict[str, Any] = {"batch": bs, "plain_tok_s": tokens / pw}
