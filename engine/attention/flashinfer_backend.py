@@ -45,7 +45,8 @@ rows and lengths): a replay's plan is then numpy and flashinfer's planner, with 
 Speculative verify graphs (engine/speculative/verify_graphs.py: `width` queries a request)
 capture paged prefill wrappers the same way, causal over each request's whole context (the
 new tokens' K/V stored first, as the windowed path does), over the same page-id buffer and
-buffers of their own for the query offsets, key offsets and last page lengths.
+buffers of their own for the query offsets, key offsets and last page lengths. The graph
+hooks are `FlashInferGraphs` (engine/attention/flashinfer_graphs.py).
 """
 
 from __future__ import annotations
@@ -66,8 +67,10 @@ from engine.attention.base import (
     triton_store_target,
     window_left,
 )
+from engine.attention.flashinfer_graphs import FlashInferGraphs, GraphBuffers
 from engine.attention.flashinfer_plan import DecodePlanner, PrefillPlanner
 from engine.attention.flashinfer_support import (
+    KERNEL_BACKEND,
     check_supported,
     load_flashinfer,
     model_logit_cap,
@@ -79,10 +82,8 @@ from engine.attention.page_table import (
     host_page_table,
     merge_kernel_fits,
     merge_states_torch,
-    page_ids,
 )
 from engine.forward_batch import ForwardBatch
-from kernels.jit import compiled_on
 
 try:
     from kernels.kv_store import store_kv
@@ -94,7 +95,6 @@ if TYPE_CHECKING:
     from engine.mem_cache.kv_pool import KVPool
 
 DEFAULT_WORKSPACE_BYTES = 384 << 20  # flashinfer's split-KV scratch, shared by all wrappers
-KERNEL_BACKEND = "fa2"
 TENSOR_CORE_MIN_GROUP = 4  # query heads per KV head from which decode uses tensor cores
 
 
@@ -160,18 +160,7 @@ class _VerifyMetadata:
     window_wrapper: Any = None  # sliding-window layers
 
 
-@dataclass
-class _GraphBuffers:
-    """What captured decode graphs read, sliced per captured batch size."""
-
-    indptr: torch.Tensor  # [max_bs + 1] int32
-    indices: torch.Tensor  # [max_bs * max pages per request] int32
-    last_page_len: torch.Tensor  # [max_bs] int32
-
-
-class FlashInferAttnBackend(AttentionBackend):
-    supports_cuda_graph = True
-    cuda_graph_seq_len_fill_value = 1
+class FlashInferAttnBackend(FlashInferGraphs, AttentionBackend):
 
     def __init__(
         self,
@@ -221,7 +210,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.pinned_ring = PinnedRing(self.device) if self.device.type == "cuda" else None
         self.table_ring: PinnedRing | None = None  # (made at the first plan: `_host_ints`)
         self.metadata: _DecodeMetadata | _ExtendMetadata | None = None
-        self.graph_buffers: _GraphBuffers | None = None
+        self.graph_buffers: GraphBuffers | None = None
         # whether captured graphs write their page ids themselves (`cuda_graph_prologue`)
         self.graph_page_ids = False
         # captured batch size -> its decode wrappers (full, windowed)
@@ -480,90 +469,6 @@ class FlashInferAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer_id)
         shape = (-1, self.page_size, self.num_kv_heads, self.head_dim)
         return k_buf.view(shape), v_buf.view(shape)
-
-    # -- CUDA graphs ------------------------------------------------------------------------------
-    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
-        max_pages = -(-max_context_len // self.page_size)
-        with torch.inference_mode(False):
-            self.graph_buffers = _GraphBuffers(
-                indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
-                indices=torch.zeros(max_bs * max_pages, dtype=torch.int32, device=self.device),
-                last_page_len=torch.ones(max_bs, dtype=torch.int32, device=self.device),
-            )
-        self.graph_wrappers = {}
-        self.graph_page_ids = page_ids is not None and compiled_on(self.graph_buffers.indices)
-
-    supports_verify_cuda_graph = True
-
-    def init_verify_cuda_graph_state(self, max_bs: int, width: int, max_context_len: int) -> None:
-        # the page ids go to the decode graphs' buffer (one large buffer for both); a backend
-        # that captures no decode graphs (a hybrid's prefill backend) makes it here
-        if self.graph_buffers is None:
-            self.init_cuda_graph_state(max_bs, max_context_len)
-        assert self.graph_buffers is not None
-        max_pages = -(-max_context_len // self.page_size)
-        if self.graph_buffers.indices.numel() < max_bs * max_pages:
-            raise RuntimeError("verify graphs of more requests than the decode graphs")
-        with torch.inference_mode(False):
-            self.verify_buffers = (
-                torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
-                torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
-                torch.ones(max_bs, dtype=torch.int32, device=self.device),
-            )
-        self.verify_wrappers = {}
-
-    def init_forward_metadata_capture_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        bs = forward_batch.batch_size
-        if forward_batch.forward_mode.is_extend():  # a verify graph
-            self.verify_wrappers[bs] = self._verify_wrappers(bs)
-            self.metadata = self._plan_verify(self.verify_wrappers[bs], forward_batch)
-            return
-        self.graph_wrappers[bs] = self._decode_wrappers(graph_bs=bs)
-        self.metadata = self._plan_decode(self.graph_wrappers[bs], forward_batch)
-
-    def init_forward_metadata_replay_cuda_graph(self, forward_batch: ForwardBatch) -> None:
-        assert self.graph_buffers is not None
-        if forward_batch.forward_mode.is_extend():
-            self.metadata = self._plan_verify(
-                self.verify_wrappers[forward_batch.batch_size], forward_batch,
-                self.graph_buffers.indices, self.graph_page_ids,
-            )  # fmt: skip
-            return
-        wrappers = self.graph_wrappers[forward_batch.batch_size]
-        assert self.graph_buffers is not None
-        # writes into the captured buffers (the page ids straight from the kernel, here or in
-        # the graph: flashinfer's copy of them onto themselves is then a no-op)
-        self.metadata = self._plan_decode(
-            wrappers, forward_batch, self.graph_buffers.indices, self.graph_page_ids
-        )
-
-    def cuda_graph_prologue(self, forward_batch: ForwardBatch) -> None:
-        """In the graph, before the layers: the page ids of the static batch's contexts into
-        the graph's buffer (the replay's plan computed only the host tables)."""
-        if self.graph_page_ids:
-            fb = forward_batch
-            assert self.graph_buffers is not None and page_ids is not None
-            page_ids(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, self.page_size,
-                     self.graph_buffers.indices)  # fmt: skip
-
-    def _verify_wrappers(self, bs: int) -> tuple[Any, Any]:
-        """(full, windowed) paged prefill wrappers a verify graph of `bs` requests captures,
-        None for the attention the model lacks."""
-        assert self.verify_buffers is not None and self.graph_buffers is not None, (
-            "init_verify_cuda_graph_state was not called"
-        )
-        qo_indptr, indptr, last_page_len = self.verify_buffers
-        with torch.inference_mode(False):
-            make = functools.partial(
-                self.fi.BatchPrefillWithPagedKVCacheWrapper, self.workspace, "NHD",
-                use_cuda_graph=True, qo_indptr_buf=qo_indptr[: bs + 1],
-                paged_kv_indptr_buf=indptr[: bs + 1],
-                paged_kv_indices_buf=self.graph_buffers.indices,
-                paged_kv_last_page_len_buf=last_page_len[:bs], backend=KERNEL_BACKEND,
-            )  # fmt: skip
-            return (make() if self.full_layers else None), (
-                make() if self.window_left >= 0 else None
-            )
 
     def _decode_wrappers(self, graph_bs: int | None = None) -> tuple[Any, Any]:
         """(full, windowed) decode wrappers, None for the attention the model lacks: eager ones,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+KERNEL_BACKEND = "fa2"  # flashinfer's FA2 kernels for every wrapper (flashinfer_backend.py)
 
 
 @functools.cache
