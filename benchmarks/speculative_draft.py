@@ -1,4 +1,5 @@
-"""Speculative decoding with a draft model against plain decoding, side by side in one run.
+"""Speculative decoding with a draft model or an EAGLE head against plain decoding, side by
+side in one run.
 
     python benchmarks/speculative_draft.py [--layers 8] [--draft-layers 1] [--vocab 8000]
         [--residual-scale 0.05] [--draft-tokens 3] [--batch 1 8] [--threads 2]
@@ -15,8 +16,15 @@ on nothing, so the pair is built to agree on part of the tokens, as a distilled 
   layers decide most of its tokens, the others change some;
 * the draft: those first `--draft-layers` layers, embeddings, final norm and lm_head
   (`services/tiny_draft.py`), a model about `draft_cost` of the model's weights;
-* a floor: a draft of the same size from another random model (`unrelated`), whose drafts
-  are almost never right: what drafting costs when it buys nothing.
+* an EAGLE head derived the same way (`eagle`, services/tiny_eagle.py: `fc` passes the
+  embedding, then a pass-through layer and copies of those first layers; it drafts from the
+  model's hidden states' slots but reads only its tokens) over the model's embedding and
+  lm_head. The model's final norm has weight 1 here (for all arms), so that the head, which
+  has none, gets the same argmax from the same stream;
+* floors, whose drafts are almost never right (what drafting costs when it buys nothing): a
+  draft of the same size from another random model (`unrelated`), and a random EAGLE-3 head
+  (`eagle3_random`: the model's three hidden states per token kept, a draft vocabulary of a
+  quarter of the model's).
 
 How often the drafts are right is a property of the pair (the residual scale here), so every
 row reports the accept length it got (tokens per request and verify step) beside its speed.
@@ -43,6 +51,8 @@ import sys
 import tempfile
 from typing import Any
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import parse_arm_args, print_table, write_result  # noqa: E402
@@ -56,7 +66,7 @@ def make_pair(args: Any, seed: int) -> tuple[str, str]:
     from services.tiny_draft import make_draft_model
     from services.tiny_model import make_tiny_model
 
-    name = f"sluice-bench-spec-{args.layers}l-v{args.vocab}-r{args.residual_scale}-s{seed}"
+    name = f"sluice-bench-spec-{args.layers}l-v{args.vocab}-r{args.residual_scale}-s{seed}-n1"
     path = os.path.join(tempfile.gettempdir(), name)
     if not os.path.exists(os.path.join(path, "config.json")):
         make_tiny_model(path, preset="small", seed=seed, num_layers=args.layers,
@@ -67,12 +77,25 @@ def make_pair(args: Any, seed: int) -> tuple[str, str]:
             layer = int(key.split(".")[2]) if key.startswith("model.layers.") else -1
             if layer >= args.draft_layers and key.endswith(("o_proj.weight", "down_proj.weight")):
                 weights[key] = (w.float() * args.residual_scale).to(w.dtype)
+        weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
         save_file({k: v.contiguous() for k, v in weights.items()}, file,
                   metadata={"format": "pt"})  # fmt: skip
     draft = f"{path}-draft{args.draft_layers}"
     if not os.path.exists(os.path.join(draft, "config.json")):
         make_draft_model(path, draft, args.draft_layers)
     return path, draft
+
+
+def make_heads(path: str, args: Any) -> tuple[str, str]:
+    """(the derived EAGLE head, a random EAGLE-3 head) for the model at `path`."""
+    from services.tiny_eagle import make_eagle_head
+
+    eagle, eagle3 = f"{path}-eagle{args.draft_layers}", f"{path}-eagle3"
+    if not os.path.exists(os.path.join(eagle, "config.json")):
+        make_eagle_head(path, eagle, copy_layers=args.draft_layers)
+    if not os.path.exists(os.path.join(eagle3, "config.json")):
+        make_eagle_head(path, eagle3, eagle3=True, draft_vocab=args.vocab // 4)
+    return eagle, eagle3
 
 
 def main() -> None:
@@ -88,6 +111,7 @@ def main() -> None:
     args = parse_arm_args(ap, "speculative_draft")
     path, draft = make_pair(args, args.seed)
     _, unrelated = make_pair(args, args.seed + 1)
+    eagle, eagle3 = make_heads(path, args)
     rng = random.Random(args.seed)
     prompts = [
         [rng.randrange(3, args.vocab - 3) for _ in range(args.context)]
@@ -99,6 +123,10 @@ def main() -> None:
         "plain": Arm(path, args),
         "draft": Arm(path, args, speculative_draft_model_path=draft, **spec),
         "unrelated": Arm(path, args, speculative_draft_model_path=unrelated, **spec),
+        "eagle": Arm(path, args, speculative_draft_model_path=eagle,
+                     **{**spec, "speculative_algorithm": "eagle"}),
+        "eagle3_random": Arm(path, args, speculative_draft_model_path=eagle3,
+                             **{**spec, "speculative_algorithm": "eagle3"}),
     }
     if args.device.startswith("cuda"):  # the model's verify steps eager: what graphs save
         arms["draft_eager_verify"] = Arm(path, args, verify_graphs=False,
@@ -125,7 +153,9 @@ def main() -> None:
     for arm in arms.values():
         arm.engine.shutdown()
     cols = ["batch", "plain_tok_s", "draft_tok_s", "draft_speedup", "draft_accept_length",
-            "unrelated_tok_s", "unrelated_speedup", "unrelated_accept_length"]  # fmt: skip
+            "unrelated_tok_s", "unrelated_speedup", "unrelated_accept_length",
+            "eagle_tok_s", "eagle_speedup", "eagle_accept_length",
+            "eagle3_random_speedup", "eagle3_random_accept_length"]  # fmt: skip
     if "draft_eager_verify" in arms:
         cols += ["draft_eager_verify_tok_s", "draft_eager_verify_speedup"]
     print_table(rows, cols)
@@ -134,6 +164,9 @@ def main() -> None:
         summary[f"bs{r['batch']}_speedup"] = round(r["draft_speedup"], 3)
         summary[f"bs{r['batch']}_accept_length"] = round(r["draft_accept_length"], 3)
         summary[f"bs{r['batch']}_unrelated_speedup"] = round(r["unrelated_speedup"], 3)
+        summary[f"bs{r['batch']}_eagle_speedup"] = round(r["eagle_speedup"], 3)
+        summary[f"bs{r['batch']}_eagle_accept_length"] = round(r["eagle_accept_length"], 3)
+        summary[f"bs{r['batch']}_eagle3_random_speedup"] = round(r["eagle3_random_speedup"], 3)
         if "draft_eager_verify_speedup" in r:
             summary[f"bs{r['batch']}_eager_verify_speedup"] = round(
                 r["draft_eager_verify_speedup"], 3

@@ -152,12 +152,19 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         # after weights not on disk were discarded: the checkpoint tensors not sent since
         self.unsent: set[str] | None = None
         self.sampling_cache = SamplingInfoCache()
+        # EAGLE speculation: the model's hidden states kept by KV slot for the draft head
+        # (engine/speculative/eagle.py)
+        self.hidden_capture = None
         if host_only:
             self.kv_pool = self.attn_backend = self.sampler = None
             self.use_cuda_graph = False
             return
         scales = getattr(self.model, "kv_cache_scales", None)  # the checkpoint's, if any
         self.kv_pool = memory.make_pool(mc, self.dtype, self.device, self.page_size, scales)
+        if args.speculative_algorithm in ("eagle", "eagle3") and self.tp.rank == 0:
+            from engine.speculative.eagle import install_hidden_capture
+
+            self.hidden_capture = install_hidden_capture(self)
         if memory.host_tokens:
             from engine.mem_cache.host_pool import HostKVPool
 

@@ -291,7 +291,9 @@ class RunnerWeights:
             torch.cuda.synchronize(self.device)  # (no forward in flight reads them)
         freed = 0
         if "kv_cache" in tags:
-            freed += memory.release_kv(self.kv_pool.buffers())
+            capture = getattr(self, "hidden_capture", None)  # (EAGLE: kept by K/V slot)
+            extra = [capture.buffer] if capture is not None else []
+            freed += memory.release_kv(self.kv_pool.buffers() + extra)
         if "weights" in tags:
             freed += memory.release_weights(self.model, backup_weights, self.device)
             if discard and not self.weights_on_disk:

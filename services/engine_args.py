@@ -355,15 +355,18 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="speculative decoding: ngram drafts each request's next tokens from its own "
         "text (prompt and output); standalone (or draft_model) has a smaller model of the "
-        "same vocabulary draft them greedily (--speculative-draft-model-path); the drafts are "
-        "verified by the model in one forward (turns overlap off)",
+        "same vocabulary draft them greedily (--speculative-draft-model-path); eagle / eagle3 "
+        "(SGLang's EAGLE / EAGLE3) have an EAGLE head draft them from the model's hidden "
+        "states (its folder in --speculative-draft-model-path; a chain, no tree); the drafts "
+        "are verified by the model in one forward (turns overlap off)",
     )
     g.add_argument(
         "--speculative-draft-model-path",
         type=str,
         default=None,
         help="with --speculative-algorithm standalone: the draft model's folder (a Hugging "
-        "Face folder of a supported architecture, the same tokenizer as the model)",
+        "Face folder of a supported architecture, the same tokenizer as the model); with "
+        "eagle / eagle3: the EAGLE head's folder (its published checkpoint format)",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",

@@ -465,6 +465,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "derived from MODEL_DIR (its first --num-layers layers, its weights "
                         "plus --draft-noise x their std of noise; services/tiny_draft.py)")
     parser.add_argument("--draft-noise", type=float, default=0.0)
+    parser.add_argument("--eagle-of", metavar="MODEL_DIR", default=None,
+                        help="instead of a random model: an EAGLE draft head for MODEL_DIR, in "
+                        "the checkpoints' format (services/tiny_eagle.py)")
+    parser.add_argument("--eagle3", action="store_true", help="with --eagle-of: an EAGLE-3 head")
+    parser.add_argument("--eagle-draft-vocab", type=int, default=None,
+                        help="with --eagle3: its draft vocabulary (default: the model's)")
+    parser.add_argument("--eagle-copy-layers", type=int, default=0,
+                        help="with --eagle-of (EAGLE): a head derived from the model's first N "
+                        "layers, which agrees with it on part of its tokens (0: random)")
     tiny_fp8.add_args(parser)
     parser.set_defaults(func=run)
     return parser
@@ -478,6 +487,13 @@ def run(args: argparse.Namespace) -> int:
         path = make_draft_model(
             args.draft_of, args.out_dir, args.num_layers, args.draft_noise, args.seed
         )
+        print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
+        return 0
+    if args.eagle_of is not None:
+        from services.tiny_eagle import make_eagle_head
+
+        path = make_eagle_head(args.eagle_of, args.out_dir, args.eagle3,
+                               args.eagle_draft_vocab, args.eagle_copy_layers, args.seed)
         print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
         return 0
     sizes = {key: getattr(args, key) for key in _SIZE_KEYS}

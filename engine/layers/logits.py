@@ -71,6 +71,9 @@ class LogitsProcessor(nn.Module):
         self.divisor = None if divisor in (None, 1.0) else divisor
         self.tp = tp  # tensor parallelism: the lm_head holds this rank's part of the vocabulary
         self.gemv_max_rows = 0  # engine.layers.linear.use_triton_gemv: the Triton GEMV's rows
+        # EAGLE speculation: where every token's final hidden state is kept, by KV slot
+        # (engine/speculative/eagle.py; None without)
+        self.hidden_capture = None
 
     def forward(
         self, hidden_states: torch.Tensor, lm_head_weight: torch.Tensor, forward_batch: ForwardBatch
@@ -80,6 +83,8 @@ class LogitsProcessor(nn.Module):
         fb = forward_batch
         if fb.pooling is not None:
             return pool_hidden(hidden_states, fb, fb.pooling)
+        if self.hidden_capture is not None:
+            self.hidden_capture.store(hidden_states, fb)
         if not fb.return_all_logits and not fb.forward_mode.is_decode():
             index = fb.last_token_indices
             if fb.prompt_logprob_rows is not None:

@@ -106,6 +106,10 @@ def plan_kv_memory(
 
             fixed, draft_per_token = draft_memory(args, dtype)
             usable -= fixed
+            if args.speculative_algorithm in ("eagle", "eagle3"):  # the model's hidden
+                from engine.speculative.eagle import hidden_bytes_per_token  # states kept
+
+                draft_per_token += hidden_bytes_per_token(args, mc.hf_config, dtype)
         tokens = int(max(usable, 0) // (per_token + draft_per_token))
     else:
         tokens = min(int(DEFAULT_CPU_KV_BYTES // per_token), DEFAULT_CPU_KV_TOKENS)

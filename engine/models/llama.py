@@ -250,6 +250,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.embedding_multiplier = variant.multipliers(config)[0]
+        # EAGLE-3 speculation: the layers whose input residual stream is kept for the draft
+        # head, and where (engine/speculative/eagle.py; None without)
+        self.aux_capture = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
@@ -258,8 +261,16 @@ class LlamaModel(nn.Module):
         if self.embedding_multiplier != 1.0:
             hidden = hidden * self.embedding_multiplier
         residual = None
-        for layer in self.layers:
+        capture = self.aux_capture
+        aux = [] if capture is not None else None
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in capture.layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if aux is not None:
+            if len(self.layers) in capture.layers:
+                aux.append(hidden + residual)
+            capture.store_layers(aux, forward_batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -44,6 +44,9 @@ _MODELS = {
     "Ernie4_5_MoeForCausalLM": "engine.models.llama_moe:Ernie4_5_MoeForCausalLM",
     "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",
     "GPT2LMHeadModel": "engine.models.gpt2:GPT2LMHeadModel",
+    # EAGLE draft heads (speculative decoding: engine/speculative/eagle.py)
+    "LlamaForCausalLMEagle": "engine.models.llama_eagle:LlamaForCausalLMEagle",
+    "LlamaForCausalLMEagle3": "engine.models.llama_eagle:LlamaForCausalLMEagle3",
     "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
     # served as its text model (engine.config.TEXT_OF_MULTIMODAL)

@@ -10,8 +10,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 # "standalone" (SGLang's name; vLLM's method "draft_model"): a separate, smaller model of the
-# same vocabulary drafts greedily (engine/speculative/draft_model.py)
-SPECULATIVE_ALGORITHMS = ("ngram", "standalone")
+# same vocabulary drafts greedily (engine/speculative/draft_model.py); "eagle" / "eagle3": an
+# EAGLE head reading the model's hidden states (engine/speculative/eagle.py)
+SPECULATIVE_ALGORITHMS = ("ngram", "standalone", "eagle", "eagle3")
+# the algorithms that draft with the model at speculative_draft_model_path
+DRAFT_MODEL_ALGORITHMS = ("standalone", "eagle", "eagle3")
 _ALIASES = {"draft_model": "standalone"}
 SPECULATIVE_ALGORITHM_NAMES = SPECULATIVE_ALGORITHMS + tuple(_ALIASES)  # (what flags accept)
 # vLLM's --speculative-config keys -> EngineArgs fields
@@ -44,8 +47,10 @@ def from_vllm_config(config: dict[str, Any]) -> dict[str, Any]:
             f"speculative config: method {method!r} not served (one of: "
             f"{', '.join(SPECULATIVE_ALGORITHMS)}, draft_model)"
         )
-    if "model" in config and method.lower() != "standalone":
+    if "model" in config and method.lower() not in DRAFT_MODEL_ALGORITHMS:
         raise ValueError(f"speculative config: method {method!r} takes no draft 'model'")
+    if "model" not in config and method.lower() in DRAFT_MODEL_ALGORITHMS:
+        raise ValueError(f"speculative config: method {method!r} needs a draft 'model'")
     config = {**config, "method": method}
     if "prompt_lookup_max" in config and "prompt_lookup_min" not in config:
         config = {**config, "prompt_lookup_min": config["prompt_lookup_max"]}
@@ -61,18 +66,19 @@ def check_speculative_args(args: Any) -> None:
     if algo is None:
         if draft is not None:
             raise ValueError(
-                "speculative_draft_model_path needs speculative_algorithm='standalone'"
+                "speculative_draft_model_path needs speculative_algorithm 'standalone', "
+                "'eagle' or 'eagle3'"
             )
         return
     algo = _ALIASES.get(algo.lower(), algo.lower())
     if algo not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"speculative_algorithm: {algo!r} not in {SPECULATIVE_ALGORITHMS}")
     object.__setattr__(args, "speculative_algorithm", algo)
-    if (algo == "standalone") != (draft is not None):
+    if (algo in DRAFT_MODEL_ALGORITHMS) != (draft is not None):
         raise ValueError(
-            "speculative_algorithm 'standalone' needs speculative_draft_model_path (the draft "
+            f"speculative_algorithm {algo!r} needs speculative_draft_model_path (the draft "
             "model's folder)" if draft is None
-            else f"speculative_draft_model_path is for 'standalone', not {algo!r}"
+            else f"speculative_draft_model_path is for {DRAFT_MODEL_ALGORITHMS}, not {algo!r}"
         )
     lo = args.speculative_ngram_min_match_window_size
     hi = args.speculative_ngram_max_match_window_size

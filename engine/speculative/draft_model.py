@@ -72,15 +72,22 @@ class _Draft:
     length: int = 0
     confirmed: int = 0
     tail: list[int] = field(default_factory=list)
+    # the request's row of the model's req_to_token (EAGLE reads the model's hidden states
+    # of its positions through it; set each step)
+    target_row: int = -1
     # the request's fixed constraints on its tokens as an additive bias [vocab] (its
     # allowed_token_ids, its logit_bias; None without): its drafts obey them too
     bias: torch.Tensor | None = None
 
 
 class DraftModelDrafter(Drafter):
+    # whether the K/V of the drafts the model accepted is kept (an EAGLE head's is not: it
+    # was computed from its own hidden states, not the model's)
+    reuses_tail = True
+
     def __init__(self, args: EngineArgs, runner: Any, context_len: int) -> None:
         super().__init__(args, context_len)
-        self.runner = make_draft_runner(args, runner)
+        self.runner = self._make_runner(args, runner)
         draft, target = self.runner.model_config, runner.model_config
         if draft.vocab_size != target.vocab_size:
             logger.warning(
@@ -107,7 +114,7 @@ class DraftModelDrafter(Drafter):
         for i, r in enumerate(reqs):
             room = self.room(r)
             if room:
-                tokens = token_array(r)
+                tokens = self._draft_tokens(token_array(r))
                 state = self._sync(r, tokens)
                 if state is not None:
                     todo.append((i, tokens, room, state))
@@ -124,6 +131,14 @@ class DraftModelDrafter(Drafter):
             state.tail = drafts[i][: room - 1]
             state.length = state.confirmed + len(state.tail)
         return drafts
+
+    def _make_runner(self, args: EngineArgs, runner: Any) -> Any:
+        return make_draft_runner(args, runner)
+
+    def _draft_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        """The tokens the draft reads, at positions 0, 1, ... (an EAGLE head: the request's
+        from its second on, each beside the model's hidden state of the position before)."""
+        return tokens
 
     def forget(self, req: Req) -> None:
         if req.rid in self.drafts:
@@ -156,7 +171,10 @@ class DraftModelDrafter(Drafter):
             if rows is None:
                 return None
             state = self.drafts[r.rid] = _Draft(r.rid, rows[0], bias=self._bias(r))
-        keep = state.confirmed + _common_prefix(state.tail, tokens[state.confirmed :])
+        state.target_row = r.req_pool_idx
+        keep = state.confirmed
+        if self.reuses_tail:
+            keep += _common_prefix(state.tail, tokens[state.confirmed :])
         self._trim(state, min(keep, len(tokens) - 1))
         return state
 
@@ -276,6 +294,7 @@ class DraftModelDrafter(Drafter):
         loc = req_to_token[dev_rows, dev_pos].to(torch.int64) * dev[2 * m : 3 * m].view(steps, n)
         bias = self._stacked_bias(states, dev)
         tokens = dev[3 * m :]
+        hidden = self._first_hidden(states)  # (an EAGLE head's; None for a draft model)
         out = []
         for s in range(steps):
             fb = ForwardBatch(
@@ -283,14 +302,20 @@ class DraftModelDrafter(Drafter):
                 positions=dev_pos[s], out_cache_loc=loc[s], req_pool_indices=dev_rows[s],
                 seq_lens=dev_pos[s] + 1, seq_lens_cpu=(pos[s] + 1).tolist(),
                 req_to_token=req_to_token, kv_pool=runner.kv_pool,
-                attn_backend=runner.attn_backend,
+                attn_backend=runner.attn_backend, spec_hidden=hidden,
             )  # fmt: skip
             tokens = self._greedy(runner.forward(fb), bias)
+            hidden = fb.spec_hidden_out
             out.append(tokens)
         made_tokens = torch.stack(out).tolist()  # [steps, n]: the one host read
         for k, j in enumerate(members):
             i, room = todo[j][0], todo[j][2]
             drafts[i].extend(made_tokens[s][k] for s in range(room - 1))
+
+    def _first_hidden(self, states: list[_Draft]) -> torch.Tensor | None:
+        """The hidden states of the first decode forward's inputs (EAGLE: the head's own
+        output at each request's last caught-up position)."""
+        return None
 
     def _stacked_bias(self, states: list[_Draft], like: torch.Tensor) -> torch.Tensor | None:
         """The requests' biases as one [n, vocab] tensor (None: no request has one)."""
@@ -347,11 +372,20 @@ class DraftModelDrafter(Drafter):
         )
         fb = runner.build_forward_batch(mwb)
         fb.return_all_logits = short
+        fb.spec_hidden = self._extend_hidden(group)
         logits = runner.forward(fb)
         if short:  # each request's last token's
             logits = logits.index_select(0, fb.last_token_indices)
+        self._extended(group, fb)
         bias = self._stacked_bias([state for state, _, _, _ in group], logits)
         return self._greedy(logits, bias).tolist()
+
+    def _extend_hidden(self, group: list) -> torch.Tensor | None:
+        """The hidden states a catch-up forward reads (EAGLE: the model's), or None."""
+        return None
+
+    def _extended(self, group: list, fb: ForwardBatch) -> None:
+        """After a catch-up forward (EAGLE keeps its output hidden states)."""
 
 
 def _common_prefix(a: list[int], b: np.ndarray) -> int:
@@ -375,7 +409,9 @@ def _positions(rows: list[int], starts: list[int], lens: list[int]) -> tuple:
 
 
 # -- the draft's runner and memory -------------------------------------------------------------
-def draft_args(args: EngineArgs, max_total_tokens: int | None, dtype: str) -> EngineArgs:
+def draft_args(
+    args: EngineArgs, max_total_tokens: int | None, dtype: str | torch.dtype
+) -> EngineArgs:
     """The draft model's engine arguments: the model's, less what is the model's alone
     (speculation, LoRA, quantization flags, overrides, tensor parallelism, cache tiers)."""
     return dataclasses.replace(

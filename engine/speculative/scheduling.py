@@ -127,6 +127,10 @@ def make_drafter(args: EngineArgs, runner: Any, context_len: int) -> Drafter | N
     """The drafter `args.speculative_algorithm` names (None without speculation)."""
     if args.speculative_algorithm is None:
         return None
+    if args.speculative_algorithm in ("eagle", "eagle3"):
+        from engine.speculative.eagle import EagleDrafter
+
+        return EagleDrafter(args, runner, context_len)
     if args.speculative_algorithm == "standalone":
         from engine.speculative.draft_model import DraftModelDrafter
 

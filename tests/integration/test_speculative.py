@@ -143,7 +143,8 @@ def test_tight_memory_grammar_lora_and_mixed_chunk() -> None:
 def test_arguments_are_checked() -> None:
     path = tiny_model("llama")
     for bad, why in [
-        ({"speculative_algorithm": "eagle"}, "not in"),
+        ({"speculative_algorithm": "medusa"}, "not in"),
+        ({"speculative_algorithm": "eagle"}, "needs speculative_draft_model_path"),
         ({"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 0}, ">= 1"),
         ({"speculative_algorithm": "ngram", "speculative_ngram_min_match_window_size": 5,
           "speculative_ngram_max_match_window_size": 3}, "min <= max"),

@@ -1,5 +1,5 @@
-"""A worker started with `--speculative-algorithm ngram` (or `standalone` with a draft model)
-serves through the streams: the tokens of plain decoding, streamed several per step when
+"""A worker started with `--speculative-algorithm ngram` (or `standalone` with a draft model,
+or `eagle` with an EAGLE head) serves through the streams: the tokens of plain decoding, streamed several per step when
 drafts are accepted, and its heartbeat reports the accept length."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ PARAMS = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
           "allowed_token_ids": [11, 12, 13]}  # fmt: skip
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "standalone"])
+@pytest.mark.parametrize("algorithm", ["ngram", "standalone", "eagle"])
 def test_speculative_worker_streams_plain_decodings_tokens(
     redis_url: str, tmp_path, algorithm: str
 ) -> None:
@@ -33,6 +33,10 @@ def test_speculative_worker_streams_plain_decodings_tokens(
 
         args = (*WORKER_TEST_ARGS, "--speculative-algorithm", "standalone",
                 "--speculative-draft-model-path", noisy_draft(model),
+                "--speculative-num-draft-tokens", "4")  # fmt: skip
+    if algorithm == "eagle":  # a random head: right about a third of the time among 3 tokens
+        args = (*WORKER_TEST_ARGS, "--speculative-algorithm", "EAGLE",
+                "--speculative-draft-model-path", _random_head(model),
                 "--speculative-num-draft-tokens", "4")  # fmt: skip
     with Engine(model_path=model, disable_overlap_schedule=True) as engine:
         want = [o["output_ids"] for o in engine.generate(prompt=PROMPTS, sampling_params=PARAMS)]
@@ -53,3 +57,14 @@ def test_speculative_worker_streams_plain_decodings_tokens(
 
         wait_until(lambda: accept_length() > 1.0, 30.0, [st.worker], "the accept length")
         assert accept_length() < 5.0
+
+
+def _random_head(model: str) -> str:
+    import os
+
+    from services.tiny_eagle import make_eagle_head
+
+    out = model + "-eagle-random"
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_eagle_head(model, out)
+    return out

@@ -74,10 +74,10 @@ def test_vllm_config() -> None:
             "speculative_num_draft_tokens": 3,
         }
     for bad, why in [
-        ({"method": "eagle"}, "not served"),
+        ({"method": "eagle"}, "needs a draft 'model'"),
         ({"num_speculative_tokens": 3}, "not served"),
         ({"method": "ngram", "model": "x"}, "takes no draft 'model'"),
-        ({"method": "eagle", "model": "x"}, "not served"),
+        ({"method": "medusa", "model": "x"}, "not served"),
         ({"model": "x", "draft_tensor_parallel_size": 1}, "unsupported keys"),
         ([1], "JSON object"),
     ]:

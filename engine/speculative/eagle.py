@@ -1,0 +1,222 @@
+"""EAGLE speculative decoding (SGLang's `--speculative-algorithm EAGLE` / `EAGLE3`, vLLM's
+`eagle` / `eagle3` methods): drafts from a small head that reads the model's hidden states
+(engine/models/llama_eagle.py), chained greedily (one draft a position: SGLang's
+`--speculative-eagle-topk 1`; no tree).
+
+**The model's side.** Every forward of the model keeps the hidden states the head reads, one
+row per token, in a buffer indexed by the token's KV slot (`HiddenCapture`): the final normed
+hidden state for EAGLE (the lm_head's input, written by the logits processor), the residual
+stream entering three layers for EAGLE-3 (written by the Llama model's layer loop). Indexing
+by slot makes the rows live exactly as long as the token's K/V: a cached prefix brings its
+rows along (a hidden state depends on the prefix only), chunked prefills and verify steps
+write theirs as they run, rejected drafts' rows go with their slots, and CUDA graphs (decode
+and verify) capture the writes with the rest of the forward. The cost is the buffer: the
+model's KV slots x the hidden size (EAGLE) or three times it (EAGLE-3), in the model's dtype,
+taken out of the KV budget on a GPU (`hidden_bytes_per_token`).
+
+**The head's side** is the draft model's (engine/speculative/draft_model.py: its own runner,
+K/V pool of page size 1, a row per request) with two differences:
+
+* Its position p reads token p + 1 with the model's hidden state of position p, so the tokens
+  it reads are the request's from its second on (`_draft_tokens`). A request of L tokens has
+  model hidden states for positions 0 .. L - 2 (position L - 1 is the last token, which the
+  next verify step runs), exactly the positions of the tokens the head reads.
+* The K/V of its drafts came from its own hidden states, not the model's: it is never kept.
+  Each step's catch-up reruns the positions from the last step's first draft on, with the
+  model's hidden states of the tokens the model accepted (SGLang's draft extend after
+  verify), and its outputs at each request's last position seed the decode forwards, whose
+  hidden input is the previous forward's output.
+
+The head runs without CUDA graphs for now (its forwards read a hidden-state input that the
+graphs do not have yet); the model's own forwards, verify steps included, replay theirs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engine.speculative.draft_model import (
+    DraftModelDrafter,
+    _positions,
+    draft_args,
+    draft_pool_tokens,
+)
+
+if TYPE_CHECKING:
+    from engine.config import EngineArgs
+    from engine.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+EAGLE_ALGORITHMS = ("eagle", "eagle3")
+# the head's class for each algorithm: an EAGLE checkpoint's config says LlamaForCausalLM
+_HEAD_ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
+
+
+class HiddenCapture:
+    """The model's hidden states the head reads, [KV slots, width], row = the token's slot;
+    `layers`: EAGLE-3's captured layers (None: the final hidden state)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        width: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layers: tuple[int, ...] | None = None,
+    ) -> None:
+        self.buffer = torch.zeros(num_slots, width, dtype=dtype, device=device)
+        self.layers = layers
+
+    def store(self, hidden: torch.Tensor, forward_batch: ForwardBatch) -> None:
+        loc = forward_batch.out_cache_loc
+        self.buffer.index_copy_(0, loc.to(torch.int64), hidden.to(self.buffer.dtype))
+
+    def store_layers(self, states: list[torch.Tensor], forward_batch: ForwardBatch) -> None:
+        self.store(torch.cat(states, dim=-1), forward_batch)
+
+    def rows(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.buffer.index_select(0, slots.to(torch.int64))
+
+
+def _draft_hf_config(args: EngineArgs):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(args.speculative_draft_model_path)
+
+
+def head_class(args: EngineArgs) -> type:
+    from engine.models.llama_eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
+
+    return LlamaForCausalLMEagle3 if args.speculative_algorithm == "eagle3" else (
+        LlamaForCausalLMEagle
+    )  # fmt: skip
+
+
+def hidden_bytes_per_token(args: EngineArgs, target_hf_config, dtype: torch.dtype) -> int:
+    """Bytes of captured hidden state per KV slot of the model."""
+    width = head_class(args).hidden_width(target_hf_config)
+    return width * torch.empty((), dtype=dtype).element_size()
+
+
+def install_hidden_capture(runner: Any) -> HiddenCapture:
+    """Make the model's forwards keep the hidden states the EAGLE head reads (before any CUDA
+    graph is captured); ValueError where the model cannot give them."""
+    from engine.models.llama import LlamaModel
+    from engine.models.llama_eagle import eagle3_capture_layers
+
+    args, model = runner.args, runner.model
+    if runner.tp.size > 1:
+        raise ValueError(
+            f"speculative_algorithm {args.speculative_algorithm!r}: not with tensor "
+            "parallelism yet (the head shares the model's embedding, which is split)"
+        )
+    hf = runner.model_config.hf_config
+    slots = runner.kv_pool.num_slots
+    width = head_class(args).hidden_width(hf)
+    if args.speculative_algorithm == "eagle":
+        processor = getattr(model, "logits_processor", None)
+        if processor is None or not hasattr(model, "lm_head_weight"):
+            raise ValueError(f"EAGLE: {type(model).__name__} has no lm_head to draft over")
+        capture = HiddenCapture(slots, width, runner.dtype, runner.device)
+        processor.hidden_capture = capture
+    else:
+        inner = getattr(model, "model", None)
+        if not isinstance(inner, LlamaModel):
+            raise ValueError(
+                f"EAGLE-3: the model must be of the Llama family (Llama, Qwen2/3, Mistral...), "
+                f"not {type(model).__name__}"
+            )
+        layers = eagle3_capture_layers(hf, _draft_hf_config(args))
+        capture = HiddenCapture(slots, width, runner.dtype, runner.device, layers)
+        inner.aux_capture = capture
+    logger.info(
+        "%s: the model's hidden states kept per KV slot (%d x %d, %.1f MiB)",
+        args.speculative_algorithm.upper(), slots, width,
+        capture.buffer.numel() * capture.buffer.element_size() / 2**20,
+    )  # fmt: skip
+    return capture
+
+
+def make_head_runner(args: EngineArgs, runner: Any) -> Any:
+    """The head's ModelRunner: the draft model's arguments, the model's context length (head
+    checkpoints often say 2048), no CUDA graphs (see the module's note)."""
+    from engine.config import ModelConfig
+    from engine.model_runner import ModelRunner
+
+    path = args.speculative_draft_model_path
+    config = ModelConfig.from_pretrained(path, context_length=runner.model_config.context_len)
+    arch = _HEAD_ARCHITECTURES[args.speculative_algorithm]
+    config = dataclasses.replace(config, architecture=arch)
+    tokens = draft_pool_tokens(runner.max_total_tokens, args)
+    head_args = dataclasses.replace(
+        draft_args(args, tokens, runner.dtype),  # (a torch dtype: the model's, whatever it is)
+        context_length=runner.model_config.context_len,
+        disable_cuda_graph=True,
+    )
+    head = ModelRunner(config, head_args)
+    head.model.share_from_target(runner.model)
+    logger.info(
+        "%s head %s: %d layer(s), KV pool of %d tokens",
+        args.speculative_algorithm.upper(), path, config.num_layers, tokens,
+    )  # fmt: skip
+    return head
+
+
+class EagleDrafter(DraftModelDrafter):
+    reuses_tail = False
+
+    def __init__(self, args: EngineArgs, runner: Any, context_len: int) -> None:
+        super().__init__(args, runner, context_len)
+        self.capture: HiddenCapture = runner.hidden_capture
+        self.target_req_to_token = runner.req_to_token_pool.req_to_token
+        hot = getattr(self.runner.model, "hot_token_ids", None)
+        # a smaller draft vocabulary (EAGLE-3's): draft id -> the model's id
+        self.hot = None if hot is None else hot.to(self.runner.device)
+        if self.hot is not None and int(self.hot.max()) >= runner.model_config.vocab_size:
+            raise ValueError("EAGLE-3: the head's d2t maps past the model's vocabulary")
+        self.vocab = runner.model_config.vocab_size  # (the biases are over the model's ids)
+        self._last_hidden: dict[str, torch.Tensor] = {}
+
+    def _make_runner(self, args: EngineArgs, runner: Any) -> Any:
+        return make_head_runner(args, runner)
+
+    def _draft_tokens(self, tokens: np.ndarray) -> np.ndarray:
+        return tokens[1:]
+
+    def propose(self, reqs):
+        self._last_hidden.clear()
+        try:
+            return super().propose(reqs)
+        finally:
+            self._last_hidden.clear()
+
+    def _extend_hidden(self, group: list) -> torch.Tensor:
+        rows = [state.target_row for state, _, _, _ in group]
+        starts = [start for _, _, start, _ in group]
+        lens = [end - start for _, _, start, end in group]
+        r, c = _positions(rows, starts, lens)
+        table = self.target_req_to_token
+        slots = table[r.to(table.device), c.to(table.device)]
+        return self.capture.rows(slots)
+
+    def _extended(self, group: list, fb: ForwardBatch) -> None:
+        out = fb.spec_hidden_out.index_select(0, fb.last_token_indices)
+        for k, (state, tokens, _, end) in enumerate(group):
+            if end == len(tokens):  # (the request's last position: its decode's first input)
+                self._last_hidden[state.rid] = out[k]
+
+    def _first_hidden(self, states: list) -> torch.Tensor:
+        return torch.stack([self._last_hidden[state.rid] for state in states])
+
+    def _greedy(self, logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.hot is None:
+            return super()._greedy(logits, bias)
+        if bias is not None:  # (over the model's ids: the draft vocabulary's columns of it)
+            logits = logits.float() + bias[:, self.hot]
+        return self.hot[logits.argmax(-1)]

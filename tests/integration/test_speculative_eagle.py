@@ -1,0 +1,243 @@
+"""EAGLE speculative decoding (`speculative_algorithm="eagle"` / `"eagle3"`): the tokens are
+plain decoding's whatever the head drafts; the model's hidden states are kept per KV slot as
+transformers computes them; the head's drafts are, token for token, what a plain-torch
+reference of the head (services/tiny_eagle.py) drafts from the model's hidden states (in
+float64); a head derived from the model agrees with it; bad configurations are refused."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from engine.engine import Engine
+from tests.factories import assert_engine_clean, mixed_prompts, tiny_model
+
+PLAIN = {"disable_overlap_schedule": True}
+K = 3
+LAYERS = 6  # (EAGLE-3 reads three distinct layers' inputs: the head's config names them)
+
+
+def _target() -> str:
+    """A tiny llama of LAYERS layers, built once."""
+    from services.tiny_model import make_tiny_model
+
+    out = os.path.join(os.path.dirname(tiny_model("llama")), f"llama-eagle-target-{LAYERS}")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_tiny_model(out, "llama", num_layers=LAYERS)
+    return out
+
+
+def head(kind: str, **kw) -> str:
+    """A head for the target, built once: "eagle", "eagle3" (a draft vocabulary of 512)."""
+    from services.tiny_eagle import make_eagle_head
+
+    target = _target()
+    tag = "-".join(f"{k}{v}" for k, v in sorted(kw.items()))
+    out = f"{target}-{kind}{tag}"
+    if not os.path.exists(os.path.join(out, "config.json")):
+        if kind == "eagle3":
+            kw.setdefault("draft_vocab", 512)
+        make_eagle_head(target, out, eagle3=kind == "eagle3", **kw)
+    return out
+
+
+def _spec(kind: str, path: str, k: int = K) -> dict:
+    return {"speculative_algorithm": kind, "speculative_draft_model_path": path,
+            "speculative_num_draft_tokens": k}  # fmt: skip
+
+
+def _run(prompts, params, **kw):
+    with Engine(model_path=_target(), **PLAIN, **kw) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        stats = engine.get_stats()
+        assert_engine_clean(engine)
+        drafter = engine.scheduler.drafter
+        if drafter is not None:  # every request finished: the head's K/V and rows are back
+            runner = drafter.runner
+            assert not drafter.drafts
+            assert runner.allocator.available_size() == runner.allocator.size
+            assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+    return [o["output_ids"] for o in outs], stats
+
+
+def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    return mixed_prompts(1536, n=n, seed=seed, max_len=100)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize(("page_size", "chunk"), [(1, 8192), (4, 32)])
+def test_greedy_tokens_equal_plain(kind: str, page_size: int, chunk: int) -> None:
+    prompts = _prompts()
+    params = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
+    kw = {"page_size": page_size, "chunked_prefill_size": chunk}
+    want, _ = _run(prompts, params, **kw)
+    got, stats = _run(prompts, params, **_spec(kind, head(kind)), **kw)
+    assert got == want
+    assert stats["spec_num_drafts"] > 0 and stats["spec_draft_tokens"] > 0, stats
+
+
+def test_seeded_sampling_and_penalties_equal_plain() -> None:
+    prompts = _prompts(4, seed=1)
+    params = [
+        {"temperature": 0.8, "sampling_seed": 7, "max_new_tokens": 16, "ignore_eos": True},
+        {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
+         "repetition_penalty": 1.3, "logit_bias": {"5": 3.0}},
+        {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
+         "allowed_token_ids": list(range(100, 400))},
+        {"temperature": 1.0, "top_k": 20, "sampling_seed": 3, "max_new_tokens": 16,
+         "ignore_eos": True},
+    ]  # fmt: skip
+    want, _ = _run(prompts, params)
+    got, _ = _run(prompts, params, **_spec("eagle3", head("eagle3")))
+    assert got == want
+
+
+def test_derived_head_agrees_with_a_model_decided_by_its_first_layers() -> None:
+    """A model whose first layer's MLP decides its tokens (its attention outputs and its second
+    layer's scaled down) and whose final norm is 1, and a head derived from its first layer
+    (services/tiny_eagle.py): most drafts are accepted, and the tokens are plain decoding's."""
+    from safetensors.torch import load_file, save_file
+
+    from services.tiny_eagle import make_eagle_head
+
+    base = tiny_model("llama")
+    path = base + "-first-mlp-decides"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        import shutil
+
+        shutil.copytree(base, path)
+        file = os.path.join(path, "model.safetensors")
+        w = load_file(file)
+        for key in list(w):
+            # the second layer's outputs, and the first's attention (the head misses the first
+            # token), scaled down: the first layer's MLP decides the tokens
+            if key.endswith("o_proj.weight") or (
+                key.startswith("model.layers.1.") and key.endswith("down_proj.weight")
+            ):
+                w[key] = w[key] * 0.02
+        w["model.norm.weight"] = torch.ones_like(w["model.norm.weight"])
+        save_file(w, file, metadata={"format": "pt"})
+        make_eagle_head(path, path + "-eagle", copy_layers=1)
+    prompts = _prompts()
+    params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    with Engine(model_path=path, **PLAIN) as engine:
+        want = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_path=path, **PLAIN, **_spec("eagle", path + "-eagle")) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        stats = engine.get_stats()
+    assert [o["output_ids"] for o in outs] == want
+    assert stats["spec_accept_length"] > 2.5, stats  # (3.04 of at most 4 when written)
+
+
+# -- the model's hidden states, and the drafts, against references -----------------------------
+def _hf(dtype=torch.float64):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(_target(), dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_kept_hidden_states_are_transformers(kind: str) -> None:
+    from services.tiny_eagle import aux_layers, load_head, model_states
+
+    prompt = _prompts(1, seed=3)[0][:40]
+    path = head(kind)
+    with Engine(model_path=_target(), dtype=torch.float64, **PLAIN, **_spec(kind, path)) as engine:
+        sched = engine.scheduler
+        seen = {}
+        orig = sched.drafter.propose
+
+        def spy(reqs):  # the request's slots and hidden rows at its first decode step
+            r = reqs[0]
+            if not seen:
+                table = sched.model_runner.req_to_token_pool.req_to_token
+                slots = table[r.req_pool_idx, : len(prompt)].to(torch.int64)
+                seen["rows"] = sched.model_runner.hidden_capture.rows(slots).clone()
+            return orig(reqs)
+
+        sched.drafter.propose = spy
+        engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 3,
+                                                             "temperature": 0.0})
+    _, cfg = load_head(path)
+    ids = (getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = aux_layers(LAYERS, ids) if kind == "eagle3" else None
+    with torch.no_grad():
+        _, want = model_states(_hf(), torch.tensor(prompt), kind == "eagle3", layers)
+    torch.testing.assert_close(seen["rows"], want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_drafts_are_the_reference_heads(kind: str) -> None:
+    """Every request's drafts of every step equal the reference head's chain from the model's
+    hidden states of the request's tokens then (float64: no near-ties)."""
+    from services.tiny_eagle import aux_layers, head_forward, load_head, model_states
+
+    path = head(kind)
+    prompts = _prompts(3, seed=2)
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    proposals = []  # (request's tokens, its drafts)
+    kw = {"dtype": torch.float64, "page_size": 4, "chunked_prefill_size": 32}
+    with Engine(model_path=_target(), **PLAIN, **kw, **_spec(kind, path)) as engine:
+        drafter = engine.scheduler.drafter
+        orig = drafter.propose
+
+        def spy(reqs):
+            from engine.speculative.scheduling import token_array
+
+            tokens = [token_array(r).copy() for r in reqs]
+            drafts = orig(reqs)
+            proposals.extend(zip(tokens, [list(d) for d in drafts]))
+            return drafts
+
+        drafter.propose = spy
+        engine.generate(input_ids=prompts, sampling_params=params)
+    proposals = [(t, d) for t, d in proposals if d]  # (none in a request's last steps)
+    assert len(proposals) > 10
+    w, cfg = load_head(path)
+    eagle3 = kind == "eagle3"
+    ids = (getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = aux_layers(LAYERS, ids) if eagle3 else None
+    model = _hf()
+    embed = model.get_input_embeddings().weight
+    lm = w["lm_head.weight"] if eagle3 else model.get_output_embeddings().weight
+    hot = w["d2t"] + torch.arange(len(w["d2t"])) if eagle3 else None
+    with torch.no_grad():
+        for tokens, drafts in proposals:
+            seq = torch.from_numpy(np.asarray(tokens))
+            _, hidden = model_states(model, seq, eagle3, layers)
+            n = len(seq) - 1  # head positions 0 .. L - 2: tokens 1 .. L - 1, hidden 0 .. L - 2
+            ids_in, own, want = seq[1:], None, []
+            for _ in drafts:
+                logits, out = head_forward(w, cfg, embed, lm, ids_in, hidden[:n],
+                                           torch.arange(len(ids_in)), eagle3, own)  # fmt: skip
+                best = int(logits[-1].argmax())
+                token = int(hot[best]) if hot is not None else best
+                want.append(token)
+                own = out[n - 1 :] if own is None else torch.cat([own, out[-1:]], 0)
+                ids_in = torch.cat([ids_in, torch.tensor([token])])
+            assert drafts == want, (len(tokens), drafts, want)
+
+
+# -- configuration ------------------------------------------------------------------------------
+def test_bad_configurations_are_refused() -> None:
+    from engine.config import EngineArgs
+    from engine.speculative import from_vllm_config
+
+    with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
+        EngineArgs(model_path=_target(), speculative_algorithm="EAGLE3")
+    args = EngineArgs(model_path=_target(), speculative_algorithm="EAGLE",
+                      speculative_draft_model_path=head("eagle"))  # fmt: skip
+    assert args.speculative_algorithm == "eagle"
+    assert from_vllm_config({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}) == {
+        "speculative_algorithm": "eagle3", "speculative_draft_model_path": "x",
+        "speculative_num_draft_tokens": 2,
+    }  # fmt: skip
+    # EAGLE-3 reads three layers' states: a two-layer model has no three distinct ones
+    with pytest.raises(ValueError, match="three distinct hidden states"):
+        Engine(model_path=tiny_model("llama"), **PLAIN, **_spec("eagle3", head("eagle3")))
+    # a model outside the Llama family has no layer loop to read them from
+    with pytest.raises(ValueError, match="Llama family"):
+        Engine(model_path=tiny_model("gpt2"), **PLAIN, **_spec("eagle3", head("eagle3")))
