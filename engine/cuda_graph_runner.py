@@ -165,6 +165,14 @@ class CudaGraphRunner:
             dtype = _logits_dtype(model_runner)
             width = logits_width(dtype, vocab_size)  # (the lm_head's padded rows, if it pads)
             self.logits = torch.zeros(self.max_bs, width, dtype=dtype, device=device)
+            # an EAGLE head's decode forwards: the hidden states each row reads (its own
+            # previous output) and those it leaves (engine/models/llama_eagle.py)
+            hidden = getattr(self.model, "decode_hidden_width", None)
+            self.spec_hidden = self.spec_hidden_out = None
+            if hidden is not None:
+                self.spec_hidden = torch.zeros(self.max_bs, hidden, dtype=model_runner.dtype,
+                                               device=device)  # fmt: skip
+                self.spec_hidden_out = torch.zeros_like(self.spec_hidden)
 
     # -- capture --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -191,6 +199,7 @@ class CudaGraphRunner:
             and not fb.return_all_logits
             and (future_map is None or future_map is self.future_map)
             and reads_graph_state(self, fb)
+            and (fb.spec_hidden is None) == (self.spec_hidden is None)
         )
 
     def padded_size(self, batch_size: int) -> int:
@@ -207,6 +216,8 @@ class CudaGraphRunner:
         batch = self._load(forward_batch, bs)
         self.backend.init_forward_metadata_replay_cuda_graph(batch)
         self.graphs[bs].replay()
+        if self.spec_hidden_out is not None:
+            forward_batch.spec_hidden_out = self.spec_hidden_out[:n]
         return self.logits[:n, : self.vocab_size]
 
     def _load(self, forward_batch: ForwardBatch, bs: int) -> ForwardBatch:
@@ -220,13 +231,16 @@ class CudaGraphRunner:
             self.input_ids[:n].copy_(fb.input_ids)
             self.positions[:n].copy_(fb.positions)
         self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        if self.spec_hidden is not None:  # (padding rows read stale rows: rows never mix)
+            self.spec_hidden[:n].copy_(fb.spec_hidden)
         if bs > n:  # a larger batch may have left its rows here
             self.static_rows[:, n:bs].copy_(self.padding[:, n:bs])
         padding = [self.seq_len_fill_value] * (bs - n)
         return self._static_batch(bs, list(fb.seq_lens_cpu) + padding)
 
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
-        return static_batch(self, ForwardMode.DECODE, bs, bs, seq_lens_cpu)
+        hidden = None if self.spec_hidden is None else self.spec_hidden[:bs]
+        return static_batch(self, ForwardMode.DECODE, bs, bs, seq_lens_cpu, spec_hidden=hidden)
 
 
 def reads_graph_state(graphs: Any, fb: ForwardBatch) -> bool:
@@ -277,6 +291,9 @@ def graph_step(
         logits = graphs.model(batch.input_ids, batch.positions, batch)
         if logits.data_ptr() != out.data_ptr():  # (a model that computes them otherwise)
             out[:, : graphs.vocab_size].copy_(logits)
+        hidden_out = getattr(graphs, "spec_hidden_out", None)
+        if hidden_out is not None:  # (an EAGLE head's output hidden states)
+            hidden_out[: batch.batch_size].copy_(batch.spec_hidden_out)
 
     return step
 

@@ -71,6 +71,9 @@ class _HeadBase(nn.Module):
         self.config = config
         self.max_position = max(max_position or 0, config.max_position_embeddings)
         self.context_len = max_position or config.max_position_embeddings
+        # the width of the hidden states a decode forward reads (its own output's): the
+        # static input of its CUDA graphs (engine/cuda_graph_runner.py)
+        self.decode_hidden_width = config.hidden_size
         # (plain attributes, not submodules: the model's, set by share_from_target)
         self.__dict__["_embed"] = None
         self.__dict__["_target_head"] = None

@@ -27,8 +27,10 @@ K/V pool of page size 1, a row per request) with two differences:
   verify), and its outputs at each request's last position seed the decode forwards, whose
   hidden input is the previous forward's output.
 
-The head runs without CUDA graphs for now (its forwards read a hidden-state input that the
-graphs do not have yet); the model's own forwards, verify steps included, replay theirs.
+With CUDA graphs the head's decode forwards replay its decode graphs (a static hidden-state
+input and output beside the ids: engine/cuda_graph_runner.py); its catch-up extends, which
+read the model's hidden states, run eagerly (one a step). The model's own forwards, verify
+steps included, replay theirs, the hidden-state writes with them.
 """
 
 from __future__ import annotations
@@ -145,7 +147,8 @@ def install_hidden_capture(runner: Any) -> HiddenCapture:
 
 def make_head_runner(args: EngineArgs, runner: Any) -> Any:
     """The head's ModelRunner: the draft model's arguments, the model's context length (head
-    checkpoints often say 2048), no CUDA graphs (see the module's note)."""
+    checkpoints often say 2048); its decode graphs are captured once it has the model's
+    embedding (and lm_head)."""
     from engine.config import ModelConfig
     from engine.model_runner import ModelRunner
 
@@ -157,10 +160,13 @@ def make_head_runner(args: EngineArgs, runner: Any) -> Any:
     head_args = dataclasses.replace(
         draft_args(args, tokens, runner.dtype),  # (a torch dtype: the model's, whatever it is)
         context_length=runner.model_config.context_len,
-        disable_cuda_graph=True,
     )
-    head = ModelRunner(config, head_args)
+    head = ModelRunner(config, dataclasses.replace(head_args, disable_cuda_graph=True))
     head.model.share_from_target(runner.model)
+    head.args = head_args
+    if head_args.use_cuda_graph and head.attn_backend.supports_cuda_graph:
+        head.use_cuda_graph = True
+        head.capture_cuda_graphs()
     logger.info(
         "%s head %s: %d layer(s), KV pool of %d tokens",
         args.speculative_algorithm.upper(), path, config.num_layers, tokens,

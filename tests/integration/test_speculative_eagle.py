@@ -241,3 +241,42 @@ def test_bad_configurations_are_refused() -> None:
     # a model outside the Llama family has no layer loop to read them from
     with pytest.raises(ValueError, match="Llama family"):
         Engine(model_path=tiny_model("gpt2"), **PLAIN, **_spec("eagle3", head("eagle3")))
+
+
+# -- CUDA graphs (the CPU's eager double of them) ------------------------------------------------
+def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
+    """With the model's and the head's graphs (EagerGraphCapturer: the replay path on the
+    CPU), the head's decode forwards replay its graphs (its hidden states through the static
+    buffers, padded batches among them), and the drafts and tokens are the eager run's."""
+    from engine.cuda_graph_runner import EagerGraphCapturer
+
+    kind = "eagle3"  # (an EAGLE head's decode forwards read the same: its own hidden states)
+    prompts = [p[:20] for p in _prompts(3, seed=4)]
+    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
+              for n in (9, 6, 3)]  # fmt: skip
+
+    def run(graphs: bool):
+        drafts = []
+        with Engine(model_path=_target(), **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
+                    attention_backend="triton",
+                    **_spec(kind, head(kind))) as engine:  # fmt: skip
+            drafter = engine.scheduler.drafter
+            runners = (engine.scheduler.model_runner, drafter.runner)
+            for r in runners if graphs else ():
+                r.use_cuda_graph = True
+                r.graph_capturer_factory = lambda device: EagerGraphCapturer()
+                r.capture_cuda_graphs()
+            orig = drafter.propose
+            drafter.propose = lambda reqs: drafts.append(orig(reqs)) or drafts[-1]
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            replays = [
+                sum(g.num_replays for g in r.graph_runner.graphs.values())
+                for r in runners if r.graph_runner is not None
+            ]  # fmt: skip
+        return [o["output_ids"] for o in outs], drafts, replays
+
+    want, want_drafts, _ = run(False)
+    got, got_drafts, replays = run(True)
+    assert got == want
+    assert got_drafts == want_drafts
+    assert len(replays) == 2 and all(n > 0 for n in replays), replays

@@ -1,6 +1,7 @@
 """A worker started with `--speculative-algorithm ngram` (or `standalone` with a draft model,
-or `eagle` with an EAGLE head) serves through the streams: the tokens of plain decoding, streamed several per step when
-drafts are accepted, and its heartbeat reports the accept length."""
+or `eagle` with an EAGLE head) serves through the streams: the tokens of plain decoding,
+streamed several per step when drafts are accepted, and its heartbeat reports the accept
+length."""
 
 from __future__ import annotations
 
