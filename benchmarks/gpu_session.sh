@@ -39,7 +39,9 @@
 #               benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
 #               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json;
 #               then benchmarks/speculative_draft.py (bf16, 16 layers, a first-layer draft):
-#               a draft model's, writing benchmarks/results/gpu_speculative_draft.json
+#               a draft model's and EAGLE heads' (a derived EAGLE head, a random EAGLE-3
+#               one), writing benchmarks/results/gpu_speculative_draft.json; and
+#               tests/gpu/test_eagle_gpu.py (EAGLE heads' decode graphs, tokens == plain)
 #   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
 #               engine against transformers, writing benchmarks/results/gpu_embeddings.json;
 #               then benchmarks/encoders.py (BERT-base shape, 1024 inputs): gpu_encoders.json
@@ -254,6 +256,7 @@ do_step() {
                 --results-dir /tmp/sluice-gpu-smoke ;;
         speculative)
             run_step tests-verify-graphs 200 "${PYTEST[@]}" tests/gpu/test_verify_graphs_gpu.py
+            run_step tests-eagle 150 "${PYTEST[@]}" tests/gpu/test_eagle_gpu.py
             run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative
             run_step speculative-draft 150 python3 benchmarks/speculative_draft.py --device cuda \
