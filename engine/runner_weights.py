@@ -291,9 +291,7 @@ class RunnerWeights:
             torch.cuda.synchronize(self.device)  # (no forward in flight reads them)
         freed = 0
         if "kv_cache" in tags:
-            capture = getattr(self, "hidden_capture", None)  # (EAGLE: kept by K/V slot)
-            extra = [capture.buffer] if capture is not None else []
-            freed += memory.release_kv(self.kv_pool.buffers() + extra)
+            freed += memory.release_kv(self._kv_buffers())
         if "weights" in tags:
             freed += memory.release_weights(self.model, backup_weights, self.device)
             if discard and not self.weights_on_disk:
@@ -327,5 +325,11 @@ class RunnerWeights:
         assert self.model is not None and self.kv_pool is not None, "a host-only runner"
         return {
             "weights": occupied_bytes(self.model.parameters()),
-            "kv_cache": occupied_bytes(self.kv_pool.buffers()),
+            "kv_cache": occupied_bytes(self._kv_buffers()),
         }
+
+    def _kv_buffers(self) -> list[torch.Tensor]:
+        """The K/V pool's buffers, and the hidden states kept beside them by KV slot (EAGLE
+        speculation: engine/speculative/eagle.py)."""
+        capture = getattr(self, "hidden_capture", None)
+        return self.kv_pool.buffers() + ([capture.buffer] if capture is not None else [])

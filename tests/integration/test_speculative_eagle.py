@@ -280,3 +280,45 @@ def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
     assert got == want
     assert got_drafts == want_drafts
     assert len(replays) == 2 and all(n > 0 for n in replays), replays
+
+
+# -- memory -------------------------------------------------------------------------------------
+def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head pool too small for every request (some get no drafts), a model pool that
+    retracts running requests (their slots, and the hidden states kept by them, recomputed
+    when they come back), a grammar request and mixed chunks: plain decoding's tokens, and
+    nothing leaks."""
+    from engine.speculative import eagle
+
+    monkeypatch.setattr(eagle, "draft_pool_tokens", lambda tokens, args: 200)
+    prompts = _prompts(8, seed=2)
+    params = [{"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True} for _ in prompts]
+    params[2] = {"temperature": 0.0, "max_new_tokens": 40, "regex": "(ab|cd){3,9}"}
+    kw = {"max_total_tokens": 400, "init_new_token_ratio": 0.05, "chunked_prefill_size": 64,
+          "enable_mixed_chunk": True}  # fmt: skip
+    want, _ = _run(prompts, params, **kw)
+    got, stats = _run(prompts, params, **_spec("eagle3", head("eagle3")), **kw)
+    assert got == want
+    assert stats["num_retractions"] > 0, stats
+
+
+def test_memory_released_with_the_model_and_taken_back() -> None:
+    """Released while idle, the model's K/V goes with the hidden states kept by its slots, and
+    the head's weights and K/V with them; resumed, requests decode plain decoding's tokens."""
+    prompts = _prompts(3, seed=6)
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    want, _ = _run(prompts, params)
+    with Engine(model_path=_target(), **PLAIN, **_spec("eagle", head("eagle"))) as engine:
+        sched = engine.scheduler
+        model, draft = sched.model_runner, sched.drafter.runner
+        held, draft_held = model.memory_occupied(), draft.memory_occupied()
+        capture = model.hidden_capture.buffer
+        assert held["kv_cache"] >= capture.numel() * capture.element_size() > 0
+        engine.generate(input_ids=prompts, sampling_params=params)
+        sched.release_memory_occupation()
+        assert model.memory_occupied()["kv_cache"] == 0
+        assert draft.memory_occupied() == {"weights": 0, "kv_cache": 0}
+        sched.resume_memory_occupation()
+        assert model.memory_occupied() == held and draft.memory_occupied() == draft_held
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == want
