@@ -250,16 +250,19 @@ def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
     buffers, padded batches among them), and the drafts and tokens are the eager run's."""
     from engine.cuda_graph_runner import EagerGraphCapturer
 
-    kind = "eagle3"  # (an EAGLE head's decode forwards read the same: its own hidden states)
+    # (an EAGLE head over the two-layer tiny model: the Triton interpreter's forwards cost a
+    # third of the six-layer target's; an EAGLE-3 head's decode forwards read the same, its
+    # own output states)
+    model = tiny_model("llama")
+    path = _random_eagle_head(model)
     prompts = [p[:20] for p in _prompts(3, seed=4)]
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
               for n in (9, 6, 3)]  # fmt: skip
 
     def run(graphs: bool):
         drafts = []
-        with Engine(model_path=_target(), **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
-                    attention_backend="triton",
-                    **_spec(kind, head(kind))) as engine:  # fmt: skip
+        with Engine(model_path=model, **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
+                    attention_backend="triton", **_spec("eagle", path)) as engine:  # fmt: skip
             drafter = engine.scheduler.drafter
             runners = (engine.scheduler.model_runner, drafter.runner)
             for r in runners if graphs else ():
@@ -322,3 +325,12 @@ def test_memory_released_with_the_model_and_taken_back() -> None:
         assert model.memory_occupied() == held and draft.memory_occupied() == draft_held
         outs = engine.generate(input_ids=prompts, sampling_params=params)
     assert [o["output_ids"] for o in outs] == want
+
+
+def _random_eagle_head(model: str) -> str:
+    from services.tiny_eagle import make_eagle_head
+
+    out = model + "-eagle-random"  # (the same folder as tests/system/test_services_speculative)
+    if not os.path.exists(os.path.join(out, "config.json")):
+        make_eagle_head(model, out)
+    return out
