@@ -293,7 +293,7 @@ def graph_step(
             out[:, : graphs.vocab_size].copy_(logits)
         hidden_out = getattr(graphs, "spec_hidden_out", None)
         if hidden_out is not None:  # (an EAGLE head's output hidden states)
-            hidden_out[: batch.batch_size].copy_(batch.spec_hidden_out)
+            hidden_out[: batch.num_tokens].copy_(batch.spec_hidden_out)
 
     return step
 

@@ -74,6 +74,8 @@ class _HeadBase(nn.Module):
         # the width of the hidden states a decode forward reads (its own output's): the
         # static input of its CUDA graphs (engine/cuda_graph_runner.py)
         self.decode_hidden_width = config.hidden_size
+        # and a catch-up forward (the model's states: its verify-shaped graphs' input)
+        self.catchup_hidden_width = type(self).hidden_width(config)
         # (plain attributes, not submodules: the model's, set by share_from_target)
         self.__dict__["_embed"] = None
         self.__dict__["_target_head"] = None
@@ -233,7 +235,9 @@ class LlamaForCausalLMEagle3(_HeadBase):
 
     @staticmethod
     def hidden_width(target_config) -> int:
-        return 3 * target_config.hidden_size
+        """(given the head's own config: its `target_hidden_size`, the model's width)"""
+        hidden = getattr(target_config, "target_hidden_size", None) or target_config.hidden_size
+        return 3 * hidden
 
     def _vocab_map(self, name: str, tensor: torch.Tensor) -> None:
         if name == "d2t":  # (t2d, the reverse, is not needed)

@@ -27,10 +27,11 @@ K/V pool of page size 1, a row per request) with two differences:
   verify), and its outputs at each request's last position seed the decode forwards, whose
   hidden input is the previous forward's output.
 
-With CUDA graphs the head's decode forwards replay its decode graphs (a static hidden-state
-input and output beside the ids: engine/cuda_graph_runner.py); its catch-up extends, which
-read the model's hidden states, run eagerly (one a step). The model's own forwards, verify
-steps included, replay theirs, the hidden-state writes with them.
+With CUDA graphs the head's decode forwards replay its decode graphs and its catch-ups of
+at most k + 1 tokens a request (every one after a request's first) its verify graphs of that
+width (engine/speculative/verify_graphs.py), both with static hidden-state inputs and outputs
+beside the ids. The model's own forwards, verify steps included, replay theirs, the
+hidden-state writes with them.
 """
 
 from __future__ import annotations
@@ -161,7 +162,11 @@ def make_head_runner(args: EngineArgs, runner: Any) -> Any:
         draft_args(args, tokens, runner.dtype),  # (a torch dtype: the model's, whatever it is)
         context_length=runner.model_config.context_len,
     )
-    head = ModelRunner(config, dataclasses.replace(head_args, disable_cuda_graph=True))
+    # (its catch-ups of at most k + 1 tokens a request, every one after a request's first,
+    # replay verify graphs of that width: DraftModelDrafter._extend)
+    width = args.speculative_num_draft_tokens + 1
+    head = ModelRunner(config, dataclasses.replace(head_args, disable_cuda_graph=True),
+                       verify_graph_width=width)  # fmt: skip
     head.model.share_from_target(runner.model)
     head.args = head_args
     if head_args.use_cuda_graph and head.attn_backend.supports_cuda_graph:

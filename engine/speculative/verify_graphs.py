@@ -113,6 +113,17 @@ class VerifyGraphRunner:
             self.logits = torch.zeros(
                 max_tokens, logits_width(dtype, self.vocab_size), dtype=dtype, device=device
             )
+            # an EAGLE head's catch-up: the model's hidden states each token reads, and the
+            # head's own it leaves (engine/models/llama_eagle.py)
+            self.spec_hidden = self.spec_hidden_out = None
+            width_in = getattr(self.model, "catchup_hidden_width", None)
+            if width_in is not None:
+                self.spec_hidden = torch.zeros(max_tokens, width_in, dtype=model_runner.dtype,
+                                               device=device)  # fmt: skip
+                self.spec_hidden_out = torch.zeros(
+                    max_tokens, self.model.decode_hidden_width, dtype=model_runner.dtype,
+                    device=device,
+                )  # fmt: skip
         self._pad_positions = np.arange(width, dtype=np.int64)
 
     # -- capture --------------------------------------------------------------------------------
@@ -148,6 +159,7 @@ class VerifyGraphRunner:
             and max(lens) < self.width
             and all(n - k <= room for n, k in zip(fb.seq_lens_cpu, lens, strict=True))
             and reads_graph_state(self, fb)
+            and (fb.spec_hidden is None) == (self.spec_hidden is None)
         )
 
     padded_size = CudaGraphRunner.padded_size
@@ -161,8 +173,13 @@ class VerifyGraphRunner:
         batch, rows = self._load(forward_batch, bs)
         self.backend.init_forward_metadata_replay_cuda_graph(batch)
         self.graphs[bs].replay()
+        out = self.spec_hidden_out
         if rows is None:  # every request has width - 1 drafts: its rows come first, in order
+            if out is not None:
+                forward_batch.spec_hidden_out = out[: n * self.width]
             return self.logits[: n * self.width, : self.vocab_size]
+        if out is not None:
+            forward_batch.spec_hidden_out = out.index_select(0, rows)
         return self.logits.index_select(0, rows)[:, : self.vocab_size]
 
     def _load(
@@ -196,6 +213,8 @@ class VerifyGraphRunner:
         if full:
             self.input_ids[: n * w].copy_(fb.input_ids)
             self.out_cache_loc[: n * w].copy_(fb.out_cache_loc)
+            if self.spec_hidden is not None:  # (padding tokens read stale rows: no real
+                self.spec_hidden[: n * w].copy_(fb.spec_hidden)  # token attends to them)
             if bs > n:
                 self.tokens[:2, n * w : m].zero_()
         else:
@@ -203,6 +222,8 @@ class VerifyGraphRunner:
             self.tokens[:2, :m].zero_()
             self.input_ids.index_copy_(0, rows, fb.input_ids)
             self.out_cache_loc.index_copy_(0, rows, fb.out_cache_loc)
+            if self.spec_hidden is not None:
+                self.spec_hidden.index_copy_(0, rows, fb.spec_hidden)
         seq_cpu = padded_seq.tolist()
         return self._static_batch(bs, seq_cpu), rows
 
@@ -213,4 +234,5 @@ class VerifyGraphRunner:
             extend_prefix_lens_cpu=[s - w for s in seq_lens_cpu], extend_seq_lens_cpu=[w] * bs,
             extend_start_loc=self.start_loc[:bs], extend_seq_lens=self.extend_lens[:bs],
             return_all_logits=True,
+            spec_hidden=None if self.spec_hidden is None else self.spec_hidden[: bs * w],
         )  # fmt: skip

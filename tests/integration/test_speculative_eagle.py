@@ -95,10 +95,12 @@ def test_seeded_sampling_and_penalties_equal_plain() -> None:
     assert got == want
 
 
-def test_derived_head_agrees_with_a_model_decided_by_its_first_layers() -> None:
-    """A model whose first layer's MLP decides its tokens (its attention outputs and its second
-    layer's scaled down) and whose final norm is 1, and a head derived from its first layer
-    (services/tiny_eagle.py): most drafts are accepted, and the tokens are plain decoding's."""
+def first_mlp_model() -> str:
+    """A tiny llama whose first layer's MLP decides its tokens (its attention outputs and its
+    second layer's scaled down) and whose final norm is 1, and beside it (`-eagle`) a head
+    derived from its first layer (services/tiny_eagle.py), built once."""
+    import shutil
+
     from safetensors.torch import load_file, save_file
 
     from services.tiny_eagle import make_eagle_head
@@ -106,14 +108,11 @@ def test_derived_head_agrees_with_a_model_decided_by_its_first_layers() -> None:
     base = tiny_model("llama")
     path = base + "-first-mlp-decides"
     if not os.path.exists(os.path.join(path, "config.json")):
-        import shutil
-
         shutil.copytree(base, path)
         file = os.path.join(path, "model.safetensors")
         w = load_file(file)
         for key in list(w):
-            # the second layer's outputs, and the first's attention (the head misses the first
-            # token), scaled down: the first layer's MLP decides the tokens
+            # (the head misses the first token: the first layer's attention matters little)
             if key.endswith("o_proj.weight") or (
                 key.startswith("model.layers.1.") and key.endswith("down_proj.weight")
             ):
@@ -121,6 +120,13 @@ def test_derived_head_agrees_with_a_model_decided_by_its_first_layers() -> None:
         w["model.norm.weight"] = torch.ones_like(w["model.norm.weight"])
         save_file(w, file, metadata={"format": "pt"})
         make_eagle_head(path, path + "-eagle", copy_layers=1)
+    return path
+
+
+def test_derived_head_agrees_with_a_model_decided_by_its_first_layers() -> None:
+    """Most drafts of a head derived from the model's first layer are accepted, and the
+    tokens are plain decoding's."""
+    path = first_mlp_model()
     prompts = _prompts()
     params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     with Engine(model_path=path, **PLAIN) as engine:
@@ -246,18 +252,20 @@ def test_bad_configurations_are_refused() -> None:
 # -- CUDA graphs (the CPU's eager double of them) ------------------------------------------------
 def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
     """With the model's and the head's graphs (EagerGraphCapturer: the replay path on the
-    CPU), the head's decode forwards replay its graphs (its hidden states through the static
-    buffers, padded batches among them), and the drafts and tokens are the eager run's."""
+    CPU), the head's decode forwards replay its decode graphs and its catch-ups after a
+    request's first its verify graphs (the hidden states through the static buffers, padded
+    batches and tokens among them), and the drafts and tokens are the eager run's."""
     from engine.cuda_graph_runner import EagerGraphCapturer
 
-    # (an EAGLE head over the two-layer tiny model: the Triton interpreter's forwards cost a
-    # third of the six-layer target's; an EAGLE-3 head's decode forwards read the same, its
-    # own output states)
+    # (a random EAGLE head over the two-layer tiny model: the Triton interpreter's forwards
+    # cost a third of the six-layer target's, and its drafts depend on the hidden states it
+    # reads; two allowed tokens, so that half its drafts are right and catch-ups come both
+    # full and padded; an EAGLE-3 head's graphs read the same, with a wider input)
     model = tiny_model("llama")
     path = _random_eagle_head(model)
     prompts = [p[:20] for p in _prompts(3, seed=4)]
-    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}
-              for n in (9, 6, 3)]  # fmt: skip
+    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True,
+               "allowed_token_ids": [11, 12]} for n in (16, 9, 4)]  # fmt: skip
 
     def run(graphs: bool):
         drafts = []
@@ -272,17 +280,21 @@ def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
             orig = drafter.propose
             drafter.propose = lambda reqs: drafts.append(orig(reqs)) or drafts[-1]
             outs = engine.generate(input_ids=prompts, sampling_params=params)
-            replays = [
-                sum(g.num_replays for g in r.graph_runner.graphs.values())
-                for r in runners if r.graph_runner is not None
-            ]  # fmt: skip
+            replays = {
+                f"{name} {kind}": sum(g.num_replays for g in graphs.graphs.values())
+                for name, r in zip(("model", "head"), runners)
+                for kind in ("graph_runner", "verify_graph_runner")
+                if (graphs := getattr(r, kind)) is not None
+            }  # fmt: skip
         return [o["output_ids"] for o in outs], drafts, replays
 
     want, want_drafts, _ = run(False)
     got, got_drafts, replays = run(True)
     assert got == want
     assert got_drafts == want_drafts
-    assert len(replays) == 2 and all(n > 0 for n in replays), replays
+    # (every step has drafts here: the model's steps are all verify steps)
+    for kind in ("head graph_runner", "head verify_graph_runner", "model verify_graph_runner"):
+        assert replays[kind] > 0, replays
 
 
 # -- memory -------------------------------------------------------------------------------------
@@ -327,10 +339,42 @@ def test_memory_released_with_the_model_and_taken_back() -> None:
     assert [o["output_ids"] for o in outs] == want
 
 
+
 def _random_eagle_head(model: str) -> str:
     from services.tiny_eagle import make_eagle_head
 
-    out = model + "-eagle-random"  # (the same folder as tests/system/test_services_speculative)
+    out = model + "-eagle-random"
     if not os.path.exists(os.path.join(out, "config.json")):
         make_eagle_head(model, out)
     return out
+
+
+@pytest.mark.parametrize("draft_lens", [[3, 3], [1, 3, 0]], ids=["full", "padded"])
+def test_head_verify_graphs_replay_its_eager_catch_up(draft_lens: list[int]) -> None:
+    """A catch-up of the head replayed from its verify graphs (every request at the graphs'
+    width, or padded tokens and a padded request) gives the eager forward's logits and output
+    hidden states, from the same hidden-state input."""
+    from engine.cuda_graph_runner import EagerGraphCapturer
+    from tests.runner_batches import eager_forward, kv_restore, kv_snapshot, verify_batch
+
+    model = tiny_model("llama")
+    with Engine(model_path=model, **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
+                attention_backend="triton", **_spec("eagle", _random_eagle_head(model))) as eng:
+        runner = eng.scheduler.drafter.runner
+        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+        runner.use_cuda_graph = True
+        runner.capture_cuda_graphs()
+        n = len(draft_lens)
+        fb = verify_batch(runner, list(range(1, n + 1)), [7, 12, 3][:n], draft_lens, seed=5)
+        gen = torch.Generator().manual_seed(0)
+        fb.spec_hidden = torch.randn(fb.num_tokens, runner.model.catchup_hidden_width,
+                                     generator=gen)  # fmt: skip
+        want, _ = eager_forward(runner, fb)
+        want_hidden = fb.spec_hidden_out.clone()
+        saved = kv_snapshot(runner)
+        fb.spec_hidden_out = None
+        got = runner.forward(fb).float()
+        kv_restore(runner, saved)
+        assert sum(g.num_replays for g in runner.verify_graph_runner.graphs.values()) == 1
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(fb.spec_hidden_out, want_hidden, atol=1e-4, rtol=1e-4)
