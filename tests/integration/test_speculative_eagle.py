@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from tests.factories import assert_engine_clean, mixed_prompts, tiny_model
+from tests.factories import mixed_prompts, tiny_model
 
 PLAIN = {"disable_overlap_schedule": True}
 K = 3
@@ -50,16 +50,11 @@ def _spec(kind: str, path: str, k: int = K) -> dict:
 
 
 def _run(prompts, params, **kw):
-    with Engine(model_path=_target(), **PLAIN, **kw) as engine:
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        stats = engine.get_stats()
-        assert_engine_clean(engine)
-        drafter = engine.scheduler.drafter
-        if drafter is not None:  # every request finished: the head's K/V and rows are back
-            runner = drafter.runner
-            assert not drafter.drafts
-            assert runner.allocator.available_size() == runner.allocator.size
-            assert runner.req_to_token_pool.available_size() == runner.req_to_token_pool.size
+    """(output ids, stats) of the target's engine; the prefix cache, and the head's K/V and
+    rows, all given back after the run (the draft model's test's checks)."""
+    from tests.integration.test_speculative_draft_model import _run as run_checked
+
+    outs, stats = run_checked(_target(), prompts, params, **PLAIN, **kw)
     return [o["output_ids"] for o in outs], stats
 
 
