@@ -101,6 +101,18 @@ class _HeadBase(nn.Module):
         if self.uses_target_head:
             self.__dict__["_target_head"] = target.lm_head_weight
 
+    def share_tensors(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
+        """The model's input embedding and lm_head as whole tensors (with tensor parallelism
+        its modules hold one rank's part)."""
+        if embed.shape[1] != self.config.hidden_size:
+            raise ValueError(
+                f"EAGLE: the draft's hidden size {self.config.hidden_size} is not the model's "
+                f"embedding width {embed.shape[1]}"
+            )
+        self.__dict__["_embed"] = nn.Embedding.from_pretrained(embed, freeze=True)
+        if self.uses_target_head:
+            self.__dict__["_target_head"] = lm_head
+
     @property
     def lm_head_weight(self) -> torch.Tensor | None:
         if self.uses_target_head:

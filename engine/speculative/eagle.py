@@ -114,11 +114,6 @@ def install_hidden_capture(runner: Any) -> HiddenCapture:
     from engine.models.llama_eagle import eagle3_capture_layers
 
     args, model = runner.args, runner.model
-    if runner.tp.size > 1:
-        raise ValueError(
-            f"speculative_algorithm {args.speculative_algorithm!r}: not with tensor "
-            "parallelism yet (the head shares the model's embedding, which is split)"
-        )
     hf = runner.model_config.hf_config
     slots = runner.kv_pool.num_slots
     width = head_class(args).hidden_width(hf)
@@ -167,7 +162,10 @@ def make_head_runner(args: EngineArgs, runner: Any) -> Any:
     width = args.speculative_num_draft_tokens + 1
     head = ModelRunner(config, dataclasses.replace(head_args, disable_cuda_graph=True),
                        verify_graph_width=width)  # fmt: skip
-    head.model.share_from_target(runner.model)
+    if runner.tp.size > 1:  # (the model's rank holds part of them: whole ones from its files)
+        head.model.share_tensors(*_whole_embedding_and_head(runner, head))
+    else:
+        head.model.share_from_target(runner.model)
     head.args = head_args
     if head_args.use_cuda_graph and head.attn_backend.supports_cuda_graph:
         head.use_cuda_graph = True
@@ -177,6 +175,30 @@ def make_head_runner(args: EngineArgs, runner: Any) -> Any:
         args.speculative_algorithm.upper(), path, config.num_layers, tokens,
     )  # fmt: skip
     return head
+
+
+def _whole_embedding_and_head(runner: Any, head: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """With tensor parallelism (the head runs whole, on rank 0's device): the model's input
+    embedding and lm_head read whole from its checkpoint (a tied model's head is its
+    embedding), in the head's dtype on its device."""
+    from safetensors import safe_open
+
+    from engine.loader import safetensors_files
+
+    wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
+    for file in safetensors_files(runner.model_config.path):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in wanted.keys() & set(f.keys()):
+                wanted[name] = f.get_tensor(name)
+    embed, lm_head = wanted["model.embed_tokens.weight"], wanted["lm_head.weight"]
+    if embed is None:
+        raise ValueError(
+            "EAGLE with tensor parallelism: the model's checkpoint has no "
+            "model.embed_tokens.weight to give the head whole"
+        )
+    if lm_head is None or runner.model_config.tie_word_embeddings:
+        lm_head = embed
+    return (embed.to(head.device, head.dtype), lm_head.to(head.device, head.dtype))
 
 
 class EagleDrafter(DraftModelDrafter):

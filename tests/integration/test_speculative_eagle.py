@@ -373,3 +373,26 @@ def test_head_verify_graphs_replay_its_eager_catch_up(draft_lens: list[int]) -> 
         assert sum(g.num_replays for g in runner.verify_graph_runner.graphs.values()) == 1
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(fb.spec_hidden_out, want_hidden, atol=1e-4, rtol=1e-4)
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+def test_over_two_ranks() -> None:
+    """The model over two ranks (rank 0 keeps the hidden states, which every rank has whole),
+    the head whole on rank 0's device with the model's embedding and lm_head read whole from
+    its checkpoint: a derived EAGLE head's drafts are accepted as on one rank, and a random
+    EAGLE-3 head's tokens are plain decoding's."""
+    prompts = _prompts(4, seed=7)
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    path = first_mlp_model()
+    spec = _spec("eagle", path + "-eagle")
+    with Engine(model_path=path, **PLAIN) as eng:
+        want = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(model_path=path, **PLAIN, tp_size=2, **spec) as eng:
+        got = [o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)]
+        stats = eng.get_stats()
+        assert eng.scheduler.drafter.runner.tp.size == 1
+    assert got == want
+    assert stats["spec_accept_length"] > 2.5, stats
+    want, _ = _run(prompts, params)
+    got, stats = _run(prompts, params, tp_size=2, **_spec("eagle3", head("eagle3")))
+    assert got == want and stats["spec_num_drafts"] > 0
