@@ -396,3 +396,31 @@ def test_over_two_ranks() -> None:
     want, _ = _run(prompts, params)
     got, stats = _run(prompts, params, tp_size=2, **_spec("eagle3", head("eagle3")))
     assert got == want and stats["spec_num_drafts"] > 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpu_kv_budget_counts_the_kept_hidden_states(monkeypatch: pytest.MonkeyPatch, tp: int):
+    """On a GPU the model's KV budget leaves room for the head (its weights, its pool) and for
+    the hidden states kept per slot (three of the model's width a token for EAGLE-3), and
+    with tensor parallelism for rank 0's whole copy of the embedding and lm_head."""
+    from engine.config import EngineArgs, ModelConfig
+    from engine.mem_cache.kv_memory import plan_kv_memory
+    from engine.mem_cache.kv_pool import KVPool
+
+    path, draft = _target(), head("eagle3")
+    free, total = 3 << 30, 4 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    mc, hc = ModelConfig.from_pretrained(path), ModelConfig.from_pretrained(draft)
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    args = EngineArgs(model_path=path, tp_size=tp, max_running_requests=64,
+                      **_spec("eagle3", draft))  # fmt: skip
+    tokens = plan_kv_memory(mc, args, dtype, dev).tokens
+    usable = free - total * (1 - args.mem_fraction_static)
+    per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype)
+    head_per_token = KVPool.bytes_per_token(hc.num_layers, hc.num_kv_heads, hc.head_dim, dtype)
+    hidden_per_token = 3 * mc.hidden_size * 2
+    fixed = os.path.getsize(os.path.join(draft, "model.safetensors")) + 64 * K * head_per_token
+    if tp > 1:
+        fixed += 2 * mc.vocab_size * mc.hidden_size * 2
+    want = int((usable - fixed) // (per_token + head_per_token + hidden_per_token))
+    assert tokens == want // args.page_size * args.page_size
