@@ -21,7 +21,8 @@ output at p - 1 for the positions after (its drafts). Its logits at p give token
 
 Both heads take the model's input embedding, as SGLang does (the checkpoint's copy, if any,
 is skipped), and the EAGLE head the model's lm_head: `share_from_target` sets them after
-loading, as references (not parameters of the head).
+loading, as references (not parameters of the head); with tensor parallelism, whose ranks
+hold parts of them, `share_tensors` takes whole copies read from the model's checkpoint.
 
 The forward reads the hidden states from `forward_batch.spec_hidden` ([tokens, width]) and
 leaves the head's output hidden in `forward_batch.spec_hidden_out` ([tokens, hidden]).
@@ -92,11 +93,7 @@ class _HeadBase(nn.Module):
         embed = getattr(getattr(target, "model", None), "embed_tokens", None)
         if embed is None or not hasattr(target, "lm_head_weight"):
             raise ValueError(f"EAGLE: {type(target).__name__} has no embed_tokens / lm_head")
-        if embed.weight.shape[1] != self.config.hidden_size:
-            raise ValueError(
-                f"EAGLE: the draft's hidden size {self.config.hidden_size} is not the model's "
-                f"embedding width {embed.weight.shape[1]}"
-            )
+        self._check_width(embed.weight)
         self.__dict__["_embed"] = embed
         if self.uses_target_head:
             self.__dict__["_target_head"] = target.lm_head_weight
@@ -104,14 +101,17 @@ class _HeadBase(nn.Module):
     def share_tensors(self, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
         """The model's input embedding and lm_head as whole tensors (with tensor parallelism
         its modules hold one rank's part)."""
+        self._check_width(embed)
+        self.__dict__["_embed"] = nn.Embedding.from_pretrained(embed, freeze=True)
+        if self.uses_target_head:
+            self.__dict__["_target_head"] = lm_head
+
+    def _check_width(self, embed: torch.Tensor) -> None:
         if embed.shape[1] != self.config.hidden_size:
             raise ValueError(
                 f"EAGLE: the draft's hidden size {self.config.hidden_size} is not the model's "
                 f"embedding width {embed.shape[1]}"
             )
-        self.__dict__["_embed"] = nn.Embedding.from_pretrained(embed, freeze=True)
-        if self.uses_target_head:
-            self.__dict__["_target_head"] = lm_head
 
     @property
     def lm_head_weight(self) -> torch.Tensor | None:
