@@ -14,7 +14,7 @@ import glob
 import json
 import os
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -114,14 +114,18 @@ def fill_model(
     return kv_cache_scales
 
 
-def iter_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of a single-file or sharded checkpoint."""
+def iter_safetensors(
+    path: str, names: Container[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of a single-file or sharded checkpoint (of those in
+    `names` only, the others not read, when given)."""
     from safetensors import safe_open
 
     for file in safetensors_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if names is None or name in names:
+                    yield name, f.get_tensor(name)
 
 
 def safetensors_files(path: str) -> list[str]:

@@ -32,6 +32,7 @@ from engine.runner_weights import RunnerWeights
 from engine.sampling.sampler import PromptLogprobs, Sampler, sample_batch
 from engine.sampling.sampling_batch_info import SamplingInfoCache
 from engine.scheduler.schedule_batch import ModelWorkerBatch
+from engine.speculative import EAGLE_ALGORITHMS
 from engine.speculative.verify import VerifyResult, verify
 from engine.speculative.verify_graphs import VerifyGraphRunner, verify_graph_sizes
 from engine.tensor_parallel import TPLink, rank_model_config
@@ -161,7 +162,7 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             return
         scales = getattr(self.model, "kv_cache_scales", None)  # the checkpoint's, if any
         self.kv_pool = memory.make_pool(mc, self.dtype, self.device, self.page_size, scales)
-        if args.speculative_algorithm in ("eagle", "eagle3") and self.tp.rank == 0:
+        if args.speculative_algorithm in EAGLE_ALGORITHMS and self.tp.rank == 0:
             from engine.speculative.eagle import install_hidden_capture
 
             self.hidden_capture = install_hidden_capture(self)

@@ -5,10 +5,13 @@ agrees with a random target on nothing; one derived from the target agrees with 
 of its tokens, as a real draft does.
 
     sluice make-tiny-model DRAFT_DIR --draft-of MODEL_DIR [--num-layers N] [--draft-noise X]
+
+(`add_args` / `run`: the command line of these and of EAGLE heads, services/tiny_eagle.py.)
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 
@@ -56,3 +59,35 @@ def make_draft_model(
     for name in os.listdir(out_dir):  # written through a 0600 temporary file
         os.chmod(os.path.join(out_dir, name), 0o644)
     return out_dir
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """`make-tiny-model`'s options for a drafter derived from a model folder."""
+    parser.add_argument("--draft-of", metavar="MODEL_DIR", default=None,
+                        help="instead of a random model: a draft model for speculative decoding "
+                        "derived from MODEL_DIR (its first --num-layers layers, its weights "
+                        "plus --draft-noise x their std of noise; services/tiny_draft.py)")
+    parser.add_argument("--draft-noise", type=float, default=0.0)
+    parser.add_argument("--eagle-of", metavar="MODEL_DIR", default=None,
+                        help="instead of a random model: an EAGLE draft head for MODEL_DIR, in "
+                        "the checkpoints' format (services/tiny_eagle.py)")
+    parser.add_argument("--eagle3", action="store_true", help="with --eagle-of: an EAGLE-3 head")
+    parser.add_argument("--eagle-draft-vocab", type=int, default=None,
+                        help="with --eagle3: its draft vocabulary (default: the model's)")
+    parser.add_argument("--eagle-copy-layers", type=int, default=0,
+                        help="with --eagle-of (EAGLE): a head derived from the model's first N "
+                        "layers, which agrees with it on part of its tokens (0: random)")
+
+
+def run(args: argparse.Namespace) -> str | None:
+    """The drafter `args` ask for, written to `args.out_dir` (its path); None: none asked."""
+    if args.draft_of is not None:
+        return make_draft_model(
+            args.draft_of, args.out_dir, args.num_layers, args.draft_noise, args.seed
+        )
+    if args.eagle_of is not None:
+        from services.tiny_eagle import make_eagle_head
+
+        return make_eagle_head(args.eagle_of, args.out_dir, args.eagle3, args.eagle_draft_vocab,
+                               args.eagle_copy_layers, args.seed)  # fmt: skip
+    return None

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 # build_tokenizer is also imported from here (this module's public API before the split).
-from services import tiny_encoder, tiny_fp8
+from services import tiny_draft, tiny_encoder, tiny_fp8
 from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
@@ -460,20 +460,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "attention; 1: transformers' init, less sensitive to rounding)")
     for key in _SIZE_KEYS:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None)
-    parser.add_argument("--draft-of", metavar="MODEL_DIR", default=None,
-                        help="instead of a random model: a draft model for speculative decoding "
-                        "derived from MODEL_DIR (its first --num-layers layers, its weights "
-                        "plus --draft-noise x their std of noise; services/tiny_draft.py)")
-    parser.add_argument("--draft-noise", type=float, default=0.0)
-    parser.add_argument("--eagle-of", metavar="MODEL_DIR", default=None,
-                        help="instead of a random model: an EAGLE draft head for MODEL_DIR, in "
-                        "the checkpoints' format (services/tiny_eagle.py)")
-    parser.add_argument("--eagle3", action="store_true", help="with --eagle-of: an EAGLE-3 head")
-    parser.add_argument("--eagle-draft-vocab", type=int, default=None,
-                        help="with --eagle3: its draft vocabulary (default: the model's)")
-    parser.add_argument("--eagle-copy-layers", type=int, default=0,
-                        help="with --eagle-of (EAGLE): a head derived from the model's first N "
-                        "layers, which agrees with it on part of its tokens (0: random)")
+    tiny_draft.add_args(parser)
     tiny_fp8.add_args(parser)
     parser.set_defaults(func=run)
     return parser
@@ -481,19 +468,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    if args.draft_of is not None:
-        from services.tiny_draft import make_draft_model
-
-        path = make_draft_model(
-            args.draft_of, args.out_dir, args.num_layers, args.draft_noise, args.seed
-        )
-        print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
-        return 0
-    if args.eagle_of is not None:
-        from services.tiny_eagle import make_eagle_head
-
-        path = make_eagle_head(args.eagle_of, args.out_dir, args.eagle3,
-                               args.eagle_draft_vocab, args.eagle_copy_layers, args.seed)
+    path = tiny_draft.run(args)  # (a draft model or an EAGLE head of a model folder)
+    if path is not None:
         print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
         return 0
     sizes = {key: getattr(args, key) for key in _SIZE_KEYS}

@@ -104,15 +104,8 @@ def plan_kv_memory(
             # each running request: engine/speculative/draft_model.py) come out of the budget
             from engine.speculative.draft_model import draft_memory
 
-            fixed, draft_per_token = draft_memory(args, dtype)
+            fixed, draft_per_token = draft_memory(args, dtype, mc)
             usable -= fixed
-            if args.speculative_algorithm in ("eagle", "eagle3"):  # the model's hidden
-                from engine.speculative.eagle import hidden_bytes_per_token  # states kept
-
-                draft_per_token += hidden_bytes_per_token(args, mc.hf_config, dtype)
-                if args.tp_size > 1:  # (rank 0's whole copy of the embedding and lm_head)
-                    copies = 1 if mc.tie_word_embeddings else 2
-                    usable -= copies * mc.vocab_size * mc.hidden_size * dtype.itemsize
         tokens = int(max(usable, 0) // (per_token + draft_per_token))
     else:
         tokens = min(int(DEFAULT_CPU_KV_BYTES // per_token), DEFAULT_CPU_KV_TOKENS)

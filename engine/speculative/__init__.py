@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 SPECULATIVE_ALGORITHMS = ("ngram", "standalone", "eagle", "eagle3")
 # the algorithms that draft with the model at speculative_draft_model_path
 DRAFT_MODEL_ALGORITHMS = ("standalone", "eagle", "eagle3")
+EAGLE_ALGORITHMS = ("eagle", "eagle3")  # (the model keeps hidden states for the head)
 _ALIASES = {"draft_model": "standalone"}
 SPECULATIVE_ALGORITHM_NAMES = SPECULATIVE_ALGORITHMS + tuple(_ALIASES)  # (what flags accept)
 # vLLM's --speculative-config keys -> EngineArgs fields

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
+from engine.speculative import EAGLE_ALGORITHMS
 from engine.speculative.scheduling import Drafter, token_array
 
 if TYPE_CHECKING:
@@ -463,11 +464,12 @@ def make_draft_runner(args: EngineArgs, runner: Any) -> Any:
     return draft
 
 
-def draft_memory(args: EngineArgs, dtype: torch.dtype) -> tuple[int, int]:
+def draft_memory(args: EngineArgs, dtype: torch.dtype, target: ModelConfig) -> tuple[int, int]:
     """(bytes the draft takes whatever the model's pool, bytes of its K/V per token of the
     model's pool) in `dtype`, for the model's KV budget on a GPU: its weights (counted as
     the checkpoint's size: an upper bound where it is stored wider than the dtype it runs
-    in) and its pool's tokens beyond the model's (`draft_pool_tokens`)."""
+    in) and its pool's tokens beyond the model's (`draft_pool_tokens`); an EAGLE head's
+    too, what `eagle.head_memory` adds."""
     from engine.config import ModelConfig
     from engine.mem_cache.kv_pool import KVPool
 
@@ -477,4 +479,10 @@ def draft_memory(args: EngineArgs, dtype: torch.dtype) -> tuple[int, int]:
     per_token = KVPool.bytes_per_token(
         mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mc.kv_shared
     )
-    return weights + draft_pool_tokens(0, args) * per_token, per_token
+    fixed = weights + draft_pool_tokens(0, args) * per_token
+    if args.speculative_algorithm in EAGLE_ALGORITHMS:
+        from engine.speculative.eagle import head_memory
+
+        more_fixed, more_per_token = head_memory(args, dtype, target)
+        fixed, per_token = fixed + more_fixed, per_token + more_per_token
+    return fixed, per_token

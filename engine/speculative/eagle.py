@@ -51,12 +51,11 @@ from engine.speculative.draft_model import (
 )
 
 if TYPE_CHECKING:
-    from engine.config import EngineArgs
+    from engine.config import EngineArgs, ModelConfig
     from engine.forward_batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-EAGLE_ALGORITHMS = ("eagle", "eagle3")
 # the head's class for each algorithm: an EAGLE checkpoint's config says LlamaForCausalLM
 _HEAD_ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle3": "LlamaForCausalLMEagle3"}
 
@@ -94,17 +93,18 @@ def _draft_hf_config(args: EngineArgs):
 
 
 def head_class(args: EngineArgs) -> type:
-    from engine.models.llama_eagle import LlamaForCausalLMEagle, LlamaForCausalLMEagle3
+    from engine.models import get_model_class
 
-    return LlamaForCausalLMEagle3 if args.speculative_algorithm == "eagle3" else (
-        LlamaForCausalLMEagle
-    )  # fmt: skip
+    return get_model_class(_HEAD_ARCHITECTURES[args.speculative_algorithm])
 
 
-def hidden_bytes_per_token(args: EngineArgs, target_hf_config, dtype: torch.dtype) -> int:
-    """Bytes of captured hidden state per KV slot of the model."""
-    width = head_class(args).hidden_width(target_hf_config)
-    return width * torch.empty((), dtype=dtype).element_size()
+def head_memory(args: EngineArgs, dtype: torch.dtype, target: ModelConfig) -> tuple[int, int]:
+    """What EAGLE adds to the draft's memory (`draft_model.draft_memory`): (with tensor
+    parallelism, rank 0's whole copy of the model's embedding and lm_head; the hidden states
+    kept per KV slot of the model)."""
+    per_token = head_class(args).hidden_width(target.hf_config) * dtype.itemsize
+    copies = 0 if args.tp_size == 1 else 1 if target.tie_word_embeddings else 2
+    return copies * target.vocab_size * target.hidden_size * dtype.itemsize, per_token
 
 
 def install_hidden_capture(runner: Any) -> HiddenCapture:
@@ -181,16 +181,11 @@ def _whole_embedding_and_head(runner: Any, head: Any) -> tuple[torch.Tensor, tor
     """With tensor parallelism (the head runs whole, on rank 0's device): the model's input
     embedding and lm_head read whole from its checkpoint (a tied model's head is its
     embedding), in the head's dtype on its device."""
-    from safetensors import safe_open
+    from engine.loader import iter_safetensors
 
-    from engine.loader import safetensors_files
-
-    wanted = {"model.embed_tokens.weight": None, "lm_head.weight": None}
-    for file in safetensors_files(runner.model_config.path):
-        with safe_open(file, framework="pt", device="cpu") as f:
-            for name in wanted.keys() & set(f.keys()):
-                wanted[name] = f.get_tensor(name)
-    embed, lm_head = wanted["model.embed_tokens.weight"], wanted["lm_head.weight"]
+    names = ("model.embed_tokens.weight", "lm_head.weight")
+    found = dict(iter_safetensors(runner.model_config.path, names))
+    embed, lm_head = (found.get(name) for name in names)
     if embed is None:
         raise ValueError(
             "EAGLE with tensor parallelism: the model's checkpoint has no "

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.speculative import EAGLE_ALGORITHMS
 from engine.speculative.ngram import propose_ngram
 
 if TYPE_CHECKING:
@@ -127,7 +128,7 @@ def make_drafter(args: EngineArgs, runner: Any, context_len: int) -> Drafter | N
     """The drafter `args.speculative_algorithm` names (None without speculation)."""
     if args.speculative_algorithm is None:
         return None
-    if args.speculative_algorithm in ("eagle", "eagle3"):
+    if args.speculative_algorithm in EAGLE_ALGORITHMS:
         from engine.speculative.eagle import EagleDrafter
 
         return EagleDrafter(args, runner, context_len)
