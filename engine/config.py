@@ -265,6 +265,12 @@ class EngineArgs:
     speculative_algorithm: str | None = None
     speculative_draft_model_path: str | None = None
     speculative_num_draft_tokens: int = 4
+    # EAGLE / draft model: drafts as a tree (engine/speculative/tree.py) of
+    # speculative_num_draft_tokens nodes, from `speculative_num_steps` draft forwards keeping
+    # the `speculative_eagle_topk` best tokens of each (1: a chain; steps default to its
+    # length)
+    speculative_eagle_topk: int = 1
+    speculative_num_steps: int | None = None
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
     # An embedding model (SGLang's --is-embedding): requests come back as one vector pooled

@@ -83,6 +83,10 @@ class ForwardBatch:
     # a speculative verify step (EXTEND, every position's logits): each request's number of
     # drafts, its tokens being its last token and those drafts (engine/speculative/verify.py)
     spec_draft_lens: list[int] | None = None
+    # ... whose drafts are trees: each request's parent of every draft (None: chains); the
+    # attention backends mask each node's keys to the cached ones and its ancestors
+    # (engine/speculative/tree.py)
+    spec_parents: list[list[int]] | None = None
     # an EAGLE draft head's forward (engine/models/llama_eagle.py): the hidden states it
     # reads [num_tokens, width], and those it leaves for its next forward [num_tokens, hidden]
     spec_hidden: torch.Tensor | None = None

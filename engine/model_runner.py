@@ -290,6 +290,7 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             kv_transfers=mwb.kv_transfers,
             decode_rows=None if extend else rows,
             spec_draft_lens=mwb.spec_draft_lens,
+            spec_parents=mwb.spec_parents,
         )
 
     @torch.inference_mode()
@@ -310,8 +311,9 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             forward_batch.kv_transfers = None
         graphs: CudaGraphRunner | VerifyGraphRunner | None = self._graphs_for(future_map)
         if forward_batch.spec_draft_lens is not None:  # a verify step: its own graphs
-            graphs = self.verify_graph_runner
-            replay = graphs is not None and graphs.can_run(forward_batch)
+            graphs = self.verify_graph_runner  # (not for trees, whose masks they lack)
+            replay = (graphs is not None and forward_batch.spec_parents is None
+                      and graphs.can_run(forward_batch))  # fmt: skip
         else:
             replay = graphs is not None and graphs.can_run(forward_batch, future_map)
         if replay and self.tp_link is None:

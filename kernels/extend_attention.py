@@ -50,6 +50,8 @@ def _extend_kernel(
     extend_lens_ptr,
     start_loc_ptr,
     sinks_ptr,
+    tree_mask_ptr,
+    mask_start_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -67,6 +69,7 @@ def _extend_kernel(
     WINDOW_LEFT: tl.constexpr,
     LOGIT_CAP: tl.constexpr,
     SINKS: tl.constexpr,
+    TREE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -124,6 +127,12 @@ def _extend_kernel(
             visible = mask_n[None, :] & (pos[None, :] <= offs_m[:, None])
             if WINDOW_LEFT >= 0:
                 visible = visible & (pos[None, :] >= offs_m[:, None] - WINDOW_LEFT)
+            if TREE:  # a draft tree: a node sees its ancestors only (row-major, its own mask)
+                mask_start = tl.load(mask_start_ptr + req).to(tl.int64)
+                m_off = mask_start + offs_m[:, None] * extend_len + pos[None, :]
+                seen = tl.load(tree_mask_ptr + m_off, mask=mask_m[:, None] & mask_n[None, :],
+                               other=0)  # fmt: skip
+                visible = visible & (seen != 0)
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -191,6 +200,7 @@ def extend_attention(
     window_left: int = -1,
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype; a
     float8 cache's are read as stored, like its prefix: `scale` includes its k_scale);
@@ -198,7 +208,10 @@ def extend_attention(
     left at None come from `launch_config`. `window_left` >= 0: a sliding-window layer, the
     query at position p sees keys p - window_left .. p (blocks wholly before a row block's
     window are skipped). `logit_cap` > 0: scores s become logit_cap * tanh(s / logit_cap).
-    `sinks` [Hq] (gpt-oss's): each head's logit joins its softmax as a key without a value."""
+    `sinks` [Hq] (gpt-oss's): each head's logit joins its softmax as a key without a value.
+    `tree_mask` (a verify step's draft trees, engine/speculative/tree.py): (masks, starts),
+    request i's extend_lens[i]^2 uint8 mask row-major at masks[starts[i]:]; new token t sees
+    new token u only where its row has a 1 at u."""
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     k = as_heads(k, num_kv_heads, head_dim)
@@ -220,6 +233,7 @@ def extend_attention(
         q, k, v, out, k_buffer, v_buffer,
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
         sinks if sinks is not None else extend_lens,
+        *(tree_mask if tree_mask is not None else (extend_lens, extend_lens)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         req_to_token.stride(0),
@@ -229,6 +243,7 @@ def extend_attention(
         WINDOW_LEFT=window_left,
         LOGIT_CAP=logit_cap * LOG2E,
         SINKS=sinks is not None,
+        TREE=tree_mask is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,

@@ -23,9 +23,11 @@ def _attend(
     window_left: int = -1,
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    own_mask: torch.Tensor | None = None,
 ):
     """q [M, Hq, D], k/v [L, Hk, D] -> [M, Hq, D]; query m (at position causal_from + m) sees
-    keys j <= causal_from + m, and (window_left >= 0) j >= causal_from + m - window_left.
+    keys j <= causal_from + m, and (window_left >= 0) j >= causal_from + m - window_left;
+    `own_mask` [M, M] bool: query m sees key causal_from + n only where own_mask[m, n].
     logit_cap > 0: scores s are soft-capped to logit_cap * tanh(s / logit_cap) first.
     sinks [Hq]: one more logit per head in the softmax, whose weight goes to no value."""
     group = q.shape[1] // k.shape[1]
@@ -39,6 +41,10 @@ def _attend(
     hidden = j > causal_from + m
     if window_left >= 0:
         hidden |= j < causal_from + m - window_left
+    if own_mask is not None:
+        own = j >= causal_from
+        seen = own_mask.to(q.device)[m, (j - causal_from).clamp(0, q.shape[0] - 1)]
+        hidden |= own & ~seen
     scores = scores.masked_fill(hidden, float("-inf"))
     if sinks is None:
         return torch.einsum("hml,lhd->mhd", scores.softmax(-1), v).to(q.dtype)
@@ -87,20 +93,23 @@ def extend_attention_ref(
     window_left: int = -1,
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    tree_masks: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Packed new tokens: request i owns rows extend_start_loc[i] .. + extend_lens[i] of
     q [N, Hq, D] and k_extend/v_extend [N, Hk, D]. Each new token sees the request's
     prefix_lens[i] cached tokens (slots from req_to_token) and the new tokens up to itself;
     with window_left >= 0, only the last window_left + 1 of those (scores soft-capped when
-    logit_cap > 0)."""
+    logit_cap > 0); with `tree_masks` (a draft tree's, per request [n, n] bool), only the
+    new tokens its row of the request's mask names."""
     out = torch.zeros_like(q)
     for i in range(len(extend_lens)):
         start, n, p = int(extend_start_loc[i]), int(extend_lens[i]), int(prefix_lens[i])
         slots = req_to_token[req_pool_indices[i], :p].long()
         keys = torch.cat([k_buffer[slots], k_extend[start : start + n].to(k_buffer.dtype)])
         values = torch.cat([v_buffer[slots], v_extend[start : start + n].to(v_buffer.dtype)])
+        own = None if tree_masks is None else tree_masks[i]
         out[start : start + n] = _attend(
-            q[start : start + n], keys, values, scale, p, window_left, logit_cap, sinks
+            q[start : start + n], keys, values, scale, p, window_left, logit_cap, sinks, own
         )
     return out
 

@@ -357,7 +357,7 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         "text (prompt and output); standalone (or draft_model) has a smaller model of the "
         "same vocabulary draft them greedily (--speculative-draft-model-path); eagle / eagle3 "
         "(SGLang's EAGLE / EAGLE3) have an EAGLE head draft them from the model's hidden "
-        "states (its folder in --speculative-draft-model-path; a chain, no tree); the drafts "
+        "states (its folder in --speculative-draft-model-path); the drafts "
         "are verified by the model in one forward (turns overlap off)",
     )
     g.add_argument(
@@ -372,7 +372,24 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         "--speculative-num-draft-tokens",
         type=int,
         default=4,
-        help="draft tokens per request and step (vLLM's num_speculative_tokens)",
+        help="draft tokens per request and step (vLLM's num_speculative_tokens); with "
+        "--speculative-eagle-topk > 1, the draft tree's nodes (SGLang's "
+        "--speculative-num-draft-tokens less one: SGLang counts the last token too)",
+    )
+    g.add_argument(
+        "--speculative-eagle-topk",
+        type=int,
+        default=1,
+        help="eagle / eagle3 / standalone: tokens kept per draft forward; above 1 the drafts "
+        "are a tree (each step expands the best topk leaves by their topk tokens; the "
+        "--speculative-num-draft-tokens best nodes are verified with a tree mask)",
+    )
+    g.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        help="draft forwards per step: the tree's depth (default: the number of draft tokens "
+        "with topk 1, a chain; num_draft_tokens // topk with a tree)",
     )
     g.add_argument(
         "--speculative-ngram-min-match-window-size",

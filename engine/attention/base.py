@@ -68,6 +68,8 @@ class AttentionBackend(ABC):
 
     # -- CUDA graphs of decode steps (engine/cuda_graph_runner.py) ---------------------------
     supports_cuda_graph: bool = False
+    # whether an extend forward masks a verify step's draft trees (ForwardBatch.spec_parents)
+    supports_tree_mask: bool = False
     # seq_len given to the padded rows of a captured batch (their req_to_token row points at
     # KV slot 0, and their new token is written to slot 0, which is never handed out)
     cuda_graph_seq_len_fill_value: int = 1

@@ -32,6 +32,7 @@ class HybridAttnBackend(AttentionBackend):
         self.decode = decode
         self.supports_cuda_graph = decode.supports_cuda_graph
         self.supports_verify_cuda_graph = prefill.supports_verify_cuda_graph
+        self.supports_tree_mask = prefill.supports_tree_mask  # (verify steps are extends)
         self.cuda_graph_seq_len_fill_value = decode.cuda_graph_seq_len_fill_value
         self.active: AttentionBackend | None = None  # the one planned for the current batch
 

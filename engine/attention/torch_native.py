@@ -30,6 +30,8 @@ from engine.forward_batch import ForwardBatch
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    supports_tree_mask = True
+
     def __init__(self, device: str | torch.device = "cpu", **kwargs: object) -> None:
         self.device = torch.device(device)
         self.metadata: Plan | MixedPlan | None = None

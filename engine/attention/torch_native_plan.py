@@ -30,10 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.attention.torch_ops import subset_batch
 from engine.forward_batch import ForwardBatch
+from engine.speculative.tree import ancestor_mask
 
 
 @dataclass
@@ -183,6 +185,27 @@ def _plan_extend(plan: Plan, fb: Any, key_pos: torch.Tensor) -> None:
         # every padded key from every real query (padded query rows are dropped), and SDPA
         # can then use its fused kernel instead of materialising a [B, 1, Q, L] mask.
         plan.mask, plan.causal = None, True
+    elif getattr(fb, "spec_parents", None) is not None:
+        plan.mask = _tree_mask(fb.spec_parents, prefix_lens, plan.key_valid, max_q_len)
     else:
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & plan.key_valid[:, None, :]
         plan.mask = mask.unsqueeze(1)
+
+
+def _tree_mask(
+    parents: list[list[int]], prefix_lens: torch.Tensor, key_valid: torch.Tensor, q_len: int
+) -> torch.Tensor:
+    """[B, 1, Q, L] bool of a verify step whose drafts are trees: a node sees the request's
+    cached keys and its ancestors among the new ones (padded query rows see every key)."""
+    device = key_valid.device
+    own = np.ones((len(parents), q_len, q_len), dtype=bool)
+    for i, ps in enumerate(parents):
+        n = len(ps) + 1
+        own[i, :n, :n] = ancestor_mask(ps)
+    own_t = torch.from_numpy(own).to(device)
+    rel = torch.arange(key_valid.shape[1], device=device)[None, :] - prefix_lens[:, None]
+    new = (rel >= 0) & key_valid  # [B, L]
+    index = rel.clamp(0, q_len - 1)[:, None, :].expand(-1, q_len, -1)
+    seen = own_t.gather(2, index)  # [B, Q, L]: column rel of row t of the request's mask
+    mask = ((rel < 0) & key_valid)[:, None, :] | (new[:, None, :] & seen)
+    return mask.unsqueeze(1)

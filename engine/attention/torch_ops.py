@@ -72,5 +72,6 @@ def subset_batch(fb: ForwardBatch, rows: list[int]) -> tuple[SimpleNamespace, to
         extend_seq_lens_cpu=lens,
         extend_prefix_lens_cpu=[fb.extend_prefix_lens_cpu[i] for i in rows],
         extend_start_loc=start_loc,
+        spec_parents=None if fb.spec_parents is None else [fb.spec_parents[i] for i in rows],
     )
     return sub, token_index

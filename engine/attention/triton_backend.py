@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention.base import (
@@ -50,6 +51,7 @@ from engine.attention.base import (
     window_left,
 )
 from engine.forward_batch import ForwardBatch
+from engine.speculative.tree import packed_masks
 from kernels.decode_attention import (
     decode_attention,
     decode_scratch,
@@ -76,6 +78,8 @@ class _ExtendMetadata:
     extend_lens: torch.Tensor  # [B] int64
     extend_start_loc: torch.Tensor  # [B] int64
     max_extend_len: int
+    # a verify step's draft trees: (uint8 masks, [B] int64 starts), `packed_masks`'
+    tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class TritonAttnBackend(AttentionBackend):
@@ -129,10 +133,12 @@ class TritonAttnBackend(AttentionBackend):
                 extend_lens=extend_lens,
                 extend_start_loc=fb.extend_start_loc,
                 max_extend_len=max(fb.extend_seq_lens_cpu),
+                tree_mask=None if fb.spec_parents is None else tree_mask_tensors(fb),
             )
 
     # -- CUDA graphs ----------------------------------------------------------------------------
     supports_cuda_graph = True
+    supports_tree_mask = True
 
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         mc = self.model_config
@@ -243,6 +249,7 @@ class TritonAttnBackend(AttentionBackend):
                 md.prefix_lens, md.extend_lens, md.extend_start_loc, md.max_extend_len,
                 softmax_scale(layer, fb), window_left=window_left(layer),
                 logit_cap=logit_cap(layer), sinks=getattr(layer, "sinks", None),
+                tree_mask=md.tree_mask,
             )  # fmt: skip
         return out.view(-1, layer.num_heads * layer.head_dim)
 
@@ -305,3 +312,14 @@ def check_float8_loads(kv_pool: object, device: torch.device) -> None:
             "kv_cache_dtype fp8_e4m3 with attention_backend='triton' needs compute "
             "capability 8.9 or later (Ada, Hopper); use fp8_e5m2 on this GPU"
         )
+
+
+def tree_mask_tensors(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extend kernel's tree mask of a verify step with draft trees, on the batch's device
+    (one copy)."""
+    assert fb.spec_parents is not None
+    masks, starts = packed_masks(fb.spec_parents)
+    host = torch.from_numpy(np.concatenate([starts, masks.astype(np.int64)]))
+    dev = host.to(fb.seq_lens.device)
+    n = len(starts)
+    return dev[n:].to(torch.uint8), dev[:n]

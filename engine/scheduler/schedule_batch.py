@@ -19,6 +19,7 @@ from engine.forward_batch import ForwardMode
 from engine.host_tensors import int64_rows
 from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS, Req
+from engine.speculative.tree import depths
 
 _RETURN_LOGPROB = attrgetter("return_logprob")
 _TOP_LOGPROBS_NUM = attrgetter("top_logprobs_num")
@@ -57,6 +58,9 @@ class ModelWorkerBatch:
     # a speculative verify step (an EXTEND of each request's last token and drafts): the
     # number of drafts of each request (engine/speculative/)
     spec_draft_lens: list[int] | None = None
+    # ... whose drafts are trees: each request's parent of every draft (None: chains;
+    # engine/speculative/tree.py)
+    spec_parents: list[list[int]] | None = None
     # EXTEND of an encoder: each new token's type (None: all 0; engine/models/bert.py)
     token_type_ids: list[int] | None = None
     # hierarchical cache: host <-> device K/V copies to run, in order, before the forward
@@ -92,6 +96,7 @@ class ScheduleBatch:
         self._prompt_logprobs: tuple[list[int], list[int], list[int]] | None = None
         # a verify step's drafts per request (engine/speculative/scheduling.py)
         self.spec_draft_lens: list[int] | None = None
+        self.spec_parents: list[list[int]] | None = None
 
     @property
     def reqs(self) -> list[Req]:
@@ -193,18 +198,22 @@ class ScheduleBatch:
         return self.pools.make_room(self.new_page_tokens_needed())
 
     def prepare_for_decode(
-        self, input_ids: list[int] | None = None, drafts: list[list[int]] | None = None
+        self,
+        input_ids: list[int] | None = None,
+        drafts: list[list[int]] | None = None,
+        parents: list[list[int]] | None = None,
     ) -> None:
         """One new token per request: the last output token (or `input_ids` given by the
         overlap scheduler, which may hold future placeholders). With `drafts` (speculative
         decoding, engine/speculative/), each request's last token and its drafts: a verify
-        step, still a decode batch for the scheduler, whose worker batch is an EXTEND."""
+        step, still a decode batch for the scheduler, whose worker batch is an EXTEND; with
+        `parents`, the drafts are trees (each node at its depth's position)."""
         self.forward_mode = ForwardMode.DECODE
         req_to_token = self.pools.req_to_token_pool.req_to_token
         prefix_lens = [r.kv_allocated_len for r in self.reqs]
         rows_list = [r.req_pool_idx for r in self.reqs]
         if drafts is None:
-            self.spec_draft_lens = None
+            self.spec_draft_lens = self.spec_parents = None
             seq_lens = [n + 1 for n in prefix_lens]
             positions = prefix_lens
             if input_ids is None:
@@ -212,7 +221,12 @@ class ScheduleBatch:
         else:
             self.spec_draft_lens = [len(d) for d in drafts]
             seq_lens = [n + 1 + k for n, k in zip(prefix_lens, self.spec_draft_lens)]
-            positions = [p for n, s in zip(prefix_lens, seq_lens) for p in range(n, s)]
+            # (a tree's node j takes the slot of position n + j but sits at n + its depth)
+            columns = [p for n, s in zip(prefix_lens, seq_lens) for p in range(n, s)]
+            positions = columns
+            if parents is not None:
+                positions = [n + d for n, ps in zip(prefix_lens, parents) for d in depths(ps)]
+            self.spec_parents = parents
             input_ids = [t for r, d in zip(self.reqs, drafts) for t in (r.output_ids[-1], *d)]
             rows_list = [row for row, k in zip(rows_list, self.spec_draft_lens)
                          for _ in range(k + 1)]  # fmt: skip
@@ -233,7 +247,7 @@ class ScheduleBatch:
             req_to_token[where[0], where[1]] = out.to(torch.int32)
         else:
             out = self.pools.alloc_kv(prefix_lens, seq_lens, self._last_locs(prefix_lens))
-            where = int64_rows([rows_list, positions]).to(req_to_token.device)
+            where = int64_rows([rows_list, columns]).to(req_to_token.device)
             req_to_token[where[0], where[1]] = out.to(torch.int32)
         for r, n in zip(self.reqs, seq_lens):
             r.kv_allocated_len = n
@@ -356,6 +370,7 @@ class ScheduleBatch:
             prompt_ranks=any(map(_RETURN_PROMPT_RANKS, params)),
             lora_ids=lora_ids if any(lora_ids) else None,
             spec_draft_lens=self.spec_draft_lens,
+            spec_parents=self.spec_parents,
             token_type_ids=self.token_type_ids if extend else None,
             kv_transfers=self.pools.tree_cache.take_transfers(),
             decode_rows=None if extend else self._decode_rows,

@@ -85,6 +85,7 @@ def check_speculative_args(args: Any) -> None:
     hi = args.speculative_ngram_max_match_window_size
     if args.speculative_num_draft_tokens < 1:
         raise ValueError("speculative_num_draft_tokens must be >= 1")
+    _check_tree_args(args, algo)
     if not 1 <= lo <= hi:
         raise ValueError(
             "speculative n-gram windows need 1 <= min <= max, got "
@@ -93,3 +94,36 @@ def check_speculative_args(args: Any) -> None:
     if not args.disable_overlap_schedule:
         logger.info("speculative decoding: the overlap scheduler is off")
         object.__setattr__(args, "disable_overlap_schedule", True)
+
+
+def _check_tree_args(args: Any, algo: str) -> None:
+    """topk and steps: a chain of num_draft_tokens drafts (topk 1), or a tree of that many
+    nodes (engine/speculative/tree.py), whose steps default to num_draft_tokens // topk."""
+    n, topk, steps = (args.speculative_num_draft_tokens, args.speculative_eagle_topk,
+                      args.speculative_num_steps)  # fmt: skip
+    if topk < 1:
+        raise ValueError("speculative_eagle_topk must be >= 1")
+    if topk == 1:
+        if steps is not None and steps != n:
+            raise ValueError(
+                f"speculative_num_steps {steps} with speculative_eagle_topk 1: a chain of "
+                f"speculative_num_draft_tokens ({n}) drafts takes {n} steps (here the draft "
+                "tokens exclude the last token: SGLang's num_draft_tokens less one)"
+            )
+        object.__setattr__(args, "speculative_num_steps", n)
+        return
+    if algo not in DRAFT_MODEL_ALGORITHMS:
+        raise ValueError(f"speculative_eagle_topk > 1 (draft trees) is for "
+                         f"{DRAFT_MODEL_ALGORITHMS}, not {algo!r}")  # fmt: skip
+    if args.tp_size > 1:
+        raise ValueError("draft trees (speculative_eagle_topk > 1) run with tp_size 1 only")
+    steps = max(1, n // topk) if steps is None else steps
+    if not 1 <= steps <= n:
+        raise ValueError(f"speculative_num_steps must be in 1..{n} (the tree's nodes)")
+    candidates = topk + (steps - 1) * topk * topk
+    if n > candidates:
+        raise ValueError(
+            f"a draft tree of {steps} steps with topk {topk} has {candidates} candidate "
+            f"nodes, fewer than speculative_num_draft_tokens ({n})"
+        )
+    object.__setattr__(args, "speculative_num_steps", steps)

@@ -52,6 +52,7 @@ import torch
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.speculative import EAGLE_ALGORITHMS
 from engine.speculative.scheduling import Drafter, token_array
+from engine.speculative.tree import select_nodes
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs, ModelConfig
@@ -101,6 +102,9 @@ class DraftModelDrafter(Drafter):
         self.chunk = chunk if chunk is not None and chunk > 0 else DEFAULT_DRAFT_CHUNK
         self.drafts: dict[str, _Draft] = {}
         self.memory_drops = 0  # requests that got no drafts: their draft K/V did not fit
+        # draft trees (engine/speculative/tree.py): tokens kept per forward, forwards a step
+        self.topk = args.speculative_eagle_topk
+        self.steps = args.speculative_num_steps or self.k
 
     # -- the scheduler's calls ------------------------------------------------------------------
     def room(self, r: Req) -> int:
@@ -111,27 +115,41 @@ class DraftModelDrafter(Drafter):
         live = {r.rid for r in reqs}
         for rid in [rid for rid in self.drafts if rid not in live]:  # finished, retracted
             self._drop(rid)
+        tree = self.topk > 1
         todo = []  # (batch index, request's tokens, room, its draft state)
+        limits = {}  # a tree's: batch index -> (its depth, its nodes) at most
         for i, r in enumerate(reqs):
             room = self.room(r)
             if room:
                 tokens = self._draft_tokens(token_array(r))
                 state = self._sync(r, tokens)
-                if state is not None:
-                    todo.append((i, tokens, room, state))
+                if state is not None:  # (a tree's nodes have K/V of the step only)
+                    todo.append((i, tokens, 1 if tree else room, state))
+                    limits[i] = (min(room, self.steps), self.tree_nodes(r))
         todo = self._allocate(todo)
         drafts: list[list[int]] = [[] for _ in reqs]
         if not todo:
             return drafts
-        first = self._catch_up(todo)
-        for (i, _, _, _), token in zip(todo, first, strict=True):
-            drafts[i].append(token)
-        self._decode(todo, drafts)
+        logits = self._catch_up(todo)
+        bias = self._stacked_bias([state for _, _, _, state in todo], logits)
+        if tree:
+            self.last_parents = [[] for _ in reqs]
+            self._decode_tree(todo, logits, bias, limits, drafts, self.last_parents)
+        else:
+            first = self._greedy(logits, bias).tolist()
+            for (i, _, _, _), token in zip(todo, first, strict=True):
+                drafts[i].append(token)
+            self._decode(todo, drafts)
         for i, tokens, room, state in todo:
             state.confirmed = len(tokens)
-            state.tail = drafts[i][: room - 1]
+            state.tail = [] if tree else drafts[i][: room - 1]
             state.length = state.confirmed + len(state.tail)
         return drafts
+
+    def tree_nodes(self, r: Req) -> int:
+        """The nodes a draft tree of `r` may have: its verify step's positions must fit in
+        the context."""
+        return max(0, min(self.k, self.context_len - r.seqlen - 1))
 
     def _make_runner(self, args: EngineArgs, runner: Any) -> Any:
         return make_draft_runner(args, runner)
@@ -239,11 +257,12 @@ class DraftModelDrafter(Drafter):
         return todo
 
     # -- forwards -------------------------------------------------------------------------------
-    def _catch_up(self, todo: list) -> list[int]:
+    def _catch_up(self, todo: list) -> torch.Tensor:
         """Extend forwards over each request's tokens from `confirmed` to its last (in pieces
-        of at most `chunk` tokens a forward); each request's first draft."""
+        of at most `chunk` tokens a forward); each request's logits after its last token
+        [len(todo), vocab], whence its first draft."""
         pending = [(state, tokens, state.confirmed) for _, tokens, _, state in todo]
-        first: list[int | None] = [None] * len(todo)
+        first: list[torch.Tensor | None] = [None] * len(todo)
         while any(start < len(tokens) for _, tokens, start in pending):
             budget, group, members = self.chunk, [], []
             for j, (state, tokens, start) in enumerate(pending):
@@ -256,12 +275,12 @@ class DraftModelDrafter(Drafter):
                 budget -= n
                 if not budget:
                     break
-            greedy = self._extend(group)
-            for j, (_, tokens, _, end), token in zip(members, group, greedy, strict=True):
+            logits = self._extend(group)
+            for k, (j, (_, tokens, _, end)) in enumerate(zip(members, group, strict=True)):
                 if end == len(tokens):
-                    first[j] = token
+                    first[j] = logits[k]
         assert all(t is not None for t in first)
-        return first  # type: ignore[return-value]
+        return torch.stack(first)  # type: ignore[arg-type]
 
     def _decode(self, todo: list, drafts: list[list[int]]) -> None:
         """Decode forwards feeding each request's last draft until it has `room` drafts,
@@ -313,6 +332,114 @@ class DraftModelDrafter(Drafter):
             i, room = todo[j][0], todo[j][2]
             drafts[i].extend(made_tokens[s][k] for s in range(room - 1))
 
+    def _decode_tree(
+        self,
+        todo: list,
+        logits: torch.Tensor,
+        bias: torch.Tensor | None,
+        limits: dict[int, tuple[int, int]],
+        drafts: list[list[int]],
+        parents: list[list[int]],
+    ) -> None:
+        """Draft trees (SGLang's EAGLE with topk > 1): the `topk` best first tokens of each
+        request (from `logits`, its catch-up's) are its first leaves; each further forward
+        feeds every request's `topk` leaves at once (topk rows a request, each attending to
+        the request's K/V and its own ancestors), and of the topk x topk children the `topk`
+        whose paths are likeliest (summed log-probabilities) become the next leaves. Every
+        leaf and child is a candidate; the request's tree is its best candidates
+        (`tree.select_nodes`), within its depth and node limits (`limits`). The candidates
+        stay on the device until the last forward (one host read); the leaves' K/V lives in
+        slots of this step only, given back at the end."""
+        k, n = self.topk, len(todo)
+        runner = self.runner
+        first_tokens, first_scores = self._top(logits, bias)  # [n, k]
+        cand_tokens, cand_scores = [first_tokens], [first_scores]
+        first_tokens = first_tokens.to(torch.int64)
+        cand_parents = [torch.full_like(first_tokens, -1)]
+        forwards = max(limits[i][0] for i, _, _, _ in todo) - 1
+        slots = None
+        if forwards > 0:
+            slots = runner.allocator.alloc_extend([0], [forwards * n * k], None)
+            if slots is None:  # (the pool leaves room for them: only when it is exhausted)
+                self.memory_drops += n
+                forwards = 0
+        if forwards > 0:
+            self._tree_forwards(todo, forwards, slots, bias, cand_tokens, cand_scores,
+                                cand_parents)  # fmt: skip
+            runner.allocator.free(slots)
+        ids = torch.cat([torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)], 1).cpu()
+        scores = torch.cat(cand_scores, 1).cpu().numpy()
+        num = scores.shape[1]
+        ids_np = ids.numpy()
+        tokens, cand_parent = ids_np[:, :num], ids_np[:, num:]
+        depth = np.concatenate([np.ones(k, dtype=np.int64)]
+                               + [np.full(k * k, d + 2, dtype=np.int64)
+                                  for d in range(forwards)])  # fmt: skip
+        for b, (i, _, _, _) in enumerate(todo):
+            max_depth, max_nodes = limits[i]
+            usable = (depth <= max_depth) & np.isfinite(scores[b])
+            chosen = select_nodes(scores[b], cand_parent[b], depth, max_nodes, usable)
+            node = {c: j for j, c in enumerate(chosen, start=1)}
+            drafts[i] = [int(tokens[b, c]) for c in chosen]
+            parents[i] = [node.get(int(cand_parent[b, c]), 0) for c in chosen]
+
+    def _tree_forwards(
+        self,
+        todo: list,
+        forwards: int,
+        slots: torch.Tensor,
+        bias: torch.Tensor | None,
+        cand_tokens: list[torch.Tensor],
+        cand_scores: list[torch.Tensor],
+        cand_parents: list[torch.Tensor],
+    ) -> None:
+        """`_decode_tree`'s forwards, appending each one's children to the candidates. Row
+        b * topk + j of a forward is leaf j of request b; its page table is a private copy of
+        the request's row whose columns past its caught-up tokens hold the slots of the
+        leaf's ancestors and its own (reordered with the leaves after each forward)."""
+        k, n = self.topk, len(todo)
+        runner = self.runner
+        dev = slots.device
+        states = [state for _, _, _, state in todo]
+        seen = np.asarray([len(tokens) for _, tokens, _, _ in todo], dtype=np.int64)
+        req_to_token = runner.req_to_token_pool.req_to_token
+        width = min(int(seen.max()) + forwards, req_to_token.shape[1])
+        rows = torch.tensor([st.row for st in states], dtype=torch.int64).to(req_to_token.device)
+        table = req_to_token[rows, :width].repeat_interleave(k, 0).contiguous()
+        every = torch.arange(n * k, device=table.device)
+        hidden = self._first_hidden(states)
+        if hidden is not None:
+            hidden = hidden.repeat_interleave(k, 0)
+        row_bias = None if bias is None else bias.repeat_interleave(k, 0)
+        leaf_tokens = cand_tokens[0].reshape(-1)
+        leaf_scores, leaf_cand = cand_scores[0], torch.arange(k, device=dev).expand(n, k)
+        base = torch.from_numpy(np.repeat(seen - 1, k)).to(table.device)
+        for step in range(1, forwards + 1):
+            own = slots[(step - 1) * n * k : step * n * k]
+            positions = base + step  # (a leaf of depth `step` at the head's position)
+            table[every, positions] = own.to(table.dtype)
+            fb = ForwardBatch(
+                forward_mode=ForwardMode.DECODE, batch_size=n * k, input_ids=leaf_tokens,
+                positions=positions, out_cache_loc=own, req_pool_indices=every,
+                seq_lens=positions + 1, seq_lens_cpu=np.repeat(seen + step, k).tolist(),
+                req_to_token=table, kv_pool=runner.kv_pool, attn_backend=runner.attn_backend,
+                spec_hidden=hidden,
+            )  # fmt: skip
+            child_tokens, child_logp = self._top(runner.forward(fb), row_bias)  # [n k, k]
+            child_tokens = child_tokens.to(torch.int64)
+            child_scores = (leaf_scores.reshape(-1, 1) + child_logp).view(n, k * k)
+            offset = k + (step - 1) * k * k
+            cand_tokens.append(child_tokens.view(n, k * k))
+            cand_scores.append(child_scores)
+            cand_parents.append(leaf_cand.repeat_interleave(k, 1))
+            leaf_scores, best = child_scores.topk(k, dim=-1)  # [n, k]
+            leaf_tokens = child_tokens.view(n, k * k).gather(1, best).reshape(-1)
+            leaf_cand = offset + best
+            parent_rows = (torch.arange(n, device=dev)[:, None] * k + best // k).reshape(-1)
+            table = table.index_select(0, parent_rows.to(table.device))
+            if hidden is not None:
+                hidden = fb.spec_hidden_out.index_select(0, parent_rows)
+
     def _first_hidden(self, states: list[_Draft]) -> torch.Tensor | None:
         """The hidden states of the first decode forward's inputs (EAGLE: the head's own
         output at each request's last caught-up position)."""
@@ -328,15 +455,30 @@ class DraftModelDrafter(Drafter):
 
     def _greedy(self, logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Each row's greedy token over the shared vocabulary, after its bias (on the device)."""
-        logits = logits[:, : self.vocab]
-        if bias is not None:
-            logits = logits.float() + bias
-        return logits.argmax(-1)
+        return self._token_ids(self._scores(logits, bias).argmax(-1))
 
-    def _extend(self, group: list[tuple[_Draft, Any, int, int]]) -> list[int]:
+    def _scores(self, logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The draft's logits over the tokens it may draft, after the requests' biases."""
+        logits = logits[:, : self.vocab]
+        return logits if bias is None else logits + bias  # (float32 at least)
+
+    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        """The model's token ids of columns of `_scores`."""
+        return columns
+
+    def _top(
+        self, logits: torch.Tensor, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's `topk` best tokens and their log-probabilities under the draft."""
+        scores = self._scores(logits, bias)
+        logp = torch.log_softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), -1)
+        values, columns = logp.topk(self.topk, dim=-1)
+        return self._token_ids(columns), values
+
+    def _extend(self, group: list[tuple[_Draft, Any, int, int]]) -> torch.Tensor:
         """One extend forward of the draft model over (state, tokens, start, end) per request
-        (its tokens of positions start .. end - 1); each request's greedy token after its last
-        position (within its allowed tokens, after its logit_bias)."""
+        (its tokens of positions start .. end - 1); each request's logits after its last
+        position."""
         from engine.scheduler.schedule_batch import ModelWorkerBatch
 
         runner = self.runner
@@ -378,8 +520,7 @@ class DraftModelDrafter(Drafter):
         if short:  # each request's last token's
             logits = logits.index_select(0, fb.last_token_indices)
         self._extended(group, fb)
-        bias = self._stacked_bias([state for state, _, _, _ in group], logits)
-        return self._greedy(logits, bias).tolist()
+        return logits
 
     def _extend_hidden(self, group: list) -> torch.Tensor | None:
         """The hidden states a catch-up forward reads (EAGLE: the model's), or None."""
@@ -442,8 +583,13 @@ def draft_args(
 
 
 def draft_pool_tokens(target_tokens: int, args: EngineArgs) -> int:
-    """The draft pool's tokens: the model's, plus the last drafts of every running request."""
-    return target_tokens + args.max_running_requests * args.speculative_num_draft_tokens
+    """The draft pool's tokens: the model's, plus the last drafts of every running request
+    (with draft trees, the leaves of its forwards: topk a forward)."""
+    per_request = args.speculative_num_draft_tokens
+    if args.speculative_eagle_topk > 1:
+        per_request = max(per_request, args.speculative_eagle_topk
+                          * ((args.speculative_num_steps or per_request) - 1))  # fmt: skip
+    return target_tokens + args.max_running_requests * per_request
 
 
 def make_draft_runner(args: EngineArgs, runner: Any) -> Any:

@@ -1,7 +1,8 @@
 """EAGLE speculative decoding (SGLang's `--speculative-algorithm EAGLE` / `EAGLE3`, vLLM's
 `eagle` / `eagle3` methods): drafts from a small head that reads the model's hidden states
-(engine/models/llama_eagle.py), chained greedily (one draft a position: SGLang's
-`--speculative-eagle-topk 1`; no tree).
+(engine/models/llama_eagle.py), chained greedily (SGLang's `--speculative-eagle-topk 1`) or as
+a tree of its likeliest paths (topk > 1: draft_model.py's `_decode_tree`,
+engine/speculative/tree.py).
 
 **The model's side.** Every forward of the model keeps the hidden states the head reads, one
 row per token, in a buffer indexed by the token's KV slot (`HiddenCapture`): the final normed
@@ -242,9 +243,11 @@ class EagleDrafter(DraftModelDrafter):
     def _first_hidden(self, states: list) -> torch.Tensor:
         return torch.stack([self._last_hidden[state.rid] for state in states])
 
-    def _greedy(self, logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _scores(self, logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.hot is None:
-            return super()._greedy(logits, bias)
-        if bias is not None:  # (over the model's ids: the draft vocabulary's columns of it)
-            logits = logits.float() + bias[:, self.hot]
-        return self.hot[logits.argmax(-1)]
+            return super()._scores(logits, bias)
+        # (the biases are over the model's ids: the draft vocabulary's columns of them)
+        return logits if bias is None else logits + bias[:, self.hot]
+
+    def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        return columns if self.hot is None else self.hot[columns]

@@ -58,6 +58,9 @@ class Drafter:
         self.k = args.speculative_num_draft_tokens
         self.context_len = context_len
         self.stats = SpecStats()
+        # drafts as trees: each request's parent of every draft, set by `propose` (None:
+        # chains; engine/speculative/tree.py)
+        self.last_parents: list[list[int]] | None = None
 
     def room(self, r: Req) -> int:
         """How many drafts request `r` may get this step (0: none)."""
@@ -72,13 +75,14 @@ class Drafter:
     def prepare(self, batch: ScheduleBatch) -> bool:
         """Set `batch` up as a verify step if some request has drafts and the memory for all
         of them can be had; whether it did (else it is for a plain decode step)."""
+        self.last_parents = None
         drafts = self.propose(batch.reqs)
         if not any(drafts):
             return False
         if not batch.pools.make_room(verify_tokens_needed(batch, drafts)):
             self.stats.memory_skips += 1
             return False
-        batch.prepare_for_decode(drafts=drafts)
+        batch.prepare_for_decode(drafts=drafts, parents=self.last_parents)
         return True
 
     def count(self, num_drafts: list[int], accepted: list[int]) -> None:
@@ -128,6 +132,8 @@ def make_drafter(args: EngineArgs, runner: Any, context_len: int) -> Drafter | N
     """The drafter `args.speculative_algorithm` names (None without speculation)."""
     if args.speculative_algorithm is None:
         return None
+    if args.speculative_eagle_topk > 1:
+        check_tree_support(runner)
     if args.speculative_algorithm in EAGLE_ALGORITHMS:
         from engine.speculative.eagle import EagleDrafter
 
@@ -137,6 +143,24 @@ def make_drafter(args: EngineArgs, runner: Any, context_len: int) -> Drafter | N
 
         return DraftModelDrafter(args, runner, context_len)
     return NgramDrafter(args, context_len)
+
+
+def check_tree_support(runner: Any) -> None:
+    """ValueError where a verify step cannot mask draft trees: an attention backend without
+    tree masks (flashinfer here), a model with sliding-window layers (their masks are by
+    position, which a tree's nodes share)."""
+    backend = runner.attn_backend
+    if not getattr(backend, "supports_tree_mask", False):
+        raise ValueError(
+            f"draft trees (speculative_eagle_topk > 1): the {type(backend).__name__} attention "
+            "backend has no tree masks; use attention_backend 'triton' or 'torch_native', or "
+            "topk 1"
+        )
+    if any(w is not None for w in runner.model_config.sliding_windows):
+        raise ValueError(
+            "draft trees (speculative_eagle_topk > 1) with sliding-window layers are not "
+            "supported; use topk 1"
+        )
 
 
 def token_array(req: Req) -> np.ndarray:

@@ -13,6 +13,11 @@ for such a draft speculative sampling's rule (accept with probability p(d), else
 with d removed) gives each token x probability p(x), as drawing x ~ p and accepting iff
 x == d does. So outputs are distributed as without drafts; greedy and seeded requests give
 the same tokens as without them.
+
+With draft trees (engine/speculative/tree.py) a node is sampled as the request's token after
+the node's path, and the step follows the child whose draft equals the token sampled at the
+current node; children have distinct drafts, so the same argument holds. The accepted nodes'
+K/V is then moved to the positions of their path (`move_kv`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 
 from engine.sampling.sampler import TopLogprobs
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.speculative.tree import accept_path, node_paths, path_moves
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
@@ -58,41 +64,70 @@ def verify(runner: ModelRunner, mwb: ModelWorkerBatch) -> VerifyResult:
     tokens, accepted = [], []
     logprobs: list[list[float]] | None = [] if chosen is not None else None
     top: list[list[TopLogprobs]] | None = [] if out.top_logprobs is not None else None
+    trees = mwb.spec_parents
+    moves: list[tuple[int, int]] = []  # (from, to) packed rows of accepted tree nodes' K/V
     start = 0
-    for k in lens:
-        t = sampled[start : start + k + 1]
+    for i, k in enumerate(lens):
         drafts = mwb.input_ids[start + 1 : start + 1 + k]
-        a = 0
-        while a < k and drafts[a] == t[a]:
-            a += 1
-        tokens.append(t[: a + 1])
+        if trees is None:
+            t = sampled[start : start + k + 1]
+            a = 0
+            while a < k and drafts[a] == t[a]:
+                a += 1
+            rows = list(range(start, start + a + 1))
+        else:
+            path = accept_path(sampled[start : start + k + 1], drafts, trees[i])
+            a = len(path)
+            rows = [start + j for j in (0, *path)]
+            moves.extend((start + src, start + dst) for src, dst in path_moves(path))
+        tokens.append([sampled[r] for r in rows])
         accepted.append(a)
         if logprobs is not None:
-            logprobs.append(chosen[start : start + a + 1])
+            logprobs.append([chosen[r] for r in rows])
         if top is not None:
-            top.append(out.top_logprobs[start : start + a + 1])
+            top.append([out.top_logprobs[r] for r in rows])
         start += k + 1
+    if moves:
+        move_kv(runner, fb.out_cache_loc, moves)
     return VerifyResult(tokens, list(lens), accepted, logprobs, top)
 
 
+def move_kv(runner: ModelRunner, slots: torch.Tensor, moves: list[tuple[int, int]]) -> None:
+    """Copy the K/V (and the hidden states kept for an EAGLE head) of the packed verify rows
+    `from` to the slots of rows `to`: accepted tree nodes to their path's positions. Every
+    source is read before any destination is written, so a slot may be both."""
+    index = torch.tensor(moves, dtype=torch.int64).to(slots.device)
+    src, dst = slots[index[:, 0]], slots[index[:, 1]]
+    for buf in runner.kv_pool.buffers():
+        buf[dst] = buf[src]  # (the right side is gathered first: overlaps are safe)
+    capture = getattr(runner, "hidden_capture", None)
+    if capture is not None:
+        capture.buffer[dst] = capture.buffer[src]
+
+
 def position_sampling_info(runner: ModelRunner, mwb: ModelWorkerBatch) -> SamplingBatchInfo:
-    """The sampling info of every position of a verify batch (see the module's docstring)."""
+    """The sampling info of every position of a verify batch (see the module's docstring;
+    a tree's node is sampled as the request's token after the node's path)."""
     lens = mwb.spec_draft_lens
     assert lens is not None
+    trees = mwb.spec_parents
     params, prompts, steps, starts = [], [], [], []
     history = any(p.has_device_history for p in mwb.sampling_params)
     outputs: list[list[int]] | None = [] if history else None
     start = 0
-    for p, k, prompt, output in zip(
-        mwb.sampling_params, lens, mwb.prompt_ids, mwb.output_ids, strict=True
+    for i, (p, k, prompt, output) in enumerate(
+        zip(mwb.sampling_params, lens, mwb.prompt_ids, mwb.output_ids, strict=True)
     ):
         starts.append(start)
-        for j in range(k + 1):
+        drafts = mwb.input_ids[start + 1 : start + 1 + k]
+        paths = node_paths(trees[i]) if trees is not None else [range(1, j + 1)
+                                                                  for j in range(k + 1)]
+        for path in paths:
             params.append(p)
             prompts.append(prompt)
-            steps.append(len(output) + j)
+            steps.append(len(output) + len(path))
             if outputs is not None:
-                outputs.append(output + mwb.input_ids[start + 1 : start + 1 + j])
+                outputs.append(output + [drafts[j - 1] for j in path])
         start += k + 1
     info = SamplingBatchInfo.from_params(
         params,

@@ -377,3 +377,31 @@ def test_soft_cap_is_tanh_to_float32_rounding():
     want = cap * torch.tanh(x.to(torch.float32).double() / cap)
     err = (got.cpu().double() - want).abs() / want.abs().clamp_min(1e-30)
     assert err.max().item() < 1e-6, f"worst relative error {err.max().item():.3g}"
+
+
+def _random_parents(n: int, gen: torch.Generator) -> list[int]:
+    return [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_tree_mask_matches_reference(dtype):
+    """A verify step's draft trees (engine/speculative/tree.py): each new token sees the
+    prefix and its ancestors only; a tree spanning two query and key blocks, a lone root, a
+    chain. The tree mask changes the result (the comparison can fail)."""
+    from engine.speculative.tree import ancestor_mask, chain_parents, packed_masks
+
+    gen = torch.Generator().manual_seed(3)
+    parents = [_random_parents(20, gen), [], chain_parents(6)]
+    case = make_paged_case([20, 37, 5], [len(p) + 1 for p in parents], 4, 2, 64, 4, dtype,
+                           DEVICE, seed=12)  # fmt: skip
+    masks, starts = packed_masks(parents)
+    tree = (torch.from_numpy(masks).to(DEVICE), torch.from_numpy(starts).to(DEVICE))
+    args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
+    args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
+    got = extend_attention(*args, case.max_extend_len, case.scale, block_m=16, block_n=16,
+                           tree_mask=tree)  # fmt: skip
+    own = [torch.from_numpy(ancestor_mask(p)) for p in parents]
+    want = extend_attention_ref(*args, case.scale, tree_masks=own)
+    _close(got, want)
+    _, causal = run_extend(case, block_m=16, block_n=16)
+    assert (causal.float() - want.float()).abs().max().item() > 10 * TOL[dtype]
