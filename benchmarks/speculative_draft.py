@@ -21,6 +21,10 @@ on nothing, so the pair is built to agree on part of the tokens, as a distilled 
   model's hidden states' slots but reads only its tokens) over the model's embedding and
   lm_head. The model's final norm has weight 1 here (for all arms), so that the head, which
   has none, gets the same argmax from the same stream;
+* the same EAGLE head drafting trees (`eagle_tree`: `--tree-topk` tokens a forward,
+  `--draft-tokens` forwards, the `--tree-nodes` likeliest nodes verified; by default every
+  candidate, which holds the chain's path and its runners-up), verified with tree masks
+  (the Triton backend on a GPU: flashinfer has none here);
 * floors, whose drafts are almost never right (what drafting costs when it buys nothing): a
   draft of the same size from another random model (`unrelated`), and a random EAGLE-3 head
   (`eagle3_random`: the model's three hidden states per token kept, a draft vocabulary of a
@@ -108,6 +112,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--draft-tokens", type=int, default=3)
+    ap.add_argument("--tree-topk", type=int, default=2, help="the eagle_tree arm's topk")
+    ap.add_argument("--tree-nodes", type=int, default=10,
+                    help="the eagle_tree arm's nodes (default: every candidate of "
+                    "--draft-tokens steps of topk 2)")
     args = parse_arm_args(ap, "speculative_draft")
     path, draft = make_pair(args, args.seed)
     _, unrelated = make_pair(args, args.seed + 1)
@@ -127,6 +135,14 @@ def main() -> None:
                      **{**spec, "speculative_algorithm": "eagle"}),
         "eagle3_random": Arm(path, args, speculative_draft_model_path=eagle3,
                              **{**spec, "speculative_algorithm": "eagle3"}),
+        # (flashinfer has no tree masks: on a GPU the tree's arm runs the Triton backend)
+        "eagle_tree": Arm(path, args, speculative_draft_model_path=eagle,
+                          **{**spec, "speculative_algorithm": "eagle",
+                             "speculative_num_draft_tokens": args.tree_nodes,
+                             "speculative_eagle_topk": args.tree_topk,
+                             "speculative_num_steps": args.draft_tokens},
+                          **({"attention_backend": "triton"}
+                             if args.device.startswith("cuda") else {})),
     }
     if args.device.startswith("cuda"):  # the model's verify steps eager: what graphs save
         arms["draft_eager_verify"] = Arm(path, args, verify_graphs=False,
@@ -155,7 +171,8 @@ def main() -> None:
     cols = ["batch", "plain_tok_s", "draft_tok_s", "draft_speedup", "draft_accept_length",
             "unrelated_tok_s", "unrelated_speedup", "unrelated_accept_length",
             "eagle_tok_s", "eagle_speedup", "eagle_accept_length",
-            "eagle3_random_speedup", "eagle3_random_accept_length"]  # fmt: skip
+            "eagle3_random_speedup", "eagle3_random_accept_length",
+            "eagle_tree_tok_s", "eagle_tree_speedup", "eagle_tree_accept_length"]  # fmt: skip
     if "draft_eager_verify" in arms:
         cols += ["draft_eager_verify_tok_s", "draft_eager_verify_speedup"]
     print_table(rows, cols)
@@ -167,6 +184,10 @@ def main() -> None:
         summary[f"bs{r['batch']}_eagle_speedup"] = round(r["eagle_speedup"], 3)
         summary[f"bs{r['batch']}_eagle_accept_length"] = round(r["eagle_accept_length"], 3)
         summary[f"bs{r['batch']}_eagle3_random_speedup"] = round(r["eagle3_random_speedup"], 3)
+        summary[f"bs{r['batch']}_eagle_tree_speedup"] = round(r["eagle_tree_speedup"], 3)
+        summary[f"bs{r['batch']}_eagle_tree_accept_length"] = round(
+            r["eagle_tree_accept_length"], 3
+        )
         if "draft_eager_verify_speedup" in r:
             summary[f"bs{r['batch']}_eager_verify_speedup"] = round(
                 r["draft_eager_verify_speedup"], 3
