@@ -389,7 +389,8 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         type=int,
         default=None,
         help="draft forwards per step: the tree's depth (default: the number of draft tokens "
-        "with topk 1, a chain; num_draft_tokens // topk with a tree)",
+        "with topk 1, a chain; num_draft_tokens // topk with a tree). With topk 1, steps = "
+        "num_draft_tokens - 1 is SGLang's count and means a chain of `steps` drafts",
     )
     g.add_argument(
         "--speculative-ngram-min-match-window-size",

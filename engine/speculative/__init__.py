@@ -104,13 +104,17 @@ def _check_tree_args(args: Any, algo: str) -> None:
     if topk < 1:
         raise ValueError("speculative_eagle_topk must be >= 1")
     if topk == 1:
-        if steps is not None and steps != n:
+        if steps is not None and steps == n - 1:  # SGLang's count (the last token in it)
+            logger.info("speculative: %d steps of topk 1 with %d draft tokens (SGLang's "
+                        "count): a chain of %d drafts", steps, n, steps)  # fmt: skip
+            object.__setattr__(args, "speculative_num_draft_tokens", steps)
+        elif steps is not None and steps != n:
             raise ValueError(
                 f"speculative_num_steps {steps} with speculative_eagle_topk 1: a chain of "
                 f"speculative_num_draft_tokens ({n}) drafts takes {n} steps (here the draft "
-                "tokens exclude the last token: SGLang's num_draft_tokens less one)"
+                "tokens exclude the last token; SGLang's count, steps + 1, is taken too)"
             )
-        object.__setattr__(args, "speculative_num_steps", n)
+        object.__setattr__(args, "speculative_num_steps", args.speculative_num_draft_tokens)
         return
     if algo not in DRAFT_MODEL_ALGORITHMS:
         raise ValueError(f"speculative_eagle_topk > 1 (draft trees) is for "

@@ -245,21 +245,39 @@ def test_a_whole_tree_accepts_more_than_the_chain() -> None:
     assert lengths["tree"] > lengths["chain"] > 2.5, lengths
 
 
-def test_standalone_draft_model_trees() -> None:
-    """A draft model drafts trees too: the model as its own draft puts the model's greedy
-    path in its tree, and a perturbed copy gets some nodes accepted; plain tokens."""
+def test_standalone_draft_model_trees_with_sampling_and_logprobs() -> None:
+    """A draft model drafts trees too. The model as its own draft: greedy tokens are plain
+    decoding's, most nodes on the path accepted. A perturbed copy, with seeded sampling,
+    penalties, min_new_tokens and logprobs: each request's tokens, logprobs and top logprobs
+    are plain decoding's (the rows of the accepted path's nodes)."""
     from tests.integration.test_speculative_draft_model import _run as run_checked
     from tests.integration.test_speculative_draft_model import noisy_draft
 
     path = tiny_model("llama")
-    prompts = _prompts(4, seed=5)
-    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    prompts = _prompts(6, seed=5)
+    tree = {"nodes": 6, "topk": 2, "steps": 3}
+    greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    want, _ = run_checked(path, prompts, greedy, **PLAIN)
+    got, stats = run_checked(path, prompts, greedy, **PLAIN, **_tree("standalone", path, **tree))
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    assert stats["spec_accept_length"] > 2.5, stats
+    params = [
+        {"temperature": 0.7, "sampling_seed": 7 + i, "max_new_tokens": 24, "return_logprob": True,
+         "top_logprobs_num": 2, "frequency_penalty": 0.3 * (i % 2), "top_p": 0.9,
+         "min_new_tokens": 20 if i == 3 else 0, "ignore_eos": i != 5}
+        for i in range(len(prompts))
+    ]  # fmt: skip
+    params[4]["temperature"] = 0.0
     want, _ = run_checked(path, prompts, params, **PLAIN)
-    for draft in (path, noisy_draft(path)):
-        got, stats = run_checked(path, prompts, params, **PLAIN,
-                                 **_tree("standalone", draft, nodes=6, topk=2, steps=3))
-        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
-        assert stats["spec_accepted_tokens"] > 0, stats
+    got, stats = run_checked(path, prompts, params, **PLAIN,
+                             **_tree("standalone", noisy_draft(path), **tree))  # fmt: skip
+    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
+    for g, w in zip(got, want, strict=True):
+        assert g["output_ids"] == w["output_ids"]
+        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
+        assert max(abs(a[0] - b[0]) for a, b in zip(gl, wl, strict=True)) < 1e-4
+        gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
+        assert [[e[1] for e in x] for x in gt] == [[e[1] for e in x] for x in wt]
 
 
 def test_bad_tree_configurations_are_refused() -> None:
@@ -272,7 +290,10 @@ def test_bad_tree_configurations_are_refused() -> None:
     args = EngineArgs(**base, speculative_num_draft_tokens=3)
     assert args.speculative_num_steps == 3
     with pytest.raises(ValueError, match="takes 3 steps"):
-        EngineArgs(**base, speculative_num_draft_tokens=3, speculative_num_steps=2)
+        EngineArgs(**base, speculative_num_draft_tokens=3, speculative_num_steps=1)
+    # SGLang's chain command (its num_draft_tokens counts the last token): 3 drafts
+    args = EngineArgs(**base, speculative_num_draft_tokens=4, speculative_num_steps=3)
+    assert (args.speculative_num_draft_tokens, args.speculative_num_steps) == (3, 3)
     with pytest.raises(ValueError, match="fewer than speculative_num_draft_tokens"):
         EngineArgs(**base, speculative_num_draft_tokens=9, speculative_eagle_topk=2,
                    speculative_num_steps=2)  # fmt: skip
