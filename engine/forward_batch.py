@@ -87,6 +87,9 @@ class ForwardBatch:
     # attention backends mask each node's keys to the cached ones and its ancestors
     # (engine/speculative/tree.py)
     spec_parents: list[list[int]] | None = None
+    # ... replayed from a verify graph of trees: its static masks (uint8 masks, starts per
+    # request, in `tree.packed_masks`' layout), which the graph's kernels read
+    spec_tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None
     # an EAGLE draft head's forward (engine/models/llama_eagle.py): the hidden states it
     # reads [num_tokens, width], and those it leaves for its next forward [num_tokens, hidden]
     spec_hidden: torch.Tensor | None = None

@@ -311,9 +311,8 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             forward_batch.kv_transfers = None
         graphs: CudaGraphRunner | VerifyGraphRunner | None = self._graphs_for(future_map)
         if forward_batch.spec_draft_lens is not None:  # a verify step: its own graphs
-            graphs = self.verify_graph_runner  # (not for trees, whose masks they lack)
-            replay = (graphs is not None and forward_batch.spec_parents is None
-                      and graphs.can_run(forward_batch))  # fmt: skip
+            graphs = self.verify_graph_runner
+            replay = graphs is not None and graphs.can_run(forward_batch)
         else:
             replay = graphs is not None and graphs.can_run(forward_batch, future_map)
         if replay and self.tp_link is None:
@@ -413,7 +412,11 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         width = self.verify_graph_width
         if width is not None and self.attn_backend.supports_verify_cuda_graph:
             start = time.perf_counter()
-            verify = VerifyGraphRunner(self, verify_graph_sizes(sizes), width, capturer)
+            # (with draft trees every verify step has them: the graphs mask trees)
+            trees = self.args.speculative_algorithm is not None and (
+                self.args.speculative_eagle_topk > 1
+            )
+            verify = VerifyGraphRunner(self, verify_graph_sizes(sizes), width, capturer, trees)
             verify.capture()
             self.verify_graph_runner = verify
             logger.info(

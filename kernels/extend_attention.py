@@ -132,7 +132,8 @@ def _extend_kernel(
                 m_off = mask_start + offs_m[:, None] * extend_len + pos[None, :]
                 seen = tl.load(tree_mask_ptr + m_off, mask=mask_m[:, None] & mask_n[None, :],
                                other=0)  # fmt: skip
-                visible = visible & (seen != 0)
+                # (rows past the request's tokens keep the causal mask: no row sees nothing)
+                visible = visible & ((seen != 0) | (offs_m[:, None] >= extend_len))
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)

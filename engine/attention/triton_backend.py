@@ -170,6 +170,7 @@ class TritonAttnBackend(AttentionBackend):
                 extend_lens=fb.extend_seq_lens,
                 extend_start_loc=fb.extend_start_loc,
                 max_extend_len=max(fb.extend_seq_lens_cpu),  # the width: fixed per graph
+                tree_mask=fb.spec_tree_mask,  # (a graph of trees: its static masks)
             )
             return
         assert self._graph_scratch is not None, "init_cuda_graph_state was not called"

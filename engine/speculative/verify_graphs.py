@@ -19,6 +19,12 @@ tokens are request-major, `width` each:
 * `seq_lens` of request i is its prefix + width (its real length plus its padding tokens),
   `extend_seq_lens` is `width` for all, `extend_start_loc` is i * width (constant buffers).
 
+With draft trees (`trees`: every verify step of the engine has them) the graphs run the
+Triton extend kernel's tree variant over static masks, one [width, width] block a request:
+request i's ancestor mask in its top-left corner (`_tree_depths` writes them, and the tokens'
+positions are the nodes' depths), causal rows elsewhere, so that padding tokens see what they
+would in a chain's graph.
+
 Padding cannot change a real token's logits: attention is causal within a request's new
 tokens and its padding tokens come after its real ones, requests do not attend to each other,
 the padding K/V lands in slot 0 (read by padding queries only), and every other layer works
@@ -55,6 +61,7 @@ from engine.cuda_graph_runner import (
 )
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.logits import logits_width
+from engine.speculative.tree import ancestor_mask, depths
 
 # verify graphs are captured for the decode graphs' sizes up to this many requests:
 # speculation pays at small batches, and each size's graph holds width x its logits rows
@@ -81,6 +88,7 @@ class VerifyGraphRunner:
         batch_sizes: Sequence[int],
         width: int,
         capturer: GraphCapturer | None = None,
+        trees: bool = False,
     ) -> None:
         if not batch_sizes or min(batch_sizes) < 1 or width < 2:
             raise ValueError(f"VerifyGraphRunner: sizes {batch_sizes}, width {width}")
@@ -125,6 +133,18 @@ class VerifyGraphRunner:
                     device=device,
                 )  # fmt: skip
         self._pad_positions = np.arange(width, dtype=np.int64)
+        # draft trees (engine/speculative/tree.py): every request's [width, width] ancestor
+        # mask; a padding row sees the rows before it (causal), a real node its ancestors
+        self.trees = trees
+        self.tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None
+        if trees:
+            if not getattr(self.backend, "supports_tree_mask", False):
+                raise ValueError(f"verify graphs of trees: {type(self.backend).__name__} has "
+                                 "no tree masks")  # fmt: skip
+            self._causal = np.tril(np.ones((width, width), dtype=np.uint8))
+            masks = torch.from_numpy(np.tile(self._causal.ravel(), self.max_bs)).to(device)
+            starts = torch.arange(0, max_tokens * width, width * width, dtype=torch.int64)
+            self.tree_mask = (masks, starts.to(device))
 
     # -- capture --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -160,6 +180,7 @@ class VerifyGraphRunner:
             and all(n - k <= room for n, k in zip(fb.seq_lens_cpu, lens, strict=True))
             and reads_graph_state(self, fb)
             and (fb.spec_hidden is None) == (self.spec_hidden is None)
+            and (fb.spec_parents is not None) == self.trees
         )
 
     padded_size = CudaGraphRunner.padded_size
@@ -194,7 +215,10 @@ class VerifyGraphRunner:
         prefix = seq - lens - 1
         j = self._pad_positions
         positions = np.empty((bs, w), dtype=np.int64)  # padding tokens: the last real position
-        positions[:n] = prefix[:, None] + np.minimum(j[None, :], lens[:, None])
+        if self.trees:
+            positions[:n] = prefix[:, None] + self._tree_depths(fb.spec_parents, bs)
+        else:
+            positions[:n] = prefix[:, None] + np.minimum(j[None, :], lens[:, None])
         positions[n:] = j
         full = bool((lens == w - 1).all())
         places = None if full else np.flatnonzero((j[None, :] <= lens[:, None]).ravel())
@@ -227,6 +251,22 @@ class VerifyGraphRunner:
         seq_cpu = padded_seq.tolist()
         return self._static_batch(bs, seq_cpu), rows
 
+    def _tree_depths(self, parents: list[list[int]], bs: int) -> np.ndarray:
+        """[n, width] each real request's node depths (padding: its last node's), and its
+        ancestor masks written into the static masks (the rest of the first `bs` requests'
+        rows causal)."""
+        assert self.tree_mask is not None
+        w = self.width
+        masks = np.broadcast_to(self._causal, (bs, w, w)).copy()
+        out = np.empty((len(parents), w), dtype=np.int64)
+        for i, ps in enumerate(parents):
+            d = depths(ps)
+            out[i, : len(d)] = d
+            out[i, len(d) :] = d[-1]
+            masks[i, : len(d), : len(d)] = ancestor_mask(ps)
+        self.tree_mask[0][: bs * w * w].copy_(torch.from_numpy(masks.reshape(-1)))
+        return out
+
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         w = self.width
         return static_batch(
@@ -235,4 +275,5 @@ class VerifyGraphRunner:
             extend_start_loc=self.start_loc[:bs], extend_seq_lens=self.extend_lens[:bs],
             return_all_logits=True,
             spec_hidden=None if self.spec_hidden is None else self.spec_hidden[: bs * w],
+            spec_tree_mask=self.tree_mask,
         )  # fmt: skip

@@ -62,8 +62,9 @@ def test_seeded_sampling_penalties_and_allowed_tokens_equal_plain() -> None:
 
 
 def test_triton_backend_with_graphs_captured() -> None:
-    """The Triton extend kernel's tree mask; the model's verify graphs (the CPU's eager double
-    of them) are passed over for tree steps, the head's tree forwards run eagerly."""
+    """The Triton extend kernel's tree mask; the model's tree steps replay its verify graphs
+    of trees (the CPU's eager double of them: the replay path), the head's tree forwards run
+    eagerly."""
     from engine.cuda_graph_runner import EagerGraphCapturer
 
     model = tiny_model("llama")
@@ -84,7 +85,46 @@ def test_triton_backend_with_graphs_captured() -> None:
         replays = sum(g.num_replays for g in runner.verify_graph_runner.graphs.values())
     assert [o["output_ids"] for o in outs] == want
     assert stats["spec_num_drafts"] > 0 and stats["spec_accepted_tokens"] > 0, stats
-    assert replays == 0
+    assert replays > 0
+
+
+@pytest.mark.parametrize("draft_lens", [[4, 4], [2, 4, 0]], ids=["full", "padded"])
+def test_tree_verify_graphs_replay_the_eager_forward(draft_lens: list[int]) -> None:
+    """A verify step of trees replayed from the model's verify graphs (every request at the
+    graphs' width, or padded nodes and a padded request) gives the eager forward's logits
+    and K/V: the static masks are each request's ancestor masks, the positions its depths."""
+    from engine.cuda_graph_runner import EagerGraphCapturer
+    from engine.speculative.tree import depths
+    from tests.runner_batches import eager_forward, kv_restore, kv_snapshot, verify_batch
+
+    model = tiny_model("llama")
+    trees = {4: [0, 0, 1, 1], 2: [0, 0], 0: []}
+    spec = _tree("eagle", _random_eagle_head(model), nodes=4, topk=2, steps=2)
+    with Engine(model_path=model, **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
+                attention_backend="triton", **spec) as engine:  # fmt: skip
+        runner = engine.scheduler.model_runner
+        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+        runner.use_cuda_graph = True
+        runner.capture_cuda_graphs()
+        assert runner.verify_graph_runner.trees
+        n = len(draft_lens)
+        prefix = [7, 12, 3][:n]
+        fb = verify_batch(runner, list(range(1, n + 1)), prefix, draft_lens, seed=5)
+        fb.spec_parents = [trees[k] for k in draft_lens]
+        fb.positions = torch.tensor([p + d for p, k in zip(prefix, draft_lens)
+                                     for d in depths(trees[k])])  # fmt: skip
+        want, want_kv = eager_forward(runner, fb)
+        saved = kv_snapshot(runner)
+        got = runner.forward(fb).float()
+        got_kv = kv_snapshot(runner)
+        kv_restore(runner, saved)
+        assert sum(g.num_replays for g in runner.verify_graph_runner.graphs.values()) == 1
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        for g, w in zip(got_kv, want_kv, strict=True):  # (slot 0 takes the padding's)
+            torch.testing.assert_close(g[1:], w[1:])
+        fb.spec_parents = None  # (the same nodes as chains: other logits)
+        chain, _ = eager_forward(runner, fb)
+        assert (chain.float() - want.float()).abs().max() > 1e-3
 
 
 def test_kept_hidden_states_after_tree_steps_are_transformers(monkeypatch) -> None:
