@@ -256,7 +256,7 @@ do_step() {
                 --results-dir /tmp/sluice-gpu-smoke ;;
         speculative)
             run_step tests-verify-graphs 200 "${PYTEST[@]}" tests/gpu/test_verify_graphs_gpu.py
-            run_step tests-eagle 150 "${PYTEST[@]}" tests/gpu/test_eagle_gpu.py
+            run_step tests-eagle 240 "${PYTEST[@]}" tests/gpu/test_eagle_gpu.py
             run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative
             run_step speculative-draft 150 python3 benchmarks/speculative_draft.py --device cuda \

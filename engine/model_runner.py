@@ -169,8 +169,10 @@ class ModelRunner(RunnerWeights, RunnerAttention):
         if memory.host_tokens:
             from engine.mem_cache.host_pool import HostKVPool
 
+            # (an EAGLE model's kept hidden states go to the host and back with the K/V)
+            capture = () if self.hidden_capture is None else (self.hidden_capture,)
             self.host_kv_pool = HostKVPool(
-                self.kv_pool, memory.host_tokens + self.page_size, self.device
+                self.kv_pool, memory.host_tokens + self.page_size, self.device, capture
             )
         self.attn_backend = self._make_attention_backend(memory.swa_layers)
         self.sampler = Sampler(seed=args.random_seed, device=self.device)

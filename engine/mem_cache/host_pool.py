@@ -129,9 +129,13 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 class HostKVPool:
     """K/V of `num_slots` host slots for `kv_pool`'s layers (slot 0's page is padding, as on
-    the device)."""
+    the device). `beside`: holders of other per-slot device state that goes with the K/V
+    (their `buffer` [slots, ...], read at each copy: an EAGLE model's kept hidden states,
+    engine/speculative/eagle.py), kept on the host with it."""
 
-    def __init__(self, kv_pool, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self, kv_pool, num_slots: int, device: torch.device, beside: tuple = ()
+    ) -> None:
         if kv_pool.swa_layers:
             raise ValueError("hierarchical cache: not with hybrid sliding-window memory")
         self.kv_pool = kv_pool
@@ -141,6 +145,9 @@ class HostKVPool:
         nbytes = num_slots * kv_pool.bytes_per_token(
             kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim, kv_pool.dtype
         )
+        self.beside = beside
+        beside_rows = [h.buffer[0] for h in beside]
+        nbytes += num_slots * sum(r.numel() * r.element_size() for r in beside_rows)
         free = available_host_bytes()
         if free is not None and nbytes > free and not os.environ.get("SLUICE_HICACHE_NO_CHECK"):
             raise ValueError(
@@ -152,8 +159,11 @@ class HostKVPool:
         self.buffer = torch.empty(shape, dtype=kv_pool.dtype, device="cpu", pin_memory=self.cuda)
         self.num_slots = num_slots
         self._raw = _raw(self.buffer)
-        # CUDA: stores copied to the host but not yet scattered into the buffer
-        self._pending: list[tuple[torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
+        self.beside_host = [torch.empty((num_slots, *r.shape), dtype=r.dtype, device="cpu",
+                                        pin_memory=self.cuda) for r in beside_rows]  # fmt: skip
+        # CUDA: stores copied to the host but not yet scattered into the buffers (the K/V's
+        # staging, then each `beside` buffer's)
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor, list[torch.Tensor]]] = []
         logger.info(
             "hierarchical cache: host KV pool of %d tokens (%.2f GB)", num_slots, nbytes / 1e9
         )
@@ -186,15 +196,20 @@ class HostKVPool:
             for i, (k, v) in enumerate(layers):
                 self._raw[i, 0].index_copy_(0, dst, k.index_select(0, src))
                 self._raw[i, 1].index_copy_(0, dst, v.index_select(0, src))
+            for holder, host in zip(self.beside, self.beside_host, strict=True):
+                host.index_copy_(0, dst, holder.buffer.index_select(0, src).cpu())
             return
-        gathered = torch.stack(
+        gathered = [torch.stack(
             [torch.stack([k.index_select(0, src), v.index_select(0, src)]) for k, v in layers]
-        )
-        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
-        staging.copy_(gathered, non_blocking=True)
+        )] + [holder.buffer.index_select(0, src) for holder in self.beside]  # fmt: skip
+        stagings = []
+        for g in gathered:
+            staging = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+            staging.copy_(g, non_blocking=True)
+            stagings.append(staging)
         done = torch.cuda.Event()
         done.record()
-        self._pending.append((done, dst, staging))
+        self._pending.append((done, dst, stagings))
 
     def _load(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self._pending:
@@ -203,12 +218,17 @@ class HostKVPool:
             for i, (k, v) in enumerate(self._layers()):
                 k.index_copy_(0, dst, self._raw[i, 0].index_select(0, src))
                 v.index_copy_(0, dst, self._raw[i, 1].index_select(0, src))
+            for holder, host in zip(self.beside, self.beside_host, strict=True):
+                holder.buffer.index_copy_(0, dst, host.index_select(0, src).to(self.device))
             return
         gathered = self._raw.index_select(2, src).pin_memory()
         on_device = gathered.to(self.device, non_blocking=True)
         for i, (k, v) in enumerate(self._layers()):
             k.index_copy_(0, dst, on_device[i, 0])
             v.index_copy_(0, dst, on_device[i, 1])
+        for holder, host in zip(self.beside, self.beside_host, strict=True):
+            rows = host.index_select(0, src).pin_memory().to(self.device, non_blocking=True)
+            holder.buffer.index_copy_(0, dst, rows)
 
     def _finish_stores(self, reading: torch.Tensor | None = None, done_only: bool = False):
         """Scatter stores into the host buffer, in order (a later store may write a slot an
@@ -224,7 +244,9 @@ class HostKVPool:
             hits = [i for i, (_, dst, _) in enumerate(self._pending)
                     if bool(torch.isin(dst, reading).any())]  # fmt: skip
             n = hits[-1] + 1 if hits else 0
-        for done, dst, staging in self._pending[:n]:
+        for done, dst, stagings in self._pending[:n]:
             done.synchronize()
-            self._raw.index_copy_(2, dst, staging)
+            self._raw.index_copy_(2, dst, stagings[0])
+            for host, staging in zip(self.beside_host, stagings[1:], strict=True):
+                host.index_copy_(0, dst, staging)
         del self._pending[:n]

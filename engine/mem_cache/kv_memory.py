@@ -22,6 +22,7 @@ from engine.mem_cache.host_pool import host_pool_tokens
 from engine.mem_cache.kv_pool import KVPool
 from engine.mem_cache.kv_quant import resolve_kv_cache_dtype
 from engine.mem_cache.swa_allocator import SWATokenToKVPoolAllocator
+from engine.speculative import EAGLE_ALGORITHMS
 
 # Without --max-total-tokens on CPU, the KV pool gets this many bytes, and at most this many
 # tokens (a tiny model would otherwise get millions of slots it never uses).
@@ -115,8 +116,13 @@ def plan_kv_memory(
     if not hybrid:
         host = 0
         if args.enable_hierarchical_cache:
+            host_per_token = per_token
+            if args.speculative_algorithm in EAGLE_ALGORITHMS:  # (its hidden states go too)
+                from engine.speculative.eagle import head_memory
+
+                host_per_token += head_memory(args, dtype, mc)[1]
             host = host_pool_tokens(
-                tokens, int(per_token), args.hicache_ratio, args.hicache_size, ps
+                tokens, int(host_per_token), args.hicache_ratio, args.hicache_size, ps
             )
         return KVMemory(tokens, 0, None, frozenset(), kv_dtype, host)
     if args.enable_hierarchical_cache:

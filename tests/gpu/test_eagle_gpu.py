@@ -114,3 +114,54 @@ def test_draft_trees_equal_plain_decoding(kind, monkeypatch):
         speculative_num_steps=3)  # fmt: skip
     assert got == want
     assert seen["head"] and seen["verify"], {k: len(v) for k, v in seen.items()}
+
+
+def test_hicache_loads_bring_the_hidden_states_back():
+    """EAGLE with the hierarchical cache on the GPU: documents evicted to (pinned) host memory
+    come back with their kept hidden states through the asynchronous store and load paths;
+    the rows the head reads for the second round equal the first round's (float32, Triton),
+    and the tokens are a plain radix cache's."""
+    import torch
+
+    from tests.integration.test_hicache import GREEDY, documents
+
+    path = _target(None)
+    docs = documents(6, vocab=1000)
+
+    def rounds(hicache: bool):
+        engine = Engine(model_path=path, device="cuda", dtype="float32", max_total_tokens=640,
+                        chunked_prefill_size=128, attention_backend="triton",
+                        disable_overlap_schedule=True, skip_tokenizer_init=True,
+                        enable_hierarchical_cache=hicache, hicache_ratio=4.0,
+                        speculative_algorithm="eagle",
+                        speculative_draft_model_path=_head(path, "eagle"),
+                        speculative_num_draft_tokens=DRAFTS)  # fmt: skip
+        sched, rows = engine.scheduler, {}
+        orig = sched.drafter.propose
+
+        def spy(reqs):
+            for r in reqs:
+                if r.rid not in rows:
+                    table = sched.model_runner.req_to_token_pool.req_to_token
+                    slots = table[r.req_pool_idx, : len(r.origin_input_ids) - 1].long()
+                    rows[r.rid] = sched.model_runner.hidden_capture.rows(slots).cpu()
+            return orig(reqs)
+
+        sched.drafter.propose = spy
+        outs, seen = [], []
+        for r in range(2):
+            for i, doc in enumerate(docs):
+                out = engine.generate(input_ids=[doc + [10, 11 + i, 12]],
+                                      sampling_params=GREEDY)[0]  # fmt: skip
+                outs.append(out["output_ids"])
+                seen.append(rows[out["meta_info"]["id"]])
+        stats = engine.get_stats()
+        engine.shutdown()
+        return outs, seen, stats
+
+    want, _, _ = rounds(False)
+    got, seen, stats = rounds(True)
+    assert got == want
+    assert stats["hicache_loaded_tokens"] > 0, stats
+    for first, second in zip(seen[:6], seen[6:], strict=True):
+        torch.testing.assert_close(second, first, rtol=1e-4, atol=1e-4)

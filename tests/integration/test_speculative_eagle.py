@@ -424,3 +424,51 @@ def test_gpu_kv_budget_counts_the_kept_hidden_states(monkeypatch: pytest.MonkeyP
         fixed += 2 * mc.vocab_size * mc.hidden_size * 2
     want = int((usable - fixed) // (per_token + head_per_token + hidden_per_token))
     assert tokens == want // args.page_size * args.page_size
+
+
+# -- hierarchical cache -------------------------------------------------------------------------
+def test_prefixes_loaded_from_host_memory_bring_their_hidden_states() -> None:
+    """With the hierarchical cache, a document evicted to host memory comes back with the
+    hidden states kept by its slots (they go to the host and back with its K/V): the head
+    reads transformers' states for every position, loaded ones included (float64), and the
+    tokens are a plain radix cache's."""
+    from services.tiny_eagle import model_states
+    from tests.integration.test_hicache import GREEDY, documents
+
+    docs = documents(6, vocab=1000)
+    prompts = [doc + [10 + r, 11 + i, 12] for r in range(2) for i, doc in enumerate(docs)]
+    kw = {"dtype": torch.float64, "max_total_tokens": 640, "chunked_prefill_size": 128}
+
+    def rounds(hicache: bool):
+        seen = []  # (request's tokens, the hidden rows of its positions) at its first step
+        with Engine(model_path=_target(), **PLAIN, **kw, enable_hierarchical_cache=hicache,
+                    hicache_ratio=4.0, **_spec("eagle", head("eagle"))) as engine:  # fmt: skip
+            sched = engine.scheduler
+            orig, done = sched.drafter.propose, set()
+
+            def spy(reqs):
+                from engine.speculative.scheduling import token_array
+
+                for r in reqs:
+                    if r.rid not in done:
+                        done.add(r.rid)
+                        tokens = token_array(r).copy()
+                        table = sched.model_runner.req_to_token_pool.req_to_token
+                        slots = table[r.req_pool_idx, : len(tokens) - 1].to(torch.int64)
+                        seen.append((tokens, sched.model_runner.hidden_capture.rows(slots)))
+                return orig(reqs)
+
+            sched.drafter.propose = spy
+            outs = [engine.generate(input_ids=[p], sampling_params=GREEDY)[0]["output_ids"]
+                    for p in prompts]  # fmt: skip
+            return outs, seen, engine.get_stats()
+
+    want, _, _ = rounds(False)
+    got, seen, stats = rounds(True)
+    assert got == want
+    assert stats["hicache_loaded_tokens"] >= 5 * 200, stats
+    model = _hf()
+    with torch.no_grad():
+        for tokens, rows in seen[6:]:  # (the second round: documents loaded from the host)
+            _, states = model_states(model, torch.from_numpy(tokens[:-1]), False, None)
+            torch.testing.assert_close(rows, states, rtol=1e-9, atol=1e-9)
