@@ -149,7 +149,7 @@ def test_hicache_loads_bring_the_hidden_states_back():
 
         sched.drafter.propose = spy
         outs, seen = [], []
-        for r in range(2):
+        for _ in range(2):  # (the same prompts twice: the second from the host)
             for i, doc in enumerate(docs):
                 out = engine.generate(input_ids=[doc + [10, 11 + i, 12]],
                                       sampling_params=GREEDY)[0]  # fmt: skip
