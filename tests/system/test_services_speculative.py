@@ -1,7 +1,7 @@
 """A worker started with `--speculative-algorithm ngram` (or `standalone` with a draft model,
-or `eagle` with an EAGLE head) serves through the streams: the tokens of plain decoding,
-streamed several per step when drafts are accepted, and its heartbeat reports the accept
-length."""
+or `eagle` with an EAGLE head, chained or as trees) serves through the streams: the tokens
+of plain decoding, streamed several per step when drafts are accepted, and its heartbeat
+reports the accept length."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ PARAMS = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
           "allowed_token_ids": [11, 12, 13]}  # fmt: skip
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "standalone", "eagle"])
+@pytest.mark.parametrize("algorithm", ["ngram", "standalone", "eagle", "eagle_tree"])
 def test_speculative_worker_streams_plain_decodings_tokens(
     redis_url: str, tmp_path, algorithm: str
 ) -> None:
@@ -36,9 +36,16 @@ def test_speculative_worker_streams_plain_decodings_tokens(
                 "--speculative-draft-model-path", noisy_draft(model),
                 "--speculative-num-draft-tokens", "4")  # fmt: skip
     if algorithm == "eagle":  # a random head: right about a third of the time among 3 tokens
+        # (SGLang's chain command: 3 steps of topk 1, num_draft_tokens counting the last)
         args = (*WORKER_TEST_ARGS, "--speculative-algorithm", "EAGLE",
                 "--speculative-draft-model-path", _random_head(model),
+                "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
                 "--speculative-num-draft-tokens", "4")  # fmt: skip
+    if algorithm == "eagle_tree":  # its trees: 6 nodes of 3 steps of topk 2
+        args = (*WORKER_TEST_ARGS, "--speculative-algorithm", "EAGLE",
+                "--speculative-draft-model-path", _random_head(model),
+                "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                "--speculative-num-draft-tokens", "6")  # fmt: skip
     with Engine(model_path=model, disable_overlap_schedule=True) as engine:
         want = [o["output_ids"] for o in engine.generate(prompt=PROMPTS, sampling_params=PARAMS)]
     with start_stack(redis_url, model, str(tmp_path), worker_args=args, router=False) as st:
