@@ -17,6 +17,10 @@ row of its own `req_to_token` per request that has drafts. Each decode step of t
    The drafts stay on the device from one forward to the next and are read once, after the
    last (`_decode`): the host prepares the next forward while the device runs this one.
 
+With `--speculative-eagle-topk` > 1 the drafts are a tree instead (`_decode_tree`,
+engine/speculative/tree.py): each draft forward feeds every request's topk likeliest leaves,
+whose K/V lives for the step only, and the likeliest of all candidates are verified.
+
 With CUDA graphs the draft's decode forwards replay its decode graphs, and its catch-up
 extends of at most k + 1 tokens a request (every one after a request's first) replay its
 verify graphs of that width (engine/speculative/verify_graphs.py; every position's logits,
@@ -394,51 +398,66 @@ class DraftModelDrafter(Drafter):
         cand_parents: list[torch.Tensor],
     ) -> None:
         """`_decode_tree`'s forwards, appending each one's children to the candidates. Row
-        b * topk + j of a forward is leaf j of request b; its page table is a private copy of
-        the request's row whose columns past its caught-up tokens hold the slots of the
-        leaf's ancestors and its own (reordered with the leaves after each forward)."""
+        b * topk + j of a forward is leaf j of request b. Its page table is a row of the
+        draft's own `req_to_token` (rows kept for leaves: `leaf_rows`, so that the forwards
+        replay the draft's decode graphs): the request's row up to its caught-up tokens, then
+        the slots of the leaf's ancestors and its own, reordered with the leaves after each
+        forward (a leaf's prefix is its request's: only the ancestors' columns move)."""
         k, n = self.topk, len(todo)
         runner = self.runner
+        pool = runner.req_to_token_pool
         dev = slots.device
         states = [state for _, _, _, state in todo]
         seen = np.asarray([len(tokens) for _, tokens, _, _ in todo], dtype=np.int64)
-        req_to_token = runner.req_to_token_pool.req_to_token
-        width = min(int(seen.max()) + forwards, req_to_token.shape[1])
-        rows = torch.tensor([st.row for st in states], dtype=torch.int64).to(req_to_token.device)
-        table = req_to_token[rows, :width].repeat_interleave(k, 0).contiguous()
-        every = torch.arange(n * k, device=table.device)
-        hidden = self._first_hidden(states)
-        if hidden is not None:
-            hidden = hidden.repeat_interleave(k, 0)
-        row_bias = None if bias is None else bias.repeat_interleave(k, 0)
-        leaf_tokens = cand_tokens[0].reshape(-1)
-        leaf_scores, leaf_cand = cand_scores[0], torch.arange(k, device=dev).expand(n, k)
-        base = torch.from_numpy(np.repeat(seen - 1, k)).to(table.device)
-        for step in range(1, forwards + 1):
-            own = slots[(step - 1) * n * k : step * n * k]
-            positions = base + step  # (a leaf of depth `step` at the head's position)
-            table[every, positions] = own.to(table.dtype)
-            fb = ForwardBatch(
-                forward_mode=ForwardMode.DECODE, batch_size=n * k, input_ids=leaf_tokens,
-                positions=positions, out_cache_loc=own, req_pool_indices=every,
-                seq_lens=positions + 1, seq_lens_cpu=np.repeat(seen + step, k).tolist(),
-                req_to_token=table, kv_pool=runner.kv_pool, attn_backend=runner.attn_backend,
-                spec_hidden=hidden,
-            )  # fmt: skip
-            child_tokens, child_logp = self._top(runner.forward(fb), row_bias)  # [n k, k]
-            child_tokens = child_tokens.to(torch.int64)
-            child_scores = (leaf_scores.reshape(-1, 1) + child_logp).view(n, k * k)
-            offset = k + (step - 1) * k * k
-            cand_tokens.append(child_tokens.view(n, k * k))
-            cand_scores.append(child_scores)
-            cand_parents.append(leaf_cand.repeat_interleave(k, 1))
-            leaf_scores, best = child_scores.topk(k, dim=-1)  # [n, k]
-            leaf_tokens = child_tokens.view(n, k * k).gather(1, best).reshape(-1)
-            leaf_cand = offset + best
-            parent_rows = (torch.arange(n, device=dev)[:, None] * k + best // k).reshape(-1)
-            table = table.index_select(0, parent_rows.to(table.device))
+        rows = pool.alloc(n * k)
+        assert rows is not None, "draft rows for tree leaves: the pool keeps topk a request"
+        try:
+            table = pool.req_to_token
+            width = min(int(seen.max()) + forwards, table.shape[1])
+            own_rows = torch.tensor([st.row for st in states], dtype=torch.int64)
+            leaves = torch.tensor(rows, dtype=torch.int64).to(table.device)
+            table[leaves, :width] = table[own_rows.to(table.device), :width].repeat_interleave(
+                k, 0
+            )
+            hidden = self._first_hidden(states)
             if hidden is not None:
-                hidden = fb.spec_hidden_out.index_select(0, parent_rows)
+                hidden = hidden.repeat_interleave(k, 0)
+            row_bias = None if bias is None else bias.repeat_interleave(k, 0)
+            leaf_tokens = cand_tokens[0].reshape(-1)
+            leaf_scores, leaf_cand = cand_scores[0], torch.arange(k, device=dev).expand(n, k)
+            base = torch.from_numpy(np.repeat(seen - 1, k)).to(table.device)
+            steps = torch.arange(1, forwards + 1, device=table.device)
+            for step in range(1, forwards + 1):
+                own = slots[(step - 1) * n * k : step * n * k]
+                positions = base + step  # (a leaf of depth `step` at the head's position)
+                table[leaves, positions] = own.to(table.dtype)
+                fb = ForwardBatch(
+                    forward_mode=ForwardMode.DECODE, batch_size=n * k, input_ids=leaf_tokens,
+                    positions=positions, out_cache_loc=own, req_pool_indices=leaves,
+                    seq_lens=positions + 1, seq_lens_cpu=np.repeat(seen + step, k).tolist(),
+                    req_to_token=table, kv_pool=runner.kv_pool,
+                    attn_backend=runner.attn_backend, spec_hidden=hidden,
+                )  # fmt: skip
+                child_tokens, child_logp = self._top(runner.forward(fb), row_bias)  # [n k, k]
+                child_tokens = child_tokens.to(torch.int64)
+                child_scores = (leaf_scores.reshape(-1, 1) + child_logp).view(n, k * k)
+                offset = k + (step - 1) * k * k
+                cand_tokens.append(child_tokens.view(n, k * k))
+                cand_scores.append(child_scores)
+                cand_parents.append(leaf_cand.repeat_interleave(k, 1))
+                if step == forwards:
+                    break
+                leaf_scores, best = child_scores.topk(k, dim=-1)  # [n, k]
+                leaf_tokens = child_tokens.view(n, k * k).gather(1, best).reshape(-1)
+                leaf_cand = offset + best
+                parent_rows = (torch.arange(n, device=dev)[:, None] * k + best // k).reshape(-1)
+                cols = base[:, None] + steps[None, :step]  # the ancestors' columns (and own)
+                parent_rows = parent_rows.to(table.device)
+                table[leaves[:, None], cols] = table[leaves[parent_rows][:, None], cols]
+                if hidden is not None:
+                    hidden = fb.spec_hidden_out.index_select(0, parent_rows.to(dev))
+        finally:
+            pool.free(rows)
 
     def _first_hidden(self, states: list[_Draft]) -> torch.Tensor | None:
         """The hidden states of the first decode forward's inputs (EAGLE: the head's own
@@ -562,6 +581,7 @@ def draft_args(
         dtype=dtype,
         page_size=1,
         max_total_tokens=max_total_tokens,
+        max_running_requests=draft_rows(args),
         context_length=None,
         hf_overrides=None,
         quantization=None,
@@ -580,6 +600,13 @@ def draft_args(
         node_rank=0,
         dist_init_addr=None,
     )
+
+
+def draft_rows(args: EngineArgs) -> int:
+    """The draft runner's requests: the model's, and with draft trees topk leaf rows for each
+    (`DraftModelDrafter._tree_forwards`)."""
+    topk = args.speculative_eagle_topk
+    return args.max_running_requests * (1 + (topk if topk > 1 else 0))
 
 
 def draft_pool_tokens(target_tokens: int, args: EngineArgs) -> int:

@@ -103,8 +103,8 @@ def test_draft_trees_equal_plain_decoding(kind, monkeypatch):
     """Draft trees (topk 2, 6 nodes, 3 steps) on the GPU: the Triton extend kernel's tree
     mask compiled for sm_90, the accepted nodes' K/V and hidden rows moved on the device;
     float32 greedy tokens equal plain decoding's. The model's tree steps replay its verify
-    graphs of trees (static masks), the head's catch-ups its verify graphs; the head's tree
-    forwards run eagerly."""
+    graphs of trees (static masks), the head's catch-ups its verify graphs and its tree
+    forwards its decode graphs."""
     path = _target(None)
     kw = {"dtype": "float32", "attention_backend": "triton"}
     want = _generate(path, **kw)

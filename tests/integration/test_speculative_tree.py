@@ -62,30 +62,56 @@ def test_seeded_sampling_penalties_and_allowed_tokens_equal_plain() -> None:
 
 
 def test_triton_backend_with_graphs_captured() -> None:
-    """The Triton extend kernel's tree mask; the model's tree steps replay its verify graphs
-    of trees (the CPU's eager double of them: the replay path), the head's tree forwards run
-    eagerly."""
+    """The Triton extend kernel's tree mask. With the model's and the head's graphs (the
+    CPU's eager double of them: the replay path), the model's tree steps replay its verify
+    graphs of trees and the head's tree forwards its decode graphs (leaf rows of its own
+    table); the trees and the tokens are the eager run's, and plain decoding's."""
     from engine.cuda_graph_runner import EagerGraphCapturer
 
     model = tiny_model("llama")
     prompts = [p[:20] for p in _prompts(3, seed=4)]
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True,
                "allowed_token_ids": [11, 12, 13]} for n in (12, 7, 4)]  # fmt: skip
-    kw = {"cuda_graph_bs": (1, 2, 4), "max_total_tokens": 1024, "attention_backend": "triton"}
+    kw = {"cuda_graph_bs": (1, 2, 4, 8), "max_total_tokens": 1024, "attention_backend": "triton"}
     with Engine(model_path=model, **PLAIN, **kw) as engine:
         want = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     spec = _tree("eagle", _random_eagle_head(model), nodes=5, topk=2, steps=3)
-    with Engine(model_path=model, **PLAIN, **kw, **spec) as engine:
-        runner = engine.scheduler.model_runner
-        runner.use_cuda_graph = True
-        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
-        runner.capture_cuda_graphs()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
-        stats = engine.get_stats()
-        replays = sum(g.num_replays for g in runner.verify_graph_runner.graphs.values())
-    assert [o["output_ids"] for o in outs] == want
+
+    def run(graphs: bool):
+        trees = []
+        with Engine(model_path=model, **PLAIN, **kw, **spec) as engine:
+            drafter = engine.scheduler.drafter
+            runners = (engine.scheduler.model_runner, drafter.runner)
+            for r in runners if graphs else ():
+                r.use_cuda_graph = True
+                r.graph_capturer_factory = lambda device: EagerGraphCapturer()
+                r.capture_cuda_graphs()
+            orig = drafter.propose
+
+            def spy(reqs):
+                drafts = orig(reqs)
+                trees.append((drafts, drafter.last_parents))
+                return drafts
+
+            drafter.propose = spy
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            stats = engine.get_stats()
+            replays = {
+                f"{name} {kind}": sum(g.num_replays for g in graphs.graphs.values())
+                for name, r in zip(("model", "head"), runners)
+                for kind in ("graph_runner", "verify_graph_runner")
+                if (graphs := getattr(r, kind)) is not None
+            }  # fmt: skip
+        return [o["output_ids"] for o in outs], trees, stats, replays
+
+    got, eager_trees, stats, _ = run(False)
+    assert got == want
     assert stats["spec_num_drafts"] > 0 and stats["spec_accepted_tokens"] > 0, stats
-    assert replays > 0
+    got, trees, _, replays = run(True)
+    assert got == want
+    assert trees == eager_trees
+    for kind in ("model verify_graph_runner", "head graph_runner"):
+        assert replays[kind] > 0, replays
 
 
 @pytest.mark.parametrize("draft_lens", [[4, 4], [2, 4, 0]], ids=["full", "padded"])
