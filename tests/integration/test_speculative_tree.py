@@ -392,3 +392,22 @@ def test_backends_and_models_without_tree_masks_are_refused() -> None:
     check_tree_support(SimpleNamespace(attn_backend=backend, model_config=plain))
     with pytest.raises(ValueError, match="sliding-window"):
         check_tree_support(SimpleNamespace(attn_backend=backend, model_config=windows))
+
+
+def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trees with a head pool too small for every request's catch-up and leaves (some get no
+    drafts, or no tree past its first level), a model pool that retracts running requests,
+    a grammar request and mixed chunks: plain decoding's tokens, and nothing leaks (the
+    head's slots and rows, leaves' included, all given back)."""
+    from engine.speculative import eagle
+
+    monkeypatch.setattr(eagle, "draft_pool_tokens", lambda tokens, args: 200)
+    prompts = _prompts(8, seed=2)
+    params = [{"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True} for _ in prompts]
+    params[2] = {"temperature": 0.0, "max_new_tokens": 40, "regex": "(ab|cd){3,9}"}
+    kw = {"max_total_tokens": 400, "init_new_token_ratio": 0.05, "chunked_prefill_size": 64,
+          "enable_mixed_chunk": True}  # fmt: skip
+    want, _ = _run(prompts, params, **kw)
+    got, stats = _run(prompts, params, **_tree("eagle3", head("eagle3"), nodes=6, topk=2), **kw)
+    assert got == want
+    assert stats["num_retractions"] > 0 and stats["draft_memory_drops"] > 0, stats
