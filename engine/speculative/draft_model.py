@@ -357,8 +357,8 @@ class DraftModelDrafter(Drafter):
         k, n = self.topk, len(todo)
         runner = self.runner
         first_tokens, first_scores = self._top(logits, bias)  # [n, k]
-        cand_tokens, cand_scores = [first_tokens], [first_scores]
         first_tokens = first_tokens.to(torch.int64)
+        cand_tokens, cand_scores = [first_tokens], [first_scores]
         cand_parents = [torch.full_like(first_tokens, -1)]
         forwards = max(limits[i][0] for i, _, _, _ in todo) - 1
         slots = None
