@@ -399,10 +399,11 @@ class DraftModelDrafter(Drafter):
     ) -> None:
         """`_decode_tree`'s forwards, appending each one's children to the candidates. Row
         b * topk + j of a forward is leaf j of request b. Its page table is a row of the
-        draft's own `req_to_token` (rows kept for leaves: `leaf_rows`, so that the forwards
-        replay the draft's decode graphs): the request's row up to its caught-up tokens, then
-        the slots of the leaf's ancestors and its own, reordered with the leaves after each
-        forward (a leaf's prefix is its request's: only the ancestors' columns move)."""
+        draft's own `req_to_token` (topk rows a request kept for leaves: `draft_rows`, so
+        that the forwards replay the draft's decode graphs): the request's row up to its
+        caught-up tokens, then the slots of the leaf's ancestors and its own, reordered with
+        the leaves after each forward (a leaf's prefix is its request's: only the ancestors'
+        columns move)."""
         k, n = self.topk, len(todo)
         runner = self.runner
         pool = runner.req_to_token_pool
