@@ -56,6 +56,7 @@ def _launch(
     dtype: torch.dtype, hq: int, hk: int, head_dim: int, attention: bool, window_left: int = -1,
     logit_cap: float = 0.0, kv_dtype: torch.dtype | None = None, num_splits: int = 8,
     extend: bool = True, merge: str = "fused", store: bool = False, sinks: bool = False,
+    tree: bool = False,
 ) -> None:
     """Call the attention launchers (or store_kv) on a small batch in the engine's layouts: q/k/v
     are column slices of a fused qkv, req_to_token is int32 with 4096 columns. Nothing is read.
@@ -82,9 +83,12 @@ def _launch(
                      merge_counter=counts, new_kv=new_kv, sinks=head_sinks)  # fmt: skip
     if not extend:
         return
+    n = tokens // batch  # (a draft tree's masks: `tree`, a verify step's)
+    masks = (torch.ones(batch * n * n, dtype=torch.uint8), torch.arange(batch) * n * n)
     extend_attention(
-        q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, tokens // batch, scale,
+        q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, n, scale,
         window_left=window_left, logit_cap=logit_cap, sinks=head_sinks,
+        tree_mask=masks if tree else None,
     )
 
 
@@ -206,6 +210,10 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                         _launch, dtype, hq, hk, head_dim, attention=True, extend=False,
                         merge="kernel",
                     )  # fmt: skip
+                if (hq, hk) == (32, 8):  # speculative verify steps of draft trees
+                    yield {**labels, "case": "tree mask"}, functools.partial(
+                        _launch, dtype, hq, hk, head_dim, attention=True, tree=True
+                    )
                 if (hq, hk) == (12, 12):  # GPT-2: no rotary, the decode kernel stores K/V
                     yield {**labels, "case": "store kv"}, functools.partial(
                         _launch, dtype, hq, hk, head_dim, attention=True, extend=False,

@@ -108,6 +108,11 @@ def expected_variants() -> list[tuple]:
         for kernel in ("_decode_split_kernel", "_decode_merge_kernel")
     ]
     rows += [
+        ("_extend_kernel", dtype, head_dim, 32, 8, "tree mask")
+        for dtype in DTYPES
+        for head_dim in HEAD_DIMS
+    ]
+    rows += [
         ("_decode_split_kernel", dtype, head_dim, 12, 12, "store kv")
         for dtype in DTYPES
         for head_dim in HEAD_DIMS
