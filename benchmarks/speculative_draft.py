@@ -24,7 +24,7 @@ on nothing, so the pair is built to agree on part of the tokens, as a distilled 
 * the same EAGLE head drafting trees (`eagle_tree`: `--tree-topk` tokens a forward,
   `--draft-tokens` forwards, the `--tree-nodes` likeliest nodes verified; by default every
   candidate, which holds the chain's path and its runners-up), verified with tree masks
-  (the Triton backend on a GPU: flashinfer has none here);
+  (Triton's extend kernel on a GPU, the default with trees: flashinfer's have none here);
 * floors, whose drafts are almost never right (what drafting costs when it buys nothing): a
   draft of the same size from another random model (`unrelated`), and a random EAGLE-3 head
   (`eagle3_random`: the model's three hidden states per token kept, a draft vocabulary of a
@@ -135,14 +135,13 @@ def main() -> None:
                      **{**spec, "speculative_algorithm": "eagle"}),
         "eagle3_random": Arm(path, args, speculative_draft_model_path=eagle3,
                              **{**spec, "speculative_algorithm": "eagle3"}),
-        # (flashinfer has no tree masks: on a GPU the tree's arm runs the Triton backend)
+        # (on a GPU its verify steps run Triton's extend kernel, which has tree masks: the
+        # default backends' choice with trees)
         "eagle_tree": Arm(path, args, speculative_draft_model_path=eagle,
                           **{**spec, "speculative_algorithm": "eagle",
                              "speculative_num_draft_tokens": args.tree_nodes,
                              "speculative_eagle_topk": args.tree_topk,
-                             "speculative_num_steps": args.draft_tokens},
-                          **({"attention_backend": "triton"}
-                             if args.device.startswith("cuda") else {})),
+                             "speculative_num_steps": args.draft_tokens}),
     }
     if args.device.startswith("cuda"):  # the model's verify steps eager: what graphs save
         arms["draft_eager_verify"] = Arm(path, args, verify_graphs=False,

@@ -67,7 +67,9 @@ class RunnerAttention:
         prefill stays flashinfer's. Where Triton cannot read the cache (float8 e4m3 before
         sm_89), decode stays flashinfer's. A model with attention sinks (gpt-oss) runs on
         Triton where no backend is named (torch_native on CPU), and flashinfer is refused:
-        those two and torch_native compute the sinks."""
+        those two and torch_native compute the sinks. With draft trees
+        (speculative_eagle_topk > 1) prefill takes Triton's kernel too where decode does: the
+        model's verify steps are extends, and flashinfer's have no tree masks here."""
         if self._has_attention_sinks():
             args = self.args
             named = {args.attention_backend, args.prefill_attention_backend,
@@ -81,7 +83,7 @@ class RunnerAttention:
             name = "triton" if name == "flashinfer" else name
             return args.prefill_attention_backend or name, args.decode_attention_backend or name
         name = self._attention_backend_name()
-        decode = name
+        prefill = decode = name
         if name == "flashinfer" and not self.args.attention_backend:
             from kernels.jit import HAS_TRITON, interpreting
 
@@ -91,8 +93,10 @@ class RunnerAttention:
                 # (an e4m3 cache before sm_89 stays on flashinfer, which reads it)
                 if float8_loads(self.kv_pool.dtype, torch.device(self.device)):
                     decode = "triton"
+                    if self.args.speculative_algorithm and self.args.speculative_eagle_topk > 1:
+                        prefill = "triton"  # (draft trees' verify steps: its tree masks)
         args = self.args
-        return args.prefill_attention_backend or name, args.decode_attention_backend or decode
+        return args.prefill_attention_backend or prefill, args.decode_attention_backend or decode
 
     def _has_attention_sinks(self) -> bool:
         model = getattr(self, "model", None)

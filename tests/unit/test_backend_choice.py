@@ -110,3 +110,17 @@ def test_an_e4m3_cache_before_sm89_keeps_flashinfer_decode(monkeypatch):
     assert hopper == ("flashinfer", "triton")
     e5m2 = _phases(monkeypatch, kv_dtype=torch.float8_e5m2, capability=(8, 0), device="cuda")
     assert e5m2 == ("flashinfer", "triton")
+
+
+def test_draft_trees_take_tritons_prefill_where_flashinfer_is_chosen(monkeypatch):
+    """A verify step of draft trees is an extend with tree masks, which the Triton kernel has
+    and flashinfer's wrappers (here) do not: where no backend is named both phases are
+    Triton's; a named flashinfer prefill is kept (and refused later, with the reason)."""
+    tree = {"speculative_algorithm": "eagle", "speculative_draft_model_path": "h",
+            "speculative_num_draft_tokens": 6, "speculative_eagle_topk": 2}  # fmt: skip
+    assert _phases(monkeypatch, device="cuda", **tree) == ("triton", "triton")
+    chain = {**tree, "speculative_eagle_topk": 1}
+    assert _phases(monkeypatch, device="cuda", **chain) == ("flashinfer", "triton")
+    named = _phases(monkeypatch, device="cuda", prefill_attention_backend="flashinfer", **tree)
+    assert named == ("flashinfer", "triton")
+    assert _phases(monkeypatch, device="cpu", **tree) == ("torch_native", "torch_native")
