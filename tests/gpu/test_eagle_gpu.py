@@ -88,12 +88,17 @@ def test_greedy_tokens_equal_plain_decoding_with_graphs(kind, monkeypatch):
     assert seen["head"] and seen["verify"], {k: len(v) for k, v in seen.items()}
 
 
-def test_default_backends_in_bfloat16_replay_every_graph(monkeypatch):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_default_backends_in_bfloat16_replay_every_graph(monkeypatch, topk):
+    """(topk 2: draft trees, whose verify steps the default backends put on Triton's extend
+    kernel)"""
     path = _target(64)  # (flashinfer's kernels take head_dim 64, 128 or 256)
     seen = _replays(monkeypatch)
+    tree = {"speculative_eagle_topk": 2, "speculative_num_steps": DRAFTS} if topk > 1 else {}
     got = _generate(path, dtype="bfloat16", speculative_algorithm="eagle3",
                     speculative_draft_model_path=_head(path, "eagle3"),
-                    speculative_num_draft_tokens=DRAFTS)  # fmt: skip
+                    speculative_num_draft_tokens=2 * DRAFTS if tree else DRAFTS,
+                    **tree)  # fmt: skip
     assert [len(g) for g in got] == [p["max_new_tokens"] for p in PARAMS]
     assert seen["head"] and seen["verify"], {k: len(v) for k, v in seen.items()}
 
