@@ -246,6 +246,9 @@ class EagleDrafter(DraftModelDrafter):
     def _scores(self, logits: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.hot is None:
             return super()._scores(logits, bias)
+        # (a graph replay's rows are as wide as the model's vocabulary: the draft's columns
+        # come first, the rest were never written)
+        logits = logits[:, : self.hot.shape[0]]
         # (the biases are over the model's ids: the draft vocabulary's columns of them)
         return logits if bias is None else logits + bias[:, self.hot]
 

@@ -292,6 +292,50 @@ def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
         assert replays[kind] > 0, replays
 
 
+def test_eagle3_graphs_read_the_draft_vocabulary_only() -> None:
+    """An EAGLE-3 head with a draft vocabulary: its graph replays return rows as wide as the
+    model's vocabulary, of which only the draft's columns are written. Drafts within allowed
+    tokens and after a logit bias (over the model's ids) are the eager run's, in the draft
+    vocabulary, and the tokens plain decoding's."""
+    from engine.cuda_graph_runner import EagerGraphCapturer
+    from services.tiny_eagle import load_head
+
+    path = head("eagle3")
+    w, _ = load_head(path)
+    hot = (w["d2t"] + torch.arange(len(w["d2t"]))).tolist()
+    allowed = hot[10:14]
+    prompts = [p[:20] for p in _prompts(2, seed=4)]
+    params = [{"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True,
+               "allowed_token_ids": allowed},
+              {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True,
+               "logit_bias": {str(hot[3]): 50.0}}]  # fmt: skip
+    kw = {"cuda_graph_bs": (1, 2, 4), "max_total_tokens": 1024, "attention_backend": "triton"}
+    want, _ = _run(prompts, params, **kw)
+
+    def run(graphs: bool):
+        drafts = []
+        with Engine(model_path=_target(), **PLAIN, **kw, **_spec("eagle3", path)) as engine:
+            drafter = engine.scheduler.drafter
+            if graphs:
+                runner = drafter.runner
+                runner.use_cuda_graph = True
+                runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+                runner.capture_cuda_graphs()
+            orig = drafter.propose
+            drafter.propose = lambda reqs: drafts.append(orig(reqs)) or drafts[-1]
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            replays = 0 if not graphs else sum(
+                g.num_replays for g in drafter.runner.graph_runner.graphs.values())
+        return [o["output_ids"] for o in outs], drafts, replays
+
+    got, eager, _ = run(False)
+    assert got == want
+    got, drafts, replays = run(True)
+    assert got == want and drafts == eager and replays > 0
+    first = [d for step in drafts for d in step[0]]
+    assert first and set(first) <= set(allowed)
+
+
 # -- memory -------------------------------------------------------------------------------------
 def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
     """A head pool too small for every request (some get no drafts), a model pool that
