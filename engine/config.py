@@ -271,6 +271,9 @@ class EngineArgs:
     # length)
     speculative_eagle_topk: int = 1
     speculative_num_steps: int | None = None
+    # EAGLE: draft over these of the model's tokens only (SGLang's FR-Spec token map: a .pt
+    # file of token ids, or .json list)
+    speculative_token_map: str | None = None
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 4
     # An embedding model (SGLang's --is-embedding): requests come back as one vector pooled

@@ -385,6 +385,13 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         "--speculative-num-draft-tokens best nodes are verified with a tree mask)",
     )
     g.add_argument(
+        "--speculative-token-map",
+        type=str,
+        default=None,
+        help="eagle: the head drafts over these of the model's tokens only (SGLang's flag, "
+        "FR-Spec: a local .pt file of token ids, or a .json list), its lm_head those rows",
+    )
+    g.add_argument(
         "--speculative-num-steps",
         type=int,
         default=None,

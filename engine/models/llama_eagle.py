@@ -182,6 +182,18 @@ class LlamaForCausalLMEagle(_HeadBase):
         super().__init__(config, max_position)
         self.model = _EagleModel(config, self._rotary())
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        # with a token map (`restrict_vocabulary`): draft id -> the model's id
+        self.hot_token_ids: torch.Tensor | None = None
+
+    def restrict_vocabulary(self, hot: torch.Tensor) -> None:
+        """Draft over the model's tokens `hot` only (SGLang's --speculative-token-map, FR-Spec):
+        the lm_head is those rows of the model's (a copy), the logits one column each."""
+        head = self._target_head
+        assert head is not None, "share the model's lm_head first"
+        hot = hot.to(head.device)
+        self.__dict__["_target_head"] = head.index_select(0, hot).contiguous()
+        self.logits_processor = LogitsProcessor(int(hot.shape[0]))
+        self.hot_token_ids = hot
 
     @staticmethod
     def hidden_width(target_config) -> int:

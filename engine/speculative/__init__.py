@@ -86,6 +86,11 @@ def check_speculative_args(args: Any) -> None:
     if args.speculative_num_draft_tokens < 1:
         raise ValueError("speculative_num_draft_tokens must be >= 1")
     _check_tree_args(args, algo)
+    if args.speculative_token_map is not None and algo != "eagle":
+        raise ValueError(
+            "speculative_token_map is for speculative_algorithm 'eagle' (an EAGLE-3 head "
+            f"maps its own draft vocabulary with d2t), not {algo!r}"
+        )
     if not 1 <= lo <= hi:
         raise ValueError(
             "speculative n-gram windows need 1 <= min <= max, got "

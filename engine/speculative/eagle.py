@@ -105,7 +105,37 @@ def head_memory(args: EngineArgs, dtype: torch.dtype, target: ModelConfig) -> tu
     kept per KV slot of the model)."""
     per_token = head_class(args).hidden_width(target.hf_config) * dtype.itemsize
     copies = 0 if args.tp_size == 1 else 1 if target.tie_word_embeddings else 2
-    return copies * target.vocab_size * target.hidden_size * dtype.itemsize, per_token
+    rows = copies * target.vocab_size
+    if args.speculative_token_map is not None:  # (its lm_head: a copy of the map's rows)
+        rows += len(load_token_map(args.speculative_token_map, target.vocab_size))
+    return rows * target.hidden_size * dtype.itemsize, per_token
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """The token ids of an FR-Spec token map (SGLang's --speculative-token-map): a .pt file
+    of a tensor or list of ids (torch.load, weights only), or a .json list; ValueError for
+    anything else, or ids that are not distinct ids of the model's vocabulary."""
+    import json
+    import os
+
+    if not os.path.isfile(path):
+        raise ValueError(f"speculative_token_map: no file {path!r} (a local .pt or .json file)")
+    try:
+        if path.endswith(".json"):
+            with open(path) as f:
+                ids = torch.tensor(json.load(f), dtype=torch.int64)
+        else:
+            ids = torch.as_tensor(torch.load(path, weights_only=True)).to(torch.int64)
+    except Exception as exc:  # (unpickling refused, JSON malformed, not a list of ids)
+        raise ValueError(f"speculative_token_map {path!r}: not a list of token ids ({exc})")
+    if ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"speculative_token_map {path!r}: a non-empty 1-D list of ids needed")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"speculative_token_map {path!r}: ids outside the model's vocabulary "
+                         f"of {vocab_size}")  # fmt: skip
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"speculative_token_map {path!r}: repeated ids")
+    return ids
 
 
 def install_hidden_capture(runner: Any) -> HiddenCapture:
@@ -167,6 +197,10 @@ def make_head_runner(args: EngineArgs, runner: Any) -> Any:
         head.model.share_tensors(*_whole_embedding_and_head(runner, head))
     else:
         head.model.share_from_target(runner.model)
+    if args.speculative_token_map is not None:
+        hot = load_token_map(args.speculative_token_map, runner.model_config.vocab_size)
+        head.model.restrict_vocabulary(hot)
+        logger.info("EAGLE head: drafts over %d tokens of the token map", hot.numel())
     head.args = head_args
     if head_args.use_cuda_graph and head.attn_backend.supports_cuda_graph:
         head.use_cuda_graph = True
@@ -205,7 +239,8 @@ class EagleDrafter(DraftModelDrafter):
         self.capture: HiddenCapture = runner.hidden_capture
         self.target_req_to_token = runner.req_to_token_pool.req_to_token
         hot = getattr(self.runner.model, "hot_token_ids", None)
-        # a smaller draft vocabulary (EAGLE-3's): draft id -> the model's id
+        # a smaller draft vocabulary (EAGLE-3's d2t, or an EAGLE head's token map): draft id
+        # -> the model's id
         self.hot = None if hot is None else hot.to(self.runner.device)
         if self.hot is not None and int(self.hot.max()) >= runner.model_config.vocab_size:
             raise ValueError("EAGLE-3: the head's d2t maps past the model's vocabulary")

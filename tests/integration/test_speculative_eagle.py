@@ -516,3 +516,49 @@ def test_prefixes_loaded_from_host_memory_bring_their_hidden_states() -> None:
         for tokens, rows in seen[6:]:  # (the second round: documents loaded from the host)
             _, states = model_states(model, torch.from_numpy(tokens[:-1]), False, None)
             torch.testing.assert_close(rows, states, rtol=1e-9, atol=1e-9)
+
+
+# -- token maps (FR-Spec) ------------------------------------------------------------------------
+def test_token_map_restricts_the_heads_vocabulary(tmp_path) -> None:
+    """`speculative_token_map` (SGLang's FR-Spec map): the head drafts over the map's tokens
+    only, mapped back to the model's ids. A map of every token in reverse order drafts what
+    the head drafts without one (same argmax, other columns); a map of a subset drafts from
+    it only; the tokens are plain decoding's; bad maps are refused with the reason."""
+    path = first_mlp_model()
+    prompts = _prompts(4, seed=8)
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    vocab = 1536
+    everything, subset = tmp_path / "all.pt", tmp_path / "subset.json"
+    torch.save(torch.arange(vocab - 1, -1, -1), everything)
+    subset.write_text(str(list(range(0, vocab, 3))))
+
+    def run(**kw):
+        proposals = []
+        with Engine(model_path=path, **PLAIN, **_spec("eagle", path + "-eagle"), **kw) as eng:
+            drafter = eng.scheduler.drafter
+            orig = drafter.propose
+            drafter.propose = lambda reqs: proposals.append(orig(reqs)) or proposals[-1]
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            stats = eng.get_stats()
+        return [o["output_ids"] for o in outs], proposals, stats
+
+    want, base, stats = run()
+    assert stats["spec_accept_length"] > 2.0, stats
+    got, drafts, _ = run(speculative_token_map=str(everything))
+    assert got == want and drafts == base
+    got, drafts, _ = run(speculative_token_map=str(subset))
+    assert got == want
+    made = {t for step in drafts for d in step for t in d}
+    assert made and all(t % 3 == 0 for t in made)
+    bad = tmp_path / "bad.json"
+    for text, why in (("[1, 1]", "repeated"), (f"[{vocab}]", "outside"), ("[[1, 2]]", "1-D"),
+                      ("{}", "not a list of token ids")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            Engine(model_path=path, **PLAIN, **_spec("eagle", path + "-eagle"),
+                   speculative_token_map=str(bad))  # fmt: skip
+    from engine.config import EngineArgs
+
+    with pytest.raises(ValueError, match="not 'eagle3'"):
+        EngineArgs(model_path=_target(), **_spec("eagle3", head("eagle3")),
+                   speculative_token_map=str(subset))  # fmt: skip
