@@ -127,7 +127,9 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
         else:
             ids = torch.as_tensor(torch.load(path, weights_only=True)).to(torch.int64)
     except Exception as exc:  # (unpickling refused, JSON malformed, not a list of ids)
-        raise ValueError(f"speculative_token_map {path!r}: not a list of token ids ({exc})")
+        raise ValueError(
+            f"speculative_token_map {path!r}: not a list of token ids ({exc})"
+        ) from exc
     if ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"speculative_token_map {path!r}: a non-empty 1-D list of ids needed")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
