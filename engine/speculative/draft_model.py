@@ -410,16 +410,19 @@ class DraftModelDrafter(Drafter):
         dev = slots.device
         states = [state for _, _, _, state in todo]
         seen = np.asarray([len(tokens) for _, tokens, _, _ in todo], dtype=np.int64)
+        own_table = pool.req_to_token
+        width = min(int(seen.max()) + forwards, own_table.shape[1])
+        own_rows = torch.tensor([st.row for st in states], dtype=torch.int64)
+        prefixes = own_table[own_rows.to(own_table.device), :width].repeat_interleave(k, 0)
         rows = pool.alloc(n * k)
-        assert rows is not None, "draft rows for tree leaves: the pool keeps topk a request"
         try:
-            table = pool.req_to_token
-            width = min(int(seen.max()) + forwards, table.shape[1])
-            own_rows = torch.tensor([st.row for st in states], dtype=torch.int64)
-            leaves = torch.tensor(rows, dtype=torch.int64).to(table.device)
-            table[leaves, :width] = table[own_rows.to(table.device), :width].repeat_interleave(
-                k, 0
-            )
+            if rows is not None:  # rows of the draft's own table: its graphs replay
+                table = own_table
+                leaves = torch.tensor(rows, dtype=torch.int64).to(table.device)
+                table[leaves, :width] = prefixes
+            else:  # (more leaves than rows kept for them: a table of their own, eager)
+                table = prefixes.contiguous()
+                leaves = torch.arange(n * k, device=table.device)
             hidden = self._first_hidden(states)
             if hidden is not None:
                 hidden = hidden.repeat_interleave(k, 0)
@@ -458,7 +461,8 @@ class DraftModelDrafter(Drafter):
                 if hidden is not None:
                     hidden = fb.spec_hidden_out.index_select(0, parent_rows.to(dev))
         finally:
-            pool.free(rows)
+            if rows is not None:
+                pool.free(rows)
 
     def _first_hidden(self, states: list[_Draft]) -> torch.Tensor | None:
         """The hidden states of the first decode forward's inputs (EAGLE: the head's own
@@ -603,11 +607,21 @@ def draft_args(
     )
 
 
+# leaf rows of a draft runner's table at most (each as long as the context): what a tree
+# forward's largest decode graph takes by default
+MAX_LEAF_ROWS = 256
+
+
 def draft_rows(args: EngineArgs) -> int:
-    """The draft runner's requests: the model's, and with draft trees topk leaf rows for each
-    (`DraftModelDrafter._tree_forwards`)."""
-    topk = args.speculative_eagle_topk
-    return args.max_running_requests * (1 + (topk if topk > 1 else 0))
+    """The draft runner's requests: the model's, and with draft trees rows of its table for
+    the leaves (`DraftModelDrafter._tree_forwards`): topk a request, at most as many as its
+    largest decode graph has rows (a forward with more leaves runs eagerly over a table of
+    its own)."""
+    m, topk = args.max_running_requests, args.speculative_eagle_topk
+    if topk == 1:
+        return m
+    cap = max(args.cuda_graph_bs) if args.cuda_graph_bs else MAX_LEAF_ROWS
+    return m + min(m * topk, cap)
 
 
 def draft_pool_tokens(target_tokens: int, args: EngineArgs) -> int:

@@ -241,27 +241,37 @@ def _reference_tree(w, cfg, model, tokens, eagle3, layers, hot, topk, steps, lim
     return [cand[c][0] for c in chosen], [node.get(cand[c][1], 0) for c in chosen]
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_trees_are_the_reference_heads(kind: str) -> None:
+@pytest.mark.parametrize(("kind", "leaf_rows"), [("eagle", 256), ("eagle3", 256), ("eagle", 1)],
+                         ids=["eagle", "eagle3", "eagle-own-tables"])
+def test_trees_are_the_reference_heads(kind: str, leaf_rows: int, monkeypatch) -> None:
     """Every request's tree of every step equals the reference head's, built from the
     model's hidden states of the request's tokens then (float64: no near-ties). Fourteen
     nodes: every candidate of four steps of topk 2, so every forward's leaves (each reading
     its parent's output state and its ancestors' K/V) are compared, the last forward's
-    among them, whose leaves' parents are not all siblings."""
+    among them, whose leaves' parents are not all siblings. (`leaf_rows` 1: too few rows of
+    the head's table kept for leaves, so they run over a table of their own.)"""
     from transformers import AutoModelForCausalLM
 
+    from engine.speculative import draft_model
     from services.tiny_eagle import aux_layers, load_head
+
+    monkeypatch.setattr(draft_model, "MAX_LEAF_ROWS", leaf_rows)
 
     path = head(kind)
     prompts = _prompts(2, seed=2)
     params = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
     topk, steps = 2, 4
     proposals = []  # (request's tokens, its limits, its drafts, their parents)
-    kw = {"dtype": torch.float64, "page_size": 4, "chunked_prefill_size": 32}
+    kw = {"dtype": torch.float64, "page_size": 4, "chunked_prefill_size": 32,
+          "max_running_requests": 2}  # fmt: skip
+    own_tables = []
     with Engine(model_path=_target(), **PLAIN, **kw,
                 **_tree(kind, path, nodes=14, topk=topk, steps=steps)) as engine:  # fmt: skip
         drafter = engine.scheduler.drafter
         orig = drafter.propose
+        pool = drafter.runner.req_to_token_pool
+        alloc = pool.alloc
+        pool.alloc = lambda n: own_tables.append((r := alloc(n)) is None) or r
 
         def spy(reqs):
             from engine.speculative.scheduling import token_array
@@ -277,6 +287,7 @@ def test_trees_are_the_reference_heads(kind: str) -> None:
         drafter.propose = spy
         engine.generate(input_ids=prompts, sampling_params=params)
     proposals = [p for p in proposals if p[2]]
+    assert any(own_tables) == (leaf_rows == 1), own_tables
     assert len(proposals) >= 4 and any(not p[3] == list(range(len(p[3]))) for p in proposals)
     w, cfg = load_head(path)
     eagle3 = kind == "eagle3"
