@@ -79,7 +79,11 @@ def test_greedy_tokens_equal_plain_whatever_the_draft(page_size: int, chunk: int
     assert _ids(got) == _ids(want[:4])
 
 
-def test_seeded_sampling_penalties_and_logprobs_equal_plain() -> None:
+@pytest.mark.parametrize("topk", [1, 2], ids=["chain", "tree"])
+def test_seeded_sampling_penalties_and_logprobs_equal_plain(topk: int) -> None:
+    """Seeded sampling, penalties, min_new_tokens and logprobs: each request's tokens,
+    logprobs and top logprobs are plain decoding's, with chained drafts or draft trees (the
+    rows of the accepted path's nodes; engine/speculative/tree.py)."""
     path = tiny_model("llama")
     prompts = _prompts(path, seed=1)
     params = [
@@ -90,12 +94,14 @@ def test_seeded_sampling_penalties_and_logprobs_equal_plain() -> None:
     ]  # fmt: skip
     params[6]["temperature"] = 0.0
     want, _ = _run(path, prompts, params, **PLAIN)
-    got, stats = _run(path, prompts, params, **_spec(noisy_draft(path), k=3))
+    tree = {"speculative_eagle_topk": 2, "speculative_num_steps": 3} if topk > 1 else {}
+    got, stats = _run(path, prompts, params, **_spec(noisy_draft(path), k=6 if tree else 3),
+                      **tree)  # fmt: skip
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"]
         gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
-        assert max(abs(a[0] - b[0]) for a, b in zip(gl, wl)) < 1e-4
+        assert max(abs(a[0] - b[0]) for a, b in zip(gl, wl, strict=True)) < 1e-4
         gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
         assert [[e[1] for e in x] for x in gt] == [[e[1] for e in x] for x in wt]
 

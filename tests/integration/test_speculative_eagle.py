@@ -49,6 +49,17 @@ def _spec(kind: str, path: str, k: int = K) -> dict:
             "speculative_num_draft_tokens": k}  # fmt: skip
 
 
+def tree_spec(kind: str, path: str, nodes: int = 8, topk: int = 3, steps: int = 3) -> dict:
+    """Draft trees (engine/speculative/tree.py; tests/integration/test_speculative_tree.py)."""
+    return {**_spec(kind, path, nodes), "speculative_eagle_topk": topk,
+            "speculative_num_steps": steps}  # fmt: skip
+
+
+# the drafts of the tests run both ways: K chained drafts, or trees of 6 nodes of topk 2
+SHAPES = {"chain": lambda kind, path: _spec(kind, path),
+          "tree": lambda kind, path: tree_spec(kind, path, nodes=6, topk=2)}  # fmt: skip
+
+
 def _run(prompts, params, **kw):
     """(output ids, stats) of the target's engine; the prefix cache, and the head's K/V and
     rows, all given back after the run (the draft model's test's checks)."""
@@ -62,31 +73,85 @@ def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
     return mixed_prompts(1536, n=n, seed=seed, max_len=100)
 
 
+def eager_graphs(*runners) -> None:
+    """Capture the runners' CUDA graphs with the CPU's eager double of them (EagerGraphCapturer:
+    the replay path without a GPU)."""
+    from engine.cuda_graph_runner import EagerGraphCapturer
+
+    for r in runners:
+        r.use_cuda_graph = True
+        r.graph_capturer_factory = lambda device: EagerGraphCapturer()
+        r.capture_cuda_graphs()
+
+
+def graph_replays(model_runner, head_runner) -> dict[str, int]:
+    """Replays so far of the model's and the head's decode and verify graphs."""
+    return {
+        f"{name} {kind}": sum(g.num_replays for g in graphs.graphs.values())
+        for name, r in (("model", model_runner), ("head", head_runner))
+        for kind in ("graph_runner", "verify_graph_runner")
+        if (graphs := getattr(r, kind)) is not None
+    }  # fmt: skip
+
+
+def graph_run(model: str, spec: dict, prompts, params, graphs: bool, **kw):
+    """(output ids, each step's proposals, stats, graph replays) of an engine over `model`
+    with `spec`, the model's and the head's graphs captured (`eager_graphs`) or not."""
+    proposals: list = []
+    with Engine(model_path=model, **PLAIN, **kw, **spec) as engine:
+        drafter = engine.scheduler.drafter
+        runners = (engine.scheduler.model_runner, drafter.runner)
+        if graphs:
+            eager_graphs(*runners)
+        spy_proposals(drafter, proposals)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        stats, replays = engine.get_stats(), graph_replays(*runners)
+    return [o["output_ids"] for o in outs], proposals, stats, replays
+
+
+def spy_proposals(drafter, seen: list) -> None:
+    """Append each step's drafts (and with trees their parents) to `seen`."""
+    orig = drafter.propose
+
+    def spy(reqs):
+        drafts = orig(reqs)
+        seen.append(drafts if drafter.last_parents is None else (drafts, drafter.last_parents))
+        return drafts
+
+    drafter.propose = spy
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize(("page_size", "chunk"), [(1, 8192), (4, 32)])
-def test_greedy_tokens_equal_plain(kind: str, page_size: int, chunk: int) -> None:
+def test_greedy_tokens_equal_plain(kind: str, page_size: int, chunk: int, shape: str) -> None:
+    """(trees at page size 4: the accepted nodes' K/V moved into whole pages' slots)"""
     prompts = _prompts()
     params = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
     kw = {"page_size": page_size, "chunked_prefill_size": chunk}
     want, _ = _run(prompts, params, **kw)
-    got, stats = _run(prompts, params, **_spec(kind, head(kind)), **kw)
+    got, stats = _run(prompts, params, **SHAPES[shape](kind, head(kind)), **kw)
     assert got == want
     assert stats["spec_num_drafts"] > 0 and stats["spec_draft_tokens"] > 0, stats
 
 
-def test_seeded_sampling_and_penalties_equal_plain() -> None:
+@pytest.mark.parametrize("shape", SHAPES)
+def test_seeded_sampling_and_penalties_equal_plain(shape: str) -> None:
+    """A draft (a tree's node: after its path) is sampled as the request's token would be
+    there: its seeded noise at that step, its penalties over the tokens before, its allowed
+    tokens (the drafts obey them)."""
     prompts = _prompts(4, seed=1)
     params = [
         {"temperature": 0.8, "sampling_seed": 7, "max_new_tokens": 16, "ignore_eos": True},
         {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
-         "repetition_penalty": 1.3, "logit_bias": {"5": 3.0}},
+         "repetition_penalty": 1.3, "frequency_penalty": 0.5, "logit_bias": {"5": 3.0}},
         {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
          "allowed_token_ids": list(range(100, 400))},
         {"temperature": 1.0, "top_k": 20, "sampling_seed": 3, "max_new_tokens": 16,
          "ignore_eos": True},
     ]  # fmt: skip
     want, _ = _run(prompts, params)
-    got, _ = _run(prompts, params, **_spec("eagle3", head("eagle3")))
+    got, _ = _run(prompts, params, **SHAPES[shape]("eagle3", head("eagle3")))
     assert got == want
 
 
@@ -250,8 +315,6 @@ def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
     CPU), the head's decode forwards replay its decode graphs and its catch-ups after a
     request's first its verify graphs (the hidden states through the static buffers, padded
     batches and tokens among them), and the drafts and tokens are the eager run's."""
-    from engine.cuda_graph_runner import EagerGraphCapturer
-
     # (a random EAGLE head over the two-layer tiny model: the Triton interpreter's forwards
     # cost a third of the six-layer target's, and its drafts depend on the hidden states it
     # reads; two allowed tokens, so that half its drafts are right and catch-ups come both
@@ -262,29 +325,10 @@ def test_head_decode_graphs_replay_with_the_eager_heads_drafts() -> None:
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True,
                "allowed_token_ids": [11, 12]} for n in (16, 9, 4)]  # fmt: skip
 
-    def run(graphs: bool):
-        drafts = []
-        with Engine(model_path=model, **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
-                    attention_backend="triton", **_spec("eagle", path)) as engine:  # fmt: skip
-            drafter = engine.scheduler.drafter
-            runners = (engine.scheduler.model_runner, drafter.runner)
-            for r in runners if graphs else ():
-                r.use_cuda_graph = True
-                r.graph_capturer_factory = lambda device: EagerGraphCapturer()
-                r.capture_cuda_graphs()
-            orig = drafter.propose
-            drafter.propose = lambda reqs: drafts.append(orig(reqs)) or drafts[-1]
-            outs = engine.generate(input_ids=prompts, sampling_params=params)
-            replays = {
-                f"{name} {kind}": sum(g.num_replays for g in graphs.graphs.values())
-                for name, r in zip(("model", "head"), runners)
-                for kind in ("graph_runner", "verify_graph_runner")
-                if (graphs := getattr(r, kind)) is not None
-            }  # fmt: skip
-        return [o["output_ids"] for o in outs], drafts, replays
-
-    want, want_drafts, _ = run(False)
-    got, got_drafts, replays = run(True)
+    kw = {"cuda_graph_bs": (1, 2, 4), "max_total_tokens": 1024, "attention_backend": "triton"}
+    want, want_drafts, _, _ = graph_run(model, _spec("eagle", path), prompts, params, False, **kw)
+    got, got_drafts, _, replays = graph_run(model, _spec("eagle", path), prompts, params, True,
+                                            **kw)  # fmt: skip
     assert got == want
     assert got_drafts == want_drafts
     # (every step has drafts here: the model's steps are all verify steps)
@@ -297,7 +341,6 @@ def test_eagle3_graphs_read_the_draft_vocabulary_only() -> None:
     model's vocabulary, of which only the draft's columns are written. Drafts within allowed
     tokens and after a logit bias (over the model's ids) are the eager run's, in the draft
     vocabulary, and the tokens plain decoding's."""
-    from engine.cuda_graph_runner import EagerGraphCapturer
     from services.tiny_eagle import load_head
 
     path = head("eagle3")
@@ -317,31 +360,27 @@ def test_eagle3_graphs_read_the_draft_vocabulary_only() -> None:
         with Engine(model_path=_target(), **PLAIN, **kw, **_spec("eagle3", path)) as engine:
             drafter = engine.scheduler.drafter
             if graphs:
-                runner = drafter.runner
-                runner.use_cuda_graph = True
-                runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
-                runner.capture_cuda_graphs()
-            orig = drafter.propose
-            drafter.propose = lambda reqs: drafts.append(orig(reqs)) or drafts[-1]
+                eager_graphs(drafter.runner)
+            spy_proposals(drafter, drafts)
             outs = engine.generate(input_ids=prompts, sampling_params=params)
-            replays = 0 if not graphs else sum(
-                g.num_replays for g in drafter.runner.graph_runner.graphs.values())
+            replays = graph_replays(engine.scheduler.model_runner, drafter.runner)
         return [o["output_ids"] for o in outs], drafts, replays
 
     got, eager, _ = run(False)
     assert got == want
     got, drafts, replays = run(True)
-    assert got == want and drafts == eager and replays > 0
+    assert got == want and drafts == eager and replays["head graph_runner"] > 0
     first = [d for step in drafts for d in step[0]]
     assert first and set(first) <= set(allowed)
 
 
 # -- memory -------------------------------------------------------------------------------------
-def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A head pool too small for every request (some get no drafts), a model pool that
-    retracts running requests (their slots, and the hidden states kept by them, recomputed
-    when they come back), a grammar request and mixed chunks: plain decoding's tokens, and
-    nothing leaks."""
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
+    """A head pool too small for every request (some get no drafts; a tree none past its first
+    level), a model pool that retracts running requests (their slots, and the hidden states
+    kept by them, recomputed when they come back), a grammar request and mixed chunks: plain
+    decoding's tokens, and nothing leaks (the head's slots and rows, trees' leaves' too)."""
     from engine.speculative import eagle
 
     monkeypatch.setattr(eagle, "draft_pool_tokens", lambda tokens, args: 200)
@@ -351,9 +390,9 @@ def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) ->
     kw = {"max_total_tokens": 400, "init_new_token_ratio": 0.05, "chunked_prefill_size": 64,
           "enable_mixed_chunk": True}  # fmt: skip
     want, _ = _run(prompts, params, **kw)
-    got, stats = _run(prompts, params, **_spec("eagle3", head("eagle3")), **kw)
+    got, stats = _run(prompts, params, **SHAPES[shape]("eagle3", head("eagle3")), **kw)
     assert got == want
-    assert stats["num_retractions"] > 0, stats
+    assert stats["num_retractions"] > 0 and stats["draft_memory_drops"] > 0, stats
 
 
 def test_memory_released_with_the_model_and_taken_back() -> None:
@@ -393,16 +432,13 @@ def test_head_verify_graphs_replay_its_eager_catch_up(draft_lens: list[int]) -> 
     """A catch-up of the head replayed from its verify graphs (every request at the graphs'
     width, or padded tokens and a padded request) gives the eager forward's logits and output
     hidden states, from the same hidden-state input."""
-    from engine.cuda_graph_runner import EagerGraphCapturer
     from tests.runner_batches import eager_forward, kv_restore, kv_snapshot, verify_batch
 
     model = tiny_model("llama")
     with Engine(model_path=model, **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
                 attention_backend="triton", **_spec("eagle", _random_eagle_head(model))) as eng:
         runner = eng.scheduler.drafter.runner
-        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
-        runner.use_cuda_graph = True
-        runner.capture_cuda_graphs()
+        eager_graphs(runner)
         n = len(draft_lens)
         fb = verify_batch(runner, list(range(1, n + 1)), [7, 12, 3][:n], draft_lens, seed=5)
         gen = torch.Generator().manual_seed(0)

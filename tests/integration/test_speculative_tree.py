@@ -1,9 +1,10 @@
 """Draft trees (`speculative_eagle_topk` > 1; engine/speculative/tree.py): the tokens are plain
 decoding's whatever the tree, with the Triton and torch_native backends and at page sizes 1
-and 4 (accepted nodes' K/V moved into place); after tree steps the model's kept hidden states
-are still transformers'; the trees are, node for node, what a plain-torch reference of the
-EAGLE head builds (float64); a tree holding every candidate accepts more than the chain;
-configurations the engine cannot serve are refused."""
+and 4 (greedy and sampled requests over chains and trees alike are in
+tests/integration/test_speculative_eagle.py); after tree steps whose accepted nodes moved, the
+model's kept hidden states are still transformers'; the trees are, node for node, what a
+plain-torch reference of the EAGLE head builds (float64); a tree holding every candidate
+accepts more than the chain; configurations the engine cannot serve are refused."""
 
 from __future__ import annotations
 
@@ -18,47 +19,15 @@ from tests.integration.test_speculative_eagle import (
     PLAIN,
     _prompts,
     _random_eagle_head,
-    _run,
     _target,
+    eager_graphs,
     first_mlp_model,
+    graph_run,
     head,
+    tree_spec,
 )
 
-
-def _tree(kind: str, path: str, nodes: int = 8, topk: int = 3, steps: int = 3) -> dict:
-    return {"speculative_algorithm": kind, "speculative_draft_model_path": path,
-            "speculative_num_draft_tokens": nodes, "speculative_eagle_topk": topk,
-            "speculative_num_steps": steps}  # fmt: skip
-
-
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-@pytest.mark.parametrize(("page_size", "chunk"), [(1, 8192), (4, 32)])
-def test_greedy_tokens_equal_plain(kind: str, page_size: int, chunk: int) -> None:
-    prompts = _prompts()
-    params = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
-    kw = {"page_size": page_size, "chunked_prefill_size": chunk}
-    want, _ = _run(prompts, params, **kw)
-    got, stats = _run(prompts, params, **_tree(kind, head(kind)), **kw)
-    assert got == want
-    assert stats["spec_num_drafts"] > 0 and stats["spec_draft_tokens"] > 0, stats
-
-
-def test_seeded_sampling_penalties_and_allowed_tokens_equal_plain() -> None:
-    """Each node is sampled as the request's token after the node's path: its seeded noise
-    at that step, its penalties over that path, its allowed tokens (the drafts obey them)."""
-    prompts = _prompts(4, seed=1)
-    params = [
-        {"temperature": 0.8, "sampling_seed": 7, "max_new_tokens": 16, "ignore_eos": True},
-        {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
-         "repetition_penalty": 1.3, "frequency_penalty": 0.5, "logit_bias": {"5": 3.0}},
-        {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True,
-         "allowed_token_ids": [100, 101]},
-        {"temperature": 1.0, "top_k": 20, "sampling_seed": 3, "max_new_tokens": 16,
-         "ignore_eos": True},
-    ]  # fmt: skip
-    want, _ = _run(prompts, params)
-    got, _ = _run(prompts, params, **_tree("eagle3", head("eagle3"), nodes=6, topk=2))
-    assert got == want
+_tree = tree_spec
 
 
 def test_triton_backend_with_graphs_captured() -> None:
@@ -66,8 +35,6 @@ def test_triton_backend_with_graphs_captured() -> None:
     CPU's eager double of them: the replay path), the model's tree steps replay its verify
     graphs of trees and the head's tree forwards its decode graphs (leaf rows of its own
     table); the trees and the tokens are the eager run's, and plain decoding's."""
-    from engine.cuda_graph_runner import EagerGraphCapturer
-
     model = tiny_model("llama")
     prompts = [p[:20] for p in _prompts(3, seed=4)]
     params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True,
@@ -77,37 +44,10 @@ def test_triton_backend_with_graphs_captured() -> None:
         want = [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
     spec = _tree("eagle", _random_eagle_head(model), nodes=5, topk=2, steps=3)
 
-    def run(graphs: bool):
-        trees = []
-        with Engine(model_path=model, **PLAIN, **kw, **spec) as engine:
-            drafter = engine.scheduler.drafter
-            runners = (engine.scheduler.model_runner, drafter.runner)
-            for r in runners if graphs else ():
-                r.use_cuda_graph = True
-                r.graph_capturer_factory = lambda device: EagerGraphCapturer()
-                r.capture_cuda_graphs()
-            orig = drafter.propose
-
-            def spy(reqs):
-                drafts = orig(reqs)
-                trees.append((drafts, drafter.last_parents))
-                return drafts
-
-            drafter.propose = spy
-            outs = engine.generate(input_ids=prompts, sampling_params=params)
-            stats = engine.get_stats()
-            replays = {
-                f"{name} {kind}": sum(g.num_replays for g in graphs.graphs.values())
-                for name, r in zip(("model", "head"), runners)
-                for kind in ("graph_runner", "verify_graph_runner")
-                if (graphs := getattr(r, kind)) is not None
-            }  # fmt: skip
-        return [o["output_ids"] for o in outs], trees, stats, replays
-
-    got, eager_trees, stats, _ = run(False)
+    got, eager_trees, stats, _ = graph_run(model, spec, prompts, params, False, **kw)
     assert got == want
     assert stats["spec_num_drafts"] > 0 and stats["spec_accepted_tokens"] > 0, stats
-    got, trees, _, replays = run(True)
+    got, trees, _, replays = graph_run(model, spec, prompts, params, True, **kw)
     assert got == want
     assert trees == eager_trees
     for kind in ("model verify_graph_runner", "head graph_runner"):
@@ -119,7 +59,6 @@ def test_tree_verify_graphs_replay_the_eager_forward(draft_lens: list[int]) -> N
     """A verify step of trees replayed from the model's verify graphs (every request at the
     graphs' width, or padded nodes and a padded request) gives the eager forward's logits
     and K/V: the static masks are each request's ancestor masks, the positions its depths."""
-    from engine.cuda_graph_runner import EagerGraphCapturer
     from engine.speculative.tree import depths
     from tests.runner_batches import eager_forward, kv_restore, kv_snapshot, verify_batch
 
@@ -129,9 +68,7 @@ def test_tree_verify_graphs_replay_the_eager_forward(draft_lens: list[int]) -> N
     with Engine(model_path=model, **PLAIN, cuda_graph_bs=(1, 2, 4), max_total_tokens=1024,
                 attention_backend="triton", **spec) as engine:  # fmt: skip
         runner = engine.scheduler.model_runner
-        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
-        runner.use_cuda_graph = True
-        runner.capture_cuda_graphs()
+        eager_graphs(runner)
         assert runner.verify_graph_runner.trees
         n = len(draft_lens)
         prefix = [7, 12, 3][:n]
@@ -322,39 +259,20 @@ def test_a_whole_tree_accepts_more_than_the_chain() -> None:
     assert lengths["tree"] > lengths["chain"] > 2.5, lengths
 
 
-def test_standalone_draft_model_trees_with_sampling_and_logprobs() -> None:
-    """A draft model drafts trees too. The model as its own draft: greedy tokens are plain
-    decoding's, most nodes on the path accepted. A perturbed copy, with seeded sampling,
-    penalties, min_new_tokens and logprobs: each request's tokens, logprobs and top logprobs
-    are plain decoding's (the rows of the accepted path's nodes)."""
+def test_standalone_draft_model_trees() -> None:
+    """A draft model drafts trees too: the model as its own draft puts the model's greedy
+    path in its tree, so most of each path is accepted; plain decoding's tokens (sampling and
+    logprobs: tests/integration/test_speculative_draft_model.py)."""
     from tests.integration.test_speculative_draft_model import _run as run_checked
-    from tests.integration.test_speculative_draft_model import noisy_draft
 
     path = tiny_model("llama")
     prompts = _prompts(6, seed=5)
-    tree = {"nodes": 6, "topk": 2, "steps": 3}
     greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
     want, _ = run_checked(path, prompts, greedy, **PLAIN)
-    got, stats = run_checked(path, prompts, greedy, **PLAIN, **_tree("standalone", path, **tree))
+    got, stats = run_checked(path, prompts, greedy, **PLAIN,
+                             **_tree("standalone", path, nodes=6, topk=2, steps=3))
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
     assert stats["spec_accept_length"] > 2.5, stats
-    params = [
-        {"temperature": 0.7, "sampling_seed": 7 + i, "max_new_tokens": 24, "return_logprob": True,
-         "top_logprobs_num": 2, "frequency_penalty": 0.3 * (i % 2), "top_p": 0.9,
-         "min_new_tokens": 20 if i == 3 else 0, "ignore_eos": i != 5}
-        for i in range(len(prompts))
-    ]  # fmt: skip
-    params[4]["temperature"] = 0.0
-    want, _ = run_checked(path, prompts, params, **PLAIN)
-    got, stats = run_checked(path, prompts, params, **PLAIN,
-                             **_tree("standalone", noisy_draft(path), **tree))  # fmt: skip
-    assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
-    for g, w in zip(got, want, strict=True):
-        assert g["output_ids"] == w["output_ids"]
-        gl, wl = g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"]
-        assert max(abs(a[0] - b[0]) for a, b in zip(gl, wl, strict=True)) < 1e-4
-        gt, wt = g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]
-        assert [[e[1] for e in x] for x in gt] == [[e[1] for e in x] for x in wt]
 
 
 def test_bad_tree_configurations_are_refused() -> None:
@@ -403,22 +321,3 @@ def test_backends_and_models_without_tree_masks_are_refused() -> None:
     check_tree_support(SimpleNamespace(attn_backend=backend, model_config=plain))
     with pytest.raises(ValueError, match="sliding-window"):
         check_tree_support(SimpleNamespace(attn_backend=backend, model_config=windows))
-
-
-def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Trees with a head pool too small for every request's catch-up and leaves (some get no
-    drafts, or no tree past its first level), a model pool that retracts running requests,
-    a grammar request and mixed chunks: plain decoding's tokens, and nothing leaks (the
-    head's slots and rows, leaves' included, all given back)."""
-    from engine.speculative import eagle
-
-    monkeypatch.setattr(eagle, "draft_pool_tokens", lambda tokens, args: 200)
-    prompts = _prompts(8, seed=2)
-    params = [{"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True} for _ in prompts]
-    params[2] = {"temperature": 0.0, "max_new_tokens": 40, "regex": "(ab|cd){3,9}"}
-    kw = {"max_total_tokens": 400, "init_new_token_ratio": 0.05, "chunked_prefill_size": 64,
-          "enable_mixed_chunk": True}  # fmt: skip
-    want, _ = _run(prompts, params, **kw)
-    got, stats = _run(prompts, params, **_tree("eagle3", head("eagle3"), nodes=6, topk=2), **kw)
-    assert got == want
-    assert stats["num_retractions"] > 0 and stats["draft_memory_drops"] > 0, stats
