@@ -106,6 +106,9 @@ class DraftModelDrafter(Drafter):
         self.chunk = chunk if chunk is not None and chunk > 0 else DEFAULT_DRAFT_CHUNK
         self.drafts: dict[str, _Draft] = {}
         self.memory_drops = 0  # requests that got no drafts: their draft K/V did not fit
+        # requests whose allowed tokens the draft cannot draft at all (none in its
+        # vocabulary): they get no drafts, which would all be rejected
+        self.undraftable: set[str] = set()
         # draft trees (engine/speculative/tree.py): tokens kept per forward, forwards a step
         self.topk = args.speculative_eagle_topk
         self.steps = args.speculative_num_steps or self.k
@@ -119,11 +122,12 @@ class DraftModelDrafter(Drafter):
         live = {r.rid for r in reqs}
         for rid in [rid for rid in self.drafts if rid not in live]:  # finished, retracted
             self._drop(rid)
+        self.undraftable &= live
         tree = self.topk > 1
         todo = []  # (batch index, request's tokens, room, its draft state)
         limits = {}  # a tree's: batch index -> (its depth, its nodes) at most
         for i, r in enumerate(reqs):
-            room = self.room(r)
+            room = self.room(r) if r.rid not in self.undraftable else 0
             if room:
                 tokens = self._draft_tokens(token_array(r))
                 state = self._sync(r, tokens)
@@ -164,6 +168,7 @@ class DraftModelDrafter(Drafter):
         return tokens
 
     def forget(self, req: Req) -> None:
+        self.undraftable.discard(req.rid)
         if req.rid in self.drafts:
             self._drop(req.rid)
 
@@ -190,10 +195,14 @@ class DraftModelDrafter(Drafter):
         free row."""
         state = self.drafts.get(r.rid)
         if state is None:
+            bias = self._bias(r)
+            if bias is not None and not bool(self._draft_bias(bias).isfinite().any()):
+                self.undraftable.add(r.rid)  # (every token it may draft is disallowed)
+                return None
             rows = self.runner.req_to_token_pool.alloc(1)
             if rows is None:
                 return None
-            state = self.drafts[r.rid] = _Draft(r.rid, rows[0], bias=self._bias(r))
+            state = self.drafts[r.rid] = _Draft(r.rid, rows[0], bias=bias)
         state.target_row = r.req_pool_idx
         keep = state.confirmed
         if self.reuses_tail:
@@ -485,6 +494,10 @@ class DraftModelDrafter(Drafter):
         """The draft's logits over the tokens it may draft, after the requests' biases."""
         logits = logits[:, : self.vocab]
         return logits if bias is None else logits + bias  # (float32 at least)
+
+    def _draft_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """A bias over the model's ids [..., vocab] on the draft's columns."""
+        return bias
 
     def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         """The model's token ids of columns of `_scores`."""

@@ -286,8 +286,11 @@ class EagleDrafter(DraftModelDrafter):
         # (a graph replay's rows are as wide as the model's vocabulary: the draft's columns
         # come first, the rest were never written)
         logits = logits[:, : self.hot.shape[0]]
+        return logits if bias is None else logits + self._draft_bias(bias)
+
+    def _draft_bias(self, bias: torch.Tensor) -> torch.Tensor:
         # (the biases are over the model's ids: the draft vocabulary's columns of them)
-        return logits if bias is None else logits + bias[:, self.hot]
+        return bias if self.hot is None else bias[..., self.hot]
 
     def _token_ids(self, columns: torch.Tensor) -> torch.Tensor:
         return columns if self.hot is None else self.hot[columns]

@@ -374,6 +374,30 @@ def test_eagle3_graphs_read_the_draft_vocabulary_only() -> None:
     assert first and set(first) <= set(allowed)
 
 
+def test_no_drafts_where_no_allowed_token_is_in_the_draft_vocabulary() -> None:
+    """A request whose allowed tokens are all outside an EAGLE-3 head's draft vocabulary gets
+    no drafts (each would be rejected); the others do; plain decoding's tokens."""
+    from services.tiny_eagle import load_head
+
+    path = head("eagle3")
+    w, _ = load_head(path)
+    hot = set((w["d2t"] + torch.arange(len(w["d2t"]))).tolist())
+    outside = [t for t in range(100, 1536) if t not in hot][:3]
+    prompts = _prompts(2, seed=9)
+    params = [{"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True,
+               "allowed_token_ids": outside},
+              {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}]  # fmt: skip
+    want, _ = _run(prompts, params)
+    proposals: list = []
+    with Engine(model_path=_target(), **PLAIN, **_spec("eagle3", path)) as engine:
+        drafter = engine.scheduler.drafter
+        spy_proposals(drafter, proposals)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert not drafter.undraftable  # (forgotten once finished)
+    assert [o["output_ids"] for o in outs] == want
+    assert all(not step[0] for step in proposals) and any(step[1] for step in proposals)
+
+
 # -- memory -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", SHAPES)
 def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch, shape: str) -> None:
