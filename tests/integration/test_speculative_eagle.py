@@ -347,10 +347,10 @@ def test_eagle3_graphs_read_the_draft_vocabulary_only() -> None:
     w, _ = load_head(path)
     hot = (w["d2t"] + torch.arange(len(w["d2t"]))).tolist()
     allowed = hot[10:14]
-    prompts = [p[:20] for p in _prompts(2, seed=4)]
-    params = [{"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True,
+    prompts = [p[:12] for p in _prompts(2, seed=4)]
+    params = [{"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True,
                "allowed_token_ids": allowed},
-              {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True,
+              {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True,
                "logit_bias": {str(hot[3]): 50.0}}]  # fmt: skip
     kw = {"cuda_graph_bs": (1, 2, 4), "max_total_tokens": 1024, "attention_backend": "triton"}
     want, _ = _run(prompts, params, **kw)
