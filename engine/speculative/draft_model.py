@@ -144,10 +144,7 @@ class DraftModelDrafter(Drafter):
             self.last_parents = [[] for _ in reqs]
             self._decode_tree(todo, logits, bias, limits, drafts, self.last_parents)
         else:
-            first = self._greedy(logits, bias).tolist()
-            for (i, _, _, _), token in zip(todo, first, strict=True):
-                drafts[i].append(token)
-            self._decode(todo, drafts)
+            self._decode(todo, self._greedy(logits, bias), drafts)
         for i, tokens, room, state in todo:
             state.confirmed = len(tokens)
             state.tail = [] if tree else drafts[i][: room - 1]
@@ -295,17 +292,20 @@ class DraftModelDrafter(Drafter):
         assert all(t is not None for t in first)
         return torch.stack(first)  # type: ignore[arg-type]
 
-    def _decode(self, todo: list, drafts: list[list[int]]) -> None:
-        """Decode forwards feeding each request's last draft until it has `room` drafts,
-        without a host read between them: every forward runs the same requests (those with
-        room for two drafts or more) and each one's positions, lengths and slots are known
-        beforehand, so they go to the device in one copy; a forward's input ids are the
-        previous one's greedy tokens, on the device; the drafts are read once, after the
-        last forward. A request with fewer drafts to make than others repeats its last
-        position in the forwards after it is done, writing its K/V to slot 0 (never handed
-        out), and those tokens are dropped."""
+    def _decode(self, todo: list, first: torch.Tensor, drafts: list[list[int]]) -> None:
+        """Decode forwards feeding each request's last draft (`first`, its catch-up's greedy
+        token, on the device) until it has `room` drafts, without a host read between them:
+        every forward runs the same requests (those with room for two drafts or more) and
+        each one's positions, lengths and slots are known beforehand, so they go to the
+        device in one copy; a forward's input ids are the previous one's greedy tokens, on
+        the device; the drafts, first ones included, are read once, after the last forward.
+        A request with fewer drafts to make than others repeats its last position in the
+        forwards after it is done, writing its K/V to slot 0 (never handed out), and those
+        tokens are dropped."""
         members = [j for j, (_, _, room, _) in enumerate(todo) if room > 1]
         if not members:
+            for (i, _, _, _), token in zip(todo, first.tolist(), strict=True):
+                drafts[i].append(token)
             return
         steps = max(todo[j][2] for j in members) - 1
         n = len(members)
@@ -317,16 +317,16 @@ class DraftModelDrafter(Drafter):
         real = made < rooms  # [steps, n]
         pos = base + np.minimum(made, rooms - 1)
         rows = np.broadcast_to(np.asarray([st.row for st in states], dtype=np.int64), pos.shape)
-        first = np.asarray([drafts[todo[j][0]][-1] for j in members], dtype=np.int64)
         runner = self.runner
         req_to_token = runner.req_to_token_pool.req_to_token
-        host = torch.from_numpy(np.concatenate([rows.ravel(), pos.ravel(), real.ravel(), first]))
+        which = np.asarray(members, dtype=np.int64)
+        host = torch.from_numpy(np.concatenate([rows.ravel(), pos.ravel(), real.ravel(), which]))
         dev = host.to(req_to_token.device)
         m = steps * n
         dev_rows, dev_pos = dev[:m].view(steps, n), dev[m : 2 * m].view(steps, n)
         loc = req_to_token[dev_rows, dev_pos].to(torch.int64) * dev[2 * m : 3 * m].view(steps, n)
         bias = self._stacked_bias(states, dev)
-        tokens = dev[3 * m :]
+        tokens = first.index_select(0, dev[3 * m :].to(first.device))
         hidden = self._first_hidden(states)  # (an EAGLE head's; None for a draft model)
         out = []
         for s in range(steps):
@@ -340,10 +340,13 @@ class DraftModelDrafter(Drafter):
             tokens = self._greedy(runner.forward(fb), bias)
             hidden = fb.spec_hidden_out
             out.append(tokens)
-        made_tokens = torch.stack(out).tolist()  # [steps, n]: the one host read
+        read = torch.cat([first, torch.stack(out).reshape(-1)]).tolist()  # the one host read
+        for (i, _, _, _), token in zip(todo, read[: len(todo)], strict=True):  # first drafts
+            drafts[i].append(token)
+        made_tokens = read[len(todo) :]  # [steps, n], row-major
         for k, j in enumerate(members):
             i, room = todo[j][0], todo[j][2]
-            drafts[i].extend(made_tokens[s][k] for s in range(room - 1))
+            drafts[i].extend(made_tokens[s * n + k] for s in range(room - 1))
 
     def _decode_tree(
         self,
