@@ -382,7 +382,8 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         default=1,
         help="eagle / eagle3 / standalone: tokens kept per draft forward; above 1 the drafts "
         "are a tree (each step expands the best topk leaves by their topk tokens; the "
-        "--speculative-num-draft-tokens best nodes are verified with a tree mask)",
+        "--speculative-num-draft-tokens best nodes are verified with a tree mask); ngram: "
+        "the continuations of that many earlier matches merged into one tree",
     )
     g.add_argument(
         "--speculative-token-map",

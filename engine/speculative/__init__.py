@@ -121,15 +121,14 @@ def _check_tree_args(args: Any, algo: str) -> None:
             )
         object.__setattr__(args, "speculative_num_steps", args.speculative_num_draft_tokens)
         return
-    if algo not in DRAFT_MODEL_ALGORITHMS:
-        raise ValueError(f"speculative_eagle_topk > 1 (draft trees) is for "
-                         f"{DRAFT_MODEL_ALGORITHMS}, not {algo!r}")  # fmt: skip
     if args.tp_size > 1:
         raise ValueError("draft trees (speculative_eagle_topk > 1) run with tp_size 1 only")
     steps = max(1, n // topk) if steps is None else steps
     if not 1 <= steps <= n:
         raise ValueError(f"speculative_num_steps must be in 1..{n} (the tree's nodes)")
-    candidates = topk + (steps - 1) * topk * topk
+    # (a draft model keeps topk leaves of topk children each per forward; n-gram trees are
+    # topk matches' continuations)
+    candidates = topk * steps if algo == "ngram" else topk + (steps - 1) * topk * topk
     if n > candidates:
         raise ValueError(
             f"a draft tree of {steps} steps with topk {topk} has {candidates} candidate "

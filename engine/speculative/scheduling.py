@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine.speculative import EAGLE_ALGORITHMS
-from engine.speculative.ngram import propose_ngram
+from engine.speculative.ngram import propose_ngram, propose_ngram_tree
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs
@@ -117,14 +117,27 @@ class NgramDrafter(Drafter):
         super().__init__(args, context_len)
         self.min_n = args.speculative_ngram_min_match_window_size
         self.max_n = args.speculative_ngram_max_match_window_size
+        self.topk = args.speculative_eagle_topk  # (> 1: trees of that many matches)
+        self.steps = args.speculative_num_steps or self.k
 
     def propose(self, reqs: list[Req]) -> list[list[int]]:
         drafts = []
+        trees: list[list[int]] = []
         for r in reqs:
             room = self.room(r)
-            drafts.append(
-                propose_ngram(token_array(r), room, self.min_n, self.max_n) if room else []
-            )
+            if not room:
+                drafts.append([])
+                trees.append([])
+            elif self.topk > 1:  # (room: the depth; the context bounds the nodes)
+                nodes = max(0, min(self.k, self.context_len - r.seqlen - 1))
+                d, p = propose_ngram_tree(token_array(r), nodes, min(room, self.steps),
+                                          self.topk, self.min_n, self.max_n)  # fmt: skip
+                drafts.append(d)
+                trees.append(p)
+            else:
+                drafts.append(propose_ngram(token_array(r), room, self.min_n, self.max_n))
+        if self.topk > 1:
+            self.last_parents = trees
         return drafts
 
 

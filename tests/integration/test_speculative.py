@@ -11,6 +11,9 @@ from tests.factories import assert_engine_clean, mixed_prompts, model_path, tiny
 
 PLAIN = {"disable_overlap_schedule": True}
 SPEC = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 4}
+# draft trees (engine/speculative/tree.py): the continuations of 3 matches, 8 nodes, depth 4
+TREE = {**SPEC, "speculative_num_draft_tokens": 8, "speculative_eagle_topk": 3,
+        "speculative_num_steps": 4}  # fmt: skip
 # few allowed tokens: the output repeats itself, drafts are found and partly accepted
 LOOPY = {"allowed_token_ids": [11, 12, 13], "ignore_eos": True}
 
@@ -52,8 +55,25 @@ def test_greedy_tokens_equal_plain_decoding(name: str) -> None:
     assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_trees_equal_plain_decoding_and_accept_more(name: str) -> None:
+    """N-gram trees: greedy tokens are plain decoding's, and on looping outputs (three allowed
+    tokens: several continuations of the same suffix) the tree of three matches accepts
+    more a step than the chain of the latest one."""
+    path = model_path(name)
+    prompts = _prompts(path)
+    params = {"temperature": 0.0, "max_new_tokens": 48, **LOOPY}
+    want, _ = _run(path, prompts, params, **PLAIN)
+    _, chain = _run(path, prompts, params, **SPEC)
+    got, tree = _run(path, prompts, params, **TREE)
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    _drafts_used(tree)
+    assert tree["spec_accept_length"] > chain["spec_accept_length"], (tree, chain)
+
+
+@pytest.mark.parametrize("shape", ["chain", "tree"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_seeded_sampling_penalties_and_logprobs_equal_plain(page_size: int) -> None:
+def test_seeded_sampling_penalties_and_logprobs_equal_plain(page_size: int, shape: str) -> None:
     """Each position is sampled as that token would be: same seeded noise, penalties over
     the output plus the drafts before it, min_new_tokens at its step, its logprob."""
     path = tiny_model("llama")
@@ -68,7 +88,7 @@ def test_seeded_sampling_penalties_and_logprobs_equal_plain(page_size: int) -> N
     params[6]["temperature"] = 0.0
     kw = {"page_size": page_size}
     want, _ = _run(path, prompts, params, **PLAIN, **kw)
-    got, stats = _run(path, prompts, params, **SPEC, **kw)
+    got, stats = _run(path, prompts, params, **(SPEC if shape == "chain" else TREE), **kw)
     _drafts_used(stats)
     for g, w in zip(got, want, strict=True):
         assert g["output_ids"] == w["output_ids"]

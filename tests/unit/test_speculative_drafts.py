@@ -13,7 +13,7 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.scheduler.pools import MemoryPools
 from engine.scheduler.req import Req
 from engine.speculative import from_vllm_config
-from engine.speculative.ngram import propose_ngram
+from engine.speculative.ngram import propose_ngram, propose_ngram_tree
 from engine.speculative.scheduling import trim_kv
 
 
@@ -40,6 +40,26 @@ def test_a_loop_is_continued_past_the_end() -> None:
     # period 2: the match ends one token before the end, the draft repeats the loop
     assert propose_ngram([3, 1, 2, 1, 2, 1, 2], 5, min_n=2, max_n=4) == [1, 2, 1, 2, 1]
     assert propose_ngram([9, 9, 9], 4, min_n=1, max_n=4) == [9, 9, 9, 9]
+
+
+def test_ngram_trees_merge_the_matches_continuations() -> None:
+    """Trees (topk > 1): the continuations of the longest, then latest, matches, merged into
+    a trie whose node parents come before them; within the node and depth budgets."""
+    tokens = [4, 5, 6, 7, 8, 1, 5, 6, 9, 9, 4, 5, 6]
+    # "4 5 6" (longest) continues 7 8 1; then the latest "5 6" continues 9 9 4
+    drafts, parents = propose_ngram_tree(tokens, 6, 3, 2, min_n=1, max_n=3)
+    assert (drafts, parents) == ([7, 8, 1, 9, 9, 4], [0, 1, 2, 0, 4, 5])
+    # one branch is the chain's draft
+    drafts, parents = propose_ngram_tree(tokens, 6, 3, 1, min_n=1, max_n=3)
+    assert drafts == propose_ngram(tokens, 3, min_n=1, max_n=3) and parents == [0, 1, 2]
+    # the node budget cuts the second branch; the depth cuts both
+    assert propose_ngram_tree(tokens, 4, 3, 2, min_n=1, max_n=3) == ([7, 8, 1, 9], [0, 1, 2, 0])
+    assert propose_ngram_tree(tokens, 6, 1, 2, min_n=1, max_n=3) == ([7, 9], [0, 0])
+    # continuations that agree share their nodes: "1 2" is followed by 3 5 1 (latest) and
+    # by 3 4 1
+    drafts, parents = propose_ngram_tree([1, 2, 3, 4, 1, 2, 3, 5, 1, 2], 8, 3, 3, 2, 2)
+    assert (drafts, parents) == ([3, 5, 1, 4, 1], [0, 1, 2, 1, 4])
+    assert propose_ngram_tree([1, 2, 3], 4, 3, 2, min_n=1, max_n=3) == ([], [])
 
 
 def test_counts_per_draft_position() -> None:
