@@ -16,6 +16,10 @@ text decides how often the drafts are right, so three workloads span the range:
 * free text: no constraint; n-grams of the random text rarely recur, drafts are rarely
   proposed (the floor: what speculation costs when it finds nothing).
 
+A third arm drafts trees (`tree`: the continuations of `--tree-topk` matches merged into
+`--tree-nodes` nodes, `--draft-tokens` deep; engine/speculative/ngram.py) and is reported
+beside the chain (`tree_speedup`, `tree_accept_length`).
+
 The arms' timed runs interleave, `--repeat` rounds (the fastest run counts). Reported per
 workload and batch: output tokens/s of each arm and their ratio, the accept length (tokens per
 request and verify step), the mean time of a plain decode step and of the speculative arm's
@@ -118,6 +122,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--tree-topk", type=int, default=3, help="the tree arm's matches")
+    ap.add_argument("--tree-nodes", type=int, default=8, help="the tree arm's nodes")
     args = parse_arm_args(ap, "speculative")
     path = small_model(args.layers, args.seed)
     rng = random.Random(args.seed)
@@ -126,7 +132,9 @@ def main() -> None:
     ]
     plain = Arm(path, args)
     ngram = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": args.draft_tokens}
-    arms = {"plain": plain, "spec": Arm(path, args, **ngram)}
+    tree = {**ngram, "speculative_num_draft_tokens": args.tree_nodes,
+            "speculative_eagle_topk": args.tree_topk, "speculative_num_steps": args.draft_tokens}
+    arms = {"plain": plain, "spec": Arm(path, args, **ngram), "tree": Arm(path, args, **tree)}
     if args.device.startswith("cuda"):  # the verify steps eager: what their graphs save
         arms["spec_eager"] = Arm(path, args, verify_graphs=False, **ngram)
     rows = []
@@ -136,8 +144,10 @@ def main() -> None:
             batch = prompts[:bs]
             best = best_runs(arms, batch, params, args.repeat)
             (pw, pout, pstats), (sw, sout, sstats) = best["plain"], best["spec"]
+            tw, tout, tstats = best["tree"]
             same = sum(p == q for p, q in zip(pout, sout)) / bs
-            if same < 1 and args.device == "cpu":  # (bf16 kernels may break near-ties apart)
+            tree_same = sum(p == q for p, q in zip(pout, tout)) / bs
+            if min(same, tree_same) < 1 and args.device == "cpu":  # (bf16 near-ties may differ)
                 raise SystemExit(f"{name}, batch {bs}: speculative tokens differ from plain")
             tokens = sum(map(len, pout))
             row = {
@@ -147,6 +157,8 @@ def main() -> None:
                 "drafted_steps": sstats["spec_num_drafts"],
                 "decode_step_ms": pstats["mean_step_ms"], "spec_step_ms": sstats["mean_step_ms"],
                 "same_tokens": same,
+                "tree_tok_s": tokens / tw, "tree_speedup": pw / tw,
+                "tree_accept_length": tstats["spec_accept_length"], "tree_same_tokens": tree_same,
             }  # fmt: skip
             if "spec_eager" in best:
                 ew, _, estats = best["spec_eager"]
@@ -157,11 +169,14 @@ def main() -> None:
     for arm in arms.values():
         arm.engine.shutdown()
     cols = ["workload", "batch", "plain_tok_s", "spec_tok_s", "speedup", "accept_length",
-            "drafted_steps", "decode_step_ms", "spec_step_ms", "same_tokens"]  # fmt: skip
+            "drafted_steps", "decode_step_ms", "spec_step_ms", "same_tokens",
+            "tree_speedup", "tree_accept_length"]  # fmt: skip
     if "spec_eager" in arms:
         cols += ["eager_verify_tok_s", "eager_spec_step_ms", "graph_verify_gain"]
     print_table(rows, cols)
     summary = {f"{r['workload']} bs{r['batch']}": round(r["speedup"], 3) for r in rows}
+    summary.update({f"{r['workload']} bs{r['batch']} tree": round(r["tree_speedup"], 3)
+                    for r in rows})  # fmt: skip
     summary.update({f"{r['workload']} bs{r['batch']} graph_verify_gain":
                     round(r["graph_verify_gain"], 3) for r in rows if "graph_verify_gain" in r})
     print(summary)
