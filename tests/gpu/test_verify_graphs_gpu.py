@@ -78,8 +78,9 @@ def test_replay_matches_eager(runner, prefix_lens, draft_lens):
     _assert_close(got.float(), want.float(), runner.dtype)
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "standalone"])
+@pytest.mark.parametrize("algorithm", ["ngram", "standalone", "ngram_tree", "standalone_tree"])
 def test_engine_greedy_tokens_equal_plain_decoding(algorithm, monkeypatch):
+    """(`_tree`: draft trees of 6 nodes, topk 2, 3 levels: verify graphs of trees)"""
     from engine.engine import Engine
 
     path = tiny_model("llama")
@@ -102,8 +103,12 @@ def test_engine_greedy_tokens_equal_plain_decoding(algorithm, monkeypatch):
 
     want = generate()
     replays = count_graph_replays(monkeypatch, verify=True)
-    spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": DRAFTS}
-    if algorithm == "standalone":
+    name, tree = algorithm.removesuffix("_tree"), algorithm.endswith("_tree")
+    spec = {"speculative_algorithm": name, "speculative_num_draft_tokens": DRAFTS}
+    if tree:
+        spec.update(speculative_num_draft_tokens=6, speculative_eagle_topk=2,
+                    speculative_num_steps=3)  # fmt: skip
+    if name == "standalone":
         spec["speculative_draft_model_path"] = path
     got = generate(**spec)
     assert replays and max(replays) <= 8
