@@ -295,8 +295,12 @@ def test_bad_tree_configurations_are_refused() -> None:
     with pytest.raises(ValueError, match="must be in 1..4"):
         EngineArgs(**base, speculative_num_draft_tokens=4, speculative_eagle_topk=2,
                    speculative_num_steps=5)  # fmt: skip
-    with pytest.raises(ValueError, match="not 'ngram'"):
-        EngineArgs(model_path=_target(), speculative_algorithm="ngram", speculative_eagle_topk=2)
+    # n-gram trees hold topk matches' continuations: at most topk x steps nodes
+    ngram = {"model_path": _target(), "speculative_algorithm": "ngram"}
+    assert EngineArgs(**ngram, speculative_eagle_topk=2).speculative_num_steps == 2
+    with pytest.raises(ValueError, match="8 candidate nodes, fewer than"):
+        EngineArgs(**ngram, speculative_num_draft_tokens=9, speculative_eagle_topk=2,
+                   speculative_num_steps=4)  # fmt: skip
     with pytest.raises(ValueError, match="tp_size 1"):
         EngineArgs(**base, speculative_eagle_topk=2, tp_size=2)
     with pytest.raises(ValueError, match="speculative_eagle_topk must be"):
