@@ -35,13 +35,15 @@
 #               planners), writing benchmarks/results/gpu_flashinfer_plan.json
 #   smoke       gpu_bench.py all --device cpu --quick (the script's own check; no GPU)
 #   speculative tests/gpu/test_verify_graphs_gpu.py (verify steps replayed from CUDA graphs ==
-#               eager, Triton and flashinfer; speculative tokens == plain decoding's), then
-#               benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram speculative
-#               decoding against plain decoding, writing benchmarks/results/gpu_speculative.json;
-#               then benchmarks/speculative_draft.py (bf16, 16 layers, a first-layer draft):
-#               a draft model's and EAGLE heads' (a derived EAGLE head, a random EAGLE-3
-#               one), writing benchmarks/results/gpu_speculative_draft.json; and
-#               tests/gpu/test_eagle_gpu.py (EAGLE heads' decode graphs, tokens == plain)
+#               eager, Triton and flashinfer; speculative tokens == plain decoding's, chains
+#               and draft trees), then tests/gpu/test_eagle_gpu.py (EAGLE heads' graphs,
+#               trees, hicache; tokens == plain)
+#   speculative-bench  benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram
+#               speculative decoding (chain and tree arms) against plain decoding, writing
+#               benchmarks/results/gpu_speculative.json; then benchmarks/speculative_draft.py
+#               (bf16, 16 layers, a first-layer draft): a draft model's and EAGLE heads' (a
+#               derived EAGLE head, chained and as trees; a random EAGLE-3 one), writing
+#               benchmarks/results/gpu_speculative_draft.json
 #   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
 #               engine against transformers, writing benchmarks/results/gpu_embeddings.json;
 #               then benchmarks/encoders.py (BERT-base shape, 1024 inputs): gpu_encoders.json
@@ -256,10 +258,11 @@ do_step() {
                 --results-dir /tmp/sluice-gpu-smoke ;;
         speculative)
             run_step tests-verify-graphs 200 "${PYTEST[@]}" tests/gpu/test_verify_graphs_gpu.py
-            run_step tests-eagle 240 "${PYTEST[@]}" tests/gpu/test_eagle_gpu.py
-            run_step speculative 150 python3 benchmarks/speculative.py --device cuda \
+            run_step tests-eagle 240 "${PYTEST[@]}" tests/gpu/test_eagle_gpu.py ;;
+        speculative-bench)  # (its own call: the tree arms made it longer than one's limit)
+            run_step speculative 200 python3 benchmarks/speculative.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative
-            run_step speculative-draft 150 python3 benchmarks/speculative_draft.py --device cuda \
+            run_step speculative-draft 240 python3 benchmarks/speculative_draft.py --device cuda \
                 --dtype bfloat16 --layers 16 --name gpu_speculative_draft ;;
         embeddings)
             run_step embeddings 120 python3 benchmarks/embeddings.py --device cuda \
