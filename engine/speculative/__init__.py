@@ -1,6 +1,7 @@
-"""Speculative decoding: drafts (n-gram lookups, or a smaller draft model's greedy tokens)
-verified by the model in one forward (see scheduling.py for the scheduler's side,
-draft_model.py for the draft model, verify.py for the model runner's side)."""
+"""Speculative decoding: drafts (n-gram lookups, a smaller draft model's or an EAGLE head's
+greedy tokens; chains, or trees: tree.py) verified by the model in one forward (see
+scheduling.py for the scheduler's side, draft_model.py for the draft model, eagle.py for
+EAGLE heads, verify.py for the model runner's side)."""
 
 from __future__ import annotations
 

@@ -7,6 +7,9 @@ logits at every position. The model runner samples a token at each position
 sampled before it are accepted, and that token follows them. So a step yields 1..k+1 tokens
 per request, and the KV of the rejected drafts is given back (`trim_kv`).
 
+With draft trees (tree.py) the drafts are a tree's nodes, each at its depth's position and
+masked to its ancestors; the accepted path's K/V is moved into place before the trim.
+
 Requests get no drafts when they have a grammar (its mask is known one token at a time), or
 no room for more than one token (max_new_tokens, the context). Without the memory for every
 request's drafts, the step decodes one token each, as without speculation.
