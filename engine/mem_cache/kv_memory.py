@@ -103,7 +103,7 @@ def plan_kv_memory(
         if args.speculative_draft_model_path is not None:
             # the draft model's weights and its pool (as many tokens, and the last drafts of
             # each running request: engine/speculative/draft_model.py) come out of the budget
-            from engine.speculative.draft_model import draft_memory
+            from engine.speculative.draft_runner import draft_memory
 
             fixed, draft_per_token = draft_memory(args, dtype, mc)
             usable -= fixed

@@ -17,8 +17,8 @@ row of its own `req_to_token` per request that has drafts. Each decode step of t
    The drafts stay on the device from one forward to the next and are read once, after the
    last (`_decode`): the host prepares the next forward while the device runs this one.
 
-With `--speculative-eagle-topk` > 1 the drafts are a tree instead (`_decode_tree`,
-engine/speculative/tree.py): each draft forward feeds every request's topk likeliest leaves,
+With `--speculative-eagle-topk` > 1 the drafts are a tree instead (`_decode_tree`:
+engine/speculative/tree_draft.py): each draft forward feeds every request's topk likeliest leaves,
 whose K/V lives for the step only, and the likeliest of all candidates are verified.
 
 With CUDA graphs the draft's decode forwards replay its decode graphs, and its catch-up
@@ -35,7 +35,8 @@ of the model.
 
 Memory: the draft's pool holds as many tokens as the model's, plus `k` per running request
 (its last drafts); on a GPU the model's KV budget (`mem_fraction_static`) leaves room for the
-draft's weights and that pool (`draft_memory`). A request whose draft K/V does not fit gets no
+draft's weights and that pool (`draft_memory`: engine/speculative/draft_runner.py, with the
+draft's runner and arguments). A request whose draft K/V does not fit gets no
 drafts that step, and its draft K/V is given back (it catches up later, when there is room).
 Requests that leave the batch (finished, retracted) give theirs back. When the scheduler
 gives its memory back while idle (`/release_memory_occupation`), the draft's goes too.
@@ -43,10 +44,7 @@ gives its memory back while idle (`/release_memory_occupation`), the draft's goe
 
 from __future__ import annotations
 
-import dataclasses
-import glob
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,12 +52,12 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch, ForwardMode
-from engine.speculative import EAGLE_ALGORITHMS
+from engine.speculative.draft_runner import make_draft_runner
 from engine.speculative.scheduling import Drafter, token_array
-from engine.speculative.tree import select_nodes
+from engine.speculative.tree_draft import TreeDrafting
 
 if TYPE_CHECKING:
-    from engine.config import EngineArgs, ModelConfig
+    from engine.config import EngineArgs
     from engine.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
@@ -86,7 +84,7 @@ class _Draft:
     bias: torch.Tensor | None = None
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(TreeDrafting, Drafter):
     # whether the K/V of the drafts the model accepted is kept (an EAGLE head's is not: it
     # was computed from its own hidden states, not the model's)
     reuses_tail = True
@@ -133,7 +131,8 @@ class DraftModelDrafter(Drafter):
                 state = self._sync(r, tokens)
                 if state is not None:  # (a tree's nodes have K/V of the step only)
                     todo.append((i, tokens, 1 if tree else room, state))
-                    limits[i] = (min(room, self.steps), self.tree_nodes(r))
+                    if tree:
+                        limits[i] = (min(room, self.steps), self.tree_nodes(r))
         todo = self._allocate(todo)
         drafts: list[list[int]] = [[] for _ in reqs]
         if not todo:
@@ -150,11 +149,6 @@ class DraftModelDrafter(Drafter):
             state.tail = [] if tree else drafts[i][: room - 1]
             state.length = state.confirmed + len(state.tail)
         return drafts
-
-    def tree_nodes(self, r: Req) -> int:
-        """The nodes a draft tree of `r` may have: its verify step's positions must fit in
-        the context."""
-        return max(0, min(self.k, self.context_len - r.seqlen - 1))
 
     def _make_runner(self, args: EngineArgs, runner: Any) -> Any:
         return make_draft_runner(args, runner)
@@ -348,134 +342,6 @@ class DraftModelDrafter(Drafter):
             i, room = todo[j][0], todo[j][2]
             drafts[i].extend(made_tokens[s * n + k] for s in range(room - 1))
 
-    def _decode_tree(
-        self,
-        todo: list,
-        logits: torch.Tensor,
-        bias: torch.Tensor | None,
-        limits: dict[int, tuple[int, int]],
-        drafts: list[list[int]],
-        parents: list[list[int]],
-    ) -> None:
-        """Draft trees (SGLang's EAGLE with topk > 1): the `topk` best first tokens of each
-        request (from `logits`, its catch-up's) are its first leaves; each further forward
-        feeds every request's `topk` leaves at once (topk rows a request, each attending to
-        the request's K/V and its own ancestors), and of the topk x topk children the `topk`
-        whose paths are likeliest (summed log-probabilities) become the next leaves. Every
-        leaf and child is a candidate; the request's tree is its best candidates
-        (`tree.select_nodes`), within its depth and node limits (`limits`). The candidates
-        stay on the device until the last forward (one host read); the leaves' K/V lives in
-        slots of this step only, given back at the end."""
-        k, n = self.topk, len(todo)
-        runner = self.runner
-        first_tokens, first_scores = self._top(logits, bias)  # [n, k]
-        first_tokens = first_tokens.to(torch.int64)
-        cand_tokens, cand_scores = [first_tokens], [first_scores]
-        cand_parents = [torch.full_like(first_tokens, -1)]
-        forwards = max(limits[i][0] for i, _, _, _ in todo) - 1
-        slots = None
-        if forwards > 0:
-            slots = runner.allocator.alloc_extend([0], [forwards * n * k], None)
-            if slots is None:  # (the pool leaves room for them: only when it is exhausted)
-                self.memory_drops += n
-                forwards = 0
-        if forwards > 0:
-            self._tree_forwards(todo, forwards, slots, bias, cand_tokens, cand_scores,
-                                cand_parents)  # fmt: skip
-            runner.allocator.free(slots)
-        ids = torch.cat([torch.cat(cand_tokens, 1), torch.cat(cand_parents, 1)], 1).cpu()
-        scores = torch.cat(cand_scores, 1).cpu().numpy()
-        num = scores.shape[1]
-        ids_np = ids.numpy()
-        tokens, cand_parent = ids_np[:, :num], ids_np[:, num:]
-        depth = np.concatenate([np.ones(k, dtype=np.int64)]
-                               + [np.full(k * k, d + 2, dtype=np.int64)
-                                  for d in range(forwards)])  # fmt: skip
-        for b, (i, _, _, _) in enumerate(todo):
-            max_depth, max_nodes = limits[i]
-            usable = (depth <= max_depth) & np.isfinite(scores[b])
-            chosen = select_nodes(scores[b], cand_parent[b], depth, max_nodes, usable)
-            node = {c: j for j, c in enumerate(chosen, start=1)}
-            drafts[i] = [int(tokens[b, c]) for c in chosen]
-            parents[i] = [node.get(int(cand_parent[b, c]), 0) for c in chosen]
-
-    def _tree_forwards(
-        self,
-        todo: list,
-        forwards: int,
-        slots: torch.Tensor,
-        bias: torch.Tensor | None,
-        cand_tokens: list[torch.Tensor],
-        cand_scores: list[torch.Tensor],
-        cand_parents: list[torch.Tensor],
-    ) -> None:
-        """`_decode_tree`'s forwards, appending each one's children to the candidates. Row
-        b * topk + j of a forward is leaf j of request b. Its page table is a row of the
-        draft's own `req_to_token` (topk rows a request kept for leaves: `draft_rows`, so
-        that the forwards replay the draft's decode graphs): the request's row up to its
-        caught-up tokens, then the slots of the leaf's ancestors and its own, reordered with
-        the leaves after each forward (a leaf's prefix is its request's: only the ancestors'
-        columns move)."""
-        k, n = self.topk, len(todo)
-        runner = self.runner
-        pool = runner.req_to_token_pool
-        dev = slots.device
-        states = [state for _, _, _, state in todo]
-        seen = np.asarray([len(tokens) for _, tokens, _, _ in todo], dtype=np.int64)
-        own_table = pool.req_to_token
-        width = min(int(seen.max()) + forwards, own_table.shape[1])
-        own_rows = torch.tensor([st.row for st in states], dtype=torch.int64)
-        prefixes = own_table[own_rows.to(own_table.device), :width].repeat_interleave(k, 0)
-        rows = pool.alloc(n * k)
-        try:
-            if rows is not None:  # rows of the draft's own table: its graphs replay
-                table = own_table
-                leaves = torch.tensor(rows, dtype=torch.int64).to(table.device)
-                table[leaves, :width] = prefixes
-            else:  # (more leaves than rows kept for them: a table of their own, eager)
-                table = prefixes.contiguous()
-                leaves = torch.arange(n * k, device=table.device)
-            hidden = self._first_hidden(states)
-            if hidden is not None:
-                hidden = hidden.repeat_interleave(k, 0)
-            row_bias = None if bias is None else bias.repeat_interleave(k, 0)
-            leaf_tokens = cand_tokens[0].reshape(-1)
-            leaf_scores, leaf_cand = cand_scores[0], torch.arange(k, device=dev).expand(n, k)
-            base = torch.from_numpy(np.repeat(seen - 1, k)).to(table.device)
-            steps = torch.arange(1, forwards + 1, device=table.device)
-            for step in range(1, forwards + 1):
-                own = slots[(step - 1) * n * k : step * n * k]
-                positions = base + step  # (a leaf of depth `step` at the head's position)
-                table[leaves, positions] = own.to(table.dtype)
-                fb = ForwardBatch(
-                    forward_mode=ForwardMode.DECODE, batch_size=n * k, input_ids=leaf_tokens,
-                    positions=positions, out_cache_loc=own, req_pool_indices=leaves,
-                    seq_lens=positions + 1, seq_lens_cpu=np.repeat(seen + step, k).tolist(),
-                    req_to_token=table, kv_pool=runner.kv_pool,
-                    attn_backend=runner.attn_backend, spec_hidden=hidden,
-                )  # fmt: skip
-                child_tokens, child_logp = self._top(runner.forward(fb), row_bias)  # [n k, k]
-                child_tokens = child_tokens.to(torch.int64)
-                child_scores = (leaf_scores.reshape(-1, 1) + child_logp).view(n, k * k)
-                offset = k + (step - 1) * k * k
-                cand_tokens.append(child_tokens.view(n, k * k))
-                cand_scores.append(child_scores)
-                cand_parents.append(leaf_cand.repeat_interleave(k, 1))
-                if step == forwards:
-                    break
-                leaf_scores, best = child_scores.topk(k, dim=-1)  # [n, k]
-                leaf_tokens = child_tokens.view(n, k * k).gather(1, best).reshape(-1)
-                leaf_cand = offset + best
-                parent_rows = (torch.arange(n, device=dev)[:, None] * k + best // k).reshape(-1)
-                cols = base[:, None] + steps[None, :step]  # the ancestors' columns (and own)
-                parent_rows = parent_rows.to(table.device)
-                table[leaves[:, None], cols] = table[leaves[parent_rows][:, None], cols]
-                if hidden is not None:
-                    hidden = fb.spec_hidden_out.index_select(0, parent_rows.to(dev))
-        finally:
-            if rows is not None:
-                pool.free(rows)
-
     def _first_hidden(self, states: list[_Draft]) -> torch.Tensor | None:
         """The hidden states of the first decode forward's inputs (EAGLE: the head's own
         output at each request's last caught-up position)."""
@@ -588,105 +454,3 @@ def _positions(rows: list[int], starts: list[int], lens: list[int]) -> tuple:
     )
     c = np.repeat(np.asarray(starts, dtype=np.int64), lens_a) + offsets
     return torch.from_numpy(r), torch.from_numpy(c)
-
-
-# -- the draft's runner and memory -------------------------------------------------------------
-def draft_args(
-    args: EngineArgs, max_total_tokens: int | None, dtype: str | torch.dtype
-) -> EngineArgs:
-    """The draft model's engine arguments: the model's, less what is the model's alone
-    (speculation, LoRA, quantization flags, overrides, tensor parallelism, cache tiers)."""
-    return dataclasses.replace(
-        args,
-        model_path=args.speculative_draft_model_path,
-        dtype=dtype,
-        page_size=1,
-        max_total_tokens=max_total_tokens,
-        max_running_requests=draft_rows(args),
-        context_length=None,
-        hf_overrides=None,
-        quantization=None,
-        kv_cache_dtype="auto",
-        enable_hierarchical_cache=False,
-        hybrid_swa_memory=False,
-        lora_paths=(),
-        enable_lora=False,
-        is_embedding=False,
-        pooling_type=None,
-        speculative_algorithm=None,
-        speculative_draft_model_path=None,
-        tp_size=1,
-        ep_size=1,
-        nnodes=1,
-        node_rank=0,
-        dist_init_addr=None,
-    )
-
-
-# leaf rows of a draft runner's table at most (each as long as the context): what a tree
-# forward's largest decode graph takes by default
-MAX_LEAF_ROWS = 256
-
-
-def draft_rows(args: EngineArgs) -> int:
-    """The draft runner's requests: the model's, and with draft trees rows of its table for
-    the leaves (`DraftModelDrafter._tree_forwards`): topk a request, at most as many as its
-    largest decode graph has rows (a forward with more leaves runs eagerly over a table of
-    its own)."""
-    m, topk = args.max_running_requests, args.speculative_eagle_topk
-    if topk == 1:
-        return m
-    cap = max(args.cuda_graph_bs) if args.cuda_graph_bs else MAX_LEAF_ROWS
-    return m + min(m * topk, cap)
-
-
-def draft_pool_tokens(target_tokens: int, args: EngineArgs) -> int:
-    """The draft pool's tokens: the model's, plus the last drafts of every running request
-    (with draft trees, the leaves of its forwards: topk a forward)."""
-    per_request = args.speculative_num_draft_tokens
-    if args.speculative_eagle_topk > 1:
-        per_request = max(per_request, args.speculative_eagle_topk
-                          * ((args.speculative_num_steps or per_request) - 1))  # fmt: skip
-    return target_tokens + args.max_running_requests * per_request
-
-
-def make_draft_runner(args: EngineArgs, runner: Any) -> Any:
-    from engine.config import ModelConfig
-    from engine.model_runner import ModelRunner
-
-    path = args.speculative_draft_model_path
-    config = ModelConfig.from_pretrained(path)
-    dtype = str(runner.dtype).replace("torch.", "")
-    tokens = draft_pool_tokens(runner.max_total_tokens, args)
-    # (its catch-up extends, of at most k + 1 tokens a request after the first, replay the
-    # verify graphs of that width: DraftModelDrafter._extend)
-    width = args.speculative_num_draft_tokens + 1
-    draft = ModelRunner(config, draft_args(args, tokens, dtype), verify_graph_width=width)
-    logger.info(
-        "draft model %s: %d layers, KV pool of %d tokens", path, config.num_layers, tokens
-    )
-    return draft
-
-
-def draft_memory(args: EngineArgs, dtype: torch.dtype, target: ModelConfig) -> tuple[int, int]:
-    """(bytes the draft takes whatever the model's pool, bytes of its K/V per token of the
-    model's pool) in `dtype`, for the model's KV budget on a GPU: its weights (counted as
-    the checkpoint's size: an upper bound where it is stored wider than the dtype it runs
-    in) and its pool's tokens beyond the model's (`draft_pool_tokens`); an EAGLE head's
-    too, what `eagle.head_memory` adds."""
-    from engine.config import ModelConfig
-    from engine.mem_cache.kv_pool import KVPool
-
-    path = args.speculative_draft_model_path
-    mc: ModelConfig = ModelConfig.from_pretrained(path)
-    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
-    per_token = KVPool.bytes_per_token(
-        mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mc.kv_shared
-    )
-    fixed = weights + draft_pool_tokens(0, args) * per_token
-    if args.speculative_algorithm in EAGLE_ALGORITHMS:
-        from engine.speculative.eagle import head_memory
-
-        more_fixed, more_per_token = head_memory(args, dtype, target)
-        fixed, per_token = fixed + more_fixed, per_token + more_per_token
-    return fixed, per_token

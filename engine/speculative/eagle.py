@@ -1,7 +1,7 @@
 """EAGLE speculative decoding (SGLang's `--speculative-algorithm EAGLE` / `EAGLE3`, vLLM's
 `eagle` / `eagle3` methods): drafts from a small head that reads the model's hidden states
 (engine/models/llama_eagle.py), chained greedily (SGLang's `--speculative-eagle-topk 1`) or as
-a tree of its likeliest paths (topk > 1: draft_model.py's `_decode_tree`,
+a tree of its likeliest paths (topk > 1: engine/speculative/tree_draft.py,
 engine/speculative/tree.py).
 
 **The model's side.** Every forward of the model keeps the hidden states the head reads, one
@@ -44,12 +44,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from engine.speculative.draft_model import (
-    DraftModelDrafter,
-    _positions,
-    draft_args,
-    draft_pool_tokens,
-)
+from engine.speculative.draft_model import DraftModelDrafter, _positions
+from engine.speculative.draft_runner import draft_args, draft_pool_tokens
 
 if TYPE_CHECKING:
     from engine.config import EngineArgs, ModelConfig
@@ -100,7 +96,7 @@ def head_class(args: EngineArgs) -> type:
 
 
 def head_memory(args: EngineArgs, dtype: torch.dtype, target: ModelConfig) -> tuple[int, int]:
-    """What EAGLE adds to the draft's memory (`draft_model.draft_memory`): (with tensor
+    """What EAGLE adds to the draft's memory (`draft_runner.draft_memory`): (with tensor
     parallelism, rank 0's whole copy of the model's embedding and lm_head; the hidden states
     kept per KV slot of the model)."""
     per_token = head_class(args).hidden_width(target.hf_config) * dtype.itemsize

@@ -71,6 +71,11 @@ class Drafter:
             return 0
         return max(0, min(self.k, r.remaining_new_tokens() - 1, self.context_len - r.seqlen - 1))
 
+    def tree_nodes(self, r: Req) -> int:
+        """The nodes a draft tree of `r` may have: its verify step's positions must fit in
+        the context."""
+        return max(0, min(self.k, self.context_len - r.seqlen - 1))
+
     def propose(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafts (maybe none)."""
         raise NotImplementedError
@@ -132,9 +137,9 @@ class NgramDrafter(Drafter):
                 drafts.append([])
                 trees.append([])
             elif self.topk > 1:  # (room: the depth; the context bounds the nodes)
-                nodes = max(0, min(self.k, self.context_len - r.seqlen - 1))
-                d, p = propose_ngram_tree(token_array(r), nodes, min(room, self.steps),
-                                          self.topk, self.min_n, self.max_n)  # fmt: skip
+                d, p = propose_ngram_tree(token_array(r), self.tree_nodes(r),
+                                          min(room, self.steps), self.topk, self.min_n,
+                                          self.max_n)  # fmt: skip
                 drafts.append(d)
                 trees.append(p)
             else:

@@ -39,10 +39,6 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
-def is_chain(parents: list[int]) -> bool:
-    return all(p == j for j, p in enumerate(parents))
-
-
 def ancestor_mask(parents: list[int]) -> np.ndarray:
     """[1 + n, 1 + n] bool: row j sees column m iff m is j or one of its ancestors."""
     n = len(parents) + 1

@@ -61,6 +61,7 @@ from engine.cuda_graph_runner import (
 )
 from engine.forward_batch import ForwardBatch, ForwardMode
 from engine.layers.logits import logits_width
+from engine.speculative.scheduling import check_tree_support
 from engine.speculative.tree import ancestor_mask, depths
 
 # verify graphs are captured for the decode graphs' sizes up to this many requests:
@@ -138,9 +139,7 @@ class VerifyGraphRunner:
         self.trees = trees
         self.tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None
         if trees:
-            if not getattr(self.backend, "supports_tree_mask", False):
-                raise ValueError(f"verify graphs of trees: {type(self.backend).__name__} has "
-                                 "no tree masks")  # fmt: skip
+            check_tree_support(model_runner)  # (the drafter's check, before any capture)
             self._causal = np.tril(np.ones((width, width), dtype=np.uint8))
             masks = torch.from_numpy(np.tile(self._causal.ravel(), self.max_bs)).to(device)
             starts = torch.arange(0, max_tokens * width, width * width, dtype=torch.int64)

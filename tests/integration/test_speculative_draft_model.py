@@ -150,9 +150,9 @@ def test_tight_memory_retraction_and_grammar(monkeypatch: pytest.MonkeyPatch) ->
     """A draft pool too small for every request (some get no drafts, their draft K/V given
     back), a model pool that retracts running requests, a grammar request (no drafts) and
     mixed chunks: the tokens are still plain decoding's, and nothing leaks."""
-    from engine.speculative import draft_model
+    from engine.speculative import draft_runner
 
-    monkeypatch.setattr(draft_model, "draft_pool_tokens", lambda tokens, args: 200)
+    monkeypatch.setattr(draft_runner, "draft_pool_tokens", lambda tokens, args: 200)
     path = tiny_model("llama")
     prompts = _prompts(path, n=8, seed=2)
     params = [{"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True} for _ in prompts]

@@ -189,10 +189,10 @@ def test_trees_are_the_reference_heads(kind: str, leaf_rows: int, monkeypatch) -
     the head's table kept for leaves, so they run over a table of their own.)"""
     from transformers import AutoModelForCausalLM
 
-    from engine.speculative import draft_model
+    from engine.speculative import draft_runner
     from services.tiny_eagle import aux_layers, load_head
 
-    monkeypatch.setattr(draft_model, "MAX_LEAF_ROWS", leaf_rows)
+    monkeypatch.setattr(draft_runner, "MAX_LEAF_ROWS", leaf_rows)
 
     path = head(kind)
     prompts = _prompts(2, seed=2)
