@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.attention.base import (
@@ -133,7 +132,8 @@ class TritonAttnBackend(AttentionBackend):
                 extend_lens=extend_lens,
                 extend_start_loc=fb.extend_start_loc,
                 max_extend_len=max(fb.extend_seq_lens_cpu),
-                tree_mask=None if fb.spec_parents is None else tree_mask_tensors(fb),
+                tree_mask=None if fb.spec_parents is None
+                else tree_mask_tensors(fb.spec_parents, extend_lens),
             )
 
     # -- CUDA graphs ----------------------------------------------------------------------------
@@ -315,12 +315,12 @@ def check_float8_loads(kv_pool: object, device: torch.device) -> None:
         )
 
 
-def tree_mask_tensors(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """The extend kernel's tree mask of a verify step with draft trees, on the batch's device
-    (one copy)."""
-    assert fb.spec_parents is not None
-    masks, starts = packed_masks(fb.spec_parents)
-    host = torch.from_numpy(np.concatenate([starts, masks.astype(np.int64)]))
-    dev = host.to(fb.seq_lens.device)
-    n = len(starts)
-    return dev[n:].to(torch.uint8), dev[:n]
+def tree_mask_tensors(
+    parents: list[list[int]], extend_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The extend kernel's tree mask of a verify step with draft trees, on the device of
+    `extend_lens` (each request's 1 + drafts): one copy of the uint8 masks; where each starts
+    (the sum of the squared lengths before it) from the lengths already there."""
+    masks, _ = packed_masks(parents)
+    sizes = extend_lens * extend_lens
+    return torch.from_numpy(masks).to(extend_lens.device), torch.cumsum(sizes, 0) - sizes
