@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 from collections import defaultdict
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
@@ -55,8 +56,9 @@ def load_model(
     (engine/layers/parallel.py).
     """
     model = build_model(model_config, dtype, device, quantization, tp)
-    kv_cache_scales = fill_model(model, iter_safetensors(model_config.path), model_config.path,
-                                 quantization)  # fmt: skip
+    names = checkpoint_names(model, model_config)
+    kv_cache_scales = fill_model(model, iter_safetensors(model_config.path, names),
+                                 model_config.path, quantization)  # fmt: skip
     for module in model.modules():
         init_buffers = getattr(module, "init_buffers", None)
         if callable(init_buffers):
@@ -65,6 +67,40 @@ def load_model(
         swap_in_fp8(model, quantization)
     model.kv_cache_scales = kv_cache_scales
     return model.eval().requires_grad_(False)
+
+
+def checkpoint_names(model: nn.Module, model_config: ModelConfig) -> Container[str] | None:
+    """The checkpoint tensors a model reads (None: all of them): a class with a
+    `checkpoint_names(hf_config)` reads part of a larger checkpoint (an MTP head,
+    engine/models/mtp.py)."""
+    names = getattr(type(model), "checkpoint_names", None)
+    return None if names is None else names(model_config.hf_config)
+
+
+def checkpoint_bytes(model_config: ModelConfig) -> int:
+    """The bytes of the checkpoint tensors the model of `model_config` reads (as stored:
+    an upper bound where they are stored wider than they run), from the files' headers."""
+    from safetensors import safe_open
+
+    cls = get_model_class(model_config.architecture)
+    names = getattr(cls, "checkpoint_names", None)
+    files = safetensors_files(model_config.path)
+    if names is None:
+        return sum(os.path.getsize(file) for file in files)
+    names = names(model_config.hf_config)
+    total = 0
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name in names:
+                    piece = f.get_slice(name)
+                    total += math.prod(piece.get_shape()) * _ITEM_BYTES[piece.get_dtype()]
+    return total
+
+
+_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
+               "BF16": 2, "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
+               "BOOL": 1}  # fmt: skip
 
 
 def build_model(

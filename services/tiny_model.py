@@ -460,6 +460,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "attention; 1: transformers' init, less sensitive to rounding)")
     for key in _SIZE_KEYS:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None)
+    parser.add_argument("--mtp-layers", type=int, choices=(0, 1), default=0,
+                        help="deepseek_v3 / glm4_moe: a multi-token-prediction layer after the "
+                        "model's, for speculative decoding with it (services/tiny_mtp.py)")
+    parser.add_argument("--mtp-derived", action="store_true",
+                        help="with --mtp-layers: a near-bigram model and an MTP layer that "
+                        "agrees with it (random otherwise)")
     tiny_draft.add_args(parser)
     tiny_fp8.add_args(parser)
     parser.set_defaults(func=run)
@@ -477,6 +483,12 @@ def run(args: argparse.Namespace) -> int:
         args.out_dir, arch=args.arch, preset=args.preset, seed=args.seed, dtype=args.dtype,
         num_labels=args.num_labels, pooling=args.pooling, qk_scale=args.qk_scale, **sizes,
     )  # fmt: skip
+    if args.mtp_layers:
+        from services.tiny_mtp import add_mtp_layer
+
+        add_mtp_layer(path, derived=args.mtp_derived, seed=args.seed)
+    elif args.mtp_derived:
+        raise SystemExit("--mtp-derived needs --mtp-layers 1")
     tiny_fp8.apply(args, path)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
     return 0

@@ -68,7 +68,7 @@ class _HeadBase(nn.Module):
     uses_target_head = True
 
     def __init__(self, config, max_position: int | None) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # (not the model family's class, mixed in after: mtp.py)
         self.config = config
         self.max_position = max(max_position or 0, config.max_position_embeddings)
         self.context_len = max_position or config.max_position_embeddings
@@ -80,6 +80,9 @@ class _HeadBase(nn.Module):
         # (plain attributes, not submodules: the model's, set by share_from_target)
         self.__dict__["_embed"] = None
         self.__dict__["_target_head"] = None
+        # a draft vocabulary (EAGLE-3's d2t, or a token map: `restrict_vocabulary`): draft id
+        # -> the model's id; None: the model's ids
+        self.hot_token_ids: torch.Tensor | None = None
 
     def _rotary(self) -> RotaryEmbedding:
         c = self.config
@@ -118,6 +121,16 @@ class _HeadBase(nn.Module):
         if self.uses_target_head:
             return self._target_head
         return self.lm_head.weight
+
+    def restrict_vocabulary(self, hot: torch.Tensor) -> None:
+        """Draft over the model's tokens `hot` only (SGLang's --speculative-token-map, FR-Spec):
+        the lm_head is those rows of the model's (a copy), the logits one column each."""
+        head = self._target_head
+        assert head is not None, "share the model's lm_head first"
+        hot = hot.to(head.device)
+        self.__dict__["_target_head"] = head.index_select(0, hot).contiguous()
+        self.logits_processor = LogitsProcessor(int(hot.shape[0]))
+        self.hot_token_ids = hot
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         assert self._embed is not None, "share_from_target first"
@@ -182,18 +195,6 @@ class LlamaForCausalLMEagle(_HeadBase):
         super().__init__(config, max_position)
         self.model = _EagleModel(config, self._rotary())
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        # with a token map (`restrict_vocabulary`): draft id -> the model's id
-        self.hot_token_ids: torch.Tensor | None = None
-
-    def restrict_vocabulary(self, hot: torch.Tensor) -> None:
-        """Draft over the model's tokens `hot` only (SGLang's --speculative-token-map, FR-Spec):
-        the lm_head is those rows of the model's (a copy), the logits one column each."""
-        head = self._target_head
-        assert head is not None, "share the model's lm_head first"
-        hot = hot.to(head.device)
-        self.__dict__["_target_head"] = head.index_select(0, hot).contiguous()
-        self.logits_processor = LogitsProcessor(int(hot.shape[0]))
-        self.hot_token_ids = hot
 
     @staticmethod
     def hidden_width(target_config) -> int:
@@ -254,8 +255,6 @@ class LlamaForCausalLMEagle3(_HeadBase):
         if not self.uses_target_head:
             self.lm_head = nn.Linear(config.hidden_size, vocab, bias=False)
         self.logits_processor = LogitsProcessor(vocab)
-        # draft id -> the model's id (None: the same ids), from the checkpoint's d2t
-        self.hot_token_ids: torch.Tensor | None = None
 
     @staticmethod
     def hidden_width(target_config) -> int:

@@ -47,6 +47,9 @@ _MODELS = {
     # EAGLE draft heads (speculative decoding: engine/speculative/eagle.py)
     "LlamaForCausalLMEagle": "engine.models.llama_eagle:LlamaForCausalLMEagle",
     "LlamaForCausalLMEagle3": "engine.models.llama_eagle:LlamaForCausalLMEagle3",
+    # multi-token-prediction layers as draft heads (engine/models/mtp.py)
+    "DeepseekV3ForCausalLMNextN": "engine.models.mtp:DeepseekV3ForCausalLMNextN",
+    "Glm4MoeForCausalLMNextN": "engine.models.mtp:Glm4MoeForCausalLMNextN",
     "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
     # served as its text model (engine.config.TEXT_OF_MULTIMODAL)

@@ -17,7 +17,10 @@ SPECULATIVE_ALGORITHMS = ("ngram", "standalone", "eagle", "eagle3")
 # the algorithms that draft with the model at speculative_draft_model_path
 DRAFT_MODEL_ALGORITHMS = ("standalone", "eagle", "eagle3")
 EAGLE_ALGORITHMS = ("eagle", "eagle3")  # (the model keeps hidden states for the head)
-_ALIASES = {"draft_model": "standalone"}
+# (SGLang's NEXTN, and vLLM's MTP methods: an EAGLE head made of the model's own
+# multi-token-prediction layer, engine/models/mtp.py)
+_ALIASES = {"draft_model": "standalone", "nextn": "eagle", "mtp": "eagle",
+            "deepseek_mtp": "eagle", "glm4_moe_mtp": "eagle"}  # fmt: skip
 SPECULATIVE_ALGORITHM_NAMES = SPECULATIVE_ALGORITHMS + tuple(_ALIASES)  # (what flags accept)
 # vLLM's --speculative-config keys -> EngineArgs fields
 _VLLM_KEYS = {
@@ -33,8 +36,9 @@ def from_vllm_config(config: dict[str, Any]) -> dict[str, Any]:
     """EngineArgs fields from vLLM's `speculative_config` ({"method": "ngram",
     "num_speculative_tokens": 5, "prompt_lookup_max": 4, ...}, or {"model": DIR,
     "num_speculative_tokens": 4} for a draft model); ValueError for keys or methods not
-    served here. As in vLLM, a missing prompt_lookup_min is prompt_lookup_max, and a config
-    with a `model` but no `method` is a draft model's."""
+    served here. As in vLLM, a missing prompt_lookup_min is prompt_lookup_max, a config
+    with a `model` but no `method` is a draft model's, and the MTP methods ("mtp",
+    "deepseek_mtp", "glm4_moe_mtp") draft with the model's own MTP layers (EAGLE)."""
     if not isinstance(config, dict):
         raise ValueError("speculative config must be a JSON object")
     unknown = sorted(set(config) - set(_VLLM_KEYS))
@@ -42,6 +46,10 @@ def from_vllm_config(config: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"speculative config: unsupported keys {unknown} (known: "
                          f"{sorted(_VLLM_KEYS)})")  # fmt: skip
     method = config.get("method", "draft_model" if "model" in config else None)
+    mtp = isinstance(method, str) and method.lower() in _MTP_METHODS
+    if mtp and "model" in config:
+        raise ValueError(f"speculative config: method {method!r} drafts with the model's own "
+                         "MTP layers: no 'model'")  # fmt: skip
     if isinstance(method, str) and method.lower() in _ALIASES:
         method = _ALIASES[method.lower()]
     if not isinstance(method, str) or method.lower() not in SPECULATIVE_ALGORITHMS:
@@ -51,12 +59,35 @@ def from_vllm_config(config: dict[str, Any]) -> dict[str, Any]:
         )
     if "model" in config and method.lower() not in DRAFT_MODEL_ALGORITHMS:
         raise ValueError(f"speculative config: method {method!r} takes no draft 'model'")
-    if "model" not in config and method.lower() in DRAFT_MODEL_ALGORITHMS:
+    if "model" not in config and method.lower() in DRAFT_MODEL_ALGORITHMS and not mtp:
         raise ValueError(f"speculative config: method {method!r} needs a draft 'model'")
     config = {**config, "method": method}
     if "prompt_lookup_max" in config and "prompt_lookup_min" not in config:
         config = {**config, "prompt_lookup_min": config["prompt_lookup_max"]}
     return {_VLLM_KEYS[k]: v for k, v in config.items()}
+
+
+_MTP_METHODS = ("mtp", "deepseek_mtp", "glm4_moe_mtp")
+
+
+def mtp_draft_path(model_path: str) -> str | None:
+    """The model's own folder where its checkpoint has multi-token-prediction layers an MTP
+    head is made of (its config's `num_nextn_predict_layers`, an architecture of
+    engine/models/mtp.py): SGLang's default draft model for EAGLE on DeepSeek-V3 or GLM-4.5."""
+    import json
+    import os
+
+    from engine.models.mtp import NEXTN_ARCHITECTURES, has_mtp_layer
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    arch = (config.get("architectures") or [""])[0]
+    declared = int(config.get("num_nextn_predict_layers") or 0) > 0
+    mtp = arch in NEXTN_ARCHITECTURES and declared and has_mtp_layer(model_path)
+    return model_path if mtp else None
 
 
 def check_speculative_args(args: Any) -> None:
@@ -76,10 +107,14 @@ def check_speculative_args(args: Any) -> None:
     if algo not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"speculative_algorithm: {algo!r} not in {SPECULATIVE_ALGORITHMS}")
     object.__setattr__(args, "speculative_algorithm", algo)
+    if algo == "eagle" and draft is None:  # (a model with MTP layers drafts with them)
+        draft = mtp_draft_path(args.model_path)
+        object.__setattr__(args, "speculative_draft_model_path", draft)
     if (algo in DRAFT_MODEL_ALGORITHMS) != (draft is not None):
         raise ValueError(
             f"speculative_algorithm {algo!r} needs speculative_draft_model_path (the draft "
-            "model's folder)" if draft is None
+            "model's folder; EAGLE on a model with MTP layers, DeepSeek-V3 or GLM-4.5, "
+            "drafts with them)" if draft is None
             else f"speculative_draft_model_path is for {DRAFT_MODEL_ALGORITHMS}, not {algo!r}"
         )
     lo = args.speculative_ngram_min_match_window_size

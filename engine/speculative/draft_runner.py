@@ -6,9 +6,7 @@ GPU."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -101,15 +99,20 @@ def make_draft_runner(args: EngineArgs, runner: Any) -> Any:
 def draft_memory(args: EngineArgs, dtype: torch.dtype, target: ModelConfig) -> tuple[int, int]:
     """(bytes the draft takes whatever the model's pool, bytes of its K/V per token of the
     model's pool) in `dtype`, for the model's KV budget on a GPU: its weights (counted as
-    the checkpoint's size: an upper bound where it is stored wider than the dtype it runs
-    in) and its pool's tokens beyond the model's (`draft_pool_tokens`); an EAGLE head's
+    its checkpoint tensors' size: an upper bound where they are stored wider than the dtype
+    they run in) and its pool's tokens beyond the model's (`draft_pool_tokens`); an EAGLE head's
     too, what `eagle.head_memory` adds."""
     from engine.config import ModelConfig
+    from engine.loader import checkpoint_bytes
     from engine.mem_cache.kv_pool import KVPool
 
-    path = args.speculative_draft_model_path
-    mc: ModelConfig = ModelConfig.from_pretrained(path)
-    weights = sum(os.path.getsize(f) for f in glob.glob(os.path.join(path, "*.safetensors")))
+    if args.speculative_algorithm in EAGLE_ALGORITHMS:
+        from engine.speculative.eagle import head_model_config
+
+        mc = head_model_config(args)  # (an MTP head: one layer of the model's checkpoint)
+    else:
+        mc = ModelConfig.from_pretrained(args.speculative_draft_model_path)
+    weights = checkpoint_bytes(mc)
     per_token = KVPool.bytes_per_token(
         mc.num_layers, mc.num_kv_heads, mc.head_dim, dtype, mc.kv_shared
     )

@@ -89,10 +89,33 @@ def _draft_hf_config(args: EngineArgs):
     return AutoConfig.from_pretrained(args.speculative_draft_model_path)
 
 
+def head_model_config(args: EngineArgs, context_length: int | None = None) -> ModelConfig:
+    """The head's ModelConfig: the class for the algorithm, or for EAGLE on a DeepSeek-V3 or
+    GLM-4.5 checkpoint its multi-token-prediction layer's (engine/models/mtp.py: one layer,
+    SGLang's NextN classes); ValueError for such a checkpoint without MTP layers."""
+    from engine.config import ModelConfig
+    from engine.models.mtp import NEXTN_ARCHITECTURES, has_mtp_layer
+
+    path = args.speculative_draft_model_path
+    config = ModelConfig.from_pretrained(path, context_length=context_length)
+    arch, algo = config.architecture, args.speculative_algorithm
+    nextn = NEXTN_ARCHITECTURES.get(arch, arch if arch in NEXTN_ARCHITECTURES.values() else None)
+    if algo != "eagle" or nextn is None:
+        return dataclasses.replace(config, architecture=_HEAD_ARCHITECTURES[algo])
+    if not getattr(config.hf_config, "num_nextn_predict_layers", None) or not has_mtp_layer(path):
+        raise ValueError(
+            f"EAGLE: {path} is a {arch} checkpoint without a multi-token-prediction layer "
+            "(num_nextn_predict_layers, and its tensors after the decoder's) to draft with"
+        )
+    return dataclasses.replace(
+        config, architecture=nextn, num_layers=1, sliding_windows=config.sliding_windows[:1]
+    )
+
+
 def head_class(args: EngineArgs) -> type:
     from engine.models import get_model_class
 
-    return get_model_class(_HEAD_ARCHITECTURES[args.speculative_algorithm])
+    return get_model_class(head_model_config(args).architecture)
 
 
 def head_memory(args: EngineArgs, dtype: torch.dtype, target: ModelConfig) -> tuple[int, int]:
@@ -174,13 +197,10 @@ def make_head_runner(args: EngineArgs, runner: Any) -> Any:
     """The head's ModelRunner: the draft model's arguments, the model's context length (head
     checkpoints often say 2048); its decode graphs are captured once it has the model's
     embedding (and lm_head)."""
-    from engine.config import ModelConfig
     from engine.model_runner import ModelRunner
 
     path = args.speculative_draft_model_path
-    config = ModelConfig.from_pretrained(path, context_length=runner.model_config.context_len)
-    arch = _HEAD_ARCHITECTURES[args.speculative_algorithm]
-    config = dataclasses.replace(config, architecture=arch)
+    config = head_model_config(args, runner.model_config.context_len)
     tokens = draft_pool_tokens(runner.max_total_tokens, args)
     head_args = dataclasses.replace(
         draft_args(args, tokens, runner.dtype),  # (a torch dtype: the model's, whatever it is)
@@ -204,8 +224,8 @@ def make_head_runner(args: EngineArgs, runner: Any) -> Any:
         head.use_cuda_graph = True
         head.capture_cuda_graphs()
     logger.info(
-        "%s head %s: %d layer(s), KV pool of %d tokens",
-        args.speculative_algorithm.upper(), path, config.num_layers, tokens,
+        "%s head %s (%s): %d layer(s), KV pool of %d tokens",
+        args.speculative_algorithm.upper(), path, config.architecture, config.num_layers, tokens,
     )  # fmt: skip
     return head
 
