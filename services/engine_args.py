@@ -357,8 +357,9 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         "text (prompt and output); standalone (or draft_model) has a smaller model of the "
         "same vocabulary draft them greedily (--speculative-draft-model-path); eagle / eagle3 "
         "(SGLang's EAGLE / EAGLE3) have an EAGLE head draft them from the model's hidden "
-        "states (its folder in --speculative-draft-model-path); the drafts "
-        "are verified by the model in one forward (turns overlap off)",
+        "states (its folder in --speculative-draft-model-path; on DeepSeek-V3 or GLM-4.5 "
+        "the model's own multi-token-prediction layer, as nextn / mtp: no path needed); the "
+        "drafts are verified by the model in one forward (turns overlap off)",
     )
     g.add_argument(
         "--speculative-draft-model-path",
@@ -366,7 +367,8 @@ def _add_speculative_args(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="with --speculative-algorithm standalone: the draft model's folder (a Hugging "
         "Face folder of a supported architecture, the same tokenizer as the model); with "
-        "eagle / eagle3: the EAGLE head's folder (its published checkpoint format)",
+        "eagle / eagle3: the EAGLE head's folder (its published checkpoint format; default "
+        "for eagle on a DeepSeek-V3 / GLM-4.5 checkpoint with an MTP layer: the model's own)",
     )
     g.add_argument(
         "--speculative-num-draft-tokens",

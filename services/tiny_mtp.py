@@ -14,8 +14,9 @@ the config says `num_nextn_predict_layers`. Two kinds:
   (transformers' init, shaped as make-tiny-model shapes it), random enorm / hnorm / eh_proj:
   for the engine's correctness, whatever it drafts;
 * derived (`--mtp-derived`): the model made nearly a bigram model (every attention and
-  feed-forward output times DERIVED_SCALE, so each position's token is decided by its input
-  token's embedding through the final norm and the lm_head), and an MTP layer that computes
+  feed-forward output scaled so that they add DERIVED_RATIO of the embeddings to the residual
+  stream, so each position's token is mostly decided by its input token's embedding through
+  the final norm and the lm_head), and an MTP layer that computes
   the same from the next token (eh_proj takes the normed embedding only, shared_head.norm is
   the model's final norm, its decoder layer's outputs scaled alike): it drafts the model's
   next token but one, and most drafts are accepted. The model's text then is a walk of its
@@ -33,13 +34,19 @@ from safetensors.torch import load_file, save_file
 
 # the families with MTP layers (make-tiny-model's --arch) -> the engine's head class
 MTP_ARCHS = ("deepseek_v3", "glm4_moe")
-DERIVED_SCALE = 0.002  # (the attention and feed-forward outputs of a derived model's layers)
+# a derived model's layers add this much to the residual stream, relative to the embeddings
+# (their attention and feed-forward outputs scaled to it: `_derived_scale`; at 0.08 the
+# tiny and small models' tokens are their bigram function's at about 0.85 of positions)
+DERIVED_RATIO = 0.08
 _SCALED = (".o_proj.", "down_proj")  # the outputs that reach the residual stream
 
 
-def add_mtp_layer(model_dir: str, derived: bool = False, seed: int = 0) -> str:
+def add_mtp_layer(
+    model_dir: str, derived: bool = False, seed: int = 0, random_layer: bool = False
+) -> str:
     """Write one MTP layer into `model_dir`'s checkpoint and config (derived: and scale the
-    model's layers, see the module's docstring); returns `model_dir`."""
+    model's layers, see the module's docstring; with `random_layer` the layer stays random
+    over the derived model: a floor beside it); returns `model_dir`."""
     from services.tiny_model import NORM_JITTER
 
     config_path = os.path.join(model_dir, "config.json")
@@ -68,13 +75,15 @@ def add_mtp_layer(model_dir: str, derived: bool = False, seed: int = 0) -> str:
         "eh_proj.weight": 0.02 * torch.randn(hidden, 2 * hidden, generator=gen),
         "shared_head.norm.weight": layer.pop("norm.weight"),
     }
+    scale = _derived_scale(model_dir) if derived else 1.0
     if derived:
         for name in weights:
             if name.startswith("model.layers.") and any(s in name for s in _SCALED):
-                weights[name] = weights[name] * DERIVED_SCALE
+                weights[name] = weights[name] * scale
+    if derived and not random_layer:
         for name in layer:
             if any(s in name for s in _SCALED):
-                layer[name] = layer[name] * DERIVED_SCALE
+                layer[name] = layer[name] * scale
         own["enorm.weight"] = torch.ones(hidden)
         own["eh_proj.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], 1)
         own["shared_head.norm.weight"] = weights["model.norm.weight"].clone()
@@ -86,6 +95,28 @@ def add_mtp_layer(model_dir: str, derived: bool = False, seed: int = 0) -> str:
     with open(config_path, "w") as f:
         json.dump(config, f, indent=2)
     return model_dir
+
+
+def _derived_scale(model_dir: str) -> float:
+    """The factor on the layers' outputs that makes what they add to the residual stream
+    DERIVED_RATIO of the embeddings (measured with transformers over random tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, experts_implementation="eager"
+    ).eval()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64), generator=gen)
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    # (transformers' last state is after the final norm: the stream entering the last layer,
+    # and what the layers before it added, times L / (L - 1))
+    layers = model.config.num_hidden_layers
+    if layers < 2:
+        raise ValueError("a derived MTP model needs two layers or more")
+    embeds = states[0]
+    added = (states[-2] - embeds).pow(2).mean().sqrt() * layers / (layers - 1)
+    return float(DERIVED_RATIO * embeds.pow(2).mean().sqrt() / added)
 
 
 def _random_layer(config: dict, seed: int) -> dict[str, torch.Tensor]:

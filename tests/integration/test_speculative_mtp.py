@@ -85,13 +85,14 @@ def test_derived_layer_is_mostly_accepted(arch: str) -> None:
     prompts = _prompts()
     params = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     want, _ = _run(path, prompts, params)
-    for shape, least in (("chain", 2.0), ("tree", 2.5)):
+    for shape, least in (("chain", 2.8), ("tree", 3.0)):
         got, stats = _run(path, prompts, params, **SHAPES[shape]())
         assert got == want, shape
-        # (when written: deepseek_v3 2.60 / 3.11, glm4_moe 3.11 / 3.45 of at most 4)
+        # (when written: deepseek_v3 3.42 / 3.65, glm4_moe 3.45 / 3.68 of at most 4)
         assert stats["spec_accept_length"] > least, (shape, stats)
-    sampled = [{"temperature": 0.8, "sampling_seed": 7 + i, "max_new_tokens": 16, "ignore_eos": True,
-                "frequency_penalty": 0.3} for i in range(len(prompts))]  # fmt: skip
+    sampled = [{"temperature": 0.8, "sampling_seed": 7 + i, "max_new_tokens": 16,
+                "ignore_eos": True, "frequency_penalty": 0.3}
+               for i in range(len(prompts))]  # fmt: skip
     want, _ = _run(path, prompts, sampled)
     got, _ = _run(path, prompts, sampled, **_spec())
     assert got == want
@@ -225,3 +226,20 @@ def test_configurations() -> None:
         Engine(model_path=stripped, **PLAIN, **_spec(), speculative_draft_model_path=stripped)
     with pytest.raises(ValueError, match="needs speculative_draft_model_path"):
         EngineArgs(model_path=tiny_model("llama"), speculative_algorithm="nextn")
+
+
+def test_over_two_ranks() -> None:
+    """DeepSeek-V3 over two ranks (its heads and experts split), the MTP layer whole on rank
+    0's device with the model's embedding and lm_head read whole from the checkpoint: the
+    derived layer's drafts are accepted as on one rank, and the tokens are plain decoding's."""
+    path = mtp_model("deepseek_v3", derived=True)
+    prompts = _prompts(4, seed=7)
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    want, _ = _run(path, prompts, params)
+    _, one = _run(path, prompts, params, **_spec())
+    with Engine(model_path=path, **PLAIN, tp_size=2, **_spec()) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        stats = engine.get_stats()
+        assert engine.scheduler.drafter.runner.tp.size == 1
+    assert [o["output_ids"] for o in outs] == want
+    assert stats["spec_accept_length"] == pytest.approx(one["spec_accept_length"]), (stats, one)
