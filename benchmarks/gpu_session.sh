@@ -37,13 +37,17 @@
 #   speculative tests/gpu/test_verify_graphs_gpu.py (verify steps replayed from CUDA graphs ==
 #               eager, Triton and flashinfer; speculative tokens == plain decoding's, chains
 #               and draft trees), then tests/gpu/test_eagle_gpu.py (EAGLE heads' graphs,
-#               trees, hicache; tokens == plain)
+#               trees, hicache, MTP layers; tokens == plain)
 #   speculative-bench  benchmarks/speculative.py on the GPU (bf16, 8 layers): n-gram
 #               speculative decoding (chain and tree arms) against plain decoding, writing
 #               benchmarks/results/gpu_speculative.json; then benchmarks/speculative_draft.py
 #               (bf16, 16 layers, a first-layer draft): a draft model's and EAGLE heads' (a
 #               derived EAGLE head, chained and as trees; a random EAGLE-3 one), writing
 #               benchmarks/results/gpu_speculative_draft.json
+#   speculative-mtp  benchmarks/speculative_mtp.py on the GPU (bf16, DeepSeek-V3 shape, 8
+#               layers): a model drafting with its own MTP layer (a derived layer, chained
+#               and as trees; a random one) against plain decoding, writing
+#               benchmarks/results/gpu_speculative_mtp.json
 #   embeddings  benchmarks/embeddings.py on the GPU (bf16, 8 layers, 512 inputs): the embedding
 #               engine against transformers, writing benchmarks/results/gpu_embeddings.json;
 #               then benchmarks/encoders.py (BERT-base shape, 1024 inputs): gpu_encoders.json
@@ -264,6 +268,9 @@ do_step() {
                 --dtype bfloat16 --layers 8 --name gpu_speculative
             run_step speculative-draft 240 python3 benchmarks/speculative_draft.py --device cuda \
                 --dtype bfloat16 --layers 16 --name gpu_speculative_draft ;;
+        speculative-mtp)
+            run_step speculative-mtp 180 python3 benchmarks/speculative_mtp.py --device cuda \
+                --dtype bfloat16 --layers 8 --name gpu_speculative_mtp ;;
         embeddings)
             run_step embeddings 120 python3 benchmarks/embeddings.py --device cuda \
                 --dtype bfloat16 --layers 8 --inputs 512 --hf-batch 64 --profile \

@@ -170,3 +170,29 @@ def test_hicache_loads_bring_the_hidden_states_back():
     assert stats["hicache_loaded_tokens"] > 0, stats
     for first, second in zip(seen[:6], seen[6:], strict=True):
         torch.testing.assert_close(second, first, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_mtp_layers_draft_with_graphs(arch, monkeypatch):
+    """A model's own MTP layer drafting on the GPU (`nextn`, float32, Triton: DeepSeek-V3's
+    MLA and GLM-4.5's attention): chains and trees, greedy tokens equal plain decoding's with
+    the head's and the model's verify graphs replayed; a derived layer (services/tiny_mtp.py)
+    has most drafts accepted."""
+    from tests.integration.test_speculative_mtp import mtp_model
+
+    path = mtp_model(arch, derived=True)
+    kw = {"dtype": "float32", "attention_backend": "triton"}
+    want = _generate(path, **kw)
+    for tree in ({}, {"speculative_eagle_topk": 2, "speculative_num_steps": DRAFTS}):
+        seen = _replays(monkeypatch)
+        engine = Engine(model_path=path, device="cuda", max_total_tokens=8192,
+                        disable_overlap_schedule=True, cuda_graph_bs=(1, 2, 4, 8),
+                        skip_tokenizer_init=True, speculative_algorithm="nextn",
+                        speculative_num_draft_tokens=2 * DRAFTS if tree else DRAFTS,
+                        **tree, **kw)  # fmt: skip
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=PARAMS)
+        stats = engine.get_stats()
+        engine.shutdown()
+        assert [o["output_ids"] for o in outs] == want, tree
+        assert stats["spec_accept_length"] > 2.0, (tree, stats)
+        assert seen["head"] and seen["verify"], {k: len(v) for k, v in seen.items()}
