@@ -243,3 +243,53 @@ def test_over_two_ranks() -> None:
         assert engine.scheduler.drafter.runner.tp.size == 1
     assert [o["output_ids"] for o in outs] == want
     assert stats["spec_accept_length"] == pytest.approx(one["spec_accept_length"]), (stats, one)
+
+
+def test_hicache_loads_bring_the_hidden_states_the_layer_reads() -> None:
+    """With the hierarchical cache, documents evicted to host memory come back with their
+    kept hidden states: a random layer (whose drafts depend on them) drafts what it drafts
+    with a plain radix cache, and the tokens are the same."""
+    from tests.integration.test_hicache import GREEDY, documents
+
+    path = mtp_model("deepseek_v3")
+    docs = documents(6, vocab=1000)
+    prompts = [doc + [10 + r, 11 + i, 12] for r in range(2) for i, doc in enumerate(docs)]
+    kw = {"max_total_tokens": 640, "chunked_prefill_size": 128}
+
+    def rounds(hicache: bool):
+        drafts: list = []
+        with Engine(model_path=path, **PLAIN, **kw, enable_hierarchical_cache=hicache,
+                    hicache_ratio=4.0, **_spec()) as engine:  # fmt: skip
+            from tests.integration.test_speculative_eagle import spy_proposals
+
+            spy_proposals(engine.scheduler.drafter, drafts)
+            outs = [engine.generate(input_ids=[p], sampling_params=GREEDY)[0]["output_ids"]
+                    for p in prompts]  # fmt: skip
+            return outs, drafts, engine.get_stats()
+
+    want, want_drafts, _ = rounds(False)
+    got, got_drafts, stats = rounds(True)
+    assert stats["hicache_loaded_tokens"] >= 5 * 200, stats
+    assert got == want
+    assert got_drafts == want_drafts
+
+
+def test_fp8_checkpoint(tmp_path) -> None:
+    """An FP8 checkpoint (the MTP layer quantized with the rest, as DeepSeek-V3's): the
+    layer's projections run in FP8, and the tokens are the FP8 model's plain decoding's."""
+    from engine.layers.fp8 import Fp8Linear
+    from services.tiny_fp8 import quantize_checkpoint
+
+    path = str(tmp_path / "fp8")
+    shutil.copytree(mtp_model("deepseek_v3", derived=True), path)
+    quantize_checkpoint(path)
+    prompts = _prompts(4)
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    want, _ = _run(path, prompts, params)
+    with Engine(model_path=path, **PLAIN, **_spec()) as engine:
+        layer = engine.scheduler.drafter.runner.model.model.layers[0]
+        assert isinstance(layer.self_attn.o_proj, Fp8Linear)
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        stats = engine.get_stats()
+    assert [o["output_ids"] for o in outs] == want
+    assert stats["spec_accept_length"] > 2.5, stats
