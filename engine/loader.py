@@ -56,7 +56,7 @@ def load_model(
     (engine/layers/parallel.py).
     """
     model = build_model(model_config, dtype, device, quantization, tp)
-    names = checkpoint_names(model, model_config)
+    names = tensors_to_read(model, model_config)
     kv_cache_scales = fill_model(model, iter_safetensors(model_config.path, names),
                                  model_config.path, quantization)  # fmt: skip
     for module in model.modules():
@@ -69,11 +69,11 @@ def load_model(
     return model.eval().requires_grad_(False)
 
 
-def checkpoint_names(model: nn.Module, model_config: ModelConfig) -> Container[str] | None:
+def tensors_to_read(model: nn.Module, model_config: ModelConfig) -> Container[str] | None:
     """The checkpoint tensors a model reads (None: all of them): a class with a
-    `checkpoint_names(hf_config)` reads part of a larger checkpoint (an MTP head,
+    `reads_tensors(hf_config)` reads part of a larger checkpoint (an MTP head,
     engine/models/mtp.py)."""
-    names = getattr(type(model), "checkpoint_names", None)
+    names = getattr(type(model), "reads_tensors", None)
     return None if names is None else names(model_config.hf_config)
 
 
@@ -83,7 +83,7 @@ def checkpoint_bytes(model_config: ModelConfig) -> int:
     from safetensors import safe_open
 
     cls = get_model_class(model_config.architecture)
-    names = getattr(cls, "checkpoint_names", None)
+    names = getattr(cls, "reads_tensors", None)
     files = safetensors_files(model_config.path)
     if names is None:
         return sum(os.path.getsize(file) for file in files)

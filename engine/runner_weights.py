@@ -46,6 +46,9 @@ class RunnerWeights:
     tp: TensorParallel
     tp_link: Any
     _graphs_stale: bool
+    # a runner whose weights are part of this model's checkpoint (an MTP head,
+    # engine/models/mtp.py, on rank 0): its tensors follow the model's updates
+    weights_companion: Any = None
 
     def _every_rank(self, method: str, *args: Any, every_result: bool = False) -> Any:
         """`self.method(*args)`, on every rank of a tensor-parallel group: rank 0's result, or
@@ -66,7 +69,15 @@ class RunnerWeights:
         self._every_rank("_update_weights_from_disk", path)
 
     def _update_weights_from_disk(self, path: str) -> None:
+        companion = self.weights_companion
+        if companion is not None:  # (checked first: nothing changed if it does not fit)
+            from engine.weight_update import check_checkpoint
+
+            check_checkpoint(companion.model_config, path, companion.dtype,
+                             companion.quantization)  # fmt: skip
         self._with_weights_back(lambda: self._read_weights(path))
+        if companion is not None:
+            companion._read_weights(path)
 
     def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """`named` (checkpoint names and shapes, any part of the model) into the weights, in
@@ -81,12 +92,25 @@ class RunnerWeights:
         return self._every_rank("_update_weights_from_tensor", named)
 
     def _update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
+        companion, theirs = self.weights_companion, []
+        if companion is not None:  # (its tensors: checked first, then loaded after the model's)
+            from engine.loader import tensors_to_read
+            from engine.weight_update import check_tensors
+
+            reads = tensors_to_read(companion.model, companion.model_config)
+            theirs = [(n, t) for n, t in named if reads is not None and n in reads]
+            if theirs:
+                check_tensors(companion.model_config, theirs, companion.dtype,
+                              companion.quantization)  # fmt: skip
+
         def load() -> None:
             if self.memory.stale_weights and self.unsent is None:
                 self._read_weights(self.weights_path)
             self._load_tensors(named)
 
         self._with_weights_back(load)
+        if theirs:
+            companion._load_tensors(theirs)
         return self.missing_weights()
 
     # -- weights broadcast by a trainer (engine/weight_groups.py) -------------------------------
@@ -152,6 +176,13 @@ class RunnerWeights:
         """The first `truncate_size` values of the served checkpoint tensor (or parameter)
         `name`, flattened (engine/weight_read.py). ValueError if there is none, if it cannot
         be read back, or while the weights are released."""
+        companion = self.weights_companion
+        if companion is not None:  # (an MTP layer's tensor: its head's)
+            from engine.loader import tensors_to_read
+
+            reads = tensors_to_read(companion.model, companion.model_config)
+            if reads is not None and name in reads:
+                return companion.get_weights_by_name(name, truncate_size)
         if self.tp.size == 1:
             return self._weight_part(name, truncate_size)[0].float().tolist()
         # (tensor parallelism: each rank's part, put together; a parameter's own name is rank

@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.loader import build_model, fill_model, iter_safetensors, safetensors_files
+from engine.loader import (
+    build_model,
+    fill_model,
+    iter_safetensors,
+    safetensors_files,
+    tensors_to_read,
+)
 from engine.quantization import Fp8Config
 
 logger = logging.getLogger(__name__)
@@ -49,6 +55,16 @@ def reload_weights(
 ) -> dict[int, tuple[float, float]]:
     """Copy the checkpoint in `path` into `model` (built from `model_config`); its KV-cache
     scales. ValueError, with nothing changed, if it is not a checkpoint of this model."""
+    check_checkpoint(model_config, path, dtype, quantization)
+    names = tensors_to_read(model, model_config)  # (an MTP head's: its layer's only)
+    return fill_model(model, iter_safetensors(path, names), path, quantization)
+
+
+def check_checkpoint(
+    model_config: ModelConfig, path: str, dtype: torch.dtype, quantization: Fp8Config | None
+) -> None:
+    """ValueError unless `path` holds a checkpoint of the model of `model_config` (its config,
+    and its tensors loaded into a copy of the model on the meta device)."""
     _refuse_quantized_on_load(quantization)
     check_config(model_config, path)
     dry = build_model(model_config, dtype, "meta", quantization)
@@ -56,7 +72,6 @@ def reload_weights(
         fill_model(dry, meta_safetensors(path), path, quantization)
     except (ValueError, RuntimeError) as exc:
         raise ValueError(f"{path} does not fit the served model: {exc}") from None
-    return fill_model(model, iter_safetensors(path), path, quantization)
 
 
 def load_tensors(
@@ -70,6 +85,18 @@ def load_tensors(
     SGLang's `update_weights_from_tensor` sends it) into `model`; the KV-cache scales among
     them. ValueError, with nothing changed, if a name is not the model's or a tensor does not
     fit (checked first on a meta copy of the model)."""
+    check_tensors(model_config, named, dtype, quantization)
+    return fill_model(model, iter(named), "the tensors", quantization, partial=True)
+
+
+def check_tensors(
+    model_config: ModelConfig,
+    named: list[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    quantization: Fp8Config | None,
+) -> None:
+    """ValueError unless `named` fit the model of `model_config` (loaded into a copy of it on
+    the meta device)."""
     _refuse_quantized_on_load(quantization)
     if not named:
         raise ValueError("no tensors given")
@@ -79,7 +106,6 @@ def load_tensors(
                    partial=True)  # fmt: skip
     except (ValueError, RuntimeError) as exc:
         raise ValueError(f"the tensors do not fit the served model: {exc}") from None
-    return fill_model(model, iter(named), "the tensors", quantization, partial=True)
 
 
 def checkpoint_names(path: str) -> set[str]:

@@ -16,7 +16,8 @@ and `out` is the hidden state its next draft reads (as SGLang chains it: the nor
 The model's embedding and lm_head are used (the checkpoint's copies are skipped, as SGLang
 does), and the first MTP layer drafts every step. A folder exported with the MTP layer alone
 (SGLang's export script: `architectures` the NextN class, the layer as `model.layers.0`)
-loads too. Only the layer's tensors are read from the checkpoint (`checkpoint_names`).
+loads too. Only the layer's tensors are read from the checkpoint (`reads_tensors`), and
+the layer follows the model's weight updates (`weights_companion`, engine/runner_weights.py).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class _NextNHead(_HeadBase):
     """An MTP layer as a draft head (mixed in before the model family's class, whose
     checkpoint names it maps: rope rows, experts)."""
 
+    in_model_checkpoint = True  # (its weights follow the model's updates)
+
     def __init__(self, config, max_position: int | None = None) -> None:
         self.layer_index = mtp_layer_index(config)
         config = mtp_head_config(config)
@@ -88,7 +91,7 @@ class _NextNHead(_HeadBase):
         return target_config.hidden_size
 
     @classmethod
-    def checkpoint_names(cls, config) -> _LayerNames:
+    def reads_tensors(cls, config) -> _LayerNames:
         """The checkpoint tensors the head reads (the others are not read)."""
         return _LayerNames(mtp_layer_index(config))
 

@@ -263,6 +263,8 @@ class EagleDrafter(DraftModelDrafter):
         if self.hot is not None and int(self.hot.max()) >= runner.model_config.vocab_size:
             raise ValueError("EAGLE-3: the head's d2t maps past the model's vocabulary")
         self.vocab = runner.model_config.vocab_size  # (the biases are over the model's ids)
+        if getattr(self.runner.model, "in_model_checkpoint", False):  # (an MTP layer)
+            runner.weights_companion = self.runner
         self._last_hidden: dict[str, torch.Tensor] = {}
 
     def _make_runner(self, args: EngineArgs, runner: Any) -> Any:

@@ -293,3 +293,58 @@ def test_fp8_checkpoint(tmp_path) -> None:
         stats = engine.get_stats()
     assert [o["output_ids"] for o in outs] == want
     assert stats["spec_accept_length"] > 2.5, stats
+
+
+def test_the_layer_follows_the_models_weight_updates(tmp_path) -> None:
+    """The MTP layer is part of the model's checkpoint, so it follows the model's weight
+    updates (an RL trainer's): from disk (a checkpoint of the same model with a random
+    layer: drafts stop being accepted), from tensors (the derived layer's sent back: they
+    are again), read back by name; a checkpoint whose layer does not fit changes nothing."""
+    from safetensors.torch import load_file, save_file
+
+    from services.tiny_mtp import add_mtp_layer
+
+    derived = mtp_model("glm4_moe", derived=True)
+    other = str(tmp_path / "random-layer")  # (the same model, a random layer)
+    shutil.copytree(tiny_model("glm4_moe"), other)
+    add_mtp_layer(other, derived=True, random_layer=True)
+    index = json.load(open(os.path.join(derived, "config.json")))["num_hidden_layers"]
+    prefix = f"model.layers.{index}."
+    mine = {n: t for n, t in load_file(os.path.join(derived, "model.safetensors")).items()
+            if n.startswith(prefix) and "embed_tokens" not in n and "shared_head.head" not in n}
+    bad = str(tmp_path / "bad-layer")  # (a layer whose eh_proj has the wrong shape)
+    shutil.copytree(derived, bad)
+    w = load_file(os.path.join(bad, "model.safetensors"))
+    w[prefix + "eh_proj.weight"] = w[prefix + "eh_proj.weight"][:, :-1].contiguous()
+    save_file(w, os.path.join(bad, "model.safetensors"), metadata={"format": "pt"})
+
+    prompts = _prompts(4)
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    want, _ = _run(derived, prompts, params)
+    name = prefix + "eh_proj.weight"
+    with Engine(model_path=derived, **PLAIN, **_spec()) as engine:
+        head = engine.scheduler.drafter.runner
+
+        def accepted() -> float:
+            """The fraction of this run's drafts accepted (tokens: plain decoding's)."""
+            before = engine.get_stats()
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            assert [o["output_ids"] for o in outs] == want
+            after = engine.get_stats()
+            drafts = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+            return (after["spec_accepted_tokens"] - before["spec_accepted_tokens"]) / drafts
+
+        def served(tensor: torch.Tensor) -> bool:
+            return torch.equal(head.model.model.eh_proj.weight.cpu(), tensor) and (
+                engine.get_weights_by_name(name, 5) == pytest.approx(tensor.flatten()[:5]))
+
+        assert accepted() > 0.6
+        with pytest.raises(ValueError, match="does not fit"):
+            engine.update_weights_from_disk(bad)
+        assert served(mine[name])
+        engine.update_weights_from_disk(other)
+        assert served(load_file(os.path.join(other, "model.safetensors"))[name])
+        assert accepted() < 0.1
+        engine.update_weights_from_tensor(list(mine.items()))
+        assert served(mine[name])
+        assert accepted() > 0.6
