@@ -17,7 +17,7 @@ import torch
 
 from engine.engine import Engine
 from tests.factories import mixed_prompts, tiny_model
-from tests.integration.test_speculative_eagle import graph_run
+from tests.integration.test_speculative_eagle import graph_run, spy_proposals
 
 PLAIN = {"disable_overlap_schedule": True}
 ARCHS = ("deepseek_v3", "glm4_moe")
@@ -260,8 +260,6 @@ def test_hicache_loads_bring_the_hidden_states_the_layer_reads() -> None:
         drafts: list = []
         with Engine(model_path=path, **PLAIN, **kw, enable_hierarchical_cache=hicache,
                     hicache_ratio=4.0, **_spec()) as engine:  # fmt: skip
-            from tests.integration.test_speculative_eagle import spy_proposals
-
             spy_proposals(engine.scheduler.drafter, drafts)
             outs = [engine.generate(input_ids=[p], sampling_params=GREEDY)[0]["output_ids"]
                     for p in prompts]  # fmt: skip
@@ -348,3 +346,36 @@ def test_the_layer_follows_the_models_weight_updates(tmp_path) -> None:
         engine.update_weights_from_tensor(list(mine.items()))
         assert served(mine[name])
         assert accepted() > 0.6
+
+
+def test_a_folder_of_the_layer_alone(tmp_path) -> None:
+    """A folder exported with the MTP layer alone (SGLang's export script's layout:
+    `architectures` DeepseekV3ForCausalLMNextN, `num_hidden_layers` 1, the layer as
+    `model.layers.0` in a shard of its own with an index, no embedding or lm_head copies) as
+    the draft path drafts exactly what the model's own layer does."""
+    from safetensors.torch import load_file, save_file
+
+    path = mtp_model("deepseek_v3", derived=True)
+    config = json.load(open(os.path.join(path, "config.json")))
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    out = tmp_path / "nextn"
+    out.mkdir()
+    layer = {n.replace(prefix, "model.layers.0."): t
+             for n, t in load_file(os.path.join(path, "model.safetensors")).items()
+             if n.startswith(prefix) and "embed_tokens" not in n and "shared_head.head" not in n}
+    save_file(layer, str(out / "nextn_layer_parameters.safetensors"))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "nextn_layer_parameters.safetensors" for n in layer}}))
+    config.update(num_hidden_layers=1, architectures=["DeepseekV3ForCausalLMNextN"])
+    (out / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(4)
+    params = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    want, _ = _run(path, prompts, params)
+    drafts: dict[str, list] = {"own": [], "exported": []}
+    for key, extra in (("own", {}), ("exported", {"speculative_draft_model_path": str(out)})):
+        with Engine(model_path=path, **PLAIN, **_spec(**extra)) as engine:
+            spy_proposals(engine.scheduler.drafter, drafts[key])
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            assert [o["output_ids"] for o in outs] == want
+    assert drafts["exported"] == drafts["own"]
+    assert sum(len(d) for step in drafts["own"] for d in step) > 0
