@@ -1,7 +1,7 @@
 """A worker started with `--speculative-algorithm ngram` (or `standalone` with a draft model,
-or `eagle` with an EAGLE head, chained or as trees) serves through the streams: the tokens
-of plain decoding, streamed several per step when drafts are accepted, and its heartbeat
-reports the accept length."""
+`eagle` with an EAGLE head, chained or as trees, or `nextn` with a DeepSeek-V3's own MTP
+layer) serves through the streams: the tokens of plain decoding, streamed several per step
+when drafts are accepted, and its heartbeat reports the accept length."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ PARAMS = {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
           "allowed_token_ids": [11, 12, 13]}  # fmt: skip
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "standalone", "eagle", "eagle_tree"])
+@pytest.mark.parametrize("algorithm", ["ngram", "standalone", "eagle", "eagle_tree", "mtp"])
 def test_speculative_worker_streams_plain_decodings_tokens(
     redis_url: str, tmp_path, algorithm: str
 ) -> None:
@@ -46,6 +46,13 @@ def test_speculative_worker_streams_plain_decodings_tokens(
                 "--speculative-draft-model-path", _random_head(model),
                 "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
                 "--speculative-num-draft-tokens", "6")  # fmt: skip
+    if algorithm == "mtp":  # a DeepSeek-V3's own random MTP layer (SGLang's NEXTN: no path)
+        from tests.integration.test_speculative_mtp import mtp_model
+
+        model = mtp_model("deepseek_v3")
+        args = (*WORKER_TEST_ARGS, "--speculative-algorithm", "NEXTN",
+                "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", "4")  # fmt: skip
     with Engine(model_path=model, disable_overlap_schedule=True) as engine:
         want = [o["output_ids"] for o in engine.generate(prompt=PROMPTS, sampling_params=PARAMS)]
     with start_stack(redis_url, model, str(tmp_path), worker_args=args, router=False) as st:
