@@ -115,6 +115,32 @@ def best_runs(arms: dict[str, Arm], batch: list, params: dict, repeat: int) -> d
     return best
 
 
+def rows_against_plain(
+    arms: dict[str, Arm], prompts: list, params: dict, args: Any
+) -> list[dict[str, Any]]:
+    """A row per batch of `args.batch` (the first that many prompts): plain decoding's
+    output tokens/s and every other arm's, its speedup against plain, accept length and the
+    fraction of requests whose tokens equal plain's (on the CPU, float32, all must)."""
+    rows = []
+    for bs in args.batch:
+        best = best_runs(arms, prompts[:bs], params, args.repeat)
+        pw, pout, _ = best["plain"]
+        tokens = sum(map(len, pout))
+        row: dict[str, Any] = {"batch": bs, "plain_tok_s": tokens / pw}
+        for label in [a for a in arms if a != "plain"]:
+            wall, out, stats = best[label]
+            same = sum(p == q for p, q in zip(pout, out)) / bs
+            if same < 1 and args.device == "cpu":  # (bf16 kernels may break near-ties apart)
+                raise SystemExit(f"{label}, batch {bs}: speculative tokens differ from plain")
+            row[f"{label}_tok_s"] = tokens / wall
+            row[f"{label}_speedup"] = pw / wall
+            row[f"{label}_accept_length"] = stats["spec_accept_length"]
+            row[f"{label}_same_tokens"] = same
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=4)

@@ -40,7 +40,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import parse_arm_args, print_table, write_result  # noqa: E402
-from benchmarks.speculative import Arm, best_runs  # noqa: E402
+from benchmarks.speculative import Arm, rows_against_plain  # noqa: E402
 
 
 def make_models(args: Any) -> tuple[str, str]:
@@ -90,23 +90,7 @@ def main() -> None:
         "mtp_random": Arm(random_path, args, **spec),
     }
     params = {"max_new_tokens": args.output, "temperature": 0.0, "ignore_eos": True}
-    rows = []
-    for bs in args.batch:
-        best = best_runs(arms, prompts[:bs], params, args.repeat)
-        pw, pout, _ = best["plain"]
-        tokens = sum(map(len, pout))
-        row: dict[str, Any] = {"batch": bs, "plain_tok_s": tokens / pw}
-        for label in [a for a in arms if a != "plain"]:
-            wall, out, stats = best[label]
-            same = sum(p == q for p, q in zip(pout, out)) / bs
-            if same < 1 and args.device == "cpu":  # (bf16 kernels may break near-ties apart)
-                raise SystemExit(f"{label}, batch {bs}: speculative tokens differ from plain")
-            row[f"{label}_tok_s"] = tokens / wall
-            row[f"{label}_speedup"] = pw / wall
-            row[f"{label}_accept_length"] = stats["spec_accept_length"]
-            row[f"{label}_same_tokens"] = same
-        print(row, flush=True)
-        rows.append(row)
+    rows = rows_against_plain(arms, prompts, params, args)
     for arm in arms.values():
         arm.engine.shutdown()
     cols = ["batch", "plain_tok_s"] + [f"{label}_{key}" for label in ("mtp", "mtp_tree",

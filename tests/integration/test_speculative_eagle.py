@@ -244,23 +244,8 @@ def test_drafts_are_the_reference_heads(kind: str) -> None:
     path = head(kind)
     prompts = _prompts(3, seed=2)
     params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
-    proposals = []  # (request's tokens, its drafts)
     kw = {"dtype": torch.float64, "page_size": 4, "chunked_prefill_size": 32}
-    with Engine(model_path=_target(), **PLAIN, **kw, **_spec(kind, path)) as engine:
-        drafter = engine.scheduler.drafter
-        orig = drafter.propose
-
-        def spy(reqs):
-            from engine.speculative.scheduling import token_array
-
-            tokens = [token_array(r).copy() for r in reqs]
-            drafts = orig(reqs)
-            proposals.extend(zip(tokens, [list(d) for d in drafts]))
-            return drafts
-
-        drafter.propose = spy
-        engine.generate(input_ids=prompts, sampling_params=params)
-    proposals = [(t, d) for t, d in proposals if d]  # (none in a request's last steps)
+    proposals = drafted_chains(_target(), _spec(kind, path), prompts, params, **kw)
     assert len(proposals) > 10
     w, cfg = load_head(path)
     eagle3 = kind == "eagle3"
@@ -285,6 +270,26 @@ def test_drafts_are_the_reference_heads(kind: str) -> None:
                 own = out[n - 1 :] if own is None else torch.cat([own, out[-1:]], 0)
                 ids_in = torch.cat([ids_in, torch.tensor([token])])
             assert drafts == want, (len(tokens), drafts, want)
+
+
+def drafted_chains(model: str, spec: dict, prompts, params, **kw) -> list:
+    """(a request's tokens, its drafts) of every step that drafted, over an engine's run."""
+    from engine.speculative.scheduling import token_array
+
+    proposals = []
+    with Engine(model_path=model, **PLAIN, **kw, **spec) as engine:
+        drafter = engine.scheduler.drafter
+        orig = drafter.propose
+
+        def spy(reqs):
+            tokens = [token_array(r).copy() for r in reqs]
+            drafts = orig(reqs)
+            proposals.extend(zip(tokens, [list(d) for d in drafts]))
+            return drafts
+
+        drafter.propose = spy
+        engine.generate(input_ids=prompts, sampling_params=params)
+    return [(t, d) for t, d in proposals if d]  # (none in a request's last steps)
 
 
 # -- configuration ------------------------------------------------------------------------------

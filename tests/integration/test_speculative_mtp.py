@@ -17,7 +17,7 @@ import torch
 
 from engine.engine import Engine
 from tests.factories import mixed_prompts, tiny_model
-from tests.integration.test_speculative_eagle import graph_run, spy_proposals
+from tests.integration.test_speculative_eagle import drafted_chains, graph_run, spy_proposals
 
 PLAIN = {"disable_overlap_schedule": True}
 ARCHS = ("deepseek_v3", "glm4_moe")
@@ -106,27 +106,13 @@ def test_drafts_are_transformers_layers(arch: str) -> None:
     the layer's own output hidden state (SGLang's chaining)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.speculative.scheduling import token_array
     from services.tiny_mtp import MtpReference
 
     path = mtp_model(arch)
     prompts = _prompts(3, seed=2)
     params = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
-    proposals = []  # (request's tokens, its drafts)
     kw = {"dtype": torch.float64, "page_size": 4, "chunked_prefill_size": 32}
-    with Engine(model_path=path, **PLAIN, **kw, **_spec()) as engine:
-        drafter = engine.scheduler.drafter
-        orig = drafter.propose
-
-        def spy(reqs):
-            tokens = [token_array(r).copy() for r in reqs]
-            drafts = orig(reqs)
-            proposals.extend(zip(tokens, [list(d) for d in drafts]))
-            return drafts
-
-        drafter.propose = spy
-        engine.generate(input_ids=prompts, sampling_params=params)
-    proposals = [(t, d) for t, d in proposals if d]
+    proposals = drafted_chains(path, _spec(), prompts, params, **kw)
     assert len(proposals) > 10
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float64, experts_implementation="eager"
