@@ -365,3 +365,30 @@ def test_a_folder_of_the_layer_alone(tmp_path) -> None:
             assert [o["output_ids"] for o in outs] == want
     assert drafts["exported"] == drafts["own"]
     assert sum(len(d) for step in drafts["own"] for d in step) > 0
+
+
+def test_token_map(tmp_path) -> None:
+    """`speculative_token_map` (FR-Spec) with an MTP layer: a map of every token in reverse
+    order drafts what the layer drafts without one, a subset drafts from it only, and the
+    tokens are plain decoding's."""
+    path = mtp_model("glm4_moe", derived=True)
+    prompts = _prompts(4, seed=8)
+    params = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    vocab = json.load(open(os.path.join(path, "config.json")))["vocab_size"]
+    everything, subset = tmp_path / "all.pt", tmp_path / "subset.json"
+    torch.save(torch.arange(vocab - 1, -1, -1), everything)
+    subset.write_text(str(list(range(0, vocab, 3))))
+    want, _ = _run(path, prompts, params)
+
+    def drafted(**kw) -> list:
+        drafts: list = []
+        with Engine(model_path=path, **PLAIN, **_spec(**kw)) as engine:
+            spy_proposals(engine.scheduler.drafter, drafts)
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+        assert [o["output_ids"] for o in outs] == want
+        return drafts
+
+    base = drafted()
+    assert drafted(speculative_token_map=str(everything)) == base
+    made = {t for step in drafted(speculative_token_map=str(subset)) for d in step for t in d}
+    assert made and all(t % 3 == 0 for t in made)
