@@ -142,12 +142,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         q = q.reshape(-1, layer.num_heads, layer.head_dim).index_select(0, md.q_index)
         q = q.view(batch_size, md.max_q_len, layer.num_heads, layer.head_dim).transpose(1, 2)
         group = layer.num_heads // layer.num_kv_heads
-        if group > 1:
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
         sinks = getattr(layer, "sinks", None)
         if sinks is not None:  # (one per query head: [heads, Q, L] scores)
             sinks = sinks.view(layer.num_heads, 1, 1)
-        out = sdpa(q, keys, values, mask, causal, layer, scale, sinks)
+        out = sdpa(q, keys, values, mask, causal, layer, scale, sinks, kv_group=group)
         out = out.transpose(1, 2).reshape(batch_size * md.max_q_len, -1)
         return out.index_select(0, md.out_index)
