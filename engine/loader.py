@@ -94,13 +94,18 @@ def checkpoint_bytes(model_config: ModelConfig) -> int:
             for name in f.keys():
                 if name in names:
                     piece = f.get_slice(name)
-                    total += math.prod(piece.get_shape()) * _ITEM_BYTES[piece.get_dtype()]
+                    item = SAFETENSORS_DTYPES[piece.get_dtype()].itemsize
+                    total += math.prod(piece.get_shape()) * item
     return total
 
 
-_ITEM_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
-               "BF16": 2, "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
-               "BOOL": 1}  # fmt: skip
+# safetensors' dtype names -> torch's
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}  # fmt: skip
 
 
 def build_model(

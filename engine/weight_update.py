@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.loader import (
+    SAFETENSORS_DTYPES,
     build_model,
     fill_model,
     iter_safetensors,
@@ -36,12 +37,7 @@ from engine.quantization import Fp8Config
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}  # fmt: skip
+_DTYPES = SAFETENSORS_DTYPES
 _READ_BELOW = 64  # tensors this small are read for real in the dry run (scales, read by value)
 _IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures"}
 
