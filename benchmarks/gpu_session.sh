@@ -44,6 +44,9 @@
 #               (bf16, 16 layers, a first-layer draft): a draft model's and EAGLE heads' (a
 #               derived EAGLE head, chained and as trees; a random EAGLE-3 one), writing
 #               benchmarks/results/gpu_speculative_draft.json
+#   lora        benchmarks/lora.py on the GPU (bf16, 8 layers, 64 requests): adapters against the
+#               base model, and mixed adapters with the decode graphs against eager (the graphs
+#               record the LoRA layers over every slot), writing benchmarks/results/gpu_lora.json
 #   speculative-mtp  benchmarks/speculative_mtp.py on the GPU (bf16, DeepSeek-V3 shape, 8
 #               layers): a model drafting with its own MTP layer (a derived layer, chained
 #               and as trees; a random one) against plain decoding, writing
@@ -268,6 +271,9 @@ do_step() {
                 --dtype bfloat16 --layers 8 --name gpu_speculative
             run_step speculative-draft 240 python3 benchmarks/speculative_draft.py --device cuda \
                 --dtype bfloat16 --layers 16 --name gpu_speculative_draft ;;
+        lora)
+            run_step lora 240 python3 benchmarks/lora.py --device cuda --dtype bfloat16 \
+                --layers 8 --requests 64 --name gpu_lora ;;
         speculative-mtp)
             run_step speculative-mtp 180 python3 benchmarks/speculative_mtp.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative_mtp ;;

@@ -1,6 +1,7 @@
 """Multi-LoRA serving: what adapters cost against the base model, side by side in one run.
 
     python benchmarks/lora.py [--layers 4] [--requests 32] [--rank 16] [--threads 2]
+        [--device cuda --dtype bfloat16 --name gpu_lora]   (the GPU session's)
 
 A random Llama of the `small` preset's shape (hidden 1024, GQA 16/4, intermediate 2816) with
 `--layers` layers, and `--adapters` random rank-`--rank` adapters on all seven projections
@@ -13,7 +14,9 @@ tokens each (`ignore_eos`), all submitted at once, in-process, overlap off. Arms
 * one adapter: every request on adapter 1;
 * mixed: requests round-robin over all adapters, `--adapters` slots (every batch mixes them);
 * mixed, 1 slot: the same requests with one device slot (batches hold one adapter's
-  requests at a time: the cost of too few slots).
+  requests at a time: the cost of too few slots);
+* on a GPU, mixed, eager: the mixed arm with CUDA graphs off (what the decode graphs, which
+  record the adapters' layers over every slot, save with adapters).
 
 The arms' engines stay open and their timed runs interleave, `--repeat` rounds (drift on
 this shared machine then hits every arm). Reported per arm (its fastest run): wall time,
@@ -39,7 +42,9 @@ from benchmarks.common import parse_arm_args, print_table, small_model, write_re
 class Arm:
     """One engine of the comparison, kept open so that the arms' timed runs interleave."""
 
-    def __init__(self, path: str, loras: list, names: list, slots: int, args: Any) -> None:
+    def __init__(
+        self, path: str, loras: list, names: list, slots: int, args: Any, graphs: bool = True
+    ) -> None:
         from engine.engine import Engine
 
         self.names, self.args = names, args
@@ -47,7 +52,8 @@ class Arm:
             model_path=path, disable_overlap_schedule=True, skip_tokenizer_init=True,
             max_total_tokens=args.requests * (args.context + args.output) + 256,
             lora_paths=tuple(f"a{i}={p}" for i, p in enumerate(loras, start=1)),
-            max_loras_per_batch=slots,
+            max_loras_per_batch=slots, device=args.device, dtype=args.dtype,
+            disable_cuda_graph=not graphs,
         )  # fmt: skip
         self.batch_sizes: list[int] = []
         self.walls: list[float] = []
@@ -78,7 +84,7 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=32)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    args = parse_arm_args(ap)
+    args = parse_arm_args(ap, "lora")
     from services.tiny_lora import make_tiny_lora
 
     path = small_model(args.layers, args.seed)
@@ -92,14 +98,17 @@ def main() -> None:
     ]
     n, k = args.requests, args.adapters
     mixed = [f"a{1 + i % k}" for i in range(n)]
-    arms = [  # (name, adapters loaded, request adapters, slots)
-        ("base", [], [None] * n, 1),
-        ("served, unused", loras, [None] * n, k),
-        ("one adapter", loras, ["a1"] * n, k),
-        (f"mixed, {k} slots", loras, mixed, k),
-        ("mixed, 1 slot", loras, mixed, 1),
+    arms = [  # (name, adapters loaded, request adapters, slots, CUDA graphs)
+        ("base", [], [None] * n, 1, True),
+        ("served, unused", loras, [None] * n, k, True),
+        ("one adapter", loras, ["a1"] * n, k, True),
+        (f"mixed, {k} slots", loras, mixed, k, True),
+        ("mixed, 1 slot", loras, mixed, 1, True),
     ]
-    engines = [Arm(path, loaded, names, slots, args) for _, loaded, names, slots in arms]
+    if args.device.startswith("cuda"):  # what the decode graphs save with adapters
+        arms.append((f"mixed, {k} slots, eager", loras, mixed, k, False))
+    engines = [Arm(path, loaded, names, slots, args, graphs)
+               for _, loaded, names, slots, graphs in arms]
     tokens: list[list] = [[] for _ in engines]
     for engine in engines:  # a warm-up run each: first-call costs out of the timing
         engine.run(prompts)
@@ -129,10 +138,13 @@ def main() -> None:
         "mixed_vs_base": rows[3]["vs_base"],
         "mixed_one_slot_vs_base": rows[4]["vs_base"],
         "mixed_arms_same_tokens": rows[3]["tokens"] == rows[4]["tokens"],
+        **({"mixed_graphs_vs_eager": rows[3]["output_tok_s"] / rows[5]["output_tok_s"],
+            "mixed_graphs_same_tokens_as_eager": rows[3]["tokens"] == rows[5]["tokens"]}
+           if len(rows) > 5 else {}),
         "adapters_change_output": rows[2]["tokens"] != rows[0]["tokens"],
     }
     print(summary)
-    print("wrote", write_result("lora", table, summary, config=vars(args)))
+    print("wrote", write_result(args.name, table, summary, config=vars(args)))
     if not summary["mixed_arms_same_tokens"]:
         raise SystemExit("the two mixed arms generated different tokens")
 

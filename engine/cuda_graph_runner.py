@@ -173,6 +173,7 @@ class CudaGraphRunner:
                 self.spec_hidden = torch.zeros(self.max_bs, hidden, dtype=model_runner.dtype,
                                                device=device)  # fmt: skip
                 self.spec_hidden_out = torch.zeros_like(self.spec_hidden)
+            self.lora, self.lora_mask = lora_graph_mask(model_runner, self.max_bs)
 
     # -- capture --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -182,6 +183,8 @@ class CudaGraphRunner:
         for bs in reversed(self.batch_sizes):
             batch = self._static_batch(bs, [self.seq_len_fill_value] * bs)
             self.backend.init_forward_metadata_capture_cuda_graph(batch)
+            if self.lora is not None:  # (LoRA adapters: their layers over the static mask)
+                self.lora.bind_graph_rows(self.lora_mask[:bs])
             self.graphs[bs] = self.capturer.capture(self._step(batch))
 
     def _step(self, batch: ForwardBatch) -> Callable[[], None]:
@@ -205,6 +208,11 @@ class CudaGraphRunner:
     def padded_size(self, batch_size: int) -> int:
         """The smallest captured size that holds `batch_size` rows."""
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch_size)]
+
+    def lora_rows(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, int]:
+        """The static LoRA mask rows the replay of `forward_batch` reads, and its tokens a
+        request (`LoRAManager.prepare`)."""
+        return self.lora_mask[: self.padded_size(forward_batch.batch_size)], 1
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -241,6 +249,15 @@ class CudaGraphRunner:
     def _static_batch(self, bs: int, seq_lens_cpu: list[int]) -> ForwardBatch:
         hidden = None if self.spec_hidden is None else self.spec_hidden[:bs]
         return static_batch(self, ForwardMode.DECODE, bs, bs, seq_lens_cpu, spec_hidden=hidden)
+
+
+def lora_graph_mask(model_runner: Any, rows: int) -> tuple[Any, torch.Tensor | None]:
+    """(the runner's LoRA manager, the static mask of `rows` tokens its graphs record the
+    LoRA layers over: engine/lora/manager.py), or (None, None) without LoRA."""
+    lora = getattr(model_runner, "lora", None)
+    if lora is None:
+        return None, None
+    return lora, torch.zeros(rows, lora.columns, dtype=lora.dtype, device=model_runner.device)
 
 
 def reads_graph_state(graphs: Any, fb: ForwardBatch) -> bool:

@@ -193,9 +193,6 @@ class ModelRunner(RunnerWeights, RunnerAttention):
                 "CUDA graphs off: the %s backend cannot be captured",
                 type(self.attn_backend).__name__,
             )
-        if self.use_cuda_graph and self.lora is not None:
-            self.use_cuda_graph = False
-            logger.info("CUDA graphs off: LoRA adapters are applied eagerly")
         if self.use_cuda_graph and args.disable_overlap_schedule and self.tp.rank == 0:
             self.capture_cuda_graphs()  # with overlap: at the first forward, with its FutureMap
 
@@ -317,12 +314,13 @@ class ModelRunner(RunnerWeights, RunnerAttention):
             replay = graphs is not None and graphs.can_run(forward_batch)
         else:
             replay = graphs is not None and graphs.can_run(forward_batch, future_map)
+        if self.lora is not None:  # (before the other ranks are sent a forward it may refuse;
+            # a replay's mask into its graph's static rows)
+            self.lora.prepare(forward_batch, graphs.lora_rows(forward_batch) if replay else None)
         if replay and self.tp_link is None:
             return graphs.replay(forward_batch)
         if future_map is not None:  # (with tensor parallelism before a replay too: the ids
             future_map.resolve_future(forward_batch.input_ids)  # go to the other ranks)
-        if self.lora is not None:  # (before the other ranks are sent a forward it may refuse)
-            self.lora.prepare(forward_batch)
         if self.tp_link is not None:  # the other ranks run the same forward (and copies)
             self.tp_link.send(forward_batch, transfers, replay)
             try:
@@ -344,7 +342,10 @@ class ModelRunner(RunnerWeights, RunnerAttention):
 
     def _add_lora_adapter(self, spec: AdapterSpec) -> None:
         assert self.lora is not None, "LoRA is not enabled on this runner"
+        wrapped = len(self.lora.layers)
         self.lora.add(spec)
+        if len(self.lora.layers) > wrapped and self.graph_runner is not None:
+            self._graphs_stale = True  # (graphs recorded without its new layers: recapture)
 
     def remove_lora_adapter(self, adapter_id: int) -> None:
         self._every_rank("_remove_lora_adapter", adapter_id)

@@ -235,6 +235,8 @@ def follower_forward(runner: Any, fb: ForwardBatch, replay: bool) -> None:
         graphs = runner.verify_graph_runner if verify else runner.graph_runner
         if graphs is None or not graphs.can_run(fb):
             raise RuntimeError("rank 0 replays a graph this rank has not captured")
+        if runner.lora is not None:
+            runner.lora.prepare(fb, graphs.lora_rows(fb))
         graphs.replay(fb)
         return
     if runner.lora is not None:  # (the same slots as rank 0's: the same calls, in order)

@@ -5,7 +5,8 @@ forwards) are kept in host memory; `max_loras_per_batch` slots on the device hol
 batches use (SGLang's LoRA memory pool). Before a forward, `prepare` puts the batch's adapters
 into slots (replacing the least recently used adapters that the batch does not use; the
 scheduler admits no batch with more adapters than slots) and builds the per-token mask that
-every `LoRALinear` reads (engine/lora/layers.py).
+every `LoRALinear` reads (engine/lora/layers.py). A CUDA graph records the layers over every
+slot with its own static mask rows (`bind_graph_rows`), which a replay's `prepare` fills.
 
 The adapted modules are the attention and MLP projections of the decoder layers (PEFT's
 q/k/v/o_proj and gate/up/down_proj, into the model's fused projections); an adapter naming any
@@ -166,12 +167,19 @@ class LoRAManager:
                 setattr(self.model.get_submodule(parent), attr, layer)
 
     # -- batches --------------------------------------------------------------------------------
-    def prepare(self, forward_batch: ForwardBatch) -> None:
-        """Slots for the batch's adapters, and the mask of its tokens' rank columns."""
-        ids = forward_batch.lora_ids
-        if not ids or not any(ids):
-            self.mask = None
-            return
+    @property
+    def columns(self) -> int:
+        """The rank columns of every slot: a CUDA graph's static mask is this wide."""
+        return self.num_slots * self.max_rank
+
+    def prepare(
+        self, forward_batch: ForwardBatch, graph_rows: tuple[torch.Tensor, int] | None = None
+    ) -> None:
+        """Slots for the batch's adapters, and the mask of its tokens' rank columns. For a
+        CUDA graph's replay, `graph_rows` (the graph's static mask rows, tokens a request):
+        the mask is written there, over every slot (`bind_graph_rows`), each request's rows
+        that many in order (padding rows zero)."""
+        ids = forward_batch.lora_ids or []
         needed = set(ids) - {0}
         if len(needed) > self.num_slots:
             raise RuntimeError(
@@ -180,15 +188,33 @@ class LoRAManager:
         for adapter_id in sorted(needed):
             self._load(adapter_id, needed)
         slots = [-1 if i == 0 else self.slot_of[i] for i in ids]
+        if graph_rows is not None:
+            rows, per_request = graph_rows
+            padded = [*slots, *[-1] * (len(rows) // per_request - len(slots))]
+            token_slot = torch.tensor(padded, dtype=torch.int64).repeat_interleave(per_request)
+            rows.copy_(self._mask(token_slot.to(self.device), 0, self.num_slots - 1))
+            self.bind_graph_rows(rows)
+            return
+        if not needed:
+            self.mask = None
+            return
         lo, hi = min(self.slot_of[i] for i in needed), max(self.slot_of[i] for i in needed)
         self.slot_range = (lo, hi)
         per_req = torch.tensor(slots, dtype=torch.int64)
         if forward_batch.forward_mode.is_extend():
             lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
             per_req = per_req.repeat_interleave(lens)
-        token_slot = per_req.to(self.device)
+        self.mask = self._mask(per_req.to(self.device), lo, hi)
+
+    def bind_graph_rows(self, rows: torch.Tensor) -> None:
+        """The LoRA layers read `rows` (a CUDA graph's static mask, [tokens, columns]) over
+        every slot: what a graph records, and what its replay reads."""
+        self.mask = rows
+        self.slot_range = (0, self.num_slots - 1)
+
+    def _mask(self, token_slot: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         columns = self._column_slot[lo * self.max_rank : (hi + 1) * self.max_rank]
-        self.mask = (token_slot[:, None] == columns[None, :]).to(self.dtype)
+        return (token_slot[:, None] == columns[None, :]).to(self.dtype)
 
     def _load(self, adapter_id: int, needed: set[int]) -> None:
         if adapter_id in self.slot_of:

@@ -56,6 +56,7 @@ from engine.cuda_graph_runner import (
     GraphCapturer,
     _logits_dtype,
     graph_step,
+    lora_graph_mask,
     reads_graph_state,
     static_batch,
 )
@@ -133,6 +134,7 @@ class VerifyGraphRunner:
                     max_tokens, self.model.decode_hidden_width, dtype=model_runner.dtype,
                     device=device,
                 )  # fmt: skip
+            self.lora, self.lora_mask = lora_graph_mask(model_runner, max_tokens)
         self._pad_positions = np.arange(width, dtype=np.int64)
         # draft trees (engine/speculative/tree.py): every request's [width, width] ancestor
         # mask; a padding row sees the rows before it (causal), a real node its ancestors
@@ -155,6 +157,8 @@ class VerifyGraphRunner:
         for bs in reversed(self.batch_sizes):
             batch = self._static_batch(bs, [self.width] * bs)
             self.backend.init_forward_metadata_capture_cuda_graph(batch)
+            if self.lora is not None:  # (LoRA adapters: their layers over the static mask)
+                self.lora.bind_graph_rows(self.lora_mask[: bs * self.width])
             self.graphs[bs] = self.capturer.capture(self._step(batch))
 
     def _step(self, batch: ForwardBatch) -> Callable[[], None]:
@@ -183,6 +187,11 @@ class VerifyGraphRunner:
         )
 
     padded_size = CudaGraphRunner.padded_size
+
+    def lora_rows(self, forward_batch: ForwardBatch) -> tuple[torch.Tensor, int]:
+        """As `CudaGraphRunner.lora_rows`: `width` tokens a request."""
+        bs = self.padded_size(forward_batch.batch_size)
+        return self.lora_mask[: bs * self.width], self.width
 
     @torch.inference_mode()
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:

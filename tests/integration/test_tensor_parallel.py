@@ -294,6 +294,28 @@ def test_lora_adapters_over_two_ranks(arch: str) -> None:
         assert out["output_ids"] == lora_greedy(path, sql, prompt, NEW)
 
 
+def test_lora_adapters_in_graph_replays_on_every_rank() -> None:
+    """LoRA under CUDA graphs over two ranks (the eager double): rank 0 and the follower fill
+    their graphs' static LoRA masks alike (the same slots: the same calls, in order) and
+    replay the graph of the padded size; PEFT's tokens for each request."""
+    path = tiny_model("llama")
+    sql, chat = tiny_lora(path, 1), tiny_lora(path, 2)
+    prompt = PROMPTS[0]
+    with Engine(model_path=path, tp_size=2, attention_backend="triton", cuda_graph_bs=(1, 2, 4),
+                lora_paths=(f"sql={sql}", f"chat={chat}"),
+                disable_overlap_schedule=True) as eng:  # fmt: skip
+        runner = eng.scheduler.model_runner
+        runner.use_cuda_graph = True
+        runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+        runner.capture_cuda_graphs()
+        outs = eng.generate(input_ids=[prompt] * 3, sampling_params=GREEDY,
+                            lora_path=["sql", None, "chat"])  # fmt: skip
+        replays = {bs: g.num_replays for bs, g in runner.graph_runner.graphs.items()}
+    for out, adapter in zip(outs, (sql, None, chat)):
+        assert out["output_ids"] == lora_greedy(path, adapter, prompt, NEW), adapter
+    assert replays == {1: 0, 2: 0, 4: NEW - 1}  # (every decode step, 3 rows padded to 4)
+
+
 @pytest.mark.parametrize("executor", ["no-overlap", "thread"])
 def test_hybrid_window_memory_over_two_ranks(executor: str) -> None:
     """Hybrid sliding-window memory (Mistral's window of 32 keys, a window pool a tenth of the
