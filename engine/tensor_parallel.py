@@ -108,6 +108,17 @@ def dead_ranks(procs: list[Any]) -> str:
                      if p.exitcode is not None)  # fmt: skip
 
 
+def reaped_ranks(procs: list[Any]) -> str:
+    """`dead_ranks`, waiting up to a second for a rank whose death broke a collective to be
+    reaped (its peer may see the closed connection first); "" if none has exited by then."""
+    for _ in range(10):
+        dead = dead_ranks(procs)
+        if dead:
+            return dead
+        time.sleep(0.1)
+    return ""
+
+
 class TPLink:
     """Rank 0's sending side and the followers' receiving side of the per-forward message."""
 
@@ -155,7 +166,7 @@ class TPLink:
             if not on_cpu:
                 torch.distributed.broadcast(payload, src=0, group=self.tp.device_group)
         except Exception as exc:
-            dead = dead_ranks(self.procs)
+            dead = reaped_ranks(self.procs)
             self.broken = dead or f"sending a forward failed: {exc}"
             raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
 
@@ -163,12 +174,10 @@ class TPLink:
         """Rank 0's part of a forward raised `exc`: where a rank process has exited (killed:
         its collective's peer is gone), raise an error that names it, as `send` does. A
         rank that just died is reaped within a second."""
-        for _ in range(10):
-            dead = dead_ranks(self.procs)
-            if dead:
-                self.broken = dead
-                raise RuntimeError(f"tensor parallelism: {dead}") from exc
-            time.sleep(0.1)
+        dead = reaped_ranks(self.procs)
+        if dead:
+            self.broken = dead
+            raise RuntimeError(f"tensor parallelism: {dead}") from exc
         # (no rank has exited: the forward's own error stands)
 
     def on_every_rank(
