@@ -12,7 +12,7 @@ from engine.engine import Engine
 from tests.factories import lora_greedy, mixed_prompts, model_path, tiny_lora
 from tests.integration.test_speculative_eagle import eager_graphs
 
-NEW = 12
+NEW = 8
 GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
 ARCH = "llama"
 NAMES = [None, "a", "b", "a", None, "b", "a"]
@@ -35,9 +35,9 @@ def _replays(runner) -> dict[str, int]:
 def test_mixed_batches_replay_the_graphs_with_each_requests_adapter() -> None:
     adapters = {"a": _adapter(1),
                 "b": _adapter(2, rank=4, targets=("q_proj", "v_proj", "down_proj"))}
-    prompts = mixed_prompts(500, n=len(NAMES), max_len=24, seed=11)
+    prompts = mixed_prompts(500, n=len(NAMES), max_len=16, seed=11)
     # (requests end at different steps: the batch shrinks through the padded sizes)
-    lengths = [NEW, 5, NEW, 8, 3, NEW, 6]
+    lengths = [NEW, 4, NEW, 6, 2, NEW, 5]
     params = [{**GREEDY, "max_new_tokens": n} for n in lengths]
     paths = tuple(f"{n}={p}" for n, p in adapters.items())
     with Engine(model_path=model_path(ARCH), lora_paths=paths, max_total_tokens=4096,
@@ -59,7 +59,7 @@ def test_an_adapter_of_new_layers_recaptures_the_graphs() -> None:
     next replay and record them: its requests get its tokens, in graph replays."""
     b = _adapter(2, rank=4, targets=("q_proj", "v_proj", "down_proj"))
     a = _adapter(1)
-    prompts = mixed_prompts(500, n=4, max_len=40, seed=5)
+    prompts = mixed_prompts(500, n=4, max_len=16, seed=5)
     with Engine(model_path=model_path(ARCH), lora_paths=(f"b={b}",), max_total_tokens=4096,
                 max_lora_rank=8, cuda_graph_bs=(1, 2, 4), attention_backend="triton",
                 disable_overlap_schedule=True) as engine:  # fmt: skip
