@@ -169,28 +169,32 @@ def test_default_sizes_share_one_pool():
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_engine_greedy_tokens_with_and_without_graphs(overlap, monkeypatch):
-    from engine.engine import Engine
 
     replays = count_graph_replays(monkeypatch)
     path = tiny_model("llama")
     prompts = mixed_prompts(ModelConfig.from_pretrained(path).vocab_size, n=12, max_len=120)
     # the decode batch shrinks from 12 rows (eager, above 8) to 1 as requests finish
+    _graphs_against_eager(replays, path, prompts, overlap)
+
+
+def _graphs_against_eager(replays: list[int], path: str, prompts, overlap: bool,
+                          **kw: object) -> None:  # fmt: skip
+    """The engine's greedy tokens with the decode graphs equal its eager ones (float32,
+    Triton), the batch shrinking as requests of 4, 7, 10... tokens finish; `kw`: the
+    engine's and generate's other arguments (LoRA: `lora_paths`, `lora_path`)."""
+    from engine.engine import Engine
+
     params = [{"max_new_tokens": 4 + 3 * i, "temperature": 0, "ignore_eos": True}
               for i in range(len(prompts))]  # fmt: skip
+    per_request = {k: kw.pop(k) for k in ("lora_path",) if k in kw}
 
     def generate(graphs: bool) -> list[list[int]]:
-        engine = Engine(
-            model_path=path,
-            device="cuda",
-            dtype="float32",
-            attention_backend="triton",
-            max_total_tokens=8192,
-            disable_overlap_schedule=not overlap,
-            disable_cuda_graph=not graphs,
-            cuda_graph_bs=(1, 2, 4, 8),
-            skip_tokenizer_init=True,
-        )
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        engine = Engine(model_path=path, device="cuda", dtype="float32",
+                        attention_backend="triton", max_total_tokens=8192,
+                        disable_overlap_schedule=not overlap, disable_cuda_graph=not graphs,
+                        cuda_graph_bs=(1, 2, 4, 8), skip_tokenizer_init=True,
+                        **kw)  # fmt: skip
+        outs = engine.generate(input_ids=prompts, sampling_params=params, **per_request)
         engine.shutdown()
         return [o["output_ids"] for o in outs]
 
@@ -199,7 +203,6 @@ def test_engine_greedy_tokens_with_and_without_graphs(overlap, monkeypatch):
     got = generate(graphs=True)
     assert replays and max(replays) <= 8
     assert got == want
-
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -208,7 +211,6 @@ def test_lora_adapters_replay_in_graphs(monkeypatch, overlap: bool) -> None:
     slot with its static mask (a capture without it would record no delta), a replay fills
     the mask; batches mixing two adapters and the base model, shrinking through the sizes,
     give the eager engine's tokens (float32, Triton), in the plain and the overlap loop."""
-    from engine.engine import Engine
     from tests.factories import tiny_lora
 
     replays = count_graph_replays(monkeypatch)
@@ -217,21 +219,5 @@ def test_lora_adapters_replay_in_graphs(monkeypatch, overlap: bool) -> None:
     b = tiny_lora(path, 2, rank=4, targets=("q_proj", "v_proj", "down_proj"))
     prompts = mixed_prompts(ModelConfig.from_pretrained(path).vocab_size, n=7, max_len=60)
     names = [None, "a", "b", "a", None, "b", "a"]
-    params = [{"max_new_tokens": 4 + 3 * i, "temperature": 0, "ignore_eos": True}
-              for i in range(len(prompts))]  # fmt: skip
-
-    def generate(graphs: bool) -> list[list[int]]:
-        engine = Engine(model_path=path, device="cuda", dtype="float32",
-                        attention_backend="triton", max_total_tokens=8192,
-                        lora_paths=(f"a={a}", f"b={b}"), disable_overlap_schedule=not overlap,
-                        disable_cuda_graph=not graphs, cuda_graph_bs=(1, 2, 4, 8),
-                        skip_tokenizer_init=True)  # fmt: skip
-        outs = engine.generate(input_ids=prompts, sampling_params=params, lora_path=names)
-        engine.shutdown()
-        return [o["output_ids"] for o in outs]
-
-    want = generate(graphs=False)
-    assert not replays
-    got = generate(graphs=True)
-    assert replays and max(replays) <= 8
-    assert got == want
+    _graphs_against_eager(replays, path, prompts, overlap, lora_paths=(f"a={a}", f"b={b}"),
+                          lora_path=names)  # fmt: skip
