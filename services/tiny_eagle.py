@@ -184,6 +184,29 @@ def _random_head(cfg, eagle3: bool, draft_vocab: int, generator: torch.Generator
     return w
 
 
+_LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral")
+# targets of other families a random head is written for: the head is a Llama of their
+# width (SGLang's EAGLE-3 heads of DeepSeek-V3 / Kimi-K2 are LlamaForCausalLMEagle3 too)
+_OTHER_TARGETS = ("deepseek_v3",)
+
+
+def _llama_head_config(cfg):
+    """A Llama config of the target's width, vocabulary and depth for its head (GQA-free
+    attention of hidden / heads per head, default rope)."""
+    from transformers import LlamaConfig
+
+    heads = cfg.num_attention_heads
+    return LlamaConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=cfg.hidden_size // heads, num_hidden_layers=cfg.num_hidden_layers,
+        vocab_size=cfg.vocab_size, rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+        pad_token_id=getattr(cfg, "pad_token_id", None), architectures=["LlamaForCausalLM"],
+    )  # fmt: skip
+
+
 def make_eagle_head(
     src: str,
     out_dir: str,
@@ -195,8 +218,11 @@ def make_eagle_head(
     """Write an EAGLE (or EAGLE-3) head for the model of folder `src` to `out_dir`: random, or
     derived from its first `copy_layers` layers (see the module's note). Returns `out_dir`."""
     cfg = AutoConfig.from_pretrained(src)
-    if cfg.model_type not in ("llama", "qwen2", "qwen3", "mistral"):
-        raise ValueError(f"EAGLE head: a model of the Llama family, not {cfg.model_type}")
+    if cfg.model_type not in _LLAMA_FAMILY:
+        if cfg.model_type not in _OTHER_TARGETS or copy_layers:
+            raise ValueError(f"EAGLE head: a model of the Llama family (or a random head of "
+                             f"{_OTHER_TARGETS}), not {cfg.model_type}")  # fmt: skip
+        cfg = _llama_head_config(cfg)
     if copy_layers and (eagle3 or not 1 <= copy_layers <= cfg.num_hidden_layers):
         raise ValueError(f"EAGLE head: copy_layers {copy_layers}: an EAGLE head (not EAGLE-3) "
                          f"of 1 .. {cfg.num_hidden_layers} of the model's layers")  # fmt: skip

@@ -251,13 +251,24 @@ class DeepseekModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # EAGLE-3 speculation: the layers whose input residual stream is kept for the draft
+        # head (engine/speculative/eagle.py; None without), as LlamaModel's
+        self.aux_capture = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        capture = self.aux_capture
+        aux = [] if capture is not None else None
+        for i, layer in enumerate(self.layers):
+            if aux is not None and i in capture.layers:
+                aux.append(hidden if residual is None else hidden + residual)
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if aux is not None:
+            if len(self.layers) in capture.layers:
+                aux.append(hidden + residual)
+            capture.store_layers(aux, forward_batch)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

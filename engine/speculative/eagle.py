@@ -162,6 +162,7 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
 def install_hidden_capture(runner: Any) -> HiddenCapture:
     """Make the model's forwards keep the hidden states the EAGLE head reads (before any CUDA
     graph is captured); ValueError where the model cannot give them."""
+    from engine.models.deepseek import DeepseekModel
     from engine.models.llama import LlamaModel
     from engine.models.llama_eagle import eagle3_capture_layers
 
@@ -177,10 +178,10 @@ def install_hidden_capture(runner: Any) -> HiddenCapture:
         processor.hidden_capture = capture
     else:
         inner = getattr(model, "model", None)
-        if not isinstance(inner, LlamaModel):
+        if not isinstance(inner, LlamaModel | DeepseekModel):
             raise ValueError(
-                f"EAGLE-3: the model must be of the Llama family (Llama, Qwen2/3, Mistral...), "
-                f"not {type(model).__name__}"
+                f"EAGLE-3: the model must be of the Llama family (Llama, Qwen2/3, Mistral, "
+                f"GLM-4.5, gpt-oss...) or DeepSeek's, not {type(model).__name__}"
             )
         layers = eagle3_capture_layers(hf, _draft_hf_config(args))
         capture = HiddenCapture(slots, width, runner.dtype, runner.device, layers)

@@ -63,10 +63,7 @@ SHAPES = {"chain": lambda kind, path: _spec(kind, path),
 def _run(prompts, params, **kw):
     """(output ids, stats) of the target's engine; the prefix cache, and the head's K/V and
     rows, all given back after the run (the draft model's test's checks)."""
-    from tests.integration.test_speculative_draft_model import _run as run_checked
-
-    outs, stats = run_checked(_target(), prompts, params, **PLAIN, **kw)
-    return [o["output_ids"] for o in outs], stats
+    return run_checked_ids(_target(), prompts, params, **kw)
 
 
 def _prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
@@ -627,3 +624,58 @@ def test_token_map_restricts_the_heads_vocabulary(tmp_path) -> None:
     with pytest.raises(ValueError, match="not 'eagle3'"):
         EngineArgs(model_path=_target(), **_spec("eagle3", head("eagle3")),
                    speculative_token_map=str(subset))  # fmt: skip
+
+
+def test_eagle3_over_deepseek_v3() -> None:
+    """An EAGLE-3 head over DeepSeek-V3 (SGLang captures its layers for EAGLE-3 heads, as
+    for Kimi-K2's): the model keeps the residual stream entering three of its layers, which
+    equals transformers' (float64), and the tokens are plain decoding's."""
+    from transformers import AutoModelForCausalLM
+
+    from services.tiny_eagle import aux_layers, load_head, make_eagle_head, model_states
+    from services.tiny_model import make_tiny_model
+
+    target = os.path.join(os.path.dirname(tiny_model("llama")), f"deepseek_v3-{LAYERS}")
+    if not os.path.exists(os.path.join(target, "config.json")):
+        make_tiny_model(target, "deepseek_v3", num_layers=LAYERS)
+    path = target + "-eagle3"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        make_eagle_head(target, path, eagle3=True, draft_vocab=512)
+    prompts = _prompts(4, seed=5)
+    params = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    want, _ = run_checked_ids(target, prompts, params)
+    got, stats = run_checked_ids(target, prompts, params, **_spec("eagle3", path))
+    assert got == want and stats["spec_num_drafts"] > 0
+    prompt = prompts[0][:30]
+    seen = {}
+    with Engine(model_path=target, dtype=torch.float64, **PLAIN,
+                **_spec("eagle3", path)) as engine:  # fmt: skip
+        sched = engine.scheduler
+        orig = sched.drafter.propose
+
+        def spy(reqs):
+            if not seen:
+                table = sched.model_runner.req_to_token_pool.req_to_token
+                slots = table[reqs[0].req_pool_idx, : len(prompt)].to(torch.int64)
+                seen["rows"] = sched.model_runner.hidden_capture.rows(slots).clone()
+            return orig(reqs)
+
+        sched.drafter.propose = spy
+        engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 3,
+                                                             "temperature": 0.0})
+    _, cfg = load_head(path)
+    layers = aux_layers(LAYERS, cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64,
+                                              experts_implementation="eager").eval()  # fmt: skip
+    with torch.no_grad():
+        _, states = model_states(hf, torch.tensor(prompt), True, layers)
+    torch.testing.assert_close(seen["rows"], states, rtol=1e-9, atol=1e-9)
+
+
+def run_checked_ids(model: str, prompts, params, **kw):
+    """(output ids, stats) of an engine over `model`, overlap off, with the draft model
+    test's checks after the run."""
+    from tests.integration.test_speculative_draft_model import _run as run_checked
+
+    outs, stats = run_checked(model, prompts, params, **PLAIN, **kw)
+    return [o["output_ids"] for o in outs], stats
