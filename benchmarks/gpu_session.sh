@@ -223,7 +223,7 @@ do_step() {
         tests-kernels)
             # 4 workers (Triton compiles on the host's 16 cores, flashinfer JITs once, locked);
             # the logits test times kernels, so it runs alone afterwards
-            run_step tests-kernels 220 "${PYTEST[@]}" -n 4 --dist load \
+            run_step tests-kernels 260 "${PYTEST[@]}" -n 4 --dist load \
                 tests/gpu/test_kernels_gpu.py \
                 tests/gpu/test_cuda_graph_gpu.py tests/gpu/test_hybrid_swa_gpu.py \
                 tests/gpu/test_encoders_gpu.py tests/gpu/test_hicache_gpu.py \
