@@ -82,14 +82,12 @@ def checkpoint_bytes(model_config: ModelConfig) -> int:
     an upper bound where they are stored wider than they run), from the files' headers."""
     from safetensors import safe_open
 
-    cls = get_model_class(model_config.architecture)
-    names = getattr(cls, "reads_tensors", None)
-    files = safetensors_files(model_config.path)
-    if names is None:
-        return sum(os.path.getsize(file) for file in files)
-    names = names(model_config.hf_config)
+    reads = getattr(get_model_class(model_config.architecture), "reads_tensors", None)
+    if reads is None:
+        return sum(os.path.getsize(file) for file in safetensors_files(model_config.path))
+    names = reads(model_config.hf_config)
     total = 0
-    for file in files:
+    for file in safetensors_files(model_config.path, names):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if name in names:
@@ -162,20 +160,25 @@ def iter_safetensors(
     `names` only, the others not read, when given)."""
     from safetensors import safe_open
 
-    for file in safetensors_files(path):
+    for file in safetensors_files(path, names):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if names is None or name in names:
                     yield name, f.get_tensor(name)
 
 
-def safetensors_files(path: str) -> list[str]:
-    """The checkpoint files of a model folder (one file, or the shards of its index)."""
+def safetensors_files(path: str, names: Container[str] | None = None) -> list[str]:
+    """The checkpoint files of a model folder (one file, or the shards of its index); with
+    `names`, of a sharded one only the shards its index says hold some of them (an MTP
+    head's layer: the last shard or two of hundreds)."""
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path) as f:
             weight_map = json.load(f)["weight_map"]
-        files = [os.path.join(path, name) for name in sorted(set(weight_map.values()))]
+        held = {file for name, file in weight_map.items() if names is None or name in names}
+        files = [os.path.join(path, name) for name in sorted(held)]
+        if names is not None:
+            return files
     else:
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:

@@ -79,6 +79,16 @@ class RunnerWeights:
         if companion is not None:
             companion._read_weights(path)
 
+    def _companion_reads(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is one the weights companion reads."""
+        companion = self.weights_companion
+        if companion is None:
+            return False
+        from engine.loader import tensors_to_read
+
+        reads = tensors_to_read(companion.model, companion.model_config)
+        return reads is not None and name in reads
+
     def update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
         """`named` (checkpoint names and shapes, any part of the model) into the weights, in
         place (between forwards; the caller flushes the prefix cache, or not); the number of
@@ -92,16 +102,13 @@ class RunnerWeights:
         return self._every_rank("_update_weights_from_tensor", named)
 
     def _update_weights_from_tensor(self, named: list[tuple[str, torch.Tensor]]) -> int:
-        companion, theirs = self.weights_companion, []
-        if companion is not None:  # (its tensors: checked first, then loaded after the model's)
-            from engine.loader import tensors_to_read
+        companion = self.weights_companion
+        theirs = [(n, t) for n, t in named if self._companion_reads(n)]
+        if theirs:  # (the companion's tensors: checked first, loaded after the model's)
             from engine.weight_update import check_tensors
 
-            reads = tensors_to_read(companion.model, companion.model_config)
-            theirs = [(n, t) for n, t in named if reads is not None and n in reads]
-            if theirs:
-                check_tensors(companion.model_config, theirs, companion.dtype,
-                              companion.quantization)  # fmt: skip
+            check_tensors(companion.model_config, theirs, companion.dtype,
+                          companion.quantization)  # fmt: skip
 
         def load() -> None:
             if self.memory.stale_weights and self.unsent is None:
@@ -176,13 +183,8 @@ class RunnerWeights:
         """The first `truncate_size` values of the served checkpoint tensor (or parameter)
         `name`, flattened (engine/weight_read.py). ValueError if there is none, if it cannot
         be read back, or while the weights are released."""
-        companion = self.weights_companion
-        if companion is not None:  # (an MTP layer's tensor: its head's)
-            from engine.loader import tensors_to_read
-
-            reads = tensors_to_read(companion.model, companion.model_config)
-            if reads is not None and name in reads:
-                return companion.get_weights_by_name(name, truncate_size)
+        if self._companion_reads(name):  # (an MTP layer's tensor: its head's)
+            return self.weights_companion.get_weights_by_name(name, truncate_size)
         if self.tp.size == 1:
             return self._weight_part(name, truncate_size)[0].float().tolist()
         # (tensor parallelism: each rank's part, put together; a parameter's own name is rank

@@ -143,7 +143,7 @@ def has_mtp_layer(path: str) -> bool:
     from engine.loader import safetensors_files
 
     names = _LayerNames(mtp_layer_index(AutoConfig.from_pretrained(path)))
-    for file in safetensors_files(path):
+    for file in safetensors_files(path, names):
         with safe_open(file, framework="pt", device="cpu") as f:
             if any(name in names for name in f.keys()):
                 return True

@@ -208,28 +208,13 @@ def test_kept_hidden_states_are_transformers(kind: str) -> None:
 
     prompt = _prompts(1, seed=3)[0][:40]
     path = head(kind)
-    with Engine(model_path=_target(), dtype=torch.float64, **PLAIN, **_spec(kind, path)) as engine:
-        sched = engine.scheduler
-        seen = {}
-        orig = sched.drafter.propose
-
-        def spy(reqs):  # the request's slots and hidden rows at its first decode step
-            r = reqs[0]
-            if not seen:
-                table = sched.model_runner.req_to_token_pool.req_to_token
-                slots = table[r.req_pool_idx, : len(prompt)].to(torch.int64)
-                seen["rows"] = sched.model_runner.hidden_capture.rows(slots).clone()
-            return orig(reqs)
-
-        sched.drafter.propose = spy
-        engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 3,
-                                                             "temperature": 0.0})
+    rows = kept_rows(_target(), _spec(kind, path), prompt)
     _, cfg = load_head(path)
     ids = (getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
     layers = aux_layers(LAYERS, ids) if kind == "eagle3" else None
     with torch.no_grad():
         _, want = model_states(_hf(), torch.tensor(prompt), kind == "eagle3", layers)
-    torch.testing.assert_close(seen["rows"], want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(rows, want, rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
@@ -647,9 +632,21 @@ def test_eagle3_over_deepseek_v3() -> None:
     got, stats = run_checked_ids(target, prompts, params, **_spec("eagle3", path))
     assert got == want and stats["spec_num_drafts"] > 0
     prompt = prompts[0][:30]
+    rows = kept_rows(target, _spec("eagle3", path), prompt)
+    _, cfg = load_head(path)
+    layers = aux_layers(LAYERS, cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64,
+                                              experts_implementation="eager").eval()  # fmt: skip
+    with torch.no_grad():
+        _, states = model_states(hf, torch.tensor(prompt), True, layers)
+    torch.testing.assert_close(rows, states, rtol=1e-9, atol=1e-9)
+
+
+def kept_rows(model: str, spec: dict, prompt: list[int]) -> torch.Tensor:
+    """The hidden states the model keeps for the prompt's positions, read at the request's
+    first decode step (float64)."""
     seen = {}
-    with Engine(model_path=target, dtype=torch.float64, **PLAIN,
-                **_spec("eagle3", path)) as engine:  # fmt: skip
+    with Engine(model_path=model, dtype=torch.float64, **PLAIN, **spec) as engine:
         sched = engine.scheduler
         orig = sched.drafter.propose
 
@@ -663,13 +660,7 @@ def test_eagle3_over_deepseek_v3() -> None:
         sched.drafter.propose = spy
         engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 3,
                                                              "temperature": 0.0})
-    _, cfg = load_head(path)
-    layers = aux_layers(LAYERS, cfg.eagle_config["eagle_aux_hidden_state_layer_ids"])
-    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64,
-                                              experts_implementation="eager").eval()  # fmt: skip
-    with torch.no_grad():
-        _, states = model_states(hf, torch.tensor(prompt), True, layers)
-    torch.testing.assert_close(seen["rows"], states, rtol=1e-9, atol=1e-9)
+    return seen["rows"]
 
 
 def run_checked_ids(model: str, prompts, params, **kw):
