@@ -99,6 +99,10 @@ class _Shape:
     graph: bool = False  # rank 0 replays a graph (decode, verify): so do the followers
     lora_ids: list[int] | None = None  # each request's LoRA adapter (0: none)
     spec_draft_lens: list[int] | None = None  # a speculative verify step's drafts a request
+    spec_parents: list[list[int]] | None = None  # its draft trees (engine/speculative/tree.py)
+    # K/V copies rank 0 made since the last forward, first (every rank's pool holds its heads
+    # at the same slots): a tree verify step's accepted nodes moved to their path's positions
+    kv_moves: tuple[list[int], list[int]] | None = None  # (source slots, destination slots)
     payload: Any = None  # on CPU the batch's int64 tensor itself (numpy), in the same message
 
 
@@ -130,6 +134,9 @@ class TPLink:
         # sends for the batch's slots (its own on a follower, where the sent values go)
         self.swa_allocator: Any = None
         self.broken: str | None = None  # why the ranks are out of step (no more forwards)
+        # (rank 0) K/V slot copies made since the last forward, sent with the next one: no
+        # rank reads its pool between forwards (`queue_kv_moves`)
+        self._kv_moves: tuple[list[int], list[int]] = ([], [])
 
     def send(self, fb: ForwardBatch, transfers: list | None = None, graph: bool = False) -> None:
         """(Rank 0) the forward `fb` to every follower, with the hierarchical cache's copies
@@ -147,8 +154,10 @@ class TPLink:
             list(fb.extend_seq_lens_cpu) if extend else None,
             -1 if rows is None else int(rows.shape[0]), fb.return_all_logits, fb.pooling,
             [(kind, src.cpu(), dst.cpu()) for kind, src, dst in transfers] if transfers
-            else None, graph, fb.lora_ids, fb.spec_draft_lens,
+            else None, graph, fb.lora_ids, fb.spec_draft_lens, fb.spec_parents,
+            self._kv_moves if self._kv_moves[0] else None,
         )  # fmt: skip
+        self._kv_moves = ([], [])
         parts = [fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens]
         if rows is not None:
             parts.append(rows)
@@ -169,6 +178,15 @@ class TPLink:
             dead = reaped_ranks(self.procs)
             self.broken = dead or f"sending a forward failed: {exc}"
             raise RuntimeError(f"tensor parallelism: {self.broken}") from exc
+
+    def queue_kv_moves(self, src: list[int], dst: list[int]) -> None:
+        """(Rank 0) it copied its K/V of slots `src` to `dst` (every source read before any
+        destination is written): the followers do the same before the next forward, which is
+        the first thing after it to read their pools; calls between forwards (weights,
+        memory) do not read K/V, and after a release of the KV pool no request holds the
+        slots, so copies that land in it then are harmless."""
+        self._kv_moves[0].extend(src)
+        self._kv_moves[1].extend(dst)
 
     def forward_failed(self, exc: BaseException) -> None:
         """Rank 0's part of a forward raised `exc`: where a rank process has exited (killed:
@@ -232,6 +250,10 @@ class TPLink:
         shape: _Shape | None = message
         if shape is None:
             return None
+        if shape.kv_moves:  # (before the host copies: rank 0 made them first)
+            src, dst = (torch.tensor(s, dtype=torch.int64, device=self.device)
+                        for s in shape.kv_moves)  # fmt: skip
+            runner.kv_pool.copy_slots(src, dst)
         if shape.transfers:
             runner.host_kv_pool.apply(shape.transfers)
         bs, n, width = shape.batch_size, shape.num_tokens, shape.width
@@ -283,6 +305,7 @@ class TPLink:
             pooling=shape.pooling,
             lora_ids=shape.lora_ids,
             spec_draft_lens=shape.spec_draft_lens,
+            spec_parents=shape.spec_parents,
         )
         return fb, shape.graph
 

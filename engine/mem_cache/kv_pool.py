@@ -84,6 +84,12 @@ class KVPool:
         """Every buffer once (a shared pool's V buffers are its K buffers)."""
         return list(self.k_buffer) if self.shared else self.k_buffer + self.v_buffer
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of slots `src` into slots `dst` (int64, on the pool's device);
+        every source is read before any destination is written, so a slot may be both."""
+        for buf in self.buffers():
+            buf[dst] = buf[src]  # (the right side is gathered first: overlaps are safe)
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 

@@ -157,8 +157,6 @@ def _check_tree_args(args: Any, algo: str) -> None:
             )
         object.__setattr__(args, "speculative_num_steps", args.speculative_num_draft_tokens)
         return
-    if args.tp_size > 1:
-        raise ValueError("draft trees (speculative_eagle_topk > 1) run with tp_size 1 only")
     steps = max(1, n // topk) if steps is None else steps
     if not 1 <= steps <= n:
         raise ValueError(f"speculative_num_steps must be in 1..{n} (the tree's nodes)")

@@ -95,14 +95,16 @@ def verify(runner: ModelRunner, mwb: ModelWorkerBatch) -> VerifyResult:
 def move_kv(runner: ModelRunner, slots: torch.Tensor, moves: list[tuple[int, int]]) -> None:
     """Copy the K/V (and the hidden states kept for an EAGLE head) of the packed verify rows
     `from` to the slots of rows `to`: accepted tree nodes to their path's positions. Every
-    source is read before any destination is written, so a slot may be both."""
+    source is read before any destination is written, so a slot may be both. With tensor
+    parallelism the followers copy theirs before the next forward."""
     index = torch.tensor(moves, dtype=torch.int64).to(slots.device)
     src, dst = slots[index[:, 0]], slots[index[:, 1]]
-    for buf in runner.kv_pool.buffers():
-        buf[dst] = buf[src]  # (the right side is gathered first: overlaps are safe)
-    capture = getattr(runner, "hidden_capture", None)
+    runner.kv_pool.copy_slots(src, dst)
+    capture = getattr(runner, "hidden_capture", None)  # (rank 0's alone, with TP)
     if capture is not None:
         capture.buffer[dst] = capture.buffer[src]
+    if runner.tp_link is not None:  # the other ranks' pools: before their next forward
+        runner.tp_link.queue_kv_moves(src.tolist(), dst.tolist())
 
 
 def position_sampling_info(runner: ModelRunner, mwb: ModelWorkerBatch) -> SamplingBatchInfo:

@@ -205,6 +205,45 @@ def test_speculative_decoding_over_two_ranks() -> None:
     assert stats["spec_accepted_tokens"] == stats["spec_draft_tokens"] > 0, stats
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_draft_trees_over_two_ranks(graphs: bool) -> None:
+    """Draft trees (n-gram tries of two matches) over two ranks: the followers mask the trees
+    rank 0 masks (the parents come with the batch; with graphs, rank 0's verify graphs of
+    trees and the followers' replay together), and the K/V of accepted nodes that moved to
+    their path's positions moves on every rank (the followers' before their next forward).
+    Tokens and logprobs are plain decoding's on one rank, with nodes moved."""
+    path = tiny_model("qwen3")
+    loopy = {"temperature": 0.0, "max_new_tokens": 40, "allowed_token_ids": [11, 12, 13],
+             "ignore_eos": True, "return_logprob": True}  # fmt: skip
+    prompts = PROMPTS[:4]
+    with Engine(model_path=path, disable_overlap_schedule=True) as eng:
+        want = eng.generate(input_ids=prompts, sampling_params=loopy)
+    trees = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 6,
+             "speculative_eagle_topk": 2, "speculative_num_steps": 3}  # fmt: skip
+    kw = {"attention_backend": "triton", "cuda_graph_bs": (1, 2, 4)} if graphs else {}
+    with Engine(model_path=path, tp_size=2, **trees, **kw) as eng:
+        runner = eng.scheduler.model_runner
+        if graphs:
+            runner.use_cuda_graph = True
+            runner.graph_capturer_factory = lambda device: EagerGraphCapturer()
+            runner.capture_cuda_graphs()
+        moved = []
+        queue = runner.tp_link.queue_kv_moves
+        runner.tp_link.queue_kv_moves = lambda src, dst: (moved.append(len(src)),
+                                                          queue(src, dst))  # fmt: skip
+        got = eng.generate(input_ids=prompts, sampling_params=loopy)
+        stats = eng.get_stats()
+        replays = sum(g.num_replays for g in runner.verify_graph_runner.graphs.values()) \
+            if graphs else 0
+    assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+    for g, w in zip(got, want):
+        lp = [x[0] for x in g["meta_info"]["output_token_logprobs"]]
+        ref = [x[0] for x in w["meta_info"]["output_token_logprobs"]]
+        assert lp == pytest.approx(ref, abs=1e-4)
+    assert stats["spec_accepted_tokens"] > 0 and sum(moved) > 0, (stats, moved)
+    assert replays > 0 or not graphs
+
+
 @pytest.mark.parametrize("executor", ["no-overlap", "thread"])
 def test_hierarchical_cache_copies_run_on_every_rank(executor: str) -> None:
     """Documents evicted from a small device pool come back from host memory on both ranks
