@@ -253,7 +253,8 @@ class TPLink:
         if shape.kv_moves:  # (before the host copies: rank 0 made them first)
             src, dst = (torch.tensor(s, dtype=torch.int64, device=self.device)
                         for s in shape.kv_moves)  # fmt: skip
-            runner.kv_pool.copy_slots(src, dst)
+            swa = self.swa_allocator  # (its map still has the slots of the last forward)
+            runner.kv_pool.copy_slots(src, dst, None if swa is None else swa.full_to_swa)
         if shape.transfers:
             runner.host_kv_pool.apply(shape.transfers)
         bs, n, width = shape.batch_size, shape.num_tokens, shape.width

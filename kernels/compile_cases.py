@@ -89,6 +89,7 @@ def _launch(
         q, k, v, k_buf, v_buf, r2t, rows, prefix_lens, lens, start_loc, n, scale,
         window_left=window_left, logit_cap=logit_cap, sinks=head_sinks,
         tree_mask=masks if tree else None,
+        positions=torch.zeros(tokens, dtype=torch.int64) if tree and window_left >= 0 else None,
     )
 
 
@@ -225,6 +226,11 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
                 yield labels, functools.partial(
                     _launch, dtype, hq, hk, head_dim, attention=True, window_left=WINDOW - 1
                 )
+                if (hq, hk) == (32, 8):  # draft trees in a window: the tokens' positions
+                    yield {**labels, "case": f"tree mask window {WINDOW}"}, functools.partial(
+                        _launch, dtype, hq, hk, head_dim, attention=True,
+                        window_left=WINDOW - 1, tree=True,
+                    )  # fmt: skip
         for head_dim in (*HEAD_DIMS, GEMMA_HEAD_DIM):
             kv = STORE_KV_HEADS  # store_kv's code depends on dtype and head_dim only
             labels = {"dtype": name, "head_dim": head_dim, "num_kv_heads": kv}

@@ -52,6 +52,7 @@ def _extend_kernel(
     sinks_ptr,
     tree_mask_ptr,
     mask_start_ptr,
+    positions_ptr,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -103,7 +104,13 @@ def _extend_kernel(
         # window, key j to the query at position p iff j >= p - WINDOW_LEFT; blocks wholly
         # before the row block's window are skipped)
         prefix_start, own_start, row_lo = 0, 0, 0
-        if WINDOW_LEFT >= 0:
+        if WINDOW_LEFT >= 0 and TREE:
+            # a tree's node sits at its depth's position, not at prefix_len + its row: the
+            # window is by the tokens' positions (every row is at prefix_len or later)
+            q_pos = tl.load(positions_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int32)
+            row_lo = q_pos - WINDOW_LEFT
+            prefix_start = tl.maximum(prefix_len - WINDOW_LEFT, 0)
+        elif WINDOW_LEFT >= 0:
             row_lo = prefix_len + offs_m - WINDOW_LEFT
             prefix_start = tl.maximum(prefix_len + m_start - WINDOW_LEFT, 0)
             own_start = tl.maximum(m_start - WINDOW_LEFT, 0)
@@ -125,7 +132,10 @@ def _extend_kernel(
             if LOGIT_CAP > 0:
                 qk = soft_cap(qk, LOGIT_CAP)
             visible = mask_n[None, :] & (pos[None, :] <= offs_m[:, None])
-            if WINDOW_LEFT >= 0:
+            if WINDOW_LEFT >= 0 and TREE:
+                k_pos = tl.load(positions_ptr + start + pos, mask=mask_n, other=0).to(tl.int32)
+                visible = visible & (k_pos[None, :] >= row_lo[:, None])
+            elif WINDOW_LEFT >= 0:
                 visible = visible & (pos[None, :] >= offs_m[:, None] - WINDOW_LEFT)
             if TREE:  # a draft tree: a node sees its ancestors only (row-major, its own mask)
                 mask_start = tl.load(mask_start_ptr + req).to(tl.int64)
@@ -155,8 +165,11 @@ def _extend_kernel(
         tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def launch_config(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for K/V of `dtype` and padded head size `block_d`.
+def launch_config(
+    dtype: torch.dtype, block_d: int, tree_window: bool = False
+) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) for K/V of `dtype` and padded head size `block_d`;
+    `tree_window`: draft trees in a sliding window (the tokens' positions held too).
 
     fp16/bf16 run both dots on tensor cores: 64 x 64 blocks, 4 warps up to head_dim 64, 8 above.
 
@@ -174,9 +187,13 @@ def launch_config(dtype: torch.dtype, block_d: int) -> tuple[int, int, int]:
     and, in the sliding-window variant, spilled 236 B (and took 224 KB of shared memory, near
     the 227 KB limit); 64 x 32 blocks use 195-212 registers, 128 KB, no spill (sm_90a, triton
     3.9). float32 keeps 16 x 32 over 8 warps there (95-147 registers, no spill).
+
+    Draft trees in a sliding window hold each row's and key's position: in float32 at
+    head_dim 64 the 32 x 64 blocks spilled 216 B (sm_90a, triton 3.9); they take 16 x 32
+    blocks over 8 warps, as head_dim 128 does.
     """
     if dtype == torch.float32:
-        return (32, 64, 16) if block_d <= 64 else (16, 32, 8)
+        return (32, 64, 16) if block_d <= 64 and not tree_window else (16, 32, 8)
     if block_d > 128:
         return 64, 32, 8
     return 64, 64, 4 if block_d <= 64 else 8
@@ -202,6 +219,7 @@ def extend_attention(
     logit_cap: float = 0.0,
     sinks: torch.Tensor | None = None,
     tree_mask: tuple[torch.Tensor, torch.Tensor] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, Hq, D]; k/v [N, Hk, D] or [N, Hk * D] (the new tokens, in the pool's dtype; a
     float8 cache's are read as stored, like its prefix: `scale` includes its k_scale);
@@ -212,7 +230,11 @@ def extend_attention(
     `sinks` [Hq] (gpt-oss's): each head's logit joins its softmax as a key without a value.
     `tree_mask` (a verify step's draft trees, engine/speculative/tree.py): (masks, starts),
     request i's extend_lens[i]^2 uint8 mask row-major at masks[starts[i]:]; new token t sees
-    new token u only where its row has a 1 at u."""
+    new token u only where its row has a 1 at u. A tree in a sliding-window layer needs the
+    tokens' `positions` [N] (a node's is the request's prefix length plus its depth): the
+    window is by position."""
+    if tree_mask is not None and window_left >= 0 and positions is None:
+        raise ValueError("extend_attention: a draft tree in a sliding window needs positions")
     num_tokens, num_heads, head_dim = q.shape
     _, num_kv_heads, _ = k_buffer.shape
     k = as_heads(k, num_kv_heads, head_dim)
@@ -226,7 +248,8 @@ def extend_attention(
         return out
     block_d = next_pow2(head_dim, 16)
     dtype = compute_dtype(q.dtype, k_buffer.dtype)
-    default_m, default_n, num_warps = launch_config(dtype, block_d)
+    tree_window = tree_mask is not None and window_left >= 0
+    default_m, default_n, num_warps = launch_config(dtype, block_d, tree_window)
     block_m = default_m if block_m is None else block_m
     block_n = default_n if block_n is None else block_n
     grid = (batch_size, num_heads, cdiv(max_extend_len, block_m))
@@ -235,6 +258,7 @@ def extend_attention(
         req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
         sinks if sinks is not None else extend_lens,
         *(tree_mask if tree_mask is not None else (extend_lens, extend_lens)),
+        positions if positions is not None else extend_lens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), k_buffer.stride(0), k_buffer.stride(1),
         req_to_token.stride(0),

@@ -27,7 +27,9 @@ def _attend(
 ):
     """q [M, Hq, D], k/v [L, Hk, D] -> [M, Hq, D]; query m (at position causal_from + m) sees
     keys j <= causal_from + m, and (window_left >= 0) j >= causal_from + m - window_left;
-    `own_mask` [M, M] bool: query m sees key causal_from + n only where own_mask[m, n].
+    `own_mask` [M, M] bool (a draft tree's ancestor mask): query m sees key causal_from + n
+    only where own_mask[m, n], and new tokens sit at causal_from + their depth (their
+    ancestors' count), which the window compares.
     logit_cap > 0: scores s are soft-capped to logit_cap * tanh(s / logit_cap) first.
     sinks [Hq]: one more logit per head in the softmax, whose weight goes to no value."""
     group = q.shape[1] // k.shape[1]
@@ -39,8 +41,14 @@ def _attend(
     m = torch.arange(q.shape[0], device=q.device)[:, None]
     j = torch.arange(k.shape[0], device=q.device)[None, :]
     hidden = j > causal_from + m
+    q_pos, k_pos = causal_from + m, j
+    if own_mask is not None:  # (positions by depth: row n of an ancestor mask has n's path)
+        depth = own_mask.to(q.device).sum(1) - 1
+        q_pos = causal_from + depth[:, None]
+        k_pos = torch.where(j >= causal_from, causal_from + depth[(j - causal_from).clamp(
+            0, q.shape[0] - 1)], j)
     if window_left >= 0:
-        hidden |= j < causal_from + m - window_left
+        hidden |= k_pos < q_pos - window_left
     if own_mask is not None:
         own = j >= causal_from
         seen = own_mask.to(q.device)[m, (j - causal_from).clamp(0, q.shape[0] - 1)]

@@ -58,6 +58,9 @@ class HybridSWABackend(AttentionBackend):
         self.allocator = allocator
         self._swa_batch: ForwardBatch | None = None
         self.supports_cuda_graph = swa.supports_cuda_graph
+        self.supports_tree_mask = swa.supports_tree_mask and (
+            full is None or full.supports_tree_mask
+        )  # (draft trees: each inner backend masks its layers' over the same batch)
         self.cuda_graph_seq_len_fill_value = swa.cuda_graph_seq_len_fill_value
         self._graph_rows = self._graph_loc = self._graph_rids = torch.empty(0)
 

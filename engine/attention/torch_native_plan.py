@@ -35,7 +35,7 @@ import torch
 
 from engine.attention.torch_ops import subset_batch
 from engine.forward_batch import ForwardBatch
-from engine.speculative.tree import ancestor_mask
+from engine.speculative.tree import ancestor_mask, depths
 
 
 @dataclass
@@ -64,6 +64,9 @@ class Plan:
     key_valid: torch.Tensor | None = None  # [B, L] bool
     rows: torch.Tensor | None = None  # [B, max_seq_len] int64: the requests' page-table rows
     first_q_pos: list[int] = field(default_factory=list)  # host: each request's first query
+    # draft trees: [B, L] int64 each key's position (a node's: the prefix length plus its
+    # depth; `q_pos` likewise), which a window compares; `mask` then holds the trees
+    key_pos: torch.Tensor | None = None
     seq_lens: list[int] = field(default_factory=list)  # host
     windows: dict[int, Keys] = field(default_factory=dict)
 
@@ -76,6 +79,8 @@ class Plan:
         `window` for decode). Padded query rows (whose outputs are dropped) see every key
         gathered for their request, so that no row is fully masked. `narrow=False`: the whole
         context gathered and masked (what this backend did before; benchmarks compare)."""
+        if window not in self.windows and self.key_pos is not None:
+            self.windows[window] = self._tree_window(window)
         if window not in self.windows:
             assert self.q_pos is not None and self.key_valid is not None
             assert self.rows is not None
@@ -99,6 +104,18 @@ class Plan:
             mask = None if bool(visible.all()) else visible.unsqueeze(1)
             self.windows[window] = Keys(index, int(valid.shape[1]), mask)
         return self.windows[window]
+
+
+    def _tree_window(self, window: int) -> Keys:
+        """A verify step of draft trees in a sliding-window layer: every key gathered, the
+        trees' mask narrowed to the keys within `window` positions (by depth) of the query.
+        Padded query rows see every key, as in the trees' mask."""
+        assert self.q_pos is not None and self.key_valid is not None and self.mask is not None
+        q_pos = self.q_pos[:, :, None]
+        inside = self.key_pos[:, None, :] > q_pos - window  # type: ignore[index]
+        q_real = q_pos < self.key_valid.sum(1)[:, None, None]
+        visible = self.mask & (inside | ~q_real).unsqueeze(1)
+        return Keys(self.kv_index, self.max_seq_len, visible)
 
 
 @dataclass
@@ -187,6 +204,8 @@ def _plan_extend(plan: Plan, fb: Any, key_pos: torch.Tensor) -> None:
         plan.mask, plan.causal = None, True
     elif getattr(fb, "spec_parents", None) is not None:
         plan.mask = _tree_mask(fb.spec_parents, prefix_lens, plan.key_valid, max_q_len)
+        plan.q_pos, plan.key_pos = _tree_positions(fb.spec_parents, prefix_lens, plan.key_valid,
+                                                   max_q_len)  # fmt: skip
     else:
         mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & plan.key_valid[:, None, :]
         plan.mask = mask.unsqueeze(1)
@@ -209,3 +228,21 @@ def _tree_mask(
     seen = own_t.gather(2, index)  # [B, Q, L]: column rel of row t of the request's mask
     mask = ((rel < 0) & key_valid)[:, None, :] | (new[:, None, :] & seen)
     return mask.unsqueeze(1)
+
+
+def _tree_positions(
+    parents: list[list[int]], prefix_lens: torch.Tensor, key_valid: torch.Tensor, q_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, Q], [B, L]) int64: each query's and each key's position in a verify step of draft
+    trees. Cached key j is at j; node t at the prefix length plus its depth; padded query
+    rows at the prefix length plus their row (past the request's keys)."""
+    device = key_valid.device
+    depth = np.tile(np.arange(q_len, dtype=np.int64), (len(parents), 1))
+    for i, ps in enumerate(parents):
+        depth[i, : len(ps) + 1] = depths(ps)
+    depth_t = torch.from_numpy(depth).to(device)
+    q_pos = prefix_lens[:, None] + depth_t
+    j = torch.arange(key_valid.shape[1], device=device)[None, :]
+    rel = j - prefix_lens[:, None]
+    own = prefix_lens[:, None] + depth_t.gather(1, rel.clamp(0, q_len - 1))
+    return q_pos, torch.where(rel >= 0, own, j)

@@ -251,6 +251,7 @@ class TritonAttnBackend(AttentionBackend):
                 softmax_scale(layer, fb), window_left=window_left(layer),
                 logit_cap=logit_cap(layer), sinks=getattr(layer, "sinks", None),
                 tree_mask=md.tree_mask,
+                positions=fb.positions if md.tree_mask is not None else None,  # (windows)
             )  # fmt: skip
         return out.view(-1, layer.num_heads * layer.head_dim)
 

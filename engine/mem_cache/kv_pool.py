@@ -84,11 +84,21 @@ class KVPool:
         """Every buffer once (a shared pool's V buffers are its K buffers)."""
         return list(self.k_buffer) if self.shared else self.k_buffer + self.v_buffer
 
-    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Every layer's K/V of slots `src` into slots `dst` (int64, on the pool's device);
+    def copy_slots(
+        self, src: torch.Tensor, dst: torch.Tensor, full_to_swa: torch.Tensor | None = None
+    ) -> None:
+        """Every layer's K/V of (full) slots `src` into slots `dst` (int64, on the pool's
+        device), the windowed layers' at their swa slots (`full_to_swa`, hybrid memory);
         every source is read before any destination is written, so a slot may be both."""
-        for buf in self.buffers():
-            buf[dst] = buf[src]  # (the right side is gathered first: overlaps are safe)
+        windowed = (src, dst)
+        if self.swa_layers:
+            assert full_to_swa is not None, "hybrid memory: the windowed layers' slot map"
+            windowed = (full_to_swa[src], full_to_swa[dst])
+        for layer in range(self.num_layers):
+            s, d = windowed if layer in self.swa_layers else (src, dst)
+            k, v = self.k_buffer[layer], self.v_buffer[layer]
+            for buf in (k,) if self.shared else (k, v):
+                buf[d] = buf[s]  # (the right side is gathered first: overlaps are safe)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]

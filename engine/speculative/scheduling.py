@@ -168,19 +168,14 @@ def make_drafter(args: EngineArgs, runner: Any, context_len: int) -> Drafter | N
 
 def check_tree_support(runner: Any) -> None:
     """ValueError where a verify step cannot mask draft trees: an attention backend without
-    tree masks (flashinfer here), a model with sliding-window layers (their masks are by
-    position, which a tree's nodes share)."""
+    tree masks (flashinfer here). (In sliding-window layers the backends with tree masks
+    compare the nodes' positions, the prefix length plus their depth.)"""
     backend = runner.attn_backend
     if not getattr(backend, "supports_tree_mask", False):
         raise ValueError(
             f"draft trees (speculative_eagle_topk > 1): the {type(backend).__name__} attention "
             "backend has no tree masks; use attention_backend 'triton' or 'torch_native', or "
             "topk 1"
-        )
-    if any(w is not None for w in runner.model_config.sliding_windows):
-        raise ValueError(
-            "draft trees (speculative_eagle_topk > 1) with sliding-window layers are not "
-            "supported; use topk 1"
         )
 
 

@@ -99,7 +99,7 @@ def move_kv(runner: ModelRunner, slots: torch.Tensor, moves: list[tuple[int, int
     parallelism the followers copy theirs before the next forward."""
     index = torch.tensor(moves, dtype=torch.int64).to(slots.device)
     src, dst = slots[index[:, 0]], slots[index[:, 1]]
-    runner.kv_pool.copy_slots(src, dst)
+    runner.kv_pool.copy_slots(src, dst, getattr(runner.allocator, "full_to_swa", None))
     capture = getattr(runner, "hidden_capture", None)  # (rank 0's alone, with TP)
     if capture is not None:
         capture.buffer[dst] = capture.buffer[src]

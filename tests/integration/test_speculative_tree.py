@@ -323,5 +323,5 @@ def test_backends_and_models_without_tree_masks_are_refused() -> None:
 
     backend = create_attention_backend("torch_native", device="cpu")
     check_tree_support(SimpleNamespace(attn_backend=backend, model_config=plain))
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_tree_support(SimpleNamespace(attn_backend=backend, model_config=windows))
+    # (sliding windows compare the nodes' positions: tests/integration/test_speculative.py)
+    check_tree_support(SimpleNamespace(attn_backend=backend, model_config=windows))

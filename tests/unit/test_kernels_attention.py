@@ -379,6 +379,40 @@ def test_soft_cap_is_tanh_to_float32_rounding():
     assert err.max().item() < 1e-6, f"worst relative error {err.max().item():.3g}"
 
 
+@pytest.mark.parametrize("window_left", [4, 30])
+def test_extend_tree_mask_in_a_sliding_window(window_left):
+    """Draft trees in a sliding-window layer: a node sits at the request's prefix length plus
+    its depth, and the window compares those positions (for the prefix's keys and for its
+    ancestors), not its row in the tree. Rows placed at prefix + row instead give another
+    result (the comparison can fail); a window of 31 reaches into the 37-key prefix."""
+    from engine.speculative.tree import ancestor_mask, depths, packed_masks
+
+    gen = torch.Generator().manual_seed(5)
+    parents = [_random_parents(24, gen), [], _random_parents(9, gen)]
+    prefix = [20, 37, 5]
+    case = make_paged_case(prefix, [len(p) + 1 for p in parents], 4, 2, 64, 4, torch.float32,
+                           DEVICE, seed=13)  # fmt: skip
+    masks, starts = packed_masks(parents)
+    tree = (torch.from_numpy(masks).to(DEVICE), torch.from_numpy(starts).to(DEVICE))
+    positions = torch.tensor([n + d for n, p in zip(prefix, parents) for d in depths(p)],
+                             device=DEVICE)  # fmt: skip
+    args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token)
+    args += (case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc)
+    got = extend_attention(*args, case.max_extend_len, case.scale, block_m=16, block_n=16,
+                           window_left=window_left, tree_mask=tree, positions=positions)
+    own = [torch.from_numpy(ancestor_mask(p)) for p in parents]
+    want = extend_attention_ref(*args, case.scale, window_left=window_left, tree_masks=own)
+    _close(got, want)
+    rows = torch.cat([n + torch.arange(len(p) + 1) for n, p in zip(prefix, parents)])
+    by_row = extend_attention(*args, case.max_extend_len, case.scale, block_m=16, block_n=16,
+                              window_left=window_left, tree_mask=tree,
+                              positions=rows.to(DEVICE))  # fmt: skip
+    assert (by_row.float() - want.float()).abs().max().item() > 10 * TOL[torch.float32]
+    with pytest.raises(ValueError, match="needs positions"):
+        extend_attention(*args, case.max_extend_len, case.scale, window_left=window_left,
+                         tree_mask=tree)  # fmt: skip
+
+
 def _random_parents(n: int, gen: torch.Generator) -> list[int]:
     return [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)]
 

@@ -108,9 +108,10 @@ def expected_variants() -> list[tuple]:
         for kernel in ("_decode_split_kernel", "_decode_merge_kernel")
     ]
     rows += [
-        ("_extend_kernel", dtype, head_dim, 32, 8, "tree mask")
+        ("_extend_kernel", dtype, head_dim, 32, 8, case)
         for dtype in DTYPES
         for head_dim in HEAD_DIMS
+        for case in ("tree mask", "tree mask window 4096")
     ]
     rows += [
         ("_decode_split_kernel", dtype, head_dim, 12, 12, "store kv")

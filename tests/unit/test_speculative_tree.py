@@ -79,12 +79,16 @@ class _Layer:
     scaling = 32**-0.5
 
 
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
 @pytest.mark.parametrize("backend_name", ["torch_native", "triton"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_backends_tree_masks_match_the_reference(backend_name: str, page_size: int) -> None:
+def test_backends_tree_masks_match_the_reference(
+    backend_name: str, page_size: int, window: int | None
+) -> None:
     """A verify batch of trees, a chain and a request without drafts (torch_native plans its
-    one token as a decode row): each node sees the request's cached keys and its ancestors.
-    (Triton under the interpreter.)"""
+    one token as a decode row): each node sees the request's cached keys and its ancestors;
+    in a sliding-window layer only those within the window of its position (the prefix
+    length plus its depth). (Triton under the interpreter.)"""
     gen = torch.Generator().manual_seed(5)
     parents = [PARENTS, chain_parents(3), [],
                [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, 12)]]
@@ -96,15 +100,22 @@ def test_backends_tree_masks_match_the_reference(backend_name: str, page_size: i
     backend = create_attention_backend(backend_name, device="cpu", kv_pool=pool)
     fb = paged_case_batch(case, ForwardMode.EXTEND, pool, backend)
     fb.spec_parents = parents
+    fb.positions = torch.tensor([n + d for n, p in zip([9, 20, 4, 13], parents)
+                                 for d in depths(p)])  # fmt: skip
     backend.init_forward_metadata(fb)
     q, k, v = (x.reshape(x.shape[0], -1) for x in (case.q, case.k, case.v))
-    got = backend.forward(q, k, v, _Layer(), fb).view_as(case.q)
+    layer = _Layer()
+    layer.sliding_window = window
+    got = backend.forward(q, k, v, layer, fb).view_as(case.q)
     case.store_new_kv()
     args = (case.q, case.k, case.v, case.k_buffer, case.v_buffer, case.req_to_token,
             case.req_pool_indices, case.prefix_lens, case.extend_lens, case.extend_start_loc,
             case.scale)  # fmt: skip
-    want = extend_attention_ref(*args, tree_masks=[torch.from_numpy(ancestor_mask(p))
-                                                   for p in parents])  # fmt: skip
+    left = -1 if window is None else window - 1
+    masks = [torch.from_numpy(ancestor_mask(p)) for p in parents]
+    want = extend_attention_ref(*args, window_left=left, tree_masks=masks)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    causal = extend_attention_ref(*args)
+    causal = extend_attention_ref(*args, window_left=left)
     assert (causal - want).abs().max() > 1e-2  # (the mask matters)
+    if window is not None:  # (and the window)
+        assert (extend_attention_ref(*args, tree_masks=masks) - want).abs().max() > 1e-2
