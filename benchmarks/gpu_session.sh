@@ -47,6 +47,11 @@
 #   lora        benchmarks/lora.py on the GPU (bf16, 8 layers, 64 requests): adapters against the
 #               base model, and mixed adapters with the decode graphs against eager (the graphs
 #               record the LoRA layers over every slot), writing benchmarks/results/gpu_lora.json
+#   int-weight  tests/gpu/test_int_weight_gpu.py (the W4A16 / W8A16 GEMM against its reference at
+#               a 4096 x 4096 layer; a tiny W4A16 model's greedy tokens against transformers),
+#               then benchmarks/int_weight.py (Llama-3.2-1B shape, bf16: full, w4a16, w8a16),
+#               writing benchmarks/results/gpu_int_weight.json (needs the compressed-tensors,
+#               loguru and pydantic wheels carried in .whl/)
 #   speculative-mtp  benchmarks/speculative_mtp.py on the GPU (bf16, DeepSeek-V3 shape, 8
 #               layers): a model drafting with its own MTP layer (a derived layer, chained
 #               and as trees; a random one) against plain decoding, writing
@@ -274,6 +279,12 @@ do_step() {
         lora)
             run_step lora 240 python3 benchmarks/lora.py --device cuda --dtype bfloat16 \
                 --layers 8 --requests 64 --name gpu_lora ;;
+        int-weight)
+            run_step int-weight-tests 150 "${PYTEST[@]}" --timeout 300 \
+                tests/gpu/test_int_weight_gpu.py
+            run_step int-weight-bench 150 python3 benchmarks/int_weight.py --preset llama-3.2-1b \
+                --device cuda --dtype bfloat16 --decode-tokens 128 --prefill-prompts 64 \
+                --kv-tokens 65536 --name gpu_int_weight ;;
         speculative-mtp)
             run_step speculative-mtp 180 python3 benchmarks/speculative_mtp.py --device cuda \
                 --dtype bfloat16 --layers 8 --name gpu_speculative_mtp ;;

@@ -23,9 +23,10 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed import SINGLE, TensorParallel, building_with
 from engine.layers.fp8 import Fp8Linear, QuantizedWeight
+from engine.layers.int_weight import IntWeightLinear, PackedIntWeight
 from engine.mem_cache.kv_quant import take_kv_scales
 from engine.models.registry import get_model_class
-from engine.quantization import Fp8Config, pair_fp8_scales, swap_in_fp8
+from engine.quantization import QuantConfig, swap_in_fp8
 
 TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Ministral3ForCausalLM",
                     "Mistral3ForConditionalGeneration", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -43,7 +44,7 @@ def load_model(
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
-    quantization: Fp8Config | None = None,
+    quantization: QuantConfig | None = None,
     tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """The model of `model_config.path` with its checkpoint weights, in eval mode, no grads;
@@ -97,6 +98,10 @@ def checkpoint_bytes(model_config: ModelConfig) -> int:
     return total
 
 
+# a checkpoint's quantized weights (their parts joined), and the layers that keep them so
+QUANTIZED_TENSORS = (QuantizedWeight, PackedIntWeight)
+QUANTIZED_LINEARS = (Fp8Linear, IntWeightLinear)
+
 # safetensors' dtype names -> torch's
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -110,7 +115,7 @@ def build_model(
     model_config: ModelConfig,
     dtype: torch.dtype,
     device: str | torch.device,
-    quantization: Fp8Config | None = None,
+    quantization: QuantConfig | None = None,
     tp: TensorParallel = SINGLE,
 ) -> nn.Module:
     """The model's class built on the meta device (rank `tp.rank`'s part of it), then (unless
@@ -124,7 +129,7 @@ def build_model(
     with torch.device("meta"), _default_dtype(dtype), building_with(tp):
         model = cls(model_config.hf_config, max_position=model_config.context_len)
         if quantization is not None and quantization.checkpoint:
-            swap_in_fp8(model, quantization)
+            quantization.swap(model)
     return model if torch.device(device).type == "meta" else model.to_empty(device=device)
 
 
@@ -132,7 +137,7 @@ def fill_model(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
     path: str,
-    quantization: Fp8Config | None = None,
+    quantization: QuantConfig | None = None,
     partial: bool = False,
 ) -> dict[int, tuple[float, float]]:
     """Copy a checkpoint's tensors into `model` (ValueError if one does not fit or, unless
@@ -140,7 +145,7 @@ def fill_model(
     kv_cache_scales: dict[int, tuple[float, float]] = {}
     weights = take_kv_scales(weights, kv_cache_scales)
     if quantization is not None and quantization.checkpoint:
-        weights = pair_fp8_scales(weights, quantization.block)
+        weights = quantization.pair(weights)
     loaded = model.load_weights(weights)
     if partial:
         return kv_cache_scales
@@ -215,8 +220,8 @@ def load_named_weights(
             name, shard_id = shard
         param = _param(params, name, ckpt_name)
         module = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(tensor, QuantizedWeight) and not isinstance(module, Fp8Linear):
-            tensor = tensor.dequantize(param.dtype)  # an FP8 checkpoint's weight we keep 16-bit
+        if isinstance(tensor, QUANTIZED_TENSORS) and not isinstance(module, QUANTIZED_LINEARS):
+            tensor = tensor.dequantize(param.dtype)  # a quantized weight we keep 16-bit
         if shard is None and hasattr(module, "load_weight"):  # a tensor-parallel layer's part
             try:
                 module.load_weight(param, tensor)
@@ -226,7 +231,7 @@ def load_named_weights(
         elif shard is not None:
             module.load_shard(param, tensor, shard_id)
             shards_seen[name].add(shard_id)
-        elif isinstance(module, Fp8Linear):
+        elif isinstance(module, QUANTIZED_LINEARS):
             module.load_shard(param, tensor, None)
             loaded.add(name)
         else:

@@ -12,8 +12,17 @@
 Either way the quantized layers are the blocks' projections (`engine.layers.fp8.Fp8Linear`);
 embeddings, the LM head, norms, MoE routers and experts stay in the model dtype (an FP8
 checkpoint's expert weights are dequantized as they load), as do the modules the config's
-`modules_to_not_convert` / `ignored_layers` name. Other methods (AWQ, GPTQ,
-compressed-tensors, bitsandbytes, MXFP4) are refused at start with their name.
+`modules_to_not_convert` / `ignored_layers` name.
+
+Integer weights (W4A16 / W8A16, `engine.layers.int_weight.IntWeightLinear`): a
+compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
+"pack-quantized": llm-compressor's W4A16 / W8A16 schemes) loads its packed 4- or 8-bit
+weights as stored, with their group (or channel) scales and, asymmetric, zero points; the
+blocks' linear layers run on them, the rest as for FP8 (experts dequantized as they load,
+the config's `ignore` list left in the model dtype). Activation ordering (`actorder: group`,
+a `weight_g_idx` per column), quantized activations (W8A8, FP8 schemes) and the other
+compressed-tensors formats are refused, as are the other methods (AWQ, GPTQ, bitsandbytes,
+MXFP4 but gpt-oss's experts), with their name.
 """
 
 from __future__ import annotations
@@ -45,9 +54,85 @@ class Fp8Config:
     block: tuple[int, int] | None = None  # weight_block_size; None: per output channel
     skip: tuple[str, ...] = ()  # module names left unquantized
 
+    def swap(self, model: nn.Module) -> int:
+        """The quantized layers swapped in, empty, for a checkpoint to fill (meta model)."""
+        return swap_in_fp8(model, self)
 
-def resolve_quantization(requested: str | None, hf_config: object) -> Fp8Config | None:
-    """The FP8 setup of `--quantization requested` on a model of `hf_config` (None: none)."""
+    def pair(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """A checkpoint's tensors with each quantized weight's parts joined."""
+        return pair_fp8_scales(weights, self.block)
+
+
+@dataclass(frozen=True)
+class IntWeightConfig:
+    """A compressed-tensors pack-quantized checkpoint: `bits`-bit weights, a scale per `group`
+    input columns (None: per output channel), zero points unless `symmetric`."""
+
+    bits: int
+    group: int | None
+    symmetric: bool
+    skip: tuple[str, ...] = ()  # the config's `ignore`: module names, or "re:" patterns
+    checkpoint: bool = True
+
+    def swap(self, model: nn.Module) -> int:
+        from engine.layers.int_weight import IntWeightLinear
+
+        names = quantized_linear_names(model, self)
+        for name in names:
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            linear = getattr(owner, attr)
+            setattr(owner, attr, IntWeightLinear.like(linear, self.bits, self.group,
+                                                      self.symmetric))  # fmt: skip
+        return len(names)
+
+    def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        return pair_int_weights(weights, self)
+
+
+def _int_weight_config(qc: dict) -> IntWeightConfig:
+    """The W4A16 / W8A16 setup of a compressed-tensors `quantization_config`; ValueError,
+    with the reason, for the schemes it cannot run."""
+    groups = list((qc.get("config_groups") or {}).values())
+    formats = {g.get("format") or qc.get("format") for g in groups}
+    if formats != {"pack-quantized"}:
+        raise ValueError(
+            f"compressed-tensors format {sorted(map(str, formats))}: sluice runs "
+            "'pack-quantized' checkpoints (W4A16 / W8A16 weights)"
+        )
+    if len(groups) != 1 or "Linear" not in (groups[0].get("targets") or ()):
+        raise ValueError("compressed-tensors: one config group targeting Linear layers is "
+                         "supported (the W4A16 / W8A16 schemes)")  # fmt: skip
+    group = groups[0]
+    w = group.get("weights") or {}
+    if group.get("input_activations") or group.get("output_activations"):
+        raise ValueError("compressed-tensors: quantized activations (W8A8 and FP8 schemes) are "
+                         "not supported; weight-only W4A16 / W8A16 are")  # fmt: skip
+    if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
+        raise ValueError(f"compressed-tensors weights of {w.get('num_bits')}-bit "
+                         f"{w.get('type')}: 4- and 8-bit integers are supported")  # fmt: skip
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors weight strategy {strategy!r}: 'group' and "
+                         "'channel' are supported")  # fmt: skip
+    if w.get("actorder") == "group":
+        raise ValueError("compressed-tensors activation ordering (actorder 'group': a group "
+                         "index per column) is not supported")  # fmt: skip
+    size = w.get("group_size") if strategy == "group" else None
+    if strategy == "group" and (not isinstance(size, int) or size < 1):
+        raise ValueError(f"compressed-tensors group strategy without a group_size ({size!r})")
+    return IntWeightConfig(int(w["num_bits"]), size, bool(w.get("symmetric", True)),
+                           tuple(qc.get("ignore") or ()))  # fmt: skip
+
+
+QuantConfig = Fp8Config | IntWeightConfig
+
+
+def resolve_quantization(requested: str | None, hf_config: object) -> QuantConfig | None:
+    """The quantization of `--quantization requested` on a model of `hf_config` (None:
+    none): FP8 (a checkpoint's, or online), or a checkpoint's integer weights."""
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization: {requested!r} not in {QUANTIZATION_METHODS}")
     qc = getattr(hf_config, "quantization_config", None)
@@ -62,11 +147,15 @@ def resolve_quantization(requested: str | None, hf_config: object) -> Fp8Config 
         if requested is not None:
             raise ValueError(f"--quantization {requested} on an MXFP4 checkpoint")
         return None
+    if method == "compressed-tensors":
+        if requested is not None:
+            raise ValueError(f"--quantization {requested} on a compressed-tensors checkpoint")
+        return _int_weight_config(qc)
     if method != "fp8":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which sluice does not run "
-            f"(it runs FP8 checkpoints, quant_method 'fp8', and --quantization fp8 on "
-            f"16-bit ones)"
+            f"(it runs FP8 checkpoints, quant_method 'fp8', --quantization fp8 on 16-bit "
+            f"ones, and compressed-tensors W4A16 / W8A16 ones)"
         )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"FP8 checkpoint format {qc['fmt']!r}: only e4m3 is supported")
@@ -77,21 +166,25 @@ def resolve_quantization(requested: str | None, hf_config: object) -> Fp8Config 
     return Fp8Config(checkpoint=True, block=tuple(block) if block else None, skip=skip)
 
 
-def quantized_linear_names(model: nn.Module, config: Fp8Config) -> list[str]:
-    """The linear layers to run in FP8: those of the transformer blocks, less MoE routers and
-    the modules the checkpoint leaves alone."""
+def quantized_linear_names(model: nn.Module, config: QuantConfig) -> list[str]:
+    """The linear layers to run quantized: those of the transformer blocks, less MoE routers
+    and the modules the checkpoint leaves alone (names, suffixes, or "re:" patterns)."""
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not _IN_BLOCK.search(name):
             continue
         if name.rsplit(".", 1)[-1] in _ROUTERS + getattr(model, "unquantized_linears", ()):
             continue
-        if any(
-            name == s or name.startswith(s + ".") or name.endswith("." + s) for s in config.skip
-        ):
+        if any(_skipped(name, s) for s in config.skip):
             continue
         names.append(name)
     return names
+
+
+def _skipped(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.startswith(pattern + ".") or name.endswith("." + pattern)
 
 
 def swap_in_fp8(model: nn.Module, config: Fp8Config) -> int:
@@ -149,3 +242,46 @@ def pair_fp8_scales(
         raise ValueError(
             f"FP8 checkpoint: float8 weights without a scale or the reverse: {orphans[:5]}"
         )
+
+
+_INT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+
+
+def pair_int_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], config: IntWeightConfig
+) -> Iterator[tuple[str, object]]:
+    """A compressed-tensors checkpoint's tensors with each quantized weight's parts (packed
+    words, scales, shape, zero points; in any order) joined into one `PackedIntWeight`,
+    yielded as the module's `weight`. ValueError for a part without the others, or a
+    `weight_g_idx` (activation ordering)."""
+    from engine.layers.int_weight import PackedIntWeight, unpack_zero_points
+
+    needed = set(_INT_PARTS[:3]) | (set() if config.symmetric else {"weight_zero_point"})
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        base, _, part = name.rpartition(".")
+        if part == "weight_g_idx":
+            raise ValueError(f"{name}: activation ordering (a group index per column) is not "
+                             "supported")  # fmt: skip
+        if part not in _INT_PARTS:
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(base, {})
+        parts[part] = tensor
+        if not needed <= set(parts):
+            continue
+        del waiting[base]
+        rows, columns = (int(v) for v in parts["weight_shape"].tolist())
+        scale = parts["weight_scale"]
+        group = columns if config.group is None else config.group
+        if scale.shape != (rows, -(-columns // group)):
+            raise ValueError(f"{base}: scales of shape {tuple(scale.shape)} for a {rows} x "
+                             f"{columns} weight in groups of {group}")  # fmt: skip
+        zero = parts.get("weight_zero_point")
+        if zero is not None:
+            zero = unpack_zero_points(zero, config.bits, rows)
+        yield base + ".weight", PackedIntWeight(parts["weight_packed"], scale, zero, config.bits,
+                                                group, columns)  # fmt: skip
+    if waiting:
+        raise ValueError(f"compressed-tensors checkpoint: quantized weights missing parts: "
+                         f"{sorted(waiting)[:5]}")  # fmt: skip

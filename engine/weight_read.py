@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import ModelConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.loader import build_model, fill_model
-from engine.quantization import Fp8Config
+from engine.quantization import QuantConfig
 from engine.weight_update import checkpoint_spec
 
 
@@ -47,7 +47,7 @@ def read_weight(
     model_config: ModelConfig,
     checkpoint: str,
     dtype: torch.dtype,
-    quantization: Fp8Config | None,
+    quantization: QuantConfig | None,
     name: str,
 ) -> torch.Tensor:
     """The served value of the checkpoint tensor `name` (of the checkpoint in `checkpoint`,
@@ -61,7 +61,7 @@ def read_weight_part(
     model_config: ModelConfig,
     checkpoint: str,
     dtype: torch.dtype,
-    quantization: Fp8Config | None,
+    quantization: QuantConfig | None,
     name: str,
     tp: TensorParallel = SINGLE,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from engine.loader import (
     safetensors_files,
     tensors_to_read,
 )
-from engine.quantization import Fp8Config
+from engine.quantization import QuantConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def reload_weights(
     model_config: ModelConfig,
     path: str,
     dtype: torch.dtype,
-    quantization: Fp8Config | None,
+    quantization: QuantConfig | None,
 ) -> dict[int, tuple[float, float]]:
     """Copy the checkpoint in `path` into `model` (built from `model_config`); its KV-cache
     scales. ValueError, with nothing changed, if it is not a checkpoint of this model."""
@@ -57,7 +57,7 @@ def reload_weights(
 
 
 def check_checkpoint(
-    model_config: ModelConfig, path: str, dtype: torch.dtype, quantization: Fp8Config | None
+    model_config: ModelConfig, path: str, dtype: torch.dtype, quantization: QuantConfig | None
 ) -> None:
     """ValueError unless `path` holds a checkpoint of the model of `model_config` (its config,
     and its tensors loaded into a copy of the model on the meta device)."""
@@ -75,7 +75,7 @@ def load_tensors(
     model_config: ModelConfig,
     named: list[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
-    quantization: Fp8Config | None,
+    quantization: QuantConfig | None,
 ) -> dict[int, tuple[float, float]]:
     """Copy `named` (checkpoint names and shapes: any part of a checkpoint of this model, as
     SGLang's `update_weights_from_tensor` sends it) into `model`; the KV-cache scales among
@@ -89,7 +89,7 @@ def check_tensors(
     model_config: ModelConfig,
     named: list[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
-    quantization: Fp8Config | None,
+    quantization: QuantConfig | None,
 ) -> None:
     """ValueError unless `named` fit the model of `model_config` (loaded into a copy of it on
     the meta device)."""
@@ -133,7 +133,7 @@ def _shape_of(t: torch.Tensor) -> torch.Tensor:
     return t if t.numel() < _READ_BELOW else torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
-def _refuse_quantized_on_load(quantization: Fp8Config | None) -> None:
+def _refuse_quantized_on_load(quantization: QuantConfig | None) -> None:
     if quantization is not None and not quantization.checkpoint:
         raise ValueError("the model was quantized to FP8 as it loaded (--quantization fp8); "
                          "updating its weights is not supported")  # fmt: skip

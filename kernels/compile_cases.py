@@ -22,6 +22,7 @@ from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.gemv import RMSNormInput, gemv
+from kernels.int_gemm import int_gemm
 from kernels.jit import use_pdl
 from kernels.kv_store import store_kv
 from kernels.page_table import page_ids
@@ -135,6 +136,24 @@ def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int, k: int 
     a_s = torch.empty(tokens, -(-k // group[1]))
     w_s = torch.empty(-(-n // group[0]), -(-k // group[1]))
     (fp8_gemv if tokens == 1 else fp8_gemm)(a, a_s, w, w_s, group, None, dtype)
+
+
+def _launch_int(dtype: torch.dtype, bits: int, group: int | None, tokens: int,
+                symmetric: bool = True) -> None:  # fmt: skip
+    """The W4A16 / W8A16 GEMM of a 4096 x 4096 layer (group None: per channel)."""
+    n = k = 4096
+    g = group or k
+    packed = torch.empty(n, k * bits // 32, dtype=torch.int32)
+    scale = torch.empty(n, k // g, dtype=dtype)
+    zero = None if symmetric else torch.empty(n, k // g, dtype=torch.int8)
+    int_gemm(torch.empty(tokens, k, dtype=dtype), packed, scale, zero, bits, g)
+
+
+# weight-only integer GEMMs: W4A16 in groups of 128 (decode and prefill row blocks; with
+# zero points), W8A16 per channel
+INT_CASES = {"int w4 g128 T4": (4, 128, 4, True), "int w4 g128 T1024": (4, 128, 1024, True),
+             "int w4 g128 asym T1024": (4, 128, 1024, False),
+             "int w8 channel T1024": (8, None, 1024, True)}  # fmt: skip
 
 
 def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:
@@ -283,6 +302,8 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for group in ((128, 128), (1, k)):
                 labels = {"dtype": name, "case": f"fp8 gemv group {group[0]} K{k}"}
                 yield labels, functools.partial(_launch_fp8, dtype, group, 1, k)
+        for case, args in INT_CASES.items():
+            yield {"dtype": name, "case": case}, functools.partial(_launch_int, dtype, *args)
         for k, group_cols in ((4096, 4096), (8192, 128)):  # per token; a block checkpoint's
             labels = {"dtype": name, "case": f"fp8 quantize K{k} group {group_cols}"}
             yield labels, functools.partial(quantize_rows, torch.empty(4, k, dtype=dtype),
@@ -345,6 +366,7 @@ def _pdl_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         "fp8 gemm group (128, 128) T4": part(_launch_fp8, bf16, (128, 128), 4),
         "fp8 quantize K2048": part(quantize_rows, torch.empty(1, 2048, dtype=bf16), 2048),
         "fp8 gemv group 128 K4096": part(_launch_fp8, bf16, (128, 128), 1),
+        "int w4 g128 T4": part(_launch_int, bf16, 4, 128, 4),
     }  # fmt: skip
     x1 = torch.zeros(1, 2048, dtype=bf16)
     norm = RMSNormInput(torch.zeros(2048, dtype=bf16), 1e-5, x1, torch.zeros_like(x1))

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 # build_tokenizer is also imported from here (this module's public API before the split).
-from services import tiny_draft, tiny_encoder, tiny_fp8
+from services import tiny_draft, tiny_encoder, tiny_fp8, tiny_int_weight
 from services.tiny_classifier import to_classifier
 from services.tiny_tokenizer import SpecialTokens, build_tokenizer
 
@@ -468,6 +468,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "agrees with it (random otherwise)")
     tiny_draft.add_args(parser)
     tiny_fp8.add_args(parser)
+    tiny_int_weight.add_args(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -490,5 +491,6 @@ def run(args: argparse.Namespace) -> int:
     elif args.mtp_derived:
         raise SystemExit("--mtp-derived needs --mtp-layers 1")
     tiny_fp8.apply(args, path)
+    tiny_int_weight.apply(args, path)
     print(f"wrote {path} in {time.perf_counter() - start:.1f}s")
     return 0

@@ -10,12 +10,16 @@ from __future__ import annotations
 import torch
 
 from engine.layers.fp8 import QuantizedWeight
+from engine.layers.int_weight import PackedIntWeight
 
 
 def deinterleave(tensor: object, name: str, block: int, start: int, size: int) -> object:
     """`deinterleave_rows` of a tensor, or of an FP8 checkpoint's weight, whose block scales
     stay valid where each head's rope rows lie in one block of rows (DeepSeek-V3's: 64 rows
     at 128 of each 192, in 128-row blocks)."""
+    if isinstance(tensor, PackedIntWeight):  # (rows of words, scales, zeros: reordered alike)
+        rows = torch.arange(tensor.shape[0])
+        return tensor[deinterleave_rows(rows, block, start, size)]
     if not isinstance(tensor, QuantizedWeight):
         return deinterleave_rows(tensor, block, start, size)
     if tensor.scale.numel() > 1:

@@ -40,6 +40,10 @@ MOE_CASES = [
 MOE_CASES += [f"moe gpt-oss T{tokens}" for tokens in (4, 1024)]  # biases, [E, in, out] weights
 # the FP8 W8A8 GEMM of a 4096 x 4096 layer: 128 x 128 block scales and per-channel ones
 FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
+# weight-only integer GEMMs (kernels/int_gemm.py): W4A16 in groups of 128 (16- and 64-row
+# blocks; with zero points), W8A16 per channel
+INT_CASES = ("int w4 g128 T4", "int w4 g128 T1024", "int w4 g128 asym T1024",
+             "int w8 channel T1024")  # fmt: skip
 # one token: the float8 GEMV (a block checkpoint's and per channel; K steps of 1024 and 2048)
 FP8_GEMV_CASES = [f"fp8 gemv group {g} K{k}" for k in (4096, 8192) for g in (128, 1)]
 # its activations' quantization: per token (K 4096) and in 128-column groups (K 8192)
@@ -83,6 +87,7 @@ PDL_VARIANTS = [
     ("_fp8_gemm_kernel", "bfloat16", None, None, None, "pdl fp8 gemm group (128, 128) T4"),
     ("_quantize_rows_kernel", "bfloat16", None, None, None, "pdl fp8 quantize K2048"),
     ("_fp8_gemv_kernel", "bfloat16", None, None, None, "pdl fp8 gemv group 128 K4096"),
+    ("_int_gemm_kernel", "bfloat16", None, None, None, "pdl int w4 g128 T4"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv add_rms_norm M1 N3072 K2048"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv silu_mul M1 N2048 K8192"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv M4 N2048 K2048"),
@@ -152,6 +157,11 @@ def expected_variants() -> list[tuple]:
         ("_fp8_gemv_kernel", dtype, None, None, None, case)
         for dtype in DTYPES
         for case in FP8_GEMV_CASES
+    ]
+    rows += [
+        ("_int_gemm_kernel", dtype, None, None, None, case)
+        for dtype in DTYPES
+        for case in INT_CASES
     ]
     rows += [
         ("_quantize_rows_kernel", dtype, None, None, None, case)

@@ -1,0 +1,164 @@
+"""Integer weights (compressed-tensors W4A16 / W8A16) against the full-precision model, side by
+side in one run: weight memory, teacher-forced agreement, decode and prefill speed.
+
+    python benchmarks/int_weight.py [--preset small] [--device cpu] [--dtype float32]
+    python benchmarks/int_weight.py --preset llama-3.2-1b --device cuda --dtype bfloat16 \\
+        --name gpu_int_weight
+
+Arms on one random model (`--preset`, saved in float32), run in `--dtype`: the model as it
+is (`full`), and its weights written by compressed-tensors' compressor
+(services/tiny_int_weight.py) as `w4a16` (4 bits, a scale per 128 input columns: the
+`*-quantized.w4a16` checkpoints' scheme) and `w8a16` (8 bits, a scale per output channel).
+The model in float32 is the reference the arms are scored against.
+
+* memory: bytes of the transformer blocks' linear weights (with scales) and of all weights;
+* agreement: each arm's prompt logprobs on `--prompts` random prompts against float32's:
+  how often its top token is float32's, and |delta logprob| of the prompt's tokens (random
+  weights amplify any rounding layer after layer: read the rows against each other);
+* speed: decode ms per token at batch 1 and prefill tokens/s through the engine with its
+  defaults (CUDA graphs and the overlap loop on a GPU).
+
+On a CPU the integer layers dequantize their weights on every forward: slower than full
+precision there, which this reports as measured; the speed the format is for is a GPU's,
+where decode reads a quarter (4 bits) or half (8 bits) of bf16's weight bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from benchmarks.common import print_table, prompt_agreement, score_prompts, write_result  # noqa: E402
+
+ARMS = {"full": None, "w4a16": (4, 128), "w8a16": (8, None)}  # bits, group (None: channel)
+
+
+def make_models(preset: str, root: str) -> dict[str, str]:
+    from services.tiny_int_weight import quantize_checkpoint
+    from services.tiny_model import make_tiny_model
+
+    full = make_tiny_model(os.path.join(root, "full"), preset=preset)
+    paths = {"full": full, "float32": full}
+    for arm, scheme in ARMS.items():
+        if scheme is not None:
+            paths[arm] = os.path.join(root, arm)
+            shutil.copytree(full, paths[arm])
+            quantize_checkpoint(paths[arm], *scheme)
+    return paths
+
+
+def weight_bytes(engine: Any) -> dict[str, int]:
+    model = engine.scheduler.model_runner.model
+    if model is None:  # the CPU overlap loop's device process holds it
+        return {}
+    from engine.layers.int_weight import IntWeightLinear
+    from engine.quantization import IntWeightConfig, quantized_linear_names
+
+    linears = [m for m in model.modules() if isinstance(m, IntWeightLinear)]
+    if not linears:
+        names = quantized_linear_names(model, IntWeightConfig(4, None, True))
+        linears = [model.get_submodule(n) for n in names]
+    block = sum(sum(t.nbytes for t in m.buffers()) + m.weight.nbytes for m in linears)
+    total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
+    return {"block_linear_bytes": block, "all_weight_bytes": total}
+
+
+def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from engine.engine import Engine
+
+    dtype = "float32" if arm == "float32" else args.dtype
+    with Engine(
+        model_path=path, device=args.device, dtype=dtype, skip_tokenizer_init=True,
+        disable_overlap_schedule=args.device == "cpu", max_total_tokens=args.kv_tokens,
+    ) as engine:  # fmt: skip
+        out: dict[str, Any] = {"arm": arm, **weight_bytes(engine), **score_prompts(engine, prompts)}
+        if arm not in ARMS:
+            return out
+        decode = {"max_new_tokens": args.decode_tokens, "temperature": 0.0, "ignore_eos": True}
+        engine.generate(input_ids=prompts[0][:16], sampling_params={**decode, "max_new_tokens": 4})
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            engine.generate(input_ids=prompts[0][:16], sampling_params=decode)
+            times.append(time.perf_counter() - t0)
+        out["decode_ms_per_token"] = 1e3 * statistics.median(times) / args.decode_tokens
+        rng = random.Random(1)
+        vocab = max(max(p) for p in prompts) + 1
+        batch = [[rng.randrange(8, vocab) for _ in range(512)] for _ in range(args.prefill_prompts)]
+        t0 = time.perf_counter()
+        engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 1})
+        out["prefill_tok_s"] = 512 * len(batch) / (time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="small")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--prefill-prompts", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default="int_weight")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="sluice-int-weight-") as root:
+        paths = make_models(args.preset, root)
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(paths["full"]).vocab_size
+        rng = random.Random(0)
+        prompts = [[rng.randrange(8, vocab) for _ in range(args.prompt_len)]
+                   for _ in range(args.prompts)]  # fmt: skip
+        arms = {arm: run_arm(paths[arm], arm, args, prompts) for arm in ARMS}
+        arms["float32"] = (
+            arms["full"] if args.dtype == "float32"
+            else run_arm(paths["float32"], "float32", args, prompts)
+        )  # fmt: skip
+    full, reference = arms["full"], arms["float32"]
+    rows = []
+    for arm in ARMS:
+        out = arms[arm]
+        row = {k: v for k, v in out.items() if not k.startswith("prompt_")}
+        row["arm"] = f"full ({args.dtype})" if arm == "full" else arm
+        if out is not reference:
+            row.update(prompt_agreement(out, reference))
+        if arm != "full":
+            row["decode_speedup"] = full["decode_ms_per_token"] / out["decode_ms_per_token"]
+            row["prefill_speedup"] = out["prefill_tok_s"] / full["prefill_tok_s"]
+            if full.get("block_linear_bytes"):
+                row["block_linear_bytes_ratio"] = (
+                    out["block_linear_bytes"] / full["block_linear_bytes"]
+                )
+        rows.append(row)
+    print_table(rows, ["arm", "block_linear_bytes", "all_weight_bytes", "top1_agreement",
+                       "mean_abs_dlogprob", "decode_ms_per_token", "prefill_tok_s",
+                       "decode_speedup", "prefill_speedup"])  # fmt: skip
+    by_arm = dict(zip(ARMS, rows))
+    summary = {
+        f"{arm}_{key}": by_arm[arm].get(key)
+        for arm in ("w4a16", "w8a16")
+        for key in ("block_linear_bytes_ratio", "top1_agreement", "decode_speedup",
+                    "prefill_speedup")
+    }  # fmt: skip
+    print(write_result(args.name, rows, summary, config=dict(vars(args))))
+
+
+if __name__ == "__main__":
+    main()

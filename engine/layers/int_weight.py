@@ -1,0 +1,216 @@
+"""`IntWeightLinear`: a linear layer whose weight is 4- or 8-bit integers with a scale per
+group of input columns (and, asymmetric, a zero point per group), activations in the model's
+dtype: weight-only quantization (W4A16 / W8A16), as compressed-tensors' "pack-quantized"
+checkpoints store it (llm-compressor's W4A16 and W8A16 schemes; vLLM's and SGLang's
+`compressed-tensors` method). The layout is `kernels.int_gemm`'s.
+
+The weight stays packed (a quarter of bf16's bytes at 4 bits, plus the scales). The matmul:
+on CUDA the Triton kernel (`kernels.int_gemm.int_gemm`), which expands each tile of the
+weight in registers; elsewhere the weight is dequantized (float32, then the input's dtype)
+and multiplied, which is what the kernel computes up to summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from engine.distributed import TensorParallel
+from engine.layers.linear import shard_ranges
+from engine.layers.parallel import RowParallelLinear
+from kernels.int_gemm import dequantize_int, int_gemm, int_gemm_reference, unpack_int
+from kernels.jit import HAS_TRITON, cdiv, interpreting
+
+
+@dataclass
+class PackedIntWeight:
+    """A checkpoint's packed integer weight: `packed` [N, ceil(K * bits / 32)] int32, `scale`
+    [N, K / group], `zero` [N, K / group] int8 (asymmetric; None: symmetric), K `columns`."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    group: int
+    columns: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.columns))
+
+    def __len__(self) -> int:
+        return self.packed.shape[0]
+
+    def __getitem__(self, rows: slice | torch.Tensor) -> PackedIntWeight:
+        """Some of its rows (a slice or an index tensor): the rows' words, scales, zeros."""
+        return replace(self, packed=self.packed[rows], scale=self.scale[rows],
+                       zero=None if self.zero is None else self.zero[rows])  # fmt: skip
+
+    def narrow(self, dim: int, start: int, length: int) -> PackedIntWeight:
+        """Rows (dim 0), or columns (dim 1: whole groups and whole words) of it."""
+        if dim == 0:
+            return self[start : start + length]
+        per_word = 32 // self.bits
+        end = start + length
+        whole = start % self.group == 0 and (length % self.group == 0 or end == self.columns)
+        if not whole or start % per_word:
+            raise ValueError(f"columns {start}..{end} are not whole {self.group}-column groups "
+                             "of the quantized weight")  # fmt: skip
+        g0, g1 = start // self.group, cdiv(end, self.group)
+        return replace(
+            self, packed=self.packed[:, start // per_word : cdiv(end, per_word)],
+            scale=self.scale[:, g0:g1], zero=None if self.zero is None else self.zero[:, g0:g1],
+            columns=length,
+        )  # fmt: skip
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int(self.packed, self.scale, self.zero, self.bits, self.group,
+                              self.columns, dtype)  # fmt: skip
+
+
+def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """compressed-tensors' zero points, packed along the output rows ([ceil(rows * bits / 32),
+    groups] int32), as [rows, groups] int8 (signed, as the weight's integers)."""
+    u = unpack_int(packed.t().contiguous(), bits, rows).t()
+    return (u - (1 << (bits - 1))).to(torch.int8).contiguous()
+
+
+class IntWeightLinear(nn.Module):
+    """y = x @ dequant(weight).T + bias; `shards` as `MergedLinear`'s (the stacked q/k/v and
+    gate/up), else one output block. `weight` is the packed int32 words (a parameter, so the
+    loader fills and checks it like any weight); `weight_scale` and `weight_zero` are
+    buffers."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        bits: int,
+        group: int | None,
+        symmetric: bool,
+        shards: Sequence[tuple[Hashable, int]] | None = None,
+        scale_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bits = bits
+        self.group = in_features if group is None else int(group)
+        if in_features % self.group:
+            raise ValueError(f"{in_features} input features are not whole {self.group}-column "
+                             "quantization groups")  # fmt: skip
+        groups = in_features // self.group
+        words = cdiv(in_features * bits, 32)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, words, dtype=torch.int32), requires_grad=False
+        )
+        self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=scale_dtype))
+        zero = None if symmetric else torch.empty(out_features, groups, dtype=torch.int8)
+        self.register_buffer("weight_zero", zero)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.shard_ranges = shard_ranges(shards or [(None, out_features)])
+        self.output_sizes = [size for _, size in self.shard_ranges.values()]
+        self.merged = shards is not None
+
+    # tensor parallelism, taken from the layer replaced (as `Fp8Linear`'s)
+    sources: dict[Hashable, tuple[int, int, int]] | None = None
+    column_part: tuple[int, int, int] | None = None
+    tp: TensorParallel | None = None
+
+    @classmethod
+    def like(
+        cls, linear: nn.Linear, bits: int, group: int | None, symmetric: bool
+    ) -> IntWeightLinear:
+        """An empty layer of `linear`'s shape (and shards, and part of a split layer), on its
+        device; its scales in the linear's dtype."""
+        shards = getattr(linear, "shard_ranges", None)
+        if isinstance(linear, RowParallelLinear) and group is not None and (
+            linear.in_start % group or linear.in_features % group
+        ):  # fmt: skip
+            raise ValueError(
+                f"tensor parallelism: this rank's {linear.in_features} input columns of a "
+                f"row-parallel layer are not whole {group}-column quantization groups; choose "
+                "a tp_size whose parts are"
+            )
+        with torch.device(linear.weight.device):
+            layer = cls(
+                linear.in_features, linear.out_features, linear.bias is not None, bits, group,
+                symmetric, [(s, size) for s, (_, size) in shards.items()] if shards else None,
+                scale_dtype=linear.weight.dtype,
+            )  # fmt: skip
+        layer.sources = getattr(linear, "sources", None) or None
+        if isinstance(linear, RowParallelLinear):
+            layer.column_part = (linear.in_start, linear.in_features, linear.full_in)
+            layer.tp = linear.tp
+        return layer
+
+    def extra_repr(self) -> str:
+        kind = "symmetric" if self.weight_zero is None else "asymmetric"
+        return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
+                f"group={self.group}, {kind}")  # fmt: skip
+
+    # -- loading ------------------------------------------------------------------------------
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor | PackedIntWeight, shard_id: Hashable
+    ) -> None:
+        """Fill shard `shard_id`'s rows of the weight (its words, scales and zero points) or of
+        the bias from a checkpoint tensor; of a split layer, this rank's rows or columns."""
+        offset, size = self.shard_ranges[shard_id if self.merged else None]
+        weight = param is self.weight
+        if weight and not isinstance(loaded, PackedIntWeight):
+            raise ValueError(f"shard {shard_id!r}: the checkpoint's weight is not quantized "
+                             f"(a {loaded.dtype} tensor) but the config says it is")  # fmt: skip
+        if self.sources and shard_id in self.sources:
+            start, rows, total = self.sources[shard_id]
+            if loaded.shape[0] != total:
+                raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} "
+                                 f"has not {total} rows")  # fmt: skip
+            loaded = loaded.narrow(0, start, rows)
+        if self.column_part is not None and weight:
+            start, length, full = self.column_part
+            if loaded.shape[1] != full:
+                raise ValueError(f"checkpoint shape {tuple(loaded.shape)} has not {full} columns")
+            loaded = loaded.narrow(1, start, length)
+        if loaded.shape[0] != size or (weight and loaded.shape[1] != self.in_features):
+            expected = (size, self.in_features) if weight else (size,)
+            raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does "
+                             f"not match expected {expected}")  # fmt: skip
+        if not weight:
+            param.data.narrow(0, offset, size).copy_(loaded)
+            return
+        assert isinstance(loaded, PackedIntWeight)
+        if (loaded.bits, loaded.group, loaded.zero is None) != (
+            self.bits, self.group, self.weight_zero is None
+        ):  # fmt: skip
+            raise ValueError(
+                f"shard {shard_id!r}: {loaded.bits}-bit groups of {loaded.group} "
+                f"({'symmetric' if loaded.zero is None else 'asymmetric'}), the config says "
+                f"{self.bits}-bit groups of {self.group}"
+            )
+        self.weight.data.narrow(0, offset, size).copy_(loaded.packed)
+        self.weight_scale.narrow(0, offset, size).copy_(loaded.scale)
+        if self.weight_zero is not None:
+            self.weight_zero.narrow(0, offset, size).copy_(loaded.zero)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [out, in] in `dtype`."""
+        return dequantize_int(self.weight, self.weight_scale, self.weight_zero, self.bits,
+                              self.group, self.in_features, dtype)  # fmt: skip
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        bias = None if self.tp is not None else self.bias
+        args = (self.weight, self.weight_scale, self.weight_zero, self.bits, self.group, bias)
+        if x.is_cuda and HAS_TRITON and not interpreting() and self.group % 16 == 0:
+            y = int_gemm(x, *args)
+        else:
+            y = int_gemm_reference(x, *args)
+        if self.tp is not None:  # (row-parallel: the ranks' partial sums, then the bias)
+            y = self.tp.all_reduce(y)
+            y = y if self.bias is None else y + self.bias
+        return y.view(*shape[:-1], self.out_features)

@@ -1,0 +1,172 @@
+"""Weight-only integer GEMM (W4A16 / W8A16): y = x @ dequant(W).T, with W stored as
+compressed-tensors' "pack-quantized" checkpoints store it.
+
+Layout (llm-compressor's W4A16 / W8A16 schemes, the format of vLLM's and SGLang's
+`compressed-tensors` method): the weight [N, K] of `bits`-bit integers q in
+[-2^(bits-1), 2^(bits-1)) is stored as u = q + 2^(bits-1) packed densely along K into int32
+words, element j of a word at bits j * bits (`32 // bits` elements a word, low bits first).
+Each row has a scale per `group` columns ([N, K / group]; one group of K: per channel) and,
+asymmetric, a zero point z per group (q - z then). So w = (u - offset - z) * scale.
+
+Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a program owns a BLOCK_M x BLOCK_N tile of y. Its
+K loop loads BLOCK_K / (32 // bits) words per weight row, expands them to BLOCK_K integers
+with shifts, applies the group's scale (and zero point; BLOCK_K divides the group, so one
+group a step), and accumulates tl.dot(x, w.T) in float32. Reference: `int_gemm_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.jit import cdiv, dot_dtype, dot_precision, launch_opts, pdl_prologue
+
+
+@triton.jit
+def _int_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    zero_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    stride_ym,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_prologue(PDL)
+    PER_WORD: tl.constexpr = 32 // BITS
+    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # each column's word and the bits of the word it sits at
+    word = offs_k // PER_WORD
+    shift = (offs_k % PER_WORD) * BITS
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + offs_k
+        mask_k = cols < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+        words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PER_WORD + word)[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0)  # fmt: skip
+        u = (words >> shift[None, :]) & MASK  # [BLOCK_N, BLOCK_K] in 0 .. 2^bits - 1
+        g = k0 // GROUP
+        scale = tl.load(scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
+        q = u - OFFSET
+        if HAS_ZERO:
+            z = tl.load(zero_ptr + offs_n * stride_zn + g, mask=mask_n, other=0)
+            q = q - z[:, None]
+        w = q.to(tl.float32) * scale.to(tl.float32)[:, None]
+        acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
+
+
+def launch_config(m: int, dtype: torch.dtype, group: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row tiles for decode-sized inputs, 64 for
+    prefills; BLOCK_K at most the group (one scale a step) and 64; float32 (the exactness
+    path, FMA loops) in 32 x 32 tiles."""
+    block_k = 64 if group % 64 == 0 else 32 if group % 32 == 0 else 16
+    if dtype == torch.float32:
+        return 16 if m <= 16 else 32, 32, min(block_k, 32), 4
+    return (16, 64, block_k, 4) if m <= 16 else (64, 64, block_k, 4)
+
+
+def int_gemm(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) times the packed weight [N, K * bits / 32] int32 with
+    `scale` [N, K / group] and `zero` [N, K / group] int (asymmetric) or None -> [M, N] in
+    x's dtype. `group` must be a multiple of 16 (and divide K)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if group % 16 or k % group:
+        raise ValueError(f"int_gemm: group {group} must be a multiple of 16 dividing K {k}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_m, block_n, block_k, num_warps = launch_config(m, x.dtype, group)
+    grid = (cdiv(m, block_m), cdiv(n, block_n))
+    _int_gemm_kernel[grid](
+        x, packed, scale, zero if zero is not None else scale,
+        bias if bias is not None else scale, y,
+        m, n, k, x.stride(0), packed.stride(0), scale.stride(0),
+        zero.stride(0) if zero is not None else 0, y.stride(0),
+        GROUP=group, BITS=bits, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
+        **launch_opts(num_warps),
+    )  # fmt: skip
+    return y
+
+
+def unpack_int(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """[R, ceil(columns * bits / 32)] int32 words -> [R, columns] int32 of 0 .. 2^bits - 1
+    (bits 4 or 8: whole elements a word, low bits first)."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
+    u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return u.reshape(packed.shape[0], -1)[:, :columns]
+
+
+def dequantize_int(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    columns: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The weight [N, columns] in `dtype`: (u - 2^(bits-1) - zero) * scale, group by group."""
+    q = unpack_int(packed, bits, columns) - (1 << (bits - 1))
+    if zero is not None:
+        q = q - zero.to(torch.int32).repeat_interleave(group, 1)[:, :columns]
+    w = q.to(torch.float32) * scale.to(torch.float32).repeat_interleave(group, 1)[:, :columns]
+    return w.to(dtype)
+
+
+def int_gemm_reference(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`int_gemm` in torch: the weight dequantized (float32), one matmul in x's dtype."""
+    w = dequantize_int(packed, scale, zero, bits, group, x.shape[1], x.dtype)
+    return torch.nn.functional.linear(x, w, bias)

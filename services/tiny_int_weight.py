@@ -1,0 +1,104 @@
+"""A compressed-tensors W4A16 / W8A16 checkpoint made from a model folder, as llm-compressor
+writes them (the "pack-quantized" format of the `*-quantized.w4a16` checkpoints on the Hub).
+
+`sluice make-tiny-model DIR --quantization w4a16|w8a16 [--group-size N] [--asymmetric]`
+writes a tiny model and then this: every linear layer of the model but the LM head (MoE
+routers included, as llm-compressor's default recipe does unless told to ignore them) gets
+round-to-nearest integer weights with one scale per N input columns (`--group-size 0`: per
+output channel) and, `--asymmetric`, a zero point per group. The scales are set here
+(max-abs, or min-max for asymmetric); the packing, the tensor names and the config are
+compressed-tensors' own (`ModelCompressor`), and transformers loads the result (it
+decompresses it to float weights), so tests compare the engine against it. Needs the
+`compressed-tensors` package (in the test extra).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+SCHEMES = {"w4a16": 4, "w8a16": 8}
+
+
+def quantize_checkpoint(
+    path: str, bits: int = 4, group_size: int | None = 16, symmetric: bool = True
+) -> int:
+    """Rewrite the model folder's weights as a pack-quantized checkpoint in place; returns how
+    many linear layers were quantized."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric,
+                            strategy="group" if group_size else "channel",
+                            group_size=group_size or None)  # fmt: skip
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    count = 0
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            scale, zero = _scales(module.weight.data.float(), bits, group_size, symmetric)
+            module.weight_scale.data = scale.to(module.weight_scale.dtype)
+            if not symmetric:
+                module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
+            count += 1
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    for name in os.listdir(path):
+        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
+            os.remove(os.path.join(path, name))
+    model.save_pretrained(path)
+    compressor.update_config(path)
+    return count
+
+
+def _scales(
+    w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest scales [out, groups] (and zero points) of a weight [out, in]."""
+    rows, cols = w.shape
+    g = w.view(rows, -1, group_size or cols)
+    top = (1 << (bits - 1)) - 1  # 7 for 4 bits
+    if symmetric:
+        return g.abs().amax(-1).clamp_min(1e-8) / (top + 0.5), None
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = ((hi - lo) / ((1 << bits) - 1)).clamp_min(1e-8)
+    zero = (-(top + 1) - torch.round(lo / scale)).clamp(-(top + 1), top)
+    return scale, zero
+
+
+def add_args(parser) -> None:  # noqa: ANN001 - an argparse parser
+    parser.add_argument(
+        "--group-size", type=int, default=16,
+        help="with --quantization w4a16 / w8a16: one scale per N input columns (0: per "
+        "output channel)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--asymmetric", action="store_true",
+        help="with --quantization w4a16 / w8a16: a zero point per group",
+    )  # fmt: skip
+
+
+def apply(args, path: str) -> None:  # noqa: ANN001 - the parsed arguments
+    bits = SCHEMES.get(args.quantization or "")
+    if bits is None:
+        return
+    if args.arch in ("bert", "xlm-roberta"):
+        raise SystemExit(f"--quantization {args.quantization}: decoder models only")
+    if args.group_size < 0:
+        raise SystemExit("--group-size must be >= 0")
+    try:
+        import compressed_tensors  # noqa: F401
+    except ImportError:
+        raise SystemExit(f"--quantization {args.quantization} needs the compressed-tensors "
+                         "package (pip install compressed-tensors)") from None  # fmt: skip
+    quantize_checkpoint(path, bits, args.group_size or None, not args.asymmetric)

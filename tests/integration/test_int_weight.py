@@ -1,0 +1,191 @@
+"""Integer weights (compressed-tensors W4A16 / W8A16 "pack-quantized" checkpoints;
+engine/layers/int_weight.py): checkpoints written by compressed-tensors' own compressor
+(services/tiny_int_weight.py) give transformers' greedy tokens (transformers decompresses
+them to float weights), 4- and 8-bit, grouped and per channel, symmetric and asymmetric,
+over the families whose loading reorders or splits rows (Phi-3's fused projections, GLM-4's
+interleaved rope); the blocks' layers keep the packed words; a mixture of experts whose
+experts are quantized too (dequantized as they load) matches transformers on the weights
+compressed-tensors' unpacking gives; tensor parallelism splits whole groups, and refuses
+parts that are not; the schemes it cannot run are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from engine.engine import Engine
+from tests.factories import (
+    assert_greedy_match,
+    hf_greedy,
+    mixed_prompts,
+    tiny_int_weight_model,
+)
+
+NEW = 10
+GREEDY = {"max_new_tokens": NEW, "temperature": 0, "ignore_eos": True}
+PROMPTS = mixed_prompts(1500, n=4, max_len=40, seed=5)
+
+
+def _check_greedy(engine: Engine, path: str, reference: str | None = None) -> None:
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+    ref = reference or path
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert_greedy_match(ref, prompt, out["output_ids"], hf_greedy(ref, prompt, NEW))
+
+
+@pytest.mark.parametrize(("arch", "bits", "group", "symmetric"), [
+    ("llama", 4, 16, True), ("qwen3", 8, None, True), ("llama", 4, 16, False),
+    ("phi3", 4, 16, True), ("glm4", 8, 16, False), ("gemma2", 4, 16, True),
+    ("deepseek_v3", 4, 16, True),
+])  # fmt: skip
+def test_greedy_tokens_equal_transformers(
+    arch: str, bits: int, group, symmetric: bool, tmp_path
+) -> None:
+    """(the default loop: on CPU the overlap scheduler's device process loads the model.
+    transformers 5.24 does not load the asymmetric checkpoints compressed-tensors 0.20
+    writes, nor its DeepSeek-V3 ones, so those run on the weights compressed-tensors'
+    unpacking gives. DeepSeek-V3: MLA's rope rows reordered on the packed words, kv_b_proj
+    dequantized for the absorbed attention.)"""
+    path = tiny_int_weight_model(arch, bits, group, symmetric)
+    unpacked = not symmetric or arch == "deepseek_v3"
+    reference = _dequantized_copy(path, str(tmp_path / "reference")) if unpacked else None
+    with Engine(model_path=path) as engine:
+        _check_greedy(engine, path, reference)
+
+
+def test_the_blocks_layers_keep_the_packed_words() -> None:
+    """Every projection of the blocks is an IntWeightLinear holding int32 words (8 weights a
+    word at 4 bits), its scales in the model's dtype; the embeddings and the LM head stay."""
+    from engine.layers.int_weight import IntWeightLinear
+
+    path = tiny_int_weight_model("llama", 4, 16, True)
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        model = engine.scheduler.model_runner.model
+        layers = [m for m in model.modules() if isinstance(m, IntWeightLinear)]
+        config = engine.scheduler.model_runner.model_config
+        assert len(layers) == 4 * config.num_layers  # qkv, o, gate_up, down
+        for layer in layers:
+            assert layer.weight.dtype == torch.int32
+            assert layer.weight.numel() * 8 == layer.in_features * layer.out_features
+            assert layer.weight_scale.shape == (layer.out_features, layer.in_features // 16)
+            assert layer.weight_zero is None
+        assert not isinstance(model.lm_head, IntWeightLinear)
+
+
+def _dequantized_copy(path: str, out: str) -> str:
+    """A float checkpoint of a pack-quantized one, its weights unpacked by compressed-tensors
+    (`unpack_from_int32`) and scaled: what the engine must compute with."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(path, out)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    bits = config.pop("quantization_config")["config_groups"]["group_0"]["weights"]["num_bits"]
+    file = os.path.join(out, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name.removesuffix("_packed")
+        shape = tensors.pop(base + "_shape")
+        q = unpack_from_int32(tensors.pop(name), bits, torch.Size(shape.tolist())).float()
+        scale = tensors.pop(base + "_scale").float()
+        group = shape[1].item() // scale.shape[1]
+        if base + "_zero_point" in tensors:
+            zero = unpack_from_int32(tensors.pop(base + "_zero_point"), bits, scale.shape,
+                                     packed_dim=0)  # fmt: skip
+            q = q - zero.float().repeat_interleave(group, 1)
+        tensors[base] = q * scale.repeat_interleave(group, 1)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out
+
+
+def test_quantized_experts_are_dequantized_as_they_load(tmp_path) -> None:
+    """A Qwen3-MoE checkpoint whose experts are quantized too (per-expert `weight_packed`,
+    as checkpoints made before transformers fused its experts store them; packed here with
+    compressed-tensors' `pack_to_int32`, per channel) and whose attention is the compressor's: the
+    experts run in the model's dtype, the attention on the packed words, and the tokens are
+    transformers' on the weights compressed-tensors unpacks."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    from engine.layers.int_weight import IntWeightLinear
+
+    path = str(tmp_path / "moe")  # (per channel: the experts' 44 features are not groups)
+    shutil.copytree(tiny_int_weight_model("qwen3_moe", 4, None, True), path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    experts = [n for n in tensors if ".experts." in n and n.endswith("_proj.weight")]
+    assert experts
+    for name in experts:
+        w = tensors.pop(name).float()
+        scale = w.abs().amax(-1, keepdim=True) / 7.5
+        q = torch.round(w / scale).clamp(-8, 7).to(torch.int8)
+        tensors[name + "_packed"] = pack_to_int32(q, 4)
+        tensors[name + "_scale"] = scale
+        tensors[name + "_shape"] = torch.tensor(w.shape)
+    save_file(tensors, file, metadata={"format": "pt"})
+    reference = _dequantized_copy(path, str(tmp_path / "reference"))
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        model = engine.scheduler.model_runner.model
+        assert any(isinstance(m, IntWeightLinear) for m in model.modules())
+        _check_greedy(engine, path, reference)
+
+
+def test_tensor_parallel_parts_are_whole_groups() -> None:
+    """Over two ranks the row-parallel layers take whole groups of columns: groups of 8
+    split Llama's 176 MLP features (88 a rank) and give transformers' tokens; groups of 16
+    do not, refused before any rank starts."""
+    path = tiny_int_weight_model("llama", 4, 8, True)
+    with Engine(model_path=path, tp_size=2) as engine:
+        _check_greedy(engine, path)
+    with pytest.raises(ValueError, match="not whole 16-column quantization groups"):
+        Engine(model_path=tiny_int_weight_model("llama", 4, 16, True), tp_size=2)
+
+
+def _config_variant(tmp_path, edit) -> str:
+    """The W4A16 tiny Llama with its quantization_config edited by `edit(qc)`."""
+    path = str(tmp_path / "variant")
+    shutil.copytree(tiny_int_weight_model("llama", 4, 16, True), path)
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    edit(config["quantization_config"])
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def _weights(qc: dict) -> dict:
+    return qc["config_groups"]["group_0"]["weights"]
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda qc: qc["config_groups"]["group_0"].update(
+        input_activations={"num_bits": 8, "type": "int", "dynamic": True}),
+     "quantized activations"),
+    (lambda qc: _weights(qc).update(actorder="group"), "activation ordering"),
+    (lambda qc: _weights(qc).update(num_bits=2), "4- and 8-bit integers"),
+    (lambda qc: _weights(qc).update(strategy="tensor"), "'group' and 'channel'"),
+    (lambda qc: (qc["config_groups"]["group_0"].update(format="float-quantized"),
+                 qc.update(format="float-quantized")), "'pack-quantized'"),
+    (lambda qc: _weights(qc).update(group_size=8), "scales of shape"),
+    (lambda qc: _weights(qc).update(group_size=32), "176 input features are not whole 32-col"),
+    (lambda qc: _weights(qc).update(symmetric=False), "missing parts"),
+], ids=["w8a8", "actorder", "2-bit", "tensor", "format", "group-size", "uneven-groups",
+                                  "zero-points"])  # fmt: skip
+def test_what_it_cannot_run_is_refused(tmp_path, edit, why: str) -> None:
+    path = _config_variant(tmp_path, edit)
+    with pytest.raises(ValueError, match=why):
+        Engine(model_path=path, disable_overlap_schedule=True)
+
+
+def test_online_fp8_on_an_integer_checkpoint_is_refused() -> None:
+    with pytest.raises(ValueError, match="fp8 on a compressed-tensors checkpoint"):
+        Engine(model_path=tiny_int_weight_model("llama"), quantization="fp8",
+               disable_overlap_schedule=True)  # fmt: skip

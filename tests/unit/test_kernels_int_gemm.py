@@ -1,0 +1,88 @@
+"""The weight-only integer GEMM (kernels/int_gemm.py, under TRITON_INTERPRET=1) against the
+weight compressed-tensors' own packing and the plain formula give: 4 and 8 bits, groups of
+16 to 64 and per channel, symmetric and with zero points, one row and several, with and
+without a bias, in float32 (tight) and 16 bits (to their rounding); the torch reference
+(the CPU path of IntWeightLinear) against the same; zero points unpacked as
+compressed-tensors packs them (along the rows)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.int_weight import unpack_zero_points
+from kernels.int_gemm import dequantize_int, int_gemm, int_gemm_reference
+
+pack = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers").pack_to_int32
+
+DEVICE = "cpu"
+
+
+def _case(bits: int, group: int, symmetric: bool, n: int = 40, k: int = 128, seed: int = 0):
+    """(packed, scale, zero, the float weight) of a random n x k weight."""
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, k // group, generator=gen) * 0.05 + 0.01
+    zero = None if symmetric else torch.randint(lo, hi, (n, k // group), generator=gen,
+                                                dtype=torch.int8)  # fmt: skip
+    z = 0.0 if zero is None else zero.float().repeat_interleave(group, 1)
+    weight = (q.float() - z) * scale.repeat_interleave(group, 1)
+    return pack(q, bits), scale, zero, weight
+
+
+@pytest.mark.parametrize(("bits", "group", "symmetric"), [
+    (4, 16, True), (4, 32, False), (4, 128, True), (8, 64, True), (8, 16, False),
+])  # fmt: skip
+@pytest.mark.parametrize("m", [1, 19])
+def test_int_gemm_matches_the_unpacked_weight(bits: int, group: int, symmetric: bool, m: int):
+    packed, scale, zero, weight = _case(bits, group, symmetric)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, weight.shape[1], generator=gen)
+    bias = torch.randn(weight.shape[0], generator=gen)
+    want = x.double() @ weight.double().T + bias.double()
+    for b in (None, bias):
+        got = int_gemm(x, packed, scale, zero, bits, group, b)
+        expected = want if b is not None else want - bias.double()
+        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+    ref = int_gemm_reference(x, packed, scale, zero, bits, group, bias)
+    torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(dequantize_int(packed, scale, zero, bits, group, 128,
+                                              torch.float32), weight)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int_gemm_in_16_bits(dtype: torch.dtype) -> None:
+    """16-bit activations and scales: the kernel's float32 accumulation is within the
+    output's rounding of the float64 product (the torch path rounds the weight first)."""
+    packed, scale, zero, weight = _case(4, 32, False, n=72, k=256, seed=3)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    want = x.double() @ weight.double().T
+    got = int_gemm(x, packed, scale.to(dtype), zero, 4, 32)
+    assert got.dtype == dtype
+    scale_err = (scale.to(dtype).double() - scale.double()).abs().max() / scale.min()
+    tol = want.abs().max().item() * (2 * 2.0 ** -8 + scale_err.item())
+    assert (got.double() - want).abs().max().item() < tol
+
+
+def test_per_channel_is_one_group_of_the_whole_row() -> None:
+    packed, scale, zero, weight = _case(8, 128, True, k=128)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    got = int_gemm(x, packed, scale, None, 8, 128)
+    torch.testing.assert_close(got, x @ weight.T, atol=1e-4, rtol=1e-5)
+
+
+def test_zero_points_unpack_as_compressed_tensors_packs_them() -> None:
+    """Zero points [rows, groups] packed along the rows (`packed_dim=0`), 4 and 8 bits."""
+    for bits in (4, 8):
+        lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+        zero = torch.randint(lo, hi, (40, 6), generator=torch.Generator().manual_seed(bits),
+                             dtype=torch.int8)  # fmt: skip
+        got = unpack_zero_points(pack(zero, bits, packed_dim=0), bits, 40)
+        assert torch.equal(got, zero)
+
+
+def test_groups_must_be_whole_tiles() -> None:
+    packed, scale, zero, _ = _case(4, 16, True)
+    with pytest.raises(ValueError, match="multiple of 16 dividing K"):
+        int_gemm(torch.randn(2, 128), packed, scale, zero, 4, 24)
