@@ -91,8 +91,13 @@ class IntWeightConfig:
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         return pair_int_weights(weights, self)
 
+    def describe(self) -> str:
+        groups = f"groups of {self.group}" if self.group else "per channel"
+        zero = "symmetric" if self.symmetric else "with zero points"
+        return f"{self.bits}-bit ({groups}, {zero})"
 
-def _int_weight_config(qc: dict) -> IntWeightConfig:
+
+def int_weight_config(qc: dict) -> IntWeightConfig:
     """The W4A16 / W8A16 setup of a compressed-tensors `quantization_config`; ValueError,
     with the reason, for the schemes it cannot run."""
     groups = list((qc.get("config_groups") or {}).values())
@@ -150,7 +155,7 @@ def resolve_quantization(requested: str | None, hf_config: object) -> QuantConfi
     if method == "compressed-tensors":
         if requested is not None:
             raise ValueError(f"--quantization {requested} on a compressed-tensors checkpoint")
-        return _int_weight_config(qc)
+        return int_weight_config(qc)
     if method != "fp8":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which sluice does not run "

@@ -155,6 +155,15 @@ def check_config(model_config: ModelConfig, path: str) -> None:
     served = (ours.get("quantization_config") or {}).get("quant_method")
     if method != served:
         raise ValueError(f"{path} has quantization {method}; the served model's is {served}")
+    if method == "compressed-tensors":  # (the words and scales must be the served layers')
+        from engine.quantization import int_weight_config
+
+        new_scheme, scheme = (int_weight_config(c["quantization_config"]) for c in (new, ours))
+        if (new_scheme.bits, new_scheme.group, new_scheme.symmetric) != (
+            scheme.bits, scheme.group, scheme.symmetric
+        ):  # fmt: skip
+            raise ValueError(f"{path} holds {new_scheme.describe()} weights; the served model's "
+                             f"are {scheme.describe()}")  # fmt: skip
     differ = sorted(k for k in new if k not in _IGNORED and k in ours and new[k] != ours[k])
     if differ:
         logger.warning("weights from %s: its config differs in %s (not applied)", path, differ)

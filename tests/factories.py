@@ -79,18 +79,18 @@ def tiny_fp8_model(arch: str, block_size: int = 16) -> str:
 
 
 def tiny_int_weight_model(
-    arch: str, bits: int = 4, group: int | None = 16, symmetric: bool = True
+    arch: str, bits: int = 4, group: int | None = 16, symmetric: bool = True, seed: int = 0
 ) -> str:
-    """`tiny_model(arch)` as a compressed-tensors W4A16 / W8A16 checkpoint
+    """`tiny_model(arch, seed=seed)` as a compressed-tensors W4A16 / W8A16 checkpoint
     (services/tiny_int_weight.py; group None: per output channel)."""
     import shutil
 
     from services.tiny_int_weight import quantize_checkpoint
 
     kind = f"w{bits}g{group or 'ch'}{'' if symmetric else 'asym'}"
-    out = os.path.join(_ROOT, f"{arch}-tiny-0-{kind}")
+    out = os.path.join(_ROOT, f"{arch}-tiny-{seed}-{kind}")
     if not os.path.exists(os.path.join(out, "config.json")):
-        shutil.copytree(tiny_model(arch), out + ".tmp", dirs_exist_ok=True)
+        shutil.copytree(tiny_model(arch, seed=seed), out + ".tmp", dirs_exist_ok=True)
         quantize_checkpoint(out + ".tmp", bits, group, symmetric)
         os.replace(out + ".tmp", out)
     return out

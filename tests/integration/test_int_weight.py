@@ -148,6 +148,21 @@ def test_tensor_parallel_parts_are_whole_groups() -> None:
         Engine(model_path=tiny_int_weight_model("llama", 4, 16, True), tp_size=2)
 
 
+def test_weights_updated_from_another_quantized_checkpoint() -> None:
+    """`update_weights_from_disk` with another W4A16 checkpoint of the model (checked on a
+    meta model first, then read into the packed layers in place): its greedy tokens; a
+    W8A16 one does not fit (the words and scales differ) and the old weights stay."""
+    path = tiny_int_weight_model("llama", 4, 16, True)
+    other = tiny_int_weight_model("llama", 4, 16, True, seed=1)
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        engine.update_weights_from_disk(other)
+        _check_greedy(engine, other)
+        with pytest.raises(ValueError, match=r"holds 8-bit \(groups of 16, symmetric\) "
+                           r"weights; the served model's are 4-bit"):
+            engine.update_weights_from_disk(tiny_int_weight_model("llama", 8, 16, True))
+        _check_greedy(engine, other)
+
+
 def _config_variant(tmp_path, edit) -> str:
     """The W4A16 tiny Llama with its quantization_config edited by `edit(qc)`."""
     path = str(tmp_path / "variant")
