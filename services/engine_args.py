@@ -43,7 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATION_METHODS,
         help="fp8: run the blocks' linear layers in float8 (W8A8, scales per output channel "
         "and per token), quantized as the model loads; an FP8 checkpoint (quant_method fp8 "
-        "in its config) runs in FP8 without the flag",
+        "in its config) runs in FP8 without the flag, as does a compressed-tensors W4A16 / "
+        "W8A16 one on its integer weights",
     )
     g.add_argument(
         "--kv-cache-dtype",
