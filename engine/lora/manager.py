@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.forward_batch import ForwardBatch
 from engine.layers.fp8 import Fp8Linear
+from engine.layers.int_weight import IntWeightLinear
 from engine.lora.adapter import AdapterSpec, load_adapter_weights
 from engine.lora.layers import LoRALinear
 from engine.models.interleaved_rope import deinterleave_rows
@@ -141,7 +142,7 @@ class LoRAManager:
             module = model.get_submodule(path)
         except AttributeError:
             module = None
-        if not isinstance(module, nn.Linear | Fp8Linear):
+        if not isinstance(module, nn.Linear | Fp8Linear | IntWeightLinear):
             raise ValueError(
                 f"LoRA adapter {spec.name!r} adapts {theirs}, which this model does not have "
                 "(is it an adapter of another base model?)"

@@ -163,6 +163,26 @@ def test_weights_updated_from_another_quantized_checkpoint() -> None:
         _check_greedy(engine, other)
 
 
+def test_lora_adapters_over_integer_layers(tmp_path) -> None:
+    """A LoRA adapter of the base model served over its W4A16 checkpoint (the adapter's delta
+    beside the packed layer, as over FP8 ones): PEFT's greedy tokens over the weights
+    compressed-tensors unpacks (PEFT does not wrap transformers' decompressed layers), for
+    adapter and base requests in one batch."""
+    from tests.factories import lora_greedy, tiny_lora, tiny_model
+
+    path = tiny_int_weight_model("llama", 4, 16, True)
+    reference = _dequantized_copy(path, str(tmp_path / "reference"))
+    adapter = tiny_lora(tiny_model("llama"), 1, 8, targets=("q_proj", "v_proj", "down_proj"))
+    with Engine(model_path=path, lora_paths=(f"a={adapter}",),
+                disable_overlap_schedule=True) as engine:  # fmt: skip
+        outs = engine.generate(input_ids=PROMPTS[:2], sampling_params=[GREEDY] * 2,
+                               lora_path=["a", None])  # fmt: skip
+    for (prompt, out), lora in zip(zip(PROMPTS[:2], outs), [adapter, None], strict=True):
+        assert out["output_ids"] == lora_greedy(reference, lora, prompt, NEW)
+    base = lora_greedy(reference, None, PROMPTS[0], NEW)
+    assert outs[0]["output_ids"] != base  # (the adapter changes the tokens)
+
+
 def _config_variant(tmp_path, edit) -> str:
     """The W4A16 tiny Llama with its quantization_config edited by `edit(qc)`."""
     path = str(tmp_path / "variant")
