@@ -75,6 +75,7 @@ class IntWeightConfig:
     symmetric: bool
     skip: tuple[str, ...] = ()  # the config's `ignore`: module names, or "re:" patterns
     checkpoint: bool = True
+    layout: str = "compressed-tensors"  # or "awq": AutoAWQ's GEMM tensors, repacked at load
 
     def swap(self, model: nn.Module) -> int:
         from engine.layers.int_weight import IntWeightLinear
@@ -89,12 +90,39 @@ class IntWeightConfig:
         return len(names)
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        if self.layout == "awq":
+            return pair_awq_weights(weights, self)
         return pair_int_weights(weights, self)
 
     def describe(self) -> str:
         groups = f"groups of {self.group}" if self.group else "per channel"
         zero = "symmetric" if self.symmetric else "with zero points"
         return f"{self.bits}-bit ({groups}, {zero})"
+
+
+def awq_config(qc: dict) -> IntWeightConfig:
+    """The setup of an AutoAWQ checkpoint (`quant_method: "awq"`, its GEMM version: Qwen's
+    and most `*-AWQ` models): 4-bit weights with a zero point per group, repacked as they
+    load into the integer layers' layout; ValueError for the versions it cannot run."""
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"AWQ version {version!r}: only the 'gemm' layout is supported")
+    bits, group = qc.get("bits", qc.get("w_bit", 4)), qc.get("group_size", qc.get("q_group_size"))
+    if bits != 4:
+        raise ValueError(f"AWQ with {bits}-bit weights: 4-bit is supported")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"AWQ group_size {group!r}: per-group checkpoints are supported")
+    # (AutoAWQ leaves out every module whose name contains one of these)
+    skip = tuple(f"re:.*{re.escape(m)}" for m in qc.get("modules_to_not_convert") or ())
+    return IntWeightConfig(4, group, not qc.get("zero_point", True), skip, layout="awq")
+
+
+def checkpoint_scheme(qc: dict | None) -> IntWeightConfig | None:
+    """The integer-weight scheme of a config.json's `quantization_config` (None: none)."""
+    method = (qc or {}).get("quant_method")
+    if method == "compressed-tensors":
+        return int_weight_config(qc)  # type: ignore[arg-type]
+    return awq_config(qc) if method == "awq" else None  # type: ignore[arg-type]
 
 
 def int_weight_config(qc: dict) -> IntWeightConfig:
@@ -152,15 +180,15 @@ def resolve_quantization(requested: str | None, hf_config: object) -> QuantConfi
         if requested is not None:
             raise ValueError(f"--quantization {requested} on an MXFP4 checkpoint")
         return None
-    if method == "compressed-tensors":
+    if method in ("compressed-tensors", "awq"):
         if requested is not None:
-            raise ValueError(f"--quantization {requested} on a compressed-tensors checkpoint")
-        return int_weight_config(qc)
+            raise ValueError(f"--quantization {requested} on a {method} checkpoint")
+        return int_weight_config(qc) if method == "compressed-tensors" else awq_config(qc)
     if method != "fp8":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which sluice does not run "
             f"(it runs FP8 checkpoints, quant_method 'fp8', --quantization fp8 on 16-bit "
-            f"ones, and compressed-tensors W4A16 / W8A16 ones)"
+            f"ones, compressed-tensors W4A16 / W8A16 ones, and AWQ ones)"
         )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"FP8 checkpoint format {qc['fmt']!r}: only e4m3 is supported")
@@ -289,4 +317,68 @@ def pair_int_weights(
                                                 group, columns)  # fmt: skip
     if waiting:
         raise ValueError(f"compressed-tensors checkpoint: quantized weights missing parts: "
+                         f"{sorted(waiting)[:5]}")  # fmt: skip
+
+
+# AutoAWQ's GEMM layout packs output columns 8j .. 8j + 7 into word j, nibble i holding column
+# (0, 2, 4, 6, 1, 3, 5, 7)[i] of the eight: column c's four bits sit at nibble AWQ_NIBBLE[c % 8]
+AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def unpack_awq(words: torch.Tensor) -> torch.Tensor:
+    """[R, C / 8] int32 of AutoAWQ's layout -> [R, C] int32 in 0 .. 15 (columns in order)."""
+    shifts = torch.tensor([4 * n for n in AWQ_NIBBLE], dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(words.shape[0], -1)
+
+
+def pack_sequential(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] integers in 0 .. 15 -> [R, C / 8] int32, value c at bits 4 * (c % 8) of word
+    c // 8 (the integer layers' layout, compressed-tensors' order)."""
+    rows, cols = values.shape
+    v = values.to(torch.int32).reshape(rows, cols // 8, 8)
+    shifts = torch.arange(8, dtype=torch.int32, device=values.device) * 4
+    return (v << shifts).sum(-1, dtype=torch.int32)
+
+
+def pair_awq_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], config: IntWeightConfig
+) -> Iterator[tuple[str, object]]:
+    """An AutoAWQ checkpoint's `qweight` [K, N / 8], `qzeros` [K / group, N / 8] and `scales`
+    [K / group, N] of each layer (w = (q - z) * s, q and z in 0 .. 15) joined into one
+    `PackedIntWeight` of the integer layers' layout: the integers transposed to [N, K] and
+    packed along K, zero points signed (z - 8, as the words' offset)."""
+    from engine.layers.int_weight import PackedIntWeight
+
+    parts_of = ("qweight", "qzeros", "scales")
+    needed = {"qweight", "scales"} | (set() if config.symmetric else {"qzeros"})
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        base, _, part = name.rpartition(".")
+        if part not in parts_of:
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(base, {})
+        parts[part] = tensor
+        if not needed <= set(parts):
+            continue
+        del waiting[base]
+        qweight, scales = parts["qweight"], parts["scales"]
+        columns, rows = qweight.shape[0], qweight.shape[1] * 8
+        group = config.group or columns
+        if scales.shape != (columns // group, rows):
+            raise ValueError(f"{base}: AWQ scales of shape {tuple(scales.shape)} for a "
+                             f"{columns} x {rows} qweight in groups of {group}")  # fmt: skip
+        if qweight.device.type == "meta":  # (a dry run: the shapes only)
+            packed = torch.empty(rows, columns // 8, dtype=torch.int32, device="meta")
+            zero = None if config.symmetric else torch.empty(rows, columns // group,
+                                                             dtype=torch.int8, device="meta")
+        else:
+            packed = pack_sequential(unpack_awq(qweight).t())
+            zero = None
+            if not config.symmetric:
+                zero = (unpack_awq(parts["qzeros"]) - 8).to(torch.int8).t().contiguous()
+        yield base + ".weight", PackedIntWeight(packed, scales.t().contiguous(), zero, 4, group,
+                                                columns)  # fmt: skip
+    if waiting:
+        raise ValueError(f"AWQ checkpoint: quantized weights missing parts: "
                          f"{sorted(waiting)[:5]}")  # fmt: skip

@@ -155,10 +155,11 @@ def check_config(model_config: ModelConfig, path: str) -> None:
     served = (ours.get("quantization_config") or {}).get("quant_method")
     if method != served:
         raise ValueError(f"{path} has quantization {method}; the served model's is {served}")
-    if method == "compressed-tensors":  # (the words and scales must be the served layers')
-        from engine.quantization import int_weight_config
+    if method in ("compressed-tensors", "awq"):  # (the words must be the served layers')
+        from engine.quantization import checkpoint_scheme
 
-        new_scheme, scheme = (int_weight_config(c["quantization_config"]) for c in (new, ours))
+        new_scheme, scheme = (checkpoint_scheme(c["quantization_config"]) for c in (new, ours))
+        assert new_scheme is not None and scheme is not None
         if (new_scheme.bits, new_scheme.group, new_scheme.symmetric) != (
             scheme.bits, scheme.group, scheme.symmetric
         ):  # fmt: skip

@@ -2,7 +2,8 @@
 writes them (the "pack-quantized" format of the `*-quantized.w4a16` checkpoints on the Hub).
 
 `sluice make-tiny-model DIR --quantization w4a16|w8a16 [--group-size N] [--asymmetric]`
-writes a tiny model and then this: every linear layer of the model but the LM head (MoE
+writes a tiny model and then this (`--quantization awq`: 4 bits with zero points, rewritten
+in AutoAWQ's GEMM layout, `to_awq`): every linear layer of the model but the LM head (MoE
 routers included, as llm-compressor's default recipe does unless told to ignore them) gets
 round-to-nearest integer weights with one scale per N input columns (`--group-size 0`: per
 output channel) and, `--asymmetric`, a zero point per group. The scales are set here
@@ -61,6 +62,55 @@ def quantize_checkpoint(
     return count
 
 
+def to_awq(path: str) -> int:
+    """Rewrite a 4-bit compressed-tensors checkpoint with zero points (`quantize_checkpoint(...,
+    symmetric=False)`) in place as an AutoAWQ GEMM one: per layer `qweight` [in, out / 8],
+    `qzeros` [groups, out / 8] (integers 0 .. 15, output columns packed in AWQ's nibble
+    order) and `scales` [groups, out], config `quant_method: "awq"`; returns the layers."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from kernels.int_gemm import unpack_int
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    if weights["num_bits"] != 4 or weights["symmetric"] or weights["strategy"] != "group":
+        raise ValueError("to_awq: a 4-bit checkpoint with zero points per group")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    count = 0
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name.removesuffix(".weight_packed")
+        rows, cols = tensors.pop(base + ".weight_shape").tolist()
+        q = unpack_int(tensors.pop(name), 4, cols)  # [out, in], 0 .. 15
+        scale = tensors.pop(base + ".weight_scale")
+        zero_words = tensors.pop(base + ".weight_zero_point")
+        zero = unpack_int(zero_words.t().contiguous(), 4, rows).t()  # [out, groups], 0 .. 15
+        tensors[base + ".qweight"] = _pack_awq(q.t())
+        tensors[base + ".qzeros"] = _pack_awq(zero.t())
+        tensors[base + ".scales"] = scale.t().contiguous()
+        count += 1
+    save_file(tensors, file, metadata={"format": "pt"})
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4,
+                                     "group_size": weights["group_size"], "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": None}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return count
+
+
+def _pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """[R, C] integers 0 .. 15 -> [R, C / 8] int32 words of AutoAWQ's layout."""
+    from engine.quantization import AWQ_NIBBLE
+
+    rows, cols = values.shape
+    v = values.to(torch.int32).reshape(rows, cols // 8, 8)
+    shifts = torch.tensor([4 * n for n in AWQ_NIBBLE], dtype=torch.int32)
+    return (v << shifts).sum(-1, dtype=torch.int32)
+
+
 def _scales(
     w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -89,9 +139,12 @@ def add_args(parser) -> None:  # noqa: ANN001 - an argparse parser
 
 
 def apply(args, path: str) -> None:  # noqa: ANN001 - the parsed arguments
-    bits = SCHEMES.get(args.quantization or "")
+    awq = args.quantization == "awq"  # (4 bits with zero points, then AutoAWQ's layout)
+    bits = 4 if awq else SCHEMES.get(args.quantization or "")
     if bits is None:
         return
+    if awq and not args.group_size:
+        raise SystemExit("--quantization awq: groups (--group-size N > 0)")
     if args.arch in ("bert", "xlm-roberta"):
         raise SystemExit(f"--quantization {args.quantization}: decoder models only")
     if args.group_size < 0:
@@ -101,4 +154,6 @@ def apply(args, path: str) -> None:  # noqa: ANN001 - the parsed arguments
     except ImportError:
         raise SystemExit(f"--quantization {args.quantization} needs the compressed-tensors "
                          "package (pip install compressed-tensors)") from None  # fmt: skip
-    quantize_checkpoint(path, bits, args.group_size or None, not args.asymmetric)
+    quantize_checkpoint(path, bits, args.group_size or None, not (args.asymmetric or awq))
+    if awq:
+        to_awq(path)

@@ -137,6 +137,36 @@ def test_quantized_experts_are_dequantized_as_they_load(tmp_path) -> None:
         _check_greedy(engine, path, reference)
 
 
+def test_awq_checkpoints_run_repacked(tmp_path) -> None:
+    """An AutoAWQ GEMM checkpoint (`qweight` / `qzeros` / `scales`, output columns in AWQ's
+    nibble order; written by services/tiny_int_weight.to_awq from the asymmetric W4A16 one,
+    which compressed-tensors' own AWQ converter turns back into the same tensors) is
+    repacked as it loads: the tokens are those of the weights compressed-tensors unpacks,
+    and the same integer layers serve it."""
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from safetensors.torch import load_file
+
+    from engine.layers.int_weight import IntWeightLinear
+    from services.tiny_int_weight import to_awq
+
+    source = tiny_int_weight_model("llama", 4, 16, False)
+    path = str(tmp_path / "awq")
+    shutil.copytree(source, path)
+    assert to_awq(path) == 14
+    original = load_file(os.path.join(source, "model.safetensors"))
+    converted = AutoAWQConverter(bits=4, group_size=16, zero_point=True).process(
+        load_file(os.path.join(path, "model.safetensors"))
+    )
+    assert sorted(converted) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(converted[name].to(tensor.dtype), tensor), name
+    reference = _dequantized_copy(source, str(tmp_path / "reference"))
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        model = engine.scheduler.model_runner.model
+        assert sum(isinstance(m, IntWeightLinear) for m in model.modules()) == 8
+        _check_greedy(engine, path, reference)
+
+
 def test_tensor_parallel_parts_are_whole_groups() -> None:
     """Over two ranks the row-parallel layers take whole groups of columns: groups of 8
     split Llama's 176 MLP features (88 a rank) and give transformers' tokens; groups of 16
@@ -224,3 +254,33 @@ def test_online_fp8_on_an_integer_checkpoint_is_refused() -> None:
     with pytest.raises(ValueError, match="fp8 on a compressed-tensors checkpoint"):
         Engine(model_path=tiny_int_weight_model("llama"), quantization="fp8",
                disable_overlap_schedule=True)  # fmt: skip
+
+
+def test_awq_configs_it_cannot_run_are_refused() -> None:
+    """AutoAWQ's other layouts (GEMV, Marlin...), widths and per-channel scales are refused
+    with the reason; `modules_to_not_convert` leaves out every module whose name contains
+    one of its entries, as AutoAWQ does."""
+    from types import SimpleNamespace
+
+    from engine.quantization import quantized_linear_names, resolve_quantization
+
+    base = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True,
+            "version": "gemm"}  # fmt: skip
+
+    def config(**kw: object) -> SimpleNamespace:
+        return SimpleNamespace(quantization_config={**base, **kw})
+
+    assert resolve_quantization(None, config()).layout == "awq"
+    for kw, why in [({"version": "gemv"}, "only the 'gemm' layout"),
+                    ({"bits": 8}, "4-bit is supported"), ({"group_size": -1}, "per-group")]:
+        with pytest.raises(ValueError, match=why):
+            resolve_quantization(None, config(**kw))
+    with pytest.raises(ValueError, match="fp8 on a awq checkpoint"):
+        resolve_quantization("fp8", config())
+    from tests.factories import tiny_model
+
+    with Engine(model_path=tiny_model("llama"), disable_overlap_schedule=True) as e:
+        model = e.scheduler.model_runner.model  # (its plain layers: what a swap would take)
+        skipped = resolve_quantization(None, config(modules_to_not_convert=["mlp"]))
+        names = quantized_linear_names(model, skipped)
+        assert names and not any(".mlp." in n for n in names)
