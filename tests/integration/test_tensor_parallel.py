@@ -213,9 +213,9 @@ def test_draft_trees_over_two_ranks(graphs: bool) -> None:
     their path's positions moves on every rank (the followers' before their next forward).
     Tokens and logprobs are plain decoding's on one rank, with nodes moved."""
     path = tiny_model("qwen3")
-    loopy = {"temperature": 0.0, "max_new_tokens": 40, "allowed_token_ids": [11, 12, 13],
+    loopy = {"temperature": 0.0, "max_new_tokens": 24, "allowed_token_ids": [11, 12, 13],
              "ignore_eos": True, "return_logprob": True}  # fmt: skip
-    prompts = PROMPTS[:4]
+    prompts = PROMPTS[:3]
     with Engine(model_path=path, disable_overlap_schedule=True) as eng:
         want = eng.generate(input_ids=prompts, sampling_params=loopy)
     trees = {"speculative_algorithm": "ngram", "speculative_num_draft_tokens": 6,
