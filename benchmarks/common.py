@@ -267,3 +267,51 @@ def base_worktree(root: str, rev: str) -> Iterator[tuple[str, dict[str, str]]]:
             yield base, revs
         finally:
             git("worktree", "remove", "--force", base)
+
+
+def add_weight_format_args(p: Any, name: str) -> None:
+    """The options of the benchmarks that run one model in several weight formats side by side
+    (benchmarks/fp8.py, benchmarks/int_weight.py)."""
+    p.add_argument("--preset", default="small")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--prefill-prompts", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kv-tokens", type=int, default=16384)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--name", default=name)
+
+
+def decode_and_prefill_speed(engine: Any, prompts: list[list[int]], args: Any) -> dict[str, float]:
+    """Decode ms per token at batch 1 (`args.decode_tokens` after a 16-token prompt, the
+    median of `args.repeats`, after a warm-up) and prefill tokens/s (`args.prefill_prompts`
+    random prompts of 512 tokens, one output token each)."""
+    import random
+
+    decode = {"max_new_tokens": args.decode_tokens, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=prompts[0][:16], sampling_params={**decode, "max_new_tokens": 4})
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        engine.generate(input_ids=prompts[0][:16], sampling_params=decode)
+        times.append(time.perf_counter() - t0)
+    rng = random.Random(1)
+    vocab = max(max(p) for p in prompts) + 1
+    batch = [[rng.randrange(8, vocab) for _ in range(512)] for _ in range(args.prefill_prompts)]
+    t0 = time.perf_counter()
+    engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 1})
+    return {
+        "decode_ms_per_token": 1e3 * statistics.median(times) / args.decode_tokens,
+        "prefill_tok_s": 512 * len(batch) / (time.perf_counter() - t0),
+    }
+
+
+def against_full(row: dict[str, Any], out: dict[str, Any], full: dict[str, Any]) -> None:
+    """A weight format's speed and block-linear bytes as ratios to the full-precision arm's."""
+    row["decode_speedup"] = full["decode_ms_per_token"] / out["decode_ms_per_token"]
+    row["prefill_speedup"] = out["prefill_tok_s"] / full["prefill_tok_s"]
+    if full.get("block_linear_bytes"):
+        row["block_linear_bytes_ratio"] = out["block_linear_bytes"] / full["block_linear_bytes"]

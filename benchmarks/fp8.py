@@ -32,17 +32,23 @@ import argparse
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from benchmarks.common import print_table, prompt_agreement, score_prompts, write_result  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_weight_format_args,
+    against_full,
+    decode_and_prefill_speed,
+    print_table,
+    prompt_agreement,
+    score_prompts,
+    write_result,
+)
 
 ARMS = ("full", "online", "checkpoint")  # timed; "float32" and "bfloat16" are scored only
 
@@ -87,40 +93,17 @@ def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[in
         out: dict[str, Any] = {"arm": arm, **weight_bytes(engine), **score_prompts(engine, prompts)}
         if arm not in ARMS:
             return out
-        decode = {"max_new_tokens": args.decode_tokens, "temperature": 0.0, "ignore_eos": True}
-        engine.generate(input_ids=prompts[0][:16], sampling_params={**decode, "max_new_tokens": 4})
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            engine.generate(input_ids=prompts[0][:16], sampling_params=decode)
-            times.append(time.perf_counter() - t0)
-        out["decode_ms_per_token"] = 1e3 * statistics.median(times) / args.decode_tokens
-        rng = random.Random(1)
-        vocab = max(max(p) for p in prompts) + 1
-        batch = [[rng.randrange(8, vocab) for _ in range(512)] for _ in range(args.prefill_prompts)]
-        t0 = time.perf_counter()
-        engine.generate(input_ids=batch, sampling_params={"max_new_tokens": 1})
-        out["prefill_tok_s"] = 512 * len(batch) / (time.perf_counter() - t0)
+        out.update(decode_and_prefill_speed(engine, prompts, args))
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="small")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    add_weight_format_args(p, "fp8")
     p.add_argument("--block", type=int, default=128, help="the checkpoint's weight_block_size")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--prefill-prompts", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kv-tokens", type=int, default=16384)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--gemv-backend", default="auto",
                    help="every arm's: auto (on CUDA the Triton GEMVs at batch 1, the float8 one "
                         "for the FP8 arms) or torch (cuBLAS; the float8 GEMM)")  # fmt: skip
-    p.add_argument("--name", default="fp8")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,12 +132,7 @@ def main() -> None:
         if out is not reference:
             row.update(prompt_agreement(out, reference))
         if arm in ("online", "checkpoint"):
-            row["decode_speedup"] = full["decode_ms_per_token"] / out["decode_ms_per_token"]
-            row["prefill_speedup"] = out["prefill_tok_s"] / full["prefill_tok_s"]
-            if full.get("block_linear_bytes"):
-                row["block_linear_bytes_ratio"] = (
-                    out["block_linear_bytes"] / full["block_linear_bytes"]
-                )
+            against_full(row, out, full)
         rows.append(row)
     print_table(rows, ["arm", "block_linear_bytes", "all_weight_bytes", "top1_agreement",
                        "mean_abs_dlogprob", "decode_ms_per_token", "prefill_tok_s",

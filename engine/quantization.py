@@ -28,7 +28,7 @@ MXFP4 but gpt-oss's experts), with their name.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -280,6 +280,31 @@ def pair_fp8_scales(
 _INT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
 
+def _join_parts(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    parts_of: tuple[str, ...],
+    needed: set[str],
+    make: Callable[[str, dict[str, torch.Tensor]], object],
+    what: str,
+) -> Iterator[tuple[str, object]]:
+    """A checkpoint's tensors with each layer's quantized parts (`parts_of`, in any order)
+    joined, once it has the `needed` ones, into `make(layer, parts)`, yielded as the layer's
+    `weight`; the other tensors as they come. ValueError for parts left without the others."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        base, _, part = name.rpartition(".")
+        if part not in parts_of:
+            yield name, tensor
+            continue
+        parts = waiting.setdefault(base, {})
+        parts[part] = tensor
+        if needed <= set(parts):
+            del waiting[base]
+            yield base + ".weight", make(base, parts)
+    if waiting:
+        raise ValueError(f"{what}: quantized weights missing parts: {sorted(waiting)[:5]}")
+
+
 def pair_int_weights(
     weights: Iterable[tuple[str, torch.Tensor]], config: IntWeightConfig
 ) -> Iterator[tuple[str, object]]:
@@ -289,21 +314,7 @@ def pair_int_weights(
     `weight_g_idx` (activation ordering)."""
     from engine.layers.int_weight import PackedIntWeight, unpack_zero_points
 
-    needed = set(_INT_PARTS[:3]) | (set() if config.symmetric else {"weight_zero_point"})
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        base, _, part = name.rpartition(".")
-        if part == "weight_g_idx":
-            raise ValueError(f"{name}: activation ordering (a group index per column) is not "
-                             "supported")  # fmt: skip
-        if part not in _INT_PARTS:
-            yield name, tensor
-            continue
-        parts = waiting.setdefault(base, {})
-        parts[part] = tensor
-        if not needed <= set(parts):
-            continue
-        del waiting[base]
+    def make(base: str, parts: dict[str, torch.Tensor]) -> PackedIntWeight:
         rows, columns = (int(v) for v in parts["weight_shape"].tolist())
         scale = parts["weight_scale"]
         group = columns if config.group is None else config.group
@@ -313,30 +324,42 @@ def pair_int_weights(
         zero = parts.get("weight_zero_point")
         if zero is not None:
             zero = unpack_zero_points(zero, config.bits, rows)
-        yield base + ".weight", PackedIntWeight(parts["weight_packed"], scale, zero, config.bits,
-                                                group, columns)  # fmt: skip
-    if waiting:
-        raise ValueError(f"compressed-tensors checkpoint: quantized weights missing parts: "
-                         f"{sorted(waiting)[:5]}")  # fmt: skip
+        return PackedIntWeight(parts["weight_packed"], scale, zero, config.bits, group, columns)
+
+    needed = set(_INT_PARTS[:3]) | (set() if config.symmetric else {"weight_zero_point"})
+    return _join_parts(_no_group_index(weights), _INT_PARTS, needed, make,
+                       "compressed-tensors checkpoint")  # fmt: skip
+
+
+def _no_group_index(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.endswith(".weight_g_idx"):
+            raise ValueError(f"{name}: activation ordering (a group index per column) is not "
+                             "supported")  # fmt: skip
+        yield name, tensor
 
 
 # AutoAWQ's GEMM layout packs output columns 8j .. 8j + 7 into word j, nibble i holding column
 # (0, 2, 4, 6, 1, 3, 5, 7)[i] of the eight: column c's four bits sit at nibble AWQ_NIBBLE[c % 8]
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
+IN_ORDER = tuple(range(8))  # the integer layers' (compressed-tensors') order
 
 
-def unpack_awq(words: torch.Tensor) -> torch.Tensor:
-    """[R, C / 8] int32 of AutoAWQ's layout -> [R, C] int32 in 0 .. 15 (columns in order)."""
-    shifts = torch.tensor([4 * n for n in AWQ_NIBBLE], dtype=torch.int32, device=words.device)
+def unpack_nibbles(words: torch.Tensor, nibbles: tuple[int, ...] = IN_ORDER) -> torch.Tensor:
+    """[R, C / 8] int32 words -> [R, C] int32 in 0 .. 15, column c read from nibble
+    `nibbles[c % 8]` of word c // 8."""
+    shifts = torch.tensor([4 * n for n in nibbles], dtype=torch.int32, device=words.device)
     return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(words.shape[0], -1)
 
 
-def pack_sequential(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] integers in 0 .. 15 -> [R, C / 8] int32, value c at bits 4 * (c % 8) of word
-    c // 8 (the integer layers' layout, compressed-tensors' order)."""
+def pack_nibbles(values: torch.Tensor, nibbles: tuple[int, ...] = IN_ORDER) -> torch.Tensor:
+    """[R, C] integers in 0 .. 15 -> [R, C / 8] int32, column c at nibble `nibbles[c % 8]` of
+    word c // 8 (the fields do not overlap: their sum is their bitwise or)."""
     rows, cols = values.shape
     v = values.to(torch.int32).reshape(rows, cols // 8, 8)
-    shifts = torch.arange(8, dtype=torch.int32, device=values.device) * 4
+    shifts = torch.tensor([4 * n for n in nibbles], dtype=torch.int32, device=values.device)
     return (v << shifts).sum(-1, dtype=torch.int32)
 
 
@@ -349,19 +372,7 @@ def pair_awq_weights(
     packed along K, zero points signed (z - 8, as the words' offset)."""
     from engine.layers.int_weight import PackedIntWeight
 
-    parts_of = ("qweight", "qzeros", "scales")
-    needed = {"qweight", "scales"} | (set() if config.symmetric else {"qzeros"})
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        base, _, part = name.rpartition(".")
-        if part not in parts_of:
-            yield name, tensor
-            continue
-        parts = waiting.setdefault(base, {})
-        parts[part] = tensor
-        if not needed <= set(parts):
-            continue
-        del waiting[base]
+    def make(base: str, parts: dict[str, torch.Tensor]) -> PackedIntWeight:
         qweight, scales = parts["qweight"], parts["scales"]
         columns, rows = qweight.shape[0], qweight.shape[1] * 8
         group = config.group or columns
@@ -373,12 +384,12 @@ def pair_awq_weights(
             zero = None if config.symmetric else torch.empty(rows, columns // group,
                                                              dtype=torch.int8, device="meta")
         else:
-            packed = pack_sequential(unpack_awq(qweight).t())
+            packed = pack_nibbles(unpack_nibbles(qweight, AWQ_NIBBLE).t())
             zero = None
             if not config.symmetric:
-                zero = (unpack_awq(parts["qzeros"]) - 8).to(torch.int8).t().contiguous()
-        yield base + ".weight", PackedIntWeight(packed, scales.t().contiguous(), zero, 4, group,
-                                                columns)  # fmt: skip
-    if waiting:
-        raise ValueError(f"AWQ checkpoint: quantized weights missing parts: "
-                         f"{sorted(waiting)[:5]}")  # fmt: skip
+                zero = unpack_nibbles(parts["qzeros"], AWQ_NIBBLE) - 8
+                zero = zero.to(torch.int8).t().contiguous()
+        return PackedIntWeight(packed, scales.t().contiguous(), zero, 4, group, columns)
+
+    needed = {"qweight", "scales"} | (set() if config.symmetric else {"qzeros"})
+    return _join_parts(weights, ("qweight", "qzeros", "scales"), needed, make, "AWQ checkpoint")

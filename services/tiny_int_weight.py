@@ -71,6 +71,7 @@ def to_awq(path: str) -> int:
 
     from safetensors.torch import load_file, save_file
 
+    from engine.quantization import AWQ_NIBBLE, pack_nibbles
     from kernels.int_gemm import unpack_int
 
     with open(os.path.join(path, "config.json")) as f:
@@ -88,8 +89,8 @@ def to_awq(path: str) -> int:
         scale = tensors.pop(base + ".weight_scale")
         zero_words = tensors.pop(base + ".weight_zero_point")
         zero = unpack_int(zero_words.t().contiguous(), 4, rows).t()  # [out, groups], 0 .. 15
-        tensors[base + ".qweight"] = _pack_awq(q.t())
-        tensors[base + ".qzeros"] = _pack_awq(zero.t())
+        tensors[base + ".qweight"] = pack_nibbles(q.t(), AWQ_NIBBLE)
+        tensors[base + ".qzeros"] = pack_nibbles(zero.t(), AWQ_NIBBLE)
         tensors[base + ".scales"] = scale.t().contiguous()
         count += 1
     save_file(tensors, file, metadata={"format": "pt"})
@@ -99,16 +100,6 @@ def to_awq(path: str) -> int:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return count
-
-
-def _pack_awq(values: torch.Tensor) -> torch.Tensor:
-    """[R, C] integers 0 .. 15 -> [R, C / 8] int32 words of AutoAWQ's layout."""
-    from engine.quantization import AWQ_NIBBLE
-
-    rows, cols = values.shape
-    v = values.to(torch.int32).reshape(rows, cols // 8, 8)
-    shifts = torch.tensor([4 * n for n in AWQ_NIBBLE], dtype=torch.int32)
-    return (v << shifts).sum(-1, dtype=torch.int32)
 
 
 def _scales(

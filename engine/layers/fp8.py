@@ -26,7 +26,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.layers.linear import shard_ranges
-from engine.layers.parallel import RowParallelLinear
+from engine.layers.parallel import take_split
 from kernels.fp8_gemm import (
     FP8_DTYPE,
     dequantize_groups,
@@ -103,10 +103,7 @@ class Fp8Linear(nn.Module):
                 group,
                 [(s, size) for s, (_, size) in shards.items()] if shards else None,
             )
-        layer.sources = getattr(linear, "sources", None) or None
-        if isinstance(linear, RowParallelLinear):
-            layer.column_part = (linear.in_start, linear.in_features, linear.full_in)
-            layer.tp = linear.tp
+        take_split(layer, linear)
         if layer.sources:  # (split: checked as the model is built, before anything loads)
             for shard_id, (offset, size) in layer.shard_ranges.items():
                 layer._check_blocks(shard_id, offset, size)

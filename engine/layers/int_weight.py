@@ -20,7 +20,7 @@ from torch import nn
 
 from engine.distributed import TensorParallel
 from engine.layers.linear import shard_ranges
-from engine.layers.parallel import RowParallelLinear
+from engine.layers.parallel import RowParallelLinear, take_split
 from kernels.int_gemm import dequantize_int, int_gemm, int_gemm_reference, unpack_int
 from kernels.jit import HAS_TRITON, cdiv, interpreting
 
@@ -141,10 +141,7 @@ class IntWeightLinear(nn.Module):
                 symmetric, [(s, size) for s, (_, size) in shards.items()] if shards else None,
                 scale_dtype=linear.weight.dtype,
             )  # fmt: skip
-        layer.sources = getattr(linear, "sources", None) or None
-        if isinstance(linear, RowParallelLinear):
-            layer.column_part = (linear.in_start, linear.in_features, linear.full_in)
-            layer.tp = linear.tp
+        take_split(layer, linear)
         return layer
 
     def extra_repr(self) -> str:

@@ -64,6 +64,17 @@ class RowParallelLinear(nn.Linear):
         param.data.copy_(loaded)
 
 
+def take_split(layer: nn.Module, linear: nn.Module) -> None:
+    """A quantized layer replacing `linear` takes its part of a split layer: a column-parallel
+    layer's `sources` (the rows of each checkpoint shard this rank holds), or a row-parallel
+    one's `column_part` (its columns of the input) and the group whose all-reduce sums the
+    ranks' outputs before the bias (`tp`)."""
+    layer.sources = getattr(linear, "sources", None) or None
+    if isinstance(linear, RowParallelLinear):
+        layer.column_part = (linear.in_start, linear.in_features, linear.full_in)
+        layer.tp = linear.tp
+
+
 def vocab_part(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
     """(first token id, rows) of this rank's part of the vocabulary: ceil(V / size) rows each,
     the last rank's padded with zero rows past the vocabulary."""
