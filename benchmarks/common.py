@@ -315,3 +315,14 @@ def against_full(row: dict[str, Any], out: dict[str, Any], full: dict[str, Any])
     row["prefill_speedup"] = out["prefill_tok_s"] / full["prefill_tok_s"]
     if full.get("block_linear_bytes"):
         row["block_linear_bytes_ratio"] = out["block_linear_bytes"] / full["block_linear_bytes"]
+
+
+def random_prompts(model_path: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """`n` prompts of `length` random token ids of the model's vocabulary (ids 8 and up)."""
+    import random
+
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab) for _ in range(length)] for _ in range(n)]

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from benchmarks.common import (  # noqa: E402
     decode_and_prefill_speed,
     print_table,
     prompt_agreement,
+    random_prompts,
     score_prompts,
     write_result,
 )
@@ -109,12 +109,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="sluice-fp8-") as root:
         paths = make_models(args.preset, root, args.block)
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(paths["full"]).vocab_size
-        rng = random.Random(0)
-        prompts = [[rng.randrange(8, vocab) for _ in range(args.prompt_len)]
-                   for _ in range(args.prompts)]  # fmt: skip
+        prompts = random_prompts(paths["full"], args.prompts, args.prompt_len)
         arms = {arm: run_arm(paths[arm], arm, args, prompts) for arm in ARMS}
         for arm in ("float32", "bfloat16"):
             arms[arm] = (

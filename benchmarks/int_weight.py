@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from benchmarks.common import (  # noqa: E402
     decode_and_prefill_speed,
     print_table,
     prompt_agreement,
+    random_prompts,
     score_prompts,
     write_result,
 )
@@ -103,12 +103,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="sluice-int-weight-") as root:
         paths = make_models(args.preset, root)
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(paths["full"]).vocab_size
-        rng = random.Random(0)
-        prompts = [[rng.randrange(8, vocab) for _ in range(args.prompt_len)]
-                   for _ in range(args.prompts)]  # fmt: skip
+        prompts = random_prompts(paths["full"], args.prompts, args.prompt_len)
         arms = {arm: run_arm(paths[arm], arm, args, prompts) for arm in ARMS}
         arms["float32"] = (
             arms["full"] if args.dtype == "float32"

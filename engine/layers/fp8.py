@@ -24,9 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.distributed import TensorParallel
-from engine.layers.linear import shard_ranges
-from engine.layers.parallel import take_split
+from engine.layers.parallel import QuantizedLinearBase, take_split
 from kernels.fp8_gemm import (
     FP8_DTYPE,
     dequantize_groups,
@@ -56,7 +54,7 @@ class QuantizedWeight:
         return dequantize_groups(self.data, self.scale, self.block, dtype)
 
 
-class Fp8Linear(nn.Module):
+class Fp8Linear(QuantizedLinearBase):
     """y = x @ dequant(weight).T + bias, computed in float8; `shards` as `MergedLinear`'s
     (the stacked projections: q/k/v, gate/up), else one output block."""
 
@@ -77,18 +75,7 @@ class Fp8Linear(nn.Module):
         )
         scale = torch.empty(cdiv(out_features, gn), cdiv(in_features, gk), dtype=torch.float32)
         self.register_buffer("weight_scale", scale)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.shard_ranges = shard_ranges(shards or [(None, out_features)])
-        self.output_sizes = [size for _, size in self.shard_ranges.values()]
-        self.merged = shards is not None
-
-    # tensor parallelism (engine/layers/parallel.py), taken from the layer replaced: the rows
-    # of each shard's checkpoint tensor this rank holds (a column-parallel layer's `sources`),
-    # or the columns (a row-parallel layer: its `column_part`, and the group whose all-reduce
-    # sums the ranks' outputs before the bias)
-    sources: dict[Hashable, tuple[int, int, int]] | None = None
-    column_part: tuple[int, int, int] | None = None
-    tp: TensorParallel | None = None
+        self._init_outputs(out_features, bias, shards)
 
     @classmethod
     def like(cls, linear: nn.Linear, group: tuple[int, int] | None = None) -> Fp8Linear:

@@ -18,9 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from engine.distributed import TensorParallel
-from engine.layers.linear import shard_ranges
-from engine.layers.parallel import RowParallelLinear, take_split
+from engine.layers.parallel import QuantizedLinearBase, RowParallelLinear, take_split
 from kernels.int_gemm import dequantize_int, int_gemm, int_gemm_reference, unpack_int
 from kernels.jit import HAS_TRITON, cdiv, interpreting
 
@@ -78,7 +76,7 @@ def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tens
     return (u - (1 << (bits - 1))).to(torch.int8).contiguous()
 
 
-class IntWeightLinear(nn.Module):
+class IntWeightLinear(QuantizedLinearBase):
     """y = x @ dequant(weight).T + bias; `shards` as `MergedLinear`'s (the stacked q/k/v and
     gate/up), else one output block. `weight` is the packed int32 words (a parameter, so the
     loader fills and checks it like any weight); `weight_scale` and `weight_zero` are
@@ -110,15 +108,7 @@ class IntWeightLinear(nn.Module):
         self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=scale_dtype))
         zero = None if symmetric else torch.empty(out_features, groups, dtype=torch.int8)
         self.register_buffer("weight_zero", zero)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.shard_ranges = shard_ranges(shards or [(None, out_features)])
-        self.output_sizes = [size for _, size in self.shard_ranges.values()]
-        self.merged = shards is not None
-
-    # tensor parallelism, taken from the layer replaced (as `Fp8Linear`'s)
-    sources: dict[Hashable, tuple[int, int, int]] | None = None
-    column_part: tuple[int, int, int] | None = None
-    tp: TensorParallel | None = None
+        self._init_outputs(out_features, bias, shards)
 
     @classmethod
     def like(

@@ -19,11 +19,14 @@ replicate them the same way). Every rank's KV cache holds only its heads.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import TensorParallel
+from engine.layers.linear import shard_ranges
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
@@ -62,6 +65,24 @@ class RowParallelLinear(nn.Linear):
         elif loaded.shape != param.shape:
             raise ValueError(f"checkpoint shape {tuple(loaded.shape)} is not {tuple(param.shape)}")
         param.data.copy_(loaded)
+
+
+class QuantizedLinearBase(nn.Module):
+    """What the quantized linear layers (`Fp8Linear`, `IntWeightLinear`) share: their output
+    rows in shards as `MergedLinear`'s (the stacked q/k/v and gate/up; one block otherwise),
+    the bias, and the part of a split layer they replace (`take_split`)."""
+
+    sources: dict[Hashable, tuple[int, int, int]] | None = None
+    column_part: tuple[int, int, int] | None = None
+    tp: TensorParallel | None = None
+
+    def _init_outputs(
+        self, out_features: int, bias: bool, shards: Sequence[tuple[Hashable, int]] | None
+    ) -> None:
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.shard_ranges = shard_ranges(shards or [(None, out_features)])
+        self.output_sizes = [size for _, size in self.shard_ranges.values()]
+        self.merged = shards is not None
 
 
 def take_split(layer: nn.Module, linear: nn.Module) -> None:
