@@ -1,12 +1,13 @@
-"""Integer weights (compressed-tensors W4A16 / W8A16 "pack-quantized" checkpoints;
-engine/layers/int_weight.py): checkpoints written by compressed-tensors' own compressor
+"""Integer weights (compressed-tensors W4A16 / W8A16 "pack-quantized" checkpoints and AutoAWQ
+ones; engine/layers/int_weight.py): checkpoints written by compressed-tensors' own compressor
 (services/tiny_int_weight.py) give transformers' greedy tokens (transformers decompresses
 them to float weights), 4- and 8-bit, grouped and per channel, symmetric and asymmetric,
 over the families whose loading reorders or splits rows (Phi-3's fused projections, GLM-4's
-interleaved rope); the blocks' layers keep the packed words; a mixture of experts whose
-experts are quantized too (dequantized as they load) matches transformers on the weights
-compressed-tensors' unpacking gives; tensor parallelism splits whole groups, and refuses
-parts that are not; the schemes it cannot run are refused with the reason."""
+and DeepSeek's interleaved rope) or adds biases (Qwen2's q/k/v); the blocks' layers keep the
+packed words; a mixture of experts whose experts are quantized too (dequantized as they
+load) matches transformers on the weights compressed-tensors' unpacking gives; tensor
+parallelism splits whole groups, and refuses parts that are not; LoRA adapters, weight
+updates; the schemes it cannot run are refused with the reason."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def _check_greedy(engine: Engine, path: str, reference: str | None = None) -> No
 @pytest.mark.parametrize(("arch", "bits", "group", "symmetric"), [
     ("llama", 4, 16, True), ("qwen3", 8, None, True), ("llama", 4, 16, False),
     ("phi3", 4, 16, True), ("glm4", 8, 16, False), ("gemma2", 4, 16, True),
-    ("deepseek_v3", 4, 16, True),
+    ("deepseek_v3", 4, 16, True), ("qwen2", 4, 16, True),
 ])  # fmt: skip
 def test_greedy_tokens_equal_transformers(
     arch: str, bits: int, group, symmetric: bool, tmp_path
