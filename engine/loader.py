@@ -228,12 +228,15 @@ def load_named_weights(
             except ValueError as exc:
                 raise ValueError(f"weight {ckpt_name!r} ({name!r}): {exc}") from None
             loaded.add(name)
-        elif shard is not None:
-            module.load_shard(param, tensor, shard_id)
-            shards_seen[name].add(shard_id)
-        elif isinstance(module, QUANTIZED_LINEARS):
-            module.load_shard(param, tensor, None)
-            loaded.add(name)
+        elif shard is not None or isinstance(module, QUANTIZED_LINEARS):
+            try:
+                module.load_shard(param, tensor, shard_id if shard is not None else None)
+            except ValueError as exc:
+                raise ValueError(f"weight {ckpt_name!r} ({name!r}): {exc}") from None
+            if shard is not None:
+                shards_seen[name].add(shard_id)
+            else:
+                loaded.add(name)
         else:
             if param.shape != tensor.shape:
                 raise ValueError(
