@@ -75,6 +75,12 @@ def read_weight_part(
             value = params[name].detach().to("cpu")
             return value, torch.ones(value.shape, dtype=torch.bool)
         raise ValueError(f"no weight named {name!r} in the model or its checkpoint")
+    if getattr(quantization, "layout", None) is not None and name.rpartition(".")[2] in (
+        "weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "qweight",
+        "qzeros", "scales",
+    ):  # fmt: skip
+        raise ValueError(f"{name!r} cannot be read back: it is a part of a quantized weight, "
+                         "which the served layer holds repacked with the others")  # fmt: skip
     probe = torch.empty(spec[0], dtype=spec[1], device="meta")
     dry = build_model(model_config, dtype, "meta", quantization,
                       TensorParallel(tp.rank, tp.size, ep_size=tp.ep_size))  # fmt: skip

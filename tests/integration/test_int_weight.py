@@ -214,6 +214,20 @@ def test_lora_adapters_over_integer_layers(tmp_path) -> None:
     assert outs[0]["output_ids"] != base  # (the adapter changes the tokens)
 
 
+def test_weights_read_back_by_name() -> None:
+    """`get_weights_by_name` reads a weight the checkpoint stores as it is served (the
+    embedding) and refuses a part of a packed weight with the reason."""
+    from safetensors.torch import load_file
+
+    path = tiny_int_weight_model("llama")
+    stored = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        got = engine.get_weights_by_name("model.embed_tokens.weight", truncate_size=200)
+        assert torch.equal(torch.tensor(got, dtype=stored.dtype), stored.flatten()[:200])
+        with pytest.raises(ValueError, match="part of a quantized weight"):
+            engine.get_weights_by_name("model.layers.0.self_attn.q_proj.weight_packed")
+
+
 def _config_variant(tmp_path, edit) -> str:
     """The W4A16 tiny Llama with its quantization_config edited by `edit(qc)`."""
     path = str(tmp_path / "variant")
