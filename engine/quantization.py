@@ -94,6 +94,11 @@ class IntWeightConfig:
             return pair_awq_weights(weights, self)
         return pair_int_weights(weights, self)
 
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The checkpoint tensors a quantized layer's weight is stored as."""
+        return AWQ_PARTS if self.layout == "awq" else INT_PARTS
+
     def describe(self) -> str:
         groups = f"groups of {self.group}" if self.group else "per channel"
         zero = "symmetric" if self.symmetric else "with zero points"
@@ -183,7 +188,7 @@ def resolve_quantization(requested: str | None, hf_config: object) -> QuantConfi
     if method in ("compressed-tensors", "awq"):
         if requested is not None:
             raise ValueError(f"--quantization {requested} on a {method} checkpoint")
-        return int_weight_config(qc) if method == "compressed-tensors" else awq_config(qc)
+        return checkpoint_scheme(qc)
     if method != "fp8":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which sluice does not run "
@@ -277,7 +282,7 @@ def pair_fp8_scales(
         )
 
 
-_INT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
+INT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
 
 
 def _join_parts(
@@ -326,8 +331,8 @@ def pair_int_weights(
             zero = unpack_zero_points(zero, config.bits, rows)
         return PackedIntWeight(parts["weight_packed"], scale, zero, config.bits, group, columns)
 
-    needed = set(_INT_PARTS[:3]) | (set() if config.symmetric else {"weight_zero_point"})
-    return _join_parts(_no_group_index(weights), _INT_PARTS, needed, make,
+    needed = set(INT_PARTS[:3]) | (set() if config.symmetric else {"weight_zero_point"})
+    return _join_parts(_no_group_index(weights), INT_PARTS, needed, make,
                        "compressed-tensors checkpoint")  # fmt: skip
 
 
@@ -344,23 +349,7 @@ def _no_group_index(
 # AutoAWQ's GEMM layout packs output columns 8j .. 8j + 7 into word j, nibble i holding column
 # (0, 2, 4, 6, 1, 3, 5, 7)[i] of the eight: column c's four bits sit at nibble AWQ_NIBBLE[c % 8]
 AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
-IN_ORDER = tuple(range(8))  # the integer layers' (compressed-tensors') order
-
-
-def unpack_nibbles(words: torch.Tensor, nibbles: tuple[int, ...] = IN_ORDER) -> torch.Tensor:
-    """[R, C / 8] int32 words -> [R, C] int32 in 0 .. 15, column c read from nibble
-    `nibbles[c % 8]` of word c // 8."""
-    shifts = torch.tensor([4 * n for n in nibbles], dtype=torch.int32, device=words.device)
-    return ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(words.shape[0], -1)
-
-
-def pack_nibbles(values: torch.Tensor, nibbles: tuple[int, ...] = IN_ORDER) -> torch.Tensor:
-    """[R, C] integers in 0 .. 15 -> [R, C / 8] int32, column c at nibble `nibbles[c % 8]` of
-    word c // 8 (the fields do not overlap: their sum is their bitwise or)."""
-    rows, cols = values.shape
-    v = values.to(torch.int32).reshape(rows, cols // 8, 8)
-    shifts = torch.tensor([4 * n for n in nibbles], dtype=torch.int32, device=values.device)
-    return (v << shifts).sum(-1, dtype=torch.int32)
+AWQ_PARTS = ("qweight", "qzeros", "scales")
 
 
 def pair_awq_weights(
@@ -371,6 +360,7 @@ def pair_awq_weights(
     `PackedIntWeight` of the integer layers' layout: the integers transposed to [N, K] and
     packed along K, zero points signed (z - 8, as the words' offset)."""
     from engine.layers.int_weight import PackedIntWeight
+    from kernels.int_gemm import pack_int, unpack_int
 
     def make(base: str, parts: dict[str, torch.Tensor]) -> PackedIntWeight:
         qweight, scales = parts["qweight"], parts["scales"]
@@ -384,12 +374,12 @@ def pair_awq_weights(
             zero = None if config.symmetric else torch.empty(rows, columns // group,
                                                              dtype=torch.int8, device="meta")
         else:
-            packed = pack_nibbles(unpack_nibbles(qweight, AWQ_NIBBLE).t())
+            packed = pack_int(unpack_int(qweight, 4, rows, AWQ_NIBBLE).t(), 4)
             zero = None
             if not config.symmetric:
-                zero = unpack_nibbles(parts["qzeros"], AWQ_NIBBLE) - 8
+                zero = unpack_int(parts["qzeros"], 4, rows, AWQ_NIBBLE) - 8
                 zero = zero.to(torch.int8).t().contiguous()
         return PackedIntWeight(packed, scales.t().contiguous(), zero, 4, group, columns)
 
     needed = {"qweight", "scales"} | (set() if config.symmetric else {"qzeros"})
-    return _join_parts(weights, ("qweight", "qzeros", "scales"), needed, make, "AWQ checkpoint")
+    return _join_parts(weights, AWQ_PARTS, needed, make, "AWQ checkpoint")

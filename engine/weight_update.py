@@ -33,11 +33,10 @@ from engine.loader import (
     safetensors_files,
     tensors_to_read,
 )
-from engine.quantization import QuantConfig
+from engine.quantization import QuantConfig, checkpoint_scheme
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = SAFETENSORS_DTYPES
 _READ_BELOW = 64  # tensors this small are read for real in the dry run (scales, read by value)
 _IGNORED = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures"}
 
@@ -124,7 +123,8 @@ def checkpoint_spec(path: str, name: str) -> tuple[list[int], torch.dtype] | Non
         with safe_open(file, framework="pt", device="cpu") as f:
             if name in f.keys():
                 piece = f.get_slice(name)
-                return list(piece.get_shape()), _DTYPES.get(piece.get_dtype(), torch.float32)
+                dtype = SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
+                return list(piece.get_shape()), dtype
     return None
 
 
@@ -155,16 +155,11 @@ def check_config(model_config: ModelConfig, path: str) -> None:
     served = (ours.get("quantization_config") or {}).get("quant_method")
     if method != served:
         raise ValueError(f"{path} has quantization {method}; the served model's is {served}")
-    if method in ("compressed-tensors", "awq"):  # (the words must be the served layers')
-        from engine.quantization import checkpoint_scheme
-
-        new_scheme, scheme = (checkpoint_scheme(c["quantization_config"]) for c in (new, ours))
-        assert new_scheme is not None and scheme is not None
-        if (new_scheme.bits, new_scheme.group, new_scheme.symmetric) != (
-            scheme.bits, scheme.group, scheme.symmetric
-        ):  # fmt: skip
-            raise ValueError(f"{path} holds {new_scheme.describe()} weights; the served model's "
-                             f"are {scheme.describe()}")  # fmt: skip
+    # (integer weights: the words must be the served layers')
+    new_scheme, scheme = (checkpoint_scheme(c.get("quantization_config")) for c in (new, ours))
+    if scheme is not None and new_scheme is not None and new_scheme.describe() != scheme.describe():
+        raise ValueError(f"{path} holds {new_scheme.describe()} weights; the served model's "
+                         f"are {scheme.describe()}")  # fmt: skip
     differ = sorted(k for k in new if k not in _IGNORED and k in ours and new[k] != ours[k])
     if differ:
         logger.warning("weights from %s: its config differs in %s (not applied)", path, differ)
@@ -180,7 +175,8 @@ def meta_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             for name in f.keys():
                 piece = f.get_slice(name)
                 shape = piece.get_shape()
-                if math.prod(shape) < _READ_BELOW or piece.get_dtype() not in _DTYPES:
+                if math.prod(shape) < _READ_BELOW or piece.get_dtype() not in SAFETENSORS_DTYPES:
                     yield name, f.get_tensor(name)
                 else:
-                    yield name, torch.empty(shape, dtype=_DTYPES[piece.get_dtype()], device="meta")
+                    dtype = SAFETENSORS_DTYPES[piece.get_dtype()]
+                    yield name, torch.empty(shape, dtype=dtype, device="meta")

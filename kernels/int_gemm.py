@@ -132,13 +132,30 @@ def int_gemm(
     return y
 
 
-def unpack_int(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+def unpack_int(
+    packed: torch.Tensor, bits: int, columns: int, order: tuple[int, ...] | None = None
+) -> torch.Tensor:
     """[R, ceil(columns * bits / 32)] int32 words -> [R, columns] int32 of 0 .. 2^bits - 1
-    (bits 4 or 8: whole elements a word, low bits first)."""
+    (bits 4 or 8: whole elements a word, element j of a word at its j-th `bits` bits, low
+    first; `order`: at its order[j]-th instead, AutoAWQ's interleaved layout)."""
     per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
+    slots = range(per_word) if order is None else order
+    shifts = torch.tensor([s * bits for s in slots], dtype=torch.int32, device=packed.device)
     u = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return u.reshape(packed.shape[0], -1)[:, :columns]
+
+
+def pack_int(
+    values: torch.Tensor, bits: int, order: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """`unpack_int`'s inverse: [R, C] integers of 0 .. 2^bits - 1 (C whole words) -> [R, C *
+    bits / 32] int32 (the fields do not overlap: their sum is their bitwise or)."""
+    per_word = 32 // bits
+    rows, cols = values.shape
+    v = values.to(torch.int32).reshape(rows, cols // per_word, per_word)
+    slots = range(per_word) if order is None else order
+    shifts = torch.tensor([s * bits for s in slots], dtype=torch.int32, device=values.device)
+    return (v << shifts).sum(-1, dtype=torch.int32)
 
 
 def dequantize_int(

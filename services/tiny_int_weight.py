@@ -71,8 +71,9 @@ def to_awq(path: str) -> int:
 
     from safetensors.torch import load_file, save_file
 
-    from engine.quantization import AWQ_NIBBLE, pack_nibbles
-    from kernels.int_gemm import unpack_int
+    from engine.layers.int_weight import unpack_zero_points
+    from engine.quantization import AWQ_NIBBLE
+    from kernels.int_gemm import pack_int, unpack_int
 
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
@@ -87,10 +88,9 @@ def to_awq(path: str) -> int:
         rows, cols = tensors.pop(base + ".weight_shape").tolist()
         q = unpack_int(tensors.pop(name), 4, cols)  # [out, in], 0 .. 15
         scale = tensors.pop(base + ".weight_scale")
-        zero_words = tensors.pop(base + ".weight_zero_point")
-        zero = unpack_int(zero_words.t().contiguous(), 4, rows).t()  # [out, groups], 0 .. 15
-        tensors[base + ".qweight"] = pack_nibbles(q.t(), AWQ_NIBBLE)
-        tensors[base + ".qzeros"] = pack_nibbles(zero.t(), AWQ_NIBBLE)
+        zero = unpack_zero_points(tensors.pop(base + ".weight_zero_point"), 4, rows) + 8
+        tensors[base + ".qweight"] = pack_int(q.t(), 4, AWQ_NIBBLE)
+        tensors[base + ".qzeros"] = pack_int(zero.t(), 4, AWQ_NIBBLE)  # [groups, out], 0 .. 15
         tensors[base + ".scales"] = scale.t().contiguous()
         count += 1
     save_file(tensors, file, metadata={"format": "pt"})

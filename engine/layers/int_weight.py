@@ -39,9 +39,6 @@ class PackedIntWeight:
     def shape(self) -> torch.Size:
         return torch.Size((self.packed.shape[0], self.columns))
 
-    def __len__(self) -> int:
-        return self.packed.shape[0]
-
     def __getitem__(self, rows: slice | torch.Tensor) -> PackedIntWeight:
         """Some of its rows (a slice or an index tensor): the rows' words, scales, zeros."""
         return replace(self, packed=self.packed[rows], scale=self.scale[rows],
@@ -181,11 +178,6 @@ class IntWeightLinear(QuantizedLinearBase):
         self.weight_scale.narrow(0, offset, size).copy_(loaded.scale)
         if self.weight_zero is not None:
             self.weight_zero.narrow(0, offset, size).copy_(loaded.zero)
-
-    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [out, in] in `dtype`."""
-        return dequantize_int(self.weight, self.weight_scale, self.weight_zero, self.bits,
-                              self.group, self.in_features, dtype)  # fmt: skip
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
