@@ -20,6 +20,7 @@ from engine.mem_cache.host_pool import HICACHE_WRITE_POLICIES
 from engine.mem_cache.kv_quant import KV_CACHE_DTYPES
 from engine.models.registry import ENCODER_ARCHITECTURES
 from engine.pooling import check_embedding_args, classifier_labels
+from engine.quantization import sidecar_quantization_config
 from engine.speculative import check_speculative_args
 
 _DTYPES = {
@@ -91,6 +92,10 @@ class ModelConfig:
         arch = (getattr(outer, "architectures", None) or [""])[0]
         # a multimodal checkpoint served as its text model: the text config describes it
         hf = outer.get_text_config() if arch in TEXT_OF_MULTIMODAL else outer
+        if not getattr(outer, "quantization_config", None) and os.path.isdir(path):
+            qc = sidecar_quantization_config(path)  # (AutoGPTQ's quantize_config.json)
+            if qc is not None:
+                hf.quantization_config = qc
         hidden = getattr(hf, "hidden_size", None) or hf.n_embd
         num_heads = getattr(hf, "num_attention_heads", None) or hf.n_head
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads

@@ -147,6 +147,12 @@ def fill_model(
     if quantization is not None and quantization.checkpoint:
         weights = quantization.pair(weights)
     loaded = model.load_weights(weights)
+    for name, module in model.named_modules():  # (what the parts loaded must agree on)
+        if isinstance(module, IntWeightLinear):
+            try:
+                module.finish_loading()
+            except ValueError as exc:
+                raise ValueError(f"{path}: {name}: {exc}") from None
     if partial:
         return kv_cache_scales
     missing = sorted(set(dict(model.named_parameters())) - set(loaded))

@@ -19,10 +19,12 @@ compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
 "pack-quantized": llm-compressor's W4A16 / W8A16 schemes) loads its packed 4- or 8-bit
 weights as stored, with their group (or channel) scales and, asymmetric, zero points; the
 blocks' linear layers run on them, the rest as for FP8 (experts dequantized as they load,
-the config's `ignore` list left in the model dtype). Activation ordering (`actorder: group`,
-a `weight_g_idx` per column), quantized activations (W8A8, FP8 schemes) and the other
-compressed-tensors formats are refused, as are the other methods (AWQ, GPTQ, bitsandbytes,
-MXFP4 but gpt-oss's experts), with their name.
+the config's `ignore` list left in the model dtype). compressed-tensors' activation ordering
+(`actorder: group`, a `weight_g_idx` per column), quantized activations (W8A8, FP8 schemes)
+and its other formats are refused. AutoAWQ (GEMM) and GPTQ checkpoints are repacked into the
+same layers as they load (`pair_awq_weights`, `pair_gptq_weights`; GPTQ's activation
+ordering too, its columns sorted by group and the layer's input permuted alike). The other
+methods (bitsandbytes, MXFP4 but gpt-oss's experts...) are refused with their name.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ if TYPE_CHECKING:
 
 # The FP8 layer (and with it Triton) is imported where a model is quantized, not here: the
 # CLI of every service reads QUANTIZATION_METHODS.
-QUANTIZATION_METHODS = ("fp8",)
+# `--quantization` of a checkpoint's own method (vLLM's flag names it): checked against it
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
+QUANTIZATION_METHODS = ("fp8", *CHECKPOINT_METHODS)
 _IN_BLOCK = re.compile(r"(^|\.)(layers|layer|h)\.\d+\.")  # a transformer block's module
 _ROUTERS = ("gate", "shared_expert_gate")  # MoE routing logits: kept precise, as vLLM does
 # static activation scales (unused: activations are scaled as they come); KV-cache scales never
@@ -75,7 +79,10 @@ class IntWeightConfig:
     symmetric: bool
     skip: tuple[str, ...] = ()  # the config's `ignore`: module names, or "re:" patterns
     checkpoint: bool = True
-    layout: str = "compressed-tensors"  # or "awq": AutoAWQ's GEMM tensors, repacked at load
+    # "compressed-tensors"; "awq": AutoAWQ's GEMM tensors, "gptq" / "gptq_v2": GPTQ's (zero
+    # points stored less one / as they are), both repacked as they load
+    layout: str = "compressed-tensors"
+    act_order: bool = False  # GPTQ's desc_act: the columns' groups in a g_idx
 
     def swap(self, model: nn.Module) -> int:
         from engine.layers.int_weight import IntWeightLinear
@@ -86,23 +93,28 @@ class IntWeightConfig:
             owner = model.get_submodule(parent) if parent else model
             linear = getattr(owner, attr)
             setattr(owner, attr, IntWeightLinear.like(linear, self.bits, self.group,
-                                                      self.symmetric))  # fmt: skip
+                                                      self.symmetric, self.act_order))  # fmt: skip
         return len(names)
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         if self.layout == "awq":
             return pair_awq_weights(weights, self)
+        if self.layout in GPTQ_LAYOUTS:
+            return pair_gptq_weights(weights, self)
         return pair_int_weights(weights, self)
 
     @property
     def parts(self) -> tuple[str, ...]:
         """The checkpoint tensors a quantized layer's weight is stored as."""
+        if self.layout in GPTQ_LAYOUTS:
+            return GPTQ_PARTS
         return AWQ_PARTS if self.layout == "awq" else INT_PARTS
 
     def describe(self) -> str:
         groups = f"groups of {self.group}" if self.group else "per channel"
         zero = "symmetric" if self.symmetric else "with zero points"
-        return f"{self.bits}-bit ({groups}, {zero})"
+        order = ", activation order" if self.act_order else ""
+        return f"{self.bits}-bit ({groups}, {zero}{order})"
 
 
 def awq_config(qc: dict) -> IntWeightConfig:
@@ -122,11 +134,43 @@ def awq_config(qc: dict) -> IntWeightConfig:
     return IntWeightConfig(4, group, not qc.get("zero_point", True), skip, layout="awq")
 
 
+GPTQ_LAYOUTS = ("gptq", "gptq_v2")
+
+
+def gptq_config(qc: dict) -> IntWeightConfig:
+    """The setup of a GPTQ checkpoint (`quant_method: "gptq"`: AutoGPTQ's and GPTQModel's,
+    the `*-GPTQ-Int4` / `-Int8` models): 4- or 8-bit weights with a scale and zero point per
+    group (or per channel, `group_size: -1`), `desc_act` (activation ordering: each column's
+    group in a `g_idx`), repacked as they load; ValueError for what it cannot run."""
+    bits, group = qc.get("bits"), qc.get("group_size", 128)
+    if bits not in (4, 8):
+        raise ValueError(f"GPTQ with {bits}-bit weights: 4- and 8-bit are supported")
+    layout = str(qc.get("checkpoint_format") or "gptq").lower()
+    if layout not in GPTQ_LAYOUTS:
+        raise ValueError(f"GPTQ checkpoint_format {layout!r}: {GPTQ_LAYOUTS} are supported "
+                         "(repacked kernels' formats, Marlin and others, are not)")  # fmt: skip
+    if not isinstance(group, int) or not (group == -1 or group >= 1):
+        raise ValueError(f"GPTQ group_size {group!r}: a group size, or -1 (per channel)")
+    if qc.get("lm_head"):
+        raise ValueError("GPTQ with a quantized LM head (lm_head: true) is not supported")
+    skip = []
+    for pattern, override in (qc.get("dynamic") or {}).items():
+        if not pattern.startswith("-:"):  # (GPTQModel's per-module settings)
+            raise ValueError(f"GPTQ dynamic override {pattern!r}: {override!r}: only the "
+                             "'-:' entries (modules left unquantized) are supported")  # fmt: skip
+        skip.append("re:" + pattern[2:])
+    return IntWeightConfig(bits, None if group == -1 else group, bool(qc.get("sym", True)),
+                           tuple(skip), layout=layout,
+                           act_order=bool(qc.get("desc_act", False)))  # fmt: skip
+
+
 def checkpoint_scheme(qc: dict | None) -> IntWeightConfig | None:
     """The integer-weight scheme of a config.json's `quantization_config` (None: none)."""
     method = (qc or {}).get("quant_method")
     if method == "compressed-tensors":
         return int_weight_config(qc)  # type: ignore[arg-type]
+    if method == "gptq":
+        return gptq_config(qc)  # type: ignore[arg-type]
     return awq_config(qc) if method == "awq" else None  # type: ignore[arg-type]
 
 
@@ -167,6 +211,25 @@ def int_weight_config(qc: dict) -> IntWeightConfig:
 
 QuantConfig = Fp8Config | IntWeightConfig
 
+# quantization settings in a file of their own, for checkpoints whose config.json has none
+# (AutoGPTQ's and early AutoAWQ's): the file -> the method it implies
+_SIDECARS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def sidecar_quantization_config(path: str) -> dict | None:
+    """A model folder's quantization settings from AutoGPTQ's `quantize_config.json` or
+    AutoAWQ's `quant_config.json` (None: neither), its `quant_method` filled in."""
+    import json
+    import os
+
+    for name, method in _SIDECARS.items():
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                qc = json.load(f)
+            return {"quant_method": method, **qc}
+    return None
+
 
 def resolve_quantization(requested: str | None, hf_config: object) -> QuantConfig | None:
     """The quantization of `--quantization requested` on a model of `hf_config` (None:
@@ -176,24 +239,29 @@ def resolve_quantization(requested: str | None, hf_config: object) -> QuantConfi
     qc = getattr(hf_config, "quantization_config", None)
     if qc is not None and not isinstance(qc, dict):
         qc = qc.to_dict()
+    method = (qc or {}).get("quant_method")
+    if requested in CHECKPOINT_METHODS and requested != method:
+        held = f"quantized with {method!r}" if method else "not quantized"
+        raise ValueError(f"--quantization {requested}: the checkpoint is {held} (the flag "
+                         "names the checkpoint's own method, or fp8 to quantize a 16-bit "
+                         "one as it loads)")  # fmt: skip
     if not qc:
         return Fp8Config(checkpoint=False) if requested == "fp8" else None
-    method = qc.get("quant_method")
     if method == "mxfp4" and getattr(hf_config, "model_type", None) == "gpt_oss":
         # gpt-oss's published experts: dequantized as they load (GptOssForCausalLM), run
         # in the model's dtype
         if requested is not None:
             raise ValueError(f"--quantization {requested} on an MXFP4 checkpoint")
         return None
-    if method in ("compressed-tensors", "awq"):
-        if requested is not None:
+    if method in CHECKPOINT_METHODS:
+        if requested is not None and requested != method:
             raise ValueError(f"--quantization {requested} on a {method} checkpoint")
         return checkpoint_scheme(qc)
     if method != "fp8":
         raise ValueError(
             f"the checkpoint is quantized with {method!r}, which sluice does not run "
             f"(it runs FP8 checkpoints, quant_method 'fp8', --quantization fp8 on 16-bit "
-            f"ones, compressed-tensors W4A16 / W8A16 ones, and AWQ ones)"
+            f"ones, compressed-tensors W4A16 / W8A16 ones, AWQ and GPTQ ones)"
         )
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"FP8 checkpoint format {qc['fmt']!r}: only e4m3 is supported")
@@ -383,3 +451,92 @@ def pair_awq_weights(
 
     needed = {"qweight", "scales"} | (set() if config.symmetric else {"qzeros"})
     return _join_parts(weights, AWQ_PARTS, needed, make, "AWQ checkpoint")
+
+
+GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def pair_gptq_weights(
+    weights: Iterable[tuple[str, torch.Tensor]], config: IntWeightConfig
+) -> Iterator[tuple[str, object]]:
+    """A GPTQ checkpoint's `qweight` [K / w, N] (input rows packed w to a word, lowest bits
+    first), `qzeros` [groups, N / w] (output columns packed alike; stored less one in the
+    "gptq" format, as they are in "gptq_v2"), `scales` [groups, N] and, with activation
+    ordering, `g_idx` [K] (each input row's group) of each layer (w = (q - z) * s) joined
+    into one `PackedIntWeight` of the integer layers' layout: the integers as [N, K] packed
+    along K (GPTQ's words, transposed), zero points signed (z - 2^(bits-1)); with `g_idx`,
+    the columns sorted by group and the order kept (`perm`). Without activation ordering a
+    g_idx must be i // group_size, as AutoGPTQ writes it there."""
+    from engine.layers.int_weight import PackedIntWeight
+    from kernels.int_gemm import pack_int, unpack_int
+
+    bits = config.bits
+    per_word, middle = 32 // bits, 1 << (bits - 1)
+    offset = 1 if config.layout == "gptq" else 0
+
+    def make(base: str, parts: dict[str, torch.Tensor]) -> PackedIntWeight:
+        qweight, scales = parts["qweight"], parts["scales"]
+        columns, rows = qweight.shape[0] * per_word, qweight.shape[1]
+        group = config.group or columns
+        if scales.shape != (-(-columns // group), rows):
+            raise ValueError(f"{base}: GPTQ scales of shape {tuple(scales.shape)} for a "
+                             f"{columns} x {rows} weight in groups of {group}")  # fmt: skip
+        g_idx = parts.get("g_idx")
+        meta = qweight.device.type == "meta"  # (a dry run: the shapes only)
+        perm = _group_order(base, g_idx, group) if g_idx is not None and not meta else None
+        if meta:
+            packed = torch.empty(rows, columns // per_word, dtype=torch.int32, device="meta")
+            zero = None if config.symmetric else torch.empty(rows, scales.shape[0],
+                                                             dtype=torch.int8, device="meta")
+            perm = None if g_idx is None else torch.empty(columns, dtype=torch.int64,
+                                                           device="meta")
+            return PackedIntWeight(packed, scales.t(), zero, bits, group, columns, perm)
+        packed = qweight.t().contiguous()  # (row n's words hold its columns, in order)
+        if perm is not None:
+            packed = pack_int(unpack_int(packed, bits, columns)[:, perm], bits)
+        zero = unpack_int(parts["qzeros"], bits, rows).to(torch.int16) + offset - middle
+        if config.symmetric:
+            if bool((zero != 0).any()):
+                raise ValueError(f"{base}: a symmetric GPTQ checkpoint (sym: true) whose zero "
+                                 f"points are not {middle}")  # fmt: skip
+            zero = None
+        elif int(zero.max()) > 127:
+            raise ValueError(f"{base}: GPTQ zero point {int(zero.max()) + middle} is out of "
+                             f"the {bits}-bit range")  # fmt: skip
+        else:
+            zero = zero.to(torch.int8).t().contiguous()
+        return PackedIntWeight(packed, scales.t().contiguous(), zero, bits, group, columns, perm)
+
+    needed = {"qweight", "qzeros", "scales"} | ({"g_idx"} if config.act_order else set())
+    if not config.act_order:
+        weights = _groups_in_order(weights, config.group)
+    return _join_parts(weights, GPTQ_PARTS, needed, make, "GPTQ checkpoint")
+
+
+def _groups_in_order(
+    weights: Iterable[tuple[str, torch.Tensor]], group: int | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A GPTQ checkpoint without activation ordering: its g_idx dropped (AutoGPTQ writes i //
+    group_size), after checking that it is that; ValueError where it orders the columns."""
+    for name, tensor in weights:
+        if not name.endswith(".g_idx"):
+            yield name, tensor
+        elif tensor.device.type != "meta":
+            in_order = torch.arange(tensor.shape[0]) // (group or tensor.shape[0])
+            if not torch.equal(tensor.to(torch.int64), in_order):
+                raise ValueError(f"{name}: the columns are ordered by group, but the config "
+                                 "has no activation ordering (desc_act: false)")  # fmt: skip
+
+
+def _group_order(base: str, g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
+    """The input columns sorted by their group (None: already in order); ValueError unless
+    each group has `group` columns, as GPTQ's activation ordering makes them."""
+    columns = g_idx.shape[0]
+    in_order = torch.arange(columns) // group
+    g_idx = g_idx.to(torch.int64)
+    if torch.equal(g_idx, in_order):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], in_order):
+        raise ValueError(f"{base}: g_idx does not give each group {group} columns")
+    return perm

@@ -33,7 +33,7 @@ from engine.loader import (
     safetensors_files,
     tensors_to_read,
 )
-from engine.quantization import QuantConfig, checkpoint_scheme
+from engine.quantization import QuantConfig, checkpoint_scheme, sidecar_quantization_config
 
 logger = logging.getLogger(__name__)
 
@@ -151,13 +151,17 @@ def check_config(model_config: ModelConfig, path: str) -> None:
     if new.get("architectures") != ours.get("architectures"):
         raise ValueError(f"{path} is a {new.get('architectures')} checkpoint; the served model "
                          f"is {ours.get('architectures')}")  # fmt: skip
-    method = (new.get("quantization_config") or {}).get("quant_method")
+    new_qc = new.get("quantization_config") or sidecar_quantization_config(path) or {}
+    method = new_qc.get("quant_method")
     served = (ours.get("quantization_config") or {}).get("quant_method")
     if method != served:
         raise ValueError(f"{path} has quantization {method}; the served model's is {served}")
-    # (integer weights: the words must be the served layers')
-    new_scheme, scheme = (checkpoint_scheme(c.get("quantization_config")) for c in (new, ours))
-    if scheme is not None and new_scheme is not None and new_scheme.describe() != scheme.describe():
+    # (integer weights: the words must be the served layers', stored alike)
+    new_scheme = checkpoint_scheme(new_qc)
+    scheme = checkpoint_scheme(ours.get("quantization_config"))
+    if scheme is not None and new_scheme is not None and (
+        (new_scheme.describe(), new_scheme.layout) != (scheme.describe(), scheme.layout)
+    ):  # fmt: skip
         raise ValueError(f"{path} holds {new_scheme.describe()} weights; the served model's "
                          f"are {scheme.describe()}")  # fmt: skip
     differ = sorted(k for k in new if k not in _IGNORED and k in ours and new[k] != ours[k])

@@ -3,7 +3,8 @@ writes them (the "pack-quantized" format of the `*-quantized.w4a16` checkpoints 
 
 `sluice make-tiny-model DIR --quantization w4a16|w8a16 [--group-size N] [--asymmetric]`
 writes a tiny model and then this (`--quantization awq`: 4 bits with zero points, rewritten
-in AutoAWQ's GEMM layout, `to_awq`): every linear layer of the model but the LM head (MoE
+in AutoAWQ's GEMM layout, `to_awq`; `--quantization gptq|gptq-int8 [--act-order]`: rewritten
+in GPTQ's layout, `to_gptq`): every linear layer of the model but the LM head (MoE
 routers included, as llm-compressor's default recipe does unless told to ignore them) gets
 round-to-nearest integer weights with one scale per N input columns (`--group-size 0`: per
 output channel) and, `--asymmetric`, a zero point per group. The scales are set here
@@ -19,14 +20,30 @@ import os
 
 import torch
 
-SCHEMES = {"w4a16": 4, "w8a16": 8}
+SCHEMES = {"w4a16": 4, "w8a16": 8, "gptq": 4, "gptq-int8": 8}
+
+
+def column_order(module: str, columns: int) -> torch.Tensor:
+    """The order in which GPTQ's activation ordering takes the input columns of the linear
+    layer `module` (`to_gptq`): a permutation seeded by the module's parent, so the layers
+    reading the same input (q/k/v, gate/up) share it, as GPTQ's (from that input's
+    statistics) do."""
+    import zlib
+
+    seed = zlib.crc32(f"{module.rpartition('.')[0]}:{columns}".encode())
+    return torch.randperm(columns, generator=torch.Generator().manual_seed(seed))
 
 
 def quantize_checkpoint(
-    path: str, bits: int = 4, group_size: int | None = 16, symmetric: bool = True
+    path: str,
+    bits: int = 4,
+    group_size: int | None = 16,
+    symmetric: bool = True,
+    act_order: bool = False,
 ) -> int:
     """Rewrite the model folder's weights as a pack-quantized checkpoint in place; returns how
-    many linear layers were quantized."""
+    many linear layers were quantized. `act_order`: each layer's groups are of its columns in
+    `column_order` (stored in that order, for `to_gptq` to put back with a g_idx)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -45,8 +62,11 @@ def quantize_checkpoint(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     )
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
         if hasattr(module, "weight_scale"):
+            if act_order:
+                order = column_order(name, module.weight.shape[1])
+                module.weight.data = module.weight.data[:, order].contiguous()
             scale, zero = _scales(module.weight.data.float(), bits, group_size, symmetric)
             module.weight_scale.data = scale.to(module.weight_scale.dtype)
             if not symmetric:
@@ -102,6 +122,63 @@ def to_awq(path: str) -> int:
     return count
 
 
+def to_gptq(path: str, act_order: bool = False, layout: str = "gptq") -> int:
+    """Rewrite a 4- or 8-bit compressed-tensors checkpoint (`quantize_checkpoint`, with the same
+    `act_order`) in place as a GPTQ one (AutoGPTQ's / GPTQModel's layout): per layer `qweight`
+    [in / w, out] (w integers of 0 .. 2^bits - 1 a word, input rows packed, low bits first),
+    `qzeros` [groups, out / w] (output columns packed alike; zero points stored less one in
+    the "gptq" layout, as they are in "gptq_v2"; 2^(bits-1) when symmetric), `scales`
+    [groups, out] and `g_idx` [in] (each input row's group: i // group_size, or with
+    `act_order` the group of its place in `column_order`); config `quant_method: "gptq"`.
+    Returns the layers."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.layers.int_weight import unpack_zero_points
+    from kernels.int_gemm import pack_int, unpack_int
+
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    weights = config["quantization_config"]["config_groups"]["group_0"]["weights"]
+    bits, symmetric = weights["num_bits"], weights["symmetric"]
+    middle, file = 1 << (bits - 1), os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    count = 0
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name.removesuffix(".weight_packed")
+        rows, cols = tensors.pop(base + ".weight_shape").tolist()
+        group = weights["group_size"] or cols
+        q = unpack_int(tensors.pop(name), bits, cols)  # [out, in], 0 .. 2^bits - 1
+        scale = tensors.pop(base + ".weight_scale")  # [out, groups]
+        zero = torch.full_like(scale, middle, dtype=torch.int32)
+        if not symmetric:
+            zero = unpack_zero_points(tensors.pop(base + ".weight_zero_point"), bits, rows)
+            zero = zero.to(torch.int32) + middle
+        g_idx = torch.arange(cols, dtype=torch.int32) // group
+        if act_order:  # (column j of q is the input's column order[j])
+            order = column_order(base, cols)
+            q, g_idx = q[:, torch.argsort(order)], g_idx[torch.argsort(order)]
+        stored = zero - (1 if layout == "gptq" else 0)
+        if bool((stored < 0).any()):
+            raise ValueError(f"{base}: a zero point of 0 cannot be stored in the 'gptq' layout "
+                             "(it stores them less one); use 'gptq_v2'")  # fmt: skip
+        tensors[base + ".qweight"] = pack_int(q, bits).t().contiguous()
+        tensors[base + ".qzeros"] = pack_int(stored.t().contiguous(), bits)
+        tensors[base + ".scales"] = scale.t().contiguous()
+        tensors[base + ".g_idx"] = g_idx
+        count += 1
+    save_file(tensors, file, metadata={"format": "pt"})
+    config["quantization_config"] = {
+        "quant_method": "gptq", "bits": bits, "group_size": weights["group_size"] or -1,
+        "desc_act": act_order, "sym": symmetric, "checkpoint_format": layout,
+        "static_groups": False, "true_sequential": True, "damp_percent": 0.01,
+    }  # fmt: skip
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return count
+
+
 def _scales(
     w: torch.Tensor, bits: int, group_size: int | None, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -125,17 +202,25 @@ def add_args(parser) -> None:  # noqa: ANN001 - an argparse parser
     )  # fmt: skip
     parser.add_argument(
         "--asymmetric", action="store_true",
-        help="with --quantization w4a16 / w8a16: a zero point per group",
+        help="with --quantization w4a16 / w8a16 / gptq: a zero point per group",
+    )  # fmt: skip
+    parser.add_argument(
+        "--act-order", action="store_true",
+        help="with --quantization gptq / gptq-int8: activation ordering (desc_act; each "
+        "layer's groups of columns in a g_idx)",
     )  # fmt: skip
 
 
 def apply(args, path: str) -> None:  # noqa: ANN001 - the parsed arguments
     awq = args.quantization == "awq"  # (4 bits with zero points, then AutoAWQ's layout)
+    gptq = (args.quantization or "").startswith("gptq")
     bits = 4 if awq else SCHEMES.get(args.quantization or "")
     if bits is None:
         return
     if awq and not args.group_size:
         raise SystemExit("--quantization awq: groups (--group-size N > 0)")
+    if args.act_order and not gptq:
+        raise SystemExit("--act-order is for --quantization gptq / gptq-int8")
     if args.arch in ("bert", "xlm-roberta"):
         raise SystemExit(f"--quantization {args.quantization}: decoder models only")
     if args.group_size < 0:
@@ -145,6 +230,13 @@ def apply(args, path: str) -> None:  # noqa: ANN001 - the parsed arguments
     except ImportError:
         raise SystemExit(f"--quantization {args.quantization} needs the compressed-tensors "
                          "package (pip install compressed-tensors)") from None  # fmt: skip
-    quantize_checkpoint(path, bits, args.group_size or None, not (args.asymmetric or awq))
+    quantize_checkpoint(path, bits, args.group_size or None, not (args.asymmetric or awq),
+                        act_order=args.act_order)  # fmt: skip
     if awq:
         to_awq(path)
+    if gptq:  # (GPTQ's own layout stores zero points less one; one of 0 needs its v2)
+        try:
+            to_gptq(path, args.act_order)
+        except ValueError as exc:
+            print(f"{exc}: written as checkpoint_format 'gptq_v2'")
+            to_gptq(path, args.act_order, "gptq_v2")

@@ -79,20 +79,88 @@ def tiny_fp8_model(arch: str, block_size: int = 16) -> str:
 
 
 def tiny_int_weight_model(
-    arch: str, bits: int = 4, group: int | None = 16, symmetric: bool = True, seed: int = 0
+    arch: str,
+    bits: int = 4,
+    group: int | None = 16,
+    symmetric: bool = True,
+    seed: int = 0,
+    act_order: bool = False,
 ) -> str:
     """`tiny_model(arch, seed=seed)` as a compressed-tensors W4A16 / W8A16 checkpoint
-    (services/tiny_int_weight.py; group None: per output channel)."""
+    (services/tiny_int_weight.py; group None: per output channel; `act_order`: the groups
+    of each layer's columns in `column_order`, stored in that order, for `tiny_gptq_model`)."""
     import shutil
 
     from services.tiny_int_weight import quantize_checkpoint
 
-    kind = f"w{bits}g{group or 'ch'}{'' if symmetric else 'asym'}"
+    kind = f"w{bits}g{group or 'ch'}{'' if symmetric else 'asym'}{'ao' if act_order else ''}"
     out = os.path.join(_ROOT, f"{arch}-tiny-{seed}-{kind}")
     if not os.path.exists(os.path.join(out, "config.json")):
         shutil.copytree(tiny_model(arch, seed=seed), out + ".tmp", dirs_exist_ok=True)
-        quantize_checkpoint(out + ".tmp", bits, group, symmetric)
+        quantize_checkpoint(out + ".tmp", bits, group, symmetric, act_order)
         os.replace(out + ".tmp", out)
+    return out
+
+
+def tiny_gptq_model(
+    arch: str,
+    bits: int = 4,
+    group: int | None = 16,
+    symmetric: bool = True,
+    act_order: bool = False,
+    layout: str = "gptq",
+) -> str:
+    """`tiny_int_weight_model(...)` rewritten as a GPTQ checkpoint (`to_gptq`)."""
+    import shutil
+
+    from services.tiny_int_weight import to_gptq
+
+    source = tiny_int_weight_model(arch, bits, group, symmetric, act_order=act_order)
+    out = f"{source}-{layout}"
+    if not os.path.exists(os.path.join(out, "config.json")):
+        shutil.copytree(source, out + ".tmp", dirs_exist_ok=True)
+        to_gptq(out + ".tmp", act_order, layout)
+        os.replace(out + ".tmp", out)
+    return out
+
+
+def dequantized_copy(path: str, out: str, act_order: bool = False) -> str:
+    """A float checkpoint of a pack-quantized one (`tiny_int_weight_model`), its weights
+    unpacked by compressed-tensors (`unpack_from_int32`) and scaled: what the engine must
+    compute with. `act_order`: each layer's columns put back from `column_order` (the model
+    its GPTQ rewrite holds)."""
+    import json
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file, save_file
+
+    from services.tiny_int_weight import column_order
+
+    shutil.copytree(path, out)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    bits = config.pop("quantization_config")["config_groups"]["group_0"]["weights"]["num_bits"]
+    file = os.path.join(out, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(".weight_packed")]:
+        base = name.removesuffix("_packed")
+        shape = tensors.pop(base + "_shape")
+        q = unpack_from_int32(tensors.pop(name), bits, torch.Size(shape.tolist())).float()
+        scale = tensors.pop(base + "_scale").float()
+        group = shape[1].item() // scale.shape[1]
+        if base + "_zero_point" in tensors:
+            zero = unpack_from_int32(tensors.pop(base + "_zero_point"), bits, scale.shape,
+                                     packed_dim=0)  # fmt: skip
+            q = q - zero.float().repeat_interleave(group, 1)
+        w = q * scale.repeat_interleave(group, 1)
+        if act_order:  # (column j is the model's column order[j])
+            order = column_order(base.removesuffix(".weight"), w.shape[1])
+            w = torch.empty_like(w).index_copy_(1, order, w)
+        tensors[base] = w
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f)
     return out
 
 

@@ -26,7 +26,9 @@ from kernels.jit import HAS_TRITON, cdiv, interpreting
 @dataclass
 class PackedIntWeight:
     """A checkpoint's packed integer weight: `packed` [N, ceil(K * bits / 32)] int32, `scale`
-    [N, K / group], `zero` [N, K / group] int8 (asymmetric; None: symmetric), K `columns`."""
+    [N, K / group], `zero` [N, K / group] int8 (asymmetric; None: symmetric), K `columns`;
+    with activation ordering (GPTQ's `desc_act`), `perm` [K]: column j of the packed weight
+    is the input's column perm[j] (its columns sorted by group, so groups are contiguous)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -34,6 +36,7 @@ class PackedIntWeight:
     bits: int
     group: int
     columns: int
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -48,6 +51,10 @@ class PackedIntWeight:
         """Rows (dim 0), or columns (dim 1: whole groups and whole words) of it."""
         if dim == 0:
             return self[start : start + length]
+        if self.perm is not None:
+            raise ValueError("a weight with activation ordering (a group index per column) "
+                             "cannot be split by columns (a row-parallel layer under tensor "
+                             "parallelism)")  # fmt: skip
         per_word = 32 // self.bits
         end = start + length
         whole = start % self.group == 0 and (length % self.group == 0 or end == self.columns)
@@ -62,8 +69,14 @@ class PackedIntWeight:
         )  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int(self.packed, self.scale, self.zero, self.bits, self.group,
-                              self.columns, dtype)  # fmt: skip
+        """The float weight [N, K], its columns in the input's order."""
+        w = dequantize_int(self.packed, self.scale, self.zero, self.bits, self.group,
+                           self.columns, dtype)  # fmt: skip
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
 
 def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
@@ -89,6 +102,7 @@ class IntWeightLinear(QuantizedLinearBase):
         symmetric: bool,
         shards: Sequence[tuple[Hashable, int]] | None = None,
         scale_dtype: torch.dtype | None = None,
+        act_order: bool = False,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
@@ -105,15 +119,28 @@ class IntWeightLinear(QuantizedLinearBase):
         self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=scale_dtype))
         zero = None if symmetric else torch.empty(out_features, groups, dtype=torch.int8)
         self.register_buffer("weight_zero", zero)
+        # activation ordering: the input's columns in the packed weight's order
+        perm = torch.arange(in_features) if act_order else None
+        self.register_buffer("input_perm", perm)
+        self._shard_perms: dict[Hashable, torch.Tensor] = {}  # each part's, as loaded
         self._init_outputs(out_features, bias, shards)
 
     @classmethod
     def like(
-        cls, linear: nn.Linear, bits: int, group: int | None, symmetric: bool
+        cls, linear: nn.Linear, bits: int, group: int | None, symmetric: bool,
+        act_order: bool = False,
     ) -> IntWeightLinear:
         """An empty layer of `linear`'s shape (and shards, and part of a split layer), on its
         device; its scales in the linear's dtype."""
         shards = getattr(linear, "shard_ranges", None)
+        if act_order and isinstance(linear, RowParallelLinear) and (
+            linear.in_features != linear.full_in
+        ):  # fmt: skip
+            raise ValueError(
+                "tensor parallelism: a row-parallel layer with activation ordering (GPTQ's "
+                "desc_act: each rank's input columns belong to groups spread over all ranks) "
+                "is not supported; serve it on one rank, or use a checkpoint without desc_act"
+            )
         if isinstance(linear, RowParallelLinear) and group is not None and (
             linear.in_start % group or linear.in_features % group
         ):  # fmt: skip
@@ -126,15 +153,16 @@ class IntWeightLinear(QuantizedLinearBase):
             layer = cls(
                 linear.in_features, linear.out_features, linear.bias is not None, bits, group,
                 symmetric, [(s, size) for s, (_, size) in shards.items()] if shards else None,
-                scale_dtype=linear.weight.dtype,
+                scale_dtype=linear.weight.dtype, act_order=act_order,
             )  # fmt: skip
         take_split(layer, linear)
         return layer
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.weight_zero is None else "asymmetric"
+        order = ", act_order" if self.input_perm is not None else ""
         return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
-                f"group={self.group}, {kind}")  # fmt: skip
+                f"group={self.group}, {kind}{order}")  # fmt: skip
 
     # -- loading ------------------------------------------------------------------------------
     def load_shard(
@@ -174,15 +202,37 @@ class IntWeightLinear(QuantizedLinearBase):
                 f"({'symmetric' if loaded.zero is None else 'asymmetric'}), the config says "
                 f"{self.bits}-bit groups of {self.group}"
             )
+        self._load_order(loaded.perm, shard_id)
         self.weight.data.narrow(0, offset, size).copy_(loaded.packed)
         self.weight_scale.narrow(0, offset, size).copy_(loaded.scale)
         if self.weight_zero is not None:
             self.weight_zero.narrow(0, offset, size).copy_(loaded.zero)
 
+    def _load_order(self, perm: torch.Tensor | None, shard_id: Hashable) -> None:
+        """A part's input order (activation ordering): the layer's, which its stacked parts
+        share (`finish_loading` checks they do)."""
+        if self.input_perm is None:  # (the config's: a checkpoint's g_idx is checked then)
+            return
+        if perm is None:  # (in order)
+            perm = torch.arange(self.in_features, device=self.input_perm.device)
+        self._shard_perms[shard_id] = perm
+        self.input_perm.copy_(perm)
+
+    def finish_loading(self) -> None:
+        """After a load: ValueError unless the stacked parts (q/k/v, gate/up), which read the
+        same input, order its columns alike (GPTQ orders them by the input's statistics, the
+        same for all of them)."""
+        perms = [p for p in self._shard_perms.values() if p.device.type != "meta"]
+        if any(not torch.equal(p.to(perms[0].device), perms[0]) for p in perms[1:]):
+            raise ValueError("the stacked parts of a layer with activation ordering order its "
+                             "input columns differently (their g_idx differ)")  # fmt: skip
+
     # -- forward ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if self.input_perm is not None:
+            x = x.index_select(1, self.input_perm)
         bias = None if self.tp is not None else self.bias
         args = (self.weight, self.weight_scale, self.weight_zero, self.bits, self.group, bias)
         if x.is_cuda and HAS_TRITON and not interpreting() and self.group % 16 == 0:

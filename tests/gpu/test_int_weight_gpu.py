@@ -3,8 +3,10 @@
 * the Triton W4A16 / W8A16 GEMM (kernels/int_gemm.py) against the torch reference on the same
   packed weights, at a 4096 x 4096 layer: one row, a decode batch, a prefill; 4 bits in
   groups of 128 (with and without zero points), 8 bits per channel; bf16 and fp16;
-* the engine on a tiny W4A16 checkpoint in float32 (Triton attention), its IntWeightLinear
-  layers on the kernel: transformers' greedy tokens.
+* the engine on a tiny W4A16 checkpoint, and on a GPTQ one with activation ordering (its
+  layers' inputs permuted on the device before the kernel), in float32 (Triton attention),
+  its IntWeightLinear layers on the kernel: transformers' greedy tokens (GPTQ: on the float
+  weights compressed-tensors unpacks from the checkpoint it was written from).
 """
 
 from __future__ import annotations
@@ -41,17 +43,24 @@ def test_kernel_matches_the_reference(dtype, bits, group, symmetric, m):
     assert (got - want).abs().max().item() < 2e-2 * scale_of
 
 
-def test_engine_gives_transformers_greedy_tokens():
+@pytest.mark.parametrize("layout", ["compressed-tensors", "gptq-act-order"])
+def test_engine_gives_transformers_greedy_tokens(layout, tmp_path):
     from engine.engine import Engine
     from engine.layers.int_weight import IntWeightLinear
     from tests.factories import (
         assert_greedy_match,
+        dequantized_copy,
         hf_greedy,
         mixed_prompts,
+        tiny_gptq_model,
         tiny_int_weight_model,
     )
 
-    path = tiny_int_weight_model("llama", 4, 16, True)
+    path = reference = tiny_int_weight_model("llama", 4, 16, True)
+    if layout == "gptq-act-order":
+        path = tiny_gptq_model("llama", 4, 16, True, act_order=True)
+        source = tiny_int_weight_model("llama", 4, 16, True, act_order=True)
+        reference = dequantized_copy(source, str(tmp_path / "reference"), act_order=True)
     prompts = mixed_prompts(1500, n=4, max_len=40, seed=5)
     greedy = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
     with Engine(model_path=path, device="cuda", dtype="float32", attention_backend="triton",
@@ -60,4 +69,5 @@ def test_engine_gives_transformers_greedy_tokens():
         assert any(isinstance(m, IntWeightLinear) for m in model.modules())
         outs = engine.generate(input_ids=prompts, sampling_params=[greedy] * len(prompts))
     for prompt, out in zip(prompts, outs, strict=True):
-        assert_greedy_match(path, prompt, out["output_ids"], hf_greedy(path, prompt, 10))
+        assert_greedy_match(reference, prompt, out["output_ids"],
+                            hf_greedy(reference, prompt, 10))  # fmt: skip

@@ -165,15 +165,16 @@ def test_engine_serves_fp8_with_overlap_and_lora():
 
 
 def test_unsupported_quantization_is_refused_at_start(tmp_path):
-    """(GPTQ; AWQ runs since: tests/integration/test_int_weight.py)"""
-    path = str(tmp_path / "gptq")
+    """(bitsandbytes; AWQ and GPTQ run since: tests/integration/test_int_weight.py and
+    test_gptq.py)"""
+    path = str(tmp_path / "bnb")
     shutil.copytree(tiny_model("llama"), path)
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="quantized with 'gptq'"):
+    with pytest.raises(ValueError, match="quantized with 'bitsandbytes'"):
         Engine(model_path=path, disable_overlap_schedule=True)
 
 

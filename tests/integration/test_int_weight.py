@@ -21,6 +21,7 @@ import torch
 from engine.engine import Engine
 from tests.factories import (
     assert_greedy_match,
+    dequantized_copy,
     hf_greedy,
     mixed_prompts,
     tiny_int_weight_model,
@@ -53,7 +54,7 @@ def test_greedy_tokens_equal_transformers(
     dequantized for the absorbed attention.)"""
     path = tiny_int_weight_model(arch, bits, group, symmetric)
     unpacked = not symmetric or arch == "deepseek_v3"
-    reference = _dequantized_copy(path, str(tmp_path / "reference")) if unpacked else None
+    reference = dequantized_copy(path, str(tmp_path / "reference")) if unpacked else None
     with Engine(model_path=path) as engine:
         _check_greedy(engine, path, reference)
 
@@ -75,35 +76,6 @@ def test_the_blocks_layers_keep_the_packed_words() -> None:
             assert layer.weight_scale.shape == (layer.out_features, layer.in_features // 16)
             assert layer.weight_zero is None
         assert not isinstance(model.lm_head, IntWeightLinear)
-
-
-def _dequantized_copy(path: str, out: str) -> str:
-    """A float checkpoint of a pack-quantized one, its weights unpacked by compressed-tensors
-    (`unpack_from_int32`) and scaled: what the engine must compute with."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(path, out)
-    with open(os.path.join(path, "config.json")) as f:
-        config = json.load(f)
-    bits = config.pop("quantization_config")["config_groups"]["group_0"]["weights"]["num_bits"]
-    file = os.path.join(out, "model.safetensors")
-    tensors = load_file(file)
-    for name in [n for n in tensors if n.endswith(".weight_packed")]:
-        base = name.removesuffix("_packed")
-        shape = tensors.pop(base + "_shape")
-        q = unpack_from_int32(tensors.pop(name), bits, torch.Size(shape.tolist())).float()
-        scale = tensors.pop(base + "_scale").float()
-        group = shape[1].item() // scale.shape[1]
-        if base + "_zero_point" in tensors:
-            zero = unpack_from_int32(tensors.pop(base + "_zero_point"), bits, scale.shape,
-                                     packed_dim=0)  # fmt: skip
-            q = q - zero.float().repeat_interleave(group, 1)
-        tensors[base] = q * scale.repeat_interleave(group, 1)
-    save_file(tensors, file, metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f)
-    return out
 
 
 def test_quantized_experts_are_dequantized_as_they_load(tmp_path) -> None:
@@ -131,7 +103,7 @@ def test_quantized_experts_are_dequantized_as_they_load(tmp_path) -> None:
         tensors[name + "_scale"] = scale
         tensors[name + "_shape"] = torch.tensor(w.shape)
     save_file(tensors, file, metadata={"format": "pt"})
-    reference = _dequantized_copy(path, str(tmp_path / "reference"))
+    reference = dequantized_copy(path, str(tmp_path / "reference"))
     with Engine(model_path=path, disable_overlap_schedule=True) as engine:
         model = engine.scheduler.model_runner.model
         assert any(isinstance(m, IntWeightLinear) for m in model.modules())
@@ -161,7 +133,7 @@ def test_awq_checkpoints_run_repacked(tmp_path) -> None:
     assert sorted(converted) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(converted[name].to(tensor.dtype), tensor), name
-    reference = _dequantized_copy(source, str(tmp_path / "reference"))
+    reference = dequantized_copy(source, str(tmp_path / "reference"))
     with Engine(model_path=path, disable_overlap_schedule=True) as engine:
         model = engine.scheduler.model_runner.model
         assert sum(isinstance(m, IntWeightLinear) for m in model.modules()) == 8
@@ -202,7 +174,7 @@ def test_lora_adapters_over_integer_layers(tmp_path) -> None:
     from tests.factories import lora_greedy, tiny_lora, tiny_model
 
     path = tiny_int_weight_model("llama", 4, 16, True)
-    reference = _dequantized_copy(path, str(tmp_path / "reference"))
+    reference = dequantized_copy(path, str(tmp_path / "reference"))
     adapter = tiny_lora(tiny_model("llama"), 1, 8, targets=("q_proj", "v_proj", "down_proj"))
     with Engine(model_path=path, lora_paths=(f"a={adapter}",),
                 disable_overlap_schedule=True) as engine:  # fmt: skip

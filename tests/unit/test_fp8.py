@@ -316,8 +316,8 @@ def test_resolve_quantization():
     got = resolve_quantization(None, _Config(qc))
     assert got == Fp8Config(True, (128, 128), ("model.layers.0.mlp.down_proj",))
     assert resolve_quantization("fp8", _Config(qc)) == got
-    with pytest.raises(ValueError, match="'gptq'"):  # (AWQ runs: test_int_weight.py)
-        resolve_quantization(None, _Config({"quant_method": "gptq", "bits": 4}))
+    with pytest.raises(ValueError, match="'bitsandbytes'"):  # (AWQ, GPTQ run: test_int_weight.py,
+        resolve_quantization(None, _Config({"quant_method": "bitsandbytes"}))  # test_gptq.py)
     with pytest.raises(ValueError, match="not in"):
         resolve_quantization("int4", _Config())
     with pytest.raises(ValueError, match="e5m2"):
