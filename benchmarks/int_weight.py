@@ -1,5 +1,5 @@
-"""Integer weights (compressed-tensors W4A16 / W8A16) against the full-precision model, side by
-side in one run: weight memory, teacher-forced agreement, decode and prefill speed.
+"""Integer weights (compressed-tensors W4A16 / W8A16, GPTQ) against the full-precision model, side
+by side in one run: weight memory, teacher-forced agreement, decode and prefill speed.
 
     python benchmarks/int_weight.py [--preset small] [--device cpu] [--dtype float32]
     python benchmarks/int_weight.py --preset llama-3.2-1b --device cuda --dtype bfloat16 \\
@@ -8,7 +8,9 @@ side in one run: weight memory, teacher-forced agreement, decode and prefill spe
 Arms on one random model (`--preset`, saved in float32), run in `--dtype`: the model as it
 is (`full`), and its weights written by compressed-tensors' compressor
 (services/tiny_int_weight.py) as `w4a16` (4 bits, a scale per 128 input columns: the
-`*-quantized.w4a16` checkpoints' scheme) and `w8a16` (8 bits, a scale per output channel).
+`*-quantized.w4a16` checkpoints' scheme), `w8a16` (8 bits, a scale per output channel) and
+`gptq-act-order` (w4a16's scheme over each layer's columns in a permuted order, rewritten as
+a GPTQ checkpoint with desc_act: the engine permutes each layer's input before its GEMM).
 The model in float32 is the reference the arms are scored against.
 
 * memory: bytes of the transformer blocks' linear weights (with scales) and of all weights;
@@ -21,6 +23,12 @@ The model in float32 is the reference the arms are scored against.
 On a CPU the integer layers dequantize their weights on every forward: slower than full
 precision there, which this reports as measured; the speed the format is for is a GPU's,
 where decode reads a quarter (4 bits) or half (8 bits) of bf16's weight bytes.
+
+On a GPU a second table times the kernels at one row (decode at batch 1) on Llama 3.2 1B's
+projections: bf16 `F.linear` (cuBLAS), and the W4A16 (groups of 128) and W8A16 (per
+channel) weights through the one-row GEMV kernel and through the GEMM (16-row tiles),
+microseconds per call and the HBM bandwidth that is (each timing a CUDA graph cycling over
+copies of the weight past the L2, as benchmarks/gpu_gemv.py times them).
 """
 
 from __future__ import annotations
@@ -47,20 +55,25 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 
-ARMS = {"full": None, "w4a16": (4, 128), "w8a16": (8, None)}  # bits, group (None: channel)
+# bits, group (None: per channel), a GPTQ rewrite with activation ordering
+ARMS = {"full": None, "w4a16": (4, 128, False), "w8a16": (8, None, False),
+        "gptq-act-order": (4, 128, True)}  # fmt: skip
 
 
 def make_models(preset: str, root: str) -> dict[str, str]:
-    from services.tiny_int_weight import quantize_checkpoint
+    from services.tiny_int_weight import quantize_checkpoint, to_gptq
     from services.tiny_model import make_tiny_model
 
     full = make_tiny_model(os.path.join(root, "full"), preset=preset)
     paths = {"full": full, "float32": full}
     for arm, scheme in ARMS.items():
         if scheme is not None:
+            bits, group, gptq = scheme
             paths[arm] = os.path.join(root, arm)
             shutil.copytree(full, paths[arm])
-            quantize_checkpoint(paths[arm], *scheme)
+            quantize_checkpoint(paths[arm], bits, group, act_order=gptq)
+            if gptq:
+                to_gptq(paths[arm], act_order=True)
     return paths
 
 
@@ -95,6 +108,62 @@ def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[in
     return out
 
 
+KERNEL_SHAPES = {"qkv": (3072, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
+                 "down": (2048, 8192)}  # fmt: skip
+
+
+def _cycle_us(call: Any, weights: list) -> float:
+    """Microseconds per `call(w)`, w cycling over `weights` (a CUDA graph's calls)."""
+    import itertools
+
+    from benchmarks.gpu_fused_kernels import graph_us
+
+    turn = itertools.cycle(weights)
+    return graph_us(lambda: call(next(turn)))
+
+
+def _int_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bits: int, group: int,
+              gemv: bool) -> torch.Tensor:  # fmt: skip
+    from kernels.int_gemm import int_gemm
+
+    return int_gemm(x, w, scale, None, bits, group, gemv=gemv)
+
+
+def kernel_rows() -> list[dict[str, Any]]:
+    """One row through each projection: bf16 F.linear, and each integer format's GEMV and GEMM
+    (microseconds; GB/s of the weight bytes, scales and zero points included)."""
+    import functools
+
+    import torch.nn.functional as F
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k) in KERNEL_SHAPES.items():
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+        copies = max(1, -(-(256 << 20) // (n * k * 2)))
+        dense = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+                 for _ in range(copies)]  # fmt: skip
+        us = _cycle_us(functools.partial(F.linear, x), dense)
+        rows.append({"shape": name, "format": "bf16", "kernel": "cublas", "us": us,
+                     "gb_s": n * k * 2 / us / 1e3})  # fmt: skip
+        dense.clear()
+        for fmt, bits, group in (("w4a16 g128", 4, 128), ("w8a16 channel", 8, k)):
+            words = [torch.randint(-(2**31), 2**31 - 1, (n, k * bits // 32), dtype=torch.int32,
+                                   device="cuda", generator=gen) for _ in range(copies)]
+            scale = torch.rand(n, k // group, device="cuda", generator=gen).bfloat16() * 0.01
+            nbytes = words[0].nbytes + scale.nbytes
+            for gemv in (True, False):
+                call = functools.partial(_int_call, x, scale=scale, bits=bits, group=group,
+                                         gemv=gemv)  # fmt: skip
+
+                us = _cycle_us(call, words)
+                rows.append({"shape": name, "format": fmt, "kernel": "gemv" if gemv else "gemm",
+                             "us": us, "gb_s": nbytes / us / 1e3})  # fmt: skip
+            words.clear()
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_weight_format_args(p, "int_weight")
@@ -126,11 +195,28 @@ def main() -> None:
     by_arm = dict(zip(ARMS, rows))
     summary = {
         f"{arm}_{key}": by_arm[arm].get(key)
-        for arm in ("w4a16", "w8a16")
+        for arm in ("w4a16", "w8a16", "gptq-act-order")
         for key in ("block_linear_bytes_ratio", "top1_agreement", "decode_speedup",
                     "prefill_speedup")
     }  # fmt: skip
-    print(write_result(args.name, rows, summary, config=dict(vars(args))))
+    extra = {}
+    if args.device == "cuda":
+        kernels = kernel_rows()
+        print_table(kernels, ["shape", "format", "kernel", "us", "gb_s"])
+        extra["kernels"] = kernels
+        per_format = {}
+        for r in kernels:
+            per_format.setdefault((r["format"], r["kernel"]), 0.0)
+            per_format[(r["format"], r["kernel"])] += r["us"]
+        for fmt in ("w4a16 g128", "w8a16 channel"):  # (one layer's four projections)
+            key = fmt.split()[0]
+            summary[f"{key}_gemv_vs_gemm_one_row"] = (
+                per_format[(fmt, "gemm")] / per_format[(fmt, "gemv")]
+            )
+            summary[f"{key}_gemv_vs_bf16_one_row"] = (
+                per_format[("bf16", "cublas")] / per_format[(fmt, "gemv")]
+            )
+    print(write_result(args.name, rows, summary, config=dict(vars(args)), **extra))
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int, k: int 
 
 
 def _launch_int(dtype: torch.dtype, bits: int, group: int | None, tokens: int,
-                symmetric: bool = True) -> None:  # fmt: skip
-    """The W4A16 / W8A16 GEMM of a 4096 x 4096 layer (group None: per channel)."""
-    n = k = 4096
+                symmetric: bool = True, k: int = 4096) -> None:  # fmt: skip
+    """The W4A16 / W8A16 GEMM of a 4096 x k layer (group None: per channel); one token: the
+    GEMV kernel."""
+    n = 4096
     g = group or k
     packed = torch.empty(n, k * bits // 32, dtype=torch.int32)
     scale = torch.empty(n, k // g, dtype=dtype)
@@ -150,10 +151,14 @@ def _launch_int(dtype: torch.dtype, bits: int, group: int | None, tokens: int,
 
 
 # weight-only integer GEMMs: W4A16 in groups of 128 (decode and prefill row blocks; with
-# zero points), W8A16 per channel
+# zero points), W8A16 per channel; their one-row GEMV (1024 columns a step, 2048 from K 8192)
 INT_CASES = {"int w4 g128 T4": (4, 128, 4, True), "int w4 g128 T1024": (4, 128, 1024, True),
              "int w4 g128 asym T1024": (4, 128, 1024, False),
-             "int w8 channel T1024": (8, None, 1024, True)}  # fmt: skip
+             "int w8 channel T1024": (8, None, 1024, True),
+             "int gemv w4 g128": (4, 128, 1, True), "int gemv w4 g128 asym": (4, 128, 1, False),
+             "int gemv w4 g128 K14336": (4, 128, 1, True, 14336),
+             "int gemv w8 channel": (8, None, 1, True),
+             "int gemv w8 channel K14336": (8, None, 1, True, 14336)}  # fmt: skip
 
 
 def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:
@@ -367,6 +372,7 @@ def _pdl_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         "fp8 quantize K2048": part(quantize_rows, torch.empty(1, 2048, dtype=bf16), 2048),
         "fp8 gemv group 128 K4096": part(_launch_fp8, bf16, (128, 128), 1),
         "int w4 g128 T4": part(_launch_int, bf16, 4, 128, 4),
+        "int gemv w4 g128": part(_launch_int, bf16, 4, 128, 1),
     }  # fmt: skip
     x1 = torch.zeros(1, 2048, dtype=bf16)
     norm = RMSNormInput(torch.zeros(2048, dtype=bf16), 1e-5, x1, torch.zeros_like(x1))

@@ -11,7 +11,10 @@ asymmetric, a zero point z per group (q - z then). So w = (u - offset - z) * sca
 Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)): a program owns a BLOCK_M x BLOCK_N tile of y. Its
 K loop loads BLOCK_K / (32 // bits) words per weight row, expands them to BLOCK_K integers
 with shifts, applies the group's scale (and zero point; BLOCK_K divides the group, so one
-group a step), and accumulates tl.dot(x, w.T) in float32. Reference: `int_gemm_reference`.
+group a step), and accumulates tl.dot(x, w.T) in float32. One row of x (decode at batch 1)
+goes to `_int_gemv_kernel` instead: 4 weight rows a program (512 programs for 2048 outputs,
+where the GEMM's 64-column tiles made 32), no MMA padded to 16 rows, each word loaded once.
+Reference: `int_gemm_reference`.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.jit import cdiv, dot_dtype, dot_precision, launch_opts, pdl_prologue
+from kernels.jit import (
+    cdiv,
+    dot_dtype,
+    dot_precision,
+    interpreting,
+    launch_opts,
+    next_pow2,
+    pdl_prologue,
+)
 
 
 @triton.jit
@@ -87,6 +98,75 @@ def _int_gemm_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])  # fmt: skip
 
 
+@triton.jit
+def _int_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    zero_ptr,
+    bias_ptr,
+    y_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_zn,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row of x: a program owns BLOCK_N weight rows and walks K BLOCK_W words at a time.
+    Each word is loaded once and expanded into its 32 // BITS integers along a third axis;
+    its group's scale (and zero point) is gathered per word (a group is whole words). The
+    [BLOCK_N, BLOCK_W, PER_WORD] float32 products are summed once at the end, as the 16-bit
+    GEMV (kernels/gemv.py) sums its one-row tiles: no MMA padded to 16 rows."""
+    pdl_prologue(PDL)
+    PER_WORD: tl.constexpr = 32 // BITS
+    OFFSET: tl.constexpr = 1 << (BITS - 1)
+    MASK: tl.constexpr = (1 << BITS) - 1
+    GROUP_WORDS: tl.constexpr = GROUP // PER_WORD
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    offs_j = tl.arange(0, PER_WORD)
+    mask_n = offs_n < N
+    words_k = K // PER_WORD
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    s_rows = scale_ptr + offs_n[:, None] * stride_sn
+    z_rows = zero_ptr + offs_n[:, None] * stride_zn
+    shifts = (offs_j * BITS)[None, None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_W, PER_WORD), dtype=tl.float32)
+    for w0 in range(0, words_k, BLOCK_W):
+        cols = w0 + offs_w
+        mask_w = cols < words_k
+        mask = mask_n[:, None] & mask_w[None, :]
+        words = tl.load(w_rows + cols[None, :], mask=mask, other=0)
+        g = (cols // GROUP_WORDS)[None, :]
+        scale = tl.load(s_rows + g, mask=mask, other=0.0).to(tl.float32)
+        q = ((words[:, :, None] >> shifts) & MASK) - OFFSET  # [BLOCK_N, BLOCK_W, PER_WORD]
+        if HAS_ZERO:
+            q = q - tl.load(z_rows + g, mask=mask, other=0).to(tl.int32)[:, :, None]
+        x = tl.load(x_ptr + cols[:, None] * PER_WORD + offs_j[None, :], mask=mask_w[:, None],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        acc += (q.to(tl.float32) * scale[:, :, None]) * x[None, :, :]
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+def gemv_config(k: int, bits: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_W, num_warps) of the one-row kernel: the 16-bit GEMV's one-row tile
+    (kernels/gemv.py's `gemv_config`: 4 rows a program, 1024 columns a step, 2048 from K =
+    8192, 4 warps), in words."""
+    block_k = min(next_pow2(k, 16), 2048 if k >= 8192 else 1024)
+    return 4, block_k // (32 // bits), 4
+
+
 def launch_config(m: int, dtype: torch.dtype, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps): 16-row tiles for decode-sized inputs, 64 for
     prefills; BLOCK_K at most the group (one scale a step) and 64; float32 (the exactness
@@ -105,10 +185,12 @@ def int_gemm(
     bits: int,
     group: int,
     bias: torch.Tensor | None = None,
+    gemv: bool = True,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times the packed weight [N, K * bits / 32] int32 with
     `scale` [N, K / group] and `zero` [N, K / group] int (asymmetric) or None -> [M, N] in
-    x's dtype. `group` must be a multiple of 16 (and divide K)."""
+    x's dtype. `group` must be a multiple of 16 (and divide K). One row goes to the GEMV
+    kernel unless `gemv` is false."""
     m, k = x.shape
     n = packed.shape[0]
     if group % 16 or k % group:
@@ -116,6 +198,19 @@ def int_gemm(
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
+        return y
+    if m == 1 and gemv:
+        block_n, block_w, num_warps = gemv_config(k, bits)
+        opts = launch_opts(num_warps)
+        if not interpreting():
+            opts["num_stages"] = 2
+        _int_gemv_kernel[(cdiv(n, block_n),)](
+            x, packed, scale, zero if zero is not None else scale,
+            bias if bias is not None else scale, y, n, k, packed.stride(0), scale.stride(0),
+            zero.stride(0) if zero is not None else 0,
+            GROUP=group, BITS=bits, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
+            BLOCK_N=block_n, BLOCK_W=block_w, **opts,
+        )  # fmt: skip
         return y
     block_m, block_n, block_k, num_warps = launch_config(m, x.dtype, group)
     grid = (cdiv(m, block_m), cdiv(n, block_n))

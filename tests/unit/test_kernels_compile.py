@@ -44,6 +44,10 @@ FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t i
 # blocks; with zero points), W8A16 per channel
 INT_CASES = ("int w4 g128 T4", "int w4 g128 T1024", "int w4 g128 asym T1024",
              "int w8 channel T1024")  # fmt: skip
+# their one-row GEMV: 4 rows a program, 1024 columns a step (2048 from K 8192: Llama-3-8B's
+# down projection, K 14336)
+INT_GEMV_CASES = ("int gemv w4 g128", "int gemv w4 g128 asym", "int gemv w4 g128 K14336",
+                  "int gemv w8 channel", "int gemv w8 channel K14336")  # fmt: skip
 # one token: the float8 GEMV (a block checkpoint's and per channel; K steps of 1024 and 2048)
 FP8_GEMV_CASES = [f"fp8 gemv group {g} K{k}" for k in (4096, 8192) for g in (128, 1)]
 # its activations' quantization: per token (K 4096) and in 128-column groups (K 8192)
@@ -88,6 +92,7 @@ PDL_VARIANTS = [
     ("_quantize_rows_kernel", "bfloat16", None, None, None, "pdl fp8 quantize K2048"),
     ("_fp8_gemv_kernel", "bfloat16", None, None, None, "pdl fp8 gemv group 128 K4096"),
     ("_int_gemm_kernel", "bfloat16", None, None, None, "pdl int w4 g128 T4"),
+    ("_int_gemv_kernel", "bfloat16", None, None, None, "pdl int gemv w4 g128"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv add_rms_norm M1 N3072 K2048"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv silu_mul M1 N2048 K8192"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv M4 N2048 K2048"),
@@ -162,6 +167,11 @@ def expected_variants() -> list[tuple]:
         ("_int_gemm_kernel", dtype, None, None, None, case)
         for dtype in DTYPES
         for case in INT_CASES
+    ]
+    rows += [
+        ("_int_gemv_kernel", dtype, None, None, None, case)
+        for dtype in DTYPES
+        for case in INT_GEMV_CASES
     ]
     rows += [
         ("_quantize_rows_kernel", dtype, None, None, None, case)

@@ -1,6 +1,7 @@
 """The weight-only integer GEMM (kernels/int_gemm.py, under TRITON_INTERPRET=1) against the
 weight compressed-tensors' own packing and the plain formula give: 4 and 8 bits, groups of
-16 to 64 and per channel, symmetric and with zero points, one row and several, with and
+16 to 64 and per channel, symmetric and with zero points, one row (the GEMV kernel, and the
+GEMM) and several, ragged tiles, with and
 without a bias, in float32 (tight) and 16 bits (to their rounding); the torch reference
 (the CPU path of IntWeightLinear) against the same; zero points unpacked as
 compressed-tensors packs them (along the rows)."""
@@ -42,13 +43,26 @@ def test_int_gemm_matches_the_unpacked_weight(bits: int, group: int, symmetric: 
     bias = torch.randn(weight.shape[0], generator=gen)
     want = x.double() @ weight.double().T + bias.double()
     for b in (None, bias):
-        got = int_gemm(x, packed, scale, zero, bits, group, b)
-        expected = want if b is not None else want - bias.double()
-        torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
+        for gemv in (True, False) if m == 1 else (True,):  # (one row: the GEMV kernel first)
+            got = int_gemm(x, packed, scale, zero, bits, group, b, gemv=gemv)
+            expected = want if b is not None else want - bias.double()
+            torch.testing.assert_close(got.double(), expected, atol=1e-4, rtol=1e-5)
     ref = int_gemm_reference(x, packed, scale, zero, bits, group, bias)
     torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(dequantize_int(packed, scale, zero, bits, group, 128,
                                               torch.float32), weight)  # fmt: skip
+
+
+@pytest.mark.parametrize(("bits", "group", "symmetric"), [(4, 16, False), (8, 1040, True)])
+def test_gemv_over_ragged_rows_and_several_steps(bits: int, group: int, symmetric: bool):
+    """The one-row kernel where neither the rows (37, programs of 4) nor K (1040: a step of
+    1024 columns and a masked one) fill its tiles: groups of 16 (words of 8 four-bit
+    integers: two a group) and a whole-row group of 8-bit ones."""
+    packed, scale, zero, weight = _case(bits, group, symmetric, n=37, k=1040, seed=6)
+    x = torch.randn(1, 1040, generator=torch.Generator().manual_seed(7))
+    got = int_gemm(x, packed, scale, zero, bits, group)
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().T, atol=1e-4,
+                               rtol=1e-5)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -58,11 +72,12 @@ def test_int_gemm_in_16_bits(dtype: torch.dtype) -> None:
     packed, scale, zero, weight = _case(4, 32, False, n=72, k=256, seed=3)
     x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
     want = x.double() @ weight.double().T
-    got = int_gemm(x, packed, scale.to(dtype), zero, 4, 32)
-    assert got.dtype == dtype
     scale_err = (scale.to(dtype).double() - scale.double()).abs().max() / scale.min()
     tol = want.abs().max().item() * (2 * 2.0 ** -8 + scale_err.item())
-    assert (got.double() - want).abs().max().item() < tol
+    for rows in (slice(None), slice(0, 1)):  # (one row: the GEMV)
+        got = int_gemm(x[rows], packed, scale.to(dtype), zero, 4, 32)
+        assert got.dtype == dtype
+        assert (got.double() - want[rows]).abs().max().item() < tol
 
 
 def test_per_channel_is_one_group_of_the_whole_row() -> None:
