@@ -57,6 +57,9 @@ class PackedIntWeight:
                              "parallelism)")  # fmt: skip
         per_word = 32 // self.bits
         end = start + length
+        if self.group >= self.columns and start % per_word == 0:  # (per channel: a row's
+            return replace(self, packed=self.packed[:, start // per_word : cdiv(end, per_word)],
+                           group=length, columns=length)  # scale holds for any of its columns)
         whole = start % self.group == 0 and (length % self.group == 0 or end == self.columns)
         if not whole or start % per_word:
             raise ValueError(f"columns {start}..{end} are not whole {self.group}-column groups "

@@ -142,11 +142,13 @@ def test_awq_checkpoints_run_repacked(tmp_path) -> None:
 
 def test_tensor_parallel_parts_are_whole_groups() -> None:
     """Over two ranks the row-parallel layers take whole groups of columns: groups of 8
-    split Llama's 176 MLP features (88 a rank) and give transformers' tokens; groups of 16
-    do not, refused before any rank starts."""
-    path = tiny_int_weight_model("llama", 4, 8, True)
-    with Engine(model_path=path, tp_size=2) as engine:
-        _check_greedy(engine, path)
+    split Llama's 176 MLP features (88 a rank) and give transformers' tokens, as does a
+    scale per channel (any part of a row shares its scale); groups of 16 do not, refused
+    before any rank starts."""
+    for path in (tiny_int_weight_model("llama", 4, 8, True),
+                 tiny_int_weight_model("qwen3", 8, None, True)):  # fmt: skip
+        with Engine(model_path=path, tp_size=2) as engine:
+            _check_greedy(engine, path)
     with pytest.raises(ValueError, match="not whole 16-column quantization groups"):
         Engine(model_path=tiny_int_weight_model("llama", 4, 16, True), tp_size=2)
 
