@@ -28,7 +28,8 @@ On a GPU a second table times the kernels at one row (decode at batch 1) on Llam
 projections: bf16 `F.linear` (cuBLAS), and the W4A16 (groups of 128) and W8A16 (per
 channel) weights through the one-row GEMV kernel and through the GEMM (16-row tiles),
 microseconds per call and the HBM bandwidth that is (each timing a CUDA graph cycling over
-copies of the weight past the L2, as benchmarks/gpu_gemv.py times them).
+copies of the weight past the L2, as benchmarks/gpu_gemv.py times them); and the fused MoE
+at Qwen3-30B-A3B's shape, bf16 experts against W4A16 ones, at 1 and 64 tokens.
 """
 
 from __future__ import annotations
@@ -161,6 +162,46 @@ def kernel_rows() -> list[dict[str, Any]]:
                              "us": us, "gb_s": nbytes / us / 1e3})  # fmt: skip
             words.clear()
         torch.cuda.empty_cache()
+    return rows + moe_rows()
+
+
+def moe_rows() -> list[dict[str, Any]]:
+    """The fused MoE at Qwen3-30B-A3B's shape (128 experts, top 8, 2048 wide, 768 inner) at 1
+    and 64 tokens: bf16 experts against W4A16 ones (groups of 128) through the same grouped
+    GEMMs; GB/s of all the experts' bytes (at 64 tokens nearly every expert runs)."""
+    import functools
+
+    from benchmarks.gpu_fused_kernels import graph_us
+    from engine.layers.int_experts import IntExperts
+    from engine.layers.moe import select_experts
+    from kernels.fused_moe import fused_experts_triton
+
+    experts, top_k, hidden, inter = 128, 8, 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def dense(n: int, k: int) -> torch.Tensor:
+        return torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+    def packed(n: int, k: int) -> IntExperts:
+        words = torch.randint(-(2**31), 2**31 - 1, (experts, n, k // 8), dtype=torch.int32,
+                              device="cuda", generator=gen)  # fmt: skip
+        scale = torch.rand(experts, n, k // 128, device="cuda", generator=gen).bfloat16() * 0.01
+        return IntExperts(words, scale, None, 4, 128, k)
+
+    rows = []
+    for fmt, make in (("bf16", dense), ("w4a16 g128", packed)):
+        w13, w2 = make(2 * inter, hidden), make(hidden, inter)
+        nbytes = sum(t.nbytes for w in (w13, w2)
+                     for t in ((w,) if isinstance(w, torch.Tensor) else (w.packed, w.scale)))
+        for tokens in (1, 64):
+            x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+            logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+            weights, ids = select_experts(logits, top_k, True)
+            call = functools.partial(fused_experts_triton, x, w13, w2, weights, ids)
+            us = graph_us(call)
+            rows.append({"shape": f"moe T{tokens}", "format": fmt, "kernel": "grouped gemm",
+                         "us": us, "gb_s": nbytes / us / 1e3})  # fmt: skip
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -215,6 +256,11 @@ def main() -> None:
             )
             summary[f"{key}_gemv_vs_bf16_one_row"] = (
                 per_format[("bf16", "cublas")] / per_format[(fmt, "gemv")]
+            )
+        moe = {(r["shape"], r["format"]): r["us"] for r in kernels if r["shape"].startswith("moe")}
+        for tokens in (1, 64):  # (bf16 time over W4A16 time: > 1 is faster)
+            summary[f"moe_w4a16_vs_bf16_T{tokens}"] = (
+                moe[(f"moe T{tokens}", "bf16")] / moe[(f"moe T{tokens}", "w4a16 g128")]
             )
     print(write_result(args.name, rows, summary, config=dict(vars(args)), **extra))
 

@@ -23,6 +23,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed import SINGLE, TensorParallel, building_with
 from engine.layers.fp8 import Fp8Linear, QuantizedWeight
+from engine.layers.int_experts import IntExpertWeights
 from engine.layers.int_weight import IntWeightLinear, PackedIntWeight
 from engine.mem_cache.kv_quant import take_kv_scales
 from engine.models.registry import get_model_class
@@ -100,7 +101,7 @@ def checkpoint_bytes(model_config: ModelConfig) -> int:
 
 # a checkpoint's quantized weights (their parts joined), and the layers that keep them so
 QUANTIZED_TENSORS = (QuantizedWeight, PackedIntWeight)
-QUANTIZED_LINEARS = (Fp8Linear, IntWeightLinear)
+QUANTIZED_LINEARS = (Fp8Linear, IntWeightLinear, IntExpertWeights)
 
 # safetensors' dtype names -> torch's
 SAFETENSORS_DTYPES = {
@@ -129,7 +130,7 @@ def build_model(
     with torch.device("meta"), _default_dtype(dtype), building_with(tp):
         model = cls(model_config.hf_config, max_position=model_config.context_len)
         if quantization is not None and quantization.checkpoint:
-            quantization.swap(model)
+            quantization.swap(model, model_config.path)
     return model if torch.device(device).type == "meta" else model.to_empty(device=device)
 
 

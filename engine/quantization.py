@@ -18,8 +18,10 @@ Integer weights (W4A16 / W8A16, `engine.layers.int_weight.IntWeightLinear`): a
 compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
 "pack-quantized": llm-compressor's W4A16 / W8A16 schemes) loads its packed 4- or 8-bit
 weights as stored, with their group (or channel) scales and, asymmetric, zero points; the
-blocks' linear layers run on them, the rest as for FP8 (experts dequantized as they load,
-the config's `ignore` list left in the model dtype). compressed-tensors' activation ordering
+blocks' linear layers run on them, and so do MoE experts that the checkpoint stores packed
+(`engine.layers.int_experts.IntExpertWeights`, the grouped GEMMs' integer path); the rest
+as for FP8 (routers and other quantized weights dequantized as they load, the config's
+`ignore` list left in the model dtype). compressed-tensors' activation ordering
 (`actorder: group`, a `weight_g_idx` per column), quantized activations (W8A8, FP8 schemes)
 and its other formats are refused. AutoAWQ (GEMM) and GPTQ checkpoints are repacked into the
 same layers as they load (`pair_awq_weights`, `pair_gptq_weights`; GPTQ's activation
@@ -58,7 +60,7 @@ class Fp8Config:
     block: tuple[int, int] | None = None  # weight_block_size; None: per output channel
     skip: tuple[str, ...] = ()  # module names left unquantized
 
-    def swap(self, model: nn.Module) -> int:
+    def swap(self, model: nn.Module, checkpoint: str | None = None) -> int:
         """The quantized layers swapped in, empty, for a checkpoint to fill (meta model)."""
         return swap_in_fp8(model, self)
 
@@ -84,7 +86,9 @@ class IntWeightConfig:
     layout: str = "compressed-tensors"
     act_order: bool = False  # GPTQ's desc_act: the columns' groups in a g_idx
 
-    def swap(self, model: nn.Module) -> int:
+    def swap(self, model: nn.Module, checkpoint: str | None = None) -> int:
+        """The integer layers swapped in, empty, for the checkpoint in `checkpoint` to fill
+        (meta model); its experts too where it stores them packed."""
         from engine.layers.int_weight import IntWeightLinear
 
         names = quantized_linear_names(model, self)
@@ -94,7 +98,34 @@ class IntWeightConfig:
             linear = getattr(owner, attr)
             setattr(owner, attr, IntWeightLinear.like(linear, self.bits, self.group,
                                                       self.symmetric, self.act_order))  # fmt: skip
-        return len(names)
+        return len(names) + self._swap_experts(model, checkpoint)
+
+    def _swap_experts(self, model: nn.Module, checkpoint: str | None) -> int:
+        """The MoE layers' experts kept as integers too (`IntExpertWeights`) where the
+        checkpoint stores them packed (a config's targets say Linear layers, and transformers'
+        fused experts are none: their checkpoints hold them in 16 bits), unless the config
+        leaves them out or orders their columns (GPTQ's desc_act: each expert's own order,
+        which the grouped GEMM cannot take). Other quantized experts are dequantized as they
+        load."""
+        from engine.layers.int_experts import IntExpertWeights
+        from engine.layers.moe import FusedMoE
+
+        if self.act_order or checkpoint is None or not _packed_experts(checkpoint, self.parts):
+            return 0
+        layers = [(name, module) for name, module in model.named_modules()
+                  if isinstance(module, FusedMoE) and _IN_BLOCK.search(name)]  # fmt: skip
+        count = 0
+        for name, module in layers:
+            # (a checkpoint names expert e's matrices experts.{e}.gate_proj, or w1 / w3 / w2)
+            parts = [f"{name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj", "w1")]
+            if any(_skipped(part, s) for part in parts for s in self.skip):
+                continue
+            for attr in ("w13", "w2"):
+                experts = getattr(module, attr)
+                setattr(module, attr, IntExpertWeights.like(experts, self.bits, self.group,
+                                                            self.symmetric))  # fmt: skip
+            count += 1
+        return count
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         if self.layout == "awq":
@@ -115,6 +146,31 @@ class IntWeightConfig:
         zero = "symmetric" if self.symmetric else "with zero points"
         order = ", activation order" if self.act_order else ""
         return f"{self.bits}-bit ({groups}, {zero}{order})"
+
+
+_EXPERT_PART = re.compile(r"\.experts\.\d+\.[^.]+\.([^.]+)$")
+
+
+def _packed_experts(checkpoint: str, parts: tuple[str, ...]) -> bool:
+    """Whether the checkpoint folder stores some expert's matrix as quantized parts (the
+    tensor names only: a sharded checkpoint's index, or the file's header)."""
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from engine.loader import safetensors_files
+
+    index = os.path.join(checkpoint, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = list(json.load(f)["weight_map"])
+    else:
+        names = []
+        for file in safetensors_files(checkpoint):
+            with safe_open(file, framework="pt", device="cpu") as f:
+                names.extend(f.keys())
+    return any((m := _EXPERT_PART.search(n)) and m.group(1) in parts for n in names)
 
 
 def awq_config(qc: dict) -> IntWeightConfig:

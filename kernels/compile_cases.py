@@ -115,6 +115,31 @@ def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: in
     fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
 
 
+def _launch_int_moe(dtype: torch.dtype, tokens: int, bits: int, symmetric: bool) -> None:
+    """Both grouped GEMMs over integer experts (Qwen3-30B-A3B's shape; W4A16 in groups of 128
+    with or without zero points, W8A16 per channel)."""
+    from engine.layers.int_experts import IntExperts
+
+    hidden, experts, top_k, inter = MOE_SHAPES[0]
+
+    def packed(n: int, k: int) -> IntExperts:
+        group = 128 if bits == 4 else k
+        scale = torch.empty(experts, n, k // group, dtype=dtype)
+        zero = None if symmetric else torch.empty(experts, n, k // group, dtype=torch.int8)
+        words = torch.empty(experts, n, k * bits // 32, dtype=torch.int32)
+        return IntExperts(words, scale, zero, bits, group, k)
+
+    x = torch.empty(tokens, hidden, dtype=dtype)
+    ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
+    fused_experts_triton(x, packed(2 * inter, hidden), packed(hidden, inter),
+                         torch.full(ids.shape, 1.0 / top_k), ids)  # fmt: skip
+
+
+# integer experts: W4A16 (groups of 128; with zero points), W8A16 per channel
+INT_MOE_CASES = {"moe int w4 g128": (4, True), "moe int w4 g128 asym": (4, False),
+                 "moe int w8 channel": (8, True)}  # fmt: skip
+
+
 def _launch_moe_gpt_oss(dtype: torch.dtype, tokens: int) -> None:
     """gpt-oss-20b's experts (32, top 4, 2880 wide): weights stored [E, in, out] (transposed
     views for the kernels), biases, an activation of interleaved gate and up columns."""
@@ -298,6 +323,9 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         for tokens in (4, 1024):
             labels = {"dtype": name, "case": f"moe gpt-oss T{tokens}"}
             yield labels, functools.partial(_launch_moe_gpt_oss, dtype, tokens)
+            for case, (bits, symmetric) in INT_MOE_CASES.items():
+                labels = {"dtype": name, "case": f"{case} T{tokens}"}
+                yield labels, functools.partial(_launch_int_moe, dtype, tokens, bits, symmetric)
     for name, dtype in DTYPES.items():
         for group in ((128, 128), (1, 4096)):  # a block-scaled checkpoint; per channel
             for tokens in (4, 1024):  # 16-row and 64-row blocks

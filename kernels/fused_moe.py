@@ -73,6 +73,10 @@ def _grouped_gemm_kernel(
     stride_wk,
     stride_be,
     stride_cm,
+    scale_ptr,
+    zero_ptr,
+    stride_se,
+    stride_sn,
     A_ROWS_PER_PAIR: tl.constexpr,  # top_k for the first GEMM (rows of x), 1 for the second
     HAS_BIAS: tl.constexpr,  # the expert's bias [N], added before the routing weight
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -82,6 +86,9 @@ def _grouped_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
+    BITS: tl.constexpr = 0,  # integer weights (4 / 8; 0: the weights are floats)
+    GROUP: tl.constexpr = 1,  # their columns per scale (BLOCK_K divides it)
+    HAS_ZERO: tl.constexpr = False,  # their zero points (the scales' strides)
 ):
     pdl_prologue(PDL)
     pid_m = tl.program_id(0)
@@ -97,15 +104,31 @@ def _grouped_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-    w_ptrs += offs_k[:, None] * stride_wk
+    if BITS == 0:
+        w_ptrs += offs_k[:, None] * stride_wk
+    else:  # packed words along K: each column's word and the bits it sits at
+        PER_WORD: tl.constexpr = 32 // BITS
+        w_ptrs += (offs_k // PER_WORD)[:, None]
+        shift = ((offs_k % PER_WORD) * BITS)[:, None]
+        s_ptrs = scale_ptr + expert * stride_se + offs_n * stride_sn
+        z_ptrs = zero_ptr + expert * stride_se + offs_n * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if BITS > 0:  # (w = (u - 2^(bits-1) - zero) * scale, one group a step)
+            q = ((w >> shift) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
+            g = k0 // GROUP
+            if HAS_ZERO:
+                q -= tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.int32)[None, :]
+            scale = tl.load(s_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)
+            w = q.to(tl.float32) * scale[None, :]
+            w_ptrs += BLOCK_K // PER_WORD
+        else:
+            w_ptrs += BLOCK_K * stride_wk
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -125,17 +148,34 @@ def _block_sizes(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[
 
 def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair, block_sizes):
     """c = a @ w[e].T (+ bias[e]) (x routed weight) per pair: w [E, N, K] of any strides (a
-    transposed view too: gpt-oss stores its experts [E, K, N])."""
+    transposed view too: gpt-oss stores its experts [E, K, N]), or integer experts
+    (`engine.layers.int_experts.IntExperts`: packed words, a scale per group of K columns
+    (BLOCK_K is cut to divide the group), zero points)."""
     sorted_ids, block_experts, total = align
     block_m, block_n, block_k = block_sizes
     num_experts, n, k = w.shape
     assert a.stride(1) == 1 and c.stride(1) == 1
     assert bias is None or (bias.shape == (num_experts, n) and bias.stride(1) == 1)
     grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
+    quant: dict = {}
+    scale = zero = c
+    scale_strides = (0, 0)
+    if isinstance(w, torch.Tensor):
+        strides = (w.stride(0), w.stride(1), w.stride(2))
+    else:  # (integer experts: the words' strides; the zero points' match the scales')
+        block_k = min(block_k, w.group & -w.group)  # (the largest power of two dividing it)
+        if a.dtype == torch.float32:  # (the expanded float32 tiles spill at 32 columns)
+            block_k = min(block_k, 16)
+        quant = {"BITS": w.bits, "GROUP": w.group, "HAS_ZERO": w.zero is not None}
+        scale, zero = w.scale, w.zero if w.zero is not None else w.scale
+        assert w.zero is None or w.zero.stride() == w.scale.stride()
+        scale_strides = (scale.stride(0), scale.stride(1))
+        w = w.packed
+        strides = (w.stride(0), w.stride(1), 1)
     _grouped_gemm_kernel[grid](
         a, w, c, bias if bias is not None else c, routed_weight, sorted_ids, block_experts,
-        total, num_pairs, n, k, a.stride(0), w.stride(0), w.stride(1), w.stride(2),
-        bias.stride(0) if bias is not None else 0, c.stride(0),
+        total, num_pairs, n, k, a.stride(0), *strides,
+        bias.stride(0) if bias is not None else 0, c.stride(0), scale, zero, *scale_strides,
         A_ROWS_PER_PAIR=rows_per_pair,
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=routed_weight is not None,
@@ -144,6 +184,7 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        **quant,
         **launch_opts(4),
     )  # fmt: skip
 

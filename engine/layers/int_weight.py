@@ -16,10 +16,17 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import QuantizedLinearBase, RowParallelLinear, take_split
-from kernels.int_gemm import dequantize_int, int_gemm, int_gemm_reference, unpack_int
+from kernels.int_gemm import (
+    dequantize_int,
+    int_gemm,
+    int_gemm_reference,
+    pack_int,
+    unpack_int,
+)
 from kernels.jit import HAS_TRITON, cdiv, interpreting
 
 
@@ -57,18 +64,20 @@ class PackedIntWeight:
                              "parallelism)")  # fmt: skip
         per_word = 32 // self.bits
         end = start + length
-        if self.group >= self.columns and start % per_word == 0:  # (per channel: a row's
-            return replace(self, packed=self.packed[:, start // per_word : cdiv(end, per_word)],
-                           group=length, columns=length)  # scale holds for any of its columns)
-        whole = start % self.group == 0 and (length % self.group == 0 or end == self.columns)
-        if not whole or start % per_word:
+        if start % per_word:  # (a part that starts inside a word: its integers repacked)
+            ints = unpack_int(self.packed, self.bits, self.columns)[:, start:end]
+            words = pack_int(F.pad(ints, (0, -length % per_word)), self.bits)
+        else:
+            words = self.packed[:, start // per_word : cdiv(end, per_word)]
+        if self.group >= self.columns:  # (per channel: a row's scale holds for any part of it)
+            return replace(self, packed=words, group=length, columns=length)
+        if start % self.group or not (length % self.group == 0 or end == self.columns):
             raise ValueError(f"columns {start}..{end} are not whole {self.group}-column groups "
                              "of the quantized weight")  # fmt: skip
         g0, g1 = start // self.group, cdiv(end, self.group)
         return replace(
-            self, packed=self.packed[:, start // per_word : cdiv(end, per_word)],
-            scale=self.scale[:, g0:g1], zero=None if self.zero is None else self.zero[:, g0:g1],
-            columns=length,
+            self, packed=words, scale=self.scale[:, g0:g1],
+            zero=None if self.zero is None else self.zero[:, g0:g1], columns=length,
         )  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,38 +46,61 @@ class ExpertWeights(nn.Module):
         self.split = split
         self.first, self.total = experts or (0, num_experts)
         self.skipped = False
-        out_features = sum(size for _, size in shards)
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.num_local, self.in_features = num_experts, in_features
+        self.shards = list(shards)
+        self.out_features = sum(size for _, size in shards)
         self.shard_ranges: dict[tuple[int, str], tuple[int, int]] = {}
         for expert in range(self.first, self.first + num_experts):
             offset = 0
             for name, size in shards:
                 self.shard_ranges[(expert, name)] = (offset, size)
                 offset += size
+        self._init_weights()
 
-    def load_shard(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]
-    ) -> None:
-        self.skipped = False
-        if shard_id not in self.shard_ranges:
-            if 0 <= shard_id[0] < self.total and (self.first, shard_id[1]) in self.shard_ranges:
-                self.skipped = True  # another expert group's
-                return
-            raise ValueError(f"no expert shard {shard_id!r} (experts: {self.total})")
-        offset, size = self.shard_ranges[shard_id]
-        target = param.data[shard_id[0] - self.first].narrow(0, offset, size)
-        if self.split is not None:
-            dim, start, length, full = self.split
-            if loaded.dim() != 2 or loaded.shape[dim] != full:
-                raise ValueError(f"expert shard {shard_id!r}: checkpoint shape "
-                                 f"{tuple(loaded.shape)} has not {full} in dim {dim}")  # fmt: skip
-            loaded = loaded.narrow(dim, start, length)
+    def _init_weights(self) -> None:
+        self.weight = nn.Parameter(
+            torch.empty(self.num_local, self.out_features, self.in_features)
+        )
+
+    def operand(self) -> Any:
+        """What `fused_experts` multiplies by: the stacked weight [E, out, in]."""
+        return self.weight
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]
+                   ) -> None:  # fmt: skip
+        rows = self._rows(loaded, shard_id)
+        if rows is None:
+            return
+        expert, offset, size = rows
+        target = param.data[expert].narrow(0, offset, size)
+        loaded = self._part(loaded, shard_id)
         if target.shape != loaded.shape:
             raise ValueError(
                 f"expert shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does not "
                 f"match expected {tuple(target.shape)}"
             )
         target.copy_(loaded)
+
+    def _rows(self, loaded: object, shard_id: tuple[int, str]) -> tuple[int, int, int] | None:
+        """(local expert, first row, rows) that shard `shard_id` fills; None for another
+        expert group's (expert parallelism: skipped)."""
+        self.skipped = False
+        if shard_id not in self.shard_ranges:
+            if 0 <= shard_id[0] < self.total and (self.first, shard_id[1]) in self.shard_ranges:
+                self.skipped = True  # another expert group's
+                return None
+            raise ValueError(f"no expert shard {shard_id!r} (experts: {self.total})")
+        return (shard_id[0] - self.first, *self.shard_ranges[shard_id])
+
+    def _part(self, loaded: Any, shard_id: tuple[int, str]) -> Any:
+        """This rank's rows or columns of a checkpoint matrix (tensor parallelism)."""
+        if self.split is None:
+            return loaded
+        dim, start, length, full = self.split
+        if len(loaded.shape) != 2 or loaded.shape[dim] != full:
+            raise ValueError(f"expert shard {shard_id!r}: checkpoint shape "
+                             f"{tuple(loaded.shape)} has not {full} in dim {dim}")  # fmt: skip
+        return loaded.narrow(dim, start, length)
 
 
 def select_experts(
@@ -92,13 +116,17 @@ def select_experts(
 
 def fused_experts(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Any,
+    w2: Any,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t."""
+    """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t. w13 / w2:
+    [E, N, K] tensors, or integer experts (`engine.layers.int_experts.IntExperts`; the
+    kernels take groups of whole 16 columns, other ones run in torch)."""
     impl = _cuda_experts() if x.is_cuda else fused_experts_torch
+    if not isinstance(w13, torch.Tensor) and (w13.group % 16 or w2.group % 16):
+        impl = fused_experts_torch
     return impl(x, w13, w2, topk_weights, topk_ids)
 
 
@@ -116,8 +144,8 @@ def _cuda_experts() -> Callable[..., torch.Tensor]:
 
 def fused_experts_torch(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: Any,
+    w2: Any,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
@@ -125,7 +153,8 @@ def fused_experts_torch(
 
     The (token, choice) pairs are sorted by expert, so each expert that any token chose runs
     one matmul pair over its tokens. The experts' token counts are read on the host (one sync
-    per layer), so this path is not CUDA-graph capturable.
+    per layer), so this path is not CUDA-graph capturable. (Integer experts: each expert that
+    runs is dequantized, `w13[expert]`.)
     """
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]
@@ -179,7 +208,7 @@ class FusedMoE(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        local = self.w13.weight.shape[0]
+        local = self.w13.num_local
         if local < self.num_experts:  # expert parallelism: this rank's experts' share only
             ids = topk_ids - self.first
             mine = (ids >= 0) & (ids < local)
@@ -187,7 +216,7 @@ class FusedMoE(nn.Module):
                 topk_ids, topk_weights = torch.where(mine, ids, 0), topk_weights * mine
             else:
                 topk_ids = torch.where(mine, ids, local)
-        out = fused_experts(x, self.w13.weight, self.w2.weight, topk_weights, topk_ids)
+        out = fused_experts(x, self.w13.operand(), self.w2.operand(), topk_weights, topk_ids)
         return self.tp.all_reduce(out)
 
 

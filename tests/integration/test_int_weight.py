@@ -78,16 +78,22 @@ def test_the_blocks_layers_keep_the_packed_words() -> None:
         assert not isinstance(model.lm_head, IntWeightLinear)
 
 
-def test_quantized_experts_are_dequantized_as_they_load(tmp_path) -> None:
+@pytest.mark.parametrize("parallel", [{}, {"tp_size": 2}, {"tp_size": 2, "ep_size": 2}],
+                         ids=["one-rank", "two-ranks", "two-expert-groups"])
+def test_quantized_experts_stay_packed(tmp_path, parallel: dict) -> None:
     """A Qwen3-MoE checkpoint whose experts are quantized too (per-expert `weight_packed`,
     as checkpoints made before transformers fused its experts store them; packed here with
-    compressed-tensors' `pack_to_int32`, per channel) and whose attention is the compressor's: the
-    experts run in the model's dtype, the attention on the packed words, and the tokens are
-    transformers' on the weights compressed-tensors unpacks."""
+    compressed-tensors' `pack_to_int32`, per channel) and whose attention is the
+    compressor's: the experts stay packed (`IntExpertWeights`: 8 four-bit integers a word)
+    and run through the grouped GEMMs' integer path (the torch path on the
+    CPU), and the tokens are transformers' on the weights compressed-tensors unpacks; over
+    two ranks each holds half of every expert's intermediate features (the down
+    projection's columns: a per-channel scale holds for any part of a row), or half of the
+    experts. (GPTQ's layout packs K in whole words: the tiny experts' 44 features are not.)"""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from safetensors.torch import load_file, save_file
 
-    from engine.layers.int_weight import IntWeightLinear
+    from engine.layers.int_experts import IntExpertWeights
 
     path = str(tmp_path / "moe")  # (per channel: the experts' 44 features are not groups)
     shutil.copytree(tiny_int_weight_model("qwen3_moe", 4, None, True), path)
@@ -104,9 +110,17 @@ def test_quantized_experts_are_dequantized_as_they_load(tmp_path) -> None:
         tensors[name + "_shape"] = torch.tensor(w.shape)
     save_file(tensors, file, metadata={"format": "pt"})
     reference = dequantized_copy(path, str(tmp_path / "reference"))
+    if parallel:
+        with Engine(model_path=path, **parallel) as engine:
+            _check_greedy(engine, path, reference)
+        return
     with Engine(model_path=path, disable_overlap_schedule=True) as engine:
         model = engine.scheduler.model_runner.model
-        assert any(isinstance(m, IntWeightLinear) for m in model.modules())
+        moe = [m for m in model.modules() if isinstance(m, IntExpertWeights)]
+        assert len(moe) == 2 * 2  # w13 and w2 of both layers
+        for m in moe:
+            assert m.weight.dtype == torch.int32
+            assert m.weight.shape == (m.num_local, m.out_features, -(-m.in_features // 8))
         _check_greedy(engine, path, reference)
 
 

@@ -88,3 +88,47 @@ def test_expert_groups_shares_add_up_to_every_experts_output() -> None:
                                                        torch.where(mine, local, 0))  # fmt: skip
     torch.testing.assert_close(torch_sum, whole, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(triton_sum, whole, atol=1e-4, rtol=1e-4)
+
+
+def _int_experts(num_experts: int, n: int, k: int, bits: int, group: int, symmetric: bool,
+                 seed: int):  # fmt: skip
+    """Random integer experts ([E, N, K] packed as compressed-tensors packs each matrix) and
+    their float weights."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from engine.layers.int_experts import IntExperts
+
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (num_experts, n, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(num_experts, n, k // group, generator=g) + 0.5) * (k**-0.5 / hi)
+    zero = None if symmetric else torch.randint(lo, hi, (num_experts, n, k // group),
+                                                generator=g, dtype=torch.int8)  # fmt: skip
+    z = 0.0 if zero is None else zero.float().repeat_interleave(group, 2)
+    weight = (q.float() - z) * scale.repeat_interleave(group, 2)
+    packed = torch.stack([pack_to_int32(q[e], bits) for e in range(num_experts)])
+    experts = IntExperts(packed.to(DEVICE), scale.to(DEVICE),
+                         None if zero is None else zero.to(DEVICE), bits, group, k)  # fmt: skip
+    return experts, weight.to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize(("bits", "groups", "symmetric"), [(4, (16, 16), True),
+                                                           (4, (32, 16), False),
+                                                           (8, (96, 48), False)])  # fmt: skip
+@pytest.mark.parametrize("num_tokens", [3, 80])  # (16- and 64-row blocks)
+def test_integer_experts_match_their_float_weights(bits, groups, symmetric, num_tokens):
+    """Integer experts (W4A16 / W8A16, engine/layers/int_experts.py) through the grouped GEMMs
+    (each tile of words expanded in registers, a scale per group of columns; groups of 16
+    to 96, 8 bits per channel) and through the torch path (each expert dequantized)
+    against the float weights they hold."""
+    from kernels.fused_moe import fused_experts_triton
+
+    x, _, _, weights, ids = _case(num_tokens, 6, 2, 96, 48, torch.float32, seed=3)
+    w13, w13_float = _int_experts(6, 96, 96, bits, groups[0], symmetric, seed=4)
+    w2, w2_float = _int_experts(6, 96, 48, bits, groups[1], symmetric, seed=5)
+    want = fused_experts_torch(x, w13_float, w2_float, weights, ids)
+    torch.testing.assert_close(fused_experts_triton(x, w13, w2, weights, ids), want,
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids), want,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip

@@ -1,0 +1,146 @@
+"""Mixture-of-experts weights kept as packed integers (W4A16 / W8A16 experts: a compressed-
+tensors, AWQ or GPTQ checkpoint whose experts are quantized, as vLLM and SGLang keep them).
+
+`IntExpertWeights` replaces a `FusedMoE`'s `ExpertWeights` (engine/layers/moe.py): expert e's
+[out, in] matrix is `weight[e]`, its packed int32 words in `kernels.int_gemm`'s layout (an
+output row's integers packed along K), with `weight_scale[e]` [out, in / group] and, with
+zero points, `weight_zero[e]`. The loader sends each expert's `PackedIntWeight` (the
+checkpoint's parts, joined and repacked by `engine.quantization`) to its rows, as the float
+experts get theirs; tensor and expert parallelism split them the same way (a row-parallel
+part of the down projection must be whole groups).
+
+`IntExperts` is what the compute takes: on CUDA the grouped GEMMs of `kernels.fused_moe`
+expand each tile of words in registers; elsewhere `fused_experts_torch` dequantizes each
+expert it runs (`IntExperts[e]`), which is what the kernels compute up to summation order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.layers.int_weight import PackedIntWeight
+from engine.layers.moe import ExpertWeights
+from kernels.int_gemm import dequantize_int
+from kernels.jit import cdiv
+
+
+@dataclass(frozen=True)
+class IntExperts:
+    """Every expert's packed weight: `packed` [E, N, ceil(K * bits / 32)] int32, `scale`
+    [E, N, K / group], `zero` [E, N, K / group] int8 or None, K `columns`."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    bits: int
+    group: int
+    columns: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (self.packed.shape[0], self.packed.shape[1], self.columns)
+
+    def __getitem__(self, expert: int) -> torch.Tensor:
+        """Expert `expert`'s weight [N, K], dequantized in the scales' dtype."""
+        zero = None if self.zero is None else self.zero[expert]
+        return dequantize_int(self.packed[expert], self.scale[expert], zero, self.bits,
+                              self.group, self.columns, self.scale.dtype)  # fmt: skip
+
+
+class IntExpertWeights(ExpertWeights):
+    """`ExpertWeights` of `bits`-bit integers with a scale per `group` input columns (None:
+    per output channel) and, unless `symmetric`, zero points."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        shards: Sequence[tuple[str, int]],
+        bits: int,
+        group: int | None,
+        symmetric: bool,
+        scale_dtype: torch.dtype | None = None,
+        split: tuple[int, int, int, int] | None = None,
+        experts: tuple[int, int] | None = None,
+    ) -> None:
+        self.bits, self.symmetric, self.scale_dtype = bits, symmetric, scale_dtype
+        self.group = in_features if group is None else int(group)
+        if in_features % self.group:
+            raise ValueError(f"experts' {in_features} input features are not whole "
+                             f"{self.group}-column quantization groups")  # fmt: skip
+        super().__init__(num_experts, in_features, shards, split, experts)
+
+    def _init_weights(self) -> None:
+        e, n, k = self.num_local, self.out_features, self.in_features
+        words, groups = cdiv(k * self.bits, 32), k // self.group
+        self.weight = nn.Parameter(torch.empty(e, n, words, dtype=torch.int32),
+                                   requires_grad=False)  # fmt: skip
+        self.register_buffer("weight_scale", torch.empty(e, n, groups, dtype=self.scale_dtype))
+        zero = None if self.symmetric else torch.empty(e, n, groups, dtype=torch.int8)
+        self.register_buffer("weight_zero", zero)
+
+    @classmethod
+    def like(
+        cls, experts: ExpertWeights, bits: int, group: int | None, symmetric: bool
+    ) -> IntExpertWeights:
+        """Empty integer experts of `experts`' shape, shards and parallel split, on its
+        device, their scales in its dtype."""
+        split = experts.split
+        if split is not None and split[0] == 1 and group is not None and (
+            split[1] % group or split[2] % group
+        ):  # fmt: skip
+            raise ValueError(
+                f"tensor parallelism: this rank's {split[2]} input columns of the experts' down "
+                f"projection are not whole {group}-column quantization groups; choose a "
+                "tp_size whose parts are"
+            )
+        with torch.device(experts.weight.device):
+            return cls(
+                experts.num_local, experts.in_features, experts.shards, bits, group, symmetric,
+                scale_dtype=experts.weight.dtype, split=split,
+                experts=(experts.first, experts.total) if experts.num_local < experts.total
+                else None,
+            )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        kind = "symmetric" if self.weight_zero is None else "asymmetric"
+        return (f"experts={self.num_local}, in={self.in_features}, out={self.out_features}, "
+                f"bits={self.bits}, group={self.group}, {kind}")  # fmt: skip
+
+    def operand(self) -> IntExperts:
+        return IntExperts(self.weight, self.weight_scale, self.weight_zero, self.bits,
+                          self.group, self.in_features)  # fmt: skip
+
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor | PackedIntWeight, shard_id: tuple[int, str]
+    ) -> None:
+        if not isinstance(loaded, PackedIntWeight):
+            raise ValueError(f"expert shard {shard_id!r}: the checkpoint's weight is not "
+                             f"quantized (a {loaded.dtype} tensor) but the config says it "
+                             "is")  # fmt: skip
+        rows = self._rows(loaded, shard_id)
+        if rows is None:
+            return
+        expert, offset, size = rows
+        loaded = self._part(loaded, shard_id)
+        if loaded.shape != (size, self.in_features):
+            raise ValueError(f"expert shard {shard_id!r}: checkpoint shape "
+                             f"{tuple(loaded.shape)} does not match expected "
+                             f"{(size, self.in_features)}")  # fmt: skip
+        if loaded.perm is not None:
+            raise ValueError(f"expert shard {shard_id!r}: activation ordering on experts "
+                             "is not supported")  # fmt: skip
+        if (loaded.bits, loaded.group, loaded.zero is None) != (
+            self.bits, self.group, self.weight_zero is None
+        ):  # fmt: skip
+            raise ValueError(f"expert shard {shard_id!r}: {loaded.bits}-bit groups of "
+                             f"{loaded.group}, the config says {self.bits}-bit groups of "
+                             f"{self.group}")  # fmt: skip
+        self.weight.data[expert].narrow(0, offset, size).copy_(loaded.packed)
+        self.weight_scale[expert].narrow(0, offset, size).copy_(loaded.scale)
+        if self.weight_zero is not None:
+            self.weight_zero[expert].narrow(0, offset, size).copy_(loaded.zero)
