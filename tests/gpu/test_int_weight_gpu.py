@@ -3,6 +3,9 @@
 * the Triton W4A16 / W8A16 GEMM (kernels/int_gemm.py) against the torch reference on the same
   packed weights, at a 4096 x 4096 layer: one row, a decode batch, a prefill; 4 bits in
   groups of 128 (with and without zero points), 8 bits per channel; bf16 and fp16;
+* integer experts through the fused MoE's grouped GEMMs against the torch path on their
+  dequantized weights (16 experts of Qwen3-30B-A3B's shape, top 8; 4 bits in groups of 128
+  with zero points, 8 bits per channel; 4 and 300 tokens; bf16);
 * the engine on a tiny W4A16 checkpoint, and on a GPTQ one with activation ordering (its
   layers' inputs permuted on the device before the kernel), in float32 (Triton attention),
   its IntWeightLinear layers on the kernel: transformers' greedy tokens (GPTQ: on the float
@@ -44,6 +47,41 @@ def test_kernel_matches_the_reference(dtype, bits, group, symmetric, m):
 
 
 @pytest.mark.parametrize("layout", ["compressed-tensors", "gptq-act-order"])
+@pytest.mark.parametrize(("bits", "symmetric"), [(4, False), (8, True)])
+@pytest.mark.parametrize("tokens", [4, 300])
+def test_integer_experts_match_the_torch_path(bits, symmetric, tokens):
+    from engine.layers.int_experts import IntExperts
+    from engine.layers.moe import fused_experts_torch, select_experts
+    from kernels.fused_moe import fused_experts_triton
+
+    experts, top_k, hidden, inter = 16, 8, 2048, 768
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def packed(n: int, k: int) -> IntExperts:
+        group = 128 if bits == 4 else k
+        words = torch.randint(-(2**31), 2**31 - 1, (experts, n, k * bits // 32),
+                              dtype=torch.int32, device="cuda", generator=gen)  # fmt: skip
+        scale = (torch.rand(experts, n, k // group, device="cuda", generator=gen) * 0.01
+                 + 0.001).bfloat16()  # fmt: skip
+        zero = None if symmetric else torch.randint(-8, 8, (experts, n, k // group),
+                                                    dtype=torch.int8, device="cuda",
+                                                    generator=gen)  # fmt: skip
+        return IntExperts(words, scale, zero, bits, group, k)
+
+    w13, w2 = packed(2 * inter, hidden), packed(hidden, inter)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    weights, ids = select_experts(torch.randn(tokens, experts, device="cuda", generator=gen),
+                                  top_k, True)  # fmt: skip
+    got = fused_experts_triton(x, w13, w2, weights, ids).float()
+    want = fused_experts_torch(x.float(), _float(w13), _float(w2), weights, ids)
+    assert (got - want).abs().max().item() < 3e-2 * want.abs().max().item()
+
+
+def _float(experts):
+    """Integer experts' weights in float32 (each expert dequantized)."""
+    return torch.stack([experts[e].float() for e in range(experts.shape[0])])
+
+
 def test_engine_gives_transformers_greedy_tokens(layout, tmp_path):
     from engine.engine import Engine
     from engine.layers.int_weight import IntWeightLinear
