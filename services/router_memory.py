@@ -67,7 +67,7 @@ async def release(router: Any, tags: list[str], backup_weights: bool | None) -> 
     answers = await _tell(router, question, "memory not released")
     released = set(tags).union(*(a.released for a in answers.values()))
     await record_released(broker.bus.redis, broker.bus.prefix, sorted(released))
-    broker.released = tuple(sorted(released))
+    broker.set_deployment(released=tuple(sorted(released)))
     if "kv_cache" in tags:
         broker.workers.policy.forget_all()  # (their prefix caches were emptied)
     return _summary(answers, broker.released)
@@ -77,7 +77,7 @@ async def resume(router: Any, tags: list[str]) -> dict[str, Any]:
     broker = router.broker
     left = [t for t in await read_released(broker.bus.redis, broker.bus.prefix) if t not in tags]
     await record_released(broker.bus.redis, broker.bus.prefix, left)
-    broker.released = tuple(sorted(left))
+    broker.set_deployment(released=tuple(sorted(left)))
 
     def question(request_id: str) -> MemoryReqMsg:
         return MemoryReqMsg(request_id, broker.router_id, "resume", tags)

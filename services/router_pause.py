@@ -71,7 +71,8 @@ async def pause(router: Any, mode: str, clear_cache: bool) -> None:
     not answer."""
     broker = router.broker
     await record_pause(broker.bus.redis, broker.bus.prefix, mode)
-    broker.paused = mode  # (its requests' deadlines stop; other routers' at their refresh)
+    # (its requests' deadlines stop now; other routers' at their refresh)
+    broker.set_deployment(paused=mode)
 
     def question(request_id: str) -> PauseReqMsg:
         return PauseReqMsg(request_id, broker.router_id, "pause", mode, clear_cache)
@@ -85,7 +86,7 @@ async def pause(router: Any, mode: str, clear_cache: bool) -> None:
 async def resume(router: Any) -> None:
     broker = router.broker
     await record_pause(broker.bus.redis, broker.bus.prefix, None)
-    broker.paused = None
+    broker.set_deployment(paused=None)
 
     def question(request_id: str) -> PauseReqMsg:
         return PauseReqMsg(request_id, broker.router_id, "resume")

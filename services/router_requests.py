@@ -102,6 +102,7 @@ class Broker:
         self.weight_version = DEFAULT_WEIGHT_VERSION
         self.paused: str | None = None
         self.released: tuple[str, ...] = ()  # memory tags released (router_memory.py)
+        self._deployment_writes = 0  # this router's own changes of the three (`set_deployment`)
         self.handles: dict[str, RequestHandle] = {}
         self._tasks: set[asyncio.Task] = set()  # abort messages on their way
         self._loops: list[asyncio.Task] = []
@@ -212,10 +213,20 @@ class Broker:
 
     async def read_deployment(self) -> None:
         """The deployment's weight version, pause and memory released, read now (one round
-        trip)."""
-        self.weight_version, self.paused, self.released = await read_version_pause_released(
-            self.bus.redis, self.bus.prefix
-        )
+        trip). A read that this router's own change overtook (`set_deployment` while it was on
+        its way) is dropped: it holds the values from before that change."""
+        writes = self._deployment_writes
+        read = await read_version_pause_released(self.bus.redis, self.bus.prefix)
+        if writes == self._deployment_writes:
+            self.weight_version, self.paused, self.released = read
+
+    def set_deployment(self, **fields: object) -> None:
+        """This router's change of the weight version, pause or memory released (already
+        recorded in Redis): seen at once, and not undone by a read that began before it."""
+        for name, value in fields.items():
+            assert name in ("weight_version", "paused", "released"), name
+            setattr(self, name, value)
+        self._deployment_writes += 1
 
     def _tokenize_msg(self, h: RequestHandle) -> TokenizeReqMsg:
         sub = h.sub

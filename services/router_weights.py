@@ -57,7 +57,7 @@ async def set_weight_version(router: Any, version: str) -> None:
                        "invalid_value")  # fmt: skip
     broker = router.broker
     await record_weight_version(broker.bus.redis, broker.bus.prefix, version)
-    broker.weight_version = version
+    broker.set_deployment(weight_version=version)
 
 
 async def weight_version(router: Any) -> str:
