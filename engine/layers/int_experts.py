@@ -44,6 +44,14 @@ class IntExperts:
     def shape(self) -> tuple[int, int, int]:
         return (self.packed.shape[0], self.packed.shape[1], self.columns)
 
+    def dequantized(self) -> torch.Tensor:
+        """Every expert's weight [E, N, K] in the scales' dtype."""
+        e, n, _ = self.shape
+        zero = None if self.zero is None else self.zero.reshape(e * n, -1)
+        w = dequantize_int(self.packed.reshape(e * n, -1), self.scale.reshape(e * n, -1), zero,
+                           self.bits, self.group, self.columns, self.scale.dtype)  # fmt: skip
+        return w.view(e, n, self.columns)
+
     def __getitem__(self, expert: int) -> torch.Tensor:
         """Expert `expert`'s weight [N, K], dequantized in the scales' dtype."""
         zero = None if self.zero is None else self.zero[expert]

@@ -122,11 +122,12 @@ def fused_experts(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t. w13 / w2:
-    [E, N, K] tensors, or integer experts (`engine.layers.int_experts.IntExperts`; the
-    kernels take groups of whole 16 columns, other ones run in torch)."""
+    [E, N, K] tensors, or integer experts (`engine.layers.int_experts.IntExperts`)."""
     impl = _cuda_experts() if x.is_cuda else fused_experts_torch
-    if not isinstance(w13, torch.Tensor) and (w13.group % 16 or w2.group % 16):
-        impl = fused_experts_torch
+    if x.is_cuda and not isinstance(w13, torch.Tensor) and (w13.group % 16 or w2.group % 16):
+        # (the kernels' K steps divide a group: other groups run on every expert dequantized,
+        # which keeps the layer capturable in a CUDA graph)
+        w13, w2 = w13.dequantized(), w2.dequantized()
     return impl(x, w13, w2, topk_weights, topk_ids)
 
 
