@@ -21,8 +21,9 @@ weights as stored, with their group (or channel) scales and, asymmetric, zero po
 blocks' linear layers run on them, and so do MoE experts that the checkpoint stores packed
 (`engine.layers.int_experts.IntExpertWeights`, the grouped GEMMs' integer path); the rest
 as for FP8 (routers and other quantized weights dequantized as they load, the config's
-`ignore` list left in the model dtype). compressed-tensors' activation ordering
-(`actorder: group`, a `weight_g_idx` per column), quantized activations (W8A8, FP8 schemes)
+`ignore` list left in the model dtype). compressed-tensors' "int-quantized" W8A8 (int8 weights per
+channel, activations per token) runs on `engine.layers.int8.Int8Linear`. compressed-tensors'
+activation ordering (`actorder: group`, a `weight_g_idx` per column), FP8 activation schemes
 and its other formats are refused. AutoAWQ (GEMM) and GPTQ checkpoints are repacked into the
 same layers as they load (`pair_awq_weights`, `pair_gptq_weights`; GPTQ's activation
 ordering too, its columns sorted by group and the layer's input permuted alike). The other
@@ -173,6 +174,98 @@ def _packed_experts(checkpoint: str, parts: tuple[str, ...]) -> bool:
     return any((m := _EXPERT_PART.search(n)) and m.group(1) in parts for n in names)
 
 
+@dataclass(frozen=True)
+class Int8Config:
+    """A compressed-tensors "int-quantized" W8A8 checkpoint: int8 weights with a scale per
+    output channel, activations quantized to int8 per token as they come (a checkpoint's
+    static input scales are not used, as for FP8: per token is as precise or more)."""
+
+    skip: tuple[str, ...] = ()
+    checkpoint: bool = True
+    layout: str = "w8a8"
+
+    def swap(self, model: nn.Module, checkpoint: str | None = None) -> int:
+        from engine.layers.int8 import Int8Linear
+
+        names = quantized_linear_names(model, self)
+        for name in names:
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, attr, Int8Linear.like(getattr(owner, attr)))
+        return len(names)
+
+    def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
+        return pair_int8_weights(weights)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        return ("weight_scale",)
+
+    def describe(self) -> str:
+        return "8-bit integer weights and activations (W8A8, per channel and per token)"
+
+
+QuantConfig = Fp8Config | IntWeightConfig | Int8Config
+
+
+def pair_int8_weights(
+    weights: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, object]]:
+    """A W8A8 checkpoint's tensors with each int8 weight joined to its `weight_scale` ([N] or
+    [N, 1]; they may come in either order) as one `Int8Weight`; static input scales
+    dropped."""
+    from engine.layers.int8 import Int8Weight
+
+    waiting: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name.endswith(_DROPPED):
+            continue
+        if name.endswith(".weight_scale"):
+            base = name.removesuffix("_scale")
+            if base in waiting:
+                yield base, Int8Weight(waiting.pop(base), tensor.reshape(-1).float())
+            else:
+                scales[base] = tensor
+        elif tensor.dtype == torch.int8 and name.endswith(".weight"):
+            if name in scales:
+                yield name, Int8Weight(tensor, scales.pop(name).reshape(-1).float())
+            else:
+                waiting[name] = tensor
+        else:
+            yield name, tensor
+    if waiting or scales:
+        raise ValueError("W8A8 checkpoint: int8 weights without a scale or the reverse: "
+                         f"{(sorted(waiting) + sorted(scales))[:5]}")  # fmt: skip
+
+
+def _w8a8_config(qc: dict, group: dict) -> Int8Config:
+    """The W8A8 int scheme of a compressed-tensors config group that quantizes activations;
+    ValueError, with the reason, for the ones it cannot run."""
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    if group.get("output_activations"):
+        raise ValueError("compressed-tensors: quantized outputs are not supported")
+    if a.get("type", "int") != "int" or w.get("type", "int") != "int":
+        raise ValueError("compressed-tensors: quantized activations of type "
+                         f"{a.get('type')!r} (FP8 schemes) are not supported; int8 W8A8 "
+                         "and weight-only W4A16 / W8A16 are")  # fmt: skip
+    if (w.get("num_bits"), a.get("num_bits")) != (8, 8):
+        raise ValueError(f"compressed-tensors W{w.get('num_bits')}A{a.get('num_bits')}: "
+                         "integer activations run with 8-bit weights and activations "
+                         "(W8A8)")  # fmt: skip
+    if not w.get("symmetric", True) or not a.get("symmetric", True):
+        raise ValueError("compressed-tensors W8A8 with zero points (asymmetric weights or "
+                         "activations) is not supported")  # fmt: skip
+    if w.get("strategy") != "channel":
+        raise ValueError(f"compressed-tensors W8A8 weight strategy {w.get('strategy')!r}: "
+                         "'channel' is supported")  # fmt: skip
+    if a.get("strategy", "token") not in ("token", "tensor"):
+        raise ValueError(f"compressed-tensors W8A8 activation strategy {a.get('strategy')!r}: "
+                         "per token (or a static tensor scale, run per token) is "
+                         "supported")  # fmt: skip
+    return Int8Config(tuple(qc.get("ignore") or ()))
+
+
 def awq_config(qc: dict) -> IntWeightConfig:
     """The setup of an AutoAWQ checkpoint (`quant_method: "awq"`, its GEMM version: Qwen's
     and most `*-AWQ` models): 4-bit weights with a zero point per group, repacked as they
@@ -220,7 +313,7 @@ def gptq_config(qc: dict) -> IntWeightConfig:
                            act_order=bool(qc.get("desc_act", False)))  # fmt: skip
 
 
-def checkpoint_scheme(qc: dict | None) -> IntWeightConfig | None:
+def checkpoint_scheme(qc: dict | None) -> IntWeightConfig | Int8Config | None:
     """The integer-weight scheme of a config.json's `quantization_config` (None: none)."""
     method = (qc or {}).get("quant_method")
     if method == "compressed-tensors":
@@ -230,24 +323,28 @@ def checkpoint_scheme(qc: dict | None) -> IntWeightConfig | None:
     return awq_config(qc) if method == "awq" else None  # type: ignore[arg-type]
 
 
-def int_weight_config(qc: dict) -> IntWeightConfig:
-    """The W4A16 / W8A16 setup of a compressed-tensors `quantization_config`; ValueError,
-    with the reason, for the schemes it cannot run."""
+def int_weight_config(qc: dict) -> IntWeightConfig | Int8Config:
+    """The W4A16 / W8A16 (or int8 W8A8) setup of a compressed-tensors `quantization_config`;
+    ValueError, with the reason, for the schemes it cannot run."""
     groups = list((qc.get("config_groups") or {}).values())
     formats = {g.get("format") or qc.get("format") for g in groups}
+    if len(groups) != 1 or "Linear" not in (groups[0].get("targets") or ()):
+        raise ValueError("compressed-tensors: one config group targeting Linear layers is "
+                         "supported (the W4A16 / W8A16 / W8A8 schemes)")  # fmt: skip
+    group = groups[0]
+    if formats == {"int-quantized"} and group.get("input_activations"):
+        return _w8a8_config(qc, group)
     if formats != {"pack-quantized"}:
         raise ValueError(
             f"compressed-tensors format {sorted(map(str, formats))}: sluice runs "
-            "'pack-quantized' checkpoints (W4A16 / W8A16 weights)"
+            "'pack-quantized' checkpoints (W4A16 / W8A16 weights) and 'int-quantized' W8A8 "
+            "ones"
         )
-    if len(groups) != 1 or "Linear" not in (groups[0].get("targets") or ()):
-        raise ValueError("compressed-tensors: one config group targeting Linear layers is "
-                         "supported (the W4A16 / W8A16 schemes)")  # fmt: skip
-    group = groups[0]
     w = group.get("weights") or {}
     if group.get("input_activations") or group.get("output_activations"):
-        raise ValueError("compressed-tensors: quantized activations (W8A8 and FP8 schemes) are "
-                         "not supported; weight-only W4A16 / W8A16 are")  # fmt: skip
+        raise ValueError("compressed-tensors: quantized activations in a 'pack-quantized' "
+                         "checkpoint are not supported; weight-only W4A16 / W8A16 are, and "
+                         "int8 W8A8 in 'int-quantized' ones")  # fmt: skip
     if w.get("type", "int") != "int" or w.get("num_bits") not in (4, 8):
         raise ValueError(f"compressed-tensors weights of {w.get('num_bits')}-bit "
                          f"{w.get('type')}: 4- and 8-bit integers are supported")  # fmt: skip
@@ -265,7 +362,6 @@ def int_weight_config(qc: dict) -> IntWeightConfig:
                            tuple(qc.get("ignore") or ()))  # fmt: skip
 
 
-QuantConfig = Fp8Config | IntWeightConfig
 
 # quantization settings in a file of their own, for checkpoints whose config.json has none
 # (AutoGPTQ's and early AutoAWQ's): the file -> the method it implies

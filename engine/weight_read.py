@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import ModelConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.loader import build_model, fill_model
-from engine.quantization import IntWeightConfig, QuantConfig
+from engine.quantization import Int8Config, IntWeightConfig, QuantConfig
 from engine.weight_update import checkpoint_spec
 
 
@@ -75,7 +75,9 @@ def read_weight_part(
             value = params[name].detach().to("cpu")
             return value, torch.ones(value.shape, dtype=torch.bool)
         raise ValueError(f"no weight named {name!r} in the model or its checkpoint")
-    if isinstance(quantization, IntWeightConfig) and name.rpartition(".")[2] in quantization.parts:
+    if isinstance(quantization, IntWeightConfig | Int8Config) and (
+        name.rpartition(".")[2] in quantization.parts
+    ):  # fmt: skip
         raise ValueError(f"{name!r} cannot be read back: it is a part of a quantized weight, "
                          "which the served layer holds repacked with the others")  # fmt: skip
     probe = torch.empty(spec[0], dtype=spec[1], device="meta")

@@ -44,8 +44,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fp8: run the blocks' linear layers in float8 (W8A8, scales per output channel "
         "and per token), quantized as the model loads; an FP8 checkpoint (quant_method fp8 "
         "in its config) runs in FP8 without the flag, as do AWQ, GPTQ and compressed-tensors "
-        "W4A16 / W8A16 ones on their integer weights (naming their method is accepted, and "
-        "checked against the checkpoint)",
+        "W4A16 / W8A16 / W8A8 ones on their integer weights (naming their method is "
+        "accepted, and checked against the checkpoint)",
     )
     g.add_argument(
         "--kv-cache-dtype",

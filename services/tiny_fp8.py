@@ -72,11 +72,11 @@ def quantize_checkpoint(path: str, block_size: int = 16) -> int:
 
 def add_args(parser) -> None:  # noqa: ANN001 - an argparse parser
     parser.add_argument(
-        "--quantization", choices=("fp8", "w4a16", "w8a16", "awq", "gptq", "gptq-int8"),
+        "--quantization", choices=("fp8", "w4a16", "w8a16", "w8a8", "awq", "gptq", "gptq-int8"),
         default=None,
         help="write an FP8 checkpoint (the blocks' projection weights in float8), a "
-        "compressed-tensors W4A16 / W8A16 one, an AutoAWQ one or a GPTQ one (4- or 8-bit; "
-        "services/tiny_int_weight.py)",
+        "compressed-tensors W4A16 / W8A16 / W8A8 (int8) one, an AutoAWQ one or a GPTQ one "
+        "(4- or 8-bit; services/tiny_int_weight.py)",
     )  # fmt: skip
     parser.add_argument(
         "--weight-block-size", type=int, default=16,

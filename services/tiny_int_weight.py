@@ -20,7 +20,7 @@ import os
 
 import torch
 
-SCHEMES = {"w4a16": 4, "w8a16": 8, "gptq": 4, "gptq-int8": 8}
+SCHEMES = {"w4a16": 4, "w8a16": 8, "gptq": 4, "gptq-int8": 8, "w8a8": 8}
 
 
 def column_order(module: str, columns: int) -> torch.Tensor:
@@ -40,10 +40,13 @@ def quantize_checkpoint(
     group_size: int | None = 16,
     symmetric: bool = True,
     act_order: bool = False,
+    activations: bool = False,
 ) -> int:
     """Rewrite the model folder's weights as a pack-quantized checkpoint in place; returns how
     many linear layers were quantized. `act_order`: each layer's groups are of its columns in
-    `column_order` (stored in that order, for `to_gptq` to put back with a g_idx)."""
+    `column_order` (stored in that order, for `to_gptq` to put back with a g_idx).
+    `activations`: llm-compressor's W8A8 scheme instead (8-bit weights per channel,
+    activations quantized per token as they come; the "int-quantized" format)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -58,6 +61,14 @@ def quantize_checkpoint(
                             strategy="group" if group_size else "channel",
                             group_size=group_size or None)  # fmt: skip
     scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    if activations:
+        bits, group_size, symmetric = 8, None, True
+        args = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+        scheme = QuantizationScheme(
+            targets=["Linear"], weights=args,
+            input_activations=QuantizationArgs(num_bits=8, type="int", symmetric=True,
+                                               dynamic=True, strategy="token"),
+        )  # fmt: skip
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     )
@@ -72,7 +83,9 @@ def quantize_checkpoint(
             if not symmetric:
                 module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
             count += 1
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor = ModelCompressor.from_pretrained_model(
+        model, quantization_format="int-quantized" if activations else "pack-quantized"
+    )
     compressor.compress_model(model)
     for name in os.listdir(path):
         if name.endswith(".safetensors") or name == "model.safetensors.index.json":
@@ -231,7 +244,8 @@ def apply(args, path: str) -> None:  # noqa: ANN001 - the parsed arguments
         raise SystemExit(f"--quantization {args.quantization} needs the compressed-tensors "
                          "package (pip install compressed-tensors)") from None  # fmt: skip
     quantize_checkpoint(path, bits, args.group_size or None, not (args.asymmetric or awq),
-                        act_order=args.act_order)  # fmt: skip
+                        act_order=args.act_order,
+                        activations=args.quantization == "w8a8")  # fmt: skip
     if awq:
         to_awq(path)
     if gptq:  # (GPTQ's own layout stores zero points less one; one of 0 needs its v2)

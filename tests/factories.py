@@ -102,6 +102,21 @@ def tiny_int_weight_model(
     return out
 
 
+def tiny_w8a8_model(arch: str) -> str:
+    """`tiny_model(arch)` as a compressed-tensors W8A8 (int8) checkpoint: llm-compressor's
+    scheme, "int-quantized" (services/tiny_int_weight.py)."""
+    import shutil
+
+    from services.tiny_int_weight import quantize_checkpoint
+
+    out = os.path.join(_ROOT, f"{arch}-tiny-0-w8a8")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        shutil.copytree(tiny_model(arch), out + ".tmp", dirs_exist_ok=True)
+        quantize_checkpoint(out + ".tmp", activations=True)
+        os.replace(out + ".tmp", out)
+    return out
+
+
 def tiny_gptq_model(
     arch: str,
     bits: int = 4,

@@ -58,13 +58,16 @@ def hf_w8a8_logits(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     split: int = 1,
+    int8: bool = False,
 ) -> list:
     """transformers' logits (float32, on the CPU) at every position of `seqs` with the
     blocks' projections fed float8-rounded inputs (`group_cols` columns per scale; None: per
     token) and, with `quantize_weights`, their weights rounded per output channel too
     (--quantization fp8's arithmetic). `split` (tensor parallelism over that many ranks): the
     row-parallel projections (o_proj, down_proj) see their input in `split` column parts,
-    each its own per-token scale (and, with `quantize_weights`, weight scale per row)."""
+    each its own per-token scale (and, with `quantize_weights`, weight scale per row).
+    `int8`: the inputs rounded to int8 per token instead (W8A8 int: `engine.layers.int8`),
+    over the checkpoint's weights as they load (a dequantized copy's)."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {}
@@ -98,6 +101,11 @@ def hf_w8a8_logits(
 
         def fake_quant(module, args, cols=cols):
             x = args[0].reshape(-1, args[0].shape[-1])
+            if int8:  # (vLLM's scaled_int8_quant: largest magnitude / 127, round to even;
+                g = x.float().reshape(x.shape[0], -1, cols)  # per token or split part)
+                s = g.abs().amax(-1, keepdim=True).clamp_min(1e-30) / 127.0
+                q = torch.round(g / s).clamp(-128, 127)
+                return ((q * s).to(args[0].dtype).view_as(args[0]),)
             q, s = quantize_groups(x, 1, cols)
             return (dequantize_groups(q, s, (1, cols), args[0].dtype).view_as(args[0]),)
 

@@ -182,26 +182,11 @@ class IntWeightLinear(QuantizedLinearBase):
     ) -> None:
         """Fill shard `shard_id`'s rows of the weight (its words, scales and zero points) or of
         the bias from a checkpoint tensor; of a split layer, this rank's rows or columns."""
-        offset, size = self.shard_ranges[shard_id if self.merged else None]
         weight = param is self.weight
         if weight and not isinstance(loaded, PackedIntWeight):
             raise ValueError(f"shard {shard_id!r}: the checkpoint's weight is not quantized "
                              f"(a {loaded.dtype} tensor) but the config says it is")  # fmt: skip
-        if self.sources and shard_id in self.sources:
-            start, rows, total = self.sources[shard_id]
-            if loaded.shape[0] != total:
-                raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} "
-                                 f"has not {total} rows")  # fmt: skip
-            loaded = loaded.narrow(0, start, rows)
-        if self.column_part is not None and weight:
-            start, length, full = self.column_part
-            if loaded.shape[1] != full:
-                raise ValueError(f"checkpoint shape {tuple(loaded.shape)} has not {full} columns")
-            loaded = loaded.narrow(1, start, length)
-        if loaded.shape[0] != size or (weight and loaded.shape[1] != self.in_features):
-            expected = (size, self.in_features) if weight else (size,)
-            raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does "
-                             f"not match expected {expected}")  # fmt: skip
+        offset, size, loaded = self._rank_part(loaded, shard_id, weight)
         if not weight:
             param.data.narrow(0, offset, size).copy_(loaded)
             return

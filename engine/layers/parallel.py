@@ -20,6 +20,7 @@ replicate them the same way). Every rank's KV cache holds only its heads.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +84,28 @@ class QuantizedLinearBase(nn.Module):
         self.shard_ranges = shard_ranges(shards or [(None, out_features)])
         self.output_sizes = [size for _, size in self.shard_ranges.values()]
         self.merged = shards is not None
+
+    def _rank_part(self, loaded: Any, shard_id: Hashable, weight: bool) -> tuple[int, int, Any]:
+        """(first row, rows, the checkpoint tensor's part) that shard `shard_id` of the weight
+        (or of the bias) fills: of a split layer, this rank's rows or columns. ValueError
+        where the shapes do not fit."""
+        offset, size = self.shard_ranges[shard_id if self.merged else None]
+        if self.sources and shard_id in self.sources:
+            start, rows, total = self.sources[shard_id]
+            if loaded.shape[0] != total:
+                raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} "
+                                 f"has not {total} rows")  # fmt: skip
+            loaded = loaded.narrow(0, start, rows)
+        if self.column_part is not None and weight:
+            start, length, full = self.column_part
+            if loaded.shape[1] != full:
+                raise ValueError(f"checkpoint shape {tuple(loaded.shape)} has not {full} columns")
+            loaded = loaded.narrow(1, start, length)
+        if loaded.shape[0] != size or (weight and loaded.shape[1] != self.in_features):
+            expected = (size, self.in_features) if weight else (size,)
+            raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does "
+                             f"not match expected {expected}")  # fmt: skip
+        return offset, size, loaded
 
 
 def take_split(layer: nn.Module, linear: nn.Module) -> None:

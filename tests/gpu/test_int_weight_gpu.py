@@ -3,6 +3,7 @@
 * the Triton W4A16 / W8A16 GEMM (kernels/int_gemm.py) against the torch reference on the same
   packed weights, at a 4096 x 4096 layer: one row, a decode batch, a prefill; 4 bits in
   groups of 128 (with and without zero points), 8 bits per channel; bf16 and fp16;
+* W8A8 int8 through torch._int_mm (one row, 16, 300) against the float path;
 * integer experts through the fused MoE's grouped GEMMs against the torch path on their
   dequantized weights (16 experts of Qwen3-30B-A3B's shape, top 8; 4 bits in groups of 128
   with zero points, 8 bits per channel; 4 and 300 tokens; bf16);
@@ -47,6 +48,21 @@ def test_kernel_matches_the_reference(dtype, bits, group, symmetric, m):
 
 
 @pytest.mark.parametrize("layout", ["compressed-tensors", "gptq-act-order"])
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_int8_w8a8_on_torch_int_mm_matches_the_float_path(m):
+    """W8A8 int8 (engine/layers/int8.py) on CUDA: torch._int_mm, its rows padded past 16,
+    against the same integers multiplied in float32 on the CPU."""
+    from engine.layers.int8 import int8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
+    w = torch.randint(-128, 128, (4096, 4096), dtype=torch.int8, device="cuda", generator=gen)
+    scale = torch.rand(4096, device="cuda", generator=gen) * 1e-3
+    got = int8_linear(x, w, scale).float().cpu()
+    want = int8_linear(x.cpu().float(), w.cpu(), scale.cpu())
+    assert (got - want).abs().max().item() < 1e-2 * want.abs().max().item()
+
+
 @pytest.mark.parametrize(("bits", "symmetric"), [(4, False), (8, True)])
 @pytest.mark.parametrize("tokens", [4, 300])
 def test_integer_experts_match_the_torch_path(bits, symmetric, tokens):

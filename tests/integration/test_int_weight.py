@@ -245,8 +245,8 @@ def _weights(qc: dict) -> dict:
     (lambda qc: _weights(qc).update(group_size=8), "scales of shape"),
     (lambda qc: _weights(qc).update(group_size=32), "176 input features are not whole 32-col"),
     (lambda qc: _weights(qc).update(symmetric=False), "missing parts"),
-], ids=["w8a8", "actorder", "2-bit", "tensor", "format", "group-size", "uneven-groups",
-                                  "zero-points"])  # fmt: skip
+], ids=["packed-activations", "actorder", "2-bit", "tensor", "format", "group-size",
+        "uneven-groups", "zero-points"])  # fmt: skip
 def test_what_it_cannot_run_is_refused(tmp_path, edit, why: str) -> None:
     path = _config_variant(tmp_path, edit)
     with pytest.raises(ValueError, match=why):

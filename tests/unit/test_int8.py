@@ -1,0 +1,45 @@
+"""The W8A8 int8 arithmetic (engine/layers/int8.py) against the formula written out here:
+each input row scaled by its largest magnitude / 127, rounded half to even and clamped to
+[-128, 127]; integer products summed, times the row's and the output channel's scales, plus
+the bias. Zero rows stay zero; a row-parallel part is its own rows' arithmetic."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.int8 import Int8Weight, int8_linear
+
+
+def _reference(x, q_w, s_w, bias=None):
+    x = x.float()  # (the scales and the rounding in float32, as the kernels compute them)
+    s = x.abs().amax(-1, keepdim=True) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(x / s).clamp(-128, 127)
+    y = (q.double() @ q_w.double().T) * s.double() * s_w.double()[None, :]
+    return y if bias is None else y + bias.double()
+
+
+def test_int8_linear_is_the_formula() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g) * 3
+    x[2] = 0.0  # (a zero row: scale 1, zeros out)
+    x[4, :5] = torch.tensor([127.0, 0.5, -0.5, 1.5, 2.5]) * (x[4].abs().max() / 127)
+    q_w = torch.randint(-128, 128, (40, 96), generator=g, dtype=torch.int8)
+    s_w = torch.rand(40, generator=g) * 0.01
+    bias = torch.randn(40, generator=g)
+    for b in (None, bias):
+        got = int8_linear(x, q_w, s_w, b)
+        torch.testing.assert_close(got.double(), _reference(x, q_w, s_w, b), atol=1e-5,
+                                   rtol=1e-5)  # fmt: skip
+    assert torch.equal(int8_linear(x, q_w, s_w)[2], torch.zeros(40))
+    half = int8_linear(x.bfloat16(), q_w, s_w)
+    assert half.dtype == torch.bfloat16
+
+
+def test_checkpoint_weight_parts() -> None:
+    """Rows keep their scales, columns keep every row's (per output channel)."""
+    w = Int8Weight(torch.arange(24, dtype=torch.int8).view(4, 6), torch.tensor([1.0, 2, 3, 4]))
+    assert torch.equal(w.narrow(0, 1, 2).scale, torch.tensor([2.0, 3]))
+    cols = w.narrow(1, 3, 3)
+    assert torch.equal(cols.data, w.data[:, 3:]) and torch.equal(cols.scale, w.scale)
+    torch.testing.assert_close(w.dequantize(torch.float32), w.data.float() * w.scale[:, None])
