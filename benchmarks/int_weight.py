@@ -1,5 +1,5 @@
-"""Integer weights (compressed-tensors W4A16 / W8A16, GPTQ) against the full-precision model, side
-by side in one run: weight memory, teacher-forced agreement, decode and prefill speed.
+"""Integer weights (compressed-tensors W4A16 / W8A16 / W8A8, GPTQ) against the full-precision
+model, side by side in one run: weight memory, teacher-forced agreement, decode and prefill speed.
 
     python benchmarks/int_weight.py [--preset small] [--device cpu] [--dtype float32]
     python benchmarks/int_weight.py --preset llama-3.2-1b --device cuda --dtype bfloat16 \\
@@ -10,7 +10,8 @@ is (`full`), and its weights written by compressed-tensors' compressor
 (services/tiny_int_weight.py) as `w4a16` (4 bits, a scale per 128 input columns: the
 `*-quantized.w4a16` checkpoints' scheme), `w8a16` (8 bits, a scale per output channel) and
 `gptq-act-order` (w4a16's scheme over each layer's columns in a permuted order, rewritten as
-a GPTQ checkpoint with desc_act: the engine permutes each layer's input before its GEMM).
+a GPTQ checkpoint with desc_act: the engine permutes each layer's input before its GEMM) and
+`w8a8` (int8 weights per channel and int8 activations per token).
 The model in float32 is the reference the arms are scored against.
 
 * memory: bytes of the transformer blocks' linear weights (with scales) and of all weights;
@@ -56,9 +57,10 @@ from benchmarks.common import (  # noqa: E402
     write_result,
 )
 
-# bits, group (None: per channel), a GPTQ rewrite with activation ordering
-ARMS = {"full": None, "w4a16": (4, 128, False), "w8a16": (8, None, False),
-        "gptq-act-order": (4, 128, True)}  # fmt: skip
+# bits, group (None: per channel), and how: weight-only, a GPTQ rewrite with activation
+# ordering, or int8 activations too (W8A8, engine/layers/int8.py)
+ARMS = {"full": None, "w4a16": (4, 128, None), "w8a16": (8, None, None),
+        "gptq-act-order": (4, 128, "gptq"), "w8a8": (8, None, "w8a8")}  # fmt: skip
 
 
 def make_models(preset: str, root: str) -> dict[str, str]:
@@ -69,11 +71,12 @@ def make_models(preset: str, root: str) -> dict[str, str]:
     paths = {"full": full, "float32": full}
     for arm, scheme in ARMS.items():
         if scheme is not None:
-            bits, group, gptq = scheme
+            bits, group, kind = scheme
             paths[arm] = os.path.join(root, arm)
             shutil.copytree(full, paths[arm])
-            quantize_checkpoint(paths[arm], bits, group, act_order=gptq)
-            if gptq:
+            quantize_checkpoint(paths[arm], bits, group, act_order=kind == "gptq",
+                                activations=kind == "w8a8")  # fmt: skip
+            if kind == "gptq":
                 to_gptq(paths[arm], act_order=True)
     return paths
 
@@ -82,10 +85,11 @@ def weight_bytes(engine: Any) -> dict[str, int]:
     model = engine.scheduler.model_runner.model
     if model is None:  # the CPU overlap loop's device process holds it
         return {}
+    from engine.layers.int8 import Int8Linear
     from engine.layers.int_weight import IntWeightLinear
     from engine.quantization import IntWeightConfig, quantized_linear_names
 
-    linears = [m for m in model.modules() if isinstance(m, IntWeightLinear)]
+    linears = [m for m in model.modules() if isinstance(m, IntWeightLinear | Int8Linear)]
     if not linears:
         names = quantized_linear_names(model, IntWeightConfig(4, None, True))
         linears = [model.get_submodule(n) for n in names]
@@ -131,8 +135,9 @@ def _int_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bits: int, 
 
 
 def kernel_rows() -> list[dict[str, Any]]:
-    """One row through each projection: bf16 F.linear, and each integer format's GEMV and GEMM
-    (microseconds; GB/s of the weight bytes, scales and zero points included)."""
+    """One row through each projection: bf16 F.linear, each weight-only format's GEMV and
+    GEMM, and W8A8 int8 (its activation quantization and torch._int_mm; microseconds; GB/s
+    of the weight bytes, scales and zero points included)."""
     import functools
 
     import torch.nn.functional as F
@@ -161,8 +166,21 @@ def kernel_rows() -> list[dict[str, Any]]:
                 rows.append({"shape": name, "format": fmt, "kernel": "gemv" if gemv else "gemm",
                              "us": us, "gb_s": nbytes / us / 1e3})  # fmt: skip
             words.clear()
+        int8 = [torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda", generator=gen)
+                for _ in range(copies)]  # fmt: skip
+        scale = torch.rand(n, device="cuda", generator=gen) * 1e-3
+        us = _cycle_us(functools.partial(_w8a8_call, x, scale=scale), int8)
+        rows.append({"shape": name, "format": "w8a8", "kernel": "int_mm", "us": us,
+                     "gb_s": (n * k + scale.nbytes) / us / 1e3})  # fmt: skip
+        int8.clear()
         torch.cuda.empty_cache()
     return rows + moe_rows()
+
+
+def _w8a8_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    from engine.layers.int8 import int8_linear
+
+    return int8_linear(x, w, scale)
 
 
 def moe_rows() -> list[dict[str, Any]]:
@@ -236,7 +254,7 @@ def main() -> None:
     by_arm = dict(zip(ARMS, rows))
     summary = {
         f"{arm}_{key}": by_arm[arm].get(key)
-        for arm in ("w4a16", "w8a16", "gptq-act-order")
+        for arm in ("w4a16", "w8a16", "gptq-act-order", "w8a8")
         for key in ("block_linear_bytes_ratio", "top1_agreement", "decode_speedup",
                     "prefill_speedup")
     }  # fmt: skip
