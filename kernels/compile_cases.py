@@ -17,7 +17,7 @@ from kernels.activation import gelu_new, silu_and_mul
 from kernels.argmax import argmax_rows
 from kernels.decode_attention import decode_attention, merge_counters
 from kernels.extend_attention import extend_attention
-from kernels.fp8_gemm import fp8_gemm, fp8_gemv, quantize_rows
+from kernels.fp8_gemm import fp8_gemm, fp8_gemv, quantize_rows, quantize_rows_int8_triton
 from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
@@ -341,6 +341,10 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             labels = {"dtype": name, "case": f"fp8 quantize K{k} group {group_cols}"}
             yield labels, functools.partial(quantize_rows, torch.empty(4, k, dtype=dtype),
                                             group_cols)  # fmt: skip
+        # W8A8 int8's per-token activations (engine/layers/int8.py)
+        yield {"dtype": name, "case": "int8 quantize K4096"}, functools.partial(
+            quantize_rows_int8_triton, torch.empty(4, 4096, dtype=dtype)
+        )
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
     for name in ("float32", "bfloat16"):  # greedy sampling's logits (float32 in the engine)

@@ -341,9 +341,12 @@ if HAS_TRITON:
         GROUP: tl.constexpr,
         BLOCK: tl.constexpr,
         PDL: tl.constexpr,
+        INT8: tl.constexpr = False,
     ):
         """One program per (row, group of GROUP columns): quantize_groups' arithmetic to the
-        bit (IEEE divisions, round-to-nearest-even float8 of the clamped quotient)."""
+        bit (IEEE divisions, round-to-nearest-even float8 of the clamped quotient). `INT8`:
+        engine.layers.int8.quantize_rows_int8's instead (largest magnitude / 127, 1 for a
+        zero group; the quotient rounded half to even, clamped to [-128, 127])."""
         pdl_prologue(PDL)
         row = tl.program_id(0)
         group = tl.program_id(1)
@@ -356,15 +359,41 @@ if HAS_TRITON:
             mask = (c + offs < GROUP) & (cols < K)
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        top = tl.maximum(tl.max(amax, axis=0), _MIN_SCALE_C)
-        scale = tl.math.div_rn(top, _FP8_MAX_C)  # IEEE, as torch's division
+        if INT8:
+            top = tl.max(amax, axis=0)
+            scale = tl.where(top > 0, tl.math.div_rn(top, 127.0), 1.0)
+        else:
+            top = tl.maximum(tl.max(amax, axis=0), _MIN_SCALE_C)
+            scale = tl.math.div_rn(top, _FP8_MAX_C)  # IEEE, as torch's division
         tl.store(s_ptr + row.to(tl.int64) * stride_sm + group, scale)
         for c in range(0, GROUP, BLOCK):
             cols = group * GROUP + c + offs
             mask = (c + offs < GROUP) & (cols < K)
             x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX_C), _FP8_MAX_C)
-            tl.store(q_row + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
+            if INT8:  # (adding and taking away 1.5 * 2^23 rounds |v| < 2^22 to even)
+                v = tl.math.div_rn(x, scale)
+                v = tl.minimum(tl.maximum((v + 12582912.0) - 12582912.0, -128.0), 127.0)
+                tl.store(q_row + cols, v.to(tl.int8), mask=mask)
+            else:
+                q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX_C), _FP8_MAX_C)
+                tl.store(q_row + cols, _round_to_e4m3(q).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`engine.layers.int8.quantize_rows_int8` in one Triton launch, bit for bit: int8 rows
+    and their float32 scales [M] (W8A8 int's per-token activations)."""
+    rows, cols = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(rows, cols, dtype=torch.int8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows, 1)](
+            x, q, scale, cols, x.stride(0), q.stride(0), scale.stride(0),
+            GROUP=cols, BLOCK=min(QUANT_BLOCK, next_pow2(cols, 16)), INT8=True,
+            **launch_opts(4),
+        )  # fmt: skip
+    return q, scale.view(rows)
 
 
 def quantize_rows(x: torch.Tensor, group_cols: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -102,6 +102,22 @@ def tiny_int_weight_model(
     return out
 
 
+def config_variant(source: str, out: str, edit: Any) -> str:
+    """A copy of the model folder `source` at `out` with its quantization_config edited in
+    place by `edit(qc)`."""
+    import json
+    import shutil
+
+    shutil.copytree(source, out)
+    config_file = os.path.join(out, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    edit(config["quantization_config"])
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return out
+
+
 def tiny_w8a8_model(arch: str) -> str:
     """`tiny_model(arch)` as a compressed-tensors W8A8 (int8) checkpoint: llm-compressor's
     scheme, "int-quantized" (services/tiny_int_weight.py)."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.parallel import QuantizedLinearBase, take_split
+from kernels.jit import HAS_TRITON, interpreting
 
 
 @dataclass
@@ -62,8 +63,13 @@ def int8_linear(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """x [M, K] (any float dtype) times the int8 weight [N, K] with scales [N], W8A8 -> [M, N]
-    in x's dtype."""
-    q, scale = quantize_rows_int8(x)
+    in x's dtype. (On CUDA the rows are quantized in one Triton launch, bit for bit.)"""
+    if x.is_cuda and HAS_TRITON and not interpreting():
+        from kernels.fp8_gemm import quantize_rows_int8_triton
+
+        q, scale = quantize_rows_int8_triton(x)
+    else:
+        q, scale = quantize_rows_int8(x)
     m, n = q.shape[0], weight.shape[0]
     if q.is_cuda and q.shape[1] % 8 == 0 and n % 8 == 0:
         rows = max(m, 17)  # (_int_mm takes more than 16 rows)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.int_weight import PackedIntWeight
+from engine.layers.int_weight import PackedIntWeight, check_whole_groups
 from engine.layers.moe import ExpertWeights
 from kernels.int_gemm import dequantize_int
 from kernels.jit import cdiv
@@ -98,14 +98,8 @@ class IntExpertWeights(ExpertWeights):
         """Empty integer experts of `experts`' shape, shards and parallel split, on its
         device, their scales in its dtype."""
         split = experts.split
-        if split is not None and split[0] == 1 and group is not None and (
-            split[1] % group or split[2] % group
-        ):  # fmt: skip
-            raise ValueError(
-                f"tensor parallelism: this rank's {split[2]} input columns of the experts' down "
-                f"projection are not whole {group}-column quantization groups; choose a "
-                "tp_size whose parts are"
-            )
+        if split is not None and split[0] == 1:
+            check_whole_groups(split[1], split[2], group, "the experts' down projection")
         with torch.device(experts.weight.device):
             return cls(
                 experts.num_local, experts.in_features, experts.shards, bits, group, symmetric,

@@ -91,6 +91,16 @@ class PackedIntWeight:
         return out
 
 
+def check_whole_groups(start: int, length: int, group: int | None, what: str) -> None:
+    """ValueError unless this rank's columns `start` .. `start + length` of `what` are whole
+    `group`-column quantization groups (tensor parallelism; None: per channel, any part)."""
+    if group is not None and (start % group or length % group):
+        raise ValueError(
+            f"tensor parallelism: this rank's {length} input columns of {what} are not whole "
+            f"{group}-column quantization groups; choose a tp_size whose parts are"
+        )
+
+
 def unpack_zero_points(packed: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
     """compressed-tensors' zero points, packed along the output rows ([ceil(rows * bits / 32),
     groups] int32), as [rows, groups] int8 (signed, as the weight's integers)."""
@@ -153,14 +163,8 @@ class IntWeightLinear(QuantizedLinearBase):
                 "desc_act: each rank's input columns belong to groups spread over all ranks) "
                 "is not supported; serve it on one rank, or use a checkpoint without desc_act"
             )
-        if isinstance(linear, RowParallelLinear) and group is not None and (
-            linear.in_start % group or linear.in_features % group
-        ):  # fmt: skip
-            raise ValueError(
-                f"tensor parallelism: this rank's {linear.in_features} input columns of a "
-                f"row-parallel layer are not whole {group}-column quantization groups; choose "
-                "a tp_size whose parts are"
-            )
+        if isinstance(linear, RowParallelLinear):
+            check_whole_groups(linear.in_start, linear.in_features, group, "a row-parallel layer")
         with torch.device(linear.weight.device):
             layer = cls(
                 linear.in_features, linear.out_features, linear.bias is not None, bits, group,

@@ -3,7 +3,8 @@
 * the Triton W4A16 / W8A16 GEMM (kernels/int_gemm.py) against the torch reference on the same
   packed weights, at a 4096 x 4096 layer: one row, a decode batch, a prefill; 4 bits in
   groups of 128 (with and without zero points), 8 bits per channel; bf16 and fp16;
-* W8A8 int8 through torch._int_mm (one row, 16, 300) against the float path;
+* W8A8 int8 through torch._int_mm (one row, 16, 300) against the float path, and its
+  one-launch activation quantization against the torch one bit for bit;
 * integer experts through the fused MoE's grouped GEMMs against the torch path on their
   dequantized weights (16 experts of Qwen3-30B-A3B's shape, top 8; 4 bits in groups of 128
   with zero points, 8 bits per channel; 4 and 300 tokens; bf16);
@@ -61,6 +62,14 @@ def test_int8_w8a8_on_torch_int_mm_matches_the_float_path(m):
     got = int8_linear(x, w, scale).float().cpu()
     want = int8_linear(x.cpu().float(), w.cpu(), scale.cpu())
     assert (got - want).abs().max().item() < 1e-2 * want.abs().max().item()
+    # the one-launch quantization the GPU runs is the torch one, bit for bit (compiled here:
+    # its round-half-to-even is arithmetic that fast-math would break)
+    from engine.layers.int8 import quantize_rows_int8
+    from kernels.fp8_gemm import quantize_rows_int8_triton
+
+    q, s = quantize_rows_int8_triton(x)
+    want_q, want_s = quantize_rows_int8(x.cpu())
+    assert torch.equal(q.cpu(), want_q) and torch.equal(s.cpu(), want_s)
 
 
 @pytest.mark.parametrize(("bits", "symmetric"), [(4, False), (8, True)])

@@ -30,6 +30,7 @@ import torch
 from engine.engine import Engine
 from tests.factories import (
     assert_greedy_match,
+    config_variant,
     dequantized_copy,
     hf_greedy,
     mixed_prompts,
@@ -201,15 +202,8 @@ def _variant(tmp_path, case: str, edit=None, tensors=None) -> str:
     its tensors by `tensors(dict)`."""
     from safetensors.torch import load_file, save_file
 
-    path = str(tmp_path / "variant")
-    shutil.copytree(tiny_gptq_model(*CASES[case][:4], *CASES[case][4:]), path)
-    if edit is not None:
-        config_file = os.path.join(path, "config.json")
-        with open(config_file) as f:
-            config = json.load(f)
-        edit(config["quantization_config"])
-        with open(config_file, "w") as f:
-            json.dump(config, f)
+    path = config_variant(tiny_gptq_model(*CASES[case]), str(tmp_path / "variant"),
+                          edit or (lambda qc: None))  # fmt: skip
     if tensors is not None:
         file = os.path.join(path, "model.safetensors")
         loaded = load_file(file)

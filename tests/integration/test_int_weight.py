@@ -11,7 +11,6 @@ updates; the schemes it cannot run are refused with the reason."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -21,6 +20,7 @@ import torch
 from engine.engine import Engine
 from tests.factories import (
     assert_greedy_match,
+    config_variant,
     dequantized_copy,
     hf_greedy,
     mixed_prompts,
@@ -216,19 +216,6 @@ def test_weights_read_back_by_name() -> None:
             engine.get_weights_by_name("model.layers.0.self_attn.q_proj.weight_packed")
 
 
-def _config_variant(tmp_path, edit) -> str:
-    """The W4A16 tiny Llama with its quantization_config edited by `edit(qc)`."""
-    path = str(tmp_path / "variant")
-    shutil.copytree(tiny_int_weight_model("llama", 4, 16, True), path)
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    edit(config["quantization_config"])
-    with open(config_file, "w") as f:
-        json.dump(config, f)
-    return path
-
-
 def _weights(qc: dict) -> dict:
     return qc["config_groups"]["group_0"]["weights"]
 
@@ -248,7 +235,7 @@ def _weights(qc: dict) -> dict:
 ], ids=["packed-activations", "actorder", "2-bit", "tensor", "format", "group-size",
         "uneven-groups", "zero-points"])  # fmt: skip
 def test_what_it_cannot_run_is_refused(tmp_path, edit, why: str) -> None:
-    path = _config_variant(tmp_path, edit)
+    path = config_variant(tiny_int_weight_model("llama", 4, 16, True), str(tmp_path / "v"), edit)
     with pytest.raises(ValueError, match=why):
         Engine(model_path=path, disable_overlap_schedule=True)
 

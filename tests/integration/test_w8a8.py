@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from tests.factories import tiny_w8a8_model
+from tests.factories import config_variant, tiny_w8a8_model
 from tests.fp8_reference import hf_w8a8_logits
 from tests.teacher_forcing import (
     CPU_DECODE,
@@ -112,13 +112,6 @@ def _activations(qc: dict) -> dict:
      "weight strategy 'tensor'"),
 ], ids=["asymmetric", "4-bit-activations", "float", "group", "tensor-weights"])  # fmt: skip
 def test_what_it_cannot_run_is_refused(tmp_path, edit, why: str) -> None:
-    path = str(tmp_path / "variant")
-    shutil.copytree(tiny_w8a8_model("llama"), path)
-    config_file = os.path.join(path, "config.json")
-    with open(config_file) as f:
-        config = json.load(f)
-    edit(config["quantization_config"])
-    with open(config_file, "w") as f:
-        json.dump(config, f)
+    path = config_variant(tiny_w8a8_model("llama"), str(tmp_path / "variant"), edit)
     with pytest.raises(ValueError, match=why):
         Engine(model_path=path, disable_overlap_schedule=True)

@@ -43,3 +43,27 @@ def test_checkpoint_weight_parts() -> None:
     cols = w.narrow(1, 3, 3)
     assert torch.equal(cols.data, w.data[:, 3:]) and torch.equal(cols.scale, w.scale)
     torch.testing.assert_close(w.dequantize(torch.float32), w.data.float() * w.scale[:, None])
+
+
+def test_the_triton_quantize_is_the_torch_one_bit_for_bit() -> None:
+    """The one-launch quantization CUDA runs (kernels/fp8_gemm.quantize_rows_int8_triton,
+    here in the interpreter) against the torch one: rows longer than its 1024-column steps,
+    a zero row, ties at half steps; float32 and 16-bit inputs."""
+    from engine.layers.int8 import quantize_rows_int8
+    from kernels.fp8_gemm import quantize_rows_int8_triton
+    from kernels.testing import triton_test_device
+
+    device, skip = triton_test_device()
+    if skip is not None:
+        import pytest
+
+        pytest.skip(skip)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 1300, generator=g) * 4
+    x[1] = 0.0
+    top = x[3].abs().max()
+    x[3, :4] = torch.tensor([0.5, -1.5, 2.5, 126.5]) * (top / 127)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got_q, got_s = quantize_rows_int8_triton(x.to(dtype).to(device))
+        want_q, want_s = quantize_rows_int8(x.to(dtype))
+        assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s), dtype

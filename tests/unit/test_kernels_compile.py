@@ -55,7 +55,8 @@ INT_GEMV_CASES = ("int gemv w4 g128", "int gemv w4 g128 asym", "int gemv w4 g128
 # one token: the float8 GEMV (a block checkpoint's and per channel; K steps of 1024 and 2048)
 FP8_GEMV_CASES = [f"fp8 gemv group {g} K{k}" for k in (4096, 8192) for g in (128, 1)]
 # its activations' quantization: per token (K 4096) and in 128-column groups (K 8192)
-FP8_QUANT_CASES = ("fp8 quantize K4096 group 4096", "fp8 quantize K8192 group 128")
+FP8_QUANT_CASES = ("fp8 quantize K4096 group 4096", "fp8 quantize K8192 group 128",
+                   "int8 quantize K4096")  # (and W8A8 int8's per-token rows)
 # an FP8 KV cache: bf16/fp16 queries over float8 pools (GQA shapes), store_kv of float8 rows
 FP8_KV_CASES = ("kv e4m3", "kv e5m2")
 # the elementwise kernels: RMSNorm (with the residual add or not) up to the widest row it takes,
