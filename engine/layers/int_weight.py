@@ -142,7 +142,7 @@ class IntWeightLinear(QuantizedLinearBase):
         zero = None if symmetric else torch.empty(out_features, groups, dtype=torch.int8)
         self.register_buffer("weight_zero", zero)
         # activation ordering: the input's columns in the packed weight's order
-        perm = torch.arange(in_features) if act_order else None
+        perm = torch.arange(in_features, dtype=torch.int32) if act_order else None
         self.register_buffer("input_perm", perm)
         self._shard_perms: dict[Hashable, torch.Tensor] = {}  # each part's, as loaded
         self._init_outputs(out_features, bias, shards)

@@ -151,7 +151,7 @@ def test_greedy_tokens_equal_transformers(case: str, tmp_path) -> None:
         act_order = CASES[case][4]
         assert all((m.input_perm is not None) == act_order for m in layers)
         if act_order:
-            assert not torch.equal(layers[0].input_perm, torch.arange(layers[0].in_features))
+            assert not torch.equal(layers[0].input_perm.long(), torch.arange(layers[0].in_features))
         outs = engine.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         assert_greedy_match(reference, prompt, out["output_ids"],
