@@ -22,6 +22,7 @@ from shared.messages import (
     AbortReqMsg,
     ChatMessage,
     GenerateReqMsg,
+    PauseReqMsg,
     StepOutputMsg,
     WorkerLoadMsg,
 )
@@ -259,19 +260,22 @@ def test_abort_running_and_abort_that_overtakes_its_request(client: StreamClient
 
 def test_the_requests_of_a_router_that_died_are_aborted(stack: Stack) -> None:
     """A router without a heartbeat (3 s TTL here) at two looks 1.5 s apart: the worker
-    aborts its requests (services/worker_routers.py); another router's run on."""
+    aborts its requests (services/worker_routers.py); another router's run on. Once they
+    have started, the worker is paused (mode "keep": they stay, and a paused worker ends
+    its aborts at once), so that however fast it generates they are still running when the
+    router is found gone: on a quiet machine four requests of 2000 tokens (all the tiny
+    model's context allows) finished before the second look. (Aborts of running requests
+    take the same path: test_abort_running_and_abort_that_overtakes_its_request above.)"""
     gone, stays = StreamClient(stack.bus, stack.worker_id), StreamClient(stack.bus, stack.worker_id)
-    # as long as the tiny model's 2048-token context allows, four of them: on a fast machine
-    # two requests of 1500 tokens once finished before the second look
     long = {"max_new_tokens": MAX_NEW_LONG, "ignore_eos": True}
-    rids = [gone.request(text="tell me a long story", sampling_params=long) for _ in range(4)]
-    other = stays.request(text="and another one", sampling_params={"max_new_tokens": 64})
+    rids = [gone.request(text="tell me a long story", sampling_params=long) for _ in range(2)]
 
     def started() -> bool:
         gone.poll(50)
         return all(gone.results[r].rows for r in rids)
 
     wait_until(started, 60, what="output")
+    stays.to_worker(PauseReqMsg("hold", stays.router_id, "pause", "keep"))
     gone.vanish()
     vanished = time.monotonic()
     results = gone.wait(rids, timeout_s=30)
@@ -280,6 +284,8 @@ def test_the_requests_of_a_router_that_died_are_aborted(stack: Stack) -> None:
         final = results[rid].final
         assert final.finish_reason.type == "abort" and final.completion_tokens < MAX_NEW_LONG
         assert final.finish_reason.message == f"router {gone.router_id} is gone"
+    other = stays.request(text="and another one", sampling_params={"max_new_tokens": 64})
+    stays.to_worker(PauseReqMsg("go", stays.router_id, "resume"))
     final = stays.wait([other], timeout_s=60)[other].final
     assert final.finish_reason.type == "length" and final.completion_tokens == 64
 
