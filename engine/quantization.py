@@ -21,13 +21,14 @@ weights as stored, with their group (or channel) scales and, asymmetric, zero po
 blocks' linear layers run on them, and so do MoE experts that the checkpoint stores packed
 (`engine.layers.int_experts.IntExpertWeights`, the grouped GEMMs' integer path); the rest
 as for FP8 (routers and other quantized weights dequantized as they load, the config's
-`ignore` list left in the model dtype). compressed-tensors' "int-quantized" W8A8 (int8 weights per
-channel, activations per token) runs on `engine.layers.int8.Int8Linear`. compressed-tensors'
-activation ordering (`actorder: group`, a `weight_g_idx` per column), FP8 activation schemes
-and its other formats are refused. AutoAWQ (GEMM) and GPTQ checkpoints are repacked into the
-same layers as they load (`pair_awq_weights`, `pair_gptq_weights`; GPTQ's activation
-ordering too, its columns sorted by group and the layer's input permuted alike). The other
-methods (bitsandbytes, MXFP4 but gpt-oss's experts...) are refused with their name.
+`ignore` list left in the model dtype). compressed-tensors' "int-quantized" W8A8 (int8
+weights per channel, activations per token) runs on `engine.layers.int8.Int8Linear`.
+compressed-tensors' activation ordering (`actorder: group`, a `weight_g_idx` per column),
+FP8 activation schemes and its other formats are refused. AutoAWQ (GEMM) and GPTQ
+checkpoints are repacked into the same layers as they load (engine/checkpoint_parts.py
+joins every format's parts; GPTQ's activation ordering too, its columns sorted by group and
+the layer's input permuted alike). The other methods (bitsandbytes, MXFP4 but gpt-oss's
+experts...) are refused with their name.
 """
 
 from __future__ import annotations
@@ -40,6 +41,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.checkpoint_parts import (
+    AWQ_PARTS,
+    GPTQ_PARTS,
+    INT_PARTS,
+    packed_experts,
+    pair_awq_weights,
+    pair_fp8_scales,
+    pair_gptq_weights,
+    pair_int8_weights,
+    pair_int_weights,
+)
+
 if TYPE_CHECKING:
     from engine.layers.fp8 import QuantizedWeight
 
@@ -50,9 +63,6 @@ CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
 QUANTIZATION_METHODS = ("fp8", *CHECKPOINT_METHODS)
 _IN_BLOCK = re.compile(r"(^|\.)(layers|layer|h)\.\d+\.")  # a transformer block's module
 _ROUTERS = ("gate", "shared_expert_gate")  # MoE routing logits: kept precise, as vLLM does
-# static activation scales (unused: activations are scaled as they come); KV-cache scales never
-# get here, the loader takes them first (engine/mem_cache/kv_quant.take_kv_scales)
-_DROPPED = (".input_scale",)
 
 
 @dataclass(frozen=True)
@@ -92,14 +102,9 @@ class IntWeightConfig:
         (meta model); its experts too where it stores them packed."""
         from engine.layers.int_weight import IntWeightLinear
 
-        names = quantized_linear_names(model, self)
-        for name in names:
-            parent, _, attr = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            linear = getattr(owner, attr)
-            setattr(owner, attr, IntWeightLinear.like(linear, self.bits, self.group,
-                                                      self.symmetric, self.act_order))  # fmt: skip
-        return len(names) + self._swap_experts(model, checkpoint)
+        count = replace_linears(model, self, lambda linear: IntWeightLinear.like(
+            linear, self.bits, self.group, self.symmetric, self.act_order))  # fmt: skip
+        return count + self._swap_experts(model, checkpoint)
 
     def _swap_experts(self, model: nn.Module, checkpoint: str | None) -> int:
         """The MoE layers' experts kept as integers too (`IntExpertWeights`) where the
@@ -111,7 +116,7 @@ class IntWeightConfig:
         from engine.layers.int_experts import IntExpertWeights
         from engine.layers.moe import FusedMoE
 
-        if self.act_order or checkpoint is None or not _packed_experts(checkpoint, self.parts):
+        if self.act_order or checkpoint is None or not packed_experts(checkpoint, self.parts):
             return 0
         layers = [(name, module) for name, module in model.named_modules()
                   if isinstance(module, FusedMoE) and _IN_BLOCK.search(name)]  # fmt: skip
@@ -149,31 +154,6 @@ class IntWeightConfig:
         return f"{self.bits}-bit ({groups}, {zero}{order})"
 
 
-_EXPERT_PART = re.compile(r"\.experts\.\d+\.[^.]+\.([^.]+)$")
-
-
-def _packed_experts(checkpoint: str, parts: tuple[str, ...]) -> bool:
-    """Whether the checkpoint folder stores some expert's matrix as quantized parts (the
-    tensor names only: a sharded checkpoint's index, or the file's header)."""
-    import json
-    import os
-
-    from safetensors import safe_open
-
-    from engine.loader import safetensors_files
-
-    index = os.path.join(checkpoint, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = list(json.load(f)["weight_map"])
-    else:
-        names = []
-        for file in safetensors_files(checkpoint):
-            with safe_open(file, framework="pt", device="cpu") as f:
-                names.extend(f.keys())
-    return any((m := _EXPERT_PART.search(n)) and m.group(1) in parts for n in names)
-
-
 @dataclass(frozen=True)
 class Int8Config:
     """A compressed-tensors "int-quantized" W8A8 checkpoint: int8 weights with a scale per
@@ -187,12 +167,7 @@ class Int8Config:
     def swap(self, model: nn.Module, checkpoint: str | None = None) -> int:
         from engine.layers.int8 import Int8Linear
 
-        names = quantized_linear_names(model, self)
-        for name in names:
-            parent, _, attr = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            setattr(owner, attr, Int8Linear.like(getattr(owner, attr)))
-        return len(names)
+        return replace_linears(model, self, Int8Linear.like)
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         return pair_int8_weights(weights)
@@ -206,37 +181,6 @@ class Int8Config:
 
 
 QuantConfig = Fp8Config | IntWeightConfig | Int8Config
-
-
-def pair_int8_weights(
-    weights: Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, object]]:
-    """A W8A8 checkpoint's tensors with each int8 weight joined to its `weight_scale` ([N] or
-    [N, 1]; they may come in either order) as one `Int8Weight`; static input scales
-    dropped."""
-    from engine.layers.int8 import Int8Weight
-
-    waiting: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
-        if name.endswith(_DROPPED):
-            continue
-        if name.endswith(".weight_scale"):
-            base = name.removesuffix("_scale")
-            if base in waiting:
-                yield base, Int8Weight(waiting.pop(base), tensor.reshape(-1).float())
-            else:
-                scales[base] = tensor
-        elif tensor.dtype == torch.int8 and name.endswith(".weight"):
-            if name in scales:
-                yield name, Int8Weight(tensor, scales.pop(name).reshape(-1).float())
-            else:
-                waiting[name] = tensor
-        else:
-            yield name, tensor
-    if waiting or scales:
-        raise ValueError("W8A8 checkpoint: int8 weights without a scale or the reverse: "
-                         f"{(sorted(waiting) + sorted(scales))[:5]}")  # fmt: skip
 
 
 def _w8a8_config(qc: dict, group: dict) -> Int8Config:
@@ -451,244 +395,21 @@ def swap_in_fp8(model: nn.Module, config: Fp8Config) -> int:
     Returns how many were replaced."""
     from engine.layers.fp8 import Fp8Linear
 
+    make = Fp8Linear.like if config.checkpoint else Fp8Linear.quantize
+    count = replace_linears(model, config, lambda linear: make(linear, config.block))
+    if not config.checkpoint and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the 16-bit weights' memory goes to the KV pool
+    return count
+
+
+def replace_linears(
+    model: nn.Module, config: QuantConfig, make: Callable[[nn.Module], nn.Module]
+) -> int:
+    """Replace each layer of `quantized_linear_names(model, config)` by `make(layer)`; how
+    many."""
     names = quantized_linear_names(model, config)
     for name in names:
         parent, _, attr = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
-        linear = getattr(owner, attr)
-        if config.checkpoint:
-            layer = Fp8Linear.like(linear, config.block)
-        else:
-            layer = Fp8Linear.quantize(linear, config.block)
-        setattr(owner, attr, layer)
-    if not config.checkpoint and torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the 16-bit weights' memory goes to the KV pool
+        setattr(owner, attr, make(getattr(owner, attr)))
     return len(names)
-
-
-def pair_fp8_scales(
-    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int] | None
-) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """An FP8 checkpoint's tensors with each float8 weight joined to its scale (they may come
-    in either order) as one `QuantizedWeight`; static activation scales dropped."""
-    from engine.layers.fp8 import FP8_DTYPE, QuantizedWeight
-
-    weights_waiting: dict[str, torch.Tensor] = {}
-    scales_waiting: dict[str, tuple[torch.Tensor, tuple[int, int] | None]] = {}
-    for name, tensor in weights:
-        if name.endswith(_DROPPED):
-            continue
-        if name.endswith((".weight_scale_inv", ".weight_scale")):
-            base = name.rsplit(".", 1)[0] + ".weight"
-            scale_block = block if name.endswith("_inv") else None
-            if scale_block is None and name.endswith("_inv"):
-                raise ValueError(f"{name}: block scales without weight_block_size in the config")
-            if base in weights_waiting:
-                yield base, QuantizedWeight(weights_waiting.pop(base), tensor, scale_block)
-            else:
-                scales_waiting[base] = (tensor, scale_block)
-        elif tensor.dtype == FP8_DTYPE:
-            if name in scales_waiting:
-                scale, scale_block = scales_waiting.pop(name)
-                yield name, QuantizedWeight(tensor, scale, scale_block)
-            else:
-                weights_waiting[name] = tensor
-        else:
-            yield name, tensor
-    orphans = sorted(weights_waiting) + sorted(scales_waiting)
-    if orphans:
-        raise ValueError(
-            f"FP8 checkpoint: float8 weights without a scale or the reverse: {orphans[:5]}"
-        )
-
-
-INT_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point")
-
-
-def _join_parts(
-    weights: Iterable[tuple[str, torch.Tensor]],
-    parts_of: tuple[str, ...],
-    needed: set[str],
-    make: Callable[[str, dict[str, torch.Tensor]], object],
-    what: str,
-) -> Iterator[tuple[str, object]]:
-    """A checkpoint's tensors with each layer's quantized parts (`parts_of`, in any order)
-    joined, once it has the `needed` ones, into `make(layer, parts)`, yielded as the layer's
-    `weight`; the other tensors as they come. ValueError for parts left without the others."""
-    waiting: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in weights:
-        base, _, part = name.rpartition(".")
-        if part not in parts_of:
-            yield name, tensor
-            continue
-        parts = waiting.setdefault(base, {})
-        parts[part] = tensor
-        if needed <= set(parts):
-            del waiting[base]
-            yield base + ".weight", make(base, parts)
-    if waiting:
-        raise ValueError(f"{what}: quantized weights missing parts: {sorted(waiting)[:5]}")
-
-
-def pair_int_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], config: IntWeightConfig
-) -> Iterator[tuple[str, object]]:
-    """A compressed-tensors checkpoint's tensors with each quantized weight's parts (packed
-    words, scales, shape, zero points; in any order) joined into one `PackedIntWeight`,
-    yielded as the module's `weight`. ValueError for a part without the others, or a
-    `weight_g_idx` (activation ordering)."""
-    from engine.layers.int_weight import PackedIntWeight, unpack_zero_points
-
-    def make(base: str, parts: dict[str, torch.Tensor]) -> PackedIntWeight:
-        rows, columns = (int(v) for v in parts["weight_shape"].tolist())
-        scale = parts["weight_scale"]
-        group = columns if config.group is None else config.group
-        if scale.shape != (rows, -(-columns // group)):
-            raise ValueError(f"{base}: scales of shape {tuple(scale.shape)} for a {rows} x "
-                             f"{columns} weight in groups of {group}")  # fmt: skip
-        zero = parts.get("weight_zero_point")
-        if zero is not None:
-            zero = unpack_zero_points(zero, config.bits, rows)
-        return PackedIntWeight(parts["weight_packed"], scale, zero, config.bits, group, columns)
-
-    needed = set(INT_PARTS[:3]) | (set() if config.symmetric else {"weight_zero_point"})
-    return _join_parts(_no_group_index(weights), INT_PARTS, needed, make,
-                       "compressed-tensors checkpoint")  # fmt: skip
-
-
-def _no_group_index(
-    weights: Iterable[tuple[str, torch.Tensor]],
-) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in weights:
-        if name.endswith(".weight_g_idx"):
-            raise ValueError(f"{name}: activation ordering (a group index per column) is not "
-                             "supported")  # fmt: skip
-        yield name, tensor
-
-
-# AutoAWQ's GEMM layout packs output columns 8j .. 8j + 7 into word j, nibble i holding column
-# (0, 2, 4, 6, 1, 3, 5, 7)[i] of the eight: column c's four bits sit at nibble AWQ_NIBBLE[c % 8]
-AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
-AWQ_PARTS = ("qweight", "qzeros", "scales")
-
-
-def pair_awq_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], config: IntWeightConfig
-) -> Iterator[tuple[str, object]]:
-    """An AutoAWQ checkpoint's `qweight` [K, N / 8], `qzeros` [K / group, N / 8] and `scales`
-    [K / group, N] of each layer (w = (q - z) * s, q and z in 0 .. 15) joined into one
-    `PackedIntWeight` of the integer layers' layout: the integers transposed to [N, K] and
-    packed along K, zero points signed (z - 8, as the words' offset)."""
-    from engine.layers.int_weight import PackedIntWeight
-    from kernels.int_gemm import pack_int, unpack_int
-
-    def make(base: str, parts: dict[str, torch.Tensor]) -> PackedIntWeight:
-        qweight, scales = parts["qweight"], parts["scales"]
-        columns, rows = qweight.shape[0], qweight.shape[1] * 8
-        group = config.group or columns
-        if scales.shape != (columns // group, rows):
-            raise ValueError(f"{base}: AWQ scales of shape {tuple(scales.shape)} for a "
-                             f"{columns} x {rows} qweight in groups of {group}")  # fmt: skip
-        if qweight.device.type == "meta":  # (a dry run: the shapes only)
-            packed = torch.empty(rows, columns // 8, dtype=torch.int32, device="meta")
-            zero = None if config.symmetric else torch.empty(rows, columns // group,
-                                                             dtype=torch.int8, device="meta")
-        else:
-            packed = pack_int(unpack_int(qweight, 4, rows, AWQ_NIBBLE).t(), 4)
-            zero = None
-            if not config.symmetric:
-                zero = unpack_int(parts["qzeros"], 4, rows, AWQ_NIBBLE) - 8
-                zero = zero.to(torch.int8).t().contiguous()
-        return PackedIntWeight(packed, scales.t().contiguous(), zero, 4, group, columns)
-
-    needed = {"qweight", "scales"} | (set() if config.symmetric else {"qzeros"})
-    return _join_parts(weights, AWQ_PARTS, needed, make, "AWQ checkpoint")
-
-
-GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
-
-
-def pair_gptq_weights(
-    weights: Iterable[tuple[str, torch.Tensor]], config: IntWeightConfig
-) -> Iterator[tuple[str, object]]:
-    """A GPTQ checkpoint's `qweight` [K / w, N] (input rows packed w to a word, lowest bits
-    first), `qzeros` [groups, N / w] (output columns packed alike; stored less one in the
-    "gptq" format, as they are in "gptq_v2"), `scales` [groups, N] and, with activation
-    ordering, `g_idx` [K] (each input row's group) of each layer (w = (q - z) * s) joined
-    into one `PackedIntWeight` of the integer layers' layout: the integers as [N, K] packed
-    along K (GPTQ's words, transposed), zero points signed (z - 2^(bits-1)); with `g_idx`,
-    the columns sorted by group and the order kept (`perm`). Without activation ordering a
-    g_idx must be i // group_size, as AutoGPTQ writes it there."""
-    from engine.layers.int_weight import PackedIntWeight
-    from kernels.int_gemm import pack_int, unpack_int
-
-    bits = config.bits
-    per_word, middle = 32 // bits, 1 << (bits - 1)
-    offset = 1 if config.layout == "gptq" else 0
-
-    def make(base: str, parts: dict[str, torch.Tensor]) -> PackedIntWeight:
-        qweight, scales = parts["qweight"], parts["scales"]
-        columns, rows = qweight.shape[0] * per_word, qweight.shape[1]
-        group = config.group or columns
-        if scales.shape != (-(-columns // group), rows):
-            raise ValueError(f"{base}: GPTQ scales of shape {tuple(scales.shape)} for a "
-                             f"{columns} x {rows} weight in groups of {group}")  # fmt: skip
-        g_idx = parts.get("g_idx")
-        meta = qweight.device.type == "meta"  # (a dry run: the shapes only)
-        perm = _group_order(base, g_idx, group) if g_idx is not None and not meta else None
-        if meta:
-            packed = torch.empty(rows, columns // per_word, dtype=torch.int32, device="meta")
-            zero = None if config.symmetric else torch.empty(rows, scales.shape[0],
-                                                             dtype=torch.int8, device="meta")
-            perm = None if g_idx is None else torch.empty(columns, dtype=torch.int64,
-                                                           device="meta")
-            return PackedIntWeight(packed, scales.t(), zero, bits, group, columns, perm)
-        packed = qweight.t().contiguous()  # (row n's words hold its columns, in order)
-        if perm is not None:
-            packed = pack_int(unpack_int(packed, bits, columns)[:, perm], bits)
-        zero = unpack_int(parts["qzeros"], bits, rows).to(torch.int16) + offset - middle
-        if config.symmetric:
-            if bool((zero != 0).any()):
-                raise ValueError(f"{base}: a symmetric GPTQ checkpoint (sym: true) whose zero "
-                                 f"points are not {middle}")  # fmt: skip
-            zero = None
-        elif int(zero.max()) > 127:
-            raise ValueError(f"{base}: GPTQ zero point {int(zero.max()) + middle} is out of "
-                             f"the {bits}-bit range")  # fmt: skip
-        else:
-            zero = zero.to(torch.int8).t().contiguous()
-        return PackedIntWeight(packed, scales.t().contiguous(), zero, bits, group, columns, perm)
-
-    needed = {"qweight", "qzeros", "scales"} | ({"g_idx"} if config.act_order else set())
-    if not config.act_order:
-        weights = _groups_in_order(weights, config.group)
-    return _join_parts(weights, GPTQ_PARTS, needed, make, "GPTQ checkpoint")
-
-
-def _groups_in_order(
-    weights: Iterable[tuple[str, torch.Tensor]], group: int | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """A GPTQ checkpoint without activation ordering: its g_idx dropped (AutoGPTQ writes i //
-    group_size), after checking that it is that; ValueError where it orders the columns."""
-    for name, tensor in weights:
-        if not name.endswith(".g_idx"):
-            yield name, tensor
-        elif tensor.device.type != "meta":
-            in_order = torch.arange(tensor.shape[0]) // (group or tensor.shape[0])
-            if not torch.equal(tensor.to(torch.int64), in_order):
-                raise ValueError(f"{name}: the columns are ordered by group, but the config "
-                                 "has no activation ordering (desc_act: false)")  # fmt: skip
-
-
-def _group_order(base: str, g_idx: torch.Tensor, group: int) -> torch.Tensor | None:
-    """The input columns sorted by their group (None: already in order); ValueError unless
-    each group has `group` columns, as GPTQ's activation ordering makes them."""
-    columns = g_idx.shape[0]
-    in_order = torch.arange(columns) // group
-    g_idx = g_idx.to(torch.int64)
-    if torch.equal(g_idx, in_order):
-        return None
-    perm = torch.argsort(g_idx, stable=True)
-    if not torch.equal(g_idx[perm], in_order):
-        raise ValueError(f"{base}: g_idx does not give each group {group} columns")
-    return perm

@@ -104,8 +104,8 @@ def to_awq(path: str) -> int:
 
     from safetensors.torch import load_file, save_file
 
+    from engine.checkpoint_parts import AWQ_NIBBLE
     from engine.layers.int_weight import unpack_zero_points
-    from engine.quantization import AWQ_NIBBLE
     from kernels.int_gemm import pack_int, unpack_int
 
     with open(os.path.join(path, "config.json")) as f:

@@ -1,5 +1,5 @@
 """GPTQ checkpoints (`quant_method: "gptq"`, AutoGPTQ's and GPTQModel's layout; repacked as
-they load into the integer layers, engine/quantization.pair_gptq_weights).
+they load into the integer layers, engine/checkpoint_parts.pair_gptq_weights).
 
 The checkpoints are written by services/tiny_int_weight.to_gptq from compressed-tensors ones.
 That the tensors are GPTQ's layout is checked against another project's reading and writing

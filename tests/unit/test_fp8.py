@@ -12,10 +12,10 @@ from kernels.testing import triton_test_device
 DEVICE, SKIP_REASON = triton_test_device()  # before anything below imports triton
 needs_triton = pytest.mark.skipif(SKIP_REASON is not None, reason=SKIP_REASON or "")
 
+from engine.checkpoint_parts import pair_fp8_scales  # noqa: E402
 from engine.layers.fp8 import Fp8Linear, QuantizedWeight, fp8_linear  # noqa: E402
 from engine.quantization import (  # noqa: E402
     Fp8Config,
-    pair_fp8_scales,
     quantized_linear_names,
     resolve_quantization,
 )
