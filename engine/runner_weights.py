@@ -333,8 +333,8 @@ class RunnerWeights:
                 self.unsent = checkpoint_names(self.weights_path)
         if "cuda_graph" in tags or freed:  # (graphs hold the old addresses)
             self.graph_runner = self.verify_graph_runner = None
-        gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # (see `release_memory`)
+            gc.collect()
             torch.cuda.empty_cache()
         logger.info("released %s: %.1f MB", ", ".join(tags), freed / 2**20)
         return freed

@@ -85,7 +85,11 @@ def mp_context() -> Any:
         # not the default "__main__" (see `_start`). Reading a model's config imports most
         # of transformers (any model's config module pulls the same modules in; Llama's
         # stands for them): 3-4 s that each device process spent again before this.
-        ctx.set_forkserver_preload(["torch", device_process.__name__, *CONFIG_PRELOAD])
+        # torch._dynamo: a model's first op under a `torch.device` context (the rotary
+        # tables') imports it, 0.6 s that each device process spent again before this.
+        ctx.set_forkserver_preload(
+            ["torch", "torch._dynamo", device_process.__name__, *CONFIG_PRELOAD]
+        )
         _context = ctx
     return _context
 
