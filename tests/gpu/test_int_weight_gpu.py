@@ -48,7 +48,6 @@ def test_kernel_matches_the_reference(dtype, bits, group, symmetric, m):
     assert (got - want).abs().max().item() < 2e-2 * scale_of
 
 
-@pytest.mark.parametrize("layout", ["compressed-tensors", "gptq-act-order"])
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_int8_w8a8_on_torch_int_mm_matches_the_float_path(m):
     """W8A8 int8 (engine/layers/int8.py) on CUDA: torch._int_mm, its rows padded past 16,
@@ -107,6 +106,7 @@ def _float(experts):
     return torch.stack([experts[e].float() for e in range(experts.shape[0])])
 
 
+@pytest.mark.parametrize("layout", ["compressed-tensors", "gptq-act-order"])
 def test_engine_gives_transformers_greedy_tokens(layout, tmp_path):
     from engine.engine import Engine
     from engine.layers.int_weight import IntWeightLinear
