@@ -30,7 +30,7 @@ projections: bf16 `F.linear` (cuBLAS), and the W4A16 (groups of 128) and W8A16 (
 channel) weights through the one-row GEMV kernel and through the GEMM (16-row tiles),
 microseconds per call and the HBM bandwidth that is (each timing a CUDA graph cycling over
 copies of the weight past the L2, as benchmarks/gpu_gemv.py times them); and the fused MoE
-at Qwen3-30B-A3B's shape, bf16 experts against W4A16 ones, at 1 and 64 tokens.
+at Qwen3-30B-A3B's shape, bf16 experts against W4A16 and W8A16 ones, at 1 and 64 tokens.
 """
 
 from __future__ import annotations
@@ -185,8 +185,9 @@ def _w8a8_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 def moe_rows() -> list[dict[str, Any]]:
     """The fused MoE at Qwen3-30B-A3B's shape (128 experts, top 8, 2048 wide, 768 inner) at 1
-    and 64 tokens: bf16 experts against W4A16 ones (groups of 128) through the same grouped
-    GEMMs; GB/s of all the experts' bytes (at 64 tokens nearly every expert runs)."""
+    and 64 tokens: bf16 experts against W4A16 ones (groups of 128) and W8A16 ones per channel
+    (how a W8A8 checkpoint's int8 experts run) through the same grouped GEMMs; GB/s of all
+    the experts' bytes (at 64 tokens nearly every expert runs)."""
     import functools
 
     from benchmarks.gpu_fused_kernels import graph_us
@@ -200,14 +201,18 @@ def moe_rows() -> list[dict[str, Any]]:
     def dense(n: int, k: int) -> torch.Tensor:
         return torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, generator=gen)
 
-    def packed(n: int, k: int) -> IntExperts:
-        words = torch.randint(-(2**31), 2**31 - 1, (experts, n, k // 8), dtype=torch.int32,
-                              device="cuda", generator=gen)  # fmt: skip
-        scale = torch.rand(experts, n, k // 128, device="cuda", generator=gen).bfloat16() * 0.01
-        return IntExperts(words, scale, None, 4, 128, k)
+    def packed(n: int, k: int, bits: int = 4, group: int = 128) -> IntExperts:
+        words = torch.randint(-(2**31), 2**31 - 1, (experts, n, k * bits // 32),
+                              dtype=torch.int32, device="cuda", generator=gen)  # fmt: skip
+        scale = torch.rand(experts, n, k // group, device="cuda", generator=gen).bfloat16() * 0.01
+        return IntExperts(words, scale, None, bits, group, k)
+
+    def per_channel(n: int, k: int) -> IntExperts:  # (a W8A8 checkpoint's int8 experts)
+        return packed(n, k, 8, k)
 
     rows = []
-    for fmt, make in (("bf16", dense), ("w4a16 g128", packed)):
+    formats = (("bf16", dense), ("w4a16 g128", packed), ("w8a16 channel", per_channel))
+    for fmt, make in formats:
         w13, w2 = make(2 * inter, hidden), make(hidden, inter)
         nbytes = sum(t.nbytes for w in (w13, w2)
                      for t in ((w,) if isinstance(w, torch.Tensor) else (w.packed, w.scale)))
@@ -276,10 +281,11 @@ def main() -> None:
                 per_format[("bf16", "cublas")] / per_format[(fmt, "gemv")]
             )
         moe = {(r["shape"], r["format"]): r["us"] for r in kernels if r["shape"].startswith("moe")}
-        for tokens in (1, 64):  # (bf16 time over W4A16 time: > 1 is faster)
-            summary[f"moe_w4a16_vs_bf16_T{tokens}"] = (
-                moe[(f"moe T{tokens}", "bf16")] / moe[(f"moe T{tokens}", "w4a16 g128")]
-            )
+        for tokens in (1, 64):  # (bf16 time over the integer one: > 1 is faster)
+            for fmt in ("w4a16 g128", "w8a16 channel"):
+                summary[f"moe_{fmt.split()[0]}_vs_bf16_T{tokens}"] = (
+                    moe[(f"moe T{tokens}", "bf16")] / moe[(f"moe T{tokens}", fmt)]
+                )
     print(write_result(args.name, rows, summary, config=dict(vars(args)), **extra))
 
 

@@ -22,7 +22,9 @@ blocks' linear layers run on them, and so do MoE experts that the checkpoint sto
 (`engine.layers.int_experts.IntExpertWeights`, the grouped GEMMs' integer path); the rest
 as for FP8 (routers and other quantized weights dequantized as they load, the config's
 `ignore` list left in the model dtype). compressed-tensors' "int-quantized" W8A8 (int8
-weights per channel, activations per token) runs on `engine.layers.int8.Int8Linear`.
+weights per channel, activations per token) runs on `engine.layers.int8.Int8Linear`; its
+int8 experts stay 8-bit too, as W8A16 integer experts (16-bit activations: the grouped GEMMs
+have no int8-activation path).
 compressed-tensors' activation ordering (`actorder: group`, a `weight_g_idx` per column),
 FP8 activation schemes and its other formats are refused. AutoAWQ (GEMM) and GPTQ
 checkpoints are repacked into the same layers as they load (engine/checkpoint_parts.py
@@ -107,31 +109,13 @@ class IntWeightConfig:
         return count + self._swap_experts(model, checkpoint)
 
     def _swap_experts(self, model: nn.Module, checkpoint: str | None) -> int:
-        """The MoE layers' experts kept as integers too (`IntExpertWeights`) where the
-        checkpoint stores them packed (a config's targets say Linear layers, and transformers'
-        fused experts are none: their checkpoints hold them in 16 bits), unless the config
-        leaves them out or orders their columns (GPTQ's desc_act: each expert's own order,
-        which the grouped GEMM cannot take). Other quantized experts are dequantized as they
-        load."""
-        from engine.layers.int_experts import IntExpertWeights
-        from engine.layers.moe import FusedMoE
-
-        if self.act_order or checkpoint is None or not packed_experts(checkpoint, self.parts):
+        """The MoE layers' experts kept as integers too where the checkpoint stores them
+        packed (`swap_int_experts`), unless the config orders their columns (GPTQ's desc_act:
+        each expert's own order, which the grouped GEMM cannot take): those are dequantized as
+        they load."""
+        if self.act_order:
             return 0
-        layers = [(name, module) for name, module in model.named_modules()
-                  if isinstance(module, FusedMoE) and _IN_BLOCK.search(name)]  # fmt: skip
-        count = 0
-        for name, module in layers:
-            # (a checkpoint names expert e's matrices experts.{e}.gate_proj, or w1 / w3 / w2)
-            parts = [f"{name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj", "w1")]
-            if any(_skipped(part, s) for part in parts for s in self.skip):
-                continue
-            for attr in ("w13", "w2"):
-                experts = getattr(module, attr)
-                setattr(module, attr, IntExpertWeights.like(experts, self.bits, self.group,
-                                                            self.symmetric))  # fmt: skip
-            count += 1
-        return count
+        return swap_int_experts(model, self, checkpoint, self.bits, self.group, self.symmetric)
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         if self.layout == "awq":
@@ -165,9 +149,13 @@ class Int8Config:
     layout: str = "w8a8"
 
     def swap(self, model: nn.Module, checkpoint: str | None = None) -> int:
+        """The W8A8 layers swapped in, empty (meta model); a MoE's experts stored in int8
+        are kept in 8 bits too, as W8A16 experts (`swap_int_experts`: the grouped GEMMs
+        read the weights' integers and take 16-bit activations)."""
         from engine.layers.int8 import Int8Linear
 
-        return replace_linears(model, self, Int8Linear.like)
+        count = replace_linears(model, self, Int8Linear.like)
+        return count + swap_int_experts(model, self, checkpoint, 8, None, True)
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         return pair_int8_weights(weights)
@@ -381,6 +369,40 @@ def quantized_linear_names(model: nn.Module, config: QuantConfig) -> list[str]:
             continue
         names.append(name)
     return names
+
+
+def swap_int_experts(
+    model: nn.Module,
+    config: QuantConfig,
+    checkpoint: str | None,
+    bits: int,
+    group: int | None,
+    symmetric: bool,
+) -> int:
+    """The MoE layers' experts swapped for integer ones (`IntExpertWeights`: `bits`-bit, a
+    scale per `group` columns or per channel, zero points unless `symmetric`) where the
+    checkpoint stores them quantized (`config.parts` among an expert's tensors: a config's
+    targets say Linear layers, and transformers' fused experts are none: their checkpoints
+    hold them in 16 bits) and the config does not leave them out. Other quantized experts
+    are dequantized as they load."""
+    from engine.layers.int_experts import IntExpertWeights
+    from engine.layers.moe import FusedMoE
+
+    if checkpoint is None or not packed_experts(checkpoint, config.parts):
+        return 0
+    layers = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, FusedMoE) and _IN_BLOCK.search(name)]  # fmt: skip
+    count = 0
+    for name, module in layers:
+        # (a checkpoint names expert e's matrices experts.{e}.gate_proj, or w1 / w3 / w2)
+        parts = [f"{name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj", "w1")]
+        if any(_skipped(part, s) for part in parts for s in config.skip):
+            continue
+        for attr in ("w13", "w2"):
+            experts = getattr(module, attr)
+            setattr(module, attr, IntExpertWeights.like(experts, bits, group, symmetric))
+        count += 1
+    return count
 
 
 def _skipped(name: str, pattern: str) -> bool:

@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.int_weight import PackedIntWeight
 from engine.layers.parallel import QuantizedLinearBase, take_split
+from kernels.int_gemm import pack_int
 from kernels.jit import HAS_TRITON, interpreting
 
 
@@ -46,6 +48,15 @@ class Int8Weight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.data.float() * self.scale.float()[:, None]).to(dtype)
+
+    def as_packed(self) -> PackedIntWeight:
+        """The same integers in the integer layers' layout (`kernels.int_gemm`: four a word,
+        offset by 128, a scale per row): how a W8A8 checkpoint's MoE experts are kept
+        (`engine.layers.int_experts`, 16-bit activations)."""
+        n, k = self.data.shape
+        ints = self.data.to(torch.int32) + 128
+        words = pack_int(F.pad(ints, (0, -k % 4), value=128), 8)
+        return PackedIntWeight(words, self.scale.reshape(n, 1), None, 8, k, k)
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.layers.int8 import Int8Weight
 from engine.layers.int_weight import PackedIntWeight, check_whole_groups
 from engine.layers.moe import ExpertWeights
 from kernels.int_gemm import dequantize_int
@@ -118,8 +119,13 @@ class IntExpertWeights(ExpertWeights):
                           self.group, self.in_features)  # fmt: skip
 
     def load_shard(
-        self, param: nn.Parameter, loaded: torch.Tensor | PackedIntWeight, shard_id: tuple[int, str]
+        self,
+        param: nn.Parameter,
+        loaded: torch.Tensor | PackedIntWeight | Int8Weight,
+        shard_id: tuple[int, str],
     ) -> None:
+        if isinstance(loaded, Int8Weight):  # (a W8A8 checkpoint's expert)
+            loaded = loaded.as_packed()
         if not isinstance(loaded, PackedIntWeight):
             raise ValueError(f"expert shard {shard_id!r}: the checkpoint's weight is not "
                              f"quantized (a {loaded.dtype} tensor) but the config says it "

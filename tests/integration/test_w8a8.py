@@ -3,9 +3,9 @@ scheme; engine/layers/int8.py): the engine's teacher-forced logits are transform
 weights compressed-tensors dequantizes, each quantized layer's input rounded to int8 per token
 (vLLM's `scaled_int8_quant`: largest magnitude / 127, round half to even; written out in
 tests/fp8_reference.py, not taken from the engine): Llama, Qwen2 (biases), Phi-3 (fused
-projections), Qwen3-MoE (its router dequantized, its experts unquantized), over two ranks
-(each row-parallel rank quantizes its half of the input); the layers hold int8; the schemes
-it cannot run are refused with the reason."""
+projections), Qwen3-MoE (its router dequantized, its experts unquantized, or int8 and kept
+so: W8A16 experts), over two ranks (each row-parallel rank quantizes its half of the input);
+the layers hold int8; the schemes it cannot run are refused with the reason."""
 
 from __future__ import annotations
 
@@ -115,3 +115,51 @@ def test_what_it_cannot_run_is_refused(tmp_path, edit, why: str) -> None:
     path = config_variant(tiny_w8a8_model("llama"), str(tmp_path / "variant"), edit)
     with pytest.raises(ValueError, match=why):
         Engine(model_path=path, disable_overlap_schedule=True)
+
+
+def _int8_experts_model(out: str) -> str:
+    """`tiny_w8a8_model("qwen3_moe")` with its experts int8 too: each expert's matrix
+    (`experts.{e}.gate_proj.weight`...) rounded per output channel, with its `weight_scale`,
+    as llm-compressor writes the experts of a MoE whose experts are Linear layers."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_w8a8_model("qwen3_moe"), out)
+    file = os.path.join(out, "model.safetensors")
+    tensors = load_file(file)
+    experts = [n for n in tensors if ".experts." in n and n.endswith("_proj.weight")]
+    assert experts
+    for name in experts:
+        w = tensors[name].float()
+        scale = w.abs().amax(-1, keepdim=True) / 127
+        tensors[name] = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+        tensors[name + "_scale"] = scale  # (float32, as the compressor's for this model)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("parallel", [{}, {"tp_size": 2, "ep_size": 2}],
+                         ids=["one-rank", "two-expert-groups"])  # fmt: skip
+def test_int8_experts_stay_8_bit(tmp_path, parallel: dict) -> None:
+    """A Qwen3-MoE W8A8 checkpoint whose experts are int8 too: they stay 8-bit
+    (`IntExpertWeights`: four integers a word) and run as W8A16, their inputs unrounded
+    (the grouped GEMMs have no int8-activation path). The reference is transformers on the
+    weights compressed-tensors dequantizes, the attention projections' inputs rounded to
+    int8 per token and the experts' not (transformers' fused experts are no Linear layers).
+    Over two ranks in two expert groups each rank holds half of the experts, whole, and the
+    attention projections in halves."""
+    from engine.layers.int_experts import IntExpertWeights
+
+    path = _int8_experts_model(str(tmp_path / "moe"))
+    ref = hf_w8a8_logits(_dequantized(path, str(tmp_path / "ref")), cpu_sequences(), None,
+                         split=parallel.get("tp_size", 1), int8=True)  # fmt: skip
+    assert_same_arithmetic(cpu_teacher_forced(path, **parallel), ref)
+    if parallel:
+        return
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        model = engine.scheduler.model_runner.model
+        moe = [m for m in model.modules() if isinstance(m, IntExpertWeights)]
+        assert len(moe) == 2 * 2  # w13 and w2 of both layers
+        for m in moe:
+            assert (m.bits, m.group, m.weight_zero) == (8, m.in_features, None)
+            assert m.weight.dtype == torch.int32
+            assert m.weight.shape == (m.num_local, m.out_features, -(-m.in_features // 4))
