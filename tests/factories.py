@@ -3,9 +3,11 @@ and the transformers greedy reference."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,9 @@ ARCHS = DENSE_ARCHS + MOE_ARCHS
 # every other one (a model of full and windowed layers)
 WINDOWED_MODELS = {"mistral-sliding": ("mistral", 32), "qwen2_moe-sliding": ("qwen2_moe", 32)}
 _ROOT = tempfile.mkdtemp(prefix="sluice-test-models-")
+# (each test process's models, ~0.7 GB by the end of a suite: 928 runs' worth had filled the
+# disk before they were removed when the process ends)
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 
 def require_compiled_cuda() -> None:
@@ -66,7 +71,6 @@ def tiny_model(
 
 def tiny_fp8_model(arch: str, block_size: int = 16) -> str:
     """`tiny_model(arch)` as an FP8 checkpoint (services/tiny_fp8.py; 0: per-tensor scales)."""
-    import shutil
 
     from services.tiny_fp8 import quantize_checkpoint
 
@@ -89,7 +93,6 @@ def tiny_int_weight_model(
     """`tiny_model(arch, seed=seed)` as a compressed-tensors W4A16 / W8A16 checkpoint
     (services/tiny_int_weight.py; group None: per output channel; `act_order`: the groups
     of each layer's columns in `column_order`, stored in that order, for `tiny_gptq_model`)."""
-    import shutil
 
     from services.tiny_int_weight import quantize_checkpoint
 
@@ -106,7 +109,6 @@ def config_variant(source: str, out: str, edit: Any) -> str:
     """A copy of the model folder `source` at `out` with its quantization_config edited in
     place by `edit(qc)`."""
     import json
-    import shutil
 
     shutil.copytree(source, out)
     config_file = os.path.join(out, "config.json")
@@ -121,7 +123,6 @@ def config_variant(source: str, out: str, edit: Any) -> str:
 def tiny_w8a8_model(arch: str) -> str:
     """`tiny_model(arch)` as a compressed-tensors W8A8 (int8) checkpoint: llm-compressor's
     scheme, "int-quantized" (services/tiny_int_weight.py)."""
-    import shutil
 
     from services.tiny_int_weight import quantize_checkpoint
 
@@ -142,7 +143,6 @@ def tiny_gptq_model(
     layout: str = "gptq",
 ) -> str:
     """`tiny_int_weight_model(...)` rewritten as a GPTQ checkpoint (`to_gptq`)."""
-    import shutil
 
     from services.tiny_int_weight import to_gptq
 
@@ -161,7 +161,6 @@ def dequantized_copy(path: str, out: str, act_order: bool = False) -> str:
     compute with. `act_order`: each layer's columns put back from `column_order` (the model
     its GPTQ rewrite holds)."""
     import json
-    import shutil
 
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file, save_file
