@@ -23,6 +23,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.distributed import SINGLE, TensorParallel, building_with
 from engine.layers.fp8 import Fp8Linear, QuantizedWeight
+from engine.layers.fp8_experts import Fp8ExpertWeights
 from engine.layers.int8 import Int8Linear, Int8Weight
 from engine.layers.int_experts import IntExpertWeights
 from engine.layers.int_weight import IntWeightLinear, PackedIntWeight
@@ -102,7 +103,7 @@ def checkpoint_bytes(model_config: ModelConfig) -> int:
 
 # a checkpoint's quantized weights (their parts joined), and the layers that keep them so
 QUANTIZED_TENSORS = (QuantizedWeight, PackedIntWeight, Int8Weight)
-QUANTIZED_LINEARS = (Fp8Linear, IntWeightLinear, IntExpertWeights, Int8Linear)
+QUANTIZED_LINEARS = (Fp8Linear, IntWeightLinear, IntExpertWeights, Fp8ExpertWeights, Int8Linear)
 
 # safetensors' dtype names -> torch's
 SAFETENSORS_DTYPES = {

@@ -10,9 +10,10 @@
   loaded, each linear layer of the transformer blocks is quantized per output channel.
 
 Either way the quantized layers are the blocks' projections (`engine.layers.fp8.Fp8Linear`);
-embeddings, the LM head, norms, MoE routers and experts stay in the model dtype (an FP8
-checkpoint's expert weights are dequantized as they load), as do the modules the config's
-`modules_to_not_convert` / `ignored_layers` name.
+embeddings, the LM head, norms and MoE routers stay in the model dtype, as do the modules the
+config's `modules_to_not_convert` / `ignored_layers` name. An FP8 checkpoint's float8 experts
+stay float8 (`engine.layers.fp8_experts`, W8A16 in the grouped GEMMs; `swap_fp8_experts`);
+`--quantization fp8` leaves experts in the model dtype.
 
 Integer weights (W4A16 / W8A16, `engine.layers.int_weight.IntWeightLinear`): a
 compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
@@ -35,6 +36,7 @@ experts...) are refused with their name.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -57,6 +59,9 @@ from engine.checkpoint_parts import (
 
 if TYPE_CHECKING:
     from engine.layers.fp8 import QuantizedWeight
+    from engine.layers.moe import ExpertWeights
+
+logger = logging.getLogger(__name__)
 
 # The FP8 layer (and with it Triton) is imported where a model is quantized, not here: the
 # CLI of every service reads QUANTIZATION_METHODS.
@@ -74,8 +79,15 @@ class Fp8Config:
     skip: tuple[str, ...] = ()  # module names left unquantized
 
     def swap(self, model: nn.Module, checkpoint: str | None = None) -> int:
-        """The quantized layers swapped in, empty, for a checkpoint to fill (meta model)."""
-        return swap_in_fp8(model, self)
+        """The quantized layers swapped in, empty, for a checkpoint to fill (meta model); a
+        MoE's float8 experts stay float8 (`swap_fp8_experts`)."""
+        count = swap_in_fp8(model, self)
+        return count + (swap_fp8_experts(model, self, checkpoint) if self.checkpoint else 0)
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The checkpoint tensors a float8 weight's scales are stored as."""
+        return ("weight_scale_inv", "weight_scale")
 
     def pair(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -371,21 +383,17 @@ def quantized_linear_names(model: nn.Module, config: QuantConfig) -> list[str]:
     return names
 
 
-def swap_int_experts(
+def swap_experts(
     model: nn.Module,
     config: QuantConfig,
     checkpoint: str | None,
-    bits: int,
-    group: int | None,
-    symmetric: bool,
+    make: Callable[[ExpertWeights], ExpertWeights | None],
 ) -> int:
-    """The MoE layers' experts swapped for integer ones (`IntExpertWeights`: `bits`-bit, a
-    scale per `group` columns or per channel, zero points unless `symmetric`) where the
-    checkpoint stores them quantized (`config.parts` among an expert's tensors: a config's
-    targets say Linear layers, and transformers' fused experts are none: their checkpoints
-    hold them in 16 bits) and the config does not leave them out. Other quantized experts
-    are dequantized as they load."""
-    from engine.layers.int_experts import IntExpertWeights
+    """The MoE layers' experts swapped for quantized ones, `make(experts)` (None: kept as
+    they are), where the checkpoint stores them quantized (`config.parts` among an expert's
+    tensors: a config's targets say Linear layers, and transformers' fused experts are none:
+    their checkpoints hold them in 16 bits) and the config does not leave them out. Other
+    quantized experts are dequantized as they load."""
     from engine.layers.moe import FusedMoE
 
     if checkpoint is None or not packed_experts(checkpoint, config.parts):
@@ -398,11 +406,44 @@ def swap_int_experts(
         parts = [f"{name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj", "w1")]
         if any(_skipped(part, s) for part in parts for s in config.skip):
             continue
-        for attr in ("w13", "w2"):
-            experts = getattr(module, attr)
-            setattr(module, attr, IntExpertWeights.like(experts, bits, group, symmetric))
+        swapped = [make(getattr(module, attr)) for attr in ("w13", "w2")]
+        if None in swapped:
+            continue
+        module.w13, module.w2 = swapped
         count += 1
     return count
+
+
+def swap_int_experts(
+    model: nn.Module,
+    config: QuantConfig,
+    checkpoint: str | None,
+    bits: int,
+    group: int | None,
+    symmetric: bool,
+) -> int:
+    """`swap_experts` for integer experts (`IntExpertWeights`: `bits`-bit, a scale per
+    `group` columns or per channel, zero points unless `symmetric`)."""
+    from engine.layers.int_experts import IntExpertWeights
+
+    return swap_experts(model, config, checkpoint,
+                        lambda experts: IntExpertWeights.like(experts, bits, group, symmetric))
+
+
+def swap_fp8_experts(model: nn.Module, config: Fp8Config, checkpoint: str | None) -> int:
+    """`swap_experts` for an FP8 checkpoint's float8 experts (`Fp8ExpertWeights`). Where a
+    rank's part of the down projection would cut the checkpoint's scale blocks (tensor
+    parallelism), that layer's experts stay 16-bit, dequantized as they load."""
+    from engine.layers.fp8_experts import Fp8ExpertWeights
+
+    def make(experts: ExpertWeights) -> ExpertWeights | None:
+        try:
+            return Fp8ExpertWeights.like(experts, config.block)
+        except ValueError as e:
+            logger.warning("FP8 experts kept in 16 bits: %s", e)
+            return None
+
+    return swap_experts(model, config, checkpoint, make)
 
 
 def _skipped(name: str, pattern: str) -> bool:

@@ -87,8 +87,9 @@ def _grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,
     BITS: tl.constexpr = 0,  # integer weights (4 / 8; 0: the weights are floats)
-    GROUP: tl.constexpr = 1,  # their columns per scale (BLOCK_K divides it)
+    GROUP: tl.constexpr = 1,  # their (or float8 ones') columns per scale (BLOCK_K divides it)
     HAS_ZERO: tl.constexpr = False,  # their zero points (the scales' strides)
+    FP8: tl.constexpr = False,  # float8 weights, a scale per row and GROUP columns
 ):
     pdl_prologue(PDL)
     pid_m = tl.program_id(0)
@@ -110,8 +111,8 @@ def _grouped_gemm_kernel(
         PER_WORD: tl.constexpr = 32 // BITS
         w_ptrs += (offs_k // PER_WORD)[:, None]
         shift = ((offs_k % PER_WORD) * BITS)[:, None]
-        s_ptrs = scale_ptr + expert * stride_se + offs_n * stride_sn
         z_ptrs = zero_ptr + expert * stride_se + offs_n * stride_sn
+    s_ptrs = scale_ptr + expert * stride_se + offs_n * stride_sn  # (quantized weights)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
@@ -126,6 +127,9 @@ def _grouped_gemm_kernel(
             w = q.to(tl.float32) * scale[None, :]
             w_ptrs += BLOCK_K // PER_WORD
         else:
+            if FP8:  # (w = float8 * its row's scale of this GROUP of columns)
+                scale = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
+                w = w.to(tl.float32) * scale[None, :]
             w_ptrs += BLOCK_K * stride_wk
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
         a_ptrs += BLOCK_K
@@ -148,9 +152,10 @@ def _block_sizes(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[
 
 def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair, block_sizes):
     """c = a @ w[e].T (+ bias[e]) (x routed weight) per pair: w [E, N, K] of any strides (a
-    transposed view too: gpt-oss stores its experts [E, K, N]), or integer experts
+    transposed view too: gpt-oss stores its experts [E, K, N]), integer experts
     (`engine.layers.int_experts.IntExperts`: packed words, a scale per group of K columns
-    (BLOCK_K is cut to divide the group), zero points)."""
+    (BLOCK_K is cut to divide the group), zero points) or float8 ones
+    (`engine.layers.fp8_experts.Fp8Experts`: a scale per row and group of K columns)."""
     sorted_ids, block_experts, total = align
     block_m, block_n, block_k = block_sizes
     num_experts, n, k = w.shape
@@ -161,6 +166,14 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
     scale = zero = c
     scale_strides = (0, 0)
     if isinstance(w, torch.Tensor):
+        strides = (w.stride(0), w.stride(1), w.stride(2))
+    elif not hasattr(w, "packed"):  # (float8 experts: a scale per row and group of columns)
+        # (BLOCK_K divides the group; float32 tiles spill at 32 columns, as integer ones do)
+        block_k = min(block_k, w.group & -w.group, 16 if a.dtype == torch.float32 else block_k)
+        quant = {"FP8": True, "GROUP": w.group}
+        scale = w.scale
+        scale_strides = (scale.stride(0), scale.stride(1))
+        w = w.data
         strides = (w.stride(0), w.stride(1), w.stride(2))
     else:  # (integer experts: the words' strides; the zero points' match the scales')
         block_k = min(block_k, w.group & -w.group)  # (the largest power of two dividing it)

@@ -122,7 +122,8 @@ def fused_experts(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x[t]) for every token t. w13 / w2:
-    [E, N, K] tensors, or integer experts (`engine.layers.int_experts.IntExperts`)."""
+    [E, N, K] tensors, or integer or float8 experts (`engine.layers.int_experts.IntExperts`,
+    `engine.layers.fp8_experts.Fp8Experts`)."""
     impl = _cuda_experts() if x.is_cuda else fused_experts_torch
     if x.is_cuda and not isinstance(w13, torch.Tensor) and (w13.group % 16 or w2.group % 16):
         # (the kernels' K steps divide a group: other groups run on every expert dequantized,
@@ -155,7 +156,7 @@ def fused_experts_torch(
     The (token, choice) pairs are sorted by expert, so each expert that any token chose runs
     one matmul pair over its tokens. The experts' token counts are read on the host (one sync
     per layer), so this path is not CUDA-graph capturable. (Integer experts: each expert that
-    runs is dequantized, `w13[expert]`.)
+    runs is dequantized, `w13[expert]`; float8 ones too.)
     """
     num_experts = w13.shape[0]
     top_k = topk_ids.shape[1]

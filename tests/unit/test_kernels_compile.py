@@ -42,6 +42,10 @@ MOE_CASES += [f"moe gpt-oss T{tokens}" for tokens in (4, 1024)]  # biases, [E, i
 # 128 (with zero points too), W8A16 per channel
 MOE_CASES += [f"moe int {kind} T{tokens}" for kind in ("w4 g128", "w4 g128 asym", "w8 channel")
               for tokens in (4, 1024)]  # fmt: skip
+# float8 experts (engine/layers/fp8_experts.py) at that shape: a block checkpoint's scales
+# (128 columns a scale) and a per-tensor one's, held per row
+MOE_CASES += [f"moe fp8 {kind} T{tokens}" for kind in ("block 128", "tensor")
+              for tokens in (4, 1024)]  # fmt: skip
 # the FP8 W8A8 GEMM of a 4096 x 4096 layer: 128 x 128 block scales and per-channel ones
 FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t in (4, 1024)]
 # weight-only integer GEMMs (kernels/int_gemm.py): W4A16 in groups of 128 (16- and 64-row

@@ -134,3 +134,45 @@ def test_integer_experts_match_their_float_weights(bits, groups, symmetric, num_
                                atol=1e-5, rtol=1e-5)  # fmt: skip
     # (every expert at once: what CUDA runs for groups the kernels' K steps do not divide)
     torch.testing.assert_close(w13.dequantized(), w13_float, atol=1e-6, rtol=1e-6)
+
+
+def _fp8_experts(num_experts: int, n: int, k: int, block: tuple[int, int] | None, seed: int):
+    """Random float8 experts with a checkpoint's scales (per block, or per tensor: None) held
+    per row (`row_scales`), and their float weights."""
+    from engine.layers.fp8 import FP8_DTYPE, QuantizedWeight
+    from engine.layers.fp8_experts import Fp8Experts, row_scales
+    from kernels.fp8_gemm import dequantize_groups
+
+    g = torch.Generator().manual_seed(seed)
+    data = (torch.randn(num_experts, n, k, generator=g) * 100).clamp(-448, 448).to(FP8_DTYPE)
+    shape = (1,) if block is None else (-(-n // block[0]), -(-k // block[1]))
+    scales = (torch.rand(num_experts, *shape, generator=g) + 0.5) * (k**-0.5 / 100)
+    weights = [QuantizedWeight(data[e], scales[e].reshape(shape if block else ()), block)
+               for e in range(num_experts)]  # fmt: skip
+    group = block[1] if block else k
+    scale = torch.stack([row_scales(w, group) for w in weights])
+    float_weight = torch.stack([dequantize_groups(w.data, w.scale, w.block) for w in weights])
+    experts = Fp8Experts(data.to(DEVICE), scale.to(DEVICE), group, torch.float32)
+    return experts, float_weight.to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("block", [(16, 16), (32, 16), None], ids=["16x16", "32x16", "tensor"])
+@pytest.mark.parametrize("num_tokens", [3, 80])  # (16- and 64-row blocks)
+def test_float8_experts_match_their_float_weights(block, num_tokens):
+    """Float8 experts (engine/layers/fp8_experts.py) through the grouped GEMMs (each float8
+    tile multiplied by its rows' scales of its block of columns in registers) and through
+    the torch path (each expert dequantized) against the float weights they hold: block
+    scales that do not divide the matrices (80 x 72 and 72 x 40 in 32 x 16 blocks) and one
+    scale per tensor."""
+    from kernels.fused_moe import fused_experts_triton
+
+    x, _, _, weights, ids = _case(num_tokens, 6, 2, 72, 40, torch.float32, seed=3)
+    w13, w13_float = _fp8_experts(6, 80, 72, block, seed=4)
+    w2, w2_float = _fp8_experts(6, 72, 40, block, seed=5)
+    want = fused_experts_torch(x, w13_float, w2_float, weights, ids)
+    torch.testing.assert_close(fused_experts_triton(x, w13, w2, weights, ids), want,
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids), want,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(w13.dequantized(), w13_float, atol=1e-6, rtol=1e-6)
