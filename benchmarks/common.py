@@ -315,6 +315,8 @@ def against_full(row: dict[str, Any], out: dict[str, Any], full: dict[str, Any])
     row["prefill_speedup"] = out["prefill_tok_s"] / full["prefill_tok_s"]
     if full.get("block_linear_bytes"):
         row["block_linear_bytes_ratio"] = out["block_linear_bytes"] / full["block_linear_bytes"]
+    if full.get("expert_bytes"):  # (a MoE's experts)
+        row["expert_bytes_ratio"] = out["expert_bytes"] / full["expert_bytes"]
 
 
 def random_prompts(model_path: str, n: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -12,6 +12,8 @@ Two more, scored only: the model in float32 (the reference every arm is scored a
 in bfloat16 (one of them is `full`).
 
 * memory: bytes of the transformer blocks' linear weights (and scales) and of all weights;
+  with `--arch` a MoE (qwen3_moe...), of its experts too (float8 from the checkpoint,
+  16-bit under `--quantization fp8`);
 * agreement: each arm's prompt logprobs (`logprob_start_len=0`, `top_logprobs_num=1`) on
   `--prompts` random prompts against float32's: how often its top token is float32's, and
   |delta logprob| of the prompt's tokens. Random weights make a model that amplifies any
@@ -53,11 +55,11 @@ from benchmarks.common import (  # noqa: E402
 ARMS = ("full", "online", "checkpoint")  # timed; "float32" and "bfloat16" are scored only
 
 
-def make_models(preset: str, root: str, block: int) -> dict[str, str]:
+def make_models(preset: str, root: str, block: int, arch: str | None = None) -> dict[str, str]:
     from services.tiny_fp8 import quantize_checkpoint
     from services.tiny_model import make_tiny_model
 
-    full = make_tiny_model(os.path.join(root, "full"), preset=preset)
+    full = make_tiny_model(os.path.join(root, "full"), arch=arch, preset=preset)
     fp8 = os.path.join(root, "fp8")
     shutil.copytree(full, fp8)
     quantize_checkpoint(fp8, block)
@@ -77,7 +79,14 @@ def weight_bytes(engine: Any) -> dict[str, int]:
         linears = [model.get_submodule(n) for n in names]
     block = sum(m.weight.nbytes + getattr(m, "weight_scale", m.weight[:0]).nbytes for m in linears)
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    return {"block_linear_bytes": block, "all_weight_bytes": total}
+    out = {"block_linear_bytes": block, "all_weight_bytes": total}
+    from engine.layers.moe import ExpertWeights
+
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    if experts:  # (a MoE: its experts' weights and scales, float8 from an FP8 checkpoint)
+        out["expert_bytes"] = sum(t.nbytes for m in experts
+                                  for t in (*m.parameters(), *m.buffers()))  # fmt: skip
+    return out
 
 
 def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
@@ -101,6 +110,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_weight_format_args(p, "fp8")
     p.add_argument("--block", type=int, default=128, help="the checkpoint's weight_block_size")
+    p.add_argument("--arch", default=None,
+                   help="the model's architecture (default: the preset's, Llama); a MoE "
+                        "(qwen3_moe...) adds its experts' bytes: float8 from the checkpoint, "
+                        "16-bit with --quantization fp8")  # fmt: skip
     p.add_argument("--gemv-backend", default="auto",
                    help="every arm's: auto (on CUDA the Triton GEMVs at batch 1, the float8 one "
                         "for the FP8 arms) or torch (cuBLAS; the float8 GEMM)")  # fmt: skip
@@ -108,7 +121,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="sluice-fp8-") as root:
-        paths = make_models(args.preset, root, args.block)
+        paths = make_models(args.preset, root, args.block, args.arch)
         prompts = random_prompts(paths["full"], args.prompts, args.prompt_len)
         arms = {arm: run_arm(paths[arm], arm, args, prompts) for arm in ARMS}
         for arm in ("float32", "bfloat16"):
@@ -129,7 +142,8 @@ def main() -> None:
         if arm in ("online", "checkpoint"):
             against_full(row, out, full)
         rows.append(row)
-    print_table(rows, ["arm", "block_linear_bytes", "all_weight_bytes", "top1_agreement",
+    print_table(rows, ["arm", "block_linear_bytes", "all_weight_bytes", "expert_bytes",
+                       "top1_agreement",
                        "mean_abs_dlogprob", "decode_ms_per_token", "prefill_tok_s",
                        "decode_speedup", "prefill_speedup"])  # fmt: skip
     by_arm = dict(zip(shown, rows))
@@ -142,6 +156,9 @@ def main() -> None:
         "fp8_checkpoint_decode_speedup": by_arm["checkpoint"]["decode_speedup"],
         "fp8_checkpoint_prefill_speedup": by_arm["checkpoint"]["prefill_speedup"],
     }
+    if "expert_bytes_ratio" in by_arm["checkpoint"]:  # (a MoE)
+        summary["fp8_checkpoint_expert_bytes_ratio"] = by_arm["checkpoint"]["expert_bytes_ratio"]
+        summary["fp8_online_expert_bytes_ratio"] = by_arm["online"]["expert_bytes_ratio"]
     config = {k: v for k, v in vars(args).items()}
     print(write_result(args.name, rows, summary, config=config))
 

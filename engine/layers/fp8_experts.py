@@ -126,11 +126,7 @@ class Fp8ExpertWeights(ExpertWeights):
         loaded: torch.Tensor | QuantizedWeight,
         shard_id: tuple[int, str],
     ) -> None:
-        if not isinstance(loaded, QuantizedWeight):
-            raise ValueError(f"expert shard {shard_id!r}: the checkpoint's weight is not "
-                             f"float8 (a {loaded.dtype} tensor) but the config says it "
-                             "is")  # fmt: skip
-        rows = self._rows(loaded, shard_id)
+        rows = self._quantized_rows(loaded, QuantizedWeight, shard_id)
         if rows is None:
             return
         expert, offset, size = rows

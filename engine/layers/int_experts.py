@@ -126,11 +126,7 @@ class IntExpertWeights(ExpertWeights):
     ) -> None:
         if isinstance(loaded, Int8Weight):  # (a W8A8 checkpoint's expert)
             loaded = loaded.as_packed()
-        if not isinstance(loaded, PackedIntWeight):
-            raise ValueError(f"expert shard {shard_id!r}: the checkpoint's weight is not "
-                             f"quantized (a {loaded.dtype} tensor) but the config says it "
-                             "is")  # fmt: skip
-        rows = self._rows(loaded, shard_id)
+        rows = self._quantized_rows(loaded, PackedIntWeight, shard_id)
         if rows is None:
             return
         expert, offset, size = rows

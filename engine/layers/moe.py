@@ -92,6 +92,17 @@ class ExpertWeights(nn.Module):
             raise ValueError(f"no expert shard {shard_id!r} (experts: {self.total})")
         return (shard_id[0] - self.first, *self.shard_ranges[shard_id])
 
+    def _quantized_rows(
+        self, loaded: Any, kind: type, shard_id: tuple[int, str]
+    ) -> tuple[int, int, int] | None:
+        """`_rows` of a quantized checkpoint matrix (a `kind`: what quantized experts take);
+        ValueError for a plain tensor."""
+        if not isinstance(loaded, kind):
+            raise ValueError(f"expert shard {shard_id!r}: the checkpoint's weight is not "
+                             f"quantized (a {loaded.dtype} tensor) but the config says it "
+                             "is")  # fmt: skip
+        return self._rows(loaded, shard_id)
+
     def _part(self, loaded: Any, shard_id: tuple[int, str]) -> Any:
         """This rank's rows or columns of a checkpoint matrix (tensor parallelism)."""
         if self.split is None:
