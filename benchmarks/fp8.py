@@ -12,8 +12,7 @@ Two more, scored only: the model in float32 (the reference every arm is scored a
 in bfloat16 (one of them is `full`).
 
 * memory: bytes of the transformer blocks' linear weights (and scales) and of all weights;
-  with `--arch` a MoE (qwen3_moe...), of its experts too (float8 from the checkpoint,
-  16-bit under `--quantization fp8`);
+  with `--arch` a MoE (qwen3_moe...), of its experts too (float8 in both FP8 arms);
 * agreement: each arm's prompt logprobs (`logprob_start_len=0`, `top_logprobs_num=1`) on
   `--prompts` random prompts against float32's: how often its top token is float32's, and
   |delta logprob| of the prompt's tokens. Random weights make a model that amplifies any
@@ -112,8 +111,8 @@ def main() -> None:
     p.add_argument("--block", type=int, default=128, help="the checkpoint's weight_block_size")
     p.add_argument("--arch", default=None,
                    help="the model's architecture (default: the preset's, Llama); a MoE "
-                        "(qwen3_moe...) adds its experts' bytes: float8 from the checkpoint, "
-                        "16-bit with --quantization fp8")  # fmt: skip
+                        "(qwen3_moe...) adds its experts' bytes (float8 in both FP8 "
+                        "arms)")  # fmt: skip
     p.add_argument("--gemv-backend", default="auto",
                    help="every arm's: auto (on CUDA the Triton GEMVs at batch 1, the float8 one "
                         "for the FP8 arms) or torch (cuBLAS; the float8 GEMM)")  # fmt: skip

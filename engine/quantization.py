@@ -13,7 +13,8 @@ Either way the quantized layers are the blocks' projections (`engine.layers.fp8.
 embeddings, the LM head, norms and MoE routers stay in the model dtype, as do the modules the
 config's `modules_to_not_convert` / `ignored_layers` name. An FP8 checkpoint's float8 experts
 stay float8 (`engine.layers.fp8_experts`, W8A16 in the grouped GEMMs; `swap_fp8_experts`);
-`--quantization fp8` leaves experts in the model dtype.
+`--quantization fp8` quantizes a 16-bit checkpoint's experts as it does the layers, a scale
+per row (`quantize_experts`).
 
 Integer weights (W4A16 / W8A16, `engine.layers.int_weight.IntWeightLinear`): a
 compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
@@ -394,24 +395,31 @@ def swap_experts(
     tensors: a config's targets say Linear layers, and transformers' fused experts are none:
     their checkpoints hold them in 16 bits) and the config does not leave them out. Other
     quantized experts are dequantized as they load."""
-    from engine.layers.moe import FusedMoE
-
     if checkpoint is None or not packed_experts(checkpoint, config.parts):
         return 0
-    layers = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, FusedMoE) and _IN_BLOCK.search(name)]  # fmt: skip
     count = 0
-    for name, module in layers:
-        # (a checkpoint names expert e's matrices experts.{e}.gate_proj, or w1 / w3 / w2)
-        parts = [f"{name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj", "w1")]
-        if any(_skipped(part, s) for part in parts for s in config.skip):
-            continue
+    for module in _moe_layers(model, config):
         swapped = [make(getattr(module, attr)) for attr in ("w13", "w2")]
         if None in swapped:
             continue
         module.w13, module.w2 = swapped
         count += 1
     return count
+
+
+def _moe_layers(model: nn.Module, config: QuantConfig) -> list[nn.Module]:
+    """The blocks' MoE layers (`FusedMoE`) whose experts the config does not leave out."""
+    from engine.layers.moe import FusedMoE
+
+    layers = []
+    for name, module in model.named_modules():
+        if not (isinstance(module, FusedMoE) and _IN_BLOCK.search(name)):
+            continue
+        # (a checkpoint names expert e's matrices experts.{e}.gate_proj, or w1 / w3 / w2)
+        parts = [f"{name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj", "w1")]
+        if not any(_skipped(part, s) for part in parts for s in config.skip):
+            layers.append(module)
+    return layers
 
 
 def swap_int_experts(
@@ -460,8 +468,27 @@ def swap_in_fp8(model: nn.Module, config: Fp8Config) -> int:
 
     make = Fp8Linear.like if config.checkpoint else Fp8Linear.quantize
     count = replace_linears(model, config, lambda linear: make(linear, config.block))
+    if not config.checkpoint:
+        count += quantize_experts(model, config)
     if not config.checkpoint and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the 16-bit weights' memory goes to the KV pool
+    return count
+
+
+def quantize_experts(model: nn.Module, config: Fp8Config) -> int:
+    """`--quantization fp8`: the loaded MoE layers' experts quantized to float8, a scale per
+    row (`Fp8ExpertWeights.quantize`), but those the config leaves out and experts of another
+    layout (gpt-oss's, with biases). How many layers."""
+    from engine.layers.fp8_experts import Fp8ExpertWeights
+    from engine.layers.moe import ExpertWeights
+
+    count = 0
+    for module in _moe_layers(model, config):
+        if not all(type(getattr(module, attr, None)) is ExpertWeights for attr in ("w13", "w2")):
+            continue
+        module.w13, module.w2 = (Fp8ExpertWeights.quantize(module.w13),
+                                 Fp8ExpertWeights.quantize(module.w2))  # fmt: skip
+        count += 1
     return count
 
 

@@ -1,6 +1,6 @@
 """Mixture-of-experts weights kept in float8 (an FP8 checkpoint whose experts are quantized:
-Qwen3-30B-A3B-FP8, DeepSeek-V3's, GLM-4.5's), at a byte per weight as vLLM and SGLang keep
-them.
+Qwen3-30B-A3B-FP8, DeepSeek-V3's, GLM-4.5's; or `--quantization fp8` on a 16-bit one,
+`Fp8ExpertWeights.quantize`), at a byte per weight as vLLM and SGLang keep them.
 
 `Fp8ExpertWeights` replaces a `FusedMoE`'s `ExpertWeights` (engine/layers/moe.py): expert e's
 [out, in] matrix is `weight[e]` (float8_e4m3fn) and `weight_scale[e]` [out, cdiv(in, group)]
@@ -26,6 +26,7 @@ from torch import nn
 
 from engine.layers.fp8 import FP8_DTYPE, QuantizedWeight
 from engine.layers.moe import ExpertWeights
+from kernels.fp8_gemm import quantize_groups
 from kernels.jit import cdiv
 
 
@@ -112,6 +113,18 @@ class Fp8ExpertWeights(ExpertWeights):
                 experts=(experts.first, experts.total) if experts.num_local < experts.total
                 else None,
             )  # fmt: skip
+
+    @classmethod
+    def quantize(cls, experts: ExpertWeights) -> Fp8ExpertWeights:
+        """`experts` quantized (`--quantization fp8` on a 16-bit checkpoint): float8 with a
+        scale per row, as the dense layers' online FP8 (vLLM's online FP8 MoE takes one per
+        tensor); expert by expert, so the float32 copy is one expert's."""
+        layer = cls.like(experts, None)
+        for e in range(experts.num_local):
+            q, scale = quantize_groups(experts.weight.data[e], 1, experts.in_features)
+            layer.weight.data[e].copy_(q)
+            layer.weight_scale[e].copy_(scale)
+        return layer
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_local}, in={self.in_features}, out={self.out_features}, "

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.layers.fp8 import Fp8Linear
+from engine.layers.fp8 import FP8_DTYPE, Fp8Linear
 from engine.quantization import Fp8Config, quantized_linear_names
 from tests.factories import tiny_fp8_model, tiny_lora, tiny_model
 from tests.fp8_reference import dequantized_copy, hf_w8a8_logits
@@ -56,11 +56,14 @@ def test_per_tensor_fp8_checkpoint_matches_transformers(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gpt2", "deepseek_v3"])
-def test_online_fp8_matches_transformers(arch):
+def test_online_fp8_matches_transformers(arch, tmp_path):
+    """(DeepSeek's MoE experts are quantized too: its reference's rounded alike,
+    `_experts_rounded`.)"""
     path = tiny_model(arch)
+    reference = _experts_rounded(path, str(tmp_path / "rounded"))
     assert_same_arithmetic(
         cpu_teacher_forced(path, quantization="fp8"),
-        hf_w8a8_logits(path, cpu_sequences(), None, quantize_weights=True),
+        hf_w8a8_logits(reference, cpu_sequences(), None, quantize_weights=True),
     )
 
 
@@ -144,12 +147,7 @@ def test_float8_experts_stay_float8(arch, block, parallel, kept):
                          split=parallel.get("tp_size", 1))  # fmt: skip
     ours = cpu_teacher_forced(path, **parallel)
     if "tp_size" in parallel and block:
-        # (the attention's all-reduce sums in another order than one rank: here 3 % of
-        # positions moved an activation across a float8 step, beyond the 2 % the one-rank bar
-        # allows, the same with the experts float8 or dequantized; an expert's scales on the
-        # wrong rows move the mean by far more)
-        stats = score_logits(ours, ref)
-        assert stats["agreement_tie_aware"] == 1.0 and stats["mean_abs_dlogprob"] < 2e-3, stats
+        _assert_same_arithmetic_over_ranks(ours, ref)
     else:
         assert_same_arithmetic(ours, ref)
     if parallel.get("ep_size"):  # (rank 0 holds half of the experts: checked below alone)
@@ -174,6 +172,60 @@ def test_float8_experts_stay_float8(arch, block, parallel, kept):
     want = dequantize_groups(stored[name], scale, (block, block) if block else None)
     got = down.operand()[3].float()
     assert torch.equal(got, want)
+
+
+def _assert_same_arithmetic_over_ranks(ours: list, ref: list) -> None:
+    """`assert_same_arithmetic` where the ranks' all-reduce sums in another order than one
+    rank does: on these MoE models 2-3 % of positions then move an activation across a
+    float8 step, beyond the 2 % its bar allows (the same with the experts float8 or 16-bit),
+    while the mean stays at 1e-4; a wrong scale (an expert's scales on other rows, a rank's
+    down projection rounded per whole row) moves it by 0.1 and more."""
+    stats = score_logits(ours, ref)
+    assert stats["agreement_tie_aware"] == 1.0 and stats["mean_abs_dlogprob"] < 2e-3, stats
+
+
+def _experts_rounded(path: str, out: str, split: int = 1) -> str:
+    """`path` if the 16-bit model has no MoE experts, else a copy whose experts' weights are
+    rounded as `--quantization fp8` rounds them (float8, a scale per row: `quantize_groups`;
+    over `split` ranks, per row of each rank's columns of the down projection), in float32."""
+    from safetensors.torch import load_file, save_file
+
+    from kernels.fp8_gemm import dequantize_groups, quantize_groups
+
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    experts = [n for n in tensors if ".experts." in n and n.endswith("_proj.weight")]
+    if not experts:
+        return path
+    shutil.copytree(path, out)
+    for name in experts:
+        w = tensors[name].float()
+        cols = w.shape[1] // split if name.endswith("down_proj.weight") else w.shape[1]
+        tensors[name] = dequantize_groups(*quantize_groups(w, 1, cols), (1, cols))
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("parallel", [{}, {"tp_size": 2}], ids=["one-rank", "two-ranks"])
+def test_online_fp8_quantizes_the_experts(tmp_path, parallel):
+    """`--quantization fp8` on a 16-bit MoE checkpoint quantizes its experts too (float8, a
+    scale per row of each rank's part), run as W8A16: transformers on the model with its
+    experts rounded so, the blocks' projections W8A8 as for the dense models."""
+    from engine.layers.fp8_experts import Fp8ExpertWeights
+
+    path, split = tiny_model("qwen3_moe"), parallel.get("tp_size", 1)
+    ref = hf_w8a8_logits(_experts_rounded(path, str(tmp_path / "rounded"), split),
+                         cpu_sequences(), None, quantize_weights=True, split=split)  # fmt: skip
+    ours = cpu_teacher_forced(path, quantization="fp8", **parallel)
+    if parallel:
+        _assert_same_arithmetic_over_ranks(ours, ref)
+    else:
+        assert_same_arithmetic(ours, ref)
+    with Engine(model_path=path, quantization="fp8", disable_overlap_schedule=True,
+                **parallel) as engine:  # fmt: skip
+        model = engine.scheduler.model_runner.model
+        experts = [m for m in model.modules() if isinstance(m, Fp8ExpertWeights)]
+        assert len(experts) == 2 * 2 and all(m.weight.dtype == FP8_DTYPE for m in experts)
+        assert all(m.group == m.in_features for m in experts)
 
 
 def test_fp8_checkpoint_loads_as_stored_and_holds_a_quarter_of_the_bytes():
