@@ -12,9 +12,9 @@
 Either way the quantized layers are the blocks' projections (`engine.layers.fp8.Fp8Linear`);
 embeddings, the LM head, norms and MoE routers stay in the model dtype, as do the modules the
 config's `modules_to_not_convert` / `ignored_layers` name. An FP8 checkpoint's float8 experts
-stay float8 (`engine.layers.fp8_experts`, W8A16 in the grouped GEMMs; `swap_fp8_experts`);
-`--quantization fp8` quantizes a 16-bit checkpoint's experts as it does the layers, a scale
-per row (`quantize_experts`).
+stay float8 (`engine.layers.fp8_experts`, W8A16 in the grouped GEMMs); `--quantization fp8`
+quantizes a 16-bit checkpoint's experts as it does the layers, a scale per row. Which
+experts are swapped and when: engine/quantized_experts.py.
 
 Integer weights (W4A16 / W8A16, `engine.layers.int_weight.IntWeightLinear`): a
 compressed-tensors checkpoint (`quant_method: "compressed-tensors"`, format
@@ -37,7 +37,6 @@ experts...) are refused with their name.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -50,7 +49,6 @@ from engine.checkpoint_parts import (
     AWQ_PARTS,
     GPTQ_PARTS,
     INT_PARTS,
-    packed_experts,
     pair_awq_weights,
     pair_fp8_scales,
     pair_gptq_weights,
@@ -60,16 +58,14 @@ from engine.checkpoint_parts import (
 
 if TYPE_CHECKING:
     from engine.layers.fp8 import QuantizedWeight
-    from engine.layers.moe import ExpertWeights
 
-logger = logging.getLogger(__name__)
 
 # The FP8 layer (and with it Triton) is imported where a model is quantized, not here: the
 # CLI of every service reads QUANTIZATION_METHODS.
 # `--quantization` of a checkpoint's own method (vLLM's flag names it): checked against it
 CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors")
 QUANTIZATION_METHODS = ("fp8", *CHECKPOINT_METHODS)
-_IN_BLOCK = re.compile(r"(^|\.)(layers|layer|h)\.\d+\.")  # a transformer block's module
+IN_BLOCK = re.compile(r"(^|\.)(layers|layer|h)\.\d+\.")  # a transformer block's module
 _ROUTERS = ("gate", "shared_expert_gate")  # MoE routing logits: kept precise, as vLLM does
 
 
@@ -82,6 +78,8 @@ class Fp8Config:
     def swap(self, model: nn.Module, checkpoint: str | None = None) -> int:
         """The quantized layers swapped in, empty, for a checkpoint to fill (meta model); a
         MoE's float8 experts stay float8 (`swap_fp8_experts`)."""
+        from engine.quantized_experts import swap_fp8_experts
+
         count = swap_in_fp8(model, self)
         return count + (swap_fp8_experts(model, self, checkpoint) if self.checkpoint else 0)
 
@@ -128,6 +126,8 @@ class IntWeightConfig:
         they load."""
         if self.act_order:
             return 0
+        from engine.quantized_experts import swap_int_experts
+
         return swap_int_experts(model, self, checkpoint, self.bits, self.group, self.symmetric)
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
@@ -166,6 +166,7 @@ class Int8Config:
         are kept in 8 bits too, as W8A16 experts (`swap_int_experts`: the grouped GEMMs
         read the weights' integers and take 16-bit activations)."""
         from engine.layers.int8 import Int8Linear
+        from engine.quantized_experts import swap_int_experts
 
         count = replace_linears(model, self, Int8Linear.like)
         return count + swap_int_experts(model, self, checkpoint, 8, None, True)
@@ -307,7 +308,6 @@ def int_weight_config(qc: dict) -> IntWeightConfig | Int8Config:
                            tuple(qc.get("ignore") or ()))  # fmt: skip
 
 
-
 # quantization settings in a file of their own, for checkpoints whose config.json has none
 # (AutoGPTQ's and early AutoAWQ's): the file -> the method it implies
 _SIDECARS = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
@@ -374,87 +374,17 @@ def quantized_linear_names(model: nn.Module, config: QuantConfig) -> list[str]:
     and the modules the checkpoint leaves alone (names, suffixes, or "re:" patterns)."""
     names = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or not _IN_BLOCK.search(name):
+        if not isinstance(module, nn.Linear) or not IN_BLOCK.search(name):
             continue
         if name.rsplit(".", 1)[-1] in _ROUTERS + getattr(model, "unquantized_linears", ()):
             continue
-        if any(_skipped(name, s) for s in config.skip):
+        if any(skipped(name, s) for s in config.skip):
             continue
         names.append(name)
     return names
 
 
-def swap_experts(
-    model: nn.Module,
-    config: QuantConfig,
-    checkpoint: str | None,
-    make: Callable[[ExpertWeights], ExpertWeights | None],
-) -> int:
-    """The MoE layers' experts swapped for quantized ones, `make(experts)` (None: kept as
-    they are), where the checkpoint stores them quantized (`config.parts` among an expert's
-    tensors: a config's targets say Linear layers, and transformers' fused experts are none:
-    their checkpoints hold them in 16 bits) and the config does not leave them out. Other
-    quantized experts are dequantized as they load."""
-    if checkpoint is None or not packed_experts(checkpoint, config.parts):
-        return 0
-    count = 0
-    for module in _moe_layers(model, config):
-        swapped = [make(getattr(module, attr)) for attr in ("w13", "w2")]
-        if None in swapped:
-            continue
-        module.w13, module.w2 = swapped
-        count += 1
-    return count
-
-
-def _moe_layers(model: nn.Module, config: QuantConfig) -> list[nn.Module]:
-    """The blocks' MoE layers (`FusedMoE`) whose experts the config does not leave out."""
-    from engine.layers.moe import FusedMoE
-
-    layers = []
-    for name, module in model.named_modules():
-        if not (isinstance(module, FusedMoE) and _IN_BLOCK.search(name)):
-            continue
-        # (a checkpoint names expert e's matrices experts.{e}.gate_proj, or w1 / w3 / w2)
-        parts = [f"{name}.0.{p}" for p in ("gate_proj", "up_proj", "down_proj", "w1")]
-        if not any(_skipped(part, s) for part in parts for s in config.skip):
-            layers.append(module)
-    return layers
-
-
-def swap_int_experts(
-    model: nn.Module,
-    config: QuantConfig,
-    checkpoint: str | None,
-    bits: int,
-    group: int | None,
-    symmetric: bool,
-) -> int:
-    """`swap_experts` for integer experts (`IntExpertWeights`: `bits`-bit, a scale per
-    `group` columns or per channel, zero points unless `symmetric`)."""
-    from engine.layers.int_experts import IntExpertWeights
-
-    return swap_experts(model, config, checkpoint,
-                        lambda experts: IntExpertWeights.like(experts, bits, group, symmetric))
-
-
-def swap_fp8_experts(model: nn.Module, config: Fp8Config, checkpoint: str | None) -> int:
-    """`swap_experts` for an FP8 checkpoint's float8 experts (`Fp8ExpertWeights`). Where a
-    rank's part of the down projection would cut the checkpoint's scale blocks (tensor
-    parallelism), that layer's experts stay 16-bit, dequantized as they load."""
-    from engine.layers.fp8_experts import Fp8ExpertWeights
-
-    def make(experts: ExpertWeights) -> ExpertWeights | None:
-        try:
-            return Fp8ExpertWeights.like(experts, config.block)
-        except ValueError as e:
-            logger.warning("FP8 experts kept in 16 bits: %s", e)
-            return None
-
-    return swap_experts(model, config, checkpoint, make)
-
-
-def _skipped(name: str, pattern: str) -> bool:
+def skipped(name: str, pattern: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
     return name == pattern or name.startswith(pattern + ".") or name.endswith("." + pattern)
@@ -469,26 +399,11 @@ def swap_in_fp8(model: nn.Module, config: Fp8Config) -> int:
     make = Fp8Linear.like if config.checkpoint else Fp8Linear.quantize
     count = replace_linears(model, config, lambda linear: make(linear, config.block))
     if not config.checkpoint:
+        from engine.quantized_experts import quantize_experts
+
         count += quantize_experts(model, config)
     if not config.checkpoint and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the 16-bit weights' memory goes to the KV pool
-    return count
-
-
-def quantize_experts(model: nn.Module, config: Fp8Config) -> int:
-    """`--quantization fp8`: the loaded MoE layers' experts quantized to float8, a scale per
-    row (`Fp8ExpertWeights.quantize`), but those the config leaves out and experts of another
-    layout (gpt-oss's, with biases). How many layers."""
-    from engine.layers.fp8_experts import Fp8ExpertWeights
-    from engine.layers.moe import ExpertWeights
-
-    count = 0
-    for module in _moe_layers(model, config):
-        if not all(type(getattr(module, attr, None)) is ExpertWeights for attr in ("w13", "w2")):
-            continue
-        module.w13, module.w2 = (Fp8ExpertWeights.quantize(module.w13),
-                                 Fp8ExpertWeights.quantize(module.w2))  # fmt: skip
-        count += 1
     return count
 
 

@@ -5,7 +5,7 @@ tensors, AWQ or GPTQ checkpoint whose experts are quantized, as vLLM and SGLang 
 [out, in] matrix is `weight[e]`, its packed int32 words in `kernels.int_gemm`'s layout (an
 output row's integers packed along K), with `weight_scale[e]` [out, in / group] and, with
 zero points, `weight_zero[e]`. The loader sends each expert's `PackedIntWeight` (the
-checkpoint's parts, joined and repacked by `engine.quantization`) to its rows, as the float
+checkpoint's parts, joined and repacked by `engine.checkpoint_parts`) to its rows, as the float
 experts get theirs; tensor and expert parallelism split them the same way (a row-parallel
 part of the down projection must be whole groups).
 
