@@ -9,8 +9,10 @@ checkpoint tensor's shape (no memory, no data) while a dispatch mode records eve
 (the destination, a view of a meta parameter; the source, a view of the probe). The same
 views of the served parameter, copied back through the source's view, give the checkpoint
 tensor as the model holds it. A tensor the loader computes from (an FP8 weight quantized as
-it loads) cannot be read back this way, and one it skips (a head tied to the embedding) is
-not a weight of its own: both are refused with the reason. A name that is not the
+it loads) cannot be read back this way, nor can the parts of a quantized checkpoint's weight
+(an FP8 one's float8 data and scales, joined before anything is copied; packed integers),
+and one it skips (a head tied to the embedding) is not a weight of its own: all are refused
+with the reason. A name that is not the
 checkpoint's but a model parameter's reads that parameter. With tensor parallelism each rank
 reads its part the same way (the meta copy is built as that rank's part, so the loader's own
 narrowing says where the part sits) and rank 0 puts the parts together.
@@ -25,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import ModelConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.loader import build_model, fill_model
-from engine.quantization import Int8Config, IntWeightConfig, QuantConfig
+from engine.quantization import Fp8Config, Int8Config, IntWeightConfig, QuantConfig
 from engine.weight_update import checkpoint_spec
 
 
@@ -80,6 +82,13 @@ def read_weight_part(
     ):  # fmt: skip
         raise ValueError(f"{name!r} cannot be read back: it is a part of a quantized weight, "
                          "which the served layer holds repacked with the others")  # fmt: skip
+    if isinstance(quantization, Fp8Config) and quantization.checkpoint and (
+        spec[1] in (torch.float8_e4m3fn, torch.float8_e5m2)
+        or name.rpartition(".")[2] in (*quantization.parts, "input_scale")
+    ):  # (the loader joins weight and scale before anything is copied)
+        raise ValueError(f"{name!r} cannot be read back: it is an FP8 checkpoint's float8 "
+                         "weight or one of its scales, which the served layer holds "
+                         "together")  # fmt: skip
     probe = torch.empty(spec[0], dtype=spec[1], device="meta")
     dry = build_model(model_config, dtype, "meta", quantization,
                       TensorParallel(tp.rank, tp.size, ep_size=tp.ep_size))  # fmt: skip
