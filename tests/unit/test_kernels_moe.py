@@ -90,6 +90,22 @@ def test_expert_groups_shares_add_up_to_every_experts_output() -> None:
     torch.testing.assert_close(triton_sum, whole, atol=1e-4, rtol=1e-4)
 
 
+def _assert_quantized_experts_match(x, weights, ids, w13_pair, w2_pair) -> None:
+    """Quantized experts (`w13_pair`, `w2_pair`: the experts and the float weights they hold)
+    through the grouped GEMMs and through the torch path (each expert dequantized) give the
+    float weights' torch result; all experts dequantized at once (what CUDA runs for groups
+    the kernels' K steps do not divide) are the float weights."""
+    from kernels.fused_moe import fused_experts_triton
+
+    (w13, w13_float), (w2, w2_float) = w13_pair, w2_pair
+    want = fused_experts_torch(x, w13_float, w2_float, weights, ids)
+    torch.testing.assert_close(fused_experts_triton(x, w13, w2, weights, ids), want,
+                               atol=1e-4, rtol=1e-4)  # fmt: skip
+    torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids), want,
+                               atol=1e-5, rtol=1e-5)  # fmt: skip
+    torch.testing.assert_close(w13.dequantized(), w13_float, atol=1e-6, rtol=1e-6)
+
+
 def _int_experts(num_experts: int, n: int, k: int, bits: int, group: int, symmetric: bool,
                  seed: int):  # fmt: skip
     """Random integer experts ([E, N, K] packed as compressed-tensors packs each matrix) and
@@ -122,18 +138,10 @@ def test_integer_experts_match_their_float_weights(bits, groups, symmetric, num_
     (each tile of words expanded in registers, a scale per group of columns; groups of 16
     to 96, 8 bits per channel) and through the torch path (each expert dequantized)
     against the float weights they hold."""
-    from kernels.fused_moe import fused_experts_triton
-
     x, _, _, weights, ids = _case(num_tokens, 6, 2, 96, 48, torch.float32, seed=3)
     w13, w13_float = _int_experts(6, 96, 96, bits, groups[0], symmetric, seed=4)
     w2, w2_float = _int_experts(6, 96, 48, bits, groups[1], symmetric, seed=5)
-    want = fused_experts_torch(x, w13_float, w2_float, weights, ids)
-    torch.testing.assert_close(fused_experts_triton(x, w13, w2, weights, ids), want,
-                               atol=1e-4, rtol=1e-4)  # fmt: skip
-    torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids), want,
-                               atol=1e-5, rtol=1e-5)  # fmt: skip
-    # (every expert at once: what CUDA runs for groups the kernels' K steps do not divide)
-    torch.testing.assert_close(w13.dequantized(), w13_float, atol=1e-6, rtol=1e-6)
+    _assert_quantized_experts_match(x, weights, ids, (w13, w13_float), (w2, w2_float))
 
 
 def _fp8_experts(num_experts: int, n: int, k: int, block: tuple[int, int] | None, seed: int):
@@ -165,14 +173,7 @@ def test_float8_experts_match_their_float_weights(block, num_tokens):
     the torch path (each expert dequantized) against the float weights they hold: block
     scales that do not divide the matrices (80 x 72 and 72 x 40 in 32 x 16 blocks) and one
     scale per tensor."""
-    from kernels.fused_moe import fused_experts_triton
-
     x, _, _, weights, ids = _case(num_tokens, 6, 2, 72, 40, torch.float32, seed=3)
     w13, w13_float = _fp8_experts(6, 80, 72, block, seed=4)
     w2, w2_float = _fp8_experts(6, 72, 40, block, seed=5)
-    want = fused_experts_torch(x, w13_float, w2_float, weights, ids)
-    torch.testing.assert_close(fused_experts_triton(x, w13, w2, weights, ids), want,
-                               atol=1e-4, rtol=1e-4)  # fmt: skip
-    torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids), want,
-                               atol=1e-5, rtol=1e-5)  # fmt: skip
-    torch.testing.assert_close(w13.dequantized(), w13_float, atol=1e-6, rtol=1e-6)
+    _assert_quantized_experts_match(x, weights, ids, (w13, w13_float), (w2, w2_float))
