@@ -10,7 +10,7 @@ checkpoint tensor's shape (no memory, no data) while a dispatch mode records eve
 views of the served parameter, copied back through the source's view, give the checkpoint
 tensor as the model holds it. A tensor the loader computes from (an FP8 weight quantized as
 it loads) cannot be read back this way, nor can the parts of a quantized checkpoint's weight
-(an FP8 one's float8 data and scales, joined before anything is copied; packed integers),
+(its float8 or integer values and its scales, joined before anything is copied),
 and one it skips (a head tied to the embedding) is not a weight of its own: all are refused
 with the reason. A name that is not the
 checkpoint's but a model parameter's reads that parameter. With tensor parallelism each rank
@@ -27,8 +27,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.config import ModelConfig
 from engine.distributed import SINGLE, TensorParallel
 from engine.loader import build_model, fill_model
-from engine.quantization import Fp8Config, Int8Config, IntWeightConfig, QuantConfig
+from engine.quantization import QuantConfig
 from engine.weight_update import checkpoint_spec
+
+# a quantized checkpoint's stored values: FP8's float8, W8A8's int8 (the integer formats'
+# packed words are named parts)
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
 
 class _Copies(TorchDispatchMode):
@@ -77,18 +81,13 @@ def read_weight_part(
             value = params[name].detach().to("cpu")
             return value, torch.ones(value.shape, dtype=torch.bool)
         raise ValueError(f"no weight named {name!r} in the model or its checkpoint")
-    if isinstance(quantization, IntWeightConfig | Int8Config) and (
-        name.rpartition(".")[2] in quantization.parts
-    ):  # fmt: skip
-        raise ValueError(f"{name!r} cannot be read back: it is a part of a quantized weight, "
-                         "which the served layer holds repacked with the others")  # fmt: skip
-    if isinstance(quantization, Fp8Config) and quantization.checkpoint and (
-        spec[1] in (torch.float8_e4m3fn, torch.float8_e5m2)
-        or name.rpartition(".")[2] in (*quantization.parts, "input_scale")
-    ):  # (the loader joins weight and scale before anything is copied)
-        raise ValueError(f"{name!r} cannot be read back: it is an FP8 checkpoint's float8 "
-                         "weight or one of its scales, which the served layer holds "
-                         "together")  # fmt: skip
+    if quantization is not None and quantization.checkpoint and (
+        name.rpartition(".")[2] in (*quantization.parts, "input_scale")
+        or spec[1] in _QUANTIZED_DTYPES
+    ):  # (the loader joins a quantized weight's parts before anything is copied)
+        raise ValueError(f"{name!r} cannot be read back: it is a part of a quantized weight "
+                         "(its stored values or a scale), which the served layer holds "
+                         "joined with the others")  # fmt: skip
     probe = torch.empty(spec[0], dtype=spec[1], device="meta")
     dry = build_model(model_config, dtype, "meta", quantization,
                       TensorParallel(tp.rank, tp.size, ep_size=tp.ep_size))  # fmt: skip

@@ -167,24 +167,22 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
     scale_strides = (0, 0)
     if isinstance(w, torch.Tensor):
         strides = (w.stride(0), w.stride(1), w.stride(2))
-    elif not hasattr(w, "packed"):  # (float8 experts: a scale per row and group of columns)
-        # (BLOCK_K divides the group; float32 tiles spill at 32 columns, as integer ones do)
-        block_k = min(block_k, w.group & -w.group, 16 if a.dtype == torch.float32 else block_k)
-        quant = {"FP8": True, "GROUP": w.group}
-        scale = w.scale
-        scale_strides = (scale.stride(0), scale.stride(1))
-        w = w.data
-        strides = (w.stride(0), w.stride(1), w.stride(2))
-    else:  # (integer experts: the words' strides; the zero points' match the scales')
+    else:  # (quantized experts: a scale per row and group of K columns)
         block_k = min(block_k, w.group & -w.group)  # (the largest power of two dividing it)
         if a.dtype == torch.float32:  # (the expanded float32 tiles spill at 32 columns)
             block_k = min(block_k, 16)
-        quant = {"BITS": w.bits, "GROUP": w.group, "HAS_ZERO": w.zero is not None}
-        scale, zero = w.scale, w.zero if w.zero is not None else w.scale
-        assert w.zero is None or w.zero.stride() == w.scale.stride()
+        scale = w.scale
         scale_strides = (scale.stride(0), scale.stride(1))
-        w = w.packed
-        strides = (w.stride(0), w.stride(1), 1)
+        if hasattr(w, "packed"):  # (integer: the words' strides; the zero points' the scales')
+            quant = {"BITS": w.bits, "GROUP": w.group, "HAS_ZERO": w.zero is not None}
+            zero = w.zero if w.zero is not None else w.scale
+            assert w.zero is None or w.zero.stride() == w.scale.stride()
+            w = w.packed
+            strides = (w.stride(0), w.stride(1), 1)
+        else:  # (float8)
+            quant = {"FP8": True, "GROUP": w.group}
+            w = w.data
+            strides = (w.stride(0), w.stride(1), w.stride(2))
     _grouped_gemm_kernel[grid](
         a, w, c, bias if bias is not None else c, routed_weight, sorted_ids, block_experts,
         total, num_pairs, n, k, a.stride(0), *strides,

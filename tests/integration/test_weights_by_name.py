@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.engine import Engine
-from tests.factories import SCHEDULER_LOOPS, tiny_fp8_model, tiny_model
+from tests.factories import SCHEDULER_LOOPS, tiny_fp8_model, tiny_model, tiny_w8a8_model
 
 A, B = tiny_model("llama"), tiny_model("llama", seed=1)
 
@@ -83,9 +83,13 @@ def test_what_cannot_be_read_is_refused() -> None:
     layer = "model.layers.0.self_attn.q_proj"
     with Engine(model_path=tiny_fp8_model("llama"), disable_overlap_schedule=True) as eng:
         for part in ("weight", "weight_scale_inv"):  # (before: a pairing error of the loader)
-            with pytest.raises(ValueError, match="cannot be read back: it is an FP8 checkpoint's"):
+            with pytest.raises(ValueError, match="cannot be read back: it is a part of a quan"):
                 eng.get_weights_by_name(f"{layer}.{part}")
         assert len(eng.get_weights_by_name("model.norm.weight", 5)) == 5
+    with Engine(model_path=tiny_w8a8_model("llama"), disable_overlap_schedule=True) as eng:
+        for part in ("weight", "weight_scale"):  # (the int8 values: the pairing error too)
+            with pytest.raises(ValueError, match="cannot be read back: it is a part of a quan"):
+                eng.get_weights_by_name(f"{layer}.{part}")
 
 
 def test_a_tied_head_is_not_a_weight_of_its_own(tmp_path) -> None:
