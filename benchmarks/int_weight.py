@@ -30,7 +30,8 @@ projections: bf16 `F.linear` (cuBLAS), and the W4A16 (groups of 128) and W8A16 (
 channel) weights through the one-row GEMV kernel and through the GEMM (16-row tiles),
 microseconds per call and the HBM bandwidth that is (each timing a CUDA graph cycling over
 copies of the weight past the L2, as benchmarks/gpu_gemv.py times them); and the fused MoE
-at Qwen3-30B-A3B's shape, bf16 experts against W4A16 and W8A16 ones, at 1 and 64 tokens.
+at Qwen3-30B-A3B's shape, bf16 experts against W4A16 (also with GPTQ's activation ordering)
+and W8A16 ones, at 1 and 64 tokens.
 """
 
 from __future__ import annotations
@@ -185,9 +186,11 @@ def _w8a8_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.T
 
 def moe_rows() -> list[dict[str, Any]]:
     """The fused MoE at Qwen3-30B-A3B's shape (128 experts, top 8, 2048 wide, 768 inner) at 1
-    and 64 tokens: bf16 experts against W4A16 ones (groups of 128) and W8A16 ones per channel
-    (how a W8A8 checkpoint's int8 experts run) through the same grouped GEMMs; GB/s of all
-    the experts' bytes (at 64 tokens nearly every expert runs)."""
+    and 64 tokens: bf16 experts against W4A16 ones (groups of 128), W8A16 ones per channel
+    (how a W8A8 checkpoint's int8 experts run) and W4A16 ones with GPTQ's activation ordering
+    (each expert's input columns gathered in its own order) through the same grouped GEMMs;
+    GB/s of all the experts' bytes (at 64 tokens nearly every expert runs)."""
+    import dataclasses
     import functools
 
     from benchmarks.gpu_fused_kernels import graph_us
@@ -210,12 +213,19 @@ def moe_rows() -> list[dict[str, Any]]:
     def per_channel(n: int, k: int) -> IntExperts:  # (a W8A8 checkpoint's int8 experts)
         return packed(n, k, 8, k)
 
+    def act_order(n: int, k: int) -> IntExperts:  # (GPTQ's desc_act: each expert's order)
+        perm = torch.stack([torch.randperm(k, device="cuda", generator=gen)
+                            for _ in range(experts)]).to(torch.int32)  # fmt: skip
+        return dataclasses.replace(packed(n, k), perm=perm)
+
     rows = []
-    formats = (("bf16", dense), ("w4a16 g128", packed), ("w8a16 channel", per_channel))
+    formats = (("bf16", dense), ("w4a16 g128", packed), ("w8a16 channel", per_channel),
+               ("w4a16 g128 act order", act_order))  # fmt: skip
     for fmt, make in formats:
         w13, w2 = make(2 * inter, hidden), make(hidden, inter)
         nbytes = sum(t.nbytes for w in (w13, w2)
                      for t in ((w,) if isinstance(w, torch.Tensor) else (w.packed, w.scale)))
+        nbytes += sum(w.perm.nbytes for w in (w13, w2) if getattr(w, "perm", None) is not None)
         for tokens in (1, 64):
             x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
             logits = torch.randn(tokens, experts, device="cuda", generator=gen)
@@ -282,8 +292,9 @@ def main() -> None:
             )
         moe = {(r["shape"], r["format"]): r["us"] for r in kernels if r["shape"].startswith("moe")}
         for tokens in (1, 64):  # (bf16 time over the integer one: > 1 is faster)
-            for fmt in ("w4a16 g128", "w8a16 channel"):
-                summary[f"moe_{fmt.split()[0]}_vs_bf16_T{tokens}"] = (
+            for fmt, key in (("w4a16 g128", "w4a16"), ("w8a16 channel", "w8a16"),
+                             ("w4a16 g128 act order", "w4a16_act_order")):  # fmt: skip
+                summary[f"moe_{key}_vs_bf16_T{tokens}"] = (
                     moe[(f"moe T{tokens}", "bf16")] / moe[(f"moe T{tokens}", fmt)]
                 )
     print(write_result(args.name, rows, summary, config=dict(vars(args)), **extra))

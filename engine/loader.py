@@ -151,7 +151,7 @@ def fill_model(
         weights = quantization.pair(weights)
     loaded = model.load_weights(weights)
     for name, module in model.named_modules():  # (what the parts loaded must agree on)
-        if isinstance(module, IntWeightLinear):
+        if isinstance(module, (IntWeightLinear, IntExpertWeights)):
             try:
                 module.finish_loading()
             except ValueError as exc:

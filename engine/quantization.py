@@ -121,14 +121,11 @@ class IntWeightConfig:
 
     def _swap_experts(self, model: nn.Module, checkpoint: str | None) -> int:
         """The MoE layers' experts kept as integers too where the checkpoint stores them
-        packed (`swap_int_experts`), unless the config orders their columns (GPTQ's desc_act:
-        each expert's own order, which the grouped GEMM cannot take): those are dequantized as
-        they load."""
-        if self.act_order:
-            return 0
+        packed (`swap_int_experts`; with activation ordering, each expert's own input order)."""
         from engine.quantized_experts import swap_int_experts
 
-        return swap_int_experts(model, self, checkpoint, self.bits, self.group, self.symmetric)
+        return swap_int_experts(model, self, checkpoint, self.bits, self.group, self.symmetric,
+                                self.act_order)  # fmt: skip
 
     def pair(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, object]]:
         if self.layout == "awq":

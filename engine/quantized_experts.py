@@ -64,11 +64,13 @@ def swap_int_experts(
     bits: int,
     group: int | None,
     symmetric: bool,
+    act_order: bool = False,
 ) -> int:
     """`swap_experts` for integer experts (`IntExpertWeights`: `bits`-bit, a scale per
-    `group` columns or per channel, zero points unless `symmetric`)."""
+    `group` columns or per channel, zero points unless `symmetric`; `act_order`: each
+    expert's input columns in its own order, GPTQ's desc_act)."""
     def make(experts: ExpertWeights) -> ExpertWeights:
-        return IntExpertWeights.like(experts, bits, group, symmetric)
+        return IntExpertWeights.like(experts, bits, group, symmetric, act_order)
 
     return swap_experts(model, config, checkpoint, make)
 

@@ -115,9 +115,11 @@ def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: in
     fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
 
 
-def _launch_int_moe(dtype: torch.dtype, tokens: int, bits: int, symmetric: bool) -> None:
+def _launch_int_moe(
+    dtype: torch.dtype, tokens: int, bits: int, symmetric: bool, act_order: bool = False
+) -> None:
     """Both grouped GEMMs over integer experts (Qwen3-30B-A3B's shape; W4A16 in groups of 128
-    with or without zero points, W8A16 per channel)."""
+    with or without zero points, or with activation ordering, W8A16 per channel)."""
     from engine.layers.int_experts import IntExperts
 
     hidden, experts, top_k, inter = MOE_SHAPES[0]
@@ -127,7 +129,8 @@ def _launch_int_moe(dtype: torch.dtype, tokens: int, bits: int, symmetric: bool)
         scale = torch.empty(experts, n, k // group, dtype=dtype)
         zero = None if symmetric else torch.empty(experts, n, k // group, dtype=torch.int8)
         words = torch.empty(experts, n, k * bits // 32, dtype=torch.int32)
-        return IntExperts(words, scale, zero, bits, group, k)
+        perm = torch.zeros(experts, k, dtype=torch.int32) if act_order else None
+        return IntExperts(words, scale, zero, bits, group, k, perm)
 
     x = torch.empty(tokens, hidden, dtype=dtype)
     ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
@@ -135,9 +138,11 @@ def _launch_int_moe(dtype: torch.dtype, tokens: int, bits: int, symmetric: bool)
                          torch.full(ids.shape, 1.0 / top_k), ids)  # fmt: skip
 
 
-# integer experts: W4A16 (groups of 128; with zero points), W8A16 per channel
-INT_MOE_CASES = {"moe int w4 g128": (4, True), "moe int w4 g128 asym": (4, False),
-                 "moe int w8 channel": (8, True)}  # fmt: skip
+# integer experts: W4A16 (groups of 128; with zero points; GPTQ's activation ordering), W8A16
+# per channel
+INT_MOE_CASES = {"moe int w4 g128": (4, True, False), "moe int w4 g128 asym": (4, False, False),
+                 "moe int w4 g128 act order": (4, True, True),
+                 "moe int w8 channel": (8, True, False)}  # fmt: skip
 
 
 def _launch_fp8_moe(dtype: torch.dtype, tokens: int, block: bool) -> None:
@@ -345,9 +350,9 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         for tokens in (4, 1024):
             labels = {"dtype": name, "case": f"moe gpt-oss T{tokens}"}
             yield labels, functools.partial(_launch_moe_gpt_oss, dtype, tokens)
-            for case, (bits, symmetric) in INT_MOE_CASES.items():
+            for case, int_case in INT_MOE_CASES.items():
                 labels = {"dtype": name, "case": f"{case} T{tokens}"}
-                yield labels, functools.partial(_launch_int_moe, dtype, tokens, bits, symmetric)
+                yield labels, functools.partial(_launch_int_moe, dtype, tokens, *int_case)
             for case, block in FP8_MOE_CASES.items():
                 labels = {"dtype": name, "case": f"{case} T{tokens}"}
                 yield labels, functools.partial(_launch_fp8_moe, dtype, tokens, block)

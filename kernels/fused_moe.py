@@ -77,6 +77,8 @@ def _grouped_gemm_kernel(
     zero_ptr,
     stride_se,
     stride_sn,
+    perm_ptr,
+    stride_pe,
     A_ROWS_PER_PAIR: tl.constexpr,  # top_k for the first GEMM (rows of x), 1 for the second
     HAS_BIAS: tl.constexpr,  # the expert's bias [N], added before the routing weight
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -90,6 +92,7 @@ def _grouped_gemm_kernel(
     GROUP: tl.constexpr = 1,  # their (or float8 ones') columns per scale (BLOCK_K divides it)
     HAS_ZERO: tl.constexpr = False,  # their zero points (the scales' strides)
     FP8: tl.constexpr = False,  # float8 weights, a scale per row and GROUP columns
+    HAS_PERM: tl.constexpr = False,  # activation ordering: weight column j is A's perm[e, j]
 ):
     pdl_prologue(PDL)
     pid_m = tl.program_id(0)
@@ -104,6 +107,7 @@ def _grouped_gemm_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    p_ptrs = perm_ptr + expert * stride_pe + offs_k  # (activation ordering)
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
     if BITS == 0:
         w_ptrs += offs_k[:, None] * stride_wk
@@ -116,7 +120,13 @@ def _grouped_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        if HAS_PERM:  # (the expert's input columns of this step, gathered)
+            cols = tl.load(p_ptrs, mask=k_mask, other=0).to(tl.int64)
+            a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :],
+                        mask=pair_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
+            p_ptrs += BLOCK_K
+        else:
+            a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if BITS > 0:  # (w = (u - 2^(bits-1) - zero) * scale, one group a step)
             q = ((w >> shift) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
@@ -154,7 +164,8 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
     """c = a @ w[e].T (+ bias[e]) (x routed weight) per pair: w [E, N, K] of any strides (a
     transposed view too: gpt-oss stores its experts [E, K, N]), integer experts
     (`engine.layers.int_experts.IntExperts`: packed words, a scale per group of K columns
-    (BLOCK_K is cut to divide the group), zero points) or float8 ones
+    (BLOCK_K is cut to divide the group), zero points, each expert's input order under
+    activation ordering: A's columns gathered) or float8 ones
     (`engine.layers.fp8_experts.Fp8Experts`: a scale per row and group of K columns)."""
     sorted_ids, block_experts, total = align
     block_m, block_n, block_k = block_sizes
@@ -163,8 +174,9 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
     assert bias is None or (bias.shape == (num_experts, n) and bias.stride(1) == 1)
     grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
     quant: dict = {}
-    scale = zero = c
+    scale = zero = perm = c
     scale_strides = (0, 0)
+    perm_stride = 0
     if isinstance(w, torch.Tensor):
         strides = (w.stride(0), w.stride(1), w.stride(2))
     else:  # (quantized experts: a scale per row and group of K columns)
@@ -174,9 +186,13 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
         scale = w.scale
         scale_strides = (scale.stride(0), scale.stride(1))
         if hasattr(w, "packed"):  # (integer: the words' strides; the zero points' the scales')
-            quant = {"BITS": w.bits, "GROUP": w.group, "HAS_ZERO": w.zero is not None}
+            quant = {"BITS": w.bits, "GROUP": w.group, "HAS_ZERO": w.zero is not None,
+                     "HAS_PERM": w.perm is not None}  # fmt: skip
             zero = w.zero if w.zero is not None else w.scale
             assert w.zero is None or w.zero.stride() == w.scale.stride()
+            if w.perm is not None:
+                perm, perm_stride = w.perm, w.perm.stride(0)
+                assert w.perm.stride(1) == 1
             w = w.packed
             strides = (w.stride(0), w.stride(1), 1)
         else:  # (float8)
@@ -187,6 +203,7 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
         a, w, c, bias if bias is not None else c, routed_weight, sorted_ids, block_experts,
         total, num_pairs, n, k, a.stride(0), *strides,
         bias.stride(0) if bias is not None else 0, c.stride(0), scale, zero, *scale_strides,
+        perm, perm_stride,
         A_ROWS_PER_PAIR=rows_per_pair,
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=routed_weight is not None,

@@ -95,6 +95,37 @@ def quantize_checkpoint(
     return count
 
 
+def quantize_experts(path: str, bits: int, group_size: int | None, act_order: bool = False
+                     ) -> int:  # fmt: skip
+    """The MoE experts' matrices of a symmetric pack-quantized checkpoint
+    (`quantize_checkpoint`; transformers' fused experts are no Linear layers, so they are
+    left in 16 bits there) quantized in place alike: each expert's `weight_packed`,
+    `weight_scale` and `weight_shape`, as checkpoints made before transformers fused its
+    experts store them (`act_order`: the columns stored in `column_order`, as
+    `quantize_checkpoint` stores a layer's, for `to_gptq`). Returns the matrices."""
+    import re
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    names = [n for n in tensors if re.search(r"\.experts\.\d+\.[^.]+\.weight$", n)]
+    top = 1 << (bits - 1)
+    for name in names:
+        stored = tensors.pop(name)
+        w = stored.float()
+        if act_order:
+            w = w[:, column_order(name.removesuffix(".weight"), w.shape[1])]
+        scale, _ = _scales(w, bits, group_size, True)
+        q = torch.round(w / scale.repeat_interleave(group_size or w.shape[1], 1))
+        tensors[name + "_packed"] = pack_to_int32(q.clamp(-top, top - 1).to(torch.int8), bits)
+        tensors[name + "_scale"] = scale.to(stored.dtype)
+        tensors[name + "_shape"] = torch.tensor(w.shape)
+    save_file(tensors, file, metadata={"format": "pt"})
+    return len(names)
+
+
 def to_awq(path: str) -> int:
     """Rewrite a 4-bit compressed-tensors checkpoint with zero points (`quantize_checkpoint(...,
     symmetric=False)`) in place as an AutoAWQ GEMM one: per layer `qweight` [in, out / 8],

@@ -71,9 +71,12 @@ def test_int8_w8a8_on_torch_int_mm_matches_the_float_path(m):
     assert torch.equal(q.cpu(), want_q) and torch.equal(s.cpu(), want_s)
 
 
-@pytest.mark.parametrize(("bits", "symmetric"), [(4, False), (8, True)])
+@pytest.mark.parametrize(("bits", "symmetric", "act_order"),
+                         [(4, False, False), (8, True, False), (4, True, True)])
 @pytest.mark.parametrize("tokens", [4, 300])
-def test_integer_experts_match_the_torch_path(bits, symmetric, tokens):
+def test_integer_experts_match_the_torch_path(bits, symmetric, act_order, tokens):
+    """(act_order: GPTQ's activation ordering, each expert's input columns gathered in its
+    own order; the torch path puts each dequantized expert's columns back.)"""
     from engine.layers.int_experts import IntExperts
     from engine.layers.moe import fused_experts_torch, select_experts
     from kernels.fused_moe import fused_experts_triton
@@ -90,7 +93,11 @@ def test_integer_experts_match_the_torch_path(bits, symmetric, tokens):
         zero = None if symmetric else torch.randint(-8, 8, (experts, n, k // group),
                                                     dtype=torch.int8, device="cuda",
                                                     generator=gen)  # fmt: skip
-        return IntExperts(words, scale, zero, bits, group, k)
+        perm = None
+        if act_order:
+            perm = torch.stack([torch.randperm(k, device="cuda", generator=gen)
+                                for _ in range(experts)]).to(torch.int32)  # fmt: skip
+        return IntExperts(words, scale, zero, bits, group, k, perm)
 
     w13, w2 = packed(2 * inter, hidden), packed(hidden, inter)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()

@@ -197,6 +197,55 @@ def test_make_tiny_model_writes_it_and_quantize_config_json_is_read(tmp_path) ->
                         hf_greedy(reference, PROMPTS[0], NEW))  # fmt: skip
 
 
+def test_experts_with_activation_ordering_stay_packed(tmp_path) -> None:
+    """A Qwen3-MoE GPTQ checkpoint with activation ordering whose experts are quantized too
+    (8-bit, groups of 4: the experts' 44 features are whole words; each expert's g_idx
+    orders its columns, gate and up alike, as GPTQ orders columns by their input): the
+    experts stay packed, each with its input order (`IntExpertWeights.input_perm`: the
+    grouped GEMMs gather the input's columns in it, the torch path puts the dequantized
+    columns back), and the tokens are those of the float weights. An expert whose up
+    projection orders its columns unlike its gate is refused, and so are the experts' parts
+    of the down projection's columns over two ranks."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.layers.int_experts import IntExpertWeights
+    from engine.layers.moe import ExpertWeights
+    from services.tiny_int_weight import quantize_experts, to_gptq
+
+    source = str(tmp_path / "source")
+    shutil.copytree(tiny_int_weight_model("qwen3_moe", 8, 4, True, act_order=True), source)
+    assert quantize_experts(source, 8, 4, act_order=True) == 2 * 8 * 3
+    path = str(tmp_path / "gptq")
+    shutil.copytree(source, path)
+    to_gptq(path, act_order=True)
+    reference = dequantized_copy(source, str(tmp_path / "reference"), act_order=True)
+    with Engine(model_path=path, disable_overlap_schedule=True) as engine:
+        experts = [m for m in engine.scheduler.model_runner.model.modules()
+                   if isinstance(m, IntExpertWeights)]  # fmt: skip
+        assert len(experts) == 2 * 2  # w13 and w2 of both layers
+        for m in experts:
+            assert m.weight.shape == (8, m.out_features, m.in_features // 4)
+            orders = m.input_perm.long()
+            assert not torch.equal(orders[0], torch.arange(m.in_features))
+            assert not torch.equal(orders[0], orders[1])  # (each expert its own)
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert_greedy_match(reference, prompt, out["output_ids"],
+                            hf_greedy(reference, prompt, NEW))  # fmt: skip
+
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    up = "model.layers.1.mlp.experts.5.up_proj.g_idx"
+    tensors[up] = tensors[up].flip(0).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"mlp.experts.* \(5, 'up'\): its columns' order "
+                       r"\(g_idx\) differs from its 'gate' shard's"):  # fmt: skip
+        Engine(model_path=path, disable_overlap_schedule=True)
+    down = ExpertWeights(8, 44, [("down", 64)], split=(1, 0, 22, 44))
+    with pytest.raises(ValueError, match="experts with activation ordering .* not supported"):
+        IntExpertWeights.like(down, 8, 4, True, act_order=True)
+
+
 def _variant(tmp_path, case: str, edit=None, tensors=None) -> str:
     """The GPTQ checkpoint of `case` with its quantization_config edited by `edit(qc)` and
     its tensors by `tensors(dict)`."""

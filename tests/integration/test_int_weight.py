@@ -82,33 +82,20 @@ def test_the_blocks_layers_keep_the_packed_words() -> None:
                          ids=["one-rank", "two-ranks", "two-expert-groups"])
 def test_quantized_experts_stay_packed(tmp_path, parallel: dict) -> None:
     """A Qwen3-MoE checkpoint whose experts are quantized too (per-expert `weight_packed`,
-    as checkpoints made before transformers fused its experts store them; packed here with
-    compressed-tensors' `pack_to_int32`, per channel) and whose attention is the
-    compressor's: the experts stay packed (`IntExpertWeights`: 8 four-bit integers a word)
-    and run through the grouped GEMMs' integer path (the torch path on the
+    as checkpoints made before transformers fused its experts store them; packed per
+    channel with compressed-tensors' `pack_to_int32` by `quantize_experts`) and whose
+    attention is the compressor's: the experts stay packed (`IntExpertWeights`: 8 four-bit
+    integers a word) and run through the grouped GEMMs' integer path (the torch path on the
     CPU), and the tokens are transformers' on the weights compressed-tensors unpacks; over
     two ranks each holds half of every expert's intermediate features (the down
     projection's columns: a per-channel scale holds for any part of a row), or half of the
     experts. (GPTQ's layout packs K in whole words: the tiny experts' 44 features are not.)"""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from safetensors.torch import load_file, save_file
-
     from engine.layers.int_experts import IntExpertWeights
+    from services.tiny_int_weight import quantize_experts
 
     path = str(tmp_path / "moe")  # (per channel: the experts' 44 features are not groups)
     shutil.copytree(tiny_int_weight_model("qwen3_moe", 4, None, True), path)
-    file = os.path.join(path, "model.safetensors")
-    tensors = load_file(file)
-    experts = [n for n in tensors if ".experts." in n and n.endswith("_proj.weight")]
-    assert experts
-    for name in experts:
-        w = tensors.pop(name).float()
-        scale = w.abs().amax(-1, keepdim=True) / 7.5
-        q = torch.round(w / scale).clamp(-8, 7).to(torch.int8)
-        tensors[name + "_packed"] = pack_to_int32(q, 4)
-        tensors[name + "_scale"] = scale
-        tensors[name + "_shape"] = torch.tensor(w.shape)
-    save_file(tensors, file, metadata={"format": "pt"})
+    assert quantize_experts(path, 4, None) == 2 * 8 * 3  # (layers x experts x matrices)
     reference = dequantized_copy(path, str(tmp_path / "reference"))
     if parallel:
         with Engine(model_path=path, **parallel) as engine:

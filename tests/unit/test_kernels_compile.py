@@ -39,8 +39,9 @@ MOE_CASES = [
 ]
 MOE_CASES += [f"moe gpt-oss T{tokens}" for tokens in (4, 1024)]  # biases, [E, in, out] weights
 # integer experts (engine/layers/int_experts.py) at Qwen3-30B-A3B's shape: W4A16 in groups of
-# 128 (with zero points too), W8A16 per channel
-MOE_CASES += [f"moe int {kind} T{tokens}" for kind in ("w4 g128", "w4 g128 asym", "w8 channel")
+# 128 (with zero points too; with GPTQ's activation ordering), W8A16 per channel
+MOE_CASES += [f"moe int {kind} T{tokens}"
+              for kind in ("w4 g128", "w4 g128 asym", "w4 g128 act order", "w8 channel")
               for tokens in (4, 1024)]  # fmt: skip
 # float8 experts (engine/layers/fp8_experts.py) at that shape: a block checkpoint's scales
 # (128 columns a scale) and a per-tensor one's, held per row

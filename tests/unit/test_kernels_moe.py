@@ -107,9 +107,10 @@ def _assert_quantized_experts_match(x, weights, ids, w13_pair, w2_pair) -> None:
 
 
 def _int_experts(num_experts: int, n: int, k: int, bits: int, group: int, symmetric: bool,
-                 seed: int):  # fmt: skip
+                 seed: int, act_order: bool = False):  # fmt: skip
     """Random integer experts ([E, N, K] packed as compressed-tensors packs each matrix) and
-    their float weights."""
+    their float weights; `act_order`: each expert's packed columns are its input's in an
+    order of its own (GPTQ's activation ordering: groups of columns spread over the input)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from engine.layers.int_experts import IntExperts
@@ -123,24 +124,36 @@ def _int_experts(num_experts: int, n: int, k: int, bits: int, group: int, symmet
     z = 0.0 if zero is None else zero.float().repeat_interleave(group, 2)
     weight = (q.float() - z) * scale.repeat_interleave(group, 2)
     packed = torch.stack([pack_to_int32(q[e], bits) for e in range(num_experts)])
+    perm = None
+    if act_order:  # (packed column j is the input's column perm[e, j])
+        perm = torch.stack([torch.randperm(k, generator=g) for _ in range(num_experts)])
+        weight = torch.empty_like(weight).scatter_(2, perm.unsqueeze(1).expand_as(weight),
+                                                   weight)  # fmt: skip
+        perm = perm.to(torch.int32).to(DEVICE)
     experts = IntExperts(packed.to(DEVICE), scale.to(DEVICE),
-                         None if zero is None else zero.to(DEVICE), bits, group, k)  # fmt: skip
+                         None if zero is None else zero.to(DEVICE), bits, group, k,
+                         perm)  # fmt: skip
     return experts, weight.to(DEVICE)
 
 
 @needs_triton
-@pytest.mark.parametrize(("bits", "groups", "symmetric"), [(4, (16, 16), True),
-                                                           (4, (32, 16), False),
-                                                           (8, (96, 48), False)])  # fmt: skip
+@pytest.mark.parametrize(("bits", "groups", "symmetric", "act_order"), [
+    (4, (16, 16), True, False), (4, (32, 16), False, False), (8, (96, 48), False, False),
+    (4, (16, 16), False, True),
+])  # fmt: skip
 @pytest.mark.parametrize("num_tokens", [3, 80])  # (16- and 64-row blocks)
-def test_integer_experts_match_their_float_weights(bits, groups, symmetric, num_tokens):
+def test_integer_experts_match_their_float_weights(bits, groups, symmetric, act_order,
+                                                   num_tokens):  # fmt: skip
     """Integer experts (W4A16 / W8A16, engine/layers/int_experts.py) through the grouped GEMMs
     (each tile of words expanded in registers, a scale per group of columns; groups of 16
-    to 96, 8 bits per channel) and through the torch path (each expert dequantized)
-    against the float weights they hold."""
+    to 96, 8 bits per channel; with activation ordering, each expert's input columns
+    gathered in its order) and through the torch path (each expert dequantized) against
+    the float weights they hold."""
     x, _, _, weights, ids = _case(num_tokens, 6, 2, 96, 48, torch.float32, seed=3)
-    w13, w13_float = _int_experts(6, 96, 96, bits, groups[0], symmetric, seed=4)
-    w2, w2_float = _int_experts(6, 96, 48, bits, groups[1], symmetric, seed=5)
+    w13, w13_float = _int_experts(6, 96, 96, bits, groups[0], symmetric, seed=4,
+                                  act_order=act_order)  # fmt: skip
+    w2, w2_float = _int_experts(6, 96, 48, bits, groups[1], symmetric, seed=5,
+                                act_order=act_order)  # fmt: skip
     _assert_quantized_experts_match(x, weights, ids, (w13, w13_float), (w2, w2_float))
 
 
