@@ -283,6 +283,10 @@ def add_weight_format_args(p: Any, name: str) -> None:
     p.add_argument("--kv-tokens", type=int, default=16384)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--name", default=name)
+    p.add_argument("--arch", default=None,
+                   help="the model's architecture (default: the preset's, Llama); a MoE "
+                        "(qwen3_moe...) has its experts quantized in the quantized arms, and "
+                        "adds their bytes")  # fmt: skip
 
 
 def decode_and_prefill_speed(engine: Any, prompts: list[list[int]], args: Any) -> dict[str, float]:
@@ -307,6 +311,18 @@ def decode_and_prefill_speed(engine: Any, prompts: list[list[int]], args: Any) -
         "decode_ms_per_token": 1e3 * statistics.median(times) / args.decode_tokens,
         "prefill_tok_s": 512 * len(batch) / (time.perf_counter() - t0),
     }
+
+
+def expert_bytes(model: Any) -> dict[str, int]:
+    """A MoE's experts' bytes (weights and scales, as stored: float8, packed integers...):
+    {"expert_bytes": n}; {} for a model without experts."""
+    from engine.layers.moe import ExpertWeights
+
+    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
+    if not experts:
+        return {}
+    return {"expert_bytes": sum(t.nbytes for m in experts
+                                for t in (*m.parameters(), *m.buffers()))}  # fmt: skip
 
 
 def against_full(row: dict[str, Any], out: dict[str, Any], full: dict[str, Any]) -> None:

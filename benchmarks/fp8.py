@@ -44,6 +44,7 @@ from benchmarks.common import (  # noqa: E402
     add_weight_format_args,
     against_full,
     decode_and_prefill_speed,
+    expert_bytes,
     print_table,
     prompt_agreement,
     random_prompts,
@@ -78,14 +79,7 @@ def weight_bytes(engine: Any) -> dict[str, int]:
         linears = [model.get_submodule(n) for n in names]
     block = sum(m.weight.nbytes + getattr(m, "weight_scale", m.weight[:0]).nbytes for m in linears)
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    out = {"block_linear_bytes": block, "all_weight_bytes": total}
-    from engine.layers.moe import ExpertWeights
-
-    experts = [m for m in model.modules() if isinstance(m, ExpertWeights)]
-    if experts:  # (a MoE: its experts' weights and scales, float8 from an FP8 checkpoint)
-        out["expert_bytes"] = sum(t.nbytes for m in experts
-                                  for t in (*m.parameters(), *m.buffers()))  # fmt: skip
-    return out
+    return {"block_linear_bytes": block, "all_weight_bytes": total, **expert_bytes(model)}
 
 
 def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
@@ -109,10 +103,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_weight_format_args(p, "fp8")
     p.add_argument("--block", type=int, default=128, help="the checkpoint's weight_block_size")
-    p.add_argument("--arch", default=None,
-                   help="the model's architecture (default: the preset's, Llama); a MoE "
-                        "(qwen3_moe...) adds its experts' bytes (float8 in both FP8 "
-                        "arms)")  # fmt: skip
     p.add_argument("--gemv-backend", default="auto",
                    help="every arm's: auto (on CUDA the Triton GEMVs at batch 1, the float8 one "
                         "for the FP8 arms) or torch (cuBLAS; the float8 GEMM)")  # fmt: skip

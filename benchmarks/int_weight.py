@@ -2,6 +2,7 @@
 model, side by side in one run: weight memory, teacher-forced agreement, decode and prefill speed.
 
     python benchmarks/int_weight.py [--preset small] [--device cpu] [--dtype float32]
+    python benchmarks/int_weight.py --arch qwen3_moe --name int_weight_moe
     python benchmarks/int_weight.py --preset llama-3.2-1b --device cuda --dtype bfloat16 \\
         --name gpu_int_weight
 
@@ -12,7 +13,9 @@ is (`full`), and its weights written by compressed-tensors' compressor
 `gptq-act-order` (w4a16's scheme over each layer's columns in a permuted order, rewritten as
 a GPTQ checkpoint with desc_act: the engine permutes each layer's input before its GEMM) and
 `w8a8` (int8 weights per channel and int8 activations per token).
-The model in float32 is the reference the arms are scored against.
+The model in float32 is the reference the arms are scored against. `--arch qwen3_moe` (a
+MoE, its experts 768 features wide as Qwen3-30B-A3B's) quantizes the experts alike in every
+arm (W8A8's int8, run as W8A16) and adds their bytes (`expert_bytes`).
 
 * memory: bytes of the transformer blocks' linear weights (with scales) and of all weights;
 * agreement: each arm's prompt logprobs on `--prompts` random prompts against float32's:
@@ -51,6 +54,7 @@ from benchmarks.common import (  # noqa: E402
     add_weight_format_args,
     against_full,
     decode_and_prefill_speed,
+    expert_bytes,
     print_table,
     prompt_agreement,
     random_prompts,
@@ -64,11 +68,15 @@ ARMS = {"full": None, "w4a16": (4, 128, None), "w8a16": (8, None, None),
         "gptq-act-order": (4, 128, "gptq"), "w8a8": (8, None, "w8a8")}  # fmt: skip
 
 
-def make_models(preset: str, root: str) -> dict[str, str]:
-    from services.tiny_int_weight import quantize_checkpoint, to_gptq
-    from services.tiny_model import make_tiny_model
+def make_models(preset: str, root: str, arch: str | None = None) -> dict[str, str]:
+    """The full model and each arm's checkpoint; a MoE's experts (768 features, Qwen3-30B-A3B's:
+    whole groups of 128) quantized alike (`quantize_experts`; W8A8's int8 per channel)."""
+    from services.tiny_int_weight import quantize_checkpoint, quantize_experts, to_gptq
+    from services.tiny_model import MOE_ARCHS, make_tiny_model
 
-    full = make_tiny_model(os.path.join(root, "full"), preset=preset)
+    moe = arch in MOE_ARCHS
+    sizes = {"moe_intermediate_size": 768} if moe else {}
+    full = make_tiny_model(os.path.join(root, "full"), arch=arch, preset=preset, **sizes)
     paths = {"full": full, "float32": full}
     for arm, scheme in ARMS.items():
         if scheme is not None:
@@ -77,6 +85,9 @@ def make_models(preset: str, root: str) -> dict[str, str]:
             shutil.copytree(full, paths[arm])
             quantize_checkpoint(paths[arm], bits, group, act_order=kind == "gptq",
                                 activations=kind == "w8a8")  # fmt: skip
+            if moe:
+                quantize_experts(paths[arm], bits, group, act_order=kind == "gptq",
+                                 int8=kind == "w8a8")  # fmt: skip
             if kind == "gptq":
                 to_gptq(paths[arm], act_order=True)
     return paths
@@ -96,7 +107,7 @@ def weight_bytes(engine: Any) -> dict[str, int]:
         linears = [model.get_submodule(n) for n in names]
     block = sum(sum(t.nbytes for t in m.buffers()) + m.weight.nbytes for m in linears)
     total = sum(p.nbytes for p in model.parameters()) + sum(b.nbytes for b in model.buffers())
-    return {"block_linear_bytes": block, "all_weight_bytes": total}
+    return {"block_linear_bytes": block, "all_weight_bytes": total, **expert_bytes(model)}
 
 
 def run_arm(path: str, arm: str, args: argparse.Namespace, prompts: list[list[int]]) -> dict:
@@ -245,7 +256,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="sluice-int-weight-") as root:
-        paths = make_models(args.preset, root)
+        paths = make_models(args.preset, root, args.arch)
         prompts = random_prompts(paths["full"], args.prompts, args.prompt_len)
         arms = {arm: run_arm(paths[arm], arm, args, prompts) for arm in ARMS}
         arms["float32"] = (
@@ -263,15 +274,17 @@ def main() -> None:
         if arm != "full":
             against_full(row, out, full)
         rows.append(row)
-    print_table(rows, ["arm", "block_linear_bytes", "all_weight_bytes", "top1_agreement",
+    print_table(rows, ["arm", "block_linear_bytes", "all_weight_bytes", "expert_bytes",
+                       "top1_agreement",
                        "mean_abs_dlogprob", "decode_ms_per_token", "prefill_tok_s",
                        "decode_speedup", "prefill_speedup"])  # fmt: skip
     by_arm = dict(zip(ARMS, rows))
     summary = {
         f"{arm}_{key}": by_arm[arm].get(key)
         for arm in ("w4a16", "w8a16", "gptq-act-order", "w8a8")
-        for key in ("block_linear_bytes_ratio", "top1_agreement", "decode_speedup",
-                    "prefill_speedup")
+        for key in ("block_linear_bytes_ratio", "expert_bytes_ratio", "top1_agreement",
+                    "decode_speedup", "prefill_speedup")
+        if key != "expert_bytes_ratio" or "expert_bytes" in full  # (a MoE)
     }  # fmt: skip
     extra = {}
     if args.device == "cuda":

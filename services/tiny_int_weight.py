@@ -95,14 +95,17 @@ def quantize_checkpoint(
     return count
 
 
-def quantize_experts(path: str, bits: int, group_size: int | None, act_order: bool = False
-                     ) -> int:  # fmt: skip
+def quantize_experts(path: str, bits: int, group_size: int | None, act_order: bool = False,
+                     int8: bool = False) -> int:  # fmt: skip
     """The MoE experts' matrices of a symmetric pack-quantized checkpoint
     (`quantize_checkpoint`; transformers' fused experts are no Linear layers, so they are
     left in 16 bits there) quantized in place alike: each expert's `weight_packed`,
     `weight_scale` and `weight_shape`, as checkpoints made before transformers fused its
     experts store them (`act_order`: the columns stored in `column_order`, as
-    `quantize_checkpoint` stores a layer's, for `to_gptq`). Returns the matrices."""
+    `quantize_checkpoint` stores a layer's, for `to_gptq`). `int8`: a W8A8 ("int-quantized")
+    checkpoint's instead, each matrix int8 per output channel beside its `weight_scale`, as
+    llm-compressor writes the experts of a MoE whose experts are Linear layers. Returns the
+    matrices."""
     import re
 
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -115,6 +118,11 @@ def quantize_experts(path: str, bits: int, group_size: int | None, act_order: bo
     for name in names:
         stored = tensors.pop(name)
         w = stored.float()
+        if int8:
+            scale = w.abs().amax(-1, keepdim=True) / 127
+            tensors[name] = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+            tensors[name + "_scale"] = scale  # (float32, as the compressor's for this model)
+            continue
         if act_order:
             w = w[:, column_order(name.removesuffix(".weight"), w.shape[1])]
         scale, _ = _scales(w, bits, group_size, True)

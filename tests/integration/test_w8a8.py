@@ -120,20 +120,12 @@ def test_what_it_cannot_run_is_refused(tmp_path, edit, why: str) -> None:
 def _int8_experts_model(out: str) -> str:
     """`tiny_w8a8_model("qwen3_moe")` with its experts int8 too: each expert's matrix
     (`experts.{e}.gate_proj.weight`...) rounded per output channel, with its `weight_scale`,
-    as llm-compressor writes the experts of a MoE whose experts are Linear layers."""
-    from safetensors.torch import load_file, save_file
+    as llm-compressor writes the experts of a MoE whose experts are Linear layers
+    (`quantize_experts`)."""
+    from services.tiny_int_weight import quantize_experts
 
     shutil.copytree(tiny_w8a8_model("qwen3_moe"), out)
-    file = os.path.join(out, "model.safetensors")
-    tensors = load_file(file)
-    experts = [n for n in tensors if ".experts." in n and n.endswith("_proj.weight")]
-    assert experts
-    for name in experts:
-        w = tensors[name].float()
-        scale = w.abs().amax(-1, keepdim=True) / 127
-        tensors[name] = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
-        tensors[name + "_scale"] = scale  # (float32, as the compressor's for this model)
-    save_file(tensors, file, metadata={"format": "pt"})
+    assert quantize_experts(out, 8, None, int8=True) == 2 * 8 * 3
     return out
 
 
