@@ -203,8 +203,9 @@ def pair_gptq_weights(
     ordering, `g_idx` [K] (each input row's group) of each layer (w = (q - z) * s) joined
     into one `PackedIntWeight` of the integer layers' layout: the integers as [N, K] packed
     along K (GPTQ's words, transposed), zero points signed (z - 2^(bits-1)); with `g_idx`,
-    the columns sorted by group and the order kept (`perm`). Without activation ordering a
-    g_idx must be i // group_size, as AutoGPTQ writes it there."""
+    the columns sorted by group and the order kept (`perm`; a row-parallel rank's part of
+    the columns is taken in the input's order, `PackedIntWeight.narrow`). Without activation
+    ordering a g_idx must be i // group_size, as AutoGPTQ writes it there."""
     from engine.layers.int_weight import PackedIntWeight
     from kernels.int_gemm import pack_int, unpack_int
 
@@ -232,6 +233,8 @@ def pair_gptq_weights(
         packed = qweight.t().contiguous()  # (row n's words hold its columns, in order)
         if perm is not None:
             packed = pack_int(unpack_int(packed, bits, columns)[:, perm], bits)
+        elif g_idx is not None:  # (ordered, but in order: a row-parallel part needs it too)
+            perm = torch.arange(columns)
         zero = unpack_int(parts["qzeros"], bits, rows).to(torch.int16) + offset - middle
         if config.symmetric:
             if bool((zero != 0).any()):

@@ -116,33 +116,45 @@ def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: in
 
 
 def _launch_int_moe(
-    dtype: torch.dtype, tokens: int, bits: int, symmetric: bool, act_order: bool = False
+    dtype: torch.dtype,
+    tokens: int,
+    bits: int,
+    symmetric: bool,
+    act_order: bool = False,
+    part: bool = False,
 ) -> None:
     """Both grouped GEMMs over integer experts (Qwen3-30B-A3B's shape; W4A16 in groups of 128
-    with or without zero points, or with activation ordering, W8A16 per channel)."""
+    with or without zero points, or with activation ordering, W8A16 per channel). `part`:
+    a rank's half of the down projection's columns under activation ordering (each column's
+    group gathered)."""
     from engine.layers.int_experts import IntExperts
 
     hidden, experts, top_k, inter = MOE_SHAPES[0]
 
-    def packed(n: int, k: int) -> IntExperts:
+    def packed(n: int, k: int, split: bool = False) -> IntExperts:
         group = 128 if bits == 4 else k
-        scale = torch.empty(experts, n, k // group, dtype=dtype)
-        zero = None if symmetric else torch.empty(experts, n, k // group, dtype=torch.int8)
+        groups = 2 * k // group if split else k // group
+        scale = torch.empty(experts, n, groups, dtype=dtype)
+        zero = None if symmetric else torch.empty(experts, n, groups, dtype=torch.int8)
         words = torch.empty(experts, n, k * bits // 32, dtype=torch.int32)
-        perm = torch.zeros(experts, k, dtype=torch.int32) if act_order else None
-        return IntExperts(words, scale, zero, bits, group, k, perm)
+        order = torch.zeros(experts, k, dtype=torch.int32)
+        if split:
+            return IntExperts(words, scale, zero, bits, group, k, gidx=order)
+        return IntExperts(words, scale, zero, bits, group, k, order if act_order else None)
 
     x = torch.empty(tokens, hidden, dtype=dtype)
     ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
-    fused_experts_triton(x, packed(2 * inter, hidden), packed(hidden, inter),
+    fused_experts_triton(x, packed(2 * inter, hidden), packed(hidden, inter // 2 if part else
+                                                              inter, part),
                          torch.full(ids.shape, 1.0 / top_k), ids)  # fmt: skip
 
 
-# integer experts: W4A16 (groups of 128; with zero points; GPTQ's activation ordering), W8A16
-# per channel
-INT_MOE_CASES = {"moe int w4 g128": (4, True, False), "moe int w4 g128 asym": (4, False, False),
+# integer experts: W4A16 (groups of 128; with zero points; GPTQ's activation ordering, and a
+# rank's half of it: the down projection's columns each with its group), W8A16 per channel
+INT_MOE_CASES = {"moe int w4 g128": (4, True), "moe int w4 g128 asym": (4, False),
                  "moe int w4 g128 act order": (4, True, True),
-                 "moe int w8 channel": (8, True, False)}  # fmt: skip
+                 "moe int w4 g128 act order part": (4, False, True, True),
+                 "moe int w8 channel": (8, True)}  # fmt: skip
 
 
 def _launch_fp8_moe(dtype: torch.dtype, tokens: int, block: bool) -> None:
@@ -191,15 +203,18 @@ def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int, k: int 
 
 
 def _launch_int(dtype: torch.dtype, bits: int, group: int | None, tokens: int,
-                symmetric: bool = True, k: int = 4096) -> None:  # fmt: skip
+                symmetric: bool = True, k: int = 4096, part: bool = False) -> None:  # fmt: skip
     """The W4A16 / W8A16 GEMM of a 4096 x k layer (group None: per channel); one token: the
-    GEMV kernel."""
+    GEMV kernel. `part`: a row-parallel half of a weight with activation ordering (each
+    column's group gathered, `gidx`)."""
     n = 4096
     g = group or k
+    groups = 2 * k // g if part else k // g
     packed = torch.empty(n, k * bits // 32, dtype=torch.int32)
-    scale = torch.empty(n, k // g, dtype=dtype)
-    zero = None if symmetric else torch.empty(n, k // g, dtype=torch.int8)
-    int_gemm(torch.empty(tokens, k, dtype=dtype), packed, scale, zero, bits, g)
+    scale = torch.empty(n, groups, dtype=dtype)
+    zero = None if symmetric else torch.empty(n, groups, dtype=torch.int8)
+    gidx = torch.zeros(k, dtype=torch.int32) if part else None
+    int_gemm(torch.empty(tokens, k, dtype=dtype), packed, scale, zero, bits, g, gidx=gidx)
 
 
 # weight-only integer GEMMs: W4A16 in groups of 128 (decode and prefill row blocks; with
@@ -210,7 +225,10 @@ INT_CASES = {"int w4 g128 T4": (4, 128, 4, True), "int w4 g128 T1024": (4, 128, 
              "int gemv w4 g128": (4, 128, 1, True), "int gemv w4 g128 asym": (4, 128, 1, False),
              "int gemv w4 g128 K14336": (4, 128, 1, True, 14336),
              "int gemv w8 channel": (8, None, 1, True),
-             "int gemv w8 channel K14336": (8, None, 1, True, 14336)}  # fmt: skip
+             "int gemv w8 channel K14336": (8, None, 1, True, 14336),
+             # (a row-parallel half with activation ordering, zero points)
+             "int w4 g128 act order part T1024": (4, 128, 1024, False, 4096, True),
+             "int gemv w4 g128 act order part": (4, 128, 1, False, 4096, True)}  # fmt: skip
 
 
 def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:

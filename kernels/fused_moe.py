@@ -77,8 +77,8 @@ def _grouped_gemm_kernel(
     zero_ptr,
     stride_se,
     stride_sn,
-    perm_ptr,
-    stride_pe,
+    cols_ptr,
+    stride_ce,
     A_ROWS_PER_PAIR: tl.constexpr,  # top_k for the first GEMM (rows of x), 1 for the second
     HAS_BIAS: tl.constexpr,  # the expert's bias [N], added before the routing weight
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -92,7 +92,10 @@ def _grouped_gemm_kernel(
     GROUP: tl.constexpr = 1,  # their (or float8 ones') columns per scale (BLOCK_K divides it)
     HAS_ZERO: tl.constexpr = False,  # their zero points (the scales' strides)
     FP8: tl.constexpr = False,  # float8 weights, a scale per row and GROUP columns
-    HAS_PERM: tl.constexpr = False,  # activation ordering: weight column j is A's perm[e, j]
+    # activation ordering (integer weights; cols [E, K]): weight column j is A's column
+    # cols[e, j] (HAS_PERM), or its scale group is cols[e, j] (GIDX: a row-parallel part)
+    HAS_PERM: tl.constexpr = False,
+    GIDX: tl.constexpr = False,
 ):
     pdl_prologue(PDL)
     pid_m = tl.program_id(0)
@@ -107,7 +110,7 @@ def _grouped_gemm_kernel(
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-    p_ptrs = perm_ptr + expert * stride_pe + offs_k  # (activation ordering)
+    c_ptrs = cols_ptr + expert * stride_ce + offs_k  # (activation ordering)
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
     if BITS == 0:
         w_ptrs += offs_k[:, None] * stride_wk
@@ -121,20 +124,27 @@ def _grouped_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_mask = offs_k < K - k0
         if HAS_PERM:  # (the expert's input columns of this step, gathered)
-            cols = tl.load(p_ptrs, mask=k_mask, other=0).to(tl.int64)
+            cols = tl.load(c_ptrs, mask=k_mask, other=0).to(tl.int64)
             a = tl.load(a_ptr + rows[:, None] * stride_am + cols[None, :],
                         mask=pair_mask[:, None] & k_mask[None, :], other=0.0)  # fmt: skip
-            p_ptrs += BLOCK_K
         else:
             a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if BITS > 0:  # (w = (u - 2^(bits-1) - zero) * scale, one group a step)
             q = ((w >> shift) & ((1 << BITS) - 1)) - (1 << (BITS - 1))
-            g = k0 // GROUP
-            if HAS_ZERO:
-                q -= tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.int32)[None, :]
-            scale = tl.load(s_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)
-            w = q.to(tl.float32) * scale[None, :]
+            if GIDX:  # (each column's own group: the scales and zero points gathered)
+                g = tl.load(c_ptrs, mask=k_mask, other=0)[:, None]
+                mask_s = k_mask[:, None] & n_mask[None, :]
+                if HAS_ZERO:
+                    q -= tl.load(z_ptrs[None, :] + g, mask=mask_s, other=0).to(tl.int32)
+                w = q.to(tl.float32) * tl.load(s_ptrs[None, :] + g, mask=mask_s,
+                                               other=0.0).to(tl.float32)  # fmt: skip
+            else:
+                g = k0 // GROUP
+                if HAS_ZERO:
+                    q -= tl.load(z_ptrs + g, mask=n_mask, other=0).to(tl.int32)[None, :]
+                scale = tl.load(s_ptrs + g, mask=n_mask, other=0.0).to(tl.float32)
+                w = q.to(tl.float32) * scale[None, :]
             w_ptrs += BLOCK_K // PER_WORD
         else:
             if FP8:  # (w = float8 * its row's scale of this GROUP of columns)
@@ -143,6 +153,7 @@ def _grouped_gemm_kernel(
             w_ptrs += BLOCK_K * stride_wk
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
         a_ptrs += BLOCK_K
+        c_ptrs += BLOCK_K
     if HAS_BIAS:
         bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -165,45 +176,50 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
     transposed view too: gpt-oss stores its experts [E, K, N]), integer experts
     (`engine.layers.int_experts.IntExperts`: packed words, a scale per group of K columns
     (BLOCK_K is cut to divide the group), zero points, each expert's input order under
-    activation ordering: A's columns gathered) or float8 ones
+    activation ordering: A's columns gathered; or a row-parallel part's group of each
+    column: the scales gathered) or float8 ones
     (`engine.layers.fp8_experts.Fp8Experts`: a scale per row and group of K columns)."""
     sorted_ids, block_experts, total = align
     block_m, block_n, block_k = block_sizes
     num_experts, n, k = w.shape
     assert a.stride(1) == 1 and c.stride(1) == 1
     assert bias is None or (bias.shape == (num_experts, n) and bias.stride(1) == 1)
-    grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
     quant: dict = {}
-    scale = zero = perm = c
+    scale = zero = cols = c
     scale_strides = (0, 0)
-    perm_stride = 0
+    cols_stride = 0
     if isinstance(w, torch.Tensor):
         strides = (w.stride(0), w.stride(1), w.stride(2))
     else:  # (quantized experts: a scale per row and group of K columns)
-        block_k = min(block_k, w.group & -w.group)  # (the largest power of two dividing it)
+        if getattr(w, "gidx", None) is None:  # (the largest power of two dividing it)
+            block_k = min(block_k, w.group & -w.group)
         if a.dtype == torch.float32:  # (the expanded float32 tiles spill at 32 columns)
             block_k = min(block_k, 16)
         scale = w.scale
         scale_strides = (scale.stride(0), scale.stride(1))
         if hasattr(w, "packed"):  # (integer: the words' strides; the zero points' the scales')
             quant = {"BITS": w.bits, "GROUP": w.group, "HAS_ZERO": w.zero is not None,
-                     "HAS_PERM": w.perm is not None}  # fmt: skip
+                     "HAS_PERM": w.perm is not None, "GIDX": w.gidx is not None}  # fmt: skip
             zero = w.zero if w.zero is not None else w.scale
             assert w.zero is None or w.zero.stride() == w.scale.stride()
-            if w.perm is not None:
-                perm, perm_stride = w.perm, w.perm.stride(0)
-                assert w.perm.stride(1) == 1
+            per_expert = w.perm if w.perm is not None else w.gidx
+            if per_expert is not None:
+                cols, cols_stride = per_expert, per_expert.stride(0)
+                assert per_expert.stride(1) == 1 and scale.stride(2) == 1
+                if a.dtype == torch.float32:  # (its gathers spill 64-column float32 tiles)
+                    block_n = 32
             w = w.packed
             strides = (w.stride(0), w.stride(1), 1)
         else:  # (float8)
             quant = {"FP8": True, "GROUP": w.group}
             w = w.data
             strides = (w.stride(0), w.stride(1), w.stride(2))
+    grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, c, bias if bias is not None else c, routed_weight, sorted_ids, block_experts,
         total, num_pairs, n, k, a.stride(0), *strides,
         bias.stride(0) if bias is not None else 0, c.stride(0), scale, zero, *scale_strides,
-        perm, perm_stride,
+        cols, cols_stride,
         A_ROWS_PER_PAIR=rows_per_pair,
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=routed_weight is not None,

@@ -50,6 +50,7 @@ def _int_gemm_kernel(
     stride_sn,
     stride_zn,
     stride_ym,
+    gidx_ptr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZERO: tl.constexpr,
@@ -60,6 +61,7 @@ def _int_gemm_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    GIDX: tl.constexpr = False,  # each column's scale group in gidx (any columns a step)
 ):
     pdl_prologue(PDL)
     PER_WORD: tl.constexpr = 32 // BITS
@@ -84,13 +86,22 @@ def _int_gemm_kernel(
         words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 // PER_WORD + word)[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0)  # fmt: skip
         u = (words >> shift[None, :]) & MASK  # [BLOCK_N, BLOCK_K] in 0 .. 2^bits - 1
-        g = k0 // GROUP
-        scale = tl.load(scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
         q = u - OFFSET
-        if HAS_ZERO:
-            z = tl.load(zero_ptr + offs_n * stride_zn + g, mask=mask_n, other=0)
-            q = q - z[:, None]
-        w = q.to(tl.float32) * scale.to(tl.float32)[:, None]
+        if GIDX:  # (a scale and zero point gathered per column)
+            g = tl.load(gidx_ptr + cols, mask=mask_k, other=0)[None, :]
+            mask_s = mask_n[:, None] & mask_k[None, :]
+            scale = tl.load(scale_ptr + offs_n[:, None] * stride_sn + g, mask=mask_s, other=0.0)
+            if HAS_ZERO:
+                z = tl.load(zero_ptr + offs_n[:, None] * stride_zn + g, mask=mask_s, other=0)
+                q = q - z.to(tl.int32)
+            w = q.to(tl.float32) * scale.to(tl.float32)
+        else:
+            g = k0 // GROUP
+            scale = tl.load(scale_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)
+            if HAS_ZERO:
+                z = tl.load(zero_ptr + offs_n * stride_zn + g, mask=mask_n, other=0)
+                q = q - z[:, None]
+            w = q.to(tl.float32) * scale.to(tl.float32)[:, None]
         acc += tl.dot(x.to(DOT_DTYPE), tl.trans(w.to(DOT_DTYPE)), input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -111,6 +122,7 @@ def _int_gemv_kernel(
     stride_wn,
     stride_sn,
     stride_zn,
+    gidx_ptr,
     GROUP: tl.constexpr,
     BITS: tl.constexpr,
     HAS_ZERO: tl.constexpr,
@@ -118,6 +130,7 @@ def _int_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
     PDL: tl.constexpr,
+    GIDX: tl.constexpr = False,  # each column's scale group in gidx
 ):
     """One row of x: a program owns BLOCK_N weight rows and walks K BLOCK_W words at a time.
     Each word is loaded once and expanded into its 32 // BITS integers along a third axis;
@@ -145,14 +158,23 @@ def _int_gemv_kernel(
         mask_w = cols < words_k
         mask = mask_n[:, None] & mask_w[None, :]
         words = tl.load(w_rows + cols[None, :], mask=mask, other=0)
-        g = (cols // GROUP_WORDS)[None, :]
-        scale = tl.load(s_rows + g, mask=mask, other=0.0).to(tl.float32)
         q = ((words[:, :, None] >> shifts) & MASK) - OFFSET  # [BLOCK_N, BLOCK_W, PER_WORD]
-        if HAS_ZERO:
-            q = q - tl.load(z_rows + g, mask=mask, other=0).to(tl.int32)[:, :, None]
         x = tl.load(x_ptr + cols[:, None] * PER_WORD + offs_j[None, :], mask=mask_w[:, None],
                     other=0.0).to(tl.float32)  # fmt: skip
-        acc += (q.to(tl.float32) * scale[:, :, None]) * x[None, :, :]
+        if GIDX:  # (each integer's own group: [1, BLOCK_W, PER_WORD])
+            g = tl.load(gidx_ptr + cols[:, None] * PER_WORD + offs_j[None, :],
+                        mask=mask_w[:, None], other=0)[None, :, :]  # fmt: skip
+            mask3 = mask[:, :, None]
+            scale3 = tl.load(s_rows[:, :, None] + g, mask=mask3, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                q = q - tl.load(z_rows[:, :, None] + g, mask=mask3, other=0).to(tl.int32)
+            acc += (q.to(tl.float32) * scale3) * x[None, :, :]
+        else:
+            g = (cols // GROUP_WORDS)[None, :]
+            scale = tl.load(s_rows + g, mask=mask, other=0.0).to(tl.float32)
+            if HAS_ZERO:
+                q = q - tl.load(z_rows + g, mask=mask, other=0).to(tl.int32)[:, :, None]
+            acc += (q.to(tl.float32) * scale[:, :, None]) * x[None, :, :]
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -186,14 +208,20 @@ def int_gemm(
     group: int,
     bias: torch.Tensor | None = None,
     gemv: bool = True,
+    gidx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) times the packed weight [N, K * bits / 32] int32 with
     `scale` [N, K / group] and `zero` [N, K / group] int (asymmetric) or None -> [M, N] in
     x's dtype. `group` must be a multiple of 16 (and divide K). One row goes to the GEMV
-    kernel unless `gemv` is false."""
+    kernel unless `gemv` is false. `gidx` [K] int32: column k's scale and zero point are
+    those of group gidx[k] (scales [N, any groups]; a row-parallel part of a weight with
+    activation ordering), any group; K whole words."""
     m, k = x.shape
     n = packed.shape[0]
-    if group % 16 or k % group:
+    if gidx is not None:
+        if k % (32 // bits) or gidx.shape != (k,):
+            raise ValueError(f"int_gemm: K {k} must be whole words with a group index of K")
+    elif group % 16 or k % group:
         raise ValueError(f"int_gemm: group {group} must be a multiple of 16 dividing K {k}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -207,21 +235,23 @@ def int_gemm(
         _int_gemv_kernel[(cdiv(n, block_n),)](
             x, packed, scale, zero if zero is not None else scale,
             bias if bias is not None else scale, y, n, k, packed.stride(0), scale.stride(0),
-            zero.stride(0) if zero is not None else 0,
+            zero.stride(0) if zero is not None else 0, gidx if gidx is not None else scale,
             GROUP=group, BITS=bits, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, BLOCK_W=block_w, **opts,
+            BLOCK_N=block_n, BLOCK_W=block_w, GIDX=gidx is not None, **opts,
         )  # fmt: skip
         return y
-    block_m, block_n, block_k, num_warps = launch_config(m, x.dtype, group)
+    block_m, block_n, block_k, num_warps = launch_config(m, x.dtype,
+                                                         64 if gidx is not None else group)
     grid = (cdiv(m, block_m), cdiv(n, block_n))
     _int_gemm_kernel[grid](
         x, packed, scale, zero if zero is not None else scale,
         bias if bias is not None else scale, y,
         m, n, k, x.stride(0), packed.stride(0), scale.stride(0),
         zero.stride(0) if zero is not None else 0, y.stride(0),
+        gidx if gidx is not None else scale,
         GROUP=group, BITS=bits, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype),
+        DOT_DTYPE=dot_dtype(x.dtype), PRECISION=dot_precision(x.dtype), GIDX=gidx is not None,
         **launch_opts(num_warps),
     )  # fmt: skip
     return y
@@ -261,12 +291,20 @@ def dequantize_int(
     group: int,
     columns: int,
     dtype: torch.dtype,
+    gidx: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The weight [N, columns] in `dtype`: (u - 2^(bits-1) - zero) * scale, group by group."""
+    """The weight [N, columns] in `dtype`: (u - 2^(bits-1) - zero) * scale, group by group
+    (`gidx`: column k's group is gidx[k])."""
     q = unpack_int(packed, bits, columns) - (1 << (bits - 1))
+
+    def per_column(t: torch.Tensor) -> torch.Tensor:
+        if gidx is not None:
+            return t.index_select(1, gidx.to(device=t.device, dtype=torch.int64))
+        return t.repeat_interleave(group, 1)[:, :columns]
+
     if zero is not None:
-        q = q - zero.to(torch.int32).repeat_interleave(group, 1)[:, :columns]
-    w = q.to(torch.float32) * scale.to(torch.float32).repeat_interleave(group, 1)[:, :columns]
+        q = q - per_column(zero.to(torch.int32))
+    w = q.to(torch.float32) * per_column(scale.to(torch.float32))
     return w.to(dtype)
 
 
@@ -278,7 +316,8 @@ def int_gemm_reference(
     bits: int,
     group: int,
     bias: torch.Tensor | None = None,
+    gidx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`int_gemm` in torch: the weight dequantized (float32), one matmul in x's dtype."""
-    w = dequantize_int(packed, scale, zero, bits, group, x.shape[1], x.dtype)
+    w = dequantize_int(packed, scale, zero, bits, group, x.shape[1], x.dtype, gidx)
     return torch.nn.functional.linear(x, w, bias)

@@ -37,7 +37,9 @@ class IntExperts:
     """Every expert's packed weight: `packed` [E, N, ceil(K * bits / 32)] int32, `scale`
     [E, N, K / group], `zero` [E, N, K / group] int8 or None, K `columns`; with activation
     ordering (GPTQ's desc_act), `perm` [E, K] int32: column j of expert e's packed weight is
-    the input's column perm[e, j] (each expert's columns sorted by group)."""
+    the input's column perm[e, j] (each expert's columns sorted by group); or, a row-parallel
+    part of such experts (tensor parallelism), the columns in the input's order and `gidx`
+    [E, K] int32 each column's group (the scales and zero points of all groups)."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -46,6 +48,7 @@ class IntExperts:
     group: int
     columns: int
     perm: torch.Tensor | None = None
+    gidx: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -55,6 +58,8 @@ class IntExperts:
         """Every expert's weight [E, N, K] in the scales' dtype, its columns in the input's
         order."""
         e, n, k = self.shape
+        if self.gidx is not None:
+            return torch.stack([self[expert] for expert in range(e)])
         zero = None if self.zero is None else self.zero.reshape(e * n, -1)
         w = dequantize_int(self.packed.reshape(e * n, -1), self.scale.reshape(e * n, -1), zero,
                            self.bits, self.group, self.columns, self.scale.dtype)  # fmt: skip
@@ -68,8 +73,9 @@ class IntExperts:
         """Expert `expert`'s weight [N, K], dequantized in the scales' dtype, its columns in
         the input's order."""
         zero = None if self.zero is None else self.zero[expert]
+        gidx = None if self.gidx is None else self.gidx[expert]
         w = dequantize_int(self.packed[expert], self.scale[expert], zero, self.bits,
-                           self.group, self.columns, self.scale.dtype)  # fmt: skip
+                           self.group, self.columns, self.scale.dtype, gidx)  # fmt: skip
         if self.perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, self.perm[expert].long(), w)
@@ -94,17 +100,14 @@ class IntExpertWeights(ExpertWeights):
     ) -> None:
         self.bits, self.symmetric, self.scale_dtype = bits, symmetric, scale_dtype
         self.act_order = act_order
-        self.group = in_features if group is None else int(group)
-        if in_features % self.group:
-            raise ValueError(f"experts' {in_features} input features are not whole "
+        # activation ordering on a part of the columns (tensor parallelism's down projection):
+        # the columns in the input's order, each of any group of the whole matrix's
+        self.part_order = act_order and split is not None and split[0] == 1
+        self.columns = split[3] if self.part_order else in_features
+        self.group = self.columns if group is None else int(group)
+        if self.columns % self.group:
+            raise ValueError(f"experts' {self.columns} input features are not whole "
                              f"{self.group}-column quantization groups")  # fmt: skip
-        if act_order and split is not None and split[0] == 1:
-            raise ValueError(
-                "tensor parallelism: experts with activation ordering (GPTQ's desc_act: each "
-                "rank's columns of the down projection belong to groups spread over all "
-                "ranks) are not supported; serve it on one rank, or use a checkpoint without "
-                "desc_act"
-            )
         super().__init__(num_experts, in_features, shards, split, experts)
         # (activation ordering: the shard that set each expert's input order in this load;
         # the expert's other shards must order its columns alike, `load_shard` checks)
@@ -112,14 +115,16 @@ class IntExpertWeights(ExpertWeights):
 
     def _init_weights(self) -> None:
         e, n, k = self.num_local, self.out_features, self.in_features
-        words, groups = cdiv(k * self.bits, 32), k // self.group
+        words, groups = cdiv(k * self.bits, 32), self.columns // self.group
         self.weight = nn.Parameter(torch.empty(e, n, words, dtype=torch.int32),
                                    requires_grad=False)  # fmt: skip
         self.register_buffer("weight_scale", torch.empty(e, n, groups, dtype=self.scale_dtype))
         zero = None if self.symmetric else torch.empty(e, n, groups, dtype=torch.int8)
         self.register_buffer("weight_zero", zero)
         perm = torch.empty(e, k, dtype=torch.int32) if self.act_order else None
-        self.register_buffer("input_perm", perm)
+        self.register_buffer("input_perm", None if self.part_order else perm)
+        gidx = torch.empty(e, k, dtype=torch.int32) if self.part_order else None
+        self.register_buffer("weight_gidx", gidx)
 
     @classmethod
     def like(
@@ -132,7 +137,8 @@ class IntExpertWeights(ExpertWeights):
     ) -> IntExpertWeights:
         """Empty integer experts of `experts`' shape, shards and parallel split, on its
         device, their scales in its dtype. ValueError where a rank's part of the down
-        projection would not be whole groups, or its columns are split with `act_order`."""
+        projection would not be whole groups (any part with `act_order`: each column keeps
+        its group)."""
         split = experts.split
         if split is not None and split[0] == 1 and not act_order:
             check_whole_groups(split[1], split[2], group, "the experts' down projection")
@@ -152,7 +158,8 @@ class IntExpertWeights(ExpertWeights):
 
     def operand(self) -> IntExperts:
         return IntExperts(self.weight, self.weight_scale, self.weight_zero, self.bits,
-                          self.group, self.in_features, self.input_perm)  # fmt: skip
+                          self.group, self.in_features, self.input_perm,
+                          self.weight_gidx)  # fmt: skip
 
     def load_shard(
         self,
@@ -178,6 +185,11 @@ class IntExpertWeights(ExpertWeights):
                              f"{loaded.group}, the config says {self.bits}-bit groups of "
                              f"{self.group}")  # fmt: skip
         self._load_order(expert, loaded.perm, shard_id)
+        if (self.weight_gidx is None) != (loaded.gidx is None):
+            raise ValueError(f"expert shard {shard_id!r}: only a part of experts with "
+                             "activation ordering has, and needs, each column's group")  # fmt: skip
+        if self.weight_gidx is not None:
+            self.weight_gidx[expert].copy_(loaded.gidx)
         self.weight.data[expert].narrow(0, offset, size).copy_(loaded.packed)
         self.weight_scale[expert].narrow(0, offset, size).copy_(loaded.scale)
         if self.weight_zero is not None:

@@ -8,6 +8,12 @@ The weight stays packed (a quarter of bf16's bytes at 4 bits, plus the scales). 
 on CUDA the Triton kernel (`kernels.int_gemm.int_gemm`), which expands each tile of the
 weight in registers; elsewhere the weight is dequantized (float32, then the input's dtype)
 and multiplied, which is what the kernel computes up to summation order.
+
+GPTQ's activation ordering (`desc_act`): each column's group is in a g_idx. On one rank (and
+in column-parallel layers) the columns are sorted by group as they load and the input is
+permuted alike (`input_perm`). A row-parallel rank's part holds columns of every group, so
+it keeps them in the input's order with each column's group (`weight_gidx`) and all of the
+weight's scales; the kernels then gather a scale per column.
 """
 
 from __future__ import annotations
@@ -35,7 +41,10 @@ class PackedIntWeight:
     """A checkpoint's packed integer weight: `packed` [N, ceil(K * bits / 32)] int32, `scale`
     [N, K / group], `zero` [N, K / group] int8 (asymmetric; None: symmetric), K `columns`;
     with activation ordering (GPTQ's `desc_act`), `perm` [K]: column j of the packed weight
-    is the input's column perm[j] (its columns sorted by group, so groups are contiguous)."""
+    is the input's column perm[j] (its columns sorted by group, so groups are contiguous).
+    A part of its columns (`narrow`: a row-parallel rank's) is in the input's order instead,
+    each column's group in `gidx` [K] int32, the scales and zero points all of the weight's
+    groups."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -44,6 +53,7 @@ class PackedIntWeight:
     group: int
     columns: int
     perm: torch.Tensor | None = None
+    gidx: torch.Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -58,12 +68,17 @@ class PackedIntWeight:
         """Rows (dim 0), or columns (dim 1: whole groups and whole words) of it."""
         if dim == 0:
             return self[start : start + length]
-        if self.perm is not None:
-            raise ValueError("a weight with activation ordering (a group index per column) "
-                             "cannot be split by columns (a row-parallel layer under tensor "
-                             "parallelism)")  # fmt: skip
         per_word = 32 // self.bits
         end = start + length
+        if self.perm is not None:  # (its columns back in the input's order, each its group)
+            ints = unpack_int(self.packed, self.bits, self.columns)
+            ints = torch.empty_like(ints).index_copy_(1, self.perm, ints)[:, start:end]
+            place = torch.empty_like(self.perm).index_copy_(
+                0, self.perm, torch.arange(self.columns, device=self.perm.device)
+            )  # (where each input column sits in the sorted order)
+            return replace(self, packed=pack_int(F.pad(ints, (0, -length % per_word)), self.bits),
+                           columns=length, perm=None,
+                           gidx=(place[start:end] // self.group).to(torch.int32))  # fmt: skip
         if start % per_word:  # (a part that starts inside a word: its integers repacked)
             ints = unpack_int(self.packed, self.bits, self.columns)[:, start:end]
             words = pack_int(F.pad(ints, (0, -length % per_word)), self.bits)
@@ -83,7 +98,7 @@ class PackedIntWeight:
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [N, K], its columns in the input's order."""
         w = dequantize_int(self.packed, self.scale, self.zero, self.bits, self.group,
-                           self.columns, dtype)  # fmt: skip
+                           self.columns, dtype, self.gidx)  # fmt: skip
         if self.perm is None:
             return w
         out = torch.empty_like(w)
@@ -125,15 +140,20 @@ class IntWeightLinear(QuantizedLinearBase):
         shards: Sequence[tuple[Hashable, int]] | None = None,
         scale_dtype: torch.dtype | None = None,
         act_order: bool = False,
+        full_in: int | None = None,
     ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bits = bits
-        self.group = in_features if group is None else int(group)
-        if in_features % self.group:
-            raise ValueError(f"{in_features} input features are not whole {self.group}-column "
+        # activation ordering on a part of the weight's `full_in` columns (a row-parallel
+        # rank's): its columns in the input's order, each of any group of the whole weight's
+        part_order = act_order and full_in is not None
+        columns = full_in if part_order else in_features
+        self.group = columns if group is None else int(group)
+        if columns % self.group:
+            raise ValueError(f"{columns} input features are not whole {self.group}-column "
                              "quantization groups")  # fmt: skip
-        groups = in_features // self.group
+        groups = columns // self.group
         words = cdiv(in_features * bits, 32)
         self.weight = nn.Parameter(
             torch.empty(out_features, words, dtype=torch.int32), requires_grad=False
@@ -141,9 +161,12 @@ class IntWeightLinear(QuantizedLinearBase):
         self.register_buffer("weight_scale", torch.empty(out_features, groups, dtype=scale_dtype))
         zero = None if symmetric else torch.empty(out_features, groups, dtype=torch.int8)
         self.register_buffer("weight_zero", zero)
-        # activation ordering: the input's columns in the packed weight's order
+        # activation ordering: the input's columns in the packed weight's order; on a part of
+        # the columns, each column's group instead (`PackedIntWeight.gidx`)
         perm = torch.arange(in_features, dtype=torch.int32) if act_order else None
-        self.register_buffer("input_perm", perm)
+        self.register_buffer("input_perm", None if part_order else perm)
+        gidx = torch.zeros(in_features, dtype=torch.int32) if part_order else None
+        self.register_buffer("weight_gidx", gidx)
         self._shard_perms: dict[Hashable, torch.Tensor] = {}  # each part's, as loaded
         self._init_outputs(out_features, bias, shards)
 
@@ -153,30 +176,26 @@ class IntWeightLinear(QuantizedLinearBase):
         act_order: bool = False,
     ) -> IntWeightLinear:
         """An empty layer of `linear`'s shape (and shards, and part of a split layer), on its
-        device; its scales in the linear's dtype."""
+        device; its scales in the linear's dtype. A row-parallel part must be whole groups,
+        but with activation ordering (GPTQ's desc_act: each rank's columns belong to groups
+        spread over all ranks, so it keeps every group's scales and each column's group)."""
         shards = getattr(linear, "shard_ranges", None)
-        if act_order and isinstance(linear, RowParallelLinear) and (
-            linear.in_features != linear.full_in
-        ):  # fmt: skip
-            raise ValueError(
-                "tensor parallelism: a row-parallel layer with activation ordering (GPTQ's "
-                "desc_act: each rank's input columns belong to groups spread over all ranks) "
-                "is not supported; serve it on one rank, or use a checkpoint without desc_act"
-            )
-        if isinstance(linear, RowParallelLinear):
+        part = isinstance(linear, RowParallelLinear) and linear.in_features != linear.full_in
+        if isinstance(linear, RowParallelLinear) and not act_order:
             check_whole_groups(linear.in_start, linear.in_features, group, "a row-parallel layer")
         with torch.device(linear.weight.device):
             layer = cls(
                 linear.in_features, linear.out_features, linear.bias is not None, bits, group,
                 symmetric, [(s, size) for s, (_, size) in shards.items()] if shards else None,
                 scale_dtype=linear.weight.dtype, act_order=act_order,
+                full_in=linear.full_in if act_order and part else None,
             )  # fmt: skip
         take_split(layer, linear)
         return layer
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.weight_zero is None else "asymmetric"
-        order = ", act_order" if self.input_perm is not None else ""
+        order = ", act_order" if self.input_perm is not None or self.weight_gidx is not None else ""
         return (f"in={self.in_features}, out={self.out_features}, bits={self.bits}, "
                 f"group={self.group}, {kind}{order}")  # fmt: skip
 
@@ -204,6 +223,11 @@ class IntWeightLinear(QuantizedLinearBase):
                 f"{self.bits}-bit groups of {self.group}"
             )
         self._load_order(loaded.perm, shard_id)
+        if (self.weight_gidx is None) != (loaded.gidx is None):
+            raise ValueError(f"shard {shard_id!r}: only a part of a weight with activation "
+                             "ordering has, and needs, each column's group")  # fmt: skip
+        if self.weight_gidx is not None:
+            self.weight_gidx.copy_(loaded.gidx)
         self.weight.data.narrow(0, offset, size).copy_(loaded.packed)
         self.weight_scale.narrow(0, offset, size).copy_(loaded.scale)
         if self.weight_zero is not None:
@@ -236,10 +260,12 @@ class IntWeightLinear(QuantizedLinearBase):
             x = x.index_select(1, self.input_perm)
         bias = None if self.tp is not None else self.bias
         args = (self.weight, self.weight_scale, self.weight_zero, self.bits, self.group, bias)
-        if x.is_cuda and HAS_TRITON and not interpreting() and self.group % 16 == 0:
-            y = int_gemm(x, *args)
+        gidx = self.weight_gidx  # (a row-parallel part with activation ordering)
+        whole = self.group % 16 == 0 if gidx is None else self.in_features % (32 // self.bits) == 0
+        if x.is_cuda and HAS_TRITON and not interpreting() and whole:
+            y = int_gemm(x, *args, gidx=gidx)
         else:
-            y = int_gemm_reference(x, *args)
+            y = int_gemm_reference(x, *args, gidx=gidx)
         if self.tp is not None:  # (row-parallel: the ranks' partial sums, then the bias)
             y = self.tp.all_reduce(y)
             y = y if self.bias is None else y + self.bias

@@ -136,7 +136,9 @@ def fused_experts(
     [E, N, K] tensors, or integer or float8 experts (`engine.layers.int_experts.IntExperts`,
     `engine.layers.fp8_experts.Fp8Experts`)."""
     impl = _cuda_experts() if x.is_cuda else fused_experts_torch
-    if x.is_cuda and not isinstance(w13, torch.Tensor) and (w13.group % 16 or w2.group % 16):
+    if x.is_cuda and not isinstance(w13, torch.Tensor) and any(
+        w.group % 16 and getattr(w, "gidx", None) is None for w in (w13, w2)
+    ):  # fmt: skip
         # (the kernels' K steps divide a group: other groups run on every expert dequantized,
         # which keeps the layer capturable in a CUDA graph)
         w13, w2 = w13.dequantized(), w2.dequantized()

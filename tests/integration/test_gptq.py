@@ -158,6 +158,21 @@ def test_greedy_tokens_equal_transformers(case: str, tmp_path) -> None:
                             hf_greedy(reference, prompt, NEW))  # fmt: skip
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if CASES[c][4]])
+def test_activation_ordering_over_two_ranks(case: str, tmp_path) -> None:
+    """Over two ranks a row-parallel layer (o_proj, down_proj) with activation ordering takes
+    its half of the input's columns in the input's order, each column's group among all of
+    the weight's (`PackedIntWeight.narrow`, `IntWeightLinear.weight_gidx`: no whole groups
+    needed, 88 of Llama's 176 MLP features a rank in groups of 16); the column-parallel ones
+    keep their input order as on one rank. The float reference's tokens."""
+    path, reference = _reference(case, tmp_path)
+    with Engine(model_path=path, tp_size=2) as engine:
+        outs = engine.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        assert_greedy_match(reference, prompt, out["output_ids"],
+                            hf_greedy(reference, prompt, NEW))  # fmt: skip
+
+
 def test_make_tiny_model_writes_it_and_quantize_config_json_is_read(tmp_path) -> None:
     """`make-tiny-model --quantization gptq --act-order` writes the checkpoint the tests
     use; moved from config.json to AutoGPTQ's `quantize_config.json` (no quant_method: its
@@ -203,9 +218,11 @@ def test_experts_with_activation_ordering_stay_packed(tmp_path) -> None:
     orders its columns, gate and up alike, as GPTQ orders columns by their input): the
     experts stay packed, each with its input order (`IntExpertWeights.input_perm`: the
     grouped GEMMs gather the input's columns in it, the torch path puts the dequantized
-    columns back), and the tokens are those of the float weights. An expert whose up
-    projection orders its columns unlike its gate is refused, and so are the experts' parts
-    of the down projection's columns over two ranks."""
+    columns back), and the tokens are those of the float weights; over two ranks too, each
+    holding half of every expert's down projection's columns (22 of 44: not whole groups nor
+    whole words) in the input's order with each column's group (`IntExperts.gidx`), or half
+    of the experts, whole. An expert whose up projection orders its columns unlike its gate
+    is refused."""
     from safetensors.torch import load_file, save_file
 
     from engine.layers.int_experts import IntExpertWeights
@@ -229,7 +246,10 @@ def test_experts_with_activation_ordering_stay_packed(tmp_path) -> None:
             assert not torch.equal(orders[0], torch.arange(m.in_features))
             assert not torch.equal(orders[0], orders[1])  # (each expert its own)
         outs = engine.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
-    for prompt, out in zip(PROMPTS, outs, strict=True):
+    for parallel in ({"tp_size": 2}, {"tp_size": 2, "ep_size": 2}):
+        with Engine(model_path=path, **parallel) as engine:
+            outs += engine.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+    for prompt, out in zip(PROMPTS * 3, outs, strict=True):
         assert_greedy_match(reference, prompt, out["output_ids"],
                             hf_greedy(reference, prompt, NEW))  # fmt: skip
 
@@ -241,9 +261,10 @@ def test_experts_with_activation_ordering_stay_packed(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"mlp.experts.* \(5, 'up'\): its columns' order "
                        r"\(g_idx\) differs from its 'gate' shard's"):  # fmt: skip
         Engine(model_path=path, disable_overlap_schedule=True)
-    down = ExpertWeights(8, 44, [("down", 64)], split=(1, 0, 22, 44))
-    with pytest.raises(ValueError, match="experts with activation ordering .* not supported"):
-        IntExpertWeights.like(down, 8, 4, True, act_order=True)
+    part = IntExpertWeights.like(ExpertWeights(8, 22, [("down", 64)], split=(1, 0, 22, 44)),
+                                 8, 4, True, act_order=True)  # fmt: skip
+    assert part.input_perm is None and part.weight_gidx.shape == (8, 22)
+    assert part.weight_scale.shape == (8, 64, 44 // 4)
 
 
 def _variant(tmp_path, case: str, edit=None, tensors=None) -> str:
@@ -292,8 +313,9 @@ def test_configs_it_cannot_run_are_refused() -> None:
     """Other widths and checkpoint formats (repacked kernels' layouts), a quantized LM head and
     GPTQModel's per-module settings are refused with the reason, as is `--quantization`
     naming another method than the checkpoint's; GPTQModel's '-:' entries leave
-    modules unquantized; activation ordering is refused on a row-parallel layer split over
-    ranks (its columns' groups are spread over all of them)."""
+    modules unquantized; under activation ordering a row-parallel layer split over ranks
+    keeps every group's scales and each of its columns' group (its columns' groups are
+    spread over all of them), in the input's order."""
     from types import SimpleNamespace
 
     from engine.distributed import TensorParallel
@@ -335,6 +357,9 @@ def test_configs_it_cannot_run_are_refused() -> None:
     assert names and not any(".mlp." in n for n in names)
     assert any(".mlp." in n for n in quantized_linear_names(model, scheme))
     row = RowParallelLinear(64, 32, False, TensorParallel(0, 2))
-    with pytest.raises(ValueError, match="row-parallel layer with activation ordering"):
-        IntWeightLinear.like(row, 4, 16, True, act_order=True)
-    assert IntWeightLinear.like(row, 4, 16, True).in_features == 32
+    part = IntWeightLinear.like(row, 4, 16, True, act_order=True)
+    assert part.input_perm is None and part.weight_gidx.shape == (32,)
+    assert part.weight_scale.shape == (32, 64 // 16)
+    assert IntWeightLinear.like(row, 4, 16, True).weight_scale.shape == (32, 32 // 16)
+    with pytest.raises(ValueError, match="not whole 16-column quantization groups"):
+        IntWeightLinear.like(RowParallelLinear(72, 32, False, TensorParallel(0, 2)), 4, 16, True)

@@ -39,9 +39,11 @@ MOE_CASES = [
 ]
 MOE_CASES += [f"moe gpt-oss T{tokens}" for tokens in (4, 1024)]  # biases, [E, in, out] weights
 # integer experts (engine/layers/int_experts.py) at Qwen3-30B-A3B's shape: W4A16 in groups of
-# 128 (with zero points too; with GPTQ's activation ordering), W8A16 per channel
+# 128 (with zero points too; with GPTQ's activation ordering, on one rank or a rank's half
+# of the down projection's columns), W8A16 per channel
 MOE_CASES += [f"moe int {kind} T{tokens}"
-              for kind in ("w4 g128", "w4 g128 asym", "w4 g128 act order", "w8 channel")
+              for kind in ("w4 g128", "w4 g128 asym", "w4 g128 act order",
+                           "w4 g128 act order part", "w8 channel")
               for tokens in (4, 1024)]  # fmt: skip
 # float8 experts (engine/layers/fp8_experts.py) at that shape: a block checkpoint's scales
 # (128 columns a scale) and a per-tensor one's, held per row
@@ -52,11 +54,13 @@ FP8_CASES = [f"fp8 gemm group {g} T{t}" for g in ((128, 128), (1, 4096)) for t i
 # weight-only integer GEMMs (kernels/int_gemm.py): W4A16 in groups of 128 (16- and 64-row
 # blocks; with zero points), W8A16 per channel
 INT_CASES = ("int w4 g128 T4", "int w4 g128 T1024", "int w4 g128 asym T1024",
-             "int w8 channel T1024")  # fmt: skip
+             "int w8 channel T1024",
+             "int w4 g128 act order part T1024")  # (a row-parallel part: each column's group)
 # their one-row GEMV: 4 rows a program, 1024 columns a step (2048 from K 8192: Llama-3-8B's
 # down projection, K 14336)
 INT_GEMV_CASES = ("int gemv w4 g128", "int gemv w4 g128 asym", "int gemv w4 g128 K14336",
-                  "int gemv w8 channel", "int gemv w8 channel K14336")  # fmt: skip
+                  "int gemv w8 channel", "int gemv w8 channel K14336",
+                  "int gemv w4 g128 act order part")  # fmt: skip
 # one token: the float8 GEMV (a block checkpoint's and per channel; K steps of 1024 and 2048)
 FP8_GEMV_CASES = [f"fp8 gemv group {g} K{k}" for k in (4096, 8192) for g in (128, 1)]
 # its activations' quantization: per token (K 4096) and in 128-column groups (K 8192)

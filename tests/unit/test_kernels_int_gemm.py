@@ -53,6 +53,37 @@ def test_int_gemm_matches_the_unpacked_weight(bits: int, group: int, symmetric: 
                                               torch.float32), weight)  # fmt: skip
 
 
+@pytest.mark.parametrize(("bits", "symmetric", "k"), [(4, False, 120), (8, True, 1040)])
+@pytest.mark.parametrize("m", [1, 19])
+def test_a_group_index_gives_each_column_its_groups_scale(bits: int, symmetric: bool, k: int,
+                                                          m: int):  # fmt: skip
+    """`gidx` (a row-parallel part of a weight with activation ordering: its columns in the
+    input's order, each of any of the full weight's groups): column c's scale and zero point
+    are those of group gidx[c], in the GEMM (64-column steps across groups), the GEMV (each
+    integer gathers its own) and the torch reference; K 120 is no whole number of 16-column
+    tiles, 1040 is two GEMV steps."""
+    gen = torch.Generator().manual_seed(5)
+    n, groups = 37, 9
+    lo, hi = -(1 << (bits - 1)), 1 << (bits - 1)
+    q = torch.randint(lo, hi, (n, k), generator=gen, dtype=torch.int8)
+    scale = torch.rand(n, groups, generator=gen) * 0.05 + 0.01
+    zero = None if symmetric else torch.randint(lo, hi, (n, groups), generator=gen,
+                                                dtype=torch.int8)  # fmt: skip
+    gidx = torch.randint(0, groups, (k,), generator=gen, dtype=torch.int32)
+    z = 0.0 if zero is None else zero.float()[:, gidx.long()]
+    weight = (q.float() - z) * scale[:, gidx.long()]
+    packed = pack(q, bits)
+    x = torch.randn(m, k, generator=gen)
+    want = x.double() @ weight.double().T
+    for gemv in (True, False) if m == 1 else (True,):
+        got = int_gemm(x, packed, scale, zero, bits, 16, gemv=gemv, gidx=gidx)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    ref = int_gemm_reference(x, packed, scale, zero, bits, 16, gidx=gidx)
+    torch.testing.assert_close(ref.double(), want, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="whole words"):
+        int_gemm(x[:, :-1], packed, scale, zero, bits, 16, gidx=gidx[:-1])
+
+
 @pytest.mark.parametrize(("bits", "group", "symmetric"), [(4, 16, False), (8, 1040, True)])
 def test_gemv_over_ragged_rows_and_several_steps(bits: int, group: int, symmetric: bool):
     """The one-row kernel where neither the rows (37, programs of 4) nor K (1040: a step of

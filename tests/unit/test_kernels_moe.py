@@ -157,6 +157,42 @@ def test_integer_experts_match_their_float_weights(bits, groups, symmetric, act_
     _assert_quantized_experts_match(x, weights, ids, (w13, w13_float), (w2, w2_float))
 
 
+@needs_triton
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("num_tokens", [3, 80])
+def test_integer_experts_with_a_group_index(symmetric: bool, num_tokens: int) -> None:
+    """A row-parallel part of integer experts with activation ordering (`IntExperts.gidx`:
+    each column in the input's order, of any of the matrix's groups; here 5 groups over 48
+    columns): the grouped GEMMs gather each column's scale and zero point, and the torch
+    path dequantizes alike, against the float weights."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from engine.layers.int_experts import IntExperts
+
+    g = torch.Generator().manual_seed(7)
+
+    def experts(n: int, k: int, groups: int):
+        q = torch.randint(-8, 8, (6, n, k), generator=g, dtype=torch.int8)
+        scale = (torch.rand(6, n, groups, generator=g) + 0.5) * (k**-0.5 / 8)
+        zero = None if symmetric else torch.randint(-8, 8, (6, n, groups), generator=g,
+                                                    dtype=torch.int8)  # fmt: skip
+        gidx = torch.randint(0, groups, (6, k), generator=g, dtype=torch.int32)
+        cols = gidx.long().unsqueeze(1).expand(6, n, k)
+        z = 0.0 if zero is None else zero.float().gather(2, cols)
+        weight = (q.float() - z) * scale.gather(2, cols)
+        packed = torch.stack([pack_to_int32(q[e], 4) for e in range(6)])
+        part = IntExperts(packed.to(DEVICE), scale.to(DEVICE),
+                          None if zero is None else zero.to(DEVICE), 4, 16, k,
+                          gidx=gidx.to(DEVICE))  # fmt: skip
+        return part, weight.to(DEVICE)
+
+    x, _, _, weights, ids = _case(num_tokens, 6, 2, 96, 48, torch.float32, seed=3)
+    w13, w13_float = _int_experts(6, 96, 96, 4, 16, symmetric, seed=4)
+    w2, w2_float = experts(96, 48, 5)
+    _assert_quantized_experts_match(x, weights, ids, (w13, w13_float), (w2, w2_float))
+    torch.testing.assert_close(w2.dequantized(), w2_float, atol=1e-6, rtol=1e-6)
+
+
 def _fp8_experts(num_experts: int, n: int, k: int, block: tuple[int, int] | None, seed: int):
     """Random float8 experts with a checkpoint's scales (per block, or per tensor: None) held
     per row (`row_scales`), and their float weights."""
