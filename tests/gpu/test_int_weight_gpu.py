@@ -28,6 +28,23 @@ from kernels.int_gemm import int_gemm, int_gemm_reference  # noqa: E402
 pytestmark = [pytest.mark.gpu]
 
 
+@pytest.mark.parametrize("m", [1, 16, 300])
+def test_group_index_matches_the_reference(m):
+    """A row-parallel half (2048 columns) of a 4096-column W4A16 weight with activation
+    ordering: each column's scale and zero point gathered from all 32 groups (`gidx`)."""
+    n, k, groups = 4096, 2048, 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    packed = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32,
+                           device="cuda", generator=gen)  # fmt: skip
+    scale = (torch.rand(n, groups, device="cuda", generator=gen) * 0.02).bfloat16()
+    zero = torch.randint(-8, 8, (n, groups), dtype=torch.int8, device="cuda", generator=gen)
+    gidx = torch.randint(0, groups, (k,), dtype=torch.int32, device="cuda", generator=gen)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    got = int_gemm(x, packed, scale, zero, 4, 128, gidx=gidx).float()
+    want = int_gemm_reference(x.float(), packed, scale.float(), zero, 4, 128, gidx=gidx)
+    assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("bits", "group", "symmetric"), [(4, 128, True), (4, 128, False),
                                                           (8, None, True)])  # fmt: skip
@@ -72,11 +89,13 @@ def test_int8_w8a8_on_torch_int_mm_matches_the_float_path(m):
 
 
 @pytest.mark.parametrize(("bits", "symmetric", "act_order"),
-                         [(4, False, False), (8, True, False), (4, True, True)])
+                         [(4, False, False), (8, True, False), (4, True, True),
+                          (4, False, "part")])  # fmt: skip
 @pytest.mark.parametrize("tokens", [4, 300])
 def test_integer_experts_match_the_torch_path(bits, symmetric, act_order, tokens):
     """(act_order: GPTQ's activation ordering, each expert's input columns gathered in its
-    own order; the torch path puts each dequantized expert's columns back.)"""
+    own order; the torch path puts each dequantized expert's columns back. "part": a rank's
+    half of such a down projection, each column's group gathered from all of them.)"""
     from engine.layers.int_experts import IntExperts
     from engine.layers.moe import fused_experts_torch, select_experts
     from kernels.fused_moe import fused_experts_triton
@@ -84,22 +103,29 @@ def test_integer_experts_match_the_torch_path(bits, symmetric, act_order, tokens
     experts, top_k, hidden, inter = 16, 8, 2048, 768
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def packed(n: int, k: int) -> IntExperts:
+    def packed(n: int, k: int, part: bool = False) -> IntExperts:
         group = 128 if bits == 4 else k
+        groups = 2 * k // group if part else k // group  # (a half: all groups' scales)
         words = torch.randint(-(2**31), 2**31 - 1, (experts, n, k * bits // 32),
                               dtype=torch.int32, device="cuda", generator=gen)  # fmt: skip
-        scale = (torch.rand(experts, n, k // group, device="cuda", generator=gen) * 0.01
+        scale = (torch.rand(experts, n, groups, device="cuda", generator=gen) * 0.01
                  + 0.001).bfloat16()  # fmt: skip
-        zero = None if symmetric else torch.randint(-8, 8, (experts, n, k // group),
+        zero = None if symmetric else torch.randint(-8, 8, (experts, n, groups),
                                                     dtype=torch.int8, device="cuda",
                                                     generator=gen)  # fmt: skip
+        if part:
+            gidx = torch.randint(0, groups, (experts, k), dtype=torch.int32, device="cuda",
+                                 generator=gen)  # fmt: skip
+            return IntExperts(words, scale, zero, bits, group, k, gidx=gidx)
         perm = None
         if act_order:
             perm = torch.stack([torch.randperm(k, device="cuda", generator=gen)
                                 for _ in range(experts)]).to(torch.int32)  # fmt: skip
         return IntExperts(words, scale, zero, bits, group, k, perm)
 
-    w13, w2 = packed(2 * inter, hidden), packed(hidden, inter)
+    part = act_order == "part"
+    inter = inter // 2 if part else inter  # (a rank's half of the intermediate features)
+    w13, w2 = packed(2 * inter, hidden), packed(hidden, inter, part)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda", generator=gen),
                                   top_k, True)  # fmt: skip
