@@ -148,8 +148,8 @@ def _int_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bits: int, 
 
 def kernel_rows() -> list[dict[str, Any]]:
     """One row through each projection: bf16 F.linear, each weight-only format's GEMV and
-    GEMM, and W8A8 int8 (its activation quantization and torch._int_mm; microseconds; GB/s
-    of the weight bytes, scales and zero points included)."""
+    GEMM, and W8A8 int8 (its activation quantization and the int8 GEMV, or torch._int_mm;
+    microseconds; GB/s of the weight bytes, scales and zero points included)."""
     import functools
 
     import torch.nn.functional as F
@@ -181,18 +181,31 @@ def kernel_rows() -> list[dict[str, Any]]:
         int8 = [torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda", generator=gen)
                 for _ in range(copies)]  # fmt: skip
         scale = torch.rand(n, device="cuda", generator=gen) * 1e-3
-        us = _cycle_us(functools.partial(_w8a8_call, x, scale=scale), int8)
-        rows.append({"shape": name, "format": "w8a8", "kernel": "int_mm", "us": us,
-                     "gb_s": (n * k + scale.nbytes) / us / 1e3})  # fmt: skip
+        for kernel, call in (("gemv", _w8a8_call), ("int_mm", _w8a8_int_mm)):
+            us = _cycle_us(functools.partial(call, x, scale=scale), int8)
+            rows.append({"shape": name, "format": "w8a8", "kernel": kernel, "us": us,
+                         "gb_s": (n * k + scale.nbytes) / us / 1e3})  # fmt: skip
         int8.clear()
         torch.cuda.empty_cache()
     return rows + moe_rows()
 
 
 def _w8a8_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 as the layer runs it (one row: the int8 GEMV, kernels/int8_gemv.py)."""
     from engine.layers.int8 import int8_linear
 
     return int8_linear(x, w, scale)
+
+
+def _w8a8_int_mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """W8A8 of one row through torch._int_mm, the row padded to 17 (the GEMV's peer)."""
+    import torch.nn.functional as F
+
+    from kernels.fp8_gemm import quantize_rows_int8_triton
+
+    q, s = quantize_rows_int8_triton(x)
+    acc = torch._int_mm(F.pad(q, (0, 0, 0, 16)), w.t())[:1].float()
+    return (acc * s[:, None] * scale[None, :]).to(x.dtype)
 
 
 def moe_rows() -> list[dict[str, Any]]:
@@ -303,6 +316,12 @@ def main() -> None:
             summary[f"{key}_gemv_vs_bf16_one_row"] = (
                 per_format[("bf16", "cublas")] / per_format[(fmt, "gemv")]
             )
+        summary["w8a8_gemv_vs_int_mm_one_row"] = (
+            per_format[("w8a8", "int_mm")] / per_format[("w8a8", "gemv")]
+        )
+        summary["w8a8_gemv_vs_bf16_one_row"] = (
+            per_format[("bf16", "cublas")] / per_format[("w8a8", "gemv")]
+        )
         moe = {(r["shape"], r["format"]): r["us"] for r in kernels if r["shape"].startswith("moe")}
         for tokens in (1, 64):  # (bf16 time over the integer one: > 1 is faster)
             for fmt, key in (("w4a16 g128", "w4a16"), ("w8a16 channel", "w8a16"),

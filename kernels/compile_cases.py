@@ -217,6 +217,16 @@ def _launch_int(dtype: torch.dtype, bits: int, group: int | None, tokens: int,
     int_gemm(torch.empty(tokens, k, dtype=dtype), packed, scale, zero, bits, g, gidx=gidx)
 
 
+def _launch_int8_gemv(dtype: torch.dtype, k: int = 4096) -> None:
+    """W8A8 int8's one-row GEMV of a 4096 x k layer, out in `dtype`, with a bias."""
+    from kernels.int8_gemv import int8_gemv
+
+    n = 4096
+    int8_gemv(torch.empty(1, k, dtype=torch.int8), torch.empty(1),
+              torch.empty(n, k, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=dtype),
+              dtype)  # fmt: skip
+
+
 # weight-only integer GEMMs: W4A16 in groups of 128 (decode and prefill row blocks; with
 # zero points), W8A16 per channel; their one-row GEMV (1024 columns a step, 2048 from K 8192)
 INT_CASES = {"int w4 g128 T4": (4, 128, 4, True), "int w4 g128 T1024": (4, 128, 1024, True),
@@ -389,10 +399,15 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             labels = {"dtype": name, "case": f"fp8 quantize K{k} group {group_cols}"}
             yield labels, functools.partial(quantize_rows, torch.empty(4, k, dtype=dtype),
                                             group_cols)  # fmt: skip
-        # W8A8 int8's per-token activations (engine/layers/int8.py)
+        # W8A8 int8's per-token activations (engine/layers/int8.py), and its one-row GEMV
+        # (K steps of 1024; of 2048 from 8192)
         yield {"dtype": name, "case": "int8 quantize K4096"}, functools.partial(
             quantize_rows_int8_triton, torch.empty(4, 4096, dtype=dtype)
         )
+        for k in (4096, 8192):
+            yield {"dtype": name, "case": f"int8 gemv K{k}"}, functools.partial(
+                _launch_int8_gemv, dtype, k
+            )
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
     for name in ("float32", "bfloat16"):  # greedy sampling's logits (float32 in the engine)
@@ -453,6 +468,7 @@ def _pdl_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         "fp8 gemv group 128 K4096": part(_launch_fp8, bf16, (128, 128), 1),
         "int w4 g128 T4": part(_launch_int, bf16, 4, 128, 4),
         "int gemv w4 g128": part(_launch_int, bf16, 4, 128, 1),
+        "int8 gemv K4096": part(_launch_int8_gemv, bf16),
     }  # fmt: skip
     x1 = torch.zeros(1, 2048, dtype=bf16)
     norm = RMSNormInput(torch.zeros(2048, dtype=bf16), 1e-5, x1, torch.zeros_like(x1))

@@ -6,9 +6,10 @@ magnitude / 127, rounded to nearest even and clamped to [-128, 127], as vLLM's
 `scaled_int8_quant`). y = (x_q @ w_q.T) * s_x * s_w (+ bias).
 
 The matmul: on CUDA `torch._int_mm` (int8 x int8 -> int32; its rows padded past 16, as it
-needs), elsewhere the same integers multiplied in float32 (exact while a row's sum of
-products stays below 2^24, which covers the test models; large layers round there as the
-GPU's float epilogue would).
+needs), or for one row the int8 GEMV (`kernels.int8_gemv`: the same integers and epilogue,
+to the bit, in one launch after the row's quantization), elsewhere the same integers
+multiplied in float32 (exact while a row's sum of products stays below 2^24, which covers the
+test models; large layers round there as the GPU's float epilogue would).
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ def int8_linear(
     else:
         q, scale = quantize_rows_int8(x)
     m, n = q.shape[0], weight.shape[0]
+    if m == 1 and x.is_cuda and HAS_TRITON and not interpreting():  # (batch-1 decode)
+        from kernels.int8_gemv import int8_gemv
+
+        return int8_gemv(q, scale, weight, weight_scale, bias, x.dtype)
     if q.is_cuda and q.shape[1] % 8 == 0 and n % 8 == 0:
         rows = max(m, 17)  # (_int_mm takes more than 16 rows)
         padded = F.pad(q, (0, 0, 0, rows - m)) if rows > m else q

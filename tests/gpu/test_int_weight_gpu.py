@@ -65,6 +65,26 @@ def test_kernel_matches_the_reference(dtype, bits, group, symmetric, m):
     assert (got - want).abs().max().item() < 2e-2 * scale_of
 
 
+@pytest.mark.parametrize("k", [4096, 14336])
+def test_int8_one_row_gemv_is_the_int_mm_path_to_the_bit(k):
+    """One row (batch-1 decode) runs the int8 GEMV (kernels/int8_gemv.py): its exact int32
+    sums and float32 epilogue are what torch._int_mm's path gives, bit for bit."""
+    import torch.nn.functional as F
+
+    from engine.layers.int8 import int8_linear
+    from kernels.fp8_gemm import quantize_rows_int8_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+    w = torch.randint(-128, 128, (4096, k), dtype=torch.int8, device="cuda", generator=gen)
+    scale = torch.rand(4096, device="cuda", generator=gen) * 1e-3
+    bias = torch.randn(4096, device="cuda", generator=gen).bfloat16()
+    q, s = quantize_rows_int8_triton(x)
+    acc = torch._int_mm(F.pad(q, (0, 0, 0, 16)), w.t())[:1].float()
+    want = (acc * s[:, None] * scale[None, :] + bias.float()).bfloat16()
+    assert torch.equal(int8_linear(x, w, scale, bias), want)
+
+
 @pytest.mark.parametrize("m", [1, 16, 300])
 def test_int8_w8a8_on_torch_int_mm_matches_the_float_path(m):
     """W8A8 int8 (engine/layers/int8.py) on CUDA: torch._int_mm, its rows padded past 16,

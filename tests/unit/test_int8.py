@@ -67,3 +67,34 @@ def test_the_triton_quantize_is_the_torch_one_bit_for_bit() -> None:
         got_q, got_s = quantize_rows_int8_triton(x.to(dtype).to(device))
         want_q, want_s = quantize_rows_int8(x.to(dtype))
         assert torch.equal(got_q.cpu(), want_q) and torch.equal(got_s.cpu(), want_s), dtype
+
+
+def test_the_one_row_gemv_is_the_gemm_paths_arithmetic_bit_for_bit() -> None:
+    """The batch-1 GEMV CUDA runs for one row (kernels/int8_gemv.py, here in the
+    interpreter) against `int8_linear`'s other path (integer products summed exactly, here
+    in float32 below 2^24, then (sum * s_x) * s_w + bias in float32): 37 rows (programs of
+    4) over 1300 columns (a 1024-column step and a masked one), with and without a bias, of
+    float32 and bfloat16 inputs. (Its float32 result is compared before the cast to
+    bfloat16: the interpreter truncates that cast, the GPU rounds to nearest as torch.)"""
+    from engine.layers.int8 import quantize_rows_int8
+    from kernels.int8_gemv import int8_gemv
+    from kernels.testing import triton_test_device
+
+    device, skip = triton_test_device()
+    if skip is not None:
+        import pytest
+
+        pytest.skip(skip)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 1300, generator=g)
+    q_w = torch.randint(-128, 128, (37, 1300), generator=g, dtype=torch.int8)
+    s_w = torch.rand(37, generator=g) * 0.01
+    bias = torch.randn(37, generator=g)
+    for b in (None, bias):
+        for dtype in (torch.float32, torch.bfloat16):
+            q, s = quantize_rows_int8(x.to(dtype))
+            want = int8_linear(x.to(dtype), q_w, s_w, None if b is None else b.to(dtype))
+            got = int8_gemv(q.to(device), s.to(device), q_w.to(device), s_w.to(device),
+                            None if b is None else b.to(dtype).to(device),
+                            torch.float32)  # fmt: skip
+            assert torch.equal(got.cpu().to(dtype), want), (b is None, dtype)
