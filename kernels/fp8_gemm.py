@@ -283,7 +283,7 @@ def fp8_gemv(
     where the GEMM's 64-column tiles gave 48 programs to 132 SMs, and no MMA padded to 16
     rows. Tiles: `kernels.gemv.gemv_config`'s one-row ones (the H100 sweep's, for 16-bit
     weights). Products in float32, as the reference's."""
-    from kernels.gemv import gemv_config
+    from kernels.gemv import one_row_launch
 
     m, k = a_q.shape
     n = w_q.shape[0]
@@ -295,15 +295,11 @@ def fp8_gemv(
                          f"match groups {group} of a [{n}, {k}] weight")  # fmt: skip
     a_s, w_s = a_s.float().contiguous(), w_s.float().contiguous()
     out = torch.empty(1, n, dtype=out_dtype, device=a_q.device)
-    cfg = gemv_config(1, n, k)
-    opts = launch_opts(cfg["num_warps"])
-    if not interpreting():
-        opts["num_stages"] = cfg["num_stages"]
-    _fp8_gemv_kernel[(cdiv(n, cfg["BLOCK_N"]),)](
+    grid, opts = one_row_launch(n, k)
+    _fp8_gemv_kernel[grid](
         a_q, a_s, w_q, w_s, bias if bias is not None else out, out, n, k,
         w_q.stride(0), w_s.stride(0),
-        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **opts,
+        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, **opts,
     )  # fmt: skip
     return out
 

@@ -228,6 +228,18 @@ def gemv_config(
     return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4, "num_stages": stages}
 
 
+def one_row_launch(n: int, k: int) -> tuple[tuple[int], dict[str, int]]:
+    """(grid, keyword arguments) of a one-row GEMV kernel over an [n, k] weight of 1-byte
+    elements at `gemv_config`'s one-row tile (BLOCK_N, BLOCK_K, warps, and its stages where
+    compiled): the float8 and int8 GEMVs'."""
+    cfg = gemv_config(1, n, k)
+    opts = launch_opts(cfg["num_warps"])
+    if not interpreting():
+        opts["num_stages"] = cfg["num_stages"]
+    return (cdiv(n, cfg["BLOCK_N"]),), {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"],
+                                        **opts}  # fmt: skip
+
+
 class RMSNormInput(NamedTuple):
     """The GEMV's input is RMSNorm(x (+ residual)) with this weight [K] and eps: Llama's
     norm before its qkv and gate_up projections. With `residual` [M, K], x + residual (the

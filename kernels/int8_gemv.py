@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.jit import HAS_TRITON, cdiv, interpreting, launch_opts, pdl_prologue, tl, triton
+from kernels.jit import HAS_TRITON, pdl_prologue, tl, triton
 
 if HAS_TRITON:
 
@@ -63,19 +63,15 @@ def int8_gemv(
 ) -> torch.Tensor:
     """q [1, K] int8 (its scale `x_scale` [1] float32) times the int8 weight [N, K] with
     float32 scales [N] (+ bias) -> [1, N] in `out_dtype`."""
-    from kernels.gemv import gemv_config
+    from kernels.gemv import one_row_launch
 
     m, k = q.shape
     n = weight.shape[0]
     assert m == 1 and q.stride(1) == 1 and weight.stride(1) == 1, "int8_gemv: one row"
     y = torch.empty(1, n, dtype=out_dtype, device=q.device)
-    cfg = gemv_config(1, n, k)
-    opts = launch_opts(cfg["num_warps"])
-    if not interpreting():
-        opts["num_stages"] = cfg["num_stages"]
-    _int8_gemv_kernel[(cdiv(n, cfg["BLOCK_N"]),)](
+    grid, opts = one_row_launch(n, k)
+    _int8_gemv_kernel[grid](
         q, weight, weight_scale, bias if bias is not None else y, y, x_scale, n, k,
-        weight.stride(0), HAS_BIAS=bias is not None, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], **opts,
+        weight.stride(0), HAS_BIAS=bias is not None, **opts,
     )  # fmt: skip
     return y
