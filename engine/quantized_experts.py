@@ -76,15 +76,10 @@ def swap_int_experts(
 
 
 def swap_fp8_experts(model: nn.Module, config: Fp8Config, checkpoint: str | None) -> int:
-    """`swap_experts` for an FP8 checkpoint's float8 experts (`Fp8ExpertWeights`). Where a
-    rank's part of the down projection would cut the checkpoint's scale blocks (tensor
-    parallelism), that layer's experts stay 16-bit, dequantized as they load."""
-    def make(experts: ExpertWeights) -> ExpertWeights | None:
-        try:
-            return Fp8ExpertWeights.like(experts, config.block)
-        except ValueError as e:
-            logger.warning("FP8 experts kept in 16 bits: %s", e)
-            return None
+    """`swap_experts` for an FP8 checkpoint's float8 experts (`Fp8ExpertWeights`; a rank's
+    part of the down projection's columns may cut the checkpoint's blocks)."""
+    def make(experts: ExpertWeights) -> ExpertWeights:
+        return Fp8ExpertWeights.like(experts, config.block)
 
     return swap_experts(model, config, checkpoint, make)
 

@@ -79,6 +79,7 @@ def _grouped_gemm_kernel(
     stride_sn,
     cols_ptr,
     stride_ce,
+    k_offset,  # (float8: a rank's columns start this far into their first scale group)
     A_ROWS_PER_PAIR: tl.constexpr,  # top_k for the first GEMM (rows of x), 1 for the second
     HAS_BIAS: tl.constexpr,  # the expert's bias [N], added before the routing weight
     MUL_ROUTED_WEIGHT: tl.constexpr,
@@ -148,7 +149,7 @@ def _grouped_gemm_kernel(
             w_ptrs += BLOCK_K // PER_WORD
         else:
             if FP8:  # (w = float8 * its row's scale of this GROUP of columns)
-                scale = tl.load(s_ptrs + k0 // GROUP, mask=n_mask, other=0.0)
+                scale = tl.load(s_ptrs + (k0 + k_offset) // GROUP, mask=n_mask, other=0.0)
                 w = w.to(tl.float32) * scale[None, :]
             w_ptrs += BLOCK_K * stride_wk
         acc += tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), input_precision=PRECISION)
@@ -187,7 +188,7 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
     quant: dict = {}
     scale = zero = cols = c
     scale_strides = (0, 0)
-    cols_stride = 0
+    cols_stride = k_offset = 0
     if isinstance(w, torch.Tensor):
         strides = (w.stride(0), w.stride(1), w.stride(2))
     else:  # (quantized experts: a scale per row and group of K columns)
@@ -210,8 +211,11 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
                     block_n = 32
             w = w.packed
             strides = (w.stride(0), w.stride(1), 1)
-        else:  # (float8)
+        else:  # (float8; a step must not cross a group from the part's first column either)
             quant = {"FP8": True, "GROUP": w.group}
+            k_offset = w.offset
+            if k_offset:
+                block_k = min(block_k, k_offset & -k_offset)
             w = w.data
             strides = (w.stride(0), w.stride(1), w.stride(2))
     grid = (sorted_ids.numel() // block_m, cdiv(n, block_n))
@@ -219,7 +223,7 @@ def _grouped_gemm(a, w, c, bias, routed_weight, align, num_pairs, rows_per_pair,
         a, w, c, bias if bias is not None else c, routed_weight, sorted_ids, block_experts,
         total, num_pairs, n, k, a.stride(0), *strides,
         bias.stride(0) if bias is not None else 0, c.stride(0), scale, zero, *scale_strides,
-        cols, cols_stride,
+        cols, cols_stride, k_offset,
         A_ROWS_PER_PAIR=rows_per_pair,
         HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=routed_weight is not None,

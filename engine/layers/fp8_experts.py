@@ -33,12 +33,15 @@ from kernels.jit import cdiv
 @dataclass(frozen=True)
 class Fp8Experts:
     """Every expert's float8 weight `data` [E, N, K] and its scales `scale` [E, N,
-    cdiv(K, group)] (float32); dequantized in `dtype` (the model's)."""
+    cdiv(offset + K, group)] (float32); dequantized in `dtype` (the model's). `offset`: a
+    rank's part of the columns (tensor parallelism) that starts `offset` columns into its
+    first scale block."""
 
     data: torch.Tensor
     scale: torch.Tensor
     group: int
     dtype: torch.dtype
+    offset: int = 0
 
     @property
     def shape(self) -> torch.Size:
@@ -46,14 +49,14 @@ class Fp8Experts:
 
     def dequantized(self) -> torch.Tensor:
         """Every expert's weight [E, N, K] in `dtype`."""
-        k = self.data.shape[2]
-        scale = self.scale.repeat_interleave(self.group, 2)[:, :, :k]
+        k, o = self.data.shape[2], self.offset
+        scale = self.scale.repeat_interleave(self.group, 2)[:, :, o : o + k]
         return (self.data.float() * scale).to(self.dtype)
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         """Expert `expert`'s weight [N, K], dequantized in `dtype`."""
-        k = self.data.shape[2]
-        scale = self.scale[expert].repeat_interleave(self.group, 1)[:, :k]
+        k, o = self.data.shape[2], self.offset
+        scale = self.scale[expert].repeat_interleave(self.group, 1)[:, o : o + k]
         return (self.data[expert].float() * scale).to(self.dtype)
 
 
@@ -88,24 +91,22 @@ class Fp8ExpertWeights(ExpertWeights):
         experts: tuple[int, int] | None = None,
     ) -> None:
         self.group, self.dtype = int(group) if group else in_features, dtype
+        # (a rank's part of the down projection's columns may start inside a scale block)
+        self.offset = split[1] % self.group if group and split and split[0] == 1 else 0
         super().__init__(num_experts, in_features, shards, split, experts)
 
     def _init_weights(self) -> None:
         e, n, k = self.num_local, self.out_features, self.in_features
         self.weight = nn.Parameter(torch.empty(e, n, k, dtype=FP8_DTYPE), requires_grad=False)
-        self.register_buffer("weight_scale", torch.empty(e, n, cdiv(k, self.group)))
+        self.register_buffer("weight_scale", torch.empty(e, n, cdiv(self.offset + k, self.group)))
 
     @classmethod
     def like(cls, experts: ExpertWeights, block: tuple[int, int] | None) -> Fp8ExpertWeights:
-        """Empty float8 experts of `experts`' shape, shards and parallel split, on its device.
-        ValueError where a rank's part of the down projection's columns would cut a block."""
+        """Empty float8 experts of `experts`' shape, shards and parallel split, on its device
+        (a rank's part of the down projection's columns may cut the checkpoint's blocks: it
+        keeps the scales of the blocks it overlaps)."""
         split = experts.split
         group = block[1] if block else None
-        if split is not None and split[0] == 1 and group is not None:
-            _, start, length, full = split
-            if start % group or not (length % group == 0 or start + length == full):
-                raise ValueError(f"the experts' down projection: a rank's {length} of {full} "
-                                 f"columns are not whole {group}-column FP8 blocks")  # fmt: skip
         with torch.device(experts.weight.device):
             return cls(
                 experts.num_local, experts.in_features, experts.shards, group,
@@ -131,7 +132,7 @@ class Fp8ExpertWeights(ExpertWeights):
                 f"float8, scale per row and {self.group} columns")  # fmt: skip
 
     def operand(self) -> Fp8Experts:
-        return Fp8Experts(self.weight, self.weight_scale, self.group, self.dtype)
+        return Fp8Experts(self.weight, self.weight_scale, self.group, self.dtype, self.offset)
 
     def load_shard(
         self,

@@ -137,10 +137,12 @@ def fused_experts(
     `engine.layers.fp8_experts.Fp8Experts`)."""
     impl = _cuda_experts() if x.is_cuda else fused_experts_torch
     if x.is_cuda and not isinstance(w13, torch.Tensor) and any(
-        w.group % 16 and getattr(w, "gidx", None) is None for w in (w13, w2)
+        (w.group % 16 and getattr(w, "gidx", None) is None) or getattr(w, "offset", 0) % 16
+        for w in (w13, w2)
     ):  # fmt: skip
-        # (the kernels' K steps divide a group: other groups run on every expert dequantized,
-        # which keeps the layer capturable in a CUDA graph)
+        # (the kernels' K steps divide a group, and a float8 part's offset into its first
+        # one: other groups run on every expert dequantized, which keeps the layer capturable
+        # in a CUDA graph)
         w13, w2 = w13.dequantized(), w2.dequantized()
     return impl(x, w13, w2, topk_weights, topk_ids)
 

@@ -226,3 +226,26 @@ def test_float8_experts_match_their_float_weights(block, num_tokens):
     w13, w13_float = _fp8_experts(6, 80, 72, block, seed=4)
     w2, w2_float = _fp8_experts(6, 72, 40, block, seed=5)
     _assert_quantized_experts_match(x, weights, ids, (w13, w13_float), (w2, w2_float))
+
+
+@needs_triton
+@pytest.mark.parametrize("start", [16, 8])
+@pytest.mark.parametrize("num_tokens", [3, 80])
+def test_float8_experts_of_a_part_that_cuts_its_blocks(start, num_tokens):
+    """A rank's part of float8 experts' down projection (tensor parallelism) that starts
+    inside a scale block: columns `start`..`start` + 40 of 80 in 32-column blocks keep the
+    scales of the blocks they overlap (`Fp8Experts.offset`: 16 or 8 columns into the first),
+    and the grouped GEMMs' steps stay within a block (16 or 8 columns a step); against the
+    float weights' same columns."""
+    from dataclasses import replace
+
+    x, _, _, weights, ids = _case(num_tokens, 6, 2, 72, 40, torch.float32, seed=3)
+    w13, w13_float = _fp8_experts(6, 80, 72, (16, 16), seed=4)
+    whole, whole_float = _fp8_experts(6, 72, 80, (16, 32), seed=5)
+    end = start + 40
+    w2 = replace(whole, data=whole.data[:, :, start:end].contiguous(),
+                 scale=whole.scale[:, :, start // 32 : -(-end // 32)].contiguous(),
+                 offset=start % 32)  # fmt: skip
+    w2_float = whole_float[:, :, start:end].contiguous()
+    _assert_quantized_experts_match(x, weights, ids, (w13, w13_float), (w2, w2_float))
+    torch.testing.assert_close(w2.dequantized(), w2_float, atol=1e-6, rtol=1e-6)
