@@ -157,26 +157,32 @@ INT_MOE_CASES = {"moe int w4 g128": (4, True), "moe int w4 g128 asym": (4, False
                  "moe int w8 channel": (8, True)}  # fmt: skip
 
 
-def _launch_fp8_moe(dtype: torch.dtype, tokens: int, block: bool) -> None:
+def _launch_fp8_moe(dtype: torch.dtype, tokens: int, block: bool, part: bool = False) -> None:
     """Both grouped GEMMs over float8 experts (Qwen3-30B-A3B's shape): a block checkpoint's
-    scales (128 columns a scale, per row) or a per-tensor one's (a scale per row)."""
+    scales (128 columns a scale, per row) or a per-tensor one's (a scale per row). `part`:
+    rank 1 of 8's (96 of the 768 features: its down projection's columns start 96 into a
+    block, K steps of 32)."""
     from engine.layers.fp8_experts import Fp8Experts
 
     hidden, experts, top_k, inter = MOE_SHAPES[0]
+    offset = 0
+    if part:
+        inter = offset = inter // 8
 
-    def experts_of(n: int, k: int) -> Fp8Experts:
+    def experts_of(n: int, k: int, offset: int = 0) -> Fp8Experts:
         group = 128 if block else k
-        scale = torch.empty(experts, n, k // group)
+        scale = torch.empty(experts, n, -(-(offset + k) // group))
         weight = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn)
-        return Fp8Experts(weight, scale, group, dtype)
+        return Fp8Experts(weight, scale, group, dtype, offset)
 
     x = torch.empty(tokens, hidden, dtype=dtype)
     ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
-    fused_experts_triton(x, experts_of(2 * inter, hidden), experts_of(hidden, inter),
+    fused_experts_triton(x, experts_of(2 * inter, hidden), experts_of(hidden, inter, offset),
                          torch.full(ids.shape, 1.0 / top_k), ids)  # fmt: skip
 
 
-FP8_MOE_CASES = {"moe fp8 block 128": True, "moe fp8 tensor": False}
+FP8_MOE_CASES = {"moe fp8 block 128": (True,), "moe fp8 tensor": (False,),
+                 "moe fp8 block 128 part": (True, True)}  # fmt: skip
 
 
 def _launch_moe_gpt_oss(dtype: torch.dtype, tokens: int) -> None:
@@ -381,9 +387,9 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             for case, int_case in INT_MOE_CASES.items():
                 labels = {"dtype": name, "case": f"{case} T{tokens}"}
                 yield labels, functools.partial(_launch_int_moe, dtype, tokens, *int_case)
-            for case, block in FP8_MOE_CASES.items():
+            for case, fp8_case in FP8_MOE_CASES.items():
                 labels = {"dtype": name, "case": f"{case} T{tokens}"}
-                yield labels, functools.partial(_launch_fp8_moe, dtype, tokens, block)
+                yield labels, functools.partial(_launch_fp8_moe, dtype, tokens, *fp8_case)
     for name, dtype in DTYPES.items():
         for group in ((128, 128), (1, 4096)):  # a block-scaled checkpoint; per channel
             for tokens in (4, 1024):  # 16-row and 64-row blocks

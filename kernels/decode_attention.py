@@ -284,12 +284,13 @@ def _decode_merge_kernel(
     tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-def split_warps(dtype: torch.dtype, block_d: int) -> int:
+def split_warps(dtype: torch.dtype, block_d: int, num_splits: int = 8) -> int:
     """Warps of the stage-1 kernel. 4, except for float32 (ieee FMA dots, see
     `extend_attention.launch_config`) above head_dim 64: at 4 warps ptxas for sm_90a hit 255
     registers and spilled (triton 3.6 and 3.9); at 8 it uses 73-80 and spills nothing. At
-    head_dim 256 8 warps spill again (255 registers, 28-56 B); 16 use 78."""
-    if dtype != torch.float32 or block_d <= 64:
+    head_dim 256 8 warps spill again (255 registers, 28-56 B); 16 use 78. float32 at head_dim
+    64 with more than 16 splits (batch 1's 32) spilled 4 B at 4 warps (triton 3.9): 8."""
+    if dtype != torch.float32 or (block_d <= 64 and num_splits <= 16):
         return 4
     return 8 if block_d <= 128 else 16
 
@@ -406,7 +407,7 @@ def decode_attention(
         BLOCK_S=next_pow2(num_splits),
         DOT_DTYPE=dot_dtype(dtype),
         PRECISION=dot_precision(dtype),
-        **launch_opts(split_warps(dtype, block_d)),
+        **launch_opts(split_warps(dtype, block_d, num_splits)),
     )  # fmt: skip
     if fuse:
         return out
