@@ -166,29 +166,34 @@ def test_cuda_graphs_match_eager_with_fp8():
     assert same >= len(prompts) - 1, outs  # one near-tie may flip on a different GEMM split
 
 
-@pytest.mark.parametrize("block", [True, False], ids=["block-128", "tensor"])
+@pytest.mark.parametrize("block", [True, False, "part"], ids=["block-128", "tensor", "part"])
 @pytest.mark.parametrize("tokens", [4, 300])
 def test_float8_experts_match_the_torch_path(block, tokens):
     """Float8 experts (engine/layers/fp8_experts.py) through the fused MoE's grouped GEMMs
     (compiled: each float8 tile converted and scaled in registers) against the torch path on
     their dequantized weights: 16 experts of Qwen3-30B-A3B's shape, top 8, bf16 activations;
-    128-column block scales or one per row."""
+    128-column block scales or one per row; "part": rank 1 of 8's (96 intermediate features,
+    its down projection's columns starting 96 into a block: K steps of 32)."""
     from engine.layers.fp8_experts import Fp8Experts
     from engine.layers.moe import fused_experts_torch, select_experts
     from kernels.fused_moe import fused_experts_triton
 
     experts, top_k, hidden, inter = 16, 8, 2048, 768
+    offset = 0
+    if block == "part":
+        inter = offset = 96
     gen = torch.Generator(device="cuda").manual_seed(0)
 
-    def of(n: int, k: int) -> Fp8Experts:
+    def of(n: int, k: int, offset: int = 0) -> Fp8Experts:
         group = 128 if block else k
         data = (torch.randn(experts, n, k, device="cuda", generator=gen) * 64).to(
             torch.float8_e4m3fn
         )
-        scale = torch.rand(experts, n, k // group, device="cuda", generator=gen) * 1e-3 + 1e-4
-        return Fp8Experts(data, scale, group, torch.bfloat16)
+        groups = -(-(offset + k) // group)
+        scale = torch.rand(experts, n, groups, device="cuda", generator=gen) * 1e-3 + 1e-4
+        return Fp8Experts(data, scale, group, torch.bfloat16, offset)
 
-    w13, w2 = of(2 * inter, hidden), of(hidden, inter)
+    w13, w2 = of(2 * inter, hidden), of(hidden, inter, offset)
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     weights, ids = select_experts(torch.randn(tokens, experts, device="cuda", generator=gen),
                                   top_k, True)  # fmt: skip
