@@ -10,7 +10,9 @@ experts get theirs; tensor and expert parallelism split them the same way (a row
 part of the down projection must be whole groups). With GPTQ's activation ordering each
 expert's columns are sorted by group as they load (`PackedIntWeight.perm`), and the order is
 kept per expert, `input_perm` [E, K] (a dense layer permutes its input once; here each
-expert reads the input in its own order, so the kernels gather the columns).
+expert reads the input in its own order, so the kernels gather the columns); a rank's part
+of the down projection's columns keeps them in the input's order instead, each column's
+group in `weight_gidx` [E, K] (the kernels gather the scales), in any split.
 
 `IntExperts` is what the compute takes: on CUDA the grouped GEMMs of `kernels.fused_moe`
 expand each tile of words in registers; elsewhere `fused_experts_torch` dequantizes each

@@ -65,7 +65,8 @@ class PackedIntWeight:
                        zero=None if self.zero is None else self.zero[rows])  # fmt: skip
 
     def narrow(self, dim: int, start: int, length: int) -> PackedIntWeight:
-        """Rows (dim 0), or columns (dim 1: whole groups and whole words) of it."""
+        """Rows (dim 0), or columns (dim 1: whole groups; with activation ordering any
+        columns, in the input's order with each one's group, `gidx`) of it."""
         if dim == 0:
             return self[start : start + length]
         per_word = 32 // self.bits
