@@ -191,7 +191,7 @@ def kernel_rows() -> list[dict[str, Any]]:
 
 
 def _w8a8_call(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """W8A8 as the layer runs it (one row: the int8 GEMV, kernels/int8_gemv.py)."""
+    """W8A8 as the layer runs it (one row: the int8 GEMV, `fp8_gemv`'s int8 mode)."""
     from engine.layers.int8 import int8_linear
 
     return int8_linear(x, w, scale)

@@ -225,7 +225,7 @@ def _launch_int(dtype: torch.dtype, bits: int, group: int | None, tokens: int,
 
 def _launch_int8_gemv(dtype: torch.dtype, k: int = 4096) -> None:
     """W8A8 int8's one-row GEMV of a 4096 x k layer, out in `dtype`, with a bias."""
-    from kernels.int8_gemv import int8_gemv
+    from engine.layers.int8 import int8_gemv
 
     n = 4096
     int8_gemv(torch.empty(1, k, dtype=torch.int8), torch.empty(1),

@@ -241,11 +241,15 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PDL: tl.constexpr,
+        INT8: tl.constexpr = False,
     ):
         """One program per BLOCK_N weight rows; a [BLOCK_N, BLOCK_K] float32 tile of products
         walks K and is summed once at the end (kernels/gemv.py's one-row reduction). Each
         product carries its activation group's and its weight block's scales, gathered per
-        column, so a step may span scale groups."""
+        column, so a step may span scale groups. `INT8`: W8A8 int8 per token and channel
+        (engine/layers/int8.py) instead: an int32 tile of the integers' products (exact, as
+        `torch._int_mm`'s), then `int8_linear`'s float32 epilogue in its order, (sum * a_s) *
+        w_s (+ bias): its result to the bit."""
         pdl_prologue(PDL)
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -253,18 +257,29 @@ if HAS_TRITON:
         n_mask = offs_n < N
         w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
         w_s_rows = w_s_ptr + (offs_n // GROUP_N)[:, None] * stride_wsn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        if INT8:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             cols = k0 + offs_k
             k_mask = cols < K
-            group = cols // GROUP_K
-            a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
-            a_s = tl.load(a_s_ptr + group, mask=k_mask, other=0.0)
             mask = n_mask[:, None] & k_mask[None, :]
-            w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            w_s = tl.load(w_s_rows + group[None, :], mask=mask, other=0.0)
-            acc += (w * w_s) * (a * a_s)[None, :]
-        y = tl.sum(acc, axis=1)
+            if INT8:
+                a = tl.load(a_ptr + cols, mask=k_mask, other=0).to(tl.int32)
+                acc += tl.load(w_rows + cols[None, :], mask=mask, other=0).to(tl.int32) * a
+            else:
+                group = cols // GROUP_K
+                a = tl.load(a_ptr + cols, mask=k_mask, other=0.0).to(tl.float32)
+                a_s = tl.load(a_s_ptr + group, mask=k_mask, other=0.0)
+                w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                w_s = tl.load(w_s_rows + group[None, :], mask=mask, other=0.0)
+                acc += (w * w_s) * (a * a_s)[None, :]
+        if INT8:  # (one scale per row and per channel: GROUP_N 1, GROUP_K K)
+            w_s = tl.load(w_s_ptr + offs_n * stride_wsn, mask=n_mask, other=0.0)
+            y = (tl.sum(acc, axis=1).to(tl.float32) * tl.load(a_s_ptr)) * w_s
+        else:
+            y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         tl.store(c_ptr + offs_n, y.to(c_ptr.dtype.element_ty), mask=n_mask)
@@ -278,11 +293,14 @@ def fp8_gemv(
     group: tuple[int, int],
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    int8: bool = False,
 ) -> torch.Tensor:
     """`fp8_gemm` of one row (a_q [1, K]) as a GEMV: 4-row programs (768 for an N of 3072)
     where the GEMM's 64-column tiles gave 48 programs to 132 SMs, and no MMA padded to 16
     rows. Tiles: `kernels.gemv.gemv_config`'s one-row ones (the H100 sweep's, for 16-bit
-    weights). Products in float32, as the reference's."""
+    weights). Products in float32, as the reference's. `int8`: W8A8 int8 (int8 a_q and w_q,
+    a scale per row and per channel: group (1, K)), `engine.layers.int8.int8_linear`'s
+    arithmetic for one row."""
     from kernels.gemv import one_row_launch
 
     m, k = a_q.shape
@@ -299,7 +317,7 @@ def fp8_gemv(
     _fp8_gemv_kernel[grid](
         a_q, a_s, w_q, w_s, bias if bias is not None else out, out, n, k,
         w_q.stride(0), w_s.stride(0),
-        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, **opts,
+        GROUP_N=group_n, GROUP_K=group_k, HAS_BIAS=bias is not None, INT8=int8, **opts,
     )  # fmt: skip
     return out
 

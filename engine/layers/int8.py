@@ -6,8 +6,8 @@ magnitude / 127, rounded to nearest even and clamped to [-128, 127], as vLLM's
 `scaled_int8_quant`). y = (x_q @ w_q.T) * s_x * s_w (+ bias).
 
 The matmul: on CUDA `torch._int_mm` (int8 x int8 -> int32; its rows padded past 16, as it
-needs), or for one row the int8 GEMV (`kernels.int8_gemv`: the same integers and epilogue,
-to the bit, in one launch after the row's quantization), elsewhere the same integers
+needs), or for one row a GEMV (`int8_gemv`: the same integers and epilogue, to the bit, in
+one launch after the row's quantization), elsewhere the same integers
 multiplied in float32 (exact while a row's sum of products stays below 2^24, which covers the
 test models; large layers round there as the GPU's float epilogue would).
 """
@@ -70,6 +70,23 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int8_gemv(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """One quantized row q [1, K] (its scale [1]) times the int8 weight [N, K] (scales [N])
+    as a GEMV (`kernels.fp8_gemm.fp8_gemv`'s int8 mode): `int8_linear`'s result, bit for bit,
+    in one launch where `torch._int_mm` pads the row to 17 and scales in more."""
+    from kernels.fp8_gemm import fp8_gemv
+
+    return fp8_gemv(q, scale.view(1, 1), weight, weight_scale.view(-1, 1), (1, q.shape[1]), bias,
+                    out_dtype, int8=True)  # fmt: skip
+
+
 def int8_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
@@ -84,8 +101,6 @@ def int8_linear(
         q, scale = quantize_rows_int8(x)
     m, n = q.shape[0], weight.shape[0]
     if m == 1 and x.is_cuda and HAS_TRITON and not interpreting():  # (batch-1 decode)
-        from kernels.int8_gemv import int8_gemv
-
         return int8_gemv(q, scale, weight, weight_scale, bias, x.dtype)
     if q.is_cuda and q.shape[1] % 8 == 0 and n % 8 == 0:
         rows = max(m, 17)  # (_int_mm takes more than 16 rows)

@@ -67,7 +67,7 @@ def test_kernel_matches_the_reference(dtype, bits, group, symmetric, m):
 
 @pytest.mark.parametrize("k", [4096, 14336])
 def test_int8_one_row_gemv_is_the_int_mm_path_to_the_bit(k):
-    """One row (batch-1 decode) runs the int8 GEMV (kernels/int8_gemv.py): its exact int32
+    """One row (batch-1 decode) runs the int8 GEMV (`fp8_gemv`'s int8 mode): its exact int32
     sums and float32 epilogue are what torch._int_mm's path gives, bit for bit."""
     import torch.nn.functional as F
 

@@ -70,14 +70,14 @@ def test_the_triton_quantize_is_the_torch_one_bit_for_bit() -> None:
 
 
 def test_the_one_row_gemv_is_the_gemm_paths_arithmetic_bit_for_bit() -> None:
-    """The batch-1 GEMV CUDA runs for one row (kernels/int8_gemv.py, here in the
-    interpreter) against `int8_linear`'s other path (integer products summed exactly, here
-    in float32 below 2^24, then (sum * s_x) * s_w + bias in float32): 37 rows (programs of
-    4) over 1300 columns (a 1024-column step and a masked one), with and without a bias, of
-    float32 and bfloat16 inputs. (Its float32 result is compared before the cast to
-    bfloat16: the interpreter truncates that cast, the GPU rounds to nearest as torch.)"""
-    from engine.layers.int8 import quantize_rows_int8
-    from kernels.int8_gemv import int8_gemv
+    """The batch-1 GEMV CUDA runs for one row (`int8_gemv`: kernels/fp8_gemm.py's GEMV in
+    its int8 mode, here in the interpreter) against `int8_linear`'s other path (integer
+    products summed exactly, here in float32 below 2^24, then (sum * s_x) * s_w + bias in
+    float32): 37 rows (programs of 4) over 1300 columns (a 1024-column step and a masked
+    one), with and without a bias, of float32 and bfloat16 inputs. (Its float32 result is
+    compared before the cast to bfloat16: the interpreter truncates that cast, the GPU
+    rounds to nearest as torch.)"""
+    from engine.layers.int8 import int8_gemv, quantize_rows_int8
     from kernels.testing import triton_test_device
 
     device, skip = triton_test_device()

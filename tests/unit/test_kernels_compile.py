@@ -108,7 +108,7 @@ PDL_VARIANTS = [
     ("_fp8_gemv_kernel", "bfloat16", None, None, None, "pdl fp8 gemv group 128 K4096"),
     ("_int_gemm_kernel", "bfloat16", None, None, None, "pdl int w4 g128 T4"),
     ("_int_gemv_kernel", "bfloat16", None, None, None, "pdl int gemv w4 g128"),
-    ("_int8_gemv_kernel", "bfloat16", None, None, None, "pdl int8 gemv K4096"),
+    ("_fp8_gemv_kernel", "bfloat16", None, None, None, "pdl int8 gemv K4096"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv add_rms_norm M1 N3072 K2048"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv silu_mul M1 N2048 K8192"),
     ("_gemv_kernel", "bfloat16", None, None, None, "pdl gemv M4 N2048 K2048"),
@@ -189,8 +189,8 @@ def expected_variants() -> list[tuple]:
         for dtype in DTYPES
         for case in INT_GEMV_CASES
     ]
-    rows += [  # W8A8 int8's one-row GEMV (kernels/int8_gemv.py), out in each dtype
-        ("_int8_gemv_kernel", dtype, None, None, None, f"int8 gemv K{k}")
+    rows += [  # W8A8 int8's one-row GEMV (the float8 one's int8 mode), out in each dtype
+        ("_fp8_gemv_kernel", dtype, None, None, None, f"int8 gemv K{k}")
         for dtype in DTYPES
         for k in (4096, 8192)
     ]
