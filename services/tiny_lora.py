@@ -29,13 +29,19 @@ def make_tiny_lora(
     seed: int = 0,
     strength: float = 0.5,
     use_rslora: bool = False,
+    rank_pattern: dict[str, int] | tuple[tuple[str, int], ...] = (),
+    alpha_pattern: dict[str, float] | tuple[tuple[str, float], ...] = (),
 ) -> str:
-    """Write a random rank-``rank`` adapter of ``targets`` for the model in ``model_dir``."""
+    """Write a random rank-``rank`` adapter of ``targets`` for the model in ``model_dir``
+    (PEFT's `rank_pattern` / `alpha_pattern`, as dicts or (key, value) pairs: some modules'
+    own ranks and alphas)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    from engine.lora.adapter import pattern_value
+
     alpha = float(alpha if alpha is not None else 2 * rank)
-    scaling = alpha / rank**0.5 if use_rslora else alpha / rank
+    rank_pattern, alpha_pattern = dict(rank_pattern), dict(alpha_pattern)
     weights = _model_weights(model_dir)
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -46,10 +52,13 @@ def make_tiny_lora(
         with safe_open(weights[name], framework="pt") as f:
             w = f.get_tensor(name).float()
         out_f, in_f = w.shape
-        a = torch.randn(rank, in_f, generator=gen) / in_f**0.5
+        r = int(pattern_value(rank_pattern, module, rank))
+        a_m = float(pattern_value(alpha_pattern, module, alpha))
+        scaling = a_m / r**0.5 if use_rslora else a_m / r
+        a = torch.randn(r, in_f, generator=gen) / in_f**0.5
         # B @ A @ x has about |B| * |x| per output; a row of w gives |w_row| * |x|
         row_norm = float(w.norm(dim=1).mean())
-        b = torch.randn(out_f, rank, generator=gen) * (strength * row_norm / rank**0.5 / scaling)
+        b = torch.randn(out_f, r, generator=gen) * (strength * row_norm / r**0.5 / scaling)
         tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
     if not tensors:
@@ -63,6 +72,8 @@ def make_tiny_lora(
         "r": rank,
         "lora_alpha": alpha,
         "use_rslora": use_rslora,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
         "target_modules": sorted({k.split(".")[-3] for k in tensors}),
         "lora_dropout": 0.0,
         "bias": "none",

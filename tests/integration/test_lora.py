@@ -87,6 +87,24 @@ def test_each_request_gets_its_adapter(arch: str, kw: dict) -> None:
         engine.shutdown()
 
 
+def test_per_module_ranks_and_alphas() -> None:
+    """PEFT's `rank_pattern` / `alpha_pattern` (some modules' own r and alpha, the first key
+    matching the end of the module's path): q_proj at rank 4, layer 1's down_proj at 16
+    (a key with a dot), v_proj with alpha 2 (its own scaling), the rest at rank 8 with the
+    adapter's alpha; beside an adapter without patterns. The slots are the largest rank's."""
+    ranks = (("q_proj", 4), (r"layers\.1\.mlp\.down_proj", 16))
+    patterned = adapter("llama", 5, rank_pattern=ranks, alpha_pattern=(("v_proj", 2.0),))
+    with open(os.path.join(patterned, "adapter_config.json")) as f:
+        assert json.load(f)["rank_pattern"] == dict(ranks)
+    engine = check_against_peft("llama", {"p": patterned, "a": adapter("llama", 1)},
+                                ["p", None, "a", "p"], disable_overlap_schedule=True)  # fmt: skip
+    try:
+        assert engine.scheduler.model_runner.lora.max_rank == 16
+        assert_engine_clean(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_more_adapters_than_slots() -> None:
     """One slot: requests of different adapters never share a batch, adapters are swapped
     in and out of the slot, and every request still gets its own."""
