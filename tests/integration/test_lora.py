@@ -165,6 +165,12 @@ def _edit_config(src: str, **changes: object) -> str:
         (lambda: _edit_config(adapter("llama", 1), use_dora=True), "use_dora=True"),
         (lambda: _edit_config(adapter("llama", 1), peft_type="IA3"), "IA3 is not LORA"),
         (lambda: _edit_config(adapter("llama", 1), r=4), "expected rank 4"),
+        (lambda: _edit_config(adapter("llama", 1), rank_pattern={"q_proj": 4}),
+         "q_proj has A .*; expected rank 4"),
+        (lambda: _edit_config(adapter("llama", 1), rank_pattern={"q_proj": 0}),
+         "rank_pattern must map module patterns to positive numbers"),
+        (lambda: _edit_config(adapter("llama", 1), alpha_pattern={"q_proj[": 2.0}),
+         "alpha_pattern key 'q_proj\\[' is not a regular expression"),
         (lambda: tempfile.mkdtemp(dir=_ROOT), "no adapter_config.json"),
     ],
 )
