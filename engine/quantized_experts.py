@@ -7,7 +7,6 @@ are dequantized as they load (engine/loader.py)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from torch import nn
@@ -18,30 +17,24 @@ from engine.layers.int_experts import IntExpertWeights
 from engine.layers.moe import ExpertWeights, FusedMoE
 from engine.quantization import IN_BLOCK, Fp8Config, QuantConfig, skipped
 
-logger = logging.getLogger(__name__)
-
 
 def swap_experts(
     model: nn.Module,
     config: QuantConfig,
     checkpoint: str | None,
-    make: Callable[[ExpertWeights], ExpertWeights | None],
+    make: Callable[[ExpertWeights], ExpertWeights],
 ) -> int:
-    """The MoE layers' experts swapped for quantized ones, `make(experts)` (None: kept as
-    they are), where the checkpoint stores them quantized (`config.parts` among an expert's
-    tensors: a config's targets say Linear layers, and transformers' fused experts are none:
-    their checkpoints hold them in 16 bits) and the config does not leave them out. Other
-    quantized experts are dequantized as they load."""
+    """The MoE layers' experts swapped for quantized ones, `make(experts)`, where the
+    checkpoint stores them quantized (`config.parts` among an expert's tensors: a config's
+    targets say Linear layers, and transformers' fused experts are none: their checkpoints
+    hold them in 16 bits) and the config does not leave them out. Other quantized experts
+    are dequantized as they load."""
     if checkpoint is None or not packed_experts(checkpoint, config.parts):
         return 0
-    count = 0
-    for module in moe_layers(model, config):
-        swapped = [make(getattr(module, attr)) for attr in ("w13", "w2")]
-        if None in swapped:
-            continue
-        module.w13, module.w2 = swapped
-        count += 1
-    return count
+    layers = moe_layers(model, config)
+    for module in layers:
+        module.w13, module.w2 = make(module.w13), make(module.w2)
+    return len(layers)
 
 
 def moe_layers(model: nn.Module, config: QuantConfig) -> list[nn.Module]:
