@@ -134,6 +134,46 @@ def quantize_experts(path: str, bits: int, group_size: int | None, act_order: bo
     return len(names)
 
 
+def _quantize_experts_if_they_fit(path: str, bits: int, args, gptq: bool) -> None:  # noqa: ANN001
+    """A MoE's experts quantized as the checkpoint's layers are (`quantize_experts`), as
+    real quantized MoE checkpoints store them, where their sizes are whole groups (and, for
+    GPTQ, whole words); else left in 16 bits, with a line saying why."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trial = os.path.join(tmp, "trial")
+        shutil.copytree(path, trial)
+        try:
+            count = quantize_experts(trial, bits, args.group_size or None,
+                                     act_order=args.act_order,
+                                     int8=args.quantization == "w8a8")  # fmt: skip
+            if gptq:
+                _check_whole_words(trial, bits)
+        except (RuntimeError, ValueError) as exc:
+            print(f"the MoE experts stay 16-bit ({exc}); for quantized experts choose "
+                  "--moe-intermediate-size and --hidden-size multiples of the group size"
+                  f"{' and of 8' if gptq and bits == 4 else ''}")  # fmt: skip
+            return
+        shutil.copy(os.path.join(trial, "model.safetensors"), path)
+    print(f"{count} expert matrices quantized")
+
+
+def _check_whole_words(path: str, bits: int) -> None:
+    """ValueError unless every packed matrix's input columns are whole int32 words (GPTQ's
+    layout packs them along K)."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            if name.endswith(".weight_shape"):
+                columns = int(f.get_tensor(name)[1])
+                if columns % (32 // bits):
+                    base = name.removesuffix(".weight_shape")
+                    raise ValueError(f"{base}: {columns} input columns are not whole "
+                                     f"{32 // bits}-integer words")  # fmt: skip
+
+
 def to_awq(path: str) -> int:
     """Rewrite a 4-bit compressed-tensors checkpoint with zero points (`quantize_checkpoint(...,
     symmetric=False)`) in place as an AutoAWQ GEMM one: per layer `qweight` [in, out / 8],
@@ -285,6 +325,10 @@ def apply(args, path: str) -> None:  # noqa: ANN001 - the parsed arguments
     quantize_checkpoint(path, bits, args.group_size or None, not (args.asymmetric or awq),
                         act_order=args.act_order,
                         activations=args.quantization == "w8a8")  # fmt: skip
+    from services.tiny_model import MOE_ARCHS
+
+    if args.arch in MOE_ARCHS and not (args.asymmetric or awq):  # (the experts too)
+        _quantize_experts_if_they_fit(path, bits, args, gptq)
     if awq:
         to_awq(path)
     if gptq:  # (GPTQ's own layout stores zero points less one; one of 0 needs its v2)

@@ -222,12 +222,15 @@ def test_experts_with_activation_ordering_stay_packed(tmp_path) -> None:
     holding half of every expert's down projection's columns (22 of 44: not whole groups nor
     whole words) in the input's order with each column's group (`IntExperts.gidx`), or half
     of the experts, whole. An expert whose up projection orders its columns unlike its gate
-    is refused."""
+    is refused. `make-tiny-model` writes the same checkpoint."""
+    from argparse import Namespace
+
     from safetensors.torch import load_file, save_file
 
     from engine.layers.int_experts import IntExpertWeights
     from engine.layers.moe import ExpertWeights
-    from services.tiny_int_weight import quantize_experts, to_gptq
+    from services.tiny_int_weight import apply, quantize_experts, to_gptq
+    from tests.factories import tiny_model
 
     source = str(tmp_path / "source")
     shutil.copytree(tiny_int_weight_model("qwen3_moe", 8, 4, True, act_order=True), source)
@@ -236,6 +239,15 @@ def test_experts_with_activation_ordering_stay_packed(tmp_path) -> None:
     shutil.copytree(source, path)
     to_gptq(path, act_order=True)
     reference = dequantized_copy(source, str(tmp_path / "reference"), act_order=True)
+    # (`make-tiny-model --arch qwen3_moe --quantization gptq-int8 --group-size 4 --act-order`
+    # writes this checkpoint, experts included)
+    cli = str(tmp_path / "cli")
+    shutil.copytree(tiny_model("qwen3_moe"), cli)
+    apply(Namespace(quantization="gptq-int8", group_size=4, asymmetric=False, act_order=True,
+                    arch="qwen3_moe"), cli)  # fmt: skip
+    written, want = (load_file(os.path.join(p, "model.safetensors")) for p in (cli, path))
+    assert sorted(written) == sorted(want)
+    assert all(torch.equal(written[n], want[n]) for n in want)
     with Engine(model_path=path, disable_overlap_schedule=True) as engine:
         experts = [m for m in engine.scheduler.model_runner.model.modules()
                    if isinstance(m, IntExpertWeights)]  # fmt: skip
