@@ -10,12 +10,12 @@ checkpoint tensor's shape (no memory, no data) while a dispatch mode records eve
 views of the served parameter, copied back through the source's view, give the checkpoint
 tensor as the model holds it. A tensor the loader computes from (an FP8 weight quantized as
 it loads) cannot be read back this way, nor can the parts of a quantized checkpoint's weight
-(its float8 or integer values and its scales, joined before anything is copied),
-and one it skips (a head tied to the embedding) is not a weight of its own: all are refused
-with the reason. A name that is not the
-checkpoint's but a model parameter's reads that parameter. With tensor parallelism each rank
-reads its part the same way (the meta copy is built as that rank's part, so the loader's own
-narrowing says where the part sits) and rank 0 puts the parts together.
+(its float8 or integer values and its scales, joined before anything is copied), and one it
+skips (a head tied to the embedding) is not a weight of its own: all are refused with the
+reason. A name that is not the checkpoint's but a model parameter's reads that parameter.
+With tensor parallelism each rank reads its part the same way (the meta copy is built as that
+rank's part, so the loader's own narrowing says where the part sits) and rank 0 puts the parts
+together.
 """
 
 from __future__ import annotations

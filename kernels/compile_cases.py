@@ -3,6 +3,8 @@ variants the engine launches (attention with GQA, windows and soft-caps, the flo
 fused MoE, the FP8 GEMM, the layers' elementwise kernels, the GEMV with its prologues, argmax,
 the page table). Each case is (labels, launch): launching runs the kernel's own launcher on
 CPU tensors, which `compile_check.offline_compiler` turns into a compile for the target.
+The quantized weights' kernels (integer and float8 experts, the FP8 and integer GEMMs and
+GEMVs, W8A8) are kernels/compile_cases_quant.py's.
 """
 
 from __future__ import annotations
@@ -15,14 +17,20 @@ import torch
 
 from kernels.activation import gelu_new, silu_and_mul
 from kernels.argmax import argmax_rows
+from kernels.compile_cases_quant import (
+    QWEN3_MOE,
+    launch_fp8,
+    launch_int,
+    launch_int8_gemv,
+    quantized_weight_cases,
+)
 from kernels.decode_attention import decode_attention, merge_counters
 from kernels.extend_attention import extend_attention
-from kernels.fp8_gemm import fp8_gemm, fp8_gemv, quantize_rows, quantize_rows_int8_triton
+from kernels.fp8_gemm import quantize_rows
 from kernels.fused_moe import fused_experts_triton
 from kernels.fused_norm import fused_add_layer_norm, fused_add_rms_norm, rms_norm
 from kernels.future_tokens import resolve_future_tokens_triton
 from kernels.gemv import RMSNormInput, gemv
-from kernels.int_gemm import int_gemm
 from kernels.jit import use_pdl
 from kernels.kv_store import store_kv
 from kernels.page_table import page_ids
@@ -46,7 +54,7 @@ STORE_KV_HEADS = 8
 # an FP8 KV cache (bf16 / fp16 models): the attention kernels read float8, store_kv copies it
 FP8_KV_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 # (hidden, experts, top_k, expert intermediate): Qwen3-30B-A3B, Mixtral-8x7B
-MOE_SHAPES = ((2048, 128, 8, 768), (4096, 8, 2, 14336))
+MOE_SHAPES = (QWEN3_MOE, (4096, 8, 2, 14336))
 # the elementwise kernels: RMSNorm rows (a per-head q/k norm up to the widest hidden the
 # kernel takes), SiLU-and-mul of Llama-3.2-1B's and Mistral-7B's intermediate sizes
 NORM_HIDDEN = (128, 2048, 4096, 8192, 16384)
@@ -115,76 +123,6 @@ def _launch_moe(dtype: torch.dtype, shape: tuple[int, int, int, int], tokens: in
     fused_experts_triton(x, w13, w2, torch.full(ids.shape, 1.0 / top_k), ids)
 
 
-def _launch_int_moe(
-    dtype: torch.dtype,
-    tokens: int,
-    bits: int,
-    symmetric: bool,
-    act_order: bool = False,
-    part: bool = False,
-) -> None:
-    """Both grouped GEMMs over integer experts (Qwen3-30B-A3B's shape; W4A16 in groups of 128
-    with or without zero points, or with activation ordering, W8A16 per channel). `part`:
-    a rank's half of the down projection's columns under activation ordering (each column's
-    group gathered)."""
-    from engine.layers.int_experts import IntExperts
-
-    hidden, experts, top_k, inter = MOE_SHAPES[0]
-
-    def packed(n: int, k: int, split: bool = False) -> IntExperts:
-        group = 128 if bits == 4 else k
-        groups = 2 * k // group if split else k // group
-        scale = torch.empty(experts, n, groups, dtype=dtype)
-        zero = None if symmetric else torch.empty(experts, n, groups, dtype=torch.int8)
-        words = torch.empty(experts, n, k * bits // 32, dtype=torch.int32)
-        order = torch.zeros(experts, k, dtype=torch.int32)
-        if split:
-            return IntExperts(words, scale, zero, bits, group, k, gidx=order)
-        return IntExperts(words, scale, zero, bits, group, k, order if act_order else None)
-
-    x = torch.empty(tokens, hidden, dtype=dtype)
-    ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
-    fused_experts_triton(x, packed(2 * inter, hidden), packed(hidden, inter // 2 if part else
-                                                              inter, part),
-                         torch.full(ids.shape, 1.0 / top_k), ids)  # fmt: skip
-
-
-# integer experts: W4A16 (groups of 128; with zero points; GPTQ's activation ordering, and a
-# rank's half of it: the down projection's columns each with its group), W8A16 per channel
-INT_MOE_CASES = {"moe int w4 g128": (4, True), "moe int w4 g128 asym": (4, False),
-                 "moe int w4 g128 act order": (4, True, True),
-                 "moe int w4 g128 act order part": (4, False, True, True),
-                 "moe int w8 channel": (8, True)}  # fmt: skip
-
-
-def _launch_fp8_moe(dtype: torch.dtype, tokens: int, block: bool, part: bool = False) -> None:
-    """Both grouped GEMMs over float8 experts (Qwen3-30B-A3B's shape): a block checkpoint's
-    scales (128 columns a scale, per row) or a per-tensor one's (a scale per row). `part`:
-    rank 1 of 8's (96 of the 768 features: its down projection's columns start 96 into a
-    block, K steps of 32)."""
-    from engine.layers.fp8_experts import Fp8Experts
-
-    hidden, experts, top_k, inter = MOE_SHAPES[0]
-    offset = 0
-    if part:
-        inter = offset = inter // 8
-
-    def experts_of(n: int, k: int, offset: int = 0) -> Fp8Experts:
-        group = 128 if block else k
-        scale = torch.empty(experts, n, -(-(offset + k) // group))
-        weight = torch.empty(experts, n, k, dtype=torch.float8_e4m3fn)
-        return Fp8Experts(weight, scale, group, dtype, offset)
-
-    x = torch.empty(tokens, hidden, dtype=dtype)
-    ids = torch.arange(tokens * top_k).remainder(experts).view(tokens, top_k)
-    fused_experts_triton(x, experts_of(2 * inter, hidden), experts_of(hidden, inter, offset),
-                         torch.full(ids.shape, 1.0 / top_k), ids)  # fmt: skip
-
-
-FP8_MOE_CASES = {"moe fp8 block 128": (True,), "moe fp8 tensor": (False,),
-                 "moe fp8 block 128 part": (True, True)}  # fmt: skip
-
-
 def _launch_moe_gpt_oss(dtype: torch.dtype, tokens: int) -> None:
     """gpt-oss-20b's experts (32, top 4, 2880 wide): weights stored [E, in, out] (transposed
     views for the kernels), biases, an activation of interleaved gate and up columns."""
@@ -196,55 +134,6 @@ def _launch_moe_gpt_oss(dtype: torch.dtype, tokens: int) -> None:
     ids = torch.arange(tokens * 4).remainder(32).view(tokens, 4)
     fused_experts_triton(x, w13, w2, torch.full(ids.shape, 0.25), ids, b13, b2,
                          lambda gate_up: gate_up[:, ::2] * gate_up[:, 1::2])  # fmt: skip
-
-
-def _launch_fp8(dtype: torch.dtype, group: tuple[int, int], tokens: int, k: int = 4096) -> None:
-    """The W8A8 GEMM of a 4096 x `k` layer with `dtype` output (one token: the GEMV)."""
-    n = 4096
-    a = torch.empty(tokens, k, dtype=torch.float8_e4m3fn)
-    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    a_s = torch.empty(tokens, -(-k // group[1]))
-    w_s = torch.empty(-(-n // group[0]), -(-k // group[1]))
-    (fp8_gemv if tokens == 1 else fp8_gemm)(a, a_s, w, w_s, group, None, dtype)
-
-
-def _launch_int(dtype: torch.dtype, bits: int, group: int | None, tokens: int,
-                symmetric: bool = True, k: int = 4096, part: bool = False) -> None:  # fmt: skip
-    """The W4A16 / W8A16 GEMM of a 4096 x k layer (group None: per channel); one token: the
-    GEMV kernel. `part`: a row-parallel half of a weight with activation ordering (each
-    column's group gathered, `gidx`)."""
-    n = 4096
-    g = group or k
-    groups = 2 * k // g if part else k // g
-    packed = torch.empty(n, k * bits // 32, dtype=torch.int32)
-    scale = torch.empty(n, groups, dtype=dtype)
-    zero = None if symmetric else torch.empty(n, groups, dtype=torch.int8)
-    gidx = torch.zeros(k, dtype=torch.int32) if part else None
-    int_gemm(torch.empty(tokens, k, dtype=dtype), packed, scale, zero, bits, g, gidx=gidx)
-
-
-def _launch_int8_gemv(dtype: torch.dtype, k: int = 4096) -> None:
-    """W8A8 int8's one-row GEMV of a 4096 x k layer, out in `dtype`, with a bias."""
-    from engine.layers.int8 import int8_gemv
-
-    n = 4096
-    int8_gemv(torch.empty(1, k, dtype=torch.int8), torch.empty(1),
-              torch.empty(n, k, dtype=torch.int8), torch.empty(n), torch.empty(n, dtype=dtype),
-              dtype)  # fmt: skip
-
-
-# weight-only integer GEMMs: W4A16 in groups of 128 (decode and prefill row blocks; with
-# zero points), W8A16 per channel; their one-row GEMV (1024 columns a step, 2048 from K 8192)
-INT_CASES = {"int w4 g128 T4": (4, 128, 4, True), "int w4 g128 T1024": (4, 128, 1024, True),
-             "int w4 g128 asym T1024": (4, 128, 1024, False),
-             "int w8 channel T1024": (8, None, 1024, True),
-             "int gemv w4 g128": (4, 128, 1, True), "int gemv w4 g128 asym": (4, 128, 1, False),
-             "int gemv w4 g128 K14336": (4, 128, 1, True, 14336),
-             "int gemv w8 channel": (8, None, 1, True),
-             "int gemv w8 channel K14336": (8, None, 1, True, 14336),
-             # (a row-parallel half with activation ordering, zero points)
-             "int w4 g128 act order part T1024": (4, 128, 1024, False, 4096, True),
-             "int gemv w4 g128 act order part": (4, 128, 1, False, 4096, True)}  # fmt: skip
 
 
 def _launch_norm(dtype: torch.dtype, hidden: int, residual: bool) -> None:
@@ -384,36 +273,7 @@ def cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
         for tokens in (4, 1024):
             labels = {"dtype": name, "case": f"moe gpt-oss T{tokens}"}
             yield labels, functools.partial(_launch_moe_gpt_oss, dtype, tokens)
-            for case, int_case in INT_MOE_CASES.items():
-                labels = {"dtype": name, "case": f"{case} T{tokens}"}
-                yield labels, functools.partial(_launch_int_moe, dtype, tokens, *int_case)
-            for case, fp8_case in FP8_MOE_CASES.items():
-                labels = {"dtype": name, "case": f"{case} T{tokens}"}
-                yield labels, functools.partial(_launch_fp8_moe, dtype, tokens, *fp8_case)
-    for name, dtype in DTYPES.items():
-        for group in ((128, 128), (1, 4096)):  # a block-scaled checkpoint; per channel
-            for tokens in (4, 1024):  # 16-row and 64-row blocks
-                labels = {"dtype": name, "case": f"fp8 gemm group {group} T{tokens}"}
-                yield labels, functools.partial(_launch_fp8, dtype, group, tokens)
-        for k in (4096, 8192):  # one token: the GEMV (K steps of 1024; of 2048 from 8192)
-            for group in ((128, 128), (1, k)):
-                labels = {"dtype": name, "case": f"fp8 gemv group {group[0]} K{k}"}
-                yield labels, functools.partial(_launch_fp8, dtype, group, 1, k)
-        for case, args in INT_CASES.items():
-            yield {"dtype": name, "case": case}, functools.partial(_launch_int, dtype, *args)
-        for k, group_cols in ((4096, 4096), (8192, 128)):  # per token; a block checkpoint's
-            labels = {"dtype": name, "case": f"fp8 quantize K{k} group {group_cols}"}
-            yield labels, functools.partial(quantize_rows, torch.empty(4, k, dtype=dtype),
-                                            group_cols)  # fmt: skip
-        # W8A8 int8's per-token activations (engine/layers/int8.py), and its one-row GEMV
-        # (K steps of 1024; of 2048 from 8192)
-        yield {"dtype": name, "case": "int8 quantize K4096"}, functools.partial(
-            quantize_rows_int8_triton, torch.empty(4, 4096, dtype=dtype)
-        )
-        for k in (4096, 8192):
-            yield {"dtype": name, "case": f"int8 gemv K{k}"}, functools.partial(
-                _launch_int8_gemv, dtype, k
-            )
+    yield from quantized_weight_cases(DTYPES)
     ids, future = torch.zeros(300, dtype=torch.int64), torch.zeros(512, dtype=torch.int64)
     yield {"dtype": "int64"}, lambda: resolve_future_tokens_triton(ids, future)
     for name in ("float32", "bfloat16"):  # greedy sampling's logits (float32 in the engine)
@@ -469,12 +329,12 @@ def _pdl_cases() -> Iterator[tuple[dict[str, Any], Callable[[], None]]]:
             torch.ones(256, dtype=torch.int64), 16, torch.zeros(256, dtype=torch.int32), None,
         ),
         moe_case(MOE_SHAPES[0], 4): part(_launch_moe, bf16, MOE_SHAPES[0], 4),
-        "fp8 gemm group (128, 128) T4": part(_launch_fp8, bf16, (128, 128), 4),
+        "fp8 gemm group (128, 128) T4": part(launch_fp8, bf16, (128, 128), 4),
         "fp8 quantize K2048": part(quantize_rows, torch.empty(1, 2048, dtype=bf16), 2048),
-        "fp8 gemv group 128 K4096": part(_launch_fp8, bf16, (128, 128), 1),
-        "int w4 g128 T4": part(_launch_int, bf16, 4, 128, 4),
-        "int gemv w4 g128": part(_launch_int, bf16, 4, 128, 1),
-        "int8 gemv K4096": part(_launch_int8_gemv, bf16),
+        "fp8 gemv group 128 K4096": part(launch_fp8, bf16, (128, 128), 1),
+        "int w4 g128 T4": part(launch_int, bf16, 4, 128, 4),
+        "int gemv w4 g128": part(launch_int, bf16, 4, 128, 1),
+        "int8 gemv K4096": part(launch_int8_gemv, bf16),
     }  # fmt: skip
     x1 = torch.zeros(1, 2048, dtype=bf16)
     norm = RMSNormInput(torch.zeros(2048, dtype=bf16), 1e-5, x1, torch.zeros_like(x1))

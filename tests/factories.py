@@ -336,6 +336,20 @@ def count_graph_replays(monkeypatch: Any, verify: bool = False) -> list[int]:
     return replays
 
 
+def packed_experts_served(engine: Any, bits: int) -> list:
+    """The engine's integer experts (`IntExpertWeights`), after checking that the tiny MoE's
+    two layers each hold w13 and w2 packed: int32 words of 32 // `bits` integers along K."""
+    from engine.layers.int_experts import IntExpertWeights
+
+    moe = [m for m in engine.scheduler.model_runner.model.modules()
+           if isinstance(m, IntExpertWeights)]  # fmt: skip
+    assert len(moe) == 2 * 2  # w13 and w2 of both layers
+    for m in moe:
+        assert m.weight.dtype == torch.int32
+        assert m.weight.shape == (m.num_local, m.out_features, -(-m.in_features * bits // 32))
+    return moe
+
+
 def assert_engine_clean(engine: Any) -> None:
     """After a run: the prefix cache is consistent and, flushed, gives back every KV slot (of
     the window pool too, over hybrid sliding-window memory) and request row (nothing leaked by

@@ -7,9 +7,9 @@ magnitude / 127, rounded to nearest even and clamped to [-128, 127], as vLLM's
 
 The matmul: on CUDA `torch._int_mm` (int8 x int8 -> int32; its rows padded past 16, as it
 needs), or for one row a GEMV (`int8_gemv`: the same integers and epilogue, to the bit, in
-one launch after the row's quantization), elsewhere the same integers
-multiplied in float32 (exact while a row's sum of products stays below 2^24, which covers the
-test models; large layers round there as the GPU's float epilogue would).
+one launch after the row's quantization), elsewhere the same integers multiplied in float32
+(exact while a row's sum of products stays below 2^24, which covers the test models; large
+layers round there as the GPU's float epilogue would).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from tests.factories import (
     dequantized_copy,
     hf_greedy,
     mixed_prompts,
+    packed_experts_served,
     tiny_gptq_model,
     tiny_int_weight_model,
 )
@@ -249,11 +250,8 @@ def test_experts_with_activation_ordering_stay_packed(tmp_path) -> None:
     assert sorted(written) == sorted(want)
     assert all(torch.equal(written[n], want[n]) for n in want)
     with Engine(model_path=path, disable_overlap_schedule=True) as engine:
-        experts = [m for m in engine.scheduler.model_runner.model.modules()
-                   if isinstance(m, IntExpertWeights)]  # fmt: skip
-        assert len(experts) == 2 * 2  # w13 and w2 of both layers
-        for m in experts:
-            assert m.weight.shape == (8, m.out_features, m.in_features // 4)
+        for m in packed_experts_served(engine, 8):
+            assert m.num_local == 8
             orders = m.input_perm.long()
             assert not torch.equal(orders[0], torch.arange(m.in_features))
             assert not torch.equal(orders[0], orders[1])  # (each expert its own)

@@ -24,6 +24,7 @@ from tests.factories import (
     dequantized_copy,
     hf_greedy,
     mixed_prompts,
+    packed_experts_served,
     tiny_int_weight_model,
 )
 
@@ -90,7 +91,6 @@ def test_quantized_experts_stay_packed(tmp_path, parallel: dict) -> None:
     two ranks each holds half of every expert's intermediate features (the down
     projection's columns: a per-channel scale holds for any part of a row), or half of the
     experts. (GPTQ's layout packs K in whole words: the tiny experts' 44 features are not.)"""
-    from engine.layers.int_experts import IntExpertWeights
     from services.tiny_int_weight import quantize_experts
 
     path = str(tmp_path / "moe")  # (per channel: the experts' 44 features are not groups)
@@ -102,12 +102,7 @@ def test_quantized_experts_stay_packed(tmp_path, parallel: dict) -> None:
             _check_greedy(engine, path, reference)
         return
     with Engine(model_path=path, disable_overlap_schedule=True) as engine:
-        model = engine.scheduler.model_runner.model
-        moe = [m for m in model.modules() if isinstance(m, IntExpertWeights)]
-        assert len(moe) == 2 * 2  # w13 and w2 of both layers
-        for m in moe:
-            assert m.weight.dtype == torch.int32
-            assert m.weight.shape == (m.num_local, m.out_features, -(-m.in_features // 8))
+        packed_experts_served(engine, 4)
         _check_greedy(engine, path, reference)
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from tests.factories import config_variant, tiny_w8a8_model
+from tests.factories import config_variant, packed_experts_served, tiny_w8a8_model
 from tests.fp8_reference import hf_w8a8_logits
 from tests.teacher_forcing import (
     CPU_DECODE,
@@ -139,8 +139,6 @@ def test_int8_experts_stay_8_bit(tmp_path, parallel: dict) -> None:
     int8 per token and the experts' not (transformers' fused experts are no Linear layers).
     Over two ranks in two expert groups each rank holds half of the experts, whole, and the
     attention projections in halves."""
-    from engine.layers.int_experts import IntExpertWeights
-
     path = _int8_experts_model(str(tmp_path / "moe"))
     ref = hf_w8a8_logits(_dequantized(path, str(tmp_path / "ref")), cpu_sequences(), None,
                          split=parallel.get("tp_size", 1), int8=True)  # fmt: skip
@@ -148,10 +146,5 @@ def test_int8_experts_stay_8_bit(tmp_path, parallel: dict) -> None:
     if parallel:
         return
     with Engine(model_path=path, disable_overlap_schedule=True) as engine:
-        model = engine.scheduler.model_runner.model
-        moe = [m for m in model.modules() if isinstance(m, IntExpertWeights)]
-        assert len(moe) == 2 * 2  # w13 and w2 of both layers
-        for m in moe:
+        for m in packed_experts_served(engine, 8):
             assert (m.bits, m.group, m.weight_zero) == (8, m.in_features, None)
-            assert m.weight.dtype == torch.int32
-            assert m.weight.shape == (m.num_local, m.out_features, -(-m.in_features // 4))
